@@ -1,0 +1,2 @@
+//! memfit command line (being written).
+fn main() {}

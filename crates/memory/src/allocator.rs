@@ -1,0 +1,1255 @@
+//! The caching allocator. Policy (PyTorch's CUDA caching allocator):
+//! - request sizes round up to a multiple of 512 B (minimum 512);
+//! - rounded sizes <= 1 MiB come from the small pool, served from 2 MiB segments;
+//!   sizes in (1 MiB, 10 MiB) from the large pool with 20 MiB segments; sizes >= 10 MiB get their own
+//!   segment rounded up to 2 MiB;
+//! - a request takes the best-fitting free block of its pool (smallest size, then lowest segment id,
+//!   then lowest offset); a block larger than needed is split when the remainder is >= 512 B (small
+//!   pool) or > 1 MiB (large pool); otherwise the whole block is handed out (size = block size);
+//! - a freed block coalesces with free neighbours in its segment; segments stay cached (reserved)
+//!   until `empty_cache` or a failed segment allocation releases fully free segments;
+//! - a new segment that would exceed the capacity, or that the backend cannot provide, triggers one
+//!   release of all fully free cached segments and one retry (`num_alloc_retries`); if that fails too,
+//!   the request is an `OutOfMemory` (`num_ooms`), and the allocator's state is as before the request
+//!   (apart from the released cache). When nothing was cached there is nothing to retry with: the
+//!   request fails at once and `num_alloc_retries` does not change;
+//! - fault injection fails chosen requests before anything else happens (no retry, no release);
+//! - a request whose rounded size or segment does not fit in `isize::MAX` (the most any allocation can
+//!   be) is an `OutOfMemory` without touching the cache; total reserved bytes are likewise kept at or
+//!   below `isize::MAX` even when the capacity is unlimited, so no statistic can overflow.
+//!
+//! Data structures: blocks live in an arena (`BlockId` is an index into it; slots are reused), linked
+//! to their neighbours in the segment; each pool keeps its free blocks in a `BTreeSet` ordered by
+//! (size, segment id, offset), so the first entry at or above the request is the best fit. Segment ids
+//! increase monotonically and are never reused, which keeps every choice deterministic: the same
+//! sequence of calls gives the same events and statistics on every backend.
+
+use crate::backend::SegmentBackend;
+use crate::category::{Category, Phase};
+use crate::oom::OutOfMemory;
+use crate::stats::{MemoryStats, Stat};
+use crate::timeline::{Event, EventKind, Timeline};
+use std::collections::{BTreeMap, BTreeSet};
+use std::ptr::NonNull;
+
+/// Every block size is a multiple of this (and so is every block offset).
+const MIN_BLOCK_SIZE: u64 = 512;
+/// Largest rounded request served by the small pool.
+const SMALL_SIZE: u64 = 1 << 20;
+/// Segment size of the small pool.
+const SMALL_BUFFER: u64 = 2 << 20;
+/// Segment size of the large pool for requests below `MIN_LARGE_ALLOC`.
+const LARGE_BUFFER: u64 = 20 << 20;
+/// Requests at least this large get a segment of their own.
+const MIN_LARGE_ALLOC: u64 = 10 << 20;
+/// Granularity of those own segments.
+const ROUND_LARGE: u64 = 2 << 20;
+/// No allocation, and no total of reserved bytes, may exceed this.
+const MAX_BYTES: u64 = isize::MAX as u64;
+
+/// Handle to a live block. Valid until passed to `free`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+/// Fault injection: make requests fail with `OutOfMemory { injected: true, .. }` for testing recovery.
+/// Requests are counted from 1 over the allocator's life (only `allocate` calls count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultInjection {
+    /// Only the N-th request fails.
+    Nth(u64),
+    /// Every N-th request fails (N, 2N, 3N, ...).
+    EveryNth(u64),
+}
+
+#[derive(Clone, Debug)]
+pub struct AllocatorConfig {
+    /// Maximum reserved bytes; None = unlimited.
+    pub capacity: Option<u64>,
+    /// Events kept in the timeline (default 65,536).
+    pub timeline_events: usize,
+    pub fault: Option<FaultInjection>,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig { capacity: None, timeline_events: 1 << 16, fault: None }
+    }
+}
+
+/// Who asks, for what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub category: Category,
+    pub op: &'static str,
+    pub phase: Phase,
+}
+
+/// A block handed out. `ptr` is None on a backend that holds no data. `size` is the block size
+/// (>= the rounded request); `requested` is the caller's byte count.
+#[derive(Clone, Copy, Debug)]
+pub struct Allocation {
+    pub id: BlockId,
+    pub ptr: Option<NonNull<u8>>,
+    pub size: u64,
+    pub requested: u64,
+}
+
+/// A live block as reported in OOM messages and snapshots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LiveAllocation {
+    pub size: u64,
+    pub category: Category,
+    pub op: &'static str,
+    pub phase: Phase,
+}
+
+pub struct Allocator {
+    backend: Box<dyn SegmentBackend>,
+    holds_data: bool,
+    config: AllocatorConfig,
+    /// Block records; `None` marks a slot listed in `free_slots`.
+    blocks: Vec<Option<Block>>,
+    free_slots: Vec<u32>,
+    small_free: BTreeSet<FreeKey>,
+    large_free: BTreeSet<FreeKey>,
+    segments: BTreeMap<u64, Segment>,
+    next_segment_id: u64,
+    stats: MemoryStats,
+    timeline: Timeline,
+    /// `allocate` calls so far (the fault-injection request number).
+    requests: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pool {
+    Small,
+    Large,
+}
+
+/// A free block's key in its pool: (size, segment id, offset, block index). The order is the best-fit
+/// order; the index makes keys unique and finds the record.
+type FreeKey = (u64, u64, u64, u32);
+
+/// A contiguous piece of a segment, allocated or free. Free blocks never neighbour each other
+/// (they are coalesced), so a fully free segment is exactly one block.
+#[derive(Clone, Debug)]
+struct Block {
+    segment: u64,
+    offset: u64,
+    size: u64,
+    allocated: bool,
+    prev: Option<u32>,
+    next: Option<u32>,
+    /// The owner (meaningful while allocated).
+    category: Category,
+    op: &'static str,
+    phase: Phase,
+    /// The caller's byte count (while allocated).
+    requested: u64,
+}
+
+#[derive(Debug)]
+struct Segment {
+    base: Option<NonNull<u8>>,
+    size: u64,
+    pool: Pool,
+    /// Sum of the sizes of the segment's free blocks.
+    free_bytes: u64,
+    /// The block at offset 0 (never merged away: merges keep the left block).
+    first_block: u32,
+}
+
+impl Segment {
+    /// This segment's share of `inactive_split_bytes`: its free bytes, unless the whole segment is one
+    /// free block (then it is releasable cache, not fragmentation).
+    fn inactive_split(&self) -> u64 {
+        if self.free_bytes == self.size {
+            0
+        } else {
+            self.free_bytes
+        }
+    }
+}
+
+/// Rounded size, pool and the size of a new segment for a request; None when it cannot be served
+/// by any allocation (rounding overflows or the result exceeds `isize::MAX`).
+fn plan(bytes: u64) -> Option<(u64, Pool, u64)> {
+    let rounded = bytes.max(1).checked_next_multiple_of(MIN_BLOCK_SIZE)?;
+    let (pool, segment_size) = if rounded <= SMALL_SIZE {
+        (Pool::Small, SMALL_BUFFER)
+    } else if rounded < MIN_LARGE_ALLOC {
+        (Pool::Large, LARGE_BUFFER)
+    } else {
+        (Pool::Large, rounded.checked_next_multiple_of(ROUND_LARGE)?)
+    };
+    (segment_size <= MAX_BYTES).then_some((rounded, pool, segment_size))
+}
+
+/// Whether a free block with `remaining` bytes past the request is split (else handed out whole).
+fn should_split(pool: Pool, remaining: u64) -> bool {
+    match pool {
+        Pool::Small => remaining >= MIN_BLOCK_SIZE,
+        Pool::Large => remaining > SMALL_SIZE,
+    }
+}
+
+// SAFETY: the only non-Send fields are the segment base pointers. They point to memory the allocator
+// owns exclusively (obtained from its own backend, which is Send, and returned only to it); the
+// allocator never reads or writes through them, it only hands out derived addresses. Moving the
+// allocator to another thread therefore cannot create shared access it does not already allow.
+unsafe impl Send for Allocator {}
+
+impl Allocator {
+    pub fn new(backend: Box<dyn SegmentBackend>, config: AllocatorConfig) -> Self {
+        Allocator {
+            holds_data: backend.holds_data(),
+            backend,
+            timeline: Timeline::new(config.timeline_events),
+            config,
+            blocks: Vec::new(),
+            free_slots: Vec::new(),
+            small_free: BTreeSet::new(),
+            large_free: BTreeSet::new(),
+            segments: BTreeMap::new(),
+            next_segment_id: 0,
+            stats: MemoryStats::default(),
+            requests: 0,
+        }
+    }
+
+    pub fn holds_data(&self) -> bool {
+        self.holds_data
+    }
+
+    pub fn capacity(&self) -> Option<u64> {
+        self.config.capacity
+    }
+
+    /// Zero-byte requests are valid and take a 512 B block.
+    // The error is large, but it is the cold path and its shape is part of the crate's contract.
+    #[allow(clippy::result_large_err)]
+    pub fn allocate(&mut self, bytes: u64, request: Request) -> Result<Allocation, OutOfMemory> {
+        self.requests += 1;
+        if self.fault_fires() {
+            let rounded = plan(bytes).map_or(bytes, |(rounded, _, _)| rounded);
+            return Err(self.out_of_memory(rounded, request, true));
+        }
+        let Some((rounded, pool, segment_size)) = plan(bytes) else {
+            // Nothing could ever hold it: fail without disturbing the cache.
+            return Err(self.out_of_memory(bytes, request, false));
+        };
+        let index = match self.best_fit(pool, rounded) {
+            Some(index) => index,
+            None => match self.new_segment(pool, segment_size, request) {
+                Ok(index) => index,
+                Err(()) => return Err(self.out_of_memory(rounded, request, false)),
+            },
+        };
+        Ok(self.hand_out(index, rounded, bytes, request))
+    }
+
+    /// Frees a live block. Freeing an unknown or already freed id is an internal error (panic).
+    pub fn free(&mut self, id: BlockId) {
+        let index = id.0;
+        let block = self.live_block(id).clone();
+
+        self.stats.allocated_bytes.decrease(block.size);
+        self.stats.active_bytes.decrease(block.size);
+        self.stats.requested_bytes.decrease(block.requested);
+        self.stats.allocation.decrease(1);
+        self.stats.by_category[block.category.index()].decrease(block.size);
+
+        let segment = &self.segments[&block.segment];
+        let (pool, inactive_before) = (segment.pool, segment.inactive_split());
+
+        // Coalesce with free neighbours; the leftmost record survives.
+        let mut start = index;
+        let mut offset = block.offset;
+        let mut size = block.size;
+        let mut next = block.next;
+        if let Some(n) = next.filter(|&n| !self.block(n).allocated) {
+            let right = self.remove_free(pool, n);
+            size += right.size;
+            next = right.next;
+        }
+        if let Some(p) = block.prev.filter(|&p| !self.block(p).allocated) {
+            let left = self.block(p).clone();
+            self.free_set(pool).remove(&(left.size, left.segment, left.offset, p));
+            self.release_slot(index);
+            start = p;
+            offset = left.offset;
+            size += left.size;
+        }
+        if let Some(n) = next {
+            self.block_mut(n).prev = Some(start);
+        }
+        let merged = self.block_mut(start);
+        merged.allocated = false;
+        merged.size = size;
+        merged.next = next;
+        merged.requested = 0;
+        self.free_set(pool).insert((size, block.segment, offset, start));
+
+        let segment = self.segments.get_mut(&block.segment).expect("block's segment exists");
+        segment.free_bytes += block.size;
+        let inactive_after = segment.inactive_split();
+        self.adjust_inactive_split(inactive_before, inactive_after);
+
+        self.record(EventKind::Free, block.size, block.category, block.op, block.phase);
+    }
+
+    /// Re-tags a live block (moves its bytes between categories).
+    pub fn set_category(&mut self, id: BlockId, category: Category) {
+        let block = self.live_block(id);
+        let (old, size) = (block.category, block.size);
+        if old == category {
+            return;
+        }
+        self.stats.by_category[old.index()].decrease(size);
+        self.stats.by_category[category.index()].increase(size);
+        self.block_mut(id.0).category = category;
+    }
+
+    pub fn category_of(&self, id: BlockId) -> Category {
+        self.live_block(id).category
+    }
+
+    /// Releases every fully free cached segment back to the backend.
+    pub fn empty_cache(&mut self) {
+        self.release_free_segments(Category::Other, "empty_cache", Phase::Setup);
+    }
+
+    pub fn stats(&self) -> &MemoryStats {
+        &self.stats
+    }
+
+    /// Sets every peak to its current value (and category_at_peak to the current mix).
+    pub fn reset_peak_stats(&mut self) {
+        let stats = &mut self.stats;
+        for stat in [
+            &mut stats.allocated_bytes,
+            &mut stats.reserved_bytes,
+            &mut stats.active_bytes,
+            &mut stats.inactive_split_bytes,
+            &mut stats.requested_bytes,
+            &mut stats.allocation,
+            &mut stats.segment,
+        ] {
+            stat.reset_peak();
+        }
+        stats.by_category.iter_mut().for_each(Stat::reset_peak);
+        stats.category_at_peak = stats.by_category.map(|stat| stat.current);
+    }
+
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    pub fn set_fault_injection(&mut self, fault: Option<FaultInjection>) {
+        self.config.fault = fault;
+    }
+
+    /// Live blocks, largest first (ties: lower id first).
+    pub fn live_allocations(&self) -> Vec<LiveAllocation> {
+        let mut live: Vec<(u64, usize, LiveAllocation)> = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter_map(|(index, slot)| slot.as_ref().filter(|b| b.allocated).map(|b| (index, b)))
+            .map(|(index, b)| {
+                (b.size, index, LiveAllocation { size: b.size, category: b.category, op: b.op, phase: b.phase })
+            })
+            .collect();
+        live.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        live.into_iter().map(|(_, _, allocation)| allocation).collect()
+    }
+
+    /// Walks every internal structure and checks it against the statistics: blocks tile their
+    /// segments, free blocks are coalesced and listed in their pool, and every byte count adds up.
+    /// O(blocks); meant for tests and debugging.
+    pub fn check_consistency(&self) -> Result<(), String> {
+        let mut allocated = 0;
+        let mut requested = 0;
+        let mut live = 0;
+        let mut inactive = 0;
+        let mut reserved = 0;
+        let mut by_category = [0u64; Category::COUNT];
+        let mut free_keys = (BTreeSet::new(), BTreeSet::new());
+        let mut seen = 0usize;
+        for (&id, segment) in &self.segments {
+            reserved += segment.size;
+            let (mut offset, mut free, mut prev) = (0, 0, None);
+            let mut cursor = Some(segment.first_block);
+            while let Some(index) = cursor {
+                let block = self.blocks.get(index as usize).and_then(Option::as_ref);
+                let block = block.ok_or(format!("segment {id}: dangling block {index}"))?;
+                seen += 1;
+                if block.segment != id || block.offset != offset || block.prev != prev {
+                    return Err(format!("segment {id}: block {index} is out of place: {block:?}"));
+                }
+                if block.size == 0 || block.size % MIN_BLOCK_SIZE != 0 {
+                    return Err(format!("segment {id}: block {index} has size {}", block.size));
+                }
+                if block.allocated {
+                    allocated += block.size;
+                    requested += block.requested;
+                    live += 1;
+                    by_category[block.category.index()] += block.size;
+                } else {
+                    free += block.size;
+                    let key = (block.size, id, offset, index);
+                    match segment.pool {
+                        Pool::Small => free_keys.0.insert(key),
+                        Pool::Large => free_keys.1.insert(key),
+                    };
+                    let next_free =
+                        block.next.is_some_and(|n| self.blocks[n as usize].as_ref().is_some_and(|b| !b.allocated));
+                    if next_free {
+                        return Err(format!("segment {id}: free block {index} was not coalesced"));
+                    }
+                }
+                offset += block.size;
+                prev = Some(index);
+                cursor = block.next;
+            }
+            if offset != segment.size || free != segment.free_bytes {
+                return Err(format!("segment {id}: blocks cover {offset} of {} bytes, {free} free", segment.size));
+            }
+            inactive += segment.inactive_split();
+        }
+        let occupied = self.blocks.iter().filter(|slot| slot.is_some()).count();
+        if seen != occupied || occupied + self.free_slots.len() != self.blocks.len() {
+            return Err(format!("{occupied} block records, {seen} in segments, {} free slots", self.free_slots.len()));
+        }
+        if free_keys.0 != self.small_free || free_keys.1 != self.large_free {
+            return Err("the free pools do not match the free blocks".to_string());
+        }
+        let stats = &self.stats;
+        let expected = [
+            ("allocated_bytes", stats.allocated_bytes, allocated),
+            ("active_bytes", stats.active_bytes, allocated),
+            ("requested_bytes", stats.requested_bytes, requested),
+            ("allocation", stats.allocation, live),
+            ("reserved_bytes", stats.reserved_bytes, reserved),
+            ("segment", stats.segment, self.segments.len() as u64),
+            ("inactive_split_bytes", stats.inactive_split_bytes, inactive),
+        ];
+        for (name, stat, value) in expected {
+            if stat.current != value || stat.peak < stat.current {
+                return Err(format!("{name}: {stat:?}, expected current {value}"));
+            }
+        }
+        if by_category != self.current_by_category() {
+            return Err(format!("by_category {:?}, expected {by_category:?}", self.current_by_category()));
+        }
+        if let Some(capacity) = self.config.capacity {
+            if reserved > capacity {
+                return Err(format!("reserved {reserved} exceeds the capacity {capacity}"));
+            }
+        }
+        Ok(())
+    }
+
+    // ----- internals -----
+
+    fn fault_fires(&self) -> bool {
+        match self.config.fault {
+            Some(FaultInjection::Nth(n)) => self.requests == n,
+            // EveryNth(0) never fires (checked_rem by zero is None).
+            Some(FaultInjection::EveryNth(n)) => self.requests.checked_rem(n) == Some(0),
+            None => false,
+        }
+    }
+
+    fn block(&self, index: u32) -> &Block {
+        self.blocks[index as usize].as_ref().expect("block index refers to a record")
+    }
+
+    fn block_mut(&mut self, index: u32) -> &mut Block {
+        self.blocks[index as usize].as_mut().expect("block index refers to a record")
+    }
+
+    /// The record of a live block handed out to a caller; panics on anything else.
+    fn live_block(&self, id: BlockId) -> &Block {
+        match self.blocks.get(id.0 as usize) {
+            Some(Some(block)) if block.allocated => block,
+            _ => panic!("memfit-memory: {id:?} is not a live allocation (unknown or already freed)"),
+        }
+    }
+
+    fn insert_block(&mut self, block: Block) -> u32 {
+        match self.free_slots.pop() {
+            Some(index) => {
+                self.blocks[index as usize] = Some(block);
+                index
+            }
+            None => {
+                let index = u32::try_from(self.blocks.len()).expect("fewer than 2^32 blocks");
+                self.blocks.push(Some(block));
+                index
+            }
+        }
+    }
+
+    fn release_slot(&mut self, index: u32) {
+        self.blocks[index as usize] = None;
+        self.free_slots.push(index);
+    }
+
+    fn free_set(&mut self, pool: Pool) -> &mut BTreeSet<FreeKey> {
+        match pool {
+            Pool::Small => &mut self.small_free,
+            Pool::Large => &mut self.large_free,
+        }
+    }
+
+    /// Takes a free block out of its pool and the arena, returning its record.
+    fn remove_free(&mut self, pool: Pool, index: u32) -> Block {
+        let block = self.blocks[index as usize].take().expect("free block has a record");
+        self.free_slots.push(index);
+        let removed = self.free_set(pool).remove(&(block.size, block.segment, block.offset, index));
+        debug_assert!(removed, "free block was listed in its pool");
+        block
+    }
+
+    /// The smallest free block of `pool` that holds `size` bytes (ties: lowest segment id, offset).
+    fn best_fit(&self, pool: Pool, size: u64) -> Option<u32> {
+        let set = match pool {
+            Pool::Small => &self.small_free,
+            Pool::Large => &self.large_free,
+        };
+        set.range((size, 0, 0, 0)..).next().map(|&(_, _, _, index)| index)
+    }
+
+    /// Obtains a segment of `size` bytes for `pool` and returns its single free block. When the
+    /// capacity or the backend refuses, releases every fully free cached segment and, if that freed
+    /// anything, tries once more.
+    fn new_segment(&mut self, pool: Pool, size: u64, request: Request) -> Result<u32, ()> {
+        let mut base = self.try_segment(size);
+        if base.is_err() && self.release_free_segments(request.category, request.op, request.phase) > 0 {
+            self.stats.num_alloc_retries += 1;
+            base = self.try_segment(size);
+        }
+        let base = base?;
+
+        let id = self.next_segment_id;
+        self.next_segment_id += 1;
+        let index = self.insert_block(Block {
+            segment: id,
+            offset: 0,
+            size,
+            allocated: false,
+            prev: None,
+            next: None,
+            category: request.category,
+            op: request.op,
+            phase: request.phase,
+            requested: 0,
+        });
+        self.segments.insert(id, Segment { base, size, pool, free_bytes: size, first_block: index });
+        self.free_set(pool).insert((size, id, 0, index));
+        self.stats.reserved_bytes.increase(size);
+        self.stats.segment.increase(1);
+        self.record(EventKind::SegmentAlloc, size, request.category, request.op, request.phase);
+        Ok(index)
+    }
+
+    /// Asks the backend for a segment if the capacity (and the `isize::MAX` total) allows it.
+    fn try_segment(&mut self, size: u64) -> Result<Option<NonNull<u8>>, ()> {
+        let limit = self.config.capacity.map_or(MAX_BYTES, |capacity| capacity.min(MAX_BYTES));
+        let fits = self.stats.reserved_bytes.current.checked_add(size).is_some_and(|total| total <= limit);
+        if !fits {
+            return Err(());
+        }
+        let size = usize::try_from(size).map_err(|_| ())?;
+        self.backend.alloc_segment(size)
+    }
+
+    /// Returns every segment that is entirely one free block to the backend, in segment id order,
+    /// recording a SegmentFree event attributed to the given owner. Returns how many were released.
+    fn release_free_segments(&mut self, category: Category, op: &'static str, phase: Phase) -> usize {
+        let releasable: Vec<u64> =
+            self.segments.iter().filter(|(_, s)| s.free_bytes == s.size).map(|(&id, _)| id).collect();
+        for &id in &releasable {
+            let segment = self.segments.remove(&id).expect("listed segment exists");
+            let block = self.remove_free(segment.pool, segment.first_block);
+            debug_assert!(block.size == segment.size && block.next.is_none());
+            self.backend.free_segment(segment.base, segment.size as usize);
+            self.stats.reserved_bytes.decrease(segment.size);
+            self.stats.segment.decrease(1);
+            self.record(EventKind::SegmentFree, segment.size, category, op, phase);
+        }
+        releasable.len()
+    }
+
+    /// Allocates `size` bytes from the free block `index` (splitting it when the policy says so)
+    /// and does the accounting.
+    fn hand_out(&mut self, index: u32, size: u64, requested: u64, request: Request) -> Allocation {
+        let block = self.block(index).clone();
+        let segment = &self.segments[&block.segment];
+        let (pool, base, inactive_before) = (segment.pool, segment.base, segment.inactive_split());
+        self.free_set(pool).remove(&(block.size, block.segment, block.offset, index));
+
+        let remaining = block.size - size;
+        let size = if should_split(pool, remaining) {
+            let rest = self.insert_block(Block {
+                offset: block.offset + size,
+                size: remaining,
+                prev: Some(index),
+                ..block.clone()
+            });
+            if let Some(next) = block.next {
+                self.block_mut(next).prev = Some(rest);
+            }
+            self.block_mut(index).next = Some(rest);
+            self.free_set(pool).insert((remaining, block.segment, block.offset + size, rest));
+            size
+        } else {
+            block.size
+        };
+        let taken = self.block_mut(index);
+        taken.size = size;
+        taken.allocated = true;
+        taken.category = request.category;
+        taken.op = request.op;
+        taken.phase = request.phase;
+        taken.requested = requested;
+
+        let segment = self.segments.get_mut(&block.segment).expect("block's segment exists");
+        segment.free_bytes -= size;
+        let inactive_after = segment.inactive_split();
+        self.adjust_inactive_split(inactive_before, inactive_after);
+
+        let stats = &mut self.stats;
+        let previous_peak = stats.allocated_bytes.peak;
+        stats.allocated_bytes.increase(size);
+        stats.active_bytes.increase(size);
+        stats.requested_bytes.increase(requested);
+        stats.allocation.increase(1);
+        stats.by_category[request.category.index()].increase(size);
+        if stats.allocated_bytes.current >= previous_peak {
+            stats.category_at_peak = stats.by_category.map(|stat| stat.current);
+        }
+        self.record(EventKind::Alloc, size, request.category, request.op, request.phase);
+
+        // In bounds: offset + size <= segment size, and the segment is one allocation.
+        let ptr = base.map(|base| {
+            NonNull::new(base.as_ptr().wrapping_add(block.offset as usize)).expect("in-bounds pointer is not null")
+        });
+        Allocation { id: BlockId(index), ptr, size, requested }
+    }
+
+    fn adjust_inactive_split(&mut self, before: u64, after: u64) {
+        let stat = &mut self.stats.inactive_split_bytes;
+        if after > before {
+            stat.increase(after - before);
+        } else if before > after {
+            stat.decrease(before - after);
+        }
+    }
+
+    fn current_by_category(&self) -> [u64; Category::COUNT] {
+        self.stats.by_category.map(|stat| stat.current)
+    }
+
+    fn record(&mut self, kind: EventKind, bytes: u64, category: Category, op: &'static str, phase: Phase) {
+        self.timeline.record(Event {
+            seq: 0, // assigned by the timeline
+            kind,
+            bytes,
+            category,
+            op,
+            phase,
+            allocated: self.stats.allocated_bytes.current,
+            reserved: self.stats.reserved_bytes.current,
+        });
+    }
+
+    /// Counts and records a failed request and describes the state at the failure.
+    fn out_of_memory(&mut self, requested: u64, request: Request, injected: bool) -> OutOfMemory {
+        self.stats.num_ooms += 1;
+        if injected {
+            self.stats.num_injected_faults += 1;
+        }
+        self.record(EventKind::Oom, requested, request.category, request.op, request.phase);
+        let allocated = self.stats.allocated_bytes.current;
+        let reserved = self.stats.reserved_bytes.current;
+        let mut largest = self.live_allocations();
+        largest.truncate(8);
+        OutOfMemory {
+            requested,
+            capacity: self.config.capacity,
+            free: self.config.capacity.map_or(0, |capacity| capacity.saturating_sub(reserved)),
+            allocated,
+            reserved_unallocated: reserved - allocated,
+            op: request.op,
+            phase: request.phase,
+            category: request.category,
+            by_category: self.current_by_category(),
+            largest,
+            injected,
+        }
+    }
+}
+
+impl Drop for Allocator {
+    /// Returns every segment to the backend, live blocks included: their owner is gone.
+    fn drop(&mut self) {
+        for (_, segment) in std::mem::take(&mut self.segments) {
+            self.backend.free_segment(segment.base, segment.size as usize);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{HostBackend, MetaBackend};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+
+    fn req(category: Category, op: &'static str) -> Request {
+        Request { category, op, phase: Phase::Forward }
+    }
+
+    fn act() -> Request {
+        req(Category::Activation, "test")
+    }
+
+    fn host(capacity: Option<u64>) -> Allocator {
+        Allocator::new(Box::new(HostBackend), AllocatorConfig { capacity, ..Default::default() })
+    }
+
+    fn meta(capacity: Option<u64>) -> Allocator {
+        Allocator::new(Box::new(MetaBackend), AllocatorConfig { capacity, ..Default::default() })
+    }
+
+    fn segment_sizes(a: &Allocator) -> Vec<u64> {
+        a.segments.values().map(|s| s.size).collect()
+    }
+
+    /// (segment id, offset) of a live block.
+    fn place(a: &Allocator, allocation: &Allocation) -> (u64, u64) {
+        let block = a.live_block(allocation.id);
+        (block.segment, block.offset)
+    }
+
+    fn events(a: &Allocator) -> Vec<(EventKind, u64)> {
+        a.timeline().events().map(|e| (e.kind, e.bytes)).collect()
+    }
+
+    fn ok(a: &Allocator) {
+        a.check_consistency().unwrap();
+    }
+
+    /// A backend without data that counts live segments and can be told to refuse.
+    struct Counting {
+        live: Arc<AtomicUsize>,
+        refuse: Arc<AtomicBool>,
+    }
+
+    impl SegmentBackend for Counting {
+        fn holds_data(&self) -> bool {
+            false
+        }
+        fn alloc_segment(&mut self, _bytes: usize) -> Result<Option<NonNull<u8>>, ()> {
+            if self.refuse.load(Ordering::SeqCst) {
+                return Err(());
+            }
+            self.live.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        }
+        fn free_segment(&mut self, _ptr: Option<NonNull<u8>>, _bytes: usize) {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn counting() -> (Allocator, Arc<AtomicUsize>, Arc<AtomicBool>) {
+        let live = Arc::new(AtomicUsize::new(0));
+        let refuse = Arc::new(AtomicBool::new(false));
+        let backend = Counting { live: live.clone(), refuse: refuse.clone() };
+        (Allocator::new(Box::new(backend), AllocatorConfig::default()), live, refuse)
+    }
+
+    #[test]
+    fn rounds_requests_to_512_bytes() {
+        let mut a = host(None);
+        for (bytes, size) in [(0, 512), (1, 512), (512, 512), (513, 1024), (1000, 1024), (MIB - 1, MIB)] {
+            let allocation = a.allocate(bytes, act()).unwrap();
+            assert_eq!((allocation.size, allocation.requested), (size, bytes), "request of {bytes} B");
+            assert_eq!(allocation.ptr.unwrap().as_ptr() as usize % 512, 0);
+        }
+        assert_eq!(a.stats().requested_bytes.current, 1 + 512 + 513 + 1000 + MIB - 1);
+        assert_eq!(a.stats().allocated_bytes.current, 512 * 3 + 1024 * 2 + MIB);
+        ok(&a);
+    }
+
+    #[test]
+    fn one_mib_request_makes_a_2_mib_small_segment() {
+        let mut a = host(None);
+        let first = a.allocate(MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [2 * MIB]);
+        assert_eq!(a.segments[&0].pool, Pool::Small);
+        // The 1 MiB remainder serves the next request from the same segment.
+        let second = a.allocate(MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [2 * MIB]);
+        assert_eq!(place(&a, &second), (0, MIB));
+        assert_eq!(second.ptr.unwrap().as_ptr() as usize - first.ptr.unwrap().as_ptr() as usize, MIB as usize);
+        // Just above 1 MiB is the large pool.
+        a.allocate(MIB + 1, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [2 * MIB, 20 * MIB]);
+        assert_eq!(a.segments[&1].pool, Pool::Large);
+        ok(&a);
+    }
+
+    #[test]
+    fn mid_size_requests_share_20_mib_large_segments() {
+        let mut a = host(None);
+        a.allocate(5 * MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [20 * MIB]);
+        a.allocate(9 * MIB + 512, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [20 * MIB]);
+        assert_eq!(events(&a)[0], (EventKind::SegmentAlloc, 20 * MIB));
+        ok(&a);
+    }
+
+    #[test]
+    fn big_requests_get_their_own_segment_rounded_to_2_mib() {
+        let mut a = meta(None);
+        a.allocate(11 * MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [12 * MIB]);
+        a.allocate(10 * MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [12 * MIB, 10 * MIB]);
+        let odd = a.allocate(12 * MIB + 1, act()).unwrap();
+        assert_eq!(odd.size, 12 * MIB + 512);
+        assert_eq!(segment_sizes(&a), [12 * MIB, 10 * MIB, 14 * MIB]);
+        // The 14 MiB segment's remainder (2 MiB - 512 B > 1 MiB) is split off and free.
+        assert_eq!(a.stats().inactive_split_bytes.current, 2 * MIB - 512);
+        ok(&a);
+    }
+
+    #[test]
+    fn small_allocations_share_a_segment_and_coalesce() {
+        let mut a = host(None);
+        let x = a.allocate(1000, act()).unwrap();
+        let y = a.allocate(1000, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [2 * MIB]);
+        assert_eq!((place(&a, &x), place(&a, &y)), ((0, 0), (0, 1024)));
+        assert_eq!(a.stats().inactive_split_bytes.current, 2 * MIB - 2048);
+        a.free(x.id);
+        ok(&a);
+        assert_eq!(a.small_free.len(), 2, "a hole at 0 and the tail");
+        assert_eq!(a.stats().inactive_split_bytes.current, 2 * MIB - 1024);
+        a.free(y.id);
+        ok(&a);
+        // One free block spanning the segment, which still counts as reserved but not as split.
+        assert_eq!(a.small_free.iter().map(|k| k.0).collect::<Vec<_>>(), [2 * MIB]);
+        assert_eq!(a.stats().inactive_split_bytes.current, 0);
+        assert_eq!(a.stats().reserved_bytes.current, 2 * MIB);
+        assert_eq!(a.stats().allocated_bytes.current, 0);
+        // The same slot is handed out again at offset 0.
+        let z = a.allocate(4 * KIB, act()).unwrap();
+        assert_eq!(place(&a, &z), (0, 0));
+        assert_eq!(z.ptr, x.ptr);
+    }
+
+    #[test]
+    fn free_coalesces_with_both_neighbours() {
+        let mut a = meta(None);
+        let blocks: Vec<Allocation> = (0..4).map(|_| a.allocate(512, act()).unwrap()).collect();
+        a.free(blocks[0].id);
+        a.free(blocks[2].id);
+        assert_eq!(a.small_free.len(), 3);
+        a.free(blocks[1].id); // merges 0, 1 and 2
+        ok(&a);
+        assert_eq!(a.small_free.iter().map(|k| (k.0, k.2)).collect::<Vec<_>>(), [(1536, 0), (2 * MIB - 2048, 2048)]);
+        a.free(blocks[3].id);
+        ok(&a);
+        assert_eq!(a.small_free.len(), 1);
+        assert_eq!(a.blocks.iter().filter(|b| b.is_some()).count(), 1, "merged records are released");
+    }
+
+    #[test]
+    fn best_fit_picks_the_smallest_fitting_block() {
+        let mut a = meta(None);
+        let hole_4k = a.allocate(4 * KIB, act()).unwrap();
+        let _sep1 = a.allocate(512, act()).unwrap();
+        let hole_2k = a.allocate(2 * KIB, act()).unwrap();
+        let _sep2 = a.allocate(512, act()).unwrap();
+        let hole_8k = a.allocate(8 * KIB, act()).unwrap();
+        let _sep3 = a.allocate(512, act()).unwrap();
+        let (p4, p2, p8) = (place(&a, &hole_4k), place(&a, &hole_2k), place(&a, &hole_8k));
+        for hole in [hole_8k, hole_2k, hole_4k] {
+            a.free(hole.id);
+        }
+        let r = a.allocate(2 * KIB, act()).unwrap();
+        assert_eq!(place(&a, &r), p2, "exact fit");
+        let r = a.allocate(3 * KIB, act()).unwrap();
+        assert_eq!(place(&a, &r), p4, "4 KiB is the smallest hole that holds 3 KiB");
+        let r = a.allocate(5 * KIB, act()).unwrap();
+        assert_eq!(place(&a, &r), p8);
+        ok(&a);
+    }
+
+    #[test]
+    fn best_fit_ties_go_to_the_lowest_segment_then_offset() {
+        let mut a = meta(None);
+        // Two full small segments, each with two 1 MiB blocks.
+        let blocks: Vec<Allocation> = (0..4).map(|_| a.allocate(MIB, act()).unwrap()).collect();
+        assert_eq!(segment_sizes(&a), [2 * MIB, 2 * MIB]);
+        a.free(blocks[3].id); // segment 1, offset 1 MiB
+        a.free(blocks[0].id); // segment 0, offset 0
+        let r = a.allocate(MIB, act()).unwrap();
+        assert_eq!(place(&a, &r), (0, 0));
+        let r = a.allocate(MIB, act()).unwrap();
+        assert_eq!(place(&a, &r), (1, MIB));
+    }
+
+    #[test]
+    fn large_pool_splits_only_when_more_than_1_mib_remains() {
+        let mut a = meta(None);
+        // 20 MiB segment, 19 MiB request: the 1 MiB remainder is not split off.
+        let whole = a.allocate(19 * MIB, act()).unwrap();
+        assert_eq!((whole.size, whole.requested), (20 * MIB, 19 * MIB));
+        assert_eq!(a.stats().allocated_bytes.current, 20 * MIB);
+        assert_eq!(a.stats().inactive_split_bytes.current, 0);
+        // 18.5 MiB leaves 1.5 MiB: split.
+        let split = a.allocate(18 * MIB + 512 * KIB, act()).unwrap();
+        assert_eq!(split.size, 18 * MIB + 512 * KIB);
+        assert_eq!(segment_sizes(&a), [20 * MIB, 20 * MIB]);
+        assert_eq!(a.stats().inactive_split_bytes.current, MIB + 512 * KIB);
+        // The 1.5 MiB remainder serves a large request; a small one never comes from the large pool.
+        let rest = a.allocate(MIB + 512, act()).unwrap();
+        assert_eq!(place(&a, &rest), (1, 18 * MIB + 512 * KIB));
+        assert_eq!(rest.size, MIB + 512 * KIB, "remainder of 511.5 KiB is not split off");
+        a.allocate(512, act()).unwrap();
+        assert_eq!(segment_sizes(&a), [20 * MIB, 20 * MIB, 2 * MIB]);
+        ok(&a);
+    }
+
+    #[test]
+    fn small_pool_splits_a_512_byte_remainder() {
+        let mut a = meta(None);
+        a.allocate(MIB, act()).unwrap();
+        let b = a.allocate(MIB - 512, act()).unwrap();
+        assert_eq!(b.size, MIB - 512);
+        let c = a.allocate(512, act()).unwrap();
+        assert_eq!(place(&a, &c), (0, 2 * MIB - 512));
+        assert_eq!(segment_sizes(&a), [2 * MIB]);
+        ok(&a);
+    }
+
+    #[test]
+    fn empty_cache_releases_only_fully_free_segments() {
+        let mut a = host(None);
+        let a0 = a.allocate(MIB, act()).unwrap(); // segment 0 (small)
+        let _a1 = a.allocate(MIB, act()).unwrap(); // segment 0, now full
+        let b = a.allocate(MIB, act()).unwrap(); // segment 1 (small)
+        let c = a.allocate(5 * MIB, act()).unwrap(); // segment 2 (large)
+        assert_eq!(a.stats().reserved_bytes.current, 24 * MIB);
+        a.free(a0.id);
+        a.free(b.id);
+        a.free(c.id);
+        a.empty_cache();
+        ok(&a);
+        assert_eq!(segment_sizes(&a), [2 * MIB], "segment 0 still holds a live block");
+        assert_eq!(a.stats().reserved_bytes.current, 2 * MIB);
+        assert_eq!(a.stats().segment.current, 1);
+        let frees: Vec<Event> = a.timeline().events().filter(|e| e.kind == EventKind::SegmentFree).copied().collect();
+        assert_eq!(frees.iter().map(|e| e.bytes).collect::<Vec<_>>(), [2 * MIB, 20 * MIB], "in segment id order");
+        for e in &frees {
+            assert_eq!((e.category, e.op, e.phase), (Category::Other, "empty_cache", Phase::Setup));
+        }
+        assert_eq!(frees[1].reserved, 2 * MIB);
+        // Nothing left to release: a no-op.
+        a.empty_cache();
+        assert_eq!(a.stats().reserved_bytes.current, 2 * MIB);
+    }
+
+    #[test]
+    fn capacity_failure_releases_the_cache_and_retries() {
+        let mut a = host(Some(24 * MIB));
+        let cached = a.allocate(10 * MIB, act()).unwrap();
+        let small = a.allocate(KIB, act()).unwrap();
+        a.free(cached.id);
+        a.free(small.id);
+        assert_eq!(a.stats().reserved_bytes.current, 12 * MIB);
+        // 14 MiB fits no cached block and needs its own segment: 12 + 14 > 24, so both cached
+        // segments go and then it fits.
+        let request = req(Category::Parameter, "linear");
+        let big = a.allocate(14 * MIB, request).unwrap();
+        ok(&a);
+        assert_eq!(big.size, 14 * MIB);
+        assert_eq!(a.stats().num_alloc_retries, 1);
+        assert_eq!(a.stats().num_ooms, 0);
+        assert_eq!(a.stats().reserved_bytes.current, 14 * MIB);
+        assert_eq!(segment_sizes(&a), [14 * MIB]);
+        let tail: Vec<Event> = a.timeline().events().skip(6).copied().collect();
+        let kinds: Vec<(EventKind, u64)> = tail.iter().map(|e| (e.kind, e.bytes)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (EventKind::SegmentFree, 10 * MIB),
+                (EventKind::SegmentFree, 2 * MIB),
+                (EventKind::SegmentAlloc, 14 * MIB),
+                (EventKind::Alloc, 14 * MIB)
+            ]
+        );
+        for e in &tail {
+            assert_eq!((e.category, e.op), (Category::Parameter, "linear"), "attributed to the request");
+        }
+        assert_eq!((tail[1].allocated, tail[1].reserved), (0, 0));
+        assert_eq!((tail[3].allocated, tail[3].reserved), (14 * MIB, 14 * MIB));
+    }
+
+    #[test]
+    fn capacity_oom_changes_nothing_but_the_oom_count() {
+        let mut a = host(Some(24 * MIB));
+        let params = req(Category::Parameter, "linear");
+        let held = a.allocate(12 * MIB, params).unwrap();
+        let before = a.stats().clone();
+        let events_before = a.timeline().len();
+
+        let err = a.allocate(16 * MIB, act()).unwrap_err();
+        ok(&a);
+        let mut expected = before.clone();
+        expected.num_ooms = 1;
+        assert_eq!(a.stats(), &expected);
+        assert_eq!(a.timeline().len(), events_before + 1);
+        let oom = a.timeline().events().last().copied().unwrap();
+        assert_eq!((oom.kind, oom.bytes, oom.category), (EventKind::Oom, 16 * MIB, Category::Activation));
+
+        assert_eq!(err.requested, 16 * MIB);
+        assert_eq!(err.capacity, Some(24 * MIB));
+        assert_eq!(err.free, 12 * MIB);
+        assert_eq!((err.allocated, err.reserved_unallocated), (12 * MIB, 0));
+        assert_eq!((err.op, err.phase, err.category), ("test", Phase::Forward, Category::Activation));
+        assert_eq!(err.by_category[Category::Parameter.index()], 12 * MIB);
+        assert_eq!(
+            err.largest,
+            [LiveAllocation { size: 12 * MIB, category: Category::Parameter, op: "linear", phase: Phase::Forward }]
+        );
+        assert!(!err.injected);
+
+        // The allocator still works, and the held block is intact.
+        assert_eq!(a.category_of(held.id), Category::Parameter);
+        let fits = a.allocate(10 * MIB, act()).unwrap();
+        a.free(fits.id);
+        ok(&a);
+    }
+
+    #[test]
+    fn oom_after_releasing_the_cache_counts_the_retry() {
+        let mut a = meta(Some(24 * MIB));
+        let _held = a.allocate(12 * MIB, act()).unwrap();
+        let cached = a.allocate(KIB, act()).unwrap();
+        a.free(cached.id);
+        let err = a.allocate(16 * MIB, act()).unwrap_err();
+        ok(&a);
+        assert_eq!(a.stats().num_alloc_retries, 1);
+        assert_eq!(a.stats().num_ooms, 1);
+        assert_eq!(a.stats().reserved_bytes.current, 12 * MIB, "the cache was released");
+        assert_eq!((err.free, err.reserved_unallocated), (12 * MIB, 0));
+    }
+
+    #[test]
+    fn oom_message_names_sizes_and_holders() {
+        let mut a = meta(Some(64 * MIB));
+        a.allocate(30 * MIB, req(Category::Parameter, "linear")).unwrap();
+        a.allocate(20 * MIB, req(Category::OptimizerState, "adam")).unwrap();
+        let err = a.allocate(40 * MIB, req(Category::Activation, "conv2d")).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("tried to allocate 40.00 MiB for conv2d (forward, activation)"), "{text}");
+        assert!(text.contains("capacity 64.00 MiB of which 14.00 MiB is free"), "{text}");
+        assert!(text.contains("50.00 MiB allocated, 0 B reserved but unallocated"), "{text}");
+        assert!(text.contains("held by category: parameter 30.00 MiB, optimizer_state 20.00 MiB"), "{text}");
+        assert!(text.contains("  30.00 MiB parameter (linear)\n  20.00 MiB optimizer_state (adam)"), "{text}");
+    }
+
+    #[test]
+    fn backend_failure_releases_the_cache_then_is_out_of_memory() {
+        let (mut a, live, refuse) = counting();
+        let small = a.allocate(KIB, act()).unwrap();
+        let large = a.allocate(5 * MIB, act()).unwrap();
+        a.free(small.id);
+        a.free(large.id);
+        refuse.store(true, Ordering::SeqCst);
+        // Cached blocks still serve requests without asking the backend.
+        let reused = a.allocate(KIB, act()).unwrap();
+        a.free(reused.id);
+        // A new segment is refused: the cache goes back, the retry is refused too.
+        let err = a.allocate(22 * MIB, act()).unwrap_err();
+        assert_eq!(live.load(Ordering::SeqCst), 0);
+        assert_eq!((err.capacity, err.free, err.requested), (None, 0, 22 * MIB));
+        assert_eq!((a.stats().num_alloc_retries, a.stats().num_ooms), (1, 1));
+        assert_eq!(a.stats().reserved_bytes.current, 0);
+        ok(&a);
+        refuse.store(false, Ordering::SeqCst);
+        a.allocate(22 * MIB, act()).unwrap();
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+        ok(&a);
+    }
+
+    #[test]
+    fn oversized_requests_are_out_of_memory_not_panics() {
+        for mut a in [meta(None), host(None), meta(Some(MIB))] {
+            for bytes in [u64::MAX, u64::MAX - 511, isize::MAX as u64, isize::MAX as u64 - 2 * MIB + 2] {
+                let err = a.allocate(bytes, act()).unwrap_err();
+                assert!(!err.injected);
+                assert!(err.to_string().contains("tried to allocate"));
+            }
+            assert_eq!(a.stats().num_ooms, 4);
+            assert_eq!(a.stats().num_alloc_retries, 0);
+            assert_eq!(a.stats().reserved_bytes.current, 0);
+            ok(&a);
+        }
+    }
+
+    #[test]
+    fn meta_backend_plans_beyond_host_memory_up_to_isize_max() {
+        let mut a = meta(None);
+        let huge = a.allocate(1 << 62, act()).unwrap();
+        assert!(huge.ptr.is_none());
+        a.allocate(1 << 61, act()).unwrap();
+        // Another 2^62 would take the total past isize::MAX.
+        let err = a.allocate(1 << 62, act()).unwrap_err();
+        assert_eq!(err.capacity, None);
+        assert_eq!(err.free, 0);
+        assert_eq!(a.stats().reserved_bytes.current, (1 << 62) + (1 << 61));
+        ok(&a);
+    }
+
+    #[test]
+    fn host_backend_failure_is_out_of_memory() {
+        // No machine has 4 EiB: the backend refuses, the allocator reports instead of aborting.
+        let mut a = host(None);
+        let err = a.allocate(1 << 62, act()).unwrap_err();
+        assert_eq!(err.capacity, None);
+        assert_eq!(a.stats().num_ooms, 1);
+        ok(&a);
+    }
+
+    #[test]
+    fn set_category_moves_bytes_between_categories() {
+        let mut a = meta(None);
+        let x = a.allocate(3000, req(Category::Temporary, "matmul")).unwrap();
+        assert_eq!(a.stats().category(Category::Temporary).current, 3072);
+        a.set_category(x.id, Category::Activation);
+        assert_eq!(a.category_of(x.id), Category::Activation);
+        assert_eq!(a.stats().category(Category::Temporary).current, 0);
+        assert_eq!(a.stats().category(Category::Temporary).peak, 3072);
+        assert_eq!(a.stats().category(Category::Activation).current, 3072);
+        a.set_category(x.id, Category::Activation);
+        assert_eq!(a.stats().category(Category::Activation).allocated, 3072, "same category: no change");
+        ok(&a);
+        a.free(x.id);
+        assert_eq!(a.stats().category(Category::Activation).current, 0);
+        let free = a.timeline().events().last().copied().unwrap();
+        assert_eq!((free.kind, free.category, free.op), (EventKind::Free, Category::Activation, "matmul"));
+        ok(&a);
+    }
+
+    #[test]
+    fn category_at_peak_keeps_the_latest_peak_mix() {
+        let mut a = meta(None);
+        let at_peak = |a: &Allocator, c: Category| a.stats().category_at_peak[c.index()];
+        let _p = a.allocate(4 * KIB, req(Category::Parameter, "p")).unwrap();
+        let t = a.allocate(4 * KIB, req(Category::Temporary, "t")).unwrap();
+        assert_eq!((at_peak(&a, Category::Parameter), at_peak(&a, Category::Temporary)), (4 * KIB, 4 * KIB));
+        a.free(t.id);
+        let g = a.allocate(2 * KIB, req(Category::Gradient, "g")).unwrap();
+        assert_eq!(at_peak(&a, Category::Gradient), 0, "below the peak");
+        a.set_category(g.id, Category::Activation);
+        let h = a.allocate(2 * KIB, req(Category::Gradient, "g")).unwrap();
+        // Equal to the peak: the latest mix wins.
+        assert_eq!(a.stats().allocated_bytes.peak, 8 * KIB);
+        assert_eq!(at_peak(&a, Category::Temporary), 0);
+        assert_eq!(at_peak(&a, Category::Activation), 2 * KIB);
+        assert_eq!(at_peak(&a, Category::Gradient), 2 * KIB);
+        a.free(h.id);
+        a.reset_peak_stats();
+        assert_eq!(a.stats().allocated_bytes.peak, 6 * KIB);
+        assert_eq!(a.stats().category(Category::Gradient).peak, 0);
+        assert_eq!(at_peak(&a, Category::Gradient), 0);
+        assert_eq!(at_peak(&a, Category::Parameter), 4 * KIB);
+    }
+
+    #[test]
+    fn timeline_records_totals_after_each_event() {
+        let mut a = meta(None);
+        let x = a.allocate(100, req(Category::Input, "load")).unwrap();
+        a.free(x.id);
+        a.empty_cache();
+        let got: Vec<(EventKind, u64, u64, u64, u64)> =
+            a.timeline().events().map(|e| (e.kind, e.seq, e.bytes, e.allocated, e.reserved)).collect();
+        assert_eq!(
+            got,
+            [
+                (EventKind::SegmentAlloc, 0, 2 * MIB, 0, 2 * MIB),
+                (EventKind::Alloc, 1, 512, 512, 2 * MIB),
+                (EventKind::Free, 2, 512, 0, 2 * MIB),
+                (EventKind::SegmentFree, 3, 2 * MIB, 0, 0),
+            ]
+        );
+    }
+
+    #[test]
+    fn injected_faults_fail_only_the_chosen_requests() {
+        let mut a = meta(None);
+        a.set_fault_injection(Some(FaultInjection::Nth(2)));
+        let first = a.allocate(KIB, act()).unwrap();
+        let before = a.stats().clone();
+        let err = a.allocate(KIB, act()).unwrap_err();
+        assert!(err.injected);
+        assert_eq!(err.requested, KIB);
+        assert!(err.to_string().contains("(injected fault)"));
+        let mut expected = before;
+        expected.num_ooms = 1;
+        expected.num_injected_faults = 1;
+        assert_eq!(a.stats(), &expected);
+        assert_eq!(a.timeline().events().last().unwrap().kind, EventKind::Oom);
+        a.allocate(KIB, act()).unwrap();
+        a.free(first.id);
+        ok(&a);
+
+        // Requests keep counting over the allocator's life: 3 so far, so 6 and 9 fail.
+        a.set_fault_injection(Some(FaultInjection::EveryNth(3)));
+        let mut failed = Vec::new();
+        for request in 4..=10 {
+            if let Err(err) = a.allocate(KIB, act()) {
+                assert!(err.injected);
+                failed.push(request);
+            }
+        }
+        assert_eq!(failed, [6, 9]);
+        assert_eq!(a.stats().num_injected_faults, 3);
+        a.set_fault_injection(Some(FaultInjection::EveryNth(0)));
+        a.allocate(KIB, act()).unwrap();
+        ok(&a);
+    }
+
+    #[test]
+    #[should_panic(expected = "not a live allocation")]
+    fn double_free_panics() {
+        let mut a = meta(None);
+        let x = a.allocate(KIB, act()).unwrap();
+        let _y = a.allocate(KIB, act()).unwrap();
+        a.free(x.id);
+        a.free(x.id);
+    }
+
+    #[test]
+    fn drop_returns_every_segment_live_blocks_included() {
+        let (mut a, live, _) = counting();
+        a.allocate(KIB, act()).unwrap();
+        a.allocate(5 * MIB, act()).unwrap();
+        let c = a.allocate(16 * MIB, act()).unwrap();
+        a.free(c.id);
+        assert_eq!(live.load(Ordering::SeqCst), 3);
+        drop(a);
+        assert_eq!(live.load(Ordering::SeqCst), 0);
+    }
+}

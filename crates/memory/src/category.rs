@@ -1,0 +1,85 @@
+//! What a byte is for (its [`Category`]) and when it was asked for (its [`Phase`]).
+
+use std::fmt;
+
+/// What an allocation holds. Every allocation has exactly one category at any time; a tensor's
+/// storage can be re-tagged (an op output that autograd saves becomes an `Activation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Category {
+    Parameter,
+    Gradient,
+    OptimizerState,
+    /// Saved for backward.
+    Activation,
+    /// Op outputs not (yet) saved, intermediate gradients and kernel workspaces.
+    Temporary,
+    /// Data placed on the device (batches, targets).
+    Input,
+    Other,
+}
+
+impl Category {
+    pub const COUNT: usize = 7;
+    pub const ALL: [Category; Category::COUNT] = [
+        Category::Parameter,
+        Category::Gradient,
+        Category::OptimizerState,
+        Category::Activation,
+        Category::Temporary,
+        Category::Input,
+        Category::Other,
+    ];
+
+    /// Stable snake_case name used in reports and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Parameter => "parameter",
+            Category::Gradient => "gradient",
+            Category::OptimizerState => "optimizer_state",
+            Category::Activation => "activation",
+            Category::Temporary => "temporary",
+            Category::Input => "input",
+            Category::Other => "other",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Category {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The part of a training step that asked for memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Setup,
+    Data,
+    Forward,
+    Backward,
+    Optimizer,
+    Eval,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Setup => "setup",
+            Phase::Data => "data",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+            Phase::Eval => "eval",
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,149 @@
+//! The typed out-of-memory error: the facts needed to act on it, and a message that reads like PyTorch's.
+//!
+//! Display: first sentence like PyTorch's:
+//! "out of memory: tried to allocate 20.00 MiB for conv2d (forward, activation); capacity 64.00 MiB of
+//! which 3.50 MiB is free; 40.00 MiB allocated, 20.50 MiB reserved but unallocated."
+//! (capacity "unlimited" when None; "(injected fault)" appended when injected), then a line
+//! "held by category: parameter 12.00 MiB, gradient ..., ..." (non-zero categories, largest first), then
+//! "largest live allocations:" and up to 5 lines "  12.00 MiB parameter (linear)".
+
+use crate::allocator::LiveAllocation;
+use crate::bytes::format_bytes;
+use crate::category::{Category, Phase};
+use std::fmt;
+
+#[derive(Clone, Debug)]
+pub struct OutOfMemory {
+    /// Rounded size of the failed request.
+    pub requested: u64,
+    /// Device capacity; None when unlimited (then the backend itself failed).
+    pub capacity: Option<u64>,
+    /// capacity - reserved (0 when unlimited).
+    pub free: u64,
+    pub allocated: u64,
+    pub reserved_unallocated: u64,
+    pub op: &'static str,
+    pub phase: Phase,
+    pub category: Category,
+    /// Current allocated bytes per category (indexed by `Category::index`).
+    pub by_category: [u64; Category::COUNT],
+    /// The largest live allocations, largest first (at most 8).
+    pub largest: Vec<LiveAllocation>,
+    /// True when fault injection caused it.
+    pub injected: bool,
+}
+
+impl std::error::Error for OutOfMemory {}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "out of memory: tried to allocate {} for {} ({}, {}); ",
+            format_bytes(self.requested),
+            self.op,
+            self.phase,
+            self.category
+        )?;
+        match self.capacity {
+            Some(capacity) => {
+                write!(f, "capacity {} of which {} is free; ", format_bytes(capacity), format_bytes(self.free))?
+            }
+            None => f.write_str("capacity unlimited; ")?,
+        }
+        write!(
+            f,
+            "{} allocated, {} reserved but unallocated",
+            format_bytes(self.allocated),
+            format_bytes(self.reserved_unallocated)
+        )?;
+        f.write_str(if self.injected { ". (injected fault)" } else { "." })?;
+
+        // Non-zero categories, largest first; ties keep the category order.
+        let mut held: Vec<(Category, u64)> =
+            Category::ALL.iter().map(|&c| (c, self.by_category[c.index()])).filter(|&(_, b)| b > 0).collect();
+        held.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+        f.write_str("\nheld by category: ")?;
+        if held.is_empty() {
+            f.write_str("nothing")?;
+        }
+        for (i, (category, bytes)) in held.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{category} {}", format_bytes(*bytes))?;
+        }
+
+        f.write_str("\nlargest live allocations:")?;
+        if self.largest.is_empty() {
+            f.write_str(" none")?;
+        }
+        for live in self.largest.iter().take(5) {
+            write!(f, "\n  {} {} ({})", format_bytes(live.size), live.category, live.op)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn example() -> OutOfMemory {
+        let mut by_category = [0; Category::COUNT];
+        by_category[Category::Parameter.index()] = 12 * MIB;
+        by_category[Category::Activation.index()] = 28 * MIB;
+        let live = |size, category, op| LiveAllocation { size, category, op, phase: Phase::Forward };
+        OutOfMemory {
+            requested: 20 * MIB,
+            capacity: Some(64 * MIB),
+            free: 3 * MIB + MIB / 2,
+            allocated: 40 * MIB,
+            reserved_unallocated: 20 * MIB + MIB / 2,
+            op: "conv2d",
+            phase: Phase::Forward,
+            category: Category::Activation,
+            by_category,
+            largest: vec![
+                live(16 * MIB, Category::Activation, "conv2d"),
+                live(12 * MIB, Category::Parameter, "linear"),
+                live(4 * MIB, Category::Activation, "relu"),
+                live(4 * MIB, Category::Activation, "relu"),
+                live(2 * MIB, Category::Activation, "relu"),
+                live(2 * MIB, Category::Activation, "add"),
+            ],
+            injected: false,
+        }
+    }
+
+    #[test]
+    fn message_reads_like_pytorch() {
+        let text = example().to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "out of memory: tried to allocate 20.00 MiB for conv2d (forward, activation); capacity 64.00 MiB \
+             of which 3.50 MiB is free; 40.00 MiB allocated, 20.50 MiB reserved but unallocated."
+        );
+        assert_eq!(lines[1], "held by category: activation 28.00 MiB, parameter 12.00 MiB");
+        assert_eq!(lines[2], "largest live allocations:");
+        assert_eq!(lines[3], "  16.00 MiB activation (conv2d)");
+        assert_eq!(lines[4], "  12.00 MiB parameter (linear)");
+        assert_eq!(lines.len(), 3 + 5, "at most five allocations are listed");
+    }
+
+    #[test]
+    fn unlimited_capacity_and_injected_fault() {
+        let mut oom = example();
+        oom.capacity = None;
+        oom.free = 0;
+        oom.injected = true;
+        oom.by_category = [0; Category::COUNT];
+        oom.largest.clear();
+        let text = oom.to_string();
+        assert!(text.contains("; capacity unlimited; 40.00 MiB allocated"), "{text}");
+        assert!(text.contains("reserved but unallocated. (injected fault)\n"), "{text}");
+        assert!(text.contains("held by category: nothing\n"), "{text}");
+        assert!(text.ends_with("largest live allocations: none"), "{text}");
+    }
+}

@@ -1,0 +1,74 @@
+//! A bounded ring buffer of allocator events, cheap enough to leave on.
+
+use crate::category::{Category, Phase};
+use std::collections::VecDeque;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Alloc,
+    Free,
+    SegmentAlloc,
+    SegmentFree,
+    Oom,
+}
+
+/// One event. `bytes` is the block size (rounded) for Alloc/Free, the segment size for segment events,
+/// the rounded request for Oom. `allocated`/`reserved` are the totals right after the event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub seq: u64,
+    pub kind: EventKind,
+    pub bytes: u64,
+    pub category: Category,
+    pub op: &'static str,
+    pub phase: Phase,
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+/// Keeps the newest `capacity` events; `total` counts all events ever recorded.
+#[derive(Clone, Debug)]
+pub struct Timeline {
+    events: VecDeque<Event>,
+    capacity: usize,
+    total: u64,
+}
+
+impl Timeline {
+    pub fn new(capacity: usize) -> Self {
+        Timeline { events: VecDeque::with_capacity(capacity.min(1 << 16)), capacity, total: 0 }
+    }
+
+    pub fn record(&mut self, mut event: Event) {
+        event.seq = self.total;
+        self.total += 1;
+        if self.capacity == 0 {
+            return;
+        }
+        if self.events.len() == self.capacity {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+    }
+
+    pub fn events(&self) -> impl Iterator<Item = &Event> {
+        self.events.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// Events ever recorded, including those dropped from the buffer.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    pub fn clear(&mut self) {
+        self.events.clear();
+    }
+}

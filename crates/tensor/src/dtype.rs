@@ -1,0 +1,121 @@
+//! Element types, and the [`Float`] trait that CPU kernels are generic over. The match on dtype
+//! lives in one place: [`crate::with_float!`].
+
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    I64,
+    U8,
+    Bool,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A dtype that CPU kernels compute in (f32, f64). Half types are storage formats: cast to f32 to compute.
+pub trait Float:
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+    + std::iter::Sum
+    + Default
+    + fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+    const DTYPE: DType;
+    fn of(v: f64) -> Self;
+    fn f64(self) -> f64;
+    fn erf(self) -> Self;
+}
+
+impl Float for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+    #[inline(always)]
+    fn f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+}
+
+impl Float for f64 {
+    const DTYPE: DType = DType::F64;
+    #[inline(always)]
+    fn of(v: f64) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn f64(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of a float dtype (f32 or f64); any other dtype
+/// returns a dtype error naming `$op`.
+#[macro_export]
+macro_rules! with_float {
+    ($dtype:expr, $op:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            other => {
+                return Err($crate::Error::dtype(format!("{} supports f32 and f64, not {}", $op, other)))
+            }
+        }
+    };
+}

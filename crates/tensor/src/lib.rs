@@ -1,0 +1,24 @@
+//! memfit-tensor: tensors whose every byte comes from the memfit allocator, on a computing `cpu` device
+//! or a planning `meta` device, with reverse-mode autograd and CPU kernels.
+//!
+//! Entry points: [`Device`] (owns the allocator, phase and grad mode), [`Tensor`] (a view over
+//! [`Storage`] with an optional autograd node), [`autograd::backward`], and the op families in [`ops`].
+//! Every op returns [`Result`], so running out of memory is a value, never a panic.
+
+pub mod autograd;
+mod device;
+mod dtype;
+mod error;
+mod layout;
+pub mod ops;
+mod storage;
+mod tensor;
+
+pub use device::{Device, DeviceConfig, DeviceKind, GradModeGuard, PhaseGuard};
+pub use dtype::{DType, Float};
+pub use error::{Error, Result};
+pub use layout::Layout;
+pub use memfit_memory as memory;
+pub use memfit_memory::{Category, MemoryStats, OutOfMemory, Phase};
+pub use storage::Storage;
+pub use tensor::Tensor;

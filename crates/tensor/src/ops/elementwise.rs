@@ -1,0 +1,395 @@
+//! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, exp, log, neg, scalar
+//! affine), binary arithmetic with broadcasting (add, sub, mul, div), and in-place accumulation.
+
+use super::{check_same, output, PAR_CHUNK};
+use crate::autograd::{needs_grad, record, save, Backward};
+use crate::dtype::Float;
+use crate::error::{Error, Result};
+use crate::layout::{broadcast_layout, broadcast_shapes, for_each_offset_pair};
+use crate::tensor::Tensor;
+use crate::with_float;
+use rayon::prelude::*;
+
+/// `dst[i] = f(src[i])`, in parallel for large tensors.
+pub(crate) fn par_map<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T) -> T + Sync) {
+    if dst.len() >= 2 * PAR_CHUNK {
+        dst.par_chunks_mut(PAR_CHUNK)
+            .zip(src.par_chunks(PAR_CHUNK))
+            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s)));
+    } else {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f(s));
+    }
+}
+
+/// `dst[i] = f(a[i], b[i])`, in parallel for large tensors.
+pub(crate) fn par_zip<T: Float>(a: &[T], b: &[T], dst: &mut [T], f: impl Fn(T, T) -> T + Sync) {
+    if dst.len() >= 2 * PAR_CHUNK {
+        dst.par_chunks_mut(PAR_CHUNK)
+            .zip(a.par_chunks(PAR_CHUNK).zip(b.par_chunks(PAR_CHUNK)))
+            .for_each(|(d, (a, b))| d.iter_mut().zip(a.iter().zip(b)).for_each(|(d, (&a, &b))| *d = f(a, b)));
+    } else {
+        dst.iter_mut().zip(a.iter().zip(b)).for_each(|(d, (&a, &b))| *d = f(a, b));
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Unary {
+    Relu,
+    GeluErf,
+    GeluTanh,
+    Tanh,
+    Sigmoid,
+    Exp,
+    Log,
+    Neg,
+}
+
+impl Unary {
+    fn name(self) -> &'static str {
+        match self {
+            Unary::Relu => "relu",
+            Unary::GeluErf => "gelu",
+            Unary::GeluTanh => "gelu_tanh",
+            Unary::Tanh => "tanh",
+            Unary::Sigmoid => "sigmoid",
+            Unary::Exp => "exp",
+            Unary::Log => "log",
+            Unary::Neg => "neg",
+        }
+    }
+
+    /// Whether backward needs the output (else the input, or nothing for neg).
+    fn saves_output(self) -> bool {
+        matches!(self, Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp)
+    }
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044_715;
+
+fn forward_fn<T: Float>(op: Unary) -> impl Fn(T) -> T + Sync {
+    let half = T::of(0.5);
+    let one = T::one();
+    move |x: T| match op {
+        Unary::Relu => {
+            if x > T::zero() {
+                x
+            } else {
+                T::zero()
+            }
+        }
+        Unary::GeluErf => half * x * (one + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf()),
+        Unary::GeluTanh => half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh()),
+        Unary::Tanh => x.tanh(),
+        Unary::Sigmoid => one / (one + (-x).exp()),
+        Unary::Exp => x.exp(),
+        Unary::Log => x.ln(),
+        Unary::Neg => -x,
+    }
+}
+
+/// d(out)/d(in) * g, from the saved value `s` (output or input, see `saves_output`).
+fn backward_fn<T: Float>(op: Unary) -> impl Fn(T, T) -> T + Sync {
+    let half = T::of(0.5);
+    let one = T::one();
+    move |s: T, g: T| match op {
+        Unary::Relu => {
+            if s > T::zero() {
+                g
+            } else {
+                T::zero()
+            }
+        }
+        Unary::GeluErf => {
+            let cdf = half * (one + (s * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf());
+            let pdf = (-half * s * s).exp() * T::of(0.398_942_280_401_432_7);
+            g * (cdf + s * pdf)
+        }
+        Unary::GeluTanh => {
+            let inner = T::of(SQRT_2_OVER_PI) * (s + T::of(GELU_C) * s * s * s);
+            let t = inner.tanh();
+            let dinner = T::of(SQRT_2_OVER_PI) * (one + T::of(3.0 * GELU_C) * s * s);
+            g * (half * (one + t) + half * s * (one - t * t) * dinner)
+        }
+        Unary::Tanh => g * (one - s * s),
+        Unary::Sigmoid => g * s * (one - s),
+        Unary::Exp => g * s,
+        Unary::Log => g / s,
+        Unary::Neg => -g,
+    }
+}
+
+fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let out = output(&x, x.shape(), x.dtype(), op.name())?;
+    if x.device().computes() {
+        with_float!(x.dtype(), op.name(), T => par_map(x.slice::<T>()?, out.slice_mut::<T>()?, forward_fn::<T>(op)));
+    }
+    if !needs_grad(&[&x]) {
+        return Ok(out);
+    }
+    let saved = match op {
+        Unary::Neg => None,
+        _ if op.saves_output() => Some(save(&out)),
+        _ => Some(save(&x)),
+    };
+    Ok(record(out, op.name(), &[&x], UnaryBack { op, saved }))
+}
+
+struct UnaryBack {
+    op: Unary,
+    saved: Option<Tensor>,
+}
+
+impl Backward for UnaryBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let grad = grad.contiguous()?;
+        let out = output(&grad, grad.shape(), grad.dtype(), "unary_backward")?;
+        if grad.device().computes() {
+            with_float!(grad.dtype(), self.op.name(), T => {
+                let g = grad.slice::<T>()?;
+                let dst = out.slice_mut::<T>()?;
+                match &self.saved {
+                    Some(s) => par_zip(s.slice::<T>()?, g, dst, backward_fn::<T>(self.op)),
+                    None => par_map(g, dst, |g| -g),
+                }
+            });
+        }
+        Ok(vec![Some(out)])
+    }
+}
+
+impl Tensor {
+    pub fn relu(&self) -> Result<Tensor> {
+        unary(self, Unary::Relu)
+    }
+    /// GELU, exact (erf) form: PyTorch's default.
+    pub fn gelu(&self) -> Result<Tensor> {
+        unary(self, Unary::GeluErf)
+    }
+    /// GELU, tanh approximation.
+    pub fn gelu_tanh(&self) -> Result<Tensor> {
+        unary(self, Unary::GeluTanh)
+    }
+    pub fn tanh(&self) -> Result<Tensor> {
+        unary(self, Unary::Tanh)
+    }
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        unary(self, Unary::Sigmoid)
+    }
+    pub fn exp(&self) -> Result<Tensor> {
+        unary(self, Unary::Exp)
+    }
+    pub fn log(&self) -> Result<Tensor> {
+        unary(self, Unary::Log)
+    }
+    pub fn neg(&self) -> Result<Tensor> {
+        unary(self, Unary::Neg)
+    }
+
+    /// `self * scale + shift` with plain numbers.
+    pub fn affine(&self, scale: f64, shift: f64) -> Result<Tensor> {
+        let x = self.contiguous()?;
+        let out = output(&x, x.shape(), x.dtype(), "affine")?;
+        if x.device().computes() {
+            with_float!(x.dtype(), "affine", T => {
+                let (a, b) = (T::of(scale), T::of(shift));
+                par_map(x.slice::<T>()?, out.slice_mut::<T>()?, move |v| v * a + b)
+            });
+        }
+        Ok(if needs_grad(&[&x]) { record(out, "affine", &[&x], ScaleBack { scale }) } else { out })
+    }
+
+    pub fn mul_scalar(&self, scale: f64) -> Result<Tensor> {
+        self.affine(scale, 0.0)
+    }
+
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        binary(self, other, Binary::Add)
+    }
+    pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        binary(self, other, Binary::Sub)
+    }
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        binary(self, other, Binary::Mul)
+    }
+    pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        binary(self, other, Binary::Div)
+    }
+}
+
+struct ScaleBack {
+    scale: f64,
+}
+impl Backward for ScaleBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(grad.affine(self.scale, 0.0)?)])
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl Binary {
+    fn name(self) -> &'static str {
+        match self {
+            Binary::Add => "add",
+            Binary::Sub => "sub",
+            Binary::Mul => "mul",
+            Binary::Div => "div",
+        }
+    }
+
+    fn apply<T: Float>(self, a: T, b: T) -> T {
+        match self {
+            Binary::Add => a + b,
+            Binary::Sub => a - b,
+            Binary::Mul => a * b,
+            Binary::Div => a / b,
+        }
+    }
+}
+
+/// Computes `op(a, b)` over the broadcast shape into a new tensor.
+fn binary_kernel(a: &Tensor, b: &Tensor, op: Binary) -> Result<Tensor> {
+    check_same(op.name(), &[a, b])?;
+    let shape = broadcast_shapes(a.shape(), b.shape())?;
+    let out = output(a, &shape, a.dtype(), op.name())?;
+    if !a.device().computes() {
+        return Ok(out);
+    }
+    with_float!(a.dtype(), op.name(), T => {
+        let dst = out.slice_mut::<T>()?;
+        if a.shape() == b.shape() && a.is_contiguous() && b.is_contiguous() {
+            par_zip(a.slice::<T>()?, b.slice::<T>()?, dst, move |x, y| op.apply(x, y));
+        } else {
+            let la = broadcast_layout(a.layout(), &shape);
+            let lb = broadcast_layout(b.layout(), &shape);
+            let (sa, sb) = (typed_storage::<T>(a)?, typed_storage::<T>(b)?);
+            let mut i = 0;
+            for_each_offset_pair(&la, &lb, |oa, ob| {
+                dst[i] = op.apply(sa[oa], sb[ob]);
+                i += 1;
+            });
+        }
+    });
+    Ok(out)
+}
+
+/// All elements of a tensor's storage as `T` (for strided reads through its layout).
+pub(crate) fn typed_storage<T: Float>(t: &Tensor) -> Result<&[T]> {
+    if t.dtype() != T::DTYPE {
+        return Err(Error::dtype(format!("tensor is {}, asked as {}", t.dtype(), T::DTYPE)));
+    }
+    let bytes = t.storage_bytes()?;
+    // SAFETY: the storage is 512-byte aligned and holds whole elements of T.
+    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) })
+}
+
+fn binary(a: &Tensor, b: &Tensor, op: Binary) -> Result<Tensor> {
+    let out = binary_kernel(a, b, op)?;
+    if !needs_grad(&[a, b]) {
+        return Ok(out);
+    }
+    let (sa, sb) = match op {
+        Binary::Add | Binary::Sub => (None, None),
+        Binary::Mul => (Some(save(a)), Some(save(b))),
+        Binary::Div => (None, Some(save(b))),
+    };
+    // div's grad for b needs the output: -g * out / b.
+    let so = if op == Binary::Div && b.requires_grad() { Some(save(&out)) } else { None };
+    let back = BinaryBack { op, a_shape: a.shape().to_vec(), b_shape: b.shape().to_vec(), a: sa, b: sb, out: so };
+    Ok(record(out, op.name(), &[a, b], back))
+}
+
+struct BinaryBack {
+    op: Binary,
+    a_shape: Vec<usize>,
+    b_shape: Vec<usize>,
+    a: Option<Tensor>,
+    b: Option<Tensor>,
+    out: Option<Tensor>,
+}
+
+fn saved(t: &Option<Tensor>) -> Result<&Tensor> {
+    t.as_ref().ok_or_else(|| Error::invalid("internal: missing saved tensor"))
+}
+
+impl Backward for BinaryBack {
+    fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let ga = if needs[0] {
+            let g = match self.op {
+                Binary::Add | Binary::Sub => grad.clone(),
+                Binary::Mul => binary_kernel(&grad, saved(&self.b)?, Binary::Mul)?,
+                Binary::Div => binary_kernel(&grad, saved(&self.b)?, Binary::Div)?,
+            };
+            Some(sum_to_shape(&g, &self.a_shape)?)
+        } else {
+            None
+        };
+        let gb = if needs[1] {
+            let g = match self.op {
+                Binary::Add => grad.clone(),
+                Binary::Sub => grad.neg()?,
+                Binary::Mul => binary_kernel(&grad, saved(&self.a)?, Binary::Mul)?,
+                Binary::Div => {
+                    let t = binary_kernel(&grad, saved(&self.out)?, Binary::Mul)?;
+                    binary_kernel(&t, saved(&self.b)?, Binary::Div)?.neg()?
+                }
+            };
+            Some(sum_to_shape(&g, &self.b_shape)?)
+        } else {
+            None
+        };
+        Ok(vec![ga, gb])
+    }
+}
+
+use super::sum_to_shape;
+
+/// `dst += src` in place (same shape; any layouts). Not recorded by autograd.
+pub fn add_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    check_same("add_into", &[dst, src])?;
+    if dst.shape() != src.shape() {
+        return Err(Error::shape(format!("add_into: {:?} and {:?} differ", dst.shape(), src.shape())));
+    }
+    if !dst.device().computes() {
+        return Ok(());
+    }
+    with_float!(dst.dtype(), "add_into", T => {
+        if dst.is_contiguous() && src.is_contiguous() {
+            let s = src.slice::<T>()?;
+            let d = dst.slice_mut::<T>()?;
+            if d.len() >= 2 * PAR_CHUNK {
+                d.par_chunks_mut(PAR_CHUNK).zip(s.par_chunks(PAR_CHUNK))
+                    .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d += s));
+            } else {
+                d.iter_mut().zip(s).for_each(|(d, &s)| *d += s);
+            }
+        } else {
+            let s = typed_storage::<T>(src)?;
+            let base = dst.storage_ptr()? as *mut T;
+            for_each_offset_pair(dst.layout(), src.layout(), |od, os| {
+                // SAFETY: od is an in-bounds element offset of dst's storage, which nobody else is
+                // reading (Note [Storage aliasing]).
+                unsafe { *base.add(od) += s[os] };
+            });
+        }
+    });
+    Ok(())
+}
+
+/// `prev + g`, reusing `prev`'s memory when nobody else holds it. For gradient accumulation.
+pub fn add_accumulate(prev: Tensor, g: &Tensor) -> Result<Tensor> {
+    if prev.shape() == g.shape() && prev.dtype() == g.dtype() && prev.owns_storage() {
+        add_into(&prev, g)?;
+        Ok(prev)
+    } else {
+        binary_kernel(&prev, g, Binary::Add)
+    }
+}

@@ -1,0 +1,67 @@
+//! Tensor operations, one file per family: each holds the op's API, its CPU kernel, its backward and
+//! its unit tests. Every op allocates its outputs (and workspaces) through the device's allocator,
+//! runs its kernel only on a computing device, and records an autograd node when grad is needed.
+
+mod attention;
+mod cast;
+mod conv;
+mod dropout;
+mod elementwise;
+mod embedding;
+mod loss;
+mod matmul;
+mod norm;
+mod optim;
+mod pool;
+mod reduce;
+mod softmax;
+mod view;
+
+pub use attention::*;
+pub use conv::*;
+pub use dropout::*;
+pub use elementwise::*;
+pub use embedding::*;
+pub use loss::*;
+pub use matmul::*;
+pub use norm::*;
+pub use optim::*;
+pub use pool::*;
+pub use reduce::*;
+pub use softmax::*;
+
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::DType;
+use memfit_memory::Category;
+
+/// A fresh output tensor for `op`, on `like`'s device, counted as a temporary until autograd saves it.
+pub(crate) fn output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
+    Tensor::empty(like.device(), shape, dtype, Category::Temporary, op)
+}
+
+/// A zero-filled output.
+pub(crate) fn zeros_output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
+    let t = output(like, shape, dtype, op)?;
+    if like.device().computes() {
+        t.bytes_mut()?.fill(0);
+    }
+    Ok(t)
+}
+
+/// Errors unless all tensors live on one device and share a dtype.
+pub(crate) fn check_same(op: &str, tensors: &[&Tensor]) -> Result<()> {
+    let first = tensors[0];
+    for t in &tensors[1..] {
+        if !t.device().same(first.device()) {
+            return Err(Error::device(format!("{op}: tensors are on different devices")));
+        }
+        if t.dtype() != first.dtype() {
+            return Err(Error::dtype(format!("{op}: dtypes {} and {} differ", first.dtype(), t.dtype())));
+        }
+    }
+    Ok(())
+}
+
+/// Splits `len` items into chunks big enough to be worth a thread.
+pub(crate) const PAR_CHUNK: usize = 1 << 15;

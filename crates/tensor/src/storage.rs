@@ -1,0 +1,54 @@
+//! A block of device memory owned by tensors. It returns to the allocator when the last tensor
+//! (or saved-for-backward handle) using it is dropped.
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use memfit_memory::{Allocation, Category};
+use std::ptr::NonNull;
+
+pub struct Storage {
+    device: Device,
+    allocation: Allocation,
+}
+
+// SAFETY: the pointer is owned memory from the device's allocator, freed only in Drop; the engine
+// never hands out overlapping mutable access to the same storage from two threads (see
+// Note [Storage aliasing] in tensor.rs).
+unsafe impl Send for Storage {}
+// SAFETY: see above.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    pub(crate) fn new(device: Device, allocation: Allocation) -> Self {
+        Storage { device, allocation }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Bytes the caller asked for (the block itself may be larger).
+    pub fn requested_bytes(&self) -> usize {
+        self.allocation.requested as usize
+    }
+
+    pub fn category(&self) -> Category {
+        self.device.allocator().category_of(self.allocation.id)
+    }
+
+    pub fn set_category(&self, category: Category) {
+        self.device.allocator().set_category(self.allocation.id, category);
+    }
+
+    pub(crate) fn ptr(&self) -> Result<NonNull<u8>> {
+        self.allocation
+            .ptr
+            .ok_or_else(|| Error::device(format!("the {} device holds no data", self.device.kind())))
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        self.device.allocator().free(self.allocation.id);
+    }
+}

@@ -1,0 +1,365 @@
+//! [`Tensor`]: a typed, shaped view over [`Storage`], with an optional autograd node.
+//!
+//! Note [Storage aliasing]: kernels read inputs through `&[T]` and write outputs through `&mut [T]`
+//! obtained from raw storage pointers. The engine upholds the aliasing rules by construction: an op
+//! writes only to storage it has just allocated (nobody else holds it yet), and the few in-place
+//! updates (optimizer steps, gradient accumulation, parameter loading) write to parameter, gradient
+//! and state storages while no slice of them is borrowed. Tensor handles may be shared across threads,
+//! but ops on one device are issued from one thread at a time (kernels parallelize internally).
+
+use crate::autograd::Node;
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+use crate::storage::Storage;
+use memfit_memory::Category;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A Rust type that a tensor can hold.
+pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+        }
+    };
+}
+element!(f32, DType::F32);
+element!(f64, DType::F64);
+element!(half::f16, DType::F16);
+element!(half::bf16, DType::BF16);
+element!(i64, DType::I64);
+element!(u8, DType::U8);
+element!(bool, DType::Bool);
+
+pub(crate) struct TensorImpl {
+    storage: Arc<Storage>,
+    layout: Layout,
+    dtype: DType,
+    requires_grad: bool,
+    grad_fn: Option<Arc<Node>>,
+    grad: Mutex<Option<Tensor>>,
+}
+
+/// A handle to a tensor; clones share the same tensor (and its `.grad`).
+#[derive(Clone)]
+pub struct Tensor(Arc<TensorImpl>);
+
+impl Tensor {
+    pub(crate) fn from_parts(storage: Arc<Storage>, layout: Layout, dtype: DType) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage,
+            layout,
+            dtype,
+            requires_grad: false,
+            grad_fn: None,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// A new tensor sharing this one's storage with another layout (a view). No autograd.
+    pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
+        Tensor::from_parts(self.0.storage.clone(), layout, self.0.dtype)
+    }
+
+    /// The same data with an autograd node attached.
+    pub(crate) fn with_grad_fn(&self, node: Arc<Node>) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage: self.0.storage.clone(),
+            layout: self.0.layout.clone(),
+            dtype: self.0.dtype,
+            requires_grad: true,
+            grad_fn: Some(node),
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// Uninitialized (arbitrary contents) tensor.
+    pub fn empty(device: &Device, shape: &[usize], dtype: DType, category: Category, op: &'static str) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        let bytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::shape(format!("shape {shape:?} is too large")))?;
+        let storage = device.allocate(bytes, category, op)?;
+        Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype))
+    }
+
+    pub fn zeros(device: &Device, shape: &[usize], dtype: DType, category: Category) -> Result<Tensor> {
+        let t = Tensor::empty(device, shape, dtype, category, "zeros")?;
+        if device.computes() {
+            t.bytes_mut()?.fill(0);
+        }
+        Ok(t)
+    }
+
+    /// A tensor filled with `value` (float dtypes).
+    pub fn full(device: &Device, shape: &[usize], value: f64, dtype: DType, category: Category) -> Result<Tensor> {
+        let t = Tensor::empty(device, shape, dtype, category, "full")?;
+        if device.computes() {
+            crate::with_float!(dtype, "full", T => t.slice_mut::<T>()?.fill(<T as crate::Float>::of(value)));
+        }
+        Ok(t)
+    }
+
+    /// Copies host data into a new tensor. On meta only the allocation happens.
+    pub fn from_slice<T: Element>(device: &Device, data: &[T], shape: &[usize], category: Category) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if numel != data.len() {
+            return Err(Error::shape(format!("{} values do not fill shape {shape:?}", data.len())));
+        }
+        let t = Tensor::empty(device, shape, T::DTYPE, category, "from_slice")?;
+        if device.computes() {
+            t.slice_mut::<T>()?.copy_from_slice(data);
+        }
+        Ok(t)
+    }
+
+    /// A 0-d tensor.
+    pub fn scalar(device: &Device, value: f64, dtype: DType, category: Category) -> Result<Tensor> {
+        Tensor::full(device, &[], value, dtype, category)
+    }
+
+    pub fn device(&self) -> &Device {
+        self.0.storage.device()
+    }
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.0.storage
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn shape(&self) -> &[usize] {
+        self.0.layout.shape()
+    }
+    pub fn rank(&self) -> usize {
+        self.0.layout.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    pub fn size(&self, dim: isize) -> Result<usize> {
+        Ok(self.shape()[crate::layout::resolve_dim(dim, self.rank())?])
+    }
+
+    /// True for leaves that want a gradient and for every tensor computed from one with grad enabled.
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad
+    }
+
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+
+    pub(crate) fn grad_fn(&self) -> Option<&Arc<Node>> {
+        self.0.grad_fn.as_ref()
+    }
+
+    /// The same data as a new leaf that does (or does not) want a gradient.
+    pub fn set_requires_grad(&self, requires_grad: bool) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage: self.0.storage.clone(),
+            layout: self.0.layout.clone(),
+            dtype: self.0.dtype,
+            requires_grad,
+            grad_fn: None,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// The same data, cut from the graph.
+    pub fn detach(&self) -> Tensor {
+        self.set_requires_grad(false)
+    }
+
+    fn grad_slot(&self) -> MutexGuard<'_, Option<Tensor>> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The accumulated gradient of a leaf, if any.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.grad_slot().clone()
+    }
+
+    /// Replaces the gradient (None frees it: PyTorch's `zero_grad(set_to_none=True)`).
+    pub fn set_grad(&self, grad: Option<Tensor>) {
+        *self.grad_slot() = grad;
+    }
+
+    /// Takes the gradient out, leaving None.
+    pub fn take_grad(&self) -> Option<Tensor> {
+        self.grad_slot().take()
+    }
+
+    /// True when both handles are the same tensor.
+    pub fn same(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// True when this tensor is the only user of its storage and covers all of it contiguously:
+    /// it can then be updated in place without anybody seeing.
+    pub(crate) fn owns_storage(&self) -> bool {
+        Arc::strong_count(&self.0.storage) == 1
+            && self.is_contiguous()
+            && self.0.layout.offset() == 0
+            && self.numel() * self.dtype().size() == self.0.storage.requested_bytes()
+    }
+
+    fn check_dtype(&self, want: DType) -> Result<()> {
+        if self.0.dtype != want {
+            return Err(Error::dtype(format!("tensor is {}, asked as {}", self.0.dtype, want)));
+        }
+        Ok(())
+    }
+
+    fn check_contiguous(&self) -> Result<()> {
+        if !self.is_contiguous() {
+            return Err(Error::invalid("internal: kernel given a non-contiguous tensor"));
+        }
+        Ok(())
+    }
+
+    /// The elements of a contiguous tensor. Errors on meta.
+    pub(crate) fn slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_dtype(T::DTYPE)?;
+        self.check_contiguous()?;
+        let ptr = self.0.storage.ptr()?;
+        // SAFETY: the storage holds at least offset + numel elements of T (it was allocated for this
+        // layout or a larger one), is aligned to 512 B, and lives as long as `self`; see
+        // Note [Storage aliasing] for why no mutable alias exists meanwhile.
+        Ok(unsafe {
+            std::slice::from_raw_parts((ptr.as_ptr() as *const T).add(self.0.layout.offset()), self.numel())
+        })
+    }
+
+    /// The elements of a contiguous tensor, for writing. Errors on meta.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn slice_mut<T: Element>(&self) -> Result<&mut [T]> {
+        self.check_dtype(T::DTYPE)?;
+        self.check_contiguous()?;
+        let ptr = self.0.storage.ptr()?;
+        // SAFETY: as in `slice`; callers write only to fresh outputs or to exclusively updated
+        // parameter/gradient/state storage (Note [Storage aliasing]).
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut((ptr.as_ptr() as *mut T).add(self.0.layout.offset()), self.numel())
+        })
+    }
+
+    /// The whole storage as bytes, for dtype-agnostic copies.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn bytes_mut(&self) -> Result<&mut [u8]> {
+        self.check_contiguous()?;
+        let ptr = self.0.storage.ptr()?;
+        let size = self.dtype().size();
+        // SAFETY: as in `slice_mut`, in bytes.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(ptr.as_ptr().add(self.0.layout.offset() * size), self.numel() * size)
+        })
+    }
+
+    /// The storage's base pointer, for strided in-place writes (Note [Storage aliasing]).
+    pub(crate) fn storage_ptr(&self) -> Result<*mut u8> {
+        Ok(self.0.storage.ptr()?.as_ptr())
+    }
+
+    /// The storage's bytes from the start of this view's storage (for strided reads).
+    pub(crate) fn storage_bytes(&self) -> Result<&[u8]> {
+        let ptr = self.0.storage.ptr()?;
+        // SAFETY: the storage holds `requested_bytes` initialized bytes and outlives `self`.
+        Ok(unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.0.storage.requested_bytes()) })
+    }
+
+    /// Copies the elements out in row-major order (any layout). Errors on meta.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.check_dtype(T::DTYPE)?;
+        if self.is_contiguous() {
+            return Ok(self.slice::<T>()?.to_vec());
+        }
+        let ptr = self.0.storage.ptr()?;
+        let base = ptr.as_ptr() as *const T;
+        let mut out = Vec::with_capacity(self.numel());
+        // SAFETY: every offset produced by the layout lies inside the storage.
+        self.0.layout.for_each_offset(|o| out.push(unsafe { *base.add(o) }));
+        Ok(out)
+    }
+
+    /// Values of a float tensor (f32, f64, f16, bf16) as f64. Errors on meta.
+    pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        Ok(match self.dtype() {
+            DType::F32 => self.to_vec::<f32>()?.into_iter().map(f64::from).collect(),
+            DType::F64 => self.to_vec::<f64>()?,
+            DType::F16 => self.to_vec::<half::f16>()?.into_iter().map(f64::from).collect(),
+            DType::BF16 => self.to_vec::<half::bf16>()?.into_iter().map(f64::from).collect(),
+            DType::I64 => self.to_vec::<i64>()?.into_iter().map(|v| v as f64).collect(),
+            DType::U8 => self.to_vec::<u8>()?.into_iter().map(f64::from).collect(),
+            DType::Bool => self.to_vec::<bool>()?.into_iter().map(|v| if v { 1.0 } else { 0.0 }).collect(),
+        })
+    }
+
+    /// The value of a one-element tensor. Errors on meta.
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::shape(format!("item() needs one element, the tensor has shape {:?}", self.shape())));
+        }
+        Ok(self.to_f64_vec()?[0])
+    }
+
+    /// Overwrites this tensor's elements in place with `src`'s (same shape and dtype). For loading
+    /// checkpoints and optimizer-style updates; never recorded by autograd.
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        if self.shape() != src.shape() || self.dtype() != src.dtype() {
+            return Err(Error::shape(format!(
+                "copy_from: destination {:?} {} and source {:?} {} differ",
+                self.shape(),
+                self.dtype(),
+                src.shape(),
+                src.dtype()
+            )));
+        }
+        if !self.device().computes() {
+            return Ok(());
+        }
+        src.copy_into_bytes(self.bytes_mut()?)
+    }
+
+    /// Writes this tensor's elements, in row-major order, into `dst` (exactly numel * size bytes).
+    pub(crate) fn copy_into_bytes(&self, dst: &mut [u8]) -> Result<()> {
+        let size = self.dtype().size();
+        let bytes = self.storage_bytes()?;
+        if dst.len() != self.numel() * size {
+            return Err(Error::invalid("internal: copy destination has the wrong size"));
+        }
+        if self.is_contiguous() {
+            let start = self.layout().offset() * size;
+            dst.copy_from_slice(&bytes[start..start + dst.len()]);
+            return Ok(());
+        }
+        let mut chunks = dst.chunks_exact_mut(size);
+        self.layout().for_each_offset(|o| {
+            if let Some(chunk) = chunks.next() {
+                chunk.copy_from_slice(&bytes[o * size..(o + 1) * size]);
+            }
+        });
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor({:?}, {}, {}", self.shape(), self.dtype(), self.device().kind())?;
+        if self.requires_grad() {
+            write!(f, ", requires_grad")?;
+        }
+        write!(f, ")")
+    }
+}

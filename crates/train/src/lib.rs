@@ -1,0 +1,1 @@
+//! memfit-train (being written).
