@@ -1,2 +1,322 @@
-//! memfit command line (being written).
-fn main() {}
+//! The `memfit` command: turns arguments into typed configuration, shows progress, prints results.
+//! All the work happens in memfit-train; errors print one clear message and exit non-zero.
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use memfit_nn::ModelKind;
+use memfit_tensor::memory::{format_bytes, parse_bytes, FaultInjection};
+use memfit_tensor::DeviceKind;
+use memfit_train::job::{image_spec, Observer};
+use memfit_train::{OptimizerChoice, Plan, PlanRequest, Report, StepEvent, TrainConfig};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "memfit", version, about = "Deep-learning training whose memory is planned, bounded and explained")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model on Fashion-MNIST (the embedded subset by default) and report its memory.
+    Train(TrainArgs),
+    /// Choose a micro-batch and accumulation that fit an effective batch into a memory budget.
+    Plan(PlanArgs),
+    /// Measure training-step time and memory of the model zoo.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// mlp, simplecnn, deepcnn or resnet.
+    #[arg(long, default_value = "simplecnn", value_parser = parse_model)]
+    model: ModelKind,
+    /// Folder with the four Fashion-MNIST IDX files (default: /usr/share/datasets/fashion-mnist when
+    /// installed, else the embedded subset).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Effective batch: samples per optimizer step.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Force the micro-batch (gradient accumulation makes up the effective batch).
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// sgd (momentum 0.9), adam or adamw.
+    #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
+    optimizer: OptimizerChoice,
+    /// Device capacity, e.g. 256MiB or 2GiB (default: unlimited). Plans the micro-batch when the batch does not fit.
+    #[arg(long, value_parser = parse_bytes)]
+    memory: Option<u64>,
+    /// cpu (computes) or meta (allocates exactly what cpu would, computes nothing: a prediction).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: DeviceKind,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Save the trained parameters (safetensors).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Load parameters (safetensors, PyTorch state_dict names) before training.
+    #[arg(long)]
+    load: Option<PathBuf>,
+    /// Make every N-th allocation fail, to see recovery at work.
+    #[arg(long, value_name = "N")]
+    inject_oom: Option<u64>,
+    /// Fraction of the capacity the planner keeps free.
+    #[arg(long, default_value_t = 0.0)]
+    safety_margin: f64,
+    /// Skip the validation pass at the end.
+    #[arg(long)]
+    no_eval: bool,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    #[arg(long, value_parser = parse_model)]
+    model: ModelKind,
+    /// Memory budget, e.g. 64MiB.
+    #[arg(long, value_parser = parse_bytes)]
+    memory: u64,
+    /// Effective batch to keep.
+    #[arg(long)]
+    batch_size: usize,
+    /// Input shape CxHxW (default 1x28x28, Fashion-MNIST).
+    #[arg(long, default_value = "1x28x28", value_parser = parse_shape)]
+    input: [usize; 3],
+    #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
+    optimizer: OptimizerChoice,
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.0)]
+    safety_margin: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Only this case (repeatable): mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64.
+    #[arg(long = "case")]
+    cases: Vec<String>,
+    /// Timed steps per case.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Warm-up steps per case.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_model(s: &str) -> Result<ModelKind, String> {
+    ModelKind::parse(s)
+}
+
+fn parse_device(s: &str) -> Result<DeviceKind, String> {
+    DeviceKind::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_shape(s: &str) -> Result<[usize; 3], String> {
+    let dims: Vec<usize> = s.split(['x', ',']).map(|d| d.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|_| {
+        format!("invalid input shape {s:?}: expected CxHxW such as 1x28x28 or 3x64x64")
+    })?;
+    match dims.as_slice() {
+        [c, h, w] if *c > 0 && *h > 0 && *w > 0 => Ok([*c, *h, *w]),
+        _ => Err(format!("invalid input shape {s:?}: expected three positive sizes CxHxW such as 3x64x64")),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(a) => train(a),
+        Command::Plan(a) => plan(a),
+        Command::Bench(a) => bench(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Shows a progress bar on a terminal, and a line every tenth of the run otherwise.
+struct Progress {
+    bar: Option<ProgressBar>,
+    last_line: usize,
+}
+
+impl Observer for Progress {
+    fn data_loaded(&mut self, description: &str, train: usize, val: usize) {
+        eprintln!("data: {description}: {train} train / {val} validation samples");
+    }
+
+    fn planned(&mut self, plan: &Plan) {
+        eprint!("{}", plan.describe("this model"));
+    }
+
+    fn step(&mut self, e: &StepEvent) {
+        let loss = e.loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+        let acc = e.accuracy.map_or("-".to_string(), |a| format!("{:.3}", a));
+        let rate = if e.step_ms > 0.0 { e.samples as f64 / e.step as f64 / e.step_ms * 1e3 } else { 0.0 };
+        let msg = format!(
+            "loss {loss} acc {acc} {rate:.0} samples/s mem {} (peak {}) micro {}",
+            format_bytes(e.allocated),
+            format_bytes(e.peak_allocated),
+            e.micro_batch
+        );
+        if let Some(bar) = &self.bar {
+            bar.set_length(e.total_steps as u64);
+            bar.set_position(e.step as u64);
+            bar.set_message(msg);
+        } else if e.step == e.total_steps || e.step * 10 / e.total_steps.max(1) > self.last_line {
+            self.last_line = e.step * 10 / e.total_steps.max(1);
+            eprintln!("step {}/{} {msg}", e.step, e.total_steps);
+        }
+    }
+}
+
+fn train(a: TrainArgs) -> Result<(), String> {
+    if a.inject_oom == Some(0) {
+        return Err("--inject-oom takes N >= 1 (every N-th allocation fails)".into());
+    }
+    let cfg = TrainConfig {
+        model: a.model,
+        data: a.data,
+        epochs: a.epochs,
+        max_steps: a.max_steps,
+        batch_size: a.batch_size,
+        micro_batch: a.micro_batch,
+        lr: a.lr,
+        optimizer: a.optimizer,
+        memory: a.memory,
+        device: a.device,
+        seed: a.seed,
+        threads: a.threads,
+        fault: a.inject_oom.map(FaultInjection::EveryNth),
+        safety_margin: a.safety_margin,
+        load: a.load,
+        save: a.save,
+        evaluate: !a.no_eval,
+        record_samples: false,
+    };
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    let mut progress = Progress { bar, last_line: 0 };
+    let result = memfit_train::train(&cfg, &mut progress);
+    if let Some(bar) = &progress.bar {
+        bar.finish_and_clear();
+    }
+    let summary = result.map_err(|e| e.to_string())?;
+    let report = Report::new(&summary);
+    let what = if cfg.device == DeviceKind::Meta { "predicted (meta device: nothing computed)" } else { "trained" };
+    println!(
+        "{what} {} for {} step{} ({} samples, micro-batch {} x {}), step median {:.1} ms",
+        report.model,
+        report.steps,
+        if report.steps == 1 { "" } else { "s" },
+        report.samples_seen,
+        report.plan.micro_batch,
+        report.plan.accumulation_steps,
+        report.step_time_ms_median
+    );
+    if let (Some(acc), Some(loss)) = (report.val_accuracy, report.val_loss) {
+        println!("validation accuracy {acc:.4}, loss {loss:.4}");
+    }
+    print!("{}", report.memory_table());
+    if let Some(path) = &a.report {
+        std::fs::write(path, report.to_json() + "\n")
+            .map_err(|e| format!("cannot write the report to {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn plan(a: PlanArgs) -> Result<(), String> {
+    let spec = image_spec(a.model, a.input, 10).map_err(|e| e.to_string())?;
+    let request = PlanRequest {
+        model: spec,
+        optimizer: a.optimizer.config(a.lr),
+        effective_batch: a.batch_size,
+        capacity: Some(a.memory),
+        safety_margin: a.safety_margin,
+        seed: a.seed,
+    };
+    let plan = memfit_train::plan(&request).map_err(|e| e.to_string())?;
+    if a.json {
+        let p = &plan.predicted;
+        let json = serde_json::json!({
+            "model": a.model.name(),
+            "input": a.input,
+            "capacity_bytes": a.memory,
+            "budget_bytes": plan.budget,
+            "micro_batch": plan.micro_batch,
+            "accumulation_steps": plan.accumulation_steps,
+            "effective_batch": plan.effective_batch,
+            "eval_micro_batch": plan.eval_micro_batch,
+            "predicted_peak_allocated_bytes": p.peak_allocated,
+            "predicted_peak_reserved_bytes": p.peak_reserved,
+            "dominant_category": p.dominant().name(),
+            "at_peak_by_category": memfit_tensor::Category::ALL.iter().map(|c| (c.name(), p.at_peak[c.index()])).collect::<std::collections::BTreeMap<_, _>>(),
+            "larger_budget": plan.larger.map(|(m, b)| serde_json::json!({"micro_batch": m, "needs_bytes": b})),
+            "planning_ms": plan.planning_ms,
+        });
+        println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
+    } else {
+        let input = format!("{}x{}x{}", a.input[0], a.input[1], a.input[2]);
+        print!("{}", plan.describe(&format!("{} ({input})", a.model.name())));
+    }
+    Ok(())
+}
+
+fn bench(a: BenchArgs) -> Result<(), String> {
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if a.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    let report = memfit_train::bench::run(threads, &a.cases, a.warmup, a.steps).map_err(|e| e.to_string())?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+    } else {
+        println!("memfit bench: AdamW training step, {threads} thread{}, median of {} steps", if threads == 1 { "" } else { "s" }, a.steps);
+        println!("{:<16} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
+        for c in &report.cases {
+            println!(
+                "{:<16} {:>10.2} {:>16} {:>16}",
+                c.name,
+                c.median_ms,
+                format_bytes(c.peak_allocated_bytes),
+                format_bytes(c.peak_reserved_bytes)
+            );
+        }
+    }
+    Ok(())
+}

@@ -720,7 +720,7 @@ mod tests {
     }
 
     fn host(capacity: Option<u64>) -> Allocator {
-        Allocator::new(Box::new(HostBackend), AllocatorConfig { capacity, ..Default::default() })
+        Allocator::new(Box::new(HostBackend::default()), AllocatorConfig { capacity, ..Default::default() })
     }
 
     fn meta(capacity: Option<u64>) -> Allocator {

@@ -3,7 +3,7 @@
 //!
 //! Contract:
 //! - `alloc_segment(bytes)` returns `Ok(Some(ptr))` with real memory aligned to [`SEGMENT_ALIGN`]
-//!   (HostBackend, via `std::alloc::alloc` with a `Layout`; a null return is `Err(())`, never an abort),
+//!   (HostBackend, via `std::alloc::alloc_zeroed` with a `Layout`; a null return is `Err(())`, never an abort),
 //!   or `Ok(None)` for a backend that keeps no data (MetaBackend). `Err(())` means the backend itself
 //!   could not provide the memory; the allocator treats it like a capacity failure (release cache, retry,
 //!   then OutOfMemory).
@@ -12,7 +12,6 @@
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
-use std::sync::Mutex;
 
 /// Alignment of every segment base; block offsets are multiples of 512, so every block is aligned too.
 pub const SEGMENT_ALIGN: usize = 512;
@@ -26,25 +25,19 @@ pub trait SegmentBackend: Send {
     fn free_segment(&mut self, ptr: Option<NonNull<u8>>, bytes: usize);
 }
 
-/// Real host memory: the `cpu` device.
+/// Real host memory: the `cpu` device. Fresh segments are zero-filled, so no byte a tensor can read
+/// is ever uninitialized.
 #[derive(Debug, Default)]
-pub struct HostBackend;
+pub struct HostBackend {
+    /// Every segment handed out and not yet taken back: base address -> size. `free_segment` is a safe
+    /// method, so it must not trust its arguments: deallocating with the wrong layout (or twice) would
+    /// be undefined behaviour. Segments are few and large, so the lookup costs nothing that matters.
+    segments: BTreeMap<usize, usize>,
+}
 
 /// No memory at all: the `meta` device, for planning.
 #[derive(Debug, Default)]
 pub struct MetaBackend;
-
-/// Every segment HostBackend has handed out and not yet taken back: base address -> size.
-///
-/// `free_segment` is a safe method, so it must not trust its arguments: deallocating a pointer with
-/// the wrong layout (or twice) would be undefined behaviour. Segments are few and large (2 MiB and up),
-/// so one lock per segment allocation is negligible next to the allocation itself.
-static HOST_SEGMENTS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
-
-fn host_segments() -> std::sync::MutexGuard<'static, BTreeMap<usize, usize>> {
-    // The map is updated in single statements, so a panic elsewhere cannot leave it inconsistent.
-    HOST_SEGMENTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 impl SegmentBackend for HostBackend {
     fn holds_data(&self) -> bool {
@@ -59,9 +52,9 @@ impl SegmentBackend for HostBackend {
         // Fails (rather than panics) when `bytes` rounded up to the alignment exceeds isize::MAX.
         let layout = Layout::from_size_align(bytes, SEGMENT_ALIGN).map_err(|_| ())?;
         // SAFETY: `layout` has a non-zero size (checked above) and a valid power-of-two alignment.
-        let raw = unsafe { alloc::alloc(layout) };
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(())?;
-        host_segments().insert(ptr.as_ptr() as usize, bytes);
+        self.segments.insert(ptr.as_ptr() as usize, bytes);
         Ok(Some(ptr))
     }
 
@@ -69,7 +62,7 @@ impl SegmentBackend for HostBackend {
         let Some(ptr) = ptr else {
             panic!("memfit-memory: HostBackend asked to free a segment without memory");
         };
-        let recorded = host_segments().remove(&(ptr.as_ptr() as usize));
+        let recorded = self.segments.remove(&(ptr.as_ptr() as usize));
         assert_eq!(
             recorded,
             Some(bytes),
@@ -77,7 +70,7 @@ impl SegmentBackend for HostBackend {
         );
         let layout =
             Layout::from_size_align(bytes, SEGMENT_ALIGN).expect("a size that was allocated has a valid layout");
-        // SAFETY: the registry proves `ptr` came from `alloc::alloc` in `alloc_segment` with exactly
+        // SAFETY: the segment map proves `ptr` came from `alloc::alloc_zeroed` in `alloc_segment` with exactly
         // this size and alignment (so the same layout), and removing the entry above guarantees it is
         // deallocated once.
         unsafe { alloc::dealloc(ptr.as_ptr(), layout) };
@@ -102,7 +95,7 @@ mod tests {
 
     #[test]
     fn host_segments_are_aligned_writable_and_freed() {
-        let mut backend = HostBackend;
+        let mut backend = HostBackend::default();
         assert!(backend.holds_data());
         let ptr = backend.alloc_segment(4096).unwrap().unwrap();
         assert_eq!(ptr.as_ptr() as usize % SEGMENT_ALIGN, 0);
@@ -116,7 +109,7 @@ mod tests {
 
     #[test]
     fn host_backend_reports_failure_instead_of_aborting() {
-        let mut backend = HostBackend;
+        let mut backend = HostBackend::default();
         assert_eq!(backend.alloc_segment(0), Err(()));
         assert_eq!(backend.alloc_segment(usize::MAX), Err(()));
         assert_eq!(backend.alloc_segment(isize::MAX as usize), Err(()));
@@ -125,7 +118,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "did not hand out")]
     fn host_backend_refuses_a_wrong_size() {
-        let mut backend = HostBackend;
+        let mut backend = HostBackend::default();
         let ptr = backend.alloc_segment(1024).unwrap();
         backend.free_segment(ptr, 2048);
     }

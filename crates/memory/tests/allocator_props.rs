@@ -259,12 +259,12 @@ proptest! {
 
     #[test]
     fn host_random_sequences_keep_every_invariant(capacity in capacity(), ops in ops()) {
-        run(Box::new(HostBackend), Some(capacity), None, &ops)?;
+        run(Box::new(HostBackend::default()), Some(capacity), None, &ops)?;
     }
 
     #[test]
     fn meta_and_host_give_identical_timelines_and_stats(capacity in capacity(), ops in ops()) {
-        let host = run(Box::new(HostBackend), Some(capacity), None, &ops)?;
+        let host = run(Box::new(HostBackend::default()), Some(capacity), None, &ops)?;
         let meta = run(Box::new(MetaBackend), Some(capacity), None, &ops)?;
         prop_assert_eq!(&host.outcomes, &meta.outcomes);
         prop_assert_eq!(&host.events, &meta.events);
@@ -321,7 +321,7 @@ proptest! {
 
     #[test]
     fn host_faults_leave_a_working_allocator(n in 1u64..6, capacity in capacity(), ops in ops()) {
-        let host = run(Box::new(HostBackend), Some(capacity), Some(FaultInjection::EveryNth(n)), &ops)?;
+        let host = run(Box::new(HostBackend::default()), Some(capacity), Some(FaultInjection::EveryNth(n)), &ops)?;
         let meta = run(Box::new(MetaBackend), Some(capacity), Some(FaultInjection::EveryNth(n)), &ops)?;
         prop_assert_eq!(&host.events, &meta.events);
         prop_assert_eq!(&host.stats, &meta.stats);

@@ -82,7 +82,7 @@ pub struct Device(Arc<DeviceInner>);
 impl Device {
     pub fn new(config: DeviceConfig) -> Self {
         let backend: Box<dyn SegmentBackend> = match config.kind {
-            DeviceKind::Cpu => Box::new(HostBackend),
+            DeviceKind::Cpu => Box::new(HostBackend::default()),
             DeviceKind::Meta => Box::new(MetaBackend),
         };
         let allocator = Allocator::new(

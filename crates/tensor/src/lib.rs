@@ -21,4 +21,4 @@ pub use layout::Layout;
 pub use memfit_memory as memory;
 pub use memfit_memory::{Category, MemoryStats, OutOfMemory, Phase};
 pub use storage::Storage;
-pub use tensor::Tensor;
+pub use tensor::{Element, Tensor};

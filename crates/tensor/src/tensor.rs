@@ -279,6 +279,16 @@ impl Tensor {
         Ok(unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.0.storage.requested_bytes()) })
     }
 
+    /// Fills a freshly created contiguous tensor from the host through `fill` (no staging copy). Does
+    /// nothing on a device that holds no data.
+    pub fn write_with<T: Element>(&self, fill: impl FnOnce(&mut [T])) -> Result<()> {
+        if !self.device().computes() {
+            return Ok(());
+        }
+        fill(self.slice_mut::<T>()?);
+        Ok(())
+    }
+
     /// Copies the elements out in row-major order (any layout). Errors on meta.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype(T::DTYPE)?;

@@ -1,1 +1,25 @@
-//! memfit-train (being written).
+//! memfit-train: runs training under a memory budget.
+//!
+//! - [`samples`]: where a step's inputs come from (Fashion-MNIST or synthetic), written straight into
+//!   device tensors;
+//! - [`trainer`]: the training loop with gradient accumulation and out-of-memory recovery (Note
+//!   [Recovery]) on any device, `meta` included, so the same code predicts and runs;
+//! - [`planner`]: chooses the micro-batch for an effective batch and a budget by dry runs on `meta`;
+//! - [`report`]: the JSON report and the memory table people read;
+//! - [`bench`]: step-time and memory benchmarks of the model zoo.
+
+pub mod bench;
+pub mod config;
+mod error;
+pub mod job;
+pub mod planner;
+pub mod report;
+pub mod samples;
+pub mod trainer;
+
+pub use config::{OptimizerChoice, TrainConfig};
+pub use error::TrainError;
+pub use planner::{plan, Plan, PlanRequest};
+pub use report::Report;
+pub use job::{train, Observer, Quiet, RunSummary};
+pub use trainer::{RunOptions, Session, StepEvent};

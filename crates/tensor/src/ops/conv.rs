@@ -1,9 +1,27 @@
 //! 2-D convolution (cross-correlation, NCHW, weight [out, in/groups, kh, kw]) with stride, padding,
 //! dilation and groups, by im2col + GEMM. The im2col workspace comes from the allocator as a temporary,
 //! sized from shapes only (never from the thread count), so meta and cpu allocate the same bytes.
+//!
+//! Note [conv2d work plan]: the batch is split into `lanes` contiguous runs of samples; each lane owns
+//! one im2col tile of the workspace (`[C*kh*kw, rows*OW]`, `rows` output rows at a time, so one
+//! huge image never needs a huge workspace) and processes its samples one after another with
+//! single-threaded GEMMs, while the lanes run in parallel. With one lane, GEMM and im2col themselves
+//! use all threads. Lanes, rows per tile and therefore every allocation follow from the shapes and
+//! the element size only. The weight gradient is a reduction over samples: lane 0 accumulates
+//! straight into the gradient, every other lane into its own partial `[O, C/groups*kh*kw]`, and the
+//! partials are added in lane order at the end, so the result does not depend on the thread count
+//! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
+//! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 
+use super::matmul::{gemm_into, Mat, SendPtr};
+use super::{check_same, output};
+use crate::autograd::{needs_grad, record, save, Backward};
+use crate::dtype::{DType, Float};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::with_float;
+use rayon::prelude::*;
+use std::ops::Range;
 
 /// Hyper-parameters of a 2-D convolution, `[h, w]` pairs as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,9 +38,1083 @@ impl Default for Conv2dParams {
     }
 }
 
+/// Byte budgets that size the workspaces (Note [conv2d work plan]).
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// At most this many bytes per im2col tile (at least one output row).
+    tile_bytes: usize,
+    /// Lanes are added while all lanes' tiles and weight partials fit in this many bytes.
+    workspace_bytes: usize,
+    max_lanes: usize,
+}
+
+const LIMITS: Limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32 };
+
+/// The shapes of one convolution and its work plan.
+#[derive(Clone, Copy, Debug)]
+struct Geom {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    oh: usize,
+    ow: usize,
+    sh: usize,
+    sw: usize,
+    ph: usize,
+    pw: usize,
+    dh: usize,
+    dw: usize,
+    groups: usize,
+    /// 1x1 kernel, stride 1, no padding: the input is its own im2col matrix.
+    direct: bool,
+    /// Output rows per im2col tile.
+    tile_rows: usize,
+    /// Parallel lanes (0 for an empty batch).
+    lanes: usize,
+    /// Samples per lane (the last lane may have fewer).
+    per_lane: usize,
+}
+
+impl Geom {
+    fn cg(&self) -> usize {
+        self.c / self.groups
+    }
+    fn og(&self) -> usize {
+        self.o / self.groups
+    }
+    /// GEMM depth per group: rows of the im2col matrix of one group.
+    fn kg(&self) -> usize {
+        self.cg() * self.kh * self.kw
+    }
+    /// Rows of the im2col matrix of all groups.
+    fn kc(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+    fn hw(&self) -> usize {
+        self.h * self.w
+    }
+    fn p(&self) -> usize {
+        self.oh * self.ow
+    }
+    /// Elements of one lane's im2col tile.
+    fn col_len(&self) -> usize {
+        if self.direct {
+            0
+        } else {
+            self.kc() * self.tile_rows * self.ow
+        }
+    }
+    fn weight_len(&self) -> usize {
+        self.o * self.kg()
+    }
+    fn samples(&self, lane: usize) -> Range<usize> {
+        (lane * self.per_lane).min(self.n)..((lane + 1) * self.per_lane).min(self.n)
+    }
+    /// Output-row ranges of the tiles of one sample.
+    fn tiles(&self) -> impl Iterator<Item = (usize, usize)> {
+        let (rows, oh) = (self.tile_rows, self.oh);
+        (0..oh).step_by(rows.max(1)).map(move |r0| (r0, (r0 + rows).min(oh)))
+    }
+}
+
+fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limits: Limits) -> Result<Geom> {
+    if x.len() != 4 {
+        return Err(Error::shape(format!("conv2d: input must be [N, C, H, W] or [C, H, W], got {x:?}")));
+    }
+    if wt.len() != 4 {
+        return Err(Error::shape(format!("conv2d: weight must be [out, in/groups, kh, kw], got {wt:?}")));
+    }
+    let (n, c, h, w) = (x[0], x[1], x[2], x[3]);
+    let (o, cg, kh, kw) = (wt[0], wt[1], wt[2], wt[3]);
+    let Conv2dParams { stride, padding, dilation, groups } = *params;
+    if groups == 0 {
+        return Err(Error::shape("conv2d: groups must be at least 1"));
+    }
+    if stride.contains(&0) {
+        return Err(Error::shape(format!("conv2d: stride {stride:?} must be positive")));
+    }
+    if dilation.contains(&0) {
+        return Err(Error::shape(format!("conv2d: dilation {dilation:?} must be positive")));
+    }
+    if kh == 0 || kw == 0 {
+        return Err(Error::shape(format!("conv2d: weight {wt:?} has an empty kernel")));
+    }
+    if c % groups != 0 {
+        return Err(Error::shape(format!(
+            "conv2d: input {x:?} has {c} channels, which groups={groups} does not divide"
+        )));
+    }
+    if o % groups != 0 {
+        return Err(Error::shape(format!(
+            "conv2d: weight {wt:?} has {o} output channels, which groups={groups} does not divide"
+        )));
+    }
+    if cg != c / groups {
+        return Err(Error::shape(format!(
+            "conv2d: weight {wt:?} expects {cg} input channels per group, but input {x:?} with groups={groups} has {}",
+            c / groups
+        )));
+    }
+    let out_size = |size: usize, k: usize, s: usize, p: usize, d: usize| -> Option<usize> {
+        let span = d.checked_mul(k - 1)?.checked_add(1)?;
+        let padded = size.checked_add(p.checked_mul(2)?)?;
+        padded.checked_sub(span).map(|r| r / s + 1)
+    };
+    let (oh, ow) = match (
+        out_size(h, kh, stride[0], padding[0], dilation[0]),
+        out_size(w, kw, stride[1], padding[1], dilation[1]),
+    ) {
+        (Some(oh), Some(ow)) => (oh, ow),
+        _ => {
+            return Err(Error::shape(format!(
+                "conv2d: input {x:?} with padding {padding:?} is smaller than the kernel {kh}x{kw} dilated by \
+                 {dilation:?}: the output size would be less than 1"
+            )))
+        }
+    };
+    let direct = kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0];
+    let kc = c.saturating_mul(kh * kw);
+    let tile_rows = if direct {
+        oh
+    } else {
+        (limits.tile_bytes / kc.saturating_mul(ow).saturating_mul(elem).max(1)).clamp(1, oh)
+    };
+    let col_bytes = if direct { 0 } else { kc.saturating_mul(tile_rows * ow).saturating_mul(elem) };
+    let weight_bytes = o.saturating_mul(cg * kh * kw).saturating_mul(elem);
+    let lane_bytes = col_bytes.saturating_add(weight_bytes).max(1);
+    let (lanes, per_lane) = if n == 0 {
+        (0, 1)
+    } else {
+        let want = (limits.workspace_bytes / lane_bytes).clamp(1, limits.max_lanes.max(1)).min(n);
+        let per_lane = n.div_ceil(want);
+        (n.div_ceil(per_lane), per_lane)
+    };
+    Ok(Geom {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh,
+        kw,
+        oh,
+        ow,
+        sh: stride[0],
+        sw: stride[1],
+        ph: padding[0],
+        pw: padding[1],
+        dh: dilation[0],
+        dw: dilation[1],
+        groups,
+        direct,
+        tile_rows,
+        lanes,
+        per_lane,
+    })
+}
+
 /// `F.conv2d(x, weight, bias, stride, padding, dilation, groups)`: x [N, C, H, W] -> [N, O, OH, OW],
 /// OH = floor((H + 2p - d(k-1) - 1)/s) + 1.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams) -> Result<Tensor> {
-    let _ = (x, weight, bias, params);
-    Err(Error::invalid("conv2d is not implemented yet"))
+    conv2d_with(x, weight, bias, params, LIMITS)
+}
+
+fn check_float(op: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F64 => Ok(()),
+        other => Err(Error::dtype(format!("{op} supports f32 and f64, not {other}"))),
+    }
+}
+
+/// An optional workspace of `len` elements (none when empty).
+fn workspace(like: &Tensor, len: usize, op: &'static str) -> Result<Option<Tensor>> {
+    if len == 0 {
+        return Ok(None);
+    }
+    Ok(Some(output(like, &[len], like.dtype(), op)?))
+}
+
+fn conv2d_with(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams, limits: Limits) -> Result<Tensor> {
+    if x.rank() == 3 {
+        // Unbatched [C, H, W], as PyTorch accepts.
+        return conv2d_with(&x.unsqueeze(0)?, weight, bias, params, limits)?.squeeze(0);
+    }
+    let mut all = vec![x, weight];
+    all.extend(bias);
+    check_same("conv2d", &all)?;
+    check_float("conv2d", x.dtype())?;
+    let g = geometry(x.shape(), weight.shape(), &params, x.dtype().size(), limits)?;
+    if let Some(b) = bias {
+        if b.shape() != [g.o] {
+            return Err(Error::shape(format!(
+                "conv2d: bias {:?} should be [{}] for weight {:?}",
+                b.shape(),
+                g.o,
+                weight.shape()
+            )));
+        }
+    }
+    let x = x.contiguous()?;
+    let weight = weight.contiguous()?;
+    let bias = bias.map(|b| b.contiguous()).transpose()?;
+    let out = output(&x, &[g.n, g.o, g.oh, g.ow], x.dtype(), "conv2d")?;
+    let ws = workspace(&x, g.lanes * g.col_len(), "conv2d_im2col")?;
+    if x.device().computes() {
+        with_float!(x.dtype(), "conv2d", T => {
+            let b = match &bias {
+                Some(b) => Some(b.slice::<T>()?),
+                None => None,
+            };
+            let ws = match &ws {
+                Some(t) => Some(t.slice_mut::<T>()?),
+                None => None,
+            };
+            forward_kernel::<T>(&g, x.slice::<T>()?, weight.slice::<T>()?, b, out.slice_mut::<T>()?, ws);
+        });
+    }
+    drop(ws);
+    let mut inputs = vec![&x, &weight];
+    inputs.extend(bias.as_ref());
+    if !needs_grad(&inputs) {
+        return Ok(out);
+    }
+    let back = Conv2dBack { x: save(&x), weight: save(&weight), has_bias: bias.is_some(), params, limits };
+    Ok(record(out, "conv2d", &inputs, back))
+}
+
+struct Conv2dBack {
+    x: Tensor,
+    weight: Tensor,
+    has_bias: bool,
+    params: Conv2dParams,
+    limits: Limits,
+}
+
+impl Backward for Conv2dBack {
+    fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let (x, weight) = (&self.x, &self.weight);
+        let g = geometry(x.shape(), weight.shape(), &self.params, x.dtype().size(), self.limits)?;
+        if grad.shape() != [g.n, g.o, g.oh, g.ow] || grad.dtype() != x.dtype() {
+            return Err(Error::shape(format!(
+                "conv2d backward: gradient {:?} {} does not match the output [{}, {}, {}, {}] {}",
+                grad.shape(),
+                grad.dtype(),
+                g.n,
+                g.o,
+                g.oh,
+                g.ow,
+                x.dtype()
+            )));
+        }
+        let grad = grad.contiguous()?;
+        let need_x = needs.first().copied().unwrap_or(false);
+        let need_w = needs.get(1).copied().unwrap_or(false);
+        let need_b = self.has_bias && needs.get(2).copied().unwrap_or(false);
+        let dx = if need_x { Some(output(&grad, x.shape(), x.dtype(), "conv2d_backward")?) } else { None };
+        let dw = if need_w { Some(output(&grad, weight.shape(), x.dtype(), "conv2d_backward")?) } else { None };
+        let db = if need_b { Some(output(&grad, &[g.o], x.dtype(), "conv2d_backward")?) } else { None };
+        let ws = if need_x || need_w { workspace(&grad, g.lanes * g.col_len(), "conv2d_im2col")? } else { None };
+        let partials = if need_w {
+            workspace(&grad, g.lanes.saturating_sub(1) * g.weight_len(), "conv2d_weight_partials")?
+        } else {
+            None
+        };
+        if grad.device().computes() {
+            with_float!(x.dtype(), "conv2d_backward", T => {
+                let gout = grad.slice::<T>()?;
+                if need_x || need_w {
+                    let dxs = match &dx {
+                        Some(t) => Some(t.slice_mut::<T>()?),
+                        None => None,
+                    };
+                    let dws = match &dw {
+                        Some(t) => Some(t.slice_mut::<T>()?),
+                        None => None,
+                    };
+                    let ps = match &partials {
+                        Some(t) => Some(t.slice_mut::<T>()?),
+                        None => None,
+                    };
+                    let wss = match &ws {
+                        Some(t) => Some(t.slice_mut::<T>()?),
+                        None => None,
+                    };
+                    backward_kernel::<T>(&g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss);
+                }
+                if let Some(db) = &db {
+                    bias_grad::<T>(&g, gout, db.slice_mut::<T>()?);
+                }
+            });
+        }
+        drop((ws, partials));
+        let mut grads = vec![dx, dw];
+        if self.has_bias {
+            grads.push(db);
+        }
+        Ok(grads)
+    }
+}
+
+/// Runs `f(lane, gemm_threads)` for every lane: lanes in parallel with single-threaded GEMMs, or one
+/// lane with every thread.
+fn run_lanes(lanes: usize, f: impl Fn(usize, usize) + Sync) {
+    match lanes {
+        0 => {}
+        1 => f(0, rayon::current_num_threads()),
+        _ => (0..lanes).into_par_iter().for_each(|lane| f(lane, 1)),
+    }
+}
+
+/// Output positions `o` in `0..out` whose input position `o*stride + off - pad` lies in `0..size`.
+fn valid_range(off: usize, pad: usize, stride: usize, size: usize, out: usize) -> (usize, usize) {
+    let lo = if off >= pad { 0 } else { (pad - off).div_ceil(stride) };
+    let hi = if size + pad <= off { 0 } else { (size + pad - off).div_ceil(stride) };
+    let lo = lo.min(out);
+    (lo, hi.clamp(lo, out))
+}
+
+/// Writes the im2col tile of output rows `r0..r1` of one sample: `col[(c, ki, kj), (oh, ow)]` =
+/// `x[c, oh*sh + ki*dh - ph, ow*sw + kj*dw - pw]` (0 in the padding).
+fn im2col<T: Float>(g: &Geom, xn: &[T], r0: usize, r1: usize, col: &mut [T], parallel: bool) {
+    let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
+    let per_channel = g.kh * g.kw * tp;
+    let channel = |(ci, dst): (usize, &mut [T])| {
+        let plane = &xn[ci * hw..(ci + 1) * hw];
+        for ki in 0..g.kh {
+            for kj in 0..g.kw {
+                let row = &mut dst[(ki * g.kw + kj) * tp..][..tp];
+                let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
+                for (t, orow) in (r0..r1).enumerate() {
+                    let seg = &mut row[t * ow..(t + 1) * ow];
+                    let ih = orow * g.sh + ki * g.dh;
+                    if ih < g.ph || ih - g.ph >= g.h || lo == hi {
+                        seg.fill(T::zero());
+                        continue;
+                    }
+                    let src = &plane[(ih - g.ph) * g.w..][..g.w];
+                    seg[..lo].fill(T::zero());
+                    seg[hi..].fill(T::zero());
+                    // Input column of output column `lo` (>= 0 by construction of `lo`).
+                    let s0 = lo * g.sw + kj * g.dw - g.pw;
+                    if g.sw == 1 {
+                        seg[lo..hi].copy_from_slice(&src[s0..s0 + (hi - lo)]);
+                    } else {
+                        for (d, s) in seg[lo..hi].iter_mut().zip(src[s0..].iter().step_by(g.sw)) {
+                            *d = *s;
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let col = &mut col[..g.c * per_channel];
+    if parallel {
+        col.par_chunks_mut(per_channel).enumerate().for_each(channel);
+    } else {
+        col.chunks_mut(per_channel).enumerate().for_each(channel);
+    }
+}
+
+/// Adds an im2col-shaped tile (output rows `r0..r1`) back onto the input positions it was read from.
+fn col2im<T: Float>(g: &Geom, col: &[T], r0: usize, r1: usize, dxn: &mut [T], parallel: bool) {
+    let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
+    if hw == 0 {
+        return;
+    }
+    let per_channel = g.kh * g.kw * tp;
+    let channel = |(plane, src): (&mut [T], &[T])| {
+        for ki in 0..g.kh {
+            for kj in 0..g.kw {
+                let row = &src[(ki * g.kw + kj) * tp..][..tp];
+                let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
+                if lo == hi {
+                    continue;
+                }
+                for (t, orow) in (r0..r1).enumerate() {
+                    let ih = orow * g.sh + ki * g.dh;
+                    if ih < g.ph || ih - g.ph >= g.h {
+                        continue;
+                    }
+                    let seg = &row[t * ow..(t + 1) * ow];
+                    let dst = &mut plane[(ih - g.ph) * g.w..][..g.w];
+                    let s0 = lo * g.sw + kj * g.dw - g.pw;
+                    if g.sw == 1 {
+                        for (d, s) in dst[s0..s0 + (hi - lo)].iter_mut().zip(&seg[lo..hi]) {
+                            *d += *s;
+                        }
+                    } else {
+                        for (d, s) in dst[s0..].iter_mut().step_by(g.sw).zip(&seg[lo..hi]) {
+                            *d += *s;
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let dxn = &mut dxn[..g.c * hw];
+    let col = &col[..g.c * per_channel];
+    if parallel {
+        dxn.par_chunks_mut(hw).zip(col.par_chunks(per_channel)).for_each(channel);
+    } else {
+        dxn.chunks_mut(hw).zip(col.chunks(per_channel)).for_each(channel);
+    }
+}
+
+/// Forward: `out[n, group rows] (= bias +) W_group @ im2col(x[n])`.
+fn forward_kernel<T: Float>(g: &Geom, x: &[T], w: &[T], bias: Option<&[T]>, out: &mut [T], ws: Option<&mut [T]>) {
+    let (chw, p, col_len) = (g.c * g.hw(), g.p(), g.col_len());
+    let (og, kg) = (g.og(), g.kg());
+    let outp = SendPtr(out.as_mut_ptr());
+    let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
+    run_lanes(g.lanes, |lane, threads| {
+        let (outp, wsp) = (outp, wsp);
+        let col: &mut [T] = if col_len == 0 {
+            &mut []
+        } else {
+            // SAFETY: the workspace holds `lanes * col_len` elements; lane `lane` alone uses its slice.
+            unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * col_len), col_len) }
+        };
+        for n in g.samples(lane) {
+            let xn = &x[n * chw..(n + 1) * chw];
+            // SAFETY: sample n's output block lies inside `out` and is written by this lane only.
+            let on = unsafe { std::slice::from_raw_parts_mut(outp.0.add(n * g.o * p), g.o * p) };
+            for (r0, r1) in g.tiles() {
+                let tp = (r1 - r0) * g.ow;
+                let (src, src_rs) = if g.direct {
+                    (xn.as_ptr(), g.hw())
+                } else {
+                    im2col(g, xn, r0, r1, col, threads > 1);
+                    (col.as_ptr() as *const T, tp)
+                };
+                for gi in 0..g.groups {
+                    if let Some(b) = bias {
+                        for oc in gi * og..(gi + 1) * og {
+                            on[oc * p + r0 * g.ow..][..tp].fill(b[oc]);
+                        }
+                    }
+                    // SAFETY: dst is the [og, tp] block (row stride p) of this sample's output; the
+                    // operands are the group's weight rows [og, kg] and im2col rows [kg, tp], all in
+                    // bounds; dst does not alias them.
+                    unsafe {
+                        gemm_into::<T>(
+                            og,
+                            tp,
+                            kg,
+                            on.as_mut_ptr().add(gi * og * p + r0 * g.ow),
+                            p as isize,
+                            bias.is_some(),
+                            Mat { ptr: w.as_ptr().add(gi * og * kg), rs: kg as isize, cs: 1 },
+                            Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
+                            threads,
+                        )
+                    };
+                }
+            }
+        }
+    });
+}
+
+/// Backward for the input and/or the weight (Note [conv2d work plan]).
+#[allow(clippy::too_many_arguments)]
+fn backward_kernel<T: Float>(
+    g: &Geom,
+    x: &[T],
+    w: &[T],
+    gout: &[T],
+    dx: Option<&mut [T]>,
+    mut dw: Option<&mut [T]>,
+    partials: Option<&mut [T]>,
+    ws: Option<&mut [T]>,
+) {
+    let (chw, p, col_len, wlen) = (g.c * g.hw(), g.p(), g.col_len(), g.weight_len());
+    let (og, kg, cg) = (g.og(), g.kg(), g.cg());
+    let dxp = dx.map(|d| SendPtr(d.as_mut_ptr()));
+    let dwp = dw.as_mut().map(|d| SendPtr(d.as_mut_ptr()));
+    let pp = SendPtr(partials.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
+    let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
+    run_lanes(g.lanes, |lane, threads| {
+        let (dxp, dwp, pp, wsp) = (dxp, dwp, pp, wsp);
+        let col: &mut [T] = if col_len == 0 {
+            &mut []
+        } else {
+            // SAFETY: the workspace holds `lanes * col_len` elements; lane `lane` alone uses its slice.
+            unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * col_len), col_len) }
+        };
+        // Lane 0 accumulates into the weight gradient itself, lane l > 0 into partial l - 1.
+        // SAFETY: the partials workspace holds (lanes - 1) * wlen elements when the weight gradient is needed.
+        let dw_dst = dwp.map(|d| if lane == 0 { d.0 } else { unsafe { pp.0.add((lane - 1) * wlen) } });
+        let mut first = true;
+        for n in g.samples(lane) {
+            let xn = &x[n * chw..(n + 1) * chw];
+            let gn = &gout[n * g.o * p..(n + 1) * g.o * p];
+            // SAFETY: sample n's input-gradient block lies inside dx and is written by this lane only.
+            let mut dxn = dxp.map(|d| unsafe { std::slice::from_raw_parts_mut(d.0.add(n * chw), chw) });
+            if !g.direct {
+                if let Some(d) = dxn.as_deref_mut() {
+                    d.fill(T::zero());
+                }
+            }
+            for (r0, r1) in g.tiles() {
+                let tp = (r1 - r0) * g.ow;
+                if let Some(dwd) = dw_dst {
+                    let (src, src_rs) = if g.direct {
+                        (xn.as_ptr(), g.hw())
+                    } else {
+                        im2col(g, xn, r0, r1, col, threads > 1);
+                        (col.as_ptr() as *const T, tp)
+                    };
+                    for gi in 0..g.groups {
+                        // dW_g [og, kg] (+)= gout_g [og, tp] @ col_g^T [tp, kg].
+                        // SAFETY: dwd holds this lane's [o, kg] accumulator; operands are in bounds
+                        // and do not alias it.
+                        unsafe {
+                            gemm_into::<T>(
+                                og,
+                                kg,
+                                tp,
+                                dwd.add(gi * og * kg),
+                                kg as isize,
+                                !first,
+                                Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: p as isize, cs: 1 },
+                                Mat { ptr: src.add(gi * kg * src_rs), rs: 1, cs: src_rs as isize },
+                                threads,
+                            )
+                        };
+                    }
+                    first = false;
+                }
+                if let Some(dxn) = dxn.as_deref_mut() {
+                    for gi in 0..g.groups {
+                        // col_g [kg, tp] = W_g^T [kg, og] @ gout_g [og, tp]; direct: straight into dx.
+                        let (dst, dst_rs) = if g.direct {
+                            // SAFETY: in bounds of this sample's dx block.
+                            (unsafe { dxn.as_mut_ptr().add(gi * cg * g.hw()) }, g.hw())
+                        } else {
+                            // SAFETY: in bounds of this lane's tile.
+                            (unsafe { col.as_mut_ptr().add(gi * kg * tp) }, tp)
+                        };
+                        // SAFETY: dst is a fresh [kg, tp] block; operands are in bounds and do not alias it.
+                        unsafe {
+                            gemm_into::<T>(
+                                kg,
+                                tp,
+                                og,
+                                dst,
+                                dst_rs as isize,
+                                false,
+                                Mat { ptr: w.as_ptr().add(gi * og * kg), rs: 1, cs: kg as isize },
+                                Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: p as isize, cs: 1 },
+                                threads,
+                            )
+                        };
+                    }
+                    if !g.direct {
+                        col2im(g, col, r0, r1, dxn, threads > 1);
+                    }
+                }
+            }
+        }
+    });
+    if let Some(dw) = dw {
+        if g.lanes == 0 {
+            dw.fill(T::zero());
+        } else if g.lanes > 1 {
+            // SAFETY: the partials workspace holds (lanes - 1) * wlen elements, no longer written.
+            let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, (g.lanes - 1) * wlen) };
+            const CHUNK: usize = 1 << 12;
+            let add = |(i, d): (usize, &mut [T])| {
+                for part in parts.chunks_exact(wlen) {
+                    for (d, s) in d.iter_mut().zip(&part[i * CHUNK..]) {
+                        *d += *s;
+                    }
+                }
+            };
+            if wlen * g.lanes >= 1 << 16 {
+                dw.par_chunks_mut(CHUNK).enumerate().for_each(add);
+            } else {
+                dw.chunks_mut(CHUNK).enumerate().for_each(add);
+            }
+        }
+    }
+}
+
+/// `db[o] = sum over n, oh, ow of gout[n, o, oh, ow]`.
+fn bias_grad<T: Float>(g: &Geom, gout: &[T], db: &mut [T]) {
+    let p = g.p();
+    let sum = |(oc, d): (usize, &mut T)| {
+        let mut s = T::zero();
+        for n in 0..g.n {
+            s += gout[(n * g.o + oc) * p..][..p].iter().copied().sum::<T>();
+        }
+        *d = s;
+    };
+    if g.n * g.o * p >= 1 << 16 {
+        db.par_iter_mut().enumerate().for_each(sum);
+    } else {
+        db.iter_mut().enumerate().for_each(sum);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autograd::backward_with;
+    use crate::memory::{Category, EventKind, Phase};
+    use crate::Device;
+
+    fn leaf(dev: &Device, data: &[f64], shape: &[usize], grad: bool) -> Tensor {
+        let t = Tensor::from_slice(dev, data, shape, Category::Parameter).unwrap();
+        if grad {
+            t.set_requires_grad(true)
+        } else {
+            t
+        }
+    }
+
+    /// Deterministic values in [-1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn params(stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], groups: usize) -> Conv2dParams {
+        Conv2dParams { stride, padding, dilation, groups }
+    }
+
+    /// Direct loops, straight from the definition.
+    fn naive(x: &[f64], xs: [usize; 4], w: &[f64], ws: [usize; 4], b: Option<&[f64]>, p: Conv2dParams) -> Vec<f64> {
+        let [n, c, h, wd] = xs;
+        let [o, cg, kh, kw] = ws;
+        let og = o / p.groups;
+        let oh = (h + 2 * p.padding[0] - p.dilation[0] * (kh - 1) - 1) / p.stride[0] + 1;
+        let ow = (wd + 2 * p.padding[1] - p.dilation[1] * (kw - 1) - 1) / p.stride[1] + 1;
+        let mut out = vec![0.0; n * o * oh * ow];
+        for ni in 0..n {
+            for oc in 0..o {
+                let gi = oc / og;
+                for y in 0..oh {
+                    for xo in 0..ow {
+                        let mut s = b.map_or(0.0, |b| b[oc]);
+                        for ci in 0..cg {
+                            let cin = gi * cg + ci;
+                            for ki in 0..kh {
+                                for kj in 0..kw {
+                                    let ih = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                                    let iw = (xo * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                                    if ih < 0 || iw < 0 || ih as usize >= h || iw as usize >= wd {
+                                        continue;
+                                    }
+                                    s += x[((ni * c + cin) * h + ih as usize) * wd + iw as usize]
+                                        * w[((oc * cg + ci) * kh + ki) * kw + kj];
+                                }
+                            }
+                        }
+                        out[((ni * o + oc) * oh + y) * ow + xo] = s;
+                    }
+                }
+            }
+        }
+        let _ = c;
+        out
+    }
+
+    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what}[{i}]: got {a}, want {b}");
+        }
+    }
+
+    /// Checks the gradients of `sum(f(inputs) * r)` against central differences (f64).
+    fn gradcheck(inputs: &[(Vec<f64>, Vec<usize>)], f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+        let dev = Device::cpu();
+        let leaves: Vec<Tensor> = inputs.iter().map(|(d, s)| leaf(&dev, d, s, true)).collect();
+        let out = f(&leaves).unwrap();
+        let r = values(99, out.numel());
+        backward_with(&out, Tensor::from_slice(&dev, &r, out.shape(), Category::Input).unwrap()).unwrap();
+        let loss = |vals: &[Vec<f64>]| -> f64 {
+            let _no_grad = dev.no_grad();
+            let ts: Vec<Tensor> = vals.iter().zip(inputs).map(|(v, (_, s))| leaf(&dev, v, s, false)).collect();
+            f(&ts).unwrap().to_f64_vec().unwrap().iter().zip(&r).map(|(a, b)| a * b).sum()
+        };
+        let eps = 1e-6;
+        for (i, l) in leaves.iter().enumerate() {
+            let analytic = l.grad().expect("input got no gradient").to_f64_vec().unwrap();
+            let mut vals: Vec<Vec<f64>> = inputs.iter().map(|(d, _)| d.clone()).collect();
+            for e in 0..vals[i].len() {
+                let v = vals[i][e];
+                vals[i][e] = v + eps;
+                let up = loss(&vals);
+                vals[i][e] = v - eps;
+                let down = loss(&vals);
+                vals[i][e] = v;
+                let numeric = (up - down) / (2.0 * eps);
+                assert!(
+                    (analytic[e] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                    "input {i} element {e}: analytic {} vs numeric {numeric}",
+                    analytic[e]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn hand_checked_4x4() {
+        let dev = Device::cpu();
+        let xv: Vec<f64> = (1..=16).map(f64::from).collect();
+        let x = leaf(&dev, &xv, &[1, 1, 4, 4], true);
+        let w = leaf(&dev, &[1.0; 9], &[1, 1, 3, 3], true);
+        let b = leaf(&dev, &[1.0], &[1], true);
+        let out = conv2d(&x, &w, Some(&b), Conv2dParams::default()).unwrap();
+        assert_eq!(out.shape(), [1, 1, 2, 2]);
+        // Window sums 54, 63, 90, 99 plus the bias.
+        assert_eq!(out.to_f64_vec().unwrap(), [55.0, 64.0, 91.0, 100.0]);
+        backward_with(&out, Tensor::full(&dev, &[1, 1, 2, 2], 1.0, DType::F64, Category::Input).unwrap()).unwrap();
+        // Each input position gets one per window covering it.
+        let counts = [1., 2., 2., 1., 2., 4., 4., 2., 2., 4., 4., 2., 1., 2., 2., 1.];
+        assert_eq!(x.grad().unwrap().to_f64_vec().unwrap(), counts);
+        // dW[ki, kj] = x[ki, kj] + x[ki, kj+1] + x[ki+1, kj] + x[ki+1, kj+1] = 16 ki + 4 kj + 14.
+        let dw: Vec<f64> = (0..9).map(|k| (16 * (k / 3) + 4 * (k % 3) + 14) as f64).collect();
+        assert_eq!(w.grad().unwrap().to_f64_vec().unwrap(), dw);
+        assert_eq!(b.grad().unwrap().to_f64_vec().unwrap(), [4.0]);
+
+        // The centre tap with stride 2 and padding 1 samples x[0,0], x[0,2], x[2,0], x[2,2].
+        let mut centre = [0.0; 9];
+        centre[4] = 1.0;
+        let w = leaf(&dev, &centre, &[1, 1, 3, 3], false);
+        let out = conv2d(&x, &w, None, params([2, 2], [1, 1], [1, 1], 1)).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), [1.0, 3.0, 9.0, 11.0]);
+        // The top-left tap with padding 1 shifts the image down-right by one, filling zeros.
+        let mut corner = [0.0; 9];
+        corner[0] = 1.0;
+        let w = leaf(&dev, &corner, &[1, 1, 3, 3], false);
+        let out = conv2d(&x, &w, None, params([1, 1], [1, 1], [1, 1], 1)).unwrap().to_f64_vec().unwrap();
+        let want = [0., 0., 0., 0., 0., 1., 2., 3., 0., 5., 6., 7., 0., 9., 10., 11.];
+        assert_eq!(out, want);
+    }
+
+    /// (input shape, weight shape, params, bias)
+    fn cases() -> Vec<([usize; 4], [usize; 4], Conv2dParams, bool)> {
+        vec![
+            ([2, 3, 8, 9], [4, 3, 3, 3], params([1, 1], [1, 1], [1, 1], 1), true),
+            ([2, 3, 9, 8], [4, 3, 3, 3], params([2, 2], [1, 1], [1, 1], 1), false),
+            ([2, 2, 9, 9], [3, 2, 3, 3], params([1, 1], [2, 2], [2, 2], 1), true),
+            ([3, 4, 6, 7], [6, 2, 3, 3], params([1, 1], [1, 1], [1, 1], 2), true),
+            ([2, 4, 7, 7], [4, 1, 3, 3], params([2, 2], [1, 1], [1, 1], 4), false),
+            ([2, 4, 7, 7], [8, 1, 3, 2], params([2, 1], [1, 0], [1, 2], 4), true),
+            ([2, 2, 6, 7], [3, 2, 1, 3], params([1, 2], [0, 1], [1, 1], 1), true),
+            ([3, 6, 5, 4], [4, 3, 1, 1], params([1, 1], [0, 0], [1, 1], 2), true),
+            ([2, 3, 5, 6], [2, 3, 1, 1], params([2, 2], [0, 0], [1, 1], 1), false),
+            ([1, 2, 3, 3], [2, 2, 5, 5], params([1, 3], [2, 2], [1, 1], 1), true),
+        ]
+    }
+
+    /// Work plans exercised besides the default: one lane with one output row per tile (threaded
+    /// GEMM and im2col), several lanes with weight partials and multi-tile samples.
+    const SMALL: [Limits; 2] = [
+        Limits { tile_bytes: 1, workspace_bytes: 1, max_lanes: 32 },
+        Limits { tile_bytes: 200, workspace_bytes: 1 << 20, max_lanes: 2 },
+    ];
+
+    #[test]
+    fn forward_matches_naive_loops_for_every_plan() {
+        let dev = Device::cpu();
+        for (i, (xs, ws, p, bias)) in cases().into_iter().enumerate() {
+            let xv = values(i as u64, xs.iter().product());
+            let wv = values(100 + i as u64, ws.iter().product());
+            let bv = values(200 + i as u64, ws[0]);
+            let want = naive(&xv, xs, &wv, ws, bias.then_some(&bv[..]), p);
+            let x = leaf(&dev, &xv, &xs, false);
+            let w = leaf(&dev, &wv, &ws, false);
+            let b = leaf(&dev, &bv, &[ws[0]], false);
+            for limits in [LIMITS, SMALL[0], SMALL[1]] {
+                let out = conv2d_with(&x, &w, bias.then_some(&b), p, limits).unwrap();
+                assert_close(&out.to_f64_vec().unwrap(), &want, 1e-12, &format!("case {i} {limits:?}"));
+                // f32 too.
+                let x32 = Tensor::from_slice(&dev, &xv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &xs, Category::Input).unwrap();
+                let w32 = Tensor::from_slice(&dev, &wv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &ws, Category::Input).unwrap();
+                let b32 = Tensor::from_slice(&dev, &bv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &[ws[0]], Category::Input).unwrap();
+                let out = conv2d_with(&x32, &w32, bias.then_some(&b32), p, limits).unwrap();
+                assert_close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("f32 case {i} {limits:?}"));
+            }
+        }
+    }
+
+    #[test]
+    fn the_small_plans_really_tile_and_split() {
+        let g = geometry(&[5, 3, 8, 9], &[4, 3, 3, 3], &params([1, 1], [1, 1], [1, 1], 1), 8, SMALL[0]).unwrap();
+        assert_eq!((g.lanes, g.tile_rows), (1, 1));
+        let g = geometry(&[5, 3, 8, 9], &[4, 3, 3, 3], &params([1, 1], [1, 1], [1, 1], 1), 8, SMALL[1]).unwrap();
+        assert_eq!((g.lanes, g.per_lane, g.tile_rows), (2, 3, 1));
+        let g = geometry(&[64, 32, 32, 32], &[64, 32, 3, 3], &Conv2dParams { padding: [1, 1], ..Default::default() }, 4, LIMITS)
+            .unwrap();
+        assert!(g.lanes > 1 && g.tile_rows == 32, "{g:?}");
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let variants = [
+            ([2, 2, 5, 6], [3, 2, 3, 3], params([2, 2], [1, 1], [1, 1], 1), true),
+            ([2, 2, 7, 7], [2, 2, 3, 3], params([1, 1], [1, 1], [2, 2], 1), true),
+            ([2, 4, 5, 5], [4, 2, 3, 3], params([1, 1], [1, 1], [1, 1], 2), true),
+            ([2, 4, 6, 5], [4, 1, 2, 3], params([2, 1], [1, 1], [2, 1], 4), false),
+            ([2, 4, 3, 4], [2, 2, 1, 1], params([1, 1], [0, 0], [1, 1], 2), true),
+        ];
+        for (i, (xs, ws, p, bias)) in variants.into_iter().enumerate() {
+            let mut inputs = vec![
+                (values(10 + i as u64, xs.iter().product()), xs.to_vec()),
+                (values(20 + i as u64, ws.iter().product()), ws.to_vec()),
+            ];
+            if bias {
+                inputs.push((values(30 + i as u64, ws[0]), vec![ws[0]]));
+            }
+            for limits in [LIMITS, SMALL[0], SMALL[1]] {
+                gradcheck(&inputs, |t| conv2d_with(&t[0], &t[1], t.get(2), p, limits));
+            }
+        }
+    }
+
+    /// Runs conv2d forward and backward; returns the allocator's events and peak.
+    fn program(dev: &Device, limits: Limits, input_grad: bool) -> (Vec<(EventKind, u64, Category, &'static str, Phase)>, u64) {
+        let x = Tensor::full(dev, &[5, 4, 9, 8], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(input_grad);
+        let w = Tensor::full(dev, &[6, 2, 3, 3], 0.25, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
+        let b = Tensor::full(dev, &[6], 0.1, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
+        {
+            let _phase = dev.enter_phase(Phase::Forward);
+            let out = conv2d_with(&x, &w, Some(&b), params([2, 1], [1, 2], [1, 2], 2), limits).unwrap();
+            let seed = Tensor::full(dev, out.shape(), 1.0, DType::F32, Category::Temporary).unwrap();
+            backward_with(&out, seed).unwrap();
+        }
+        let a = dev.allocator();
+        let events = a.timeline().events().map(|e| (e.kind, e.bytes, e.category, e.op, e.phase)).collect();
+        (events, a.stats().allocated_bytes.peak)
+    }
+
+    #[test]
+    fn meta_allocates_what_cpu_allocates() {
+        for limits in [LIMITS, SMALL[0], SMALL[1]] {
+            for input_grad in [false, true] {
+                let cpu = program(&Device::cpu(), limits, input_grad);
+                let meta = program(&Device::meta(), limits, input_grad);
+                assert_eq!(cpu, meta, "{limits:?}");
+                assert!(cpu.0.iter().any(|e| e.3 == "conv2d_im2col" && e.4 == Phase::Backward));
+                // grad input, weight, bias; the input's only when it wants one.
+                let grads = cpu.0.iter().filter(|e| e.0 == EventKind::Alloc && e.3 == "conv2d_backward").count();
+                assert_eq!(grads, 2 + input_grad as usize);
+            }
+        }
+    }
+
+    #[test]
+    fn workspace_does_not_depend_on_the_thread_count() {
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| program(&Device::cpu(), LIMITS, true))
+        };
+        assert_eq!(run(1), run(3));
+    }
+
+    #[test]
+    fn shape_errors_are_clear() {
+        let dev = Device::cpu();
+        let x = Tensor::zeros(&dev, &[1, 4, 5, 5], DType::F32, Category::Input).unwrap();
+        let err = |w: &[usize], b: Option<&[usize]>, p: Conv2dParams| {
+            let w = Tensor::zeros(&dev, w, DType::F32, Category::Input).unwrap();
+            let b = b.map(|s| Tensor::zeros(&dev, s, DType::F32, Category::Input).unwrap());
+            conv2d(&x, &w, b.as_ref(), p).unwrap_err().to_string()
+        };
+        assert!(err(&[2, 4, 3, 3], None, params([1, 1], [0, 0], [1, 1], 3)).contains("does not divide"));
+        assert!(err(&[3, 2, 3, 3], None, params([1, 1], [0, 0], [1, 1], 2)).contains("does not divide"));
+        assert!(err(&[2, 4, 3, 3], None, params([1, 1], [0, 0], [1, 1], 2)).contains("input channels per group"));
+        assert!(err(&[2, 4, 6, 3], None, Conv2dParams::default()).contains("less than 1"));
+        assert!(err(&[2, 4, 3, 3], None, params([1, 1], [0, 0], [3, 3], 1)).contains("less than 1"));
+        assert!(err(&[2, 4, 3, 3], Some(&[3]), Conv2dParams::default()).contains("bias"));
+        assert!(err(&[2, 4, 3, 3], None, params([0, 1], [0, 0], [1, 1], 1)).contains("stride"));
+        assert!(err(&[2, 4, 3], None, Conv2dParams::default()).contains("weight must be"));
+        let x2 = Tensor::zeros(&dev, &[4, 5], DType::F32, Category::Input).unwrap();
+        let w = Tensor::zeros(&dev, &[2, 4, 3, 3], DType::F32, Category::Input).unwrap();
+        assert!(conv2d(&x2, &w, None, Conv2dParams::default()).unwrap_err().to_string().contains("input must be"));
+        let w64 = Tensor::zeros(&dev, &[2, 4, 3, 3], DType::F64, Category::Input).unwrap();
+        assert!(conv2d(&x, &w64, None, Conv2dParams::default()).is_err());
+        // Unbatched input works like a batch of one.
+        let x3 = Tensor::full(&dev, &[4, 5, 5], 1.0, DType::F32, Category::Input).unwrap();
+        let w1 = Tensor::full(&dev, &[2, 4, 3, 3], 1.0, DType::F32, Category::Input).unwrap();
+        let out = conv2d(&x3, &w1, None, Conv2dParams::default()).unwrap();
+        assert_eq!(out.shape(), [2, 3, 3]);
+        assert_eq!(out.to_f64_vec().unwrap(), vec![36.0; 18]);
+    }
+
+    #[test]
+    fn empty_batch_gives_empty_output_and_zero_weight_gradient() {
+        let dev = Device::cpu();
+        let x = Tensor::zeros(&dev, &[0, 2, 5, 5], DType::F64, Category::Input).unwrap();
+        let w = leaf(&dev, &[1.0; 36], &[2, 2, 3, 3], true);
+        let out = conv2d(&x, &w, None, Conv2dParams::default()).unwrap();
+        assert_eq!(out.shape(), [0, 2, 3, 3]);
+        backward_with(&out, Tensor::zeros(&dev, &[0, 2, 3, 3], DType::F64, Category::Input).unwrap()).unwrap();
+        assert_eq!(w.grad().unwrap().to_f64_vec().unwrap(), vec![0.0; 36]);
+    }
+
+    fn golden_dir() -> Option<std::path::PathBuf> {
+        let dir = std::path::PathBuf::from("/work/shared/golden");
+        if dir.join("manifest.json").exists() {
+            Some(dir)
+        } else {
+            eprintln!("golden data not found at {}; skipping", dir.display());
+            None
+        }
+    }
+
+    /// Values of one golden tensor as f64.
+    pub(crate) fn golden_values(st: &safetensors::SafeTensors, key: &str) -> (Vec<f64>, Vec<usize>) {
+        let v = st.tensor(key).unwrap_or_else(|e| panic!("{key}: {e}"));
+        let d = v.data();
+        let vals = match v.dtype() {
+            safetensors::Dtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+            safetensors::Dtype::F64 => d.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect(),
+            safetensors::Dtype::I64 => d.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+            other => panic!("{key}: unexpected dtype {other:?}"),
+        };
+        (vals, v.shape().to_vec())
+    }
+
+    fn golden_tensor(dev: &Device, st: &safetensors::SafeTensors, key: &str, dtype: DType) -> Tensor {
+        let (v, s) = golden_values(st, key);
+        match dtype {
+            DType::F32 => Tensor::from_slice(dev, &v.iter().map(|&x| x as f32).collect::<Vec<_>>(), &s, Category::Input).unwrap(),
+            _ => Tensor::from_slice(dev, &v, &s, Category::Input).unwrap(),
+        }
+    }
+
+    fn within(got: &[f64], want: &[f64], rtol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let atol = rtol * want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= rtol * w.abs() + atol, "{what}[{i}]: got {g}, want {w}");
+        }
+    }
+
+    #[test]
+    fn matches_pytorch_golden_data() {
+        let Some(dir) = golden_dir() else { return };
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+        let bytes = std::fs::read(dir.join("conv2d.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let dev = Device::cpu();
+        let mut seen = 0;
+        for case in manifest["cases"].as_array().unwrap() {
+            if case["file"] != "conv2d.safetensors" {
+                continue;
+            }
+            let name = case["name"].as_str().unwrap();
+            let (dtype, rtol) = if case["dtype"] == "float32" { (DType::F32, 1e-5) } else { (DType::F64, 1e-10) };
+            let a = &case["attrs"];
+            let pair = |k: &str| [a[k][0].as_u64().unwrap() as usize, a[k][1].as_u64().unwrap() as usize];
+            let p = params(pair("stride"), pair("padding"), pair("dilation"), a["groups"].as_u64().unwrap() as usize);
+            let mut args = std::collections::HashMap::new();
+            for t in case["tensors"].as_array().unwrap() {
+                if let Some(arg) = t["arg"].as_str() {
+                    let tensor = golden_tensor(&dev, &st, t["key"].as_str().unwrap(), dtype);
+                    args.insert(arg.to_string(), tensor.set_requires_grad(t["requires_grad"] == true));
+                }
+            }
+            let out = conv2d(&args["input"], &args["weight"], args.get("bias"), p).unwrap();
+            within(&out.to_f64_vec().unwrap(), &golden_values(&st, &format!("{name}/output")).0, rtol, name);
+            let seed = golden_tensor(&dev, &st, &format!("{name}/grad_out"), dtype);
+            backward_with(&out, seed).unwrap();
+            for t in case["tensors"].as_array().unwrap() {
+                if t["role"] == "grad" {
+                    let wrt = t["wrt"].as_str().unwrap();
+                    let got = args[wrt].grad().unwrap().to_f64_vec().unwrap();
+                    within(&got, &golden_values(&st, t["key"].as_str().unwrap()).0, rtol, &format!("{name} d{wrt}"));
+                }
+            }
+            seen += 1;
+        }
+        assert!(seen >= 10, "only {seen} conv2d golden cases");
+    }
+}
+#[cfg(test)]
+mod timing_tmp {
+    use super::*;
+    use crate::autograd::backward_with;
+    use crate::memory::Category;
+    use crate::Device;
+    use std::time::Instant;
+
+    fn layer(dev: &Device, xs: [usize; 4], o: usize, input_grad: bool, iters: usize) -> (f64, f64) {
+        let x = Tensor::full(dev, &xs, 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(input_grad);
+        let w = Tensor::full(dev, &[o, xs[1], 3, 3], 0.01, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
+        let b = Tensor::full(dev, &[o], 0.0, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
+        let p = Conv2dParams { padding: [1, 1], ..Default::default() };
+        let (mut tf, mut tb) = (f64::MAX, f64::MAX);
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            let out = conv2d(&x, &w, Some(&b), p).unwrap();
+            let t1 = Instant::now();
+            let seed = Tensor::full(dev, out.shape(), 1.0, DType::F32, Category::Temporary).unwrap();
+            let t1b = Instant::now();
+            backward_with(&out, seed).unwrap();
+            let t2 = Instant::now();
+            tf = tf.min((t1 - t0).as_secs_f64() * 1e3);
+            tb = tb.min((t2 - t1b).as_secs_f64() * 1e3);
+            w.set_grad(None);
+            b.set_grad(None);
+            x.set_grad(None);
+        }
+        (tf, tb)
+    }
+
+    #[test]
+    fn zz_timing() {
+        let dev = Device::cpu();
+        let mut total = 0.0;
+        for (xs, o, ig) in [([64, 3, 64, 64], 32, false), ([64, 32, 32, 32], 64, true), ([64, 64, 16, 16], 128, true), ([128, 1, 28, 28], 16, false)] {
+            let (f, b) = layer(&dev, xs, o, ig, 5);
+            eprintln!("conv {xs:?} -> {o}: forward {f:.2} ms, backward {b:.2} ms");
+            if xs[0] == 64 { total += f + b; }
+        }
+        eprintln!("deepcnn conv total {total:.2} ms");
+    }
+}
+#[cfg(test)]
+mod timing_tmp2 {
+    use super::*;
+    use std::time::Instant;
+    fn bench(m: usize, n: usize, k: usize, a_t: bool, b_t: bool, reps: usize, par: bool) -> f64 {
+        let a = vec![0.5f32; m * k];
+        let b = vec![0.25f32; k * n * reps];
+        let mut c = vec![0f32; m * n * reps];
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            let cp = SendPtr(c.as_mut_ptr());
+            let run = |r: usize| {
+                let cp = cp;
+                let am = if a_t { Mat { ptr: a.as_ptr(), rs: 1, cs: m as isize } } else { Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 } };
+                let bp = unsafe { b.as_ptr().add(r * k * n) };
+                let bm = if b_t { Mat { ptr: bp, rs: 1, cs: k as isize } } else { Mat { ptr: bp, rs: n as isize, cs: 1 } };
+                unsafe { gemm_into::<f32>(m, n, k, cp.0.add(r * m * n), n as isize, false, am, bm, if par { 1 } else { 2 }) };
+            };
+            if par { (0..reps).into_par_iter().for_each(run) } else { (0..reps).for_each(run) }
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        2.0 * (m * n * k * reps) as f64 / best / 1e9
+    }
+    #[test]
+    fn zz_gemm() {
+        for (m, n, k, at, bt) in [(64, 1024, 288, false, false), (128, 256, 576, false, false), (32, 4096, 27, false, false), (288, 1024, 64, true, false), (576, 256, 128, true, false), (64, 288, 1024, false, true), (128, 576, 256, false, true), (32, 27, 4096, false, true)] {
+            eprintln!("{m}x{n}x{k} at={at} bt={bt}: par-samples {:.1} GFLOPS, gemm-threaded {:.1} GFLOPS", bench(m, n, k, at, bt, 16, true), bench(m, n, k, at, bt, 16, false));
+        }
+    }
 }

@@ -1,11 +1,176 @@
 //! Dropout with an explicit seed: zeroes elements with probability p and scales the rest by 1/(1-p).
+//!
+//! Element `i` is kept when a SplitMix64 draw keyed by (seed, i) is >= p, so the mask depends only on
+//! the seed and the element's position (never on threading). Backward uses the mask saved as one bit
+//! per element (a u8 tensor of ceil(numel / 8) bytes, bit `i % 8` of byte `i / 8`).
 
+use super::{output, PAR_CHUNK};
+use crate::autograd::{needs_grad, record, save, Backward};
+use crate::dtype::{DType, Float};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::with_float;
+use rayon::prelude::*;
+
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The SplitMix64 finalizer.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in [0, 1) for element `i` of the stream `key` (= mix(seed)).
+fn uniform(key: u64, i: u64) -> f64 {
+    let z = mix(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GAMMA)));
+    (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Bytes of mask per parallel task (8 elements per byte).
+const MASK_BYTES_PER_TASK: usize = PAR_CHUNK / 8;
 
 /// `F.dropout(x, p, training)`; the mask is drawn from `seed` (same seed, same mask). Identity when
 /// not training or p == 0.
 pub fn dropout(x: &Tensor, p: f64, training: bool, seed: u64) -> Result<Tensor> {
-    let _ = (x, p, training, seed);
-    Err(Error::invalid("dropout is not implemented yet"))
+    if !(0.0..=1.0).contains(&p) {
+        return Err(Error::invalid(format!("dropout: probability has to be between 0 and 1, got {p}")));
+    }
+    if !training || p == 0.0 {
+        return Ok(x.clone());
+    }
+    let x = x.contiguous()?;
+    let numel = x.numel();
+    let grad = needs_grad(&[&x]);
+    let out = output(&x, x.shape(), x.dtype(), "dropout")?;
+    let mask = if grad { Some(output(&x, &[numel.div_ceil(8)], DType::U8, "dropout")?) } else { None };
+    if x.device().computes() && numel > 0 {
+        let key = mix(seed);
+        with_float!(x.dtype(), "dropout", T => {
+            let scale = T::of(1.0 / (1.0 - p));
+            let (src, dst) = (x.slice::<T>()?, out.slice_mut::<T>()?);
+            // Processes elements [8 * byte0, ...) of one task: writes output and (optionally) mask bytes.
+            let run = |byte0: usize, d: &mut [T], s: &[T], m: Option<&mut [u8]>| {
+                let mut bits = [0u8; MASK_BYTES_PER_TASK];
+                for (j, (d, &s)) in d.iter_mut().zip(s).enumerate() {
+                    let keep = uniform(key, (byte0 * 8 + j) as u64) >= p;
+                    *d = if keep { s * scale } else { T::of(0.0) };
+                    bits[j / 8] |= (keep as u8) << (j % 8);
+                }
+                if let Some(m) = m {
+                    m.copy_from_slice(&bits[..m.len()]);
+                }
+            };
+            let per = 8 * MASK_BYTES_PER_TASK;
+            match &mask {
+                Some(mask) => {
+                    let m = mask.slice_mut::<u8>()?;
+                    dst.par_chunks_mut(per).zip(src.par_chunks(per)).zip(m.par_chunks_mut(MASK_BYTES_PER_TASK))
+                        .enumerate().for_each(|(k, ((d, s), m))| run(k * MASK_BYTES_PER_TASK, d, s, Some(m)));
+                }
+                None => {
+                    dst.par_chunks_mut(per).zip(src.par_chunks(per))
+                        .enumerate().for_each(|(k, (d, s))| run(k * MASK_BYTES_PER_TASK, d, s, None));
+                }
+            }
+        });
+    }
+    match mask {
+        Some(mask) => Ok(record(out, "dropout", &[&x], DropoutBack { mask: save(&mask), p })),
+        None => Ok(out),
+    }
+}
+
+struct DropoutBack {
+    mask: Tensor,
+    p: f64,
+}
+
+impl Backward for DropoutBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let grad = grad.contiguous()?;
+        let gx = output(&grad, grad.shape(), grad.dtype(), "dropout_backward")?;
+        if grad.device().computes() {
+            with_float!(grad.dtype(), "dropout_backward", T => {
+                let scale = T::of(1.0 / (1.0 - self.p));
+                let (g, m, dst) = (grad.slice::<T>()?, self.mask.slice::<u8>()?, gx.slice_mut::<T>()?);
+                let run = |(d, (g, m)): (&mut [T], (&[T], &[u8]))| {
+                    for (j, (d, &g)) in d.iter_mut().zip(g).enumerate() {
+                        *d = if (m[j / 8] >> (j % 8)) & 1 == 1 { g * scale } else { T::of(0.0) };
+                    }
+                };
+                let per = 8 * MASK_BYTES_PER_TASK;
+                dst.par_chunks_mut(per).zip(g.par_chunks(per).zip(m.par_chunks(MASK_BYTES_PER_TASK))).for_each(run);
+            });
+        }
+        Ok(vec![Some(gx)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autograd::backward_with;
+    use crate::ops::softmax::test_support::*;
+    use crate::{Category, Device};
+
+    #[test]
+    fn identity_when_not_training_or_p_zero() {
+        let dev = Device::cpu();
+        let x = t64(&dev, &[1.0, 2.0], &[2]);
+        assert!(dropout(&x, 0.5, false, 1).unwrap().same(&x));
+        assert!(dropout(&x, 0.0, true, 1).unwrap().same(&x));
+        assert!(dropout(&x, 1.5, false, 1).is_err());
+        assert!(dropout(&x, -0.1, true, 1).is_err());
+        assert!(dropout(&x, f64::NAN, true, 1).is_err());
+        // p == 1 zeroes everything.
+        assert_eq!(dropout(&x, 1.0, true, 1).unwrap().to_f64_vec().unwrap(), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn mask_statistics_scaling_and_determinism() {
+        let dev = Device::cpu();
+        let n = 3 * PAR_CHUNK + 5; // several tasks and a ragged tail
+        let x = Tensor::full(&dev, &[n], 2.0, DType::F32, Category::Input).unwrap().set_requires_grad(true);
+        let p = 0.3;
+        let y = dropout(&x, p, true, 42).unwrap();
+        let v = y.to_f64_vec().unwrap();
+        let scaled = (2.0f32 / 0.7f32) as f64;
+        assert!(v.iter().all(|&a| a == 0.0 || a == scaled));
+        let kept = v.iter().filter(|&&a| a != 0.0).count() as f64 / n as f64;
+        // Binomial std at n ~ 1e5 is ~0.0015.
+        assert!((kept - 0.7).abs() < 0.01, "kept fraction {kept}");
+        // Same seed, same mask (with or without grad); another seed, another mask.
+        let again = {
+            let _g = dev.no_grad();
+            dropout(&x, p, true, 42).unwrap().to_f64_vec().unwrap()
+        };
+        assert_eq!(v, again);
+        assert_ne!(v, dropout(&x, p, true, 43).unwrap().to_f64_vec().unwrap());
+        // Element i's fate is the pure function uniform(mix(seed), i) >= p.
+        let key = mix(42);
+        for i in [0, 1, 7, 8, PAR_CHUNK, n - 1] {
+            assert_eq!(v[i] != 0.0, uniform(key, i as u64) >= p, "element {i}");
+        }
+        // Backward: the same mask, the same scale.
+        let g = Tensor::full(&dev, &[n], 1.0, DType::F32, Category::Temporary).unwrap();
+        backward_with(&y, g).unwrap();
+        let gx = x.grad().unwrap().to_f64_vec().unwrap();
+        let s = (1.0f32 / 0.7f32) as f64;
+        assert!(gx.iter().zip(&v).all(|(&g, &y)| if y == 0.0 { g == 0.0 } else { g == s }));
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        gradcheck(&[(values(37, 1), vec![37])], |t| dropout(&t[0], 0.4, true, 7));
+    }
+
+    #[test]
+    fn meta_allocates_like_cpu() {
+        assert_meta_matches_cpu(|dev| {
+            let x = Tensor::full(dev, &[3, 1000], 1.0, DType::F32, Category::Input)?.set_requires_grad(true);
+            let y = dropout(&x, 0.1, true, 5)?;
+            crate::autograd::backward(&y.sum_all()?)
+        });
+    }
 }

@@ -1,23 +1,398 @@
 //! Losses, reduction mean: cross_entropy (logits + int64 class targets, optional label smoothing),
 //! nll_loss (on log-probabilities) and mse_loss.
+//!
+//! cross_entropy is one fused kernel (log-sum-exp per row, no probability tensor in forward); it saves
+//! the logits and the targets, and its backward recomputes the softmax straight into the gradient.
+//! Sums over rows are taken in fixed blocks and added in block order, so results do not depend on the
+//! thread count.
 
+use super::{output, zeros_output, PAR_CHUNK};
+use crate::autograd::{needs_grad, record, save, Backward};
+use crate::dtype::{DType, Float};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::with_float;
+use rayon::prelude::*;
+
+/// Sum of `f(block)` over `blocks` blocks, computed in parallel when there are several, added in
+/// block order (deterministic).
+fn block_sum(blocks: usize, f: impl Fn(usize) -> f64 + Sync + Send) -> f64 {
+    if blocks <= 1 {
+        return (0..blocks).map(f).sum();
+    }
+    let partial: Vec<f64> = (0..blocks).into_par_iter().map(f).collect();
+    partial.iter().sum()
+}
+
+/// Rows per block so that a block holds about `PAR_CHUNK` elements.
+fn rows_per_block(row_len: usize) -> usize {
+    (PAR_CHUNK / row_len.max(1)).max(1)
+}
+
+/// Checks `[N, C]` float input and int64 `[N]` target; returns (N, C).
+fn check_class_inputs(op: &str, input: &Tensor, target: &Tensor) -> Result<(usize, usize)> {
+    if !input.device().same(target.device()) {
+        return Err(Error::device(format!("{op}: input and target are on different devices")));
+    }
+    if target.dtype() != DType::I64 {
+        return Err(Error::dtype(format!("{op}: target must be int64 class indices, got {}", target.dtype())));
+    }
+    if input.rank() != 2 || target.rank() != 1 || input.shape()[0] != target.shape()[0] {
+        return Err(Error::shape(format!(
+            "{op}: expected input [N, C] and target [N], got {:?} and {:?}",
+            input.shape(),
+            target.shape()
+        )));
+    }
+    let (n, c) = (input.shape()[0], input.shape()[1]);
+    if n == 0 || c == 0 {
+        return Err(Error::shape(format!("{op}: needs at least one sample and one class, got {:?}", input.shape())));
+    }
+    Ok((n, c))
+}
+
+/// Errors naming the first target outside `0..classes`.
+fn validate_targets(op: &str, target: &[i64], classes: usize) -> Result<()> {
+    match target.iter().position(|&t| t < 0 || t as u64 >= classes as u64) {
+        Some(i) => Err(Error::invalid(format!(
+            "{op}: target {} (sample {i}) is out of range for {classes} classes",
+            target[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// (max, ln(sum(exp(x - max)))) of a row.
+fn row_lse<T: Float>(row: &[T]) -> (T, T) {
+    let m = row.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
+    let s: T = row.iter().map(|&v| (v - m).exp()).sum();
+    (m, s.ln())
+}
 
 /// `F.cross_entropy(logits [N, C], target int64 [N], label_smoothing)`, mean over N.
 pub fn cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f64) -> Result<Tensor> {
-    let _ = (logits, target, label_smoothing);
-    Err(Error::invalid("cross_entropy is not implemented yet"))
+    let (n, c) = check_class_inputs("cross_entropy", logits, target)?;
+    if !(0.0..=1.0).contains(&label_smoothing) {
+        return Err(Error::invalid(format!("cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")));
+    }
+    let logits = logits.contiguous()?;
+    let target = target.contiguous()?;
+    let out = output(&logits, &[], logits.dtype(), "cross_entropy")?;
+    if logits.device().computes() {
+        let t = target.slice::<i64>()?;
+        validate_targets("cross_entropy", t, c)?;
+        with_float!(logits.dtype(), "cross_entropy", T => {
+            let x = logits.slice::<T>()?;
+            let e = label_smoothing;
+            let rows = rows_per_block(c);
+            let total = block_sum(n.div_ceil(rows), |b| {
+                let (r0, r1) = (b * rows, ((b + 1) * rows).min(n));
+                let mut acc = 0.0f64;
+                for i in r0..r1 {
+                    let row = &x[i * c..(i + 1) * c];
+                    let (m, ls) = row_lse(row);
+                    let lse = (m + ls).f64();
+                    // -log p[t] = lse - x[t]; sum_c -log p[c] = C lse - sum_c x[c].
+                    let nll = lse - row[t[i] as usize].f64();
+                    let mut l = (1.0 - e) * nll;
+                    if e != 0.0 {
+                        let sx: f64 = row.iter().map(|v| v.f64()).sum();
+                        l += e * (lse - sx / c as f64);
+                    }
+                    acc += l;
+                }
+                acc
+            });
+            out.slice_mut::<T>()?[0] = T::of(total / n as f64);
+        });
+    }
+    if !needs_grad(&[&logits]) {
+        return Ok(out);
+    }
+    let back = CrossEntropyBack { logits: save(&logits), target: save(&target), label_smoothing };
+    Ok(record(out, "cross_entropy", &[&logits], back))
+}
+
+struct CrossEntropyBack {
+    logits: Tensor,
+    target: Tensor,
+    label_smoothing: f64,
+}
+
+impl Backward for CrossEntropyBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let (n, c) = (self.logits.shape()[0], self.logits.shape()[1]);
+        let gx = output(&grad, self.logits.shape(), grad.dtype(), "cross_entropy_backward")?;
+        if grad.device().computes() {
+            with_float!(grad.dtype(), "cross_entropy_backward", T => {
+                let g = grad.to_vec::<T>()?[0] / T::of(n as f64);
+                let e = self.label_smoothing;
+                let (on, off) = (T::of(1.0 - e), T::of(e / c as f64));
+                let (x, t) = (self.logits.slice::<T>()?, self.target.slice::<i64>()?);
+                let dst = gx.slice_mut::<T>()?;
+                let rows = rows_per_block(c);
+                let run = |(b, d): (usize, &mut [T])| {
+                    for (r, drow) in d.chunks_mut(c).enumerate() {
+                        let i = b * rows + r;
+                        let row = &x[i * c..(i + 1) * c];
+                        let (m, ls) = row_lse(row);
+                        for (dv, &v) in drow.iter_mut().zip(row) {
+                            *dv = ((v - m - ls).exp() - off) * g;
+                        }
+                        drow[t[i] as usize] -= on * g;
+                    }
+                };
+                if n * c >= 2 * PAR_CHUNK {
+                    dst.par_chunks_mut(rows * c).enumerate().for_each(run);
+                } else {
+                    dst.chunks_mut(rows * c).enumerate().for_each(run);
+                }
+            });
+        }
+        Ok(vec![Some(gx)])
+    }
 }
 
 /// `F.nll_loss(log_probs [N, C], target int64 [N])`, mean over N.
 pub fn nll_loss(log_probs: &Tensor, target: &Tensor) -> Result<Tensor> {
-    let _ = (log_probs, target);
-    Err(Error::invalid("nll_loss is not implemented yet"))
+    let (n, c) = check_class_inputs("nll_loss", log_probs, target)?;
+    let target = target.contiguous()?;
+    let out = output(log_probs, &[], log_probs.dtype(), "nll_loss")?;
+    if log_probs.device().computes() {
+        let t = target.slice::<i64>()?;
+        validate_targets("nll_loss", t, c)?;
+        with_float!(log_probs.dtype(), "nll_loss", T => {
+            // Strided reads: the input need not be contiguous (only N elements are touched).
+            let l = log_probs.layout();
+            let (s0, s1) = (l.strides()[0], l.strides()[1]);
+            let base = &super::elementwise::typed_storage::<T>(log_probs)?[l.offset()..];
+            let sum: f64 = t.iter().enumerate().map(|(i, &ti)| base[i * s0 + ti as usize * s1].f64()).sum();
+            out.slice_mut::<T>()?[0] = T::of(-sum / n as f64);
+        });
+    }
+    if !needs_grad(&[log_probs]) {
+        return Ok(out);
+    }
+    let back = NllBack { target: save(&target), classes: c };
+    Ok(record(out, "nll_loss", &[log_probs], back))
+}
+
+struct NllBack {
+    target: Tensor,
+    classes: usize,
+}
+
+impl Backward for NllBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let (n, c) = (self.target.shape()[0], self.classes);
+        let gx = zeros_output(&grad, &[n, c], grad.dtype(), "nll_loss_backward")?;
+        if grad.device().computes() {
+            with_float!(grad.dtype(), "nll_loss_backward", T => {
+                let g = grad.to_vec::<T>()?[0] / T::of(n as f64);
+                let dst = gx.slice_mut::<T>()?;
+                for (i, &t) in self.target.slice::<i64>()?.iter().enumerate() {
+                    dst[i * c + t as usize] = -g;
+                }
+            });
+        }
+        Ok(vec![Some(gx)])
+    }
 }
 
 /// `F.mse_loss(input, target)`, mean over all elements; gradient flows to both.
 pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
-    let _ = (input, target);
-    Err(Error::invalid("mse_loss is not implemented yet"))
+    super::check_same("mse_loss", &[input, target])?;
+    if input.shape() != target.shape() {
+        return Err(Error::shape(format!(
+            "mse_loss: input {:?} and target {:?} must have the same shape",
+            input.shape(),
+            target.shape()
+        )));
+    }
+    let (a, b) = (input.contiguous()?, target.contiguous()?);
+    let out = output(&a, &[], a.dtype(), "mse_loss")?;
+    if a.device().computes() {
+        with_float!(a.dtype(), "mse_loss", T => {
+            let (x, y) = (a.slice::<T>()?, b.slice::<T>()?);
+            let len = x.len();
+            let total = block_sum(len.div_ceil(PAR_CHUNK), |k| {
+                let r = k * PAR_CHUNK..((k + 1) * PAR_CHUNK).min(len);
+                x[r.clone()].iter().zip(&y[r]).map(|(&p, &q)| { let d = (p - q).f64(); d * d }).sum()
+            });
+            // Mean of nothing is NaN, as in PyTorch.
+            out.slice_mut::<T>()?[0] = T::of(total / len as f64);
+        });
+    }
+    if !needs_grad(&[&a, &b]) {
+        return Ok(out);
+    }
+    let back = MseBack { input: save(&a), target: save(&b) };
+    Ok(record(out, "mse_loss", &[&a, &b], back))
+}
+
+struct MseBack {
+    input: Tensor,
+    target: Tensor,
+}
+
+impl Backward for MseBack {
+    fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let shape = self.input.shape().to_vec();
+        let ga = if needs[0] { Some(output(&grad, &shape, grad.dtype(), "mse_loss_backward")?) } else { None };
+        let gb = if needs[1] { Some(output(&grad, &shape, grad.dtype(), "mse_loss_backward")?) } else { None };
+        if grad.device().computes() {
+            with_float!(grad.dtype(), "mse_loss_backward", T => {
+                let scale = grad.to_vec::<T>()?[0] * T::of(2.0 / self.input.numel() as f64);
+                let (x, y) = (self.input.slice::<T>()?, self.target.slice::<T>()?);
+                if let Some(ga) = &ga {
+                    super::elementwise::par_zip(x, y, ga.slice_mut::<T>()?, |p, q| (p - q) * scale);
+                }
+                if let Some(gb) = &gb {
+                    super::elementwise::par_zip(x, y, gb.slice_mut::<T>()?, |p, q| (q - p) * scale);
+                }
+            });
+        }
+        Ok(vec![ga, gb])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autograd::{backward, backward_with};
+    use crate::ops::softmax::test_support::*;
+    use crate::ops::{log_softmax, softmax};
+    use crate::{Category, Device};
+
+    fn targets(dev: &Device, t: &[i64]) -> Tensor {
+        Tensor::from_slice(dev, t, &[t.len()], Category::Input).unwrap()
+    }
+
+    #[test]
+    fn hand_checked_values() {
+        let dev = Device::cpu();
+        // Uniform logits over 4 classes: loss ln 4 whatever the smoothing.
+        let x = t64(&dev, &[0.0; 8], &[2, 4]).set_requires_grad(true);
+        let t = targets(&dev, &[1, 3]);
+        let l = cross_entropy(&x, &t, 0.0).unwrap();
+        assert_close(&[l.item().unwrap()], &[4f64.ln()], 1e-15, "ce");
+        backward(&l).unwrap();
+        // d/dx = (p - onehot) / N = (0.25 - [c == t]) / 2.
+        let want = [0.125, -0.375, 0.125, 0.125, 0.125, 0.125, 0.125, -0.375];
+        assert_close(&x.grad().unwrap().to_f64_vec().unwrap(), &want, 1e-15, "ce grad");
+
+        // One row [0, ln 3]: p = [1/4, 3/4]; target 0: nll = ln 4, sum_c -log p = ln 4 + ln(4/3).
+        let x = t64(&dev, &[0.0, 3f64.ln()], &[1, 2]);
+        let e = 0.2;
+        let l = cross_entropy(&x, &targets(&dev, &[0]), e).unwrap().item().unwrap();
+        let want = (1.0 - e) * 4f64.ln() + e / 2.0 * (4f64.ln() + (4.0f64 / 3.0).ln());
+        assert_close(&[l], &[want], 1e-15, "label smoothing");
+
+        // nll_loss picks -x[i, t_i] and averages.
+        let lp = t64(&dev, &[-1.0, -2.0, -3.0, -4.0], &[2, 2]).set_requires_grad(true);
+        let l = nll_loss(&lp, &targets(&dev, &[1, 0])).unwrap();
+        assert_eq!(l.item().unwrap(), 2.5);
+        backward(&l).unwrap();
+        assert_eq!(lp.grad().unwrap().to_f64_vec().unwrap(), vec![0.0, -0.5, -0.5, 0.0]);
+
+        // mse: ((1-0)^2 + (2-4)^2) / 2 = 2.5; grads +-(a-b) = +-[1, -2].
+        let a = t64(&dev, &[1.0, 2.0], &[2]).set_requires_grad(true);
+        let b = t64(&dev, &[0.0, 4.0], &[2]).set_requires_grad(true);
+        let l = mse_loss(&a, &b).unwrap();
+        assert_eq!(l.item().unwrap(), 2.5);
+        backward(&l).unwrap();
+        assert_eq!(a.grad().unwrap().to_f64_vec().unwrap(), vec![1.0, -2.0]);
+        assert_eq!(b.grad().unwrap().to_f64_vec().unwrap(), vec![-1.0, 2.0]);
+    }
+
+    #[test]
+    fn invalid_inputs_are_errors() {
+        let dev = Device::cpu();
+        let x = t64(&dev, &[0.0; 6], &[2, 3]);
+        let err = cross_entropy(&x, &targets(&dev, &[0, 3]), 0.0).unwrap_err().to_string();
+        assert!(err.contains("target 3") && err.contains("sample 1"), "{err}");
+        let err = nll_loss(&x, &targets(&dev, &[-1, 0])).unwrap_err().to_string();
+        assert!(err.contains("target -1"), "{err}");
+        assert!(cross_entropy(&x, &targets(&dev, &[0]), 0.0).is_err());
+        assert!(cross_entropy(&t64(&dev, &[], &[0, 3]), &targets(&dev, &[]), 0.0).is_err());
+        assert!(cross_entropy(&x, &x, 0.0).is_err());
+        assert!(cross_entropy(&x, &targets(&dev, &[0, 1]), 1.5).is_err());
+        assert!(mse_loss(&x, &t64(&dev, &[0.0; 6], &[6])).is_err());
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let x = values(15, 2).iter().map(|v| v * 4.0).collect::<Vec<_>>();
+        for e in [0.0, 0.3] {
+            gradcheck(&[(x.clone(), vec![5, 3])], |t| cross_entropy(&t[0], &targets(t[0].device(), &[0, 2, 1, 1, 0]), e));
+        }
+        gradcheck(&[(x.clone(), vec![5, 3])], |t| {
+            nll_loss(&log_softmax(&t[0], 1)?, &targets(t[0].device(), &[2, 2, 0, 1, 0]))
+        });
+        gradcheck(&[(x.clone(), vec![3, 5]), (values(15, 7), vec![3, 5])], |t| mse_loss(&t[0], &t[1]));
+    }
+
+    #[test]
+    fn cross_entropy_equals_nll_of_log_softmax_on_big_input() {
+        // Big enough for the parallel paths (several row blocks).
+        let dev = Device::cpu();
+        let (n, c) = (700, 129);
+        let x = t64(&dev, &values(n * c, 4).iter().map(|v| v * 6.0).collect::<Vec<_>>(), &[n, c]);
+        let t: Vec<i64> = (0..n as i64).map(|i| (i * 37) % c as i64).collect();
+        let (xa, xb) = (x.set_requires_grad(true), x.set_requires_grad(true));
+        let a = cross_entropy(&xa, &targets(&dev, &t), 0.0).unwrap();
+        let b = nll_loss(&log_softmax(&xb, 1).unwrap(), &targets(&dev, &t)).unwrap();
+        assert_close(&[a.item().unwrap()], &[b.item().unwrap()], 1e-13, "loss");
+        backward(&a).unwrap();
+        backward(&b).unwrap();
+        let (ga, gb) = (xa.grad().unwrap().to_f64_vec().unwrap(), xb.grad().unwrap().to_f64_vec().unwrap());
+        assert_close(&ga, &gb, 1e-13, "grad");
+        // The gradient is (softmax - onehot) / N.
+        let p = softmax(&x, 1).unwrap().to_f64_vec().unwrap();
+        assert_close(&[ga[1] * n as f64], &[p[1]], 1e-12, "softmax");
+    }
+
+    #[test]
+    fn golden_losses() {
+        let g = Golden::open("loss.safetensors");
+        let dev = Device::cpu();
+        for dtype in [DType::F32, DType::F64] {
+            let sfx = suffix(dtype);
+            for (case, e) in [("cross_entropy", 0.0), ("cross_entropy_label_smoothing", 0.1), ("nll_log_softmax", 0.0)] {
+                let name = format!("{case}_{sfx}");
+                let x = g.leaf(&dev, &format!("{name}/input"));
+                let t = g.tensor(&dev, &format!("{name}/target"));
+                let l = if case == "nll_log_softmax" {
+                    nll_loss(&log_softmax(&x, -1).unwrap(), &t)
+                } else {
+                    cross_entropy(&x, &t, e)
+                }
+                .unwrap();
+                assert_golden(&l, &g.f64s(&format!("{name}/output")), dtype, &name);
+                backward_with(&l, g.tensor(&dev, &format!("{name}/grad_out"))).unwrap();
+                assert_golden(&x.grad().unwrap(), &g.f64s(&format!("{name}/grad_input")), dtype, &name);
+            }
+            let name = format!("mse_loss_{sfx}");
+            let (a, b) = (g.leaf(&dev, &format!("{name}/input")), g.leaf(&dev, &format!("{name}/target")));
+            let l = mse_loss(&a, &b).unwrap();
+            assert_golden(&l, &g.f64s(&format!("{name}/output")), dtype, &name);
+            backward_with(&l, g.tensor(&dev, &format!("{name}/grad_out"))).unwrap();
+            assert_golden(&a.grad().unwrap(), &g.f64s(&format!("{name}/grad_input")), dtype, &name);
+            assert_golden(&b.grad().unwrap(), &g.f64s(&format!("{name}/grad_target")), dtype, &name);
+        }
+    }
+
+    #[test]
+    fn meta_allocates_like_cpu() {
+        assert_meta_matches_cpu(|dev| {
+            let x = Tensor::full(dev, &[6, 5], 0.5, DType::F32, Category::Input)?.set_requires_grad(true);
+            let t = Tensor::from_slice(dev, &[0i64, 1, 2, 3, 4, 0], &[6], Category::Input)?;
+            let l = cross_entropy(&x, &t, 0.1)?;
+            let l2 = nll_loss(&log_softmax(&x, 1)?, &t)?;
+            let l3 = mse_loss(&x, &x.detach())?;
+            backward(&l)?;
+            backward(&l2)?;
+            backward(&l3)
+        });
+    }
 }

@@ -1,0 +1,132 @@
+//! The model zoo and the [`Model`] trait the trainer drives: [`build_model`] validates a [`ModelSpec`]
+//! and builds one of [`mlp::Mlp`], [`cnn::SimpleCnn`], [`cnn::DeepCnn`], [`resnet::ResNet`] and
+//! [`gpt::Gpt`], with the `state_dict` names of the PyTorch reference models
+//! (/work/shared/pytorch-reference/torch_models.py; the ResNet follows torchvision's names).
+
+pub mod cnn;
+pub mod gpt;
+pub mod mlp;
+pub mod resnet;
+
+pub use cnn::{DeepCnn, SimpleCnn};
+pub use gpt::Gpt;
+pub use mlp::Mlp;
+pub use resnet::ResNet;
+
+use crate::init::Initializer;
+use memfit_tensor::{Device, Error, Result, Tensor};
+
+/// A trainable model. Parameters and buffers are listed in PyTorch `state_dict` order with PyTorch names.
+pub trait Model: Send {
+    fn kind(&self) -> ModelKind;
+    /// Logits. `train` selects batch statistics for batch norm (updating running statistics) vs eval.
+    /// Image models take f32 [N, C, H, W] and return [N, classes]; the GPT takes int64 tokens [B, T] and
+    /// returns [B, T, vocab].
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor>;
+    /// Trainable parameters (leaves that require grad).
+    fn parameters(&self) -> Vec<(String, Tensor)>;
+    /// Non-trainable state saved in checkpoints (batch-norm running statistics, masks).
+    fn buffers(&self) -> Vec<(String, Tensor)>;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelKind {
+    Mlp,
+    SimpleCnn,
+    DeepCnn,
+    ResNet,
+    Gpt,
+}
+
+impl ModelKind {
+    pub const ALL: [ModelKind; 5] = [ModelKind::Mlp, ModelKind::SimpleCnn, ModelKind::DeepCnn, ModelKind::ResNet, ModelKind::Gpt];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::SimpleCnn => "simplecnn",
+            ModelKind::DeepCnn => "deepcnn",
+            ModelKind::ResNet => "resnet",
+            ModelKind::Gpt => "gpt",
+        }
+    }
+
+    pub fn parse(text: &str) -> std::result::Result<ModelKind, String> {
+        ModelKind::ALL.into_iter().find(|k| k.name() == text).ok_or_else(|| {
+            format!("unknown model {text:?}: expected one of mlp, simplecnn, deepcnn, resnet, gpt")
+        })
+    }
+}
+
+/// What to build. `input` is (C, H, W) for image models; GPT fields are used by `Gpt` only.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    pub kind: ModelKind,
+    pub input: [usize; 3],
+    pub num_classes: usize,
+    pub gpt: GptConfig,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GptConfig {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+    pub max_t: usize,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        GptConfig { vocab: 96, d_model: 256, heads: 4, layers: 4, max_t: 128 }
+    }
+}
+
+impl ModelSpec {
+    /// Image model for inputs of shape (C, H, W).
+    pub fn image(kind: ModelKind, input: [usize; 3], num_classes: usize) -> Self {
+        ModelSpec { kind, input, num_classes, gpt: GptConfig::default() }
+    }
+}
+
+/// Builds a model with PyTorch's default initialization, drawn from `seed`. Parameters are allocated
+/// as `parameter`, buffers as `other`.
+pub fn build_model(spec: &ModelSpec, device: &Device, seed: u64) -> Result<Box<dyn Model>> {
+    let init = Initializer::new(device, seed);
+    Ok(match spec.kind {
+        ModelKind::Mlp => Box::new(Mlp::new(&init, spec.input, spec.num_classes)?),
+        ModelKind::SimpleCnn => Box::new(SimpleCnn::new(&init, spec.input, spec.num_classes)?),
+        ModelKind::DeepCnn => Box::new(DeepCnn::new(&init, spec.input, spec.num_classes)?),
+        ModelKind::ResNet => Box::new(ResNet::new(&init, spec.input, spec.num_classes, resnet::DEFAULT_BLOCKS)?),
+        ModelKind::Gpt => Box::new(Gpt::new(&init, spec.gpt)?),
+    })
+}
+
+/// Errors unless an image model's input (C, H, W) and class count are all positive.
+fn check_image_spec(kind: ModelKind, input: [usize; 3], num_classes: usize) -> Result<()> {
+    if input.contains(&0) {
+        return Err(Error::invalid(format!(
+            "{}: input (C, H, W) = {input:?} must have every dimension positive",
+            kind.name()
+        )));
+    }
+    if num_classes == 0 {
+        return Err(Error::invalid(format!("{}: num_classes must be positive", kind.name())));
+    }
+    Ok(())
+}
+
+/// Errors unless `x` is [N, C, H, W] with the (C, H, W) the model was built for.
+fn check_image_input(kind: ModelKind, input: [usize; 3], x: &Tensor) -> Result<()> {
+    if x.rank() != 4 || x.shape()[1..] != input {
+        return Err(Error::shape(format!(
+            "{} was built for inputs [N, {}, {}, {}], got {:?}",
+            kind.name(),
+            input[0],
+            input[1],
+            input[2],
+            x.shape()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,383 @@
+//! Optimizers (SGD with momentum/Nesterov/weight decay, Adam, AdamW) with PyTorch's exact update rules.
+//! Their state lives in the allocator as `optimizer_state`.
+//!
+//! The arithmetic is in `memfit_tensor::ops::{sgd_update, adam_update}` (fused, in place, no
+//! allocation). This file owns the bookkeeping: which parameters have state, per-parameter step
+//! counts (as `torch.optim`: a parameter without a gradient is skipped and its count does not
+//! advance), and the lazy, all-or-nothing allocation of the state (Note [Optimizer state allocation]).
+//!
+//! Note [Optimizer state allocation]: state tensors are created on the first step a parameter has a
+//! gradient, as PyTorch does. `step` first allocates the missing state of every parameter that has a
+//! gradient, and only then updates any parameter. An out-of-memory while allocating drops what this
+//! call allocated and returns the error with every parameter, every existing state tensor and the
+//! step counts exactly as before, so a trainer can free memory and call `step` again.
+
+use memfit_tensor::ops::{adam_update, sgd_update};
+use memfit_tensor::{Category, Error, Phase, Result, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    Sgd { lr: f64, momentum: f64, dampening: f64, nesterov: bool, weight_decay: f64 },
+    Adam { lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64 },
+    AdamW { lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64 },
+}
+
+impl OptimizerConfig {
+    /// `torch.optim.SGD(lr)` defaults otherwise.
+    pub fn sgd(lr: f64) -> Self {
+        OptimizerConfig::Sgd { lr, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 }
+    }
+
+    /// `torch.optim.Adam(lr)` defaults otherwise.
+    pub fn adam(lr: f64) -> Self {
+        OptimizerConfig::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 }
+    }
+
+    /// `torch.optim.AdamW(lr)` defaults otherwise (weight_decay 0.01).
+    pub fn adamw(lr: f64) -> Self {
+        OptimizerConfig::AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+    }
+
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } | OptimizerConfig::AdamW { lr, .. } => lr,
+        }
+    }
+
+    fn set_lr(&mut self, new: f64) {
+        match self {
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } | OptimizerConfig::AdamW { lr, .. } => {
+                *lr = new
+            }
+        }
+    }
+
+    /// Number of state tensors (each the size of its parameter) kept per parameter.
+    pub fn state_tensors_per_param(&self) -> usize {
+        match *self {
+            OptimizerConfig::Sgd { momentum, .. } => usize::from(momentum != 0.0),
+            OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => 2,
+        }
+    }
+
+    /// Checks the hyper-parameters as `torch.optim` does.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::invalid(msg));
+        let lr = self.lr();
+        if !(lr >= 0.0) {
+            return bad(format!("invalid learning rate {lr}"));
+        }
+        match *self {
+            OptimizerConfig::Sgd { momentum, dampening, nesterov, weight_decay, .. } => {
+                if !(momentum >= 0.0) || !(weight_decay >= 0.0) {
+                    return bad(format!("invalid SGD momentum {momentum} or weight decay {weight_decay}"));
+                }
+                if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+                    return bad("Nesterov momentum requires a momentum and zero dampening".into());
+                }
+            }
+            OptimizerConfig::Adam { betas, eps, weight_decay, .. }
+            | OptimizerConfig::AdamW { betas, eps, weight_decay, .. } => {
+                let beta_ok = |b: f64| (0.0..1.0).contains(&b);
+                if !beta_ok(betas.0) || !beta_ok(betas.1) {
+                    return bad(format!("invalid Adam betas {betas:?}: each must be in [0, 1)"));
+                }
+                if !(eps >= 0.0) || !(weight_decay >= 0.0) {
+                    return bad(format!("invalid Adam eps {eps} or weight decay {weight_decay}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The state of one parameter, created on its first step with a gradient.
+enum ParamState {
+    /// SGD; `momentum_buffer` is None without momentum. `steps` counts this parameter's updates.
+    Sgd { momentum_buffer: Option<Tensor>, steps: u64 },
+    Adam { exp_avg: Tensor, exp_avg_sq: Tensor, steps: u64 },
+}
+
+impl ParamState {
+    fn steps(&self) -> u64 {
+        match self {
+            ParamState::Sgd { steps, .. } | ParamState::Adam { steps, .. } => *steps,
+        }
+    }
+}
+
+pub struct Optimizer {
+    params: Vec<(String, Tensor)>,
+    config: OptimizerConfig,
+    /// One slot per parameter, None until its first step with a gradient.
+    state: Vec<Option<ParamState>>,
+    steps: u64,
+}
+
+impl Optimizer {
+    /// `params` as from `Model::parameters()`.
+    pub fn new(params: Vec<(String, Tensor)>, config: OptimizerConfig) -> Self {
+        let state = params.iter().map(|_| None).collect();
+        Optimizer { params, config, state, steps: 0 }
+    }
+
+    /// Like `new`, but rejects hyper-parameters `torch.optim` rejects.
+    pub fn try_new(params: Vec<(String, Tensor)>, config: OptimizerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Optimizer::new(params, config))
+    }
+
+    /// Allocates the state of one parameter (Note [Optimizer state allocation]).
+    fn allocate_state(&self, param: &Tensor) -> Result<ParamState> {
+        let zeros = || Tensor::zeros(param.device(), param.shape(), param.dtype(), Category::OptimizerState);
+        Ok(match self.config {
+            OptimizerConfig::Sgd { momentum, .. } => {
+                ParamState::Sgd { momentum_buffer: if momentum != 0.0 { Some(zeros()?) } else { None }, steps: 0 }
+            }
+            OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => {
+                let exp_avg = zeros()?;
+                ParamState::Adam { exp_avg, exp_avg_sq: zeros()?, steps: 0 }
+            }
+        })
+    }
+
+    /// One update from the parameters' `.grad` (parameters without a gradient are skipped, as in
+    /// PyTorch). State is allocated on first use, for all parameters before any is updated, so an
+    /// out-of-memory leaves parameters unchanged.
+    pub fn step(&mut self) -> Result<()> {
+        self.config.validate()?;
+        let grads: Vec<Option<Tensor>> = self.params.iter().map(|(_, p)| p.grad()).collect();
+        let Some(device) = self.params.first().map(|(_, p)| p.device().clone()) else {
+            self.steps += 1;
+            return Ok(());
+        };
+        let _phase = device.enter_phase(Phase::Optimizer);
+        let _no_grad = device.no_grad();
+        // Check every gradient before touching anything.
+        for ((name, p), g) in self.params.iter().zip(&grads) {
+            if let Some(g) = g {
+                if g.shape() != p.shape() || g.dtype() != p.dtype() {
+                    return Err(Error::shape(format!(
+                        "optimizer: gradient of {name} is {:?} {} but the parameter is {:?} {}",
+                        g.shape(),
+                        g.dtype(),
+                        p.shape(),
+                        p.dtype()
+                    )));
+                }
+            }
+        }
+        // Phase 1: allocate all missing state; commit only if every allocation succeeded.
+        let mut fresh: Vec<(usize, ParamState)> = Vec::new();
+        for (i, ((_, p), g)) in self.params.iter().zip(&grads).enumerate() {
+            if g.is_some() && self.state[i].is_none() {
+                fresh.push((i, self.allocate_state(p)?));
+            }
+        }
+        for (i, s) in fresh {
+            self.state[i] = Some(s);
+        }
+        // Phase 2: update.
+        for (i, ((name, p), g)) in self.params.iter().zip(&grads).enumerate() {
+            let Some(g) = g else { continue };
+            let state = self.state[i].as_mut().ok_or_else(|| Error::invalid("internal: optimizer state missing"))?;
+            let with_name = |e: Error| match e {
+                Error::OutOfMemory(_) => e,
+                other => Error::invalid(format!("optimizer step on {name}: {other}")),
+            };
+            match (self.config, state) {
+                (
+                    OptimizerConfig::Sgd { lr, momentum, dampening, nesterov, weight_decay },
+                    ParamState::Sgd { momentum_buffer, steps },
+                ) => {
+                    sgd_update(p, g, momentum_buffer.as_ref(), *steps == 0, lr, momentum, dampening, nesterov, weight_decay)
+                        .map_err(with_name)?;
+                    *steps += 1;
+                }
+                (OptimizerConfig::Adam { lr, betas, eps, weight_decay }, ParamState::Adam { exp_avg, exp_avg_sq, steps }) => {
+                    adam_update(p, g, exp_avg, exp_avg_sq, *steps + 1, lr, betas, eps, weight_decay, false)
+                        .map_err(with_name)?;
+                    *steps += 1;
+                }
+                (OptimizerConfig::AdamW { lr, betas, eps, weight_decay }, ParamState::Adam { exp_avg, exp_avg_sq, steps }) => {
+                    adam_update(p, g, exp_avg, exp_avg_sq, *steps + 1, lr, betas, eps, weight_decay, true)
+                        .map_err(with_name)?;
+                    *steps += 1;
+                }
+                _ => return Err(Error::invalid("internal: optimizer state does not match its configuration")),
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// Frees every gradient (`set_to_none=True`).
+    pub fn zero_grad(&self) {
+        for (_, p) in &self.params {
+            p.set_grad(None);
+        }
+    }
+
+    pub fn lr(&self) -> f64 {
+        self.config.lr()
+    }
+
+    pub fn set_lr(&mut self, lr: f64) {
+        self.config.set_lr(lr);
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// State tensors as (parameter name, state name, tensor): "momentum_buffer", "exp_avg", "exp_avg_sq".
+    pub fn state(&self) -> Vec<(String, &'static str, Tensor)> {
+        let mut out = Vec::new();
+        for ((name, _), s) in self.params.iter().zip(&self.state) {
+            match s {
+                Some(ParamState::Sgd { momentum_buffer: Some(b), .. }) => {
+                    out.push((name.clone(), "momentum_buffer", b.clone()))
+                }
+                Some(ParamState::Adam { exp_avg, exp_avg_sq, .. }) => {
+                    out.push((name.clone(), "exp_avg", exp_avg.clone()));
+                    out.push((name.clone(), "exp_avg_sq", exp_avg_sq.clone()));
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// The parameters this optimizer updates, in the order given to `new`.
+    pub fn params(&self) -> &[(String, Tensor)] {
+        &self.params
+    }
+
+    pub fn config(&self) -> OptimizerConfig {
+        self.config
+    }
+
+    /// Updates taken by one parameter (PyTorch's per-parameter `state['step']`); None for an unknown
+    /// name, 0 before its first update.
+    pub fn param_steps(&self, name: &str) -> Option<u64> {
+        let i = self.params.iter().position(|(n, _)| n == name)?;
+        Some(self.state[i].as_ref().map_or(0, ParamState::steps))
+    }
+
+    /// Bytes of optimizer state currently held (allocated lazily, so 0 before the first step).
+    pub fn state_bytes(&self) -> u64 {
+        self.state().iter().map(|(_, _, t)| (t.numel() * t.dtype().size()) as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memfit_tensor::memory::FaultInjection;
+    use memfit_tensor::{DType, Device, DeviceConfig, DeviceKind};
+
+    fn leaf(d: &Device, v: &[f32]) -> Tensor {
+        Tensor::from_slice(d, v, &[v.len()], Category::Parameter).unwrap().set_requires_grad(true)
+    }
+
+    fn grad(d: &Device, v: &[f32]) -> Tensor {
+        Tensor::from_slice(d, v, &[v.len()], Category::Gradient).unwrap()
+    }
+
+    #[test]
+    fn sgd_steps_and_skips_parameters_without_gradient() {
+        let d = Device::cpu();
+        let (a, b) = (leaf(&d, &[1.0, 2.0]), leaf(&d, &[3.0]));
+        let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::sgd(0.5));
+        a.set_grad(Some(grad(&d, &[1.0, -1.0])));
+        opt.step().unwrap();
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![0.5, 2.5]);
+        assert_eq!(b.to_vec::<f32>().unwrap(), vec![3.0]);
+        assert_eq!((opt.steps(), opt.param_steps("a"), opt.param_steps("b")), (1, Some(1), Some(0)));
+        assert!(opt.state().is_empty(), "plain SGD keeps no state");
+        opt.zero_grad();
+        assert!(a.grad().is_none() && b.grad().is_none());
+        opt.set_lr(0.25);
+        assert_eq!(opt.lr(), 0.25);
+    }
+
+    #[test]
+    fn adam_state_is_lazy_and_per_parameter() {
+        let d = Device::cpu();
+        let (a, b) = (leaf(&d, &[1.0, 2.0]), leaf(&d, &[3.0]));
+        let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adam(0.1));
+        assert_eq!(opt.state_bytes(), 0);
+        assert_eq!(d.stats().category(Category::OptimizerState).current, 0);
+        a.set_grad(Some(grad(&d, &[1.0, -1.0])));
+        opt.step().unwrap();
+        let names: Vec<(String, &str)> = opt.state().into_iter().map(|(n, s, _)| (n, s)).collect();
+        assert_eq!(names, vec![("a".to_string(), "exp_avg"), ("a".to_string(), "exp_avg_sq")]);
+        assert!(d.stats().category(Category::OptimizerState).current > 0);
+        assert_eq!(d.stats().category(Category::OptimizerState).allocated, 2 * 512, "two blocks of 512 B");
+        assert_eq!(opt.state_bytes(), 16);
+        // Step 1 of Adam moves each element by lr (sign of the gradient).
+        let av = a.to_vec::<f32>().unwrap();
+        assert!((av[0] - 0.9).abs() < 1e-6 && (av[1] - 2.1).abs() < 1e-6, "{av:?}");
+        // b gets its first gradient at optimizer step 2: its own step count starts at 1.
+        b.set_grad(Some(grad(&d, &[2.0])));
+        opt.step().unwrap();
+        assert_eq!((opt.param_steps("a"), opt.param_steps("b")), (Some(2), Some(1)));
+        assert!((b.to_vec::<f32>().unwrap()[0] - 2.9).abs() < 1e-6);
+    }
+
+    #[test]
+    fn out_of_memory_leaves_everything_unchanged() {
+        // AdamW needs 4 state tensors here; failing any of those allocations must leave parameters,
+        // state and counters untouched.
+        for fail_at in 1..=4u64 {
+            let config = DeviceConfig::new(DeviceKind::Cpu);
+            let d = Device::new(config);
+            let (a, b) = (leaf(&d, &[1.0, 2.0]), leaf(&d, &[3.0]));
+            a.set_grad(Some(grad(&d, &[1.0, 1.0])));
+            b.set_grad(Some(grad(&d, &[1.0])));
+            let stats = d.stats();
+            let requests = stats.allocation.allocated + stats.num_ooms;
+            d.allocator().set_fault_injection(Some(FaultInjection::Nth(requests + fail_at)));
+            let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adamw(0.1));
+            let err = opt.step().unwrap_err();
+            assert!(err.is_oom(), "{err}");
+            assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+            assert_eq!(b.to_vec::<f32>().unwrap(), vec![3.0]);
+            assert_eq!(opt.steps(), 0);
+            assert!(opt.state().is_empty());
+            assert_eq!(d.stats().category(Category::OptimizerState).current, 0, "nothing leaked");
+            // After the failure, a retry succeeds.
+            d.allocator().set_fault_injection(None);
+            opt.step().unwrap();
+            assert_eq!(opt.state().len(), 4);
+            assert_ne!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+        }
+    }
+
+    #[test]
+    fn meta_allocates_the_same_state_as_cpu() {
+        let run = |d: &Device| {
+            let p = Tensor::zeros(d, &[3, 5], DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
+            p.set_grad(Some(Tensor::zeros(d, &[3, 5], DType::F32, Category::Gradient).unwrap()));
+            let cfg = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 0.0 };
+            let mut opt = Optimizer::new(vec![("p".into(), p)], cfg);
+            opt.step().unwrap();
+            opt.step().unwrap();
+            (*d.stats().category(Category::OptimizerState), opt.state_bytes())
+        };
+        let (cpu, meta) = (run(&Device::cpu()), run(&Device::meta()));
+        assert_eq!(cpu.1, 60);
+        assert!(cpu.0.current > 0);
+        assert_eq!(cpu, meta);
+    }
+
+    #[test]
+    fn invalid_configurations_are_rejected() {
+        let bad = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, nesterov: true, weight_decay: 0.0 };
+        assert!(Optimizer::try_new(vec![], bad).is_err());
+        assert!(OptimizerConfig::Adam { lr: 0.1, betas: (1.0, 0.9), eps: 1e-8, weight_decay: 0.0 }.validate().is_err());
+        assert!(OptimizerConfig::adam(-1.0).validate().is_err());
+        assert!(OptimizerConfig::adamw(1e-3).validate().is_ok());
+    }
+}

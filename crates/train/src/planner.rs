@@ -1,0 +1,251 @@
+//! The planner: fits an effective batch into a memory budget by dry-running the real trainer on the
+//! `meta` device (same code, same allocator policy, no compute) for candidate micro-batches.
+//!
+//! A candidate is run for [`PLAN_STEPS`] optimizer steps (the first allocates the optimizer state,
+//! the rest are the steady state) and one evaluation micro-batch, on a `meta` device whose capacity
+//! is the budget less the safety margin, with recovery off: it fits when no allocation fails. The
+//! prediction is exact for a run of the same steps on `cpu` with at least that capacity, because the
+//! allocation sequence is the same (the invariant `meta == cpu`).
+
+use crate::error::TrainError;
+use crate::samples::SyntheticSamples;
+use crate::trainer::{RunOptions, Session};
+use memfit_nn::{ModelSpec, OptimizerConfig};
+use memfit_tensor::memory::format_bytes;
+use memfit_tensor::{Category, Device, DeviceConfig, DeviceKind};
+use std::time::Instant;
+
+/// Optimizer steps in a planning dry run.
+pub const PLAN_STEPS: usize = 3;
+/// The largest evaluation micro-batch the planner considers.
+pub const MAX_EVAL_MICRO: usize = 1024;
+
+#[derive(Clone, Debug)]
+pub struct PlanRequest {
+    pub model: ModelSpec,
+    pub optimizer: OptimizerConfig,
+    pub effective_batch: usize,
+    /// The device's capacity; None = unlimited (everything fits).
+    pub capacity: Option<u64>,
+    /// Fraction of the capacity to keep free (0.0 - 0.5).
+    pub safety_margin: f64,
+    pub seed: u64,
+}
+
+impl PlanRequest {
+    /// The capacity the plan must fit in: the budget less the margin.
+    pub fn budget(&self) -> Option<u64> {
+        self.capacity.map(|c| (c as f64 * (1.0 - self.safety_margin)).floor() as u64)
+    }
+}
+
+/// Predicted memory of a configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prediction {
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    /// Allocated bytes per category at the moment of the overall peak.
+    pub at_peak: [u64; Category::COUNT],
+    /// Each category's own peak.
+    pub category_peaks: [u64; Category::COUNT],
+}
+
+impl Prediction {
+    /// The category holding the most bytes at the peak.
+    pub fn dominant(&self) -> Category {
+        Category::ALL.into_iter().max_by_key(|c| self.at_peak[c.index()]).unwrap_or(Category::Other)
+    }
+}
+
+/// A chosen configuration.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub micro_batch: usize,
+    pub accumulation_steps: usize,
+    pub effective_batch: usize,
+    pub eval_micro_batch: usize,
+    pub budget: Option<u64>,
+    pub predicted: Prediction,
+    /// (micro-batch, predicted peak reserved with unlimited memory) of a larger configuration, when
+    /// the chosen one is limited by the budget: what a larger budget would allow.
+    pub larger: Option<(usize, u64)>,
+    /// Dry runs made.
+    pub dry_runs: usize,
+    pub planning_ms: f64,
+}
+
+/// Dry-runs `micro`/`eval_micro` on `meta` with `capacity`. None when it does not fit.
+pub fn predict(
+    req: &PlanRequest,
+    micro: usize,
+    eval_micro: usize,
+    capacity: Option<u64>,
+) -> Result<Option<Prediction>, TrainError> {
+    let device = Device::new(DeviceConfig::new(DeviceKind::Meta).capacity(capacity));
+    let mut session = match Session::new(device.clone(), &req.model, req.optimizer, req.seed) {
+        Ok(s) => s,
+        Err(e) if e.as_oom().is_some() => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let (train, val, opts) = dry_run(req, micro, eval_micro);
+    match session.run(&train, Some(&val), &opts, &mut |_| {}) {
+        Ok(_) => {}
+        Err(e) if e.as_oom().is_some() => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let stats = device.stats();
+    let mut category_peaks = [0; Category::COUNT];
+    for c in Category::ALL {
+        category_peaks[c.index()] = stats.category(c).peak;
+    }
+    Ok(Some(Prediction {
+        peak_allocated: stats.allocated_bytes.peak,
+        peak_reserved: stats.reserved_bytes.peak,
+        at_peak: stats.category_at_peak,
+        category_peaks,
+    }))
+}
+
+/// The program a dry run executes: synthetic samples shaped like the model's input, `PLAN_STEPS`
+/// full windows, one evaluation micro-batch, recovery off. Running it on `cpu` with the same capacity
+/// reproduces the prediction exactly.
+pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (SyntheticSamples, SyntheticSamples, RunOptions) {
+    let shape = req.model.input;
+    let classes = req.model.num_classes;
+    let train = SyntheticSamples { len: PLAN_STEPS * req.effective_batch, shape, classes, seed: req.seed };
+    let val = SyntheticSamples { len: eval_micro, shape, classes, seed: req.seed };
+    let opts = RunOptions {
+        effective_batch: req.effective_batch,
+        micro_batch: micro,
+        eval_micro_batch: eval_micro,
+        epochs: 1,
+        max_steps: Some(PLAN_STEPS),
+        seed: req.seed,
+        recover: false,
+        grow_after: usize::MAX,
+        record_samples: false,
+    };
+    (train, val, opts)
+}
+
+/// Largest value in `1..=high` for which `fits` holds, assuming it holds for 1 and is monotone.
+fn largest_fitting(
+    high: usize,
+    mut fits: impl FnMut(usize) -> Result<bool, TrainError>,
+) -> Result<usize, TrainError> {
+    if fits(high)? {
+        return Ok(high);
+    }
+    let (mut lo, mut hi) = (1, high); // fits(lo), !fits(hi)
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
+/// Chooses the largest micro-batch (and evaluation micro-batch) whose dry run fits the budget.
+pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
+    let start = Instant::now();
+    if req.effective_batch == 0 {
+        return Err(TrainError::Invalid("the batch size must be at least 1".into()));
+    }
+    if !(0.0..=0.5).contains(&req.safety_margin) {
+        return Err(TrainError::Invalid(format!(
+            "safety margin {} is out of range: use a fraction between 0 and 0.5",
+            req.safety_margin
+        )));
+    }
+    let budget = req.budget();
+    let mut dry_runs = 0;
+    let mut run = |micro: usize, eval: usize, cap: Option<u64>| {
+        dry_runs += 1;
+        predict(req, micro, eval, cap)
+    };
+    if run(1, 1, budget)?.is_none() {
+        let needs = run(1, 1, None)?.map(|p| p.peak_reserved).unwrap_or(0);
+        return Err(does_not_fit(req, needs));
+    }
+    let micro = largest_fitting(req.effective_batch, |m| Ok(run(m, 1, budget)?.is_some()))?;
+    let eval_high = MAX_EVAL_MICRO.max(req.effective_batch);
+    let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, e, budget)?.is_some()))?;
+    let predicted = run(micro, eval_micro, budget)?
+        .ok_or_else(|| TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into()))?;
+    let larger = if micro < req.effective_batch && budget.is_some() {
+        let bigger = (micro * 2).min(req.effective_batch);
+        run(bigger, 1, None)?.map(|p| (bigger, p.peak_reserved))
+    } else {
+        None
+    };
+    Ok(Plan {
+        micro_batch: micro,
+        accumulation_steps: req.effective_batch.div_ceil(micro),
+        effective_batch: req.effective_batch,
+        eval_micro_batch: eval_micro,
+        budget,
+        predicted,
+        larger,
+        dry_runs,
+        planning_ms: start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// The error for a budget below what micro-batch 1 needs.
+pub fn does_not_fit(req: &PlanRequest, needs: u64) -> TrainError {
+    let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
+    TrainError::Invalid(format!(
+        "{} does not fit in {cap}{}: even a micro-batch of 1 needs {} (peak reserved). \
+         Use --memory {} or more, or a smaller model.",
+        req.model.kind.name(),
+        if req.safety_margin > 0.0 { format!(" with a {:.0}% safety margin", req.safety_margin * 100.0) } else { String::new() },
+        format_bytes(needs),
+        format_bytes(((needs as f64) / (1.0 - req.safety_margin)).ceil() as u64),
+    ))
+}
+
+impl Plan {
+    /// A few lines a person reads: the choice, the predicted peak by category, what dominates, and
+    /// what would change it.
+    pub fn describe(&self, model: &str) -> String {
+        let mut s = String::new();
+        let budget = self.budget.map_or("unlimited memory".to_string(), |b| format!("a budget of {}", format_bytes(b)));
+        s.push_str(&format!(
+            "plan for {model} with {budget}: micro-batch {} x {} accumulation step{} = effective batch {} (evaluation micro-batch {})\n",
+            self.micro_batch,
+            self.accumulation_steps,
+            if self.accumulation_steps == 1 { "" } else { "s" },
+            self.effective_batch,
+            self.eval_micro_batch,
+        ));
+        s.push_str(&format!(
+            "predicted peak: {} allocated, {} reserved\n",
+            format_bytes(self.predicted.peak_allocated),
+            format_bytes(self.predicted.peak_reserved)
+        ));
+        s.push_str("at the peak:\n");
+        let total = self.predicted.peak_allocated.max(1) as f64;
+        let mut cats: Vec<Category> = Category::ALL.to_vec();
+        cats.sort_by_key(|c| std::cmp::Reverse(self.predicted.at_peak[c.index()]));
+        for c in cats {
+            let b = self.predicted.at_peak[c.index()];
+            if b > 0 {
+                s.push_str(&format!("  {:<16} {:>12}  {:>5.1}%\n", c.name(), format_bytes(b), 100.0 * b as f64 / total));
+            }
+        }
+        s.push_str(&format!("dominated by {}\n", self.predicted.dominant().name()));
+        if let Some((micro, needs)) = self.larger {
+            s.push_str(&format!(
+                "a budget of {} would allow micro-batch {micro} ({} accumulation step{})\n",
+                format_bytes(needs),
+                self.effective_batch.div_ceil(micro),
+                if self.effective_batch.div_ceil(micro) == 1 { "" } else { "s" }
+            ));
+        }
+        s.push_str(&format!("planned in {:.0} ms ({} dry runs on meta)\n", self.planning_ms, self.dry_runs));
+        s
+    }
+}

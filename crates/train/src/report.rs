@@ -1,0 +1,160 @@
+//! The run report: JSON for machines (`--report PATH`, schema in the README) and a memory table for
+//! people.
+
+use crate::job::RunSummary;
+use crate::trainer::median;
+use memfit_tensor::memory::format_bytes;
+use memfit_tensor::Category;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct PlanReport {
+    pub micro_batch: usize,
+    pub accumulation_steps: usize,
+    pub effective_batch: usize,
+}
+
+/// The JSON report. Byte counts are integers; absent values are null.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub model: String,
+    pub device: String,
+    pub capacity_bytes: Option<u64>,
+    pub data: String,
+    pub optimizer: String,
+    pub seed: u64,
+    pub threads: usize,
+    pub epochs: usize,
+    pub steps: usize,
+    pub samples_seen: usize,
+    pub plan: PlanReport,
+    /// Set when the planner chose the micro-batch.
+    pub planned: bool,
+    pub eval_micro_batch: usize,
+    pub predicted_peak_allocated_bytes: Option<u64>,
+    pub predicted_peak_reserved_bytes: Option<u64>,
+    pub final_train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    pub val_accuracy: Option<f64>,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    /// Each category's own peak.
+    pub peak_by_category: BTreeMap<String, u64>,
+    /// Allocated bytes per category at the moment of the overall peak.
+    pub at_peak_by_category: BTreeMap<String, u64>,
+    /// Reserved but unallocated bytes at the end, as a fraction of reserved (0 when nothing is reserved).
+    pub fragmentation: f64,
+    pub allocated_bytes_at_end: u64,
+    pub reserved_bytes_at_end: u64,
+    pub num_allocations: u64,
+    pub num_segments: u64,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_injected_faults: u64,
+    pub oom_recoveries: usize,
+    pub final_micro_batch: usize,
+    pub step_time_ms_median: f64,
+    pub samples_per_second: f64,
+}
+
+fn by_category(values: impl Fn(Category) -> u64) -> BTreeMap<String, u64> {
+    Category::ALL.into_iter().map(|c| (c.name().to_string(), values(c))).collect()
+}
+
+impl Report {
+    pub fn new(s: &RunSummary) -> Report {
+        let st = &s.stats;
+        let median_ms = median(&s.outcome.step_times_ms);
+        let total_s: f64 = s.outcome.step_times_ms.iter().sum::<f64>() / 1e3;
+        let reserved = st.reserved_bytes.current;
+        let eval = s.outcome.eval.as_ref();
+        Report {
+            model: s.config.model.name().to_string(),
+            device: s.config.device.name().to_string(),
+            capacity_bytes: s.capacity,
+            data: s.data_source.clone(),
+            optimizer: s.config.optimizer.name().to_string(),
+            seed: s.config.seed,
+            threads: s.threads,
+            epochs: s.config.epochs,
+            steps: s.outcome.steps,
+            samples_seen: s.outcome.samples_seen,
+            plan: PlanReport {
+                micro_batch: s.micro_batch,
+                accumulation_steps: s.accumulation_steps,
+                effective_batch: s.config.batch_size,
+            },
+            planned: s.plan.is_some(),
+            eval_micro_batch: s.eval_micro_batch,
+            predicted_peak_allocated_bytes: s.plan.as_ref().map(|p| p.predicted.peak_allocated),
+            predicted_peak_reserved_bytes: s.plan.as_ref().map(|p| p.predicted.peak_reserved),
+            final_train_loss: s.outcome.last_loss,
+            val_loss: eval.and_then(|e| e.loss),
+            val_accuracy: eval.and_then(|e| e.accuracy),
+            peak_allocated_bytes: st.allocated_bytes.peak,
+            peak_reserved_bytes: st.reserved_bytes.peak,
+            peak_by_category: by_category(|c| st.category(c).peak),
+            at_peak_by_category: by_category(|c| st.category_at_peak[c.index()]),
+            fragmentation: if reserved == 0 { 0.0 } else { st.reserved_unallocated() as f64 / reserved as f64 },
+            allocated_bytes_at_end: st.allocated_bytes.current,
+            reserved_bytes_at_end: reserved,
+            num_allocations: st.allocation.allocated,
+            num_segments: st.segment.allocated,
+            num_alloc_retries: st.num_alloc_retries,
+            num_ooms: st.num_ooms,
+            num_injected_faults: st.num_injected_faults,
+            oom_recoveries: s.outcome.oom_recoveries + eval.map_or(0, |e| e.oom_recoveries),
+            final_micro_batch: s.outcome.final_micro_batch,
+            step_time_ms_median: median_ms,
+            samples_per_second: if total_s > 0.0 { s.outcome.samples_seen as f64 / total_s } else { 0.0 },
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a report always serializes")
+    }
+
+    /// The memory table printed at the end of a run.
+    pub fn memory_table(&self) -> String {
+        let mut s = String::new();
+        let cap = self.capacity_bytes.map_or("unlimited".to_string(), format_bytes);
+        s.push_str(&format!("memory ({} device, capacity {cap})\n", self.device));
+        s.push_str(&format!("  {:<16} {:>12} {:>14}\n", "category", "own peak", "at overall peak"));
+        let mut cats: Vec<(&String, &u64)> = self.at_peak_by_category.iter().collect();
+        cats.sort_by_key(|(_, b)| std::cmp::Reverse(**b));
+        for (name, at_peak) in cats {
+            let own = self.peak_by_category[name];
+            if own > 0 {
+                s.push_str(&format!("  {:<16} {:>12} {:>14}\n", name, format_bytes(own), format_bytes(*at_peak)));
+            }
+        }
+        s.push_str(&format!(
+            "  {:<16} {:>12}   reserved {}\n",
+            "peak allocated",
+            format_bytes(self.peak_allocated_bytes),
+            format_bytes(self.peak_reserved_bytes)
+        ));
+        if let (Some(a), Some(r)) = (self.predicted_peak_allocated_bytes, self.predicted_peak_reserved_bytes) {
+            s.push_str(&format!("  {:<16} {:>12}   reserved {}\n", "predicted", format_bytes(a), format_bytes(r)));
+        }
+        s.push_str(&format!(
+            "  fragmentation {:.1}% of reserved at the end; {} allocations, {} segments, {} cache retries\n",
+            self.fragmentation * 100.0,
+            self.num_allocations,
+            self.num_segments,
+            self.num_alloc_retries
+        ));
+        s.push_str(&format!(
+            "  out-of-memory: {} ({} injected), recovered {} time{}; micro-batch {} x {} (final {})\n",
+            self.num_ooms,
+            self.num_injected_faults,
+            self.oom_recoveries,
+            if self.oom_recoveries == 1 { "" } else { "s" },
+            self.plan.micro_batch,
+            self.plan.accumulation_steps,
+            self.final_micro_batch
+        ));
+        s
+    }
+}

@@ -1,0 +1,379 @@
+//! The training loop: windows of `effective_batch` samples, each run as micro-batches whose
+//! gradients accumulate, then one optimizer step. The same code runs on `cpu` (training) and on
+//! `meta` (prediction): nothing here depends on data values except the reported loss and accuracy.
+//!
+//! Note [Loss normalization]: a micro-batch of `m` samples out of a window of `n` back-propagates
+//! `mean_loss(micro) * m / n`, so the accumulated gradient is exactly the gradient of the mean loss
+//! over the window, also for a last, partial window and for micro-batches of unequal size. (Batch-norm
+//! statistics are per micro-batch: a known, documented difference from one big batch.)
+//!
+//! Note [Recovery]: when an allocation fails inside a micro-batch, everything the attempt allocated is
+//! dropped (its tensors go out of scope and the backward is transactional, see
+//! `memfit_tensor::autograd`), the allocated bytes are checked to be back at their level before the
+//! attempt, the allocator's cache is released, and the same samples are re-run as two halves. The
+//! smaller micro-batch sticks, and grows back after `grow_after` successful steps. Each sample of the
+//! window contributes exactly once to its update. At micro-batch 1 the same sample is tried once more
+//! (a transient failure passes); a second failure ends the run with the out-of-memory explanation.
+
+use crate::error::TrainError;
+use crate::samples::Samples;
+use memfit_data::EpochOrder;
+use memfit_nn::{Model, Optimizer};
+use memfit_tensor::{autograd, ops, Device, Phase, Tensor};
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// A model, its optimizer and the device they live on.
+pub struct Session {
+    pub device: Device,
+    pub model: Box<dyn Model>,
+    pub optimizer: Optimizer,
+}
+
+impl Session {
+    pub fn new(
+        device: Device,
+        spec: &memfit_nn::ModelSpec,
+        optimizer: memfit_nn::OptimizerConfig,
+        seed: u64,
+    ) -> Result<Session, TrainError> {
+        let _phase = device.enter_phase(Phase::Setup);
+        let model = memfit_nn::build_model(spec, &device, seed)?;
+        let optimizer = Optimizer::new(model.parameters(), optimizer);
+        Ok(Session { device, model, optimizer })
+    }
+
+    fn allocated(&self) -> u64 {
+        self.device.stats().allocated_bytes.current
+    }
+}
+
+/// How to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub effective_batch: usize,
+    pub micro_batch: usize,
+    pub eval_micro_batch: usize,
+    pub epochs: usize,
+    pub max_steps: Option<usize>,
+    pub seed: u64,
+    /// Recover from out-of-memory by splitting (off for planning dry runs: a failure means "does not fit").
+    pub recover: bool,
+    /// Successful steps after which a shrunk micro-batch doubles again (towards `micro_batch`).
+    pub grow_after: usize,
+    pub record_samples: bool,
+}
+
+/// Progress of one optimizer step.
+#[derive(Clone, Debug)]
+pub struct StepEvent {
+    pub step: usize,
+    pub total_steps: usize,
+    pub epoch: usize,
+    pub samples: usize,
+    /// Mean loss over the window (None on meta).
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+    pub micro_batch: usize,
+    pub oom_recoveries: usize,
+    pub allocated: u64,
+    pub peak_allocated: u64,
+    pub reserved: u64,
+    pub step_ms: f64,
+}
+
+/// Evaluation results.
+#[derive(Clone, Debug)]
+pub struct EvalResult {
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+    pub samples: usize,
+    pub micro_batch: usize,
+    pub oom_recoveries: usize,
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct RunOutcome {
+    pub steps: usize,
+    pub samples_seen: usize,
+    pub step_times_ms: Vec<f64>,
+    pub oom_recoveries: usize,
+    pub final_micro_batch: usize,
+    pub last_loss: Option<f64>,
+    pub eval: Option<EvalResult>,
+    /// Sample indices of each step, in the order they were used (when asked for).
+    pub sample_log: Vec<Vec<usize>>,
+}
+
+struct MicroResult {
+    loss_sum: f64,
+    correct: usize,
+}
+
+/// Counts argmax hits of `logits` [n, C] against `targets` [n] (cpu only).
+fn count_correct(logits: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
+    let classes = logits.shape()[1];
+    let values = logits.to_f64_vec()?;
+    let labels = targets.to_vec::<i64>()?;
+    Ok(values
+        .chunks(classes)
+        .zip(labels)
+        .filter(|(row, label)| {
+            let best = row.iter().enumerate().fold(0, |b, (i, v)| if *v > row[b] { i } else { b });
+            best as i64 == *label
+        })
+        .count())
+}
+
+impl Session {
+    /// Forward and backward of one micro-batch, its loss weighted by `chunk / window`
+    /// (Note [Loss normalization]). Every tensor it makes is dropped when it returns.
+    fn micro_step(&self, samples: &dyn Samples, chunk: &[usize], window: usize) -> Result<MicroResult, TrainError> {
+        let device = &self.device;
+        let (x, y) = {
+            let _p = device.enter_phase(Phase::Data);
+            samples.to_device(device, chunk)?
+        };
+        let (loss, logits) = {
+            let _p = device.enter_phase(Phase::Forward);
+            let logits = self.model.forward(&x, true)?;
+            let loss = ops::cross_entropy(&logits, &y, 0.0)?;
+            let weight = chunk.len() as f64 / window as f64;
+            let weighted = if chunk.len() == window { loss.clone() } else { loss.mul_scalar(weight)? };
+            (weighted, logits)
+        };
+        drop(x);
+        autograd::backward(&loss)?;
+        if !device.computes() {
+            return Ok(MicroResult { loss_sum: f64::NAN, correct: 0 });
+        }
+        let mean = loss.item()? * window as f64 / chunk.len() as f64;
+        Ok(MicroResult { loss_sum: mean * chunk.len() as f64, correct: count_correct(&logits, &y)? })
+    }
+
+    /// Runs a failing operation again after an out-of-memory, once, with the cache released.
+    fn retry_once<T>(&self, mut f: impl FnMut() -> Result<T, TrainError>) -> Result<T, TrainError> {
+        match f() {
+            Err(e) if e.as_oom().is_some() => {
+                self.device.allocator().empty_cache();
+                f()
+            }
+            other => other,
+        }
+    }
+
+    /// One optimizer step over `window` (Note [Recovery]). Returns (loss sum, correct, recoveries).
+    fn train_window(
+        &mut self,
+        samples: &dyn Samples,
+        window: &[usize],
+        micro: &mut usize,
+        recover: bool,
+        used: &mut Vec<usize>,
+    ) -> Result<(f64, usize, usize), TrainError> {
+        let n = window.len();
+        let mut queue: VecDeque<&[usize]> = window.chunks((*micro).max(1)).collect();
+        let (mut loss_sum, mut correct, mut recoveries) = (0.0, 0, 0);
+        let mut retried_single = false;
+        while let Some(chunk) = queue.pop_front() {
+            let before = self.allocated();
+            match self.micro_step(samples, chunk, n) {
+                Ok(r) => {
+                    loss_sum += r.loss_sum;
+                    correct += r.correct;
+                    used.extend_from_slice(chunk);
+                    retried_single = false;
+                }
+                Err(e) if recover && e.as_oom().is_some() => {
+                    let after = self.allocated();
+                    if after != before {
+                        return Err(TrainError::Invalid(format!(
+                            "internal error: a failed attempt left {} bytes allocated (before {before}, after {after})",
+                            after as i128 - before as i128
+                        )));
+                    }
+                    self.device.allocator().empty_cache();
+                    if chunk.len() == 1 {
+                        if retried_single {
+                            return Err(e);
+                        }
+                        retried_single = true;
+                        queue.push_front(chunk);
+                    } else {
+                        let half = chunk.len().div_ceil(2);
+                        *micro = (*micro).min(half);
+                        let (a, b) = chunk.split_at(half);
+                        queue.push_front(b);
+                        queue.push_front(a);
+                    }
+                    recoveries += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        {
+            let _p = self.device.enter_phase(Phase::Optimizer);
+            if recover {
+                let optimizer = &mut self.optimizer;
+                let device = &self.device;
+                match optimizer.step() {
+                    Err(e) if e.is_oom() => {
+                        device.allocator().empty_cache();
+                        recoveries += 1;
+                        optimizer.step()?;
+                    }
+                    other => other?,
+                }
+            } else {
+                self.optimizer.step()?;
+            }
+            self.optimizer.zero_grad();
+        }
+        Ok((loss_sum, correct, recoveries))
+    }
+
+    /// Mean loss and accuracy over `samples`, under no-grad, in micro-batches of `eval_micro`
+    /// (halved on out-of-memory; the training micro-batch is never touched).
+    pub fn evaluate(&self, samples: &dyn Samples, eval_micro: usize, recover: bool) -> Result<EvalResult, TrainError> {
+        let device = &self.device;
+        let _ng = device.no_grad();
+        let _p = device.enter_phase(Phase::Eval);
+        let order: Vec<usize> = (0..samples.len()).collect();
+        let mut micro = eval_micro.max(1);
+        let mut queue: VecDeque<&[usize]> = order.chunks(micro).collect();
+        let (mut loss_sum, mut correct, mut recoveries) = (0.0, 0, 0);
+        let mut retried_single = false;
+        while let Some(chunk) = queue.pop_front() {
+            let attempt = || -> Result<(f64, usize), TrainError> {
+                let (x, y) = samples.to_device(device, chunk)?;
+                let logits = self.model.forward(&x, false)?;
+                drop(x);
+                let loss = ops::cross_entropy(&logits, &y, 0.0)?;
+                if !device.computes() {
+                    return Ok((0.0, 0));
+                }
+                Ok((loss.item()? * chunk.len() as f64, count_correct(&logits, &y)?))
+            };
+            match attempt() {
+                Ok((l, c)) => {
+                    loss_sum += l;
+                    correct += c;
+                    retried_single = false;
+                }
+                Err(e) if recover && e.as_oom().is_some() => {
+                    device.allocator().empty_cache();
+                    recoveries += 1;
+                    if chunk.len() == 1 {
+                        if retried_single {
+                            return Err(e);
+                        }
+                        retried_single = true;
+                        queue.push_front(chunk);
+                    } else {
+                        let half = chunk.len().div_ceil(2);
+                        micro = micro.min(half);
+                        let (a, b) = chunk.split_at(half);
+                        queue.push_front(b);
+                        queue.push_front(a);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let n = samples.len().max(1) as f64;
+        let computes = device.computes();
+        Ok(EvalResult {
+            loss: computes.then_some(loss_sum / n),
+            accuracy: computes.then_some(correct as f64 / n),
+            samples: samples.len(),
+            micro_batch: micro,
+            oom_recoveries: recoveries,
+        })
+    }
+
+    /// Trains over `train` (and evaluates on `val` at the end when given).
+    pub fn run(
+        &mut self,
+        train: &dyn Samples,
+        val: Option<&dyn Samples>,
+        opts: &RunOptions,
+        on_step: &mut dyn FnMut(&StepEvent),
+    ) -> Result<RunOutcome, TrainError> {
+        if opts.effective_batch == 0 || opts.micro_batch == 0 {
+            return Err(TrainError::Invalid("the batch size and micro-batch must be at least 1".into()));
+        }
+        if train.is_empty() {
+            return Err(TrainError::Invalid("the training set is empty".into()));
+        }
+        let per_epoch = train.len().div_ceil(opts.effective_batch);
+        let total = opts.max_steps.map_or(per_epoch * opts.epochs, |m| m.min(per_epoch * opts.epochs));
+        let planned_micro = opts.micro_batch.min(opts.effective_batch);
+        let mut micro = planned_micro;
+        let mut out = RunOutcome { final_micro_batch: micro, ..Default::default() };
+        let mut streak = 0;
+        'epochs: for epoch in 0..opts.epochs {
+            let order = EpochOrder::new(train.len(), opts.seed, epoch as u64, true);
+            for window in order.batches(opts.effective_batch) {
+                if out.steps >= total {
+                    break 'epochs;
+                }
+                let start = Instant::now();
+                let mut used = Vec::with_capacity(window.len());
+                let (loss_sum, correct, recoveries) =
+                    self.train_window(train, window, &mut micro, opts.recover, &mut used)?;
+                let ms = start.elapsed().as_secs_f64() * 1e3;
+                streak = if recoveries > 0 { 0 } else { streak + 1 };
+                if micro < planned_micro && streak >= opts.grow_after {
+                    micro = (micro * 2).min(planned_micro);
+                    streak = 0;
+                }
+                out.steps += 1;
+                out.samples_seen += window.len();
+                out.step_times_ms.push(ms);
+                out.oom_recoveries += recoveries;
+                let computes = self.device.computes();
+                let loss = computes.then(|| loss_sum / window.len() as f64);
+                out.last_loss = loss;
+                if opts.record_samples {
+                    out.sample_log.push(used);
+                }
+                let stats = self.device.stats();
+                on_step(&StepEvent {
+                    step: out.steps,
+                    total_steps: total,
+                    epoch,
+                    samples: out.samples_seen,
+                    loss,
+                    accuracy: computes.then(|| correct as f64 / window.len() as f64),
+                    micro_batch: micro,
+                    oom_recoveries: out.oom_recoveries,
+                    allocated: stats.allocated_bytes.current,
+                    peak_allocated: stats.allocated_bytes.peak,
+                    reserved: stats.reserved_bytes.current,
+                    step_ms: ms,
+                });
+            }
+        }
+        out.final_micro_batch = micro;
+        if let Some(val) = val {
+            out.eval = Some(self.evaluate(val, opts.eval_micro_batch, opts.recover)?);
+        }
+        Ok(out)
+    }
+}
+
+/// The median of a list of timings (0 for none).
+pub fn median(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    }
+}

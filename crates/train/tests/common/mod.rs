@@ -1,0 +1,77 @@
+//! Shared helpers for the trainer's integration tests.
+#![allow(dead_code)]
+
+use memfit_nn::{ModelKind, ModelSpec, OptimizerConfig};
+use memfit_tensor::memory::FaultInjection;
+use memfit_tensor::{Device, DeviceConfig, DeviceKind};
+use memfit_train::samples::SyntheticSamples;
+use memfit_train::trainer::RunOutcome;
+use memfit_train::{RunOptions, Session};
+
+pub fn adamw() -> OptimizerConfig {
+    OptimizerConfig::AdamW { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+}
+
+pub fn sgd() -> OptimizerConfig {
+    OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 1e-4 }
+}
+
+pub fn small_spec(kind: ModelKind) -> ModelSpec {
+    ModelSpec::image(kind, [1, 12, 12], 10)
+}
+
+pub fn device(kind: DeviceKind, capacity: Option<u64>, fault: Option<FaultInjection>) -> Device {
+    Device::new(DeviceConfig::new(kind).capacity(capacity).fault(fault))
+}
+
+pub fn opts(effective: usize, micro: usize, steps: usize) -> RunOptions {
+    RunOptions {
+        effective_batch: effective,
+        micro_batch: micro,
+        eval_micro_batch: effective,
+        epochs: 1,
+        max_steps: Some(steps),
+        seed: 7,
+        recover: true,
+        grow_after: 3,
+        record_samples: true,
+    }
+}
+
+pub fn data(spec: &ModelSpec, len: usize) -> SyntheticSamples {
+    SyntheticSamples { len, shape: spec.input, classes: spec.num_classes, seed: 11 }
+}
+
+/// Runs `opts` on a fresh session and returns the outcome and the final parameters.
+pub fn run(
+    device: Device,
+    spec: &ModelSpec,
+    optimizer: OptimizerConfig,
+    samples: &SyntheticSamples,
+    opts: &RunOptions,
+) -> (RunOutcome, Vec<(String, Vec<f64>)>, Session) {
+    let mut session = Session::new(device, spec, optimizer, 3).expect("session");
+    let outcome = session.run(samples, None, opts, &mut |_| {}).expect("run");
+    let params = session
+        .model
+        .parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_f64_vec().expect("cpu tensor")))
+        .collect();
+    (outcome, params, session)
+}
+
+/// Golden-style comparison: |a - b| <= rtol*|b| + rtol*max|b| per tensor.
+pub fn assert_params_close(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)], rtol: f64, what: &str) {
+    assert_eq!(a.len(), b.len());
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        let max = vb.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for (i, (x, y)) in va.iter().zip(vb).enumerate() {
+            assert!(
+                (x - y).abs() <= rtol * y.abs() + rtol * max,
+                "{what}: parameter {na}[{i}] differs: {x} vs {y}"
+            );
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! Planning: for each zoo model and several budgets, the plan's configuration run for real on `cpu`
+//! with that capacity never runs out of memory and peaks exactly where the `meta` dry run said.
+
+mod common;
+use common::*;
+use memfit_nn::{ModelKind, ModelSpec};
+use memfit_tensor::DeviceKind;
+use memfit_train::planner::{dry_run, plan, predict, PlanRequest};
+use memfit_train::{Session, TrainError};
+
+fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequest {
+    PlanRequest {
+        model: ModelSpec::image(kind, [1, 28, 28], 10),
+        optimizer: adamw(),
+        effective_batch: effective,
+        capacity,
+        safety_margin: 0.0,
+        seed: 5,
+    }
+}
+
+#[test]
+fn planned_runs_fit_and_peak_exactly_as_predicted() {
+    for kind in [ModelKind::Mlp, ModelKind::SimpleCnn, ModelKind::DeepCnn, ModelKind::ResNet] {
+        let effective = 48;
+        let full = predict(&request(kind, effective, None), effective, effective, None).unwrap().unwrap();
+        let smallest = predict(&request(kind, effective, None), 1, 1, None).unwrap().unwrap();
+        let span = full.peak_reserved - smallest.peak_reserved;
+        for fraction in [0.25, 0.6, 1.0] {
+            let capacity = smallest.peak_reserved + (span as f64 * fraction) as u64;
+            let req = request(kind, effective, Some(capacity));
+            let plan = plan(&req).unwrap_or_else(|e| panic!("{kind:?} at {capacity}: {e}"));
+            assert!(plan.predicted.peak_reserved <= capacity);
+            assert_eq!(plan.accumulation_steps, effective.div_ceil(plan.micro_batch));
+            // Run the planned configuration on cpu with the real capacity.
+            let dev = device(DeviceKind::Cpu, Some(capacity), None);
+            let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
+            let (train, val, mut o) = dry_run(&req, plan.micro_batch, plan.eval_micro_batch);
+            o.recover = true;
+            let outcome = session.run(&train, Some(&val), &o, &mut |_| {}).unwrap();
+            let stats = dev.stats();
+            assert_eq!(stats.num_ooms, 0, "{kind:?}: the planned run never hit out-of-memory");
+            assert_eq!(outcome.oom_recoveries, 0);
+            assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated, "{kind:?} allocated peak");
+            assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved, "{kind:?} reserved peak");
+        }
+        // A budget below micro-batch 1 is refused with what the smallest step needs.
+        let too_small = request(kind, effective, Some(smallest.peak_reserved / 2));
+        match plan(&too_small) {
+            Err(TrainError::Invalid(msg)) => assert!(msg.contains("even a micro-batch of 1 needs"), "{msg}"),
+            other => panic!("{kind:?}: expected a does-not-fit error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn planning_prefers_the_whole_batch_when_it_fits() {
+    let req = request(ModelKind::SimpleCnn, 32, Some(1 << 30));
+    let plan = plan(&req).unwrap();
+    assert_eq!((plan.micro_batch, plan.accumulation_steps), (32, 1));
+    assert!(plan.larger.is_none());
+}

@@ -1,0 +1,89 @@
+//! Out-of-memory recovery: injected allocation failures at many points of training change neither
+//! the samples used nor the final parameters, leak nothing, and are counted.
+
+mod common;
+use common::*;
+use memfit_nn::ModelKind;
+use memfit_tensor::memory::FaultInjection;
+use memfit_tensor::{DeviceKind, Phase};
+use memfit_train::{Session, TrainError};
+
+fn sorted(log: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    log.iter()
+        .map(|w| {
+            let mut w = w.clone();
+            w.sort_unstable();
+            w
+        })
+        .collect()
+}
+
+#[test]
+fn a_fault_at_every_allocation_of_a_run_is_recovered() {
+    let spec = small_spec(ModelKind::SimpleCnn);
+    let samples = data(&spec, 3 * 8);
+    let o = opts(8, 8, 3);
+    let clean_device = device(DeviceKind::Cpu, None, None);
+    let setup_requests = {
+        let s = Session::new(clean_device.clone(), &spec, adamw(), 3).unwrap();
+        drop(s);
+        clean_device.stats().allocation.allocated
+    };
+    let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, adamw(), &samples, &o);
+    let clean_stats = clean_session.device.stats();
+    let requests = clean_stats.allocation.allocated - setup_requests;
+    assert!(requests > 20, "a run makes many requests ({requests})");
+    for k in 1..=requests {
+        let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(setup_requests + k)));
+        let (out, params, session) = run(dev, &spec, adamw(), &samples, &o);
+        let stats = session.device.stats();
+        assert_eq!(stats.num_injected_faults, 1, "fault at request {k}");
+        assert_eq!(stats.num_ooms, 1);
+        assert!(out.oom_recoveries >= 1, "fault at request {k} was recovered");
+        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "fault at request {k}: same samples per step");
+        assert_params_close(&params, &clean_params, 1e-5, &format!("fault at request {k}"));
+        assert_eq!(
+            stats.allocated_bytes.current, clean_stats.allocated_bytes.current,
+            "fault at request {k}: nothing leaked"
+        );
+    }
+}
+
+#[test]
+fn every_nth_faults_sweep_completes_with_the_clean_result() {
+    let spec = small_spec(ModelKind::Mlp);
+    let samples = data(&spec, 6 * 16);
+    let o = opts(16, 16, 6);
+    let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, sgd(), &samples, &o);
+    let clean_allocated = clean_session.device.stats().allocated_bytes.current;
+    for n in [37, 41, 53, 64, 97, 131] {
+        let (out, params, session) =
+            run(device(DeviceKind::Cpu, None, Some(FaultInjection::EveryNth(n))), &spec, sgd(), &samples, &o);
+        let stats = session.device.stats();
+        assert!(stats.num_injected_faults > 0, "N={n} injected faults");
+        assert_eq!(out.oom_recoveries as u64, stats.num_ooms, "N={n}: every OOM was recovered and counted");
+        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "N={n}: same samples");
+        assert_params_close(&params, &clean_params, 1e-5, &format!("N={n}"));
+        assert_eq!(stats.allocated_bytes.current, clean_allocated, "N={n}: nothing leaked");
+    }
+}
+
+#[test]
+fn a_budget_below_micro_batch_one_stops_with_the_explanation() {
+    let spec = small_spec(ModelKind::Mlp);
+    let samples = data(&spec, 16);
+    // The MLP's parameters alone need several MiB: 1 MiB cannot hold them.
+    let dev = device(DeviceKind::Cpu, Some(4 << 20), None);
+    let result = Session::new(dev.clone(), &spec, sgd(), 3).and_then(|mut s| {
+        let _p = dev.enter_phase(Phase::Setup);
+        s.run(&samples, None, &opts(16, 16, 1), &mut |_| {})
+    });
+    match result {
+        Err(e @ TrainError::Engine(_)) | Err(e @ TrainError::OutOfMemory { .. }) => {
+            let oom = e.as_oom().expect("an out-of-memory");
+            assert!(e.to_string().contains("tried to allocate"), "{e}");
+            assert_eq!(oom.capacity, Some(4 << 20));
+        }
+        other => panic!("expected an out-of-memory, got {:?}", other.map(|o| o.steps)),
+    }
+}
