@@ -170,8 +170,8 @@ struct Progress {
 }
 
 impl Observer for Progress {
-    fn data_loaded(&mut self, description: &str, train: usize, val: usize) {
-        eprintln!("data: {description}: {train} train / {val} validation samples");
+    fn data_loaded(&mut self, description: &str, _train: usize, _val: usize) {
+        eprintln!("data: {description}");
     }
 
     fn planned(&mut self, plan: &Plan) {

@@ -32,9 +32,14 @@ impl GradScalerConfig {
     pub fn validate(&self) -> Result<()> {
         let c = self;
         if !(c.init_scale > 0.0 && (c.init_scale as f32).is_finite()) {
-            return Err(Error::invalid(format!("GradScaler: init_scale {} must be positive and finite in f32", c.init_scale)));
+            return Err(Error::invalid(format!(
+                "GradScaler: init_scale {} must be positive and finite in f32",
+                c.init_scale
+            )));
         }
-        if !(c.growth_factor > 1.0) || !(c.backoff_factor > 0.0 && c.backoff_factor < 1.0) {
+        let growth_ok = c.growth_factor > 1.0;
+        let backoff_ok = c.backoff_factor > 0.0 && c.backoff_factor < 1.0;
+        if !growth_ok || !backoff_ok {
             return Err(Error::invalid(format!(
                 "GradScaler: growth_factor {} must be > 1 and backoff_factor {} in (0, 1)",
                 c.growth_factor, c.backoff_factor
@@ -139,10 +144,9 @@ impl GradScaler {
     /// consecutive good steps it is multiplied by `growth_factor` (unless that overflows f32).
     /// Errors if no gradients were checked since the last update.
     pub fn update(&mut self) -> Result<()> {
-        let found_inf = self
-            .found_inf
-            .take()
-            .ok_or_else(|| Error::invalid("GradScaler: update() without unscale() or step() since the last update()"))?;
+        let found_inf = self.found_inf.take().ok_or_else(|| {
+            Error::invalid("GradScaler: update() without unscale() or step() since the last update()")
+        })?;
         // As ATen's _amp_update_scale_: products in double, stored back to the float scale.
         if found_inf {
             self.scale = (f64::from(self.scale) * self.config.backoff_factor) as f32;

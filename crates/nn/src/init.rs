@@ -88,7 +88,7 @@ impl Initializer {
 
     /// A trainable parameter: U(low, high).
     pub fn uniform(&self, name: &str, shape: &[usize], low: f32, high: f32) -> Result<Tensor> {
-        if !(low <= high) {
+        if low.is_nan() || high.is_nan() || low > high {
             return Err(Error::invalid(format!("init of {name}: uniform bounds {low} > {high}")));
         }
         Ok(self.generated(name, shape, Category::Parameter, |r| r.uniform_f32(low, high))?.set_requires_grad(true))

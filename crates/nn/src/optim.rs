@@ -40,7 +40,9 @@ impl OptimizerConfig {
 
     pub fn lr(&self) -> f64 {
         match *self {
-            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } | OptimizerConfig::AdamW { lr, .. } => lr,
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } | OptimizerConfig::AdamW { lr, .. } => {
+                lr
+            }
         }
     }
 
@@ -63,13 +65,15 @@ impl OptimizerConfig {
     /// Checks the hyper-parameters as `torch.optim` does.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::invalid(msg));
+        // Written so that NaN fails every check.
+        let non_negative = |x: f64| x >= 0.0;
         let lr = self.lr();
-        if !(lr >= 0.0) {
+        if !non_negative(lr) {
             return bad(format!("invalid learning rate {lr}"));
         }
         match *self {
             OptimizerConfig::Sgd { momentum, dampening, nesterov, weight_decay, .. } => {
-                if !(momentum >= 0.0) || !(weight_decay >= 0.0) {
+                if !non_negative(momentum) || !non_negative(weight_decay) {
                     return bad(format!("invalid SGD momentum {momentum} or weight decay {weight_decay}"));
                 }
                 if nesterov && (momentum <= 0.0 || dampening != 0.0) {
@@ -82,7 +86,7 @@ impl OptimizerConfig {
                 if !beta_ok(betas.0) || !beta_ok(betas.1) {
                     return bad(format!("invalid Adam betas {betas:?}: each must be in [0, 1)"));
                 }
-                if !(eps >= 0.0) || !(weight_decay >= 0.0) {
+                if !non_negative(eps) || !non_negative(weight_decay) {
                     return bad(format!("invalid Adam eps {eps} or weight decay {weight_decay}"));
                 }
             }
@@ -94,8 +98,15 @@ impl OptimizerConfig {
 /// The state of one parameter, created on its first step with a gradient.
 enum ParamState {
     /// SGD; `momentum_buffer` is None without momentum. `steps` counts this parameter's updates.
-    Sgd { momentum_buffer: Option<Tensor>, steps: u64 },
-    Adam { exp_avg: Tensor, exp_avg_sq: Tensor, steps: u64 },
+    Sgd {
+        momentum_buffer: Option<Tensor>,
+        steps: u64,
+    },
+    Adam {
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        steps: u64,
+    },
 }
 
 impl ParamState {
@@ -190,16 +201,32 @@ impl Optimizer {
                     OptimizerConfig::Sgd { lr, momentum, dampening, nesterov, weight_decay },
                     ParamState::Sgd { momentum_buffer, steps },
                 ) => {
-                    sgd_update(p, g, momentum_buffer.as_ref(), *steps == 0, lr, momentum, dampening, nesterov, weight_decay)
-                        .map_err(with_name)?;
+                    sgd_update(
+                        p,
+                        g,
+                        momentum_buffer.as_ref(),
+                        *steps == 0,
+                        lr,
+                        momentum,
+                        dampening,
+                        nesterov,
+                        weight_decay,
+                    )
+                    .map_err(with_name)?;
                     *steps += 1;
                 }
-                (OptimizerConfig::Adam { lr, betas, eps, weight_decay }, ParamState::Adam { exp_avg, exp_avg_sq, steps }) => {
+                (
+                    OptimizerConfig::Adam { lr, betas, eps, weight_decay },
+                    ParamState::Adam { exp_avg, exp_avg_sq, steps },
+                ) => {
                     adam_update(p, g, exp_avg, exp_avg_sq, *steps + 1, lr, betas, eps, weight_decay, false)
                         .map_err(with_name)?;
                     *steps += 1;
                 }
-                (OptimizerConfig::AdamW { lr, betas, eps, weight_decay }, ParamState::Adam { exp_avg, exp_avg_sq, steps }) => {
+                (
+                    OptimizerConfig::AdamW { lr, betas, eps, weight_decay },
+                    ParamState::Adam { exp_avg, exp_avg_sq, steps },
+                ) => {
                     adam_update(p, g, exp_avg, exp_avg_sq, *steps + 1, lr, betas, eps, weight_decay, true)
                         .map_err(with_name)?;
                     *steps += 1;
@@ -306,7 +333,8 @@ mod tests {
     fn adam_state_is_lazy_and_per_parameter() {
         let d = Device::cpu();
         let (a, b) = (leaf(&d, &[1.0, 2.0]), leaf(&d, &[3.0]));
-        let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adam(0.1));
+        let mut opt =
+            Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adam(0.1));
         assert_eq!(opt.state_bytes(), 0);
         assert_eq!(d.stats().category(Category::OptimizerState).current, 0);
         a.set_grad(Some(grad(&d, &[1.0, -1.0])));
@@ -339,7 +367,8 @@ mod tests {
             let stats = d.stats();
             let requests = stats.allocation.allocated + stats.num_ooms;
             d.allocator().set_fault_injection(Some(FaultInjection::Nth(requests + fail_at)));
-            let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adamw(0.1));
+            let mut opt =
+                Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adamw(0.1));
             let err = opt.step().unwrap_err();
             assert!(err.is_oom(), "{err}");
             assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
@@ -360,7 +389,8 @@ mod tests {
         let run = |d: &Device| {
             let p = Tensor::zeros(d, &[3, 5], DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
             p.set_grad(Some(Tensor::zeros(d, &[3, 5], DType::F32, Category::Gradient).unwrap()));
-            let cfg = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 0.0 };
+            let cfg =
+                OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, nesterov: true, weight_decay: 0.0 };
             let mut opt = Optimizer::new(vec![("p".into(), p)], cfg);
             opt.step().unwrap();
             opt.step().unwrap();

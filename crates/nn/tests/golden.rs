@@ -201,6 +201,7 @@ impl Entry {
 }
 
 struct Case {
+    name: String,
     op: String,
     attrs: Value,
     tol: Tol,
@@ -230,7 +231,7 @@ impl Case {
             }
             entries.push(Entry { json: t.clone(), local, data });
         }
-        Ok(Case { op, attrs: json.get("attrs").cloned().unwrap_or(Value::Null), tol, entries })
+        Ok(Case { name, op, attrs: json.get("attrs").cloned().unwrap_or(Value::Null), tol, entries })
     }
 
     fn with_role<'a>(&'a self, role: &'a str) -> impl Iterator<Item = &'a Entry> + 'a {
@@ -320,6 +321,12 @@ impl Check {
 
     /// Compares values against a reference under `tol` (exact for integer/bool references).
     fn values(&mut self, name: &str, r: &RefTensor, shape: &[usize], got: &[f64], tol: Tol) {
+        self.values_with_slack(name, r, shape, got, tol, &[]);
+    }
+
+    /// `values`, with `slack[i]` added to element i's allowance (empty: none); see
+    /// Note [Gradients that are rounding noise].
+    fn values_with_slack(&mut self, name: &str, r: &RefTensor, shape: &[usize], got: &[f64], tol: Tol, slack: &[f64]) {
         if shape != r.shape.as_slice() {
             return self.fail(name, format!("shape {shape:?}, expected {:?}", r.shape));
         }
@@ -340,12 +347,21 @@ impl Check {
                 (same, if same { 0.0 } else { f64::INFINITY })
             } else {
                 let err = (g - w).abs();
-                let allowed = rtol * w.abs() + atol;
-                (err <= allowed, if allowed > 0.0 { err / allowed } else if err > 0.0 { f64::INFINITY } else { 0.0 })
+                let allowed = rtol * w.abs() + atol + slack.get(i).copied().unwrap_or(0.0);
+                (
+                    err <= allowed,
+                    if allowed > 0.0 {
+                        err / allowed
+                    } else if err > 0.0 {
+                        f64::INFINITY
+                    } else {
+                        0.0
+                    },
+                )
             };
             if !ok {
                 bad += 1;
-                if worst.map_or(true, |(_, r)| ratio > r) {
+                if !matches!(worst, Some((_, r)) if ratio <= r) {
                     worst = Some((i, ratio));
                 }
             }
@@ -359,7 +375,7 @@ impl Check {
                     want.len(),
                     unravel(i, shape),
                     (g - w).abs(),
-                    rtol * w.abs() + atol
+                    rtol * w.abs() + atol + slack.get(i).copied().unwrap_or(0.0)
                 ),
             );
         }
@@ -371,7 +387,9 @@ impl Check {
             return self.bits(name, r, got);
         }
         match r.memfit_dtype() {
-            Ok(want) if want != got.dtype() => return self.fail(name, format!("dtype {}, expected {want}", got.dtype())),
+            Ok(want) if want != got.dtype() => {
+                return self.fail(name, format!("dtype {}, expected {want}", got.dtype()))
+            }
             Err(e) => return self.fail(name, e),
             _ => {}
         }
@@ -393,8 +411,12 @@ impl Check {
             (Dtype::BF16, DType::BF16) => {
                 got.to_vec::<half::bf16>().map(|v| v.iter().map(|x| u64::from(x.to_bits())).collect()).ctx("reading")
             }
-            (Dtype::F32, DType::F32) => got.to_vec::<f32>().map(|v| v.iter().map(|x| u64::from(x.to_bits())).collect()).ctx("reading"),
-            (Dtype::F64, DType::F64) => got.to_vec::<f64>().map(|v| v.iter().map(|x| x.to_bits()).collect()).ctx("reading"),
+            (Dtype::F32, DType::F32) => {
+                got.to_vec::<f32>().map(|v| v.iter().map(|x| u64::from(x.to_bits())).collect()).ctx("reading")
+            }
+            (Dtype::F64, DType::F64) => {
+                got.to_vec::<f64>().map(|v| v.iter().map(|x| x.to_bits()).collect()).ctx("reading")
+            }
             (want, have) => Err(format!("dtype {have}, expected {want:?}")),
         };
         let got_bits = match got_bits {
@@ -581,7 +603,9 @@ fn dispatch(case: &Case, args: &Args, entries: &HashMap<String, &Entry>) -> Res<
             };
             one(ops::avg_pool2d(input()?, p, include_pad))
         }
-        "adaptive_avg_pool2d" => one(ops::adaptive_avg_pool2d(input()?, as_pair(case.attr("output_size")?, "output_size")?)),
+        "adaptive_avg_pool2d" => {
+            one(ops::adaptive_avg_pool2d(input()?, as_pair(case.attr("output_size")?, "output_size")?))
+        }
         "layer_norm" => {
             let shape: Vec<usize> = match case.attr("normalized_shape")? {
                 Value::Array(list) => list.iter().map(|d| as_usize(d, "normalized_shape")).collect::<Res<_>>()?,
@@ -771,7 +795,9 @@ fn optimizer_config(v: &Value) -> Res<OptimizerConfig> {
             weight_decay: num("weight_decay", 0.0)?,
         },
         "Adam" => OptimizerConfig::Adam { lr, betas, eps: num("eps", 1e-8)?, weight_decay: num("weight_decay", 0.0)? },
-        "AdamW" => OptimizerConfig::AdamW { lr, betas, eps: num("eps", 1e-8)?, weight_decay: num("weight_decay", 0.01)? },
+        "AdamW" => {
+            OptimizerConfig::AdamW { lr, betas, eps: num("eps", 1e-8)?, weight_decay: num("weight_decay", 0.01)? }
+        }
         other => return Err(unsupported(format!("optimizer {other}"))),
     })
 }
@@ -982,6 +1008,17 @@ fn model_loss(model: &dyn Model, x: &Tensor, y: &Tensor) -> Res<(Tensor, Tensor)
 }
 
 fn check_params(check: &mut Check, case: &Case, model: &dyn Model, entries: Vec<&Entry>, grads: bool) {
+    check_params_with_slack(check, case, model, entries, grads, &HashMap::new());
+}
+
+fn check_params_with_slack(
+    check: &mut Check,
+    case: &Case,
+    model: &dyn Model,
+    entries: Vec<&Entry>,
+    grads: bool,
+    slack: &HashMap<String, Vec<f64>>,
+) {
     let params: HashMap<String, Tensor> = model.parameters().into_iter().collect();
     for e in entries {
         let name = e.str_field("param").unwrap_or("");
@@ -989,15 +1026,57 @@ fn check_params(check: &mut Check, case: &Case, model: &dyn Model, entries: Vec<
             check.fail(&e.local, format!("no parameter {name}"));
             continue;
         };
-        if grads {
+        let got = if grads {
             match p.grad() {
-                Some(g) => check.tensor(&e.local, &e.data, &g, case.tol),
-                None => check.fail(&e.local, "no gradient"),
+                Some(g) => g,
+                None => {
+                    check.fail(&e.local, "no gradient");
+                    continue;
+                }
             }
         } else {
-            check.tensor(&e.local, &e.data, p, case.tol);
+            p.clone()
+        };
+        match slack.get(name) {
+            Some(sl) if got.dtype() == DType::F32 || got.dtype() == DType::F64 => match got.to_f64_vec() {
+                Ok(values) => check.values_with_slack(&e.local, &e.data, got.shape(), &values, case.tol, sl),
+                Err(err) => check.fail(&e.local, format!("reading the result: {err}")),
+            },
+            _ => check.tensor(&e.local, &e.data, &got, case.tol),
         }
     }
+}
+
+/// Note [Gradients that are rounding noise]: some reference gradients are zero in exact arithmetic
+/// and only rounding noise in float32 (the GPT's key bias: softmax is invariant to adding q.b_k to
+/// every score of a row, so d loss / d b_k = 0; PyTorch stores ~1e-10). The manifest's gradient
+/// tolerance accepts any noise of that size, but Adam divides by sqrt(v) + eps (1e-8), so its first
+/// steps turn that noise into updates of up to lr in either direction: the reference parameters
+/// after a step are not determined there, and no correct implementation can match them. For those
+/// elements only (reference gradient nonzero but below 1e-6 * the tensor's largest |gradient|, about
+/// what float32 sums can resolve), the parameters after step t are allowed Adam's largest possible
+/// movement, 2 * lr * t, on top of the manifest tolerance; exact zero gradients stay strict. Returns
+/// the per-element slack of each parameter at step 1 (scale by the step) and the count of relaxed elements.
+fn noise_gradient_slack(case: &Case, config: &OptimizerConfig) -> Res<(HashMap<String, Vec<f64>>, usize)> {
+    let lr = match *config {
+        OptimizerConfig::Adam { lr, .. } | OptimizerConfig::AdamW { lr, .. } => lr,
+        OptimizerConfig::Sgd { .. } => return Ok((HashMap::new(), 0)),
+    };
+    let mut slack = HashMap::new();
+    let mut count = 0;
+    for e in case.with_role("grad") {
+        let Some(name) = e.str_field("param") else { continue };
+        let g = e.data.values()?;
+        let max = g.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let noise: Vec<f64> =
+            g.iter().map(|v| if *v != 0.0 && v.abs() <= 1e-6 * max { 2.0 * lr } else { 0.0 }).collect();
+        let n = noise.iter().filter(|&&s| s > 0.0).count();
+        if n > 0 {
+            count += n;
+            slack.insert(name.to_string(), noise);
+        }
+    }
+    Ok((slack, count))
 }
 
 fn run_model_train_case(case: &Case) -> Res<()> {
@@ -1008,6 +1087,14 @@ fn run_model_train_case(case: &Case) -> Res<()> {
     let config = optimizer_config(case.attr("optimizer")?)?;
     let n_steps = as_usize(&case.attr("optimizer")?["n_steps"], "n_steps")? as u64;
     let mut opt = Optimizer::try_new(model.parameters(), config).ctx("optimizer")?;
+    let (slack, relaxed) = noise_gradient_slack(case, &config)?;
+    if relaxed > 0 {
+        println!(
+            "golden NOTE {}: {relaxed} parameter elements with rounding-noise gradients compared within Adam's step bound \
+             after each step (Note [Gradients that are rounding noise])",
+            case.name
+        );
+    }
     let mut check = Check::default();
     let mut losses = Vec::new();
     for step in 1..=n_steps {
@@ -1027,7 +1114,9 @@ fn run_model_train_case(case: &Case) -> Res<()> {
         opt.step().ctx(&format!("optimizer step {step}"))?;
         opt.zero_grad();
         let after: Vec<&Entry> = case.with_role("param_after").filter(|e| e.step() == Some(step)).collect();
-        check_params(&mut check, case, model.as_ref(), after, false);
+        let step_slack: HashMap<String, Vec<f64>> =
+            slack.iter().map(|(k, v)| (k.clone(), v.iter().map(|s| s * step as f64).collect())).collect();
+        check_params_with_slack(&mut check, case, model.as_ref(), after, false, &step_slack);
     }
     if let Ok(e) = case.entry("losses") {
         check.values("losses", &e.data, &[losses.len()], &losses, case.tol);
@@ -1072,7 +1161,8 @@ fn run_grad_accumulation_case(case: &Case) -> Res<()> {
         xshape[0] = per;
         let xm: Vec<f32> = xs[m * per * sample..(m + 1) * per * sample].iter().map(|&v| v as f32).collect();
         let xm = Tensor::from_slice(&device, &xm, &xshape, Category::Input).ctx("micro-batch")?;
-        let ym = Tensor::from_slice(&device, &ys[m * per..(m + 1) * per], &[per], Category::Input).ctx("micro-batch")?;
+        let ym =
+            Tensor::from_slice(&device, &ys[m * per..(m + 1) * per], &[per], Category::Input).ctx("micro-batch")?;
         let (_, loss) = model_loss(model.as_ref(), &xm, &ym)?;
         micro_losses.push(loss.item().ctx("loss")?);
         backward(&loss.mul_scalar(1.0 / micro as f64).ctx("scale")?).ctx("backward")?;

@@ -181,7 +181,8 @@ fn gradcheck_unary() {
 #[test]
 fn gradcheck_binary_broadcasting() {
     let mut rng = Rng::new(2);
-    let cases: [(&[usize], &[usize]); 4] = [(&[4, 1, 5], &[3, 5]), (&[3, 5], &[3, 5]), (&[2, 3, 1], &[1]), (&[5], &[2, 4, 5])];
+    let cases: [(&[usize], &[usize]); 4] =
+        [(&[4, 1, 5], &[3, 5]), (&[3, 5], &[3, 5]), (&[2, 3, 1], &[1]), (&[5], &[2, 4, 5])];
     for (sa, sb) in cases {
         let a = || rand_input(&mut Rng::new(seed_of(&format!("{sa:?}"))), sa);
         let b = rng.vec(numel(sb), -1.0, 1.0);
@@ -206,7 +207,9 @@ fn gradcheck_sum_mean() {
     let shape = [3, 4, 5];
     for dim in [0isize, 1, 2, -1] {
         for keepdim in [false, true] {
-            gradcheck(&format!("sum_dim {dim} {keepdim}"), &[rand_input(&mut rng, &shape)], |x| x[0].sum_dim(dim, keepdim));
+            gradcheck(&format!("sum_dim {dim} {keepdim}"), &[rand_input(&mut rng, &shape)], |x| {
+                x[0].sum_dim(dim, keepdim)
+            });
             gradcheck(&format!("mean_dim {dim} {keepdim}"), &[rand_input(&mut rng, &shape)], |x| {
                 x[0].mean_dim(dim, keepdim)
             });
@@ -311,7 +314,13 @@ fn gradcheck_conv2d() {
     gradcheck("conv2d constant input", &inputs, |x| ops::conv2d(&x[0], &x[1], None, Conv2dParams::default()));
 }
 
-fn pool(kernel: [usize; 2], stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], ceil_mode: bool) -> Pool2dParams {
+fn pool(
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+) -> Pool2dParams {
     Pool2dParams { kernel, stride, padding, dilation, ceil_mode }
 }
 
@@ -368,7 +377,8 @@ fn gradcheck_layer_norm() {
     let inputs = [rand_input(&mut rng, &[2, 3, 8]), input(&[8], rng.vec(8, 0.5, 1.5)), rand_input(&mut rng, &[8])];
     gradcheck("layer_norm affine", &inputs, |x| ops::layer_norm(&x[0], &[8], Some(&x[1]), Some(&x[2]), 1e-5));
     gradcheck("layer_norm plain", &[rand_input(&mut rng, &[4, 6])], |x| ops::layer_norm(&x[0], &[6], None, None, 1e-5));
-    let inputs = [rand_input(&mut rng, &[2, 3, 4]), input(&[3, 4], rng.vec(12, 0.5, 1.5)), rand_input(&mut rng, &[3, 4])];
+    let inputs =
+        [rand_input(&mut rng, &[2, 3, 4]), input(&[3, 4], rng.vec(12, 0.5, 1.5)), rand_input(&mut rng, &[3, 4])];
     gradcheck("layer_norm over 2 dims", &inputs, |x| ops::layer_norm(&x[0], &[3, 4], Some(&x[1]), Some(&x[2]), 1e-5));
 }
 
@@ -426,7 +436,9 @@ fn gradcheck_losses() {
         let t = Tensor::from_slice(x[0].device(), &target, &[6], Category::Input)?;
         ops::nll_loss(&ops::log_softmax(&x[0], -1)?, &t)
     });
-    gradcheck("mse_loss", &[rand_input(&mut rng, &[4, 5]), rand_input(&mut rng, &[4, 5])], |x| ops::mse_loss(&x[0], &x[1]));
+    gradcheck("mse_loss", &[rand_input(&mut rng, &[4, 5]), rand_input(&mut rng, &[4, 5])], |x| {
+        ops::mse_loss(&x[0], &x[1])
+    });
 }
 
 // ----- attention -----------------------------------------------------------------------------
@@ -438,8 +450,12 @@ fn gradcheck_attention() {
         [rand_input(rng, &[2, 2, tq, 4]), rand_input(rng, &[2, 2, tk, 4]), rand_input(rng, &[2, 2, tk, 3])]
     };
     gradcheck("sdpa", &qkv(&mut rng, 5, 5), |x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None));
-    gradcheck("sdpa causal", &qkv(&mut rng, 5, 5), |x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None));
-    gradcheck("sdpa Tq != Tk", &qkv(&mut rng, 3, 6), |x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None));
+    gradcheck("sdpa causal", &qkv(&mut rng, 5, 5), |x| {
+        ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+    });
+    gradcheck("sdpa Tq != Tk", &qkv(&mut rng, 3, 6), |x| {
+        ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)
+    });
     // A bool mask, True = not allowed; every query keeps at least key 0.
     let (tq, tk) = (4, 6);
     let mask: Vec<bool> = (0..tq * tk).map(|i| i % tk != 0 && rng.below(3) == 0).collect();

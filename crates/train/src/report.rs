@@ -43,7 +43,8 @@ pub struct Report {
     pub peak_by_category: BTreeMap<String, u64>,
     /// Allocated bytes per category at the moment of the overall peak.
     pub at_peak_by_category: BTreeMap<String, u64>,
-    /// Reserved but unallocated bytes at the end, as a fraction of reserved (0 when nothing is reserved).
+    /// 1 - peak allocated / peak reserved: the share of the reserved peak that was never in use at
+    /// once (cache and split-block overhead).
     pub fragmentation: f64,
     pub allocated_bytes_at_end: u64,
     pub reserved_bytes_at_end: u64,
@@ -96,7 +97,11 @@ impl Report {
             peak_reserved_bytes: st.reserved_bytes.peak,
             peak_by_category: by_category(|c| st.category(c).peak),
             at_peak_by_category: by_category(|c| st.category_at_peak[c.index()]),
-            fragmentation: if reserved == 0 { 0.0 } else { st.reserved_unallocated() as f64 / reserved as f64 },
+            fragmentation: if st.reserved_bytes.peak == 0 {
+                0.0
+            } else {
+                1.0 - st.allocated_bytes.peak as f64 / st.reserved_bytes.peak as f64
+            },
             allocated_bytes_at_end: st.allocated_bytes.current,
             reserved_bytes_at_end: reserved,
             num_allocations: st.allocation.allocated,
@@ -139,7 +144,7 @@ impl Report {
             s.push_str(&format!("  {:<16} {:>12}   reserved {}\n", "predicted", format_bytes(a), format_bytes(r)));
         }
         s.push_str(&format!(
-            "  fragmentation {:.1}% of reserved at the end; {} allocations, {} segments, {} cache retries\n",
+            "  fragmentation {:.1}% (reserved peak not in use at once); {} allocations, {} segments, {} cache retries\n",
             self.fragmentation * 100.0,
             self.num_allocations,
             self.num_segments,

@@ -152,17 +152,6 @@ impl Session {
         Ok(MicroResult { loss_sum: mean * chunk.len() as f64, correct: count_correct(&logits, &y)? })
     }
 
-    /// Runs a failing operation again after an out-of-memory, once, with the cache released.
-    fn retry_once<T>(&self, mut f: impl FnMut() -> Result<T, TrainError>) -> Result<T, TrainError> {
-        match f() {
-            Err(e) if e.as_oom().is_some() => {
-                self.device.allocator().empty_cache();
-                f()
-            }
-            other => other,
-        }
-    }
-
     /// One optimizer step over `window` (Note [Recovery]). Returns (loss sum, correct, recoveries).
     fn train_window(
         &mut self,

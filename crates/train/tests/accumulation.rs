@@ -6,10 +6,15 @@ use common::*;
 use memfit_nn::ModelKind;
 use memfit_tensor::Device;
 
+// The comparison uses SGD with momentum and weight decay: its update is linear in the gradient, so any
+// error in accumulation shows in the parameters. Adam's `m / (sqrt(v) + eps)` turns float rounding in a
+// near-zero gradient into a whole +-lr step, which would make a parameter comparison measure rounding,
+// not accumulation.
 #[test]
 fn micro_batches_with_accumulation_equal_the_full_batch() {
     for kind in [ModelKind::Mlp, ModelKind::SimpleCnn] {
-        for optimizer in [sgd(), adamw()] {
+        {
+            let optimizer = sgd();
             let spec = small_spec(kind);
             // Windows of 16, 16, 16 and a partial 5.
             let samples = data(&spec, 3 * 16 + 5);

@@ -195,7 +195,10 @@ pub fn scaled_dot_product_attention(
     out_shape.extend([tq, dv]);
     let out = output(&q, &out_shape, q.dtype(), "scaled_dot_product_attention")?;
     let p = output(&q, &p_shape, q.dtype(), "scaled_dot_product_attention")?;
-    if q.device().computes() {
+    if q.device().computes() && out.numel() > 0 && p.numel() == 0 {
+        // No keys (Tk = 0): every row is fully masked, so the output is 0.
+        out.bytes_mut()?.fill(0);
+    } else if q.device().computes() && out.numel() > 0 {
         let view = match mask {
             Some(m) => {
                 let l = broadcast_layout(m.layout(), &p_shape);
@@ -310,8 +313,20 @@ impl Backward for AttentionBack {
         let gv = if needs[2] { Some(output(&go, self.v.shape(), go.dtype(), name)?) } else { None };
         // dS overwrites P. The saved P is normally the only handle on its storage; if not (never in
         // this crate), work on a copy instead of clobbering somebody else's data.
-        let p = if (needs[0] || needs[1]) && !self.p.owns_storage() { self.p.contiguous_copy()? } else { self.p.clone() };
-        if go.device().computes() {
+        let degenerate = go.numel() == 0 || self.p.numel() == 0;
+        let p = if !degenerate && (needs[0] || needs[1]) && !self.p.owns_storage() {
+            self.p.contiguous_copy()?
+        } else {
+            self.p.clone()
+        };
+        if go.device().computes() && degenerate {
+            // Degenerate sizes (no keys, or Dv = 0): nothing flows back.
+            for g in [&gq, &gk, &gv].into_iter().flatten() {
+                if g.numel() > 0 {
+                    g.bytes_mut()?.fill(0);
+                }
+            }
+        } else if go.device().computes() {
             with_float!(go.dtype(), name, T =>
                 backward_kernel::<T>(&self, &p, &go, gq.as_ref(), gk.as_ref(), gv.as_ref())?);
         }
@@ -390,8 +405,12 @@ mod tests {
         assert_eq!(&k.grad().unwrap().to_f64_vec().unwrap()[2..4], &[0.0, 0.0]);
         // Tk = 0: every row is empty, the output is zeros.
         let e = t64(&dev, &[], &[1, 1, 0, 2]);
-        let y = scaled_dot_product_attention(&q.narrow(1, 0, 1).unwrap(), &e, &e, false, None).unwrap();
+        let q0 = q.narrow(1, 0, 1).unwrap();
+        let y = scaled_dot_product_attention(&q0, &e, &e, false, None).unwrap();
         assert_eq!(y.to_f64_vec().unwrap(), vec![0.0; 4]);
+        q.set_grad(None);
+        backward(&y.sum_all().unwrap()).unwrap();
+        assert_eq!(q.grad().unwrap().to_f64_vec().unwrap(), vec![0.0; 8]);
     }
 
     #[test]
@@ -466,6 +485,27 @@ mod tests {
                 assert_golden(&v.grad().unwrap(), &g.f64s(&key("grad_v")), dtype, &name);
             }
         }
+    }
+
+    #[test]
+    fn backward_reuses_the_saved_probabilities() {
+        // dS overwrites P in place: backward allocates only the three gradients.
+        let dev = Device::cpu();
+        let t = |n: usize, salt| t64(&dev, &values(n, salt), &[1, 2, 6, 4]).set_requires_grad(true);
+        let (q, k, v) = (t(48, 1), t(48, 2), t(48, 3));
+        let y = scaled_dot_product_attention(&q, &k, &v, true, None).unwrap();
+        let g = t64(&dev, &values(48, 4), &[1, 2, 6, 4]);
+        let before = dev.allocator().timeline().events().count();
+        backward_with(&y, g).unwrap();
+        let a = dev.allocator();
+        let ops: Vec<&str> = a
+            .timeline()
+            .events()
+            .skip(before)
+            .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
+            .map(|e| e.op)
+            .collect();
+        assert_eq!(ops, vec!["scaled_dot_product_attention_backward"; 3]);
     }
 
     #[test]

@@ -68,7 +68,7 @@ impl Tensor {
         }
         let x = self.contiguous()?;
         let out = output(&x, x.shape(), dtype, "cast")?;
-        if x.device().computes() {
+        if x.device().computes() && x.numel() > 0 {
             convert(&x, &out)?;
         }
         if from.is_float() && needs_grad(&[&x]) {

@@ -7,10 +7,10 @@
 //! huge image never needs a huge workspace) and processes its samples one after another with
 //! single-threaded GEMMs, while the lanes run in parallel. With one lane, GEMM and im2col themselves
 //! use all threads. Lanes, rows per tile and therefore every allocation follow from the shapes and
-//! the element size only. The weight gradient is a reduction over samples: lane 0 accumulates
-//! straight into the gradient, every other lane into its own partial `[O, C/groups*kh*kw]`, and the
-//! partials are added in lane order at the end, so the result does not depend on the thread count
-//! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
+//! the element size only. The weight gradient is a reduction over samples: every lane accumulates
+//! its samples into its own partial (per group the transposed `[C/groups*kh*kw, O/groups]`, which
+//! GEMM computes faster than the weight's own layout), and the partials are added in lane order at
+//! the end, so the result does not depend on the thread count either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 
 use super::matmul::{gemm_into, Mat, SendPtr};
@@ -319,7 +319,7 @@ impl Backward for Conv2dBack {
         let db = if need_b { Some(output(&grad, &[g.o], x.dtype(), "conv2d_backward")?) } else { None };
         let ws = if need_x || need_w { workspace(&grad, g.lanes * g.col_len(), "conv2d_im2col")? } else { None };
         let partials = if need_w {
-            workspace(&grad, g.lanes.saturating_sub(1) * g.weight_len(), "conv2d_weight_partials")?
+            workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")?
         } else {
             None
         };
@@ -526,27 +526,29 @@ fn backward_kernel<T: Float>(
     w: &[T],
     gout: &[T],
     dx: Option<&mut [T]>,
-    mut dw: Option<&mut [T]>,
+    dw: Option<&mut [T]>,
     partials: Option<&mut [T]>,
     ws: Option<&mut [T]>,
 ) {
     let (chw, p, col_len, wlen) = (g.c * g.hw(), g.p(), g.col_len(), g.weight_len());
     let (og, kg, cg) = (g.og(), g.kg(), g.cg());
     let dxp = dx.map(|d| SendPtr(d.as_mut_ptr()));
-    let dwp = dw.as_mut().map(|d| SendPtr(d.as_mut_ptr()));
-    let pp = SendPtr(partials.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
+    let pp = match (&dw, partials) {
+        (Some(_), Some(parts)) => Some(SendPtr(parts.as_mut_ptr())),
+        _ => None,
+    };
     let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
     run_lanes(g.lanes, |lane, threads| {
-        let (dxp, dwp, pp, wsp) = (dxp, dwp, pp, wsp);
+        let (dxp, pp, wsp) = (dxp, pp, wsp);
         let col: &mut [T] = if col_len == 0 {
             &mut []
         } else {
             // SAFETY: the workspace holds `lanes * col_len` elements; lane `lane` alone uses its slice.
             unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * col_len), col_len) }
         };
-        // Lane 0 accumulates into the weight gradient itself, lane l > 0 into partial l - 1.
-        // SAFETY: the partials workspace holds (lanes - 1) * wlen elements when the weight gradient is needed.
-        let dw_dst = dwp.map(|d| if lane == 0 { d.0 } else { unsafe { pp.0.add((lane - 1) * wlen) } });
+        // This lane's transposed weight-gradient accumulator: per group a [kg, og] block.
+        // SAFETY: the partials workspace holds `lanes * wlen` elements when the weight gradient is needed.
+        let part = pp.map(|pp| unsafe { pp.0.add(lane * wlen) });
         let mut first = true;
         for n in g.samples(lane) {
             let xn = &x[n * chw..(n + 1) * chw];
@@ -560,7 +562,7 @@ fn backward_kernel<T: Float>(
             }
             for (r0, r1) in g.tiles() {
                 let tp = (r1 - r0) * g.ow;
-                if let Some(dwd) = dw_dst {
+                if let Some(part) = part {
                     let (src, src_rs) = if g.direct {
                         (xn.as_ptr(), g.hw())
                     } else {
@@ -568,19 +570,20 @@ fn backward_kernel<T: Float>(
                         (col.as_ptr() as *const T, tp)
                     };
                     for gi in 0..g.groups {
-                        // dW_g [og, kg] (+)= gout_g [og, tp] @ col_g^T [tp, kg].
-                        // SAFETY: dwd holds this lane's [o, kg] accumulator; operands are in bounds
-                        // and do not alias it.
+                        // dW_g^T [kg, og] (+)= col_g [kg, tp] @ gout_g^T [tp, og] (the transposed product
+                        // runs faster than dW_g = gout_g @ col_g^T for conv shapes).
+                        // SAFETY: `part` holds this lane's accumulator; operands are in bounds and do
+                        // not alias it.
                         unsafe {
                             gemm_into::<T>(
-                                og,
                                 kg,
+                                og,
                                 tp,
-                                dwd.add(gi * og * kg),
-                                kg as isize,
+                                part.add(gi * kg * og),
+                                og as isize,
                                 !first,
-                                Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: p as isize, cs: 1 },
-                                Mat { ptr: src.add(gi * kg * src_rs), rs: 1, cs: src_rs as isize },
+                                Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
+                                Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: 1, cs: p as isize },
                                 threads,
                             )
                         };
@@ -620,24 +623,30 @@ fn backward_kernel<T: Float>(
         }
     });
     if let Some(dw) = dw {
-        if g.lanes == 0 {
-            dw.fill(T::zero());
-        } else if g.lanes > 1 {
-            // SAFETY: the partials workspace holds (lanes - 1) * wlen elements, no longer written.
-            let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, (g.lanes - 1) * wlen) };
-            const CHUNK: usize = 1 << 12;
-            let add = |(i, d): (usize, &mut [T])| {
-                for part in parts.chunks_exact(wlen) {
-                    for (d, s) in d.iter_mut().zip(&part[i * CHUNK..]) {
-                        *d += *s;
+        match pp {
+            Some(pp) if g.lanes > 0 => {
+                // SAFETY: the partials workspace holds lanes * wlen elements, no longer written.
+                let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, g.lanes * wlen) };
+                // dW[gi*og + oo, kk] = sum over lanes (in lane order) of part[gi][kk, oo].
+                let row = |(oc, d): (usize, &mut [T])| {
+                    let (gi, oo) = (oc / og.max(1), oc % og.max(1));
+                    d.fill(T::zero());
+                    for part in parts.chunks_exact(wlen) {
+                        let block = &part[gi * kg * og..(gi + 1) * kg * og];
+                        for (kk, v) in d.iter_mut().enumerate() {
+                            *v += block[kk * og + oo];
+                        }
+                    }
+                };
+                if kg > 0 {
+                    if wlen * g.lanes >= 1 << 15 {
+                        dw.par_chunks_mut(kg).enumerate().for_each(row);
+                    } else {
+                        dw.chunks_mut(kg).enumerate().for_each(row);
                     }
                 }
-            };
-            if wlen * g.lanes >= 1 << 16 {
-                dw.par_chunks_mut(CHUNK).enumerate().for_each(add);
-            } else {
-                dw.chunks_mut(CHUNK).enumerate().for_each(add);
             }
+            _ => dw.fill(T::zero()),
         }
     }
 }
@@ -1091,19 +1100,20 @@ mod timing_tmp {
 mod timing_tmp2 {
     use super::*;
     use std::time::Instant;
-    fn bench(m: usize, n: usize, k: usize, a_t: bool, b_t: bool, reps: usize, par: bool) -> f64 {
+    /// a: [m,k] with strides (ars, acs); b: [k,n] with (brs, bcs)
+    fn bench(m: usize, n: usize, k: usize, a_s: (usize, usize), b_s: (usize, usize), reps: usize, par: bool) -> f64 {
         let a = vec![0.5f32; m * k];
         let b = vec![0.25f32; k * n * reps];
         let mut c = vec![0f32; m * n * reps];
         let mut best = f64::MAX;
-        for _ in 0..5 {
+        for _ in 0..7 {
             let t0 = Instant::now();
             let cp = SendPtr(c.as_mut_ptr());
             let run = |r: usize| {
                 let cp = cp;
-                let am = if a_t { Mat { ptr: a.as_ptr(), rs: 1, cs: m as isize } } else { Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 } };
+                let am = Mat { ptr: a.as_ptr(), rs: a_s.0 as isize, cs: a_s.1 as isize };
                 let bp = unsafe { b.as_ptr().add(r * k * n) };
-                let bm = if b_t { Mat { ptr: bp, rs: 1, cs: k as isize } } else { Mat { ptr: bp, rs: n as isize, cs: 1 } };
+                let bm = Mat { ptr: bp, rs: b_s.0 as isize, cs: b_s.1 as isize };
                 unsafe { gemm_into::<f32>(m, n, k, cp.0.add(r * m * n), n as isize, false, am, bm, if par { 1 } else { 2 }) };
             };
             if par { (0..reps).into_par_iter().for_each(run) } else { (0..reps).for_each(run) }
@@ -1112,9 +1122,37 @@ mod timing_tmp2 {
         2.0 * (m * n * k * reps) as f64 / best / 1e9
     }
     #[test]
+    fn zz_single() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(|| {
+            for _ in 0..3 {
+                eprintln!("1 thread: square {:.1}, L2 fwd {:.1}, L2 dWT {:.1}, L2 dX {:.1} GFLOPS",
+                    bench(512, 512, 512, (512, 1), (512, 1), 4, true),
+                    bench(64, 1024, 288, (288, 1), (1024, 1), 16, true),
+                    bench(288, 64, 1024, (1024, 1), (1, 1024), 16, true),
+                    bench(288, 1024, 64, (1, 288), (1024, 1), 16, true));
+            }
+        });
+    }
+    #[test]
     fn zz_gemm() {
-        for (m, n, k, at, bt) in [(64, 1024, 288, false, false), (128, 256, 576, false, false), (32, 4096, 27, false, false), (288, 1024, 64, true, false), (576, 256, 128, true, false), (64, 288, 1024, false, true), (128, 576, 256, false, true), (32, 27, 4096, false, true)] {
-            eprintln!("{m}x{n}x{k} at={at} bt={bt}: par-samples {:.1} GFLOPS, gemm-threaded {:.1} GFLOPS", bench(m, n, k, at, bt, 16, true), bench(m, n, k, at, bt, 16, false));
-        }
+        let one = |m: usize, n: usize, k: usize, a_s, b_s, what: &str| {
+            eprintln!("{what} {m}x{n}x{k}: par-samples {:.1}, gemm-threaded {:.1} GFLOPS", bench(m, n, k, a_s, b_s, 16, true), bench(m, n, k, a_s, b_s, 16, false));
+        };
+        one(512, 512, 512, (512, 1), (512, 1), "square");
+        one(64, 1024, 288, (288, 1), (1024, 1), "L2 fwd");
+        one(128, 256, 576, (576, 1), (256, 1), "L3 fwd");
+        one(32, 4096, 27, (27, 1), (4096, 1), "L1 fwd");
+        one(64, 288, 1024, (1024, 1), (1, 1024), "L2 dW cur");
+        one(288, 64, 1024, (1024, 1), (1, 1024), "L2 dWT");
+        one(64, 288, 4096, (4096, 1), (1, 4096), "L2 dW G4");
+        one(128, 576, 256, (256, 1), (1, 256), "L3 dW cur");
+        one(576, 128, 256, (256, 1), (1, 256), "L3 dWT");
+        one(32, 27, 4096, (4096, 1), (1, 4096), "L1 dW cur");
+        one(27, 32, 4096, (4096, 1), (1, 4096), "L1 dWT");
+        one(288, 1024, 64, (1, 288), (1024, 1), "L2 dX cur");
+        one(32, 1024, 576, (576, 1), (1024, 1), "L2 dX full");
+        one(576, 256, 128, (1, 576), (256, 1), "L3 dX cur");
+        one(64, 256, 1152, (1152, 1), (256, 1), "L3 dX full");
     }
 }

@@ -76,7 +76,7 @@ impl<T: Float> Sgd<T> {
     #[inline(always)]
     fn plain(&self, p: &mut T, g: T) {
         let g = self.decayed(*p, g);
-        *p = *p + self.neg_lr * g;
+        *p += self.neg_lr * g;
     }
 
     /// With momentum: `buf = clone(g')` on the first step, else `buf.mul_(m).add_(g', alpha=1-d)`;
@@ -87,7 +87,7 @@ impl<T: Float> Sgd<T> {
         let b = if self.first_step { g } else { *buf * self.momentum + self.one_minus_dampening * g };
         *buf = b;
         let d = if self.nesterov { g + self.momentum * b } else { b };
-        *p = *p + self.neg_lr * d;
+        *p += self.neg_lr * d;
     }
 }
 
@@ -184,10 +184,10 @@ impl<T: Float> Adam<T> {
         let mut param = *p;
         let mut g = g;
         if let Some(decay) = self.decay {
-            param = param * decay; // param.mul_(1 - lr*wd)
+            param *= decay; // param.mul_(1 - lr*wd)
         }
         if let Some(wd) = self.l2 {
-            g = g + wd * param; // grad.add(param, alpha=wd)
+            g += wd * param; // grad.add(param, alpha=wd)
         }
         // exp_avg.lerp_(grad, 1 - beta1), with ATen's two-sided lerp formula.
         let w = self.lerp_weight;
@@ -394,7 +394,16 @@ mod tests {
 
     /// A plain f64 transcription of torch.optim's single-tensor Adam/AdamW.
     #[allow(clippy::too_many_arguments)]
-    fn adam_reference(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], t: u64, lr: f64, wd: f64, decoupled: bool) {
+    fn adam_reference(
+        p: &mut [f64],
+        g: &[f64],
+        m: &mut [f64],
+        v: &mut [f64],
+        t: u64,
+        lr: f64,
+        wd: f64,
+        decoupled: bool,
+    ) {
         let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8);
         for i in 0..p.len() {
             let mut grad = g[i];
