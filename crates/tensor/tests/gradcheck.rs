@@ -144,7 +144,12 @@ fn gradcheck(name: &str, inputs: &[Input], f: impl Fn(&[Tensor]) -> Result<Tenso
             let err = (a - numeric).abs();
             let allowed = RTOL * a.abs().max(numeric.abs()) + ATOL * max_abs;
             let ratio = err / allowed;
-            if !(err <= allowed) && worst.map_or(true, |w| ratio > w.3 || ratio.is_nan()) {
+            let ok = err <= allowed; // false for NaN
+            let worse = match worst {
+                None => true,
+                Some(w) => ratio.is_nan() || ratio > w.3,
+            };
+            if !ok && worse {
                 worst = Some((i, a, numeric, ratio));
             }
         }

@@ -75,6 +75,7 @@ impl Backward for EmbeddingBack {
                 if g.len() >= 2 * PAR_CHUNK && blocks > 1 {
                     let p = SendPtr(dst.as_mut_ptr());
                     (0..blocks).into_par_iter().for_each(|b| {
+                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
                         let p = p;
                         let (j0, j1) = (b * COLS, ((b + 1) * COLS).min(d));
                         for (k, &i) in ix.iter().enumerate() {

@@ -64,7 +64,7 @@ pub fn layer_norm(
     let weight = weight.map(|w| w.contiguous()).transpose()?;
     let bias = bias.map(|b| b.contiguous()).transpose()?;
     let d: usize = normalized_shape.iter().product();
-    let rows = if d == 0 { 0 } else { x.numel() / d };
+    let rows = x.numel().checked_div(d).unwrap_or(0);
     let stats_shape = &x.shape()[..x.rank() - k];
 
     let mut inputs = vec![&x];
@@ -98,7 +98,7 @@ pub fn layer_norm(
                     let (m, rs) = (T::of(mean), T::of(1.0 / (var + eps).sqrt()));
                     for j in 0..d {
                         let mut v = (xr[j] - m) * rs;
-                        if let Some(w) = w { v = v * w[j]; }
+                        if let Some(w) = w { v *= w[j]; }
                         if let Some(b) = b { v += b[j]; }
                         yr[j] = v;
                     }
@@ -154,7 +154,9 @@ impl Backward for LayerNormBack {
                 if let Some(gx) = &gx {
                     let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
                     for_row_groups(rows, d, |r0, n| {
-                        let dst = dst;
+                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
+                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
+                let dst = dst;
                         for r in r0..r0 + n {
                             let (xr, gr) = (&x[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
                             // SAFETY: row r of the fresh gradient is written by this task only.
@@ -333,6 +335,7 @@ pub fn batch_norm(
             }).collect();
             let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
             for_row_groups(nb * c, s, |p0, np| {
+                #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
                 let dst = dst;
                 for p in p0..p0 + np {
                     let (alpha, beta) = ab[p % c];
@@ -418,7 +421,9 @@ impl Backward for BatchNormBack {
                     let training = self.training;
                     let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
                     for_row_groups(nb * c, s, |p0, np| {
-                        let dst = dst;
+                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
+                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
+                let dst = dst;
                         for p in p0..p0 + np {
                             let ch = p % c;
                             let (m, r) = (mean[ch], rstd[ch]);

@@ -1,0 +1,148 @@
+//! The `memfit` command end to end: training, prediction on `meta`, reports, planning, recovery,
+//! checkpoints, and clear errors with a non-zero exit for what users get wrong.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn memfit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit")).args(args).output().expect("the memfit binary runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memfit-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn report(args: &[&str], name: &str) -> Value {
+    let path = temp(name);
+    let mut all = args.to_vec();
+    let p = path.to_str().unwrap().to_string();
+    all.extend(["--report", &p]);
+    let out = memfit(&all);
+    assert!(out.status.success(), "memfit {all:?} failed:\n{}", text(&out));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+#[test]
+fn meta_predicts_the_cpu_peaks_of_the_same_run_for_every_model() {
+    for model in ["mlp", "simplecnn", "deepcnn", "resnet"] {
+        let args = ["train", "--model", model, "--data", "embedded", "--max-steps", "2", "--batch-size", "32"];
+        let cpu = report(&[&args[..], &["--device", "cpu"]].concat(), &format!("{model}-cpu.json"));
+        let meta = report(&[&args[..], &["--device", "meta"]].concat(), &format!("{model}-meta.json"));
+        for key in ["peak_allocated_bytes", "peak_reserved_bytes", "peak_by_category", "num_allocations"] {
+            assert_eq!(cpu[key], meta[key], "{model}: {key}");
+        }
+        assert!(cpu["val_accuracy"].is_f64());
+        assert!(meta["val_accuracy"].is_null());
+    }
+}
+
+#[test]
+fn the_report_has_the_documented_fields() {
+    let r = report(&["train", "--data", "embedded", "--max-steps", "3", "--memory", "64MiB"], "fields.json");
+    for key in [
+        "model",
+        "device",
+        "capacity_bytes",
+        "steps",
+        "samples_seen",
+        "val_accuracy",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "peak_by_category",
+        "num_ooms",
+        "step_time_ms_median",
+        "plan",
+        "predicted_peak_reserved_bytes",
+        "oom_recoveries",
+        "allocated_bytes_at_end",
+    ] {
+        assert!(r.get(key).is_some(), "report lacks {key}: {r}");
+    }
+    assert_eq!(r["model"], "simplecnn");
+    assert_eq!(r["steps"], 3);
+    assert_eq!(r["samples_seen"], 3 * 64);
+    assert_eq!(r["capacity_bytes"], 64u64 << 20);
+    for c in ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other"] {
+        assert!(r["peak_by_category"][c].is_u64(), "peak_by_category.{c}");
+    }
+    assert!(r["peak_by_category"]["parameter"].as_u64().unwrap() > 0);
+    assert!(r["peak_reserved_bytes"].as_u64().unwrap() <= 64 << 20);
+    assert_eq!(r["plan"]["effective_batch"], 64);
+}
+
+#[test]
+fn an_impossible_budget_is_a_clear_error_not_a_crash() {
+    let out = memfit(&["train", "--data", "embedded", "--max-steps", "1", "--memory", "100KiB"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("even a micro-batch of 1 needs"), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+}
+
+#[test]
+fn injected_out_of_memory_is_recovered_and_counted() {
+    let r = report(
+        &["train", "--data", "embedded", "--max-steps", "6", "--batch-size", "32", "--inject-oom", "45"],
+        "inject.json",
+    );
+    assert!(r["num_ooms"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["num_ooms"], r["num_injected_faults"]);
+    assert!(r["oom_recoveries"].as_u64().unwrap() > 0);
+    assert_eq!(r["samples_seen"], 6 * 32);
+}
+
+#[test]
+fn plan_json_fits_the_budget_and_keeps_the_effective_batch() {
+    let out = memfit(&["plan", "--model", "deepcnn", "--memory", "64MiB", "--batch-size", "256", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let micro = p["micro_batch"].as_u64().unwrap();
+    let acc = p["accumulation_steps"].as_u64().unwrap();
+    assert_eq!(p["effective_batch"], 256);
+    assert!(micro * acc >= 256 && micro * (acc - 1) < 256);
+    assert!(p["predicted_peak_reserved_bytes"].as_u64().unwrap() <= 64 << 20);
+    assert!(p["predicted_peak_allocated_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn checkpoints_round_trip_through_the_cli() {
+    let ckpt = temp("model.safetensors");
+    let c = ckpt.to_str().unwrap();
+    let out = memfit(&["train", "--data", "embedded", "--max-steps", "20", "--save", c]);
+    assert!(out.status.success(), "{}", text(&out));
+    let first = report(&["train", "--data", "embedded", "--max-steps", "1", "--lr", "0", "--load", c], "load.json");
+    let fresh = report(&["train", "--data", "embedded", "--max-steps", "1", "--lr", "0"], "fresh.json");
+    // With lr 0 the loaded weights are what is evaluated: they beat a fresh model.
+    assert!(first["val_accuracy"].as_f64().unwrap() > fresh["val_accuracy"].as_f64().unwrap() + 0.1);
+    let bad = temp("bad.safetensors");
+    std::fs::write(&bad, b"not a checkpoint").unwrap();
+    let out = memfit(&["train", "--data", "embedded", "--max-steps", "1", "--load", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("bad.safetensors"), "{}", text(&out));
+    assert!(!text(&out).contains("panicked"));
+}
+
+#[test]
+fn bad_data_and_bad_flags_are_named() {
+    let dir = temp("fmnist");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = memfit(&["train", "--data", dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("train-images-idx3-ubyte"), "{}", text(&out));
+    std::fs::write(dir.join("train-images-idx3-ubyte.gz"), b"\x1f\x8b broken").unwrap();
+    let out = memfit(&["train", "--data", dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!text(&out).contains("panicked"), "{}", text(&out));
+    let out = memfit(&["train", "--memory", "12XB"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("12XB"), "{}", text(&out));
+    let out = memfit(&["train", "--model", "vgg"]);
+    assert!(text(&out).contains("mlp, simplecnn, deepcnn, resnet"), "{}", text(&out));
+}
