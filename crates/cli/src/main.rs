@@ -284,8 +284,13 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             "eval_micro_batch": plan.eval_micro_batch,
             "predicted_peak_allocated_bytes": p.peak_allocated,
             "predicted_peak_reserved_bytes": p.peak_reserved,
-            "dominant_category": p.dominant().name(),
-            "at_peak_by_category": memfit_tensor::Category::ALL.iter().map(|c| (c.name(), p.at_peak[c.index()])).collect::<std::collections::BTreeMap<_, _>>(),
+            "training_peak_allocated_bytes": plan.training.peak_allocated,
+            "training_peak_reserved_bytes": plan.training.peak_reserved,
+            "training_at_peak_by_category": memfit_tensor::Category::ALL
+                .iter()
+                .map(|c| (c.name(), plan.training.at_peak[c.index()]))
+                .collect::<std::collections::BTreeMap<_, _>>(),
+            "dominant_category": plan.training.dominant().name(),
             "larger_budget": plan.larger.map(|(m, b)| serde_json::json!({"micro_batch": m, "needs_bytes": b})),
             "planning_ms": plan.planning_ms,
         });

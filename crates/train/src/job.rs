@@ -145,7 +145,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
 /// Turns an out-of-memory that recovery could not absorb into the explanation plus the planner's advice.
 fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
     let Some(oom) = e.as_oom().cloned() else { return e };
-    let advice = match planner::predict(request, 1, 1, None) {
+    let advice = match planner::predict(request, 1, Some(1), None) {
         Ok(Some(p)) => {
             let fits = request.capacity.is_some_and(|c| p.peak_reserved <= c);
             if fits {

@@ -65,7 +65,10 @@ pub struct Plan {
     pub effective_batch: usize,
     pub eval_micro_batch: usize,
     pub budget: Option<u64>,
+    /// The whole dry run: training steps and an evaluation micro-batch.
     pub predicted: Prediction,
+    /// The training steps alone (what a training step holds at its peak).
+    pub training: Prediction,
     /// (micro-batch, predicted peak reserved with unlimited memory) of a larger configuration, when
     /// the chosen one is limited by the budget: what a larger budget would allow.
     pub larger: Option<(usize, u64)>,
@@ -74,11 +77,12 @@ pub struct Plan {
     pub planning_ms: f64,
 }
 
-/// Dry-runs `micro`/`eval_micro` on `meta` with `capacity`. None when it does not fit.
+/// Dry-runs `micro` (and an evaluation micro-batch, when given) on `meta` with `capacity`. None when it
+/// does not fit.
 pub fn predict(
     req: &PlanRequest,
     micro: usize,
-    eval_micro: usize,
+    eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
     let device = Device::new(DeviceConfig::new(DeviceKind::Meta).capacity(capacity));
@@ -87,8 +91,9 @@ pub fn predict(
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e),
     };
-    let (train, val, opts) = dry_run(req, micro, eval_micro);
-    match session.run(&train, Some(&val), &opts, &mut |_| {}) {
+    let (train, val, opts) = dry_run(req, micro, eval_micro.unwrap_or(1));
+    let val: Option<&dyn crate::samples::Samples> = if eval_micro.is_some() { Some(&val) } else { None };
+    match session.run(&train, val, &opts, &mut |_| {}) {
         Ok(_) => {}
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e),
@@ -162,32 +167,39 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
     }
     let budget = req.budget();
     let mut dry_runs = 0;
-    let mut run = |micro: usize, eval: usize, cap: Option<u64>| {
+    let mut run = |micro: usize, eval: Option<usize>, cap: Option<u64>| {
         dry_runs += 1;
         predict(req, micro, eval, cap)
     };
-    if run(1, 1, budget)?.is_none() {
-        let needs = run(1, 1, None)?.map(|p| p.peak_reserved).unwrap_or(0);
+    if run(1, Some(1), budget)?.is_none() {
+        let needs = run(1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs));
     }
-    let micro = largest_fitting(req.effective_batch, |m| Ok(run(m, 1, budget)?.is_some()))?;
+    let largest = largest_fitting(req.effective_batch, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
+    // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
+    // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
+    let accumulation_steps = req.effective_batch.div_ceil(largest);
+    let micro = req.effective_batch.div_ceil(accumulation_steps);
     let eval_high = MAX_EVAL_MICRO.max(req.effective_batch);
-    let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, e, budget)?.is_some()))?;
-    let predicted = run(micro, eval_micro, budget)?
-        .ok_or_else(|| TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into()))?;
+    let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, Some(e), budget)?.is_some()))?;
+    let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
+    let predicted = run(micro, Some(eval_micro), budget)?.ok_or_else(not_fit)?;
+    let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
     let larger = if micro < req.effective_batch && budget.is_some() {
-        let bigger = (micro * 2).min(req.effective_batch);
-        run(bigger, 1, None)?.map(|p| (bigger, p.peak_reserved))
+        let bigger = (largest * 2).min(req.effective_batch);
+        let bigger = req.effective_batch.div_ceil(req.effective_batch.div_ceil(bigger));
+        run(bigger, Some(1), None)?.map(|p| (bigger, p.peak_reserved))
     } else {
         None
     };
     Ok(Plan {
         micro_batch: micro,
-        accumulation_steps: req.effective_batch.div_ceil(micro),
+        accumulation_steps,
         effective_batch: req.effective_batch,
         eval_micro_batch: eval_micro,
         budget,
         predicted,
+        training,
         larger,
         dry_runs,
         planning_ms: start.elapsed().as_secs_f64() * 1e3,
@@ -222,21 +234,24 @@ impl Plan {
             self.eval_micro_batch,
         ));
         s.push_str(&format!(
-            "predicted peak: {} allocated, {} reserved\n",
+            "predicted peak of the whole run: {} allocated, {} reserved (training steps alone: {} allocated, {} reserved)\n",
             format_bytes(self.predicted.peak_allocated),
-            format_bytes(self.predicted.peak_reserved)
+            format_bytes(self.predicted.peak_reserved),
+            format_bytes(self.training.peak_allocated),
+            format_bytes(self.training.peak_reserved),
         ));
-        s.push_str("at the peak:\n");
-        let total = self.predicted.peak_allocated.max(1) as f64;
+        s.push_str("a training step at its peak holds:\n");
+        let t = &self.training;
+        let total = t.peak_allocated.max(1) as f64;
         let mut cats: Vec<Category> = Category::ALL.to_vec();
-        cats.sort_by_key(|c| std::cmp::Reverse(self.predicted.at_peak[c.index()]));
+        cats.sort_by_key(|c| std::cmp::Reverse(t.at_peak[c.index()]));
         for c in cats {
-            let b = self.predicted.at_peak[c.index()];
+            let b = t.at_peak[c.index()];
             if b > 0 {
                 s.push_str(&format!("  {:<16} {:>12}  {:>5.1}%\n", c.name(), format_bytes(b), 100.0 * b as f64 / total));
             }
         }
-        s.push_str(&format!("dominated by {}\n", self.predicted.dominant().name()));
+        s.push_str(&format!("dominated by {}\n", t.dominant().name()));
         if let Some((micro, needs)) = self.larger {
             s.push_str(&format!(
                 "a budget of {} would allow micro-batch {micro} ({} accumulation step{})\n",

@@ -23,8 +23,8 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
 fn planned_runs_fit_and_peak_exactly_as_predicted() {
     for kind in [ModelKind::Mlp, ModelKind::SimpleCnn, ModelKind::DeepCnn, ModelKind::ResNet] {
         let effective = 48;
-        let full = predict(&request(kind, effective, None), effective, effective, None).unwrap().unwrap();
-        let smallest = predict(&request(kind, effective, None), 1, 1, None).unwrap().unwrap();
+        let full = predict(&request(kind, effective, None), effective, Some(effective), None).unwrap().unwrap();
+        let smallest = predict(&request(kind, effective, None), 1, Some(1), None).unwrap().unwrap();
         let span = full.peak_reserved - smallest.peak_reserved;
         for fraction in [0.25, 0.6, 1.0] {
             let capacity = smallest.peak_reserved + (span as f64 * fraction) as u64;
@@ -32,6 +32,8 @@ fn planned_runs_fit_and_peak_exactly_as_predicted() {
             let plan = plan(&req).unwrap_or_else(|e| panic!("{kind:?} at {capacity}: {e}"));
             assert!(plan.predicted.peak_reserved <= capacity);
             assert_eq!(plan.accumulation_steps, effective.div_ceil(plan.micro_batch));
+            // Balanced: no smaller accumulation count would fit the same micro-batch budget.
+            assert_eq!(plan.micro_batch, effective.div_ceil(plan.accumulation_steps));
             // Run the planned configuration on cpu with the real capacity.
             let dev = device(DeviceKind::Cpu, Some(capacity), None);
             let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();

@@ -159,7 +159,12 @@ pub fn scaled_dot_product_attention(
             v.shape()
         ))
     };
-    if r < 2 || k.rank() != r || v.rank() != r || q.shape()[..r - 2] != k.shape()[..r - 2] || q.shape()[..r - 2] != v.shape()[..r - 2] {
+    if r < 2
+        || k.rank() != r
+        || v.rank() != r
+        || q.shape()[..r - 2] != k.shape()[..r - 2]
+        || q.shape()[..r - 2] != v.shape()[..r - 2]
+    {
         return Err(bad());
     }
     let (tq, d, tk, dv) = (q.shape()[r - 2], q.shape()[r - 1], k.shape()[r - 2], v.shape()[r - 1]);
@@ -179,8 +184,7 @@ pub fn scaled_dot_product_attention(
         if m.dtype() != DType::Bool {
             return Err(Error::dtype(format!("scaled_dot_product_attention: mask must be bool, got {}", m.dtype())));
         }
-        let fits = m.rank() <= r
-            && m.shape().iter().rev().zip(p_shape.iter().rev()).all(|(&a, &b)| a == b || a == 1);
+        let fits = m.rank() <= r && m.shape().iter().rev().zip(p_shape.iter().rev()).all(|(&a, &b)| a == b || a == 1);
         if !fits {
             return Err(Error::shape(format!(
                 "scaled_dot_product_attention: mask {:?} does not broadcast to {p_shape:?}",
@@ -456,7 +460,8 @@ mod tests {
                 let g = t64(&dev, &values(b * h * tq * dv, 7), &[b, h, tq, dv]);
                 let y = scaled_dot_product_attention(&q, &k, &v, causal, None).unwrap();
                 backward_with(&y, g.clone()).unwrap();
-                let got: Vec<Vec<f64>> = [&q, &k, &v].iter().map(|t| t.take_grad().unwrap().to_f64_vec().unwrap()).collect();
+                let got: Vec<Vec<f64>> =
+                    [&q, &k, &v].iter().map(|t| t.take_grad().unwrap().to_f64_vec().unwrap()).collect();
                 let r = reference(&q, &k, &v, causal);
                 assert_close(&y.to_f64_vec().unwrap(), &r.to_f64_vec().unwrap(), 1e-12, "output");
                 backward_with(&r, g).unwrap();

@@ -116,8 +116,13 @@ mod tests {
             }
             // Widening back to f32 is exact and matches PyTorch's output_as_f32 (bit for bit).
             let back = y.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
-            let want32: Vec<u32> = g.tensor(&dev, &format!("{case}/output_as_f32")).to_vec::<f32>().unwrap()
-                .iter().map(|v| v.to_bits()).collect();
+            let want32: Vec<u32> = g
+                .tensor(&dev, &format!("{case}/output_as_f32"))
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
             assert_eq!(back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want32, "{case} widened");
         }
     }
@@ -130,11 +135,13 @@ mod tests {
             &[65519.0, 65520.0, -1e6, 2f32.powi(-24), 2f32.powi(-25), 3.0 * 2f32.powi(-25), 1.0 + 2f32.powi(-11), -0.0],
             &[8],
         );
-        let h: Vec<u16> = x.to_dtype(DType::F16).unwrap().to_vec::<f16>().unwrap().iter().map(|v| v.to_bits()).collect();
+        let h: Vec<u16> =
+            x.to_dtype(DType::F16).unwrap().to_vec::<f16>().unwrap().iter().map(|v| v.to_bits()).collect();
         // 65504 (max), +inf, -inf, smallest subnormal, tie to 0, tie to 2 ulps (even), tie to 1.0, -0.
         assert_eq!(h, vec![0x7BFF, 0x7C00, 0xFC00, 0x0001, 0x0000, 0x0002, 0x3C00, 0x8000]);
         let x = t32(&dev, &[1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), f32::MAX, 1e-40], &[4]);
-        let b: Vec<f32> = x.to_dtype(DType::BF16).unwrap().to_vec::<bf16>().unwrap().iter().map(|v| v.to_f32()).collect();
+        let b: Vec<f32> =
+            x.to_dtype(DType::BF16).unwrap().to_vec::<bf16>().unwrap().iter().map(|v| v.to_f32()).collect();
         assert_eq!(b[..2], [1.0, 1.0 + 2f32.powi(-6)]);
         assert_eq!(b[2], f32::INFINITY);
         assert!(b[3] > 0.0 && b[3] < 1.2e-38, "bf16 keeps f32 subnormals: {}", b[3]);

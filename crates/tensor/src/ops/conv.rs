@@ -1085,17 +1085,32 @@ mod timing_tmp {
     }
 
     #[test]
+    fn zz_prof() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(|| {
+            let dev = Device::cpu();
+            layer(&dev, [64, 32, 32, 32], 64, true, 8);
+        });
+    }
+    #[test]
     fn zz_timing() {
-        let dev = Device::cpu();
-        let mut total = 0.0;
-        for (xs, o, ig) in [([64, 3, 64, 64], 32, false), ([64, 32, 32, 32], 64, true), ([64, 64, 16, 16], 128, true), ([128, 1, 28, 28], 16, false)] {
-            let (f, b) = layer(&dev, xs, o, ig, 5);
-            eprintln!("conv {xs:?} -> {o}: forward {f:.2} ms, backward {b:.2} ms");
-            if xs[0] == 64 { total += f + b; }
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let dev = Device::cpu();
+                let mut total = 0.0;
+                for (xs, o, ig) in [([64, 3, 64, 64], 32, false), ([64, 32, 32, 32], 64, true), ([64, 64, 16, 16], 128, true), ([128, 1, 28, 28], 16, false)] {
+                    let (f, b) = layer(&dev, xs, o, ig, 6);
+                    let gflop = 2.0 * (xs[0] * o * xs[1] * 9 * xs[2] * xs[3]) as f64 / 1e9;
+                    eprintln!("{threads}t conv {xs:?} -> {o}: forward {f:.2} ms ({:.1} GFLOPS), backward {b:.2} ms ({:.1} GFLOPS)", gflop / f * 1e3, gflop * (1.0 + ig as u8 as f64) / b * 1e3);
+                    if xs[0] == 64 { total += f + b; }
+                }
+                eprintln!("{threads}t deepcnn conv total {total:.2} ms");
+            });
         }
-        eprintln!("deepcnn conv total {total:.2} ms");
     }
 }
+
 #[cfg(test)]
 mod timing_tmp2 {
     use super::*;

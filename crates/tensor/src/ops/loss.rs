@@ -324,7 +324,9 @@ mod tests {
     fn gradients_match_finite_differences() {
         let x = values(15, 2).iter().map(|v| v * 4.0).collect::<Vec<_>>();
         for e in [0.0, 0.3] {
-            gradcheck(&[(x.clone(), vec![5, 3])], |t| cross_entropy(&t[0], &targets(t[0].device(), &[0, 2, 1, 1, 0]), e));
+            gradcheck(&[(x.clone(), vec![5, 3])], |t| {
+                cross_entropy(&t[0], &targets(t[0].device(), &[0, 2, 1, 1, 0]), e)
+            });
         }
         gradcheck(&[(x.clone(), vec![5, 3])], |t| {
             nll_loss(&log_softmax(&t[0], 1)?, &targets(t[0].device(), &[2, 2, 0, 1, 0]))
@@ -358,7 +360,8 @@ mod tests {
         let dev = Device::cpu();
         for dtype in [DType::F32, DType::F64] {
             let sfx = suffix(dtype);
-            for (case, e) in [("cross_entropy", 0.0), ("cross_entropy_label_smoothing", 0.1), ("nll_log_softmax", 0.0)] {
+            for (case, e) in [("cross_entropy", 0.0), ("cross_entropy_label_smoothing", 0.1), ("nll_log_softmax", 0.0)]
+            {
                 let name = format!("{case}_{sfx}");
                 let x = g.leaf(&dev, &format!("{name}/input"));
                 let t = g.tensor(&dev, &format!("{name}/target"));

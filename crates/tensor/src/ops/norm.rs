@@ -155,8 +155,7 @@ impl Backward for LayerNormBack {
                     let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
                     for_row_groups(rows, d, |r0, n| {
                         #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                let dst = dst;
+                        let dst = dst;
                         for r in r0..r0 + n {
                             let (xr, gr) = (&x[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
                             // SAFETY: row r of the fresh gradient is written by this task only.
@@ -250,7 +249,8 @@ pub fn batch_norm(
     let (nb, c) = (x.shape()[0], x.shape()[1]);
     let s: usize = x.shape()[2..].iter().product();
     let n = nb * s;
-    for (name, t) in [("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)] {
+    for (name, t) in [("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)]
+    {
         if let Some(t) = t {
             if t.shape() != [c] {
                 return Err(Error::shape(format!(
@@ -422,8 +422,7 @@ impl Backward for BatchNormBack {
                     let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
                     for_row_groups(nb * c, s, |p0, np| {
                         #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                let dst = dst;
+                        let dst = dst;
                         for p in p0..p0 + np {
                             let ch = p % c;
                             let (m, r) = (mean[ch], rstd[ch]);
@@ -512,7 +511,10 @@ mod tests {
         assert_close(&rm.to_f64_vec().unwrap(), &[0.2, 1.1], 0.0, "eval leaves running stats");
         // Errors.
         let one = t64(&dev, &[1.0, 2.0], &[1, 2]);
-        assert!(batch_norm(&one, None, None, None, None, true, 0.1, eps).unwrap_err().to_string().contains("more than 1"));
+        assert!(batch_norm(&one, None, None, None, None, true, 0.1, eps)
+            .unwrap_err()
+            .to_string()
+            .contains("more than 1"));
         assert!(batch_norm(&x, None, None, None, None, false, 0.1, eps).is_err());
         assert!(batch_norm(&x, Some(&rm), None, None, None, true, 0.1, eps).is_err());
         assert!(batch_norm(&x, None, None, Some(&t64(&dev, &[1.0; 3], &[3])), None, true, 0.1, eps).is_err());

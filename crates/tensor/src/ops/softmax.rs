@@ -202,8 +202,7 @@ pub(crate) mod test_support {
     /// [`gradcheck`] with a chosen finite-difference step `h`.
     pub fn gradcheck_with_step(inputs: &[(Vec<f64>, Vec<usize>)], h: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
         let dev = Device::cpu();
-        let leaves: Vec<Tensor> =
-            inputs.iter().map(|(d, s)| t64(&dev, d, s).set_requires_grad(true)).collect();
+        let leaves: Vec<Tensor> = inputs.iter().map(|(d, s)| t64(&dev, d, s).set_requires_grad(true)).collect();
         let out = f(&leaves).unwrap();
         let r = values(out.numel(), 99);
         backward_with(&out, t64(&dev, &r, out.shape())).unwrap();
