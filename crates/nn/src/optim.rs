@@ -164,9 +164,18 @@ impl Optimizer {
         };
         let _phase = device.enter_phase(Phase::Optimizer);
         let _no_grad = device.no_grad();
-        // Check every gradient before touching anything.
+        // Check everything a caller can get wrong before touching anything, so an error leaves every
+        // parameter unchanged.
         for ((name, p), g) in self.params.iter().zip(&grads) {
             if let Some(g) = g {
+                if !g.device().same(p.device()) || !p.device().same(&device) {
+                    return Err(Error::device(format!("optimizer: {name} and its gradient must be on one device")));
+                }
+                if !p.is_contiguous() || !g.is_contiguous() {
+                    return Err(Error::invalid(format!(
+                        "optimizer: {name} and its gradient must be contiguous to be updated in place"
+                    )));
+                }
                 if g.shape() != p.shape() || g.dtype() != p.dtype() {
                     return Err(Error::shape(format!(
                         "optimizer: gradient of {name} is {:?} {} but the parameter is {:?} {}",
@@ -382,6 +391,23 @@ mod tests {
             assert_eq!(opt.state().len(), 4);
             assert_ne!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
         }
+    }
+
+    #[test]
+    fn a_bad_gradient_is_reported_before_any_update() {
+        let d = Device::cpu();
+        let a = leaf(&d, &[1.0, 2.0]);
+        let b = Tensor::from_slice(&d, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2], Category::Parameter).unwrap();
+        let b = b.set_requires_grad(true);
+        a.set_grad(Some(grad(&d, &[1.0, 1.0])));
+        let g = Tensor::from_slice(&d, &[1.0f32; 4], &[2, 2], Category::Gradient).unwrap();
+        b.set_grad(Some(g.transpose(0, 1).unwrap()));
+        let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b)], OptimizerConfig::sgd(0.5));
+        assert!(opt.step().is_err(), "a non-contiguous gradient");
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0], "nothing was updated");
+        a.set_grad(Some(grad(&d, &[1.0, 1.0, 1.0])));
+        assert!(opt.step().is_err(), "a gradient of the wrong shape");
+        assert_eq!(opt.steps(), 0);
     }
 
     #[test]

@@ -1085,6 +1085,26 @@ mod timing_tmp {
     }
 
     #[test]
+    fn zz_pool() {
+        let dev = Device::cpu();
+        for xs in [[64usize, 32, 64, 64], [64, 64, 32, 32], [64, 128, 16, 16], [128, 16, 28, 28]] {
+            let x = Tensor::full(&dev, &xs, 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(true);
+            let (mut tf, mut tb) = (f64::MAX, f64::MAX);
+            for _ in 0..8 {
+                let t0 = Instant::now();
+                let out = crate::ops::max_pool2d(&x, crate::ops::Pool2dParams::square(2)).unwrap();
+                let t1 = Instant::now();
+                let seed = Tensor::full(&dev, out.shape(), 1.0, DType::F32, Category::Temporary).unwrap();
+                let t2 = Instant::now();
+                backward_with(&out, seed).unwrap();
+                tb = tb.min(t2.elapsed().as_secs_f64() * 1e3);
+                tf = tf.min((t1 - t0).as_secs_f64() * 1e3);
+                x.set_grad(None);
+            }
+            eprintln!("maxpool {xs:?}: forward {tf:.2} ms, backward {tb:.2} ms");
+        }
+    }
+    #[test]
     fn zz_prof() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {

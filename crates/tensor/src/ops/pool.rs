@@ -464,3 +464,413 @@ impl Backward for AvgPoolBack {
         Ok(vec![Some(dx)])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autograd::backward_with;
+    use crate::memory::{Category, EventKind, Phase};
+    use crate::Device;
+
+    fn leaf(dev: &Device, data: &[f64], shape: &[usize], grad: bool) -> Tensor {
+        let t = Tensor::from_slice(dev, data, shape, Category::Parameter).unwrap();
+        if grad {
+            t.set_requires_grad(true)
+        } else {
+            t
+        }
+    }
+
+    fn pool(k: [usize; 2], s: [usize; 2], p: [usize; 2], d: [usize; 2], ceil: bool) -> Pool2dParams {
+        Pool2dParams { kernel: k, stride: s, padding: p, dilation: d, ceil_mode: ceil }
+    }
+
+    /// Distinct values (a shuffled ramp), so finite differences never cross a tie.
+    fn distinct(seed: u64, n: usize) -> Vec<f64> {
+        let mut v: Vec<f64> = (0..n).map(|i| i as f64 * 0.1 - n as f64 * 0.05).collect();
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        for i in (1..n).rev() {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            v.swap(i, (s >> 33) as usize % (i + 1));
+        }
+        v
+    }
+
+    fn ones(dev: &Device, shape: &[usize]) -> Tensor {
+        Tensor::full(dev, shape, 1.0, DType::F64, Category::Input).unwrap()
+    }
+
+    #[test]
+    fn max_pool_ties_pick_the_first_maximum() {
+        let dev = Device::cpu();
+        #[rustfmt::skip]
+        let xv = [1., 3., 3., 0.,
+                  3., 2., 1., 3.,
+                  0., 0., 5., 5.,
+                  0., 0., 5., 5.];
+        let x = leaf(&dev, &xv, &[1, 1, 4, 4], true);
+        let (out, ix) = max_pool2d_with_indices(&x, Pool2dParams::square(2)).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), [3., 3., 0., 5.]);
+        assert_eq!(ix.dtype(), DType::I64);
+        assert_eq!(ix.to_vec::<i64>().unwrap(), [1, 2, 8, 10]);
+        backward_with(&out, ones(&dev, &[1, 1, 2, 2])).unwrap();
+        let mut want = [0.0; 16];
+        for i in [1, 2, 8, 10] {
+            want[i] = 1.0;
+        }
+        assert_eq!(x.grad().unwrap().to_f64_vec().unwrap(), want);
+    }
+
+    #[test]
+    fn max_pool_overlap_padding_and_ceil_mode() {
+        let dev = Device::cpu();
+        // Overlapping windows that share their maximum accumulate its gradient.
+        let x = leaf(&dev, &[1., 2., 3., 4., 5., 9., 7., 8., 1., 2., 3., 4.], &[1, 1, 3, 4], true);
+        let (out, ix) = max_pool2d_with_indices(&x, pool([3, 3], [1, 1], [0, 0], [1, 1], false)).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), [9., 9.]);
+        assert_eq!(ix.to_vec::<i64>().unwrap(), [5, 5]);
+        backward_with(&out, ones(&dev, &[1, 1, 1, 2])).unwrap();
+        assert_eq!(x.grad().unwrap().to_f64_vec().unwrap(), [0., 0., 0., 0., 0., 2., 0., 0., 0., 0., 0., 0.]);
+        // Padding is -inf, not 0.
+        let x = leaf(&dev, &[-4., -3., -2., -1.], &[1, 1, 2, 2], false);
+        let (out, ix) = max_pool2d_with_indices(&x, pool([2, 2], [2, 2], [1, 1], [1, 1], false)).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), [-4., -3., -2., -1.]);
+        assert_eq!(ix.to_vec::<i64>().unwrap(), [0, 1, 2, 3]);
+        // Ceil mode keeps a last partial window.
+        let xv: Vec<f64> = (0..25).map(f64::from).collect();
+        let x = leaf(&dev, &xv, &[1, 1, 5, 5], false);
+        let out = max_pool2d(&x, pool([2, 2], [2, 2], [0, 0], [1, 1], true)).unwrap();
+        assert_eq!(out.shape(), [1, 1, 3, 3]);
+        assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 9., 16., 18., 19., 21., 23., 24.]);
+        assert_eq!(max_pool2d(&x, Pool2dParams::square(2)).unwrap().shape(), [1, 1, 2, 2]);
+        // ...but never one that starts in the right padding: 4 + 2*1 with k 2, s 3 gives 2, not 3.
+        let x = leaf(&dev, &[0.0; 16], &[1, 1, 4, 4], false);
+        assert_eq!(max_pool2d(&x, pool([2, 2], [3, 3], [1, 1], [1, 1], true)).unwrap().shape(), [1, 1, 2, 2]);
+        // Unbatched input.
+        let x = leaf(&dev, &xv, &[1, 5, 5], false);
+        assert_eq!(max_pool2d(&x, Pool2dParams::square(2)).unwrap().to_f64_vec().unwrap(), [6., 8., 16., 18.]);
+    }
+
+    #[test]
+    fn avg_pool_divisors() {
+        let dev = Device::cpu();
+        let xv: Vec<f64> = (1..=9).map(f64::from).collect();
+        let x = leaf(&dev, &xv, &[1, 1, 3, 3], false);
+        let p = pool([3, 3], [1, 1], [1, 1], [1, 1], false);
+        let with_pad = avg_pool2d(&x, p, true).unwrap().to_f64_vec().unwrap();
+        let without = avg_pool2d(&x, p, false).unwrap().to_f64_vec().unwrap();
+        assert_eq!(with_pad[0], 12.0 / 9.0);
+        assert_eq!(without[0], 3.0);
+        assert_eq!(with_pad[4], 5.0);
+        assert_eq!(without[4], 5.0);
+        assert_eq!(without[1], (1. + 2. + 3. + 4. + 5. + 6.) / 6.0);
+        // Ceil mode: the last window hangs over the right padding, which counts only up to H + pad.
+        let xv: Vec<f64> = (0..36).map(f64::from).collect();
+        let x = leaf(&dev, &xv, &[1, 1, 6, 6], false);
+        let p = pool([3, 3], [2, 2], [1, 1], [1, 1], true);
+        let with_pad = avg_pool2d(&x, p, true).unwrap();
+        assert_eq!(with_pad.shape(), [1, 1, 4, 4]);
+        assert_eq!(with_pad.to_f64_vec().unwrap()[15], 35.0 / 4.0);
+        assert_eq!(avg_pool2d(&x, p, false).unwrap().to_f64_vec().unwrap()[15], 35.0);
+        assert!(avg_pool2d(&x, pool([2, 2], [2, 2], [0, 0], [2, 2], false), true).is_err());
+    }
+
+    /// Naive references, straight from PyTorch's definitions.
+    fn naive_max(x: &[f64], h: usize, w: usize, p: Pool2dParams, oh: usize, ow: usize) -> (Vec<f64>, Vec<i64>) {
+        let (mut out, mut ix) = (vec![], vec![]);
+        for plane in x.chunks(h * w) {
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let (mut best, mut at) = (f64::NEG_INFINITY, -1i64);
+                    for i in 0..p.kernel[0] {
+                        for j in 0..p.kernel[1] {
+                            let ih = (y * p.stride[0] + i * p.dilation[0]) as i64 - p.padding[0] as i64;
+                            let iw = (xo * p.stride[1] + j * p.dilation[1]) as i64 - p.padding[1] as i64;
+                            if ih < 0 || iw < 0 || ih >= h as i64 || iw >= w as i64 {
+                                continue;
+                            }
+                            let v = plane[(ih * w as i64 + iw) as usize];
+                            if at < 0 || v > best {
+                                best = v;
+                                at = ih * w as i64 + iw;
+                            }
+                        }
+                    }
+                    out.push(best);
+                    ix.push(at);
+                }
+            }
+        }
+        (out, ix)
+    }
+
+    fn naive_avg(x: &[f64], h: usize, w: usize, p: Pool2dParams, include: bool, oh: usize, ow: usize) -> Vec<f64> {
+        let mut out = vec![];
+        for plane in x.chunks(h * w) {
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let (h0, w0) = ((y * p.stride[0]) as i64 - p.padding[0] as i64, (xo * p.stride[1]) as i64 - p.padding[1] as i64);
+                    let (h1, w1) = ((h0 + p.kernel[0] as i64).min((h + p.padding[0]) as i64), (w0 + p.kernel[1] as i64).min((w + p.padding[1]) as i64));
+                    let (mut sum, mut count) = (0.0, 0);
+                    for ih in h0.max(0)..h1.min(h as i64) {
+                        for iw in w0.max(0)..w1.min(w as i64) {
+                            sum += plane[(ih * w as i64 + iw) as usize];
+                            count += 1;
+                        }
+                    }
+                    out.push(sum / if include { ((h1 - h0) * (w1 - w0)) as f64 } else { count as f64 });
+                }
+            }
+        }
+        out
+    }
+
+    fn naive_adaptive(x: &[f64], h: usize, w: usize, oh: usize, ow: usize) -> Vec<f64> {
+        let mut out = vec![];
+        for plane in x.chunks(h * w) {
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let (h0, h1) = ((y * h) as f64 / oh as f64, ((y + 1) * h) as f64 / oh as f64);
+                    let (w0, w1) = ((xo * w) as f64 / ow as f64, ((xo + 1) * w) as f64 / ow as f64);
+                    let (h0, h1, w0, w1) = (h0.floor() as usize, h1.ceil() as usize, w0.floor() as usize, w1.ceil() as usize);
+                    let mut sum = 0.0;
+                    for ih in h0..h1 {
+                        for iw in w0..w1 {
+                            sum += plane[ih * w + iw];
+                        }
+                    }
+                    out.push(sum / ((h1 - h0) * (w1 - w0)) as f64);
+                }
+            }
+        }
+        out
+    }
+
+    fn pool_cases() -> Vec<([usize; 4], Pool2dParams)> {
+        vec![
+            ([2, 3, 6, 6], Pool2dParams::square(2)),
+            ([2, 3, 7, 7], pool([3, 3], [2, 2], [1, 1], [1, 1], false)),
+            ([2, 2, 5, 6], pool([3, 2], [1, 2], [0, 0], [1, 1], false)),
+            ([1, 2, 7, 8], pool([3, 3], [2, 2], [1, 1], [1, 1], true)),
+            ([1, 2, 6, 7], pool([2, 3], [3, 2], [1, 1], [1, 1], true)),
+            ([2, 1, 9, 8], pool([3, 2], [2, 1], [1, 1], [2, 3], false)),
+            ([1, 1, 9, 9], pool([2, 2], [2, 2], [1, 0], [2, 2], true)),
+            ([3, 40, 20, 20], Pool2dParams::square(2)),
+        ]
+    }
+
+    #[test]
+    fn forward_matches_naive_loops() {
+        let dev = Device::cpu();
+        for (i, (xs, p)) in pool_cases().into_iter().enumerate() {
+            let xv = distinct(i as u64, xs.iter().product());
+            let x = leaf(&dev, &xv, &xs, false);
+            let (out, ix) = max_pool2d_with_indices(&x, p).unwrap();
+            let (oh, ow) = (out.shape()[2], out.shape()[3]);
+            let (want, want_ix) = naive_max(&xv, xs[2], xs[3], p, oh, ow);
+            assert_eq!(out.to_f64_vec().unwrap(), want, "max case {i}");
+            assert_eq!(ix.to_vec::<i64>().unwrap(), want_ix, "max indices case {i}");
+            let x32 = Tensor::from_slice(&dev, &xv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &xs, Category::Input).unwrap();
+            let want32: Vec<f64> = want.iter().map(|&v| v as f32 as f64).collect();
+            assert_eq!(max_pool2d(&x32, p).unwrap().to_f64_vec().unwrap(), want32, "f32 max case {i}");
+            if p.dilation == [1, 1] {
+                for include in [true, false] {
+                    let got = avg_pool2d(&x, p, include).unwrap().to_f64_vec().unwrap();
+                    let want = naive_avg(&xv, xs[2], xs[3], p, include, oh, ow);
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "avg case {i} include {include}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+        for (xs, os) in [([2, 3, 5, 7], [2, 3]), ([1, 2, 6, 6], [4, 4]), ([1, 1, 3, 5], [5, 7]), ([1, 1, 5, 5], [1, 1])] {
+            let xv = distinct(7, xs.iter().product());
+            let x = leaf(&dev, &xv, &xs, false);
+            let got = adaptive_avg_pool2d(&x, os).unwrap();
+            assert_eq!(got.shape(), [xs[0], xs[1], os[0], os[1]]);
+            let want = naive_adaptive(&xv, xs[2], xs[3], os[0], os[1]);
+            for (a, b) in got.to_f64_vec().unwrap().iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "adaptive {xs:?} -> {os:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Checks the gradient of `sum(f(x) * r)` against central differences (f64).
+    fn gradcheck(xv: &[f64], shape: &[usize], f: impl Fn(&Tensor) -> Result<Tensor>) {
+        let dev = Device::cpu();
+        let x = leaf(&dev, xv, shape, true);
+        let out = f(&x).unwrap();
+        let r = distinct(3, out.numel());
+        backward_with(&out, Tensor::from_slice(&dev, &r, out.shape(), Category::Input).unwrap()).unwrap();
+        let analytic = x.grad().unwrap().to_f64_vec().unwrap();
+        let loss = |v: &[f64]| -> f64 {
+            let t = leaf(&dev, v, shape, false);
+            f(&t).unwrap().to_f64_vec().unwrap().iter().zip(&r).map(|(a, b)| a * b).sum()
+        };
+        let (eps, mut v) = (1e-6, xv.to_vec());
+        for e in 0..v.len() {
+            let orig = v[e];
+            v[e] = orig + eps;
+            let up = loss(&v);
+            v[e] = orig - eps;
+            let down = loss(&v);
+            v[e] = orig;
+            let numeric = (up - down) / (2.0 * eps);
+            assert!((analytic[e] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()), "element {e}: {} vs {numeric}", analytic[e]);
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        for (i, (xs, p)) in pool_cases().into_iter().enumerate().take(7) {
+            let xv = distinct(50 + i as u64, xs.iter().product());
+            gradcheck(&xv, &xs, |x| max_pool2d(x, p));
+            if p.dilation == [1, 1] {
+                gradcheck(&xv, &xs, |x| avg_pool2d(x, p, true));
+                gradcheck(&xv, &xs, |x| avg_pool2d(x, p, false));
+            }
+        }
+        // A window of more than 256 positions saves 2-byte positions.
+        let xv = distinct(9, 2 * 18 * 18);
+        gradcheck(&xv, &[1, 2, 18, 18], |x| max_pool2d(x, pool([17, 17], [1, 1], [0, 0], [1, 1], false)));
+        for (xs, os) in [([2, 3, 5, 7], [2, 3]), ([1, 2, 6, 6], [4, 4]), ([1, 1, 3, 5], [5, 7])] {
+            let xv = distinct(11, xs.iter().product());
+            gradcheck(&xv, &xs, |x| adaptive_avg_pool2d(x, os));
+        }
+    }
+
+    fn program(dev: &Device) -> Vec<(EventKind, u64, Category, &'static str, Phase)> {
+        let x = Tensor::full(dev, &[2, 3, 9, 9], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(true);
+        {
+            let _phase = dev.enter_phase(Phase::Forward);
+            let p = pool([3, 3], [2, 2], [1, 1], [1, 1], true);
+            let (a, _ix) = max_pool2d_with_indices(&x, p).unwrap();
+            let b = max_pool2d(&x, p).unwrap();
+            let c = avg_pool2d(&x, p, false).unwrap();
+            let d = adaptive_avg_pool2d(&x, [2, 3]).unwrap();
+            for out in [a, b, c, d] {
+                let seed = Tensor::full(dev, out.shape(), 1.0, DType::F32, Category::Temporary).unwrap();
+                backward_with(&out, seed).unwrap();
+            }
+        }
+        let events = dev.allocator().timeline().events().map(|e| (e.kind, e.bytes, e.category, e.op, e.phase)).collect();
+        events
+    }
+
+    #[test]
+    fn meta_allocates_what_cpu_allocates() {
+        assert_eq!(program(&Device::cpu()), program(&Device::meta()));
+    }
+
+    #[test]
+    fn max_pool_saves_one_byte_per_output() {
+        let dev = Device::cpu();
+        let x = Tensor::full(&dev, &[4, 8, 32, 32], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(true);
+        let before = dev.stats().by_category[Category::Activation.index()].current;
+        let out = max_pool2d(&x, Pool2dParams::square(2)).unwrap();
+        // One u8 position per output (8192 bytes); no input and no i64 indices kept.
+        let saved = dev.stats().by_category[Category::Activation.index()].current - before;
+        assert_eq!(saved, out.numel() as u64);
+        let allocs = dev.allocator().timeline().events().filter(|e| e.kind == EventKind::Alloc && e.op == "max_pool2d").count();
+        assert_eq!(allocs, 2);
+        drop(out);
+        assert_eq!(dev.stats().by_category[Category::Activation.index()].current, before);
+    }
+
+    #[test]
+    fn shape_errors_are_clear() {
+        let dev = Device::cpu();
+        let x = Tensor::zeros(&dev, &[1, 1, 4, 4], DType::F32, Category::Input).unwrap();
+        let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+        assert!(msg(max_pool2d(&x, pool([2, 2], [2, 2], [2, 0], [1, 1], false))).contains("half of the kernel"));
+        assert!(msg(max_pool2d(&x, pool([5, 5], [1, 1], [0, 0], [1, 1], false))).contains("too small"));
+        assert!(msg(max_pool2d(&x, pool([3, 3], [1, 1], [0, 0], [2, 2], false))).contains("too small"));
+        assert!(msg(max_pool2d(&x, pool([2, 2], [0, 2], [0, 0], [1, 1], false))).contains("stride"));
+        assert!(msg(avg_pool2d(&x, pool([0, 2], [1, 1], [0, 0], [1, 1], false), true)).contains("kernel"));
+        assert!(msg(adaptive_avg_pool2d(&x, [0, 2])).contains("output size"));
+        let flat = Tensor::zeros(&dev, &[4, 4], DType::F32, Category::Input).unwrap();
+        assert!(msg(max_pool2d(&flat, Pool2dParams::square(2))).contains("[N, C, H, W]"));
+        let ints = Tensor::from_slice(&dev, &[0i64; 16], &[1, 1, 4, 4], Category::Input).unwrap();
+        assert!(max_pool2d(&ints, Pool2dParams::square(2)).is_err());
+    }
+
+    #[test]
+    fn matches_pytorch_golden_data() {
+        let dir = std::path::PathBuf::from("/work/shared/golden");
+        if !dir.join("manifest.json").exists() {
+            eprintln!("golden data not found at {}; skipping", dir.display());
+            return;
+        }
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+        let bytes = std::fs::read(dir.join("pool.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let values = |key: &str| -> (Vec<f64>, Vec<usize>) {
+            let v = st.tensor(key).unwrap_or_else(|e| panic!("{key}: {e}"));
+            let d = v.data();
+            let vals = match v.dtype() {
+                safetensors::Dtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+                safetensors::Dtype::F64 => d.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect(),
+                safetensors::Dtype::I64 => d.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+                other => panic!("{key}: unexpected dtype {other:?}"),
+            };
+            (vals, v.shape().to_vec())
+        };
+        let dev = Device::cpu();
+        let tensor = |key: &str, dtype: DType| {
+            let (v, s) = values(key);
+            if dtype == DType::F32 {
+                Tensor::from_slice(&dev, &v.iter().map(|&x| x as f32).collect::<Vec<_>>(), &s, Category::Input).unwrap()
+            } else {
+                Tensor::from_slice(&dev, &v, &s, Category::Input).unwrap()
+            }
+        };
+        let within = |got: &[f64], want: &[f64], rtol: f64, what: &str| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            let atol = rtol * want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!((g - w).abs() <= rtol * w.abs() + atol, "{what}[{i}]: got {g}, want {w}");
+            }
+        };
+        let mut seen = 0;
+        for case in manifest["cases"].as_array().unwrap() {
+            if case["file"] != "pool.safetensors" {
+                continue;
+            }
+            let name = case["name"].as_str().unwrap();
+            let (dtype, rtol) = if case["dtype"] == "float32" { (DType::F32, 1e-5) } else { (DType::F64, 1e-10) };
+            let a = &case["attrs"];
+            let pair = |k: &str, default: usize| {
+                if a[k].is_array() {
+                    [a[k][0].as_u64().unwrap() as usize, a[k][1].as_u64().unwrap() as usize]
+                } else {
+                    [default, default]
+                }
+            };
+            let x = tensor(&format!("{name}/input"), dtype).set_requires_grad(true);
+            let mut indices = None;
+            let out = match case["op"].as_str().unwrap() {
+                "adaptive_avg_pool2d" => adaptive_avg_pool2d(&x, pair("output_size", 1)).unwrap(),
+                op => {
+                    let p = pool(pair("kernel_size", 1), pair("stride", 1), pair("padding", 0), pair("dilation", 1), a["ceil_mode"] == true);
+                    if op == "max_pool2d" {
+                        let (out, ix) = max_pool2d_with_indices(&x, p).unwrap();
+                        indices = Some(ix);
+                        out
+                    } else {
+                        assert!(a["divisor_override"].is_null(), "{name}");
+                        avg_pool2d(&x, p, a["count_include_pad"] != false).unwrap()
+                    }
+                }
+            };
+            within(&out.to_f64_vec().unwrap(), &values(&format!("{name}/output")).0, rtol, name);
+            if let Some(ix) = indices {
+                assert_eq!(ix.to_f64_vec().unwrap(), values(&format!("{name}/indices")).0, "{name} indices");
+            }
+            backward_with(&out, tensor(&format!("{name}/grad_out"), dtype)).unwrap();
+            within(&x.grad().unwrap().to_f64_vec().unwrap(), &values(&format!("{name}/grad_input")).0, rtol, &format!("{name} grad"));
+            seen += 1;
+        }
+        assert!(seen >= 18, "only {seen} pool golden cases");
+    }
+}

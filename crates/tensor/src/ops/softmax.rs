@@ -37,6 +37,22 @@ fn for_blocks<T: Float>(src: &[T], dst: &mut [T], block: usize, f: impl Fn(&[T],
 
 /// Softmax (or log-softmax) of each lane `i` of a block laid out [size, inner].
 fn softmax_block<T: Float>(s: &[T], d: &mut [T], size: usize, inner: usize, log: bool) {
+    if inner == 1 {
+        // The common case (last dim): plain slice passes.
+        let m = s.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
+        if log {
+            let ls = s.iter().map(|&v| (v - m).exp()).sum::<T>().ln();
+            d.iter_mut().zip(s).for_each(|(d, &v)| *d = v - m - ls);
+        } else {
+            let mut sum = T::zero();
+            for (d, &v) in d.iter_mut().zip(s) {
+                *d = (v - m).exp();
+                sum += *d;
+            }
+            d.iter_mut().for_each(|d| *d = *d / sum);
+        }
+        return;
+    }
     for i in 0..inner {
         let mut m = T::neg_infinity();
         for k in 0..size {
