@@ -52,8 +52,8 @@ impl Samples for SplitSamples<'_> {
     }
 }
 
-/// Random inputs and labels of any shape, for benchmarks and planning. Sample i is a function of
-/// (seed, i) only.
+/// Random inputs (uniform in [-1, 1)) and labels of any shape, for benchmarks and planning. Sample i is
+/// a function of (seed, i) only. Cheap to make, so benchmarks time the model, not the data.
 pub struct SyntheticSamples {
     pub len: usize,
     pub shape: [usize; 3],
@@ -77,7 +77,7 @@ impl Samples for SyntheticSamples {
             let mut rng = Rng::derive(self.seed, i as u64);
             labels[row] = rng.gen_index(self.classes) as i64;
             for p in &mut pixels[row * size..(row + 1) * size] {
-                *p = rng.normal_f32();
+                *p = rng.next_f32() * 2.0 - 1.0;
             }
         }
     }

@@ -1203,3 +1203,35 @@ mod timing_tmp2 {
         one(64, 256, 1152, (1152, 1), (256, 1), "L3 dX full");
     }
 }
+#[cfg(test)]
+mod timing_tmp3 {
+    use std::arch::x86_64::*;
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn peak(iters: usize) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 10];
+        let a = _mm256_set1_ps(1.0001);
+        let b = _mm256_set1_ps(0.9999);
+        for _ in 0..iters {
+            for r in acc.iter_mut() {
+                *r = _mm256_fmadd_ps(*r, a, b);
+            }
+        }
+        let mut s = 0.0;
+        for r in acc {
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), r);
+            s += out.iter().sum::<f32>();
+        }
+        s
+    }
+    #[test]
+    fn zz_peak() {
+        for _ in 0..3 {
+            let iters = 20_000_000;
+            let t = std::time::Instant::now();
+            let s = unsafe { peak(iters) };
+            let secs = t.elapsed().as_secs_f64();
+            eprintln!("peak fma: {:.1} GFLOPS single core ({s})", (iters * 10 * 16) as f64 / secs / 1e9);
+        }
+    }
+}

@@ -179,19 +179,29 @@ struct Adam<T> {
 }
 
 impl<T: Float> Adam<T> {
+    /// One element's update. The const flags select the variant at compile time, so the loop over
+    /// elements has no branches and vectorizes (decoupled decay, L2 decay, which side of ATen's lerp).
     #[inline(always)]
-    fn update(&self, p: &mut T, g: T, m: &mut T, v: &mut T) {
+    fn update<const DECAY: bool, const L2: bool, const LOW_WEIGHT: bool>(
+        &self,
+        p: &mut T,
+        g: T,
+        m: &mut T,
+        v: &mut T,
+        decay: T,
+        wd: T,
+    ) {
         let mut param = *p;
         let mut g = g;
-        if let Some(decay) = self.decay {
+        if DECAY {
             param *= decay; // param.mul_(1 - lr*wd)
         }
-        if let Some(wd) = self.l2 {
+        if L2 {
             g += wd * param; // grad.add(param, alpha=wd)
         }
         // exp_avg.lerp_(grad, 1 - beta1), with ATen's two-sided lerp formula.
         let w = self.lerp_weight;
-        let m_new = if w < T::of(0.5) { *m + w * (g - *m) } else { g - (g - *m) * (T::one() - w) };
+        let m_new = if LOW_WEIGHT { *m + w * (g - *m) } else { g - (g - *m) * (T::one() - w) };
         // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2)
         let v_new = *v * self.beta2 + self.one_minus_beta2 * g * g;
         // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
@@ -200,6 +210,34 @@ impl<T: Float> Adam<T> {
         *p = param + self.neg_step_size * m_new / denom;
         *m = m_new;
         *v = v_new;
+    }
+
+    fn update_all<const DECAY: bool, const L2: bool, const LOW_WEIGHT: bool>(
+        &self,
+        p: &mut [T],
+        g: &[T],
+        m: &mut [T],
+        v: &mut [T],
+    ) {
+        let decay = self.decay.unwrap_or(T::one());
+        let wd = self.l2.unwrap_or(T::zero());
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            self.update::<DECAY, L2, LOW_WEIGHT>(p, g, m, v, decay, wd);
+        }
+    }
+
+    fn update_chunk(&self, p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]) {
+        let low = self.lerp_weight < T::of(0.5);
+        match (self.decay.is_some(), self.l2.is_some(), low) {
+            (false, false, true) => self.update_all::<false, false, true>(p, g, m, v),
+            (false, false, false) => self.update_all::<false, false, false>(p, g, m, v),
+            (true, false, true) => self.update_all::<true, false, true>(p, g, m, v),
+            (true, false, false) => self.update_all::<true, false, false>(p, g, m, v),
+            (false, true, true) => self.update_all::<false, true, true>(p, g, m, v),
+            (false, true, false) => self.update_all::<false, true, false>(p, g, m, v),
+            (true, true, true) => self.update_all::<true, true, true>(p, g, m, v),
+            (true, true, false) => self.update_all::<true, true, false>(p, g, m, v),
+        }
     }
 }
 
@@ -249,11 +287,7 @@ pub fn adam_update(
         let g = grad.slice::<T>()?;
         let m = exp_avg.slice_mut::<T>()?;
         let v = exp_avg_sq.slice_mut::<T>()?;
-        let run = |p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]| {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                k.update(p, g, m, v);
-            }
-        };
+        let run = |p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]| k.update_chunk(p, g, m, v);
         if p.len() >= 2 * PAR_CHUNK {
             p.par_chunks_mut(PAR_CHUNK)
                 .zip(g.par_chunks(PAR_CHUNK))

@@ -213,6 +213,23 @@ fn max_pool(x: &Tensor, params: Pool2dParams, want_indices: bool) -> Result<(Ten
     Ok((out, indices))
 }
 
+/// Window taps of every output column: (window start, first valid tap, end of valid taps).
+fn column_taps(g: &Geom) -> Vec<(isize, usize, usize)> {
+    (0..g.ow)
+        .map(|ow| {
+            let ws = (ow * g.sw) as isize - g.pw as isize;
+            let (lo, hi) = taps(ws, g.dw, g.kw, g.w);
+            (ws, lo, hi)
+        })
+        .collect()
+}
+
+/// The plain 2x2 window with stride 2, no padding or dilation, every window inside the input (not
+/// ceil mode's partial last one): it gets a fast path.
+fn is_plain_2x2(g: &Geom) -> bool {
+    (g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw) == (2, 2, 2, 2, 0, 0, 1, 1) && 2 * g.oh <= g.h && 2 * g.ow <= g.w
+}
+
 fn max_forward<T: Float>(
     g: &Geom,
     x: &[T],
@@ -222,6 +239,8 @@ fn max_forward<T: Float>(
     width: usize,
 ) {
     let (hw, ohw) = (g.hw(), g.ohw());
+    let cols = column_taps(g);
+    let plain = is_plain_2x2(g);
     let op = SendPtr(out.as_mut_ptr());
     let ip = indices.map(|s| SendPtr(s.as_mut_ptr()));
     let pp = positions.map(|s| SendPtr(s.as_mut_ptr()));
@@ -231,30 +250,42 @@ fn max_forward<T: Float>(
         // SAFETY: each plane's output, index and position blocks are written by this task only.
         let dst = unsafe { std::slice::from_raw_parts_mut(op.0.add(plane * ohw), ohw) };
         // SAFETY: as above.
-        let ix = ip.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw), ohw) });
+        let mut ix = ip.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw), ohw) });
         // SAFETY: as above.
-        let pos = pp.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw * width), ohw * width) });
-        let (mut ix, mut pos) = (ix, pos);
+        let mut pos =
+            pp.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw * width), ohw * width) });
         for oh in 0..g.oh {
             let hs = (oh * g.sh) as isize - g.ph as isize;
             let (ilo, ihi) = taps(hs, g.dh, g.kh, g.h);
-            for ow in 0..g.ow {
-                let ws = (ow * g.sw) as isize - g.pw as isize;
-                let (jlo, jhi) = taps(ws, g.dw, g.kw, g.w);
-                let mut best = <T as num_traits::Float>::neg_infinity();
-                let (mut bi, mut bj) = (ilo, jlo);
-                for i in ilo..ihi {
-                    let row = &src[(hs + (i * g.dh) as isize) as usize * g.w..];
-                    for j in jlo..jhi {
-                        let v = row[(ws + (j * g.dw) as isize) as usize];
-                        // As PyTorch: a strictly larger value or a NaN takes over.
+            for (ow, &(ws, jlo, jhi)) in cols.iter().enumerate() {
+                let (best, bi, bj) = if plain {
+                    // Rows 2oh, 2oh+1 and columns 2ow, 2ow+1, all inside the input.
+                    let (r0, r1) = (&src[2 * oh * g.w + 2 * ow..][..2], &src[(2 * oh + 1) * g.w + 2 * ow..][..2]);
+                    let (mut best, mut at) = (r0[0], 0);
+                    for (k, v) in [(1, r0[1]), (2, r1[0]), (3, r1[1])] {
                         if v > best || v.is_nan() {
                             best = v;
-                            bi = i;
-                            bj = j;
+                            at = k;
                         }
                     }
-                }
+                    (best, at / 2, at % 2)
+                } else {
+                    let mut best = <T as num_traits::Float>::neg_infinity();
+                    let (mut bi, mut bj) = (ilo, jlo);
+                    for i in ilo..ihi {
+                        let row = &src[(hs + (i * g.dh) as isize) as usize * g.w..][..g.w];
+                        for j in jlo..jhi {
+                            let v = row[(ws + (j * g.dw) as isize) as usize];
+                            // As PyTorch: a strictly larger value or a NaN takes over.
+                            if v > best || v.is_nan() {
+                                best = v;
+                                bi = i;
+                                bj = j;
+                            }
+                        }
+                    }
+                    (best, bi, bj)
+                };
                 let e = oh * g.ow + ow;
                 dst[e] = best;
                 if let Some(ix) = ix.as_deref_mut() {
@@ -264,7 +295,11 @@ fn max_forward<T: Float>(
                 }
                 if let Some(pos) = pos.as_deref_mut() {
                     let at = (bi * g.kw + bj) as u32;
-                    pos[e * width..(e + 1) * width].copy_from_slice(&at.to_le_bytes()[..width]);
+                    if width == 1 {
+                        pos[e] = at as u8;
+                    } else {
+                        pos[e * width..(e + 1) * width].copy_from_slice(&at.to_le_bytes()[..width]);
+                    }
                 }
             }
         }
@@ -286,33 +321,47 @@ impl Backward for MaxPoolBack {
         let dx = output(&grad, &self.input_shape, grad.dtype(), "max_pool2d_backward")?;
         if grad.device().computes() {
             with_float!(grad.dtype(), "max_pool2d_backward", T => {
-                let (gs, pos) = (grad.slice::<T>()?, self.positions.slice::<u8>()?);
-                let (hw, ohw) = (g.hw(), g.ohw());
-                let dp = SendPtr(dx.slice_mut::<T>()?.as_mut_ptr());
-                for_planes(g.planes, ohw + hw, |plane| {
-                    let dp = dp;
-                    // SAFETY: each plane's gradient block is written by this task only.
-                    let d = unsafe { std::slice::from_raw_parts_mut(dp.0.add(plane * hw), hw) };
-                    d.fill(T::zero());
-                    let gp = &gs[plane * ohw..(plane + 1) * ohw];
-                    let pp = &pos[plane * ohw * width..(plane + 1) * ohw * width];
-                    for (e, (&gv, b)) in gp.iter().zip(pp.chunks_exact(width)).enumerate() {
-                        let mut bytes = [0u8; 4];
-                        bytes[..width].copy_from_slice(b);
-                        let at = u32::from_le_bytes(bytes) as usize;
-                        let (i, j) = (at / g.kw, at % g.kw);
-                        let ih = ((e / g.ow) * g.sh + i * g.dh) as isize - g.ph as isize;
-                        let iw = ((e % g.ow) * g.sw + j * g.dw) as isize - g.pw as isize;
-                        // An all-padding window (possible only with dilation) has no input to credit.
-                        if ih >= 0 && iw >= 0 && (ih as usize) < g.h && (iw as usize) < g.w {
-                            d[ih as usize * g.w + iw as usize] += gv;
-                        }
-                    }
-                });
+                max_backward::<T>(&g, width, grad.slice::<T>()?, self.positions.slice::<u8>()?, dx.slice_mut::<T>()?);
             });
         }
         Ok(vec![Some(dx)])
     }
+}
+
+fn max_backward<T: Float>(g: &Geom, width: usize, gs: &[T], pos: &[u8], dx: &mut [T]) {
+    let (hw, ohw) = (g.hw(), g.ohw());
+    // Offsets (rows, cols) of every window position from the window's origin.
+    let offsets: Vec<(isize, isize)> =
+        (0..g.kh * g.kw).map(|at| (((at / g.kw) * g.dh) as isize, ((at % g.kw) * g.dw) as isize)).collect();
+    let (h, w) = (g.h as isize, g.w as isize);
+    let dp = SendPtr(dx.as_mut_ptr());
+    for_planes(g.planes, ohw + hw, |plane| {
+        let dp = dp;
+        // SAFETY: each plane's gradient block is written by this task only.
+        let d = unsafe { std::slice::from_raw_parts_mut(dp.0.add(plane * hw), hw) };
+        d.fill(T::zero());
+        let gp = &gs[plane * ohw..(plane + 1) * ohw];
+        let pp = &pos[plane * ohw * width..(plane + 1) * ohw * width];
+        for oh in 0..g.oh {
+            let hs = (oh * g.sh) as isize - g.ph as isize;
+            for ow in 0..g.ow {
+                let e = oh * g.ow + ow;
+                let at = if width == 1 {
+                    pp[e] as usize
+                } else {
+                    let mut bytes = [0u8; 4];
+                    bytes[..width].copy_from_slice(&pp[e * width..(e + 1) * width]);
+                    u32::from_le_bytes(bytes) as usize
+                };
+                let Some(&(di, dj)) = offsets.get(at) else { continue };
+                let (ih, iw) = (hs + di, (ow * g.sw) as isize - g.pw as isize + dj);
+                // An all-padding window (possible only with dilation) has no input to credit.
+                if ih >= 0 && iw >= 0 && ih < h && iw < w {
+                    d[(ih * w + iw) as usize] += gp[e];
+                }
+            }
+        }
+    });
 }
 
 /// One avg-pool window per output: rows `h0..h1`, cols `w0..w1` (clamped to the input) and the divisor.

@@ -19,7 +19,7 @@ pub(crate) fn split_dim(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
 }
 
-/// Runs `f(block_index, dst_block, src_block)` over consecutive blocks of `block` elements, several
+/// Runs `f(src_block, dst_block)` over consecutive blocks of `block` elements, several
 /// blocks per rayon task when the tensor is big enough to be worth threads.
 fn for_blocks<T: Float>(src: &[T], dst: &mut [T], block: usize, f: impl Fn(&[T], &mut [T]) + Sync) {
     if block == 0 || dst.is_empty() {
