@@ -50,6 +50,9 @@ impl Layout {
 
     /// True when elements are laid out in row-major order without gaps.
     pub fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
         let mut expected = 1;
         for (&dim, &stride) in self.shape.iter().zip(&self.strides).rev() {
             if dim != 1 && stride != expected {
@@ -186,6 +189,7 @@ mod tests {
         assert_eq!(seen, vec![1, 3, 5, 2, 4, 6]);
         assert!(!l.is_contiguous());
         assert!(Layout::contiguous(&[2, 1, 3]).is_contiguous());
+        assert!(Layout::new(vec![2, 0], vec![1, 1], 0).is_contiguous(), "empty tensors are contiguous");
     }
 
     #[test]

@@ -144,18 +144,35 @@ struct UnaryBack {
 impl Backward for UnaryBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grad = grad.contiguous()?;
-        let out = output(&grad, grad.shape(), grad.dtype(), "unary_backward")?;
+        // The incoming gradient is usually a temporary nobody else holds: write the result over it
+        // instead of allocating another tensor of the same size (the same on meta: it depends only
+        // on who holds the gradient, never on data).
+        let in_place = grad.owns_storage();
+        let out = if in_place { grad.clone() } else { output(&grad, grad.shape(), grad.dtype(), "unary_backward")? };
         if grad.device().computes() {
             with_float!(grad.dtype(), self.op.name(), T => {
-                let g = grad.slice::<T>()?;
+                let f = backward_fn::<T>(self.op);
                 let dst = out.slice_mut::<T>()?;
-                match &self.saved {
-                    Some(s) => par_zip(s.slice::<T>()?, g, dst, backward_fn::<T>(self.op)),
-                    None => par_map(g, dst, |g| -g),
+                match (&self.saved, in_place) {
+                    (Some(s), true) => par_update(s.slice::<T>()?, dst, move |s, g| f(s, g)),
+                    (Some(s), false) => par_zip(s.slice::<T>()?, grad.slice::<T>()?, dst, f),
+                    (None, true) => dst.iter_mut().for_each(|g| *g = -*g),
+                    (None, false) => par_map(grad.slice::<T>()?, dst, |g| -g),
                 }
             });
         }
         Ok(vec![Some(out)])
+    }
+}
+
+/// `dst[i] = f(src[i], dst[i])`, in parallel for large tensors.
+pub(crate) fn par_update<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T, T) -> T + Sync) {
+    if dst.len() >= 2 * PAR_CHUNK {
+        dst.par_chunks_mut(PAR_CHUNK)
+            .zip(src.par_chunks(PAR_CHUNK))
+            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s, *d)));
+    } else {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f(s, *d));
     }
 }
 
