@@ -86,7 +86,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
-    let default_eval = cfg.batch_size.max(256);
+    let default_eval = cfg.batch_size;
     let (micro, eval_micro, plan) = match (cfg.micro_batch, cfg.memory) {
         (Some(m), _) => (m.min(cfg.batch_size), default_eval, None),
         (None, Some(_)) => {
