@@ -185,6 +185,11 @@ fn plan(bytes: u64) -> Option<(u64, Pool, u64)> {
     (segment_size <= MAX_BYTES).then_some((rounded, pool, segment_size))
 }
 
+/// The size of the segment a request of `bytes` would reserve when no cached block fits.
+pub(crate) fn segment_size_for(bytes: u64) -> Option<u64> {
+    plan(bytes).map(|(_, _, segment)| segment)
+}
+
 /// Whether a free block with `remaining` bytes past the request is split (else handed out whole).
 fn should_split(pool: Pool, remaining: u64) -> bool {
     match pool {

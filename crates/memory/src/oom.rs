@@ -58,6 +58,20 @@ impl fmt::Display for OutOfMemory {
             format_bytes(self.reserved_unallocated)
         )?;
         f.write_str(if self.injected { ". (injected fault)" } else { "." })?;
+        // When the request itself is smaller than what is free, say why it still failed: memory is
+        // reserved in whole segments.
+        if let (false, Some(_), Some(segment)) =
+            (self.injected, self.capacity, crate::allocator::segment_size_for(self.requested))
+        {
+            if self.requested <= self.free && segment > self.free {
+                write!(
+                    f,
+                    " No cached block fits and a new {} segment does not fit in what is free \
+                     (memory is reserved in segments of 2 MiB for requests up to 1 MiB, 20 MiB up to 10 MiB).",
+                    format_bytes(segment)
+                )?;
+            }
+        }
 
         // Non-zero categories, largest first; ties keep the category order.
         let mut held: Vec<(Category, u64)> =
@@ -145,5 +159,19 @@ mod tests {
         assert!(text.contains("reserved but unallocated. (injected fault)\n"), "{text}");
         assert!(text.contains("held by category: nothing\n"), "{text}");
         assert!(text.ends_with("largest live allocations: none"), "{text}");
+    }
+
+    #[test]
+    fn a_small_request_that_needs_a_whole_segment_says_so() {
+        use crate::{Allocator, AllocatorConfig, MetaBackend, Request};
+        let mut a = Allocator::new(
+            Box::new(MetaBackend),
+            AllocatorConfig { capacity: Some(MIB), ..Default::default() },
+        );
+        let request = Request { category: Category::Parameter, op: "init", phase: Phase::Setup };
+        let oom = a.allocate(1024, request).unwrap_err();
+        let text = oom.to_string();
+        assert!(text.contains("new 2.00 MiB segment does not fit"), "{text}");
+        assert!(!example().to_string().contains("segment"), "not said when the request itself is too big");
     }
 }
