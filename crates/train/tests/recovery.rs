@@ -55,8 +55,14 @@ fn every_nth_faults_sweep_completes_with_the_clean_result() {
     let samples = data(&spec, 6 * 16);
     let o = opts(16, 16, 6);
     let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, sgd(), &samples, &o);
-    let clean_allocated = clean_session.device.stats().allocated_bytes.current;
-    for n in [37, 41, 53, 64, 97, 131] {
+    let clean_stats = clean_session.device.stats();
+    let clean_allocated = clean_stats.allocated_bytes.current;
+    // Faults every N requests, for N from just above one step's requests (so that a re-run half always
+    // gets through) to a third of the run.
+    let total = clean_stats.allocation.allocated;
+    let per_step = total / 6;
+    let sweep = [per_step + 3, per_step + 11, total / 5, total / 4, total / 3];
+    for n in sweep {
         let (out, params, session) =
             run(device(DeviceKind::Cpu, None, Some(FaultInjection::EveryNth(n))), &spec, sgd(), &samples, &o);
         let stats = session.device.stats();
@@ -86,4 +92,27 @@ fn a_budget_below_micro_batch_one_stops_with_the_explanation() {
         }
         other => panic!("expected an out-of-memory, got {:?}", other.map(|o| o.steps)),
     }
+}
+
+#[test]
+fn an_out_of_memory_in_evaluation_never_shrinks_the_training_batch() {
+    let spec = small_spec(ModelKind::SimpleCnn);
+    let samples = data(&spec, 2 * 8);
+    let val = data(&spec, 16);
+    let o = opts(8, 8, 2);
+    // Count the requests of setup and training, then fail one inside evaluation.
+    let counting = device(DeviceKind::Cpu, None, None);
+    let mut s = Session::new(counting.clone(), &spec, adamw(), 3).unwrap();
+    s.run(&samples, None, &o, &mut |_| {}).unwrap();
+    let before_eval = counting.stats().allocation.allocated;
+    let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(before_eval + 2)));
+    let mut s = Session::new(dev.clone(), &spec, adamw(), 3).unwrap();
+    let out = s.run(&samples, Some(&val), &o, &mut |_| {}).unwrap();
+    let eval = out.eval.expect("evaluated");
+    assert_eq!(dev.stats().num_injected_faults, 1);
+    assert_eq!(eval.oom_recoveries, 1, "the evaluation recovered");
+    assert_eq!(eval.micro_batch, 4, "the evaluation micro-batch halved");
+    assert_eq!(out.final_micro_batch, 8, "the training micro-batch is untouched");
+    assert_eq!(out.oom_recoveries, 0);
+    assert_eq!(eval.samples, 16);
 }
