@@ -1,7 +1,7 @@
 //! The model zoo and the [`Model`] trait the trainer drives: [`build_model`] validates a [`ModelSpec`]
 //! and builds one of [`mlp::Mlp`], [`cnn::SimpleCnn`], [`cnn::DeepCnn`], [`resnet::ResNet`] and
 //! [`gpt::Gpt`], with the `state_dict` names of the PyTorch reference models
-//! (/work/shared/pytorch-reference/torch_models.py; the ResNet follows torchvision's names).
+//! (the PyTorch reference `torch_models.py` in `shared/pytorch-reference` beside the repository; the ResNet follows torchvision's names).
 
 pub mod cnn;
 pub mod gpt;

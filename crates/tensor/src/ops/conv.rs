@@ -2,15 +2,17 @@
 //! dilation and groups, by im2col + GEMM. The im2col workspace comes from the allocator as a temporary,
 //! sized from shapes only (never from the thread count), so meta and cpu allocate the same bytes.
 //!
-//! Note [conv2d work plan]: the batch is split into `lanes` contiguous runs of samples; each lane owns
-//! one im2col tile of the workspace (`[C*kh*kw, rows*OW]`, `rows` output rows at a time, so one
-//! huge image never needs a huge workspace) and processes its samples one after another with
-//! single-threaded GEMMs, while the lanes run in parallel. With one lane, GEMM and im2col themselves
-//! use all threads. Lanes, rows per tile and therefore every allocation follow from the shapes and
-//! the element size only. The weight gradient is a reduction over samples: every lane accumulates
-//! its samples into its own partial (per group the transposed `[C/groups*kh*kw, O/groups]`, which
-//! GEMM computes faster than the weight's own layout), and the partials are added in lane order at
-//! the end, so the result does not depend on the thread count either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
+//! Note [conv2d work plan]: the batch is split into `lanes` contiguous runs of samples; each lane
+//! owns one im2col tile of the workspace (`[C*kh*kw, rows*OW]`, `rows` output rows at a time, so
+//! one huge image never needs a huge workspace; in backward also the output gradient's tile
+//! transposed to `[rows*OW, O]`, which GEMM reads much faster than a strided view) and processes
+//! its samples one after another with single-threaded GEMMs, while the lanes run in parallel. With
+//! one lane, GEMM and im2col themselves use all threads. Lanes, rows per tile and therefore every
+//! allocation follow from the shapes and the element size only. The weight gradient is a reduction
+//! over samples: every lane accumulates its samples into its own partial (per group the transposed
+//! `[C/groups*kh*kw, O/groups]`, which GEMM computes faster than the weight's own layout), and the
+//! partials are added in lane order at the end, so the result does not depend on the thread count
+//! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 
 use super::matmul::{gemm_into, Mat, SendPtr};
@@ -108,6 +110,10 @@ impl Geom {
             self.kc() * self.tile_rows * self.ow
         }
     }
+    /// Elements of one lane's transposed output-gradient tile `[rows*OW, O]` (weight gradient only).
+    fn gt_len(&self) -> usize {
+        self.o * self.tile_rows * self.ow
+    }
     fn weight_len(&self) -> usize {
         self.o * self.kg()
     }
@@ -178,14 +184,12 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
     };
     let direct = kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0];
     let kc = c.saturating_mul(kh * kw);
-    let tile_rows = if direct {
-        oh
-    } else {
-        (limits.tile_bytes / kc.saturating_mul(ow).saturating_mul(elem).max(1)).clamp(1, oh)
-    };
-    let col_bytes = if direct { 0 } else { kc.saturating_mul(tile_rows * ow).saturating_mul(elem) };
+    // One output row of a lane's tiles: its im2col columns (none when direct) and its transposed
+    // output-gradient row.
+    let row_bytes = (if direct { 0 } else { kc }).saturating_add(o).saturating_mul(ow).saturating_mul(elem);
+    let tile_rows = (limits.tile_bytes / row_bytes.max(1)).clamp(1, oh);
     let weight_bytes = o.saturating_mul(cg * kh * kw).saturating_mul(elem);
-    let lane_bytes = col_bytes.saturating_add(weight_bytes).max(1);
+    let lane_bytes = row_bytes.saturating_mul(tile_rows).saturating_add(weight_bytes).max(1);
     let (lanes, per_lane) = if n == 0 {
         (0, 1)
     } else {
@@ -317,7 +321,9 @@ impl Backward for Conv2dBack {
         let dx = if need_x { Some(output(&grad, x.shape(), x.dtype(), "conv2d_backward")?) } else { None };
         let dw = if need_w { Some(output(&grad, weight.shape(), x.dtype(), "conv2d_backward")?) } else { None };
         let db = if need_b { Some(output(&grad, &[g.o], x.dtype(), "conv2d_backward")?) } else { None };
-        let ws = if need_x || need_w { workspace(&grad, g.lanes * g.col_len(), "conv2d_im2col")? } else { None };
+        // Per lane: an im2col tile, and for the weight gradient a transposed output-gradient tile.
+        let lane_len = if need_w { g.col_len() + g.gt_len() } else { g.col_len() };
+        let ws = if need_x || need_w { workspace(&grad, g.lanes * lane_len, "conv2d_im2col")? } else { None };
         let partials = if need_w {
             workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")?
         } else {
@@ -464,6 +470,42 @@ fn col2im<T: Float>(g: &Geom, col: &[T], r0: usize, r1: usize, dxn: &mut [T], pa
     }
 }
 
+/// The im2col matrix of output rows `r0..r1` of one sample, as (pointer, row stride): the input
+/// itself for a direct (1x1) convolution, else the lane's tile after filling it.
+fn tile_source<T: Float>(g: &Geom, xn: &[T], r0: usize, r1: usize, col: &mut [T], threads: usize) -> (*const T, usize) {
+    if g.direct {
+        (xn[r0 * g.ow..].as_ptr(), g.hw())
+    } else {
+        im2col(g, xn, r0, r1, col, threads > 1);
+        (col.as_ptr(), (r1 - r0) * g.ow)
+    }
+}
+
+/// `gt[t, oc] = gn[oc, c0 + t]` for the `tp` columns of a tile. Eight source rows at a time, so
+/// each destination row gets eight contiguous values per visit.
+fn transpose_tile<T: Float>(gn: &[T], o: usize, p: usize, c0: usize, tp: usize, gt: &mut [T]) {
+    if o == 0 {
+        return;
+    }
+    let gt = &mut gt[..tp * o];
+    let mut oc = 0;
+    while oc + 8 <= o {
+        let rows: [&[T]; 8] = std::array::from_fn(|i| &gn[(oc + i) * p + c0..][..tp]);
+        for (t, d) in gt.chunks_exact_mut(o).enumerate() {
+            let d = &mut d[oc..oc + 8];
+            for i in 0..8 {
+                d[i] = rows[i][t];
+            }
+        }
+        oc += 8;
+    }
+    for oc in oc..o {
+        for (d, &v) in gt.chunks_exact_mut(o).zip(&gn[oc * p + c0..][..tp]) {
+            d[oc] = v;
+        }
+    }
+}
+
 /// Forward: `out[n, group rows] (= bias +) W_group @ im2col(x[n])`.
 fn forward_kernel<T: Float>(g: &Geom, x: &[T], w: &[T], bias: Option<&[T]>, out: &mut [T], ws: Option<&mut [T]>) {
     let (chw, p, col_len) = (g.c * g.hw(), g.p(), g.col_len());
@@ -484,12 +526,7 @@ fn forward_kernel<T: Float>(g: &Geom, x: &[T], w: &[T], bias: Option<&[T]>, out:
             let on = unsafe { std::slice::from_raw_parts_mut(outp.0.add(n * g.o * p), g.o * p) };
             for (r0, r1) in g.tiles() {
                 let tp = (r1 - r0) * g.ow;
-                let (src, src_rs) = if g.direct {
-                    (xn.as_ptr(), g.hw())
-                } else {
-                    im2col(g, xn, r0, r1, col, threads > 1);
-                    (col.as_ptr() as *const T, tp)
-                };
+                let (src, src_rs) = tile_source(g, xn, r0, r1, col, threads);
                 for gi in 0..g.groups {
                     if let Some(b) = bias {
                         for oc in gi * og..(gi + 1) * og {
@@ -532,6 +569,8 @@ fn backward_kernel<T: Float>(
 ) {
     let (chw, p, col_len, wlen) = (g.c * g.hw(), g.p(), g.col_len(), g.weight_len());
     let (og, kg, cg) = (g.og(), g.kg(), g.cg());
+    let gt_len = if dw.is_some() { g.gt_len() } else { 0 };
+    let lane_len = col_len + gt_len;
     let dxp = dx.map(|d| SendPtr(d.as_mut_ptr()));
     let pp = match (&dw, partials) {
         (Some(_), Some(parts)) => Some(SendPtr(parts.as_mut_ptr())),
@@ -540,12 +579,13 @@ fn backward_kernel<T: Float>(
     let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
     run_lanes(g.lanes, |lane, threads| {
         let (dxp, pp, wsp) = (dxp, pp, wsp);
-        let col: &mut [T] = if col_len == 0 {
+        let lane_ws: &mut [T] = if lane_len == 0 {
             &mut []
         } else {
-            // SAFETY: the workspace holds `lanes * col_len` elements; lane `lane` alone uses its slice.
-            unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * col_len), col_len) }
+            // SAFETY: the workspace holds `lanes * lane_len` elements; lane `lane` alone uses its slice.
+            unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * lane_len), lane_len) }
         };
+        let (col, gt) = lane_ws.split_at_mut(col_len);
         // This lane's transposed weight-gradient accumulator: per group a [kg, og] block.
         // SAFETY: the partials workspace holds `lanes * wlen` elements when the weight gradient is needed.
         let part = pp.map(|pp| unsafe { pp.0.add(lane * wlen) });
@@ -563,12 +603,9 @@ fn backward_kernel<T: Float>(
             for (r0, r1) in g.tiles() {
                 let tp = (r1 - r0) * g.ow;
                 if let Some(part) = part {
-                    let (src, src_rs) = if g.direct {
-                        (xn.as_ptr(), g.hw())
-                    } else {
-                        im2col(g, xn, r0, r1, col, threads > 1);
-                        (col.as_ptr() as *const T, tp)
-                    };
+                    let (src, src_rs) = tile_source(g, xn, r0, r1, col, threads);
+                    // gout^T as a contiguous [tp, O] operand: GEMM packs it much faster than the strided view.
+                    transpose_tile(gn, g.o, p, r0 * g.ow, tp, gt);
                     for gi in 0..g.groups {
                         // dW_g^T [kg, og] (+)= col_g [kg, tp] @ gout_g^T [tp, og] (the transposed product
                         // runs faster than dW_g = gout_g @ col_g^T for conv shapes).
@@ -583,7 +620,7 @@ fn backward_kernel<T: Float>(
                                 og as isize,
                                 !first,
                                 Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
-                                Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: 1, cs: p as isize },
+                                Mat { ptr: gt.as_ptr().add(gi * og), rs: g.o as isize, cs: 1 },
                                 threads,
                             )
                         };
@@ -595,7 +632,7 @@ fn backward_kernel<T: Float>(
                         // col_g [kg, tp] = W_g^T [kg, og] @ gout_g [og, tp]; direct: straight into dx.
                         let (dst, dst_rs) = if g.direct {
                             // SAFETY: in bounds of this sample's dx block.
-                            (unsafe { dxn.as_mut_ptr().add(gi * cg * g.hw()) }, g.hw())
+                            (unsafe { dxn.as_mut_ptr().add(gi * cg * g.hw() + r0 * g.ow) }, g.hw())
                         } else {
                             // SAFETY: in bounds of this lane's tile.
                             (unsafe { col.as_mut_ptr().add(gi * kg * tp) }, tp)
@@ -651,13 +688,26 @@ fn backward_kernel<T: Float>(
     }
 }
 
+/// Sum of a slice with eight independent accumulators (a serial sum is latency-bound).
+fn fast_sum<T: Float>(v: &[T]) -> T {
+    let mut acc = [T::zero(); 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    let tail: T = chunks.remainder().iter().copied().sum();
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// `db[o] = sum over n, oh, ow of gout[n, o, oh, ow]`.
 fn bias_grad<T: Float>(g: &Geom, gout: &[T], db: &mut [T]) {
     let p = g.p();
     let sum = |(oc, d): (usize, &mut T)| {
         let mut s = T::zero();
         for n in 0..g.n {
-            s += gout[(n * g.o + oc) * p..][..p].iter().copied().sum::<T>();
+            s += fast_sum(&gout[(n * g.o + oc) * p..][..p]);
         }
         *d = s;
     };
@@ -877,6 +927,8 @@ mod tests {
             ([2, 4, 5, 5], [4, 2, 3, 3], params([1, 1], [1, 1], [1, 1], 2), true),
             ([2, 4, 6, 5], [4, 1, 2, 3], params([2, 1], [1, 1], [2, 1], 4), false),
             ([2, 4, 3, 4], [2, 2, 1, 1], params([1, 1], [0, 0], [1, 1], 2), true),
+            // More than eight output channels (the gradient transpose works in blocks of eight).
+            ([2, 2, 4, 5], [10, 2, 3, 3], params([1, 1], [1, 1], [1, 1], 1), true),
         ];
         for (i, (xs, ws, p, bias)) in variants.into_iter().enumerate() {
             let mut inputs = vec![
@@ -892,8 +944,10 @@ mod tests {
         }
     }
 
+    type Events = Vec<(EventKind, u64, Category, &'static str, Phase)>;
+
     /// Runs conv2d forward and backward; returns the allocator's events and peak.
-    fn program(dev: &Device, limits: Limits, input_grad: bool) -> (Vec<(EventKind, u64, Category, &'static str, Phase)>, u64) {
+    fn program(dev: &Device, limits: Limits, input_grad: bool) -> (Events, u64) {
         let x = Tensor::full(dev, &[5, 4, 9, 8], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(input_grad);
         let w = Tensor::full(dev, &[6, 2, 3, 3], 0.25, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
         let b = Tensor::full(dev, &[6], 0.1, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
@@ -974,13 +1028,9 @@ mod tests {
     }
 
     fn golden_dir() -> Option<std::path::PathBuf> {
-        let dir = std::path::PathBuf::from("/work/shared/golden");
-        if dir.join("manifest.json").exists() {
-            Some(dir)
-        } else {
-            eprintln!("golden data not found at {}; skipping", dir.display());
-            None
-        }
+        let dir = std::path::PathBuf::from(crate::ops::softmax::test_support::GOLDEN_DIR);
+        assert!(dir.join("manifest.json").exists(), "golden data missing at {}", dir.display());
+        Some(dir)
     }
 
     /// Values of one golden tensor as f64.
@@ -1051,187 +1101,5 @@ mod tests {
             seen += 1;
         }
         assert!(seen >= 10, "only {seen} conv2d golden cases");
-    }
-}
-#[cfg(test)]
-mod timing_tmp {
-    use super::*;
-    use crate::autograd::backward_with;
-    use crate::memory::Category;
-    use crate::Device;
-    use std::time::Instant;
-
-    fn layer(dev: &Device, xs: [usize; 4], o: usize, input_grad: bool, iters: usize) -> (f64, f64) {
-        let x = Tensor::full(dev, &xs, 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(input_grad);
-        let w = Tensor::full(dev, &[o, xs[1], 3, 3], 0.01, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
-        let b = Tensor::full(dev, &[o], 0.0, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
-        let p = Conv2dParams { padding: [1, 1], ..Default::default() };
-        let (mut tf, mut tb) = (f64::MAX, f64::MAX);
-        for _ in 0..iters {
-            let t0 = Instant::now();
-            let out = conv2d(&x, &w, Some(&b), p).unwrap();
-            let t1 = Instant::now();
-            let seed = Tensor::full(dev, out.shape(), 1.0, DType::F32, Category::Temporary).unwrap();
-            let t1b = Instant::now();
-            backward_with(&out, seed).unwrap();
-            let t2 = Instant::now();
-            tf = tf.min((t1 - t0).as_secs_f64() * 1e3);
-            tb = tb.min((t2 - t1b).as_secs_f64() * 1e3);
-            w.set_grad(None);
-            b.set_grad(None);
-            x.set_grad(None);
-        }
-        (tf, tb)
-    }
-
-    #[test]
-    fn zz_pool() {
-        let dev = Device::cpu();
-        for xs in [[64usize, 32, 64, 64], [64, 64, 32, 32], [64, 128, 16, 16], [128, 16, 28, 28]] {
-            let x = Tensor::full(&dev, &xs, 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(true);
-            let (mut tf, mut tb) = (f64::MAX, f64::MAX);
-            for _ in 0..8 {
-                let t0 = Instant::now();
-                let out = crate::ops::max_pool2d(&x, crate::ops::Pool2dParams::square(2)).unwrap();
-                let t1 = Instant::now();
-                let seed = Tensor::full(&dev, out.shape(), 1.0, DType::F32, Category::Temporary).unwrap();
-                let t2 = Instant::now();
-                backward_with(&out, seed).unwrap();
-                tb = tb.min(t2.elapsed().as_secs_f64() * 1e3);
-                tf = tf.min((t1 - t0).as_secs_f64() * 1e3);
-                x.set_grad(None);
-            }
-            eprintln!("maxpool {xs:?}: forward {tf:.2} ms, backward {tb:.2} ms");
-        }
-    }
-    #[test]
-    fn zz_prof() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        pool.install(|| {
-            let dev = Device::cpu();
-            layer(&dev, [64, 32, 32, 32], 64, true, 8);
-        });
-    }
-    #[test]
-    fn zz_timing() {
-        for threads in [1, 2] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            pool.install(|| {
-                let dev = Device::cpu();
-                let mut total = 0.0;
-                for (xs, o, ig) in [([64, 3, 64, 64], 32, false), ([64, 32, 32, 32], 64, true), ([64, 64, 16, 16], 128, true), ([128, 1, 28, 28], 16, false)] {
-                    let (f, b) = layer(&dev, xs, o, ig, 6);
-                    let gflop = 2.0 * (xs[0] * o * xs[1] * 9 * xs[2] * xs[3]) as f64 / 1e9;
-                    eprintln!("{threads}t conv {xs:?} -> {o}: forward {f:.2} ms ({:.1} GFLOPS), backward {b:.2} ms ({:.1} GFLOPS)", gflop / f * 1e3, gflop * (1.0 + ig as u8 as f64) / b * 1e3);
-                    if xs[0] == 64 { total += f + b; }
-                }
-                eprintln!("{threads}t deepcnn conv total {total:.2} ms");
-            });
-        }
-    }
-}
-
-#[cfg(test)]
-mod timing_tmp2 {
-    use super::*;
-    use std::time::Instant;
-    /// a: [m,k] with strides (ars, acs); b: [k,n] with (brs, bcs)
-    fn bench(m: usize, n: usize, k: usize, a_s: (usize, usize), b_s: (usize, usize), reps: usize, par: bool) -> f64 {
-        let a = vec![0.5f32; m * k];
-        let b = vec![0.25f32; k * n * reps];
-        let mut c = vec![0f32; m * n * reps];
-        let mut best = f64::MAX;
-        for _ in 0..7 {
-            let t0 = Instant::now();
-            let cp = SendPtr(c.as_mut_ptr());
-            let run = |r: usize| {
-                let cp = cp;
-                let am = Mat { ptr: a.as_ptr(), rs: a_s.0 as isize, cs: a_s.1 as isize };
-                let bp = unsafe { b.as_ptr().add(r * k * n) };
-                let bm = Mat { ptr: bp, rs: b_s.0 as isize, cs: b_s.1 as isize };
-                unsafe { gemm_into::<f32>(m, n, k, cp.0.add(r * m * n), n as isize, false, am, bm, if par { 1 } else { 2 }) };
-            };
-            if par { (0..reps).into_par_iter().for_each(run) } else { (0..reps).for_each(run) }
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-        2.0 * (m * n * k * reps) as f64 / best / 1e9
-    }
-    #[test]
-    fn zz_single() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        pool.install(|| {
-            for _ in 0..2 {
-                let one = |m: usize, n: usize, k: usize, a_s, b_s, what: &str| {
-                    eprintln!("1t {what} {m}x{n}x{k}: {:.1}", bench(m, n, k, a_s, b_s, 8, true));
-                };
-                one(512, 512, 512, (512, 1), (512, 1), "square");
-                one(64, 1024, 288, (288, 1), (1024, 1), "L2 fwd");
-                one(128, 256, 576, (576, 1), (256, 1), "L3 fwd");
-                one(128, 1024, 576, (576, 1), (1024, 1), "L3 fwd G4");
-                one(288, 1024, 64, (1, 288), (1024, 1), "L2 dX a");
-                one(1024, 288, 64, (1, 1024), (288, 1), "L2 dX b");
-                one(576, 256, 128, (1, 576), (256, 1), "L3 dX a");
-                one(256, 576, 128, (1, 256), (576, 1), "L3 dX b");
-                one(288, 64, 1024, (1024, 1), (1, 1024), "L2 dWT");
-                one(288, 64, 4096, (4096, 1), (1, 4096), "L2 dWT G4");
-                one(576, 128, 256, (256, 1), (1, 256), "L3 dWT");
-                one(576, 128, 1024, (1024, 1), (1, 1024), "L3 dWT G4");
-                one(27, 32, 4096, (4096, 1), (1, 4096), "L1 dWT");
-                one(32, 4096, 27, (27, 1), (4096, 1), "L1 fwd");
-            }
-        });
-    }
-    #[test]
-    fn zz_gemm() {
-        let one = |m: usize, n: usize, k: usize, a_s, b_s, what: &str| {
-            eprintln!("{what} {m}x{n}x{k}: par-samples {:.1}, gemm-threaded {:.1} GFLOPS", bench(m, n, k, a_s, b_s, 16, true), bench(m, n, k, a_s, b_s, 16, false));
-        };
-        one(512, 512, 512, (512, 1), (512, 1), "square");
-        one(64, 1024, 288, (288, 1), (1024, 1), "L2 fwd");
-        one(128, 256, 576, (576, 1), (256, 1), "L3 fwd");
-        one(32, 4096, 27, (27, 1), (4096, 1), "L1 fwd");
-        one(64, 288, 1024, (1024, 1), (1, 1024), "L2 dW cur");
-        one(288, 64, 1024, (1024, 1), (1, 1024), "L2 dWT");
-        one(64, 288, 4096, (4096, 1), (1, 4096), "L2 dW G4");
-        one(128, 576, 256, (256, 1), (1, 256), "L3 dW cur");
-        one(576, 128, 256, (256, 1), (1, 256), "L3 dWT");
-        one(32, 27, 4096, (4096, 1), (1, 4096), "L1 dW cur");
-        one(27, 32, 4096, (4096, 1), (1, 4096), "L1 dWT");
-        one(288, 1024, 64, (1, 288), (1024, 1), "L2 dX cur");
-        one(32, 1024, 576, (576, 1), (1024, 1), "L2 dX full");
-        one(576, 256, 128, (1, 576), (256, 1), "L3 dX cur");
-        one(64, 256, 1152, (1152, 1), (256, 1), "L3 dX full");
-    }
-}
-#[cfg(test)]
-mod timing_tmp3 {
-    use std::arch::x86_64::*;
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn peak(iters: usize) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 10];
-        let a = _mm256_set1_ps(1.0001);
-        let b = _mm256_set1_ps(0.9999);
-        for _ in 0..iters {
-            for r in acc.iter_mut() {
-                *r = _mm256_fmadd_ps(*r, a, b);
-            }
-        }
-        let mut s = 0.0;
-        for r in acc {
-            let mut out = [0f32; 8];
-            _mm256_storeu_ps(out.as_mut_ptr(), r);
-            s += out.iter().sum::<f32>();
-        }
-        s
-    }
-    #[test]
-    fn zz_peak() {
-        for _ in 0..3 {
-            let iters = 20_000_000;
-            let t = std::time::Instant::now();
-            let s = unsafe { peak(iters) };
-            let secs = t.elapsed().as_secs_f64();
-            eprintln!("peak fma: {:.1} GFLOPS single core ({s})", (iters * 10 * 16) as f64 / secs / 1e9);
-        }
     }
 }

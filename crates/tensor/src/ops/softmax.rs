@@ -179,7 +179,8 @@ pub(crate) mod test_support {
     use crate::{Category, DType, Device, Result, Tensor};
     use memfit_memory::Event;
 
-    pub const GOLDEN_DIR: &str = "/work/shared/golden";
+    /// The repository's copy of the PyTorch golden data (owned by the nn crate's golden runner).
+    pub const GOLDEN_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../nn/tests/golden");
 
     /// A float64 leaf on `dev`.
     pub fn t64(dev: &Device, data: &[f64], shape: &[usize]) -> Tensor {
