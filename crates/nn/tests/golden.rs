@@ -1232,7 +1232,10 @@ fn golden_cases_match_pytorch() {
             println!("golden FAIL {name}: {msg}");
         }
     }
-    println!("golden: {} cases checked, {failed} failed", cases.len());
+    // Written straight to stderr (not through println!) so that the summary shows even when the
+    // test harness captures the output of passing tests, as in CI.
+    let summary = format!("golden: {} cases checked, {failed} failed\n", cases.len());
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), summary.as_bytes());
     assert!(failed == 0, "golden: {failed} of {} cases failed (see the lines above)", cases.len());
 }
 
