@@ -67,55 +67,59 @@ impl Unary {
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
 
-fn forward_fn<T: Float>(op: Unary) -> impl Fn(T) -> T + Sync {
+/// Runs the forward of `op` over `src` into `dst`. The match on the op is outside the element loop,
+/// so each loop is specialized (and ReLU's vectorizes).
+fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
     let half = T::of(0.5);
     let one = T::one();
-    move |x: T| match op {
-        Unary::Relu => {
-            if x > T::zero() {
-                x
-            } else {
-                T::zero()
-            }
+    match op {
+        Unary::Relu => par_map(src, dst, |x| if x > T::zero() { x } else { T::zero() }),
+        Unary::GeluErf => {
+            par_map(src, dst, |x| half * x * (one + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf()))
         }
-        Unary::GeluErf => half * x * (one + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf()),
-        Unary::GeluTanh => half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh()),
-        Unary::Tanh => x.tanh(),
-        Unary::Sigmoid => one / (one + (-x).exp()),
-        Unary::Exp => x.exp(),
-        Unary::Log => x.ln(),
-        Unary::Neg => -x,
+        Unary::GeluTanh => par_map(src, dst, |x| {
+            half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh())
+        }),
+        Unary::Tanh => par_map(src, dst, |x| x.tanh()),
+        Unary::Sigmoid => par_map(src, dst, |x| one / (one + (-x).exp())),
+        Unary::Exp => par_map(src, dst, |x| x.exp()),
+        Unary::Log => par_map(src, dst, |x| x.ln()),
+        Unary::Neg => par_map(src, dst, |x| -x),
     }
 }
 
-/// d(out)/d(in) * g, from the saved value `s` (output or input, see `saves_output`).
-fn backward_fn<T: Float>(op: Unary) -> impl Fn(T, T) -> T + Sync {
+/// Runs `f(saved, grad)` elementwise: into `dst` from `grad`, or over `dst` (holding the gradient)
+/// in place when `grad` is None.
+fn apply_backward<T: Float>(s: &[T], grad: Option<&[T]>, dst: &mut [T], f: impl Fn(T, T) -> T + Sync) {
+    match grad {
+        Some(g) => par_zip(s, g, dst, f),
+        None => par_update(s, dst, f),
+    }
+}
+
+/// d(out)/d(in) * g for `op`, from the saved value (output or input, see `saves_output`). The match
+/// on the op is outside the element loop.
+fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [T]) {
     let half = T::of(0.5);
     let one = T::one();
-    move |s: T, g: T| match op {
-        Unary::Relu => {
-            if s > T::zero() {
-                g
-            } else {
-                T::zero()
-            }
-        }
-        Unary::GeluErf => {
+    match op {
+        Unary::Relu => apply_backward(s, grad, dst, |s, g| if s > T::zero() { g } else { T::zero() }),
+        Unary::GeluErf => apply_backward(s, grad, dst, |s, g| {
             let cdf = half * (one + (s * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf());
             let pdf = (-half * s * s).exp() * T::of(0.398_942_280_401_432_7);
             g * (cdf + s * pdf)
-        }
-        Unary::GeluTanh => {
+        }),
+        Unary::GeluTanh => apply_backward(s, grad, dst, |s, g| {
             let inner = T::of(SQRT_2_OVER_PI) * (s + T::of(GELU_C) * s * s * s);
             let t = inner.tanh();
             let dinner = T::of(SQRT_2_OVER_PI) * (one + T::of(3.0 * GELU_C) * s * s);
             g * (half * (one + t) + half * s * (one - t * t) * dinner)
-        }
-        Unary::Tanh => g * (one - s * s),
-        Unary::Sigmoid => g * s * (one - s),
-        Unary::Exp => g * s,
-        Unary::Log => g / s,
-        Unary::Neg => -g,
+        }),
+        Unary::Tanh => apply_backward(s, grad, dst, |s, g| g * (one - s * s)),
+        Unary::Sigmoid => apply_backward(s, grad, dst, |s, g| g * s * (one - s)),
+        Unary::Exp => apply_backward(s, grad, dst, |s, g| g * s),
+        Unary::Log => apply_backward(s, grad, dst, |s, g| g / s),
+        Unary::Neg => apply_backward(s, grad, dst, |_, g| -g),
     }
 }
 
@@ -123,7 +127,7 @@ fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
     let x = x.contiguous()?;
     let out = output(&x, x.shape(), x.dtype(), op.name())?;
     if x.device().computes() {
-        with_float!(x.dtype(), op.name(), T => par_map(x.slice::<T>()?, out.slice_mut::<T>()?, forward_fn::<T>(op)));
+        with_float!(x.dtype(), op.name(), T => forward_kernel::<T>(op, x.slice::<T>()?, out.slice_mut::<T>()?));
     }
     if !needs_grad(&[&x]) {
         return Ok(out);
@@ -151,11 +155,10 @@ impl Backward for UnaryBack {
         let out = if in_place { grad.clone() } else { output(&grad, grad.shape(), grad.dtype(), "unary_backward")? };
         if grad.device().computes() {
             with_float!(grad.dtype(), self.op.name(), T => {
-                let f = backward_fn::<T>(self.op);
                 let dst = out.slice_mut::<T>()?;
                 match (&self.saved, in_place) {
-                    (Some(s), true) => par_update(s.slice::<T>()?, dst, move |s, g| f(s, g)),
-                    (Some(s), false) => par_zip(s.slice::<T>()?, grad.slice::<T>()?, dst, f),
+                    (Some(s), true) => backward_kernel(self.op, s.slice::<T>()?, None, dst),
+                    (Some(s), false) => backward_kernel(self.op, s.slice::<T>()?, Some(grad.slice::<T>()?), dst),
                     (None, true) => dst.iter_mut().for_each(|g| *g = -*g),
                     (None, false) => par_map(grad.slice::<T>()?, dst, |g| -g),
                 }

@@ -230,6 +230,47 @@ fn is_plain_2x2(g: &Geom) -> bool {
     (g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw) == (2, 2, 2, 2, 0, 0, 1, 1) && 2 * g.oh <= g.h && 2 * g.ow <= g.w
 }
 
+/// The common training case (2x2 window, stride 2, no padding, no i64 indices asked): one pass over
+/// each pair of input rows with no per-element bookkeeping beyond the one-byte position.
+fn max_forward_2x2<T: Float>(g: &Geom, x: &[T], out: &mut [T], positions: &mut [u8]) {
+    let (hw, ohw) = (g.hw(), g.ohw());
+    let op = SendPtr(out.as_mut_ptr());
+    let pp = SendPtr(positions.as_mut_ptr());
+    for_planes(g.planes, ohw * 4, |plane| {
+        let (op, pp) = (op, pp);
+        let src = &x[plane * hw..(plane + 1) * hw];
+        // SAFETY: each plane's output and position blocks are written by this task only.
+        let dst = unsafe { std::slice::from_raw_parts_mut(op.0.add(plane * ohw), ohw) };
+        // SAFETY: as above (one byte per output).
+        let pos = unsafe { std::slice::from_raw_parts_mut(pp.0.add(plane * ohw), ohw) };
+        for oh in 0..g.oh {
+            let r0 = &src[2 * oh * g.w..][..2 * g.ow];
+            let r1 = &src[(2 * oh + 1) * g.w..][..2 * g.ow];
+            let d = &mut dst[oh * g.ow..][..g.ow];
+            let p = &mut pos[oh * g.ow..][..g.ow];
+            for ow in 0..g.ow {
+                let (a, b, c, e) = (r0[2 * ow], r0[2 * ow + 1], r1[2 * ow], r1[2 * ow + 1]);
+                // Row-major order; a strictly larger value or a NaN takes over, as in PyTorch.
+                let (mut best, mut at) = (a, 0u8);
+                if b > best || b.is_nan() {
+                    best = b;
+                    at = 1;
+                }
+                if c > best || c.is_nan() {
+                    best = c;
+                    at = 2;
+                }
+                if e > best || e.is_nan() {
+                    best = e;
+                    at = 3;
+                }
+                d[ow] = best;
+                p[ow] = at;
+            }
+        }
+    });
+}
+
 fn max_forward<T: Float>(
     g: &Geom,
     x: &[T],
@@ -238,6 +279,11 @@ fn max_forward<T: Float>(
     positions: Option<&mut [u8]>,
     width: usize,
 ) {
+    if indices.is_none() && width == 1 && is_plain_2x2(g) {
+        if let Some(positions) = positions {
+            return max_forward_2x2(g, x, out, positions);
+        }
+    }
     let (hw, ohw) = (g.hw(), g.ohw());
     let cols = column_taps(g);
     let plain = is_plain_2x2(g);
