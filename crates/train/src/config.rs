@@ -88,7 +88,7 @@ impl Default for TrainConfig {
             max_steps: None,
             batch_size: 64,
             micro_batch: None,
-            lr: 1e-3,
+            lr: 3e-3,
             optimizer: OptimizerChoice::AdamW,
             memory: None,
             device: DeviceKind::Cpu,
