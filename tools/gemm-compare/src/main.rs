@@ -198,6 +198,8 @@ struct Row {
     max_diff: f32,
     max_ref_err: f64,
     clean: bool,
+    foreign: f64,
+    steal: f64,
 }
 
 /// Pids of running `cargo` / `rustc` processes (other builds that would steal the 2 cores).
@@ -218,6 +220,40 @@ fn busy_pids() -> Vec<String> {
         }
     }
     out
+}
+
+/// (busy jiffies of the whole machine excluding steal, steal jiffies, this process's jiffies).
+fn cpu_jiffies() -> (u64, u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).map(|x| x.parse().unwrap_or(0)).collect();
+    let g = |i: usize| f.get(i).copied().unwrap_or(0);
+    // user nice system idle iowait irq softirq steal
+    let busy = g(0) + g(1) + g(2) + g(5) + g(6);
+    let me = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // fields after the ")" of comm: state is field 3; utime, stime are fields 14, 15.
+    let rest: Vec<u64> = me.rsplit(')').next().unwrap_or("").split_whitespace().skip(11).take(2).map(|x| x.parse().unwrap_or(0)).collect();
+    (busy, g(7), rest.iter().sum())
+}
+
+/// CPU used by other processes (and stolen by the hypervisor) during a timed window, as a
+/// percentage of the machine's capacity in that window.
+struct Foreign {
+    start: (u64, u64, u64),
+    t: Instant,
+}
+impl Foreign {
+    fn start() -> Self {
+        Foreign { start: cpu_jiffies(), t: Instant::now() }
+    }
+    /// (foreign busy %, steal %)
+    fn stop(&self) -> (f64, f64) {
+        let end = cpu_jiffies();
+        let hz = 100.0; // USER_HZ
+        let cap = self.t.elapsed().as_secs_f64() * hz * std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+        let other = (end.0 - self.start.0) as f64 - (end.2 - self.start.2) as f64;
+        let steal = (end.1 - self.start.1) as f64;
+        (100.0 * other.max(0.0) / cap, 100.0 * steal / cap)
+    }
 }
 
 /// Waits (polling every 30 s, at most `max`) until no cargo/rustc runs. Returns whether idle.
@@ -297,8 +333,8 @@ fn main() {
         unsafe { openblas_set_num_threads(t as c_int) };
         let ob_threads = unsafe { openblas_get_num_threads() };
         println!("== {t} thread(s)  (OpenBLAS reports {ob_threads}) ==");
-        println!("{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10}", "case", "lay", "m x n x k", "gemm", "OpenBLAS", "OB/gemm", "max|diff|");
-        println!("{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10}", "", "", "", "GFLOP/s", "GFLOP/s", "", "");
+        println!("{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10}", "case", "lay", "m x n x k", "gemm", "OpenBLAS", "OB/gemm", "max|diff|", "other/stl");
+        println!("{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10}", "", "", "", "GFLOP/s", "GFLOP/s", "", "", "cpu %");
         for (ci, c) in cases().iter().enumerate() {
             let o = make_operands(c, 0x9E37_79B9_7F4A_7C15 ^ (ci as u64 + 1));
             let mut d_gemm = vec![f32::NAN; c.m * c.n];
@@ -330,30 +366,37 @@ fn main() {
             assert!(max_ref_err < tol && max_ref > 1.0, "{}: result wrong vs f64 reference ({max_ref_err})", c.name);
 
             let flops = 2.0 * (c.m * c.n * c.k) as f64;
-            let (mut g, mut b, mut clean) = (0.0, 0.0, false);
+            let (mut g, mut b, mut clean, mut foreign, mut steal) = (0.0, 0.0, false, 0.0, 0.0);
             for attempt in 0..20 {
                 if watch {
                     // if the machine never goes idle, the measurement is kept but flagged not clean.
                     wait_idle(Duration::from_secs(600));
                 }
                 let mut disturbed = watch && !busy_pids().is_empty();
+                let fw = Foreign::start();
                 g = time_it(flops, reps, min_rep, watch, &mut disturbed, || run_gemm(c, &o, &mut d_gemm, t));
                 // let rayon workers go idle before OpenBLAS runs (and vice versa below).
                 std::thread::sleep(Duration::from_millis(300));
                 b = time_it(flops, reps, min_rep, watch, &mut disturbed, || run_openblas(c, &o, &mut d_ob));
                 std::thread::sleep(Duration::from_millis(300));
+                (foreign, steal) = fw.stop();
+                // > 3 % of the 2 cores used by other processes: something else ran meanwhile.
+                if watch && foreign > 3.0 {
+                    disturbed = true;
+                }
                 clean = !disturbed;
                 if clean || !watch {
                     break;
                 }
-                eprintln!("  [{}: another build ran during timing (attempt {}), re-measuring]", c.name, attempt + 1);
+                eprintln!("  [{}: other processes ran during timing (foreign cpu {foreign:.1}%, attempt {}), re-measuring]", c.name, attempt + 1);
+                std::thread::sleep(Duration::from_secs(5));
             }
             println!(
-                "{:<22} {:>3} {:>16} {:>10.1} {:>10.1} {:>8.2} {:>10.2e}{}",
-                c.name, c.layout.name(), format!("{}x{}x{}", c.m, c.n, c.k), g, b, b / g, max_diff,
+                "{:<22} {:>3} {:>16} {:>10.1} {:>10.1} {:>8.2} {:>10.2e} {:>5.1}/{:<4.1}{}",
+                c.name, c.layout.name(), format!("{}x{}x{}", c.m, c.n, c.k), g, b, b / g, max_diff, foreign, steal,
                 if watch && !clean { "  (NOT clean: other builds ran)" } else { "" }
             );
-            rows.push(Row { threads: t, name: c.name, layout: c.layout.name(), m: c.m, n: c.n, k: c.k, gemm: g, openblas: b, max_diff, max_ref_err, clean: clean || !watch });
+            rows.push(Row { threads: t, name: c.name, layout: c.layout.name(), m: c.m, n: c.n, k: c.k, gemm: g, openblas: b, max_diff, max_ref_err, clean: clean || !watch, foreign, steal });
         }
         let mlp: Vec<&Row> = rows.iter().filter(|r| r.threads == t && r.name.starts_with("mlp")).collect();
         let (fg, fb): (f64, f64) = mlp.iter().map(|r| (2.0 * (r.m * r.n * r.k) as f64 / r.gemm, 2.0 * (r.m * r.n * r.k) as f64 / r.openblas)).fold((0.0, 0.0), |a, x| (a.0 + x.0, a.1 + x.1));
@@ -365,8 +408,8 @@ fn main() {
         .iter()
         .map(|r| {
             format!(
-                "{{\"threads\":{},\"case\":\"{}\",\"layout\":\"{}\",\"m\":{},\"n\":{},\"k\":{},\"gemm_gflops\":{:.2},\"openblas_gflops\":{:.2},\"ratio_openblas_over_gemm\":{:.3},\"max_abs_diff\":{:.3e},\"max_err_vs_f64\":{:.3e},\"clean\":{}}}",
-                r.threads, r.name, r.layout, r.m, r.n, r.k, r.gemm, r.openblas, r.openblas / r.gemm, r.max_diff, r.max_ref_err, r.clean
+                "{{\"threads\":{},\"case\":\"{}\",\"layout\":\"{}\",\"m\":{},\"n\":{},\"k\":{},\"gemm_gflops\":{:.2},\"openblas_gflops\":{:.2},\"ratio_openblas_over_gemm\":{:.3},\"max_abs_diff\":{:.3e},\"max_err_vs_f64\":{:.3e},\"clean\":{},\"other_cpu_pct\":{:.1},\"steal_pct\":{:.1}}}",
+                r.threads, r.name, r.layout, r.m, r.n, r.k, r.gemm, r.openblas, r.openblas / r.gemm, r.max_diff, r.max_ref_err, r.clean, r.foreign, r.steal
             )
         })
         .collect();
