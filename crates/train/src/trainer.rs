@@ -106,6 +106,48 @@ pub struct RunOutcome {
     pub sample_log: Vec<Vec<usize>>,
 }
 
+/// The micro-batches still to run over a list of samples, and what to do when one fails
+/// (Note [Recovery]): split it in two halves at the front of the queue, or, at a single sample, try it
+/// once more before giving up.
+struct MicroQueue<'a> {
+    queue: VecDeque<&'a [usize]>,
+    /// The micro-batch size in force (shrinks on failure).
+    micro: usize,
+    retried_single: bool,
+}
+
+impl<'a> MicroQueue<'a> {
+    fn new(samples: &'a [usize], micro: usize) -> Self {
+        MicroQueue { queue: samples.chunks(micro.max(1)).collect(), micro: micro.max(1), retried_single: false }
+    }
+
+    fn next(&mut self) -> Option<&'a [usize]> {
+        self.queue.pop_front()
+    }
+
+    fn succeeded(&mut self) {
+        self.retried_single = false;
+    }
+
+    /// Requeues `chunk` after an out-of-memory `error`; returns the error when nothing is left to try.
+    fn failed(&mut self, chunk: &'a [usize], error: TrainError) -> Result<(), TrainError> {
+        if chunk.len() == 1 {
+            if self.retried_single {
+                return Err(error);
+            }
+            self.retried_single = true;
+            self.queue.push_front(chunk);
+        } else {
+            let half = chunk.len().div_ceil(2);
+            self.micro = self.micro.min(half);
+            let (a, b) = chunk.split_at(half);
+            self.queue.push_front(b);
+            self.queue.push_front(a);
+        }
+        Ok(())
+    }
+}
+
 struct MicroResult {
     loss_sum: f64,
     correct: usize,
@@ -152,6 +194,18 @@ impl Session {
         Ok(MicroResult { loss_sum: mean * chunk.len() as f64, correct: count_correct(&logits, &y)? })
     }
 
+    /// After a failed attempt has been dropped, its bytes must all be back (Note [Recovery]).
+    fn check_released(&self, before: u64) -> Result<(), TrainError> {
+        let after = self.allocated();
+        if after != before {
+            return Err(TrainError::Invalid(format!(
+                "internal error: a failed attempt left {} bytes allocated (before {before}, after {after})",
+                after as i128 - before as i128
+            )));
+        }
+        Ok(())
+    }
+
     /// One optimizer step over `window` (Note [Recovery]). Returns (loss sum, correct, recoveries).
     fn train_window(
         &mut self,
@@ -162,59 +216,37 @@ impl Session {
         used: &mut Vec<usize>,
     ) -> Result<(f64, usize, usize), TrainError> {
         let n = window.len();
-        let mut queue: VecDeque<&[usize]> = window.chunks((*micro).max(1)).collect();
+        let mut queue = MicroQueue::new(window, *micro);
         let (mut loss_sum, mut correct, mut recoveries) = (0.0, 0, 0);
-        let mut retried_single = false;
-        while let Some(chunk) = queue.pop_front() {
+        while let Some(chunk) = queue.next() {
             let before = self.allocated();
             match self.micro_step(samples, chunk, n) {
                 Ok(r) => {
                     loss_sum += r.loss_sum;
                     correct += r.correct;
                     used.extend_from_slice(chunk);
-                    retried_single = false;
+                    queue.succeeded();
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
-                    let after = self.allocated();
-                    if after != before {
-                        return Err(TrainError::Invalid(format!(
-                            "internal error: a failed attempt left {} bytes allocated (before {before}, after {after})",
-                            after as i128 - before as i128
-                        )));
-                    }
+                    self.check_released(before)?;
                     self.device.allocator().empty_cache();
-                    if chunk.len() == 1 {
-                        if retried_single {
-                            return Err(e);
-                        }
-                        retried_single = true;
-                        queue.push_front(chunk);
-                    } else {
-                        let half = chunk.len().div_ceil(2);
-                        *micro = (*micro).min(half);
-                        let (a, b) = chunk.split_at(half);
-                        queue.push_front(b);
-                        queue.push_front(a);
-                    }
+                    queue.failed(chunk, e)?;
                     recoveries += 1;
                 }
                 Err(e) => return Err(e),
             }
         }
+        *micro = queue.micro;
         {
             let _p = self.device.enter_phase(Phase::Optimizer);
-            if recover {
-                let optimizer = &mut self.optimizer;
-                let device = &self.device;
-                match optimizer.step() {
-                    Err(e) if e.is_oom() => {
-                        device.allocator().empty_cache();
-                        recoveries += 1;
-                        optimizer.step()?;
-                    }
-                    other => other?,
+            // The optimizer allocates all its state before it updates anything, so a failed step
+            // changed nothing: release the cache and try once more.
+            if let Err(e) = self.optimizer.step() {
+                if !(recover && e.is_oom()) {
+                    return Err(e.into());
                 }
-            } else {
+                self.device.allocator().empty_cache();
+                recoveries += 1;
                 self.optimizer.step()?;
             }
             self.optimizer.zero_grad();
@@ -229,11 +261,10 @@ impl Session {
         let _ng = device.no_grad();
         let _p = device.enter_phase(Phase::Eval);
         let order: Vec<usize> = (0..samples.len()).collect();
-        let mut micro = eval_micro.max(1);
-        let mut queue: VecDeque<&[usize]> = order.chunks(micro).collect();
+        let mut queue = MicroQueue::new(&order, eval_micro);
         let (mut loss_sum, mut correct, mut recoveries) = (0.0, 0, 0);
-        let mut retried_single = false;
-        while let Some(chunk) = queue.pop_front() {
+        while let Some(chunk) = queue.next() {
+            let before = self.allocated();
             let attempt = || -> Result<(f64, usize), TrainError> {
                 let (x, y) = samples.to_device(device, chunk)?;
                 let logits = self.model.forward(&x, false)?;
@@ -248,24 +279,13 @@ impl Session {
                 Ok((l, c)) => {
                     loss_sum += l;
                     correct += c;
-                    retried_single = false;
+                    queue.succeeded();
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
+                    self.check_released(before)?;
                     device.allocator().empty_cache();
+                    queue.failed(chunk, e)?;
                     recoveries += 1;
-                    if chunk.len() == 1 {
-                        if retried_single {
-                            return Err(e);
-                        }
-                        retried_single = true;
-                        queue.push_front(chunk);
-                    } else {
-                        let half = chunk.len().div_ceil(2);
-                        micro = micro.min(half);
-                        let (a, b) = chunk.split_at(half);
-                        queue.push_front(b);
-                        queue.push_front(a);
-                    }
                 }
                 Err(e) => return Err(e),
             }
@@ -276,7 +296,7 @@ impl Session {
             loss: computes.then_some(loss_sum / n),
             accuracy: computes.then_some(correct as f64 / n),
             samples: samples.len(),
-            micro_batch: micro,
+            micro_batch: queue.micro,
             oom_recoveries: recoveries,
         })
     }
