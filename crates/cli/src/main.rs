@@ -21,7 +21,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model on Fashion-MNIST (the embedded subset by default) and report its memory.
+    /// Train a model on Fashion-MNIST and report its memory (the full set when installed, else the subset shipped inside memfit).
     Train(TrainArgs),
     /// Choose a micro-batch and accumulation that fit an effective batch into a memory budget.
     Plan(PlanArgs),
@@ -34,8 +34,8 @@ struct TrainArgs {
     /// mlp, simplecnn, deepcnn or resnet.
     #[arg(long, default_value = "simplecnn", value_parser = parse_model)]
     model: ModelKind,
-    /// Folder with the four Fashion-MNIST IDX files (default: /usr/share/datasets/fashion-mnist when
-    /// installed, else the embedded subset).
+    /// Folder with the four Fashion-MNIST IDX files, or `embedded` for the subset shipped inside memfit
+    /// (default: /usr/share/datasets/fashion-mnist when installed, else the embedded subset).
     #[arg(long)]
     data: Option<PathBuf>,
     #[arg(long, default_value_t = 1)]
@@ -232,6 +232,9 @@ fn train(a: TrainArgs) -> Result<(), String> {
         );
         bar
     });
+    if cfg.device == DeviceKind::Meta && (cfg.save.is_some() || cfg.load.is_some()) {
+        eprintln!("note: the meta device holds no data: --save and --load are skipped");
+    }
     let mut progress = Progress { bar, last_line: 0 };
     let result = memfit_train::train(&cfg, &mut progress);
     if let Some(bar) = &progress.bar {

@@ -10,10 +10,12 @@
 //! Note [Recovery]: when an allocation fails inside a micro-batch, everything the attempt allocated is
 //! dropped (its tensors go out of scope and the backward is transactional, see
 //! `memfit_tensor::autograd`), the allocated bytes are checked to be back at their level before the
-//! attempt, the allocator's cache is released, and the same samples are re-run as two halves. The
-//! smaller micro-batch sticks, and grows back after `grow_after` successful steps. Each sample of the
-//! window contributes exactly once to its update. At micro-batch 1 the same sample is tried once more
-//! (a transient failure passes); a second failure ends the run with the out-of-memory explanation.
+//! attempt, and the allocator's cache is released. The same samples then run again at the same size
+//! once (a transient failure, such as fragmentation the released cache cures or an injected fault,
+//! passes without shrinking anything); if they fail again they are re-run as two halves. The smaller
+//! micro-batch sticks, and grows back after `grow_after` successful steps. Each sample of the window
+//! contributes exactly once to its update. A single sample that fails twice ends the run with the
+//! out-of-memory explanation.
 
 use crate::error::TrainError;
 use crate::samples::Samples;
@@ -107,18 +109,19 @@ pub struct RunOutcome {
 }
 
 /// The micro-batches still to run over a list of samples, and what to do when one fails
-/// (Note [Recovery]): split it in two halves at the front of the queue, or, at a single sample, try it
-/// once more before giving up.
+/// (Note [Recovery]): run it again at the same size once, then split it in two halves at the front
+/// of the queue; a single sample that fails twice ends the run.
 struct MicroQueue<'a> {
     queue: VecDeque<&'a [usize]>,
-    /// The micro-batch size in force (shrinks on failure).
+    /// The micro-batch size in force (shrinks when a split happens).
     micro: usize,
-    retried_single: bool,
+    /// Whether the chunk at the head of the queue already failed once at its size.
+    retried: bool,
 }
 
 impl<'a> MicroQueue<'a> {
     fn new(samples: &'a [usize], micro: usize) -> Self {
-        MicroQueue { queue: samples.chunks(micro.max(1)).collect(), micro: micro.max(1), retried_single: false }
+        MicroQueue { queue: samples.chunks(micro.max(1)).collect(), micro: micro.max(1), retried: false }
     }
 
     fn next(&mut self) -> Option<&'a [usize]> {
@@ -126,24 +129,27 @@ impl<'a> MicroQueue<'a> {
     }
 
     fn succeeded(&mut self) {
-        self.retried_single = false;
+        self.retried = false;
     }
 
     /// Requeues `chunk` after an out-of-memory `error`; returns the error when nothing is left to try.
     fn failed(&mut self, chunk: &'a [usize], error: TrainError) -> Result<(), TrainError> {
-        if chunk.len() == 1 {
-            if self.retried_single {
-                return Err(error);
-            }
-            self.retried_single = true;
+        if !self.retried {
+            // A transient failure (fragmentation that the released cache cures, an injected fault)
+            // passes on a second try and must not shrink the micro-batch.
+            self.retried = true;
             self.queue.push_front(chunk);
-        } else {
-            let half = chunk.len().div_ceil(2);
-            self.micro = self.micro.min(half);
-            let (a, b) = chunk.split_at(half);
-            self.queue.push_front(b);
-            self.queue.push_front(a);
+            return Ok(());
         }
+        if chunk.len() == 1 {
+            return Err(error);
+        }
+        self.retried = false;
+        let half = chunk.len().div_ceil(2);
+        self.micro = self.micro.min(half);
+        let (a, b) = chunk.split_at(half);
+        self.queue.push_front(b);
+        self.queue.push_front(a);
         Ok(())
     }
 }

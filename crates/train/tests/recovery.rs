@@ -111,8 +111,39 @@ fn an_out_of_memory_in_evaluation_never_shrinks_the_training_batch() {
     let eval = out.eval.expect("evaluated");
     assert_eq!(dev.stats().num_injected_faults, 1);
     assert_eq!(eval.oom_recoveries, 1, "the evaluation recovered");
-    assert_eq!(eval.micro_batch, 4, "the evaluation micro-batch halved");
+    assert_eq!(eval.micro_batch, 8, "a transient failure passes on the retry without shrinking");
     assert_eq!(out.final_micro_batch, 8, "the training micro-batch is untouched");
     assert_eq!(out.oom_recoveries, 0);
     assert_eq!(eval.samples, 16);
+}
+
+#[test]
+fn a_real_shortage_shrinks_the_micro_batch_and_a_transient_one_does_not() {
+    // Fashion-MNIST's shape: micro-batch 64 needs large-pool segments, 16 does not.
+    let spec = memfit_nn::ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10);
+    let samples = data(&spec, 2 * 64);
+    let o = opts(64, 64, 2);
+    // Find the peak of micro-batch 16 and give a capacity between it and micro-batch 64's.
+    let probe = |micro: usize| {
+        let dev = device(DeviceKind::Meta, None, None);
+        let mut s = Session::new(dev.clone(), &spec, adamw(), 3).unwrap();
+        s.run(&samples, None, &opts(64, micro, 1), &mut |_| {}).unwrap();
+        dev.stats().reserved_bytes.peak
+    };
+    let big = probe(64);
+    // The largest micro-batch that needs less reserved memory than 64: the capacity to give.
+    let small = [32, 16, 8, 4, 2, 1].into_iter().map(probe).find(|&r| r < big).expect("a smaller micro-batch needs less");
+    let dev = device(DeviceKind::Cpu, Some(small), None);
+    let mut s = Session::new(dev.clone(), &spec, adamw(), 3).unwrap();
+    let out = s.run(&samples, Some(&data(&spec, 16)), &o, &mut |_| {}).unwrap();
+    assert!(out.final_micro_batch < 64, "shrunk to {}", out.final_micro_batch);
+    assert_eq!(dev.stats().num_injected_faults, 0, "a real shortage");
+    assert!(out.oom_recoveries >= 2, "each level costs a same-size retry, then a split");
+    assert_eq!(out.samples_seen, 2 * 64);
+    // Injected (transient) faults every so often never shrink it.
+    let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::EveryNth(41)));
+    let mut s = Session::new(dev.clone(), &spec, adamw(), 3).unwrap();
+    let out = s.run(&data(&spec, 4 * 64), None, &opts(64, 64, 4), &mut |_| {}).unwrap();
+    assert!(dev.stats().num_injected_faults > 0);
+    assert_eq!(out.final_micro_batch, 64);
 }
