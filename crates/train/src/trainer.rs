@@ -21,7 +21,7 @@ use crate::error::TrainError;
 use crate::samples::Samples;
 use memfit_data::EpochOrder;
 use memfit_nn::{Model, Optimizer};
-use memfit_tensor::{autograd, ops, Device, Phase, Tensor};
+use memfit_tensor::{autograd, ops, Category, Device, Phase, Tensor};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -175,9 +175,35 @@ fn count_correct(logits: &Tensor, targets: &Tensor) -> Result<usize, TrainError>
 }
 
 impl Session {
+    /// One micro-batch, leaving the model's buffers as they were if it fails: batch norm updates its
+    /// running statistics in the forward pass, and the re-run after a recovery must not count the
+    /// failed attempt's batch twice. The snapshot is allocator memory (category `other`, a few KiB)
+    /// made inside the attempt, so it is planned and released like the rest.
+    fn micro_step(&self, samples: &dyn Samples, chunk: &[usize], window: usize) -> Result<MicroResult, TrainError> {
+        let buffers = self.model.buffers();
+        let mut snapshot = Vec::with_capacity(buffers.len());
+        for (_, b) in &buffers {
+            let copy = Tensor::empty(&self.device, b.shape(), b.dtype(), Category::Other, "buffer_snapshot")?;
+            copy.copy_from(b)?;
+            snapshot.push(copy);
+        }
+        let result = self.forward_backward(samples, chunk, window);
+        if result.is_err() {
+            for ((_, b), copy) in buffers.iter().zip(&snapshot) {
+                b.copy_from(copy)?;
+            }
+        }
+        result
+    }
+
     /// Forward and backward of one micro-batch, its loss weighted by `chunk / window`
     /// (Note [Loss normalization]). Every tensor it makes is dropped when it returns.
-    fn micro_step(&self, samples: &dyn Samples, chunk: &[usize], window: usize) -> Result<MicroResult, TrainError> {
+    fn forward_backward(
+        &self,
+        samples: &dyn Samples,
+        chunk: &[usize],
+        window: usize,
+    ) -> Result<MicroResult, TrainError> {
         let device = &self.device;
         let (x, y) = {
             let _p = device.enter_phase(Phase::Data);

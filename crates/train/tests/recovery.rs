@@ -147,3 +147,29 @@ fn a_real_shortage_shrinks_the_micro_batch_and_a_transient_one_does_not() {
     assert!(dev.stats().num_injected_faults > 0);
     assert_eq!(out.final_micro_batch, 64);
 }
+
+#[test]
+fn batch_norm_statistics_are_not_counted_twice_after_a_recovery() {
+    let spec = small_spec(ModelKind::ResNet);
+    let samples = data(&spec, 2 * 8);
+    let o = opts(8, 8, 2);
+    let buffers = |s: &Session| -> Vec<(String, Vec<f64>)> {
+        s.model.buffers().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect()
+    };
+    let clean_device = device(DeviceKind::Cpu, None, None);
+    let setup = {
+        drop(Session::new(clean_device.clone(), &spec, sgd(), 3).unwrap());
+        clean_device.stats().allocation.allocated
+    };
+    let (_, clean_params, clean) = run(device(DeviceKind::Cpu, None, None), &spec, sgd(), &samples, &o);
+    let clean_buffers = buffers(&clean);
+    assert!(!clean_buffers.is_empty());
+    // Faults late in the first step's forward pass, after some batch-norm layers have updated.
+    for k in [30, 45, 60, 75] {
+        let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(setup + k)));
+        let (out, params, s) = run(dev, &spec, sgd(), &samples, &o);
+        assert!(out.oom_recoveries >= 1);
+        assert_params_close(&params, &clean_params, 1e-5, &format!("fault at {k}"));
+        assert_params_close(&buffers(&s), &clean_buffers, 1e-6, &format!("buffers, fault at {k}"));
+    }
+}
