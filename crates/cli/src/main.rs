@@ -168,6 +168,7 @@ fn main() -> ExitCode {
 struct Progress {
     bar: Option<ProgressBar>,
     last_line: usize,
+    model: &'static str,
 }
 
 impl Observer for Progress {
@@ -176,7 +177,7 @@ impl Observer for Progress {
     }
 
     fn planned(&mut self, plan: &Plan) {
-        eprint!("{}", plan.describe("this model"));
+        eprint!("{}", plan.describe(self.model));
     }
 
     fn step(&mut self, e: &StepEvent) {
@@ -235,7 +236,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
     if cfg.device == DeviceKind::Meta && (cfg.save.is_some() || cfg.load.is_some()) {
         eprintln!("note: the meta device holds no data: --save and --load are skipped");
     }
-    let mut progress = Progress { bar, last_line: 0 };
+    let mut progress = Progress { bar, last_line: 0, model: cfg.model.name() };
     let result = memfit_train::train(&cfg, &mut progress);
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
