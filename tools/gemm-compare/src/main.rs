@@ -4,7 +4,8 @@
 //! Usage: gemm-compare [--threads 2,1] [--reps 21] [--min-rep-ms 20] [--no-wait]
 //!
 //! For every case and thread count it reports the median GFLOP/s over `reps` timed repetitions
-//! (after warm-up); one repetition runs the product enough times to last >= `min-rep-ms`.
+//! (after warm-up); one repetition runs the product enough times to last >= `min-rep-ms`. The
+//! repetitions come in 3 rounds alternating between the libraries (300 ms pause at each switch).
 //! Before timing, both libraries' results are compared with each other and with an f64
 //! reference on sampled entries, so neither can be "measuring nothing".
 //! The machine is shared with other builds: unless `--no-wait`, each case first waits until no
@@ -158,10 +159,9 @@ fn median(v: &mut [f64]) -> f64 {
     if l % 2 == 1 { v[l / 2] } else { 0.5 * (v[l / 2 - 1] + v[l / 2]) }
 }
 
-/// Median GFLOP/s of `reps` repetitions of `f` (after warm-up), each repetition >= `min_rep`.
-/// Sets `*disturbed` if a cargo/rustc process was seen between repetitions (when `watch`).
-fn time_it(flops: f64, reps: usize, min_rep: Duration, watch: bool, disturbed: &mut bool, mut f: impl FnMut()) -> f64 {
-    // warm-up (also spins up thread pools, packs buffers, faults pages), and calibrate.
+/// Warm-up (spins up thread pools, faults pages) for >= 200 ms and >= 3 calls; returns how many
+/// calls make one timed repetition last >= `min_rep`.
+fn warm_up(min_rep: Duration, mut f: impl FnMut()) -> usize {
     let t0 = Instant::now();
     let mut warm = 0usize;
     while warm < 3 || t0.elapsed() < Duration::from_millis(200) {
@@ -169,22 +169,33 @@ fn time_it(flops: f64, reps: usize, min_rep: Duration, watch: bool, disturbed: &
         warm += 1;
     }
     let per_call = t0.elapsed().as_secs_f64() / warm as f64;
-    let inner = ((min_rep.as_secs_f64() / per_call).ceil() as usize).max(1);
-    let mut rates: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..inner {
-                f();
-            }
-            let rate = flops * inner as f64 / t.elapsed().as_secs_f64() / 1e9;
-            if watch && !busy_pids().is_empty() {
-                *disturbed = true;
-            }
-            rate
-        })
-        .collect();
-    median(&mut rates)
+    ((min_rep.as_secs_f64() / per_call).ceil() as usize).max(1)
 }
+
+/// GFLOP/s of `reps` repetitions of `inner` calls of `f`, pushed onto `rates`. Sets `*disturbed`
+/// if a cargo/rustc process was seen between repetitions (when `watch`).
+#[allow(clippy::too_many_arguments)]
+fn time_reps(flops: f64, reps: usize, inner: usize, watch: bool, disturbed: &mut bool, rates: &mut Vec<f64>, mut f: impl FnMut()) {
+    for _ in 0..reps {
+        let t = Instant::now();
+        for _ in 0..inner {
+            f();
+        }
+        rates.push(flops * inner as f64 / t.elapsed().as_secs_f64() / 1e9);
+        if watch && !busy_pids().is_empty() {
+            *disturbed = true;
+        }
+    }
+}
+
+/// Pause between the two libraries so that the other one's worker threads (OpenBLAS threads
+/// busy-wait for a while after a call, rayon's briefly) have gone to sleep.
+fn settle() {
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+/// Rounds of alternating gemm / OpenBLAS blocks, so slow phases of the (virtual) machine hit both.
+const ROUNDS: usize = 3;
 
 struct Row {
     threads: usize,
@@ -324,7 +335,8 @@ fn main() {
         is_x86_feature_detected!("fma"), is_x86_feature_detected!("avx512f"));
     println!("OpenBLAS: {config}  core={core}");
     println!("gemm crate 0.17 (Parallelism::Rayon(t) for t>1, None for t=1), rayon global pool of {max_threads}");
-    println!("f32, median of {reps} reps (each >= {min_rep_ms} ms) after >= 200 ms warm-up\n");
+    let reps = reps.div_ceil(ROUNDS) * ROUNDS;
+    println!("f32, median of {reps} reps (each >= {min_rep_ms} ms; {ROUNDS} alternating rounds gemm/OpenBLAS) after >= 200 ms warm-up\n");
 
     let min_rep = Duration::from_millis(min_rep_ms);
     let mut rows = Vec::new();
@@ -374,11 +386,19 @@ fn main() {
                 }
                 let mut disturbed = watch && !busy_pids().is_empty();
                 let fw = Foreign::start();
-                g = time_it(flops, reps, min_rep, watch, &mut disturbed, || run_gemm(c, &o, &mut d_gemm, t));
-                // let rayon workers go idle before OpenBLAS runs (and vice versa below).
-                std::thread::sleep(Duration::from_millis(300));
-                b = time_it(flops, reps, min_rep, watch, &mut disturbed, || run_openblas(c, &o, &mut d_ob));
-                std::thread::sleep(Duration::from_millis(300));
+                let ig = warm_up(min_rep, || run_gemm(c, &o, &mut d_gemm, t));
+                settle();
+                let ib = warm_up(min_rep, || run_openblas(c, &o, &mut d_ob));
+                settle();
+                let (mut rg, mut rb) = (Vec::new(), Vec::new());
+                let per_round = reps.div_ceil(ROUNDS);
+                for _ in 0..ROUNDS {
+                    time_reps(flops, per_round, ig, watch, &mut disturbed, &mut rg, || run_gemm(c, &o, &mut d_gemm, t));
+                    settle();
+                    time_reps(flops, per_round, ib, watch, &mut disturbed, &mut rb, || run_openblas(c, &o, &mut d_ob));
+                    settle();
+                }
+                (g, b) = (median(&mut rg), median(&mut rb));
                 (foreign, steal) = fw.stop();
                 // > 3 % of the 2 cores used by other processes: something else ran meanwhile.
                 if watch && foreign > 3.0 {
