@@ -139,9 +139,11 @@ fn parse_device(s: &str) -> Result<DeviceKind, String> {
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 3], String> {
-    let dims: Vec<usize> = s.split(['x', ',']).map(|d| d.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|_| {
-        format!("invalid input shape {s:?}: expected CxHxW such as 1x28x28 or 3x64x64")
-    })?;
+    let dims: Vec<usize> = s
+        .split(['x', ','])
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| format!("invalid input shape {s:?}: expected CxHxW such as 1x28x28 or 3x64x64"))?;
     match dims.as_slice() {
         [c, h, w] if *c > 0 && *h > 0 && *w > 0 => Ok([*c, *h, *w]),
         _ => Err(format!("invalid input shape {s:?}: expected three positive sizes CxHxW such as 3x64x64")),
@@ -316,7 +318,11 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
     } else {
-        println!("memfit bench: AdamW training step, {threads} thread{}, median of {} steps", if threads == 1 { "" } else { "s" }, a.steps);
+        println!(
+            "memfit bench: AdamW training step, {threads} thread{}, median of {} steps",
+            if threads == 1 { "" } else { "s" },
+            a.steps
+        );
         println!("{:<16} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
         for c in &report.cases {
             println!(

@@ -24,7 +24,8 @@ fn every_source_file_is_documented_and_every_unsafe_is_justified() {
     rust_files(crates, &mut files);
     assert!(files.len() > 30, "found the sources ({})", files.len());
     // Built at run time so that this file's own text does not match.
-    let (unsafe_block, unsafe_impl, ignore) = (["unsafe", " {"].concat(), ["unsafe", " impl"].concat(), ["#[", "ignore"].concat());
+    let (unsafe_block, unsafe_impl, ignore) =
+        (["unsafe", " {"].concat(), ["unsafe", " impl"].concat(), ["#[", "ignore"].concat());
     let mut problems = Vec::new();
     for file in &files {
         let text = std::fs::read_to_string(file).unwrap();

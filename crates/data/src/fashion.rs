@@ -124,7 +124,9 @@ impl fmt::Display for Source {
                 "system package dataset-fashion-mnist at {} (train set for training, t10k test set for validation)",
                 p.display()
             ),
-            Source::Dir(p) => write!(f, "folder {} (train set for training, t10k test set for validation)", p.display()),
+            Source::Dir(p) => {
+                write!(f, "folder {} (train set for training, t10k test set for validation)", p.display())
+            }
         }
     }
 }
@@ -226,12 +228,9 @@ pub fn find_file(dir: &Path, name: &str) -> Option<PathBuf> {
 pub fn check_labels(name: &str, labels: &[u8], num_classes: usize) -> Result<(), DataError> {
     match labels.iter().position(|&l| l as usize >= num_classes) {
         None => Ok(()),
-        Some(index) => Err(DataError::LabelOutOfRange {
-            name: name.to_string(),
-            index,
-            label: labels[index],
-            num_classes,
-        }),
+        Some(index) => {
+            Err(DataError::LabelOutOfRange { name: name.to_string(), index, label: labels[index], num_classes })
+        }
     }
 }
 

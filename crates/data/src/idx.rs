@@ -126,16 +126,19 @@ pub fn read_idx_images_from_bytes(name: &str, bytes: &[u8]) -> Result<Images, Da
     if rows == 0 || cols == 0 {
         return Err(DataError::BadDimensions {
             name: name.to_string(),
-            detail: format!("header says {count} images of {rows}x{cols}; images must have at least one row and column"),
+            detail: format!(
+                "header says {count} images of {rows}x{cols}; images must have at least one row and column"
+            ),
         });
     }
-    let expected = count
-        .checked_mul(rows)
-        .and_then(|n| n.checked_mul(cols))
-        .filter(|&n| n <= MAX_PAYLOAD)
-        .ok_or_else(|| DataError::BadDimensions {
-            name: name.to_string(),
-            detail: format!("header says {count} images of {rows}x{cols}, which is far too large for an image file"),
+    let expected =
+        count.checked_mul(rows).and_then(|n| n.checked_mul(cols)).filter(|&n| n <= MAX_PAYLOAD).ok_or_else(|| {
+            DataError::BadDimensions {
+                name: name.to_string(),
+                detail: format!(
+                    "header says {count} images of {rows}x{cols}, which is far too large for an image file"
+                ),
+            }
         })?;
     let what = format!("{count} images of {rows}x{cols} ({expected} bytes)");
     let pixels = input.read_payload(expected, &what)?;

@@ -13,9 +13,9 @@ pub mod rng;
 pub use batch::{fill_batch, image_size, EpochOrder, Normalization};
 pub use error::DataError;
 pub use fashion::{
-    check_labels, find_file, has_fashion_files, load_embedded, load_fashion_mnist, load_fashion_mnist_dir,
-    load_split, FashionMnist, Source, Split, CLASS_NAMES, EMBEDDED_TRAIN, EMBEDDED_VAL, IMAGE_COLS, IMAGE_ROWS,
-    IMAGE_SIZE, NUM_CLASSES, SYSTEM_DIR, TEST_IMAGES, TEST_LABELS, TRAIN_IMAGES, TRAIN_LABELS,
+    check_labels, find_file, has_fashion_files, load_embedded, load_fashion_mnist, load_fashion_mnist_dir, load_split,
+    FashionMnist, Source, Split, CLASS_NAMES, EMBEDDED_TRAIN, EMBEDDED_VAL, IMAGE_COLS, IMAGE_ROWS, IMAGE_SIZE,
+    NUM_CLASSES, SYSTEM_DIR, TEST_IMAGES, TEST_LABELS, TRAIN_IMAGES, TRAIN_LABELS,
 };
 pub use idx::{
     encode_idx_images, encode_idx_labels, is_gzip, read_idx_images, read_idx_images_from_bytes, read_idx_labels,

@@ -130,10 +130,7 @@ fn embedded_subset_has_8000_train_2000_val_and_all_classes() {
     // Real images: not blank, full 0..=255 range.
     assert_eq!(*ds.train.images.pixels.iter().max().unwrap(), 255);
     assert_eq!(*ds.train.images.pixels.iter().min().unwrap(), 0);
-    assert_eq!(
-        ds.source.to_string(),
-        "embedded subset (8,000 train / 2,000 validation from Fashion-MNIST t10k)"
-    );
+    assert_eq!(ds.source.to_string(), "embedded subset (8,000 train / 2,000 validation from Fashion-MNIST t10k)");
     // Deterministic.
     assert_eq!(load_embedded().unwrap(), ds);
 }

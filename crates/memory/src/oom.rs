@@ -164,10 +164,8 @@ mod tests {
     #[test]
     fn a_small_request_that_needs_a_whole_segment_says_so() {
         use crate::{Allocator, AllocatorConfig, MetaBackend, Request};
-        let mut a = Allocator::new(
-            Box::new(MetaBackend),
-            AllocatorConfig { capacity: Some(MIB), ..Default::default() },
-        );
+        let mut a =
+            Allocator::new(Box::new(MetaBackend), AllocatorConfig { capacity: Some(MIB), ..Default::default() });
         let request = Request { category: Category::Parameter, op: "init", phase: Phase::Setup };
         let oom = a.allocate(1024, request).unwrap_err();
         let text = oom.to_string();

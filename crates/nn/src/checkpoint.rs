@@ -31,7 +31,11 @@ pub fn save(path: impl AsRef<Path>, model: &dyn Model) -> Result<()> {
 }
 
 /// Writes named tensors to `path` with optional string metadata (`"format": "pt"` is always added).
-pub fn save_tensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<()> {
+pub fn save_tensors(
+    path: impl AsRef<Path>,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
     let path = path.as_ref();
     let mut seen = HashSet::new();
     let mut views = Vec::with_capacity(tensors.len());
@@ -97,7 +101,8 @@ pub fn load_into(path: impl AsRef<Path>, targets: &[(String, Tensor)], strict: b
     }
     if strict {
         let expected: HashSet<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
-        let mut unexpected: Vec<&String> = file.names().into_iter().filter(|n| !expected.contains(n.as_str())).collect();
+        let mut unexpected: Vec<&String> =
+            file.names().into_iter().filter(|n| !expected.contains(n.as_str())).collect();
         unexpected.sort();
         problems.extend(unexpected.into_iter().map(|n| format!("{n}: unexpected (the model has no such tensor)")));
     }
@@ -133,7 +138,11 @@ pub fn load_named(path: impl AsRef<Path>, device: &Device, category: Category) -
     for (name, _) in infos {
         let view = file.tensor(&name).map_err(|e| corrupt(path, &e))?;
         let dtype = dtype_of(view.dtype()).ok_or_else(|| {
-            Error::dtype(format!("checkpoint {}: tensor {name:?} has unsupported dtype {:?}", path.display(), view.dtype()))
+            Error::dtype(format!(
+                "checkpoint {}: tensor {name:?} has unsupported dtype {:?}",
+                path.display(),
+                view.dtype()
+            ))
         })?;
         if dtype == DType::Bool && has_bad_bool(view.data()) {
             return Err(Error::invalid(format!(

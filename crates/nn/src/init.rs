@@ -79,7 +79,13 @@ impl Initializer {
     }
 
     /// An f32 tensor of `shape` whose elements are drawn in row-major order by `draw` (not called on meta).
-    fn generated(&self, name: &str, shape: &[usize], category: Category, mut draw: impl FnMut(&mut Rng) -> f32) -> Result<Tensor> {
+    fn generated(
+        &self,
+        name: &str,
+        shape: &[usize],
+        category: Category,
+        mut draw: impl FnMut(&mut Rng) -> f32,
+    ) -> Result<Tensor> {
         let t = Tensor::empty(&self.device, shape, DType::F32, category, "init")?;
         let mut rng = self.rng(name);
         t.write_with::<f32>(|values| values.iter_mut().for_each(|v| *v = draw(&mut rng)))?;
@@ -202,10 +208,7 @@ mod tests {
     fn causal_mask_is_strict_upper_triangle() {
         let m = Initializer::new(&Device::cpu(), 0).causal_mask(3).unwrap();
         assert_eq!(m.dtype(), DType::Bool);
-        assert_eq!(
-            m.to_vec::<bool>().unwrap(),
-            vec![false, true, true, false, false, true, false, false, false]
-        );
+        assert_eq!(m.to_vec::<bool>().unwrap(), vec![false, true, true, false, false, true, false, false, false]);
     }
 
     #[test]

@@ -46,7 +46,8 @@ impl Linear {
     pub fn new(init: &Initializer, prefix: &str, in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
         check_positive("Linear", prefix, &[("in_features", in_features), ("out_features", out_features)])?;
         let weight = init.kaiming_uniform(&join(prefix, "weight"), &[out_features, in_features])?;
-        let bias = if bias { Some(init.fan_in_bias(&join(prefix, "bias"), &[out_features], in_features)?) } else { None };
+        let bias =
+            if bias { Some(init.fan_in_bias(&join(prefix, "bias"), &[out_features], in_features)?) } else { None };
         Ok(Linear { prefix: prefix.to_string(), weight, bias })
     }
 
@@ -227,7 +228,11 @@ impl BatchNorm2d {
     /// counts the batch in `num_batches_tracked`. Eval: normalizes with the running statistics.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         if x.rank() != 4 {
-            return Err(Error::shape(format!("BatchNorm2d {:?}: expected a 4-d [N, C, H, W] input, got {:?}", self.prefix, x.shape())));
+            return Err(Error::shape(format!(
+                "BatchNorm2d {:?}: expected a 4-d [N, C, H, W] input, got {:?}",
+                self.prefix,
+                x.shape()
+            )));
         }
         let y = ops::batch_norm(
             x,
@@ -392,7 +397,14 @@ impl MultiheadAttention {
     /// `attn(query, key, value, attn_mask=mask, need_weights=False)[0]` for `[B, T, d]` inputs.
     /// `mask` is bool, True where attention is NOT allowed: [Tq, Tk] (shared by all batches and heads)
     /// or [B*heads, Tq, Tk]. `causal` adds the causal mask (query i sees keys j <= i).
-    pub fn forward(&self, query: &Tensor, key: &Tensor, value: &Tensor, mask: Option<&Tensor>, causal: bool) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: Option<&Tensor>,
+        causal: bool,
+    ) -> Result<Tensor> {
         let d = self.embed_dim();
         let (h, dh) = (self.heads, d / self.heads);
         for (what, t) in [("query", query), ("key", key), ("value", value)] {

@@ -120,7 +120,8 @@ fn golden_state_dict(file: &str, case: &str) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
     for t in case["tensors"].as_array().unwrap() {
         if t["role"] == "param_init" {
-            let shape: Vec<usize> = t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            let shape: Vec<usize> =
+                t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
             assert_eq!(golden.shape(t["key"].as_str().unwrap()), shape);
             out.push((t["param"].as_str().unwrap().to_string(), shape));
         }
@@ -217,10 +218,8 @@ fn resnet_uses_torchvision_names() {
     assert_eq!(shapes(&m.parameters()), want);
 
     let buffers = m.buffers();
-    let bn_prefixes: Vec<String> = want
-        .iter()
-        .filter_map(|(n, _)| n.strip_suffix(".bias").filter(|p| *p != "fc").map(str::to_string))
-        .collect();
+    let bn_prefixes: Vec<String> =
+        want.iter().filter_map(|(n, _)| n.strip_suffix(".bias").filter(|p| *p != "fc").map(str::to_string)).collect();
     let mut want_buffers = Vec::new();
     for p in &bn_prefixes {
         let c = want.iter().find(|(n, _)| *n == format!("{p}.bias")).unwrap().1.clone();
@@ -272,8 +271,17 @@ fn parameters_and_buffers_are_allocated_in_their_categories() {
         let in_params = stats.category(Category::Parameter).current;
         let in_other = stats.category(Category::Other).current;
         assert!(in_params >= param_bytes as u64 && in_params < param_bytes as u64 + 512 * n_params, "{}", kind.name());
-        assert!(in_other >= buffer_bytes as u64 && in_other < buffer_bytes as u64 + 512 * n_buffers.max(1), "{}", kind.name());
-        assert_eq!(in_params + in_other, stats.allocated_bytes.current, "{}: nothing else stays allocated", kind.name());
+        assert!(
+            in_other >= buffer_bytes as u64 && in_other < buffer_bytes as u64 + 512 * n_buffers.max(1),
+            "{}",
+            kind.name()
+        );
+        assert_eq!(
+            in_params + in_other,
+            stats.allocated_bytes.current,
+            "{}: nothing else stays allocated",
+            kind.name()
+        );
         assert_eq!(stats.requested_bytes.current, (param_bytes + buffer_bytes) as u64, "{}", kind.name());
     }
 }
@@ -287,7 +295,8 @@ fn init_follows_pytorch_defaults_and_is_seeded() {
     let a = build_model(&spec, &dev, 7).unwrap();
     let b = build_model(&spec, &dev, 7).unwrap();
     let c = build_model(&spec, &dev, 8).unwrap();
-    for ((name, pa), ((_, pb), (_, pc))) in a.parameters().iter().zip(b.parameters().iter().zip(c.parameters().iter())) {
+    for ((name, pa), ((_, pb), (_, pc))) in a.parameters().iter().zip(b.parameters().iter().zip(c.parameters().iter()))
+    {
         assert_eq!(f32s(pa), f32s(pb), "{name}: same seed, same values");
         assert_ne!(f32s(pa), f32s(pc), "{name}: another seed, other values");
     }
@@ -494,11 +503,14 @@ fn meta_models_allocate_like_cpu_models() {
                 let t = Tensor::zeros(dev, &[n, 6], DType::I64, Category::Input).unwrap();
                 (t.clone(), t)
             } else {
-                let x = Tensor::zeros(dev, &[n, spec.input[0], spec.input[1], spec.input[2]], DType::F32, Category::Input).unwrap();
+                let x =
+                    Tensor::zeros(dev, &[n, spec.input[0], spec.input[1], spec.input[2]], DType::F32, Category::Input)
+                        .unwrap();
                 (x, Tensor::zeros(dev, &[n], DType::I64, Category::Input).unwrap())
             };
             training_step(m.as_ref(), &x, &y).unwrap();
-            shapes_seen.push(m.parameters().iter().map(|(_, p)| p.grad().unwrap().shape().to_vec()).collect::<Vec<_>>());
+            shapes_seen
+                .push(m.parameters().iter().map(|(_, p)| p.grad().unwrap().shape().to_vec()).collect::<Vec<_>>());
         }
         assert_eq!(shapes_seen[0], shapes_seen[1]);
         let (c, m) = (cpu.stats(), meta.stats());
@@ -515,18 +527,17 @@ fn checkpoint_round_trip_restores_parameters_buffers_and_logits() {
     for (spec, n) in image_specs().into_iter().chain([(gpt_spec(tiny_gpt()), 2)]) {
         let dev = Device::cpu();
         let a = build_model(&spec, &dev, 21).unwrap();
-        let x = if spec.kind == ModelKind::Gpt {
-            labels(&dev, &[n, 6], 11)
-        } else {
-            image_batch(&dev, n, spec.input, 5)
-        };
+        let x =
+            if spec.kind == ModelKind::Gpt { labels(&dev, &[n, 6], 11) } else { image_batch(&dev, n, spec.input, 5) };
         a.forward(&x, true).unwrap(); // moves batch-norm running statistics away from their init
         let path = scratch(&format!("roundtrip-{}.safetensors", spec.kind.name()));
         checkpoint::save(&path, a.as_ref()).unwrap();
         let b = build_model(&spec, &dev, 22).unwrap();
         assert_ne!(f32s(&a.parameters()[0].1), f32s(&b.parameters()[0].1));
         checkpoint::load(&path, b.as_ref()).unwrap();
-        for ((name, ta), (_, tb)) in checkpoint::state_dict(a.as_ref()).iter().zip(checkpoint::state_dict(b.as_ref()).iter()) {
+        for ((name, ta), (_, tb)) in
+            checkpoint::state_dict(a.as_ref()).iter().zip(checkpoint::state_dict(b.as_ref()).iter())
+        {
             assert_eq!(ta.dtype(), tb.dtype(), "{name}");
             assert_eq!(ta.to_f64_vec().unwrap(), tb.to_f64_vec().unwrap(), "{name}");
         }
@@ -701,7 +712,12 @@ fn simplecnn_matches_pytorch_logits_loss_and_gradients() {
     assert_close("loss", &f32s(&loss), &g.f32(&format!("{case}/loss")), MODEL_RTOL);
     backward(&loss).unwrap();
     for (name, p) in m.parameters() {
-        assert_close(&format!("grad {name}"), &f32s(&p.grad().unwrap()), &g.f32(&format!("{case}/grad/{name}")), MODEL_RTOL);
+        assert_close(
+            &format!("grad {name}"),
+            &f32s(&p.grad().unwrap()),
+            &g.f32(&format!("{case}/grad/{name}")),
+            MODEL_RTOL,
+        );
     }
 }
 
@@ -723,6 +739,11 @@ fn gpt_matches_pytorch_logits_loss_and_gradients() {
     assert_close("loss", &f32s(&loss), &g.f32(&format!("{case}/loss")), MODEL_RTOL);
     backward(&loss).unwrap();
     for (name, p) in m.parameters() {
-        assert_close(&format!("grad {name}"), &f32s(&p.grad().unwrap()), &g.f32(&format!("{case}/grad/{name}")), MODEL_RTOL);
+        assert_close(
+            &format!("grad {name}"),
+            &f32s(&p.grad().unwrap()),
+            &g.f32(&format!("{case}/grad/{name}")),
+            MODEL_RTOL,
+        );
     }
 }

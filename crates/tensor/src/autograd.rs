@@ -149,17 +149,12 @@ fn run_graph(root: &Arc<Node>, grad: Tensor, leaf_grads: &mut Vec<(Tensor, Tenso
     ready.push((root.id, ByAddress(root.clone())));
     while let Some((_, ByAddress(node))) = ready.pop() {
         let grad = pending.remove(&node.id).flatten();
-        let backward = node
-            .backward
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "backward through the graph a second time ({}): its saved tensors were already freed",
-                    node.name
-                ))
-            })?;
+        let backward = node.backward.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
+            Error::invalid(format!(
+                "backward through the graph a second time ({}): its saved tensors were already freed",
+                node.name
+            ))
+        })?;
         let needs: Vec<bool> = node.edges.iter().map(|e| e.is_some()).collect();
         let input_grads = match grad {
             Some(g) => backward.backward(g, &needs)?,

@@ -5,8 +5,8 @@
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use memfit_memory::{
-    Allocator, AllocatorConfig, Category, FaultInjection, HostBackend, MemoryStats, MetaBackend, Phase,
-    Request, SegmentBackend,
+    Allocator, AllocatorConfig, Category, FaultInjection, HostBackend, MemoryStats, MetaBackend, Phase, Request,
+    SegmentBackend,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

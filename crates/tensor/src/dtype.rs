@@ -113,9 +113,7 @@ macro_rules! with_float {
                 type $T = f64;
                 $body
             }
-            other => {
-                return Err($crate::Error::dtype(format!("{} supports f32 and f64, not {}", $op, other)))
-            }
+            other => return Err($crate::Error::dtype(format!("{} supports f32 and f64, not {}", $op, other))),
         }
     };
 }

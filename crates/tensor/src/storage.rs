@@ -41,9 +41,7 @@ impl Storage {
     }
 
     pub(crate) fn ptr(&self) -> Result<NonNull<u8>> {
-        self.allocation
-            .ptr
-            .ok_or_else(|| Error::device(format!("the {} device holds no data", self.device.kind())))
+        self.allocation.ptr.ok_or_else(|| Error::device(format!("the {} device holds no data", self.device.kind())))
     }
 }
 

@@ -80,11 +80,16 @@ impl Tensor {
     }
 
     /// Uninitialized (arbitrary contents) tensor.
-    pub fn empty(device: &Device, shape: &[usize], dtype: DType, category: Category, op: &'static str) -> Result<Tensor> {
+    pub fn empty(
+        device: &Device,
+        shape: &[usize],
+        dtype: DType,
+        category: Category,
+        op: &'static str,
+    ) -> Result<Tensor> {
         let numel: usize = shape.iter().product();
-        let bytes = numel
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::shape(format!("shape {shape:?} is too large")))?;
+        let bytes =
+            numel.checked_mul(dtype.size()).ok_or_else(|| Error::shape(format!("shape {shape:?} is too large")))?;
         let storage = device.allocate(bytes, category, op)?;
         Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype))
     }
@@ -237,9 +242,7 @@ impl Tensor {
         // SAFETY: the storage holds at least offset + numel elements of T (it was allocated for this
         // layout or a larger one), is aligned to 512 B, and lives as long as `self`; see
         // Note [Storage aliasing] for why no mutable alias exists meanwhile.
-        Ok(unsafe {
-            std::slice::from_raw_parts((ptr.as_ptr() as *const T).add(self.0.layout.offset()), self.numel())
-        })
+        Ok(unsafe { std::slice::from_raw_parts((ptr.as_ptr() as *const T).add(self.0.layout.offset()), self.numel()) })
     }
 
     /// The elements of a contiguous tensor, for writing. Errors on meta.

@@ -79,7 +79,10 @@ pub fn run(threads: usize, only: &[String], warmup: usize, steps: usize) -> Resu
     for name in only {
         if !CASES.iter().any(|c| c.name == name) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
-            return Err(TrainError::Invalid(format!("unknown bench case {name:?}: expected one of {}", names.join(", "))));
+            return Err(TrainError::Invalid(format!(
+                "unknown bench case {name:?}: expected one of {}",
+                names.join(", ")
+            )));
         }
     }
     let pool = rayon::ThreadPoolBuilder::new()

@@ -38,9 +38,7 @@ impl OptimizerChoice {
                 OptimizerConfig::Sgd { lr, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 }
             }
             OptimizerChoice::Adam => OptimizerConfig::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 },
-            OptimizerChoice::AdamW => {
-                OptimizerConfig::AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
-            }
+            OptimizerChoice::AdamW => OptimizerConfig::AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 },
         }
     }
 }

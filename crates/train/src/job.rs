@@ -44,7 +44,8 @@ impl Observer for Quiet {}
 pub fn image_spec(kind: ModelKind, input: [usize; 3], classes: usize) -> Result<ModelSpec, TrainError> {
     if kind == ModelKind::Gpt {
         return Err(TrainError::Invalid(
-            "the gpt model needs token data: `memfit train` trains the image models (mlp, simplecnn, deepcnn, resnet)".into(),
+            "the gpt model needs token data: `memfit train` trains the image models (mlp, simplecnn, deepcnn, resnet)"
+                .into(),
         ));
     }
     Ok(ModelSpec::image(kind, input, classes))

@@ -19,7 +19,7 @@ pub mod trainer;
 
 pub use config::{OptimizerChoice, TrainConfig};
 pub use error::TrainError;
+pub use job::{train, Observer, Quiet, RunSummary};
 pub use planner::{plan, Plan, PlanRequest};
 pub use report::Report;
-pub use job::{train, Observer, Quiet, RunSummary};
 pub use trainer::{RunOptions, Session, StepEvent};

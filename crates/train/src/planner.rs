@@ -134,10 +134,7 @@ pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (Synthetic
 }
 
 /// Largest value in `1..=high` for which `fits` holds, assuming it holds for 1 and is monotone.
-fn largest_fitting(
-    high: usize,
-    mut fits: impl FnMut(usize) -> Result<bool, TrainError>,
-) -> Result<usize, TrainError> {
+fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, TrainError>) -> Result<usize, TrainError> {
     if fits(high)? {
         return Ok(high);
     }
@@ -213,7 +210,11 @@ pub fn does_not_fit(req: &PlanRequest, needs: u64) -> TrainError {
         "{} does not fit in {cap}{}: even a micro-batch of 1 needs {} (peak reserved). \
          Use --memory {} or more, or a smaller model.",
         req.model.kind.name(),
-        if req.safety_margin > 0.0 { format!(" with a {:.0}% safety margin", req.safety_margin * 100.0) } else { String::new() },
+        if req.safety_margin > 0.0 {
+            format!(" with a {:.0}% safety margin", req.safety_margin * 100.0)
+        } else {
+            String::new()
+        },
         format_bytes(needs),
         format_bytes(((needs as f64) / (1.0 - req.safety_margin)).ceil() as u64),
     ))
@@ -248,7 +249,12 @@ impl Plan {
         for c in cats {
             let b = t.at_peak[c.index()];
             if b > 0 {
-                s.push_str(&format!("  {:<16} {:>12}  {:>5.1}%\n", c.name(), format_bytes(b), 100.0 * b as f64 / total));
+                s.push_str(&format!(
+                    "  {:<16} {:>12}  {:>5.1}%\n",
+                    c.name(),
+                    format_bytes(b),
+                    100.0 * b as f64 / total
+                ));
             }
         }
         s.push_str(&format!("dominated by {}\n", t.dominant().name()));

@@ -132,7 +132,8 @@ fn a_real_shortage_shrinks_the_micro_batch_and_a_transient_one_does_not() {
     };
     let big = probe(64);
     // The largest micro-batch that needs less reserved memory than 64: the capacity to give.
-    let small = [32, 16, 8, 4, 2, 1].into_iter().map(probe).find(|&r| r < big).expect("a smaller micro-batch needs less");
+    let small =
+        [32, 16, 8, 4, 2, 1].into_iter().map(probe).find(|&r| r < big).expect("a smaller micro-batch needs less");
     let dev = device(DeviceKind::Cpu, Some(small), None);
     let mut s = Session::new(dev.clone(), &spec, adamw(), 3).unwrap();
     let out = s.run(&samples, Some(&data(&spec, 16)), &o, &mut |_| {}).unwrap();

@@ -69,7 +69,9 @@ impl Gpt {
             config,
             tok: Embedding::new(init, "tok", vocab, d_model)?,
             pos: Embedding::new(init, "pos", max_t, d_model)?,
-            blocks: (0..layers).map(|i| Block::new(init, &format!("blocks.{i}"), d_model, heads)).collect::<Result<_>>()?,
+            blocks: (0..layers)
+                .map(|i| Block::new(init, &format!("blocks.{i}"), d_model, heads))
+                .collect::<Result<_>>()?,
             ln: LayerNorm::new(init, "ln", d_model)?,
             head: Linear::new(init, "head", d_model, vocab, true)?,
             mask: init.causal_mask(max_t)?,

@@ -39,7 +39,8 @@ pub enum ModelKind {
 }
 
 impl ModelKind {
-    pub const ALL: [ModelKind; 5] = [ModelKind::Mlp, ModelKind::SimpleCnn, ModelKind::DeepCnn, ModelKind::ResNet, ModelKind::Gpt];
+    pub const ALL: [ModelKind; 5] =
+        [ModelKind::Mlp, ModelKind::SimpleCnn, ModelKind::DeepCnn, ModelKind::ResNet, ModelKind::Gpt];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -52,9 +53,10 @@ impl ModelKind {
     }
 
     pub fn parse(text: &str) -> std::result::Result<ModelKind, String> {
-        ModelKind::ALL.into_iter().find(|k| k.name() == text).ok_or_else(|| {
-            format!("unknown model {text:?}: expected one of mlp, simplecnn, deepcnn, resnet, gpt")
-        })
+        ModelKind::ALL
+            .into_iter()
+            .find(|k| k.name() == text)
+            .ok_or_else(|| format!("unknown model {text:?}: expected one of mlp, simplecnn, deepcnn, resnet, gpt"))
     }
 }
 

@@ -33,7 +33,10 @@ impl BasicBlock {
     pub fn new(init: &Initializer, prefix: &str, cin: usize, cout: usize, stride: usize) -> Result<Self> {
         let p = |s: &str| format!("{prefix}.{s}");
         let downsample = if stride != 1 || cin != cout {
-            Some((conv(init, &p("downsample.0"), cin, cout, 1, stride)?, BatchNorm2d::new(init, &p("downsample.1"), cout)?))
+            Some((
+                conv(init, &p("downsample.0"), cin, cout, 1, stride)?,
+                BatchNorm2d::new(init, &p("downsample.1"), cout)?,
+            ))
         } else {
             None
         };

@@ -242,7 +242,13 @@ fn workspace(like: &Tensor, len: usize, op: &'static str) -> Result<Option<Tenso
     Ok(Some(output(like, &[len], like.dtype(), op)?))
 }
 
-fn conv2d_with(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams, limits: Limits) -> Result<Tensor> {
+fn conv2d_with(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    params: Conv2dParams,
+    limits: Limits,
+) -> Result<Tensor> {
     if x.rank() == 3 {
         // Unbatched [C, H, W], as PyTorch accepts.
         return conv2d_with(&x.unsqueeze(0)?, weight, bias, params, limits)?.squeeze(0);
@@ -324,11 +330,8 @@ impl Backward for Conv2dBack {
         // Per lane: an im2col tile, and for the weight gradient a transposed output-gradient tile.
         let lane_len = if need_w { g.col_len() + g.gt_len() } else { g.col_len() };
         let ws = if need_x || need_w { workspace(&grad, g.lanes * lane_len, "conv2d_im2col")? } else { None };
-        let partials = if need_w {
-            workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")?
-        } else {
-            None
-        };
+        let partials =
+            if need_w { workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")? } else { None };
         if grad.device().computes() {
             with_float!(x.dtype(), "conv2d_backward", T => {
                 let gout = grad.slice::<T>()?;
@@ -899,9 +902,19 @@ mod tests {
                 let out = conv2d_with(&x, &w, bias.then_some(&b), p, limits).unwrap();
                 assert_close(&out.to_f64_vec().unwrap(), &want, 1e-12, &format!("case {i} {limits:?}"));
                 // f32 too.
-                let x32 = Tensor::from_slice(&dev, &xv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &xs, Category::Input).unwrap();
-                let w32 = Tensor::from_slice(&dev, &wv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &ws, Category::Input).unwrap();
-                let b32 = Tensor::from_slice(&dev, &bv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &[ws[0]], Category::Input).unwrap();
+                let x32 =
+                    Tensor::from_slice(&dev, &xv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &xs, Category::Input)
+                        .unwrap();
+                let w32 =
+                    Tensor::from_slice(&dev, &wv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &ws, Category::Input)
+                        .unwrap();
+                let b32 = Tensor::from_slice(
+                    &dev,
+                    &bv.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+                    &[ws[0]],
+                    Category::Input,
+                )
+                .unwrap();
                 let out = conv2d_with(&x32, &w32, bias.then_some(&b32), p, limits).unwrap();
                 assert_close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("f32 case {i} {limits:?}"));
             }
@@ -914,8 +927,14 @@ mod tests {
         assert_eq!((g.lanes, g.tile_rows), (1, 1));
         let g = geometry(&[5, 3, 8, 9], &[4, 3, 3, 3], &params([1, 1], [1, 1], [1, 1], 1), 8, SMALL[1]).unwrap();
         assert_eq!((g.lanes, g.per_lane, g.tile_rows), (2, 3, 1));
-        let g = geometry(&[64, 32, 32, 32], &[64, 32, 3, 3], &Conv2dParams { padding: [1, 1], ..Default::default() }, 4, LIMITS)
-            .unwrap();
+        let g = geometry(
+            &[64, 32, 32, 32],
+            &[64, 32, 3, 3],
+            &Conv2dParams { padding: [1, 1], ..Default::default() },
+            4,
+            LIMITS,
+        )
+        .unwrap();
         assert!(g.lanes > 1 && g.tile_rows == 32, "{g:?}");
     }
 
@@ -948,8 +967,10 @@ mod tests {
 
     /// Runs conv2d forward and backward; returns the allocator's events and peak.
     fn program(dev: &Device, limits: Limits, input_grad: bool) -> (Events, u64) {
-        let x = Tensor::full(dev, &[5, 4, 9, 8], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(input_grad);
-        let w = Tensor::full(dev, &[6, 2, 3, 3], 0.25, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
+        let x =
+            Tensor::full(dev, &[5, 4, 9, 8], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(input_grad);
+        let w =
+            Tensor::full(dev, &[6, 2, 3, 3], 0.25, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
         let b = Tensor::full(dev, &[6], 0.1, DType::F32, Category::Parameter).unwrap().set_requires_grad(true);
         {
             let _phase = dev.enter_phase(Phase::Forward);
@@ -1038,9 +1059,13 @@ mod tests {
         let v = st.tensor(key).unwrap_or_else(|e| panic!("{key}: {e}"));
         let d = v.data();
         let vals = match v.dtype() {
-            safetensors::Dtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+            safetensors::Dtype::F32 => {
+                d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect()
+            }
             safetensors::Dtype::F64 => d.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect(),
-            safetensors::Dtype::I64 => d.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+            safetensors::Dtype::I64 => {
+                d.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect()
+            }
             other => panic!("{key}: unexpected dtype {other:?}"),
         };
         (vals, v.shape().to_vec())
@@ -1049,7 +1074,9 @@ mod tests {
     fn golden_tensor(dev: &Device, st: &safetensors::SafeTensors, key: &str, dtype: DType) -> Tensor {
         let (v, s) = golden_values(st, key);
         match dtype {
-            DType::F32 => Tensor::from_slice(dev, &v.iter().map(|&x| x as f32).collect::<Vec<_>>(), &s, Category::Input).unwrap(),
+            DType::F32 => {
+                Tensor::from_slice(dev, &v.iter().map(|&x| x as f32).collect::<Vec<_>>(), &s, Category::Input).unwrap()
+            }
             _ => Tensor::from_slice(dev, &v, &s, Category::Input).unwrap(),
         }
     }

@@ -74,12 +74,10 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
     let one = T::one();
     match op {
         Unary::Relu => par_map(src, dst, |x| if x > T::zero() { x } else { T::zero() }),
-        Unary::GeluErf => {
-            par_map(src, dst, |x| half * x * (one + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf()))
+        Unary::GeluErf => par_map(src, dst, |x| half * x * (one + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf())),
+        Unary::GeluTanh => {
+            par_map(src, dst, |x| half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh()))
         }
-        Unary::GeluTanh => par_map(src, dst, |x| {
-            half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh())
-        }),
         Unary::Tanh => par_map(src, dst, |x| x.tanh()),
         Unary::Sigmoid => par_map(src, dst, |x| one / (one + (-x).exp())),
         Unary::Exp => par_map(src, dst, |x| x.exp()),

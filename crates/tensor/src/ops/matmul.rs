@@ -64,12 +64,32 @@ pub(crate) unsafe fn gemm_into<T: Float>(
         }
         return;
     }
-    let parallelism =
-        if threads > 1 && m * n * k >= GEMM_PARALLEL_WORK { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_WORK {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
     // gemm computes dst = alpha * dst + beta * a @ b (alpha ignored when read_dst is false).
     gemm::gemm(
-        m, n, k, dst, 1, dst_rs, accumulate, a.ptr, a.cs, a.rs, b.ptr, b.cs, b.rs, T::one(), T::one(), false, false,
-        false, parallelism,
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs,
+        accumulate,
+        a.ptr,
+        a.cs,
+        a.rs,
+        b.ptr,
+        b.cs,
+        b.rs,
+        T::one(),
+        T::one(),
+        false,
+        false,
+        false,
+        parallelism,
     );
 }
 

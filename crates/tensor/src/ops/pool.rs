@@ -298,8 +298,7 @@ fn max_forward<T: Float>(
         // SAFETY: as above.
         let mut ix = ip.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw), ohw) });
         // SAFETY: as above.
-        let mut pos =
-            pp.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw * width), ohw * width) });
+        let mut pos = pp.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw * width), ohw * width) });
         for oh in 0..g.oh {
             let hs = (oh * g.sh) as isize - g.ph as isize;
             let (ilo, ihi) = taps(hs, g.dh, g.kh, g.h);
@@ -383,7 +382,7 @@ fn max_backward<T: Float>(g: &Geom, width: usize, gs: &[T], pos: &[u8], dx: &mut
     let dp = SendPtr(dx.as_mut_ptr());
     for_planes(g.planes, ohw + hw, |plane| {
         let dp = &dp; // capture the whole SendPtr, not its raw field
-        // SAFETY: each plane's gradient block is written by this task only.
+                      // SAFETY: each plane's gradient block is written by this task only.
         let d = unsafe { std::slice::from_raw_parts_mut(dp.0.add(plane * hw), hw) };
         d.fill(T::zero());
         let gp = &gs[plane * ohw..(plane + 1) * ohw];
@@ -462,7 +461,10 @@ fn avg_window_area(g: &Geom, kind: Avg) -> usize {
 /// `F.avg_pool2d` (divisor_override None). Uses kernel/stride/padding/ceil_mode of `params`; dilation must be 1.
 pub fn avg_pool2d(x: &Tensor, params: Pool2dParams, count_include_pad: bool) -> Result<Tensor> {
     if params.dilation != [1, 1] {
-        return Err(Error::shape(format!("avg_pool2d: dilation {:?} is not supported (must be [1, 1])", params.dilation)));
+        return Err(Error::shape(format!(
+            "avg_pool2d: dilation {:?} is not supported (must be [1, 1])",
+            params.dilation
+        )));
     }
     let g = geometry("avg_pool2d", x, &params)?;
     avg_pool(x, g, Avg::Fixed { count_include_pad }, "avg_pool2d")
@@ -704,8 +706,14 @@ mod tests {
         for plane in x.chunks(h * w) {
             for y in 0..oh {
                 for xo in 0..ow {
-                    let (h0, w0) = ((y * p.stride[0]) as i64 - p.padding[0] as i64, (xo * p.stride[1]) as i64 - p.padding[1] as i64);
-                    let (h1, w1) = ((h0 + p.kernel[0] as i64).min((h + p.padding[0]) as i64), (w0 + p.kernel[1] as i64).min((w + p.padding[1]) as i64));
+                    let (h0, w0) = (
+                        (y * p.stride[0]) as i64 - p.padding[0] as i64,
+                        (xo * p.stride[1]) as i64 - p.padding[1] as i64,
+                    );
+                    let (h1, w1) = (
+                        (h0 + p.kernel[0] as i64).min((h + p.padding[0]) as i64),
+                        (w0 + p.kernel[1] as i64).min((w + p.padding[1]) as i64),
+                    );
                     let (mut sum, mut count) = (0.0, 0);
                     for ih in h0.max(0)..h1.min(h as i64) {
                         for iw in w0.max(0)..w1.min(w as i64) {
@@ -727,7 +735,8 @@ mod tests {
                 for xo in 0..ow {
                     let (h0, h1) = ((y * h) as f64 / oh as f64, ((y + 1) * h) as f64 / oh as f64);
                     let (w0, w1) = ((xo * w) as f64 / ow as f64, ((xo + 1) * w) as f64 / ow as f64);
-                    let (h0, h1, w0, w1) = (h0.floor() as usize, h1.ceil() as usize, w0.floor() as usize, w1.ceil() as usize);
+                    let (h0, h1, w0, w1) =
+                        (h0.floor() as usize, h1.ceil() as usize, w0.floor() as usize, w1.ceil() as usize);
                     let mut sum = 0.0;
                     for ih in h0..h1 {
                         for iw in w0..w1 {
@@ -765,7 +774,8 @@ mod tests {
             let (want, want_ix) = naive_max(&xv, xs[2], xs[3], p, oh, ow);
             assert_eq!(out.to_f64_vec().unwrap(), want, "max case {i}");
             assert_eq!(ix.to_vec::<i64>().unwrap(), want_ix, "max indices case {i}");
-            let x32 = Tensor::from_slice(&dev, &xv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &xs, Category::Input).unwrap();
+            let x32 = Tensor::from_slice(&dev, &xv.iter().map(|&v| v as f32).collect::<Vec<_>>(), &xs, Category::Input)
+                .unwrap();
             let want32: Vec<f64> = want.iter().map(|&v| v as f32 as f64).collect();
             assert_eq!(max_pool2d(&x32, p).unwrap().to_f64_vec().unwrap(), want32, "f32 max case {i}");
             if p.dilation == [1, 1] {
@@ -778,7 +788,8 @@ mod tests {
                 }
             }
         }
-        for (xs, os) in [([2, 3, 5, 7], [2, 3]), ([1, 2, 6, 6], [4, 4]), ([1, 1, 3, 5], [5, 7]), ([1, 1, 5, 5], [1, 1])] {
+        for (xs, os) in [([2, 3, 5, 7], [2, 3]), ([1, 2, 6, 6], [4, 4]), ([1, 1, 3, 5], [5, 7]), ([1, 1, 5, 5], [1, 1])]
+        {
             let xv = distinct(7, xs.iter().product());
             let x = leaf(&dev, &xv, &xs, false);
             let got = adaptive_avg_pool2d(&x, os).unwrap();
@@ -811,7 +822,11 @@ mod tests {
             let down = loss(&v);
             v[e] = orig;
             let numeric = (up - down) / (2.0 * eps);
-            assert!((analytic[e] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()), "element {e}: {} vs {numeric}", analytic[e]);
+            assert!(
+                (analytic[e] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "element {e}: {} vs {numeric}",
+                analytic[e]
+            );
         }
     }
 
@@ -848,7 +863,8 @@ mod tests {
                 backward_with(&out, seed).unwrap();
             }
         }
-        let events = dev.allocator().timeline().events().map(|e| (e.kind, e.bytes, e.category, e.op, e.phase)).collect();
+        let events =
+            dev.allocator().timeline().events().map(|e| (e.kind, e.bytes, e.category, e.op, e.phase)).collect();
         events
     }
 
@@ -866,7 +882,8 @@ mod tests {
         // One u8 position per output (8192 bytes); no input and no i64 indices kept.
         let saved = dev.stats().by_category[Category::Activation.index()].current - before;
         assert_eq!(saved, out.numel() as u64);
-        let allocs = dev.allocator().timeline().events().filter(|e| e.kind == EventKind::Alloc && e.op == "max_pool2d").count();
+        let allocs =
+            dev.allocator().timeline().events().filter(|e| e.kind == EventKind::Alloc && e.op == "max_pool2d").count();
         assert_eq!(allocs, 2);
         drop(out);
         assert_eq!(dev.stats().by_category[Category::Activation.index()].current, before);
@@ -901,9 +918,15 @@ mod tests {
             let v = st.tensor(key).unwrap_or_else(|e| panic!("{key}: {e}"));
             let d = v.data();
             let vals = match v.dtype() {
-                safetensors::Dtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
-                safetensors::Dtype::F64 => d.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect(),
-                safetensors::Dtype::I64 => d.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+                safetensors::Dtype::F32 => {
+                    d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect()
+                }
+                safetensors::Dtype::F64 => {
+                    d.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect()
+                }
+                safetensors::Dtype::I64 => {
+                    d.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect()
+                }
                 other => panic!("{key}: unexpected dtype {other:?}"),
             };
             (vals, v.shape().to_vec())
@@ -944,7 +967,13 @@ mod tests {
             let out = match case["op"].as_str().unwrap() {
                 "adaptive_avg_pool2d" => adaptive_avg_pool2d(&x, pair("output_size", 1)).unwrap(),
                 op => {
-                    let p = pool(pair("kernel_size", 1), pair("stride", 1), pair("padding", 0), pair("dilation", 1), a["ceil_mode"] == true);
+                    let p = pool(
+                        pair("kernel_size", 1),
+                        pair("stride", 1),
+                        pair("padding", 0),
+                        pair("dilation", 1),
+                        a["ceil_mode"] == true,
+                    );
                     if op == "max_pool2d" {
                         let (out, ix) = max_pool2d_with_indices(&x, p).unwrap();
                         indices = Some(ix);
@@ -960,7 +989,12 @@ mod tests {
                 assert_eq!(ix.to_f64_vec().unwrap(), values(&format!("{name}/indices")).0, "{name} indices");
             }
             backward_with(&out, tensor(&format!("{name}/grad_out"), dtype)).unwrap();
-            within(&x.grad().unwrap().to_f64_vec().unwrap(), &values(&format!("{name}/grad_input")).0, rtol, &format!("{name} grad"));
+            within(
+                &x.grad().unwrap().to_f64_vec().unwrap(),
+                &values(&format!("{name}/grad_input")).0,
+                rtol,
+                &format!("{name} grad"),
+            );
             seen += 1;
         }
         assert!(seen >= 18, "only {seen} pool golden cases");

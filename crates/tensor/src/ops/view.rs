@@ -54,7 +54,8 @@ impl Tensor {
             return Err(Error::shape(format!("reshape: cannot reshape {:?} into {shape:?}", self.shape())));
         }
         let src = self.contiguous()?;
-        let view = src.with_layout(Layout::new(out_shape.clone(), contiguous_strides(&out_shape), src.layout().offset()));
+        let view =
+            src.with_layout(Layout::new(out_shape.clone(), contiguous_strides(&out_shape), src.layout().offset()));
         Ok(if needs_grad(&[&src]) {
             record(view, "reshape", &[&src], ReshapeBack { shape: src.shape().to_vec() })
         } else {

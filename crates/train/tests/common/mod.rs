@@ -52,12 +52,8 @@ pub fn run(
 ) -> (RunOutcome, Vec<(String, Vec<f64>)>, Session) {
     let mut session = Session::new(device, spec, optimizer, 3).expect("session");
     let outcome = session.run(samples, None, opts, &mut |_| {}).expect("run");
-    let params = session
-        .model
-        .parameters()
-        .into_iter()
-        .map(|(n, t)| (n, t.to_f64_vec().expect("cpu tensor")))
-        .collect();
+    let params =
+        session.model.parameters().into_iter().map(|(n, t)| (n, t.to_f64_vec().expect("cpu tensor"))).collect();
     (outcome, params, session)
 }
 
@@ -68,10 +64,7 @@ pub fn assert_params_close(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)], r
         assert_eq!(na, nb);
         let max = vb.iter().fold(0f64, |m, v| m.max(v.abs()));
         for (i, (x, y)) in va.iter().zip(vb).enumerate() {
-            assert!(
-                (x - y).abs() <= rtol * y.abs() + rtol * max,
-                "{what}: parameter {na}[{i}] differs: {x} vs {y}"
-            );
+            assert!((x - y).abs() <= rtol * y.abs() + rtol * max, "{what}: parameter {na}[{i}] differs: {x} vs {y}");
         }
     }
 }
