@@ -10,7 +10,8 @@
 //! Note [Recovery]: when an allocation fails inside a micro-batch, everything the attempt allocated is
 //! dropped (its tensors go out of scope and the backward is transactional, see
 //! `memfit_tensor::autograd`), the allocated bytes are checked to be back at their level before the
-//! attempt, and the allocator's cache is released. The same samples then run again at the same size
+//! attempt, the model's buffers (batch-norm running statistics) are restored from a snapshot taken at
+//! the start of the attempt, and the allocator's cache is released. The same samples then run again at the same size
 //! once (a transient failure, such as fragmentation the released cache cures or an injected fault,
 //! passes without shrinking anything); if they fail again they are re-run as two halves. The smaller
 //! micro-batch sticks, and grows back after `grow_after` successful steps. Each sample of the window
