@@ -726,6 +726,7 @@ mod tests {
     use super::*;
     use crate::autograd::backward_with;
     use crate::memory::{Category, EventKind, Phase};
+    use crate::ops::softmax::test_support::{assert_close, gradcheck};
     use crate::Device;
 
     fn leaf(dev: &Device, data: &[f64], shape: &[usize], grad: bool) -> Tensor {
@@ -787,46 +788,6 @@ mod tests {
         }
         let _ = c;
         out
-    }
-
-    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths differ");
-        for (i, (a, b)) in got.iter().zip(want).enumerate() {
-            assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what}[{i}]: got {a}, want {b}");
-        }
-    }
-
-    /// Checks the gradients of `sum(f(inputs) * r)` against central differences (f64).
-    fn gradcheck(inputs: &[(Vec<f64>, Vec<usize>)], f: impl Fn(&[Tensor]) -> Result<Tensor>) {
-        let dev = Device::cpu();
-        let leaves: Vec<Tensor> = inputs.iter().map(|(d, s)| leaf(&dev, d, s, true)).collect();
-        let out = f(&leaves).unwrap();
-        let r = values(99, out.numel());
-        backward_with(&out, Tensor::from_slice(&dev, &r, out.shape(), Category::Input).unwrap()).unwrap();
-        let loss = |vals: &[Vec<f64>]| -> f64 {
-            let _no_grad = dev.no_grad();
-            let ts: Vec<Tensor> = vals.iter().zip(inputs).map(|(v, (_, s))| leaf(&dev, v, s, false)).collect();
-            f(&ts).unwrap().to_f64_vec().unwrap().iter().zip(&r).map(|(a, b)| a * b).sum()
-        };
-        let eps = 1e-6;
-        for (i, l) in leaves.iter().enumerate() {
-            let analytic = l.grad().expect("input got no gradient").to_f64_vec().unwrap();
-            let mut vals: Vec<Vec<f64>> = inputs.iter().map(|(d, _)| d.clone()).collect();
-            for e in 0..vals[i].len() {
-                let v = vals[i][e];
-                vals[i][e] = v + eps;
-                let up = loss(&vals);
-                vals[i][e] = v - eps;
-                let down = loss(&vals);
-                vals[i][e] = v;
-                let numeric = (up - down) / (2.0 * eps);
-                assert!(
-                    (analytic[e] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
-                    "input {i} element {e}: analytic {} vs numeric {numeric}",
-                    analytic[e]
-                );
-            }
-        }
     }
 
     #[test]
