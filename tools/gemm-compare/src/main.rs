@@ -131,9 +131,25 @@ fn run_gemm(c: &Case, o: &Operands, dst: &mut [f32], threads: usize) {
     // SAFETY: buffers sized for the case; strides describe in-bounds views; dst does not alias.
     unsafe {
         gemm::gemm(
-            c.m, c.n, c.k, dst.as_mut_ptr(), 1, c.n as isize, false,
-            o.a.as_ptr(), o.a_cs, o.a_rs, o.b.as_ptr(), o.b_cs, o.b_rs,
-            1.0f32, 1.0f32, false, false, false, par,
+            c.m,
+            c.n,
+            c.k,
+            dst.as_mut_ptr(),
+            1,
+            c.n as isize,
+            false,
+            o.a.as_ptr(),
+            o.a_cs,
+            o.a_rs,
+            o.b.as_ptr(),
+            o.b_cs,
+            o.b_rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            par,
         );
     }
 }
@@ -148,7 +164,22 @@ fn run_openblas(c: &Case, o: &Operands, dst: &mut [f32]) {
     };
     // SAFETY: buffers sized for the case, leading dimensions match the storage.
     unsafe {
-        cblas_sgemm(CBLAS_ROW_MAJOR, ta, tb, m, n, k, 1.0, o.a.as_ptr(), lda, o.b.as_ptr(), ldb, 0.0, dst.as_mut_ptr(), n);
+        cblas_sgemm(
+            CBLAS_ROW_MAJOR,
+            ta,
+            tb,
+            m,
+            n,
+            k,
+            1.0,
+            o.a.as_ptr(),
+            lda,
+            o.b.as_ptr(),
+            ldb,
+            0.0,
+            dst.as_mut_ptr(),
+            n,
+        );
     }
 }
 
@@ -156,7 +187,11 @@ fn run_openblas(c: &Case, o: &Operands, dst: &mut [f32]) {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let l = v.len();
-    if l % 2 == 1 { v[l / 2] } else { 0.5 * (v[l / 2 - 1] + v[l / 2]) }
+    if l % 2 == 1 {
+        v[l / 2]
+    } else {
+        0.5 * (v[l / 2 - 1] + v[l / 2])
+    }
 }
 
 /// Warm-up (spins up thread pools, faults pages) for >= 200 ms and >= 3 calls; returns how many
@@ -175,7 +210,15 @@ fn warm_up(min_rep: Duration, mut f: impl FnMut()) -> usize {
 /// GFLOP/s of `reps` repetitions of `inner` calls of `f`, pushed onto `rates`. Sets `*disturbed`
 /// if a cargo/rustc process was seen between repetitions (when `watch`).
 #[allow(clippy::too_many_arguments)]
-fn time_reps(flops: f64, reps: usize, inner: usize, watch: bool, disturbed: &mut bool, rates: &mut Vec<f64>, mut f: impl FnMut()) {
+fn time_reps(
+    flops: f64,
+    reps: usize,
+    inner: usize,
+    watch: bool,
+    disturbed: &mut bool,
+    rates: &mut Vec<f64>,
+    mut f: impl FnMut(),
+) {
     for _ in 0..reps {
         let t = Instant::now();
         for _ in 0..inner {
@@ -213,13 +256,29 @@ struct Row {
     steal: f64,
 }
 
-/// Pids of running `cargo` / `rustc` processes (other builds that would steal the 2 cores).
+/// Parent pid of `pid`, from /proc/<pid>/stat.
+fn parent_of(pid: &str) -> Option<String> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    st.rsplit(')').next()?.split_whitespace().nth(1).map(str::to_string)
+}
+
+/// Pids of running `cargo` / `rustc` processes (other builds that would steal the 2 cores),
+/// except our own ancestors (so `cargo run` does not wait for itself).
 fn busy_pids() -> Vec<String> {
+    let mut ancestors = Vec::new();
+    let mut p = parent_of("self");
+    while let Some(pid) = p {
+        if pid == "0" || ancestors.contains(&pid) {
+            break;
+        }
+        p = parent_of(&pid);
+        ancestors.push(pid);
+    }
     let mut out = Vec::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if !name.bytes().all(|b| b.is_ascii_digit()) {
+            if !name.bytes().all(|b| b.is_ascii_digit()) || ancestors.contains(&name) {
                 continue;
             }
             if let Ok(comm) = std::fs::read_to_string(e.path().join("comm")) {
@@ -236,13 +295,22 @@ fn busy_pids() -> Vec<String> {
 /// (busy jiffies of the whole machine excluding steal, steal jiffies, this process's jiffies).
 fn cpu_jiffies() -> (u64, u64, u64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let f: Vec<u64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).map(|x| x.parse().unwrap_or(0)).collect();
+    let f: Vec<u64> =
+        stat.lines().next().unwrap_or("").split_whitespace().skip(1).map(|x| x.parse().unwrap_or(0)).collect();
     let g = |i: usize| f.get(i).copied().unwrap_or(0);
     // user nice system idle iowait irq softirq steal
     let busy = g(0) + g(1) + g(2) + g(5) + g(6);
     let me = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     // fields after the ")" of comm: state is field 3; utime, stime are fields 14, 15.
-    let rest: Vec<u64> = me.rsplit(')').next().unwrap_or("").split_whitespace().skip(11).take(2).map(|x| x.parse().unwrap_or(0)).collect();
+    let rest: Vec<u64> = me
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
     (busy, g(7), rest.iter().sum())
 }
 
@@ -260,7 +328,9 @@ impl Foreign {
     fn stop(&self) -> (f64, f64) {
         let end = cpu_jiffies();
         let hz = 100.0; // USER_HZ
-        let cap = self.t.elapsed().as_secs_f64() * hz * std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+        let cap = self.t.elapsed().as_secs_f64()
+            * hz
+            * std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
         let other = (end.0 - self.start.0) as f64 - (end.2 - self.start.2) as f64;
         let steal = (end.1 - self.start.1) as f64;
         (100.0 * other.max(0.0) / cap, 100.0 * steal / cap)
@@ -287,7 +357,11 @@ fn wait_idle(max: Duration) -> bool {
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| "unknown".into())
 }
 
@@ -331,8 +405,12 @@ fn main() {
         )
     };
     let cpu = cpu_model();
-    println!("CPU: {cpu}  (avx2={} fma={} avx512f={})", is_x86_feature_detected!("avx2"),
-        is_x86_feature_detected!("fma"), is_x86_feature_detected!("avx512f"));
+    println!(
+        "CPU: {cpu}  (avx2={} fma={} avx512f={})",
+        is_x86_feature_detected!("avx2"),
+        is_x86_feature_detected!("fma"),
+        is_x86_feature_detected!("avx512f")
+    );
     println!("OpenBLAS: {config}  core={core}");
     println!("gemm crate 0.17 (Parallelism::Rayon(t) for t>1, None for t=1), rayon global pool of {max_threads}");
     let reps = reps.div_ceil(ROUNDS) * ROUNDS;
@@ -345,8 +423,14 @@ fn main() {
         unsafe { openblas_set_num_threads(t as c_int) };
         let ob_threads = unsafe { openblas_get_num_threads() };
         println!("== {t} thread(s)  (OpenBLAS reports {ob_threads}) ==");
-        println!("{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10}", "case", "lay", "m x n x k", "gemm", "OpenBLAS", "OB/gemm", "max|diff|", "other/stl");
-        println!("{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10}", "", "", "", "GFLOP/s", "GFLOP/s", "", "", "cpu %");
+        println!(
+            "{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10}",
+            "case", "lay", "m x n x k", "gemm", "OpenBLAS", "OB/gemm", "max|diff|", "other/stl"
+        );
+        println!(
+            "{:<22} {:>3} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10}",
+            "", "", "", "GFLOP/s", "GFLOP/s", "", "", "cpu %"
+        );
         for (ci, c) in cases().iter().enumerate() {
             let o = make_operands(c, 0x9E37_79B9_7F4A_7C15 ^ (ci as u64 + 1));
             let mut d_gemm = vec![f32::NAN; c.m * c.n];
@@ -374,7 +458,11 @@ fn main() {
                 }
             }
             let tol = 1e-3 * (c.k as f64).sqrt();
-            assert!(max_diff.is_finite() && (max_diff as f64) < tol, "{}: gemm vs OpenBLAS differ by {max_diff}", c.name);
+            assert!(
+                max_diff.is_finite() && (max_diff as f64) < tol,
+                "{}: gemm vs OpenBLAS differ by {max_diff}",
+                c.name
+            );
             assert!(max_ref_err < tol && max_ref > 1.0, "{}: result wrong vs f64 reference ({max_ref_err})", c.name);
 
             let flops = 2.0 * (c.m * c.n * c.k) as f64;
@@ -400,27 +488,58 @@ fn main() {
                 }
                 (g, b) = (median(&mut rg), median(&mut rb));
                 (foreign, steal) = fw.stop();
-                // > 3 % of the 2 cores used by other processes: something else ran meanwhile.
-                if watch && foreign > 3.0 {
+                // > 3 % of the cores used by other processes, or stolen by the hypervisor (a 2-thread
+                // product stalls whenever either vCPU is descheduled): the timing is not clean.
+                if watch && (foreign > 3.0 || steal > 3.0) {
                     disturbed = true;
                 }
                 clean = !disturbed;
                 if clean || !watch {
                     break;
                 }
-                eprintln!("  [{}: other processes ran during timing (foreign cpu {foreign:.1}%, attempt {}), re-measuring]", c.name, attempt + 1);
+                eprintln!("  [{}: other processes ran during timing (other cpu {foreign:.1}%, steal {steal:.1}%, attempt {}), re-measuring]", c.name, attempt + 1);
                 std::thread::sleep(Duration::from_secs(5));
             }
             println!(
                 "{:<22} {:>3} {:>16} {:>10.1} {:>10.1} {:>8.2} {:>10.2e} {:>5.1}/{:<4.1}{}",
-                c.name, c.layout.name(), format!("{}x{}x{}", c.m, c.n, c.k), g, b, b / g, max_diff, foreign, steal,
+                c.name,
+                c.layout.name(),
+                format!("{}x{}x{}", c.m, c.n, c.k),
+                g,
+                b,
+                b / g,
+                max_diff,
+                foreign,
+                steal,
                 if watch && !clean { "  (NOT clean: other builds ran)" } else { "" }
             );
-            rows.push(Row { threads: t, name: c.name, layout: c.layout.name(), m: c.m, n: c.n, k: c.k, gemm: g, openblas: b, max_diff, max_ref_err, clean: clean || !watch, foreign, steal });
+            rows.push(Row {
+                threads: t,
+                name: c.name,
+                layout: c.layout.name(),
+                m: c.m,
+                n: c.n,
+                k: c.k,
+                gemm: g,
+                openblas: b,
+                max_diff,
+                max_ref_err,
+                clean: clean || !watch,
+                foreign,
+                steal,
+            });
         }
         let mlp: Vec<&Row> = rows.iter().filter(|r| r.threads == t && r.name.starts_with("mlp")).collect();
-        let (fg, fb): (f64, f64) = mlp.iter().map(|r| (2.0 * (r.m * r.n * r.k) as f64 / r.gemm, 2.0 * (r.m * r.n * r.k) as f64 / r.openblas)).fold((0.0, 0.0), |a, x| (a.0 + x.0, a.1 + x.1));
-        println!("MLP step (4 products) total time: gemm {:.3} ms, OpenBLAS {:.3} ms -> OpenBLAS/gemm speed {:.2}x\n", fg / 1e6, fb / 1e6, fg / fb);
+        let (fg, fb): (f64, f64) = mlp
+            .iter()
+            .map(|r| (2.0 * (r.m * r.n * r.k) as f64 / r.gemm, 2.0 * (r.m * r.n * r.k) as f64 / r.openblas))
+            .fold((0.0, 0.0), |a, x| (a.0 + x.0, a.1 + x.1));
+        println!(
+            "MLP step (4 products) total time: gemm {:.3} ms, OpenBLAS {:.3} ms -> OpenBLAS/gemm speed {:.2}x\n",
+            fg / 1e6,
+            fb / 1e6,
+            fg / fb
+        );
     }
 
     // one JSON line (hand-written: no serde dependency)
