@@ -146,3 +146,21 @@ fn bad_data_and_bad_flags_are_named() {
     let out = memfit(&["train", "--model", "vgg"]);
     assert!(text(&out).contains("mlp, simplecnn, deepcnn, resnet"), "{}", text(&out));
 }
+
+#[test]
+fn bench_reports_every_requested_case_as_json() {
+    let out =
+        memfit(&["bench", "--case", "simplecnn-b128", "--steps", "2", "--warmup", "1", "--threads", "1", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["threads"], 1);
+    let cases = r["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 1);
+    assert_eq!(cases[0]["name"], "simplecnn-b128");
+    assert!(cases[0]["median_ms"].as_f64().unwrap() > 0.0);
+    assert!(cases[0]["peak_allocated_bytes"].as_u64().unwrap() > 0);
+    assert!(cases[0]["peak_reserved_bytes"].as_u64().unwrap() >= cases[0]["peak_allocated_bytes"].as_u64().unwrap());
+    let out = memfit(&["bench", "--case", "vgg-b1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("simplecnn-b128"), "{}", text(&out));
+}

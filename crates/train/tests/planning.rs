@@ -62,3 +62,14 @@ fn planning_prefers_the_whole_batch_when_it_fits() {
     assert_eq!((plan.micro_batch, plan.accumulation_steps), (32, 1));
     assert!(plan.larger.is_none());
 }
+
+#[test]
+fn the_safety_margin_keeps_part_of_the_budget_free() {
+    let mut req = request(ModelKind::SimpleCnn, 64, Some(24 << 20));
+    req.safety_margin = 0.25;
+    let chosen = plan(&req).unwrap();
+    assert_eq!(chosen.budget, Some(18 << 20));
+    assert!(chosen.predicted.peak_reserved <= 18 << 20, "the plan fits the budget less the margin");
+    req.safety_margin = 0.9;
+    assert!(matches!(plan(&req), Err(TrainError::Invalid(m)) if m.contains("safety margin")));
+}
