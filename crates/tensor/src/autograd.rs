@@ -1,4 +1,5 @@
-//! Reverse-mode autograd over a dynamic graph.
+//! Reverse-mode autograd over a dynamic graph: [`backward`] commits into `.grad`, [`grad`] returns
+//! gradients and leaves `.grad` alone.
 //!
 //! Each differentiable op that runs with grad enabled on an input that requires grad attaches a
 //! [`Node`] to its output. The node owns a [`Backward`] value: a plain struct whose fields are exactly
@@ -15,6 +16,14 @@
 //! then committed into `.grad` (moved in, or added in place: committing never allocates). If anything
 //! fails midway (an out-of-memory), `.grad` is exactly as before the call, so a trainer can drop the
 //! attempt and re-run the same samples in smaller pieces without corrupting accumulated gradients.
+//!
+//! Note [Gradient ownership]: a gradient flows as an owned `Tensor` value, and one value may reach
+//! several places (`add` hands the same gradient to both inputs; `x + x` sends it twice to one leaf).
+//! Writing over a gradient's memory (in-place backward, accumulation, committing into `.grad`) is
+//! allowed only when `Tensor::owns_storage` holds: this is the one handle on the tensor and the tensor
+//! the one user of its storage. A shared gradient is therefore read, never written, until every other
+//! holder has let go; `.grad` of two leaves never share memory. The decision depends only on who holds
+//! what, never on data, so `meta` still allocates exactly what `cpu` does.
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -85,37 +94,127 @@ pub fn record(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: imp
 
 /// Back-propagates from a scalar `loss` (seed gradient 1).
 pub fn backward(loss: &Tensor) -> Result<()> {
-    if loss.numel() != 1 {
+    let seed = scalar_seed(loss, "backward")?;
+    backward_with(loss, seed)
+}
+
+/// The gradient 1 of a scalar, or an error naming `what` for a non-scalar.
+fn scalar_seed(out: &Tensor, what: &str) -> Result<Tensor> {
+    if out.numel() != 1 {
         return Err(Error::shape(format!(
-            "backward() needs a scalar loss, got shape {:?}; pass a gradient with backward_with",
-            loss.shape()
+            "{what}() needs a scalar output, got shape {:?}; pass the output's gradient explicitly",
+            out.shape()
         )));
     }
-    let seed = Tensor::full(loss.device(), loss.shape(), 1.0, loss.dtype(), Category::Temporary)?;
-    backward_with(loss, seed)
+    Tensor::full(out.device(), out.shape(), 1.0, out.dtype(), Category::Temporary)
 }
 
 /// Back-propagates `grad` (shaped like `out`) through the graph that produced `out`, then commits
 /// leaf gradients into `.grad` (Note [Transactional backward]).
 pub fn backward_with(out: &Tensor, grad: Tensor) -> Result<()> {
-    if grad.shape() != out.shape() {
-        return Err(Error::shape(format!("gradient {:?} does not match output {:?}", grad.shape(), out.shape())));
-    }
     let device = out.device().clone();
     let _phase = device.enter_phase(Phase::Backward);
     let _no_grad = device.no_grad();
-    let mut leaf_grads: Vec<(Tensor, Tensor)> = Vec::new();
-    match out.grad_fn() {
-        None if out.requires_grad() => leaf_grads.push((out.clone(), grad)),
-        None => {
-            return Err(Error::invalid(
-                "backward() on a tensor that does not require grad: was the forward pass run under no_grad, \
-                 or do no parameters require grad?",
-            ))
-        }
-        Some(root) => run_graph(root, grad, &mut leaf_grads)?,
+    let mut sink = Sink::AllLeaves(Vec::new());
+    propagate(vec![(out.clone(), grad)], &mut sink)?;
+    match sink {
+        Sink::AllLeaves(leaf_grads) => commit(leaf_grads),
+        Sink::Inputs { .. } => unreachable!("backward_with collects leaves"),
     }
-    commit(leaf_grads)
+}
+
+/// The gradients of `outputs` (seeded with `grad_outputs`, one per output; None = 1 for a scalar)
+/// with respect to `inputs` (leaves or intermediate tensors), without touching any `.grad`:
+/// PyTorch's `torch.autograd.grad`. An input the outputs do not depend on gets None.
+///
+/// It consumes the graph between them (saved tensors are freed as it goes, like backward), runs
+/// only the nodes that lead to an input, and is re-entrant: a [`Backward`] may call it on a graph it
+/// recorded itself (activation checkpointing does), with grad enabled by [`Device::enable_grad`].
+///
+/// [`Device::enable_grad`]: crate::Device::enable_grad
+pub fn grad(outputs: &[Tensor], grad_outputs: &[Option<Tensor>], inputs: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+    if outputs.is_empty() || outputs.len() != grad_outputs.len() {
+        return Err(Error::invalid(format!(
+            "grad(): {} outputs need as many gradients (None for a scalar), got {}",
+            outputs.len(),
+            grad_outputs.len()
+        )));
+    }
+    let device = outputs[0].device().clone();
+    let _phase = device.enter_phase(Phase::Backward);
+    let _no_grad = device.no_grad();
+    let mut seeds = Vec::with_capacity(outputs.len());
+    for (out, g) in outputs.iter().zip(grad_outputs) {
+        let g = match g {
+            Some(g) => g.clone(),
+            None => scalar_seed(out, "grad")?,
+        };
+        seeds.push((out.clone(), g));
+    }
+    let mut sink = Sink::Inputs { inputs: inputs.to_vec(), grads: vec![None; inputs.len()] };
+    propagate(seeds, &mut sink)?;
+    match sink {
+        Sink::Inputs { grads, .. } => Ok(grads),
+        Sink::AllLeaves(_) => unreachable!("grad collects inputs"),
+    }
+}
+
+/// Where the gradients that reach the graph's ends go.
+enum Sink {
+    /// Every leaf that requires grad, to commit into `.grad` (backward).
+    AllLeaves(Vec<(Tensor, Tensor)>),
+    /// Only these tensors' gradients, returned to the caller (grad).
+    Inputs { inputs: Vec<Tensor>, grads: Vec<Option<Tensor>> },
+}
+
+impl Sink {
+    /// Adds `g` to the gradient of `leaf` when the sink wants it.
+    fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
+        let slot = match self {
+            // Models have tens of leaves: a linear search is cheaper than hashing handles.
+            Sink::AllLeaves(list) => match list.iter().position(|(l, _)| l.same(leaf)) {
+                Some(i) => &mut list[i].1,
+                None => {
+                    list.push((leaf.clone(), g));
+                    return Ok(());
+                }
+            },
+            Sink::Inputs { inputs, grads } => match inputs.iter().position(|t| t.same(leaf)) {
+                Some(i) => return accumulate(&mut grads[i], g),
+                None => return Ok(()),
+            },
+        };
+        let prev = std::mem::replace(slot, g.clone());
+        *slot = crate::ops::add_accumulate(prev, &g)?;
+        Ok(())
+    }
+
+    /// Records the gradient arriving at `node` when an input was produced by it (grad only).
+    fn node(&mut self, node: &Node, g: &Tensor) -> Result<()> {
+        if let Sink::Inputs { inputs, grads } = self {
+            for (t, slot) in inputs.iter().zip(grads.iter_mut()) {
+                if t.grad_fn().is_some_and(|n| n.id == node.id) {
+                    accumulate(slot, g.clone())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether anything behind `edge` can reach the sink (for pruning in grad).
+    fn wants_leaf(&self, leaf: &Tensor) -> bool {
+        match self {
+            Sink::AllLeaves(_) => true,
+            Sink::Inputs { inputs, .. } => inputs.iter().any(|t| t.same(leaf)),
+        }
+    }
+
+    fn wants_node(&self, node: &Node) -> bool {
+        match self {
+            Sink::AllLeaves(_) => false,
+            Sink::Inputs { inputs, .. } => inputs.iter().any(|t| t.grad_fn().is_some_and(|n| n.id == node.id)),
+        }
+    }
 }
 
 fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
@@ -126,15 +225,46 @@ fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
     Ok(())
 }
 
-fn run_graph(root: &Arc<Node>, grad: Tensor, leaf_grads: &mut Vec<(Tensor, Tensor)>) -> Result<()> {
-    // Count, for every reachable node, how many edges point at it.
+/// Runs the graph behind `seeds` (output, its gradient) newest node first, handing what reaches its
+/// ends to `sink`. Gradients are owned values: a node's backward may reuse the memory of the gradient
+/// it is given only when no other handle can see it (Note [Gradient ownership]).
+fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
+    let mut roots = Vec::new();
+    for (out, g) in seeds {
+        if g.shape() != out.shape() {
+            return Err(Error::shape(format!("gradient {:?} does not match output {:?}", g.shape(), out.shape())));
+        }
+        match out.grad_fn() {
+            Some(node) => roots.push((node.clone(), g)),
+            None if out.requires_grad() => sink.leaf(&out, g)?,
+            None => {
+                return Err(Error::invalid(
+                    "backward through a tensor that does not require grad: was the forward pass run under \
+                     no_grad, or do no parameters require grad?",
+                ))
+            }
+        }
+    }
+    // Which nodes lead to something the sink wants (all of them for backward).
+    let mut useful: HashMap<u64, bool> = HashMap::new();
+    for (root, _) in &roots {
+        mark_useful(root, sink, &mut useful);
+    }
+    // Count, for every useful node, how many useful edges point at it.
     let mut dependencies: HashMap<u64, usize> = HashMap::new();
-    let mut stack = vec![root.clone()];
+    let mut stack: Vec<Arc<Node>> = Vec::new();
     let mut seen: HashMap<u64, ()> = HashMap::new();
-    seen.insert(root.id, ());
+    for (root, _) in &roots {
+        if seen.insert(root.id, ()).is_none() {
+            stack.push(root.clone());
+        }
+    }
     while let Some(node) = stack.pop() {
         for edge in node.edges.iter().flatten() {
             if let Edge::Node(next) = edge {
+                if !useful[&next.id] {
+                    continue;
+                }
                 *dependencies.entry(next.id).or_insert(0) += 1;
                 if seen.insert(next.id, ()).is_none() {
                     stack.push(next.clone());
@@ -145,17 +275,40 @@ fn run_graph(root: &Arc<Node>, grad: Tensor, leaf_grads: &mut Vec<(Tensor, Tenso
     // Run ready nodes newest first (PyTorch's order), which frees the deepest activations soonest.
     let mut pending: HashMap<u64, Option<Tensor>> = HashMap::new();
     let mut ready: BinaryHeap<(u64, ByAddress)> = BinaryHeap::new();
-    pending.insert(root.id, Some(grad));
-    ready.push((root.id, ByAddress(root.clone())));
+    for (root, g) in roots {
+        if !useful[&root.id] {
+            continue;
+        }
+        let slot = pending.entry(root.id).or_insert(None);
+        accumulate(slot, g)?;
+        if !dependencies.contains_key(&root.id) && !ready.iter().any(|(id, _)| *id == root.id) {
+            ready.push((root.id, ByAddress(root.clone())));
+        }
+    }
     while let Some((_, ByAddress(node))) = ready.pop() {
         let grad = pending.remove(&node.id).flatten();
+        if let Some(g) = &grad {
+            sink.node(&node, g)?;
+        }
+        let needs: Vec<bool> = node
+            .edges
+            .iter()
+            .map(|e| match e {
+                None => false,
+                Some(Edge::Node(next)) => useful[&next.id],
+                Some(Edge::Leaf(leaf)) => sink.wants_leaf(leaf),
+            })
+            .collect();
+        if !needs.contains(&true) {
+            // An input's own node with nothing wanted behind it: its gradient was taken above.
+            continue;
+        }
         let backward = node.backward.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
             Error::invalid(format!(
                 "backward through the graph a second time ({}): its saved tensors were already freed",
                 node.name
             ))
         })?;
-        let needs: Vec<bool> = node.edges.iter().map(|e| e.is_some()).collect();
         let input_grads = match grad {
             Some(g) => backward.backward(g, &needs)?,
             None => vec![None; needs.len()],
@@ -163,10 +316,9 @@ fn run_graph(root: &Arc<Node>, grad: Tensor, leaf_grads: &mut Vec<(Tensor, Tenso
         if input_grads.len() != node.edges.len() {
             return Err(Error::invalid(format!("internal: {} returned the wrong number of gradients", node.name)));
         }
-        for (edge, g) in node.edges.iter().zip(input_grads) {
+        for ((edge, g), needed) in node.edges.iter().zip(input_grads).zip(needs) {
             match edge {
-                None => {}
-                Some(Edge::Node(next)) => {
+                Some(Edge::Node(next)) if needed => {
                     let slot = pending.entry(next.id).or_insert(None);
                     if let Some(g) = g {
                         accumulate(slot, g)?;
@@ -177,29 +329,56 @@ fn run_graph(root: &Arc<Node>, grad: Tensor, leaf_grads: &mut Vec<(Tensor, Tenso
                         ready.push((next.id, ByAddress(next.clone())));
                     }
                 }
-                Some(Edge::Leaf(leaf)) => {
+                Some(Edge::Leaf(leaf)) if needed => {
                     if let Some(g) = g {
-                        // Models have tens of leaves: a linear search is cheaper than hashing handles.
-                        match leaf_grads.iter().position(|(l, _)| l.same(leaf)) {
-                            Some(i) => {
-                                let prev = leaf_grads[i].1.clone();
-                                leaf_grads[i].1 = crate::ops::add_accumulate(prev, &g)?;
-                            }
-                            None => leaf_grads.push((leaf.clone(), g)),
-                        }
+                        sink.leaf(leaf, g)?;
                     }
                 }
+                _ => {}
             }
         }
     }
     Ok(())
 }
 
-/// Moves or adds each leaf gradient into `.grad`. Never allocates unless a gradient is a view that
-/// must be made contiguous before it can become `.grad`.
+/// Marks, for every node reachable from `root`, whether it leads to something `sink` wants.
+/// Iterative post-order, so deep graphs cannot overflow the stack.
+fn mark_useful(root: &Arc<Node>, sink: &Sink, useful: &mut HashMap<u64, bool>) {
+    if useful.contains_key(&root.id) {
+        return;
+    }
+    let mut stack: Vec<(Arc<Node>, bool)> = vec![(root.clone(), false)];
+    while let Some((node, expanded)) = stack.pop() {
+        if useful.contains_key(&node.id) && !expanded {
+            continue;
+        }
+        if !expanded {
+            stack.push((node.clone(), true));
+            for edge in node.edges.iter().flatten() {
+                if let Edge::Node(next) = edge {
+                    if !useful.contains_key(&next.id) {
+                        stack.push((next.clone(), false));
+                    }
+                }
+            }
+            continue;
+        }
+        let leads = sink.wants_node(&node)
+            || node.edges.iter().flatten().any(|edge| match edge {
+                Edge::Node(next) => useful.get(&next.id).copied().unwrap_or(false),
+                Edge::Leaf(leaf) => sink.wants_leaf(leaf),
+            });
+        useful.insert(node.id, leads);
+    }
+}
+
+/// Moves or adds each leaf gradient into `.grad`. Never allocates unless a gradient is a view, or is
+/// shared with another leaf's, and must be copied before it can become `.grad`.
 fn commit(leaf_grads: Vec<(Tensor, Tensor)>) -> Result<()> {
     // First make every incoming gradient an exclusively owned, contiguous tensor, so that the loop
-    // below cannot fail halfway.
+    // below cannot fail halfway. A gradient two leaves share (`a + b`) is copied for the first and
+    // moved into the second: dropping the shared handle as the copy replaces it makes the last one
+    // exclusive.
     let mut ready = Vec::with_capacity(leaf_grads.len());
     for (leaf, grad) in leaf_grads {
         let grad = if leaf.grad().is_none() && !grad.owns_storage() { grad.contiguous_copy()? } else { grad };

@@ -167,6 +167,13 @@ impl Device {
         let previous = self.0.grad_enabled.swap(false, Ordering::Relaxed);
         GradModeGuard { device: self.clone(), previous }
     }
+
+    /// Enables graph recording until the guard drops, also inside a no-grad region (a backward pass
+    /// runs under no-grad; activation checkpointing re-runs its forward inside it with this).
+    pub fn enable_grad(&self) -> GradModeGuard {
+        let previous = self.0.grad_enabled.swap(true, Ordering::Relaxed);
+        GradModeGuard { device: self.clone(), previous }
+    }
 }
 
 impl fmt::Debug for Device {

@@ -211,10 +211,14 @@ impl Tensor {
         Arc::ptr_eq(&self.0, &other.0)
     }
 
-    /// True when this tensor is the only user of its storage and covers all of it contiguously:
-    /// it can then be updated in place without anybody seeing.
+    /// True when nobody but the caller can see this tensor's memory: this is the only handle on the
+    /// tensor (clones share one tensor, see [`Tensor`]), the tensor is the only user of its storage
+    /// (no view, no saved copy), and it covers all of the storage contiguously. Only then may it be
+    /// updated in place (Note [Gradient ownership] in `autograd.rs`). Callers pass handles they own by
+    /// value, so the count reflects everybody else.
     pub(crate) fn owns_storage(&self) -> bool {
-        Arc::strong_count(&self.0.storage) == 1
+        Arc::strong_count(&self.0) == 1
+            && Arc::strong_count(&self.0.storage) == 1
             && self.is_contiguous()
             && self.0.layout.offset() == 0
             && self.numel() * self.dtype().size() == self.0.storage.requested_bytes()

@@ -199,6 +199,16 @@ fn gradcheck_binary_broadcasting() {
     }
     // The same tensor on both sides: gradients from both operands add up.
     gradcheck("mul self", &[rand_input(&mut rng, &[3, 4])], |x| x[0].mul(&x[0]));
+    // One tensor feeding two branches whose backwards could run in place on a shared gradient
+    // (Note [Gradient ownership]).
+    gradcheck("relu(x) + sigmoid(x)", &[input(&[4, 5], rng.away_from_zero(20, 0.05, 2.0))], |x| {
+        x[0].relu()?.add(&x[0].sigmoid()?)
+    });
+    gradcheck("sigmoid(x) + relu(x)", &[input(&[4, 5], rng.away_from_zero(20, 0.05, 2.0))], |x| {
+        x[0].sigmoid()?.add(&x[0].relu()?)
+    });
+    gradcheck("x * x + x", &[rand_input(&mut rng, &[3, 4])], |x| x[0].mul(&x[0])?.add(&x[0]));
+    gradcheck("tanh(x + x)", &[rand_input(&mut rng, &[3, 4])], |x| x[0].add(&x[0])?.tanh());
     // One operand constant.
     let c = rng.vec(5, -1.0, 1.0);
     gradcheck("mul constant", &[rand_input(&mut rng, &[3, 5]), constant(&[5], c)], |x| x[0].mul(&x[1]));

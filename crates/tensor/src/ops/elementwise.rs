@@ -145,10 +145,11 @@ struct UnaryBack {
 
 impl Backward for UnaryBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
-        let grad = grad.contiguous()?;
+        let grad = grad.into_contiguous()?;
         // The incoming gradient is usually a temporary nobody else holds: write the result over it
         // instead of allocating another tensor of the same size (the same on meta: it depends only
-        // on who holds the gradient, never on data).
+        // on who holds the gradient, never on data). A gradient `add` handed to both of its inputs
+        // is shared until one of them is done with it, and is never written over.
         let in_place = grad.owns_storage();
         let out = if in_place { grad.clone() } else { output(&grad, grad.shape(), grad.dtype(), "unary_backward")? };
         if grad.device().computes() {

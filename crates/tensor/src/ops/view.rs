@@ -26,6 +26,16 @@ impl Tensor {
         Ok(if needs_grad(&[self]) { record(out, "contiguous", &[self], Identity) } else { out })
     }
 
+    /// [`Tensor::contiguous`] of a handle the caller gives up: a contiguous tensor comes back as the
+    /// same handle (no clone), so [`Tensor::owns_storage`] still sees it unshared.
+    pub(crate) fn into_contiguous(self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            Ok(self)
+        } else {
+            self.contiguous()
+        }
+    }
+
     /// Same data, new shape (one dim may be -1). A view when contiguous, else a copy.
     pub fn reshape(&self, shape: &[isize]) -> Result<Tensor> {
         let numel = self.numel();

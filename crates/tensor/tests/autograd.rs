@@ -1,0 +1,196 @@
+//! Autograd semantics: gradients that reach several places are never shared or clobbered (Note
+//! [Gradient ownership]), `grad()` returns gradients without touching `.grad`, is re-entrant, and
+//! grad can be enabled inside a no-grad region.
+
+use memfit_tensor::autograd::{self, backward, grad, record, Backward};
+use memfit_tensor::{Category, Device, Result, Tensor};
+
+fn leaf(device: &Device, values: &[f64]) -> Tensor {
+    Tensor::from_slice(device, values, &[values.len()], Category::Parameter).unwrap().set_requires_grad(true)
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_f64_vec().unwrap()
+}
+
+fn assert_close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-12 * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+/// d/dx sum(relu(x) + sigmoid(x)) = [x > 0] + s(x)(1 - s(x)).
+fn relu_plus_sigmoid_grad(x: &[f64]) -> Vec<f64> {
+    x.iter()
+        .map(|&v| {
+            let s = 1.0 / (1.0 + (-v).exp());
+            f64::from(u8::from(v > 0.0)) + s * (1.0 - s)
+        })
+        .collect()
+}
+
+#[test]
+fn relu_plus_sigmoid_of_one_input_gets_both_gradients() {
+    let device = Device::cpu();
+    let xv = [0.5, -0.3, 1.2, 2.0];
+    let x = leaf(&device, &xv);
+    backward(&x.relu().unwrap().add(&x.sigmoid().unwrap()).unwrap().sum_all().unwrap()).unwrap();
+    let got = values(&x.grad().unwrap());
+    assert_close(&got, &relu_plus_sigmoid_grad(&xv), "x.grad");
+    // The numbers, to three decimals.
+    for (g, want) in got.iter().zip([1.235, 0.244, 1.178, 1.105]) {
+        assert!((g - want).abs() < 1e-3, "{got:?}");
+    }
+}
+
+#[test]
+fn two_leaves_added_get_separate_gradients_that_accumulate() {
+    let device = Device::cpu();
+    let a = leaf(&device, &[1.0, 2.0, 3.0]);
+    let b = leaf(&device, &[4.0, 5.0, 6.0]);
+    for _ in 0..2 {
+        backward(&a.add(&b).unwrap().sum_all().unwrap()).unwrap();
+    }
+    let (ga, gb) = (a.grad().unwrap(), b.grad().unwrap());
+    assert_eq!(values(&ga), vec![2.0; 3]);
+    assert_eq!(values(&gb), vec![2.0; 3]);
+    assert!(!std::sync::Arc::ptr_eq(ga.storage(), gb.storage()), "a.grad and b.grad share memory");
+    // Mutating one gradient leaves the other alone.
+    memfit_tensor::ops::add_into(&ga, &Tensor::from_slice(&device, &[10.0f64; 3], &[3], Category::Input).unwrap())
+        .unwrap();
+    assert_eq!(values(&a.grad().unwrap()), vec![12.0; 3]);
+    assert_eq!(values(&b.grad().unwrap()), vec![2.0; 3]);
+}
+
+#[test]
+fn x_plus_x_gives_two() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, -2.0]);
+    backward(&x.add(&x).unwrap().sum_all().unwrap()).unwrap();
+    assert_eq!(values(&x.grad().unwrap()), vec![2.0, 2.0]);
+    // And through an op that could run in place on the shared gradient.
+    let y = leaf(&device, &[0.3, -0.7]);
+    backward(&y.add(&y).unwrap().tanh().unwrap().sum_all().unwrap()).unwrap();
+    let want: Vec<f64> = [0.3f64, -0.7].iter().map(|v| 2.0 * (1.0 - (2.0 * v).tanh().powi(2))).collect();
+    assert_close(&values(&y.grad().unwrap()), &want, "y.grad");
+}
+
+#[test]
+fn a_gradient_the_caller_still_holds_is_not_written_over() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[0.5, -1.0, 2.0]);
+    let seed = Tensor::from_slice(&device, &[1.0, 2.0, 3.0], &[3], Category::Input).unwrap();
+    autograd::backward_with(&x.relu().unwrap(), seed.clone()).unwrap();
+    assert_eq!(values(&seed), vec![1.0, 2.0, 3.0], "the caller's gradient changed");
+    assert_eq!(values(&x.grad().unwrap()), vec![1.0, 0.0, 3.0]);
+    // A leaf's own seed becomes its .grad only as a copy: accumulating later must not touch it.
+    let y = leaf(&device, &[1.0, 1.0, 1.0]);
+    autograd::backward_with(&y, seed.clone()).unwrap();
+    autograd::backward_with(&y, seed.clone()).unwrap();
+    assert_eq!(values(&seed), vec![1.0, 2.0, 3.0]);
+    assert_eq!(values(&y.grad().unwrap()), vec![2.0, 4.0, 6.0]);
+}
+
+#[test]
+fn grad_matches_backward_and_leaves_dot_grad_alone() {
+    let device = Device::cpu();
+    let xv = [0.5, -0.3, 1.2, 2.0];
+    let x = leaf(&device, &xv);
+    let w = leaf(&device, &[2.0, 3.0, 4.0, 5.0]);
+    let f = || x.relu().unwrap().add(&x.sigmoid().unwrap()).unwrap().mul(&w).unwrap().sum_all().unwrap();
+    let got = grad(&[f()], &[None], &[x.clone(), w.clone()]).unwrap();
+    assert!(x.grad().is_none() && w.grad().is_none(), "grad() wrote .grad");
+    backward(&f()).unwrap();
+    assert_close(&values(got[0].as_ref().unwrap()), &values(&x.grad().unwrap()), "dx");
+    assert_close(&values(got[1].as_ref().unwrap()), &values(&w.grad().unwrap()), "dw");
+    let want: Vec<f64> = relu_plus_sigmoid_grad(&xv).iter().zip([2.0, 3.0, 4.0, 5.0]).map(|(g, w)| g * w).collect();
+    assert_close(&values(got[0].as_ref().unwrap()), &want, "dx analytic");
+}
+
+#[test]
+fn grad_wrt_an_intermediate_and_an_unused_input() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    let unused = leaf(&device, &[5.0]);
+    let h = x.mul_scalar(3.0).unwrap();
+    let y = h.mul(&h).unwrap().sum_all().unwrap(); // dy/dh = 2h = [6, 12]; dy/dx = 3 * 2h = [18, 36]
+    let got = grad(&[y], &[None], &[h.clone(), x.clone(), unused.clone()]).unwrap();
+    assert_eq!(values(got[0].as_ref().unwrap()), vec![6.0, 12.0]);
+    assert_eq!(values(got[1].as_ref().unwrap()), vec![18.0, 36.0]);
+    assert!(got[2].is_none());
+    assert!(x.grad().is_none());
+}
+
+#[test]
+fn grad_of_several_outputs_adds_their_contributions() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    let a = x.mul_scalar(2.0).unwrap();
+    let b = x.mul(&x).unwrap();
+    let ga = Tensor::from_slice(&device, &[1.0, 1.0], &[2], Category::Input).unwrap();
+    let gb = Tensor::from_slice(&device, &[1.0, 10.0], &[2], Category::Input).unwrap();
+    let got = grad(&[a, b], &[Some(ga), Some(gb)], std::slice::from_ref(&x)).unwrap();
+    assert_eq!(values(got[0].as_ref().unwrap()), vec![2.0 + 2.0, 2.0 + 40.0]);
+}
+
+/// A backward that re-runs its forward (y = x * x) with grad enabled and differentiates it with
+/// `grad()`: what activation checkpointing does.
+struct Recompute {
+    x: Tensor,
+}
+
+impl Backward for Recompute {
+    fn backward(self: Box<Self>, g: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let device = self.x.device().clone();
+        assert!(!device.grad_enabled(), "backward runs under no-grad");
+        let x = self.x.detach().set_requires_grad(true);
+        let y = {
+            let _enable = device.enable_grad();
+            x.mul(&x)?
+        };
+        assert!(!device.grad_enabled(), "enable_grad restores no-grad");
+        let mut grads = grad(&[y], &[Some(g)], &[x])?;
+        Ok(vec![grads.pop().flatten()])
+    }
+}
+
+#[test]
+fn grad_is_reentrant_from_inside_a_backward() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.5, -2.0]);
+    let y = {
+        let _ng = device.no_grad();
+        x.mul(&x).unwrap()
+    };
+    assert!(!y.requires_grad());
+    let y = record(y, "recompute", &[&x], Recompute { x: x.detach() });
+    let z = y.mul_scalar(3.0).unwrap().sum_all().unwrap();
+    backward(&z).unwrap();
+    assert_eq!(values(&x.grad().unwrap()), vec![9.0, -12.0]);
+}
+
+#[test]
+fn grad_errors_are_clear() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    let y = x.mul_scalar(2.0).unwrap();
+    let e = grad(std::slice::from_ref(&y), &[None], std::slice::from_ref(&x)).unwrap_err().to_string();
+    assert!(e.contains("scalar"), "{e}");
+    let e = grad(&[y], &[], &[x]).unwrap_err().to_string();
+    assert!(e.contains("gradients"), "{e}");
+}
+
+#[test]
+fn meta_allocates_like_cpu_for_shared_gradients() {
+    let run = |device: Device| {
+        let x = Tensor::zeros(&device, &[64, 64], memfit_tensor::DType::F32, Category::Parameter)
+            .unwrap()
+            .set_requires_grad(true);
+        let y = x.relu().unwrap().add(&x.sigmoid().unwrap()).unwrap().add(&x).unwrap();
+        backward(&y.sum_all().unwrap()).unwrap();
+        let s = device.stats();
+        (s.allocated_bytes.peak, s.allocation.allocated, s.allocated_bytes.current)
+    };
+    assert_eq!(run(Device::cpu()), run(Device::meta()));
+}
