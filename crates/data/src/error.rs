@@ -1,5 +1,6 @@
-//! `DataError`: every way loading or batching data can fail, with messages
-//! that name the file (or call), say what is wrong and what to do about it.
+//! `DataError`: every way loading or batching data (images or text) can
+//! fail, with messages that name the file (or call), say what is wrong and
+//! what to do about it.
 
 use std::fmt;
 use std::io;
@@ -9,7 +10,8 @@ use std::path::PathBuf;
 pub(crate) const FASHION_FILES_HINT: &str = "train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, \
 t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz; gzip-compressed or not";
 
-/// An error while reading IDX files, loading Fashion-MNIST or filling a batch.
+/// An error while reading IDX files, loading Fashion-MNIST or a text, or
+/// filling a batch.
 ///
 /// `name` fields hold the file's path (or, for embedded data, its name) as
 /// shown to the user.
@@ -43,6 +45,27 @@ pub enum DataError {
     BatchShape { what: &'static str, expected: usize, found: usize, detail: String },
     /// `fill_batch` was given a sample index past the end of the split.
     IndexOutOfRange { index: usize, len: usize },
+    /// A text path names a folder, not a file.
+    NotAFile { path: PathBuf },
+    /// A text (file or embedded) has no characters.
+    EmptyText { name: String },
+    /// A text file is not valid UTF-8; `offset` is the byte offset of the
+    /// first invalid byte (in the decompressed text for gzip files).
+    NotUtf8 { name: String, offset: usize },
+    /// The training or validation part of a text is shorter than one window
+    /// of `context + 1` characters.
+    TextTooShort { name: String, train: usize, val: usize, context: usize },
+    /// A context (window length) of 0 characters was asked for.
+    ZeroContext,
+    /// A character to encode is not in the model's vocabulary; `position`
+    /// counts characters (not bytes) from 0.
+    UnknownChar { ch: char, position: usize, vocab_len: usize },
+    /// A stored vocabulary is empty, unsorted or has a repeated character.
+    BadVocab { detail: String },
+    /// `fill_windows` was given output slices of the wrong length.
+    WindowShape { what: &'static str, expected: usize, found: usize, detail: String },
+    /// `fill_windows` was given a window start whose window does not fit.
+    WindowOutOfRange { start: usize, context: usize, len: usize },
 }
 
 const DAMAGED: &str = "the file is damaged, download or reinstall it";
@@ -112,8 +135,64 @@ impl fmt::Display for DataError {
                 "fill_batch: sample index {index} is out of range for a split of {len} samples; \
                  build the epoch order from this split's len()"
             ),
+            DataError::NotAFile { path } => write!(
+                f,
+                "{} is a folder, not a file: give the path of a UTF-8 text file (gzip-compressed or not)",
+                path.display()
+            ),
+            DataError::EmptyText { name } => write!(
+                f,
+                "{name}: the text is empty; a character-level model needs a text to learn from, give a non-empty UTF-8 text file"
+            ),
+            DataError::NotUtf8 { name, offset } => write!(
+                f,
+                "{name}: not UTF-8 text: invalid byte at byte offset {offset}; the file must be UTF-8 text \
+                 (convert it, e.g. with `iconv -t UTF-8`)"
+            ),
+            DataError::TextTooShort { name, train, val, context } => {
+                let needed = context.saturating_add(1);
+                let fits = (*train).min(*val).saturating_sub(1);
+                let hint = if fits > 0 { format!(" (at most {fits})") } else { String::new() };
+                write!(
+                    f,
+                    "{name}: too short for --context {context}: the training part holds {train} characters and the \
+                     validation part {val}, but each needs at least one window of context + 1 = {needed} characters; \
+                     use a smaller --context{hint} or a longer text"
+                )
+            }
+            DataError::ZeroContext => {
+                write!(f, "--context 0: a character-level model needs a context of at least 1 character")
+            }
+            DataError::UnknownChar { ch, position, vocab_len } => write!(
+                f,
+                "character {} at position {position} is not in the model's vocabulary of {vocab_len} characters; \
+                 use only characters of the text the model was trained on",
+                describe_char(*ch)
+            ),
+            DataError::BadVocab { detail } => write!(
+                f,
+                "bad character vocabulary: {detail}; a vocabulary must be the sorted distinct characters of a text \
+                 (as memfit stores it in a checkpoint), so the checkpoint is damaged or was not written by memfit"
+            ),
+            DataError::WindowShape { what, expected, found, detail } => write!(
+                f,
+                "fill_windows: {what} buffer has length {found} but must have {expected} ({detail}); \
+                 allocate the buffers as windows x context"
+            ),
+            DataError::WindowOutOfRange { start, context, len } => write!(
+                f,
+                "fill_windows: a window of context {context} starting at {start} needs {} tokens but the part holds \
+                 {len}; draw the starts with random_window_starts or eval_window_starts for this part's length",
+                start.saturating_add(*context).saturating_add(1)
+            ),
         }
     }
+}
+
+/// A character for messages: quoted and escaped like Rust's `{:?}`, with its
+/// code point, e.g. `'é' (U+00E9)` or `'\u{301}' (U+0301)`.
+pub(crate) fn describe_char(c: char) -> String {
+    format!("{c:?} (U+{:04X})", c as u32)
 }
 
 const IMAGES: u32 = crate::idx::IMAGES_MAGIC;
