@@ -8,5 +8,5 @@ pub mod layers;
 pub mod models;
 pub mod optim;
 
-pub use models::{build_model, Model, ModelKind, ModelSpec};
+pub use models::{build_model, GptConfig, Model, ModelInput, ModelKind, ModelSpec};
 pub use optim::{Optimizer, OptimizerConfig};

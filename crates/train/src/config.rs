@@ -1,7 +1,7 @@
 //! Typed training configuration (the CLI turns arguments into this; nothing here parses strings
 //! except the small enums' `parse`).
 
-use memfit_nn::{ModelKind, OptimizerConfig};
+use memfit_nn::{GptConfig, ModelKind, OptimizerConfig};
 use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::DeviceKind;
 use std::path::PathBuf;
@@ -47,7 +47,11 @@ impl OptimizerChoice {
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
     pub model: ModelKind,
-    /// Folder with the four Fashion-MNIST IDX files; None = system package or embedded subset.
+    /// The GPT's sizes (its vocabulary comes from the text; ignored by image models).
+    pub gpt: GptConfig,
+    /// Image models: folder with the four Fashion-MNIST IDX files; None = system package or embedded
+    /// subset. GPT: a UTF-8 text file; None = Moby Dick shipped inside memfit. `embedded` forces the
+    /// shipped data.
     pub data: Option<PathBuf>,
     pub epochs: usize,
     /// Stop after this many optimizer steps (over all epochs).
@@ -81,6 +85,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             model: ModelKind::SimpleCnn,
+            gpt: GptConfig::default(),
             data: None,
             epochs: 1,
             max_steps: None,

@@ -1,21 +1,25 @@
-//! One `memfit train` job end to end: load the data, plan the micro-batch when a budget is given,
-//! build the model on the chosen device, load a checkpoint, train, evaluate, save, and summarize.
+//! One `memfit train` job end to end, for any task: load the task's data, plan the micro-batch when
+//! a budget is given, build the model on the chosen device, load a checkpoint, train, evaluate, save,
+//! and summarize.
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::planner::{self, Plan, PlanRequest};
-use crate::samples::{Samples, SplitSamples, SyntheticSamples};
+use crate::samples::Samples;
+use crate::task::Task;
 use crate::trainer::{RunOptions, RunOutcome, Session, StepEvent};
-use memfit_nn::{ModelKind, ModelSpec};
+use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
+use std::collections::HashMap;
 
-/// `--data embedded` selects the subset shipped inside memfit even when the full set is installed.
-pub const EMBEDDED: &str = "embedded";
+pub use crate::task::EMBEDDED;
 
 /// Everything a finished run reports.
 #[derive(Clone, Debug)]
 pub struct RunSummary {
     pub config: TrainConfig,
+    /// The model trained (sizes resolved from the data).
+    pub spec: ModelSpec,
     pub data_source: String,
     pub micro_batch: usize,
     pub accumulation_steps: usize,
@@ -40,17 +44,6 @@ pub trait Observer: Send {
 pub struct Quiet;
 impl Observer for Quiet {}
 
-/// The image spec of `kind` for inputs (C, H, W).
-pub fn image_spec(kind: ModelKind, input: [usize; 3], classes: usize) -> Result<ModelSpec, TrainError> {
-    if kind == ModelKind::Gpt {
-        return Err(TrainError::Invalid(
-            "the gpt model needs token data: `memfit train` trains the image models (mlp, simplecnn, deepcnn, resnet)"
-                .into(),
-        ));
-    }
-    Ok(ModelSpec::image(kind, input, classes))
-}
-
 /// Runs a training job on the rayon pool of `cfg.threads` threads.
 pub fn train(cfg: &TrainConfig, observer: &mut dyn Observer) -> Result<RunSummary, TrainError> {
     let threads = cfg.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -68,14 +61,10 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     if cfg.micro_batch == Some(0) {
         return Err(TrainError::Invalid("--micro-batch must be at least 1".into()));
     }
-    let data = match cfg.data.as_deref() {
-        Some(dir) if dir.as_os_str() == EMBEDDED => memfit_data::load_embedded()?,
-        dir => memfit_data::load_fashion_mnist(dir)?,
-    };
-    observer.data_loaded(&data.source.to_string(), data.train.len(), data.val.len());
-    let train_samples = SplitSamples { split: &data.train };
-    let val_samples = SplitSamples { split: &data.val };
-    let spec = image_spec(cfg.model, train_samples.input_shape(), train_samples.num_classes())?;
+    let task = Task::load(cfg)?;
+    let (train_samples, val_samples) = (task.train_samples(), task.val_samples());
+    observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
+    let spec = task.spec.clone();
     let optimizer = cfg.optimizer.config(cfg.lr);
     let request = PlanRequest {
         model: spec.clone(),
@@ -101,6 +90,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     let device = Device::new(DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault));
     let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
     if let Some(path) = &cfg.load {
+        check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {
             memfit_nn::checkpoint::load(path, session.model.as_ref())
                 .map_err(|e| TrainError::Checkpoint(format!("cannot load checkpoint {}: {e}", path.display())))?;
@@ -117,21 +107,24 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         grow_after: 50,
         record_samples: cfg.record_samples,
     };
-    let val: Option<&dyn Samples> = if cfg.evaluate { Some(&val_samples) } else { None };
+    let val: Option<&dyn Samples> = if cfg.evaluate { Some(val_samples.as_ref()) } else { None };
     let outcome = {
         let mut on_step = |e: &StepEvent| observer.step(e);
-        session.run(&train_samples, val, &opts, &mut on_step).map_err(|e| advise(e, &request))?
+        session.run(train_samples.as_ref(), val, &opts, &mut on_step).map_err(|e| advise(e, &request))?
     };
     if let Some(path) = &cfg.save {
         if cfg.device == DeviceKind::Cpu {
-            memfit_nn::checkpoint::save(path, session.model.as_ref())
+            let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
+            let tensors = memfit_nn::checkpoint::state_dict(session.model.as_ref());
+            memfit_nn::checkpoint::save_tensors(path, &tensors, Some(metadata))
                 .map_err(|e| TrainError::Checkpoint(format!("cannot save checkpoint {}: {e}", path.display())))?;
         }
     }
     let stats = device.stats();
     Ok(RunSummary {
         config: cfg.clone(),
-        data_source: data.source.to_string(),
+        spec,
+        data_source: task.source(),
         micro_batch: micro,
         accumulation_steps: cfg.batch_size.div_ceil(micro),
         eval_micro_batch: eval_micro,
@@ -170,7 +163,25 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
     TrainError::OutOfMemory { oom: Box::new(oom), advice }
 }
 
-/// Synthetic samples shaped like the model's input, for planning and benchmarks.
-pub fn synthetic(spec: &ModelSpec, len: usize, seed: u64) -> SyntheticSamples {
-    SyntheticSamples { len, shape: spec.input, classes: spec.num_classes, seed }
+/// Errors when a checkpoint made for a text task was trained on another vocabulary: its token ids
+/// would mean other characters.
+fn check_vocab(path: &std::path::Path, task: &Task) -> Result<(), TrainError> {
+    let Some(vocab) = task.vocab() else { return Ok(()) };
+    let metadata = memfit_nn::checkpoint::read_metadata(path)
+        .map_err(|e| TrainError::Checkpoint(format!("cannot load checkpoint {}: {e}", path.display())))?
+        .unwrap_or_default();
+    match metadata.get(memfit_nn::models::VOCAB_KEY) {
+        Some(saved) if *saved == vocab.as_string() => Ok(()),
+        Some(saved) => Err(TrainError::Checkpoint(format!(
+            "checkpoint {} was trained on a text with another vocabulary ({} characters; this text has {}): \
+             train on the same text, or start without --load",
+            path.display(),
+            saved.chars().count(),
+            vocab.len()
+        ))),
+        None => Err(TrainError::Checkpoint(format!(
+            "checkpoint {} has no vocabulary: it was not saved by `memfit train --model gpt`",
+            path.display()
+        ))),
+    }
 }

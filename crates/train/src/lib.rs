@@ -1,20 +1,25 @@
 //! memfit-train: runs training under a memory budget.
 //!
-//! - [`samples`]: where a step's inputs come from (Fashion-MNIST or synthetic), written straight into
-//!   device tensors;
+//! - [`task`]: what each model kind learns from (Fashion-MNIST images, or the characters of a text)
+//!   and how a job loads it;
+//! - [`samples`]: where a step's inputs come from (images, text windows, or synthetic), written
+//!   straight into device tensors;
 //! - [`trainer`]: the training loop with gradient accumulation and out-of-memory recovery (Note
 //!   [Recovery]) on any device, `meta` included, so the same code predicts and runs;
 //! - [`planner`]: chooses the micro-batch for an effective batch and a budget by dry runs on `meta`;
 //! - [`report`]: the JSON report and the memory table people read;
-//! - [`bench`]: step-time and memory benchmarks of the model zoo.
+//! - [`bench`]: step-time and memory benchmarks of the model zoo;
+//! - [`generate`]: text from a saved GPT.
 
 pub mod bench;
 pub mod config;
 mod error;
+pub mod generate;
 pub mod job;
 pub mod planner;
 pub mod report;
 pub mod samples;
+pub mod task;
 pub mod trainer;
 
 pub use config::{OptimizerChoice, TrainConfig};

@@ -8,7 +8,7 @@
 //! allocation sequence is the same (the invariant `meta == cpu`).
 
 use crate::error::TrainError;
-use crate::samples::SyntheticSamples;
+use crate::samples::{synthetic, Samples};
 use crate::trainer::{RunOptions, Session};
 use memfit_nn::{ModelSpec, OptimizerConfig};
 use memfit_tensor::memory::format_bytes;
@@ -92,8 +92,8 @@ pub fn predict(
         Err(e) => return Err(e),
     };
     let (train, val, opts) = dry_run(req, micro, eval_micro.unwrap_or(1));
-    let val: Option<&dyn crate::samples::Samples> = if eval_micro.is_some() { Some(&val) } else { None };
-    match session.run(&train, val, &opts, &mut |_| {}) {
+    let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
+    match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
         Ok(_) => {}
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e),
@@ -111,14 +111,12 @@ pub fn predict(
     }))
 }
 
-/// The program a dry run executes: synthetic samples shaped like the model's input, `PLAN_STEPS`
-/// full windows, one evaluation micro-batch, recovery off. Running it on `cpu` with the same capacity
-/// reproduces the prediction exactly.
-pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (SyntheticSamples, SyntheticSamples, RunOptions) {
-    let shape = req.model.input;
-    let classes = req.model.num_classes;
-    let train = SyntheticSamples { len: PLAN_STEPS * req.effective_batch, shape, classes, seed: req.seed };
-    let val = SyntheticSamples { len: eval_micro, shape, classes, seed: req.seed };
+/// The program a dry run executes: synthetic samples shaped like the model's input (images or token
+/// windows), `PLAN_STEPS` full windows, one evaluation micro-batch, recovery off. Running it on `cpu`
+/// with the same capacity reproduces the prediction exactly.
+pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
+    let train = synthetic(&req.model, PLAN_STEPS * req.effective_batch, req.seed);
+    let val = synthetic(&req.model, eval_micro, req.seed);
     let opts = RunOptions {
         effective_batch: req.effective_batch,
         micro_batch: micro,

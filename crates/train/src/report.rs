@@ -3,6 +3,7 @@
 
 use crate::job::RunSummary;
 use crate::trainer::median;
+use memfit_nn::ModelInput;
 use memfit_tensor::memory::format_bytes;
 use memfit_tensor::Category;
 use serde::Serialize;
@@ -19,6 +20,10 @@ pub struct PlanReport {
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub model: String,
+    /// `image_classification` or `next_character` (a GPT on text).
+    pub task: String,
+    /// The GPT's sizes and vocabulary size (null for image models).
+    pub gpt: Option<GptReport>,
     pub device: String,
     pub capacity_bytes: Option<u64>,
     pub data: String,
@@ -35,8 +40,12 @@ pub struct Report {
     pub predicted_peak_allocated_bytes: Option<u64>,
     pub predicted_peak_reserved_bytes: Option<u64>,
     pub final_train_loss: Option<f64>,
+    /// Mean cross-entropy over the validation predictions (nats per character for a GPT).
     pub val_loss: Option<f64>,
+    /// Share of validation predictions whose argmax is right (next-character accuracy for a GPT).
     pub val_accuracy: Option<f64>,
+    /// exp(val_loss), for a GPT.
+    pub val_perplexity: Option<f64>,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
     /// Each category's own peak.
@@ -59,6 +68,15 @@ pub struct Report {
     pub samples_per_second: f64,
 }
 
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct GptReport {
+    pub layers: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub context: usize,
+    pub vocab: usize,
+}
+
 fn by_category(values: impl Fn(Category) -> u64) -> BTreeMap<String, u64> {
     Category::ALL.into_iter().map(|c| (c.name().to_string(), values(c))).collect()
 }
@@ -72,6 +90,15 @@ impl Report {
         let eval = s.outcome.eval.as_ref();
         Report {
             model: s.config.model.name().to_string(),
+            task: match s.spec.input_kind() {
+                ModelInput::Image { .. } => "image_classification",
+                ModelInput::Tokens { .. } => "next_character",
+            }
+            .to_string(),
+            gpt: matches!(s.spec.input_kind(), ModelInput::Tokens { .. }).then(|| {
+                let g = s.spec.gpt;
+                GptReport { layers: g.layers, d_model: g.d_model, heads: g.heads, context: g.max_t, vocab: g.vocab }
+            }),
             device: s.config.device.name().to_string(),
             capacity_bytes: s.capacity,
             data: s.data_source.clone(),
@@ -93,6 +120,9 @@ impl Report {
             final_train_loss: s.outcome.last_loss,
             val_loss: eval.and_then(|e| e.loss),
             val_accuracy: eval.and_then(|e| e.accuracy),
+            val_perplexity: matches!(s.spec.input_kind(), ModelInput::Tokens { .. })
+                .then(|| eval.and_then(|e| e.loss).map(f64::exp))
+                .flatten(),
             peak_allocated_bytes: st.allocated_bytes.peak,
             peak_reserved_bytes: st.reserved_bytes.peak,
             peak_by_category: by_category(|c| st.category(c).peak),

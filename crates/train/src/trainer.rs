@@ -2,6 +2,11 @@
 //! gradients accumulate, then one optimizer step. The same code runs on `cpu` (training) and on
 //! `meta` (prediction): nothing here depends on data values except the reported loss and accuracy.
 //!
+//! It knows no task: samples come from any [`Samples`] (images and labels, text windows), and the
+//! loss is the cross-entropy of the model's logits over their last dim against int64 targets shaped
+//! like the logits without it: one prediction per image, one per position of a text window. The
+//! reported accuracy counts argmax hits over all predictions.
+//!
 //! Note [Loss normalization]: a micro-batch of `m` samples out of a window of `n` back-propagates
 //! `mean_loss(micro) * m / n`, so the accumulated gradient is exactly the gradient of the mean loss
 //! over the window, also for a last, partial window and for micro-batches of unequal size. (Batch-norm
@@ -20,7 +25,6 @@
 
 use crate::error::TrainError;
 use crate::samples::Samples;
-use memfit_data::EpochOrder;
 use memfit_nn::{Model, Optimizer};
 use memfit_tensor::{autograd, ops, Category, Device, Phase, Tensor};
 use std::collections::VecDeque;
@@ -156,13 +160,22 @@ impl<'a> MicroQueue<'a> {
 }
 
 struct MicroResult {
+    /// Mean loss over the micro-batch's predictions, times its samples.
     loss_sum: f64,
     correct: usize,
+    predictions: usize,
 }
 
-/// Counts argmax hits of `logits` [n, C] against `targets` [n] (cpu only).
+/// The mean cross-entropy of `logits` [..., C] against int64 `targets` [...] (every prediction
+/// weighs the same).
+pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor, TrainError> {
+    let classes = logits.shape().last().copied().unwrap_or(0) as isize;
+    Ok(ops::cross_entropy(&logits.reshape(&[-1, classes])?, &targets.reshape(&[-1])?, 0.0)?)
+}
+
+/// Counts argmax hits of `logits` [..., C] against `targets` [...] (cpu only).
 fn count_correct(logits: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
-    let classes = logits.shape()[1];
+    let classes = logits.shape().last().copied().unwrap_or(1).max(1);
     let values = logits.to_f64_vec()?;
     let labels = targets.to_vec::<i64>()?;
     Ok(values
@@ -213,7 +226,7 @@ impl Session {
         let (loss, logits) = {
             let _p = device.enter_phase(Phase::Forward);
             let logits = self.model.forward(&x, true)?;
-            let loss = ops::cross_entropy(&logits, &y, 0.0)?;
+            let loss = loss(&logits, &y)?;
             let weight = chunk.len() as f64 / window as f64;
             let weighted = if chunk.len() == window { loss.clone() } else { loss.mul_scalar(weight)? };
             (weighted, logits)
@@ -221,10 +234,14 @@ impl Session {
         drop(x);
         autograd::backward(&loss)?;
         if !device.computes() {
-            return Ok(MicroResult { loss_sum: f64::NAN, correct: 0 });
+            return Ok(MicroResult { loss_sum: f64::NAN, correct: 0, predictions: y.numel() });
         }
         let mean = loss.item()? * window as f64 / chunk.len() as f64;
-        Ok(MicroResult { loss_sum: mean * chunk.len() as f64, correct: count_correct(&logits, &y)? })
+        Ok(MicroResult {
+            loss_sum: mean * chunk.len() as f64,
+            correct: count_correct(&logits, &y)?,
+            predictions: y.numel(),
+        })
     }
 
     /// After a failed attempt has been dropped, its bytes must all be back (Note [Recovery]).
@@ -239,7 +256,8 @@ impl Session {
         Ok(())
     }
 
-    /// One optimizer step over `window` (Note [Recovery]). Returns (loss sum, correct, recoveries).
+    /// One optimizer step over `window` (Note [Recovery]). Returns the window's summed micro-batch
+    /// results and the recoveries it took.
     fn train_window(
         &mut self,
         samples: &dyn Samples,
@@ -247,16 +265,18 @@ impl Session {
         micro: &mut usize,
         recover: bool,
         used: &mut Vec<usize>,
-    ) -> Result<(f64, usize, usize), TrainError> {
+    ) -> Result<(MicroResult, usize), TrainError> {
         let n = window.len();
         let mut queue = MicroQueue::new(window, *micro);
-        let (mut loss_sum, mut correct, mut recoveries) = (0.0, 0, 0);
+        let mut total = MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 };
+        let mut recoveries = 0;
         while let Some(chunk) = queue.next() {
             let before = self.allocated();
             match self.micro_step(samples, chunk, n) {
                 Ok(r) => {
-                    loss_sum += r.loss_sum;
-                    correct += r.correct;
+                    total.loss_sum += r.loss_sum;
+                    total.correct += r.correct;
+                    total.predictions += r.predictions;
                     used.extend_from_slice(chunk);
                     queue.succeeded();
                 }
@@ -284,7 +304,7 @@ impl Session {
             }
             self.optimizer.zero_grad();
         }
-        Ok((loss_sum, correct, recoveries))
+        Ok((total, recoveries))
     }
 
     /// Mean loss and accuracy over `samples`, under no-grad, in micro-batches of `eval_micro`
@@ -293,25 +313,26 @@ impl Session {
         let device = &self.device;
         let _ng = device.no_grad();
         let _p = device.enter_phase(Phase::Eval);
-        let order: Vec<usize> = (0..samples.len()).collect();
+        let order = samples.eval_ids();
         let mut queue = MicroQueue::new(&order, eval_micro);
-        let (mut loss_sum, mut correct, mut recoveries) = (0.0, 0, 0);
+        let (mut loss_sum, mut correct, mut predictions, mut recoveries) = (0.0, 0, 0, 0);
         while let Some(chunk) = queue.next() {
             let before = self.allocated();
-            let attempt = || -> Result<(f64, usize), TrainError> {
+            let attempt = || -> Result<(f64, usize, usize), TrainError> {
                 let (x, y) = samples.to_device(device, chunk)?;
                 let logits = self.model.forward(&x, false)?;
                 drop(x);
-                let loss = ops::cross_entropy(&logits, &y, 0.0)?;
+                let loss = loss(&logits, &y)?;
                 if !device.computes() {
-                    return Ok((0.0, 0));
+                    return Ok((0.0, 0, y.numel()));
                 }
-                Ok((loss.item()? * chunk.len() as f64, count_correct(&logits, &y)?))
+                Ok((loss.item()? * y.numel() as f64, count_correct(&logits, &y)?, y.numel()))
             };
             match attempt() {
-                Ok((l, c)) => {
+                Ok((l, c, p)) => {
                     loss_sum += l;
                     correct += c;
+                    predictions += p;
                     queue.succeeded();
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
@@ -323,12 +344,12 @@ impl Session {
                 Err(e) => return Err(e),
             }
         }
-        let n = samples.len().max(1) as f64;
+        let n = predictions.max(1) as f64;
         let computes = device.computes();
         Ok(EvalResult {
             loss: computes.then_some(loss_sum / n),
             accuracy: computes.then_some(correct as f64 / n),
-            samples: samples.len(),
+            samples: order.len(),
             micro_batch: queue.micro,
             oom_recoveries: recoveries,
         })
@@ -355,15 +376,14 @@ impl Session {
         let mut out = RunOutcome { final_micro_batch: micro, ..Default::default() };
         let mut streak = 0;
         'epochs: for epoch in 0..opts.epochs {
-            let order = EpochOrder::new(train.len(), opts.seed, epoch as u64, true);
-            for window in order.batches(opts.effective_batch) {
+            let order = train.epoch_ids(opts.seed, epoch);
+            for window in order.chunks(opts.effective_batch) {
                 if out.steps >= total {
                     break 'epochs;
                 }
                 let start = Instant::now();
                 let mut used = Vec::with_capacity(window.len());
-                let (loss_sum, correct, recoveries) =
-                    self.train_window(train, window, &mut micro, opts.recover, &mut used)?;
+                let (result, recoveries) = self.train_window(train, window, &mut micro, opts.recover, &mut used)?;
                 let ms = start.elapsed().as_secs_f64() * 1e3;
                 streak = if recoveries > 0 { 0 } else { streak + 1 };
                 if micro < planned_micro && streak >= opts.grow_after {
@@ -375,7 +395,7 @@ impl Session {
                 out.step_times_ms.push(ms);
                 out.oom_recoveries += recoveries;
                 let computes = self.device.computes();
-                let loss = computes.then(|| loss_sum / window.len() as f64);
+                let loss = computes.then(|| result.loss_sum / window.len() as f64);
                 out.last_loss = loss;
                 if opts.record_samples {
                     out.sample_log.push(used);
@@ -387,7 +407,7 @@ impl Session {
                     epoch,
                     samples: out.samples_seen,
                     loss,
-                    accuracy: computes.then(|| correct as f64 / window.len() as f64),
+                    accuracy: computes.then(|| result.correct as f64 / result.predictions.max(1) as f64),
                     micro_batch: micro,
                     oom_recoveries: out.oom_recoveries,
                     allocated: stats.allocated_bytes.current,

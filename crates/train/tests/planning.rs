@@ -39,7 +39,7 @@ fn planned_runs_fit_and_peak_exactly_as_predicted() {
             let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
             let (train, val, mut o) = dry_run(&req, plan.micro_batch, plan.eval_micro_batch);
             o.recover = true;
-            let outcome = session.run(&train, Some(&val), &o, &mut |_| {}).unwrap();
+            let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
             let stats = dev.stats();
             assert_eq!(stats.num_ooms, 0, "{kind:?}: the planned run never hit out-of-memory");
             assert_eq!(outcome.oom_recoveries, 0);

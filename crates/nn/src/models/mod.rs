@@ -84,10 +84,67 @@ impl Default for GptConfig {
     }
 }
 
+/// What a model eats and predicts: the trainer's tasks and the planner's synthetic data follow it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelInput {
+    /// f32 images [N, C, H, W] -> logits [N, classes].
+    Image { shape: [usize; 3], classes: usize },
+    /// int64 tokens [B, context] -> next-token logits [B, context, vocab].
+    Tokens { vocab: usize, context: usize },
+}
+
 impl ModelSpec {
     /// Image model for inputs of shape (C, H, W).
     pub fn image(kind: ModelKind, input: [usize; 3], num_classes: usize) -> Self {
         ModelSpec { kind, input, num_classes, gpt: GptConfig::default() }
+    }
+
+    /// The GPT of `config`.
+    pub fn gpt(config: GptConfig) -> Self {
+        ModelSpec { kind: ModelKind::Gpt, input: [0; 3], num_classes: 0, gpt: config }
+    }
+
+    pub fn input_kind(&self) -> ModelInput {
+        match self.kind {
+            ModelKind::Gpt => ModelInput::Tokens { vocab: self.gpt.vocab, context: self.gpt.max_t },
+            _ => ModelInput::Image { shape: self.input, classes: self.num_classes },
+        }
+    }
+}
+
+/// Checkpoint metadata keys of a GPT: its sizes and its vocabulary (so a saved model can be rebuilt
+/// and sampled without the text it was trained on).
+const GPT_KEYS: [&str; 4] = ["memfit.gpt.layers", "memfit.gpt.d_model", "memfit.gpt.heads", "memfit.gpt.context"];
+/// The metadata key of the model kind.
+pub const MODEL_KEY: &str = "memfit.model";
+/// The metadata key of a character vocabulary (the characters in token-id order).
+pub const VOCAB_KEY: &str = "memfit.vocab";
+
+impl GptConfig {
+    /// The sizes as checkpoint metadata (the vocabulary is stored by whoever knows its characters).
+    pub fn to_metadata(&self) -> Vec<(String, String)> {
+        let values = [self.layers, self.d_model, self.heads, self.max_t];
+        let mut out: Vec<(String, String)> =
+            GPT_KEYS.iter().zip(values).map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        out.push((MODEL_KEY.to_string(), ModelKind::Gpt.name().to_string()));
+        out
+    }
+
+    /// Reads the sizes back from checkpoint metadata, with `vocab` given; errors name the missing key.
+    pub fn from_metadata(metadata: &std::collections::HashMap<String, String>, vocab: usize) -> Result<GptConfig> {
+        let mut values = [0usize; 4];
+        for (v, key) in values.iter_mut().zip(GPT_KEYS) {
+            let text = metadata.get(key).ok_or_else(|| {
+                Error::invalid(format!(
+                    "the checkpoint has no {key:?} entry: it was not saved by `memfit train --model gpt`"
+                ))
+            })?;
+            *v = text.parse().ok().filter(|&n: &usize| n > 0).ok_or_else(|| {
+                Error::invalid(format!("the checkpoint's {key:?} entry {text:?} is not a positive number"))
+            })?;
+        }
+        let [layers, d_model, heads, max_t] = values;
+        Ok(GptConfig { vocab, d_model, heads, layers, max_t })
     }
 }
 

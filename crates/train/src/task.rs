@@ -1,0 +1,97 @@
+//! Tasks: what a model kind learns from, and how a job loads it. The one place that maps a model
+//! kind to its data: image models classify Fashion-MNIST; the GPT predicts the next character of a
+//! UTF-8 text (Moby Dick shipped inside memfit, or `--data FILE`). Everything past this point (the
+//! trainer, planner, recovery, report) sees only a [`ModelSpec`] and [`Samples`].
+
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::samples::{Samples, SplitSamples, TextWindows};
+use memfit_data::{FashionMnist, TextCorpus, Vocab};
+use memfit_nn::{GptConfig, ModelKind, ModelSpec};
+use std::path::Path;
+
+/// `--data embedded` selects the data shipped inside memfit even when other data is installed.
+pub const EMBEDDED: &str = "embedded";
+
+/// What a task's data is.
+pub enum TaskData {
+    /// Labelled images (train and validation splits).
+    Images(FashionMnist),
+    /// A tokenized text; windows of `context + 1` characters are its samples.
+    Text { corpus: TextCorpus, context: usize },
+}
+
+/// A task, loaded: the model it trains and its data.
+pub struct Task {
+    pub spec: ModelSpec,
+    pub data: TaskData,
+}
+
+impl Task {
+    /// Loads the data `cfg.model` learns from and sizes the model for it (image shape, vocabulary).
+    pub fn load(cfg: &TrainConfig) -> Result<Task, TrainError> {
+        let data = cfg.data.as_deref();
+        if cfg.model == ModelKind::Gpt {
+            let corpus = load_text(data)?;
+            let gpt = GptConfig { vocab: corpus.vocab.len(), ..cfg.gpt };
+            corpus.check_context(gpt.max_t)?;
+            return Ok(Task { spec: ModelSpec::gpt(gpt), data: TaskData::Text { corpus, context: gpt.max_t } });
+        }
+        let images = match data {
+            Some(dir) if dir.as_os_str() == EMBEDDED => memfit_data::load_embedded()?,
+            dir => memfit_data::load_fashion_mnist(dir)?,
+        };
+        let input = [1, images.train.images.rows, images.train.images.cols];
+        Ok(Task { spec: ModelSpec::image(cfg.model, input, memfit_data::NUM_CLASSES), data: TaskData::Images(images) })
+    }
+
+    /// Where the data came from, for people.
+    pub fn source(&self) -> String {
+        match &self.data {
+            TaskData::Images(d) => d.source.to_string(),
+            TaskData::Text { corpus, .. } => corpus.summary(),
+        }
+    }
+
+    pub fn train_samples(&self) -> Box<dyn Samples + '_> {
+        match &self.data {
+            TaskData::Images(d) => Box::new(SplitSamples { split: &d.train }),
+            TaskData::Text { corpus, context } => Box::new(TextWindows::train(&corpus.train, *context)),
+        }
+    }
+
+    pub fn val_samples(&self) -> Box<dyn Samples + '_> {
+        match &self.data {
+            TaskData::Images(d) => Box::new(SplitSamples { split: &d.val }),
+            TaskData::Text { corpus, context } => Box::new(TextWindows::eval(&corpus.val, *context)),
+        }
+    }
+
+    /// The character vocabulary of a text task (saved with its checkpoints).
+    pub fn vocab(&self) -> Option<&Vocab> {
+        match &self.data {
+            TaskData::Images(_) => None,
+            TaskData::Text { corpus, .. } => Some(&corpus.vocab),
+        }
+    }
+
+    /// Checkpoint metadata that rebuilds this task's model: the model kind, and for a GPT its sizes
+    /// and vocabulary.
+    pub fn checkpoint_metadata(&self) -> Vec<(String, String)> {
+        let mut out = vec![(memfit_nn::models::MODEL_KEY.to_string(), self.spec.kind.name().to_string())];
+        if let Some(vocab) = self.vocab() {
+            out = self.spec.gpt.to_metadata();
+            out.push((memfit_nn::models::VOCAB_KEY.to_string(), vocab.as_string()));
+        }
+        out
+    }
+}
+
+/// The text a GPT trains on: `path` (any UTF-8 file, gzip or not), or Moby Dick shipped inside memfit
+/// when `path` is None or `embedded`.
+pub fn load_text(path: Option<&Path>) -> Result<TextCorpus, TrainError> {
+    Ok(match path {
+        Some(p) if p.as_os_str() != EMBEDDED => memfit_data::load_text(p)?,
+        _ => memfit_data::load_embedded_text()?,
+    })
+}
