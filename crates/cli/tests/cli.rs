@@ -164,3 +164,56 @@ fn bench_reports_every_requested_case_as_json() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("simplecnn-b128"), "{}", text(&out));
 }
+
+/// Flags of a GPT small enough for a test: one block, 16 wide, context 16.
+const TINY_GPT: [&str; 10] = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16"];
+
+#[test]
+fn gpt_trains_on_text_predicts_on_meta_and_generates() {
+    let ckpt = temp("gpt.safetensors");
+    let c = ckpt.to_str().unwrap();
+    let args = [&["train"][..], &TINY_GPT, &["--max-steps", "3", "--batch-size", "8"]].concat();
+    let cpu = report(&[&args[..], &["--save", c]].concat(), "gpt-cpu.json");
+    let meta = report(&[&args[..], &["--device", "meta"]].concat(), "gpt-meta.json");
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes", "peak_by_category", "num_allocations"] {
+        assert_eq!(cpu[key], meta[key], "gpt: {key}");
+    }
+    assert_eq!(cpu["task"], "next_character");
+    assert_eq!(cpu["gpt"]["vocab"], 83, "Moby Dick's characters");
+    let loss = cpu["val_loss"].as_f64().unwrap();
+    assert!(loss > 0.0 && loss < 83f64.ln() + 1.0, "val_loss {loss} nats/char");
+    assert!((cpu["val_perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9);
+    let generate = |seed: &str| {
+        let out = memfit(&["generate", "--load", c, "--prompt", "Call me", "--tokens", "40", "--seed", seed]);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("peak allocated"), "{}", text(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let first = generate("1");
+    assert!(first.starts_with("Call me") && first.trim_end().chars().count() >= "Call me".len());
+    assert_eq!(first, generate("1"), "deterministic for a seed");
+    let out = memfit(&["generate", "--load", c, "--prompt", "Caf\u{e9}"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("U+00E9"), "{}", text(&out));
+    assert!(out.stdout.is_empty(), "nothing is printed before the prompt is checked");
+}
+
+#[test]
+fn bad_text_and_gpt_sizes_are_named() {
+    let run = |content: &[u8], name: &str| {
+        let path = temp(name);
+        std::fs::write(&path, content).unwrap();
+        let out = memfit(&[&["train"][..], &TINY_GPT, &["--data", path.to_str().unwrap()]].concat());
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(!text(&out).contains("panicked"), "{}", text(&out));
+        text(&out)
+    };
+    assert!(run(b"", "empty.txt").contains("empty"));
+    assert!(run(b"good text \xff\xfe bad", "latin1.txt").contains("UTF-8"));
+    assert!(run(b"far too short", "short.txt").contains("--context"));
+    let out = memfit(&["train", "--model", "gpt", "--d-model", "30", "--heads", "4"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("multiple of --heads"), "{}", text(&out));
+    let out = memfit(&["train", "--model", "gpt", "--context", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}

@@ -4,7 +4,7 @@
 use memfit_nn::{ModelKind, ModelSpec, OptimizerConfig};
 use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind};
-use memfit_train::samples::SyntheticSamples;
+use memfit_train::samples::{Samples, SyntheticSamples};
 use memfit_train::trainer::RunOutcome;
 use memfit_train::{RunOptions, Session};
 
@@ -38,6 +38,11 @@ pub fn opts(effective: usize, micro: usize, steps: usize) -> RunOptions {
     }
 }
 
+/// A small GPT (fast on cpu, several allocations per op family).
+pub fn tiny_gpt(vocab: usize) -> ModelSpec {
+    ModelSpec::gpt(memfit_nn::GptConfig { vocab, d_model: 16, heads: 2, layers: 2, max_t: 12 })
+}
+
 pub fn data(spec: &ModelSpec, len: usize) -> SyntheticSamples {
     SyntheticSamples { len, shape: spec.input, classes: spec.num_classes, seed: 11 }
 }
@@ -47,7 +52,7 @@ pub fn run(
     device: Device,
     spec: &ModelSpec,
     optimizer: OptimizerConfig,
-    samples: &SyntheticSamples,
+    samples: &dyn Samples,
     opts: &RunOptions,
 ) -> (RunOutcome, Vec<(String, Vec<f64>)>, Session) {
     let mut session = Session::new(device, spec, optimizer, 3).expect("session");
