@@ -46,6 +46,8 @@ const MIN_LARGE_ALLOC: u64 = 10 << 20;
 const ROUND_LARGE: u64 = 2 << 20;
 /// No allocation, and no total of reserved bytes, may exceed this.
 const MAX_BYTES: u64 = isize::MAX as u64;
+/// Virtual address of the first segment; later segments follow at 2 MiB-aligned addresses.
+const FIRST_ADDRESS: u64 = 1 << 32;
 
 /// Handle to a live block. Valid until passed to `free`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -76,12 +78,14 @@ impl Default for AllocatorConfig {
     }
 }
 
-/// Who asks, for what.
+/// Who asks, for what: the provenance every block and event carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
     pub category: Category,
     pub op: &'static str,
     pub phase: Phase,
+    /// The module (layer) that asked, as an index into its device's module table; 0 = none.
+    pub module: u32,
 }
 
 /// A block handed out. `ptr` is None on a backend that holds no data. `size` is the block size
@@ -101,6 +105,34 @@ pub struct LiveAllocation {
     pub category: Category,
     pub op: &'static str,
     pub phase: Phase,
+    pub module: u32,
+    /// Its address in the allocator's address space (see [`SegmentSnapshot`]).
+    pub address: u64,
+}
+
+/// One segment as it is now, for memory snapshots: PyTorch's `segments` entries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSnapshot {
+    /// Virtual address of the segment's first byte: assigned in segment order, the same on every
+    /// backend (meta included), so snapshots and traces of meta and cpu agree.
+    pub address: u64,
+    pub total_size: u64,
+    /// `small` (2 MiB segments) or `large`.
+    pub pool: &'static str,
+    /// The blocks tiling the segment, by address.
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+/// One block of a segment: allocated (with its owner) or free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSnapshot {
+    pub address: u64,
+    pub size: u64,
+    /// The caller's byte count (0 when free).
+    pub requested: u64,
+    pub allocated: bool,
+    /// The owner (of the last allocation of this block's first byte, when free).
+    pub owner: Request,
 }
 
 pub struct Allocator {
@@ -114,6 +146,8 @@ pub struct Allocator {
     large_free: BTreeSet<FreeKey>,
     segments: BTreeMap<u64, Segment>,
     next_segment_id: u64,
+    /// Where the next segment's virtual address space starts.
+    next_address: u64,
     stats: MemoryStats,
     timeline: Timeline,
     /// `allocate` calls so far (the fault-injection request number).
@@ -141,9 +175,7 @@ struct Block {
     prev: Option<u32>,
     next: Option<u32>,
     /// The owner (meaningful while allocated).
-    category: Category,
-    op: &'static str,
-    phase: Phase,
+    owner: Request,
     /// The caller's byte count (while allocated).
     requested: u64,
 }
@@ -151,6 +183,8 @@ struct Block {
 #[derive(Debug)]
 struct Segment {
     base: Option<NonNull<u8>>,
+    /// Virtual address (see [`SegmentSnapshot::address`]).
+    address: u64,
     size: u64,
     pool: Pool,
     /// Sum of the sizes of the segment's free blocks.
@@ -217,6 +251,7 @@ impl Allocator {
             large_free: BTreeSet::new(),
             segments: BTreeMap::new(),
             next_segment_id: 0,
+            next_address: FIRST_ADDRESS,
             stats: MemoryStats::default(),
             requests: 0,
         }
@@ -262,9 +297,10 @@ impl Allocator {
         self.stats.active_bytes.decrease(block.size);
         self.stats.requested_bytes.decrease(block.requested);
         self.stats.allocation.decrease(1);
-        self.stats.by_category[block.category.index()].decrease(block.size);
+        self.stats.by_category[block.owner.category.index()].decrease(block.size);
 
         let segment = &self.segments[&block.segment];
+        let address = segment.address + block.offset;
         let (pool, inactive_before) = (segment.pool, segment.inactive_split());
 
         // Coalesce with free neighbours; the leftmost record survives.
@@ -300,28 +336,29 @@ impl Allocator {
         let inactive_after = segment.inactive_split();
         self.adjust_inactive_split(inactive_before, inactive_after);
 
-        self.record(EventKind::Free, block.size, block.category, block.op, block.phase);
+        self.record(EventKind::Free, block.size, address, block.owner);
     }
 
     /// Re-tags a live block (moves its bytes between categories).
     pub fn set_category(&mut self, id: BlockId, category: Category) {
         let block = self.live_block(id);
-        let (old, size) = (block.category, block.size);
+        let (old, size) = (block.owner.category, block.size);
         if old == category {
             return;
         }
         self.stats.by_category[old.index()].decrease(size);
         self.stats.by_category[category.index()].increase(size);
-        self.block_mut(id.0).category = category;
+        self.block_mut(id.0).owner.category = category;
     }
 
     pub fn category_of(&self, id: BlockId) -> Category {
-        self.live_block(id).category
+        self.live_block(id).owner.category
     }
 
     /// Releases every fully free cached segment back to the backend.
     pub fn empty_cache(&mut self) {
-        self.release_free_segments(Category::Other, "empty_cache", Phase::Setup);
+        let owner = Request { category: Category::Other, op: "empty_cache", phase: Phase::Setup, module: 0 };
+        self.release_free_segments(owner);
     }
 
     pub fn stats(&self) -> &MemoryStats {
@@ -362,11 +399,48 @@ impl Allocator {
             .enumerate()
             .filter_map(|(index, slot)| slot.as_ref().filter(|b| b.allocated).map(|b| (index, b)))
             .map(|(index, b)| {
-                (b.size, index, LiveAllocation { size: b.size, category: b.category, op: b.op, phase: b.phase })
+                let address = self.segments[&b.segment].address + b.offset;
+                let o = b.owner;
+                let live = LiveAllocation {
+                    size: b.size,
+                    category: o.category,
+                    op: o.op,
+                    phase: o.phase,
+                    module: o.module,
+                    address,
+                };
+                (b.size, index, live)
             })
             .collect();
         live.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         live.into_iter().map(|(_, _, allocation)| allocation).collect()
+    }
+
+    /// Every segment and its blocks as they are now, by address (PyTorch's snapshot `segments`).
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        self.segments
+            .values()
+            .map(|segment| {
+                let mut blocks = Vec::new();
+                let mut cursor = Some(segment.first_block);
+                while let Some(index) = cursor {
+                    let b = self.block(index);
+                    blocks.push(BlockSnapshot {
+                        address: segment.address + b.offset,
+                        size: b.size,
+                        requested: b.requested,
+                        allocated: b.allocated,
+                        owner: b.owner,
+                    });
+                    cursor = b.next;
+                }
+                let pool = match segment.pool {
+                    Pool::Small => "small",
+                    Pool::Large => "large",
+                };
+                SegmentSnapshot { address: segment.address, total_size: segment.size, pool, blocks }
+            })
+            .collect()
     }
 
     /// Walks every internal structure and checks it against the statistics: blocks tile their
@@ -399,7 +473,7 @@ impl Allocator {
                     allocated += block.size;
                     requested += block.requested;
                     live += 1;
-                    by_category[block.category.index()] += block.size;
+                    by_category[block.owner.category.index()] += block.size;
                 } else {
                     free += block.size;
                     let key = (block.size, id, offset, index);
@@ -531,7 +605,7 @@ impl Allocator {
     /// anything, tries once more.
     fn new_segment(&mut self, pool: Pool, size: u64, request: Request) -> Result<u32, ()> {
         let mut base = self.try_segment(size);
-        if base.is_err() && self.release_free_segments(request.category, request.op, request.phase) > 0 {
+        if base.is_err() && self.release_free_segments(request) > 0 {
             self.stats.num_alloc_retries += 1;
             base = self.try_segment(size);
         }
@@ -546,16 +620,18 @@ impl Allocator {
             allocated: false,
             prev: None,
             next: None,
-            category: request.category,
-            op: request.op,
-            phase: request.phase,
+            owner: request,
             requested: 0,
         });
-        self.segments.insert(id, Segment { base, size, pool, free_bytes: size, first_block: index });
+        let address = self.next_address;
+        // Segments never overlap in the address space: the next one starts past this one, 2 MiB
+        // aligned (sizes are bounded by isize::MAX, so this cannot overflow a u64 for 2^31 segments).
+        self.next_address = address.saturating_add(size.next_multiple_of(SMALL_BUFFER));
+        self.segments.insert(id, Segment { base, address, size, pool, free_bytes: size, first_block: index });
         self.free_set(pool).insert((size, id, 0, index));
         self.stats.reserved_bytes.increase(size);
         self.stats.segment.increase(1);
-        self.record(EventKind::SegmentAlloc, size, request.category, request.op, request.phase);
+        self.record(EventKind::SegmentAlloc, size, address, request);
         Ok(index)
     }
 
@@ -572,7 +648,7 @@ impl Allocator {
 
     /// Returns every segment that is entirely one free block to the backend, in segment id order,
     /// recording a SegmentFree event attributed to the given owner. Returns how many were released.
-    fn release_free_segments(&mut self, category: Category, op: &'static str, phase: Phase) -> usize {
+    fn release_free_segments(&mut self, owner: Request) -> usize {
         let releasable: Vec<u64> =
             self.segments.iter().filter(|(_, s)| s.free_bytes == s.size).map(|(&id, _)| id).collect();
         for &id in &releasable {
@@ -582,7 +658,7 @@ impl Allocator {
             self.backend.free_segment(segment.base, segment.size as usize);
             self.stats.reserved_bytes.decrease(segment.size);
             self.stats.segment.decrease(1);
-            self.record(EventKind::SegmentFree, segment.size, category, op, phase);
+            self.record(EventKind::SegmentFree, segment.size, segment.address, owner);
         }
         releasable.len()
     }
@@ -593,6 +669,7 @@ impl Allocator {
         let block = self.block(index).clone();
         let segment = &self.segments[&block.segment];
         let (pool, base, inactive_before) = (segment.pool, segment.base, segment.inactive_split());
+        let address = segment.address + block.offset;
         self.free_set(pool).remove(&(block.size, block.segment, block.offset, index));
 
         let remaining = block.size - size;
@@ -615,9 +692,7 @@ impl Allocator {
         let taken = self.block_mut(index);
         taken.size = size;
         taken.allocated = true;
-        taken.category = request.category;
-        taken.op = request.op;
-        taken.phase = request.phase;
+        taken.owner = request;
         taken.requested = requested;
 
         let segment = self.segments.get_mut(&block.segment).expect("block's segment exists");
@@ -635,7 +710,7 @@ impl Allocator {
         if stats.allocated_bytes.current >= previous_peak {
             stats.category_at_peak = stats.by_category.map(|stat| stat.current);
         }
-        self.record(EventKind::Alloc, size, request.category, request.op, request.phase);
+        self.record(EventKind::Alloc, size, address, request);
 
         // In bounds: offset + size <= segment size, and the segment is one allocation.
         let ptr = base.map(|base| {
@@ -657,14 +732,16 @@ impl Allocator {
         self.stats.by_category.map(|stat| stat.current)
     }
 
-    fn record(&mut self, kind: EventKind, bytes: u64, category: Category, op: &'static str, phase: Phase) {
+    fn record(&mut self, kind: EventKind, bytes: u64, address: u64, owner: Request) {
         self.timeline.record(Event {
             seq: 0, // assigned by the timeline
             kind,
             bytes,
-            category,
-            op,
-            phase,
+            address,
+            category: owner.category,
+            op: owner.op,
+            phase: owner.phase,
+            module: owner.module,
             allocated: self.stats.allocated_bytes.current,
             reserved: self.stats.reserved_bytes.current,
         });
@@ -676,7 +753,7 @@ impl Allocator {
         if injected {
             self.stats.num_injected_faults += 1;
         }
-        self.record(EventKind::Oom, requested, request.category, request.op, request.phase);
+        self.record(EventKind::Oom, requested, 0, request);
         let allocated = self.stats.allocated_bytes.current;
         let reserved = self.stats.reserved_bytes.current;
         let mut largest = self.live_allocations();
@@ -717,7 +794,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn req(category: Category, op: &'static str) -> Request {
-        Request { category, op, phase: Phase::Forward }
+        Request { category, op, phase: Phase::Forward, module: 0 }
     }
 
     fn act() -> Request {
@@ -1035,7 +1112,14 @@ mod tests {
         assert_eq!(err.by_category[Category::Parameter.index()], 12 * MIB);
         assert_eq!(
             err.largest,
-            [LiveAllocation { size: 12 * MIB, category: Category::Parameter, op: "linear", phase: Phase::Forward }]
+            [LiveAllocation {
+                size: 12 * MIB,
+                category: Category::Parameter,
+                op: "linear",
+                phase: Phase::Forward,
+                module: 0,
+                address: FIRST_ADDRESS
+            }]
         );
         assert!(!err.injected);
 

@@ -14,7 +14,10 @@ mod oom;
 mod stats;
 mod timeline;
 
-pub use allocator::{Allocation, Allocator, AllocatorConfig, BlockId, FaultInjection, LiveAllocation, Request};
+pub use allocator::{
+    Allocation, Allocator, AllocatorConfig, BlockId, BlockSnapshot, FaultInjection, LiveAllocation, Request,
+    SegmentSnapshot,
+};
 pub use backend::{HostBackend, MetaBackend, SegmentBackend};
 pub use bytes::{format_bytes, parse_bytes};
 pub use category::{Category, Phase};

@@ -107,7 +107,8 @@ mod tests {
         let mut by_category = [0; Category::COUNT];
         by_category[Category::Parameter.index()] = 12 * MIB;
         by_category[Category::Activation.index()] = 28 * MIB;
-        let live = |size, category, op| LiveAllocation { size, category, op, phase: Phase::Forward };
+        let live =
+            |size, category, op| LiveAllocation { size, category, op, phase: Phase::Forward, module: 0, address: 0 };
         OutOfMemory {
             requested: 20 * MIB,
             capacity: Some(64 * MIB),
@@ -166,7 +167,7 @@ mod tests {
         use crate::{Allocator, AllocatorConfig, MetaBackend, Request};
         let mut a =
             Allocator::new(Box::new(MetaBackend), AllocatorConfig { capacity: Some(MIB), ..Default::default() });
-        let request = Request { category: Category::Parameter, op: "init", phase: Phase::Setup };
+        let request = Request { category: Category::Parameter, op: "init", phase: Phase::Setup, module: 0 };
         let oom = a.allocate(1024, request).unwrap_err();
         let text = oom.to_string();
         assert!(text.contains("new 2.00 MiB segment does not fit"), "{text}");

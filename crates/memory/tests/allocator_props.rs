@@ -108,10 +108,55 @@ fn stats_of(stats: &MemoryStats) -> Vec<(&'static str, Stat)> {
     all
 }
 
+/// The snapshot is the allocator's state: segments tile their address ranges with blocks, never
+/// overlap, hold exactly the live blocks, and replaying the timeline's events (alloc/free, segment
+/// alloc/free by address) reaches the same live blocks and segments.
+fn check_snapshot(allocator: &Allocator, live: &[Live]) -> Result<(), TestCaseError> {
+    let segments = allocator.snapshot();
+    let stats = allocator.stats();
+    prop_assert_eq!(segments.len() as u64, stats.segment.current);
+    let mut end = 0;
+    let mut allocated = std::collections::BTreeMap::new();
+    for seg in &segments {
+        prop_assert!(seg.address >= end, "segments overlap");
+        let mut at = seg.address;
+        for b in &seg.blocks {
+            prop_assert_eq!(b.address, at, "blocks tile their segment");
+            at += b.size;
+            if b.allocated {
+                allocated.insert(b.address, b.size);
+            }
+        }
+        prop_assert_eq!(at - seg.address, seg.total_size);
+        end = seg.address + seg.total_size;
+    }
+    prop_assert_eq!(allocated.values().sum::<u64>(), stats.allocated_bytes.current);
+    prop_assert_eq!(allocated.len(), live.len());
+    let timeline = allocator.timeline();
+    if timeline.total() == timeline.len() as u64 {
+        let (mut blocks, mut segs) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+        for e in timeline.events() {
+            match e.kind {
+                memfit_memory::EventKind::Alloc => prop_assert!(blocks.insert(e.address, e.bytes).is_none()),
+                memfit_memory::EventKind::Free => prop_assert_eq!(blocks.remove(&e.address), Some(e.bytes)),
+                memfit_memory::EventKind::SegmentAlloc => prop_assert!(segs.insert(e.address, e.bytes).is_none()),
+                memfit_memory::EventKind::SegmentFree => prop_assert_eq!(segs.remove(&e.address), Some(e.bytes)),
+                memfit_memory::EventKind::Oom => {}
+            }
+        }
+        prop_assert_eq!(&blocks, &allocated, "replayed events give the live blocks");
+        let snapshot_segs: std::collections::BTreeMap<u64, u64> =
+            segments.iter().map(|s| (s.address, s.total_size)).collect();
+        prop_assert_eq!(segs, snapshot_segs, "replayed events give the segments");
+    }
+    Ok(())
+}
+
 fn check_invariants(allocator: &Allocator, live: &[Live], capacity: Option<u64>) -> Result<(), TestCaseError> {
     if let Err(message) = allocator.check_consistency() {
         return Err(TestCaseError::fail(message));
     }
+    check_snapshot(allocator, live)?;
     let stats = allocator.stats();
     if let Some(capacity) = capacity {
         prop_assert!(stats.reserved_bytes.current <= capacity);
@@ -161,7 +206,7 @@ fn segment_size(rounded: u64) -> u64 {
 }
 
 fn request(category: usize) -> Request {
-    Request { category: Category::ALL[category], op: "prop", phase: Phase::Forward }
+    Request { category: Category::ALL[category], op: "prop", phase: Phase::Forward, module: 0 }
 }
 
 /// Runs `ops`, checking every invariant after every step, then frees everything and empties the cache.

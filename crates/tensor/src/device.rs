@@ -142,7 +142,7 @@ impl Device {
 
     /// Allocates storage for `bytes` bytes, tagged with `category`, on behalf of `op`.
     pub fn allocate(&self, bytes: usize, category: Category, op: &'static str) -> Result<Storage> {
-        let request = Request { category, op, phase: self.phase() };
+        let request = Request { category, op, phase: self.phase(), module: 0 };
         let allocation = self.allocator().allocate(bytes as u64, request)?;
         Ok(Storage::new(self.clone(), allocation))
     }
