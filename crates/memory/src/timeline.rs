@@ -69,6 +69,11 @@ impl Timeline {
         self.times.push_back(self.start.elapsed().as_nanos() as u64);
     }
 
+    /// Nanoseconds since the timeline started (the clock of its event times).
+    pub fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
     /// The events with their times (ns since the timeline started), oldest first.
     pub fn timed_events(&self) -> impl Iterator<Item = (&Event, u64)> {
         self.events.iter().zip(self.times.iter().copied())

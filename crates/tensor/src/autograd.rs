@@ -48,6 +48,8 @@ pub(crate) enum Edge {
 pub struct Node {
     id: u64,
     name: &'static str,
+    /// The module in force when the op ran: its backward runs under it too (provenance).
+    module: u32,
     backward: Mutex<Option<Box<dyn Backward>>>,
     edges: Vec<Option<Edge>>,
 }
@@ -88,7 +90,14 @@ pub fn record(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: imp
             }
         })
         .collect();
-    let node = Node { id: out.device().next_id(), name, backward: Mutex::new(Some(Box::new(backward))), edges };
+    let device = out.device();
+    let node = Node {
+        id: device.next_id(),
+        name,
+        module: device.module(),
+        backward: Mutex::new(Some(Box::new(backward))),
+        edges,
+    };
     out.with_grad_fn(Arc::new(node))
 }
 
@@ -310,7 +319,12 @@ fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
             ))
         })?;
         let input_grads = match grad {
-            Some(g) => backward.backward(g, &needs)?,
+            Some(g) => {
+                let device = g.device().clone();
+                let _module = device.restore_module(node.module);
+                let _op = device.op_scope(node.name);
+                backward.backward(g, &needs)?
+            }
             None => vec![None; needs.len()],
         };
         if input_grads.len() != node.edges.len() {

@@ -1,6 +1,12 @@
 //! A device owns one allocator and the execution context of the programs that run on it: the
-//! current [`Phase`] and whether autograd records. `cpu` computes; `meta` allocates exactly what
-//! `cpu` would, through the same allocator code, but holds no data and runs no kernel.
+//! current [`Phase`], the current module (layer) and whether autograd records. `cpu` computes; `meta`
+//! allocates exactly what `cpu` would, through the same allocator code, but holds no data and runs no
+//! kernel.
+//!
+//! Provenance: every allocation is tagged with the phase, op, category and module that made it (the
+//! module by an id into the device's module table, see [`Device::module_names`]). When profiling is
+//! on ([`Device::set_profiling`]), op and module scopes are also recorded as timed [`Span`]s on the
+//! allocator timeline's clock; when it is off, a scope costs one atomic load.
 
 use crate::error::{Error, Result};
 use crate::storage::Storage;
@@ -8,6 +14,7 @@ use memfit_memory::{
     Allocator, AllocatorConfig, Category, FaultInjection, HostBackend, MemoryStats, MetaBackend, Phase, Request,
     SegmentBackend,
 };
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -73,6 +80,35 @@ struct DeviceInner {
     phase: Mutex<Phase>,
     grad_enabled: AtomicBool,
     next_id: AtomicU64,
+    modules: Mutex<Modules>,
+    profiling: AtomicBool,
+    spans: Mutex<Vec<Span>>,
+}
+
+/// Interned module names and the one in force.
+struct Modules {
+    /// `names[0]` is "" (no module).
+    names: Vec<String>,
+    ids: HashMap<String, u32>,
+    current: u32,
+}
+
+/// What a recorded span covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanKind {
+    Op,
+    Module,
+}
+
+/// A timed op or module scope (recorded while profiling), on the allocator timeline's clock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub name: &'static str,
+    pub kind: SpanKind,
+    pub phase: Phase,
+    pub module: u32,
+    pub start_ns: u64,
+    pub end_ns: u64,
 }
 
 /// A handle to a device; clones share it. Tensors of different devices never mix.
@@ -95,6 +131,9 @@ impl Device {
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
             next_id: AtomicU64::new(1),
+            modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
+            profiling: AtomicBool::new(false),
+            spans: Mutex::new(Vec::new()),
         }))
     }
 
@@ -142,7 +181,7 @@ impl Device {
 
     /// Allocates storage for `bytes` bytes, tagged with `category`, on behalf of `op`.
     pub fn allocate(&self, bytes: usize, category: Category, op: &'static str) -> Result<Storage> {
-        let request = Request { category, op, phase: self.phase(), module: 0 };
+        let request = Request { category, op, phase: self.phase(), module: self.module() };
         let allocation = self.allocator().allocate(bytes as u64, request)?;
         Ok(Storage::new(self.clone(), allocation))
     }
@@ -173,6 +212,111 @@ impl Device {
     pub fn enable_grad(&self) -> GradModeGuard {
         let previous = self.0.grad_enabled.swap(true, Ordering::Relaxed);
         GradModeGuard { device: self.clone(), previous }
+    }
+}
+
+impl Device {
+    fn modules(&self) -> MutexGuard<'_, Modules> {
+        self.0.modules.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The id of the module in force (0 = none).
+    pub fn module(&self) -> u32 {
+        self.modules().current
+    }
+
+    /// Module names by id (`[0]` is "", no module), for reports and profiles.
+    pub fn module_names(&self) -> Vec<String> {
+        self.modules().names.clone()
+    }
+
+    /// Makes `name` (a full `state_dict` prefix such as `blocks.2.attn`) the module in force until
+    /// the guard drops. Layers call it around their forward; autograd restores it around each
+    /// node's backward, so backward allocations name their module too.
+    pub fn enter_module(&self, name: &str) -> ModuleGuard {
+        let id = {
+            let mut m = self.modules();
+            match m.ids.get(name) {
+                Some(&id) => id,
+                None => {
+                    let id = m.names.len() as u32;
+                    m.names.push(name.to_string());
+                    m.ids.insert(name.to_string(), id);
+                    id
+                }
+            }
+        };
+        self.set_module(id, Some(SpanKind::Module))
+    }
+
+    /// Makes module `id` (from [`Device::module`]) the one in force until the guard drops.
+    pub fn restore_module(&self, id: u32) -> ModuleGuard {
+        self.set_module(id, None)
+    }
+
+    fn set_module(&self, id: u32, span: Option<SpanKind>) -> ModuleGuard {
+        let previous = std::mem::replace(&mut self.modules().current, id);
+        let name = if span.is_some() { "module" } else { "" };
+        let span = span.and_then(|kind| self.start_span(name, kind));
+        ModuleGuard { device: self.clone(), previous, span }
+    }
+
+    /// Records what `op` does until the guard drops, when profiling (else nothing).
+    pub fn op_scope(&self, op: &'static str) -> OpGuard {
+        OpGuard { device: self.clone(), span: self.start_span(op, SpanKind::Op) }
+    }
+
+    /// Turns span recording on or off (allocations are tagged either way).
+    pub fn set_profiling(&self, on: bool) {
+        self.0.profiling.store(on, Ordering::Relaxed);
+    }
+
+    /// Takes the spans recorded so far.
+    pub fn take_spans(&self) -> Vec<Span> {
+        std::mem::take(&mut *self.0.spans.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn start_span(&self, name: &'static str, kind: SpanKind) -> Option<Span> {
+        if !self.0.profiling.load(Ordering::Relaxed) {
+            return None;
+        }
+        let start_ns = self.allocator().timeline().now_ns();
+        Some(Span { name, kind, phase: self.phase(), module: self.module(), start_ns, end_ns: start_ns })
+    }
+
+    fn finish_span(&self, mut span: Span) {
+        span.end_ns = self.allocator().timeline().now_ns();
+        self.0.spans.lock().unwrap_or_else(|e| e.into_inner()).push(span);
+    }
+}
+
+/// Restores the previous module on drop (and ends its span when profiling).
+pub struct ModuleGuard {
+    device: Device,
+    previous: u32,
+    span: Option<Span>,
+}
+
+impl Drop for ModuleGuard {
+    fn drop(&mut self) {
+        if let Some(span) = self.span.take() {
+            self.device.finish_span(span);
+        }
+        self.device.modules().current = self.previous;
+    }
+}
+
+/// Ends an op's span on drop (when profiling).
+pub struct OpGuard {
+    device: Device,
+    span: Option<Span>,
+}
+
+impl Drop for OpGuard {
+    fn drop(&mut self) {
+        if let Some(span) = self.span.take() {
+            self.device.finish_span(span);
+        }
     }
 }
 
