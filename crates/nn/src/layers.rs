@@ -67,6 +67,18 @@ impl Linear {
         ops::linear(x, &self.weight, self.bias.as_ref())
     }
 
+    /// `self.forward(&x.gelu()?)` (exact GELU) as one fused op ([`ops::gelu_linear`]): backward keeps
+    /// only `x`, not GELU's output as well.
+    pub fn forward_after_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        ops::gelu_linear(x, &self.weight, self.bias.as_ref())
+    }
+
+    /// `self.forward(&norm.forward(x)?)` as one fused op ([`ops::layer_norm_linear`]): backward keeps
+    /// `x` (and per-row statistics), not the normalized tensor as well.
+    pub fn forward_after_layer_norm(&self, x: &Tensor, norm: &LayerNorm) -> Result<Tensor> {
+        ops::layer_norm_linear(x, &norm.weight, &norm.bias, norm.eps, &self.weight, self.bias.as_ref())
+    }
+
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -426,34 +438,71 @@ impl MultiheadAttention {
                 value.shape()
             )));
         }
-        let split = |t: &Tensor, len: usize| -> Result<Tensor> {
-            // [B, T, d] -> [B, heads, T, d/heads]
-            t.reshape(&[b as isize, len as isize, h as isize, dh as isize])?.permute(&[0, 2, 1, 3])
-        };
-        let (q, k, v) = if query.same(key) && key.same(value) {
-            // Self-attention: one packed projection, one copy into [3, B, heads, T, d/heads].
-            let qkv = ops::linear(query, &self.in_proj_weight, Some(&self.in_proj_bias))?;
-            let qkv = qkv
-                .reshape(&[b as isize, tq as isize, 3, h as isize, dh as isize])?
-                .permute(&[2, 0, 3, 1, 4])?
-                .contiguous()?;
-            let part = |i: usize| qkv.narrow(0, i, 1)?.reshape(&[b as isize, h as isize, tq as isize, dh as isize]);
-            (part(0)?, part(1)?, part(2)?)
-        } else {
-            let project = |x: &Tensor, i: usize, len: usize| -> Result<Tensor> {
-                let w = self.in_proj_weight.narrow(0, i * d, d)?;
-                let bias = self.in_proj_bias.narrow(0, i * d, d)?;
-                split(&ops::linear(x, &w, Some(&bias))?, len)
-            };
-            (project(query, 0, tq)?, project(key, 1, tk)?, project(value, 2, tk)?)
-        };
         let mask = match mask {
             None => None,
             Some(m) => Some(self.attention_mask(m, b, tq, tk)?),
         };
+        if query.same(key) && key.same(value) {
+            // Self-attention: one packed projection [B, T, 3d].
+            let qkv = ops::linear(query, &self.in_proj_weight, Some(&self.in_proj_bias))?;
+            return self.attend_packed(qkv, mask.as_ref(), causal);
+        }
+        let split = |t: &Tensor, len: usize| -> Result<Tensor> {
+            // [B, T, d] -> [B, heads, T, d/heads]
+            t.reshape(&[b as isize, len as isize, h as isize, dh as isize])?.permute(&[0, 2, 1, 3])
+        };
+        let project = |x: &Tensor, i: usize, len: usize| -> Result<Tensor> {
+            let w = self.in_proj_weight.narrow(0, i * d, d)?;
+            let bias = self.in_proj_bias.narrow(0, i * d, d)?;
+            split(&ops::linear(x, &w, Some(&bias))?, len)
+        };
+        let (q, k, v) = (project(query, 0, tq)?, project(key, 1, tk)?, project(value, 2, tk)?);
         let attn = ops::scaled_dot_product_attention(&q, &k, &v, causal, mask.as_ref())?;
         let merged = attn.permute(&[0, 2, 1, 3])?.reshape(&[b as isize, tq as isize, d as isize])?;
         self.out_proj.forward(&merged)
+    }
+
+    /// Self-attention of `norm(x)` for a `[B, T, d]` input: `self.forward(&h, &h, &h, mask, causal)`
+    /// with `h = norm.forward(x)`, the normalization fused into the in-projection
+    /// ([`ops::layer_norm_linear`]) so that backward keeps `x`, not `h` as well (a pre-norm block).
+    pub fn forward_self_after_layer_norm(
+        &self,
+        x: &Tensor,
+        norm: &LayerNorm,
+        mask: Option<&Tensor>,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let d = self.embed_dim();
+        if x.rank() != 3 || x.shape()[2] != d {
+            return Err(Error::shape(format!(
+                "MultiheadAttention {:?}: input should be [B, T, {d}] (batch_first), got {:?}",
+                self.prefix,
+                x.shape()
+            )));
+        }
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let mask = match mask {
+            None => None,
+            Some(m) => Some(self.attention_mask(m, b, t, t)?),
+        };
+        let qkv = ops::layer_norm_linear(
+            x,
+            &norm.weight,
+            &norm.bias,
+            norm.eps,
+            &self.in_proj_weight,
+            Some(&self.in_proj_bias),
+        )?;
+        self.attend_packed(qkv, mask.as_ref(), causal)
+    }
+
+    /// Attention over the packed projection `qkv` [B, T, 3d], then `out_proj`: attended in place (no
+    /// split or merge copies, see [`ops::packed_self_attention`]); backward keeps `qkv` and a
+    /// log-sum-exp per row.
+    fn attend_packed(&self, qkv: Tensor, mask: Option<&Tensor>, causal: bool) -> Result<Tensor> {
+        let attn = ops::packed_self_attention(&qkv, self.heads, causal, mask)?;
+        drop(qkv);
+        self.out_proj.forward(&attn)
     }
 
     /// The bool mask as a tensor broadcastable to [B, heads, Tq, Tk].
@@ -554,6 +603,71 @@ mod tests {
         assert_eq!(bn.running_mean().storage().category(), Category::Other);
         let ln = LayerNorm::new(&init, "ln", 8).unwrap();
         assert_eq!(names(&ln), ["ln.weight", "ln.bias"]);
+    }
+
+    /// The fused forwards (GELU into a linear, layer norm into a linear or the attention's
+    /// in-projection, packed self-attention) give the composed modules' outputs and gradients.
+    #[test]
+    fn fused_forwards_match_the_composed_modules() {
+        use memfit_tensor::autograd::backward;
+        let dev = Device::cpu();
+        let init = Initializer::new(&dev, 3);
+        let (b, t, d) = (2, 5, 16);
+        let ln = LayerNorm::new(&init, "ln", d).unwrap();
+        // Non-default norm parameters, so that they matter.
+        ln.weight()
+            .write_with::<f32>(|w| w.iter_mut().enumerate().for_each(|(i, w)| *w = 0.5 + i as f32 / 16.0))
+            .unwrap();
+        ln.bias().write_with::<f32>(|w| w.iter_mut().enumerate().for_each(|(i, w)| *w = 0.1 * i as f32 - 0.7)).unwrap();
+        let fc = Linear::new(&init, "fc", d, 3, true).unwrap();
+        let attn = MultiheadAttention::new(&init, "attn", d, 2).unwrap();
+        let data: Vec<f32> = (0..b * t * d).map(|i| (i * 37 % 101) as f32 / 25.0 - 2.0).collect();
+        let x = Tensor::from_slice(&dev, &data, &[b, t, d], Category::Input).unwrap().set_requires_grad(true);
+        let causal: Vec<bool> = (0..t * t).map(|i| i % t > i / t).collect();
+        let mask = Tensor::from_slice(&dev, &causal, &[t, t], Category::Input).unwrap();
+        let mut leaves = vec![x.clone()];
+        for m in [&ln as &dyn Module, &fc, &attn] {
+            leaves.extend(m.parameters().into_iter().map(|(_, p)| p));
+        }
+        // Output and every leaf's gradient of sum(y * r), r a fixed pattern.
+        let run = |f: &dyn Fn() -> Result<Tensor>| -> Vec<Vec<f32>> {
+            let y = f().unwrap();
+            let r: Vec<f32> = (0..y.numel()).map(|i| (i * 13 % 7) as f32 - 3.0).collect();
+            let r = Tensor::from_slice(&dev, &r, y.shape(), Category::Input).unwrap();
+            backward(&y.mul(&r).unwrap().sum_all().unwrap()).unwrap();
+            let mut out = vec![y.to_vec::<f32>().unwrap()];
+            out.extend(leaves.iter().map(|l| l.take_grad().map_or(vec![], |g| g.to_vec::<f32>().unwrap())));
+            out
+        };
+        let check = |what: &str, got: Vec<Vec<f32>>, want: Vec<Vec<f32>>| {
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.len(), w.len(), "{what}: tensor {k}");
+                let scale = w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+                for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                    assert!((a - b).abs() <= 2e-5 * scale, "{what}: tensor {k} [{i}]: {a} vs {b}");
+                }
+            }
+        };
+        check("gelu", run(&|| fc.forward_after_gelu(&x)), run(&|| fc.forward(&x.gelu()?)));
+        check("layer norm", run(&|| fc.forward_after_layer_norm(&x, &ln)), run(&|| fc.forward(&ln.forward(&x)?)));
+        // Packed self-attention (one input) against the separate projections (distinct key/value).
+        check(
+            "self-attention",
+            run(&|| attn.forward(&x, &x, &x, Some(&mask), false)),
+            run(&|| {
+                let kv = x.mul_scalar(1.0)?;
+                attn.forward(&x, &kv, &kv, Some(&mask), false)
+            }),
+        );
+        check(
+            "normed self-attention",
+            run(&|| attn.forward_self_after_layer_norm(&x, &ln, Some(&mask), false)),
+            run(&|| {
+                let h = ln.forward(&x)?;
+                attn.forward(&h, &h, &h, Some(&mask), false)
+            }),
+        );
+        assert!(attn.forward_self_after_layer_norm(&x.narrow(2, 0, 8).unwrap(), &ln, None, false).is_err());
     }
 
     #[test]

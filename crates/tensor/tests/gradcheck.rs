@@ -299,6 +299,36 @@ fn gradcheck_linear() {
     gradcheck("linear constant input", &inputs, |x| ops::linear(&x[0], &x[1], Some(&x[2])));
 }
 
+#[test]
+fn gradcheck_gelu_linear() {
+    let mut rng = Rng::new(19);
+    // Inputs in [-3, 3): both tails and the bend of GELU.
+    let wide = |rng: &mut Rng, shape: &[usize]| input(shape, rng.vec(numel(shape), -3.0, 3.0));
+    for xs in [&[4usize, 7][..], &[2, 4, 7]] {
+        let inputs = [wide(&mut rng, xs), rand_input(&mut rng, &[3, 7]), rand_input(&mut rng, &[3])];
+        gradcheck(&format!("gelu_linear {xs:?}"), &inputs, |x| ops::gelu_linear(&x[0], &x[1], Some(&x[2])));
+        let inputs = [wide(&mut rng, xs), rand_input(&mut rng, &[3, 7])];
+        gradcheck(&format!("gelu_linear no bias {xs:?}"), &inputs, |x| ops::gelu_linear(&x[0], &x[1], None));
+    }
+    // More rows than one block (512), and an input produced by an op: its gradient is then written
+    // over the saved input in place.
+    let inputs = [wide(&mut rng, &[600, 3]), rand_input(&mut rng, &[2, 3]), rand_input(&mut rng, &[2])];
+    gradcheck("gelu_linear blocks, in place", &inputs, |x| {
+        ops::gelu_linear(&x[0].mul_scalar(1.5)?, &x[1], Some(&x[2]))
+    });
+    // A transposed (strided) weight, and a constant input (only the weight and bias get gradients).
+    let inputs = [wide(&mut rng, &[5, 4]), rand_input(&mut rng, &[4, 3])];
+    gradcheck("gelu_linear strided weight", &inputs, |x| ops::gelu_linear(&x[0], &x[1].transpose(0, 1)?, None));
+    let inputs = [constant(&[5, 4], rng.vec(20, -3.0, 3.0)), rand_input(&mut rng, &[3, 4]), rand_input(&mut rng, &[3])];
+    gradcheck("gelu_linear constant input", &inputs, |x| ops::gelu_linear(&x[0], &x[1], Some(&x[2])));
+    // Only the input needs a gradient (a frozen layer), as a leaf and in place.
+    let inputs = [wide(&mut rng, &[5, 4]), constant(&[3, 4], rng.vec(12, -1.0, 1.0))];
+    gradcheck("gelu_linear constant weight", &inputs, |x| ops::gelu_linear(&x[0], &x[1], None));
+    gradcheck("gelu_linear constant weight, in place", &inputs, |x| {
+        ops::gelu_linear(&x[0].mul_scalar(1.0)?, &x[1], None)
+    });
+}
+
 // ----- convolution and pooling ---------------------------------------------------------------
 
 #[test]
@@ -398,6 +428,57 @@ fn gradcheck_layer_norm() {
 }
 
 #[test]
+fn gradcheck_layer_norm_linear() {
+    let mut rng = Rng::new(21);
+    // x [..., 6], ln weight and bias [6], weight [4, 6], bias [4].
+    let ln_inputs = |rng: &mut Rng, xs: &[usize]| {
+        [
+            rand_input(rng, xs),
+            input(&[6], rng.vec(6, 0.5, 1.5)),
+            rand_input(rng, &[6]),
+            rand_input(rng, &[4, 6]),
+            rand_input(rng, &[4]),
+        ]
+    };
+    for xs in [&[5usize, 6][..], &[2, 3, 6]] {
+        gradcheck(&format!("layer_norm_linear {xs:?}"), &ln_inputs(&mut rng, xs), |x| {
+            ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+        });
+    }
+    let inputs = ln_inputs(&mut rng, &[3, 6]);
+    gradcheck("layer_norm_linear no bias", &inputs[..4], |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], None)
+    });
+    // More rows than one block (512), and an input produced by an op: its gradient is then written
+    // over the saved input in place. A transposed (strided) weight.
+    gradcheck("layer_norm_linear blocks, in place", &ln_inputs(&mut rng, &[530, 6]), |x| {
+        ops::layer_norm_linear(&x[0].mul_scalar(1.5)?, &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
+    let mut inputs = ln_inputs(&mut rng, &[3, 6]);
+    inputs[3] = rand_input(&mut rng, &[6, 4]);
+    gradcheck("layer_norm_linear strided weight", &inputs, |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3].transpose(0, 1)?, Some(&x[4]))
+    });
+    // Only some inputs need gradients (a constant input; constant norm parameters).
+    let mut inputs = ln_inputs(&mut rng, &[3, 6]);
+    inputs[0].wrt = false;
+    gradcheck("layer_norm_linear constant input", &inputs, |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
+    let mut inputs = ln_inputs(&mut rng, &[3, 6]);
+    inputs[1].wrt = false;
+    inputs[2].wrt = false;
+    gradcheck("layer_norm_linear constant norm", &inputs, |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
+    let mut inputs = ln_inputs(&mut rng, &[3, 6]);
+    inputs[1..].iter_mut().for_each(|i| i.wrt = false);
+    gradcheck("layer_norm_linear input only, in place", &inputs, |x| {
+        ops::layer_norm_linear(&x[0].mul_scalar(1.0)?, &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
+}
+
+#[test]
 fn gradcheck_batch_norm() {
     let mut rng = Rng::new(13);
     for xs in [&[4usize, 3, 3, 3][..], &[6, 4]] {
@@ -477,6 +558,38 @@ fn gradcheck_attention() {
     gradcheck("sdpa mask", &qkv(&mut rng, tq, tk), |x| {
         let m = Tensor::from_slice(x[0].device(), &mask, &[tq, tk], Category::Input)?;
         ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, Some(&m))
+    });
+    // More query rows than one block (64): the backward recomputes P block by block.
+    gradcheck(
+        "sdpa row blocks",
+        &[
+            rand_input(&mut rng, &[1, 1, 70, 2]),
+            rand_input(&mut rng, &[1, 1, 70, 2]),
+            rand_input(&mut rng, &[1, 1, 70, 2]),
+        ],
+        |x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None),
+    );
+}
+
+#[test]
+fn gradcheck_packed_self_attention() {
+    let mut rng = Rng::new(20);
+    // qkv [B, T, 3E] with E = 6, 2 heads of 3 features.
+    gradcheck("packed", &[rand_input(&mut rng, &[2, 5, 18])], |x| ops::packed_self_attention(&x[0], 2, false, None));
+    gradcheck("packed causal", &[rand_input(&mut rng, &[2, 5, 18])], |x| {
+        ops::packed_self_attention(&x[0], 2, true, None)
+    });
+    // A per-(batch, head) mask with a fully masked row (output and gradient 0 there).
+    let t = 4;
+    let mut mask: Vec<bool> = (0..2 * 2 * t * t).map(|i| i % t != 0 && rng.below(3) == 0).collect();
+    mask[t..2 * t].iter_mut().for_each(|m| *m = true);
+    gradcheck("packed mask", &[rand_input(&mut rng, &[2, t, 18])], |x| {
+        let m = Tensor::from_slice(x[0].device(), &mask, &[2, 2, t, t], Category::Input)?;
+        ops::packed_self_attention(&x[0], 2, false, Some(&m))
+    });
+    // Several row blocks, the input produced by an op.
+    gradcheck("packed row blocks", &[rand_input(&mut rng, &[1, 70, 6])], |x| {
+        ops::packed_self_attention(&x[0].mul_scalar(2.0)?, 1, true, None)
     });
 }
 

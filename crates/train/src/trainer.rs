@@ -111,6 +111,19 @@ pub struct RunOutcome {
     pub eval: Option<EvalResult>,
     /// Sample indices of each step, in the order they were used (when asked for).
     pub sample_log: Vec<Vec<usize>>,
+    /// Loss and memory after every step, for training curves.
+    pub curve: Vec<StepPoint>,
+}
+
+/// One step's point on the training curves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepPoint {
+    pub step: usize,
+    /// Mean loss over the step's window (None on meta).
+    pub loss: Option<f64>,
+    /// Allocated bytes after the step, and the peak so far.
+    pub allocated: u64,
+    pub peak_allocated: u64,
 }
 
 /// The micro-batches still to run over a list of samples, and what to do when one fails
@@ -401,6 +414,12 @@ impl Session {
                     out.sample_log.push(used);
                 }
                 let stats = self.device.stats();
+                out.curve.push(StepPoint {
+                    step: out.steps,
+                    loss,
+                    allocated: stats.allocated_bytes.current,
+                    peak_allocated: stats.allocated_bytes.peak,
+                });
                 on_step(&StepEvent {
                     step: out.steps,
                     total_steps: total,

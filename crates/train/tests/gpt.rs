@@ -128,7 +128,8 @@ fn meta_and_cpu_allocate_identically_for_gpt_steps() {
 
 fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
     PlanRequest {
-        model: tiny_gpt(40),
+        // Large enough that a batch needs several 2 MiB segments, so budgets can force accumulation.
+        model: ModelSpec::gpt(GptConfig { vocab: 40, d_model: 32, heads: 2, layers: 2, max_t: 32 }),
         optimizer: adamw(),
         effective_batch: effective,
         capacity,

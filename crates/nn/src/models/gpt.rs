@@ -31,11 +31,14 @@ impl Block {
     }
 
     /// `mask`: bool [T, T], True where attention is not allowed.
+    ///
+    /// Each layer norm is fused into the projection after it, and GELU into `mlp.2`, so that backward
+    /// keeps per block only the residual stream before each norm, the packed q/k/v projection, the
+    /// attention output and `mlp.0`'s output (plus per-row statistics); the numerics are those of the
+    /// unfused modules.
     pub fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let h = self.ln1.forward(x)?;
-        let x = x.add(&self.attn.forward(&h, &h, &h, Some(mask), false)?)?;
-        drop(h);
-        let m = self.fc2.forward(&self.fc1.forward(&self.ln2.forward(&x)?)?.gelu()?)?;
+        let x = x.add(&self.attn.forward_self_after_layer_norm(x, &self.ln1, Some(mask), false)?)?;
+        let m = self.fc2.forward_after_gelu(&self.fc1.forward_after_layer_norm(&x, &self.ln2)?)?;
         x.add(&m)
     }
 
@@ -119,7 +122,7 @@ impl Model for Gpt {
         for block in &self.blocks {
             x = block.forward(&x, &mask)?;
         }
-        self.head.forward(&self.ln.forward(&x)?)
+        self.head.forward_after_layer_norm(&x, &self.ln)
     }
 
     fn parameters(&self) -> Vec<(String, Tensor)> {

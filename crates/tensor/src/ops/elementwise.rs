@@ -67,6 +67,33 @@ impl Unary {
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
 
+/// The exact (erf) GELU of one value, as [`Tensor::gelu`] computes it (fused ops share it).
+#[inline(always)]
+pub(crate) fn gelu_erf<T: Float>(x: T) -> T {
+    T::of(0.5) * x * (T::one() + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf())
+}
+
+/// `g * gelu'(x)` for the exact GELU, as [`Tensor::gelu`]'s backward computes it.
+#[inline(always)]
+pub(crate) fn gelu_erf_backward<T: Float>(x: T, g: T) -> T {
+    let half = T::of(0.5);
+    let cdf = half * (T::one() + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf());
+    let pdf = (-half * x * x).exp() * T::of(0.398_942_280_401_432_7);
+    g * (cdf + x * pdf)
+}
+
+/// GELU and its derivative at `x` from one erf: `(gelu_erf(x), d)` with `g * d` equal to
+/// `gelu_erf_backward(x, g)`, bit for bit.
+#[inline(always)]
+pub(crate) fn gelu_erf_with_derivative<T: Float>(x: T) -> (T, T) {
+    let half = T::of(0.5);
+    let e = (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf();
+    let y = half * x * (T::one() + e);
+    let cdf = half * (T::one() + e);
+    let pdf = (-half * x * x).exp() * T::of(0.398_942_280_401_432_7);
+    (y, cdf + x * pdf)
+}
+
 /// Runs the forward of `op` over `src` into `dst`. The match on the op is outside the element loop,
 /// so each loop is specialized (and ReLU's vectorizes).
 fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
@@ -74,7 +101,7 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
     let one = T::one();
     match op {
         Unary::Relu => par_map(src, dst, |x| if x > T::zero() { x } else { T::zero() }),
-        Unary::GeluErf => par_map(src, dst, |x| half * x * (one + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf())),
+        Unary::GeluErf => par_map(src, dst, gelu_erf),
         Unary::GeluTanh => {
             par_map(src, dst, |x| half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh()))
         }
@@ -102,11 +129,7 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
     let one = T::one();
     match op {
         Unary::Relu => apply_backward(s, grad, dst, |s, g| if s > T::zero() { g } else { T::zero() }),
-        Unary::GeluErf => apply_backward(s, grad, dst, |s, g| {
-            let cdf = half * (one + (s * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf());
-            let pdf = (-half * s * s).exp() * T::of(0.398_942_280_401_432_7);
-            g * (cdf + s * pdf)
-        }),
+        Unary::GeluErf => apply_backward(s, grad, dst, gelu_erf_backward),
         Unary::GeluTanh => apply_backward(s, grad, dst, |s, g| {
             let inner = T::of(SQRT_2_OVER_PI) * (s + T::of(GELU_C) * s * s * s);
             let t = inner.tanh();

@@ -1,17 +1,21 @@
 //! Normalization: layer_norm over the trailing dims, batch_norm (training with running-statistics
-//! update, and eval).
+//! update, and eval), and layer_norm_linear (a layer norm over the last dim fused with the linear
+//! layer after it).
 //!
-//! Both are fused kernels. layer_norm saves the input, the weight and per-row mean and rstd;
+//! All are fused kernels. layer_norm saves the input, the weight and per-row mean and rstd;
 //! batch_norm saves the input, the weight and per-channel mean and rstd (the batch statistics in
-//! training, the running statistics in eval). Statistics are accumulated in f64 with two passes.
+//! training, the running statistics in eval); layer_norm_linear saves the input, per-row mean and
+//! rstd and the weights, but not the normalized tensor, which its backward recomputes block by block.
+//! Statistics are accumulated in f64 with two passes.
 
-use super::matmul::SendPtr;
+use super::matmul::{check_linear, gemm_into, weight_mat, Mat, SendPtr};
 use super::{check_same, output, PAR_CHUNK};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::Float;
+use crate::dtype::{DType, Float};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::with_float;
+use memfit_memory::Category;
 use rayon::prelude::*;
 
 /// Calls `f(first_row, rows)` for consecutive groups of rows of `row_len` elements, in parallel when
@@ -27,8 +31,78 @@ fn for_row_groups(rows: usize, row_len: usize, f: impl Fn(usize, usize) + Sync +
     }
 }
 
+/// Calls `f(row, values)` for every `row_len`-element row of `buf` (row_len > 0), in parallel groups
+/// of about `PAR_CHUNK` elements when the buffer is big enough.
+fn for_rows_mut<T: Send>(buf: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let per = (PAR_CHUNK / row_len).max(1);
+    let run = |(k, group): (usize, &mut [T])| {
+        group.chunks_mut(row_len).enumerate().for_each(|(i, row)| f(k * per + i, row));
+    };
+    if buf.len() >= 2 * PAR_CHUNK && buf.len() > per * row_len {
+        buf.par_chunks_mut(per * row_len).enumerate().for_each(run);
+    } else {
+        buf.chunks_mut(per * row_len).enumerate().for_each(run);
+    }
+}
+
 fn opt_slice<T: Float + crate::tensor::Element>(t: Option<&Tensor>) -> Result<Option<&[T]>> {
     t.map(|t| t.slice::<T>()).transpose()
+}
+
+/// Normalizes one row into `yr` (f64 two-pass statistics, biased variance, eps inside the sqrt, then
+/// the affine); returns (mean, rstd) as kept for backward. `layer_norm` and `layer_norm_linear` share
+/// it, so they produce the same bits.
+#[inline]
+fn normalize_row<T: Float>(xr: &[T], yr: &mut [T], w: Option<&[T]>, b: Option<&[T]>, eps: f64) -> (T, T) {
+    let d = xr.len();
+    let mean = xr.iter().map(|v| v.f64()).sum::<f64>() / d as f64;
+    let var = xr
+        .iter()
+        .map(|v| {
+            let c = v.f64() - mean;
+            c * c
+        })
+        .sum::<f64>()
+        / d as f64;
+    let (m, rs) = (T::of(mean), T::of(1.0 / (var + eps).sqrt()));
+    for j in 0..d {
+        let mut v = (xr[j] - m) * rs;
+        if let Some(w) = w {
+            v *= w[j];
+        }
+        if let Some(b) = b {
+            v += b[j];
+        }
+        yr[j] = v;
+    }
+    (m, rs)
+}
+
+/// Layer-norm backward's per-row means of `dxhat = g * w` and of `dxhat * xhat`.
+#[inline]
+fn row_grad_sums<T: Float>(xr: &[T], gr: &[T], w: Option<&[T]>, m: T, rs: T) -> (T, T) {
+    let d = xr.len();
+    let (mut s1, mut s2) = (0.0f64, 0.0f64);
+    for j in 0..d {
+        let dxh = match w {
+            Some(w) => gr[j] * w[j],
+            None => gr[j],
+        };
+        s1 += dxh.f64();
+        s2 += (dxh * (xr[j] - m) * rs).f64();
+    }
+    (T::of(s1 / d as f64), T::of(s2 / d as f64))
+}
+
+/// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b).
+#[inline(always)]
+fn row_dx<T: Float>(x: T, g: T, w: Option<T>, m: T, rs: T, a: T, b: T) -> T {
+    let dxh = match w {
+        Some(w) => g * w,
+        None => g,
+    };
+    let xh = (x - m) * rs;
+    rs * (dxh - a - xh * b)
 }
 
 /// `F.layer_norm(x, normalized_shape, weight, bias, eps)`: biased variance, eps inside the sqrt.
@@ -93,15 +167,7 @@ pub fn layer_norm(
                     let xr = &src[r * d..(r + 1) * d];
                     // SAFETY: row r of the fresh output is written by this task only.
                     let yr = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * d), d) };
-                    let mean = xr.iter().map(|v| v.f64()).sum::<f64>() / d as f64;
-                    let var = xr.iter().map(|v| { let c = v.f64() - mean; c * c }).sum::<f64>() / d as f64;
-                    let (m, rs) = (T::of(mean), T::of(1.0 / (var + eps).sqrt()));
-                    for j in 0..d {
-                        let mut v = (xr[j] - m) * rs;
-                        if let Some(w) = w { v *= w[j]; }
-                        if let Some(b) = b { v += b[j]; }
-                        yr[j] = v;
-                    }
+                    let (m, rs) = normalize_row(xr, yr, w, b, eps);
                     if let Some((pm, pr)) = st {
                         // SAFETY: element r of the fresh statistics tensors belongs to this task.
                         unsafe { *pm.0.add(r) = m; *pr.0.add(r) = rs; }
@@ -161,17 +227,9 @@ impl Backward for LayerNormBack {
                             // SAFETY: row r of the fresh gradient is written by this task only.
                             let dr = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * d), d) };
                             let (m, rs) = (mean[r], rstd[r]);
-                            let (mut s1, mut s2) = (0.0f64, 0.0f64);
+                            let (a, b) = row_grad_sums(xr, gr, w, m, rs);
                             for j in 0..d {
-                                let dxh = match w { Some(w) => gr[j] * w[j], None => gr[j] };
-                                s1 += dxh.f64();
-                                s2 += (dxh * (xr[j] - m) * rs).f64();
-                            }
-                            let (a, b) = (T::of(s1 / d as f64), T::of(s2 / d as f64));
-                            for j in 0..d {
-                                let dxh = match w { Some(w) => gr[j] * w[j], None => gr[j] };
-                                let xh = (xr[j] - m) * rs;
-                                dr[j] = rs * (dxh - a - xh * b);
+                                dr[j] = row_dx(xr[j], gr[j], w.map(|w| w[j]), m, rs, a, b);
                             }
                         }
                     });
@@ -216,6 +274,261 @@ impl Backward for LayerNormBack {
             grads.push(gw);
         }
         if self.has_bias {
+            grads.push(gb);
+        }
+        Ok(grads)
+    }
+}
+
+/// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
+const LN_ROWS: usize = 512;
+
+/// `linear(layer_norm(x, [in], ln_weight, ln_bias, eps), weight, bias)` fused (a pre-norm
+/// transformer's normalization and the projection after it): x [..., in], ln_weight and ln_bias [in],
+/// weight [out, in], bias [out].
+///
+/// Unfused, autograd keeps both the normalization's input (for its backward) and its output (for the
+/// linear's); this op saves only `x`, the per-row mean and rstd and the weights, and recomputes the
+/// normalized rows in backward. Forward and backward work in blocks of `LN_ROWS` rows through one
+/// allocator scratch of LN_ROWS x in, so the normalized tensor never exists whole; the column sums of
+/// the layer-norm weight and bias gradients are kept in an f64 [2, in] allocator tensor. Backward
+/// writes the input gradient over the saved `x` when nobody else can see it (Note [Gradient
+/// ownership] in `autograd.rs`), else into a new tensor. Normalized values and layer-norm gradients are
+/// computed exactly as [`layer_norm`] computes them; only the sum over rows of the linear weight
+/// gradient is split by row blocks.
+pub fn layer_norm_linear(
+    x: &Tensor,
+    ln_weight: &Tensor,
+    ln_bias: &Tensor,
+    eps: f64,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    const NAME: &str = "layer_norm_linear";
+    let (out_f, in_f) = check_linear(NAME, x, weight, bias)?;
+    check_same(NAME, &[x, ln_weight, ln_bias])?;
+    if in_f == 0 {
+        return Err(Error::shape(format!("{NAME}: needs at least one feature, got input {:?}", x.shape())));
+    }
+    for (name, t) in [("ln_weight", ln_weight), ("ln_bias", ln_bias)] {
+        if t.shape() != [in_f] {
+            return Err(Error::shape(format!("{NAME}: {name} {:?} should be [{in_f}]", t.shape())));
+        }
+    }
+    let x = x.contiguous()?;
+    let (ln_w, ln_b) = (ln_weight.contiguous()?, ln_bias.contiguous()?);
+    let rows = x.numel() / in_f;
+    let mut inputs = vec![&x, &ln_w, &ln_b, weight];
+    inputs.extend(bias);
+    let grad = needs_grad(&inputs);
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("rank >= 1") = out_f;
+    let out = output(&x, &shape, x.dtype(), NAME)?;
+    let stats_shape = &x.shape()[..x.rank() - 1];
+    let stats = if grad {
+        Some((output(&x, stats_shape, x.dtype(), NAME)?, output(&x, stats_shape, x.dtype(), NAME)?))
+    } else {
+        None
+    };
+    let scratch = output(&x, &[rows.min(LN_ROWS), in_f], x.dtype(), NAME)?;
+    if x.device().computes() {
+        with_float!(x.dtype(), NAME, T => {
+            let dst = out.slice_mut::<T>()?;
+            if let Some(b) = bias {
+                let b = b.contiguous()?;
+                let bv = b.slice::<T>()?;
+                dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
+            }
+            let (xs, w, b) = (x.slice::<T>()?, ln_w.slice::<T>()?, ln_b.slice::<T>()?);
+            let st = match &stats {
+                Some((m, r)) => Some((SendPtr(m.slice_mut::<T>()?.as_mut_ptr()), SendPtr(r.slice_mut::<T>()?.as_mut_ptr()))),
+                None => None,
+            };
+            let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
+            let wt = weight_mat::<T>(weight, true)?;
+            for r0 in (0..rows).step_by(LN_ROWS) {
+                let n = LN_ROWS.min(rows - r0);
+                for_row_groups(n, in_f, |g0, gn| {
+                    let (sc, st) = (sc, st);
+                    for r in g0..g0 + gn {
+                        // SAFETY: scratch row r and statistics entry r0 + r are written by this task only.
+                        let yr = unsafe { std::slice::from_raw_parts_mut(sc.0.add(r * in_f), in_f) };
+                        let (m, rs) = normalize_row(&xs[(r0 + r) * in_f..(r0 + r + 1) * in_f], yr, Some(w), Some(b), eps);
+                        if let Some((pm, pr)) = st {
+                            // SAFETY: entry r0 + r of the fresh statistics belongs to this task.
+                            unsafe { *pm.0.add(r0 + r) = m; *pr.0.add(r0 + r) = rs; }
+                        }
+                    }
+                });
+                let a = Mat { ptr: sc.0 as *const T, rs: in_f as isize, cs: 1 };
+                // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
+                unsafe {
+                    gemm_into::<T>(n, out_f, in_f, dst.as_mut_ptr().add(r0 * out_f), out_f as isize, bias.is_some(),
+                        a, wt, rayon::current_num_threads())
+                };
+            }
+        });
+    }
+    drop(scratch);
+    let Some((mean, rstd)) = stats else { return Ok(out) };
+    let back = LayerNormLinearBack {
+        x: save(&x),
+        ln_weight: save(&ln_w),
+        ln_bias: save(&ln_b),
+        weight: save(weight),
+        mean: save(&mean),
+        rstd: save(&rstd),
+        has_bias: bias.is_some(),
+    };
+    Ok(record(out, NAME, &inputs, back))
+}
+
+struct LayerNormLinearBack {
+    /// The normalization's input; overwritten with its gradient in backward when exclusively owned.
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    has_bias: bool,
+}
+
+impl Backward for LayerNormLinearBack {
+    fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        const NAME: &str = "layer_norm_linear_backward";
+        let LayerNormLinearBack { x, ln_weight, ln_bias, weight, mean, rstd, has_bias } = *self;
+        let (out_f, d) = (weight.shape()[0], weight.shape()[1]);
+        let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
+        let rows = g2.shape()[0];
+        let (need_x, need_lw, need_lb, need_w) = (needs[0], needs[1], needs[2], needs[3]);
+        let need_gy = need_x || need_lw || need_lb;
+        // Decided from who holds what, never from data, so meta allocates as cpu does.
+        let in_place = need_x && x.owns_storage();
+        let gx = if need_x && !in_place { Some(output(&grad, x.shape(), grad.dtype(), NAME)?) } else { None };
+        let glw = if need_lw { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
+        let glb = if need_lb { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
+        let gw = if need_w { Some(output(&grad, &[out_f, d], grad.dtype(), NAME)?) } else { None };
+        let gb = if has_bias && needs[4] { Some(g2.sum_dim(0, false)?) } else { None };
+        // Everything is allocated before x may be overwritten.
+        let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
+        let sums = if need_lw || need_lb { Some(output(&grad, &[2, d], DType::F64, NAME)?) } else { None };
+        if grad.device().computes() {
+            with_float!(grad.dtype(), NAME, T => {
+                let gs = g2.slice::<T>()?;
+                let (mean, rstd) = (mean.slice::<T>()?, rstd.slice::<T>()?);
+                let (lw, lb) = (ln_weight.slice::<T>()?, ln_bias.slice::<T>()?);
+                // In place, the input gradient is x itself: every read of a block of x comes before
+                // the block is overwritten, and each row is read before it is written.
+                let xp = SendPtr(x.slice_mut::<T>()?.as_mut_ptr());
+                let gxp = match &gx {
+                    Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())),
+                    None if in_place => Some(xp),
+                    None => None,
+                };
+                let mut gw_values = gw.as_ref().map(|t| t.slice_mut::<T>()).transpose()?;
+                if let (0, Some(g)) = (rows, &mut gw_values) {
+                    g.fill(T::of(0.0));
+                }
+                let gwp = gw_values.map(|s| s.as_mut_ptr());
+                // Column sums of the layer-norm weight and bias gradients over all rows, in f64.
+                let mut acc = sums.as_ref().map(|t| t.slice_mut::<f64>()).transpose()?;
+                if let Some(a) = &mut acc {
+                    a.fill(0.0);
+                }
+                let sc = scratch.slice_mut::<T>()?;
+                let w_mat = weight_mat::<T>(&weight, false)?;
+                let threads = rayon::current_num_threads();
+                for r0 in (0..rows).step_by(LN_ROWS) {
+                    let n = LN_ROWS.min(rows - r0);
+                    let g_ptr = gs[r0 * out_f..].as_ptr();
+                    let g_block = Mat { ptr: g_ptr, rs: out_f as isize, cs: 1 };
+                    let block = &mut sc[..n * d];
+                    // SAFETY: rows r0..r0+n of x are in its storage; they are only read until the dx
+                    // step below, which no longer uses this slice.
+                    let xb = unsafe { std::slice::from_raw_parts(xp.0.add(r0 * d) as *const T, n * d) };
+                    if let Some(gwp) = gwp {
+                        // Recompute the block's normalized rows (as forward did), then dW (+)= g^T y.
+                        for_rows_mut(block, d, |r, yr| {
+                            let (xr, m, rs) = (&xb[r * d..(r + 1) * d], mean[r0 + r], rstd[r0 + r]);
+                            for j in 0..d {
+                                let mut v = (xr[j] - m) * rs;
+                                v *= lw[j];
+                                v += lb[j];
+                                yr[j] = v;
+                            }
+                        });
+                        let g_t = Mat { ptr: g_ptr, rs: 1, cs: out_f as isize };
+                        let y = Mat { ptr: block.as_ptr(), rs: d as isize, cs: 1 };
+                        // SAFETY: the weight gradient is a fresh [out, d] tensor; operands are in bounds.
+                        unsafe { gemm_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads) };
+                    }
+                    if !need_gy {
+                        continue;
+                    }
+                    // gy = g W, the gradient of the normalized rows, over the scratch.
+                    // SAFETY: the scratch block is n x d and separate from the operands.
+                    unsafe { gemm_into::<T>(n, d, out_f, block.as_mut_ptr(), d as isize, false, g_block, w_mat, threads) };
+                    let gy: &[T] = block;
+                    if let Some(acc) = &mut acc {
+                        // Column blocks: each task sums its columns over the block's rows, in row order.
+                        const COLS: usize = 64;
+                        let (aw, ab) = acc.split_at_mut(d);
+                        let run = |(blk, (sw, sb)): (usize, (&mut [f64], &mut [f64]))| {
+                            for (c, (sw, sb)) in sw.iter_mut().zip(sb.iter_mut()).enumerate() {
+                                let j = blk * COLS + c;
+                                for r in 0..n {
+                                    let (m, rs, gv) = (mean[r0 + r], rstd[r0 + r], gy[r * d + j]);
+                                    *sb += gv.f64();
+                                    *sw += (gv * (xb[r * d + j] - m) * rs).f64();
+                                }
+                            }
+                        };
+                        if n * d >= 2 * PAR_CHUNK && d > COLS {
+                            aw.par_chunks_mut(COLS).zip(ab.par_chunks_mut(COLS)).enumerate().for_each(run);
+                        } else {
+                            aw.chunks_mut(COLS).zip(ab.chunks_mut(COLS)).enumerate().for_each(run);
+                        }
+                    }
+                    if let Some(gxp) = gxp {
+                        #[allow(clippy::redundant_locals)] // capture the Send wrappers, not their raw pointers
+                        for_row_groups(n, d, |g0, gn| {
+                            let (xp, gxp) = (xp, gxp);
+                            for r in g0..g0 + gn {
+                                let (m, rs, gyr) = (mean[r0 + r], rstd[r0 + r], &gy[r * d..(r + 1) * d]);
+                                // SAFETY: row r0 + r of x and of dx (the same row when in place) is
+                                // touched by this task only; each x[j] is read before dx[j] is written.
+                                unsafe {
+                                    let (src, dst) = (xp.0.add((r0 + r) * d), gxp.0.add((r0 + r) * d));
+                                    let (a, b) = row_grad_sums(std::slice::from_raw_parts(src, d), gyr, Some(lw), m, rs);
+                                    for j in 0..d {
+                                        *dst.add(j) = row_dx(*src.add(j), gyr[j], Some(lw[j]), m, rs, a, b);
+                                    }
+                                }
+                            }
+                        });
+                    }
+                }
+                if let Some(acc) = &acc {
+                    if let Some(t) = &glw {
+                        t.slice_mut::<T>()?.iter_mut().zip(&acc[..d]).for_each(|(g, &a)| *g = T::of(a));
+                    }
+                    if let Some(t) = &glb {
+                        t.slice_mut::<T>()?.iter_mut().zip(&acc[d..]).for_each(|(g, &a)| *g = T::of(a));
+                    }
+                }
+            });
+        }
+        drop((scratch, sums));
+        let gx = if in_place {
+            // x now holds its gradient: a temporary again, no longer an activation.
+            x.storage().set_category(Category::Temporary);
+            Some(x)
+        } else {
+            gx
+        };
+        let mut grads = vec![gx, glw, glb, gw];
+        if has_bias {
             grads.push(gb);
         }
         Ok(grads)
@@ -615,6 +928,96 @@ mod tests {
                 assert_golden(&b.grad().unwrap(), &g.f64s(&k("grad_bias")), dtype, &name);
             }
         }
+    }
+
+    /// layer_norm_linear against `linear(layer_norm(x))`: output and every gradient, with the input a
+    /// leaf (a new gradient tensor) or produced by an op (its gradient written over the saved input).
+    #[test]
+    fn layer_norm_linear_matches_composed_ops() {
+        let dev = Device::cpu();
+        // Several blocks of rows, the last one partial; 70 features: two column blocks.
+        let (rows, i, o) = (2 * LN_ROWS + 105, 70, 12);
+        for dtype in [DType::F64, DType::F32] {
+            let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
+            let leaf = |n, salt, scale: f64, shift: f64, shape: &[usize]| {
+                let v: Vec<f64> = values(n, salt).iter().map(|v| v * scale + shift).collect();
+                t64(&dev, &v, shape).to_dtype(dtype).unwrap().set_requires_grad(true)
+            };
+            let x = leaf(rows * i, 1, 3.0, 0.5, &[rows, i]);
+            let (lw, lb) = (leaf(i, 2, 0.5, 1.0, &[i]), leaf(i, 3, 1.0, 0.0, &[i]));
+            let (w, b) = (leaf(o * i, 4, 1.0, 0.0, &[o, i]), leaf(o, 5, 1.0, 0.0, &[o]));
+            let g = t64(&dev, &values(rows * o, 6), &[rows, o]).to_dtype(dtype).unwrap();
+            let leaves = [&x, &lw, &lb, &w, &b];
+            for produced in [false, true] {
+                let input = if produced { x.mul_scalar(1.0).unwrap() } else { x.clone() };
+                let y = layer_norm_linear(&input, &lw, &lb, 1e-5, &w, Some(&b)).unwrap();
+                drop(input);
+                backward_with(&y, g.clone()).unwrap();
+                let got: Vec<Vec<f64>> = leaves.iter().map(|t| t.take_grad().unwrap().to_f64_vec().unwrap()).collect();
+                let h = layer_norm(&x, &[i], Some(&lw), Some(&lb), 1e-5).unwrap();
+                let r = crate::ops::linear(&h, &w, Some(&b)).unwrap();
+                assert_close(&y.to_f64_vec().unwrap(), &r.to_f64_vec().unwrap(), tol, "output");
+                backward_with(&r, g.clone()).unwrap();
+                for (k, t) in leaves.iter().enumerate() {
+                    assert_close(&got[k], &t.take_grad().unwrap().to_f64_vec().unwrap(), tol, "gradient");
+                }
+            }
+        }
+        let x = t64(&dev, &[1.0; 6], &[2, 3]);
+        let p = |n| t64(&dev, &vec![1.0; n], &[n]);
+        let w = t64(&dev, &[1.0; 6], &[2, 3]);
+        assert!(layer_norm_linear(&x, &p(3), &p(3), 1e-5, &w, Some(&p(2))).is_ok());
+        assert!(layer_norm_linear(&x, &p(2), &p(3), 1e-5, &w, None).is_err(), "ln weight of the wrong size");
+        assert!(layer_norm_linear(&x, &p(3), &p(3), 1e-5, &w, Some(&p(3))).is_err(), "bias of the wrong size");
+    }
+
+    #[test]
+    fn layer_norm_linear_saves_its_input_and_statistics_only() {
+        let dev = Device::cpu();
+        let (rows, i, o) = (300, 64, 8);
+        let leaf = |n, salt, shape: &[usize]| {
+            Tensor::from_slice(&dev, &values(n, salt), shape, Category::Input).unwrap().set_requires_grad(true)
+        };
+        let (x, lw, lb, w) =
+            (leaf(rows * i, 1, &[rows, i]), leaf(i, 2, &[i]), leaf(i, 3, &[i]), leaf(o * i, 4, &[o, i]));
+        let h = x.mul_scalar(1.0).unwrap(); // a temporary of 300 x 64 f64 = 150 KiB
+        let activation = || dev.stats().category(Category::Activation).current;
+        let y = layer_norm_linear(&h, &lw, &lb, 1e-5, &w, None).unwrap();
+        drop(h);
+        assert_eq!(activation(), (rows * i * 8 + 2 * 2560) as u64, "x, mean and rstd [300] (in 512 B blocks)");
+        let g = t64(&dev, &values(rows * o, 5), &[rows, o]);
+        let before = dev.allocator().timeline().events().count();
+        backward_with(&y, g).unwrap();
+        let a = dev.allocator();
+        let allocs: Vec<(u64, &str)> = a
+            .timeline()
+            .events()
+            .skip(before)
+            .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
+            .map(|e| (e.bytes, e.op))
+            .collect();
+        // ln weight and bias gradients, the weight gradient, a scratch of one block of rows and the f64
+        // column sums; dx overwrites the saved input; then the affine's backward.
+        let name = "layer_norm_linear_backward";
+        let block = (rows.min(LN_ROWS) * i * 8) as u64;
+        assert_eq!(allocs[..5], [(512, name), (512, name), (4096, name), (block, name), (1024, name)]);
+        assert_eq!(allocs.len(), 6, "{allocs:?}");
+        assert_eq!(a.stats().category(Category::Activation).current, 0);
+    }
+
+    #[test]
+    fn layer_norm_linear_meta_allocates_like_cpu() {
+        assert_meta_matches_cpu(|dev| {
+            let t = |shape: &[usize]| -> Result<Tensor> {
+                Ok(Tensor::full(dev, shape, 0.1, DType::F32, Category::Input)?.set_requires_grad(true))
+            };
+            let (x, lw, lb, w, b) = (t(&[3, 100, 8])?, t(&[8])?, t(&[8])?, t(&[5, 8])?, t(&[5])?);
+            // Leaf input (new gradient) and an intermediate one (gradient in place).
+            let y = layer_norm_linear(&x, &lw, &lb, 1e-5, &w, Some(&b))?;
+            backward(&y.sum_all()?)?;
+            let y = layer_norm_linear(&x.mul_scalar(2.0)?, &lw, &lb, 1e-5, &w, None)?;
+            backward(&y.sum_all()?)
+        });
     }
 
     #[test]
