@@ -22,7 +22,9 @@
 //! Writing over a gradient's memory (in-place backward, accumulation, committing into `.grad`) is
 //! allowed only when `Tensor::owns_storage` holds: this is the one handle on the tensor and the tensor
 //! the one user of its storage. A shared gradient is therefore read, never written, until every other
-//! holder has let go; `.grad` of two leaves never share memory. The decision depends only on who holds
+//! holder has let go; `.grad` of two leaves never share memory. The same rule lets a backward write an
+//! input gradient over a saved activation it holds alone (the fused GELU-linear and layer-norm-linear
+//! ops do). The decision depends only on who holds
 //! what, never on data, so `meta` still allocates exactly what `cpu` does.
 
 use crate::error::{Error, Result};
