@@ -31,6 +31,9 @@ enum Command {
     Bench(BenchArgs),
     /// Continue a prompt with a GPT saved by `memfit train --model gpt --save PATH`.
     Generate(GenerateArgs),
+    /// Record a few training steps and write where the memory went: an HTML page, a PyTorch memory
+    /// snapshot, a Chrome trace and a summary.
+    Profile(ProfileArgs),
 }
 
 /// The GPT's sizes (its vocabulary is the text's distinct characters).
@@ -83,8 +86,9 @@ fn default_batch(model: ModelKind) -> usize {
     }
 }
 
+/// What to run and where: the flags `train` and `profile` share.
 #[derive(Args)]
-struct TrainArgs {
+struct RunArgs {
     /// mlp, simplecnn, deepcnn, resnet (Fashion-MNIST) or gpt (characters of a text).
     #[arg(long, default_value = "simplecnn", value_parser = parse_model)]
     model: ModelKind,
@@ -95,12 +99,6 @@ struct TrainArgs {
     data: Option<PathBuf>,
     #[command(flatten)]
     gpt: GptArgs,
-    /// Passes over the training data (gpt: an epoch draws as many random windows as fit the text end to end).
-    #[arg(long, default_value_t = 1)]
-    epochs: usize,
-    /// Stop after this many optimizer steps.
-    #[arg(long)]
-    max_steps: Option<usize>,
     /// Effective batch: samples (images or text windows) per optimizer step [default: 64; gpt 32].
     #[arg(long)]
     batch_size: Option<usize>,
@@ -120,12 +118,56 @@ struct TrainArgs {
     /// cpu (computes) or meta (allocates exactly what cpu would, computes nothing: a prediction).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: DeviceKind,
+    /// Seed of initialization, shuffling and data order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Write the JSON report here.
+    /// Make every N-th allocation fail, to see recovery at work.
+    #[arg(long, value_name = "N")]
+    inject_oom: Option<u64>,
+    /// Fraction of the capacity the planner keeps free.
+    #[arg(long, default_value_t = 0.0)]
+    safety_margin: f64,
+}
+
+impl RunArgs {
+    /// The configuration these flags describe (one epoch, no outputs; callers add theirs).
+    fn config(self) -> Result<TrainConfig, String> {
+        if self.inject_oom == Some(0) {
+            return Err("--inject-oom takes N >= 1 (every N-th allocation fails)".into());
+        }
+        Ok(TrainConfig {
+            model: self.model,
+            gpt: self.gpt.config()?,
+            data: self.data,
+            batch_size: self.batch_size.unwrap_or(default_batch(self.model)),
+            micro_batch: self.micro_batch,
+            lr: self.lr.unwrap_or(default_lr(self.model)),
+            optimizer: self.optimizer,
+            memory: self.memory,
+            device: self.device,
+            seed: self.seed,
+            threads: self.threads,
+            fault: self.inject_oom.map(FaultInjection::EveryNth),
+            safety_margin: self.safety_margin,
+            ..TrainConfig::default()
+        })
+    }
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Passes over the training data (gpt: an epoch draws as many random windows as fit the text end to end).
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Write the JSON report here, and training curves (loss, memory per step) beside it as .svg.
     #[arg(long)]
     report: Option<PathBuf>,
     /// Save the trained parameters (safetensors).
@@ -134,15 +176,26 @@ struct TrainArgs {
     /// Load parameters (safetensors, PyTorch state_dict names) before training.
     #[arg(long)]
     load: Option<PathBuf>,
-    /// Make every N-th allocation fail, to see recovery at work.
-    #[arg(long, value_name = "N")]
-    inject_oom: Option<u64>,
-    /// Fraction of the capacity the planner keeps free.
-    #[arg(long, default_value_t = 0.0)]
-    safety_margin: f64,
     /// Skip the validation pass at the end.
     #[arg(long)]
     no_eval: bool,
+    /// When the run meets an out-of-memory (recovered or not), write its memory profile into this directory.
+    #[arg(long, value_name = "DIR")]
+    profile_on_oom: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ProfileArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Optimizer steps to record (from the start: setup, the first step that creates the optimizer state,
+    /// then steady-state steps).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    steps: u32,
+    /// Directory for memory.html, snapshot.pickle, trace.json and summary.txt/json (created; an existing
+    /// one may hold only an earlier profile).
+    #[arg(long, default_value = "memfit-profile")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -247,6 +300,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan(a),
         Command::Bench(a) => bench(a),
         Command::Generate(a) => generate(a),
+        Command::Profile(a) => profile(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -295,47 +349,16 @@ impl Observer for Progress {
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
-    if a.inject_oom == Some(0) {
-        return Err("--inject-oom takes N >= 1 (every N-th allocation fails)".into());
-    }
     let cfg = TrainConfig {
-        model: a.model,
-        gpt: a.gpt.config()?,
-        data: a.data,
         epochs: a.epochs,
         max_steps: a.max_steps,
-        batch_size: a.batch_size.unwrap_or(default_batch(a.model)),
-        micro_batch: a.micro_batch,
-        lr: a.lr.unwrap_or(default_lr(a.model)),
-        optimizer: a.optimizer,
-        memory: a.memory,
-        device: a.device,
-        seed: a.seed,
-        threads: a.threads,
-        fault: a.inject_oom.map(FaultInjection::EveryNth),
-        safety_margin: a.safety_margin,
         load: a.load,
         save: a.save,
         evaluate: !a.no_eval,
-        record_samples: false,
+        profile_on_oom: a.profile_on_oom,
+        ..a.run.config()?
     };
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        bar
-    });
-    if cfg.device == DeviceKind::Meta && (cfg.save.is_some() || cfg.load.is_some()) {
-        eprintln!("note: the meta device holds no data: --save and --load are skipped");
-    }
-    let mut progress = Progress { bar, last_line: 0, model: cfg.model.name() };
-    let result = memfit_train::train(&cfg, &mut progress);
-    if let Some(bar) = &progress.bar {
-        bar.finish_and_clear();
-    }
-    let summary = result.map_err(|e| e.to_string())?;
+    let summary = run_with_progress(&cfg)?;
     let report = Report::new(&summary);
     let what = if cfg.device == DeviceKind::Meta { "predicted (meta device: nothing computed)" } else { "trained" };
     println!(
@@ -359,8 +382,85 @@ fn train(a: TrainArgs) -> Result<(), String> {
     if let Some(path) = &a.report {
         std::fs::write(path, report.to_json() + "\n")
             .map_err(|e| format!("cannot write the report to {}: {e}", path.display()))?;
+        let curves = path.with_extension("svg");
+        memfit_profile::write_curves(&curve_points(&summary), &curves)
+            .map_err(|e| format!("cannot write the training curves to {}: {e}", curves.display()))?;
+    }
+    if !summary.profile_files.is_empty() {
+        println!("the run met an out-of-memory: its memory profile is in {}", profile_dir(&summary.profile_files));
     }
     Ok(())
+}
+
+/// The folder of a profile's files.
+fn profile_dir(files: &[PathBuf]) -> String {
+    files.first().and_then(|f| f.parent()).map_or(String::new(), |d| d.display().to_string())
+}
+
+/// Loss and memory per step, and the validation loss after the last one.
+fn curve_points(summary: &memfit_train::RunSummary) -> Vec<memfit_profile::CurvePoint> {
+    let last = summary.outcome.curve.len();
+    summary
+        .outcome
+        .curve
+        .iter()
+        .map(|p| memfit_profile::CurvePoint {
+            step: p.step,
+            train_loss: p.loss,
+            val_loss: if p.step == last { summary.outcome.eval.as_ref().and_then(|e| e.loss) } else { None },
+            allocated: p.allocated,
+            peak_allocated: p.peak_allocated,
+        })
+        .collect()
+}
+
+fn profile(a: ProfileArgs) -> Result<(), String> {
+    let cfg = TrainConfig {
+        max_steps: Some(a.steps as usize),
+        evaluate: false,
+        profile: Some(a.out.clone()),
+        ..a.run.config()?
+    };
+    let summary = run_with_progress(&cfg)?;
+    let summary_file = summary.profile_files.iter().find(|f| f.ends_with("summary.txt"));
+    if let Some(text) = summary_file.and_then(|f| std::fs::read_to_string(f).ok()) {
+        print!("{text}");
+    }
+    println!(
+        "profile of {} step{} written to {}:",
+        summary.outcome.steps,
+        if summary.outcome.steps == 1 { "" } else { "s" },
+        a.out.display()
+    );
+    for f in &summary.profile_files {
+        println!("  {}", f.display());
+    }
+    println!(
+        "open memory.html in a browser; PyTorch's viewer: python -m torch.cuda._memory_viz trace_plot {} -o trace.html",
+        a.out.join("snapshot.pickle").display()
+    );
+    Ok(())
+}
+
+/// Runs a job with a progress bar on a terminal (a line every tenth of the run otherwise).
+fn run_with_progress(cfg: &TrainConfig) -> Result<memfit_train::RunSummary, String> {
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    if cfg.device == DeviceKind::Meta && (cfg.save.is_some() || cfg.load.is_some()) {
+        eprintln!("note: the meta device holds no data: --save and --load are skipped");
+    }
+    let mut progress = Progress { bar, last_line: 0, model: cfg.model.name() };
+    let result = memfit_train::train(cfg, &mut progress);
+    if let Some(bar) = &progress.bar {
+        bar.finish_and_clear();
+    }
+    result.map_err(|e| e.to_string())
 }
 
 fn plan(a: PlanArgs) -> Result<(), String> {

@@ -217,3 +217,58 @@ fn bad_text_and_gpt_sizes_are_named() {
     let out = memfit(&["train", "--model", "gpt", "--context", "0"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
+
+#[test]
+fn profile_writes_a_page_a_pytorch_snapshot_a_trace_and_a_summary() {
+    let dir = temp("profile-simplecnn");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let out = memfit(&["profile", "--data", "embedded", "--batch-size", "16", "--steps", "2", "--out", d]);
+    assert!(out.status.success(), "{}", text(&out));
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    let html = std::fs::read_to_string(dir.join("memory.html")).unwrap();
+    let peak = summary["peak_allocated_bytes"].as_u64().expect("summary names the peak");
+    assert!(html.contains(&memfit_bytes(peak)), "the page shows the peak {peak}");
+    assert!(html.contains("conv1") && html.contains("fc"), "the page names modules");
+    assert!(!html.contains("<script src") && !html.contains("<link"), "self-contained");
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(events.iter().any(|e| e["ph"] == "X" && e["name"] == "conv2d"), "op spans");
+    assert!(events.iter().any(|e| e["ph"] == "C"), "memory counters");
+    let pickle = std::fs::read(dir.join("snapshot.pickle")).unwrap();
+    assert_eq!(pickle[0], 0x80, "a pickle");
+    assert!(pickle[1] <= 4, "protocol 4 or lower");
+    // The same directory may be profiled again; a directory with other files is refused before any work.
+    let out = memfit(&["profile", "--data", "embedded", "--batch-size", "16", "--steps", "1", "--out", d]);
+    assert!(out.status.success(), "{}", text(&out));
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    let out = memfit(&["profile", "--data", "embedded", "--steps", "1", "--out", d]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("notes.txt"), "{}", text(&out));
+    assert_eq!(std::fs::read_to_string(dir.join("notes.txt")).unwrap(), "mine");
+}
+
+fn memfit_bytes(b: u64) -> String {
+    // The format of memfit_tensor::memory::format_bytes for MiB-sized values.
+    format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+#[test]
+fn profiling_changes_no_allocation_and_an_oom_run_leaves_its_profile() {
+    let args = ["train", "--data", "embedded", "--max-steps", "2", "--batch-size", "16", "--no-eval"];
+    let plain = report(&args, "plain.json");
+    let dir = temp("oom-profile");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let profiled = report(&[&args[..], &["--profile-on-oom", d]].concat(), "profiled.json");
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes", "num_allocations", "peak_by_category"] {
+        assert_eq!(plain[key], profiled[key], "{key}");
+    }
+    assert!(!dir.exists(), "no out-of-memory, no profile");
+    assert!(temp("profiled.svg").exists(), "training curves beside the report");
+    let out = memfit(&[&args[..], &["--inject-oom", "40", "--profile-on-oom", d]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("memory profile"), "{}", text(&out));
+    let summary = std::fs::read_to_string(dir.join("summary.txt")).unwrap();
+    assert!(summary.contains("out-of-memory") || summary.contains("out of memory"), "{summary}");
+}

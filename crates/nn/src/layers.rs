@@ -5,7 +5,8 @@
 //! tensors ([`Module::parameters`], [`Module::buffers`] return full PyTorch keys such as
 //! `"blocks.0.attn.in_proj_weight"`) and selects their random streams (see [`crate::init`]). Layers are
 //! cheap handles: forward takes `&self`; the only state a forward changes is batch norm's running
-//! statistics, in place.
+//! statistics, in place. Each forward runs under its module scope ([`memfit_tensor::Device::enter_module`] with the
+//! layer's prefix), so every allocation it makes, and its backward's, names the layer.
 
 use crate::init::{join, Initializer};
 use memfit_tensor::ops::{self, Conv2dParams};
@@ -64,18 +65,21 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         ops::linear(x, &self.weight, self.bias.as_ref())
     }
 
     /// `self.forward(&x.gelu()?)` (exact GELU) as one fused op ([`ops::gelu_linear`]): backward keeps
     /// only `x`, not GELU's output as well.
     pub fn forward_after_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         ops::gelu_linear(x, &self.weight, self.bias.as_ref())
     }
 
     /// `self.forward(&norm.forward(x)?)` as one fused op ([`ops::layer_norm_linear`]): backward keeps
     /// `x` (and per-row statistics), not the normalized tensor as well.
     pub fn forward_after_layer_norm(&self, x: &Tensor, norm: &LayerNorm) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         ops::layer_norm_linear(x, &norm.weight, &norm.bias, norm.eps, &self.weight, self.bias.as_ref())
     }
 
@@ -162,6 +166,7 @@ impl Conv2d {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         ops::conv2d(x, &self.weight, self.bias.as_ref(), self.params)
     }
 
@@ -239,6 +244,7 @@ impl BatchNorm2d {
     /// Training: normalizes with the batch statistics, updates the running statistics in place and
     /// counts the batch in `num_batches_tracked`. Eval: normalizes with the running statistics.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         if x.rank() != 4 {
             return Err(Error::shape(format!(
                 "BatchNorm2d {:?}: expected a 4-d [N, C, H, W] input, got {:?}",
@@ -321,6 +327,7 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         ops::layer_norm(x, self.weight.shape(), Some(&self.weight), Some(&self.bias), self.eps)
     }
 
@@ -353,6 +360,7 @@ impl Embedding {
     }
 
     pub fn forward(&self, indices: &Tensor) -> Result<Tensor> {
+        let _module = indices.device().enter_module(&self.prefix);
         ops::embedding(indices, &self.weight)
     }
 
@@ -417,6 +425,7 @@ impl MultiheadAttention {
         mask: Option<&Tensor>,
         causal: bool,
     ) -> Result<Tensor> {
+        let _module = query.device().enter_module(&self.prefix);
         let d = self.embed_dim();
         let (h, dh) = (self.heads, d / self.heads);
         for (what, t) in [("query", query), ("key", key), ("value", value)] {
@@ -472,6 +481,7 @@ impl MultiheadAttention {
         mask: Option<&Tensor>,
         causal: bool,
     ) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
         let d = self.embed_dim();
         if x.rank() != 3 || x.shape()[2] != d {
             return Err(Error::shape(format!(

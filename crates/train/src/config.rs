@@ -79,6 +79,10 @@ pub struct TrainConfig {
     pub evaluate: bool,
     /// Keep the sample indices of every step in the summary (for tests).
     pub record_samples: bool,
+    /// Write a memory profile of the run into this directory (`memfit profile`).
+    pub profile: Option<PathBuf>,
+    /// Write a memory profile into this directory when the run met an out-of-memory.
+    pub profile_on_oom: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -103,6 +107,8 @@ impl Default for TrainConfig {
             save: None,
             evaluate: true,
             record_samples: false,
+            profile: None,
+            profile_on_oom: None,
         }
     }
 }

@@ -11,6 +11,7 @@ use crate::trainer::{RunOptions, RunOutcome, Session, StepEvent};
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
 use std::collections::HashMap;
+use std::path::PathBuf;
 
 pub use crate::task::EMBEDDED;
 
@@ -30,6 +31,8 @@ pub struct RunSummary {
     pub stats: MemoryStats,
     pub capacity: Option<u64>,
     pub threads: usize,
+    /// Files of the memory profile written (`profile` or `profile_on_oom`).
+    pub profile_files: Vec<PathBuf>,
 }
 
 /// What the job tells its caller while it runs.
@@ -61,6 +64,9 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     if cfg.micro_batch == Some(0) {
         return Err(TrainError::Invalid("--micro-batch must be at least 1".into()));
     }
+    for dir in cfg.profile.iter().chain(&cfg.profile_on_oom) {
+        crate::profile::check_profile_dir(dir)?;
+    }
     let task = Task::load(cfg)?;
     let (train_samples, val_samples) = (task.train_samples(), task.val_samples());
     observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
@@ -87,7 +93,13 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         (None, None) => (cfg.batch_size, default_eval, None),
     };
 
-    let device = Device::new(DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault));
+    let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
+    let profiling = cfg.profile.is_some() || cfg.profile_on_oom.is_some();
+    if profiling {
+        device_config.timeline_events = crate::profile::PROFILE_TIMELINE_EVENTS;
+    }
+    let device = Device::new(device_config);
+    device.set_profiling(profiling);
     let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
@@ -108,10 +120,31 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         record_samples: cfg.record_samples,
     };
     let val: Option<&dyn Samples> = if cfg.evaluate { Some(val_samples.as_ref()) } else { None };
-    let outcome = {
+    let result = {
         let mut on_step = |e: &StepEvent| observer.step(e);
-        session.run(train_samples.as_ref(), val, &opts, &mut on_step).map_err(|e| advise(e, &request))?
+        session.run(train_samples.as_ref(), val, &opts, &mut on_step)
     };
+    // The profile is written whether the run succeeded or not: a failed run is what it is for.
+    let profile_dir = cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0));
+    let profile_files = match profile_dir {
+        Some(dir) => {
+            let title =
+                format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
+            crate::profile::write_profile(dir, &crate::profile::recording(&device, title))?
+        }
+        None => Vec::new(),
+    };
+    let outcome = result.map_err(|e| match (advise(e, &request), profile_dir) {
+        (TrainError::OutOfMemory { oom, advice }, Some(dir)) => TrainError::OutOfMemory {
+            oom,
+            advice: format!(
+                "{advice}
+the memory profile of this run is in {} (open memory.html)",
+                dir.display()
+            ),
+        },
+        (e, _) => e,
+    })?;
     if let Some(path) = &cfg.save {
         if cfg.device == DeviceKind::Cpu {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
@@ -133,6 +166,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         stats,
         capacity: cfg.memory,
         threads,
+        profile_files,
     })
 }
 

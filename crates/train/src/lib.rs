@@ -9,7 +9,8 @@
 //! - [`planner`]: chooses the micro-batch for an effective batch and a budget by dry runs on `meta`;
 //! - [`report`]: the JSON report and the memory table people read;
 //! - [`bench`]: step-time and memory benchmarks of the model zoo;
-//! - [`generate`]: text from a saved GPT.
+//! - [`generate`]: text from a saved GPT;
+//! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
 
 pub mod bench;
 pub mod config;
@@ -17,6 +18,7 @@ mod error;
 pub mod generate;
 pub mod job;
 pub mod planner;
+pub mod profile;
 pub mod report;
 pub mod samples;
 pub mod task;

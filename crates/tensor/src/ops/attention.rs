@@ -417,6 +417,7 @@ pub fn scaled_dot_product_attention(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _op = q.device().op_scope("scaled_dot_product_attention");
     const NAME: &str = "scaled_dot_product_attention";
     check_same(NAME, &[q, k, v])?;
     let r = q.rank();
@@ -481,6 +482,7 @@ pub fn scaled_dot_product_attention(
 ///
 /// `mask` (bool, True = not allowed) broadcasts to [B, heads, T, T]; scale 1/sqrt(E/heads).
 pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Option<&Tensor>) -> Result<Tensor> {
+    let _op = qkv.device().op_scope("packed_self_attention");
     const NAME: &str = "packed_self_attention";
     if qkv.rank() != 3 || heads == 0 || !qkv.shape()[2].is_multiple_of(3 * heads) || qkv.shape()[2] == 0 {
         return Err(Error::shape(format!(

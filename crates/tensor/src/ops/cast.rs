@@ -54,6 +54,7 @@ fn convert(x: &Tensor, out: &Tensor) -> Result<()> {
 impl Tensor {
     /// A copy in `dtype` (this tensor itself when the dtype already matches).
     pub fn to_dtype(&self, dtype: crate::DType) -> Result<Tensor> {
+        let _op = self.device().op_scope("to_dtype");
         let from = self.dtype();
         if from == dtype {
             return Ok(self.clone());

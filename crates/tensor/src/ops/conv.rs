@@ -224,6 +224,7 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
 /// `F.conv2d(x, weight, bias, stride, padding, dilation, groups)`: x [N, C, H, W] -> [N, O, OH, OW],
 /// OH = floor((H + 2p - d(k-1) - 1)/s) + 1.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams) -> Result<Tensor> {
+    let _op = x.device().op_scope("conv2d");
     conv2d_with(x, weight, bias, params, LIMITS)
 }
 

@@ -33,6 +33,7 @@ const MASK_BYTES_PER_TASK: usize = PAR_CHUNK / 8;
 /// `F.dropout(x, p, training)`; the mask is drawn from `seed` (same seed, same mask). Identity when
 /// not training or p == 0.
 pub fn dropout(x: &Tensor, p: f64, training: bool, seed: u64) -> Result<Tensor> {
+    let _op = x.device().op_scope("dropout");
     if !(0.0..=1.0).contains(&p) {
         return Err(Error::invalid(format!("dropout: probability has to be between 0 and 1, got {p}")));
     }

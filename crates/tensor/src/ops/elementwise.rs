@@ -145,6 +145,7 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
 }
 
 fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
+    let _op = x.device().op_scope(op.name());
     let x = x.contiguous()?;
     let out = output(&x, x.shape(), x.dtype(), op.name())?;
     if x.device().computes() {
@@ -231,6 +232,7 @@ impl Tensor {
 
     /// `self * scale + shift` with plain numbers.
     pub fn affine(&self, scale: f64, shift: f64) -> Result<Tensor> {
+        let _op = self.device().op_scope("affine");
         let x = self.contiguous()?;
         let out = output(&x, x.shape(), x.dtype(), "affine")?;
         if x.device().computes() {
@@ -334,6 +336,7 @@ pub(crate) fn typed_storage<T: Float>(t: &Tensor) -> Result<&[T]> {
 }
 
 fn binary(a: &Tensor, b: &Tensor, op: Binary) -> Result<Tensor> {
+    let _op = a.device().op_scope(op.name());
     let out = binary_kernel(a, b, op)?;
     if !needs_grad(&[a, b]) {
         return Ok(out);

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 /// `F.embedding(indices int64 [...], weight [V, D])` -> [..., D].
 pub fn embedding(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let _op = weight.device().op_scope("embedding");
     if !indices.device().same(weight.device()) {
         return Err(Error::device("embedding: indices and weight are on different devices"));
     }

@@ -71,6 +71,7 @@ fn row_lse<T: Float>(row: &[T]) -> (T, T) {
 
 /// `F.cross_entropy(logits [N, C], target int64 [N], label_smoothing)`, mean over N.
 pub fn cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f64) -> Result<Tensor> {
+    let _op = logits.device().op_scope("cross_entropy");
     let (n, c) = check_class_inputs("cross_entropy", logits, target)?;
     if !(0.0..=1.0).contains(&label_smoothing) {
         return Err(Error::invalid(format!("cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")));
@@ -155,6 +156,7 @@ impl Backward for CrossEntropyBack {
 
 /// `F.nll_loss(log_probs [N, C], target int64 [N])`, mean over N.
 pub fn nll_loss(log_probs: &Tensor, target: &Tensor) -> Result<Tensor> {
+    let _op = log_probs.device().op_scope("nll_loss");
     let (n, c) = check_class_inputs("nll_loss", log_probs, target)?;
     let target = target.contiguous()?;
     let out = output(log_probs, &[], log_probs.dtype(), "nll_loss")?;
@@ -201,6 +203,7 @@ impl Backward for NllBack {
 
 /// `F.mse_loss(input, target)`, mean over all elements; gradient flows to both.
 pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    let _op = input.device().op_scope("mse_loss");
     super::check_same("mse_loss", &[input, target])?;
     if input.shape() != target.shape() {
         return Err(Error::shape(format!(

@@ -163,6 +163,7 @@ fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 impl Tensor {
     /// Matrix product over the last two dims, broadcasting batch dims.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        let _op = self.device().op_scope("matmul");
         let out = matmul_kernel(self, other)?;
         if !needs_grad(&[self, other]) {
             return Ok(out);
@@ -228,6 +229,7 @@ pub(crate) fn weight_mat<T>(weight: &Tensor, transposed: bool) -> Result<Mat<T>>
 
 /// `x W^T + b` over the last dim of `x` (PyTorch's `F.linear`): x [..., in], weight [out, in], bias [out].
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let _op = x.device().op_scope("linear");
     let (out_f, in_f) = check_linear("linear", x, weight, bias)?;
     let x = x.contiguous()?;
     let rows = x.numel() / in_f.max(1);
@@ -300,6 +302,7 @@ const GELU_ROWS: usize = 512;
 /// tensor. GELU values and derivatives are computed exactly as [`Tensor::gelu`] computes them; only
 /// the weight gradient's sum over rows is split by blocks.
 pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let _op = x.device().op_scope("gelu_linear");
     let (out_f, in_f) = check_linear("gelu_linear", x, weight, bias)?;
     let x = x.contiguous()?;
     let rows = x.numel() / in_f.max(1);

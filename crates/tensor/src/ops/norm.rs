@@ -113,6 +113,7 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    let _op = x.device().op_scope("layer_norm");
     let mut all = vec![x];
     all.extend(weight);
     all.extend(bias);
@@ -304,6 +305,7 @@ pub fn layer_norm_linear(
     weight: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _op = x.device().op_scope("layer_norm_linear");
     const NAME: &str = "layer_norm_linear";
     let (out_f, in_f) = check_linear(NAME, x, weight, bias)?;
     check_same(NAME, &[x, ln_weight, ln_bias])?;
@@ -550,6 +552,7 @@ pub fn batch_norm(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
+    let _op = x.device().op_scope("batch_norm");
     let mut all = vec![x];
     all.extend(running_mean);
     all.extend(running_var);

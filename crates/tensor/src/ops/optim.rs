@@ -108,6 +108,7 @@ pub fn sgd_update(
     nesterov: bool,
     weight_decay: f64,
 ) -> Result<()> {
+    let _op = param.device().op_scope("sgd_update");
     let buf = if momentum != 0.0 {
         Some(momentum_buffer.ok_or_else(|| Error::invalid("sgd_update: momentum needs a momentum buffer"))?)
     } else {
@@ -258,6 +259,7 @@ pub fn adam_update(
     weight_decay: f64,
     decoupled: bool,
 ) -> Result<()> {
+    let _op = param.device().op_scope("adam_update");
     if step == 0 {
         return Err(Error::invalid("adam_update: steps are numbered from 1"));
     }

@@ -176,6 +176,7 @@ pub fn max_pool2d(x: &Tensor, params: Pool2dParams) -> Result<Tensor> {
 
 /// `F.max_pool2d(..., return_indices=True)`: indices are int64 flat `h*W + w` positions per (n, c) plane.
 pub fn max_pool2d_with_indices(x: &Tensor, params: Pool2dParams) -> Result<(Tensor, Tensor)> {
+    let _op = x.device().op_scope("max_pool2d");
     let (out, indices) = max_pool(x, params, true)?;
     let indices = indices.ok_or_else(|| Error::invalid("internal: max_pool2d lost its indices"))?;
     Ok((out, indices))
@@ -460,6 +461,7 @@ fn avg_window_area(g: &Geom, kind: Avg) -> usize {
 
 /// `F.avg_pool2d` (divisor_override None). Uses kernel/stride/padding/ceil_mode of `params`; dilation must be 1.
 pub fn avg_pool2d(x: &Tensor, params: Pool2dParams, count_include_pad: bool) -> Result<Tensor> {
+    let _op = x.device().op_scope("avg_pool2d");
     if params.dilation != [1, 1] {
         return Err(Error::shape(format!(
             "avg_pool2d: dilation {:?} is not supported (must be [1, 1])",
@@ -472,6 +474,7 @@ pub fn avg_pool2d(x: &Tensor, params: Pool2dParams, count_include_pad: bool) -> 
 
 /// `F.adaptive_avg_pool2d`: window i spans floor(i*H/out) .. ceil((i+1)*H/out).
 pub fn adaptive_avg_pool2d(x: &Tensor, output_size: [usize; 2]) -> Result<Tensor> {
+    let _op = x.device().op_scope("adaptive_avg_pool2d");
     let op = "adaptive_avg_pool2d";
     let (planes, h, w) = planes_of(op, x)?;
     if output_size.contains(&0) {

@@ -68,11 +68,13 @@ fn sum_dim_kernel<T: Float>(src: &[T], dst: &mut [T], outer: usize, size: usize,
 impl Tensor {
     /// Sum over `dim`.
     pub fn sum_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
+        let _op = self.device().op_scope("sum");
         reduce_dim(self, dim, keepdim, false)
     }
 
     /// Mean over `dim`.
     pub fn mean_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
+        let _op = self.device().op_scope("mean");
         reduce_dim(self, dim, keepdim, true)
     }
 
@@ -88,6 +90,7 @@ impl Tensor {
 
     /// Max over `dim`: values and int64 indices (first index among ties; the gradient goes there only).
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let _op = self.device().op_scope("max");
         let x = self.contiguous()?;
         let d = resolve_dim(dim, x.rank())?;
         let (outer, size, inner) = split_at_dim(x.shape(), d);

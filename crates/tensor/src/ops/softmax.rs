@@ -127,11 +127,13 @@ fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
 
 /// `F.softmax(x, dim)`.
 pub fn softmax(x: &Tensor, dim: isize) -> Result<Tensor> {
+    let _op = x.device().op_scope("softmax");
     softmax_impl(x, dim, false)
 }
 
 /// `F.log_softmax(x, dim)`.
 pub fn log_softmax(x: &Tensor, dim: isize) -> Result<Tensor> {
+    let _op = x.device().op_scope("log_softmax");
     softmax_impl(x, dim, true)
 }
 

@@ -1,0 +1,87 @@
+//! Memory profiles of a run: the device's allocator (timeline, snapshot, statistics), its module table
+//! and recorded spans become a [`memfit_profile::Recording`], written as the files `memfit profile`
+//! (and `memfit train --profile-on-oom DIR`) leave in a directory:
+//!
+//! | file | what |
+//! |---|---|
+//! | `memory.html` | one self-contained page: memory over time by category, phases, the peak and what was live |
+//! | `snapshot.pickle` | a PyTorch memory snapshot (`python -m torch.cuda._memory_viz trace snapshot.pickle`) |
+//! | `trace.json` | a Chrome trace (Perfetto, chrome://tracing): op and module spans, memory counters |
+//! | `summary.txt`, `summary.json` | the memory table, the top allocations at the peak, what made the peak |
+
+use crate::error::TrainError;
+use memfit_profile::{Recording, Span, SpanKind};
+use memfit_tensor::Device;
+use std::path::{Path, PathBuf};
+
+/// Timeline capacity of a profiled device: enough for setup and several steps of the zoo's models
+/// (a GPT step makes ~1,500 events), bounded (~20 MB).
+pub const PROFILE_TIMELINE_EVENTS: usize = 1 << 18;
+
+/// The files a profile directory holds (and the only ones memfit writes there).
+pub const PROFILE_FILES: [&str; 5] = ["memory.html", "snapshot.pickle", "trace.json", "summary.txt", "summary.json"];
+
+/// Everything `device` recorded, under `title`.
+pub fn recording(device: &Device, title: String) -> Recording {
+    let mut rec = Recording::from_allocator(title, device.kind().name(), &device.allocator());
+    rec.modules = device.module_names();
+    rec.spans = device
+        .take_spans()
+        .into_iter()
+        .map(|s| Span {
+            name: s.name.to_string(),
+            kind: match s.kind {
+                memfit_tensor::SpanKind::Op => SpanKind::Op,
+                memfit_tensor::SpanKind::Module => SpanKind::Module,
+            },
+            phase: s.phase,
+            module: s.module,
+            start_ns: s.start_ns,
+            end_ns: s.end_ns,
+        })
+        .collect();
+    rec
+}
+
+/// Errors unless `dir` can take a profile: a directory that does not exist yet (it is created), or one
+/// that holds nothing but an earlier profile's files (they are replaced). Checked before a run starts,
+/// so a bad `--out` costs no training time and no user file is ever overwritten.
+pub fn check_profile_dir(dir: &Path) -> Result<(), TrainError> {
+    let bad = |why: String| TrainError::Invalid(format!("cannot write a profile to {}: {why}", dir.display()));
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(bad(e.to_string())),
+        Ok(meta) if !meta.is_dir() => Err(bad("it exists and is not a directory; name a new directory".into())),
+        Ok(_) => {
+            let entries = std::fs::read_dir(dir).map_err(|e| bad(e.to_string()))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| bad(e.to_string()))?;
+                let name = entry.file_name();
+                let ours = PROFILE_FILES.iter().any(|f| name == *f);
+                let regular = entry.file_type().is_ok_and(|t| t.is_file());
+                if !(ours && regular) {
+                    return Err(bad(format!(
+                        "it already holds {:?}, which is not a memfit profile file; name a new or empty directory",
+                        name
+                    )));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Writes the profile files of `rec` into `dir` (created if needed); returns their paths.
+pub fn write_profile(dir: &Path, rec: &Recording) -> Result<Vec<PathBuf>, TrainError> {
+    check_profile_dir(dir)?;
+    let fail = |e: std::io::Error| TrainError::Invalid(format!("cannot write a profile to {}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(fail)?;
+    let paths: Vec<PathBuf> = PROFILE_FILES.iter().map(|f| dir.join(f)).collect();
+    memfit_profile::write_html(rec, &paths[0]).map_err(fail)?;
+    memfit_profile::write_snapshot(rec, &paths[1]).map_err(fail)?;
+    memfit_profile::write_chrome_trace(rec, &paths[2]).map_err(fail)?;
+    std::fs::write(&paths[3], memfit_profile::summary(rec)).map_err(fail)?;
+    let json = serde_json::to_string_pretty(&memfit_profile::summary_json(rec)).map_err(|e| fail(e.into()))?;
+    std::fs::write(&paths[4], json + "\n").map_err(fail)?;
+    Ok(paths)
+}
