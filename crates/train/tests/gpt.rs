@@ -17,16 +17,6 @@ fn corpus() -> TextCorpus {
     memfit_data::load_embedded_text().expect("the embedded text")
 }
 
-fn sorted(log: &[Vec<usize>]) -> Vec<Vec<usize>> {
-    log.iter()
-        .map(|w| {
-            let mut w = w.clone();
-            w.sort_unstable();
-            w
-        })
-        .collect()
-}
-
 /// The golden batch (PyTorch's `gpt_tiny_adamw`): the same two windows every step.
 struct GoldenBatch {
     input: Vec<i64>,

@@ -8,16 +8,6 @@ use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::{DeviceKind, Phase};
 use memfit_train::{Session, TrainError};
 
-fn sorted(log: &[Vec<usize>]) -> Vec<Vec<usize>> {
-    log.iter()
-        .map(|w| {
-            let mut w = w.clone();
-            w.sort_unstable();
-            w
-        })
-        .collect()
-}
-
 #[test]
 fn a_fault_at_every_allocation_of_a_run_is_recovered() {
     let spec = small_spec(ModelKind::SimpleCnn);

@@ -73,3 +73,14 @@ pub fn assert_params_close(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)], r
         }
     }
 }
+
+/// Each step's samples as a sorted list: recovery may reorder the samples inside a step, never change them.
+pub fn sorted(log: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    log.iter()
+        .map(|w| {
+            let mut w = w.clone();
+            w.sort_unstable();
+            w
+        })
+        .collect()
+}
