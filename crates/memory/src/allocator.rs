@@ -18,6 +18,11 @@
 //!   be) is an `OutOfMemory` without touching the cache; total reserved bytes are likewise kept at or
 //!   below `isize::MAX` even when the capacity is unlimited, so no statistic can overflow.
 //!
+//! Events: every change is recorded in the [`Timeline`] (see [`EventKind`]): a block handed out or
+//! freed (`Alloc`, `Free`), a segment obtained or released (`SegmentAlloc`, `SegmentFree`), a failed
+//! request (`Oom`) and a live block moved to another category by `set_category` (`Retag`). Replaying
+//! them gives the live blocks, their categories and the totals at every moment.
+//!
 //! Data structures: blocks live in an arena (`BlockId` is an index into it; slots are reused), linked
 //! to their neighbours in the segment; each pool keeps its free blocks in a `BTreeSet` ordered by
 //! (size, segment id, offset), so the first entry at or above the request is the best fit. Segment ids
@@ -339,16 +344,22 @@ impl Allocator {
         self.record(EventKind::Free, block.size, address, block.owner);
     }
 
-    /// Re-tags a live block (moves its bytes between categories).
+    /// Re-tags a live block (moves its bytes between categories) and records a Retag event, unless the
+    /// block already has that category (then nothing happens). Allocated bytes do not change, so
+    /// neither does `category_at_peak`: it keeps the mix of the moment the peak was reached.
     pub fn set_category(&mut self, id: BlockId, category: Category) {
         let block = self.live_block(id);
         let (old, size) = (block.owner.category, block.size);
         if old == category {
             return;
         }
+        let address = self.segments[&block.segment].address + block.offset;
         self.stats.by_category[old.index()].decrease(size);
         self.stats.by_category[category.index()].increase(size);
-        self.block_mut(id.0).owner.category = category;
+        let owner = &mut self.block_mut(id.0).owner;
+        owner.category = category;
+        let owner = *owner;
+        self.record(EventKind::Retag, size, address, owner);
     }
 
     pub fn category_of(&self, id: BlockId) -> Category {
@@ -1231,13 +1242,52 @@ mod tests {
         assert_eq!(a.stats().category(Category::Temporary).current, 0);
         assert_eq!(a.stats().category(Category::Temporary).peak, 3072);
         assert_eq!(a.stats().category(Category::Activation).current, 3072);
+        let retag = a.timeline().events().last().copied().unwrap();
+        assert_eq!(
+            (retag.kind, retag.bytes, retag.address, retag.category, retag.op, retag.phase),
+            (EventKind::Retag, 3072, FIRST_ADDRESS, Category::Activation, "matmul", Phase::Forward),
+            "the new category, the block's owner"
+        );
+        assert_eq!((retag.allocated, retag.reserved), (3072, 2 * MIB));
+        let events = a.timeline().len();
         a.set_category(x.id, Category::Activation);
         assert_eq!(a.stats().category(Category::Activation).allocated, 3072, "same category: no change");
+        assert_eq!(a.timeline().len(), events, "and no event");
         ok(&a);
         a.free(x.id);
         assert_eq!(a.stats().category(Category::Activation).current, 0);
         let free = a.timeline().events().last().copied().unwrap();
         assert_eq!((free.kind, free.category, free.op), (EventKind::Free, Category::Activation, "matmul"));
+        ok(&a);
+    }
+
+    #[test]
+    fn retag_events_name_the_block_and_keep_the_peak_mix() {
+        let mut a = meta(None);
+        let _first = a.allocate(KIB, req(Category::Parameter, "p")).unwrap();
+        let mut owner = req(Category::Temporary, "linear");
+        owner.module = 7;
+        let x = a.allocate(3 * KIB, owner).unwrap();
+        let at_peak = a.stats().category_at_peak;
+        a.set_category(x.id, Category::Activation);
+        a.set_category(x.id, Category::Gradient);
+        // At the peak, but a re-tag reaches no peak: the mix of the moment the peak was reached stays.
+        assert_eq!(a.stats().category_at_peak, at_peak);
+        assert_eq!(a.stats().category(Category::Gradient).current, 3 * KIB);
+        let retags: Vec<(u64, u64, Category, &str, u32, u64)> = a
+            .timeline()
+            .events()
+            .filter(|e| e.kind == EventKind::Retag)
+            .map(|e| (e.seq, e.address, e.category, e.op, e.module, e.allocated))
+            .collect();
+        let address = FIRST_ADDRESS + KIB;
+        assert_eq!(
+            retags,
+            [
+                (3, address, Category::Activation, "linear", 7, 4 * KIB),
+                (4, address, Category::Gradient, "linear", 7, 4 * KIB)
+            ]
+        );
         ok(&a);
     }
 

@@ -3,7 +3,8 @@
 use std::fmt;
 
 /// What an allocation holds. Every allocation has exactly one category at any time; a tensor's
-/// storage can be re-tagged (an op output that autograd saves becomes an `Activation`).
+/// storage can be re-tagged (an op output that autograd saves becomes an `Activation`): see
+/// `Allocator::set_category`, which records the change as a `Retag` event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Category {
     Parameter,

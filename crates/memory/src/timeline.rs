@@ -6,19 +6,34 @@ use crate::category::{Category, Phase};
 use std::collections::VecDeque;
 use std::time::Instant;
 
+/// What happened. Replaying Alloc, Free and Retag in order gives every live block and its category at
+/// each moment; SegmentAlloc and SegmentFree give the segments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
+    /// A block was handed out (with its owner's category, op, phase and module).
     Alloc,
+    /// A live block was freed (with its owner as it was then: its latest category).
     Free,
+    /// A segment was obtained from the backend (attributed to the request that needed it).
     SegmentAlloc,
+    /// A fully free segment went back to the backend (attributed to the request that released the
+    /// cache, or to `empty_cache`).
     SegmentFree,
+    /// A request failed (injected faults included); nothing was handed out.
     Oom,
+    /// `Allocator::set_category` moved a live block to another category (only when it changed): autograd
+    /// saving an op's output as an `activation`, a backward reusing a saved activation's memory for a
+    /// gradient (`temporary`). The totals do not change.
+    Retag,
 }
 
-/// One event. `bytes` is the block size (rounded) for Alloc/Free, the segment size for segment events,
-/// the rounded request for Oom. `address` is the block's or segment's virtual address (0 for Oom).
-/// `module` indexes the device's module table (0 = none). `allocated`/`reserved` are the totals right
-/// after the event.
+/// One event. `bytes` is the block size (rounded) for Alloc/Free/Retag, the segment size for segment
+/// events, the rounded request for Oom. `address` is the block's or segment's virtual address (0 for
+/// Oom). `category`, `op`, `phase` and `module` are the owner's: the request's for Alloc, segment events
+/// and Oom; the block's (its latest category) for Free; for Retag, the NEW category with the op, phase
+/// and module that allocated the block (not those of the moment, so a Retag, like a Free, does not say
+/// which phase is running). `module` indexes the device's module table (0 = none).
+/// `allocated`/`reserved` are the totals right after the event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
     pub seq: u64,

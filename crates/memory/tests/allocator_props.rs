@@ -109,9 +109,12 @@ fn stats_of(stats: &MemoryStats) -> Vec<(&'static str, Stat)> {
 }
 
 /// The snapshot is the allocator's state: segments tile their address ranges with blocks, never
-/// overlap, hold exactly the live blocks, and replaying the timeline's events (alloc/free, segment
-/// alloc/free by address) reaches the same live blocks and segments.
+/// overlap, hold exactly the live blocks, and replaying the timeline's events (alloc/free/retag,
+/// segment alloc/free by address) reaches the same live blocks, with their current categories, and
+/// segments; a Free names the category the replay gives its block, and the per-category totals of the
+/// replay equal the allocator's at every event.
 fn check_snapshot(allocator: &Allocator, live: &[Live]) -> Result<(), TestCaseError> {
+    use memfit_memory::EventKind;
     let segments = allocator.snapshot();
     let stats = allocator.stats();
     prop_assert_eq!(segments.len() as u64, stats.segment.current);
@@ -124,27 +127,47 @@ fn check_snapshot(allocator: &Allocator, live: &[Live]) -> Result<(), TestCaseEr
             prop_assert_eq!(b.address, at, "blocks tile their segment");
             at += b.size;
             if b.allocated {
-                allocated.insert(b.address, b.size);
+                allocated.insert(b.address, (b.size, b.owner.category));
             }
         }
         prop_assert_eq!(at - seg.address, seg.total_size);
         end = seg.address + seg.total_size;
     }
-    prop_assert_eq!(allocated.values().sum::<u64>(), stats.allocated_bytes.current);
+    prop_assert_eq!(allocated.values().map(|b| b.0).sum::<u64>(), stats.allocated_bytes.current);
     prop_assert_eq!(allocated.len(), live.len());
     let timeline = allocator.timeline();
     if timeline.total() == timeline.len() as u64 {
         let (mut blocks, mut segs) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+        let mut by_category = [0u64; Category::COUNT];
         for e in timeline.events() {
             match e.kind {
-                memfit_memory::EventKind::Alloc => prop_assert!(blocks.insert(e.address, e.bytes).is_none()),
-                memfit_memory::EventKind::Free => prop_assert_eq!(blocks.remove(&e.address), Some(e.bytes)),
-                memfit_memory::EventKind::SegmentAlloc => prop_assert!(segs.insert(e.address, e.bytes).is_none()),
-                memfit_memory::EventKind::SegmentFree => prop_assert_eq!(segs.remove(&e.address), Some(e.bytes)),
-                memfit_memory::EventKind::Oom => {}
+                EventKind::Alloc => {
+                    prop_assert!(blocks.insert(e.address, (e.bytes, e.category)).is_none());
+                    by_category[e.category.index()] += e.bytes;
+                }
+                EventKind::Free => {
+                    prop_assert_eq!(blocks.remove(&e.address), Some((e.bytes, e.category)));
+                    by_category[e.category.index()] -= e.bytes;
+                }
+                EventKind::Retag => {
+                    let block = blocks.get_mut(&e.address);
+                    prop_assert!(block.is_some(), "a re-tagged block is live");
+                    let block = block.unwrap();
+                    prop_assert_eq!(block.0, e.bytes);
+                    prop_assert_ne!(block.1, e.category, "a Retag changes the category");
+                    by_category[block.1.index()] -= e.bytes;
+                    by_category[e.category.index()] += e.bytes;
+                    block.1 = e.category;
+                }
+                EventKind::SegmentAlloc => prop_assert!(segs.insert(e.address, e.bytes).is_none()),
+                EventKind::SegmentFree => prop_assert_eq!(segs.remove(&e.address), Some(e.bytes)),
+                EventKind::Oom => {}
             }
+            prop_assert_eq!(by_category.iter().sum::<u64>(), e.allocated);
         }
-        prop_assert_eq!(&blocks, &allocated, "replayed events give the live blocks");
+        prop_assert_eq!(&blocks, &allocated, "replayed events give the live blocks and their categories");
+        let current: Vec<u64> = stats.by_category.iter().map(|s| s.current).collect();
+        prop_assert_eq!(by_category.to_vec(), current, "and the allocator's bytes by category");
         let snapshot_segs: std::collections::BTreeMap<u64, u64> =
             segments.iter().map(|s| (s.address, s.total_size)).collect();
         prop_assert_eq!(segs, snapshot_segs, "replayed events give the segments");
@@ -274,8 +297,19 @@ fn run(
             Op::SetCategory { pick, category } => {
                 if !live.is_empty() {
                     let index = pick % live.len();
+                    let changes = live[index].category != Category::ALL[category];
+                    let events = allocator.timeline().total();
                     live[index].category = Category::ALL[category];
                     allocator.set_category(live[index].allocation.id, Category::ALL[category]);
+                    let recorded = allocator.timeline().total() - events;
+                    prop_assert_eq!(recorded, u64::from(changes), "one Retag event exactly when the category changes");
+                    if changes {
+                        let retag = *allocator.timeline().events().last().expect("recorded");
+                        prop_assert_eq!(retag.kind, memfit_memory::EventKind::Retag);
+                        prop_assert_eq!(retag.bytes, live[index].allocation.size);
+                        prop_assert_eq!(retag.category, Category::ALL[category]);
+                        prop_assert_eq!(retag.allocated, allocator.stats().allocated_bytes.current);
+                    }
                 }
             }
             Op::EmptyCache => allocator.empty_cache(),

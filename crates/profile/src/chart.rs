@@ -10,8 +10,12 @@
 //! Long recordings are downsampled to at most [`MAX_POINTS`] events: per bucket the lowest and the
 //! highest allocated value, and the peak always. Memory is a step function and is drawn as one.
 //!
+//! Each block is stacked in the category in force at each moment: the replay (`analysis`) moves its
+//! bytes from one area to another at its Retag events.
+//!
 //! Phase bands come from the events that carry the phase of the moment (Alloc, SegmentAlloc,
-//! SegmentFree, Oom); a Free carries the phase of its allocation, so it continues the current band.
+//! SegmentFree, Oom); a Free or a Retag carries the phase of its block's allocation, so it continues
+//! the current band.
 //! A band narrower than a pixel joins the one before; when the phases change so often that bands
 //! would average under [`MIN_BAND_PX`] (hundreds of steps), none is drawn and the page says so.
 
@@ -306,7 +310,7 @@ struct Band {
 fn phase_bands(recording: &Recording, x_of: &dyn Fn(usize) -> f64, x_end: f64, min_width: f64) -> Vec<Band> {
     let mut starts: Vec<(Phase, f64)> = Vec::new();
     for (index, (event, _)) in recording.events.iter().enumerate() {
-        if event.kind == EventKind::Free {
+        if matches!(event.kind, EventKind::Free | EventKind::Retag) {
             continue;
         }
         if !matches!(starts.last(), Some(&(phase, _)) if phase == event.phase) {
@@ -444,6 +448,7 @@ fn event_label(recording: &Recording, event: &memfit_memory::Event) -> String {
         EventKind::SegmentAlloc => format!("new segment {bytes} for {}{place}", event.op),
         EventKind::SegmentFree => format!("segment {bytes} released ({})", event.op),
         EventKind::Oom => format!("OUT OF MEMORY asking {bytes} for {}{place} ({})", event.op, event.category),
+        EventKind::Retag => format!("re-tag {bytes} from {}{place} as {}", event.op, event.category),
     }
 }
 

@@ -1,9 +1,9 @@
 //! The recording as ONE self-contained HTML page (inline CSS and SVG, a few lines of inline script for
 //! the hover read-out; nothing fetched from the network): the summary numbers as cards, the memory
-//! chart (`chart`), a legend, then the largest allocations live at the peak and the memory table by
-//! category. Laid out for a 1400x900 window: the numbers and the chart fit in the first screen.
+//! chart (`chart`), a legend, then the largest allocations live at the peak (with their category at
+//! the peak) and the memory table by category. Laid out for a 1400x900 window: the numbers and the chart fit in the first screen.
 
-use crate::analysis::{Analysis, Lifetime};
+use crate::analysis::{Analysis, CategoryNote, Lifetime};
 use crate::chart::{category_color, hex, memory_chart, phase_color, PHASES};
 use crate::summary::{category_rows, dropped_note, fragmentation, or_dash};
 use crate::{saturating_sum, Recording};
@@ -128,15 +128,20 @@ pub fn html(recording: &Recording) -> String {
     page.push_str(
         "<div id=\"cursor\" class=\"cursor\" hidden></div><div id=\"tip\" class=\"tip\" hidden></div></div>\n",
     );
-    let mismatch = analysis.category_mismatch_at_peak(recording);
-    if mismatch > stats.allocated_bytes.peak / 100 {
+    // Only a truncated timeline leaves categories unknown (see Note [Replaying a recording]).
+    let unknown = analysis.unknown_category_bytes();
+    if unknown > 0 {
         let _ = writeln!(
             page,
-            "<p class=\"note\">Categories over time are approximate: {} of the bytes live at the peak changed \
-             category without an allocator event (an output saved for backward, a buffer reused for a gradient), \
-             so the areas and the list below show each block's category when it was freed. \
-             <b>Memory by category</b> is exact.</p>",
-            format_bytes(mismatch)
+            "<p class=\"note\">Categories over time are approximate for {}: blocks allocated before the recorded \
+             events and re-tagged in them (an output saved for backward, a buffer reused for a gradient). What they \
+             were before that re-tag is not recorded, so until then the areas count them in the category they were \
+             re-tagged to{}. Everything else, and <b>Memory by category</b>, is exact.</p>",
+            format_bytes(unknown),
+            match analysis.unknown_at_peak() {
+                0 => String::new(),
+                at_peak => format!(" ({} of them at the peak, marked ? below)", format_bytes(at_peak)),
+            }
         );
     }
     page.push_str("</section>\n");
@@ -159,9 +164,9 @@ pub fn html(recording: &Recording) -> String {
             "<table><thead><tr><th class=\"num\">size</th><th class=\"num\">of peak</th><th>category</th><th>op</th>\
              <th>module</th><th>phase</th><th class=\"num\">allocated at</th></tr></thead><tbody>\n",
         );
-        let peak_bytes = peak.map_or(0, |p| p.event.allocated).max(1);
+        let (peak_index, peak_bytes) = peak.map_or((0, 0), |p| (p.index, p.event.allocated));
         for lifetime in live.iter().take(TOP) {
-            live_row(&mut page, recording, lifetime, peak_bytes);
+            live_row(&mut page, recording, lifetime, peak_index, peak_bytes.max(1));
         }
         page.push_str("</tbody></table>\n");
     }
@@ -232,7 +237,8 @@ fn card(page: &mut String, label: &str, value: &str, detail: &str, alert: bool) 
     );
 }
 
-fn live_row(page: &mut String, recording: &Recording, lifetime: &Lifetime, peak_bytes: u64) {
+/// A block live at the peak (event `peak`): its category then, and where it came from.
+fn live_row(page: &mut String, recording: &Recording, lifetime: &Lifetime, peak: usize, peak_bytes: u64) {
     let at = lifetime.start.map_or("before the recording".to_string(), |i| when(recording, i));
     let _ = writeln!(
         page,
@@ -240,8 +246,8 @@ fn live_row(page: &mut String, recording: &Recording, lifetime: &Lifetime, peak_
          <td>{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td></tr>",
         format_bytes(lifetime.size),
         100.0 * lifetime.size as f64 / peak_bytes as f64,
-        hex(category_color(lifetime.category)),
-        category_cell(lifetime),
+        hex(category_color(lifetime.category_at(peak))),
+        category_cell(lifetime, peak),
         escape(lifetime.op),
         escape(or_dash(recording.module_name(lifetime.module))),
         lifetime.phase.name(),
@@ -249,12 +255,20 @@ fn live_row(page: &mut String, recording: &Recording, lifetime: &Lifetime, peak_
     );
 }
 
-/// The category, and what a re-tagged block was allocated as (muted).
-fn category_cell(lifetime: &Lifetime) -> String {
-    if lifetime.allocated_as == lifetime.category {
-        lifetime.category.name().to_string()
-    } else {
-        format!("{} <span class=\"was\">(first {})</span>", lifetime.category, lifetime.allocated_as)
+/// The category at the peak, and (muted, short enough for the cell; the tooltip says it in full) what
+/// a re-tagged block was allocated as, or that its category then is assumed.
+fn category_cell(lifetime: &Lifetime, peak: usize) -> String {
+    let category = lifetime.category_at(peak);
+    match lifetime.note_at(peak) {
+        None => category.name().to_string(),
+        Some(CategoryNote::AllocatedAs(first)) => format!(
+            "<span title=\"allocated as {first}, re-tagged {category} before the peak\">{category} \
+             <span class=\"was\">(was {first})</span></span>"
+        ),
+        Some(CategoryNote::Unknown) => format!(
+            "<span title=\"allocated before the recorded events and re-tagged {category} after the peak; \
+             its category at the peak is not recorded\">{category}? <span class=\"was\">(not recorded)</span></span>"
+        ),
     }
 }
 

@@ -10,12 +10,13 @@
 //!
 //! The input is a [`Recording`]: the allocator's events with their times, its final snapshot and
 //! statistics, the module table and the spans of work. `recording.rs` is not a separate file: the type
-//! is the crate's contract and lives here. Everything that needs the allocation live at some moment
-//! (the peak) gets it from `analysis`, which replays the events once; see Note [Replaying a recording].
+//! is the crate's contract and lives here. Everything that needs the allocations live at some moment
+//! (the peak), or their categories over time, gets them from `analysis`, which replays the events
+//! (allocations, frees and re-tags) once; see Note [Replaying a recording].
 //!
 //! Every function accepts any recording, an empty one included, without panicking: a recording whose
-//! timeline dropped its oldest events is completed from the final snapshot, inconsistent input (a free of
-//! an address never allocated) is tolerated and skipped.
+//! timeline dropped its oldest events is completed from the final snapshot, inconsistent input (a free or
+//! re-tag of an address never allocated) is tolerated and skipped.
 
 mod analysis;
 mod chart;

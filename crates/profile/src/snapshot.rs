@@ -8,13 +8,16 @@
 //!   `inactive`);
 //! - `device_traces`: `[[entry, ...]]`, the recorded events oldest first: `alloc`, `free_requested`
 //!   immediately followed by `free_completed` (one free, as PyTorch records it without streams),
-//!   `segment_alloc`, `segment_free`, `oom` (with `device_free` instead of `addr`);
+//!   `segment_alloc`, `segment_free`, `oom` (with `device_free` instead of `addr`). Re-tags (Retag
+//!   events) have no entry: PyTorch has no such action, and they change no byte count;
 //! - `allocator_settings` and `external_annotations`, which PyTorch adds and viewers may look for.
 //!
 //! Frames stand in for stack traces, innermost first: `op:0:<op>`, `module:0:<module>` (when the
 //! request named one), `phase:0:<phase>`, `category:0:<category>`; the viewer prints them as
 //! `filename:line:name`, and PyTorch's flamegraphs (`segments`, `memory`) group by them from the
-//! category down.
+//! category down. The category is the one of the moment: an `alloc` names what the block was allocated
+//! as, a free what it was when freed, a block of `segments` what it is at the end (a free block, what
+//! its last owner was when freed); op, module and phase are always those of the allocation.
 //!
 //! Sizes: a trace entry's `size` is the block size (rounded to 512 B), the quantity memfit's statistics
 //! count, so replaying the trace reaches `peak allocated` exactly (PyTorch records the requested size
@@ -178,6 +181,8 @@ impl Snapshot {
                     let free = recording.capacity.map_or(0, |capacity| capacity.saturating_sub(event.reserved));
                     trace.push(TraceEntry { addr: None, device_free: Some(int(free)), ..entry("oom") });
                 }
+                // PyTorch's trace has no re-tag action (see the module docs).
+                EventKind::Retag => {}
             }
         }
 
@@ -217,9 +222,13 @@ fn frames(recording: &Recording, owner: Request) -> Vec<Frame> {
     frames
 }
 
-/// The first of the newest events whose trace entries fit in `max` (a free makes two).
+/// The first of the newest events whose trace entries fit in `max` (a free makes two, a re-tag none).
 fn trace_start(events: &[(Event, u64)], max: usize) -> usize {
-    let entries = |event: &Event| if event.kind == EventKind::Free { 2 } else { 1 };
+    let entries = |event: &Event| match event.kind {
+        EventKind::Free => 2,
+        EventKind::Retag => 0,
+        _ => 1,
+    };
     let (mut first, mut kept) = (events.len(), 0);
     while first > 0 && kept + entries(&events[first - 1].0) <= max {
         first -= 1;
@@ -259,5 +268,10 @@ mod tests {
         assert_eq!(trace_start(&events, 2), 3);
         assert_eq!(trace_start(&events, 1), 4);
         assert_eq!(trace_start(&[], 1), 0);
+        // A re-tag makes no entry: it never costs room.
+        let events: Vec<(Event, u64)> =
+            [EventKind::Alloc, EventKind::Retag, EventKind::Free].into_iter().map(event).collect();
+        assert_eq!(trace_start(&events, 3), 0);
+        assert_eq!(trace_start(&events, 2), 1);
     }
 }

@@ -1,7 +1,9 @@
 //! The recording in numbers, as text for the terminal (`summary`) and JSON for scripts
 //! (`summary_json`): the memory table by category (own peak, at the overall peak, from the allocator's
 //! statistics), peak allocated and reserved, fragmentation, the event that made the peak and the
-//! largest allocations live at it (from `analysis`).
+//! largest allocations live at it with their category then (from `analysis`). The JSON also gives the
+//! replayed bytes per category at the peak (`peak.by_category`): for a complete timeline, the table's
+//! "at overall peak" column exactly.
 
 use crate::analysis::{Analysis, Lifetime, Peak};
 use crate::Recording;
@@ -50,22 +52,25 @@ pub fn summary(recording: &Recording) -> String {
                     format_bytes(peak.event.allocated)
                 ));
             }
-            let mismatch = analysis.category_mismatch_at_peak(recording);
-            if mismatch > 0 {
+            let unknown = analysis.unknown_at_peak();
+            if unknown > 0 {
                 s.push_str(&format!(
-                    "  ({} live at the peak changed category without an event: the table above is exact, the\n   \
-                     categories below are each block's when freed)\n",
-                    format_bytes(mismatch)
+                    "  ({} live at the peak were allocated before the recorded events and re-tagged after the\n   \
+                     peak: their category then is not recorded, marked ? below; the table above is exact)\n",
+                    format_bytes(unknown)
                 ));
             }
             let live = analysis.live_at_peak();
-            s.push_str(&format!("  largest of the {} allocations live at the peak:\n", live.len()));
+            s.push_str(&format!(
+                "  largest of the {} allocations live at the peak (category then; a -> b: allocated as a):\n",
+                live.len()
+            ));
             s.push_str(&format!("    {:>12}  {:<28} {:<20} {:<24} {}\n", "size", "category", "op", "module", "phase"));
             for lifetime in live.iter().take(TOP) {
                 s.push_str(&format!(
                     "    {:>12}  {:<28} {:<20} {:<24} {}\n",
                     format_bytes(lifetime.size),
-                    lifetime.category_label(),
+                    lifetime.category_label(peak.index),
                     lifetime.op,
                     or_dash(recording.module_name(lifetime.module)),
                     lifetime.phase.name()
@@ -88,6 +93,9 @@ pub fn summary_json(recording: &Recording) -> Value {
         .collect();
     let peak = analysis.peak.map(|peak| {
         let e = peak.event;
+        let replayed = analysis.by_category_at(peak.index);
+        let by_category: serde_json::Map<String, Value> =
+            Category::ALL.iter().map(|&c| (c.name().to_string(), json!(replayed[c.index()]))).collect();
         json!({
             "allocated_bytes": e.allocated,
             "reserved_bytes": e.reserved,
@@ -99,9 +107,15 @@ pub fn summary_json(recording: &Recording) -> Value {
             "module": recording.module_name(e.module),
             "phase": e.phase.name(),
             "category": e.category.name(),
+            "by_category": by_category,
         })
     });
-    let top: Vec<Value> = analysis.live_at_peak().iter().take(TOP).map(|l| lifetime_json(recording, l)).collect();
+    let top: Vec<Value> = match analysis.peak {
+        Some(peak) => {
+            analysis.live_at_peak().iter().take(TOP).map(|l| lifetime_json(recording, l, peak.index)).collect()
+        }
+        None => Vec::new(),
+    };
     json!({
         "title": recording.title,
         "device": recording.device,
@@ -116,6 +130,7 @@ pub fn summary_json(recording: &Recording) -> Value {
         "num_ooms": stats.num_ooms,
         "by_category": by_category,
         "category_mismatch_at_peak_bytes": analysis.category_mismatch_at_peak(recording),
+        "category_unknown_at_peak_bytes": analysis.unknown_at_peak(),
         "peak": peak,
         "top_allocations_at_peak": top,
     })
@@ -175,11 +190,14 @@ pub(crate) fn or_dash(text: &str) -> &str {
     }
 }
 
-fn lifetime_json(recording: &Recording, lifetime: &Lifetime) -> Value {
+/// A block live at event `index` (the peak): its category then (`category_known` false when not
+/// recorded, see Note [Replaying a recording]), what it was allocated as (null when before the window).
+fn lifetime_json(recording: &Recording, lifetime: &Lifetime, index: usize) -> Value {
     json!({
         "bytes": lifetime.size,
-        "category": lifetime.category.name(),
-        "allocated_as": lifetime.allocated_as.name(),
+        "category": lifetime.category_at(index).name(),
+        "category_known": lifetime.known_at(index),
+        "allocated_as": lifetime.allocated_as().map(Category::name),
         "op": lifetime.op,
         "module": recording.module_name(lifetime.module),
         "phase": lifetime.phase.name(),

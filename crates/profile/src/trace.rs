@@ -4,6 +4,7 @@
 //! - counter (`C`) tracks `allocated` and `reserved` (bytes), one sample per allocator event that
 //!   changed them;
 //! - an instant (`i`) event per out-of-memory, with what was asked for;
+//! - nothing for a re-tag (Retag event): it changes neither counter, and a GPT step makes hundreds;
 //! - metadata (`M`) naming the process after the recording's title and the thread after the device.
 //!
 //! Times are microseconds (`ts`, `dur`) from the device's clock, the one the events use.

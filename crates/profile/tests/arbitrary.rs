@@ -1,7 +1,7 @@
 //! No input makes an output panic: arbitrary recordings (events in any order and of any kind, frees
-//! of unknown addresses, times going backwards, dropped counts without a matching snapshot, module ids
-//! beyond the table, inverted spans) still give a pickle that decodes, JSON that parses, a whole page
-//! and a summary.
+//! and re-tags of unknown addresses, times going backwards, dropped counts without a matching snapshot,
+//! module ids beyond the table, inverted spans) still give a pickle that decodes, JSON that parses, a
+//! whole page and a summary.
 
 use memfit_memory::{BlockSnapshot, Category, Event, EventKind, MemoryStats, Phase, Request, SegmentSnapshot, Stat};
 use memfit_profile::{
@@ -10,13 +10,19 @@ use memfit_profile::{
 use proptest::prelude::*;
 
 const OPS: [&str; 4] = ["matmul", "conv2d", "", "a<b>&\"c\""];
-const KINDS: [EventKind; 5] =
-    [EventKind::Alloc, EventKind::Free, EventKind::SegmentAlloc, EventKind::SegmentFree, EventKind::Oom];
+const KINDS: [EventKind; 6] = [
+    EventKind::Alloc,
+    EventKind::Free,
+    EventKind::SegmentAlloc,
+    EventKind::SegmentFree,
+    EventKind::Oom,
+    EventKind::Retag,
+];
 const PHASES: [Phase; 6] = [Phase::Setup, Phase::Data, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Eval];
 
 fn event() -> impl Strategy<Value = (Event, u64)> {
     (
-        0..5usize,
+        0..KINDS.len(),
         0..8u64,
         prop_oneof![Just(0u64), 1..u64::MAX / 4, Just(u64::MAX)],
         0..7usize,

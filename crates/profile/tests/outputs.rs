@@ -6,8 +6,9 @@
 
 mod common;
 
+use common::MIB;
 use common::{scripted_recording, scripted_run, Backend};
-use memfit_memory::{format_bytes, EventKind};
+use memfit_memory::{format_bytes, Allocator, AllocatorConfig, Category, EventKind, MetaBackend, Phase, Request};
 use memfit_profile::{
     chrome_trace, curves_svg, html, snapshot_pickle, summary, summary_json, write_chrome_trace, write_curves,
     write_html, write_snapshot, CurvePoint, Recording,
@@ -274,7 +275,7 @@ fn a_truncated_timeline_still_gives_a_consistent_snapshot_and_the_same_live_set(
             EventKind::Free => before_allocated += event.bytes,
             EventKind::SegmentAlloc => before_reserved -= event.bytes,
             EventKind::SegmentFree => before_reserved += event.bytes,
-            EventKind::Oom => {}
+            EventKind::Oom | EventKind::Retag => {}
         }
     }
     let (peak, end, _, reserved, _) = replay_trace(&snapshot, (before_allocated, before_reserved));
@@ -287,7 +288,24 @@ fn a_truncated_timeline_still_gives_a_consistent_snapshot_and_the_same_live_set(
     let truncated_summary = summary_json(&truncated);
     let full_peak_seq = full.events[full_summary["peak"]["event_index"].as_u64().unwrap() as usize].0.seq;
     assert!(full_peak_seq >= truncated.dropped_events, "the script peaks in its last third");
-    assert_eq!(full_summary["top_allocations_at_peak"], truncated_summary["top_allocations_at_peak"]);
+    // The same blocks with the same categories at the peak; what a block live before the window was
+    // allocated as is not in the window.
+    let top = |summary: &serde_json::Value| {
+        let mut rows = summary["top_allocations_at_peak"].as_array().unwrap().clone();
+        rows.iter_mut().for_each(|row| row["allocated_as"] = serde_json::Value::Null);
+        rows
+    };
+    assert_eq!(top(&full_summary), top(&truncated_summary));
+    for (full_row, row) in full_summary["top_allocations_at_peak"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(truncated_summary["top_allocations_at_peak"].as_array().unwrap())
+    {
+        assert!(row["allocated_as"].is_null() || row["allocated_as"] == full_row["allocated_as"], "{row}");
+        assert_eq!(row["category_known"], true, "{row}");
+    }
+    assert_eq!(full_summary["peak"]["by_category"], truncated_summary["peak"]["by_category"]);
     assert_eq!(full_summary["peak"]["op"], truncated_summary["peak"]["op"]);
     assert!(summary(&truncated).contains("dropped"));
     assert!(html(&truncated).contains("dropped"));
@@ -390,25 +408,230 @@ fn the_summary_names_the_peak_and_the_largest_live_allocations() {
         .map(|row| (row["category"].as_str().unwrap().to_string(), row["at_peak_bytes"].as_u64().unwrap()))
         .collect();
     assert_eq!(by_category.values().sum::<u64>(), stats.allocated_bytes.peak, "the table adds up");
-    assert_eq!(json["category_mismatch_at_peak_bytes"], 0, "the script re-tags only right after allocating");
+    assert_eq!(json["category_mismatch_at_peak_bytes"], 0, "every re-tag is an event");
+    for category in Category::ALL {
+        let replayed = json["peak"]["by_category"][category.name()].as_u64().unwrap();
+        assert_eq!(replayed, stats.category_at_peak[category.index()], "{category}");
+    }
+}
+
+/// Allocated bytes per category (by `Category::index`) right after each event, replayed here from the
+/// events alone (Alloc, Free, Retag by address) for a complete timeline.
+fn replayed_categories(recording: &Recording) -> Vec<[u64; Category::COUNT]> {
+    assert_eq!(recording.dropped_events, 0);
+    let mut live: HashMap<u64, (u64, Category)> = HashMap::new();
+    let mut bytes = [0u64; Category::COUNT];
+    let mut series = Vec::new();
+    for (event, _) in &recording.events {
+        match event.kind {
+            EventKind::Alloc => {
+                assert!(live.insert(event.address, (event.bytes, event.category)).is_none());
+                bytes[event.category.index()] += event.bytes;
+            }
+            EventKind::Free => {
+                let (size, category) = live.remove(&event.address).expect("freed blocks are live");
+                assert_eq!((size, category), (event.bytes, event.category), "a Free names the latest category");
+                bytes[category.index()] -= size;
+            }
+            EventKind::Retag => {
+                let block = live.get_mut(&event.address).expect("re-tagged blocks are live");
+                bytes[block.1.index()] -= block.0;
+                bytes[event.category.index()] += block.0;
+                block.1 = event.category;
+            }
+            EventKind::SegmentAlloc | EventKind::SegmentFree | EventKind::Oom => {}
+        }
+        assert_eq!(bytes.iter().sum::<u64>(), event.allocated);
+        series.push(bytes);
+    }
+    series
+}
+
+/// The page's hover data: per drawn event, allocated bytes and bytes per category in stacking order.
+fn hover_points(page: &str) -> (Vec<String>, Vec<(u64, Vec<u64>)>) {
+    let start = page.find("id=\"chart-data\">").expect("hover data") + "id=\"chart-data\">".len();
+    let end = start + page[start..].find("</script>").unwrap();
+    let data: serde_json::Value = serde_json::from_str(&page[start..end].replace("<\\/", "</")).unwrap();
+    let names = data["categories"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
+    let points = data["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[1].as_u64().unwrap(), p[5].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect()))
+        .collect();
+    (names, points)
+}
+
+/// A run made by driving a real allocator the way autograd does: outputs made as temporaries and saved
+/// (re-tagged activations), a backward that writes a gradient into a saved activation's memory
+/// (re-tagged temporary) before the peak, and re-tags at the peak and after it.
+fn re_tagging_run() -> Recording {
+    let mut a = Allocator::new(Box::new(MetaBackend), AllocatorConfig::default());
+    let at = |category, op, phase| Request { category, op, phase, module: 0 };
+    let _weights = a.allocate(4 * MIB, at(Category::Parameter, "init", Phase::Setup)).unwrap();
+    let mut saved = Vec::new();
+    for _ in 0..3 {
+        let out = a.allocate(16 * MIB, at(Category::Temporary, "linear", Phase::Forward)).unwrap();
+        a.set_category(out.id, Category::Activation);
+        saved.push(out);
+    }
+    let loss = a.allocate(MIB, at(Category::Temporary, "loss", Phase::Forward)).unwrap();
+    // Backward: the last activation's memory becomes a gradient, re-tagged; then the peak.
+    a.set_category(saved[2].id, Category::Temporary);
+    a.free(loss.id);
+    let scratch = a.allocate(8 * MIB, at(Category::Temporary, "linear_backward", Phase::Backward)).unwrap();
+    // At the peak but after it was reached: the mix of the peak stays.
+    a.set_category(saved[1].id, Category::Temporary);
+    a.free(scratch.id);
+    let grad = a.allocate(4 * MIB, at(Category::Temporary, "linear_backward", Phase::Backward)).unwrap();
+    a.set_category(grad.id, Category::Gradient);
+    a.free(saved[2].id);
+    a.free(saved[1].id);
+    let mut recording = Recording::from_allocator("re-tags", "meta", &a);
+    recording.modules = vec![String::new()];
+    recording
 }
 
 #[test]
-fn a_block_re_tagged_after_the_peak_is_flagged_as_approximate() {
-    use memfit_memory::{Allocator, AllocatorConfig, Category, MetaBackend, Phase, Request};
-    let mut allocator = Allocator::new(Box::new(MetaBackend), AllocatorConfig::default());
-    let request = Request { category: Category::Temporary, op: "matmul", phase: Phase::Backward, module: 0 };
-    let pending = allocator.allocate(1 << 20, request).expect("fits");
-    let scratch = allocator.allocate(2 << 20, request).expect("fits");
-    allocator.free(scratch.id);
-    allocator.set_category(pending.id, Category::Gradient);
-    let recording = Recording::from_allocator("re-tag", "meta", &allocator);
+fn replayed_categories_equal_the_allocators_at_every_event_and_at_the_peak() {
+    let driven = re_tagging_run();
+    let stats = &driven.stats;
+    assert_eq!(stats.allocated_bytes.peak, 4 * MIB + 48 * MIB + 8 * MIB);
+    let expected_at_peak = {
+        let mut bytes = [0u64; Category::COUNT];
+        bytes[Category::Parameter.index()] = 4 * MIB;
+        bytes[Category::Activation.index()] = 32 * MIB;
+        bytes[Category::Temporary.index()] = 24 * MIB;
+        bytes
+    };
+    assert_eq!(stats.category_at_peak, expected_at_peak, "the allocator's own count");
+    assert!(driven.events.iter().filter(|(e, _)| e.kind == EventKind::Retag).count() >= 5);
+
+    for recording in [driven, scripted_recording(Backend::Host, 1 << 16), scripted_recording(Backend::Meta, 1 << 16)] {
+        let stats = &recording.stats;
+        let json = summary_json(&recording);
+        // The summary's breakdown at the peak, from the replay, is the allocator's statistic exactly.
+        for category in Category::ALL {
+            let replayed = json["peak"]["by_category"][category.name()].as_u64().unwrap();
+            assert_eq!(replayed, stats.category_at_peak[category.index()], "{category}");
+        }
+        assert_eq!(json["category_mismatch_at_peak_bytes"], 0);
+        assert_eq!(json["category_unknown_at_peak_bytes"], 0);
+        let page = html(&recording);
+        assert!(!page.contains("approximate"), "a complete timeline is exact");
+        assert!(!summary(&recording).contains('?'));
+
+        // The chart stacks every block in the category of the moment: its data at each event is an
+        // independent replay's, and at the peak the allocator's mix.
+        let series = replayed_categories(&recording);
+        let (names, points) = hover_points(&page);
+        assert_eq!(points.len(), recording.events.len(), "short runs draw every event");
+        for (i, ((allocated, drawn), expected)) in points.iter().zip(&series).enumerate() {
+            assert_eq!(*allocated, recording.events[i].0.allocated);
+            for (name, bytes) in names.iter().zip(drawn) {
+                let category = Category::ALL.iter().find(|c| c.name() == name).unwrap();
+                assert_eq!(*bytes, expected[category.index()], "event {i}, {name}");
+            }
+        }
+        let peak = json["peak"]["event_index"].as_u64().unwrap() as usize;
+        assert_eq!(series[peak], stats.category_at_peak);
+        assert_eq!(recording.events[peak].0.kind, EventKind::Alloc, "the peak is made by an allocation");
+    }
+}
+
+#[test]
+fn the_tables_give_the_category_at_the_peak_and_what_a_block_was_allocated_as() {
+    let recording = re_tagging_run();
     let json = summary_json(&recording);
-    assert_eq!(json["category_mismatch_at_peak_bytes"], 1 << 20);
-    assert_eq!(json["top_allocations_at_peak"][1]["category"], "gradient");
-    assert_eq!(json["top_allocations_at_peak"][1]["allocated_as"], "temporary");
-    assert!(html(&recording).contains("Categories over time are approximate: 1.00 MiB"));
-    assert!(summary(&recording).contains("temporary -> gradient"));
+    let top = json["top_allocations_at_peak"].as_array().unwrap();
+    let rows: Vec<(u64, &str, &str)> = top
+        .iter()
+        .map(|r| (r["bytes"].as_u64().unwrap(), r["category"].as_str().unwrap(), r["allocated_as"].as_str().unwrap()))
+        .collect();
+    let mib = |n: u64| n * MIB;
+    assert_eq!(
+        rows,
+        [
+            (mib(16), "activation", "temporary"),
+            (mib(16), "activation", "temporary"),
+            (mib(16), "temporary", "temporary"),
+            (mib(8), "temporary", "temporary"),
+            (mib(4), "parameter", "parameter"),
+        ],
+        "by size, then address: saved[1] is re-tagged only after the peak, saved[2] before it"
+    );
+    assert!(top.iter().all(|r| r["category_known"] == true));
+    let text = summary(&recording);
+    assert!(text.contains("temporary -> activation"), "{text}");
+    let page = html(&recording);
+    assert!(page.contains("allocated as temporary, re-tagged activation before the peak\">activation"));
+    assert!(page.contains("activation <span class=\"was\">(was temporary)</span>"));
+    assert!(!page.contains("approximate"));
+}
+
+#[test]
+fn the_snapshot_names_a_re_tagged_blocks_current_category_and_traces_no_re_tag() {
+    let recording = re_tagging_run();
+    let snapshot = decode(&snapshot_pickle(&recording));
+    let blocks: Vec<&Value> =
+        list(get(&snapshot, "segments")).iter().flat_map(|segment| list(get(segment, "blocks"))).collect();
+    let grad = blocks
+        .iter()
+        .find(|b| {
+            string(get(b, "state")) == "active_allocated" && int(get(b, "size")) == 4 * MIB && {
+                let frames = list(get(b, "frames"));
+                string(get(&frames[0], "name")) == "linear_backward"
+            }
+        })
+        .expect("the re-tagged gradient is live at the end");
+    let names: Vec<&str> = list(get(grad, "frames")).iter().map(|f| string(get(f, "name"))).collect();
+    assert_eq!(names, ["linear_backward", "backward", "gradient"], "allocated as a temporary, now a gradient");
+    let count = |kind| recording.events.iter().filter(|(e, _)| e.kind == kind).count();
+    let entries = list(&list(get(&snapshot, "device_traces"))[0]).len();
+    assert_eq!(entries, recording.events.len() + count(EventKind::Free) - count(EventKind::Retag));
+    let (peak, end, ..) = replay_trace(&snapshot, (0, 0));
+    assert_eq!((peak, end), (recording.stats.allocated_bytes.peak, recording.stats.allocated_bytes.current));
+    let trace: serde_json::Value = serde_json::from_str(&chrome_trace(&recording)).expect("valid JSON");
+    assert!(trace["traceEvents"].as_array().unwrap().iter().all(|e| e["ph"] != "i"), "no instant for a re-tag");
+}
+
+#[test]
+fn a_truncated_timeline_says_which_categories_it_cannot_know() {
+    use memfit_memory::{Allocator, AllocatorConfig, Category, MetaBackend, Phase, Request};
+    let config = AllocatorConfig { timeline_events: 6, ..AllocatorConfig::default() };
+    let mut a = Allocator::new(Box::new(MetaBackend), config);
+    let request = |category| Request { category, op: "matmul", phase: Phase::Backward, module: 0 };
+    // Before the window: a saved activation (re-tagged there too) and a block never re-tagged.
+    let saved = a.allocate(MIB, request(Category::Temporary)).unwrap();
+    a.set_category(saved.id, Category::Activation);
+    let _kept = a.allocate(2 * MIB, request(Category::Parameter)).unwrap();
+    let filler = a.allocate(512, request(Category::Other)).unwrap();
+    a.free(filler.id);
+    // The window: the peak, then the saved activation re-tagged as a temporary (its category before
+    // that re-tag is not in the window), freed.
+    let scratch = a.allocate(3 * MIB, request(Category::Temporary)).unwrap();
+    a.free(scratch.id);
+    a.set_category(saved.id, Category::Temporary);
+    let later = a.allocate(512, request(Category::Temporary)).unwrap();
+    a.free(later.id);
+    a.free(saved.id);
+    let recording = Recording::from_allocator("truncated re-tag", "meta", &a);
+    assert_eq!(recording.dropped_events, 7, "the window starts at the peak's allocation");
+
+    let json = summary_json(&recording);
+    assert_eq!(json["peak"]["allocated_bytes"], 6 * MIB);
+    assert_eq!(json["category_unknown_at_peak_bytes"], MIB);
+    let top = json["top_allocations_at_peak"].as_array().unwrap();
+    let saved_row = top.iter().find(|r| r["bytes"] == MIB).unwrap();
+    assert_eq!(saved_row["category_known"], false, "{saved_row}");
+    assert_eq!(saved_row["category"], "temporary", "assumed: what it was re-tagged to");
+    assert!(saved_row["allocated_as"].is_null());
+    let kept_row = top.iter().find(|r| r["bytes"] == 2 * MIB).unwrap();
+    assert_eq!((&kept_row["category"], &kept_row["category_known"]), (&"parameter".into(), &true.into()));
+    assert!(summary(&recording).contains("temporary?"));
+    let page = html(&recording);
+    assert!(page.contains("Categories over time are approximate for 1.00 MiB"), "only for what is not known");
+    assert!(page.contains("temporary? <span class=\"was\">(not recorded)</span>"));
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! A scripted training run on a real `memfit_memory::Allocator`: parameters in setup, three steps of
 //! data / forward / backward / optimizer for a small CNN (modules conv1, conv2, fc1, fc2), activations
-//! saved as temporaries then re-tagged, Adam state created in the first optimizer step, an evaluation
+//! made as temporaries then re-tagged (saved), the ReLU backwards writing their gradient into the saved
+//! output's memory re-tagged as a temporary, Adam state created in the first optimizer step, an evaluation
 //! pass, and an out-of-memory request under a 64 MiB capacity. Spans are recorded per op and module
 //! on the timeline's clock, as the device records them.
 
@@ -46,6 +47,14 @@ impl Script {
     fn free(&mut self, name: &str) {
         let allocation = self.tensors.remove(name).unwrap_or_else(|| panic!("{name} is live"));
         self.allocator.free(allocation.id);
+    }
+
+    /// Hands `from`'s block over to `to` under another category (a backward reusing a saved
+    /// activation's memory for a gradient).
+    fn reuse(&mut self, from: &str, to: &str, category: Category) {
+        let allocation = self.tensors.remove(from).unwrap_or_else(|| panic!("{from} is live"));
+        self.allocator.set_category(allocation.id, category);
+        assert!(self.tensors.insert(to.to_string(), allocation).is_none(), "{to} is not live");
     }
 
     fn retag(&mut self, name: &str, category: Category) {
@@ -233,9 +242,9 @@ pub fn scripted_run(backend: Backend, timeline_events: usize, steps: usize) -> R
                 s.free("p2.idx");
             });
             s.op("relu_backward", |s| {
-                s.alloc("g_c2", batch * 64 * 196 * 4, Temporary, "relu_backward");
+                // The gradient goes into the saved output's memory, re-tagged.
+                s.reuse("r2", "g_c2", Temporary);
                 s.free("g_r2");
-                s.free("r2");
             });
             s.op("conv2d_backward", |s| {
                 s.alloc("cols2", batch * 288 * 196 * 4, Temporary, "im2col");
@@ -255,9 +264,8 @@ pub fn scripted_run(backend: Backend, timeline_events: usize, steps: usize) -> R
                 s.free("p1.idx");
             });
             s.op("relu_backward", |s| {
-                s.alloc("g_c1", batch * 32 * 784 * 4, Temporary, "relu_backward");
+                s.reuse("r1", "g_c1", Temporary);
                 s.free("g_r1");
-                s.free("r1");
             });
             s.op("conv2d_backward", |s| {
                 s.alloc("cols1", batch * 9 * 784 * 4, Temporary, "im2col");
