@@ -1,5 +1,5 @@
 //! Training curves as one SVG (plotters): the loss over steps (training, and validation where measured)
-//! on top, memory per step below (allocated at the end of the step, and the step's peak). `memfit train
+//! on top, memory per step below (allocated at the end of each step, and the peak so far). `memfit train
 //! --report run.json` writes it beside the report as `run.svg`.
 //!
 //! Losses that are not finite or beyond ±1e30 (a run that diverged) are left out, so the axis stays
@@ -19,7 +19,7 @@ pub struct CurvePoint {
     pub val_loss: Option<f64>,
     /// Allocated bytes at the end of the step.
     pub allocated: u64,
-    /// The most allocated during the step.
+    /// The most allocated at once up to the end of this step (the run's peak so far).
     pub peak_allocated: u64,
 }
 
@@ -140,7 +140,7 @@ fn draw(points: &[CurvePoint], svg: &mut String) -> Result<(), Box<dyn std::erro
             points.iter().map(|p| (p.step as f64, to_y(p.peak_allocated))),
             PEAK.stroke_width(2),
         ))?
-        .label("peak allocated in the step")
+        .label("peak allocated so far")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], PEAK.stroke_width(2)));
     chart
         .draw_series(LineSeries::new(
