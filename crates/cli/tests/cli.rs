@@ -272,3 +272,37 @@ fn profiling_changes_no_allocation_and_an_oom_run_leaves_its_profile() {
     let summary = std::fs::read_to_string(dir.join("summary.txt")).unwrap();
     assert!(summary.contains("out-of-memory") || summary.contains("out of memory"), "{summary}");
 }
+
+/// The page in a real browser (headless Chromium, where installed: Debian's `chromium`): it loads
+/// offline, its script runs, and the rendered page shows the peak and the chart. Skips elsewhere.
+#[test]
+fn the_profile_page_renders_in_a_real_browser() {
+    let Some(chromium) = ["chromium", "chromium-browser"]
+        .into_iter()
+        .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+    else {
+        eprintln!("SKIPPED: no chromium on this machine (apt-get install chromium to run this test)");
+        return;
+    };
+    let dir = temp("profile-browser");
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = memfit(&["profile", "--data", "embedded", "--steps", "2", "--out", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    let peak = memfit_bytes(summary["peak_allocated_bytes"].as_u64().unwrap());
+    let page = format!("file://{}", dir.join("memory.html").display());
+    let shot = dir.join("page.png");
+    let browse = |extra: &[&str]| {
+        let mut args = vec!["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"];
+        args.extend_from_slice(extra);
+        args.push(&page);
+        Command::new(chromium).args(&args).output().expect("chromium runs")
+    };
+    let dom = browse(&["--dump-dom"]);
+    assert!(dom.status.success(), "{}", text(&dom));
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    assert!(dom.contains(&peak) && dom.contains("<svg"), "the rendered page shows the peak {peak} and the chart");
+    let screenshot = format!("--screenshot={}", shot.display());
+    assert!(browse(&[&screenshot]).status.success());
+    assert!(std::fs::metadata(&shot).unwrap().len() > 20_000, "a screenshot with content");
+}
