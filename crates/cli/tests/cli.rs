@@ -271,6 +271,19 @@ fn profiling_changes_no_allocation_and_an_oom_run_leaves_its_profile() {
     assert!(text(&out).contains("memory profile"), "{}", text(&out));
     let summary = std::fs::read_to_string(dir.join("summary.txt")).unwrap();
     assert!(summary.contains("out-of-memory") || summary.contains("out of memory"), "{summary}");
+    // A run that recovery cannot save still leaves its profile, and the error says where.
+    let failed = temp("failed-profile");
+    let _ = std::fs::remove_dir_all(&failed);
+    let f = failed.to_str().unwrap();
+    let out = memfit(
+        &["train", "--data", "embedded", "--model", "mlp", "--micro-batch", "16", "--memory", "40MiB"]
+            .into_iter()
+            .chain(["--max-steps", "1", "--profile-on-oom", f])
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("memory profile of this run is in"), "{}", text(&out));
+    assert!(failed.join("memory.html").exists());
 }
 
 /// The page in a real browser (headless Chromium, where installed: Debian's `chromium`): it loads

@@ -126,25 +126,23 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     };
     // The profile is written whether the run succeeded or not: a failed run is what it is for.
     let profile_dir = cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0));
-    let profile_files = match profile_dir {
-        Some(dir) => {
-            let title =
-                format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
-            crate::profile::write_profile(dir, &crate::profile::recording(&device, title))?
-        }
-        None => Vec::new(),
-    };
-    let outcome = result.map_err(|e| match (advise(e, &request), profile_dir) {
-        (TrainError::OutOfMemory { oom, advice }, Some(dir)) => TrainError::OutOfMemory {
+    let profile = profile_dir.map(|dir| {
+        let title = format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
+        (dir, crate::profile::write_profile(dir, &crate::profile::recording(&device, title)))
+    });
+    // A run's own error comes first; a profile that could not be written is the error of a run that
+    // otherwise succeeded.
+    let outcome = result.map_err(|e| match (advise(e, &request), &profile) {
+        (TrainError::OutOfMemory { oom, advice }, Some((dir, Ok(_)))) => TrainError::OutOfMemory {
             oom,
-            advice: format!(
-                "{advice}
-the memory profile of this run is in {} (open memory.html)",
-                dir.display()
-            ),
+            advice: format!("{advice}\nthe memory profile of this run is in {} (open memory.html)", dir.display()),
         },
         (e, _) => e,
     })?;
+    let profile_files = match profile {
+        Some((_, written)) => written?,
+        None => Vec::new(),
+    };
     if let Some(path) = &cfg.save {
         if cfg.device == DeviceKind::Cpu {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
