@@ -194,3 +194,29 @@ fn meta_allocates_like_cpu_for_shared_gradients() {
     };
     assert_eq!(run(Device::cpu()), run(Device::meta()));
 }
+
+#[test]
+fn grad_runs_only_what_leads_to_its_inputs() {
+    // y = sum(x * w) + sum(tanh(z)): asking for x's gradient must neither differentiate w's side of
+    // the product nor the z branch. Counted by the allocations of the backward pass.
+    let allocations_of_grad = |with_z: bool, inputs: &dyn Fn(&Tensor, &Tensor) -> Vec<Tensor>| {
+        let device = Device::cpu();
+        let x = leaf(&device, &[1.0; 64]);
+        let w = leaf(&device, &[2.0; 64]);
+        let z = leaf(&device, &[0.5; 64]);
+        let mut y = x.mul(&w).unwrap().sum_all().unwrap();
+        if with_z {
+            y = y.add(&z.tanh().unwrap().sum_all().unwrap()).unwrap();
+        }
+        let before = device.stats().allocation.allocated;
+        let got = grad(&[y], &[None], &inputs(&x, &w)).unwrap();
+        assert_eq!(values(got[0].as_ref().unwrap()), vec![2.0; 64]);
+        device.stats().allocation.allocated - before
+    };
+    let only_x = allocations_of_grad(false, &|x, _| vec![x.clone()]);
+    let x_and_w = allocations_of_grad(false, &|x, w| vec![x.clone(), w.clone()]);
+    assert!(only_x < x_and_w, "w's gradient was computed for nothing ({only_x} vs {x_and_w} allocations)");
+    let with_branch = allocations_of_grad(true, &|x, _| vec![x.clone()]);
+    // The add passes its gradient on without allocating; the z branch (sum and tanh backward) must not run.
+    assert_eq!(with_branch, only_x, "an unrelated branch ran");
+}
