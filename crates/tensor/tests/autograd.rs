@@ -120,6 +120,11 @@ fn grad_wrt_an_intermediate_and_an_unused_input() {
     assert_eq!(values(got[1].as_ref().unwrap()), vec![18.0, 36.0]);
     assert!(got[2].is_none());
     assert!(x.grad().is_none());
+    // Only the intermediate: the graph behind it (down to x) need not run, but its own gradient arrives.
+    let h = x.mul_scalar(3.0).unwrap();
+    let y = h.mul(&h).unwrap().sum_all().unwrap();
+    let got = grad(&[y], &[None], std::slice::from_ref(&h)).unwrap();
+    assert_eq!(values(got[0].as_ref().unwrap()), vec![6.0, 12.0]);
 }
 
 #[test]
