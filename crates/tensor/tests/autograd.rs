@@ -184,6 +184,12 @@ fn grad_errors_are_clear() {
     assert!(e.contains("scalar"), "{e}");
     let e = grad(&[y], &[], &[x]).unwrap_err().to_string();
     assert!(e.contains("gradients"), "{e}");
+    // A tensor that is no graph's output and wants no gradient has nothing to differentiate.
+    let plain = Tensor::full(&device, &[], 1.0, memfit_tensor::DType::F64, Category::Input).unwrap();
+    let e = backward(&plain).unwrap_err().to_string();
+    assert!(e.contains("does not require grad"), "{e}");
+    let e = grad(&[plain.clone()], &[None], &[plain]).unwrap_err().to_string();
+    assert!(e.contains("does not require grad"), "{e}");
 }
 
 #[test]
