@@ -137,6 +137,13 @@ fn grad_of_several_outputs_adds_their_contributions() {
     let gb = Tensor::from_slice(&device, &[1.0, 10.0], &[2], Category::Input).unwrap();
     let got = grad(&[a, b], &[Some(ga), Some(gb)], std::slice::from_ref(&x)).unwrap();
     assert_eq!(values(got[0].as_ref().unwrap()), vec![2.0 + 2.0, 2.0 + 40.0]);
+    // One output computed from the other: h's node runs only after y's backward reached it.
+    let h = x.mul_scalar(3.0).unwrap();
+    let y = h.mul(&h).unwrap().sum_all().unwrap();
+    let ones = Tensor::from_slice(&device, &[1.0, 1.0], &[2], Category::Input).unwrap();
+    let got = grad(&[y, h.clone()], &[None, Some(ones)], std::slice::from_ref(&x)).unwrap();
+    // d/dx (sum(h^2) + sum(h)) = 3 * (2h + 1), h = [3, 6].
+    assert_eq!(values(got[0].as_ref().unwrap()), vec![21.0, 39.0]);
 }
 
 /// A backward that re-runs its forward (y = x * x) with grad enabled and differentiates it with
