@@ -56,12 +56,6 @@ pub struct Node {
     edges: Vec<Option<Edge>>,
 }
 
-impl Node {
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-}
-
 /// True when an op on `inputs` must record a node.
 pub fn needs_grad(inputs: &[&Tensor]) -> bool {
     inputs.first().is_some_and(|t| t.device().grad_enabled()) && inputs.iter().any(|t| t.requires_grad())
