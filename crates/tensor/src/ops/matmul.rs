@@ -227,6 +227,21 @@ pub(crate) fn weight_mat<T>(weight: &Tensor, transposed: bool) -> Result<Mat<T>>
     Ok(if transposed { Mat { ptr, rs: s1, cs: s0 } } else { Mat { ptr, rs: s0, cs: s1 } })
 }
 
+/// Starts a linear layer's output: every row of `dst` (rows of `out_f`) is the bias, when there is
+/// one (the GEMM then accumulates into it). Shared by `linear`, `gelu_linear` and `layer_norm_linear`.
+pub(crate) fn fill_rows_with_bias<T: Float + crate::tensor::Element>(
+    dst: &mut [T],
+    bias: Option<&Tensor>,
+    out_f: usize,
+) -> Result<()> {
+    if let Some(b) = bias {
+        let b = b.contiguous()?;
+        let bv = b.slice::<T>()?;
+        dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
+    }
+    Ok(())
+}
+
 /// `x W^T + b` over the last dim of `x` (PyTorch's `F.linear`): x [..., in], weight [out, in], bias [out].
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let _op = x.device().op_scope("linear");
@@ -239,11 +254,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     if x.device().computes() {
         with_float!(x.dtype(), "linear", T => {
             let dst = out.slice_mut::<T>()?;
-            if let Some(b) = bias {
-                let b = b.contiguous()?;
-                let bv = b.slice::<T>()?;
-                dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
-            }
+            fill_rows_with_bias::<T>(dst, bias, out_f)?;
             // W^T as a [in, out] operand: element (i, o) is W[o, i].
             let wt = weight_mat::<T>(weight, true)?;
             let xs = Mat { ptr: x.slice::<T>()?.as_ptr(), rs: in_f as isize, cs: 1 };
@@ -313,11 +324,7 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     if x.device().computes() {
         with_float!(x.dtype(), "gelu_linear", T => {
             let dst = out.slice_mut::<T>()?;
-            if let Some(b) = bias {
-                let b = b.contiguous()?;
-                let bv = b.slice::<T>()?;
-                dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
-            }
+            fill_rows_with_bias::<T>(dst, bias, out_f)?;
             let wt = weight_mat::<T>(weight, true)?;
             let (xs, sc) = (x.slice::<T>()?, scratch.slice_mut::<T>()?);
             for r0 in (0..rows).step_by(GELU_ROWS) {

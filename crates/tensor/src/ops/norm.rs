@@ -8,7 +8,7 @@
 //! rstd and the weights, but not the normalized tensor, which its backward recomputes block by block.
 //! Statistics are accumulated in f64 with two passes.
 
-use super::matmul::{check_linear, gemm_into, weight_mat, Mat, SendPtr};
+use super::matmul::{check_linear, fill_rows_with_bias, gemm_into, weight_mat, Mat, SendPtr};
 use super::{check_same, output, PAR_CHUNK};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::{DType, Float};
@@ -336,11 +336,7 @@ pub fn layer_norm_linear(
     if x.device().computes() {
         with_float!(x.dtype(), NAME, T => {
             let dst = out.slice_mut::<T>()?;
-            if let Some(b) = bias {
-                let b = b.contiguous()?;
-                let bv = b.slice::<T>()?;
-                dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
-            }
+            fill_rows_with_bias::<T>(dst, bias, out_f)?;
             let (xs, w, b) = (x.slice::<T>()?, ln_w.slice::<T>()?, ln_b.slice::<T>()?);
             let st = match &stats {
                 Some((m, r)) => Some((SendPtr(m.slice_mut::<T>()?.as_mut_ptr()), SendPtr(r.slice_mut::<T>()?.as_mut_ptr()))),
