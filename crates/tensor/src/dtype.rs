@@ -50,6 +50,7 @@ impl fmt::Display for DType {
 /// A dtype that CPU kernels compute in (f32, f64). Half types are storage formats: cast to f32 to compute.
 pub trait Float:
     num_traits::Float
+    + memfit_kernels::gemm::GemmScalar
     + num_traits::FromPrimitive
     + std::ops::AddAssign
     + std::ops::SubAssign

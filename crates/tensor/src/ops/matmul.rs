@@ -1,6 +1,7 @@
 //! Matrix products: `matmul` (2-D, batched, broadcast batch dims), `linear` (PyTorch's
 //! `x W^T + b`) and `gelu_linear` (`linear(gelu(x))` fused, saving only GELU's input). Products run on
-//! the `gemm` crate, which takes arbitrary strides, so transposed views are multiplied without copies.
+//! `memfit-kernels`' GEMM, which takes arbitrary strides, so transposed views are multiplied without
+//! copies.
 
 use super::elementwise::{gelu_erf, gelu_erf_backward, gelu_erf_with_derivative, par_map, par_update, par_zip};
 use super::{check_same, output, sum_to_shape, PAR_CHUNK};
@@ -13,13 +14,9 @@ use crate::with_float;
 use memfit_memory::Category;
 use rayon::prelude::*;
 
-/// A strided matrix operand: base pointer, row stride, column stride (in elements).
-#[derive(Clone, Copy)]
-pub(crate) struct Mat<T> {
-    pub ptr: *const T,
-    pub rs: isize,
-    pub cs: isize,
-}
+/// A strided matrix operand (the kernels crate's; one home for the idea).
+pub(crate) use memfit_kernels::gemm::MatRef as Mat;
+pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
 
 /// A raw pointer that may cross into rayon tasks; each task writes a disjoint region.
 #[derive(Clone, Copy)]
@@ -28,16 +25,10 @@ pub(crate) struct SendPtr<T>(pub *mut T);
 unsafe impl<T> Send for SendPtr<T> {}
 // SAFETY: see above.
 unsafe impl<T> Sync for SendPtr<T> {}
-// SAFETY: read-only operand pointers shared by parallel tasks.
-unsafe impl<T> Send for Mat<T> {}
-// SAFETY: see above.
-unsafe impl<T> Sync for Mat<T> {}
-
-/// Work (m*n*k) above which a single product is split across threads by gemm itself.
-const GEMM_PARALLEL_WORK: usize = 48 * 48 * 48;
 
 /// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
-/// `accumulate` adds to dst instead of overwriting it.
+/// `accumulate` adds to dst instead of overwriting it. Runs `memfit-kernels`' GEMM for the
+/// process's instruction set on up to `threads` threads.
 ///
 /// # Safety
 /// All pointers must be valid for the given shapes and strides, and `dst` must not alias `a` or `b`.
@@ -53,46 +44,8 @@ pub(crate) unsafe fn gemm_into<T: Float>(
     b: Mat<T>,
     threads: usize,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                for j in 0..n {
-                    *dst.offset(i as isize * dst_rs + j as isize) = T::zero();
-                }
-            }
-        }
-        return;
-    }
-    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_WORK {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // gemm computes dst = alpha * dst + beta * a @ b (alpha ignored when read_dst is false).
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs,
-        accumulate,
-        a.ptr,
-        a.cs,
-        a.rs,
-        b.ptr,
-        b.cs,
-        b.rs,
-        T::one(),
-        T::one(),
-        false,
-        false,
-        false,
-        parallelism,
-    );
+    use memfit_kernels::gemm::{gemm, MatMut};
+    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, accumulate, a, b, threads);
 }
 
 /// The operand view of the last two dims of `t` at element offset `offset`.

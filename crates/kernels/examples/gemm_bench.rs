@@ -1,0 +1,75 @@
+//! GFLOP/s of memfit's GEMM for the products of the bench cases, per instruction set:
+//! `cargo run --release -p memfit-kernels --example gemm_bench [threads]`. The same cases as
+//! `tools/torch_gemm.py` (`--isa NAME` runs one level only).
+
+use memfit_kernels::gemm::{gemm, MatMut, MatRef};
+use memfit_kernels::Isa;
+use std::time::Instant;
+
+/// (name, m, n, k, layout): C[m,n] = A[m,k] B[k,n]; "NT": B is the transpose of a [n,k] matrix,
+/// "TN": A is the transpose of a [k,m] matrix.
+pub const CASES: &[(&str, usize, usize, usize, &str)] = &[
+    ("mlp fwd 784->1024", 256, 1024, 784, "NT"),
+    ("mlp fwd 1024->1024", 256, 1024, 1024, "NT"),
+    ("mlp dW", 1024, 784, 256, "TN"),
+    ("mlp dX", 256, 784, 1024, "NN"),
+    ("gpt qkv fwd", 4096, 768, 256, "NT"),
+    ("gpt fc1 fwd", 4096, 1024, 256, "NT"),
+    ("gpt fc2 fwd", 4096, 256, 1024, "NT"),
+    ("gpt dX fc1", 4096, 256, 1024, "NN"),
+    ("gpt dW fc1", 1024, 256, 4096, "TN"),
+    ("gpt dW fc2", 256, 1024, 4096, "TN"),
+    ("sq 1024", 1024, 1024, 1024, "NN"),
+];
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut threads = 2;
+    let mut only = None;
+    while let Some(a) = args.next() {
+        if a == "--isa" {
+            only = args.next().and_then(|n| Isa::parse(&n));
+        } else {
+            threads = a.parse().expect("threads");
+        }
+    }
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    for isa in Isa::supported().into_iter().filter(|i| only.is_none_or(|o| o == *i)) {
+        for &(name, m, n, k, lay) in CASES {
+            let a = vec![0.5f32; m * k];
+            let b = vec![0.25f32; k * n];
+            let mut c = vec![0.0f32; m * n];
+            let (ars, acs) = if lay == "TN" { (1, m) } else { (k, 1) };
+            let (brs, bcs) = if lay == "NT" { (1, k) } else { (n, 1) };
+            // SAFETY: the buffers hold exactly the shapes and strides passed.
+            let run = |c: &mut Vec<f32>| unsafe {
+                gemm(isa, m, n, k, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, false,
+                    MatRef { ptr: a.as_ptr(), rs: ars as isize, cs: acs as isize },
+                    MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize }, threads)
+            };
+            let mut times = pool.install(|| {
+                for _ in 0..3 {
+                    run(&mut c);
+                }
+                (0..15)
+                    .map(|_| {
+                        let t0 = Instant::now();
+                        let mut reps = 0;
+                        loop {
+                            run(&mut c);
+                            reps += 1;
+                            let t = t0.elapsed().as_secs_f64();
+                            if t > 0.02 {
+                                break t / reps as f64;
+                            }
+                        }
+                    })
+                    .collect::<Vec<_>>()
+            });
+            assert_eq!(c[0], 0.125 * k as f32);
+            times.sort_by(f64::total_cmp);
+            let t = times[times.len() / 2];
+            println!("{isa:8} {name:22} {m:5} {n:5} {k:5} {lay} {:7.1} GFLOP/s", 2.0 * (m * n * k) as f64 / t / 1e9);
+        }
+    }
+}

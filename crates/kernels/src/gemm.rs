@@ -1,0 +1,414 @@
+//! General matrix multiply, `C (+)= A @ B`, on strided operands (so transposed views multiply
+//! without copies), blocked and packed in the BLIS way with one micro-kernel per instruction set.
+//!
+//! Loop nest (C row-major, the micro-kernel's vector dimension along C's rows):
+//! `jc` over N in blocks of [`NC`] → `pc` over K in blocks of [`KC`] (pack `B[kc x nc]`, kept in
+//! L2) → `ic` over M in blocks of [`MC`] (pack `A[mc x kc]`) → `ir` over micro-panels of MR rows
+//! (one A micro-panel stays in L1) → `jr` over micro-panels of NR columns → micro-kernel
+//! `C[MR x NR] (+)= A[MR x kc] B[kc x NR]`. Edge tiles are zero-padded in the packs and written
+//! through a small tile on the stack.
+//!
+//! Threads: a product large enough is split into one region per thread along its larger output
+//! dimension (each thread then packs the whole of the other operand, the smaller duplicate).
+//! Workspace: each thread packs into its own buffer of at most [`WORKSPACE_BYTES_PER_THREAD`]
+//! bytes, kept for reuse; it depends on the block sizes only, never on the operands.
+
+use crate::isa::Isa;
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+mod avx2;
+mod avx512;
+mod portable;
+
+/// Depth of one packed block (elements of K).
+pub const KC: usize = 512;
+/// Rows of A packed at once.
+pub const MC: usize = 192;
+/// Columns of B packed at once.
+pub const NC: usize = 512;
+/// The largest micro-kernel tile side; block sizes above are multiples of every MR and NR.
+const MAX_TILE: usize = 32;
+/// Elements of one thread's packing workspace (A block + B block, each padded to whole tiles).
+const WORKSPACE_ELEMS: usize = (MC + MAX_TILE) * KC + KC * (NC + MAX_TILE);
+/// The most bytes one thread's packing workspace holds (for f64, the widest scalar; half for f32).
+pub const WORKSPACE_BYTES_PER_THREAD: usize = WORKSPACE_ELEMS * std::mem::size_of::<f64>();
+/// Work (m*n*k) below which a product runs on one thread.
+pub const PARALLEL_WORK: usize = 48 * 48 * 48;
+
+/// A strided matrix operand: base pointer, row stride and column stride in elements.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<T> {
+    pub ptr: *const T,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl<T> MatRef<T> {
+    /// The operand starting at element (row, col).
+    ///
+    /// # Safety
+    /// The element must be inside the operand's allocation.
+    unsafe fn at(self, row: usize, col: usize) -> Self {
+        MatRef { ptr: self.ptr.offset(row as isize * self.rs + col as isize * self.cs), ..self }
+    }
+}
+
+/// The output of a product: base pointer, row stride (its column stride is 1).
+#[derive(Clone, Copy, Debug)]
+pub struct MatMut<T> {
+    pub ptr: *mut T,
+    pub rs: isize,
+}
+
+impl<T> MatMut<T> {
+    /// The output starting at element (row, col).
+    ///
+    /// # Safety
+    /// The element must be inside the output's allocation.
+    unsafe fn at(self, row: usize, col: usize) -> Self {
+        MatMut { ptr: self.ptr.offset(row as isize * self.rs + col as isize), ..self }
+    }
+}
+
+// SAFETY: a `MatRef` is read by parallel regions, a `MatMut` written in disjoint regions only
+// (the driver splits the output); the caller of `gemm` guarantees validity.
+unsafe impl<T> Send for MatRef<T> {}
+unsafe impl<T> Sync for MatRef<T> {}
+unsafe impl<T> Send for MatMut<T> {}
+unsafe impl<T> Sync for MatMut<T> {}
+
+/// A micro-kernel: `C[MR x NR] (+)= A_panel · B_panel` over `kc` packed steps. A is packed
+/// `a[k * MR + i]`, B `b[k * NR + j]`; C has row stride `rs_c` and column stride 1.
+pub type MicroKernelFn<T> = unsafe fn(kc: usize, a: *const T, b: *const T, c: *mut T, rs_c: isize, accumulate: bool);
+
+/// A micro-kernel and its tile.
+#[derive(Clone, Copy)]
+pub struct MicroKernel<T> {
+    pub mr: usize,
+    pub nr: usize,
+    pub run: MicroKernelFn<T>,
+}
+
+/// A scalar the GEMM computes in.
+pub trait GemmScalar: sealed::Sealed + Copy + Default + Send + Sync + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + 'static {}
+impl GemmScalar for f32 {}
+impl GemmScalar for f64 {}
+
+mod sealed {
+    use super::{Isa, MicroKernel};
+    pub trait Sealed: Sized {
+        /// The micro-kernel for `isa` (a level without a kernel of its own for this type uses
+        /// the portable one).
+        fn micro_kernel(isa: Isa) -> MicroKernel<Self>;
+    }
+}
+
+impl sealed::Sealed for f32 {
+    fn micro_kernel(isa: Isa) -> MicroKernel<f32> {
+        match isa {
+            Isa::Avx512 if isa.is_supported() => avx512::F32,
+            Isa::Avx2Fma if isa.is_supported() => avx2::F32,
+            _ => portable::kernel::<f32>(),
+        }
+    }
+}
+
+impl sealed::Sealed for f64 {
+    fn micro_kernel(_isa: Isa) -> MicroKernel<f64> {
+        portable::kernel::<f64>()
+    }
+}
+
+thread_local! {
+    /// This thread's packing workspace (f64 elements so either scalar fits, aligned).
+    static WORKSPACE: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `C[m x n] (+)= A[m x k] @ B[k x n]` with the kernels of `isa`, on up to `threads` threads of
+/// the current rayon pool. `accumulate` adds to C instead of overwriting it.
+///
+/// # Safety
+/// The operands must be valid for their shapes and strides, and C must not overlap A or B.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm<T: GemmScalar>(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    accumulate: bool,
+    a: MatRef<T>,
+    b: MatRef<T>,
+    threads: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    *c.ptr.offset(i as isize * c.rs + j as isize) = T::default();
+                }
+            }
+        }
+        return;
+    }
+    let kernel = <T as sealed::Sealed>::micro_kernel(isa);
+    let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
+    if parts == 1 {
+        region(kernel, m, n, k, c, accumulate, a, b);
+        return;
+    }
+    // Split the larger output dimension into `parts` whole-tile ranges.
+    let split_rows = m >= n;
+    let (len, tile) = if split_rows { (m, kernel.mr) } else { (n, kernel.nr) };
+    let tiles = len.div_ceil(tile);
+    let parts = parts.min(tiles);
+    (0..parts).into_par_iter().for_each(|p| {
+        let (t0, t1) = (tiles * p / parts, tiles * (p + 1) / parts);
+        let (lo, hi) = (t0 * tile, (t1 * tile).min(len));
+        if lo >= hi {
+            return;
+        }
+        // SAFETY: each part writes its own rows (or columns) of C; operands are offset inside bounds.
+        unsafe {
+            if split_rows {
+                region(kernel, hi - lo, n, k, c.at(lo, 0), accumulate, a.at(lo, 0), b);
+            } else {
+                region(kernel, m, hi - lo, k, c.at(0, lo), accumulate, a, b.at(0, lo));
+            }
+        }
+    });
+}
+
+/// One thread's product: the full blocked loop nest over its own workspace.
+#[allow(clippy::too_many_arguments)]
+unsafe fn region<T: GemmScalar>(
+    kernel: MicroKernel<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    accumulate: bool,
+    a: MatRef<T>,
+    b: MatRef<T>,
+) {
+    let mut fresh = Vec::new();
+    WORKSPACE.with(|ws| {
+        // A nested call on this thread (none today) would get a fresh buffer instead of panicking.
+        let mut held = ws.try_borrow_mut();
+        let buf: &mut Vec<f64> = match held.as_mut() {
+            Ok(b) => b,
+            Err(_) => &mut fresh,
+        };
+        let need = (WORKSPACE_ELEMS * std::mem::size_of::<T>()).div_ceil(std::mem::size_of::<f64>());
+        if buf.len() < need {
+            buf.resize(need, 0.0);
+        }
+        let base = buf.as_mut_ptr() as *mut T;
+        let apack = base;
+        let bpack = base.add((MC + MAX_TILE) * KC);
+        blocked(kernel, m, n, k, c, accumulate, a, b, apack, bpack);
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn blocked<T: GemmScalar>(
+    kernel: MicroKernel<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    accumulate: bool,
+    a: MatRef<T>,
+    b: MatRef<T>,
+    apack: *mut T,
+    bpack: *mut T,
+) {
+    let (mr, nr) = (kernel.mr, kernel.nr);
+    let mut tile = [T::default(); MAX_TILE * MAX_TILE];
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            let add = accumulate || pc > 0;
+            pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, nr, bpack);
+            for ic in (0..m).step_by(MC) {
+                let mc = MC.min(m - ic);
+                pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, apack);
+                for ir in (0..mc).step_by(mr) {
+                    let rows = mr.min(mc - ir);
+                    let ap = apack.add(ir * kc);
+                    for jr in (0..nc).step_by(nr) {
+                        let cols = nr.min(nc - jr);
+                        let bp = bpack.add(jr * kc);
+                        let cp = c.at(ic + ir, jc + jr).ptr;
+                        if rows == mr && cols == nr {
+                            (kernel.run)(kc, ap, bp, cp, c.rs, add);
+                        } else {
+                            (kernel.run)(kc, ap, bp, tile.as_mut_ptr(), nr as isize, false);
+                            for i in 0..rows {
+                                for j in 0..cols {
+                                    let dst = cp.offset(i as isize * c.rs + j as isize);
+                                    let v = tile[i * nr + j];
+                                    *dst = if add { *dst + v } else { v };
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs `len` lines (rows of A, or columns of B) of `depth` elements into panels of `panel`
+/// lines: `out[p * panel * depth + d * panel + l]` = element (line `p * panel + l`, depth `d`),
+/// zero past `len`. `ls` is the stride between lines, `ds` between depth steps; the loop runs
+/// along whichever of the two is contiguous.
+unsafe fn pack<T: GemmScalar>(src: *const T, ls: isize, ds: isize, len: usize, depth: usize, panel: usize, out: *mut T) {
+    for p0 in (0..len).step_by(panel) {
+        let lines = panel.min(len - p0);
+        let dst = out.add(p0 * depth);
+        let src = src.offset(p0 as isize * ls);
+        if ds == 1 && ls != 1 {
+            for l in 0..lines {
+                let row = src.offset(l as isize * ls);
+                for d in 0..depth {
+                    *dst.add(d * panel + l) = *row.add(d);
+                }
+            }
+        } else {
+            for d in 0..depth {
+                let col = src.offset(d as isize * ds);
+                let o = dst.add(d * panel);
+                for l in 0..lines {
+                    *o.add(l) = *col.offset(l as isize * ls);
+                }
+            }
+        }
+        if lines < panel {
+            for d in 0..depth {
+                for l in lines..panel {
+                    *dst.add(d * panel + l) = T::default();
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f64 reference of `A @ B` (+ C0 when accumulating) for strided operands.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(m: usize, n: usize, k: usize, a: &[f32], ars: usize, acs: usize, b: &[f32], brs: usize, bcs: usize, c0: &[f32]) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = c0[i * n + j] as f64;
+                for p in 0..k {
+                    s += a[i * ars + p * acs] as f64 * b[p * brs + j * bcs] as f64;
+                }
+                out[i * n + j] = s;
+            }
+        }
+        out
+    }
+
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    /// Every supported level, each layout (NN, NT, TN, TT), edge sizes, accumulation, 1 and 2
+    /// threads, and K longer than one block: equal to the f64 reference within f32 rounding, and
+    /// the SIMD levels equal the portable level within rounding.
+    #[test]
+    fn every_level_matches_the_reference_and_the_portable_level() {
+        let shapes = [(1, 1, 1), (3, 5, 7), (13, 33, 17), (37, 70, 300), (200, 65, 64), (64, 130, 520)];
+        for (m, n, k) in shapes {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                for accumulate in [false, true] {
+                    let a = values(m * k, 1);
+                    let b = values(k * n, 2);
+                    let c0 = values(m * n, 3);
+                    let (ars, acs) = if ta { (1, m) } else { (k, 1) };
+                    let (brs, bcs) = if tb { (1, k) } else { (n, 1) };
+                    let zero = vec![0.0; m * n];
+                    let want = reference(m, n, k, &a, ars, acs, &b, brs, bcs, if accumulate { &c0 } else { &zero });
+                    let mut portable = Vec::new();
+                    for isa in Isa::supported().into_iter().rev() {
+                        for threads in [1, 2] {
+                            let mut c = c0.clone();
+                            // SAFETY: the buffers hold exactly the shapes and strides passed.
+                            unsafe {
+                                gemm(
+                                    isa,
+                                    m,
+                                    n,
+                                    k,
+                                    MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
+                                    accumulate,
+                                    MatRef { ptr: a.as_ptr(), rs: ars as isize, cs: acs as isize },
+                                    MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
+                                    threads,
+                                )
+                            };
+                            let tol = 1e-5 * (k as f64).sqrt().max(1.0);
+                            for (idx, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                                assert!((got as f64 - w).abs() <= tol, "{isa} {m}x{n}x{k} ta={ta} tb={tb} acc={accumulate} t={threads} [{idx}]: {got} vs {w}");
+                            }
+                            if isa == Isa::Portable {
+                                portable = c;
+                            } else {
+                                for (&got, &p) in c.iter().zip(&portable) {
+                                    assert!((got - p).abs() <= 2e-6 * (k as f32).sqrt().max(1.0), "{isa} vs portable: {got} vs {p}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_empty_depth_zeroes_or_keeps_the_output() {
+        let mut c = vec![7.0f32; 6];
+        let a = MatRef { ptr: [].as_ptr(), rs: 0, cs: 1 };
+        // SAFETY: k = 0 reads neither operand; c holds 2 x 3.
+        unsafe { gemm::<f32>(Isa::active(), 2, 3, 0, MatMut { ptr: c.as_mut_ptr(), rs: 3 }, true, a, a, 2) };
+        assert_eq!(c, vec![7.0; 6]);
+        // SAFETY: as above.
+        unsafe { gemm::<f32>(Isa::active(), 2, 3, 0, MatMut { ptr: c.as_mut_ptr(), rs: 3 }, false, a, a, 2) };
+        assert_eq!(c, vec![0.0; 6]);
+    }
+
+    #[test]
+    fn f64_products_are_exact_on_small_integers() {
+        let (m, n, k) = (5, 9, 300);
+        let a: Vec<f64> = (0..m * k).map(|i| (i % 7) as f64 - 3.0).collect();
+        let b: Vec<f64> = (0..k * n).map(|i| (i % 5) as f64 - 2.0).collect();
+        let mut c = vec![0.0; m * n];
+        // SAFETY: the buffers hold exactly the shapes and strides passed.
+        unsafe {
+            gemm(Isa::Portable, m, n, k, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, false,
+                MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 }, MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 }, 2)
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+                assert_eq!(c[i * n + j], want);
+            }
+        }
+    }
+}

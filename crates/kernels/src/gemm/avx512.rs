@@ -1,0 +1,48 @@
+//! The AVX-512 micro-kernel: a 12 x 32 f32 tile in 24 zmm accumulators; each step loads two
+//! vectors of B and broadcasts twelve elements of A.
+
+use super::MicroKernel;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+const MR: usize = 12;
+const NR: usize = 32;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) const F32: MicroKernel<f32> = MicroKernel { mr: MR, nr: NR, run: run_checked };
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
+
+/// # Safety
+/// As [`super::MicroKernelFn`]; only handed out when the CPU supports AVX-512F.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+    run(kc, a, b, c, rs_c, accumulate)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+    let mut lo = [_mm512_setzero_ps(); MR];
+    let mut hi = [_mm512_setzero_ps(); MR];
+    for _ in 0..kc {
+        let b0 = _mm512_loadu_ps(b);
+        let b1 = _mm512_loadu_ps(b.add(16));
+        for i in 0..MR {
+            let ai = _mm512_set1_ps(*a.add(i));
+            lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
+            hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
+        }
+        a = a.add(MR);
+        b = b.add(NR);
+    }
+    for i in 0..MR {
+        let p = c.offset(i as isize * rs_c);
+        if accumulate {
+            lo[i] = _mm512_add_ps(lo[i], _mm512_loadu_ps(p));
+            hi[i] = _mm512_add_ps(hi[i], _mm512_loadu_ps(p.add(16)));
+        }
+        _mm512_storeu_ps(p, lo[i]);
+        _mm512_storeu_ps(p.add(16), hi[i]);
+    }
+}

@@ -1,0 +1,33 @@
+//! The portable micro-kernel: plain Rust over a 4 x 8 tile, for any scalar and any CPU (the
+//! compiler vectorizes it for the baseline target).
+
+use super::{GemmScalar, MicroKernel};
+
+const MR: usize = 4;
+const NR: usize = 8;
+
+pub(crate) fn kernel<T: GemmScalar>() -> MicroKernel<T> {
+    MicroKernel { mr: MR, nr: NR, run: run::<T> }
+}
+
+/// # Safety
+/// `a` holds `kc * MR`, `b` `kc * NR` packed elements; `c` is valid for an MR x NR tile.
+unsafe fn run<T: GemmScalar>(kc: usize, a: *const T, b: *const T, c: *mut T, rs_c: isize, accumulate: bool) {
+    let mut acc = [[T::default(); NR]; MR];
+    for p in 0..kc {
+        let ap = std::slice::from_raw_parts(a.add(p * MR), MR);
+        let bp = std::slice::from_raw_parts(b.add(p * NR), NR);
+        for i in 0..MR {
+            for j in 0..NR {
+                acc[i][j] = acc[i][j] + ap[i] * bp[j];
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        let cr = c.offset(i as isize * rs_c);
+        for (j, &v) in row.iter().enumerate() {
+            let dst = cr.add(j);
+            *dst = if accumulate { *dst + v } else { v };
+        }
+    }
+}
