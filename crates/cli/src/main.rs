@@ -244,6 +244,11 @@ struct BenchArgs {
     /// Warm-up steps per case.
     #[arg(long, default_value_t = 3)]
     warmup: usize,
+    /// Also run each case in PyTorch with this Python interpreter (one with torch installed), right
+    /// after memfit's, and print the ratios.
+    #[arg(long, value_name = "PYTHON")]
+    compare_pytorch: Option<PathBuf>,
+    /// Print the report as JSON.
     #[arg(long)]
     json: bool,
 }
@@ -525,25 +530,46 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
-    let report = memfit_train::bench::run(threads, &a.cases, a.warmup, a.steps).map_err(|e| e.to_string())?;
+    let report = memfit_train::bench::run(threads, &a.cases, a.warmup, a.steps, a.compare_pytorch.as_deref())
+        .map_err(|e| e.to_string())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
-    } else {
-        println!(
-            "memfit bench: AdamW training step, {threads} thread{}, median of {} steps",
-            if threads == 1 { "" } else { "s" },
-            a.steps
+        return Ok(());
+    }
+    println!(
+        "memfit bench: AdamW training step, {threads} thread{}, median of {} steps, {} kernels{}",
+        if threads == 1 { "" } else { "s" },
+        a.steps,
+        report.isa,
+        report.pytorch_version.as_ref().map_or(String::new(), |v| format!(", vs PyTorch {v} in the same run"))
+    );
+    let compare = report.pytorch_version.is_some();
+    print!("{:<16} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
+    if compare {
+        print!(" {:>12} {:>8} {:>14} {:>8}", "PyTorch ms", "ratio", "PyTorch peak", "ratio");
+    }
+    println!();
+    for c in &report.cases {
+        print!(
+            "{:<16} {:>10.2} {:>16} {:>16}",
+            c.name,
+            c.median_ms,
+            format_bytes(c.peak_allocated_bytes),
+            format_bytes(c.peak_reserved_bytes)
         );
-        println!("{:<16} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
-        for c in &report.cases {
-            println!(
-                "{:<16} {:>10.2} {:>16} {:>16}",
-                c.name,
-                c.median_ms,
-                format_bytes(c.peak_allocated_bytes),
-                format_bytes(c.peak_reserved_bytes)
-            );
+        match &c.pytorch {
+            Some(p) => {
+                let peak = p.peak_bytes.map_or("n/a".to_string(), format_bytes);
+                let peak_ratio = p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
+                print!(" {:>12.2} {:>8.2} {:>14} {:>8}", p.median_ms, c.median_ms / p.median_ms, peak, peak_ratio);
+            }
+            None if compare => print!(" {:>12}", "n/a"),
+            None => {}
         }
+        println!();
+    }
+    if compare {
+        println!("ratio = memfit / PyTorch (below 1: memfit is faster or smaller); PyTorch's peak is its MemTracker estimate");
     }
     Ok(())
 }

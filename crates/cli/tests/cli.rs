@@ -319,3 +319,56 @@ fn the_profile_page_renders_in_a_real_browser() {
     assert!(browse(&[&screenshot]).status.success());
     assert!(std::fs::metadata(&shot).unwrap().len() > 20_000, "a screenshot with content");
 }
+
+/// Writes an executable stand-in for a Python interpreter: `-c ...` prints a torch version,
+/// `- CASE ...` swallows the script on stdin and prints `result` (CASE substituted for `{case}`).
+fn fake_python(name: &str, result: &str, exit: i32) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = temp(name);
+    let result = result.replace("{case}", "$2");
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then echo 9.9-fake; exit 0; fi\ncat > /dev/null\necho \"{}\"\necho 'Traceback: boom' >&2\nexit {exit}\n",
+        result.replace('"', "\\\"")
+    );
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn bench_runs_pytorch_after_each_case_and_prints_the_ratios() {
+    let python = fake_python("fake-python-ok", r#"{"case": "{case}", "median_ms": 2.5, "peak_bytes": 1048576}"#, 0);
+    let base = ["bench", "--case", "simplecnn-b128", "--case", "resnet-b64", "--steps", "2", "--warmup", "1", "--threads", "1"];
+    let args = [&base[..], &["--compare-pytorch", python.to_str().unwrap(), "--json"]].concat();
+    let out = memfit(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["pytorch_version"], "9.9-fake");
+    assert!(["avx512", "avx2", "portable"].contains(&r["isa"].as_str().unwrap()), "{r}");
+    assert_eq!(r["cases"][0]["pytorch"]["median_ms"], 2.5);
+    assert_eq!(r["cases"][0]["pytorch"]["peak_bytes"], 1048576);
+    let out = memfit(&[&base[..], &["--compare-pytorch", python.to_str().unwrap()]].concat());
+    let printed = text(&out);
+    assert!(out.status.success() && printed.contains("vs PyTorch 9.9-fake"), "{printed}");
+    let line = printed.lines().find(|l| l.starts_with("simplecnn-b128")).unwrap();
+    let ms: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let ratio: f64 = line.split_whitespace().nth(7).unwrap().parse().unwrap();
+    assert!((ratio - ms / 2.5).abs() < 0.01, "{line}");
+    // A case PyTorch has no reference for (the script says so) is shown as such.
+    let none = fake_python("fake-python-none", r#"{"case": "{case}", "error": "no PyTorch reference"}"#, 0);
+    let out = memfit(&["bench", "--case", "resnet-b64", "--steps", "1", "--warmup", "0", "--threads", "1", "--compare-pytorch", none.to_str().unwrap()]);
+    assert!(out.status.success() && text(&out).contains("n/a"), "{}", text(&out));
+}
+
+#[test]
+fn bench_refuses_a_python_without_torch_or_a_failing_one_clearly() {
+    let started = std::time::Instant::now();
+    let out = memfit(&["bench", "--case", "mlp-b256", "--compare-pytorch", "/nonexistent/python"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("--compare-pytorch /nonexistent/python: cannot run it"), "{}", text(&out));
+    assert!(started.elapsed().as_secs() < 5, "refused before measuring");
+    let failing = fake_python("fake-python-fails", "", 1);
+    let out = memfit(&["bench", "--case", "simplecnn-b128", "--steps", "1", "--warmup", "0", "--threads", "1", "--compare-pytorch", failing.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("the PyTorch script failed: Traceback: boom"), "{}", text(&out));
+}

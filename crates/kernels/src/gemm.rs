@@ -8,10 +8,11 @@
 //! `C[MR x NR] (+)= A[MR x kc] B[kc x NR]`. Edge tiles are zero-padded in the packs and written
 //! through a small tile on the stack.
 //!
-//! Threads: a product large enough is split into one region per thread along its larger output
-//! dimension (each thread then packs the whole of the other operand, the smaller duplicate).
-//! Workspace: each thread packs into its own buffer of at most [`WORKSPACE_BYTES_PER_THREAD`]
-//! bytes, kept for reuse; it depends on the block sizes only, never on the operands.
+//! Threads: a product large enough runs on up to `threads` threads that pack each B block together
+//! (panels shared out) and then multiply their own ranges of rows; a product with too few rows
+//! for that splits its columns instead. Workspace: each thread keeps an A block and a B block of
+//! at most [`WORKSPACE_BYTES_PER_THREAD`] bytes together, reused; their size depends on the block
+//! sizes only, never on the operands.
 
 use crate::isa::Isa;
 use rayon::prelude::*;
@@ -29,10 +30,9 @@ pub const MC: usize = 192;
 pub const NC: usize = 512;
 /// The largest micro-kernel tile side; block sizes above are multiples of every MR and NR.
 const MAX_TILE: usize = 32;
-/// Elements of one thread's packing workspace (A block + B block, each padded to whole tiles).
-const WORKSPACE_ELEMS: usize = (MC + MAX_TILE) * KC + KC * (NC + MAX_TILE);
-/// The most bytes one thread's packing workspace holds (for f64, the widest scalar; half for f32).
-pub const WORKSPACE_BYTES_PER_THREAD: usize = WORKSPACE_ELEMS * std::mem::size_of::<f64>();
+/// The most bytes one thread's packing workspace holds: an A block and a B block, each padded to
+/// whole tiles, in f64 (the widest scalar; f32 products use half).
+pub const WORKSPACE_BYTES_PER_THREAD: usize = (A_PACK_ELEMS + B_PACK_ELEMS) * std::mem::size_of::<f64>();
 /// Work (m*n*k) below which a product runs on one thread.
 pub const PARALLEL_WORK: usize = 48 * 48 * 48;
 
@@ -121,8 +121,45 @@ impl sealed::Sealed for f64 {
 }
 
 thread_local! {
-    /// This thread's packing workspace (f64 elements so either scalar fits, aligned).
-    static WORKSPACE: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+    /// This thread's A block (f64 elements so either scalar fits).
+    static A_PACK: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+    /// The B block of the products this thread runs or leads.
+    static B_PACK: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Elements of a packed A block and of a packed B block.
+const A_PACK_ELEMS: usize = (MC + MAX_TILE) * KC;
+const B_PACK_ELEMS: usize = KC * (NC + MAX_TILE);
+
+/// Runs `f` on this thread's buffer `key`, grown to `elems` elements of `T`. A nested use on the
+/// same thread (a rayon task stolen while the buffer is held) gets a fresh buffer instead.
+fn with_pack<T, R>(key: &'static std::thread::LocalKey<RefCell<Vec<f64>>>, elems: usize, f: impl FnOnce(*mut T) -> R) -> R {
+    let need = (elems * std::mem::size_of::<T>()).div_ceil(std::mem::size_of::<f64>());
+    key.with(|cell| {
+        let mut fresh = Vec::new();
+        let mut held = cell.try_borrow_mut();
+        let buf: &mut Vec<f64> = match held.as_mut() {
+            Ok(b) => b,
+            Err(_) => &mut fresh,
+        };
+        if buf.len() < need {
+            buf.resize(need, 0.0);
+        }
+        f(buf.as_mut_ptr() as *mut T)
+    })
+}
+
+/// A packed buffer shared by the threads of one product (each writes or reads its own panels).
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+// SAFETY: threads write disjoint panels of the buffer, and read it only after the join that ends
+// the writes.
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
+impl<T> Shared<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
 }
 
 /// `C[m x n] (+)= A[m x k] @ B[k x n]` with the kernels of `isa`, on up to `threads` threads of
@@ -158,104 +195,114 @@ pub unsafe fn gemm<T: GemmScalar>(
     let kernel = <T as sealed::Sealed>::micro_kernel(isa);
     let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
     if parts == 1 {
-        region(kernel, m, n, k, c, accumulate, a, b);
-        return;
+        single(kernel, m, n, k, c, accumulate, a, b);
+    } else if m >= 2 * parts * kernel.mr {
+        shared_b(kernel, parts, m, n, k, c, accumulate, a, b);
+    } else {
+        // Too few rows to share out: each thread takes whole columns (and packs all of A, small).
+        let tiles = n.div_ceil(kernel.nr);
+        let parts = parts.min(tiles);
+        (0..parts).into_par_iter().for_each(|p| {
+            let (lo, hi) = (tiles * p / parts * kernel.nr, (tiles * (p + 1) / parts * kernel.nr).min(n));
+            if lo < hi {
+                // SAFETY: each part writes its own columns of C; operands are offset inside bounds.
+                unsafe { single(kernel, m, hi - lo, k, c.at(0, lo), accumulate, a, b.at(0, lo)) };
+            }
+        });
     }
-    // Split the larger output dimension into `parts` whole-tile ranges.
-    let split_rows = m >= n;
-    let (len, tile) = if split_rows { (m, kernel.mr) } else { (n, kernel.nr) };
-    let tiles = len.div_ceil(tile);
-    let parts = parts.min(tiles);
-    (0..parts).into_par_iter().for_each(|p| {
-        let (t0, t1) = (tiles * p / parts, tiles * (p + 1) / parts);
-        let (lo, hi) = (t0 * tile, (t1 * tile).min(len));
-        if lo >= hi {
-            return;
-        }
-        // SAFETY: each part writes its own rows (or columns) of C; operands are offset inside bounds.
-        unsafe {
-            if split_rows {
-                region(kernel, hi - lo, n, k, c.at(lo, 0), accumulate, a.at(lo, 0), b);
-            } else {
-                region(kernel, m, hi - lo, k, c.at(0, lo), accumulate, a, b.at(0, lo));
+}
+
+/// The whole product on this thread.
+#[allow(clippy::too_many_arguments)]
+unsafe fn single<T: GemmScalar>(kernel: MicroKernel<T>, m: usize, n: usize, k: usize, c: MatMut<T>, accumulate: bool, a: MatRef<T>, b: MatRef<T>) {
+    with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
+        with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
+            for jc in (0..n).step_by(NC) {
+                let nc = NC.min(n - jc);
+                for pc in (0..k).step_by(KC) {
+                    let kc = KC.min(k - pc);
+                    pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, kernel.nr, bpack);
+                    rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, bpack);
+                }
+            }
+        })
+    })
+}
+
+/// The product on `parts` threads sharing each packed B block: the threads pack its panels
+/// together, then each multiplies its own whole-tile range of rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn shared_b<T: GemmScalar>(kernel: MicroKernel<T>, parts: usize, m: usize, n: usize, k: usize, c: MatMut<T>, accumulate: bool, a: MatRef<T>, b: MatRef<T>) {
+    let (mr, nr) = (kernel.mr, kernel.nr);
+    let row_tiles = m.div_ceil(mr);
+    with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
+        let bpack = Shared(bpack);
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                let panels = nc.div_ceil(nr);
+                (0..parts).into_par_iter().for_each(|p| {
+                    let (q0, q1) = (panels * p / parts, panels * (p + 1) / parts);
+                    let (lo, hi) = (q0 * nr, (q1 * nr).min(nc));
+                    if lo < hi {
+                        // SAFETY: part p packs panels q0..q1 only; B is read inside its bounds.
+                        unsafe { pack(b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.get().add(lo * kc)) };
+                    }
+                });
+                (0..parts).into_par_iter().for_each(|p| {
+                    let (lo, hi) = (row_tiles * p / parts * mr, (row_tiles * (p + 1) / parts * mr).min(m));
+                    if lo < hi {
+                        // SAFETY: part p writes rows lo..hi of C only; the B block is complete and
+                        // only read from here on.
+                        unsafe {
+                            with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
+                                rows(kernel, lo..hi, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, bpack.get())
+                            })
+                        };
+                    }
+                });
             }
         }
-    });
+    })
 }
 
-/// One thread's product: the full blocked loop nest over its own workspace.
+/// Rows `range` of one packed B block: `C[range, 0..nc] (+)= A[range, pc..pc+kc] @ Bblock`,
+/// packing A in blocks of [`MC`] rows; `c` starts at the block's first column.
 #[allow(clippy::too_many_arguments)]
-unsafe fn region<T: GemmScalar>(
+unsafe fn rows<T: GemmScalar>(
     kernel: MicroKernel<T>,
-    m: usize,
-    n: usize,
-    k: usize,
+    range: std::ops::Range<usize>,
+    nc: usize,
+    kc: usize,
+    pc: usize,
     c: MatMut<T>,
-    accumulate: bool,
+    add: bool,
     a: MatRef<T>,
-    b: MatRef<T>,
-) {
-    let mut fresh = Vec::new();
-    WORKSPACE.with(|ws| {
-        // A nested call on this thread (none today) would get a fresh buffer instead of panicking.
-        let mut held = ws.try_borrow_mut();
-        let buf: &mut Vec<f64> = match held.as_mut() {
-            Ok(b) => b,
-            Err(_) => &mut fresh,
-        };
-        let need = (WORKSPACE_ELEMS * std::mem::size_of::<T>()).div_ceil(std::mem::size_of::<f64>());
-        if buf.len() < need {
-            buf.resize(need, 0.0);
-        }
-        let base = buf.as_mut_ptr() as *mut T;
-        let apack = base;
-        let bpack = base.add((MC + MAX_TILE) * KC);
-        blocked(kernel, m, n, k, c, accumulate, a, b, apack, bpack);
-    });
-}
-
-#[allow(clippy::too_many_arguments)]
-unsafe fn blocked<T: GemmScalar>(
-    kernel: MicroKernel<T>,
-    m: usize,
-    n: usize,
-    k: usize,
-    c: MatMut<T>,
-    accumulate: bool,
-    a: MatRef<T>,
-    b: MatRef<T>,
     apack: *mut T,
-    bpack: *mut T,
+    bpack: *const T,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let mut tile = [T::default(); MAX_TILE * MAX_TILE];
-    for jc in (0..n).step_by(NC) {
-        let nc = NC.min(n - jc);
-        for pc in (0..k).step_by(KC) {
-            let kc = KC.min(k - pc);
-            let add = accumulate || pc > 0;
-            pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, nr, bpack);
-            for ic in (0..m).step_by(MC) {
-                let mc = MC.min(m - ic);
-                pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, apack);
-                for ir in (0..mc).step_by(mr) {
-                    let rows = mr.min(mc - ir);
-                    let ap = apack.add(ir * kc);
-                    for jr in (0..nc).step_by(nr) {
-                        let cols = nr.min(nc - jr);
-                        let bp = bpack.add(jr * kc);
-                        let cp = c.at(ic + ir, jc + jr).ptr;
-                        if rows == mr && cols == nr {
-                            (kernel.run)(kc, ap, bp, cp, c.rs, add);
-                        } else {
-                            (kernel.run)(kc, ap, bp, tile.as_mut_ptr(), nr as isize, false);
-                            for i in 0..rows {
-                                for j in 0..cols {
-                                    let dst = cp.offset(i as isize * c.rs + j as isize);
-                                    let v = tile[i * nr + j];
-                                    *dst = if add { *dst + v } else { v };
-                                }
-                            }
+    for ic in range.clone().step_by(MC) {
+        let mc = MC.min(range.end - ic);
+        pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, apack);
+        for ir in (0..mc).step_by(mr) {
+            let rows = mr.min(mc - ir);
+            let ap = apack.add(ir * kc);
+            for jr in (0..nc).step_by(nr) {
+                let cols = nr.min(nc - jr);
+                let bp = bpack.add(jr * kc);
+                let cp = c.at(ic + ir, jr).ptr;
+                if rows == mr && cols == nr {
+                    (kernel.run)(kc, ap, bp, cp, c.rs, add);
+                } else {
+                    (kernel.run)(kc, ap, bp, tile.as_mut_ptr(), nr as isize, false);
+                    for i in 0..rows {
+                        for j in 0..cols {
+                            let dst = cp.offset(i as isize * c.rs + j as isize);
+                            let v = tile[i * nr + j];
+                            *dst = if add { *dst + v } else { v };
                         }
                     }
                 }
@@ -266,18 +313,32 @@ unsafe fn blocked<T: GemmScalar>(
 
 /// Packs `len` lines (rows of A, or columns of B) of `depth` elements into panels of `panel`
 /// lines: `out[p * panel * depth + d * panel + l]` = element (line `p * panel + l`, depth `d`),
-/// zero past `len`. `ls` is the stride between lines, `ds` between depth steps; the loop runs
-/// along whichever of the two is contiguous.
+/// zero past `len`. `ls` is the stride between lines, `ds` between depth steps. Contiguous lines
+/// copy whole runs; contiguous depth (a transposed operand) is transposed in chunks of depth that
+/// keep the panel's written lines in L1.
 unsafe fn pack<T: GemmScalar>(src: *const T, ls: isize, ds: isize, len: usize, depth: usize, panel: usize, out: *mut T) {
+    /// Depth steps transposed at once: `DEPTH_CHUNK * panel` elements written stay in L1.
+    const DEPTH_CHUNK: usize = 32;
     for p0 in (0..len).step_by(panel) {
         let lines = panel.min(len - p0);
         let dst = out.add(p0 * depth);
         let src = src.offset(p0 as isize * ls);
-        if ds == 1 && ls != 1 {
-            for l in 0..lines {
-                let row = src.offset(l as isize * ls);
-                for d in 0..depth {
-                    *dst.add(d * panel + l) = *row.add(d);
+        if ls == 1 {
+            for d in 0..depth {
+                let (from, to) = (src.offset(d as isize * ds), dst.add(d * panel));
+                for l in 0..lines {
+                    *to.add(l) = *from.add(l);
+                }
+            }
+        } else if ds == 1 {
+            for d0 in (0..depth).step_by(DEPTH_CHUNK) {
+                let dn = DEPTH_CHUNK.min(depth - d0);
+                for l in 0..lines {
+                    let row = src.offset(l as isize * ls).add(d0);
+                    let o = dst.add(d0 * panel + l);
+                    for d in 0..dn {
+                        *o.add(d * panel) = *row.add(d);
+                    }
                 }
             }
         } else {

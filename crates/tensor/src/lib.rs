@@ -18,6 +18,7 @@ pub use device::{Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, O
 pub use dtype::{DType, Float};
 pub use error::{Error, Result};
 pub use layout::Layout;
+pub use memfit_kernels::Isa;
 pub use memfit_memory as memory;
 pub use memfit_memory::{Category, MemoryStats, OutOfMemory, Phase};
 pub use storage::Storage;

@@ -1,12 +1,20 @@
 //! `memfit bench`: per model, the median AdamW training-step time after warm-up and a steady-state
-//! step's peak allocated and reserved bytes, on synthetic data.
+//! step's peak allocated and reserved bytes, on synthetic data; with a PyTorch interpreter, the same
+//! step of the same model in PyTorch run right after each case (`assets/pytorch_bench.py`, embedded),
+//! so every ratio comes from one run on one machine.
 
 use crate::error::TrainError;
 use crate::samples::synthetic;
 use crate::trainer::{median, RunOptions, Session};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec, OptimizerConfig};
 use memfit_tensor::Device;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// PyTorch's side of the comparison: the cases' models in PyTorch, timed as memfit times them.
+const PYTORCH_BENCH: &str = include_str!("../assets/pytorch_bench.py");
 
 /// One benchmark case: a model and its batch.
 #[derive(Clone, Copy, Debug)]
@@ -33,12 +41,78 @@ pub struct CaseResult {
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
     pub steps: usize,
+    /// The same step in PyTorch, when asked for and the case has a PyTorch reference.
+    pub pytorch: Option<PytorchCase>,
+}
+
+/// One case measured in PyTorch by `assets/pytorch_bench.py`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PytorchCase {
+    pub median_ms: f64,
+    /// PyTorch's MemTracker estimate of a steady-state step's peak (null when unavailable).
+    pub peak_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
     pub threads: usize,
+    /// The instruction set memfit's kernels ran with.
+    pub isa: String,
+    /// The PyTorch version compared against, when one was.
+    pub pytorch_version: Option<String>,
     pub cases: Vec<CaseResult>,
+}
+
+/// Checks that `python` runs and imports torch; returns torch's version. Called before any
+/// measuring, so a wrong interpreter fails at once.
+pub fn pytorch_version(python: &Path) -> Result<String, TrainError> {
+    let out = Command::new(python)
+        .args(["-c", "import torch; print(torch.__version__)"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| TrainError::Invalid(format!("--compare-pytorch {}: cannot run it: {e}", python.display())))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("no message");
+        return Err(TrainError::Invalid(format!(
+            "--compare-pytorch {}: cannot import torch ({last}); give a Python with PyTorch, e.g. set one up with \
+             `python3 -m venv /tmp/torch-venv && /tmp/torch-venv/bin/pip install torch`",
+            python.display()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Runs one case in PyTorch; `None` when PyTorch has no reference for it.
+fn run_pytorch_case(python: &Path, case: &str, warmup: usize, steps: usize, threads: usize) -> Result<Option<PytorchCase>, TrainError> {
+    let fail = |what: String| TrainError::Invalid(format!("--compare-pytorch {}: case {case}: {what}", python.display()));
+    let mut child = Command::new(python)
+        .arg("-")
+        .args([case.to_string(), warmup.to_string(), steps.to_string(), threads.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("cannot run it: {e}")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(PYTORCH_BENCH.as_bytes()).map_err(|e| fail(format!("cannot send the script: {e}")))?;
+    }
+    let out = child.wait_with_output().map_err(|e| fail(format!("{e}")))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(fail(format!("the PyTorch script failed: {}", err.lines().last().unwrap_or("no message"))));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or_else(|| fail("no result printed".into()))?;
+    let value: serde_json::Value = serde_json::from_str(line).map_err(|e| fail(format!("unreadable result {line:?}: {e}")))?;
+    if value.get("error").is_some() {
+        return Ok(None);
+    }
+    let result: PytorchCase = serde_json::from_value(value).map_err(|e| fail(format!("unreadable result {line:?}: {e}")))?;
+    if !(result.median_ms.is_finite() && result.median_ms > 0.0) {
+        return Err(fail(format!("implausible step time {} ms", result.median_ms)));
+    }
+    Ok(Some(result))
 }
 
 /// Measures one case: `warmup` steps, then `steps` timed steps; the peaks are those of the timed
@@ -71,11 +145,13 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
         peak_allocated_bytes: stats.allocated_bytes.peak,
         peak_reserved_bytes: stats.reserved_bytes.peak,
         steps,
+        pytorch: None,
     })
 }
 
-/// Runs the cases (all when `only` is empty) on a pool of `threads` threads.
-pub fn run(threads: usize, only: &[String], warmup: usize, steps: usize) -> Result<BenchReport, TrainError> {
+/// Runs the cases (all when `only` is empty) on a pool of `threads` threads; with `pytorch` (a
+/// Python interpreter with PyTorch), each case is then run in PyTorch with as many threads.
+pub fn run(threads: usize, only: &[String], warmup: usize, steps: usize, pytorch: Option<&Path>) -> Result<BenchReport, TrainError> {
     for name in only {
         if !CASES.iter().any(|c| c.name == name) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
@@ -89,12 +165,14 @@ pub fn run(threads: usize, only: &[String], warmup: usize, steps: usize) -> Resu
         .num_threads(threads)
         .build()
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
-    let cases = pool.install(|| {
-        CASES
-            .iter()
-            .filter(|c| only.is_empty() || only.iter().any(|n| n == c.name))
-            .map(|c| run_case(c, warmup, steps))
-            .collect::<Result<Vec<_>, _>>()
-    })?;
-    Ok(BenchReport { threads, cases })
+    let pytorch_version = pytorch.map(pytorch_version).transpose()?;
+    let mut cases = Vec::new();
+    for case in CASES.iter().filter(|c| only.is_empty() || only.iter().any(|n| n == c.name)) {
+        let mut result = pool.install(|| run_case(case, warmup, steps))?;
+        if let Some(python) = pytorch {
+            result.pytorch = run_pytorch_case(python, case.name, warmup, steps, threads)?;
+        }
+        cases.push(result);
+    }
+    Ok(BenchReport { threads, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
 }

@@ -472,13 +472,17 @@ impl Backward for LayerNormLinearBack {
                         // Column blocks: each task sums its columns over the block's rows, in row order.
                         const COLS: usize = 64;
                         let (aw, ab) = acc.split_at_mut(d);
+                        // Rows outer, columns inner: memory in order, each column still summed in
+                        // row order.
                         let run = |(blk, (sw, sb)): (usize, (&mut [f64], &mut [f64]))| {
-                            for (c, (sw, sb)) in sw.iter_mut().zip(sb.iter_mut()).enumerate() {
-                                let j = blk * COLS + c;
-                                for r in 0..n {
-                                    let (m, rs, gv) = (mean[r0 + r], rstd[r0 + r], gy[r * d + j]);
+                            let j0 = blk * COLS;
+                            for r in 0..n {
+                                let (m, rs) = (mean[r0 + r], rstd[r0 + r]);
+                                let (gr, xr) = (&gy[r * d + j0..r * d + j0 + sw.len()], &xb[r * d + j0..r * d + j0 + sw.len()]);
+                                for (c, (sw, sb)) in sw.iter_mut().zip(sb.iter_mut()).enumerate() {
+                                    let gv = gr[c];
                                     *sb += gv.f64();
-                                    *sw += (gv * (xb[r * d + j] - m) * rs).f64();
+                                    *sw += (gv * (xr[c] - m) * rs).f64();
                                 }
                             }
                         };

@@ -1,0 +1,149 @@
+"""PyTorch's side of `memfit bench --compare-pytorch PYTHON`: the bench cases' models written in
+PyTorch, one AdamW training step timed as memfit times it (warm-up steps, then the median of the
+timed steps), and PyTorch's own estimate of a steady-state step's peak memory (MemTracker on fake
+tensors). memfit runs this script with its arguments and reads one JSON object from stdout.
+
+Usage: python pytorch_bench.py CASE WARMUP STEPS THREADS
+"""
+import json, statistics, sys, time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SimpleCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 14 * 14, 10)
+
+    def forward(self, x):
+        return self.fc(F.max_pool2d(F.relu(self.conv1(x)), 2).flatten(1))
+
+
+class DeepCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(32, 64, 3, padding=1),
+                                    nn.Conv2d(64, 128, 3, padding=1)])
+        self.fc = nn.Linear(128 * 8 * 8, 10)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = F.max_pool2d(F.relu(conv(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block, as memfit's GPT block."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=96, d=256, heads=4, layers=4, context=128):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+        self.register_buffer("mask", torch.triu(torch.ones(context, context, dtype=torch.bool), 1))
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        for block in self.blocks:
+            x = block(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+CASES = {  # memfit's bench case name: (model, batch of inputs and targets)
+    "mlp-b256": (mlp, lambda: (torch.randn(256, 784), torch.randint(0, 10, (256,)))),
+    "simplecnn-b128": (SimpleCNN, lambda: (torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)))),
+    "deepcnn-b64": (DeepCNN, lambda: (torch.randn(64, 3, 64, 64), torch.randint(0, 10, (64,)))),
+    "gpt-b32": (GPT, lambda: (torch.randint(0, 96, (32, 128)), torch.randint(0, 96, (32, 128)))),
+}
+
+
+def loss_of(model, x, y):
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def step_times(make_model, make_batch, warmup, steps):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = make_batch()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, x, y).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def steady_peak_bytes(make_model, make_batch):
+    """MemTracker's peak of a steady-state step (optimizer state present), or None if unavailable."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:
+        return None
+    with FakeTensorMode():
+        model = make_model()
+        x, y = make_batch()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        peak = tracker.get_tracker_snapshot("peak")
+    return int(sum(v for per_device in peak.values() for k, v in per_device.items() if str(k).endswith("Total")))
+
+
+def main():
+    case, warmup, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    if case not in CASES:
+        print(json.dumps({"case": case, "error": "no PyTorch reference for this case"}))
+        return
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    make_model, make_batch = CASES[case]
+    times = step_times(make_model, make_batch, warmup, steps)
+    print(json.dumps({
+        "case": case,
+        "median_ms": statistics.median(times),
+        "peak_bytes": steady_peak_bytes(make_model, make_batch),
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
