@@ -300,6 +300,12 @@ fn parse_shape(s: &str) -> Result<[usize; 3], String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The kernels' instruction set may be forced by MEMFIT_ISA; a wrong value is an error here,
+    // before any work (the library would quietly use the detected one).
+    if let Err(message) = memfit_tensor::Isa::from_env() {
+        eprintln!("error: {message}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Train(a) => train(a),
         Command::Plan(a) => plan(a),

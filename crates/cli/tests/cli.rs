@@ -372,3 +372,22 @@ fn bench_refuses_a_python_without_torch_or_a_failing_one_clearly() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("the PyTorch script failed: Traceback: boom"), "{}", text(&out));
 }
+
+#[test]
+fn memfit_isa_forces_the_kernels_path_and_a_wrong_value_is_refused() {
+    let run = |isa: &str| {
+        Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(["train", "--model", "mlp", "--max-steps", "2", "--batch-size", "16", "--threads", "1", "--report"])
+            .arg(temp(&format!("isa-{isa}.json")))
+            .env("MEMFIT_ISA", isa)
+            .output()
+            .unwrap()
+    };
+    let out = run("portable");
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&std::fs::read(temp("isa-portable.json")).unwrap()).unwrap();
+    assert_eq!(r["isa"], "portable");
+    let out = run("sse9");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("MEMFIT_ISA=\"sse9\" is not one of avx512, avx2, portable"), "{}", text(&out));
+}

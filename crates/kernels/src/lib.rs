@@ -8,5 +8,6 @@
 
 pub mod gemm;
 pub mod isa;
+pub mod math;
 
 pub use isa::Isa;

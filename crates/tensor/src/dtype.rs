@@ -66,6 +66,10 @@ pub trait Float:
     fn of(v: f64) -> Self;
     fn f64(self) -> f64;
     fn erf(self) -> Self;
+    /// The slice as `f32` when `Self` is f32 (the type of the vectorised math kernels), else None.
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// The slice as `f32` when `Self` is f32, else None.
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
 }
 
 impl Float for f32 {
@@ -82,6 +86,12 @@ impl Float for f32 {
     fn erf(self) -> Self {
         libm::erff(self)
     }
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        Some(s)
+    }
 }
 
 impl Float for f64 {
@@ -97,6 +107,12 @@ impl Float for f64 {
     #[inline(always)]
     fn erf(self) -> Self {
         libm::erf(self)
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
     }
 }
 

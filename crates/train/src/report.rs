@@ -30,6 +30,8 @@ pub struct Report {
     pub optimizer: String,
     pub seed: u64,
     pub threads: usize,
+    /// The instruction set the CPU kernels ran with (`avx512`, `avx2` or `portable`).
+    pub isa: String,
     pub epochs: usize,
     pub steps: usize,
     pub samples_seen: usize,
@@ -105,6 +107,7 @@ impl Report {
             optimizer: s.config.optimizer.name().to_string(),
             seed: s.config.seed,
             threads: s.threads,
+            isa: memfit_tensor::Isa::active().to_string(),
             epochs: s.config.epochs,
             steps: s.outcome.steps,
             samples_seen: s.outcome.samples_seen,

@@ -20,6 +20,7 @@
 //! `F.scaled_dot_product_attention` since 2.5 (its math backend applies `_safe_softmax`; the fused
 //! CPU kernels agree). A plain `softmax` of such a row would be NaN. Their log-sum-exp is -inf.
 
+use super::elementwise::exp_in_place;
 use super::matmul::{gemm_into, Mat, SendPtr};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
@@ -176,9 +177,10 @@ fn softmax_row<T: Float>(row: &mut [T], scale: T, hidden: impl Fn(usize) -> bool
         row.iter_mut().for_each(|v| *v = T::of(0.0));
         return m;
     }
+    row.iter_mut().for_each(|v| *v = *v - m);
+    exp_in_place(row);
     let mut sum = T::of(0.0);
-    for v in row.iter_mut() {
-        *v = (*v - m).exp();
+    for v in row.iter() {
         sum += *v;
     }
     row.iter_mut().for_each(|v| *v = *v / sum);
@@ -312,11 +314,12 @@ fn backward_kernel<T: Float + Element>(
                     let row = &mut s[r * kend..(r + 1) * kend];
                     for (j, v) in row.iter_mut().enumerate() {
                         *v = if l == T::neg_infinity() || vis.hidden(base, r0 + r, j) {
-                            T::zero()
+                            T::neg_infinity()
                         } else {
-                            (*v * scale - l).exp()
+                            *v * scale - l
                         };
                     }
+                    exp_in_place(row);
                 }
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
                 let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: kend as isize };

@@ -8,7 +8,100 @@ use crate::error::{Error, Result};
 use crate::layout::{broadcast_layout, broadcast_shapes, for_each_offset_pair};
 use crate::tensor::Tensor;
 use crate::with_float;
+use memfit_kernels::{math, Isa};
 use rayon::prelude::*;
+
+// Slice kernels of GELU and exp: f32 runs `memfit-kernels`' vectorised math for the process's
+// instruction set, f64 the scalar functions below. Every GELU of the crate goes through these, so
+// fused and unfused ops compute the same values.
+
+/// Elements per call into the vectorised math, and the stack buffer of the in-place variants.
+const MATH_CHUNK: usize = 1024;
+
+/// `f(src_chunk, dst_chunk)` over equal chunks of two slices, in parallel for large ones.
+fn par_chunks2<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(&[T], &mut [T]) + Sync) {
+    if dst.len() >= 2 * PAR_CHUNK {
+        dst.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(|(d, s)| f(s, d));
+    } else {
+        f(src, dst);
+    }
+}
+
+/// `f(a_chunk, b_chunk, dst_chunk)` over equal chunks of three slices, in parallel for large ones.
+fn par_chunks3<T: Float>(a: &[T], b: &[T], dst: &mut [T], f: impl Fn(&[T], &[T], &mut [T]) + Sync) {
+    if dst.len() >= 2 * PAR_CHUNK {
+        dst.par_chunks_mut(PAR_CHUNK).zip(a.par_chunks(PAR_CHUNK).zip(b.par_chunks(PAR_CHUNK))).for_each(|(d, (a, b))| f(a, b, d));
+    } else {
+        f(a, b, dst);
+    }
+}
+
+/// `dst = gelu(src)` (exact, erf).
+pub(crate) fn gelu_slice<T: Float>(src: &[T], dst: &mut [T]) {
+    par_chunks2(src, dst, |s, d| match (T::as_f32(s), T::as_f32_mut(d)) {
+        (Some(s), Some(d)) => math::gelu(Isa::active(), s, d),
+        _ => d.iter_mut().zip(s).for_each(|(d, &s)| *d = gelu_erf(s)),
+    });
+}
+
+/// `y = gelu(x)` and `xd = gelu'(x)`, where `xd` holds `x` on entry.
+pub(crate) fn gelu_with_derivative_slice<T: Float>(y: &mut [T], xd: &mut [T]) {
+    let run = |y: &mut [T], xd: &mut [T]| match (T::as_f32_mut(y), T::as_f32_mut(xd)) {
+        (Some(y), Some(xd)) => {
+            let mut x = [0.0f32; MATH_CHUNK];
+            for (y, xd) in y.chunks_mut(MATH_CHUNK).zip(xd.chunks_mut(MATH_CHUNK)) {
+                let x = &mut x[..xd.len()];
+                x.copy_from_slice(xd);
+                math::gelu_with_derivative(Isa::active(), x, y, xd);
+            }
+        }
+        _ => y.iter_mut().zip(xd.iter_mut()).for_each(|(y, xd)| (*y, *xd) = gelu_erf_with_derivative(*xd)),
+    };
+    if y.len() >= 2 * PAR_CHUNK {
+        y.par_chunks_mut(PAR_CHUNK).zip(xd.par_chunks_mut(PAR_CHUNK)).for_each(|(y, xd)| run(y, xd));
+    } else {
+        run(y, xd);
+    }
+}
+
+/// `dst = g * gelu'(x)`.
+pub(crate) fn gelu_backward_slice<T: Float>(x: &[T], g: &[T], dst: &mut [T]) {
+    par_chunks3(x, g, dst, |x, g, d| match (T::as_f32(x), T::as_f32(g), T::as_f32_mut(d)) {
+        (Some(x), Some(g), Some(d)) => math::gelu_backward(Isa::active(), x, g, d),
+        _ => d.iter_mut().zip(x.iter().zip(g)).for_each(|(d, (&x, &g))| *d = gelu_erf_backward(x, g)),
+    });
+}
+
+/// `g = g * gelu'(x)`, over the gradient.
+pub(crate) fn gelu_backward_over_grad<T: Float>(x: &[T], g: &mut [T]) {
+    par_chunks2(x, g, |x, g| match (T::as_f32(x), T::as_f32_mut(g)) {
+        (Some(x), Some(g)) => math::gelu_backward_inplace(Isa::active(), x, g),
+        _ => g.iter_mut().zip(x).for_each(|(g, &x)| *g = gelu_erf_backward(x, *g)),
+    });
+}
+
+/// `x = g * gelu'(x)`, over the input.
+pub(crate) fn gelu_backward_over_input<T: Float>(g: &[T], x: &mut [T]) {
+    par_chunks2(g, x, |g, xs| match (T::as_f32(g), T::as_f32_mut(xs)) {
+        (Some(g), Some(xs)) => {
+            let mut x = [0.0f32; MATH_CHUNK];
+            for (g, xs) in g.chunks(MATH_CHUNK).zip(xs.chunks_mut(MATH_CHUNK)) {
+                let x = &mut x[..xs.len()];
+                x.copy_from_slice(xs);
+                math::gelu_backward(Isa::active(), x, g, xs);
+            }
+        }
+        _ => xs.iter_mut().zip(g).for_each(|(x, &g)| *x = gelu_erf_backward(*x, g)),
+    });
+}
+
+/// `v = exp(v)` over a slice, on this thread.
+pub(crate) fn exp_in_place<T: Float>(v: &mut [T]) {
+    match T::as_f32_mut(v) {
+        Some(v) => math::exp_inplace(Isa::active(), v),
+        None => v.iter_mut().for_each(|v| *v = v.exp()),
+    }
+}
 
 /// `dst[i] = f(src[i])`, in parallel for large tensors.
 pub(crate) fn par_map<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T) -> T + Sync) {
@@ -101,13 +194,16 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
     let one = T::one();
     match op {
         Unary::Relu => par_map(src, dst, |x| if x > T::zero() { x } else { T::zero() }),
-        Unary::GeluErf => par_map(src, dst, gelu_erf),
+        Unary::GeluErf => gelu_slice(src, dst),
         Unary::GeluTanh => {
             par_map(src, dst, |x| half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh()))
         }
         Unary::Tanh => par_map(src, dst, |x| x.tanh()),
         Unary::Sigmoid => par_map(src, dst, |x| one / (one + (-x).exp())),
-        Unary::Exp => par_map(src, dst, |x| x.exp()),
+        Unary::Exp => par_chunks2(src, dst, |s, d| {
+            d.copy_from_slice(s);
+            exp_in_place(d)
+        }),
         Unary::Log => par_map(src, dst, |x| x.ln()),
         Unary::Neg => par_map(src, dst, |x| -x),
     }
@@ -129,7 +225,10 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
     let one = T::one();
     match op {
         Unary::Relu => apply_backward(s, grad, dst, |s, g| if s > T::zero() { g } else { T::zero() }),
-        Unary::GeluErf => apply_backward(s, grad, dst, gelu_erf_backward),
+        Unary::GeluErf => match grad {
+            Some(g) => gelu_backward_slice(s, g, dst),
+            None => gelu_backward_over_grad(s, dst),
+        },
         Unary::GeluTanh => apply_backward(s, grad, dst, |s, g| {
             let inner = T::of(SQRT_2_OVER_PI) * (s + T::of(GELU_C) * s * s * s);
             let t = inner.tanh();

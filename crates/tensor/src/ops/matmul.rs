@@ -3,8 +3,8 @@
 //! `memfit-kernels`' GEMM, which takes arbitrary strides, so transposed views are multiplied without
 //! copies.
 
-use super::elementwise::{gelu_erf, gelu_erf_backward, gelu_erf_with_derivative, par_map, par_update, par_zip};
-use super::{check_same, output, sum_to_shape, PAR_CHUNK};
+use super::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
+use super::{check_same, output, sum_to_shape};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::Float;
 use crate::error::{Error, Result};
@@ -282,7 +282,7 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
             let (xs, sc) = (x.slice::<T>()?, scratch.slice_mut::<T>()?);
             for r0 in (0..rows).step_by(GELU_ROWS) {
                 let n = GELU_ROWS.min(rows - r0);
-                par_map(&xs[r0 * in_f..(r0 + n) * in_f], &mut sc[..n * in_f], gelu_erf);
+                gelu_slice(&xs[r0 * in_f..(r0 + n) * in_f], &mut sc[..n * in_f]);
                 let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
                 // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
                 unsafe {
@@ -300,20 +300,6 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     }
     let back = GeluLinearBack { x: save(&x), weight: save(weight), has_bias: bias.is_some() };
     Ok(record(out, "gelu_linear", &inputs, back))
-}
-
-/// `(a[i], b[i]) = f(b[i])` for every i (`b` holds the input), in parallel for large slices.
-fn par_map_pair<T: Float>(a: &mut [T], b: &mut [T], f: impl Fn(T) -> (T, T) + Sync) {
-    let run = |(a, b): (&mut [T], &mut [T])| {
-        for (a, b) in a.iter_mut().zip(b.iter_mut()) {
-            (*a, *b) = f(*b);
-        }
-    };
-    if a.len() >= 2 * PAR_CHUNK {
-        a.par_chunks_mut(PAR_CHUNK).zip(b.par_chunks_mut(PAR_CHUNK)).for_each(run);
-    } else {
-        run((a, b));
-    }
 }
 
 struct GeluLinearBack {
@@ -376,12 +362,12 @@ impl Backward for GeluLinearBack {
                                 let y = &mut sc[..len];
                                 if in_place {
                                     // x_block -> (y, gelu'(x)) with gelu'(x) over x_block.
-                                    par_map_pair(y, std::slice::from_raw_parts_mut(xb, len), gelu_erf_with_derivative);
+                                    gelu_with_derivative_slice(y, std::slice::from_raw_parts_mut(xb, len));
                                 } else {
                                     let xr = std::slice::from_raw_parts(xb as *const T, len);
                                     let d = &mut deriv[..len];
                                     d.copy_from_slice(xr);
-                                    par_map_pair(y, d, gelu_erf_with_derivative);
+                                    gelu_with_derivative_slice(y, d);
                                 }
                                 let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
                                 let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
@@ -398,7 +384,7 @@ impl Backward for GeluLinearBack {
                             }
                             if let Some(gwp) = gwp {
                                 // dW (+)= g_block^T gelu(x_block)
-                                par_map(std::slice::from_raw_parts(xb, len), &mut sc[..len], gelu_erf);
+                                gelu_slice(std::slice::from_raw_parts(xb, len), &mut sc[..len]);
                                 let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
                                 let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
                                 gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
@@ -409,11 +395,11 @@ impl Backward for GeluLinearBack {
                                 gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
                                 if in_place {
                                     let xm = std::slice::from_raw_parts_mut(xb, len);
-                                    par_update(&sc[..len], xm, |g, x| gelu_erf_backward(x, g));
+                                    gelu_backward_over_input(&sc[..len], xm);
                                 } else {
                                     let xr = std::slice::from_raw_parts(xb as *const T, len);
                                     let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
-                                    par_zip(xr, &sc[..len], dst, gelu_erf_backward);
+                                    gelu_backward_slice(xr, &sc[..len], dst);
                                 }
                             }
                         }
