@@ -151,6 +151,11 @@ impl Device {
         self.0.kind
     }
 
+    /// The kernels this device runs (`crate::backend`: the one place an op's code is chosen).
+    pub(crate) fn backend(&self) -> &'static dyn crate::backend::Backend {
+        crate::backend::of(self.0.kind)
+    }
+
     /// True when kernels run (and data exists) on this device.
     pub fn computes(&self) -> bool {
         self.0.kind == DeviceKind::Cpu

@@ -6,6 +6,7 @@
 //! Every op returns [`Result`], so running out of memory is a value, never a panic.
 
 pub mod autograd;
+mod backend;
 mod device;
 mod dtype;
 mod error;

@@ -96,18 +96,14 @@ impl Tensor {
 
     pub fn zeros(device: &Device, shape: &[usize], dtype: DType, category: Category) -> Result<Tensor> {
         let t = Tensor::empty(device, shape, dtype, category, "zeros")?;
-        if device.computes() {
-            t.bytes_mut()?.fill(0);
-        }
+        device.backend().fill_zeros(&t)?;
         Ok(t)
     }
 
     /// A tensor filled with `value` (float dtypes).
     pub fn full(device: &Device, shape: &[usize], value: f64, dtype: DType, category: Category) -> Result<Tensor> {
         let t = Tensor::empty(device, shape, dtype, category, "full")?;
-        if device.computes() {
-            crate::with_float!(dtype, "full", T => t.slice_mut::<T>()?.fill(<T as crate::Float>::of(value)));
-        }
+        device.backend().fill(&t, value)?;
         Ok(t)
     }
 
@@ -118,9 +114,10 @@ impl Tensor {
             return Err(Error::shape(format!("{} values do not fill shape {shape:?}", data.len())));
         }
         let t = Tensor::empty(device, shape, T::DTYPE, category, "from_slice")?;
-        if device.computes() {
-            t.slice_mut::<T>()?.copy_from_slice(data);
-        }
+        // SAFETY: elements are plain numbers (no padding, any bit pattern valid); the byte view
+        // covers exactly the slice and lives no longer than it.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
+        device.backend().write_bytes(&t, bytes)?;
         Ok(t)
     }
 
@@ -343,10 +340,7 @@ impl Tensor {
                 src.dtype()
             )));
         }
-        if !self.device().computes() {
-            return Ok(());
-        }
-        src.copy_into_bytes(self.bytes_mut()?)
+        self.device().backend().copy(self, src)
     }
 
     /// Writes this tensor's elements, in row-major order, into `dst` (exactly numel * size bytes).

@@ -20,7 +20,7 @@
 //! `F.scaled_dot_product_attention` since 2.5 (its math backend applies `_safe_softmax`; the fused
 //! CPU kernels agree). A plain `softmax` of such a row would be NaN. Their log-sum-exp is -inf.
 
-use super::elementwise::exp_in_place;
+use crate::backend::cpu::elementwise::exp_in_place;
 use super::matmul::{gemm_into, Mat, SendPtr};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};

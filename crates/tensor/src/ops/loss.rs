@@ -167,7 +167,7 @@ pub fn nll_loss(log_probs: &Tensor, target: &Tensor) -> Result<Tensor> {
             // Strided reads: the input need not be contiguous (only N elements are touched).
             let l = log_probs.layout();
             let (s0, s1) = (l.strides()[0], l.strides()[1]);
-            let base = &super::elementwise::typed_storage::<T>(log_probs)?[l.offset()..];
+            let base = &crate::backend::cpu::elementwise::typed_storage::<T>(log_probs)?[l.offset()..];
             let sum: f64 = t.iter().enumerate().map(|(i, &ti)| base[i * s0 + ti as usize * s1].f64()).sum();
             out.slice_mut::<T>()?[0] = T::of(-sum / n as f64);
         });
@@ -248,10 +248,10 @@ impl Backward for MseBack {
                 let scale = grad.to_vec::<T>()?[0] * T::of(2.0 / self.input.numel() as f64);
                 let (x, y) = (self.input.slice::<T>()?, self.target.slice::<T>()?);
                 if let Some(ga) = &ga {
-                    super::elementwise::par_zip(x, y, ga.slice_mut::<T>()?, |p, q| (p - q) * scale);
+                    crate::backend::cpu::elementwise::par_zip(x, y, ga.slice_mut::<T>()?, |p, q| (p - q) * scale);
                 }
                 if let Some(gb) = &gb {
-                    super::elementwise::par_zip(x, y, gb.slice_mut::<T>()?, |p, q| (q - p) * scale);
+                    crate::backend::cpu::elementwise::par_zip(x, y, gb.slice_mut::<T>()?, |p, q| (q - p) * scale);
                 }
             });
         }

@@ -3,7 +3,7 @@
 //! `memfit-kernels`' GEMM, which takes arbitrary strides, so transposed views are multiplied without
 //! copies.
 
-use super::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
+use crate::backend::cpu::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
 use super::{check_same, output, sum_to_shape};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::Float;

@@ -43,9 +43,7 @@ pub(crate) fn output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static 
 /// A zero-filled output.
 pub(crate) fn zeros_output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
     let t = output(like, shape, dtype, op)?;
-    if like.device().computes() {
-        t.bytes_mut()?.fill(0);
-    }
+    like.device().backend().fill_zeros(&t)?;
     Ok(t)
 }
 

@@ -6,7 +6,7 @@ use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::{DType, Float};
 use crate::error::{Error, Result};
 use crate::layout::{broadcast_layout, for_each_offset_pair, resolve_dim};
-use crate::ops::elementwise::typed_storage;
+use crate::backend::cpu::elementwise::typed_storage;
 use crate::tensor::Tensor;
 use crate::with_float;
 use rayon::prelude::*;
