@@ -21,7 +21,7 @@
 //! CPU kernels agree). A plain `softmax` of such a row would be NaN. Their log-sum-exp is -inf.
 
 use crate::backend::cpu::elementwise::exp_in_place;
-use super::matmul::{gemm_into, Mat, SendPtr};
+use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::{DType, Float};

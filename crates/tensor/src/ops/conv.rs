@@ -15,7 +15,7 @@
 //! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 
-use super::matmul::{gemm_into, Mat, SendPtr};
+use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::{DType, Float};

@@ -1,7 +1,7 @@
 //! Embedding lookup: rows of a weight table picked by int64 indices; the gradient scatter-adds.
 //! Saves only the indices (and the table's row count) for backward.
 
-use super::matmul::SendPtr;
+use crate::backend::cpu::gemm::SendPtr;
 use super::{output, zeros_output, PAR_CHUNK};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::DType;

@@ -5,6 +5,7 @@
 
 use crate::backend::cpu::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
 use super::{check_same, output, sum_to_shape};
+use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::Float;
 use crate::error::{Error, Result};
@@ -13,40 +14,6 @@ use crate::tensor::Tensor;
 use crate::with_float;
 use memfit_memory::Category;
 use rayon::prelude::*;
-
-/// A strided matrix operand (the kernels crate's; one home for the idea).
-pub(crate) use memfit_kernels::gemm::MatRef as Mat;
-pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
-
-/// A raw pointer that may cross into rayon tasks; each task writes a disjoint region.
-#[derive(Clone, Copy)]
-pub(crate) struct SendPtr<T>(pub *mut T);
-// SAFETY: used only to hand disjoint output regions to parallel tasks.
-unsafe impl<T> Send for SendPtr<T> {}
-// SAFETY: see above.
-unsafe impl<T> Sync for SendPtr<T> {}
-
-/// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
-/// `accumulate` adds to dst instead of overwriting it. Runs `memfit-kernels`' GEMM for the
-/// process's instruction set on up to `threads` threads.
-///
-/// # Safety
-/// All pointers must be valid for the given shapes and strides, and `dst` must not alias `a` or `b`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_into<T: Float>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    dst_rs: isize,
-    accumulate: bool,
-    a: Mat<T>,
-    b: Mat<T>,
-    threads: usize,
-) {
-    use memfit_kernels::gemm::{gemm, MatMut};
-    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, accumulate, a, b, threads);
-}
 
 /// The operand view of the last two dims of `t` at element offset `offset`.
 fn mat_of<T>(base: *const T, l: &Layout, offset: usize) -> Mat<T> {

@@ -8,7 +8,8 @@
 //! rstd and the weights, but not the normalized tensor, which its backward recomputes block by block.
 //! Statistics are accumulated in f64 with two passes.
 
-use super::matmul::{check_linear, fill_rows_with_bias, gemm_into, weight_mat, Mat, SendPtr};
+use super::matmul::{check_linear, fill_rows_with_bias, weight_mat};
+use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr};
 use super::{check_same, output, PAR_CHUNK};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::{DType, Float};

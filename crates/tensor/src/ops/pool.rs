@@ -5,7 +5,7 @@
 //! but the position of each maximum inside its window, in 1, 2 or 4 bytes (a `u8` tensor), chosen
 //! from the window size. The average pools save nothing but shapes.
 
-use super::matmul::SendPtr;
+use crate::backend::cpu::gemm::SendPtr;
 use super::output;
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::{DType, Float};

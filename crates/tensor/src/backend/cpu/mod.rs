@@ -3,6 +3,7 @@
 //! `memfit-kernels` where a path per instruction set exists.
 
 pub(crate) mod elementwise;
+pub(crate) mod gemm;
 
 use super::Backend;
 use crate::error::Result;

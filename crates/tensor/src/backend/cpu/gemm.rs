@@ -1,0 +1,40 @@
+//! The CPU kernels' one door to GEMM: `memfit-kernels`' packed products for the process's
+//! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share.
+
+use crate::dtype::Float;
+
+/// A strided matrix operand (the kernels crate's; one home for the idea).
+pub(crate) use memfit_kernels::gemm::MatRef as Mat;
+/// Work (m*n*k) below which a product runs on one thread.
+pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
+
+/// A raw pointer that may cross into rayon tasks; each task writes a disjoint region.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr<T>(pub *mut T);
+// SAFETY: used only to hand disjoint output regions to parallel tasks.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: see above.
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
+/// `accumulate` adds to dst instead of overwriting it. Runs `memfit-kernels`' GEMM for the
+/// process's instruction set on up to `threads` threads.
+///
+/// # Safety
+/// All pointers must be valid for the given shapes and strides, and `dst` must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    accumulate: bool,
+    a: Mat<T>,
+    b: Mat<T>,
+    threads: usize,
+) {
+    use memfit_kernels::gemm::{gemm, MatMut};
+    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, accumulate, a, b, threads);
+}
+
