@@ -21,6 +21,7 @@ use std::cell::RefCell;
 mod avx2;
 mod avx512;
 mod portable;
+mod transpose;
 
 /// Depth of one packed block (elements of K).
 pub const KC: usize = 512;
@@ -82,13 +83,27 @@ unsafe impl<T> Sync for MatMut<T> {}
 /// `a[k * MR + i]`, B `b[k * NR + j]`; C has row stride `rs_c` and column stride 1.
 pub type MicroKernelFn<T> = unsafe fn(kc: usize, a: *const T, b: *const T, c: *mut T, rs_c: isize, accumulate: bool);
 
+/// A micro-kernel reading A in place (row stride `lda`, column stride 1) instead of from a pack:
+/// `C[MR x NR] (+)= A[MR rows x kc] · B_panel`.
+pub type MicroKernelDirectFn<T> =
+    unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, c: *mut T, rs_c: isize, accumulate: bool);
+
 /// A micro-kernel and its tile.
 #[derive(Clone, Copy)]
 pub struct MicroKernel<T> {
     pub mr: usize,
     pub nr: usize,
     pub run: MicroKernelFn<T>,
+    /// The variant for a row-major A (no packing of A), when the level has one.
+    pub run_direct: Option<MicroKernelDirectFn<T>>,
+    /// A faster packing of lines contiguous along the depth (transposed operands), when the level
+    /// has one.
+    pub pack_lines: Option<PackLinesFn<T>>,
 }
+
+/// Packs `len` lines of `depth` contiguous elements (line stride `ls`) into panels of `panel`
+/// lines (the layout `pack` writes).
+pub type PackLinesFn<T> = unsafe fn(src: *const T, ls: isize, len: usize, depth: usize, panel: usize, out: *mut T);
 
 /// A scalar the GEMM computes in.
 pub trait GemmScalar: sealed::Sealed + Copy + Default + Send + Sync + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + 'static {}
@@ -221,7 +236,7 @@ unsafe fn single<T: GemmScalar>(kernel: MicroKernel<T>, m: usize, n: usize, k: u
                 let nc = NC.min(n - jc);
                 for pc in (0..k).step_by(KC) {
                     let kc = KC.min(k - pc);
-                    pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, kernel.nr, bpack);
+                    pack(kernel, b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, kernel.nr, bpack);
                     rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, bpack);
                 }
             }
@@ -247,7 +262,7 @@ unsafe fn shared_b<T: GemmScalar>(kernel: MicroKernel<T>, parts: usize, m: usize
                     let (lo, hi) = (q0 * nr, (q1 * nr).min(nc));
                     if lo < hi {
                         // SAFETY: part p packs panels q0..q1 only; B is read inside its bounds.
-                        unsafe { pack(b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.get().add(lo * kc)) };
+                        unsafe { pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.get().add(lo * kc)) };
                     }
                 });
                 (0..parts).into_par_iter().for_each(|p| {
@@ -284,9 +299,15 @@ unsafe fn rows<T: GemmScalar>(
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let mut tile = [T::default(); MAX_TILE * MAX_TILE];
+    // A row-major A is read in place by whole tiles of rows (it is already contiguous along K);
+    // only its last partial tile is packed.
+    let direct = kernel.run_direct.filter(|_| a.cs == 1);
     for ic in range.clone().step_by(MC) {
         let mc = MC.min(range.end - ic);
-        pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, apack);
+        let packed_from = if direct.is_some() { mc - mc % mr } else { 0 };
+        if packed_from < mc {
+            pack(kernel, a.at(ic + packed_from, pc).ptr, a.rs, a.cs, mc - packed_from, kc, mr, apack.add(packed_from * kc));
+        }
         for ir in (0..mc).step_by(mr) {
             let rows = mr.min(mc - ir);
             let ap = apack.add(ir * kc);
@@ -294,19 +315,30 @@ unsafe fn rows<T: GemmScalar>(
                 let cols = nr.min(nc - jr);
                 let bp = bpack.add(jr * kc);
                 let cp = c.at(ic + ir, jr).ptr;
-                if rows == mr && cols == nr {
-                    (kernel.run)(kc, ap, bp, cp, c.rs, add);
-                } else {
-                    (kernel.run)(kc, ap, bp, tile.as_mut_ptr(), nr as isize, false);
-                    for i in 0..rows {
-                        for j in 0..cols {
-                            let dst = cp.offset(i as isize * c.rs + j as isize);
-                            let v = tile[i * nr + j];
-                            *dst = if add { *dst + v } else { v };
-                        }
+                match direct {
+                    Some(run) if ir < packed_from && cols == nr => run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, cp, c.rs, add),
+                    Some(run) if ir < packed_from => {
+                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, tile.as_mut_ptr(), nr as isize, false);
+                        write_tile(&tile, nr, rows, cols, cp, c.rs, add);
+                    }
+                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, bp, cp, c.rs, add),
+                    _ => {
+                        (kernel.run)(kc, ap, bp, tile.as_mut_ptr(), nr as isize, false);
+                        write_tile(&tile, nr, rows, cols, cp, c.rs, add);
                     }
                 }
             }
+        }
+    }
+}
+
+/// Writes (or adds) the top-left `rows x cols` of a tile with row stride `nr` into C.
+unsafe fn write_tile<T: GemmScalar>(tile: &[T], nr: usize, rows: usize, cols: usize, c: *mut T, rs_c: isize, add: bool) {
+    for i in 0..rows {
+        for j in 0..cols {
+            let dst = c.offset(i as isize * rs_c + j as isize);
+            let v = tile[i * nr + j];
+            *dst = if add { *dst + v } else { v };
         }
     }
 }
@@ -316,9 +348,15 @@ unsafe fn rows<T: GemmScalar>(
 /// zero past `len`. `ls` is the stride between lines, `ds` between depth steps. Contiguous lines
 /// copy whole runs; contiguous depth (a transposed operand) is transposed in chunks of depth that
 /// keep the panel's written lines in L1.
-unsafe fn pack<T: GemmScalar>(src: *const T, ls: isize, ds: isize, len: usize, depth: usize, panel: usize, out: *mut T) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack<T: GemmScalar>(kernel: MicroKernel<T>, src: *const T, ls: isize, ds: isize, len: usize, depth: usize, panel: usize, out: *mut T) {
     /// Depth steps transposed at once: `DEPTH_CHUNK * panel` elements written stay in L1.
     const DEPTH_CHUNK: usize = 32;
+    if let (1, Some(pack_lines)) = (ds, kernel.pack_lines) {
+        if ls != 1 {
+            return pack_lines(src, ls, len, depth, panel, out);
+        }
+    }
     for p0 in (0..len).step_by(panel) {
         let lines = panel.min(len - p0);
         let dst = out.add(p0 * depth);

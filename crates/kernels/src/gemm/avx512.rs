@@ -5,11 +5,27 @@ use super::MicroKernel;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+/// Adds C to the accumulators when asked, then stores them into C (a macro, so the accumulators
+/// stay in registers).
+macro_rules! store {
+    ($lo:ident, $hi:ident, $c:expr, $rs_c:expr, $accumulate:expr) => {
+        for i in 0..MR {
+            let p = $c.offset(i as isize * $rs_c);
+            if $accumulate {
+                $lo[i] = _mm512_add_ps($lo[i], _mm512_loadu_ps(p));
+                $hi[i] = _mm512_add_ps($hi[i], _mm512_loadu_ps(p.add(16)));
+            }
+            _mm512_storeu_ps(p, $lo[i]);
+            _mm512_storeu_ps(p.add(16), $hi[i]);
+        }
+    };
+}
+
 const MR: usize = 12;
 const NR: usize = 32;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) const F32: MicroKernel<f32> = MicroKernel { mr: MR, nr: NR, run: run_checked };
+pub(crate) const F32: MicroKernel<f32> = MicroKernel { mr: MR, nr: NR, run: run_checked, run_direct: Some(run_direct_checked), pack_lines: Some(super::transpose::pack_lines_checked) };
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 
@@ -19,6 +35,34 @@ pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
     run(kc, a, b, c, rs_c, accumulate)
 }
+
+/// # Safety
+/// As [`super::MicroKernelDirectFn`]; only handed out when the CPU supports AVX-512F.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_direct_checked(kc: usize, a: *const f32, lda: isize, b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+    run_direct(kc, a, lda, b, c, rs_c, accumulate)
+}
+
+/// The same tile with A read in place (row stride `lda`, unit column stride) instead of packed.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn run_direct(kc: usize, a: *const f32, lda: isize, mut b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+    let mut lo = [_mm512_setzero_ps(); MR];
+    let mut hi = [_mm512_setzero_ps(); MR];
+    let rows: [*const f32; MR] = std::array::from_fn(|i| a.offset(i as isize * lda));
+    for p in 0..kc {
+        let b0 = _mm512_loadu_ps(b);
+        let b1 = _mm512_loadu_ps(b.add(16));
+        for i in 0..MR {
+            let ai = _mm512_set1_ps(*rows[i].add(p));
+            lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
+            hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
+        }
+        b = b.add(NR);
+    }
+    store!(lo, hi, c, rs_c, accumulate);
+}
+
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -36,13 +80,5 @@ unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, c: *mut f32, rs_c
         a = a.add(MR);
         b = b.add(NR);
     }
-    for i in 0..MR {
-        let p = c.offset(i as isize * rs_c);
-        if accumulate {
-            lo[i] = _mm512_add_ps(lo[i], _mm512_loadu_ps(p));
-            hi[i] = _mm512_add_ps(hi[i], _mm512_loadu_ps(p.add(16)));
-        }
-        _mm512_storeu_ps(p, lo[i]);
-        _mm512_storeu_ps(p.add(16), hi[i]);
-    }
+    store!(lo, hi, c, rs_c, accumulate);
 }

@@ -7,7 +7,7 @@ const MR: usize = 4;
 const NR: usize = 8;
 
 pub(crate) fn kernel<T: GemmScalar>() -> MicroKernel<T> {
-    MicroKernel { mr: MR, nr: NR, run: run::<T> }
+    MicroKernel { mr: MR, nr: NR, run: run::<T>, run_direct: None, pack_lines: None }
 }
 
 /// # Safety
