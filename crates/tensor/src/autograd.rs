@@ -164,6 +164,83 @@ pub fn grad(outputs: &[Tensor], grad_outputs: &[Option<Tensor>], inputs: &[Tenso
     }
 }
 
+/// A segment of a forward pass that [`checkpoint`] can re-run: takes the segment's inputs, returns
+/// its output. It must compute the same thing each time it is called with the same values.
+pub type Segment = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
+
+/// Activation checkpointing (PyTorch's `torch.utils.checkpoint`, non-reentrant): runs `segment` on
+/// `inputs` keeping nothing for backward but the inputs themselves, and re-runs it in backward.
+///
+/// Forward runs the segment under no-grad, so none of its intermediate tensors outlive it; one
+/// node records the inputs and `params` (the tensors the segment reads that may want gradients:
+/// its module's parameters). Backward re-runs the segment with grad enabled on fresh leaves holding
+/// the same inputs (the device is [`Device::recomputing`] meanwhile, so batch norm does not update
+/// its running statistics a second time), then [`grad`] takes the gradients of the inputs and
+/// parameters through that fresh graph without committing them: they flow into the outer pass like
+/// any op's input gradients, so the whole backward stays transactional (Note [Transactional
+/// backward]). The same kernels run on the same values, so the gradients equal the plain run's.
+/// On `meta` the re-run allocates exactly what cpu's does, so the checkpointed peak is predicted too.
+///
+/// Without grad (or when nothing requires grad) the segment simply runs.
+///
+/// [`Device::recomputing`]: crate::Device::recomputing
+pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], segment: Segment) -> Result<Tensor> {
+    let mut all: Vec<&Tensor> = inputs.to_vec();
+    all.extend(params.iter());
+    if !needs_grad(&all) {
+        let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        return segment(&owned);
+    }
+    let device = inputs[0].device().clone();
+    let out = {
+        let _no_grad = device.no_grad();
+        let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+        segment(&detached)?
+    };
+    let back = CheckpointBack {
+        inputs: inputs.iter().map(|t| save(t)).collect(),
+        params: params.to_vec(),
+        segment,
+    };
+    Ok(record(out, "checkpoint", &all, back))
+}
+
+/// What a checkpointed segment keeps: its inputs (saved) and how to re-run it.
+struct CheckpointBack {
+    inputs: Vec<Tensor>,
+    params: Vec<Tensor>,
+    segment: Segment,
+}
+
+impl Backward for CheckpointBack {
+    fn backward(self: Box<Self>, out_grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let CheckpointBack { inputs, params, segment } = *self;
+        let device = out_grad.device().clone();
+        let n = inputs.len();
+        let leaves: Vec<Tensor> = inputs.iter().zip(needs).map(|(t, &need)| t.set_requires_grad(need)).collect();
+        drop(inputs);
+        let out = {
+            let _grad = device.enable_grad();
+            let _recompute = device.recompute();
+            segment(&leaves)?
+        };
+        // Gradients only for what the outer pass wants, in the node's input order.
+        let wanted: Vec<usize> = (0..n + params.len()).filter(|&i| needs[i]).collect();
+        let targets: Vec<Tensor> = wanted.iter().map(|&i| if i < n { leaves[i].clone() } else { params[i - n].clone() }).collect();
+        drop(leaves);
+        let mut grads = vec![None; n + params.len()];
+        if targets.is_empty() || out.grad_fn().is_none() {
+            return Ok(grads);
+        }
+        let found = grad(&[out], &[Some(out_grad)], &targets)?;
+        drop(targets);
+        for (i, g) in wanted.into_iter().zip(found) {
+            grads[i] = g;
+        }
+        Ok(grads)
+    }
+}
+
 /// Where the gradients that reach the graph's ends go.
 enum Sink {
     /// Every leaf that requires grad, to commit into `.grad` (backward).

@@ -79,6 +79,8 @@ struct DeviceInner {
     allocator: Mutex<Allocator>,
     phase: Mutex<Phase>,
     grad_enabled: AtomicBool,
+    /// Depth of checkpointed segments being re-run (see [`Device::recompute`]).
+    recomputing: AtomicU64,
     next_id: AtomicU64,
     modules: Mutex<Modules>,
     profiling: AtomicBool,
@@ -130,6 +132,7 @@ impl Device {
             allocator: Mutex::new(allocator),
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
+            recomputing: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
             profiling: AtomicBool::new(false),
@@ -210,6 +213,19 @@ impl Device {
     pub fn no_grad(&self) -> GradModeGuard {
         let previous = self.0.grad_enabled.swap(false, Ordering::Relaxed);
         GradModeGuard { device: self.clone(), previous }
+    }
+
+    /// True while a checkpointed segment is being re-run in backward ([`crate::autograd::checkpoint`]):
+    /// state a forward updates as a side effect (batch norm's running statistics) must not be updated
+    /// again.
+    pub fn recomputing(&self) -> bool {
+        self.0.recomputing.load(Ordering::Relaxed) > 0
+    }
+
+    /// Marks a re-run of a checkpointed segment until the guard drops (nests).
+    pub fn recompute(&self) -> RecomputeGuard {
+        self.0.recomputing.fetch_add(1, Ordering::Relaxed);
+        RecomputeGuard { device: self.clone() }
     }
 
     /// Enables graph recording until the guard drops, also inside a no-grad region (a backward pass
@@ -347,6 +363,17 @@ impl Drop for PhaseGuard {
 pub struct GradModeGuard {
     device: Device,
     previous: bool,
+}
+
+/// Ends a re-run of a checkpointed segment when dropped.
+pub struct RecomputeGuard {
+    device: Device,
+}
+
+impl Drop for RecomputeGuard {
+    fn drop(&mut self) {
+        self.device.0.recomputing.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Drop for GradModeGuard {
