@@ -242,7 +242,8 @@ impl BatchNorm2d {
     }
 
     /// Training: normalizes with the batch statistics, updates the running statistics in place and
-    /// counts the batch in `num_batches_tracked`. Eval: normalizes with the running statistics.
+    /// counts the batch in `num_batches_tracked` (not while a checkpointed segment is re-run). Eval:
+    /// normalizes with the running statistics.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let _module = x.device().enter_module(&self.prefix);
         if x.rank() != 4 {
@@ -252,17 +253,12 @@ impl BatchNorm2d {
                 x.shape()
             )));
         }
-        let y = ops::batch_norm(
-            x,
-            Some(&self.running_mean),
-            Some(&self.running_var),
-            Some(&self.weight),
-            Some(&self.bias),
-            train,
-            self.momentum,
-            self.eps,
-        )?;
-        if train {
+        // Re-running a checkpointed segment in backward normalizes with the same batch statistics
+        // but must not move the running statistics a second time.
+        let update = train && !x.device().recomputing();
+        let (mean, var) = if update || !train { (Some(&self.running_mean), Some(&self.running_var)) } else { (None, None) };
+        let y = ops::batch_norm(x, mean, var, Some(&self.weight), Some(&self.bias), train, self.momentum, self.eps)?;
+        if update {
             self.count_batch()?;
         }
         Ok(y)

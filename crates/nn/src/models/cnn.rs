@@ -6,10 +6,12 @@
 //!   division after every pool (3x64x64 gives 128*8*8 = 8192; 1x28x28 gives 128*3*3).
 
 use super::{check_image_input, check_image_spec, Model, ModelKind};
+use crate::checkpointing::Checkpointing;
 use crate::init::Initializer;
 use crate::layers::{window_output_size, Conv2d, Linear, Module};
 use memfit_tensor::ops::{self, Conv2dParams, Pool2dParams};
 use memfit_tensor::{Error, Result, Tensor};
+use std::sync::Arc;
 
 /// `Conv2d(.., 3, padding=1)`.
 fn same_padding() -> Conv2dParams {
@@ -37,14 +39,21 @@ fn pooled(kind: ModelKind, input: [usize; 3], stage: usize, size: [usize; 2]) ->
     }
 }
 
+/// A module's parameter tensors.
+fn tensors(m: &dyn Module) -> Vec<Tensor> {
+    m.parameters().into_iter().map(|(_, t)| t).collect()
+}
+
 fn conv_relu_pool(conv: &Conv2d, x: &Tensor) -> Result<Tensor> {
     ops::max_pool2d(&conv.forward(x)?.relu()?, Pool2dParams::square(2))
 }
 
 pub struct SimpleCnn {
     input: [usize; 3],
-    conv1: Conv2d,
+    conv1: Arc<Conv2d>,
     fc: Linear,
+    /// Segments: the one conv stage (`conv1`, relu, pool).
+    checkpointing: Checkpointing,
 }
 
 impl SimpleCnn {
@@ -54,7 +63,7 @@ impl SimpleCnn {
         let conv1 = Conv2d::new(init, "conv1", input[0], 16, [3, 3], same_padding(), true)?;
         let [h, w] = pooled(kind, input, 1, conv1.output_size([input[1], input[2]])?)?;
         let fc = Linear::new(init, "fc", 16 * h * w, num_classes, true)?;
-        Ok(SimpleCnn { input, conv1, fc })
+        Ok(SimpleCnn { input, conv1: Arc::new(conv1), fc, checkpointing: Checkpointing::new(vec!["conv1".into()]) })
     }
 
     pub fn fc(&self) -> &Linear {
@@ -69,7 +78,8 @@ impl Model for SimpleCnn {
 
     fn forward(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         check_image_input(self.kind(), self.input, x)?;
-        let h = conv_relu_pool(&self.conv1, x)?;
+        let conv = self.conv1.clone();
+        let h = self.checkpointing.run(0, x, || tensors(&*self.conv1), move |x| conv_relu_pool(&conv, x))?;
         self.fc.forward(&h.flatten_from(1)?)
     }
 
@@ -82,12 +92,18 @@ impl Model for SimpleCnn {
     fn buffers(&self) -> Vec<(String, Tensor)> {
         Vec::new()
     }
+
+    fn checkpointing(&self) -> Option<&Checkpointing> {
+        Some(&self.checkpointing)
+    }
 }
 
 pub struct DeepCnn {
     input: [usize; 3],
-    convs: [Conv2d; 3],
+    convs: [Arc<Conv2d>; 3],
     fc: Linear,
+    /// Segments: the three conv stages (`c1`..`c3`, each with its relu and pool).
+    checkpointing: Checkpointing,
 }
 
 impl DeepCnn {
@@ -104,7 +120,8 @@ impl DeepCnn {
             size = pooled(kind, input, i + 1, conv.output_size(size)?)?;
         }
         let fc = Linear::new(init, "fc", 128 * size[0] * size[1], num_classes, true)?;
-        Ok(DeepCnn { input, convs, fc })
+        let checkpointing = Checkpointing::new(vec!["c1".into(), "c2".into(), "c3".into()]);
+        Ok(DeepCnn { input, convs: convs.map(Arc::new), fc, checkpointing })
     }
 
     pub fn fc(&self) -> &Linear {
@@ -120,8 +137,9 @@ impl Model for DeepCnn {
     fn forward(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         check_image_input(self.kind(), self.input, x)?;
         let mut h = x.clone();
-        for conv in &self.convs {
-            h = conv_relu_pool(conv, &h)?;
+        for (i, conv) in self.convs.iter().enumerate() {
+            let c = conv.clone();
+            h = self.checkpointing.run(i, &h, || tensors(&**conv), move |x| conv_relu_pool(&c, x))?;
         }
         self.fc.forward(&h.flatten_from(1)?)
     }
@@ -134,5 +152,9 @@ impl Model for DeepCnn {
 
     fn buffers(&self) -> Vec<(String, Tensor)> {
         Vec::new()
+    }
+
+    fn checkpointing(&self) -> Option<&Checkpointing> {
+        Some(&self.checkpointing)
     }
 }

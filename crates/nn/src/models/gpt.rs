@@ -5,9 +5,11 @@
 //! int64 tokens [B, T] -> logits [B, T, vocab]. No dropout.
 
 use super::{GptConfig, Model, ModelKind};
+use crate::checkpointing::Checkpointing;
 use crate::init::Initializer;
 use crate::layers::{Embedding, LayerNorm, Linear, Module, MultiheadAttention};
 use memfit_tensor::{Category, DType, Error, Result, Tensor};
+use std::sync::Arc;
 
 /// One pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
 pub struct Block {
@@ -45,16 +47,22 @@ impl Block {
     fn modules(&self) -> [&dyn Module; 5] {
         [&self.ln1, &self.attn, &self.ln2, &self.fc1, &self.fc2]
     }
+
+    fn parameter_tensors(&self) -> Vec<Tensor> {
+        self.modules().into_iter().flat_map(|m| m.parameters()).map(|(_, t)| t).collect()
+    }
 }
 
 pub struct Gpt {
     config: GptConfig,
     tok: Embedding,
     pos: Embedding,
-    blocks: Vec<Block>,
+    blocks: Vec<Arc<Block>>,
     ln: LayerNorm,
     head: Linear,
     mask: Tensor,
+    /// Segments: the blocks.
+    checkpointing: Checkpointing,
 }
 
 impl Gpt {
@@ -73,11 +81,12 @@ impl Gpt {
             tok: Embedding::new(init, "tok", vocab, d_model)?,
             pos: Embedding::new(init, "pos", max_t, d_model)?,
             blocks: (0..layers)
-                .map(|i| Block::new(init, &format!("blocks.{i}"), d_model, heads))
+                .map(|i| Block::new(init, &format!("blocks.{i}"), d_model, heads).map(Arc::new))
                 .collect::<Result<_>>()?,
             ln: LayerNorm::new(init, "ln", d_model)?,
             head: Linear::new(init, "head", d_model, vocab, true)?,
             mask: init.causal_mask(max_t)?,
+            checkpointing: Checkpointing::new((0..layers).map(|i| format!("blocks.{i}")).collect()),
         })
     }
 
@@ -119,8 +128,9 @@ impl Model for Gpt {
         positions.write_with::<i64>(|p| p.iter_mut().zip(0..).for_each(|(p, i)| *p = i))?;
         let mut x = self.tok.forward(idx)?.add(&self.pos.forward(&positions)?)?;
         let mask = self.mask_for(t)?;
-        for block in &self.blocks {
-            x = block.forward(&x, &mask)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let (b, m) = (block.clone(), mask.clone());
+            x = self.checkpointing.run(i, &x, || block.parameter_tensors(), move |x| b.forward(x, &m))?;
         }
         self.head.forward_after_layer_norm(&x, &self.ln)
     }
@@ -134,6 +144,10 @@ impl Model for Gpt {
         out.extend(self.ln.parameters());
         out.extend(self.head.parameters());
         out
+    }
+
+    fn checkpointing(&self) -> Option<&Checkpointing> {
+        Some(&self.checkpointing)
     }
 
     fn buffers(&self) -> Vec<(String, Tensor)> {

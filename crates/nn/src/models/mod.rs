@@ -13,6 +13,7 @@ pub use gpt::Gpt;
 pub use mlp::Mlp;
 pub use resnet::ResNet;
 
+use crate::checkpointing::Checkpointing;
 use crate::init::Initializer;
 use memfit_tensor::{Device, Error, Result, Tensor};
 
@@ -27,6 +28,10 @@ pub trait Model: Send {
     fn parameters(&self) -> Vec<(String, Tensor)>;
     /// Non-trainable state saved in checkpoints (batch-norm running statistics, masks).
     fn buffers(&self) -> Vec<(String, Tensor)>;
+    /// The segments that can run with activation checkpointing, and which do (None: no segments).
+    fn checkpointing(&self) -> Option<&Checkpointing> {
+        None
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

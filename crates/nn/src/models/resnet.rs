@@ -5,10 +5,12 @@
 //! Initialization is PyTorch's module default (see [`crate::init`]).
 
 use super::{check_image_input, check_image_spec, Model, ModelKind};
+use crate::checkpointing::Checkpointing;
 use crate::init::Initializer;
 use crate::layers::{BatchNorm2d, Conv2d, Linear, Module};
 use memfit_tensor::ops::{self, Conv2dParams};
 use memfit_tensor::{Error, Result, Tensor};
+use std::sync::Arc;
 
 /// Channels of the three stages.
 pub const WIDTHS: [usize; 3] = [16, 32, 64];
@@ -78,8 +80,10 @@ pub struct ResNet {
     input: [usize; 3],
     conv1: Conv2d,
     bn1: BatchNorm2d,
-    stages: Vec<Vec<BasicBlock>>,
+    stages: Vec<Arc<Vec<BasicBlock>>>,
     fc: Linear,
+    /// Segments: the stages `layer1..layer3`.
+    checkpointing: Checkpointing,
 }
 
 impl ResNet {
@@ -104,15 +108,16 @@ impl ResNet {
                 stage.push(block);
                 cin = width;
             }
-            stages.push(stage);
+            stages.push(Arc::new(stage));
         }
         let fc = Linear::new(init, "fc", cin, num_classes, true)?;
-        Ok(ResNet { input, conv1, bn1, stages, fc })
+        let checkpointing = Checkpointing::new((1..=stages.len()).map(|s| format!("layer{s}")).collect());
+        Ok(ResNet { input, conv1, bn1, stages, fc, checkpointing })
     }
 
     fn modules(&self) -> Vec<&dyn Module> {
         let mut out: Vec<&dyn Module> = vec![&self.conv1, &self.bn1];
-        for block in self.stages.iter().flatten() {
+        for block in self.stages.iter().flat_map(|s| s.iter()) {
             out.extend(block.modules());
         }
         out.push(&self.fc);
@@ -128,8 +133,12 @@ impl Model for ResNet {
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         check_image_input(self.kind(), self.input, x)?;
         let mut h = self.bn1.forward(&self.conv1.forward(x)?, train)?.relu()?;
-        for block in self.stages.iter().flatten() {
-            h = block.forward(&h, train)?;
+        for (i, stage) in self.stages.iter().enumerate() {
+            let params = || stage.iter().flat_map(|b| b.modules()).flat_map(|m| m.parameters()).map(|(_, t)| t).collect();
+            let stage = stage.clone();
+            h = self.checkpointing.run(i, &h, params, move |x| {
+                stage.iter().try_fold(x.clone(), |h, block| block.forward(&h, train))
+            })?;
         }
         let pooled = ops::adaptive_avg_pool2d(&h, [1, 1])?;
         self.fc.forward(&pooled.flatten_from(1)?)
@@ -141,5 +150,9 @@ impl Model for ResNet {
 
     fn buffers(&self) -> Vec<(String, Tensor)> {
         self.modules().into_iter().flat_map(|m| m.buffers()).collect()
+    }
+
+    fn checkpointing(&self) -> Option<&Checkpointing> {
+        Some(&self.checkpointing)
     }
 }
