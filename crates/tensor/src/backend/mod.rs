@@ -69,6 +69,107 @@ backends! {
     fn binary(&self, op: Binary, a: &Tensor, b: &Tensor, out: &Tensor);
     /// `dst += src` in place (same shape).
     fn add_into(&self, dst: &Tensor, src: &Tensor);
+
+    // Seam A: conv.
+    /// 2-D convolution by the op's work plan `g`: `out = conv2d(x, weight) (+ bias)` (all
+    /// contiguous), with the op's im2col workspace (none for a direct 1x1 convolution).
+    fn conv2d(
+        &self,
+        g: &crate::ops::ConvGeom,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        out: &Tensor,
+        workspace: Option<&Tensor>,
+    );
+    /// The conv2d gradients asked for (`dx`, `dw`, `db`) from the output gradient `grad`, with the
+    /// op's workspaces (per-lane im2col and transposed-gradient tiles, per-lane weight partials).
+    #[allow(clippy::too_many_arguments)]
+    fn conv2d_backward(
+        &self,
+        g: &crate::ops::ConvGeom,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        dx: Option<&Tensor>,
+        dw: Option<&Tensor>,
+        db: Option<&Tensor>,
+        partials: Option<&Tensor>,
+        workspace: Option<&Tensor>,
+    );
+
+    // Seam A: pool.
+    /// Max pooling into `out`, with flat int64 `indices` and the window `positions` (`width` bytes
+    /// each) when given.
+    fn max_pool2d(
+        &self,
+        g: &crate::ops::PoolGeom,
+        x: &Tensor,
+        out: &Tensor,
+        indices: Option<&Tensor>,
+        positions: Option<&Tensor>,
+        width: usize,
+    );
+    /// `dx` = each output gradient credited to its saved window position (`dx` uninitialised).
+    fn max_pool2d_backward(
+        &self,
+        g: &crate::ops::PoolGeom,
+        width: usize,
+        grad: &Tensor,
+        positions: &Tensor,
+        dx: &Tensor,
+    );
+    /// Fixed or adaptive average pooling into `out`.
+    fn avg_pool2d(&self, g: &crate::ops::PoolGeom, kind: crate::ops::Avg, x: &Tensor, out: &Tensor);
+    /// `dx` = each output gradient shared over its window (`dx` uninitialised).
+    fn avg_pool2d_backward(&self, g: &crate::ops::PoolGeom, kind: crate::ops::Avg, grad: &Tensor, dx: &Tensor);
+
+    // Seam A: dropout.
+    /// `out = x * mask / (1 - p)`, the mask drawn from `seed`; its bits into `mask` when given.
+    fn dropout(&self, x: &Tensor, p: f64, seed: u64, out: &Tensor, mask: Option<&Tensor>);
+    /// `gx = grad * mask / (1 - p)` from the saved bit mask.
+    fn dropout_backward(&self, grad: &Tensor, mask: &Tensor, p: f64, gx: &Tensor);
+
+    // Seam A: embedding.
+    /// `out[k] = weight[indices[k]]`; errors on an index outside the table.
+    fn embedding(&self, indices: &Tensor, weight: &Tensor, out: &Tensor);
+    /// `gw[indices[k]] += grad[k]` into the zeroed `gw`.
+    fn embedding_backward(&self, indices: &Tensor, grad: &Tensor, gw: &Tensor);
+
+    // Seam A: cast.
+    /// `out = x` converted to `out`'s dtype (same shape, x contiguous).
+    fn cast(&self, x: &Tensor, out: &Tensor);
+
+    // Seam A: reduce.
+    /// `out += x` summed down to `out`'s shape (a shape `x`'s broadcasts from); `out` is zeroed.
+    fn sum_to_shape(&self, x: &Tensor, out: &Tensor);
+    /// Sum (or mean) over the middle dim of x contiguous `[outer, size, inner]`.
+    fn sum_dim(&self, x: &Tensor, outer: usize, size: usize, inner: usize, mean: bool, out: &Tensor);
+    /// `out = grad * scale`, `grad` the upstream gradient expanded to `out`'s shape.
+    fn sum_backward(&self, grad: &Tensor, scale: f64, out: &Tensor);
+    /// Max over the middle dim of x contiguous `[outer, size, inner]`: `values` and int64 `indices`.
+    fn max_dim(&self, x: &Tensor, outer: usize, size: usize, inner: usize, values: &Tensor, indices: &Tensor);
+    /// `out[o, indices[o, i], i] += grad[o, i]` into the zeroed `out`.
+    fn max_dim_backward(&self, grad: &Tensor, indices: &Tensor, outer: usize, size: usize, inner: usize, out: &Tensor);
+    /// The max of all elements of x into the 0-d `out`.
+    fn max_all(&self, x: &Tensor, out: &Tensor);
+    /// The 0-d `grad` shared among the elements of x equal to `max`, into the zeroed `out`.
+    fn max_all_backward(&self, x: &Tensor, max: &Tensor, grad: &Tensor, out: &Tensor);
+
+    // Seam A: optim.
+    /// One SGD step in place on `param` (and `momentum_buffer`).
+    fn sgd_update(&self, param: &Tensor, grad: &Tensor, momentum_buffer: Option<&Tensor>, step: crate::ops::SgdStep);
+    /// One Adam / AdamW step in place on `param`, `exp_avg` and `exp_avg_sq`.
+    fn adam_update(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        exp_avg: &Tensor,
+        exp_avg_sq: &Tensor,
+        step: crate::ops::AdamStep,
+    );
+    /// `grad *= inv_scale` in place; sets `found_inf` when a value is inf or NaN before or after.
+    fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool);
 }
 
 /// The backend of a device kind.

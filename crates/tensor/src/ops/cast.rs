@@ -4,52 +4,13 @@
 //! Like PyTorch, a cast to f16 or bf16 goes through f32 (`c10::Half` and `c10::BFloat16` are built from
 //! a float): f64 -> f16 rounds to f32 first, then to f16. Rounding uses the `half` crate, which rounds
 //! to nearest even, keeps subnormals and overflows to infinity (checked bit for bit against PyTorch in
-//! the tests).
+//! the tests). The kernel is the backend's (`backend/cpu/cast.rs`).
 
-use super::{output, PAR_CHUNK};
+use super::output;
 use crate::autograd::{needs_grad, record, Backward};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::{Element, Tensor};
-use half::{bf16, f16};
-use rayon::prelude::*;
-
-/// `dst[i] = f(src[i])` across dtypes, in parallel for large tensors.
-fn map_into<S: Element, D: Element>(x: &Tensor, out: &Tensor, f: impl Fn(S) -> D + Sync + Send) -> Result<()> {
-    let (src, dst) = (x.slice::<S>()?, out.slice_mut::<D>()?);
-    let run = |(d, s): (&mut [D], &[S])| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s));
-    if dst.len() >= 2 * PAR_CHUNK {
-        dst.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(run);
-    } else {
-        run((dst, src));
-    }
-    Ok(())
-}
-
-fn convert(x: &Tensor, out: &Tensor) -> Result<()> {
-    use DType::*;
-    match (x.dtype(), out.dtype()) {
-        (F32, F64) => map_into(x, out, |v: f32| v as f64),
-        (F32, F16) => map_into(x, out, f16::from_f32),
-        (F32, BF16) => map_into(x, out, bf16::from_f32),
-        (F64, F32) => map_into(x, out, |v: f64| v as f32),
-        (F64, F16) => map_into(x, out, |v: f64| f16::from_f32(v as f32)),
-        (F64, BF16) => map_into(x, out, |v: f64| bf16::from_f32(v as f32)),
-        (F16, F32) => map_into(x, out, |v: f16| v.to_f32()),
-        (F16, F64) => map_into(x, out, |v: f16| v.to_f64()),
-        (F16, BF16) => map_into(x, out, |v: f16| bf16::from_f32(v.to_f32())),
-        (BF16, F32) => map_into(x, out, |v: bf16| v.to_f32()),
-        (BF16, F64) => map_into(x, out, |v: bf16| v.to_f64()),
-        (BF16, F16) => map_into(x, out, |v: bf16| f16::from_f32(v.to_f32())),
-        (I64, F32) => map_into(x, out, |v: i64| v as f32),
-        (I64, F64) => map_into(x, out, |v: i64| v as f64),
-        (U8, F32) => map_into(x, out, |v: u8| v as f32),
-        (U8, F64) => map_into(x, out, |v: u8| v as f64),
-        (Bool, F32) => map_into(x, out, |v: bool| v as u8 as f32),
-        (Bool, F64) => map_into(x, out, |v: bool| v as u8 as f64),
-        (from, to) => Err(Error::dtype(format!("to_dtype: no cast from {from} to {to}"))),
-    }
-}
+use crate::tensor::Tensor;
 
 impl Tensor {
     /// A copy in `dtype` (this tensor itself when the dtype already matches).
@@ -69,9 +30,7 @@ impl Tensor {
         }
         let x = self.contiguous()?;
         let out = output(&x, x.shape(), dtype, "cast")?;
-        if x.device().computes() && x.numel() > 0 {
-            convert(&x, &out)?;
-        }
+        x.device().backend().cast(&x, &out)?;
         if from.is_float() && needs_grad(&[&x]) {
             Ok(record(out, "cast", &[&x], CastBack { from }))
         } else {
@@ -96,7 +55,9 @@ mod tests {
     use super::*;
     use crate::autograd::backward_with;
     use crate::ops::softmax::test_support::*;
+    use crate::ops::PAR_CHUNK;
     use crate::{Category, Device};
+    use half::{bf16, f16};
 
     #[test]
     fn golden_rounding_is_bit_exact() {

@@ -14,15 +14,15 @@
 //! partials are added in lane order at the end, so the result does not depend on the thread count
 //! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
+//!
+//! This file plans (shapes, work plan, workspaces) and records autograd; the kernels that follow the
+//! plan are the backend's (`backend/cpu/conv.rs`).
 
-use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
 use std::ops::Range;
 
 /// Hyper-parameters of a 2-D convolution, `[h, w]` pairs as in PyTorch.
@@ -54,56 +54,56 @@ const LIMITS: Limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, m
 
 /// The shapes of one convolution and its work plan.
 #[derive(Clone, Copy, Debug)]
-struct Geom {
-    n: usize,
-    c: usize,
-    h: usize,
-    w: usize,
-    o: usize,
-    kh: usize,
-    kw: usize,
-    oh: usize,
-    ow: usize,
-    sh: usize,
-    sw: usize,
-    ph: usize,
-    pw: usize,
-    dh: usize,
-    dw: usize,
-    groups: usize,
+pub(crate) struct ConvGeom {
+    pub(crate) n: usize,
+    pub(crate) c: usize,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+    pub(crate) o: usize,
+    pub(crate) kh: usize,
+    pub(crate) kw: usize,
+    pub(crate) oh: usize,
+    pub(crate) ow: usize,
+    pub(crate) sh: usize,
+    pub(crate) sw: usize,
+    pub(crate) ph: usize,
+    pub(crate) pw: usize,
+    pub(crate) dh: usize,
+    pub(crate) dw: usize,
+    pub(crate) groups: usize,
     /// 1x1 kernel, stride 1, no padding: the input is its own im2col matrix.
-    direct: bool,
+    pub(crate) direct: bool,
     /// Output rows per im2col tile.
-    tile_rows: usize,
+    pub(crate) tile_rows: usize,
     /// Parallel lanes (0 for an empty batch).
-    lanes: usize,
+    pub(crate) lanes: usize,
     /// Samples per lane (the last lane may have fewer).
-    per_lane: usize,
+    pub(crate) per_lane: usize,
 }
 
-impl Geom {
-    fn cg(&self) -> usize {
+impl ConvGeom {
+    pub(crate) fn cg(&self) -> usize {
         self.c / self.groups
     }
-    fn og(&self) -> usize {
+    pub(crate) fn og(&self) -> usize {
         self.o / self.groups
     }
     /// GEMM depth per group: rows of the im2col matrix of one group.
-    fn kg(&self) -> usize {
+    pub(crate) fn kg(&self) -> usize {
         self.cg() * self.kh * self.kw
     }
     /// Rows of the im2col matrix of all groups.
-    fn kc(&self) -> usize {
+    pub(crate) fn kc(&self) -> usize {
         self.c * self.kh * self.kw
     }
-    fn hw(&self) -> usize {
+    pub(crate) fn hw(&self) -> usize {
         self.h * self.w
     }
-    fn p(&self) -> usize {
+    pub(crate) fn p(&self) -> usize {
         self.oh * self.ow
     }
     /// Elements of one lane's im2col tile.
-    fn col_len(&self) -> usize {
+    pub(crate) fn col_len(&self) -> usize {
         if self.direct {
             0
         } else {
@@ -111,23 +111,23 @@ impl Geom {
         }
     }
     /// Elements of one lane's transposed output-gradient tile `[rows*OW, O]` (weight gradient only).
-    fn gt_len(&self) -> usize {
+    pub(crate) fn gt_len(&self) -> usize {
         self.o * self.tile_rows * self.ow
     }
-    fn weight_len(&self) -> usize {
+    pub(crate) fn weight_len(&self) -> usize {
         self.o * self.kg()
     }
-    fn samples(&self, lane: usize) -> Range<usize> {
+    pub(crate) fn samples(&self, lane: usize) -> Range<usize> {
         (lane * self.per_lane).min(self.n)..((lane + 1) * self.per_lane).min(self.n)
     }
     /// Output-row ranges of the tiles of one sample.
-    fn tiles(&self) -> impl Iterator<Item = (usize, usize)> {
+    pub(crate) fn tiles(&self) -> impl Iterator<Item = (usize, usize)> {
         let (rows, oh) = (self.tile_rows, self.oh);
         (0..oh).step_by(rows.max(1)).map(move |r0| (r0, (r0 + rows).min(oh)))
     }
 }
 
-fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limits: Limits) -> Result<Geom> {
+fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limits: Limits) -> Result<ConvGeom> {
     if x.len() != 4 {
         return Err(Error::shape(format!("conv2d: input must be [N, C, H, W] or [C, H, W], got {x:?}")));
     }
@@ -197,7 +197,7 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
         let per_lane = n.div_ceil(want);
         (n.div_ceil(per_lane), per_lane)
     };
-    Ok(Geom {
+    Ok(ConvGeom {
         n,
         c,
         h,
@@ -274,19 +274,7 @@ fn conv2d_with(
     let bias = bias.map(|b| b.contiguous()).transpose()?;
     let out = output(&x, &[g.n, g.o, g.oh, g.ow], x.dtype(), "conv2d")?;
     let ws = workspace(&x, g.lanes * g.col_len(), "conv2d_im2col")?;
-    if x.device().computes() {
-        with_float!(x.dtype(), "conv2d", T => {
-            let b = match &bias {
-                Some(b) => Some(b.slice::<T>()?),
-                None => None,
-            };
-            let ws = match &ws {
-                Some(t) => Some(t.slice_mut::<T>()?),
-                None => None,
-            };
-            forward_kernel::<T>(&g, x.slice::<T>()?, weight.slice::<T>()?, b, out.slice_mut::<T>()?, ws);
-        });
-    }
+    x.device().backend().conv2d(&g, &x, &weight, bias.as_ref(), &out, ws.as_ref())?;
     drop(ws);
     let mut inputs = vec![&x, &weight];
     inputs.extend(bias.as_ref());
@@ -333,392 +321,23 @@ impl Backward for Conv2dBack {
         let ws = if need_x || need_w { workspace(&grad, g.lanes * lane_len, "conv2d_im2col")? } else { None };
         let partials =
             if need_w { workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")? } else { None };
-        if grad.device().computes() {
-            with_float!(x.dtype(), "conv2d_backward", T => {
-                let gout = grad.slice::<T>()?;
-                if need_x || need_w {
-                    let dxs = match &dx {
-                        Some(t) => Some(t.slice_mut::<T>()?),
-                        None => None,
-                    };
-                    let dws = match &dw {
-                        Some(t) => Some(t.slice_mut::<T>()?),
-                        None => None,
-                    };
-                    let ps = match &partials {
-                        Some(t) => Some(t.slice_mut::<T>()?),
-                        None => None,
-                    };
-                    let wss = match &ws {
-                        Some(t) => Some(t.slice_mut::<T>()?),
-                        None => None,
-                    };
-                    backward_kernel::<T>(&g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss);
-                }
-                if let Some(db) = &db {
-                    bias_grad::<T>(&g, gout, db.slice_mut::<T>()?);
-                }
-            });
-        }
+        grad.device().backend().conv2d_backward(
+            &g,
+            x,
+            weight,
+            &grad,
+            dx.as_ref(),
+            dw.as_ref(),
+            db.as_ref(),
+            partials.as_ref(),
+            ws.as_ref(),
+        )?;
         drop((ws, partials));
         let mut grads = vec![dx, dw];
         if self.has_bias {
             grads.push(db);
         }
         Ok(grads)
-    }
-}
-
-/// Runs `f(lane, gemm_threads)` for every lane: lanes in parallel with single-threaded GEMMs, or one
-/// lane with every thread.
-fn run_lanes(lanes: usize, f: impl Fn(usize, usize) + Sync) {
-    match lanes {
-        0 => {}
-        1 => f(0, rayon::current_num_threads()),
-        _ => (0..lanes).into_par_iter().for_each(|lane| f(lane, 1)),
-    }
-}
-
-/// Output positions `o` in `0..out` whose input position `o*stride + off - pad` lies in `0..size`.
-fn valid_range(off: usize, pad: usize, stride: usize, size: usize, out: usize) -> (usize, usize) {
-    let lo = if off >= pad { 0 } else { (pad - off).div_ceil(stride) };
-    let hi = if size + pad <= off { 0 } else { (size + pad - off).div_ceil(stride) };
-    let lo = lo.min(out);
-    (lo, hi.clamp(lo, out))
-}
-
-/// Writes the im2col tile of output rows `r0..r1` of one sample: `col[(c, ki, kj), (oh, ow)]` =
-/// `x[c, oh*sh + ki*dh - ph, ow*sw + kj*dw - pw]` (0 in the padding).
-fn im2col<T: Float>(g: &Geom, xn: &[T], r0: usize, r1: usize, col: &mut [T], parallel: bool) {
-    let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
-    let per_channel = g.kh * g.kw * tp;
-    let channel = |(ci, dst): (usize, &mut [T])| {
-        let plane = &xn[ci * hw..(ci + 1) * hw];
-        for ki in 0..g.kh {
-            for kj in 0..g.kw {
-                let row = &mut dst[(ki * g.kw + kj) * tp..][..tp];
-                let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
-                for (t, orow) in (r0..r1).enumerate() {
-                    let seg = &mut row[t * ow..(t + 1) * ow];
-                    let ih = orow * g.sh + ki * g.dh;
-                    if ih < g.ph || ih - g.ph >= g.h || lo == hi {
-                        seg.fill(T::zero());
-                        continue;
-                    }
-                    let src = &plane[(ih - g.ph) * g.w..][..g.w];
-                    seg[..lo].fill(T::zero());
-                    seg[hi..].fill(T::zero());
-                    // Input column of output column `lo` (>= 0 by construction of `lo`).
-                    let s0 = lo * g.sw + kj * g.dw - g.pw;
-                    if g.sw == 1 {
-                        seg[lo..hi].copy_from_slice(&src[s0..s0 + (hi - lo)]);
-                    } else {
-                        for (d, s) in seg[lo..hi].iter_mut().zip(src[s0..].iter().step_by(g.sw)) {
-                            *d = *s;
-                        }
-                    }
-                }
-            }
-        }
-    };
-    let col = &mut col[..g.c * per_channel];
-    if parallel {
-        col.par_chunks_mut(per_channel).enumerate().for_each(channel);
-    } else {
-        col.chunks_mut(per_channel).enumerate().for_each(channel);
-    }
-}
-
-/// Adds an im2col-shaped tile (output rows `r0..r1`) back onto the input positions it was read from.
-fn col2im<T: Float>(g: &Geom, col: &[T], r0: usize, r1: usize, dxn: &mut [T], parallel: bool) {
-    let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
-    if hw == 0 {
-        return;
-    }
-    let per_channel = g.kh * g.kw * tp;
-    let channel = |(plane, src): (&mut [T], &[T])| {
-        for ki in 0..g.kh {
-            for kj in 0..g.kw {
-                let row = &src[(ki * g.kw + kj) * tp..][..tp];
-                let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
-                if lo == hi {
-                    continue;
-                }
-                for (t, orow) in (r0..r1).enumerate() {
-                    let ih = orow * g.sh + ki * g.dh;
-                    if ih < g.ph || ih - g.ph >= g.h {
-                        continue;
-                    }
-                    let seg = &row[t * ow..(t + 1) * ow];
-                    let dst = &mut plane[(ih - g.ph) * g.w..][..g.w];
-                    let s0 = lo * g.sw + kj * g.dw - g.pw;
-                    if g.sw == 1 {
-                        for (d, s) in dst[s0..s0 + (hi - lo)].iter_mut().zip(&seg[lo..hi]) {
-                            *d += *s;
-                        }
-                    } else {
-                        for (d, s) in dst[s0..].iter_mut().step_by(g.sw).zip(&seg[lo..hi]) {
-                            *d += *s;
-                        }
-                    }
-                }
-            }
-        }
-    };
-    let dxn = &mut dxn[..g.c * hw];
-    let col = &col[..g.c * per_channel];
-    if parallel {
-        dxn.par_chunks_mut(hw).zip(col.par_chunks(per_channel)).for_each(channel);
-    } else {
-        dxn.chunks_mut(hw).zip(col.chunks(per_channel)).for_each(channel);
-    }
-}
-
-/// The im2col matrix of output rows `r0..r1` of one sample, as (pointer, row stride): the input
-/// itself for a direct (1x1) convolution, else the lane's tile after filling it.
-fn tile_source<T: Float>(g: &Geom, xn: &[T], r0: usize, r1: usize, col: &mut [T], threads: usize) -> (*const T, usize) {
-    if g.direct {
-        (xn[r0 * g.ow..].as_ptr(), g.hw())
-    } else {
-        im2col(g, xn, r0, r1, col, threads > 1);
-        (col.as_ptr(), (r1 - r0) * g.ow)
-    }
-}
-
-/// `gt[t, oc] = gn[oc, c0 + t]` for the `tp` columns of a tile. Eight source rows at a time, so
-/// each destination row gets eight contiguous values per visit.
-fn transpose_tile<T: Float>(gn: &[T], o: usize, p: usize, c0: usize, tp: usize, gt: &mut [T]) {
-    if o == 0 {
-        return;
-    }
-    let gt = &mut gt[..tp * o];
-    let mut oc = 0;
-    while oc + 8 <= o {
-        let rows: [&[T]; 8] = std::array::from_fn(|i| &gn[(oc + i) * p + c0..][..tp]);
-        for (t, d) in gt.chunks_exact_mut(o).enumerate() {
-            let d = &mut d[oc..oc + 8];
-            for i in 0..8 {
-                d[i] = rows[i][t];
-            }
-        }
-        oc += 8;
-    }
-    for oc in oc..o {
-        for (d, &v) in gt.chunks_exact_mut(o).zip(&gn[oc * p + c0..][..tp]) {
-            d[oc] = v;
-        }
-    }
-}
-
-/// Forward: `out[n, group rows] (= bias +) W_group @ im2col(x[n])`.
-fn forward_kernel<T: Float>(g: &Geom, x: &[T], w: &[T], bias: Option<&[T]>, out: &mut [T], ws: Option<&mut [T]>) {
-    let (chw, p, col_len) = (g.c * g.hw(), g.p(), g.col_len());
-    let (og, kg) = (g.og(), g.kg());
-    let outp = SendPtr(out.as_mut_ptr());
-    let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
-    run_lanes(g.lanes, |lane, threads| {
-        let (outp, wsp) = (outp, wsp);
-        let col: &mut [T] = if col_len == 0 {
-            &mut []
-        } else {
-            // SAFETY: the workspace holds `lanes * col_len` elements; lane `lane` alone uses its slice.
-            unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * col_len), col_len) }
-        };
-        for n in g.samples(lane) {
-            let xn = &x[n * chw..(n + 1) * chw];
-            // SAFETY: sample n's output block lies inside `out` and is written by this lane only.
-            let on = unsafe { std::slice::from_raw_parts_mut(outp.0.add(n * g.o * p), g.o * p) };
-            for (r0, r1) in g.tiles() {
-                let tp = (r1 - r0) * g.ow;
-                let (src, src_rs) = tile_source(g, xn, r0, r1, col, threads);
-                for gi in 0..g.groups {
-                    if let Some(b) = bias {
-                        for oc in gi * og..(gi + 1) * og {
-                            on[oc * p + r0 * g.ow..][..tp].fill(b[oc]);
-                        }
-                    }
-                    // SAFETY: dst is the [og, tp] block (row stride p) of this sample's output; the
-                    // operands are the group's weight rows [og, kg] and im2col rows [kg, tp], all in
-                    // bounds; dst does not alias them.
-                    unsafe {
-                        gemm_into::<T>(
-                            og,
-                            tp,
-                            kg,
-                            on.as_mut_ptr().add(gi * og * p + r0 * g.ow),
-                            p as isize,
-                            bias.is_some(),
-                            Mat { ptr: w.as_ptr().add(gi * og * kg), rs: kg as isize, cs: 1 },
-                            Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
-                            threads,
-                        )
-                    };
-                }
-            }
-        }
-    });
-}
-
-/// Backward for the input and/or the weight (Note [conv2d work plan]).
-#[allow(clippy::too_many_arguments)]
-fn backward_kernel<T: Float>(
-    g: &Geom,
-    x: &[T],
-    w: &[T],
-    gout: &[T],
-    dx: Option<&mut [T]>,
-    dw: Option<&mut [T]>,
-    partials: Option<&mut [T]>,
-    ws: Option<&mut [T]>,
-) {
-    let (chw, p, col_len, wlen) = (g.c * g.hw(), g.p(), g.col_len(), g.weight_len());
-    let (og, kg, cg) = (g.og(), g.kg(), g.cg());
-    let gt_len = if dw.is_some() { g.gt_len() } else { 0 };
-    let lane_len = col_len + gt_len;
-    let dxp = dx.map(|d| SendPtr(d.as_mut_ptr()));
-    let pp = match (&dw, partials) {
-        (Some(_), Some(parts)) => Some(SendPtr(parts.as_mut_ptr())),
-        _ => None,
-    };
-    let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
-    run_lanes(g.lanes, |lane, threads| {
-        let (dxp, pp, wsp) = (dxp, pp, wsp);
-        let lane_ws: &mut [T] = if lane_len == 0 {
-            &mut []
-        } else {
-            // SAFETY: the workspace holds `lanes * lane_len` elements; lane `lane` alone uses its slice.
-            unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * lane_len), lane_len) }
-        };
-        let (col, gt) = lane_ws.split_at_mut(col_len);
-        // This lane's transposed weight-gradient accumulator: per group a [kg, og] block.
-        // SAFETY: the partials workspace holds `lanes * wlen` elements when the weight gradient is needed.
-        let part = pp.map(|pp| unsafe { pp.0.add(lane * wlen) });
-        let mut first = true;
-        for n in g.samples(lane) {
-            let xn = &x[n * chw..(n + 1) * chw];
-            let gn = &gout[n * g.o * p..(n + 1) * g.o * p];
-            // SAFETY: sample n's input-gradient block lies inside dx and is written by this lane only.
-            let mut dxn = dxp.map(|d| unsafe { std::slice::from_raw_parts_mut(d.0.add(n * chw), chw) });
-            if !g.direct {
-                if let Some(d) = dxn.as_deref_mut() {
-                    d.fill(T::zero());
-                }
-            }
-            for (r0, r1) in g.tiles() {
-                let tp = (r1 - r0) * g.ow;
-                if let Some(part) = part {
-                    let (src, src_rs) = tile_source(g, xn, r0, r1, col, threads);
-                    // gout^T as a contiguous [tp, O] operand: GEMM packs it much faster than the strided view.
-                    transpose_tile(gn, g.o, p, r0 * g.ow, tp, gt);
-                    for gi in 0..g.groups {
-                        // dW_g^T [kg, og] (+)= col_g [kg, tp] @ gout_g^T [tp, og] (the transposed product
-                        // runs faster than dW_g = gout_g @ col_g^T for conv shapes).
-                        // SAFETY: `part` holds this lane's accumulator; operands are in bounds and do
-                        // not alias it.
-                        unsafe {
-                            gemm_into::<T>(
-                                kg,
-                                og,
-                                tp,
-                                part.add(gi * kg * og),
-                                og as isize,
-                                !first,
-                                Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
-                                Mat { ptr: gt.as_ptr().add(gi * og), rs: g.o as isize, cs: 1 },
-                                threads,
-                            )
-                        };
-                    }
-                    first = false;
-                }
-                if let Some(dxn) = dxn.as_deref_mut() {
-                    for gi in 0..g.groups {
-                        // col_g [kg, tp] = W_g^T [kg, og] @ gout_g [og, tp]; direct: straight into dx.
-                        let (dst, dst_rs) = if g.direct {
-                            // SAFETY: in bounds of this sample's dx block.
-                            (unsafe { dxn.as_mut_ptr().add(gi * cg * g.hw() + r0 * g.ow) }, g.hw())
-                        } else {
-                            // SAFETY: in bounds of this lane's tile.
-                            (unsafe { col.as_mut_ptr().add(gi * kg * tp) }, tp)
-                        };
-                        // SAFETY: dst is a fresh [kg, tp] block; operands are in bounds and do not alias it.
-                        unsafe {
-                            gemm_into::<T>(
-                                kg,
-                                tp,
-                                og,
-                                dst,
-                                dst_rs as isize,
-                                false,
-                                Mat { ptr: w.as_ptr().add(gi * og * kg), rs: 1, cs: kg as isize },
-                                Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: p as isize, cs: 1 },
-                                threads,
-                            )
-                        };
-                    }
-                    if !g.direct {
-                        col2im(g, col, r0, r1, dxn, threads > 1);
-                    }
-                }
-            }
-        }
-    });
-    if let Some(dw) = dw {
-        match pp {
-            Some(pp) if g.lanes > 0 => {
-                // SAFETY: the partials workspace holds lanes * wlen elements, no longer written.
-                let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, g.lanes * wlen) };
-                // dW[gi*og + oo, kk] = sum over lanes (in lane order) of part[gi][kk, oo].
-                let row = |(oc, d): (usize, &mut [T])| {
-                    let (gi, oo) = (oc / og.max(1), oc % og.max(1));
-                    d.fill(T::zero());
-                    for part in parts.chunks_exact(wlen) {
-                        let block = &part[gi * kg * og..(gi + 1) * kg * og];
-                        for (kk, v) in d.iter_mut().enumerate() {
-                            *v += block[kk * og + oo];
-                        }
-                    }
-                };
-                if kg > 0 {
-                    if wlen * g.lanes >= 1 << 15 {
-                        dw.par_chunks_mut(kg).enumerate().for_each(row);
-                    } else {
-                        dw.chunks_mut(kg).enumerate().for_each(row);
-                    }
-                }
-            }
-            _ => dw.fill(T::zero()),
-        }
-    }
-}
-
-/// Sum of a slice with eight independent accumulators (a serial sum is latency-bound).
-fn fast_sum<T: Float>(v: &[T]) -> T {
-    let mut acc = [T::zero(); 8];
-    let mut chunks = v.chunks_exact(8);
-    for c in &mut chunks {
-        for i in 0..8 {
-            acc[i] += c[i];
-        }
-    }
-    let tail: T = chunks.remainder().iter().copied().sum();
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// `db[o] = sum over n, oh, ow of gout[n, o, oh, ow]`.
-fn bias_grad<T: Float>(g: &Geom, gout: &[T], db: &mut [T]) {
-    let p = g.p();
-    let sum = |(oc, d): (usize, &mut T)| {
-        let mut s = T::zero();
-        for n in 0..g.n {
-            s += fast_sum(&gout[(n * g.o + oc) * p..][..p]);
-        }
-        *d = s;
-    };
-    if g.n * g.o * p >= 1 << 16 {
-        db.par_iter_mut().enumerate().for_each(sum);
-    } else {
-        db.iter_mut().enumerate().for_each(sum);
     }
 }
 

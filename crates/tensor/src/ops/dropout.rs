@@ -2,33 +2,14 @@
 //!
 //! Element `i` is kept when a SplitMix64 draw keyed by (seed, i) is >= p, so the mask depends only on
 //! the seed and the element's position (never on threading). Backward uses the mask saved as one bit
-//! per element (a u8 tensor of ceil(numel / 8) bytes, bit `i % 8` of byte `i / 8`).
+//! per element (a u8 tensor of ceil(numel / 8) bytes, bit `i % 8` of byte `i / 8`). The kernels are
+//! the backend's (`backend/cpu/dropout.rs`).
 
-use super::{output, PAR_CHUNK};
+use super::output;
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
-
-const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// The SplitMix64 finalizer.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// A uniform draw in [0, 1) for element `i` of the stream `key` (= mix(seed)).
-fn uniform(key: u64, i: u64) -> f64 {
-    let z = mix(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GAMMA)));
-    (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-}
-
-/// Bytes of mask per parallel task (8 elements per byte).
-const MASK_BYTES_PER_TASK: usize = PAR_CHUNK / 8;
 
 /// `F.dropout(x, p, training)`; the mask is drawn from `seed` (same seed, same mask). Identity when
 /// not training or p == 0.
@@ -45,37 +26,7 @@ pub fn dropout(x: &Tensor, p: f64, training: bool, seed: u64) -> Result<Tensor> 
     let grad = needs_grad(&[&x]);
     let out = output(&x, x.shape(), x.dtype(), "dropout")?;
     let mask = if grad { Some(output(&x, &[numel.div_ceil(8)], DType::U8, "dropout")?) } else { None };
-    if x.device().computes() && numel > 0 {
-        let key = mix(seed);
-        with_float!(x.dtype(), "dropout", T => {
-            let scale = T::of(1.0 / (1.0 - p));
-            let (src, dst) = (x.slice::<T>()?, out.slice_mut::<T>()?);
-            // Processes elements [8 * byte0, ...) of one task: writes output and (optionally) mask bytes.
-            let run = |byte0: usize, d: &mut [T], s: &[T], m: Option<&mut [u8]>| {
-                let mut bits = [0u8; MASK_BYTES_PER_TASK];
-                for (j, (d, &s)) in d.iter_mut().zip(s).enumerate() {
-                    let keep = uniform(key, (byte0 * 8 + j) as u64) >= p;
-                    *d = if keep { s * scale } else { T::of(0.0) };
-                    bits[j / 8] |= (keep as u8) << (j % 8);
-                }
-                if let Some(m) = m {
-                    m.copy_from_slice(&bits[..m.len()]);
-                }
-            };
-            let per = 8 * MASK_BYTES_PER_TASK;
-            match &mask {
-                Some(mask) => {
-                    let m = mask.slice_mut::<u8>()?;
-                    dst.par_chunks_mut(per).zip(src.par_chunks(per)).zip(m.par_chunks_mut(MASK_BYTES_PER_TASK))
-                        .enumerate().for_each(|(k, ((d, s), m))| run(k * MASK_BYTES_PER_TASK, d, s, Some(m)));
-                }
-                None => {
-                    dst.par_chunks_mut(per).zip(src.par_chunks(per))
-                        .enumerate().for_each(|(k, (d, s))| run(k * MASK_BYTES_PER_TASK, d, s, None));
-                }
-            }
-        });
-    }
+    x.device().backend().dropout(&x, p, seed, &out, mask.as_ref())?;
     match mask {
         Some(mask) => Ok(record(out, "dropout", &[&x], DropoutBack { mask: save(&mask), p })),
         None => Ok(out),
@@ -91,19 +42,7 @@ impl Backward for DropoutBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grad = grad.contiguous()?;
         let gx = output(&grad, grad.shape(), grad.dtype(), "dropout_backward")?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "dropout_backward", T => {
-                let scale = T::of(1.0 / (1.0 - self.p));
-                let (g, m, dst) = (grad.slice::<T>()?, self.mask.slice::<u8>()?, gx.slice_mut::<T>()?);
-                let run = |(d, (g, m)): (&mut [T], (&[T], &[u8]))| {
-                    for (j, (d, &g)) in d.iter_mut().zip(g).enumerate() {
-                        *d = if (m[j / 8] >> (j % 8)) & 1 == 1 { g * scale } else { T::of(0.0) };
-                    }
-                };
-                let per = 8 * MASK_BYTES_PER_TASK;
-                dst.par_chunks_mut(per).zip(g.par_chunks(per).zip(m.par_chunks(MASK_BYTES_PER_TASK))).for_each(run);
-            });
-        }
+        grad.device().backend().dropout_backward(&grad, &self.mask, self.p, &gx)?;
         Ok(vec![Some(gx)])
     }
 }
@@ -112,7 +51,9 @@ impl Backward for DropoutBack {
 mod tests {
     use super::*;
     use crate::autograd::backward_with;
+    use crate::backend::cpu::dropout::{mix, uniform};
     use crate::ops::softmax::test_support::*;
+    use crate::ops::PAR_CHUNK;
     use crate::{Category, Device};
 
     #[test]

@@ -1,14 +1,13 @@
 //! Embedding lookup: rows of a weight table picked by int64 indices; the gradient scatter-adds.
-//! Saves only the indices (and the table's row count) for backward.
+//! Saves only the indices (and the table's row count) for backward. The kernels (and the check of
+//! the index values, which only a computing device can read) are the backend's
+//! (`backend/cpu/embedding.rs`).
 
-use crate::backend::cpu::gemm::SendPtr;
-use super::{output, zeros_output, PAR_CHUNK};
+use super::{output, zeros_output};
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
 
 /// `F.embedding(indices int64 [...], weight [V, D])` -> [..., D].
 pub fn embedding(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
@@ -28,27 +27,7 @@ pub fn embedding(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let mut shape = indices.shape().to_vec();
     shape.push(d);
     let out = output(&weight, &shape, weight.dtype(), "embedding")?;
-    if weight.device().computes() {
-        let ix = indices.slice::<i64>()?;
-        if let Some(p) = ix.iter().position(|&i| i < 0 || i as u64 >= v as u64) {
-            return Err(Error::invalid(format!(
-                "embedding: index {} (position {p}) is out of range for a table of {v} rows",
-                ix[p]
-            )));
-        }
-        if d > 0 {
-            with_float!(weight.dtype(), "embedding", T => {
-                let w = weight.slice::<T>()?;
-                let dst = out.slice_mut::<T>()?;
-                let copy = |(row, &i): (&mut [T], &i64)| row.copy_from_slice(&w[i as usize * d..(i as usize + 1) * d]);
-                if dst.len() >= 2 * PAR_CHUNK {
-                    dst.par_chunks_mut(d).zip(ix.par_iter()).for_each(copy);
-                } else {
-                    dst.chunks_mut(d).zip(ix.iter()).for_each(copy);
-                }
-            });
-        }
-    }
+    weight.device().backend().embedding(&indices, &weight, &out)?;
     if !needs_grad(&[&weight]) {
         return Ok(out);
     }
@@ -65,35 +44,7 @@ impl Backward for EmbeddingBack {
         let grad = grad.contiguous()?;
         let d = grad.shape().last().copied().unwrap_or(1);
         let gw = zeros_output(&grad, &[self.rows, d], grad.dtype(), "embedding_backward")?;
-        if grad.device().computes() && d > 0 {
-            with_float!(grad.dtype(), "embedding_backward", T => {
-                let (ix, g) = (self.indices.slice::<i64>()?, grad.slice::<T>()?);
-                let dst = gw.slice_mut::<T>()?;
-                // Column blocks are disjoint, so tasks never add into the same element; within a
-                // block the indices are visited in order (deterministic).
-                const COLS: usize = 64;
-                let blocks = d.div_ceil(COLS);
-                if g.len() >= 2 * PAR_CHUNK && blocks > 1 {
-                    let p = SendPtr(dst.as_mut_ptr());
-                    (0..blocks).into_par_iter().for_each(|b| {
-                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                        let p = p;
-                        let (j0, j1) = (b * COLS, ((b + 1) * COLS).min(d));
-                        for (k, &i) in ix.iter().enumerate() {
-                            for j in j0..j1 {
-                                // SAFETY: columns j0..j1 of the fresh gradient belong to this task.
-                                unsafe { *p.0.add(i as usize * d + j) += g[k * d + j] };
-                            }
-                        }
-                    });
-                } else {
-                    for (k, &i) in ix.iter().enumerate() {
-                        let row = &mut dst[i as usize * d..(i as usize + 1) * d];
-                        row.iter_mut().zip(&g[k * d..(k + 1) * d]).for_each(|(a, &b)| *a += b);
-                    }
-                }
-            });
-        }
+        grad.device().backend().embedding_backward(&self.indices, &grad, &gw)?;
         Ok(vec![Some(gw)])
     }
 }

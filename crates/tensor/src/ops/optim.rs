@@ -8,14 +8,11 @@
 //! reference (`add(alpha)`, `mul_`, `lerp_`, `addcmul_`, `sqrt`, `div`, `add_`, `addcdiv_`) becomes
 //! the same rounding step here. Only the tensor traffic is fused: one pass over memory per update.
 //! Large tensors are split into disjoint chunks updated in parallel (elementwise, so the result does
-//! not depend on the thread count).
+//! not depend on the thread count). The kernels are the backend's (`backend/cpu/optim.rs`).
 
-use super::{check_same, PAR_CHUNK};
-use crate::dtype::Float;
+use super::check_same;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Validates an in-place update: same device and dtype, same shape, contiguous, no two tensors
@@ -51,44 +48,17 @@ fn check_update(op: &str, param: &Tensor, grad: &Tensor, states: &[&Tensor]) -> 
     Ok(())
 }
 
-/// SGD hyper-parameters already cast to the parameter's dtype (Note [Optimizer arithmetic]).
-#[derive(Clone, Copy)]
-struct Sgd<T> {
-    weight_decay: Option<T>,
-    momentum: T,
-    one_minus_dampening: T,
-    nesterov: bool,
-    first_step: bool,
-    neg_lr: T,
-}
-
-impl<T: Float> Sgd<T> {
-    /// `grad.add(param, alpha=wd)`.
-    #[inline(always)]
-    fn decayed(&self, p: T, g: T) -> T {
-        match self.weight_decay {
-            Some(wd) => g + wd * p,
-            None => g,
-        }
-    }
-
-    /// Without momentum: `param.add_(g', alpha=-lr)`.
-    #[inline(always)]
-    fn plain(&self, p: &mut T, g: T) {
-        let g = self.decayed(*p, g);
-        *p += self.neg_lr * g;
-    }
-
-    /// With momentum: `buf = clone(g')` on the first step, else `buf.mul_(m).add_(g', alpha=1-d)`;
-    /// the step direction is `g'.add(buf, alpha=m)` (Nesterov) or `buf`.
-    #[inline(always)]
-    fn with_momentum(&self, p: &mut T, g: T, buf: &mut T) {
-        let g = self.decayed(*p, g);
-        let b = if self.first_step { g } else { *buf * self.momentum + self.one_minus_dampening * g };
-        *buf = b;
-        let d = if self.nesterov { g + self.momentum * b } else { b };
-        *p += self.neg_lr * d;
-    }
+/// One SGD step's hyper-parameters as the caller gives them (Python floats: f64); the kernel casts
+/// them to the parameter's dtype (Note [Optimizer arithmetic]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SgdStep {
+    pub(crate) lr: f64,
+    pub(crate) momentum: f64,
+    pub(crate) dampening: f64,
+    pub(crate) nesterov: bool,
+    pub(crate) weight_decay: f64,
+    /// The momentum buffer is fresh: it is overwritten with the gradient, not blended.
+    pub(crate) first_step: bool,
 }
 
 /// SGD for one parameter: `g' = g + wd*p`; with momentum: `buf = g'` on the first step (the caller
@@ -118,128 +88,23 @@ pub fn sgd_update(
         return Err(Error::invalid("sgd_update: Nesterov momentum requires a momentum and zero dampening"));
     }
     check_update("sgd_update", param, grad, buf.as_slice())?;
-    if !param.device().computes() {
-        return Ok(());
-    }
-    with_float!(param.dtype(), "sgd_update", T => {
-        let k = Sgd::<T> {
-            weight_decay: (weight_decay != 0.0).then(|| T::of(weight_decay)),
-            momentum: T::of(momentum),
-            one_minus_dampening: T::of(1.0 - dampening),
-            nesterov,
-            first_step,
-            neg_lr: T::of(-lr),
-        };
-        let p = param.slice_mut::<T>()?;
-        let g = grad.slice::<T>()?;
-        let parallel = p.len() >= 2 * PAR_CHUNK;
-        match buf {
-            None => {
-                let run = |p: &mut [T], g: &[T]| p.iter_mut().zip(g).for_each(|(p, &g)| k.plain(p, g));
-                if parallel {
-                    p.par_chunks_mut(PAR_CHUNK).zip(g.par_chunks(PAR_CHUNK)).for_each(|(p, g)| run(p, g));
-                } else {
-                    run(p, g);
-                }
-            }
-            Some(buf) => {
-                let b = buf.slice_mut::<T>()?;
-                let run = |p: &mut [T], g: &[T], b: &mut [T]| {
-                    p.iter_mut().zip(g).zip(b.iter_mut()).for_each(|((p, &g), b)| k.with_momentum(p, g, b))
-                };
-                if parallel {
-                    p.par_chunks_mut(PAR_CHUNK)
-                        .zip(g.par_chunks(PAR_CHUNK))
-                        .zip(b.par_chunks_mut(PAR_CHUNK))
-                        .for_each(|((p, g), b)| run(p, g, b));
-                } else {
-                    run(p, g, b);
-                }
-            }
-        }
-    });
-    Ok(())
+    let step = SgdStep { lr, momentum, dampening, nesterov, weight_decay, first_step };
+    param.device().backend().sgd_update(param, grad, buf, step)
 }
 
-/// Adam hyper-parameters already cast to the parameter's dtype (Note [Optimizer arithmetic]).
-#[derive(Clone, Copy)]
-struct Adam<T> {
-    /// `1 - lr*wd` (AdamW) applied to the parameter first.
-    decay: Option<T>,
-    /// L2 weight decay (Adam) added to the gradient.
-    l2: Option<T>,
-    /// `1 - beta1`, the lerp weight.
-    lerp_weight: T,
-    beta2: T,
-    one_minus_beta2: T,
-    /// `sqrt(1 - beta2^t)`.
-    bias_correction2_sqrt: T,
-    eps: T,
-    /// `-lr / (1 - beta1^t)`.
-    neg_step_size: T,
-}
-
-impl<T: Float> Adam<T> {
-    /// One element's update. The const flags select the variant at compile time, so the loop over
-    /// elements has no branches and vectorizes (decoupled decay, L2 decay, which side of ATen's lerp).
-    #[inline(always)]
-    fn update<const DECAY: bool, const L2: bool, const LOW_WEIGHT: bool>(
-        &self,
-        p: &mut T,
-        g: T,
-        m: &mut T,
-        v: &mut T,
-        decay: T,
-        wd: T,
-    ) {
-        let mut param = *p;
-        let mut g = g;
-        if DECAY {
-            param *= decay; // param.mul_(1 - lr*wd)
-        }
-        if L2 {
-            g += wd * param; // grad.add(param, alpha=wd)
-        }
-        // exp_avg.lerp_(grad, 1 - beta1), with ATen's two-sided lerp formula.
-        let w = self.lerp_weight;
-        let m_new = if LOW_WEIGHT { *m + w * (g - *m) } else { g - (g - *m) * (T::one() - w) };
-        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2)
-        let v_new = *v * self.beta2 + self.one_minus_beta2 * g * g;
-        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        let denom = v_new.sqrt() / self.bias_correction2_sqrt + self.eps;
-        // param.addcdiv_(exp_avg, denom, value=-step_size)
-        *p = param + self.neg_step_size * m_new / denom;
-        *m = m_new;
-        *v = v_new;
-    }
-
-    fn update_all<const DECAY: bool, const L2: bool, const LOW_WEIGHT: bool>(
-        &self,
-        p: &mut [T],
-        g: &[T],
-        m: &mut [T],
-        v: &mut [T],
-    ) {
-        let decay = self.decay.unwrap_or(T::one());
-        let wd = self.l2.unwrap_or(T::zero());
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            self.update::<DECAY, L2, LOW_WEIGHT>(p, g, m, v, decay, wd);
-        }
-    }
-
-    fn update_chunk(&self, p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]) {
-        let low = self.lerp_weight < T::of(0.5);
-        match (self.decay.is_some(), self.l2.is_some(), low) {
-            (false, false, true) => self.update_all::<false, false, true>(p, g, m, v),
-            (false, false, false) => self.update_all::<false, false, false>(p, g, m, v),
-            (true, false, true) => self.update_all::<true, false, true>(p, g, m, v),
-            (true, false, false) => self.update_all::<true, false, false>(p, g, m, v),
-            (false, true, true) => self.update_all::<false, true, true>(p, g, m, v),
-            (false, true, false) => self.update_all::<false, true, false>(p, g, m, v),
-            (true, true, true) => self.update_all::<true, true, true>(p, g, m, v),
-            (true, true, false) => self.update_all::<true, true, false>(p, g, m, v),
-        }
-    }
+/// One Adam / AdamW step's hyper-parameters as the caller gives them (Python floats: f64); the
+/// kernel derives the bias corrections in f64 and casts to the parameter's dtype
+/// (Note [Optimizer arithmetic]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamStep {
+    /// Numbered from 1.
+    pub(crate) step: u64,
+    pub(crate) lr: f64,
+    pub(crate) betas: (f64, f64),
+    pub(crate) eps: f64,
+    pub(crate) weight_decay: f64,
+    /// AdamW: decay the parameter, not the gradient.
+    pub(crate) decoupled: bool,
 }
 
 /// Adam / AdamW for one parameter at step `step` (numbered from 1). Adam's weight decay is L2 added to
@@ -264,43 +129,8 @@ pub fn adam_update(
         return Err(Error::invalid("adam_update: steps are numbered from 1"));
     }
     check_update("adam_update", param, grad, &[exp_avg, exp_avg_sq])?;
-    if !param.device().computes() {
-        return Ok(());
-    }
-    let (beta1, beta2) = betas;
-    // Python floats, as torch.optim computes them.
-    let t = step as f64;
-    let bias_correction1 = 1.0 - beta1.powf(t);
-    let bias_correction2 = 1.0 - beta2.powf(t);
-    let step_size = lr / bias_correction1;
-    let bias_correction2_sqrt = bias_correction2.powf(0.5);
-    with_float!(param.dtype(), "adam_update", T => {
-        let k = Adam::<T> {
-            decay: (weight_decay != 0.0 && decoupled).then(|| T::of(1.0 - lr * weight_decay)),
-            l2: (weight_decay != 0.0 && !decoupled).then(|| T::of(weight_decay)),
-            lerp_weight: T::of(1.0 - beta1),
-            beta2: T::of(beta2),
-            one_minus_beta2: T::of(1.0 - beta2),
-            bias_correction2_sqrt: T::of(bias_correction2_sqrt),
-            eps: T::of(eps),
-            neg_step_size: T::of(-step_size),
-        };
-        let p = param.slice_mut::<T>()?;
-        let g = grad.slice::<T>()?;
-        let m = exp_avg.slice_mut::<T>()?;
-        let v = exp_avg_sq.slice_mut::<T>()?;
-        let run = |p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]| k.update_chunk(p, g, m, v);
-        if p.len() >= 2 * PAR_CHUNK {
-            p.par_chunks_mut(PAR_CHUNK)
-                .zip(g.par_chunks(PAR_CHUNK))
-                .zip(m.par_chunks_mut(PAR_CHUNK))
-                .zip(v.par_chunks_mut(PAR_CHUNK))
-                .for_each(|(((p, g), m), v)| run(p, g, m, v));
-        } else {
-            run(p, g, m, v);
-        }
-    });
-    Ok(())
+    let step = AdamStep { step, lr, betas, eps, weight_decay, decoupled };
+    param.device().backend().adam_update(param, grad, exp_avg, exp_avg_sq, step)
 }
 
 /// Multiplies `grad` in place by `inv_scale` (cast to the gradient's dtype, as GradScaler's f32
@@ -310,34 +140,15 @@ pub fn unscale_(grad: &Tensor, inv_scale: f64) -> Result<bool> {
     if !grad.is_contiguous() {
         return Err(Error::invalid(format!("unscale_: the gradient {:?} must be contiguous", grad.shape())));
     }
-    if !grad.device().computes() {
-        return Ok(false);
-    }
-    let found_inf = with_float!(grad.dtype(), "unscale_", T => {
-        let inv = T::of(inv_scale);
-        let g = grad.slice_mut::<T>()?;
-        let run = |c: &mut [T]| {
-            let mut bad = false;
-            for v in c.iter_mut() {
-                let x = *v;
-                let y = x * inv;
-                bad |= !x.is_finite() || !y.is_finite();
-                *v = y;
-            }
-            bad
-        };
-        if g.len() >= 2 * PAR_CHUNK {
-            g.par_chunks_mut(PAR_CHUNK).map(run).reduce(|| false, |a, b| a || b)
-        } else {
-            run(g)
-        }
-    });
+    let mut found_inf = false;
+    grad.device().backend().unscale(grad, inv_scale, &mut found_inf)?;
     Ok(found_inf)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::PAR_CHUNK;
     use crate::{Category, Device};
 
     fn t64(d: &Device, v: &[f64]) -> Tensor {

@@ -3,17 +3,14 @@
 //! Inputs may also be unbatched `[C, H, W]`; kernels work plane by plane (one plane per (n, c)), in
 //! parallel for large inputs. For its backward, max_pool2d saves neither the input nor int64 indices
 //! but the position of each maximum inside its window, in 1, 2 or 4 bytes (a `u8` tensor), chosen
-//! from the window size. The average pools save nothing but shapes.
+//! from the window size. The average pools save nothing but shapes. The kernels are the backend's
+//! (`backend/cpu/pool.rs`).
 
-use crate::backend::cpu::gemm::SendPtr;
 use super::output;
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
-use num_traits::Zero as _;
-use rayon::prelude::*;
 
 /// Hyper-parameters of a 2-D pooling window, `[h, w]` pairs as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,27 +31,27 @@ impl Pool2dParams {
 
 /// The shapes of one pooling: `planes` independent [h, w] -> [oh, ow] planes.
 #[derive(Clone, Copy, Debug)]
-struct Geom {
-    planes: usize,
-    h: usize,
-    w: usize,
-    oh: usize,
-    ow: usize,
-    kh: usize,
-    kw: usize,
-    sh: usize,
-    sw: usize,
-    ph: usize,
-    pw: usize,
-    dh: usize,
-    dw: usize,
+pub(crate) struct PoolGeom {
+    pub(crate) planes: usize,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+    pub(crate) oh: usize,
+    pub(crate) ow: usize,
+    pub(crate) kh: usize,
+    pub(crate) kw: usize,
+    pub(crate) sh: usize,
+    pub(crate) sw: usize,
+    pub(crate) ph: usize,
+    pub(crate) pw: usize,
+    pub(crate) dh: usize,
+    pub(crate) dw: usize,
 }
 
-impl Geom {
-    fn hw(&self) -> usize {
+impl PoolGeom {
+    pub(crate) fn hw(&self) -> usize {
         self.h * self.w
     }
-    fn ohw(&self) -> usize {
+    pub(crate) fn ohw(&self) -> usize {
         self.oh * self.ow
     }
 }
@@ -96,7 +93,7 @@ fn pool_out_size(size: usize, k: usize, s: usize, p: usize, d: usize, ceil: bool
     out
 }
 
-fn geometry(op: &str, x: &Tensor, params: &Pool2dParams) -> Result<Geom> {
+fn geometry(op: &str, x: &Tensor, params: &Pool2dParams) -> Result<PoolGeom> {
     let (planes, h, w) = planes_of(op, x)?;
     let Pool2dParams { kernel, stride, padding, dilation, ceil_mode } = *params;
     if kernel.contains(&0) {
@@ -122,7 +119,7 @@ fn geometry(op: &str, x: &Tensor, params: &Pool2dParams) -> Result<Geom> {
             x.shape()
         )));
     }
-    Ok(Geom {
+    Ok(PoolGeom {
         planes,
         h,
         w,
@@ -137,25 +134,6 @@ fn geometry(op: &str, x: &Tensor, params: &Pool2dParams) -> Result<Geom> {
         dh: dilation[0],
         dw: dilation[1],
     })
-}
-
-/// Runs `f(plane)` for every plane, in parallel when the total work is large.
-fn for_planes(planes: usize, work_per_plane: usize, f: impl Fn(usize) + Sync + Send) {
-    let work = work_per_plane.max(1);
-    if planes.saturating_mul(work) >= 1 << 15 && planes > 1 {
-        (0..planes).into_par_iter().with_min_len(((1 << 13) / work).max(1)).for_each(f);
-    } else {
-        (0..planes).for_each(f);
-    }
-}
-
-/// Window taps `i` in `0..k` whose position `start + i*d` lies in `0..size`.
-fn taps(start: isize, d: usize, k: usize, size: usize) -> (usize, usize) {
-    let (d_i, size_i) = (d as isize, size as isize);
-    let lo = if start >= 0 { 0 } else { ((-start + d_i - 1) / d_i) as usize };
-    let hi = if start >= size_i { 0 } else { ((size_i - start + d_i - 1) / d_i) as usize };
-    let lo = lo.min(k);
-    (lo, hi.clamp(lo, k))
 }
 
 /// Bytes per saved window position: enough for `kh*kw` positions.
@@ -191,19 +169,7 @@ fn max_pool(x: &Tensor, params: Pool2dParams, want_indices: bool) -> Result<(Ten
     let grad = needs_grad(&[&x]);
     let width = index_width(g.kh * g.kw);
     let positions = if grad { Some(output(&x, &[out.numel() * width], DType::U8, "max_pool2d")?) } else { None };
-    if x.device().computes() {
-        with_float!(x.dtype(), "max_pool2d", T => {
-            let ix = match &indices {
-                Some(t) => Some(t.slice_mut::<i64>()?),
-                None => None,
-            };
-            let pos = match &positions {
-                Some(t) => Some(t.slice_mut::<u8>()?),
-                None => None,
-            };
-            max_forward::<T>(&g, x.slice::<T>()?, out.slice_mut::<T>()?, ix, pos, width);
-        });
-    }
+    x.device().backend().max_pool2d(&g, &x, &out, indices.as_ref(), positions.as_ref(), width)?;
     let out = match positions {
         Some(pos) => {
             let back = MaxPoolBack { positions: save(&pos), geom: g, width, input_shape: x.shape().to_vec() };
@@ -214,148 +180,10 @@ fn max_pool(x: &Tensor, params: Pool2dParams, want_indices: bool) -> Result<(Ten
     Ok((out, indices))
 }
 
-/// Window taps of every output column: (window start, first valid tap, end of valid taps).
-fn column_taps(g: &Geom) -> Vec<(isize, usize, usize)> {
-    (0..g.ow)
-        .map(|ow| {
-            let ws = (ow * g.sw) as isize - g.pw as isize;
-            let (lo, hi) = taps(ws, g.dw, g.kw, g.w);
-            (ws, lo, hi)
-        })
-        .collect()
-}
-
-/// The plain 2x2 window with stride 2, no padding or dilation, every window inside the input (not
-/// ceil mode's partial last one): it gets a fast path.
-fn is_plain_2x2(g: &Geom) -> bool {
-    (g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw) == (2, 2, 2, 2, 0, 0, 1, 1) && 2 * g.oh <= g.h && 2 * g.ow <= g.w
-}
-
-/// The common training case (2x2 window, stride 2, no padding, no i64 indices asked): one pass over
-/// each pair of input rows with no per-element bookkeeping beyond the one-byte position.
-fn max_forward_2x2<T: Float>(g: &Geom, x: &[T], out: &mut [T], positions: &mut [u8]) {
-    let (hw, ohw) = (g.hw(), g.ohw());
-    let op = SendPtr(out.as_mut_ptr());
-    let pp = SendPtr(positions.as_mut_ptr());
-    for_planes(g.planes, ohw * 4, |plane| {
-        let (op, pp) = (op, pp);
-        let src = &x[plane * hw..(plane + 1) * hw];
-        // SAFETY: each plane's output and position blocks are written by this task only.
-        let dst = unsafe { std::slice::from_raw_parts_mut(op.0.add(plane * ohw), ohw) };
-        // SAFETY: as above (one byte per output).
-        let pos = unsafe { std::slice::from_raw_parts_mut(pp.0.add(plane * ohw), ohw) };
-        for oh in 0..g.oh {
-            let r0 = &src[2 * oh * g.w..][..2 * g.ow];
-            let r1 = &src[(2 * oh + 1) * g.w..][..2 * g.ow];
-            let d = &mut dst[oh * g.ow..][..g.ow];
-            let p = &mut pos[oh * g.ow..][..g.ow];
-            for ow in 0..g.ow {
-                let (a, b, c, e) = (r0[2 * ow], r0[2 * ow + 1], r1[2 * ow], r1[2 * ow + 1]);
-                // Row-major order; a strictly larger value or a NaN takes over, as in PyTorch.
-                let (mut best, mut at) = (a, 0u8);
-                if b > best || b.is_nan() {
-                    best = b;
-                    at = 1;
-                }
-                if c > best || c.is_nan() {
-                    best = c;
-                    at = 2;
-                }
-                if e > best || e.is_nan() {
-                    best = e;
-                    at = 3;
-                }
-                d[ow] = best;
-                p[ow] = at;
-            }
-        }
-    });
-}
-
-fn max_forward<T: Float>(
-    g: &Geom,
-    x: &[T],
-    out: &mut [T],
-    indices: Option<&mut [i64]>,
-    positions: Option<&mut [u8]>,
-    width: usize,
-) {
-    if indices.is_none() && width == 1 && is_plain_2x2(g) {
-        if let Some(positions) = positions {
-            return max_forward_2x2(g, x, out, positions);
-        }
-    }
-    let (hw, ohw) = (g.hw(), g.ohw());
-    let cols = column_taps(g);
-    let plain = is_plain_2x2(g);
-    let op = SendPtr(out.as_mut_ptr());
-    let ip = indices.map(|s| SendPtr(s.as_mut_ptr()));
-    let pp = positions.map(|s| SendPtr(s.as_mut_ptr()));
-    for_planes(g.planes, ohw * g.kh * g.kw, |plane| {
-        let (op, ip, pp) = (op, ip, pp);
-        let src = &x[plane * hw..(plane + 1) * hw];
-        // SAFETY: each plane's output, index and position blocks are written by this task only.
-        let dst = unsafe { std::slice::from_raw_parts_mut(op.0.add(plane * ohw), ohw) };
-        // SAFETY: as above.
-        let mut ix = ip.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw), ohw) });
-        // SAFETY: as above.
-        let mut pos = pp.map(|p| unsafe { std::slice::from_raw_parts_mut(p.0.add(plane * ohw * width), ohw * width) });
-        for oh in 0..g.oh {
-            let hs = (oh * g.sh) as isize - g.ph as isize;
-            let (ilo, ihi) = taps(hs, g.dh, g.kh, g.h);
-            for (ow, &(ws, jlo, jhi)) in cols.iter().enumerate() {
-                let (best, bi, bj) = if plain {
-                    // Rows 2oh, 2oh+1 and columns 2ow, 2ow+1, all inside the input.
-                    let (r0, r1) = (&src[2 * oh * g.w + 2 * ow..][..2], &src[(2 * oh + 1) * g.w + 2 * ow..][..2]);
-                    let (mut best, mut at) = (r0[0], 0);
-                    for (k, v) in [(1, r0[1]), (2, r1[0]), (3, r1[1])] {
-                        if v > best || v.is_nan() {
-                            best = v;
-                            at = k;
-                        }
-                    }
-                    (best, at / 2, at % 2)
-                } else {
-                    let mut best = <T as num_traits::Float>::neg_infinity();
-                    let (mut bi, mut bj) = (ilo, jlo);
-                    for i in ilo..ihi {
-                        let row = &src[(hs + (i * g.dh) as isize) as usize * g.w..][..g.w];
-                        for j in jlo..jhi {
-                            let v = row[(ws + (j * g.dw) as isize) as usize];
-                            // As PyTorch: a strictly larger value or a NaN takes over.
-                            if v > best || v.is_nan() {
-                                best = v;
-                                bi = i;
-                                bj = j;
-                            }
-                        }
-                    }
-                    (best, bi, bj)
-                };
-                let e = oh * g.ow + ow;
-                dst[e] = best;
-                if let Some(ix) = ix.as_deref_mut() {
-                    let ih = hs + (bi * g.dh) as isize;
-                    let iw = ws + (bj * g.dw) as isize;
-                    ix[e] = ih as i64 * g.w as i64 + iw as i64;
-                }
-                if let Some(pos) = pos.as_deref_mut() {
-                    let at = (bi * g.kw + bj) as u32;
-                    if width == 1 {
-                        pos[e] = at as u8;
-                    } else {
-                        pos[e * width..(e + 1) * width].copy_from_slice(&at.to_le_bytes()[..width]);
-                    }
-                }
-            }
-        }
-    });
-}
-
 struct MaxPoolBack {
     /// Position of each maximum inside its window (`i*kw + j`), `width` little-endian bytes each.
     positions: Tensor,
-    geom: Geom,
+    geom: PoolGeom,
     width: usize,
     input_shape: Vec<usize>,
 }
@@ -365,97 +193,25 @@ impl Backward for MaxPoolBack {
         let grad = grad.contiguous()?;
         let (g, width) = (self.geom, self.width);
         let dx = output(&grad, &self.input_shape, grad.dtype(), "max_pool2d_backward")?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "max_pool2d_backward", T => {
-                max_backward::<T>(&g, width, grad.slice::<T>()?, self.positions.slice::<u8>()?, dx.slice_mut::<T>()?);
-            });
-        }
+        grad.device().backend().max_pool2d_backward(&g, width, &grad, &self.positions, &dx)?;
         Ok(vec![Some(dx)])
     }
 }
 
-fn max_backward<T: Float>(g: &Geom, width: usize, gs: &[T], pos: &[u8], dx: &mut [T]) {
-    let (hw, ohw) = (g.hw(), g.ohw());
-    // Offsets (rows, cols) of every window position from the window's origin.
-    let offsets: Vec<(isize, isize)> =
-        (0..g.kh * g.kw).map(|at| (((at / g.kw) * g.dh) as isize, ((at % g.kw) * g.dw) as isize)).collect();
-    let (h, w) = (g.h as isize, g.w as isize);
-    let dp = SendPtr(dx.as_mut_ptr());
-    for_planes(g.planes, ohw + hw, |plane| {
-        let dp = &dp; // capture the whole SendPtr, not its raw field
-                      // SAFETY: each plane's gradient block is written by this task only.
-        let d = unsafe { std::slice::from_raw_parts_mut(dp.0.add(plane * hw), hw) };
-        d.fill(T::zero());
-        let gp = &gs[plane * ohw..(plane + 1) * ohw];
-        let pp = &pos[plane * ohw * width..(plane + 1) * ohw * width];
-        for oh in 0..g.oh {
-            let hs = (oh * g.sh) as isize - g.ph as isize;
-            for ow in 0..g.ow {
-                let e = oh * g.ow + ow;
-                let at = if width == 1 {
-                    pp[e] as usize
-                } else {
-                    let mut bytes = [0u8; 4];
-                    bytes[..width].copy_from_slice(&pp[e * width..(e + 1) * width]);
-                    u32::from_le_bytes(bytes) as usize
-                };
-                let Some(&(di, dj)) = offsets.get(at) else { continue };
-                let (ih, iw) = (hs + di, (ow * g.sw) as isize - g.pw as isize + dj);
-                // An all-padding window (possible only with dilation) has no input to credit.
-                if ih >= 0 && iw >= 0 && ih < h && iw < w {
-                    d[(ih * w + iw) as usize] += gp[e];
-                }
-            }
-        }
-    });
-}
-
-/// One avg-pool window per output: rows `h0..h1`, cols `w0..w1` (clamped to the input) and the divisor.
-#[derive(Clone, Copy)]
-struct AvgWindow {
-    h0: usize,
-    h1: usize,
-    w0: usize,
-    w1: usize,
-    divisor: usize,
-}
-
-/// PyTorch's avg_pool2d window: the divisor counts padding up to `size + pad` when `count_include_pad`.
-fn avg_window_1d(o: usize, k: usize, s: usize, p: usize, size: usize) -> (usize, usize, usize) {
-    let start = (o * s) as isize - p as isize;
-    let end = (start + k as isize).min((size + p) as isize);
-    let span = (end - start).max(0) as usize;
-    let (lo, hi) = (start.max(0) as usize, end.clamp(0, size as isize) as usize);
-    (lo, hi.max(lo), span)
-}
-
+/// Which average pool: a fixed window (PyTorch's `count_include_pad` divisor rule) or adaptive windows.
 #[derive(Clone, Copy, Debug)]
-enum Avg {
+pub(crate) enum Avg {
     Fixed { count_include_pad: bool },
     Adaptive,
 }
 
-fn avg_window(g: &Geom, kind: Avg, oh: usize, ow: usize) -> AvgWindow {
-    match kind {
-        Avg::Fixed { count_include_pad } => {
-            let (h0, h1, sh) = avg_window_1d(oh, g.kh, g.sh, g.ph, g.h);
-            let (w0, w1, sw) = avg_window_1d(ow, g.kw, g.sw, g.pw, g.w);
-            let divisor = if count_include_pad { sh * sw } else { (h1 - h0) * (w1 - w0) };
-            AvgWindow { h0, h1, w0, w1, divisor }
+impl Avg {
+    /// The op's name.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Avg::Fixed { .. } => "avg_pool2d",
+            Avg::Adaptive => "adaptive_avg_pool2d",
         }
-        Avg::Adaptive => {
-            let (h0, h1) = (oh * g.h / g.oh, ((oh + 1) * g.h).div_ceil(g.oh));
-            let (w0, w1) = (ow * g.w / g.ow, ((ow + 1) * g.w).div_ceil(g.ow));
-            AvgWindow { h0, h1, w0, w1, divisor: (h1 - h0) * (w1 - w0) }
-        }
-    }
-}
-
-/// Largest window extent, for the parallel work estimate.
-fn avg_window_area(g: &Geom, kind: Avg) -> usize {
-    match kind {
-        Avg::Fixed { .. } => g.kh * g.kw,
-        Avg::Adaptive => (g.h.div_ceil(g.oh) + 1) * (g.w.div_ceil(g.ow) + 1),
     }
 }
 
@@ -481,52 +237,24 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output_size: [usize; 2]) -> Result<Tensor
         return Err(Error::shape(format!("{op}: output size {output_size:?} must be positive")));
     }
     let [oh, ow] = output_size;
-    let g = Geom { planes, h, w, oh, ow, kh: 1, kw: 1, sh: 1, sw: 1, ph: 0, pw: 0, dh: 1, dw: 1 };
+    let g = PoolGeom { planes, h, w, oh, ow, kh: 1, kw: 1, sh: 1, sw: 1, ph: 0, pw: 0, dh: 1, dw: 1 };
     avg_pool(x, g, Avg::Adaptive, op)
 }
 
-fn avg_pool(x: &Tensor, g: Geom, kind: Avg, op: &'static str) -> Result<Tensor> {
+fn avg_pool(x: &Tensor, g: PoolGeom, kind: Avg, op: &'static str) -> Result<Tensor> {
     let x = x.contiguous()?;
     let out = output(&x, &out_shape(&x, g.oh, g.ow), x.dtype(), op)?;
-    if x.device().computes() {
-        with_float!(x.dtype(), op, T => {
-            let src = x.slice::<T>()?;
-            let (hw, ohw) = (g.hw(), g.ohw());
-            let dp = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
-            for_planes(g.planes, ohw * avg_window_area(&g, kind), |plane| {
-                let dp = &dp; // capture the whole SendPtr, not its raw field
-                let s = &src[plane * hw..(plane + 1) * hw];
-                // SAFETY: each plane's output block is written by this task only.
-                let d = unsafe { std::slice::from_raw_parts_mut(dp.0.add(plane * ohw), ohw) };
-                for oh in 0..g.oh {
-                    for ow in 0..g.ow {
-                        let win = avg_window(&g, kind, oh, ow);
-                        let mut sum = T::zero();
-                        for ih in win.h0..win.h1 {
-                            sum += s[ih * g.w + win.w0..ih * g.w + win.w1].iter().copied().sum::<T>();
-                        }
-                        // An empty window (impossible with the size checks) averages to 0, as in PyTorch.
-                        d[oh * g.ow + ow] = if win.h0 < win.h1 && win.w0 < win.w1 && win.divisor > 0 {
-                            sum / T::of(win.divisor as f64)
-                        } else {
-                            T::zero()
-                        };
-                    }
-                }
-            });
-        });
-    }
+    x.device().backend().avg_pool2d(&g, kind, &x, &out)?;
     if !needs_grad(&[&x]) {
         return Ok(out);
     }
-    Ok(record(out, op, &[&x], AvgPoolBack { geom: g, kind, input_shape: x.shape().to_vec(), op }))
+    Ok(record(out, op, &[&x], AvgPoolBack { geom: g, kind, input_shape: x.shape().to_vec() }))
 }
 
 struct AvgPoolBack {
-    geom: Geom,
+    geom: PoolGeom,
     kind: Avg,
     input_shape: Vec<usize>,
-    op: &'static str,
 }
 
 impl Backward for AvgPoolBack {
@@ -535,32 +263,7 @@ impl Backward for AvgPoolBack {
         let (g, kind) = (self.geom, self.kind);
         let name = if matches!(kind, Avg::Adaptive) { "adaptive_avg_pool2d_backward" } else { "avg_pool2d_backward" };
         let dx = output(&grad, &self.input_shape, grad.dtype(), name)?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), self.op, T => {
-                let gs = grad.slice::<T>()?;
-                let (hw, ohw) = (g.hw(), g.ohw());
-                let dp = SendPtr(dx.slice_mut::<T>()?.as_mut_ptr());
-                for_planes(g.planes, hw + ohw * avg_window_area(&g, kind), |plane| {
-                    let dp = &dp; // capture the whole SendPtr, not its raw field
-                    // SAFETY: each plane's gradient block is written by this task only.
-                    let d = unsafe { std::slice::from_raw_parts_mut(dp.0.add(plane * hw), hw) };
-                    d.fill(T::zero());
-                    let gp = &gs[plane * ohw..(plane + 1) * ohw];
-                    for oh in 0..g.oh {
-                        for ow in 0..g.ow {
-                            let win = avg_window(&g, kind, oh, ow);
-                            if win.divisor == 0 {
-                                continue;
-                            }
-                            let share = gp[oh * g.ow + ow] / T::of(win.divisor as f64);
-                            for ih in win.h0..win.h1 {
-                                d[ih * g.w + win.w0..ih * g.w + win.w1].iter_mut().for_each(|v| *v += share);
-                            }
-                        }
-                    }
-                });
-            });
-        }
+        grad.device().backend().avg_pool2d_backward(&g, kind, &grad, &dx)?;
         Ok(vec![Some(dx)])
     }
 }

@@ -1,15 +1,13 @@
 //! Reductions: sum, mean and max over one dim or all elements, and `sum_to_shape` (the gradient of
-//! broadcasting).
+//! broadcasting): shapes, outputs and autograd. The kernels are the backend's
+//! (`backend/cpu/reduce.rs`).
 
 use super::{output, zeros_output};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::{broadcast_layout, for_each_offset_pair, resolve_dim};
-use crate::backend::cpu::elementwise::typed_storage;
+use crate::layout::resolve_dim;
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
 
 /// (outer, size, inner) of `shape` around `dim`.
 fn split_at_dim(shape: &[usize], dim: usize) -> (usize, usize, usize) {
@@ -34,35 +32,8 @@ pub fn sum_to_shape(x: &Tensor, shape: &[usize]) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let out = zeros_output(x, shape, x.dtype(), "sum_to_shape")?;
-    if x.device().computes() {
-        with_float!(x.dtype(), "sum_to_shape", T => {
-            let src = typed_storage::<T>(x)?;
-            let dst = out.slice_mut::<T>()?;
-            let target = broadcast_layout(out.layout(), x.shape());
-            for_each_offset_pair(x.layout(), &target, |os, od| dst[od] += src[os]);
-        });
-    }
+    x.device().backend().sum_to_shape(x, &out)?;
     Ok(out)
-}
-
-fn sum_dim_kernel<T: Float>(src: &[T], dst: &mut [T], outer: usize, size: usize, inner: usize, scale: T) {
-    let row = |(o, d): (usize, &mut [T])| {
-        d.fill(T::zero());
-        let base = o * size * inner;
-        for k in 0..size {
-            let s = &src[base + k * inner..base + (k + 1) * inner];
-            d.iter_mut().zip(s).for_each(|(d, &s)| *d += s);
-        }
-        d.iter_mut().for_each(|d| *d *= scale);
-    };
-    if inner == 0 {
-        return;
-    }
-    if outer * size * inner >= 1 << 16 {
-        dst.par_chunks_mut(inner).enumerate().for_each(row);
-    } else {
-        dst.chunks_mut(inner).enumerate().for_each(row);
-    }
 }
 
 impl Tensor {
@@ -100,28 +71,7 @@ impl Tensor {
         let shape = reduced_shape(x.shape(), d, keepdim);
         let values = output(&x, &shape, x.dtype(), "max")?;
         let indices = output(&x, &shape, DType::I64, "max")?;
-        if x.device().computes() {
-            with_float!(x.dtype(), "max", T => {
-                let src = x.slice::<T>()?;
-                let (v, ix) = (values.slice_mut::<T>()?, indices.slice_mut::<i64>()?);
-                for o in 0..outer {
-                    for i in 0..inner {
-                        let mut best = 0;
-                        let mut best_v = src[o * size * inner + i];
-                        for k in 1..size {
-                            let val = src[(o * size + k) * inner + i];
-                            // NaN propagates like PyTorch: a NaN wins and stays.
-                            if val > best_v || (val.is_nan() && !best_v.is_nan()) {
-                                best = k;
-                                best_v = val;
-                            }
-                        }
-                        v[o * inner + i] = best_v;
-                        ix[o * inner + i] = best as i64;
-                    }
-                }
-            });
-        }
+        x.device().backend().max_dim(&x, outer, size, inner, &values, &indices)?;
         let values = if needs_grad(&[&x]) {
             let back = MaxDimBack { shape: x.shape().to_vec(), dim: d, indices: save(&indices) };
             record(values, "max", &[&x], back)
@@ -138,12 +88,7 @@ impl Tensor {
             return Err(Error::shape("max of an empty tensor"));
         }
         let out = output(&x, &[], x.dtype(), "max")?;
-        if x.device().computes() {
-            with_float!(x.dtype(), "max", T => {
-                let m = x.slice::<T>()?.iter().copied().fold(<T as num_traits::Float>::neg_infinity(), |a, b| if b > a || b.is_nan() { b } else { a });
-                out.slice_mut::<T>()?[0] = m;
-            });
-        }
+        x.device().backend().max_all(&x, &out)?;
         Ok(if needs_grad(&[&x]) {
             let back = MaxAllBack { input: save(&x), out: save(&out) };
             record(out, "max", &[&x], back)
@@ -161,9 +106,7 @@ fn reduce_dim(x: &Tensor, dim: isize, keepdim: bool, mean: bool) -> Result<Tenso
     let name = if mean { "mean" } else { "sum" };
     let out = output(&x, &shape, x.dtype(), name)?;
     let scale = if mean { 1.0 / size as f64 } else { 1.0 };
-    if x.device().computes() {
-        with_float!(x.dtype(), name, T => sum_dim_kernel(x.slice::<T>()?, out.slice_mut::<T>()?, outer, size, inner, T::of(scale)));
-    }
+    x.device().backend().sum_dim(&x, outer, size, inner, mean, &out)?;
     Ok(if needs_grad(&[&x]) {
         record(out, name, &[&x], SumBack { shape: x.shape().to_vec(), dim: d, scale })
     } else {
@@ -184,15 +127,7 @@ impl Backward for SumBack {
         let kept: Vec<isize> = kept.iter().map(|&d| d as isize).collect();
         let g = grad.reshape(&kept)?.expand(&self.shape)?;
         let full = output(&grad, &self.shape, grad.dtype(), "sum_backward")?;
-        if grad.device().computes() {
-            g.copy_into_bytes(full.bytes_mut()?)?;
-            if self.scale != 1.0 {
-                with_float!(full.dtype(), "sum_backward", T => {
-                    let s = T::of(self.scale);
-                    full.slice_mut::<T>()?.iter_mut().for_each(|v| *v *= s);
-                });
-            }
-        }
+        grad.device().backend().sum_backward(&g, self.scale, &full)?;
         Ok(vec![Some(full)])
     }
 }
@@ -207,18 +142,8 @@ impl Backward for MaxDimBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grad = grad.contiguous()?;
         let out = zeros_output(&grad, &self.shape, grad.dtype(), "max_backward")?;
-        if grad.device().computes() {
-            let (outer, size, inner) = split_at_dim(&self.shape, self.dim);
-            with_float!(grad.dtype(), "max_backward", T => {
-                let (g, ix, dst) = (grad.slice::<T>()?, self.indices.slice::<i64>()?, out.slice_mut::<T>()?);
-                for o in 0..outer {
-                    for i in 0..inner {
-                        let k = ix[o * inner + i] as usize;
-                        dst[(o * size + k) * inner + i] += g[o * inner + i];
-                    }
-                }
-            });
-        }
+        let (outer, size, inner) = split_at_dim(&self.shape, self.dim);
+        grad.device().backend().max_dim_backward(&grad, &self.indices, outer, size, inner, &out)?;
         Ok(vec![Some(out)])
     }
 }
@@ -231,18 +156,7 @@ struct MaxAllBack {
 impl Backward for MaxAllBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let out = zeros_output(&grad, self.input.shape(), grad.dtype(), "max_backward")?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "max_backward", T => {
-                let (x, m, g) = (self.input.slice::<T>()?, self.out.slice::<T>()?[0], grad.to_vec::<T>()?[0]);
-                let ties = x.iter().filter(|&&v| v == m).count().max(1);
-                let share = g / T::of(ties as f64);
-                for (d, &v) in out.slice_mut::<T>()?.iter_mut().zip(x) {
-                    if v == m {
-                        *d = share;
-                    }
-                }
-            });
-        }
+        grad.device().backend().max_all_backward(&self.input, &self.out, &grad, &out)?;
         Ok(vec![Some(out)])
     }
 }

@@ -1,5 +1,6 @@
 //! Views (reshape, permute, transpose, narrow, expand, squeeze/unsqueeze, flatten) and contiguous copies.
-//! A view shares storage; its backward maps the gradient back to the input's shape.
+//! A view shares storage; its backward maps the gradient back to the input's shape. The copies and
+//! accumulations are the backend's data-movement and element-wise kernels (`copy`, `add_into`).
 
 use super::output;
 use crate::autograd::{needs_grad, record, Backward};
@@ -11,9 +12,7 @@ impl Tensor {
     /// A row-major copy of any layout (no autograd; used by kernels and the engine).
     pub(crate) fn contiguous_copy(&self) -> Result<Tensor> {
         let out = output(self, self.shape(), self.dtype(), "contiguous")?;
-        if self.device().computes() {
-            self.copy_into_bytes(out.bytes_mut()?)?;
-        }
+        self.device().backend().copy(&out, self)?;
         Ok(out)
     }
 
@@ -214,10 +213,9 @@ struct NarrowBack {
 impl Backward for NarrowBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let full = super::zeros_output(&grad, &self.shape, grad.dtype(), "narrow_backward")?;
-        if grad.device().computes() {
-            let window = full.narrow(self.dim as isize, self.start, grad.shape()[self.dim])?;
-            super::add_into(&window, &grad)?;
-        }
+        // A view of the zeros (no allocation, on any device) takes the gradient.
+        let window = full.narrow(self.dim as isize, self.start, grad.shape()[self.dim])?;
+        super::add_into(&window, &grad)?;
         Ok(vec![Some(full)])
     }
 }

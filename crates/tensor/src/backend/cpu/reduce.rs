@@ -1,0 +1,141 @@
+//! CPU kernels of the reductions (`ops/reduce.rs`): sum/mean over one dim (rows in parallel for
+//! large inputs), max over one dim or all elements, their backwards, and `sum_to_shape`.
+
+use super::elementwise::typed_storage;
+use crate::dtype::Float;
+use crate::error::Result;
+use crate::layout::{broadcast_layout, for_each_offset_pair};
+use crate::tensor::Tensor;
+use crate::with_float;
+use rayon::prelude::*;
+
+/// `out += x` summed down to `out`'s shape (which `x`'s is a broadcast of); `out` is zeroed.
+pub(crate) fn sum_to_shape(x: &Tensor, out: &Tensor) -> Result<()> {
+    with_float!(x.dtype(), "sum_to_shape", T => {
+        let src = typed_storage::<T>(x)?;
+        let dst = out.slice_mut::<T>()?;
+        let target = broadcast_layout(out.layout(), x.shape());
+        for_each_offset_pair(x.layout(), &target, |os, od| dst[od] += src[os]);
+    });
+    Ok(())
+}
+
+fn sum_dim_kernel<T: Float>(src: &[T], dst: &mut [T], outer: usize, size: usize, inner: usize, scale: T) {
+    let row = |(o, d): (usize, &mut [T])| {
+        d.fill(T::zero());
+        let base = o * size * inner;
+        for k in 0..size {
+            let s = &src[base + k * inner..base + (k + 1) * inner];
+            d.iter_mut().zip(s).for_each(|(d, &s)| *d += s);
+        }
+        d.iter_mut().for_each(|d| *d *= scale);
+    };
+    if inner == 0 {
+        return;
+    }
+    if outer * size * inner >= 1 << 16 {
+        dst.par_chunks_mut(inner).enumerate().for_each(row);
+    } else {
+        dst.chunks_mut(inner).enumerate().for_each(row);
+    }
+}
+
+/// `out[o, i] = scale * sum_k x[o, k, i]` for x contiguous `[outer, size, inner]`; the scale is
+/// `1/size` for a mean, else 1.
+pub(crate) fn sum_dim(x: &Tensor, outer: usize, size: usize, inner: usize, mean: bool, out: &Tensor) -> Result<()> {
+    let name = if mean { "mean" } else { "sum" };
+    let scale = if mean { 1.0 / size as f64 } else { 1.0 };
+    with_float!(x.dtype(), name, T => sum_dim_kernel(x.slice::<T>()?, out.slice_mut::<T>()?, outer, size, inner, T::of(scale)));
+    Ok(())
+}
+
+/// `out = grad * scale` where `grad` is the upstream gradient expanded to `out`'s shape.
+pub(crate) fn sum_backward(grad: &Tensor, scale: f64, out: &Tensor) -> Result<()> {
+    grad.copy_into_bytes(out.bytes_mut()?)?;
+    if scale != 1.0 {
+        with_float!(out.dtype(), "sum_backward", T => {
+            let s = T::of(scale);
+            out.slice_mut::<T>()?.iter_mut().for_each(|v| *v *= s);
+        });
+    }
+    Ok(())
+}
+
+/// Max over the middle dim of x contiguous `[outer, size, inner]`: `values` and int64 `indices`
+/// (first index among ties; a NaN wins and stays).
+pub(crate) fn max_dim(
+    x: &Tensor,
+    outer: usize,
+    size: usize,
+    inner: usize,
+    values: &Tensor,
+    indices: &Tensor,
+) -> Result<()> {
+    with_float!(x.dtype(), "max", T => {
+        let src = x.slice::<T>()?;
+        let (v, ix) = (values.slice_mut::<T>()?, indices.slice_mut::<i64>()?);
+        for o in 0..outer {
+            for i in 0..inner {
+                let mut best = 0;
+                let mut best_v = src[o * size * inner + i];
+                for k in 1..size {
+                    let val = src[(o * size + k) * inner + i];
+                    // NaN propagates like PyTorch: a NaN wins and stays.
+                    if val > best_v || (val.is_nan() && !best_v.is_nan()) {
+                        best = k;
+                        best_v = val;
+                    }
+                }
+                v[o * inner + i] = best_v;
+                ix[o * inner + i] = best as i64;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `out[o, indices[o, i], i] += grad[o, i]` into the zeroed `out` `[outer, size, inner]`.
+pub(crate) fn max_dim_backward(
+    grad: &Tensor,
+    indices: &Tensor,
+    outer: usize,
+    size: usize,
+    inner: usize,
+    out: &Tensor,
+) -> Result<()> {
+    with_float!(grad.dtype(), "max_backward", T => {
+        let (g, ix, dst) = (grad.slice::<T>()?, indices.slice::<i64>()?, out.slice_mut::<T>()?);
+        for o in 0..outer {
+            for i in 0..inner {
+                let k = ix[o * inner + i] as usize;
+                dst[(o * size + k) * inner + i] += g[o * inner + i];
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `out[0]` = the max of all elements of x (contiguous, not empty); a NaN wins.
+pub(crate) fn max_all(x: &Tensor, out: &Tensor) -> Result<()> {
+    with_float!(x.dtype(), "max", T => {
+        let m = x.slice::<T>()?.iter().copied().fold(<T as num_traits::Float>::neg_infinity(), |a, b| if b > a || b.is_nan() { b } else { a });
+        out.slice_mut::<T>()?[0] = m;
+    });
+    Ok(())
+}
+
+/// The gradient of `max_all`: the 0-d `grad` split evenly among the elements of `x` equal to the
+/// maximum `max`, into the zeroed `out`.
+pub(crate) fn max_all_backward(x: &Tensor, max: &Tensor, grad: &Tensor, out: &Tensor) -> Result<()> {
+    with_float!(grad.dtype(), "max_backward", T => {
+        let (x, m, g) = (x.slice::<T>()?, max.slice::<T>()?[0], grad.to_vec::<T>()?[0]);
+        let ties = x.iter().filter(|&&v| v == m).count().max(1);
+        let share = g / T::of(ties as f64);
+        for (d, &v) in out.slice_mut::<T>()?.iter_mut().zip(x) {
+            if v == m {
+                *d = share;
+            }
+        }
+    });
+    Ok(())
+}
