@@ -56,7 +56,10 @@ impl ModelKind {
         ModelKind::ALL
             .into_iter()
             .find(|k| k.name() == text)
-            .ok_or_else(|| format!("unknown model {text:?}: expected one of mlp, simplecnn, deepcnn, resnet, gpt"))
+            .ok_or_else(|| {
+                let names: Vec<&str> = ModelKind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown model {text:?}: expected one of {}", names.join(", "))
+            })
     }
 }
 
