@@ -113,7 +113,7 @@ struct RunArgs {
     /// sgd (momentum 0.9), adam or adamw.
     #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
     optimizer: OptimizerChoice,
-    /// Device capacity, e.g. 256MiB or 2GiB, at most 1PiB (default: unlimited). Plans the micro-batch when
+    /// Device capacity, e.g. 256MiB or 2GiB, at most 1024TiB (default: unlimited). Plans the micro-batch when
     /// the batch does not fit.
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
@@ -207,7 +207,7 @@ struct PlanArgs {
     /// The model to plan: mlp, simplecnn, deepcnn, resnet or gpt.
     #[arg(long, value_parser = parse_model)]
     model: ModelKind,
-    /// Memory budget, e.g. 64MiB (at most 1PiB).
+    /// Memory budget, e.g. 64MiB (at most 1024TiB).
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: u64,
     /// Effective batch to keep: samples per optimizer step.
@@ -278,7 +278,7 @@ struct GenerateArgs {
     /// Seed of the sampling: the same seed gives the same text.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
-    /// Device capacity, e.g. 64MiB, at most 1PiB (default: unlimited).
+    /// Device capacity, e.g. 64MiB, at most 1024TiB (default: unlimited).
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
     /// Worker threads, from 1 to 16 per core (default: all cores).
@@ -304,7 +304,7 @@ fn threads_parser() -> clap::builder::RangedU64ValueParser<u64> {
 fn parse_capacity(s: &str) -> Result<u64, String> {
     let bytes = parse_bytes(s)?;
     if bytes > limits::MAX_CAPACITY {
-        return Err(format!("{} is more than memfit manages: give at most 1PiB", format_bytes(bytes)));
+        return Err(format!("{} is more than memfit manages: give at most 1024TiB", format_bytes(bytes)));
     }
     Ok(bytes)
 }

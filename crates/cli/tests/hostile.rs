@@ -95,7 +95,7 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         (vec!["plan", "--model", "mlp", "--memory", "64MiB", "--batch-size", "8", "--lr", "nan"], vec!["--lr", "nan"]),
         ([&train[..], &["--safety-margin", "2"]].concat(), vec!["--safety-margin", "'2'", "0 to 0.5"]),
         ([&train[..], &["--safety-margin", "nan"]].concat(), vec!["--safety-margin", "nan"]),
-        ([&train[..], &["--memory", "2048TiB"]].concat(), vec!["--memory", "2048TiB", "1PiB"]),
+        ([&train[..], &["--memory", "2048TiB"]].concat(), vec!["--memory", "2048TiB", "1024TiB"]),
         ([&train[..], &["--memory", "99999999999999999999TiB"]].concat(), vec!["--memory", "99999999999999999999TiB"]),
         ([&train[..], &["--memory", "12XB"]].concat(), vec!["--memory", "12XB"]),
         ([&train[..], &["--inject-oom", "0"]].concat(), vec!["--inject-oom", "'0'"]),
@@ -109,6 +109,7 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         ([&train[..], &["--load", &d]].concat(), vec!["--load", &d, "a directory"]),
         (vec!["generate", "--load", "/dev/zero", "--prompt", "a"], vec!["--load", "/dev/zero", "a device"]),
         (vec!["train", "--model", "gpt", "--data", "/dev/zero"], vec!["--data", "/dev/zero", "a device"]),
+        (vec!["plan", "--model", "gpt", "--data", "/dev/zero", "--memory", "64MiB", "--batch-size", "8"], vec!["--data", "/dev/zero", "a device"]),
         ([&train[..], &["--epochs", "0", "--load", &p]].concat(), vec![&p, "PyTorch pickle", "memfit reads safetensors"]),
         ([&train[..], &["--epochs", "0", "--load", &g]].concat(), vec![&g, "not a valid safetensors file"]),
         // outputs that would destroy something, or cannot be written
@@ -120,8 +121,8 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         ([&train[..], &["--save", &sm, "--report", &sm]].concat(), vec!["--save", "--report", "the same file"]),
         ([&train[..], &["--report", &svg]].concat(), vec!["--report", "its curves", "the same file"]),
         ([&train[..], &["--save", &t, "--load", &t]].concat(), vec!["--save", "--load", "the same file"]),
-        ([&train[..], &["--profile-on-oom", "/dev/null"]].concat(), vec!["/dev/null", "not a directory"]),
-        (vec!["profile", "--data", "embedded", "--out", "/dev/null"], vec!["/dev/null", "not a directory"]),
+        ([&train[..], &["--profile-on-oom", "/dev/null"]].concat(), vec!["--profile-on-oom", "/dev/null", "not a directory"]),
+        (vec!["profile", "--data", "embedded", "--out", "/dev/null"], vec!["--out", "/dev/null", "not a directory"]),
         // training that diverges: exit 1 naming the step, nothing saved
         ([&train[..], &["--lr", "1e30", "--max-steps", "3", "--no-eval"]].concat(), vec!["loss at step 2", "diverged"]),
         ([&train[..], &["--lr", "1e300", "--max-steps", "1", "--save", &sv]].concat(), vec!["after step 1", "NaN or infinity", "nothing is saved"]),

@@ -18,7 +18,7 @@ pub mod limits {
     pub const MAX_STEPS: u64 = 1 << 32;
     /// Timed steps of a benchmark case (`bench --steps`), and its warm-up steps.
     pub const MAX_BENCH_STEPS: u64 = 10_000;
-    /// Device capacity: 1 PiB.
+    /// Device capacity: 1024 TiB (1 PiB).
     pub const MAX_CAPACITY: u64 = 1 << 50;
     /// Worker threads per available core.
     pub const THREADS_PER_CORE: usize = 16;
@@ -150,7 +150,7 @@ impl TrainConfig {
             ));
         }
         if let Some(m) = self.memory.filter(|&m| m > limits::MAX_CAPACITY) {
-            return bad(format!("--memory {m} bytes is more than memfit manages (1 PiB)"));
+            return bad(format!("--memory {m} bytes is more than memfit manages: give at most 1024TiB"));
         }
         if let Some(t) = self.threads.filter(|&t| t == 0 || t > limits::max_threads()) {
             return bad(format!(

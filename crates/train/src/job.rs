@@ -201,8 +201,8 @@ fn advice_for_budget(request: &PlanRequest) -> String {
                 )
             } else if request.capacity.is_none() {
                 format!(
-                    "no --memory cap was set: the allocation failed for another reason (an injected fault, or the \
-                     host refused it); a micro-batch of 1 needs {} (peak reserved).",
+                    "no --memory cap was set, so the host itself could not provide the memory; a micro-batch of 1 \
+                     needs {} (peak reserved): use a smaller model or batch.",
                     memfit_tensor::memory::format_bytes(p.peak_reserved)
                 )
             } else {

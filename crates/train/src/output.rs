@@ -142,7 +142,8 @@ pub fn check_outputs(outputs: &[NamedPath], inputs: &[NamedPath]) -> Result<(), 
                 check_replaceable(&out.flag, &out.path)?;
                 check_writable_dir(&out.flag, &out.path, &parent_of(&out.path))?;
             }
-            PathKind::Directory => crate::profile::check_profile_dir(&out.path)?,
+            PathKind::Directory => crate::profile::check_profile_dir(&out.path)
+                .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.flag)))?,
         }
     }
     let ids: Vec<(&NamedPath, Option<PathBuf>)> = outputs.iter().chain(inputs).map(|p| (p, identity(&p.path))).collect();

@@ -104,7 +104,10 @@ impl Task {
 /// when `path` is None or `embedded`.
 pub fn load_text(path: Option<&Path>) -> Result<TextCorpus, TrainError> {
     Ok(match path {
-        Some(p) if p.as_os_str() != EMBEDDED => memfit_data::load_text(p)?,
+        Some(p) if p.as_os_str() != EMBEDDED => {
+            crate::output::check_input("--data", p)?;
+            memfit_data::load_text(p)?
+        }
         _ => memfit_data::load_embedded_text()?,
     })
 }
