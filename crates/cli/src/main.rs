@@ -6,9 +6,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec};
 use memfit_tensor::memory::{format_bytes, parse_bytes, FaultInjection};
 use memfit_tensor::DeviceKind;
+use memfit_train::config::limits;
 use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
-use memfit_train::config::limits;
 use memfit_train::{OptimizerChoice, Plan, PlanRequest, Report, StepEvent, TrainConfig};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -616,7 +616,8 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         match &c.pytorch {
             Some(p) => {
                 let peak = p.peak_bytes.map_or("n/a".to_string(), format_bytes);
-                let peak_ratio = p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
+                let peak_ratio =
+                    p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
                 print!(" {:>12.2} {:>8.2} {:>14} {:>8}", p.median_ms, c.median_ms / p.median_ms, peak, peak_ratio);
             }
             None if compare => print!(" {:>12}", "n/a"),

@@ -74,8 +74,14 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
     // (arguments after `train --data embedded` or a whole command line, words the message must hold)
     let rows: Vec<(Vec<&str>, Vec<&str>)> = vec![
         // sizes and counts
-        ([&train[..], &["--epochs", "9223372036854775808"]].concat(), vec!["--epochs", "9223372036854775808", "0..=1000000"]),
-        ([&train[..], &["--batch-size", "18446744073709551615"]].concat(), vec!["--batch-size", "18446744073709551615"]),
+        (
+            [&train[..], &["--epochs", "9223372036854775808"]].concat(),
+            vec!["--epochs", "9223372036854775808", "0..=1000000"],
+        ),
+        (
+            [&train[..], &["--batch-size", "18446744073709551615"]].concat(),
+            vec!["--batch-size", "18446744073709551615"],
+        ),
         ([&train[..], &["--batch-size", "0"]].concat(), vec!["--batch-size", "'0'"]),
         ([&train[..], &["--micro-batch", "0"]].concat(), vec!["--micro-batch", "'0'"]),
         ([&train[..], &["--max-steps", "0"]].concat(), vec!["--max-steps", "'0'"]),
@@ -99,18 +105,36 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         ([&train[..], &["--memory", "99999999999999999999TiB"]].concat(), vec!["--memory", "99999999999999999999TiB"]),
         ([&train[..], &["--memory", "12XB"]].concat(), vec!["--memory", "12XB"]),
         ([&train[..], &["--inject-oom", "0"]].concat(), vec!["--inject-oom", "'0'"]),
-        (vec!["generate", "--load", &g, "--prompt", "a", "--temperature", "inf"], vec!["--temperature", "inf", "0 (greedy) to 100"]),
+        (
+            vec!["generate", "--load", &g, "--prompt", "a", "--temperature", "inf"],
+            vec!["--temperature", "inf", "0 (greedy) to 100"],
+        ),
         (vec!["generate", "--load", &g, "--prompt", "a", "--temperature", "-1"], vec!["--temperature", "-1"]),
-        (vec!["plan", "--model", "deepcnn", "--memory", "64MiB", "--batch-size", "8", "--input", "99999999x1x1"], vec!["--input", "99999999x1x1", "channels 1 to 4096"]),
-        (vec!["plan", "--model", "deepcnn", "--memory", "64MiB", "--batch-size", "8", "--input", "0x28x28"], vec!["--input", "0x28x28"]),
+        (
+            vec!["plan", "--model", "deepcnn", "--memory", "64MiB", "--batch-size", "8", "--input", "99999999x1x1"],
+            vec!["--input", "99999999x1x1", "channels 1 to 4096"],
+        ),
+        (
+            vec!["plan", "--model", "deepcnn", "--memory", "64MiB", "--batch-size", "8", "--input", "0x28x28"],
+            vec!["--input", "0x28x28"],
+        ),
         (vec!["train", "--model", "vgg"], vec!["--model", "vgg", "mlp, simplecnn, deepcnn, resnet, gpt"]),
         // inputs that are not regular files, or not safetensors
-        ([&train[..], &["--load", "/dev/zero"]].concat(), vec!["--load", "/dev/zero", "a device", "not a regular file"]),
+        (
+            [&train[..], &["--load", "/dev/zero"]].concat(),
+            vec!["--load", "/dev/zero", "a device", "not a regular file"],
+        ),
         ([&train[..], &["--load", &d]].concat(), vec!["--load", &d, "a directory"]),
         (vec!["generate", "--load", "/dev/zero", "--prompt", "a"], vec!["--load", "/dev/zero", "a device"]),
         (vec!["train", "--model", "gpt", "--data", "/dev/zero"], vec!["--data", "/dev/zero", "a device"]),
-        (vec!["plan", "--model", "gpt", "--data", "/dev/zero", "--memory", "64MiB", "--batch-size", "8"], vec!["--data", "/dev/zero", "a device"]),
-        ([&train[..], &["--epochs", "0", "--load", &p]].concat(), vec![&p, "PyTorch pickle", "memfit reads safetensors"]),
+        (
+            vec!["plan", "--model", "gpt", "--data", "/dev/zero", "--memory", "64MiB", "--batch-size", "8"],
+            vec!["--data", "/dev/zero", "a device"],
+        ),
+        (
+            [&train[..], &["--epochs", "0", "--load", &p]].concat(),
+            vec![&p, "PyTorch pickle", "memfit reads safetensors"],
+        ),
         ([&train[..], &["--epochs", "0", "--load", &g]].concat(), vec![&g, "not a valid safetensors file"]),
         // outputs that would destroy something, or cannot be written
         ([&train[..], &["--save", "/dev/null"]].concat(), vec!["--save", "/dev/null", "a device", "regular files"]),
@@ -121,13 +145,22 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         ([&train[..], &["--save", &sm, "--report", &sm]].concat(), vec!["--save", "--report", "the same file"]),
         ([&train[..], &["--report", &svg]].concat(), vec!["--report", "its curves", "the same file"]),
         ([&train[..], &["--save", &t, "--load", &t]].concat(), vec!["--save", "--load", "the same file"]),
-        ([&train[..], &["--profile-on-oom", "/dev/null"]].concat(), vec!["--profile-on-oom", "/dev/null", "not a directory"]),
+        (
+            [&train[..], &["--profile-on-oom", "/dev/null"]].concat(),
+            vec!["--profile-on-oom", "/dev/null", "not a directory"],
+        ),
         (vec!["profile", "--data", "embedded", "--out", "/dev/null"], vec!["--out", "/dev/null", "not a directory"]),
         // training that diverges: exit 1 naming the step, nothing saved
         ([&train[..], &["--lr", "1e30", "--max-steps", "3", "--no-eval"]].concat(), vec!["loss at step 2", "diverged"]),
-        ([&train[..], &["--lr", "1e300", "--max-steps", "1", "--save", &sv]].concat(), vec!["after step 1", "NaN or infinity", "nothing is saved"]),
+        (
+            [&train[..], &["--lr", "1e300", "--max-steps", "1", "--save", &sv]].concat(),
+            vec!["after step 1", "NaN or infinity", "nothing is saved"],
+        ),
         // an injected fault with no cap: no advice to set a cap
-        ([&train[..], &["--inject-oom", "1", "--max-steps", "1"]].concat(), vec!["injected by --inject-oom", "no --memory cap is set"]),
+        (
+            [&train[..], &["--inject-oom", "1", "--max-steps", "1"]].concat(),
+            vec!["injected by --inject-oom", "no --memory cap is set"],
+        ),
     ];
     let mut problems = Vec::new();
     for (args, words) in &rows {
@@ -187,7 +220,8 @@ fn the_unknown_model_error_lists_only_models_every_command_takes() {
 #[test]
 fn a_huge_batch_plans_in_bounded_time_and_memory() {
     // The planner once walked 3 x batch samples: a billion was killed by the host's OOM killer.
-    let (out, took) = memfit(&["plan", "--model", "simplecnn", "--memory", "64MiB", "--batch-size", "1000000000", "--json"]);
+    let (out, took) =
+        memfit(&["plan", "--model", "simplecnn", "--memory", "64MiB", "--batch-size", "1000000000", "--json"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(took < QUICK, "planning a billion-sample batch took {took:?}");
     let p: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -260,7 +294,8 @@ fn plan_and_train_share_the_learning_rate_default() {
 fn the_data_seed_orders_the_data_and_the_seed_initializes() {
     let dir = scratch("seeds");
     let run = |extra: &[&str], name: &str| {
-        let args = [&["train", "--model", "mlp", "--data", "embedded", "--max-steps", "2", "--no-eval"][..], extra].concat();
+        let args =
+            [&["train", "--model", "mlp", "--data", "embedded", "--max-steps", "2", "--no-eval"][..], extra].concat();
         report(&args, &dir.join(name))["final_train_loss"].as_f64().unwrap()
     };
     let default = run(&["--seed", "3"], "default.json");
@@ -277,7 +312,8 @@ fn the_data_seed_orders_the_data_and_the_seed_initializes() {
 fn max_steps_runs_across_epochs() {
     // The embedded split has 8,000 training images: at batch 4,000 an epoch is two steps.
     let dir = scratch("max-steps");
-    let args = ["train", "--model", "mlp", "--data", "embedded", "--batch-size", "4000", "--device", "meta", "--no-eval"];
+    let args =
+        ["train", "--model", "mlp", "--data", "embedded", "--batch-size", "4000", "--device", "meta", "--no-eval"];
     let r = report(&[&args[..], &["--max-steps", "5"]].concat(), &dir.join("five.json"));
     assert_eq!(r["steps"], 5, "{r}");
     assert_eq!(r["epochs"], 3);
@@ -291,7 +327,18 @@ fn max_steps_runs_across_epochs() {
 fn checkpoints_record_the_input_normalization() {
     let dir = scratch("normalization");
     let ckpt = dir.join("model.safetensors");
-    let (out, _) = memfit(&["train", "--model", "mlp", "--data", "embedded", "--max-steps", "1", "--no-eval", "--save", &s(&ckpt)]);
+    let (out, _) = memfit(&[
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "embedded",
+        "--max-steps",
+        "1",
+        "--no-eval",
+        "--save",
+        &s(&ckpt),
+    ]);
     assert!(out.status.success(), "{}", text(&out));
     let meta = safetensors_metadata(&ckpt);
     assert_eq!(meta["memfit.input.normalization"], "x = (pixel / 255 - mean) / std", "{meta}");
@@ -300,7 +347,18 @@ fn checkpoints_record_the_input_normalization() {
     let std: f64 = meta["memfit.input.std"].as_str().unwrap().parse().unwrap();
     assert!((mean - 0.2860).abs() < 1e-6 && (std - 0.3530).abs() < 1e-6, "{meta}");
     // Saving again replaces the file (atomically), and leaves no temporary files behind.
-    let (out, _) = memfit(&["train", "--model", "mlp", "--data", "embedded", "--max-steps", "1", "--no-eval", "--save", &s(&ckpt)]);
+    let (out, _) = memfit(&[
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "embedded",
+        "--max-steps",
+        "1",
+        "--no-eval",
+        "--save",
+        &s(&ckpt),
+    ]);
     assert!(out.status.success(), "{}", text(&out));
     let names: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();

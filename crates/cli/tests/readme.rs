@@ -58,7 +58,13 @@ fn every_readme_output_block_is_what_memfit_prints() {
             }
             skipping = false;
             let got = actual.get(at).copied().unwrap_or("<end of output>");
-            assert_eq!(untimed(got), untimed(want), "`{command}`: line {} differs; it printed:\n{}", at + 1, actual.join("\n"));
+            assert_eq!(
+                untimed(got),
+                untimed(want),
+                "`{command}`: line {} differs; it printed:\n{}",
+                at + 1,
+                actual.join("\n")
+            );
             at += 1;
         }
     }

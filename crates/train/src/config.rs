@@ -184,7 +184,9 @@ impl TrainConfig {
         if let Some(p) = &self.load {
             inputs.push(NamedPath::file("--load", p));
         }
-        if let Some(p) = self.data.as_ref().filter(|p| self.model == ModelKind::Gpt && p.as_os_str() != crate::task::EMBEDDED) {
+        if let Some(p) =
+            self.data.as_ref().filter(|p| self.model == ModelKind::Gpt && p.as_os_str() != crate::task::EMBEDDED)
+        {
             inputs.push(NamedPath::file("--data", p));
         }
         (outputs, inputs)
@@ -218,5 +220,45 @@ impl Default for TrainConfig {
             profile_on_oom: None,
             report: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Library callers get the same bounds as the CLI's parsers: each absurd value is refused by name.
+    #[test]
+    fn check_refuses_every_value_out_of_bounds() {
+        assert!(TrainConfig::default().check().is_ok());
+        let cases: Vec<(TrainConfig, &str)> = vec![
+            (TrainConfig { batch_size: 0, ..TrainConfig::default() }, "--batch-size"),
+            (TrainConfig { batch_size: usize::MAX, ..TrainConfig::default() }, "--batch-size"),
+            (TrainConfig { micro_batch: Some(0), ..TrainConfig::default() }, "--micro-batch"),
+            (TrainConfig { epochs: Some(usize::MAX), ..TrainConfig::default() }, "--epochs"),
+            (TrainConfig { max_steps: Some(0), ..TrainConfig::default() }, "--max-steps"),
+            (TrainConfig { lr: f64::INFINITY, ..TrainConfig::default() }, "--lr"),
+            (TrainConfig { lr: f64::NAN, ..TrainConfig::default() }, "--lr"),
+            (TrainConfig { lr: 0.0, ..TrainConfig::default() }, "--lr"),
+            (TrainConfig { safety_margin: f64::NAN, ..TrainConfig::default() }, "--safety-margin"),
+            (TrainConfig { memory: Some(u64::MAX), ..TrainConfig::default() }, "--memory"),
+            (TrainConfig { threads: Some(0), ..TrainConfig::default() }, "--threads"),
+            (TrainConfig { threads: Some(limits::max_threads() + 1), ..TrainConfig::default() }, "--threads"),
+        ];
+        for (cfg, flag) in cases {
+            let message = cfg.check().expect_err(flag).to_string();
+            assert!(message.contains(flag), "{message}");
+        }
+    }
+
+    #[test]
+    fn steps_run_across_epochs_and_never_wrap() {
+        use crate::trainer::total_steps;
+        assert_eq!(total_steps(10, None, None).unwrap(), 10);
+        assert_eq!(total_steps(10, None, Some(25)).unwrap(), 25);
+        assert_eq!(total_steps(10, Some(2), Some(25)).unwrap(), 20);
+        assert_eq!(total_steps(10, Some(3), None).unwrap(), 30);
+        assert!(total_steps(usize::MAX, Some(2), None).is_err());
+        assert_eq!(total_steps(usize::MAX, Some(2), Some(7)).unwrap(), 7);
     }
 }

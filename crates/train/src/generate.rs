@@ -42,8 +42,9 @@ pub fn read_gpt_checkpoint(path: &std::path::Path) -> Result<(GptConfig, Vocab),
     let fail = |why: String| TrainError::Checkpoint(format!("cannot generate from {}: {why}", path.display()));
     crate::output::check_input("--load", path)?;
     // The checkpoint reader's errors name the file already: they are not prefixed again.
-    let metadata =
-        memfit_nn::checkpoint::read_metadata(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?.unwrap_or_default();
+    let metadata = memfit_nn::checkpoint::read_metadata(path)
+        .map_err(|e| TrainError::Checkpoint(e.to_string()))?
+        .unwrap_or_default();
     match metadata.get(MODEL_KEY).map(String::as_str) {
         Some("gpt") => {}
         Some(other) => return Err(fail(format!("it holds a {other} model; generation needs a gpt checkpoint"))),

@@ -102,7 +102,8 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {
             // The checkpoint's errors name the file already.
-            memfit_nn::checkpoint::load(path, session.model.as_ref()).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            memfit_nn::checkpoint::load(path, session.model.as_ref())
+                .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         }
     }
     let opts = RunOptions {
@@ -221,8 +222,9 @@ fn advice_for_budget(request: &PlanRequest) -> String {
 /// would mean other characters.
 fn check_vocab(path: &std::path::Path, task: &Task) -> Result<(), TrainError> {
     let Some(vocab) = task.vocab() else { return Ok(()) };
-    let metadata =
-        memfit_nn::checkpoint::read_metadata(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?.unwrap_or_default();
+    let metadata = memfit_nn::checkpoint::read_metadata(path)
+        .map_err(|e| TrainError::Checkpoint(e.to_string()))?
+        .unwrap_or_default();
     match metadata.get(memfit_nn::models::VOCAB_KEY) {
         Some(saved) if *saved == vocab.as_string() => Ok(()),
         Some(saved) => Err(TrainError::Checkpoint(format!(

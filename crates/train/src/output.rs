@@ -104,11 +104,9 @@ fn check_replaceable(flag: &str, path: &Path) -> Result<(), TrainError> {
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(refuse(flag, path, e)),
-        Ok(m) if m.file_type().is_symlink() => Err(refuse(
-            flag,
-            path,
-            "it is a symbolic link; memfit does not write through links: name the file itself",
-        )),
+        Ok(m) if m.file_type().is_symlink() => {
+            Err(refuse(flag, path, "it is a symbolic link; memfit does not write through links: name the file itself"))
+        }
         Ok(m) if !m.is_file() => {
             Err(refuse(flag, path, format!("it is {}; memfit writes only regular files: name a file", describe(&m))))
         }
@@ -146,7 +144,8 @@ pub fn check_outputs(outputs: &[NamedPath], inputs: &[NamedPath]) -> Result<(), 
                 .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.flag)))?,
         }
     }
-    let ids: Vec<(&NamedPath, Option<PathBuf>)> = outputs.iter().chain(inputs).map(|p| (p, identity(&p.path))).collect();
+    let ids: Vec<(&NamedPath, Option<PathBuf>)> =
+        outputs.iter().chain(inputs).map(|p| (p, identity(&p.path))).collect();
     for (i, (a, ida)) in ids.iter().enumerate().take(outputs.len()) {
         for (b, idb) in &ids[i + 1..] {
             let same = match (ida, idb) {

@@ -157,7 +157,9 @@ pub fn representative_window(effective: usize, micro: usize) -> usize {
 pub fn search_limit(model: &ModelSpec, high: usize, budget: Option<u64>) -> usize {
     let Some(budget) = budget else { return high.max(1) };
     let per_sample = match model.input_kind() {
-        ModelInput::Image { shape: [c, h, w], .. } => (c as u64 * h as u64 * w as u64).saturating_mul(4).saturating_add(8),
+        ModelInput::Image { shape: [c, h, w], .. } => {
+            (c as u64 * h as u64 * w as u64).saturating_mul(4).saturating_add(8)
+        }
         ModelInput::Tokens { context, .. } => (context as u64).saturating_mul(16),
     };
     let fit = budget / per_sample.max(1);

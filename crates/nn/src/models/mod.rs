@@ -53,13 +53,10 @@ impl ModelKind {
     }
 
     pub fn parse(text: &str) -> std::result::Result<ModelKind, String> {
-        ModelKind::ALL
-            .into_iter()
-            .find(|k| k.name() == text)
-            .ok_or_else(|| {
-                let names: Vec<&str> = ModelKind::ALL.iter().map(|k| k.name()).collect();
-                format!("unknown model {text:?}: expected one of {}", names.join(", "))
-            })
+        ModelKind::ALL.into_iter().find(|k| k.name() == text).ok_or_else(|| {
+            let names: Vec<&str> = ModelKind::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown model {text:?}: expected one of {}", names.join(", "))
+        })
     }
 }
 
