@@ -140,8 +140,13 @@ pub fn check_outputs(outputs: &[NamedPath], inputs: &[NamedPath]) -> Result<(), 
                 check_replaceable(&out.flag, &out.path)?;
                 check_writable_dir(&out.flag, &out.path, &parent_of(&out.path))?;
             }
-            PathKind::Directory => crate::profile::check_profile_dir(&out.path)
-                .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.flag)))?,
+            PathKind::Directory => {
+                crate::profile::check_profile_dir(&out.path)
+                    .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.flag)))?;
+                // The directory, or the nearest existing folder it will be created in, must take files.
+                let existing = out.path.ancestors().find(|a| !a.as_os_str().is_empty() && a.exists());
+                check_writable_dir(&out.flag, &out.path, existing.unwrap_or(Path::new(".")))?;
+            }
         }
     }
     let ids: Vec<(&NamedPath, Option<PathBuf>)> =
@@ -202,4 +207,70 @@ pub fn write_atomic(flag: &str, path: &Path, bytes: &[u8]) -> Result<(), TrainEr
         return Err(fail(e));
     }
     File::open(parent_of(path)).and_then(|d| d.sync_all()).map_err(fail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("memfit-output-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn write_atomic_replaces_regular_files_and_nothing_else() {
+        let dir = scratch("atomic");
+        let file = dir.join("out.json");
+        write_atomic("--report", &file, b"one").unwrap();
+        write_atomic("--report", &file, b"two").unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"two");
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("out.json")], "no temporary file is left behind");
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let e = write_atomic("--save", &link, b"three").unwrap_err().to_string();
+        assert!(e.contains("--save") && e.contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"two", "the link's target is untouched");
+        let e = write_atomic("--save", Path::new("/dev/null"), b"x").unwrap_err().to_string();
+        assert!(e.contains("a device"), "{e}");
+        let e = write_atomic("--save", &dir, b"x").unwrap_err().to_string();
+        assert!(e.contains("a directory"), "{e}");
+    }
+
+    #[test]
+    fn two_names_of_one_file_are_the_same_output() {
+        let dir = scratch("same");
+        let a = dir.join("a.safetensors");
+        std::fs::write(&a, b"x").unwrap();
+        let hard = dir.join("b.safetensors");
+        std::fs::hard_link(&a, &hard).unwrap();
+        let outputs = [NamedPath::file("--save", &a)];
+        let e = check_outputs(&outputs, &[NamedPath::file("--load", &hard)]).unwrap_err().to_string();
+        assert!(e.contains("the same file"), "{e}");
+        // A relative and an absolute name of one new file.
+        let dotted = dir.join(".").join("c.json");
+        let outputs = [NamedPath::file("--save", &dir.join("c.json")), NamedPath::file("--report", &dotted)];
+        assert!(check_outputs(&outputs, &[]).unwrap_err().to_string().contains("the same file"));
+        let distinct =
+            [NamedPath::file("--save", &dir.join("c.json")), NamedPath::file("--report", &dir.join("d.json"))];
+        check_outputs(&distinct, &[]).unwrap();
+        // A profile directory whose parent folder does not exist yet is created; one under a file is refused.
+        check_outputs(&[NamedPath::dir("--out", &dir.join("new").join("profile"))], &[]).unwrap();
+        let under_file = a.join("profile");
+        assert!(check_outputs(&[NamedPath::dir("--out", &under_file)], &[]).is_err());
+    }
+
+    #[test]
+    fn inputs_must_be_regular_files() {
+        let dir = scratch("inputs");
+        for (path, kind) in [(Path::new("/dev/zero"), "a device"), (dir.as_path(), "a directory")] {
+            let e = check_input("--load", path).unwrap_err().to_string();
+            assert!(e.contains("--load") && e.contains(kind), "{e}");
+        }
+        let missing = check_input("--data", &dir.join("missing.txt")).unwrap_err().to_string();
+        assert!(missing.contains("--data") && missing.contains("cannot read it"), "{missing}");
+    }
 }

@@ -81,9 +81,16 @@ fn a_dry_run_of_the_representative_window_peaks_like_the_whole_window() {
     use memfit_train::samples::synthetic;
     assert_eq!(representative_window(1_000_000_000, 417), 2 * 417 + (1_000_000_000 - 2_398_081 * 417));
     assert_eq!(representative_window(24, 8), 24);
-    for kind in [ModelKind::Mlp, ModelKind::SimpleCnn, ModelKind::ResNet] {
+    let specs = [
+        ModelSpec::image(ModelKind::Mlp, [1, 28, 28], 10),
+        ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10),
+        ModelSpec::image(ModelKind::ResNet, [1, 28, 28], 10),
+        tiny_gpt(13),
+    ];
+    for spec in specs {
+        let kind = spec.kind;
         for (effective, micro) in [(50, 8), (40, 8), (37, 5), (9, 2)] {
-            let req = request(kind, effective, None);
+            let req = PlanRequest { model: spec.clone(), ..request(kind, effective, None) };
             assert!(representative_window(effective, micro) < effective);
             let bounded = predict(&req, micro, Some(micro), None).unwrap().unwrap();
             let dev = device(DeviceKind::Meta, None, None);
