@@ -117,8 +117,19 @@ fn check_replaceable(flag: &str, path: &Path) -> Result<(), TrainError> {
 /// Errors unless `dir` is a directory memfit can create files in (probed by creating one).
 fn check_writable_dir(flag: &str, path: &Path, dir: &Path) -> Result<(), TrainError> {
     match std::fs::metadata(dir) {
-        Err(_) => return Err(refuse(flag, path, format!("the directory {} does not exist", dir.display()))),
-        Ok(m) if !m.is_dir() => return Err(refuse(flag, path, format!("{} is not a directory", dir.display()))),
+        Err(_) => {
+            return Err(refuse(
+                flag,
+                path,
+                format!(
+                    "the directory {} does not exist: create it first, or name a file in an existing one",
+                    dir.display()
+                ),
+            ))
+        }
+        Ok(m) if !m.is_dir() => {
+            return Err(refuse(flag, path, format!("{} is not a directory: name a file in a directory", dir.display())))
+        }
         Ok(_) => {}
     }
     let probe = temporary_beside(&dir.join("probe"));
