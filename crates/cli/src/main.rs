@@ -6,6 +6,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec};
 use memfit_tensor::memory::{format_bytes, parse_bytes, FaultInjection};
 use memfit_tensor::DeviceKind;
+use memfit_train::config::limits;
 use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
 use memfit_train::{OptimizerChoice, Plan, PlanRequest, Report, StepEvent, TrainConfig};
@@ -40,16 +41,16 @@ enum Command {
 #[derive(Args)]
 struct GptArgs {
     /// GPT: transformer blocks.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
     layers: u32,
     /// GPT: model width (a multiple of --heads).
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     d_model: u32,
     /// GPT: attention heads.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
     heads: u32,
     /// GPT: context length in characters (samples are windows of context + 1 characters).
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
     context: u32,
 }
 
@@ -69,7 +70,7 @@ impl GptArgs {
 }
 
 /// Defaults that depend on the task: image models train at lr 3e-3 in batches of 64, the GPT at
-/// lr 1e-3 in batches of 32 (the PyTorch reference's setting).
+/// lr 1e-3 in batches of 32 (the PyTorch reference's setting). `train`, `profile` and `plan` share them.
 fn default_lr(model: ModelKind) -> f64 {
     if model == ModelKind::Gpt {
         1e-3
@@ -100,56 +101,58 @@ struct RunArgs {
     #[command(flatten)]
     gpt: GptArgs,
     /// Effective batch: samples (images or text windows) per optimizer step [default: 64; gpt 32].
-    #[arg(long)]
-    batch_size: Option<usize>,
-    /// Force the micro-batch (gradient accumulation makes up the effective batch).
-    #[arg(long)]
-    micro_batch: Option<usize>,
-    /// Learning rate [default: 3e-3, which reaches 88-89% validation accuracy in one epoch of simplecnn on the
-    /// full set; gpt 1e-3].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
+    batch_size: Option<u64>,
+    /// Force the micro-batch (gradient accumulation makes up the effective batch); evaluation uses it too.
+    #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
+    micro_batch: Option<u64>,
+    /// Learning rate, finite and above 0 [default: 3e-3, which reaches 88-89% validation accuracy in one
+    /// epoch of simplecnn on the full set; gpt 1e-3].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_lr)]
     lr: Option<f64>,
     /// sgd (momentum 0.9), adam or adamw.
     #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
     optimizer: OptimizerChoice,
-    /// Device capacity, e.g. 256MiB or 2GiB (default: unlimited). Plans the micro-batch when the batch does not fit.
-    #[arg(long, value_parser = parse_bytes)]
+    /// Device capacity, e.g. 256MiB or 2GiB, at most 1024TiB (default: unlimited). Plans the micro-batch when
+    /// the batch does not fit.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
     /// cpu (computes) or meta (allocates exactly what cpu would, computes nothing: a prediction).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: DeviceKind,
-    /// Seed of initialization, shuffling and data order.
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the parameters' initialization (and of the data order unless --data-seed is given).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Make every N-th allocation fail, to see recovery at work.
-    #[arg(long, value_name = "N")]
+    /// Seed of the data order: epoch shuffles and text windows [default: --seed].
+    #[arg(long, allow_negative_numbers = true)]
+    data_seed: Option<u64>,
+    /// Worker threads, from 1 to 16 per core (default: all cores).
+    #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
+    threads: Option<u64>,
+    /// Make every N-th allocation fail (N >= 1), to see recovery at work.
+    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     inject_oom: Option<u64>,
-    /// Fraction of the capacity the planner keeps free.
-    #[arg(long, default_value_t = 0.0)]
+    /// Fraction of the capacity the planner keeps free, from 0 to 0.5.
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.0, value_parser = parse_safety_margin)]
     safety_margin: f64,
 }
 
 impl RunArgs {
     /// The configuration these flags describe (one epoch, no outputs; callers add theirs).
     fn config(self) -> Result<TrainConfig, String> {
-        if self.inject_oom == Some(0) {
-            return Err("--inject-oom takes N >= 1 (every N-th allocation fails)".into());
-        }
         Ok(TrainConfig {
             model: self.model,
             gpt: self.gpt.config()?,
             data: self.data,
-            batch_size: self.batch_size.unwrap_or(default_batch(self.model)),
-            micro_batch: self.micro_batch,
+            batch_size: self.batch_size.map_or(default_batch(self.model), |b| b as usize),
+            micro_batch: self.micro_batch.map(|m| m as usize),
             lr: self.lr.unwrap_or(default_lr(self.model)),
             optimizer: self.optimizer,
             memory: self.memory,
             device: self.device,
             seed: self.seed,
-            threads: self.threads,
+            data_seed: self.data_seed,
+            threads: self.threads.map(|t| t as usize),
             fault: self.inject_oom.map(FaultInjection::EveryNth),
             safety_margin: self.safety_margin,
             ..TrainConfig::default()
@@ -161,12 +164,13 @@ impl RunArgs {
 struct TrainArgs {
     #[command(flatten)]
     run: RunArgs,
-    /// Passes over the training data (gpt: an epoch draws as many random windows as fit the text end to end).
-    #[arg(long, default_value_t = 1)]
-    epochs: usize,
-    /// Stop after this many optimizer steps.
-    #[arg(long)]
-    max_steps: Option<usize>,
+    /// Passes over the training data, 0 to evaluate only (gpt: an epoch draws as many random windows as
+    /// fit the text end to end) [default: 1, or as many as --max-steps needs].
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(0..=limits::MAX_EPOCHS))]
+    epochs: Option<u64>,
+    /// Stop after this many optimizer steps, running across epochs as needed.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_STEPS))]
+    max_steps: Option<u64>,
     /// Write the JSON report here, and training curves (loss, memory per step) beside it as .svg.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -190,7 +194,7 @@ struct ProfileArgs {
     run: RunArgs,
     /// Optimizer steps to record (from the start: setup, the first step that creates the optimizer state,
     /// then steady-state steps).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     steps: u32,
     /// Directory for memory.html, snapshot.pickle, trace.json and summary.txt/json (created; an existing
     /// one may hold only an earlier profile).
@@ -200,15 +204,15 @@ struct ProfileArgs {
 
 #[derive(Args)]
 struct PlanArgs {
-    /// mlp, simplecnn, deepcnn, resnet or gpt.
+    /// The model to plan: mlp, simplecnn, deepcnn, resnet or gpt.
     #[arg(long, value_parser = parse_model)]
     model: ModelKind,
-    /// Memory budget, e.g. 64MiB.
-    #[arg(long, value_parser = parse_bytes)]
+    /// Memory budget, e.g. 64MiB (at most 1024TiB).
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: u64,
-    /// Effective batch to keep.
-    #[arg(long)]
-    batch_size: usize,
+    /// Effective batch to keep: samples per optimizer step.
+    #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
+    batch_size: u64,
     /// Image models: input shape CxHxW (default 1x28x28, Fashion-MNIST).
     #[arg(long, default_value = "1x28x28", value_parser = parse_shape)]
     input: [usize; 3],
@@ -217,13 +221,17 @@ struct PlanArgs {
     data: Option<PathBuf>,
     #[command(flatten)]
     gpt: GptArgs,
+    /// sgd (momentum 0.9), adam or adamw.
     #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
     optimizer: OptimizerChoice,
-    #[arg(long, default_value_t = 1e-3)]
-    lr: f64,
-    #[arg(long, default_value_t = 0.0)]
+    /// Learning rate, finite and above 0 (memory does not depend on it) [default: train's, 3e-3; gpt 1e-3].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_lr)]
+    lr: Option<f64>,
+    /// Fraction of the budget the plan keeps free, from 0 to 0.5.
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.0, value_parser = parse_safety_margin)]
     safety_margin: f64,
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the dry runs' initialization and synthetic data.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
     /// Print the plan as JSON.
     #[arg(long)]
@@ -232,18 +240,18 @@ struct PlanArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
+    /// Worker threads, from 1 to 16 per core (default: all cores).
+    #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
+    threads: Option<u64>,
     /// Only this case (repeatable): mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32.
     #[arg(long = "case")]
     cases: Vec<String>,
-    /// Timed steps per case.
-    #[arg(long, default_value_t = 20)]
-    steps: usize,
-    /// Warm-up steps per case.
-    #[arg(long, default_value_t = 3)]
-    warmup: usize,
+    /// Timed steps per case, from 1 to 10000.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_STEPS))]
+    steps: u64,
+    /// Warm-up steps per case, from 0 to 10000.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3, value_parser = clap::value_parser!(u64).range(0..=limits::MAX_BENCH_STEPS))]
+    warmup: u64,
     /// Also run each case in PyTorch with this Python interpreter (one with torch installed), right
     /// after memfit's, and print the ratios.
     #[arg(long, value_name = "PYTHON")]
@@ -262,29 +270,74 @@ struct GenerateArgs {
     #[arg(long)]
     prompt: String,
     /// Characters to generate.
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 200, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     tokens: u32,
-    /// Sampling temperature: 0 always takes the most likely character; higher is more random.
-    #[arg(long, default_value_t = 0.8)]
+    /// Sampling temperature, from 0 to 100: 0 always takes the most likely character; higher is more random.
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.8, value_parser = parse_temperature)]
     temperature: f64,
     /// Seed of the sampling: the same seed gives the same text.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
-    /// Device capacity, e.g. 64MiB (default: unlimited).
-    #[arg(long, value_parser = parse_bytes)]
+    /// Device capacity, e.g. 64MiB, at most 1024TiB (default: unlimited).
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
+    /// Worker threads, from 1 to 16 per core (default: all cores).
+    #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
+    threads: Option<u64>,
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
     ModelKind::parse(s)
 }
 
+/// Batch and micro-batch sizes: 1 to [`limits::MAX_BATCH`].
+fn batch_parser() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..=limits::MAX_BATCH)
+}
+
+/// Worker threads: 1 to [`limits::THREADS_PER_CORE`] per available core.
+fn threads_parser() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..=limits::max_threads() as u64)
+}
+
+/// A capacity: a size [`parse_bytes`] reads, at most [`limits::MAX_CAPACITY`].
+fn parse_capacity(s: &str) -> Result<u64, String> {
+    let bytes = parse_bytes(s)?;
+    if bytes > limits::MAX_CAPACITY {
+        return Err(format!("{} is more than memfit manages: give at most 1024TiB", format_bytes(bytes)));
+    }
+    Ok(bytes)
+}
+
+/// A number in `range` (finite), or a message saying which numbers are accepted.
+fn parse_f64_in(s: &str, ok: impl Fn(f64) -> bool, accepted: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("not a number: {accepted}"))?;
+    if v.is_finite() && ok(v) {
+        Ok(v)
+    } else {
+        Err(format!("out of range: {accepted}"))
+    }
+}
+
+fn parse_lr(s: &str) -> Result<f64, String> {
+    parse_f64_in(s, |v| v > 0.0, "give a finite learning rate above 0, such as 3e-3")
+}
+
+fn parse_safety_margin(s: &str) -> Result<f64, String> {
+    parse_f64_in(s, |v| (0.0..=limits::MAX_SAFETY_MARGIN).contains(&v), "give a fraction from 0 to 0.5, such as 0.1")
+}
+
+fn parse_temperature(s: &str) -> Result<f64, String> {
+    parse_f64_in(s, |v| (0.0..=100.0).contains(&v), "give a temperature from 0 (greedy) to 100, such as 0.8")
+}
+
 fn parse_device(s: &str) -> Result<DeviceKind, String> {
     DeviceKind::parse(s).map_err(|e| e.to_string())
 }
+
+/// The largest channel count and side of a `plan --input` shape.
+const MAX_INPUT_CHANNELS: usize = 4096;
+const MAX_INPUT_SIDE: usize = 65536;
 
 fn parse_shape(s: &str) -> Result<[usize; 3], String> {
     let dims: Vec<usize> = s
@@ -293,13 +346,29 @@ fn parse_shape(s: &str) -> Result<[usize; 3], String> {
         .collect::<Result<_, _>>()
         .map_err(|_| format!("invalid input shape {s:?}: expected CxHxW such as 1x28x28 or 3x64x64"))?;
     match dims.as_slice() {
-        [c, h, w] if *c > 0 && *h > 0 && *w > 0 => Ok([*c, *h, *w]),
+        [c, h, w] if (1..=MAX_INPUT_CHANNELS).contains(c)
+            && (1..=MAX_INPUT_SIDE).contains(h)
+            && (1..=MAX_INPUT_SIDE).contains(w) =>
+        {
+            Ok([*c, *h, *w])
+        }
+        [_, _, _] => Err(format!(
+            "input shape {s:?} is out of range: channels 1 to {MAX_INPUT_CHANNELS}, height and width 1 to {MAX_INPUT_SIDE}"
+        )),
         _ => Err(format!("invalid input shape {s:?}: expected three positive sizes CxHxW such as 3x64x64")),
     }
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Every refused argument exits with 1, like every other error (clap's own code is 2); help and
+    // version print to stdout and succeed.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
+        }
+    };
     // The kernels' instruction set may be forced by MEMFIT_ISA; a wrong value is an error here,
     // before any work (the library would quietly use the detected one).
     if let Err(message) = memfit_tensor::Isa::from_env() {
@@ -361,10 +430,11 @@ impl Observer for Progress {
 
 fn train(a: TrainArgs) -> Result<(), String> {
     let cfg = TrainConfig {
-        epochs: a.epochs,
-        max_steps: a.max_steps,
+        epochs: a.epochs.map(|e| e as usize),
+        max_steps: a.max_steps.map(|s| s as usize),
         load: a.load,
         save: a.save,
+        report: a.report,
         evaluate: !a.no_eval,
         profile_on_oom: a.profile_on_oom,
         ..a.run.config()?
@@ -387,16 +457,12 @@ fn train(a: TrainArgs) -> Result<(), String> {
             println!("validation loss {loss:.4} nats/char (perplexity {ppl:.2}), next-character accuracy {acc:.4}")
         }
         (Some(acc), Some(loss), None) => println!("validation accuracy {acc:.4}, loss {loss:.4}"),
+        _ if summary.outcome.eval.as_ref().is_some_and(|e| e.samples == 0) => {
+            println!("no validation: the validation set is empty")
+        }
         _ => {}
     }
     print!("{}", report.memory_table());
-    if let Some(path) = &a.report {
-        std::fs::write(path, report.to_json() + "\n")
-            .map_err(|e| format!("cannot write the report to {}: {e}", path.display()))?;
-        let curves = path.with_extension("svg");
-        memfit_profile::write_curves(&curve_points(&summary), &curves)
-            .map_err(|e| format!("cannot write the training curves to {}: {e}", curves.display()))?;
-    }
     if !summary.profile_files.is_empty() {
         println!("the run met an out-of-memory: its memory profile is in {}", profile_dir(&summary.profile_files));
     }
@@ -406,23 +472,6 @@ fn train(a: TrainArgs) -> Result<(), String> {
 /// The folder of a profile's files.
 fn profile_dir(files: &[PathBuf]) -> String {
     files.first().and_then(|f| f.parent()).map_or(String::new(), |d| d.display().to_string())
-}
-
-/// Loss and memory per step, and the validation loss after the last one.
-fn curve_points(summary: &memfit_train::RunSummary) -> Vec<memfit_profile::CurvePoint> {
-    let last = summary.outcome.curve.len();
-    summary
-        .outcome
-        .curve
-        .iter()
-        .map(|p| memfit_profile::CurvePoint {
-            step: p.step,
-            train_loss: p.loss,
-            val_loss: if p.step == last { summary.outcome.eval.as_ref().and_then(|e| e.loss) } else { None },
-            allocated: p.allocated,
-            peak_allocated: p.peak_allocated,
-        })
-        .collect()
 }
 
 fn profile(a: ProfileArgs) -> Result<(), String> {
@@ -483,10 +532,11 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         ModelSpec::image(a.model, a.input, 10)
     };
     let (spec_context, spec_vocab) = (spec.gpt.max_t, spec.gpt.vocab);
+    let lr = a.lr.unwrap_or(default_lr(a.model));
     let request = PlanRequest {
         model: spec,
-        optimizer: a.optimizer.config(a.lr),
-        effective_batch: a.batch_size,
+        optimizer: a.optimizer.config(lr),
+        effective_batch: a.batch_size as usize,
         capacity: Some(a.memory),
         safety_margin: a.safety_margin,
         seed: a.seed,
@@ -501,6 +551,8 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             } else {
                 serde_json::json!(a.input)
             },
+            "optimizer": a.optimizer.name(),
+            "lr": lr,
             "capacity_bytes": a.memory,
             "budget_bytes": plan.budget,
             "micro_batch": plan.micro_batch,
@@ -532,11 +584,9 @@ fn plan(a: PlanArgs) -> Result<(), String> {
 }
 
 fn bench(a: BenchArgs) -> Result<(), String> {
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if a.steps == 0 {
-        return Err("--steps must be at least 1".into());
-    }
-    let report = memfit_train::bench::run(threads, &a.cases, a.warmup, a.steps, a.compare_pytorch.as_deref())
+    let threads = a.threads.map_or_else(limits::cores, |t| t as usize);
+    let (warmup, steps) = (a.warmup as usize, a.steps as usize);
+    let report = memfit_train::bench::run(threads, &a.cases, warmup, steps, a.compare_pytorch.as_deref())
         .map_err(|e| e.to_string())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
@@ -566,7 +616,8 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         match &c.pytorch {
             Some(p) => {
                 let peak = p.peak_bytes.map_or("n/a".to_string(), format_bytes);
-                let peak_ratio = p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
+                let peak_ratio =
+                    p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
                 print!(" {:>12.2} {:>8.2} {:>14} {:>8}", p.median_ms, c.median_ms / p.median_ms, peak, peak_ratio);
             }
             None if compare => print!(" {:>12}", "n/a"),
@@ -588,7 +639,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         temperature: a.temperature,
         seed: a.seed,
         memory: a.memory,
-        threads: a.threads,
+        threads: a.threads.map(|t| t as usize),
     };
     use std::io::Write;
     let mut out = std::io::stdout();
@@ -621,4 +672,26 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         format_bytes(g.stats.reserved_bytes.peak)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// Every flag of every command says what it is for (`--help` shows no bare flags).
+    #[test]
+    fn every_flag_has_help_text() {
+        let cli = Cli::command();
+        cli.clone().debug_assert();
+        let mut bare = Vec::new();
+        for command in cli.get_subcommands() {
+            for arg in command.get_arguments() {
+                if arg.get_help().is_none() && !["help", "version"].contains(&arg.get_id().as_str()) {
+                    bare.push(format!("{} --{}", command.get_name(), arg.get_id()));
+                }
+            }
+        }
+        assert!(bare.is_empty(), "flags without help text: {bare:?}");
+    }
 }

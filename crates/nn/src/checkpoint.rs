@@ -37,6 +37,26 @@ pub fn save_tensors(
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
     let path = path.as_ref();
+    let bytes = to_bytes(path, tensors, metadata)?;
+    let tmp = temporary_path(path);
+    if let Err(e) = std::fs::write(&tmp, bytes) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::invalid(format!("cannot write checkpoint {}: {e}", path.display())));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::invalid(format!("cannot write checkpoint {}: {e}", path.display()))
+    })
+}
+
+/// The safetensors bytes of named tensors with optional string metadata (`"format": "pt"` is always
+/// added); `path` names the checkpoint in messages. Callers that write files their own way (the job
+/// writes every output through `memfit_train::output::write_atomic`) use this.
+pub fn to_bytes(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
     let mut seen = HashSet::new();
     let mut views = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
@@ -54,16 +74,8 @@ pub fn save_tensors(
     }
     let mut info = metadata.unwrap_or_default();
     info.entry("format".to_string()).or_insert_with(|| "pt".to_string());
-    let tmp = temporary_path(path);
-    let written = safetensors::serialize_to_file(views, &Some(info), &tmp);
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::invalid(format!("cannot write checkpoint {}: {}", path.display(), describe(&e))));
-    }
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::invalid(format!("cannot write checkpoint {}: {e}", path.display()))
-    })
+    safetensors::serialize(views, &Some(info))
+        .map_err(|e| Error::invalid(format!("cannot write checkpoint {}: {}", path.display(), describe(&e))))
 }
 
 /// Loads `path` into the model's parameters and buffers (strict, like PyTorch's
@@ -131,12 +143,12 @@ pub fn load_named(path: impl AsRef<Path>, device: &Device, category: Category) -
     let path = path.as_ref();
     let bytes = read(path)?;
     let file = parse(path, &bytes)?;
-    let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(path, &e))?;
+    let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(path, &bytes, &e))?;
     let mut infos: Vec<_> = metadata.tensors().into_iter().collect();
     infos.sort_by_key(|(name, info)| (info.data_offsets, name.clone()));
     let mut out = Vec::with_capacity(infos.len());
     for (name, _) in infos {
-        let view = file.tensor(&name).map_err(|e| corrupt(path, &e))?;
+        let view = file.tensor(&name).map_err(|e| corrupt(path, &bytes, &e))?;
         let dtype = dtype_of(view.dtype()).ok_or_else(|| {
             Error::dtype(format!(
                 "checkpoint {}: tensor {name:?} has unsupported dtype {:?}",
@@ -160,7 +172,7 @@ pub fn load_named(path: impl AsRef<Path>, device: &Device, category: Category) -
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<Option<HashMap<String, String>>> {
     let path = path.as_ref();
     let bytes = read(path)?;
-    let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(path, &e))?;
+    let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(path, &bytes, &e))?;
     Ok(metadata.metadata().clone())
 }
 
@@ -169,11 +181,28 @@ fn read(path: &Path) -> Result<Vec<u8>> {
 }
 
 fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
-    SafeTensors::deserialize(bytes).map_err(|e| corrupt(path, &e))
+    SafeTensors::deserialize(bytes).map_err(|e| corrupt(path, bytes, &e))
 }
 
-fn corrupt(path: &Path, e: &SafeTensorError) -> Error {
+fn corrupt(path: &Path, bytes: &[u8], e: &SafeTensorError) -> Error {
+    if let Some(kind) = pytorch_pickle(bytes) {
+        return Error::invalid(format!(
+            "checkpoint {} is a PyTorch pickle ({kind}, written by torch.save), not safetensors: memfit reads \
+             safetensors; convert it in Python with `safetensors.torch.save_file(torch.load(PATH), \"model.safetensors\")`",
+            path.display()
+        ));
+    }
     Error::invalid(format!("checkpoint {} is not a valid safetensors file: {}", path.display(), describe(e)))
+}
+
+/// What kind of PyTorch `torch.save` file `bytes` start like, if any: a zip archive (PyTorch 1.6 and
+/// later) or a bare pickle (protocol 2 and up start with 0x80 and the protocol number).
+fn pytorch_pickle(bytes: &[u8]) -> Option<&'static str> {
+    match bytes {
+        [b'P', b'K', 3, 4, ..] => Some("a zip archive"),
+        [0x80, 2..=5, ..] => Some("a pickle"),
+        _ => None,
+    }
 }
 
 fn context(path: &Path, name: &str, e: Error) -> Error {

@@ -122,21 +122,22 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
     let device = Device::cpu();
     let optimizer = OptimizerConfig::AdamW { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 };
     let mut session = Session::new(device.clone(), &spec, optimizer, 0)?;
-    let data = synthetic(&spec, case.batch * (warmup + steps), 0);
+    // Two windows of data, reused across epochs: the data's size does not grow with the steps.
+    let data = synthetic(&spec, case.batch * 2, 0);
     let opts = |n: usize| RunOptions {
         effective_batch: case.batch,
         micro_batch: case.batch,
         eval_micro_batch: case.batch,
-        epochs: 1,
+        epochs: None,
         max_steps: Some(n),
-        seed: 0,
+        data_seed: 0,
         recover: false,
         grow_after: usize::MAX,
         record_samples: false,
     };
     session.run(data.as_ref(), None, &opts(warmup), &mut |_| {})?;
     device.allocator().reset_peak_stats();
-    let timed = synthetic(&spec, case.batch * steps, 1);
+    let timed = synthetic(&spec, case.batch * 2, 1);
     let outcome = session.run(timed.as_ref(), None, &opts(steps), &mut |_| {})?;
     let stats = device.stats();
     Ok(CaseResult {

@@ -6,6 +6,36 @@ use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::DeviceKind;
 use std::path::PathBuf;
 
+/// Bounds of every size a user gives (the CLI's value parsers and the job both use them): past these a
+/// run is a typo, and inside them every product memfit forms (samples x steps, batch x sample bytes)
+/// fits in 64 bits.
+pub mod limits {
+    /// Samples per optimizer step or micro-batch (about a billion).
+    pub const MAX_BATCH: u64 = 1 << 30;
+    /// Passes over the training data.
+    pub const MAX_EPOCHS: u64 = 1_000_000;
+    /// Optimizer steps of a run (`--max-steps`) or of a benchmark.
+    pub const MAX_STEPS: u64 = 1 << 32;
+    /// Timed steps of a benchmark case (`bench --steps`), and its warm-up steps.
+    pub const MAX_BENCH_STEPS: u64 = 10_000;
+    /// Device capacity: 1024 TiB (1 PiB).
+    pub const MAX_CAPACITY: u64 = 1 << 50;
+    /// Worker threads per available core.
+    pub const THREADS_PER_CORE: usize = 16;
+    /// The largest safety margin (a fraction of the capacity kept free).
+    pub const MAX_SAFETY_MARGIN: f64 = 0.5;
+
+    /// The cores this process may use.
+    pub fn cores() -> usize {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+
+    /// The most worker threads memfit starts: a sane multiple of the cores.
+    pub fn max_threads() -> usize {
+        cores().saturating_mul(THREADS_PER_CORE)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OptimizerChoice {
     Sgd,
@@ -53,8 +83,9 @@ pub struct TrainConfig {
     /// subset. GPT: a UTF-8 text file; None = Moby Dick shipped inside memfit. `embedded` forces the
     /// shipped data.
     pub data: Option<PathBuf>,
-    pub epochs: usize,
-    /// Stop after this many optimizer steps (over all epochs).
+    /// Passes over the training data; None = one, or as many as `max_steps` needs.
+    pub epochs: Option<usize>,
+    /// Stop after this many optimizer steps, running across epochs as needed.
     pub max_steps: Option<usize>,
     /// The effective batch: samples per optimizer step.
     pub batch_size: usize,
@@ -65,7 +96,10 @@ pub struct TrainConfig {
     /// Device capacity in bytes; None = unlimited.
     pub memory: Option<u64>,
     pub device: DeviceKind,
+    /// Seed of initialization (and of data order unless `data_seed` is given).
     pub seed: u64,
+    /// Seed of the data order (epoch shuffles, text windows); None = `seed`.
+    pub data_seed: Option<u64>,
     /// Worker threads for kernels; None = all cores.
     pub threads: Option<usize>,
     pub fault: Option<FaultInjection>,
@@ -83,6 +117,80 @@ pub struct TrainConfig {
     pub profile: Option<PathBuf>,
     /// Write a memory profile into this directory when the run met an out-of-memory.
     pub profile_on_oom: Option<PathBuf>,
+    /// Write the JSON report here, and the training curves beside it as `.svg`.
+    pub report: Option<PathBuf>,
+}
+
+impl TrainConfig {
+    /// Errors unless every size and rate is inside [`limits`] (the CLI's parsers refuse the same values
+    /// with the flag's name; this guards library callers).
+    pub fn check(&self) -> Result<(), crate::TrainError> {
+        let bad = |m: String| Err(crate::TrainError::Invalid(m));
+        let max_batch = limits::MAX_BATCH as usize;
+        if !(1..=max_batch).contains(&self.batch_size) {
+            return bad(format!("--batch-size {} is out of range: use 1 to {max_batch}", self.batch_size));
+        }
+        if let Some(m) = self.micro_batch.filter(|m| !(1..=max_batch).contains(m)) {
+            return bad(format!("--micro-batch {m} is out of range: use 1 to {max_batch}"));
+        }
+        if let Some(e) = self.epochs.filter(|&e| e as u64 > limits::MAX_EPOCHS) {
+            return bad(format!("--epochs {e} is out of range: use 0 to {}", limits::MAX_EPOCHS));
+        }
+        if let Some(s) = self.max_steps.filter(|&s| s == 0 || s as u64 > limits::MAX_STEPS) {
+            return bad(format!("--max-steps {s} is out of range: use 1 to {}", limits::MAX_STEPS));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("--lr {} must be a finite number above 0, such as 3e-3", self.lr));
+        }
+        if !(0.0..=limits::MAX_SAFETY_MARGIN).contains(&self.safety_margin) {
+            return bad(format!(
+                "--safety-margin {} is out of range: use a fraction from 0 to {}",
+                self.safety_margin,
+                limits::MAX_SAFETY_MARGIN
+            ));
+        }
+        if let Some(m) = self.memory.filter(|&m| m > limits::MAX_CAPACITY) {
+            return bad(format!("--memory {m} bytes is more than memfit manages: give at most 1024TiB"));
+        }
+        if let Some(t) = self.threads.filter(|&t| t == 0 || t > limits::max_threads()) {
+            return bad(format!(
+                "--threads {t} is out of range: use 1 to {} ({} per core, {} cores)",
+                limits::max_threads(),
+                limits::THREADS_PER_CORE,
+                limits::cores()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The files and directories this run writes and reads, named by their flags (Note [Paths]).
+    pub fn paths(&self) -> (Vec<crate::output::NamedPath>, Vec<crate::output::NamedPath>) {
+        use crate::output::NamedPath;
+        let mut outputs = Vec::new();
+        if let Some(p) = &self.save {
+            outputs.push(NamedPath::file("--save", p));
+        }
+        if let Some(p) = &self.report {
+            outputs.push(NamedPath::file("--report", p));
+            outputs.push(NamedPath::file("--report (its curves)", &p.with_extension("svg")));
+        }
+        if let Some(p) = &self.profile {
+            outputs.push(NamedPath::dir("--out", p));
+        }
+        if let Some(p) = &self.profile_on_oom {
+            outputs.push(NamedPath::dir("--profile-on-oom", p));
+        }
+        let mut inputs = Vec::new();
+        if let Some(p) = &self.load {
+            inputs.push(NamedPath::file("--load", p));
+        }
+        if let Some(p) =
+            self.data.as_ref().filter(|p| self.model == ModelKind::Gpt && p.as_os_str() != crate::task::EMBEDDED)
+        {
+            inputs.push(NamedPath::file("--data", p));
+        }
+        (outputs, inputs)
+    }
 }
 
 impl Default for TrainConfig {
@@ -91,7 +199,7 @@ impl Default for TrainConfig {
             model: ModelKind::SimpleCnn,
             gpt: GptConfig::default(),
             data: None,
-            epochs: 1,
+            epochs: None,
             max_steps: None,
             batch_size: 64,
             micro_batch: None,
@@ -100,6 +208,7 @@ impl Default for TrainConfig {
             memory: None,
             device: DeviceKind::Cpu,
             seed: 0,
+            data_seed: None,
             threads: None,
             fault: None,
             safety_margin: 0.0,
@@ -109,6 +218,47 @@ impl Default for TrainConfig {
             record_samples: false,
             profile: None,
             profile_on_oom: None,
+            report: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Library callers get the same bounds as the CLI's parsers: each absurd value is refused by name.
+    #[test]
+    fn check_refuses_every_value_out_of_bounds() {
+        assert!(TrainConfig::default().check().is_ok());
+        let cases: Vec<(TrainConfig, &str)> = vec![
+            (TrainConfig { batch_size: 0, ..TrainConfig::default() }, "--batch-size"),
+            (TrainConfig { batch_size: usize::MAX, ..TrainConfig::default() }, "--batch-size"),
+            (TrainConfig { micro_batch: Some(0), ..TrainConfig::default() }, "--micro-batch"),
+            (TrainConfig { epochs: Some(usize::MAX), ..TrainConfig::default() }, "--epochs"),
+            (TrainConfig { max_steps: Some(0), ..TrainConfig::default() }, "--max-steps"),
+            (TrainConfig { lr: f64::INFINITY, ..TrainConfig::default() }, "--lr"),
+            (TrainConfig { lr: f64::NAN, ..TrainConfig::default() }, "--lr"),
+            (TrainConfig { lr: 0.0, ..TrainConfig::default() }, "--lr"),
+            (TrainConfig { safety_margin: f64::NAN, ..TrainConfig::default() }, "--safety-margin"),
+            (TrainConfig { memory: Some(u64::MAX), ..TrainConfig::default() }, "--memory"),
+            (TrainConfig { threads: Some(0), ..TrainConfig::default() }, "--threads"),
+            (TrainConfig { threads: Some(limits::max_threads() + 1), ..TrainConfig::default() }, "--threads"),
+        ];
+        for (cfg, flag) in cases {
+            let message = cfg.check().expect_err(flag).to_string();
+            assert!(message.contains(flag), "{message}");
+        }
+    }
+
+    #[test]
+    fn steps_run_across_epochs_and_never_wrap() {
+        use crate::trainer::total_steps;
+        assert_eq!(total_steps(10, None, None).unwrap(), 10);
+        assert_eq!(total_steps(10, None, Some(25)).unwrap(), 25);
+        assert_eq!(total_steps(10, Some(2), Some(25)).unwrap(), 20);
+        assert_eq!(total_steps(10, Some(3), None).unwrap(), 30);
+        assert!(total_steps(usize::MAX, Some(2), None).is_err());
+        assert_eq!(total_steps(usize::MAX, Some(2), Some(7)).unwrap(), 7);
     }
 }

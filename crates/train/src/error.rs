@@ -11,6 +11,8 @@ pub enum TrainError {
     OutOfMemory { oom: Box<OutOfMemory>, advice: String },
     /// A checkpoint could not be read or written.
     Checkpoint(String),
+    /// Training diverged: a loss or a parameter is NaN or infinite (the message names the step).
+    NotFinite(String),
     /// A configuration that cannot work (message says why).
     Invalid(String),
     /// Any other engine error.
@@ -38,7 +40,7 @@ impl fmt::Display for TrainError {
                 }
                 Ok(())
             }
-            TrainError::Checkpoint(m) | TrainError::Invalid(m) => write!(f, "{m}"),
+            TrainError::Checkpoint(m) | TrainError::Invalid(m) | TrainError::NotFinite(m) => write!(f, "{m}"),
             TrainError::Engine(e) => write!(f, "{e}"),
         }
     }

@@ -40,7 +40,11 @@ pub struct Generation {
 /// Reads the GPT's sizes and vocabulary from a checkpoint's metadata.
 pub fn read_gpt_checkpoint(path: &std::path::Path) -> Result<(GptConfig, Vocab), TrainError> {
     let fail = |why: String| TrainError::Checkpoint(format!("cannot generate from {}: {why}", path.display()));
-    let metadata = memfit_nn::checkpoint::read_metadata(path).map_err(|e| fail(e.to_string()))?.unwrap_or_default();
+    crate::output::check_input("--load", path)?;
+    // The checkpoint reader's errors name the file already: they are not prefixed again.
+    let metadata = memfit_nn::checkpoint::read_metadata(path)
+        .map_err(|e| TrainError::Checkpoint(e.to_string()))?
+        .unwrap_or_default();
     match metadata.get(MODEL_KEY).map(String::as_str) {
         Some("gpt") => {}
         Some(other) => return Err(fail(format!("it holds a {other} model; generation needs a gpt checkpoint"))),
@@ -64,6 +68,12 @@ pub fn generate(cfg: &GenerateConfig, on_text: &mut (dyn FnMut(&str) + Send)) ->
             cfg.temperature
         )));
     }
+    if let Some(t) = cfg.threads.filter(|&t| t == 0 || t > crate::config::limits::max_threads()) {
+        return Err(TrainError::Invalid(format!(
+            "--threads {t} is out of range: use 1 to {}",
+            crate::config::limits::max_threads()
+        )));
+    }
     let (config, vocab) = read_gpt_checkpoint(&cfg.load)?;
     let prompt = vocab.encode(&cfg.prompt).map_err(|e| TrainError::Invalid(format!("--prompt: {e}")))?;
     if prompt.is_empty() {
@@ -81,8 +91,7 @@ pub fn generate(cfg: &GenerateConfig, on_text: &mut (dyn FnMut(&str) + Send)) ->
             let _p = device.enter_phase(Phase::Setup);
             memfit_nn::build_model(&ModelSpec::gpt(config), &device, 0)?
         };
-        memfit_nn::checkpoint::load(&cfg.load, model.as_ref())
-            .map_err(|e| TrainError::Checkpoint(format!("cannot load checkpoint {}: {e}", cfg.load.display())))?;
+        memfit_nn::checkpoint::load(&cfg.load, model.as_ref()).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         let _no_grad = device.no_grad();
         let _phase = device.enter_phase(Phase::Eval);
         let mut tokens: Vec<i64> = prompt.iter().map(|&t| i64::from(t)).collect();

@@ -49,6 +49,7 @@ impl Observer for Quiet {}
 
 /// Runs a training job on the rayon pool of `cfg.threads` threads.
 pub fn train(cfg: &TrainConfig, observer: &mut dyn Observer) -> Result<RunSummary, TrainError> {
+    cfg.check()?;
     let threads = cfg.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -58,15 +59,11 @@ pub fn train(cfg: &TrainConfig, observer: &mut dyn Observer) -> Result<RunSummar
 }
 
 fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer) -> Result<RunSummary, TrainError> {
-    if cfg.batch_size == 0 {
-        return Err(TrainError::Invalid("--batch-size must be at least 1".into()));
+    let (outputs, inputs) = cfg.paths();
+    for input in &inputs {
+        crate::output::check_input(&input.flag, &input.path)?;
     }
-    if cfg.micro_batch == Some(0) {
-        return Err(TrainError::Invalid("--micro-batch must be at least 1".into()));
-    }
-    for dir in cfg.profile.iter().chain(&cfg.profile_on_oom) {
-        crate::profile::check_profile_dir(dir)?;
-    }
+    crate::output::check_outputs(&outputs, &inputs)?;
     let task = Task::load(cfg)?;
     let (train_samples, val_samples) = (task.train_samples(), task.val_samples());
     observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
@@ -82,15 +79,15 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
-    let default_eval = cfg.batch_size;
+    // Evaluation runs in micro-batches of the training micro-batch unless the planner chose its own.
     let (micro, eval_micro, plan) = match (cfg.micro_batch, cfg.memory) {
-        (Some(m), _) => (m.min(cfg.batch_size), default_eval, None),
+        (Some(m), _) => (m.min(cfg.batch_size), m.min(cfg.batch_size), None),
         (None, Some(_)) => {
             let plan = planner::plan(&request)?;
             observer.planned(&plan);
             (plan.micro_batch, plan.eval_micro_batch, Some(plan))
         }
-        (None, None) => (cfg.batch_size, default_eval, None),
+        (None, None) => (cfg.batch_size, cfg.batch_size, None),
     };
 
     let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
@@ -104,8 +101,9 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {
+            // The checkpoint's errors name the file already.
             memfit_nn::checkpoint::load(path, session.model.as_ref())
-                .map_err(|e| TrainError::Checkpoint(format!("cannot load checkpoint {}: {e}", path.display())))?;
+                .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         }
     }
     let opts = RunOptions {
@@ -114,7 +112,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         eval_micro_batch: eval_micro,
         epochs: cfg.epochs,
         max_steps: cfg.max_steps,
-        seed: cfg.seed,
+        data_seed: cfg.data_seed.unwrap_or(cfg.seed),
         recover: true,
         grow_after: 50,
         record_samples: cfg.record_samples,
@@ -147,12 +145,13 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         if cfg.device == DeviceKind::Cpu {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
             let tensors = memfit_nn::checkpoint::state_dict(session.model.as_ref());
-            memfit_nn::checkpoint::save_tensors(path, &tensors, Some(metadata))
-                .map_err(|e| TrainError::Checkpoint(format!("cannot save checkpoint {}: {e}", path.display())))?;
+            let bytes = memfit_nn::checkpoint::to_bytes(path, &tensors, Some(metadata))
+                .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            crate::output::write_atomic("--save", path, &bytes)?;
         }
     }
     let stats = device.stats();
-    Ok(RunSummary {
+    let summary = RunSummary {
         config: cfg.clone(),
         spec,
         data_source: task.source(),
@@ -165,13 +164,32 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         capacity: cfg.memory,
         threads,
         profile_files,
-    })
+    };
+    if let Some(path) = &cfg.report {
+        let report = crate::report::Report::new(&summary);
+        crate::output::write_atomic("--report", path, (report.to_json() + "\n").as_bytes())?;
+        let svg = memfit_profile::curves_svg(&crate::report::curve_points(&summary));
+        crate::output::write_atomic("--report", &path.with_extension("svg"), svg.as_bytes())?;
+    }
+    Ok(summary)
 }
 
 /// Turns an out-of-memory that recovery could not absorb into the explanation plus the planner's advice.
 fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
     let Some(oom) = e.as_oom().cloned() else { return e };
-    let advice = match planner::predict(request, 1, Some(1), None) {
+    let advice = if oom.injected && request.capacity.is_none() {
+        "this out-of-memory was injected by --inject-oom where recovery cannot absorb it (during setup, or on \
+         one sample twice in a row); no --memory cap is set, so memory is not short: use a larger --inject-oom N"
+            .to_string()
+    } else {
+        advice_for_budget(request)
+    };
+    TrainError::OutOfMemory { oom: Box::new(oom), advice }
+}
+
+/// What would fit: what micro-batch 1 needs against the capacity.
+fn advice_for_budget(request: &PlanRequest) -> String {
+    match planner::predict(request, 1, Some(1), None) {
         Ok(Some(p)) => {
             let fits = request.capacity.is_some_and(|c| p.peak_reserved <= c);
             if fits {
@@ -182,6 +200,12 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
                     request.model.kind.name(),
                     request.effective_batch
                 )
+            } else if request.capacity.is_none() {
+                format!(
+                    "no --memory cap was set, so the host itself could not provide the memory; a micro-batch of 1 \
+                     needs {} (peak reserved): use a smaller model or batch.",
+                    memfit_tensor::memory::format_bytes(p.peak_reserved)
+                )
             } else {
                 format!(
                     "even a micro-batch of 1 needs {} (peak reserved): use --memory {} or more, or a smaller model.",
@@ -191,8 +215,7 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
             }
         }
         _ => String::new(),
-    };
-    TrainError::OutOfMemory { oom: Box::new(oom), advice }
+    }
 }
 
 /// Errors when a checkpoint made for a text task was trained on another vocabulary: its token ids
@@ -200,7 +223,7 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
 fn check_vocab(path: &std::path::Path, task: &Task) -> Result<(), TrainError> {
     let Some(vocab) = task.vocab() else { return Ok(()) };
     let metadata = memfit_nn::checkpoint::read_metadata(path)
-        .map_err(|e| TrainError::Checkpoint(format!("cannot load checkpoint {}: {e}", path.display())))?
+        .map_err(|e| TrainError::Checkpoint(e.to_string()))?
         .unwrap_or_default();
     match metadata.get(memfit_nn::models::VOCAB_KEY) {
         Some(saved) if *saved == vocab.as_string() => Ok(()),

@@ -10,6 +10,7 @@
 //! - [`report`]: the JSON report and the memory table people read;
 //! - [`bench`]: step-time and memory benchmarks of the model zoo;
 //! - [`generate`]: text from a saved GPT;
+//! - [`output`]: the one home of path checks and atomic, durable writes (Note [Paths]);
 //! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
 
 pub mod bench;
@@ -17,6 +18,7 @@ pub mod config;
 mod error;
 pub mod generate;
 pub mod job;
+pub mod output;
 pub mod planner;
 pub mod profile;
 pub mod report;

@@ -6,11 +6,18 @@
 //! is the budget less the safety margin, with recovery off: it fits when no allocation fails. The
 //! prediction is exact for a run of the same steps on `cpu` with at least that capacity, because the
 //! allocation sequence is the same (the invariant `meta == cpu`).
+//!
+//! Note [Bounded planning]: the planner's work does not grow with the batch. A dry run's window is
+//! [`representative_window`]: the micro-batches of a real window are a first one (which creates the
+//! gradients), identical middle ones (each leaves the allocator as it found it) and a last, possibly
+//! partial one, so a window of the first two and the last has the peak of any window of the same
+//! micro-batches (`train/tests/planning.rs` checks it against full windows). Candidate micro-batches
+//! are searched up to [`search_limit`]: no micro-batch fits whose inputs alone exceed the budget.
 
 use crate::error::TrainError;
 use crate::samples::{synthetic, Samples};
 use crate::trainer::{RunOptions, Session};
-use memfit_nn::{ModelSpec, OptimizerConfig};
+use memfit_nn::{ModelInput, ModelSpec, OptimizerConfig};
 use memfit_tensor::memory::format_bytes;
 use memfit_tensor::{Category, Device, DeviceConfig, DeviceKind};
 use std::time::Instant;
@@ -115,20 +122,48 @@ pub fn predict(
 /// windows), `PLAN_STEPS` full windows, one evaluation micro-batch, recovery off. Running it on `cpu`
 /// with the same capacity reproduces the prediction exactly.
 pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
-    let train = synthetic(&req.model, PLAN_STEPS * req.effective_batch, req.seed);
+    let window = representative_window(req.effective_batch, micro);
+    let train = synthetic(&req.model, PLAN_STEPS * window, req.seed);
     let val = synthetic(&req.model, eval_micro, req.seed);
     let opts = RunOptions {
-        effective_batch: req.effective_batch,
+        effective_batch: window,
         micro_batch: micro,
         eval_micro_batch: eval_micro,
-        epochs: 1,
+        epochs: Some(1),
         max_steps: Some(PLAN_STEPS),
-        seed: req.seed,
+        data_seed: req.seed,
         recover: false,
         grow_after: usize::MAX,
         record_samples: false,
     };
     (train, val, opts)
+}
+
+/// The window a dry run trains on for an effective batch of `effective` in micro-batches of `micro`
+/// (Note [Bounded planning]): the whole batch when it takes at most three micro-batches, else two full
+/// micro-batches and the last, partial or full, one: at most `3 * micro` samples.
+pub fn representative_window(effective: usize, micro: usize) -> usize {
+    let micro = micro.clamp(1, effective.max(1));
+    let parts = effective.div_ceil(micro);
+    if parts <= 3 {
+        return effective;
+    }
+    let last = effective - (parts - 1) * micro;
+    2 * micro + last
+}
+
+/// The largest micro-batch worth a dry run under `budget` (Note [Bounded planning]): `high`, or fewer
+/// when the inputs of that many samples alone exceed the budget.
+pub fn search_limit(model: &ModelSpec, high: usize, budget: Option<u64>) -> usize {
+    let Some(budget) = budget else { return high.max(1) };
+    let per_sample = match model.input_kind() {
+        ModelInput::Image { shape: [c, h, w], .. } => {
+            (c as u64 * h as u64 * w as u64).saturating_mul(4).saturating_add(8)
+        }
+        ModelInput::Tokens { context, .. } => (context as u64).saturating_mul(16),
+    };
+    let fit = budget / per_sample.max(1);
+    high.min(usize::try_from(fit).unwrap_or(usize::MAX)).max(1)
 }
 
 /// Largest value in `1..=high` for which `fits` holds, assuming it holds for 1 and is monotone.
@@ -170,18 +205,19 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
         let needs = run(1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs));
     }
-    let largest = largest_fitting(req.effective_batch, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
+    let high = search_limit(&req.model, req.effective_batch, budget);
+    let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
     // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
     // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
     let accumulation_steps = req.effective_batch.div_ceil(largest);
     let micro = req.effective_batch.div_ceil(accumulation_steps);
-    let eval_high = MAX_EVAL_MICRO.max(req.effective_batch);
+    let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch), budget);
     let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, Some(e), budget)?.is_some()))?;
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
     let predicted = run(micro, Some(eval_micro), budget)?.ok_or_else(not_fit)?;
     let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
     let larger = if micro < req.effective_batch && budget.is_some() {
-        let bigger = (largest * 2).min(req.effective_batch);
+        let bigger = largest.saturating_mul(2).min(req.effective_batch);
         let bigger = req.effective_batch.div_ceil(req.effective_batch.div_ceil(bigger));
         run(bigger, Some(1), None)?.map(|p| (bigger, p.peak_reserved))
     } else {

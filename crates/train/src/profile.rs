@@ -77,11 +77,16 @@ pub fn write_profile(dir: &Path, rec: &Recording) -> Result<Vec<PathBuf>, TrainE
     let fail = |e: std::io::Error| TrainError::Invalid(format!("cannot write a profile to {}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(fail)?;
     let paths: Vec<PathBuf> = PROFILE_FILES.iter().map(|f| dir.join(f)).collect();
-    memfit_profile::write_html(rec, &paths[0]).map_err(fail)?;
-    memfit_profile::write_snapshot(rec, &paths[1]).map_err(fail)?;
-    memfit_profile::write_chrome_trace(rec, &paths[2]).map_err(fail)?;
-    std::fs::write(&paths[3], memfit_profile::summary(rec)).map_err(fail)?;
     let json = serde_json::to_string_pretty(&memfit_profile::summary_json(rec)).map_err(|e| fail(e.into()))?;
-    std::fs::write(&paths[4], json + "\n").map_err(fail)?;
+    let contents: [Vec<u8>; 5] = [
+        memfit_profile::html(rec).into_bytes(),
+        memfit_profile::snapshot_pickle(rec),
+        memfit_profile::chrome_trace(rec).into_bytes(),
+        memfit_profile::summary(rec).into_bytes(),
+        (json + "\n").into_bytes(),
+    ];
+    for (path, bytes) in paths.iter().zip(&contents) {
+        crate::output::write_atomic("profile", path, bytes)?;
+    }
     Ok(paths)
 }

@@ -28,10 +28,15 @@ pub struct Report {
     pub capacity_bytes: Option<u64>,
     pub data: String,
     pub optimizer: String,
+    /// Learning rate.
+    pub lr: f64,
     pub seed: u64,
+    /// Seed of the data order (`--data-seed`, default `seed`).
+    pub data_seed: u64,
     pub threads: usize,
     /// The instruction set the CPU kernels ran with (`avx512`, `avx2` or `portable`).
     pub isa: String,
+    /// Epochs begun.
     pub epochs: usize,
     pub steps: usize,
     pub samples_seen: usize,
@@ -105,10 +110,12 @@ impl Report {
             capacity_bytes: s.capacity,
             data: s.data_source.clone(),
             optimizer: s.config.optimizer.name().to_string(),
+            lr: s.config.lr,
             seed: s.config.seed,
             threads: s.threads,
             isa: memfit_tensor::Isa::active().to_string(),
-            epochs: s.config.epochs,
+            data_seed: s.config.data_seed.unwrap_or(s.config.seed),
+            epochs: s.outcome.epochs,
             steps: s.outcome.steps,
             samples_seen: s.outcome.samples_seen,
             plan: PlanReport {
@@ -195,4 +202,21 @@ impl Report {
         ));
         s
     }
+}
+
+/// Loss and memory per step, and the validation loss after the last one: the training curves of a run.
+pub fn curve_points(summary: &crate::RunSummary) -> Vec<memfit_profile::CurvePoint> {
+    let last = summary.outcome.curve.len();
+    summary
+        .outcome
+        .curve
+        .iter()
+        .map(|p| memfit_profile::CurvePoint {
+            step: p.step,
+            train_loss: p.loss,
+            val_loss: if p.step == last { summary.outcome.eval.as_ref().and_then(|e| e.loss) } else { None },
+            allocated: p.allocated,
+            peak_allocated: p.peak_allocated,
+        })
+        .collect()
 }

@@ -10,7 +10,7 @@
 //!   planning and benchmarks ([`synthetic`] picks the one a model eats).
 
 use memfit_data::Split;
-use memfit_data::{eval_window_starts, fill_batch, fill_windows, random_window_starts, EpochOrder, Normalization, Rng};
+use memfit_data::{eval_window_starts, fill_batch, fill_windows, random_window_starts, EpochOrder, Rng};
 use memfit_nn::{ModelInput, ModelSpec};
 use memfit_tensor::{Category, DType, Device, Error, Result, Tensor};
 
@@ -65,7 +65,8 @@ impl Samples for SplitSamples<'_> {
     fn to_device(&self, device: &Device, ids: &[usize]) -> Result<(Tensor, Tensor)> {
         let (rows, cols) = (self.split.images.rows, self.split.images.cols);
         batch_tensors::<f32>(device, &[ids.len(), 1, rows, cols], &[ids.len()], |px, lb| {
-            fill_batch(self.split, ids, Normalization::FASHION_MNIST, px, lb).map_err(|e| Error::invalid(e.to_string()))
+            fill_batch(self.split, ids, crate::task::IMAGE_NORMALIZATION, px, lb)
+                .map_err(|e| Error::invalid(e.to_string()))
         })
     }
 }

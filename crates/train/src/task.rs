@@ -13,6 +13,12 @@ use std::path::Path;
 /// `--data embedded` selects the data shipped inside memfit even when other data is installed.
 pub const EMBEDDED: &str = "embedded";
 
+/// The normalization of image inputs (the one [`crate::samples::SplitSamples`] applies).
+pub const IMAGE_NORMALIZATION: memfit_data::Normalization = memfit_data::Normalization::FASHION_MNIST;
+
+/// Checkpoint metadata keys of the input normalization: the formula, the mean and the std.
+pub const NORMALIZATION_KEYS: [&str; 3] = ["memfit.input.normalization", "memfit.input.mean", "memfit.input.std"];
+
 /// What a task's data is.
 pub enum TaskData {
     /// Labelled images (train and validation splits).
@@ -75,10 +81,17 @@ impl Task {
         }
     }
 
-    /// Checkpoint metadata that rebuilds this task's model: the model kind, and for a GPT its sizes
-    /// and vocabulary.
+    /// Checkpoint metadata that rebuilds this task's model and its inputs: the model kind; for an image
+    /// model the input normalization (`x = (pixel / 255 - mean) / std`, so a PyTorch user evaluates
+    /// the same way); for a GPT its sizes and vocabulary.
     pub fn checkpoint_metadata(&self) -> Vec<(String, String)> {
         let mut out = vec![(memfit_nn::models::MODEL_KEY.to_string(), self.spec.kind.name().to_string())];
+        if let TaskData::Images(_) = &self.data {
+            let n = IMAGE_NORMALIZATION;
+            out.push((NORMALIZATION_KEYS[0].to_string(), "x = (pixel / 255 - mean) / std".to_string()));
+            out.push((NORMALIZATION_KEYS[1].to_string(), n.mean.to_string()));
+            out.push((NORMALIZATION_KEYS[2].to_string(), n.std.to_string()));
+        }
         if let Some(vocab) = self.vocab() {
             out = self.spec.gpt.to_metadata();
             out.push((memfit_nn::models::VOCAB_KEY.to_string(), vocab.as_string()));
@@ -91,7 +104,10 @@ impl Task {
 /// when `path` is None or `embedded`.
 pub fn load_text(path: Option<&Path>) -> Result<TextCorpus, TrainError> {
     Ok(match path {
-        Some(p) if p.as_os_str() != EMBEDDED => memfit_data::load_text(p)?,
+        Some(p) if p.as_os_str() != EMBEDDED => {
+            crate::output::check_input("--data", p)?;
+            memfit_data::load_text(p)?
+        }
         _ => memfit_data::load_embedded_text()?,
     })
 }

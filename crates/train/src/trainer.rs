@@ -61,9 +61,12 @@ pub struct RunOptions {
     pub effective_batch: usize,
     pub micro_batch: usize,
     pub eval_micro_batch: usize,
-    pub epochs: usize,
+    /// Passes over the samples; None = one, or as many as `max_steps` needs.
+    pub epochs: Option<usize>,
+    /// Stop after this many optimizer steps (running across epochs as needed).
     pub max_steps: Option<usize>,
-    pub seed: u64,
+    /// Seed of the data order (which samples each epoch takes, in which order).
+    pub data_seed: u64,
     /// Recover from out-of-memory by splitting (off for planning dry runs: a failure means "does not fit").
     pub recover: bool,
     /// Successful steps after which a shrunk micro-batch doubles again (towards `micro_batch`).
@@ -89,7 +92,8 @@ pub struct StepEvent {
     pub step_ms: f64,
 }
 
-/// Evaluation results.
+/// Evaluation results. Loss and accuracy are None on `meta` and for an empty validation set
+/// ("no validation", never an accuracy of 0).
 #[derive(Clone, Debug)]
 pub struct EvalResult {
     pub loss: Option<f64>,
@@ -103,6 +107,8 @@ pub struct EvalResult {
 #[derive(Clone, Debug, Default)]
 pub struct RunOutcome {
     pub steps: usize,
+    /// Epochs begun.
+    pub epochs: usize,
     pub samples_seen: usize,
     pub step_times_ms: Vec<f64>,
     pub oom_recoveries: usize,
@@ -257,6 +263,23 @@ impl Session {
         })
     }
 
+    /// Errors when a parameter holds NaN or infinity after `step` (a huge learning rate diverges in one
+    /// update, before any loss shows it): such weights are never evaluated or saved.
+    fn check_finite_parameters(&self, step: usize) -> Result<(), TrainError> {
+        if !self.device.computes() {
+            return Ok(());
+        }
+        for (name, p) in self.model.parameters() {
+            if p.to_f64_vec()?.iter().any(|v| !v.is_finite()) {
+                return Err(TrainError::NotFinite(format!(
+                    "parameter {name} holds NaN or infinity after step {step}: training diverged and stopped \
+                     (nothing is saved); try a smaller --lr"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// After a failed attempt has been dropped, its bytes must all be back (Note [Recovery]).
     fn check_released(&self, before: u64) -> Result<(), TrainError> {
         let after = self.allocated();
@@ -358,7 +381,7 @@ impl Session {
             }
         }
         let n = predictions.max(1) as f64;
-        let computes = device.computes();
+        let computes = device.computes() && predictions > 0;
         Ok(EvalResult {
             loss: computes.then_some(loss_sum / n),
             accuracy: computes.then_some(correct as f64 / n),
@@ -383,19 +406,21 @@ impl Session {
             return Err(TrainError::Invalid("the training set is empty".into()));
         }
         let per_epoch = train.len().div_ceil(opts.effective_batch);
-        let total = opts.max_steps.map_or(per_epoch * opts.epochs, |m| m.min(per_epoch * opts.epochs));
+        let total = total_steps(per_epoch, opts.epochs, opts.max_steps)?;
         let planned_micro = opts.micro_batch.min(opts.effective_batch);
         let mut micro = planned_micro;
         let mut out = RunOutcome { final_micro_batch: micro, ..Default::default() };
         let mut streak = 0;
-        'epochs: for epoch in 0..opts.epochs {
-            let order = train.epoch_ids(opts.seed, epoch);
+        let mut epoch = 0;
+        while out.steps < total {
+            let order = train.epoch_ids(opts.data_seed, epoch);
+            out.epochs = epoch + 1;
             for window in order.chunks(opts.effective_batch) {
                 if out.steps >= total {
-                    break 'epochs;
+                    break;
                 }
                 let start = Instant::now();
-                let mut used = Vec::with_capacity(window.len());
+                let mut used = Vec::with_capacity(if opts.record_samples { window.len() } else { 0 });
                 let (result, recoveries) = self.train_window(train, window, &mut micro, opts.recover, &mut used)?;
                 let ms = start.elapsed().as_secs_f64() * 1e3;
                 streak = if recoveries > 0 { 0 } else { streak + 1 };
@@ -409,6 +434,13 @@ impl Session {
                 out.oom_recoveries += recoveries;
                 let computes = self.device.computes();
                 let loss = computes.then(|| result.loss_sum / window.len() as f64);
+                if let Some(l) = loss.filter(|l| !l.is_finite()) {
+                    return Err(TrainError::NotFinite(format!(
+                        "the training loss at step {} is {l}: training diverged and stopped (nothing is saved); \
+                         try a smaller --lr",
+                        out.steps
+                    )));
+                }
                 out.last_loss = loss;
                 if opts.record_samples {
                     out.sample_log.push(used);
@@ -435,6 +467,10 @@ impl Session {
                     step_ms: ms,
                 });
             }
+            epoch += 1;
+        }
+        if out.steps > 0 {
+            self.check_finite_parameters(out.steps)?;
         }
         out.final_micro_batch = micro;
         if let Some(val) = val {
@@ -442,6 +478,23 @@ impl Session {
         }
         Ok(out)
     }
+}
+
+/// Optimizer steps of a run with `per_epoch` steps per epoch: `epochs` passes (default one), or
+/// `max_steps` across as many epochs as it takes when no epoch count is given; with both, whichever
+/// ends first. Overflow is an error, never a wrap.
+pub fn total_steps(per_epoch: usize, epochs: Option<usize>, max_steps: Option<usize>) -> Result<usize, TrainError> {
+    let by_epochs = |e: usize| {
+        per_epoch.checked_mul(e).ok_or_else(|| {
+            TrainError::Invalid(format!("--epochs {e} of {per_epoch} steps each is more steps than memfit can count"))
+        })
+    };
+    Ok(match (epochs, max_steps) {
+        (None, None) => per_epoch,
+        (None, Some(m)) => m,
+        (Some(e), None) => by_epochs(e)?,
+        (Some(e), Some(m)) => by_epochs(e).map_or(m, |t| t.min(m)),
+    })
 }
 
 /// The median of a list of timings (0 for none).

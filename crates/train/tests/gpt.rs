@@ -66,7 +66,7 @@ fn the_golden_gpt_trains_through_the_task_path_like_pytorch() {
         t.copy_from(golden_tensor(&g, &format!("{case}/init/{name}"))).unwrap();
     }
     let mut o = opts(2, 2, 1);
-    o.epochs = 3;
+    o.epochs = Some(3);
     let first = session.run(&batch, None, &o, &mut |_| {}).unwrap();
     let want_loss = golden_tensor(&g, &format!("{case}/loss")).item().unwrap();
     let got_loss = first.last_loss.unwrap();

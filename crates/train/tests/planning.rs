@@ -73,3 +73,37 @@ fn the_safety_margin_keeps_part_of_the_budget_free() {
     req.safety_margin = 0.9;
     assert!(matches!(plan(&req), Err(TrainError::Invalid(m)) if m.contains("safety margin")));
 }
+
+#[test]
+fn a_dry_run_of_the_representative_window_peaks_like_the_whole_window() {
+    // Note [Bounded planning]: the planner's dry runs train on at most three micro-batches a window.
+    use memfit_train::planner::{representative_window, PLAN_STEPS};
+    use memfit_train::samples::synthetic;
+    assert_eq!(representative_window(1_000_000_000, 417), 2 * 417 + (1_000_000_000 - 2_398_081 * 417));
+    assert_eq!(representative_window(24, 8), 24);
+    let specs = [
+        ModelSpec::image(ModelKind::Mlp, [1, 28, 28], 10),
+        ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10),
+        ModelSpec::image(ModelKind::ResNet, [1, 28, 28], 10),
+        tiny_gpt(13),
+    ];
+    for spec in specs {
+        let kind = spec.kind;
+        for (effective, micro) in [(50, 8), (40, 8), (37, 5), (9, 2)] {
+            let req = PlanRequest { model: spec.clone(), ..request(kind, effective, None) };
+            assert!(representative_window(effective, micro) < effective);
+            let bounded = predict(&req, micro, Some(micro), None).unwrap().unwrap();
+            let dev = device(DeviceKind::Meta, None, None);
+            let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
+            let (_, val, mut o) = dry_run(&req, micro, micro);
+            o.effective_batch = effective;
+            let whole = synthetic(&req.model, PLAN_STEPS * effective, req.seed);
+            session.run(whole.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+            let stats = dev.stats();
+            let what = format!("{kind:?} batch {effective} in micro-batches of {micro}");
+            assert_eq!(stats.allocated_bytes.peak, bounded.peak_allocated, "{what}: allocated peak");
+            assert_eq!(stats.reserved_bytes.peak, bounded.peak_reserved, "{what}: reserved peak");
+            assert_eq!(stats.category_at_peak, bounded.at_peak, "{what}: categories at the peak");
+        }
+    }
+}

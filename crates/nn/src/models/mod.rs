@@ -58,10 +58,10 @@ impl ModelKind {
     }
 
     pub fn parse(text: &str) -> std::result::Result<ModelKind, String> {
-        ModelKind::ALL
-            .into_iter()
-            .find(|k| k.name() == text)
-            .ok_or_else(|| format!("unknown model {text:?}: expected one of mlp, simplecnn, deepcnn, resnet, gpt"))
+        ModelKind::ALL.into_iter().find(|k| k.name() == text).ok_or_else(|| {
+            let names: Vec<&str> = ModelKind::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown model {text:?}: expected one of {}", names.join(", "))
+        })
     }
 }
 
