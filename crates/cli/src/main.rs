@@ -9,7 +9,7 @@ use memfit_tensor::DeviceKind;
 use memfit_train::config::limits;
 use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
-use memfit_train::{OptimizerChoice, Plan, PlanRequest, Report, StepEvent, TrainConfig};
+use memfit_train::{CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Report, StepEvent, TrainConfig};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -135,6 +135,12 @@ struct RunArgs {
     /// Fraction of the capacity the planner keeps free, from 0 to 0.5.
     #[arg(long, allow_hyphen_values = true, default_value_t = 0.0, value_parser = parse_safety_margin)]
     safety_margin: f64,
+    /// Activation checkpointing: none, all, or segment names separated by commas (gpt: blocks.0,
+    /// blocks.1, ...; resnet: layer1..layer3; deepcnn: c1..c3; simplecnn: conv1). A checkpointed
+    /// segment keeps only its input for backward and runs its forward again there: less memory, more
+    /// time, the same numbers.
+    #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
+    checkpoint: CheckpointChoice,
 }
 
 impl RunArgs {
@@ -155,6 +161,7 @@ impl RunArgs {
             threads: self.threads.map(|t| t as usize),
             fault: self.inject_oom.map(FaultInjection::EveryNth),
             safety_margin: self.safety_margin,
+            checkpoint: self.checkpoint,
             ..TrainConfig::default()
         })
     }
@@ -233,6 +240,9 @@ struct PlanArgs {
     /// Seed of the dry runs' initialization and synthetic data.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
+    /// Activation checkpointing the plan assumes: none, all, or segment names separated by commas.
+    #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
+    checkpoint: CheckpointChoice,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -539,6 +549,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         effective_batch: a.batch_size as usize,
         capacity: Some(a.memory),
         safety_margin: a.safety_margin,
+        checkpoint: a.checkpoint.clone(),
         seed: a.seed,
     };
     let plan = memfit_train::plan(&request).map_err(|e| e.to_string())?;

@@ -73,6 +73,48 @@ impl OptimizerChoice {
     }
 }
 
+/// Which model segments run with activation checkpointing (`--checkpoint`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum CheckpointChoice {
+    /// None: every activation is kept for backward (the default; numerics never change either way).
+    #[default]
+    None,
+    /// Every segment (each GPT block, ResNet stage, CNN stage).
+    All,
+    /// The segments with these names (as `memfit plan` lists them, e.g. `blocks.0`).
+    Segments(Vec<String>),
+}
+
+impl CheckpointChoice {
+    /// `none`, `all`, or a comma-separated list of segment names.
+    pub fn parse(text: &str) -> Result<CheckpointChoice, String> {
+        match text.trim() {
+            "none" => Ok(CheckpointChoice::None),
+            "all" => Ok(CheckpointChoice::All),
+            "" => Err("give none, all, or segment names separated by commas (such as blocks.0,blocks.1)".into()),
+            list => Ok(CheckpointChoice::Segments(list.split(',').map(|n| n.trim().to_string()).collect())),
+        }
+    }
+
+    /// One flag per segment of a model with segments `names`; an unknown name is an error that lists
+    /// the model's segments.
+    pub fn flags(&self, model: &str, names: &[String]) -> Result<Vec<bool>, String> {
+        match self {
+            CheckpointChoice::None => Ok(vec![false; names.len()]),
+            CheckpointChoice::All => Ok(vec![true; names.len()]),
+            CheckpointChoice::Segments(wanted) => {
+                if let Some(bad) = wanted.iter().find(|w| !names.contains(w)) {
+                    return Err(format!(
+                        "--checkpoint: {model} has no segment {bad:?}; its segments are {}",
+                        if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                    ));
+                }
+                Ok(names.iter().map(|n| wanted.contains(n)).collect())
+            }
+        }
+    }
+}
+
 /// Everything one training run needs.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
@@ -119,6 +161,8 @@ pub struct TrainConfig {
     pub profile_on_oom: Option<PathBuf>,
     /// Write the JSON report here, and the training curves beside it as `.svg`.
     pub report: Option<PathBuf>,
+    /// Segments that run with activation checkpointing.
+    pub checkpoint: CheckpointChoice,
 }
 
 impl TrainConfig {
@@ -196,6 +240,7 @@ impl TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
+            checkpoint: CheckpointChoice::None,
             model: ModelKind::SimpleCnn,
             gpt: GptConfig::default(),
             data: None,

@@ -33,6 +33,8 @@ pub struct RunSummary {
     pub threads: usize,
     /// Files of the memory profile written (`profile` or `profile_on_oom`).
     pub profile_files: Vec<PathBuf>,
+    /// Segments that ran with activation checkpointing.
+    pub checkpointed: Vec<String>,
 }
 
 /// What the job tells its caller while it runs.
@@ -76,6 +78,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         capacity: cfg.memory,
         safety_margin: cfg.safety_margin,
         seed: cfg.seed,
+        checkpoint: cfg.checkpoint.clone(),
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
@@ -98,6 +101,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     let device = Device::new(device_config);
     device.set_profiling(profiling);
     let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
+    let checkpointed = session.set_checkpointing(&cfg.checkpoint)?;
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {
@@ -164,6 +168,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         capacity: cfg.memory,
         threads,
         profile_files,
+        checkpointed,
     };
     if let Some(path) = &cfg.report {
         let report = crate::report::Report::new(&summary);

@@ -26,7 +26,7 @@ pub mod samples;
 pub mod task;
 pub mod trainer;
 
-pub use config::{OptimizerChoice, TrainConfig};
+pub use config::{CheckpointChoice, OptimizerChoice, TrainConfig};
 pub use error::TrainError;
 pub use job::{train, Observer, Quiet, RunSummary};
 pub use planner::{plan, Plan, PlanRequest};

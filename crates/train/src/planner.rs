@@ -37,6 +37,8 @@ pub struct PlanRequest {
     /// Fraction of the capacity to keep free (0.0 - 0.5).
     pub safety_margin: f64,
     pub seed: u64,
+    /// Segments that run with activation checkpointing (the dry runs apply it too).
+    pub checkpoint: crate::config::CheckpointChoice,
 }
 
 impl PlanRequest {
@@ -98,6 +100,7 @@ pub fn predict(
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e),
     };
+    session.set_checkpointing(&req.checkpoint)?;
     let (train, val, opts) = dry_run(req, micro, eval_micro.unwrap_or(1));
     let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {

@@ -43,6 +43,8 @@ pub struct Report {
     pub plan: PlanReport,
     /// Set when the planner chose the micro-batch.
     pub planned: bool,
+    /// Segments that ran with activation checkpointing (`--checkpoint`), in forward order.
+    pub checkpointed_segments: Vec<String>,
     pub eval_micro_batch: usize,
     pub predicted_peak_allocated_bytes: Option<u64>,
     pub predicted_peak_reserved_bytes: Option<u64>,
@@ -124,6 +126,7 @@ impl Report {
                 effective_batch: s.config.batch_size,
             },
             planned: s.plan.is_some(),
+            checkpointed_segments: s.checkpointed.clone(),
             eval_micro_batch: s.eval_micro_batch,
             predicted_peak_allocated_bytes: s.plan.as_ref().map(|p| p.predicted.peak_allocated),
             predicted_peak_reserved_bytes: s.plan.as_ref().map(|p| p.predicted.peak_reserved),

@@ -38,6 +38,21 @@ pub struct Session {
 }
 
 impl Session {
+    /// Applies `choice` to the model's segments; returns the names of those that now run
+    /// checkpointed.
+    pub fn set_checkpointing(&self, choice: &crate::config::CheckpointChoice) -> Result<Vec<String>, TrainError> {
+        let name = self.model.kind().name();
+        let Some(segments) = self.model.checkpointing() else {
+            return match choice {
+                crate::config::CheckpointChoice::None => Ok(Vec::new()),
+                _ => Err(TrainError::Invalid(format!("--checkpoint: {name} has no segments to checkpoint"))),
+            };
+        };
+        let flags = choice.flags(name, segments.names()).map_err(TrainError::Invalid)?;
+        segments.set(&flags)?;
+        Ok(segments.names().iter().zip(&flags).filter(|(_, &on)| on).map(|(n, _)| n.clone()).collect())
+    }
+
     pub fn new(
         device: Device,
         spec: &memfit_nn::ModelSpec,
@@ -192,19 +207,17 @@ pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor, TrainError> {
     Ok(ops::cross_entropy(&logits.reshape(&[-1, classes])?, &targets.reshape(&[-1])?, 0.0)?)
 }
 
-/// Counts argmax hits of `logits` [..., C] against `targets` [...] (cpu only).
-fn count_correct(logits: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
-    let classes = logits.shape().last().copied().unwrap_or(1).max(1);
-    let values = logits.to_f64_vec()?;
-    let labels = targets.to_vec::<i64>()?;
-    Ok(values
-        .chunks(classes)
-        .zip(labels)
-        .filter(|(row, label)| {
-            let best = row.iter().enumerate().fold(0, |b, (i, v)| if *v > row[b] { i } else { b });
-            best as i64 == *label
-        })
-        .count())
+/// The argmax class of every prediction of `logits` [..., C]: int64 [...] in device memory, made on
+/// every device alike (so meta predicts these allocations too), without a graph.
+fn argmax_classes(logits: &Tensor) -> Result<Tensor, TrainError> {
+    let _no_grad = logits.device().no_grad();
+    Ok(logits.max_dim(-1, false)?.1)
+}
+
+/// Counts the predictions equal to their targets (cpu only: reads both).
+fn count_correct(predicted: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
+    let (p, t) = (predicted.to_vec::<i64>()?, targets.to_vec::<i64>()?);
+    Ok(p.iter().zip(&t).filter(|(p, t)| p == t).count())
 }
 
 impl Session {
@@ -251,6 +264,9 @@ impl Session {
             (weighted, logits)
         };
         drop(x);
+        // Before backward: a failure here is still a failed attempt with nothing committed.
+        let predicted = argmax_classes(&logits)?;
+        drop(logits);
         autograd::backward(&loss)?;
         if !device.computes() {
             return Ok(MicroResult { loss_sum: f64::NAN, correct: 0, predictions: y.numel() });
@@ -258,7 +274,7 @@ impl Session {
         let mean = loss.item()? * window as f64 / chunk.len() as f64;
         Ok(MicroResult {
             loss_sum: mean * chunk.len() as f64,
-            correct: count_correct(&logits, &y)?,
+            correct: count_correct(&predicted, &y)?,
             predictions: y.numel(),
         })
     }
@@ -359,10 +375,12 @@ impl Session {
                 let logits = self.model.forward(&x, false)?;
                 drop(x);
                 let loss = loss(&logits, &y)?;
+                let predicted = argmax_classes(&logits)?;
+                drop(logits);
                 if !device.computes() {
                     return Ok((0.0, 0, y.numel()));
                 }
-                Ok((loss.item()? * y.numel() as f64, count_correct(&logits, &y)?, y.numel()))
+                Ok((loss.item()? * y.numel() as f64, count_correct(&predicted, &y)?, y.numel()))
             };
             match attempt() {
                 Ok((l, c, p)) => {

@@ -125,6 +125,7 @@ fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
         capacity,
         safety_margin: 0.0,
         seed: 5,
+        checkpoint: Default::default(),
     }
 }
 

@@ -16,6 +16,7 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
         capacity,
         safety_margin: 0.0,
         seed: 5,
+        checkpoint: Default::default(),
     }
 }
 
