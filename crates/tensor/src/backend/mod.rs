@@ -170,6 +170,172 @@ backends! {
     );
     /// `grad *= inv_scale` in place; sets `found_inf` when a value is inf or NaN before or after.
     fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool);
+    // Seam B: matmul.
+    /// `out = a @ b` over the last two dims, the batch dims of `a` and `b` broadcast to `out`'s.
+    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor);
+    /// `out = x W^T + b` (x contiguous [.., in], weight [out, in], bias contiguous [out]).
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor);
+    /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through the op's `scratch`.
+    fn gelu_linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, scratch: &Tensor, out: &Tensor);
+    /// gelu_linear's input gradient into `gx` (`x` itself when in place) and weight gradient into
+    /// `gw`, each when given, from `grad` [rows, out], block by block through `scratch`.
+    fn gelu_linear_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        scratch: &Tensor,
+    );
+
+    // Seam B: norm.
+    /// `out = layer_norm(x)` over rows of `d` elements; the per-row mean and rstd into `mean` and
+    /// `rstd` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        d: usize,
+        eps: f64,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    );
+    /// layer_norm's gradients (each when given) from its saved input, weight and statistics.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        d: usize,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    );
+    /// `out = linear(layer_norm(x))`, `LN_ROWS` rows at a time through the op's `scratch`; the
+    /// per-row mean and rstd into `mean` and `rstd` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_linear(
+        &self,
+        x: &Tensor,
+        ln_weight: &Tensor,
+        ln_bias: &Tensor,
+        eps: f64,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        scratch: &Tensor,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    );
+    /// layer_norm_linear's gradients (each when given; `gx` is `x` itself when in place) from
+    /// `grad` [rows, out], block by block through `scratch`, with f64 column `sums` [2, in] for the
+    /// layer-norm weight and bias gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_linear_backward(
+        &self,
+        x: &Tensor,
+        ln_weight: &Tensor,
+        ln_bias: &Tensor,
+        weight: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        glw: Option<&Tensor>,
+        glb: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        scratch: &Tensor,
+        sums: Option<&Tensor>,
+    );
+    /// `out = batch_norm(x)` over channel dim 1 (batch statistics, updating the running ones when
+    /// given, in training; the running ones in eval); the statistics used into `mean` and `rstd`
+    /// when given.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm(
+        &self,
+        x: &Tensor,
+        running_mean: Option<&Tensor>,
+        running_var: Option<&Tensor>,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    );
+    /// batch_norm's gradients (each when given) from its saved input, weight and statistics.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        training: bool,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    );
+
+    // Seam B: attention.
+    /// Attention forward into `out` and, when given, the per-row log-sum-exp `lse`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        pb: &crate::ops::AttnProblem,
+        out: &Tensor,
+        lse: Option<&Tensor>,
+    );
+    /// Attention backward from the output's gradient: q, k and v gradients, each when given (the
+    /// packed op passes its one gradient three times).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        lse: &Tensor,
+        pb: &crate::ops::AttnProblem,
+        grad: &Tensor,
+        gq: Option<&Tensor>,
+        gk: Option<&Tensor>,
+        gv: Option<&Tensor>,
+    );
+
+    // Seam B: loss.
+    /// cross_entropy's mean loss into the scalar `out` (checks the targets' range).
+    fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor);
+    /// cross_entropy's logits gradient from the scalar `grad`.
+    fn cross_entropy_backward(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, grad: &Tensor, gx: &Tensor);
+    /// nll_loss's mean into the scalar `out` (log_probs may be strided; checks the targets' range).
+    fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor);
+    /// nll_loss's gradient into the zero-filled `gx` [N, C] from the scalar `grad`.
+    fn nll_loss_backward(&self, target: &Tensor, grad: &Tensor, gx: &Tensor);
+    /// mse_loss's mean into the scalar `out`.
+    fn mse_loss(&self, input: &Tensor, target: &Tensor, out: &Tensor);
+    /// mse_loss's gradients of input and target (each when given) from the scalar `grad`.
+    fn mse_loss_backward(&self, input: &Tensor, target: &Tensor, grad: &Tensor, ga: Option<&Tensor>, gb: Option<&Tensor>);
+
+    // Seam B: softmax.
+    /// `out = softmax(x)` (or log_softmax) over `dim` (x contiguous).
+    fn softmax(&self, x: &Tensor, dim: usize, log: bool, out: &Tensor);
+    /// softmax's (or log_softmax's) input gradient from its saved output `out` and `grad`.
+    fn softmax_backward(&self, out: &Tensor, grad: &Tensor, dim: usize, log: bool, gx: &Tensor);
 }
 
 /// The backend of a device kind.

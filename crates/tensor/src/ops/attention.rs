@@ -3,7 +3,8 @@
 //! v straight out of the packed in-projection output [B, T, 3E] and writes [B, T, E] with the heads
 //! already merged (no split or merge copies). Both take the causal flag and/or a boolean mask.
 //!
-//! FlashAttention-style fused kernels, one task per (batch, head) matrix, `DP_ROWS` query rows at a
+//! This file holds shapes, layouts, outputs and autograd; the kernels are the backend's
+//! (`backend/cpu/attention.rs`). FlashAttention-style fused kernels, one task per (batch, head) matrix, `DP_ROWS` query rows at a
 //! time: forward computes a block of scores `S = q k^T * scale + mask` into a scratch, softmaxes each
 //! row (max, then exp and sum), multiplies by v into the output and keeps only the rows' log-sum-exp.
 //! Backward saves q, k and v (or the packed qkv, one tensor), the mask and the per-row log-sum-exp
@@ -20,337 +21,54 @@
 //! `F.scaled_dot_product_attention` since 2.5 (its math backend applies `_safe_softmax`; the fused
 //! CPU kernels agree). A plain `softmax` of such a row would be NaN. Their log-sum-exp is -inf.
 
-use crate::backend::cpu::elementwise::exp_in_place;
-use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::broadcast_layout;
-use crate::tensor::{Element, Tensor};
-use crate::with_float;
-use rayon::prelude::*;
-
-/// Query rows per block, in forward and backward (the per-task scratch is 2 x DP_ROWS x Tk).
-const DP_ROWS: usize = 64;
+use crate::tensor::Tensor;
 
 /// Sizes of one attention problem.
 #[derive(Clone, Copy)]
-struct Dims {
+pub(crate) struct AttnDims {
     /// Number of (batch, head) matrices.
-    bh: usize,
+    pub(crate) bh: usize,
     /// Heads per batch element (for addressing; 1 when the operands are plain [bh, T, D] stacks).
-    heads: usize,
-    tq: usize,
-    tk: usize,
-    d: usize,
-    dv: usize,
+    pub(crate) heads: usize,
+    pub(crate) tq: usize,
+    pub(crate) tk: usize,
+    pub(crate) d: usize,
+    pub(crate) dv: usize,
 }
 
 /// Where the (batch, head) matrices of an operand live, in elements: matrix `i = b * heads + h` starts
 /// at `offset + b * batch_stride + h * head_stride`, its rows are `row_stride` apart and its columns
 /// contiguous. A gradient has the same layout as its input.
 #[derive(Clone, Copy)]
-struct Addr {
-    offset: usize,
-    batch_stride: usize,
-    head_stride: usize,
-    row_stride: usize,
+pub(crate) struct AttnAddr {
+    pub(crate) offset: usize,
+    pub(crate) batch_stride: usize,
+    pub(crate) head_stride: usize,
+    pub(crate) row_stride: usize,
 }
 
-impl Addr {
+impl AttnAddr {
     /// A contiguous stack of [rows, cols] matrices.
-    fn stack(rows: usize, cols: usize) -> Addr {
-        Addr { offset: 0, batch_stride: rows * cols, head_stride: 0, row_stride: cols }
+    fn stack(rows: usize, cols: usize) -> AttnAddr {
+        AttnAddr { offset: 0, batch_stride: rows * cols, head_stride: 0, row_stride: cols }
     }
 
-    fn start(&self, i: usize, heads: usize) -> usize {
+    pub(crate) fn start(&self, i: usize, heads: usize) -> usize {
         self.offset + (i / heads) * self.batch_stride + (i % heads) * self.head_stride
     }
 }
 
 /// Layouts of q, k, v and the output (and of their gradients).
 #[derive(Clone, Copy)]
-struct Layouts {
-    q: Addr,
-    k: Addr,
-    v: Addr,
-    out: Addr,
-}
-
-/// Runs `f(i, gemm_threads)` for every batch matrix: in parallel over matrices when there are
-/// several, else one matrix with multi-threaded GEMMs.
-fn for_each_matrix(bh: usize, f: impl Fn(usize, usize) + Sync + Send) {
-    if bh > 1 {
-        (0..bh).into_par_iter().for_each(|i| f(i, 1));
-    } else {
-        (0..bh).for_each(|i| f(i, rayon::current_num_threads()));
-    }
-}
-
-/// The bool mask, broadcast to [batch..., Tq, Tk], read through its strides.
-struct MaskView<'a> {
-    bytes: &'a [u8],
-    /// Shape and strides of the batch dims (broadcast; stride 0 where the mask has size 1).
-    batch_shape: Vec<usize>,
-    batch_strides: Vec<usize>,
-    offset: usize,
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl<'a> MaskView<'a> {
-    /// `m` seen as `full` ([batch..., Tq, Tk]); `m` must broadcast to it.
-    fn new(m: &'a Tensor, full: &[usize]) -> Result<Self> {
-        let r = full.len();
-        let l = broadcast_layout(m.layout(), full);
-        Ok(MaskView {
-            bytes: m.storage_bytes()?,
-            batch_shape: l.shape()[..r - 2].to_vec(),
-            batch_strides: l.strides()[..r - 2].to_vec(),
-            offset: l.offset(),
-            row_stride: l.strides()[r - 2],
-            col_stride: l.strides()[r - 1],
-        })
-    }
-
-    /// Element offset of (batch matrix i, row 0, col 0).
-    fn base(&self, mut i: usize) -> usize {
-        let mut o = self.offset;
-        for (&n, &s) in self.batch_shape.iter().zip(&self.batch_strides).rev() {
-            o += (i % n) * s;
-            i /= n;
-        }
-        o
-    }
-
-    fn masked(&self, base: usize, r: usize, c: usize) -> bool {
-        self.bytes[base + r * self.row_stride + c * self.col_stride] != 0
-    }
-}
-
-/// Which keys each query may see: the causal flag and the mask combined.
-struct Visibility<'a> {
-    causal: bool,
-    mask: Option<MaskView<'a>>,
-}
-
-impl Visibility<'_> {
-    /// The mask's element offset for matrix i (0 without a mask).
-    fn base(&self, i: usize) -> usize {
-        self.mask.as_ref().map_or(0, |m| m.base(i))
-    }
-
-    fn hidden(&self, base: usize, r: usize, j: usize) -> bool {
-        (self.causal && j > r) || self.mask.as_ref().is_some_and(|m| m.masked(base, r, j))
-    }
-
-    /// One past the last key any of rows `r0..r0 + rows` sees (0 when they see none): every key from
-    /// there on has probability 0 for the whole block. Depends only on the mask, never on data.
-    fn key_end(&self, base: usize, r0: usize, rows: usize, tk: usize) -> usize {
-        let limit = if self.causal { tk.min(r0 + rows) } else { tk };
-        if self.mask.is_none() {
-            return limit;
-        }
-        let mut end = 0;
-        for r in r0..r0 + rows {
-            if let Some(j) = (end..limit).rev().find(|&j| !self.hidden(base, r, j)) {
-                end = j + 1;
-            }
-        }
-        end
-    }
-}
-
-/// Scales, masks and softmaxes one score row in place; returns its log-sum-exp (of the scaled,
-/// masked scores). A fully masked row becomes 0 and returns -inf.
-fn softmax_row<T: Float>(row: &mut [T], scale: T, hidden: impl Fn(usize) -> bool) -> T {
-    let mut m = T::neg_infinity();
-    for (j, v) in row.iter_mut().enumerate() {
-        *v = if hidden(j) { T::neg_infinity() } else { *v * scale };
-        // NaN wins, so a NaN score is never mistaken for a fully masked row.
-        if *v > m || v.is_nan() {
-            m = *v;
-        }
-    }
-    if m == T::neg_infinity() {
-        row.iter_mut().for_each(|v| *v = T::of(0.0));
-        return m;
-    }
-    row.iter_mut().for_each(|v| *v = *v - m);
-    exp_in_place(row);
-    let mut sum = T::of(0.0);
-    for v in row.iter() {
-        sum += *v;
-    }
-    row.iter_mut().for_each(|v| *v = *v / sum);
-    m + sum.ln()
-}
-
-/// Raw operand pointers (inputs read, outputs written) of one forward or backward call.
-#[derive(Clone, Copy)]
-struct Ptrs<T> {
-    q: SendPtr<T>,
-    k: SendPtr<T>,
-    v: SendPtr<T>,
-    /// The output (forward) or its gradient (backward).
-    o: SendPtr<T>,
-    lse: SendPtr<T>,
-}
-
-fn read_ptr<T: Element>(t: &Tensor) -> Result<SendPtr<T>> {
-    Ok(SendPtr(t.slice::<T>()?.as_ptr() as *mut T))
-}
-
-fn write_ptr<T: Element>(t: &Tensor) -> Result<SendPtr<T>> {
-    Ok(SendPtr(t.slice_mut::<T>()?.as_mut_ptr()))
-}
-
-/// Forward: writes the output and, when `p.lse` is non-null, the per-row log-sum-exp. The pointers
-/// must cover every matrix of `dims` as laid out by `lay` (lse: [bh, tq] contiguous), and the output
-/// and lse must not overlap the inputs (the callers pass fresh tensors).
-fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: Dims, lay: Layouts, scale: f64, vis: &Visibility<'_>) {
-    let Dims { bh, heads, tq, tk, d, dv } = dims;
-    let scale = T::of(scale);
-    for_each_matrix(bh, |i, threads| {
-        #[allow(clippy::redundant_locals)] // capture the Send wrappers, not their raw pointer fields
-        let p = p;
-        // SAFETY: matrix i's regions are in bounds (caller); its output rows and lse entries are
-        // written by this task only.
-        unsafe {
-            let qi = p.q.0.add(lay.q.start(i, heads)) as *const T;
-            let ki = p.k.0.add(lay.k.start(i, heads)) as *const T;
-            let vi = p.v.0.add(lay.v.start(i, heads)) as *const T;
-            let oi = p.o.0.add(lay.out.start(i, heads));
-            let base = vis.base(i);
-            let mut s = vec![T::zero(); DP_ROWS.min(tq) * tk];
-            for r0 in (0..tq).step_by(DP_ROWS) {
-                let rows = DP_ROWS.min(tq - r0);
-                let kend = vis.key_end(base, r0, rows, tk);
-                let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: lay.q.row_stride as isize, cs: 1 };
-                let kt = Mat { ptr: ki, rs: 1, cs: lay.k.row_stride as isize };
-                gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
-                for r in 0..rows {
-                    let row = &mut s[r * kend..(r + 1) * kend];
-                    let lse = softmax_row(row, scale, |j| vis.hidden(base, r0 + r, j));
-                    if !p.lse.0.is_null() {
-                        *p.lse.0.add(i * tq + r0 + r) = lse;
-                    }
-                }
-                let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
-                let vm = Mat { ptr: vi, rs: lay.v.row_stride as isize, cs: 1 };
-                let dst = oi.add(r0 * lay.out.row_stride);
-                gemm_into::<T>(rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, vm, threads);
-            }
-        }
-    });
-}
-
-/// Zeroes `rows` rows of `cols` elements, `row_stride` apart.
-///
-/// # Safety
-/// The region must be valid for writes.
-unsafe fn zero_rows<T: Float>(ptr: *mut T, rows: usize, cols: usize, row_stride: usize) {
-    for r in 0..rows {
-        std::slice::from_raw_parts_mut(ptr.add(r * row_stride), cols).fill(T::zero());
-    }
-}
-
-/// Backward: `p.o` is the output's gradient (laid out like the output); `g` the gradients of q, k and
-/// v (laid out like them), each written only when present. Requirements as for [`forward_kernel`];
-/// the gradient regions must not overlap the inputs or each other.
-fn backward_kernel<T: Float + Element>(
-    p: Ptrs<T>,
-    g: [Option<SendPtr<T>>; 3],
-    dims: Dims,
-    lay: Layouts,
-    scale: f64,
-    vis: &Visibility<'_>,
-) {
-    let Dims { bh, heads, tq, tk, d, dv } = dims;
-    let scale = T::of(scale);
-    let [gq, gk, gv] = g;
-    let need_ds = gq.is_some() || gk.is_some();
-    for_each_matrix(bh, |i, threads| {
-        let (p, gq, gk, gv) = (p, gq, gk, gv);
-        // SAFETY: matrix i's regions are in bounds (caller); the gradients' matrix-i regions are
-        // touched only by this task.
-        unsafe {
-            let qi = p.q.0.add(lay.q.start(i, heads)) as *const T;
-            let ki = p.k.0.add(lay.k.start(i, heads)) as *const T;
-            let vi = p.v.0.add(lay.v.start(i, heads)) as *const T;
-            let goi = p.o.0.add(lay.out.start(i, heads)) as *const T;
-            let lse = p.lse.0.add(i * tq) as *const T;
-            let gqi = gq.map(|g| g.0.add(lay.q.start(i, heads)));
-            let gki = gk.map(|g| g.0.add(lay.k.start(i, heads)));
-            let gvi = gv.map(|g| g.0.add(lay.v.start(i, heads)));
-            // dK and dV accumulate over row blocks, and keys a block skips get nothing from it.
-            if let Some(gki) = gki {
-                zero_rows(gki, tk, d, lay.k.row_stride);
-            }
-            if let Some(gvi) = gvi {
-                zero_rows(gvi, tk, dv, lay.v.row_stride);
-            }
-            let (qrs, krs, vrs, ors) = (
-                lay.q.row_stride as isize,
-                lay.k.row_stride as isize,
-                lay.v.row_stride as isize,
-                lay.out.row_stride as isize,
-            );
-            let base = vis.base(i);
-            let block = DP_ROWS.min(tq) * tk;
-            let mut s = vec![T::zero(); block];
-            let mut dp = vec![T::zero(); if need_ds { block } else { 0 }];
-            for r0 in (0..tq).step_by(DP_ROWS) {
-                let rows = DP_ROWS.min(tq - r0);
-                let kend = vis.key_end(base, r0, rows, tk);
-                let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: qrs, cs: 1 };
-                let gob = Mat { ptr: goi.add(r0 * lay.out.row_stride), rs: ors, cs: 1 };
-                // P = exp(S - lse), recomputed exactly as forward scaled and masked it.
-                let kt = Mat { ptr: ki, rs: 1, cs: krs };
-                gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
-                for r in 0..rows {
-                    let l = *lse.add(r0 + r);
-                    let row = &mut s[r * kend..(r + 1) * kend];
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = if l == T::neg_infinity() || vis.hidden(base, r0 + r, j) {
-                            T::neg_infinity()
-                        } else {
-                            *v * scale - l
-                        };
-                    }
-                    exp_in_place(row);
-                }
-                let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
-                let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: kend as isize };
-                if let Some(gvi) = gvi {
-                    // dV[:kend] += P^T dO
-                    gemm_into::<T>(kend, dv, rows, gvi, vrs, true, pt, gob, threads);
-                }
-                if !need_ds {
-                    continue;
-                }
-                // dP = dO v^T; dS = P * (dP - rowsum(P * dP)) * scale, over P.
-                let vt = Mat { ptr: vi, rs: 1, cs: vrs };
-                gemm_into::<T>(rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, vt, threads);
-                for r in 0..rows {
-                    let prow = &mut s[r * kend..(r + 1) * kend];
-                    let dprow = &dp[r * kend..(r + 1) * kend];
-                    let dot = prow.iter().zip(dprow).fold(T::zero(), |a, (&p, &g)| a + p * g);
-                    prow.iter_mut().zip(dprow).for_each(|(p, &g)| *p = *p * (g - dot) * scale);
-                }
-                if let Some(gqi) = gqi {
-                    // dQ rows = dS k[:kend]
-                    let km = Mat { ptr: ki, rs: krs, cs: 1 };
-                    gemm_into::<T>(rows, d, kend, gqi.add(r0 * lay.q.row_stride), qrs, false, pm, km, threads);
-                }
-                if let Some(gki) = gki {
-                    // dK[:kend] += dS^T q rows
-                    gemm_into::<T>(kend, d, rows, gki, krs, true, pt, qb, threads);
-                }
-            }
-        }
-    });
+pub(crate) struct AttnLayouts {
+    pub(crate) q: AttnAddr,
+    pub(crate) k: AttnAddr,
+    pub(crate) v: AttnAddr,
+    pub(crate) out: AttnAddr,
 }
 
 /// Errors unless `m` is a bool mask on `like`'s device that broadcasts to `full`.
@@ -369,41 +87,13 @@ fn check_mask(op: &str, m: &Tensor, like: &Tensor, full: &[usize]) -> Result<()>
 }
 
 /// One attention call: sizes, operand layouts, scale and which keys are visible.
-struct Problem {
-    dims: Dims,
-    lay: Layouts,
-    scale: f64,
-    causal: bool,
+pub(crate) struct AttnProblem {
+    pub(crate) dims: AttnDims,
+    pub(crate) lay: AttnLayouts,
+    pub(crate) scale: f64,
+    pub(crate) causal: bool,
     /// The mask's broadcast target, [batch..., Tq, Tk].
-    full: Vec<usize>,
-}
-
-/// Runs the forward kernel (on a computing device) into `out` and `lse`.
-fn run_forward(
-    pb: &Problem,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    out: &Tensor,
-    lse: Option<&Tensor>,
-) -> Result<()> {
-    if !q.device().computes() || pb.dims.bh == 0 {
-        return Ok(());
-    }
-    let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
-    with_float!(q.dtype(), "scaled_dot_product_attention", T => {
-        let p = Ptrs::<T> {
-            q: read_ptr(q)?,
-            k: read_ptr(k)?,
-            v: read_ptr(v)?,
-            o: write_ptr(out)?,
-            lse: match lse { Some(l) => write_ptr(l)?, None => SendPtr(std::ptr::null_mut()) },
-        };
-        // The tensors are contiguous with the shapes the layouts describe; out and lse are fresh.
-        forward_kernel::<T>(p, pb.dims, pb.lay, pb.scale, &vis)
-    });
-    Ok(())
+    pub(crate) full: Vec<usize>,
 }
 
 /// `F.scaled_dot_product_attention(q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv], is_causal)` with scale
@@ -454,17 +144,17 @@ pub fn scaled_dot_product_attention(
     if let Some(m) = mask {
         check_mask(NAME, m, q, &full)?;
     }
-    let dims = Dims { bh: batch.iter().product(), heads: 1, tq, tk, d, dv };
+    let dims = AttnDims { bh: batch.iter().product(), heads: 1, tq, tk, d, dv };
     let lay =
-        Layouts { q: Addr::stack(tq, d), k: Addr::stack(tk, d), v: Addr::stack(tk, dv), out: Addr::stack(tq, dv) };
-    let pb = Problem { dims, lay, scale: 1.0 / (d as f64).sqrt(), causal, full };
+        AttnLayouts { q: AttnAddr::stack(tq, d), k: AttnAddr::stack(tk, d), v: AttnAddr::stack(tk, dv), out: AttnAddr::stack(tq, dv) };
+    let pb = AttnProblem { dims, lay, scale: 1.0 / (d as f64).sqrt(), causal, full };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let mut out_shape = batch.to_vec();
     out_shape.extend([tq, dv]);
     let out = output(&q, &out_shape, q.dtype(), NAME)?;
     let grad = needs_grad(&[&q, &k, &v]);
     let lse = if grad { Some(output(&q, &pb.full[..r - 1], q.dtype(), NAME)?) } else { None };
-    run_forward(&pb, &q, &k, &v, mask, &out, lse.as_ref())?;
+    q.device().backend().attention(&q, &k, &v, mask, &pb, &out, lse.as_ref())?;
     let Some(lse) = lse else { return Ok(out) };
     let back = AttentionBack {
         inputs: Saved::Separate([save(&q), save(&k), save(&v)]),
@@ -502,20 +192,20 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     if let Some(m) = mask {
         check_mask(NAME, m, qkv, &full)?;
     }
-    let part = |i: usize| Addr { offset: i * e, batch_stride: t * 3 * e, head_stride: dh, row_stride: 3 * e };
-    let lay = Layouts {
+    let part = |i: usize| AttnAddr { offset: i * e, batch_stride: t * 3 * e, head_stride: dh, row_stride: 3 * e };
+    let lay = AttnLayouts {
         q: part(0),
         k: part(1),
         v: part(2),
-        out: Addr { offset: 0, batch_stride: t * e, head_stride: dh, row_stride: e },
+        out: AttnAddr { offset: 0, batch_stride: t * e, head_stride: dh, row_stride: e },
     };
-    let dims = Dims { bh: b * heads, heads, tq: t, tk: t, d: dh, dv: dh };
-    let pb = Problem { dims, lay, scale: 1.0 / (dh as f64).sqrt(), causal, full };
+    let dims = AttnDims { bh: b * heads, heads, tq: t, tk: t, d: dh, dv: dh };
+    let pb = AttnProblem { dims, lay, scale: 1.0 / (dh as f64).sqrt(), causal, full };
     let qkv = qkv.contiguous()?;
     let out = output(&qkv, &[b, t, e], qkv.dtype(), NAME)?;
     let grad = needs_grad(&[&qkv]);
     let lse = if grad { Some(output(&qkv, &[b, heads, t], qkv.dtype(), NAME)?) } else { None };
-    run_forward(&pb, &qkv, &qkv, &qkv, mask, &out, lse.as_ref())?;
+    qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref())?;
     let Some(lse) = lse else { return Ok(out) };
     let back = AttentionBack { inputs: Saved::Packed(save(&qkv)), lse: save(&lse), mask: mask.map(save), pb };
     Ok(record(out, NAME, &[&qkv], back))
@@ -534,7 +224,7 @@ struct AttentionBack {
     /// Per-row log-sum-exp of the scaled, masked scores, [bh, Tq] (-inf for a fully masked row).
     lse: Tensor,
     mask: Option<Tensor>,
-    pb: Problem,
+    pb: AttnProblem,
 }
 
 impl Backward for AttentionBack {
@@ -552,36 +242,14 @@ impl Backward for AttentionBack {
             }
             Saved::Packed(qkv) => (vec![Some(output(&go, qkv.shape(), go.dtype(), name)?)], [qkv, qkv, qkv]),
         };
-        if go.device().computes() && self.pb.dims.bh > 0 {
-            let vis = Visibility {
-                causal: self.pb.causal,
-                mask: self.mask.as_ref().map(|m| MaskView::new(m, &self.pb.full)).transpose()?,
-            };
-            with_float!(go.dtype(), name, T => {
-                let p = Ptrs::<T> {
-                    q: read_ptr(ins[0])?,
-                    k: read_ptr(ins[1])?,
-                    v: read_ptr(ins[2])?,
-                    o: read_ptr(&go)?,
-                    lse: read_ptr(&self.lse)?,
-                };
-                let g: [Option<SendPtr<T>>; 3] = match &self.inputs {
-                    Saved::Separate(_) => [
-                        grads[0].as_ref().map(write_ptr).transpose()?,
-                        grads[1].as_ref().map(write_ptr).transpose()?,
-                        grads[2].as_ref().map(write_ptr).transpose()?,
-                    ],
-                    Saved::Packed(_) => {
-                        let g = grads[0].as_ref().map(write_ptr).transpose()?;
-                        [g, g, g]
-                    }
-                };
-                // The saved tensors and the gradients are contiguous with the shapes the layouts
-                // describe; the gradients are fresh, and the packed gradient's q, k and v parts are
-                // disjoint column ranges.
-                backward_kernel::<T>(p, g, self.pb.dims, self.pb.lay, self.pb.scale, &vis)
-            });
-        }
+        let g = match &self.inputs {
+            Saved::Separate(_) => [grads[0].as_ref(), grads[1].as_ref(), grads[2].as_ref()],
+            // The packed gradient's q, k and v parts are disjoint column ranges of one tensor.
+            Saved::Packed(_) => [grads[0].as_ref(); 3],
+        };
+        let [q, k, v] = ins;
+        let [gq, gk, gv] = g;
+        go.device().backend().attention_backward(q, k, v, self.mask.as_ref(), &self.lse, &self.pb, &go, gq, gk, gv)?;
         Ok(grads)
     }
 }

@@ -1,33 +1,17 @@
 //! Losses, reduction mean: cross_entropy (logits + int64 class targets, optional label smoothing),
 //! nll_loss (on log-probabilities) and mse_loss.
 //!
+//! This file holds shapes, outputs and autograd; the kernels are the backend's (`backend/cpu/loss.rs`).
 //! cross_entropy is one fused kernel (log-sum-exp per row, no probability tensor in forward); it saves
 //! the logits and the targets, and its backward recomputes the softmax straight into the gradient.
 //! Sums over rows are taken in fixed blocks and added in block order, so results do not depend on the
 //! thread count.
 
-use super::{output, zeros_output, PAR_CHUNK};
+use super::{output, zeros_output};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
-
-/// Sum of `f(block)` over `blocks` blocks, computed in parallel when there are several, added in
-/// block order (deterministic).
-fn block_sum(blocks: usize, f: impl Fn(usize) -> f64 + Sync + Send) -> f64 {
-    if blocks <= 1 {
-        return (0..blocks).map(f).sum();
-    }
-    let partial: Vec<f64> = (0..blocks).into_par_iter().map(f).collect();
-    partial.iter().sum()
-}
-
-/// Rows per block so that a block holds about `PAR_CHUNK` elements.
-fn rows_per_block(row_len: usize) -> usize {
-    (PAR_CHUNK / row_len.max(1)).max(1)
-}
 
 /// Checks `[N, C]` float input and int64 `[N]` target; returns (N, C).
 fn check_class_inputs(op: &str, input: &Tensor, target: &Tensor) -> Result<(usize, usize)> {
@@ -51,62 +35,17 @@ fn check_class_inputs(op: &str, input: &Tensor, target: &Tensor) -> Result<(usiz
     Ok((n, c))
 }
 
-/// Errors naming the first target outside `0..classes`.
-fn validate_targets(op: &str, target: &[i64], classes: usize) -> Result<()> {
-    match target.iter().position(|&t| t < 0 || t as u64 >= classes as u64) {
-        Some(i) => Err(Error::invalid(format!(
-            "{op}: target {} (sample {i}) is out of range for {classes} classes",
-            target[i]
-        ))),
-        None => Ok(()),
-    }
-}
-
-/// (max, ln(sum(exp(x - max)))) of a row.
-fn row_lse<T: Float>(row: &[T]) -> (T, T) {
-    let m = row.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
-    let s: T = row.iter().map(|&v| (v - m).exp()).sum();
-    (m, s.ln())
-}
-
 /// `F.cross_entropy(logits [N, C], target int64 [N], label_smoothing)`, mean over N.
 pub fn cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f64) -> Result<Tensor> {
     let _op = logits.device().op_scope("cross_entropy");
-    let (n, c) = check_class_inputs("cross_entropy", logits, target)?;
+    check_class_inputs("cross_entropy", logits, target)?;
     if !(0.0..=1.0).contains(&label_smoothing) {
         return Err(Error::invalid(format!("cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")));
     }
     let logits = logits.contiguous()?;
     let target = target.contiguous()?;
     let out = output(&logits, &[], logits.dtype(), "cross_entropy")?;
-    if logits.device().computes() {
-        let t = target.slice::<i64>()?;
-        validate_targets("cross_entropy", t, c)?;
-        with_float!(logits.dtype(), "cross_entropy", T => {
-            let x = logits.slice::<T>()?;
-            let e = label_smoothing;
-            let rows = rows_per_block(c);
-            let total = block_sum(n.div_ceil(rows), |b| {
-                let (r0, r1) = (b * rows, ((b + 1) * rows).min(n));
-                let mut acc = 0.0f64;
-                for i in r0..r1 {
-                    let row = &x[i * c..(i + 1) * c];
-                    let (m, ls) = row_lse(row);
-                    let lse = (m + ls).f64();
-                    // -log p[t] = lse - x[t]; sum_c -log p[c] = C lse - sum_c x[c].
-                    let nll = lse - row[t[i] as usize].f64();
-                    let mut l = (1.0 - e) * nll;
-                    if e != 0.0 {
-                        let sx: f64 = row.iter().map(|v| v.f64()).sum();
-                        l += e * (lse - sx / c as f64);
-                    }
-                    acc += l;
-                }
-                acc
-            });
-            out.slice_mut::<T>()?[0] = T::of(total / n as f64);
-        });
-    }
+    logits.device().backend().cross_entropy(&logits, &target, label_smoothing, &out)?;
     if !needs_grad(&[&logits]) {
         return Ok(out);
     }
@@ -122,34 +61,8 @@ struct CrossEntropyBack {
 
 impl Backward for CrossEntropyBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
-        let (n, c) = (self.logits.shape()[0], self.logits.shape()[1]);
         let gx = output(&grad, self.logits.shape(), grad.dtype(), "cross_entropy_backward")?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "cross_entropy_backward", T => {
-                let g = grad.to_vec::<T>()?[0] / T::of(n as f64);
-                let e = self.label_smoothing;
-                let (on, off) = (T::of(1.0 - e), T::of(e / c as f64));
-                let (x, t) = (self.logits.slice::<T>()?, self.target.slice::<i64>()?);
-                let dst = gx.slice_mut::<T>()?;
-                let rows = rows_per_block(c);
-                let run = |(b, d): (usize, &mut [T])| {
-                    for (r, drow) in d.chunks_mut(c).enumerate() {
-                        let i = b * rows + r;
-                        let row = &x[i * c..(i + 1) * c];
-                        let (m, ls) = row_lse(row);
-                        for (dv, &v) in drow.iter_mut().zip(row) {
-                            *dv = ((v - m - ls).exp() - off) * g;
-                        }
-                        drow[t[i] as usize] -= on * g;
-                    }
-                };
-                if n * c >= 2 * PAR_CHUNK {
-                    dst.par_chunks_mut(rows * c).enumerate().for_each(run);
-                } else {
-                    dst.chunks_mut(rows * c).enumerate().for_each(run);
-                }
-            });
-        }
+        grad.device().backend().cross_entropy_backward(&self.logits, &self.target, self.label_smoothing, &grad, &gx)?;
         Ok(vec![Some(gx)])
     }
 }
@@ -157,21 +70,10 @@ impl Backward for CrossEntropyBack {
 /// `F.nll_loss(log_probs [N, C], target int64 [N])`, mean over N.
 pub fn nll_loss(log_probs: &Tensor, target: &Tensor) -> Result<Tensor> {
     let _op = log_probs.device().op_scope("nll_loss");
-    let (n, c) = check_class_inputs("nll_loss", log_probs, target)?;
+    let (_, c) = check_class_inputs("nll_loss", log_probs, target)?;
     let target = target.contiguous()?;
     let out = output(log_probs, &[], log_probs.dtype(), "nll_loss")?;
-    if log_probs.device().computes() {
-        let t = target.slice::<i64>()?;
-        validate_targets("nll_loss", t, c)?;
-        with_float!(log_probs.dtype(), "nll_loss", T => {
-            // Strided reads: the input need not be contiguous (only N elements are touched).
-            let l = log_probs.layout();
-            let (s0, s1) = (l.strides()[0], l.strides()[1]);
-            let base = &crate::backend::cpu::elementwise::typed_storage::<T>(log_probs)?[l.offset()..];
-            let sum: f64 = t.iter().enumerate().map(|(i, &ti)| base[i * s0 + ti as usize * s1].f64()).sum();
-            out.slice_mut::<T>()?[0] = T::of(-sum / n as f64);
-        });
-    }
+    log_probs.device().backend().nll_loss(log_probs, &target, &out)?;
     if !needs_grad(&[log_probs]) {
         return Ok(out);
     }
@@ -188,15 +90,7 @@ impl Backward for NllBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let (n, c) = (self.target.shape()[0], self.classes);
         let gx = zeros_output(&grad, &[n, c], grad.dtype(), "nll_loss_backward")?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "nll_loss_backward", T => {
-                let g = grad.to_vec::<T>()?[0] / T::of(n as f64);
-                let dst = gx.slice_mut::<T>()?;
-                for (i, &t) in self.target.slice::<i64>()?.iter().enumerate() {
-                    dst[i * c + t as usize] = -g;
-                }
-            });
-        }
+        grad.device().backend().nll_loss_backward(&self.target, &grad, &gx)?;
         Ok(vec![Some(gx)])
     }
 }
@@ -214,18 +108,7 @@ pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
     }
     let (a, b) = (input.contiguous()?, target.contiguous()?);
     let out = output(&a, &[], a.dtype(), "mse_loss")?;
-    if a.device().computes() {
-        with_float!(a.dtype(), "mse_loss", T => {
-            let (x, y) = (a.slice::<T>()?, b.slice::<T>()?);
-            let len = x.len();
-            let total = block_sum(len.div_ceil(PAR_CHUNK), |k| {
-                let r = k * PAR_CHUNK..((k + 1) * PAR_CHUNK).min(len);
-                x[r.clone()].iter().zip(&y[r]).map(|(&p, &q)| { let d = (p - q).f64(); d * d }).sum()
-            });
-            // Mean of nothing is NaN, as in PyTorch.
-            out.slice_mut::<T>()?[0] = T::of(total / len as f64);
-        });
-    }
+    a.device().backend().mse_loss(&a, &b, &out)?;
     if !needs_grad(&[&a, &b]) {
         return Ok(out);
     }
@@ -243,18 +126,7 @@ impl Backward for MseBack {
         let shape = self.input.shape().to_vec();
         let ga = if needs[0] { Some(output(&grad, &shape, grad.dtype(), "mse_loss_backward")?) } else { None };
         let gb = if needs[1] { Some(output(&grad, &shape, grad.dtype(), "mse_loss_backward")?) } else { None };
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "mse_loss_backward", T => {
-                let scale = grad.to_vec::<T>()?[0] * T::of(2.0 / self.input.numel() as f64);
-                let (x, y) = (self.input.slice::<T>()?, self.target.slice::<T>()?);
-                if let Some(ga) = &ga {
-                    crate::backend::cpu::elementwise::par_zip(x, y, ga.slice_mut::<T>()?, |p, q| (p - q) * scale);
-                }
-                if let Some(gb) = &gb {
-                    crate::backend::cpu::elementwise::par_zip(x, y, gb.slice_mut::<T>()?, |p, q| (q - p) * scale);
-                }
-            });
-        }
+        grad.device().backend().mse_loss_backward(&self.input, &self.target, &grad, ga.as_ref(), gb.as_ref())?;
         Ok(vec![ga, gb])
     }
 }

@@ -1,35 +1,15 @@
 //! Matrix products: `matmul` (2-D, batched, broadcast batch dims), `linear` (PyTorch's
 //! `x W^T + b`) and `gelu_linear` (`linear(gelu(x))` fused, saving only GELU's input). Products run on
 //! `memfit-kernels`' GEMM, which takes arbitrary strides, so transposed views are multiplied without
-//! copies.
+//! copies. This file holds shapes, outputs (and the fused op's scratch) and autograd; the kernels are
+//! the backend's (`backend/cpu/matmul.rs`).
 
-use crate::backend::cpu::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
 use super::{check_same, output, sum_to_shape};
-use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::Float;
 use crate::error::{Error, Result};
-use crate::layout::{broadcast_layout, broadcast_shapes, Layout};
+use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
-use crate::with_float;
 use memfit_memory::Category;
-use rayon::prelude::*;
-
-/// The operand view of the last two dims of `t` at element offset `offset`.
-fn mat_of<T>(base: *const T, l: &Layout, offset: usize) -> Mat<T> {
-    let r = l.rank();
-    // SAFETY: offset is inside the storage (computed from the layout).
-    Mat { ptr: unsafe { base.add(offset) }, rs: l.strides()[r - 2] as isize, cs: l.strides()[r - 1] as isize }
-}
-
-/// Offsets of every batch matrix of a broadcast layout (all dims but the last two).
-fn batch_offsets(l: &Layout) -> Vec<usize> {
-    let r = l.rank();
-    let batch = Layout::new(l.shape()[..r - 2].to_vec(), l.strides()[..r - 2].to_vec(), l.offset());
-    let mut out = Vec::with_capacity(batch.numel());
-    batch.for_each_offset(|o| out.push(o));
-    out
-}
 
 fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     check_same("matmul", &[a, b])?;
@@ -45,38 +25,10 @@ fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if k != k2 {
         return Err(Error::shape(format!("matmul: {:?} @ {:?}: inner dims {k} and {k2} differ", a.shape(), b.shape())));
     }
-    let batch = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2])?;
-    let mut shape = batch.clone();
+    let mut shape = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2])?;
     shape.extend([m, n]);
     let out = output(a, &shape, a.dtype(), "matmul")?;
-    if !a.device().computes() {
-        return Ok(out);
-    }
-    let mut sa = batch.clone();
-    sa.extend([m, k]);
-    let mut sb = batch;
-    sb.extend([k, n]);
-    let (la, lb) = (broadcast_layout(a.layout(), &sa), broadcast_layout(b.layout(), &sb));
-    let (oa, ob) = (batch_offsets(&la), batch_offsets(&lb));
-    with_float!(a.dtype(), "matmul", T => {
-        let pa = SendPtr(a.storage_ptr()? as *mut T);
-        let pb = SendPtr(b.storage_ptr()? as *mut T);
-        let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
-        let threads = rayon::current_num_threads();
-        let run = |i: usize, threads: usize| {
-            let (d, pa, pb) = (dst, pa, pb);
-            // SAFETY: batch i writes its own m x n block of the fresh output; operands are in bounds.
-            unsafe {
-                gemm_into::<T>(m, n, k, d.0.add(i * m * n), n as isize, false,
-                    mat_of(pa.0 as *const T, &la, oa[i]), mat_of(pb.0 as *const T, &lb, ob[i]), threads)
-            }
-        };
-        if oa.len() > 1 && m * n * k < GEMM_PARALLEL_WORK {
-            (0..oa.len()).into_par_iter().for_each(|i| run(i, 1));
-        } else {
-            (0..oa.len()).for_each(|i| run(i, threads));
-        }
-    });
+    a.device().backend().matmul(a, b, &out)?;
     Ok(out)
 }
 
@@ -138,50 +90,24 @@ pub(crate) fn check_linear(op: &str, x: &Tensor, weight: &Tensor, bias: Option<&
     Ok((out_f, in_f))
 }
 
-/// The weight [out, in] as a GEMM operand: transposed ([in, out], for `x W^T`) or as stored.
-pub(crate) fn weight_mat<T>(weight: &Tensor, transposed: bool) -> Result<Mat<T>> {
-    let w = weight.layout();
-    // SAFETY: the offset comes from the weight's layout.
-    let ptr = unsafe { (weight.storage_ptr()? as *const T).add(w.offset()) };
-    let (s0, s1) = (w.strides()[0] as isize, w.strides()[1] as isize);
-    Ok(if transposed { Mat { ptr, rs: s1, cs: s0 } } else { Mat { ptr, rs: s0, cs: s1 } })
-}
-
-/// Starts a linear layer's output: every row of `dst` (rows of `out_f`) is the bias, when there is
-/// one (the GEMM then accumulates into it). Shared by `linear`, `gelu_linear` and `layer_norm_linear`.
-pub(crate) fn fill_rows_with_bias<T: Float + crate::tensor::Element>(
-    dst: &mut [T],
-    bias: Option<&Tensor>,
-    out_f: usize,
-) -> Result<()> {
-    if let Some(b) = bias {
-        let b = b.contiguous()?;
-        let bv = b.slice::<T>()?;
-        dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
-    }
-    Ok(())
+/// The bias as the kernels read it: contiguous. Called right after the op's outputs are allocated,
+/// which is where the CPU kernels used to make this copy (for a non-contiguous bias), so cpu
+/// allocates as before and meta now as cpu; the caller drops it right after the kernel.
+pub(crate) fn contiguous_bias(bias: Option<&Tensor>) -> Result<Option<Tensor>> {
+    bias.map(|b| b.contiguous()).transpose()
 }
 
 /// `x W^T + b` over the last dim of `x` (PyTorch's `F.linear`): x [..., in], weight [out, in], bias [out].
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let _op = x.device().op_scope("linear");
-    let (out_f, in_f) = check_linear("linear", x, weight, bias)?;
+    let (out_f, _) = check_linear("linear", x, weight, bias)?;
     let x = x.contiguous()?;
-    let rows = x.numel() / in_f.max(1);
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("rank >= 1") = out_f;
     let out = output(&x, &shape, x.dtype(), "linear")?;
-    if x.device().computes() {
-        with_float!(x.dtype(), "linear", T => {
-            let dst = out.slice_mut::<T>()?;
-            fill_rows_with_bias::<T>(dst, bias, out_f)?;
-            // W^T as a [in, out] operand: element (i, o) is W[o, i].
-            let wt = weight_mat::<T>(weight, true)?;
-            let xs = Mat { ptr: x.slice::<T>()?.as_ptr(), rs: in_f as isize, cs: 1 };
-            // SAFETY: fresh output of rows x out_f; operands valid for their layouts.
-            unsafe { gemm_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(), xs, wt, rayon::current_num_threads()) };
-        });
-    }
+    let b = contiguous_bias(bias)?;
+    x.device().backend().linear(&x, weight, b.as_ref(), &out)?;
+    drop(b);
     let mut inputs = vec![&x, weight];
     inputs.extend(bias);
     if !needs_grad(&inputs) {
@@ -219,7 +145,7 @@ impl Backward for LinearBack {
 }
 
 /// Rows [`gelu_linear`] runs per block (its scratch holds GELU_ROWS rows of the input).
-const GELU_ROWS: usize = 512;
+pub(crate) const GELU_ROWS: usize = 512;
 
 /// `linear(gelu(x), weight, bias)` with the exact (erf) GELU, fused (a transformer MLP's second layer
 /// with its activation): x [..., in], weight [out, in], bias [out].
@@ -241,24 +167,9 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     *shape.last_mut().expect("rank >= 1") = out_f;
     let out = output(&x, &shape, x.dtype(), "gelu_linear")?;
     let scratch = output(&x, &[rows.min(GELU_ROWS), in_f], x.dtype(), "gelu_linear")?;
-    if x.device().computes() {
-        with_float!(x.dtype(), "gelu_linear", T => {
-            let dst = out.slice_mut::<T>()?;
-            fill_rows_with_bias::<T>(dst, bias, out_f)?;
-            let wt = weight_mat::<T>(weight, true)?;
-            let (xs, sc) = (x.slice::<T>()?, scratch.slice_mut::<T>()?);
-            for r0 in (0..rows).step_by(GELU_ROWS) {
-                let n = GELU_ROWS.min(rows - r0);
-                gelu_slice(&xs[r0 * in_f..(r0 + n) * in_f], &mut sc[..n * in_f]);
-                let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
-                // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
-                unsafe {
-                    gemm_into::<T>(n, out_f, in_f, dst.as_mut_ptr().add(r0 * out_f), out_f as isize, bias.is_some(),
-                        a, wt, rayon::current_num_threads())
-                };
-            }
-        });
-    }
+    let b = contiguous_bias(bias)?;
+    x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
+    drop(b);
     drop(scratch);
     let mut inputs = vec![&x, weight];
     inputs.extend(bias);
@@ -295,85 +206,9 @@ impl Backward for GeluLinearBack {
         let block = rows.min(GELU_ROWS);
         let scratch_rows = if both && !in_place { 2 * block } else { block };
         let scratch = output(&grad, &[scratch_rows, in_f], grad.dtype(), NAME)?;
-        if grad.device().computes() {
-            with_float!(grad.dtype(), NAME, T => {
-                let gs = g2.slice::<T>()?;
-                // In place, the input gradient is x itself: reads of a block of x finish before the
-                // block is overwritten.
-                let xp = x.slice_mut::<T>()?.as_mut_ptr();
-                let gxp = match &gx {
-                    Some(t) => Some(t.slice_mut::<T>()?.as_mut_ptr()),
-                    None if in_place => Some(xp),
-                    None => None,
-                };
-                let gwp = gw.as_ref().map(|t| t.slice_mut::<T>()).transpose()?;
-                if rows == 0 {
-                    if let Some(gw) = gwp {
-                        gw.fill(<T as Float>::of(0.0));
-                    }
-                } else {
-                    let gwp = gwp.map(|s| s.as_mut_ptr());
-                    let (sc, deriv) = scratch.slice_mut::<T>()?.split_at_mut(block * in_f);
-                    let w = weight_mat::<T>(&weight, false)?;
-                    let threads = rayon::current_num_threads();
-                    for r0 in (0..rows).step_by(GELU_ROWS) {
-                        let n = GELU_ROWS.min(rows - r0);
-                        let len = n * in_f;
-                        // SAFETY: block r0..r0+n of x, gx and grad is in bounds; the scratch and gw are
-                        // separate tensors; no slice of the block outlives the writes below.
-                        unsafe {
-                            let xb = xp.add(r0 * in_f);
-                            if let (Some(gwp), Some(gxp)) = (gwp, gxp) {
-                                // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
-                                // dx = (g_block W) * gelu'(x_block), over x's block when in place.
-                                let y = &mut sc[..len];
-                                if in_place {
-                                    // x_block -> (y, gelu'(x)) with gelu'(x) over x_block.
-                                    gelu_with_derivative_slice(y, std::slice::from_raw_parts_mut(xb, len));
-                                } else {
-                                    let xr = std::slice::from_raw_parts(xb as *const T, len);
-                                    let d = &mut deriv[..len];
-                                    d.copy_from_slice(xr);
-                                    gelu_with_derivative_slice(y, d);
-                                }
-                                let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
-                                let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
-                                gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
-                                let g_rows = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: out_f as isize, cs: 1 };
-                                gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
-                                let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
-                                if in_place {
-                                    par_update(&sc[..len], dst, |g, d| g * d);
-                                } else {
-                                    par_zip(&sc[..len], &deriv[..len], dst, |g, d| g * d);
-                                }
-                                continue;
-                            }
-                            if let Some(gwp) = gwp {
-                                // dW (+)= g_block^T gelu(x_block)
-                                gelu_slice(std::slice::from_raw_parts(xb, len), &mut sc[..len]);
-                                let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
-                                let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
-                                gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
-                            }
-                            if let Some(gxp) = gxp {
-                                // dx = (g_block W) * gelu'(x_block)
-                                let g_rows = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: out_f as isize, cs: 1 };
-                                gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
-                                if in_place {
-                                    let xm = std::slice::from_raw_parts_mut(xb, len);
-                                    gelu_backward_over_input(&sc[..len], xm);
-                                } else {
-                                    let xr = std::slice::from_raw_parts(xb as *const T, len);
-                                    let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
-                                    gelu_backward_slice(xr, &sc[..len], dst);
-                                }
-                            }
-                        }
-                    }
-                }
-            });
-        }
+        // In place, the input gradient is x itself.
+        let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
+        grad.device().backend().gelu_linear_backward(&x, &weight, &g2, gx_target, gw.as_ref(), &scratch)?;
         drop(scratch);
         let gx = if in_place {
             // x now holds its gradient: a temporary again, no longer an activation.
@@ -461,6 +296,23 @@ mod tests {
         assert_eq!(allocs[..2], [(4096, "gelu_linear_backward"), (block, "gelu_linear_backward")]);
         assert_eq!(allocs.len(), 3, "{allocs:?}");
         assert_eq!(a.stats().category(Category::Activation).current, 0);
+    }
+
+    /// A strided bias is copied contiguous by the op (not the kernel), so meta allocates the copy too.
+    #[test]
+    fn strided_bias_meta_allocates_like_cpu() {
+        assert_meta_matches_cpu(|dev| {
+            let t = |shape: &[usize]| Tensor::full(dev, shape, 0.1, DType::F32, Category::Input);
+            let (x, w) = (t(&[3, 8])?, t(&[5, 8])?);
+            // One value broadcast to [5]: a bias with stride 0.
+            let b = t(&[1])?.expand(&[5])?;
+            assert!(!b.is_contiguous());
+            linear(&x, &w, Some(&b))?;
+            gelu_linear(&x, &w, Some(&b))?;
+            let (lw, lb) = (t(&[8])?, t(&[8])?);
+            crate::ops::layer_norm_linear(&x, &lw, &lb, 1e-5, &w, Some(&b))?;
+            Ok(())
+        });
     }
 
     #[test]

@@ -6,105 +6,16 @@
 //! batch_norm saves the input, the weight and per-channel mean and rstd (the batch statistics in
 //! training, the running statistics in eval); layer_norm_linear saves the input, per-row mean and
 //! rstd and the weights, but not the normalized tensor, which its backward recomputes block by block.
-//! Statistics are accumulated in f64 with two passes.
+//! Statistics are accumulated in f64 with two passes. This file holds shapes, outputs (and the fused
+//! op's scratch) and autograd; the kernels are the backend's (`backend/cpu/norm.rs`).
 
-use super::matmul::{check_linear, fill_rows_with_bias, weight_mat};
-use crate::backend::cpu::gemm::{gemm_into, Mat, SendPtr};
-use super::{check_same, output, PAR_CHUNK};
+use super::matmul::{check_linear, contiguous_bias};
+use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::{DType, Float};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::with_float;
 use memfit_memory::Category;
-use rayon::prelude::*;
-
-/// Calls `f(first_row, rows)` for consecutive groups of rows of `row_len` elements, in parallel when
-/// the data is big enough; groups hold about `PAR_CHUNK` elements.
-fn for_row_groups(rows: usize, row_len: usize, f: impl Fn(usize, usize) + Sync + Send) {
-    let per = (PAR_CHUNK / row_len.max(1)).max(1);
-    let groups = rows.div_ceil(per);
-    let run = |k: usize| f(k * per, per.min(rows - k * per));
-    if rows * row_len >= 2 * PAR_CHUNK && groups > 1 {
-        (0..groups).into_par_iter().for_each(run);
-    } else {
-        (0..groups).for_each(run);
-    }
-}
-
-/// Calls `f(row, values)` for every `row_len`-element row of `buf` (row_len > 0), in parallel groups
-/// of about `PAR_CHUNK` elements when the buffer is big enough.
-fn for_rows_mut<T: Send>(buf: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    let per = (PAR_CHUNK / row_len).max(1);
-    let run = |(k, group): (usize, &mut [T])| {
-        group.chunks_mut(row_len).enumerate().for_each(|(i, row)| f(k * per + i, row));
-    };
-    if buf.len() >= 2 * PAR_CHUNK && buf.len() > per * row_len {
-        buf.par_chunks_mut(per * row_len).enumerate().for_each(run);
-    } else {
-        buf.chunks_mut(per * row_len).enumerate().for_each(run);
-    }
-}
-
-fn opt_slice<T: Float + crate::tensor::Element>(t: Option<&Tensor>) -> Result<Option<&[T]>> {
-    t.map(|t| t.slice::<T>()).transpose()
-}
-
-/// Normalizes one row into `yr` (f64 two-pass statistics, biased variance, eps inside the sqrt, then
-/// the affine); returns (mean, rstd) as kept for backward. `layer_norm` and `layer_norm_linear` share
-/// it, so they produce the same bits.
-#[inline]
-fn normalize_row<T: Float>(xr: &[T], yr: &mut [T], w: Option<&[T]>, b: Option<&[T]>, eps: f64) -> (T, T) {
-    let d = xr.len();
-    let mean = xr.iter().map(|v| v.f64()).sum::<f64>() / d as f64;
-    let var = xr
-        .iter()
-        .map(|v| {
-            let c = v.f64() - mean;
-            c * c
-        })
-        .sum::<f64>()
-        / d as f64;
-    let (m, rs) = (T::of(mean), T::of(1.0 / (var + eps).sqrt()));
-    for j in 0..d {
-        let mut v = (xr[j] - m) * rs;
-        if let Some(w) = w {
-            v *= w[j];
-        }
-        if let Some(b) = b {
-            v += b[j];
-        }
-        yr[j] = v;
-    }
-    (m, rs)
-}
-
-/// Layer-norm backward's per-row means of `dxhat = g * w` and of `dxhat * xhat`.
-#[inline]
-fn row_grad_sums<T: Float>(xr: &[T], gr: &[T], w: Option<&[T]>, m: T, rs: T) -> (T, T) {
-    let d = xr.len();
-    let (mut s1, mut s2) = (0.0f64, 0.0f64);
-    for j in 0..d {
-        let dxh = match w {
-            Some(w) => gr[j] * w[j],
-            None => gr[j],
-        };
-        s1 += dxh.f64();
-        s2 += (dxh * (xr[j] - m) * rs).f64();
-    }
-    (T::of(s1 / d as f64), T::of(s2 / d as f64))
-}
-
-/// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b).
-#[inline(always)]
-fn row_dx<T: Float>(x: T, g: T, w: Option<T>, m: T, rs: T, a: T, b: T) -> T {
-    let dxh = match w {
-        Some(w) => g * w,
-        None => g,
-    };
-    let xh = (x - m) * rs;
-    rs * (dxh - a - xh * b)
-}
 
 /// `F.layer_norm(x, normalized_shape, weight, bias, eps)`: biased variance, eps inside the sqrt.
 pub fn layer_norm(
@@ -140,7 +51,6 @@ pub fn layer_norm(
     let weight = weight.map(|w| w.contiguous()).transpose()?;
     let bias = bias.map(|b| b.contiguous()).transpose()?;
     let d: usize = normalized_shape.iter().product();
-    let rows = x.numel().checked_div(d).unwrap_or(0);
     let stats_shape = &x.shape()[..x.rank() - k];
 
     let mut inputs = vec![&x];
@@ -154,30 +64,8 @@ pub fn layer_norm(
     } else {
         None
     };
-    if x.device().computes() && rows > 0 {
-        with_float!(x.dtype(), "layer_norm", T => {
-            let src = x.slice::<T>()?;
-            let (w, b) = (opt_slice::<T>(weight.as_ref())?, opt_slice::<T>(bias.as_ref())?);
-            let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
-            let st = match &stats {
-                Some((m, r)) => Some((SendPtr(m.slice_mut::<T>()?.as_mut_ptr()), SendPtr(r.slice_mut::<T>()?.as_mut_ptr()))),
-                None => None,
-            };
-            for_row_groups(rows, d, |r0, n| {
-                let (dst, st) = (dst, st);
-                for r in r0..r0 + n {
-                    let xr = &src[r * d..(r + 1) * d];
-                    // SAFETY: row r of the fresh output is written by this task only.
-                    let yr = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * d), d) };
-                    let (m, rs) = normalize_row(xr, yr, w, b, eps);
-                    if let Some((pm, pr)) = st {
-                        // SAFETY: element r of the fresh statistics tensors belongs to this task.
-                        unsafe { *pm.0.add(r) = m; *pr.0.add(r) = rs; }
-                    }
-                }
-            });
-        });
-    }
+    let (mean, rstd) = (stats.as_ref().map(|s| &s.0), stats.as_ref().map(|s| &s.1));
+    x.device().backend().layer_norm(&x, weight.as_ref(), bias.as_ref(), d, eps, &out, mean, rstd)?;
     let Some((mean, rstd)) = stats else { return Ok(out) };
     let back = LayerNormBack {
         x: save(&x),
@@ -203,7 +91,6 @@ impl Backward for LayerNormBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grad = grad.contiguous()?;
         let d = self.d;
-        let rows = self.mean.numel();
         let has_w = self.weight.is_some();
         let need_x = needs[0];
         let need_w = has_w && needs[1];
@@ -214,63 +101,17 @@ impl Backward for LayerNormBack {
         let gx = if need_x { Some(output(&grad, &shape, grad.dtype(), "layer_norm_backward")?) } else { None };
         let gw = if need_w { Some(output(&grad, nshape, grad.dtype(), "layer_norm_backward")?) } else { None };
         let gb = if need_b { Some(output(&grad, nshape, grad.dtype(), "layer_norm_backward")?) } else { None };
-        if grad.device().computes() && d > 0 {
-            with_float!(grad.dtype(), "layer_norm_backward", T => {
-                let (x, g) = (self.x.slice::<T>()?, grad.slice::<T>()?);
-                let (mean, rstd) = (self.mean.slice::<T>()?, self.rstd.slice::<T>()?);
-                let w = opt_slice::<T>(self.weight.as_ref())?;
-                if let Some(gx) = &gx {
-                    let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
-                    for_row_groups(rows, d, |r0, n| {
-                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                        let dst = dst;
-                        for r in r0..r0 + n {
-                            let (xr, gr) = (&x[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
-                            // SAFETY: row r of the fresh gradient is written by this task only.
-                            let dr = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * d), d) };
-                            let (m, rs) = (mean[r], rstd[r]);
-                            let (a, b) = row_grad_sums(xr, gr, w, m, rs);
-                            for j in 0..d {
-                                dr[j] = row_dx(xr[j], gr[j], w.map(|w| w[j]), m, rs, a, b);
-                            }
-                        }
-                    });
-                }
-                if gw.is_some() || gb.is_some() {
-                    let pw = match &gw { Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())), None => None };
-                    let pb = match &gb { Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())), None => None };
-                    // Column blocks: each task sums its columns over all rows (deterministic, no workspace).
-                    const COLS: usize = 64;
-                    let blocks = d.div_ceil(COLS);
-                    let run = |blk: usize| {
-                        let (pw, pb) = (pw, pb);
-                        let (j0, j1) = (blk * COLS, ((blk + 1) * COLS).min(d));
-                        let mut sw = [0.0f64; COLS];
-                        let mut sb = [0.0f64; COLS];
-                        for r in 0..rows {
-                            let (m, rs) = (mean[r], rstd[r]);
-                            for j in j0..j1 {
-                                let gv = g[r * d + j];
-                                sb[j - j0] += gv.f64();
-                                sw[j - j0] += (gv * (x[r * d + j] - m) * rs).f64();
-                            }
-                        }
-                        for j in j0..j1 {
-                            // SAFETY: columns j0..j1 of the fresh weight/bias gradients belong to this task.
-                            unsafe {
-                                if let Some(p) = pw { *p.0.add(j) = T::of(sw[j - j0]); }
-                                if let Some(p) = pb { *p.0.add(j) = T::of(sb[j - j0]); }
-                            }
-                        }
-                    };
-                    if rows * d >= 2 * PAR_CHUNK && blocks > 1 {
-                        (0..blocks).into_par_iter().for_each(run);
-                    } else {
-                        (0..blocks).for_each(run);
-                    }
-                }
-            });
-        }
+        grad.device().backend().layer_norm_backward(
+            &self.x,
+            self.weight.as_ref(),
+            &self.mean,
+            &self.rstd,
+            d,
+            &grad,
+            gx.as_ref(),
+            gw.as_ref(),
+            gb.as_ref(),
+        )?;
         let mut grads = vec![gx];
         if has_w {
             grads.push(gw);
@@ -283,7 +124,7 @@ impl Backward for LayerNormBack {
 }
 
 /// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
-const LN_ROWS: usize = 512;
+pub(crate) const LN_ROWS: usize = 512;
 
 /// `linear(layer_norm(x, [in], ln_weight, ln_bias, eps), weight, bias)` fused (a pre-norm
 /// transformer's normalization and the projection after it): x [..., in], ln_weight and ln_bias [in],
@@ -334,40 +175,10 @@ pub fn layer_norm_linear(
         None
     };
     let scratch = output(&x, &[rows.min(LN_ROWS), in_f], x.dtype(), NAME)?;
-    if x.device().computes() {
-        with_float!(x.dtype(), NAME, T => {
-            let dst = out.slice_mut::<T>()?;
-            fill_rows_with_bias::<T>(dst, bias, out_f)?;
-            let (xs, w, b) = (x.slice::<T>()?, ln_w.slice::<T>()?, ln_b.slice::<T>()?);
-            let st = match &stats {
-                Some((m, r)) => Some((SendPtr(m.slice_mut::<T>()?.as_mut_ptr()), SendPtr(r.slice_mut::<T>()?.as_mut_ptr()))),
-                None => None,
-            };
-            let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
-            let wt = weight_mat::<T>(weight, true)?;
-            for r0 in (0..rows).step_by(LN_ROWS) {
-                let n = LN_ROWS.min(rows - r0);
-                for_row_groups(n, in_f, |g0, gn| {
-                    let (sc, st) = (sc, st);
-                    for r in g0..g0 + gn {
-                        // SAFETY: scratch row r and statistics entry r0 + r are written by this task only.
-                        let yr = unsafe { std::slice::from_raw_parts_mut(sc.0.add(r * in_f), in_f) };
-                        let (m, rs) = normalize_row(&xs[(r0 + r) * in_f..(r0 + r + 1) * in_f], yr, Some(w), Some(b), eps);
-                        if let Some((pm, pr)) = st {
-                            // SAFETY: entry r0 + r of the fresh statistics belongs to this task.
-                            unsafe { *pm.0.add(r0 + r) = m; *pr.0.add(r0 + r) = rs; }
-                        }
-                    }
-                });
-                let a = Mat { ptr: sc.0 as *const T, rs: in_f as isize, cs: 1 };
-                // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
-                unsafe {
-                    gemm_into::<T>(n, out_f, in_f, dst.as_mut_ptr().add(r0 * out_f), out_f as isize, bias.is_some(),
-                        a, wt, rayon::current_num_threads())
-                };
-            }
-        });
-    }
+    let b = contiguous_bias(bias)?;
+    let (mean, rstd) = (stats.as_ref().map(|s| &s.0), stats.as_ref().map(|s| &s.1));
+    x.device().backend().layer_norm_linear(&x, &ln_w, &ln_b, eps, weight, b.as_ref(), &scratch, &out, mean, rstd)?;
+    drop(b);
     drop(scratch);
     let Some((mean, rstd)) = stats else { return Ok(out) };
     let back = LayerNormLinearBack {
@@ -401,7 +212,6 @@ impl Backward for LayerNormLinearBack {
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
         let rows = g2.shape()[0];
         let (need_x, need_lw, need_lb, need_w) = (needs[0], needs[1], needs[2], needs[3]);
-        let need_gy = need_x || need_lw || need_lb;
         // Decided from who holds what, never from data, so meta allocates as cpu does.
         let in_place = need_x && x.owns_storage();
         let gx = if need_x && !in_place { Some(output(&grad, x.shape(), grad.dtype(), NAME)?) } else { None };
@@ -412,116 +222,23 @@ impl Backward for LayerNormLinearBack {
         // Everything is allocated before x may be overwritten.
         let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
         let sums = if need_lw || need_lb { Some(output(&grad, &[2, d], DType::F64, NAME)?) } else { None };
-        if grad.device().computes() {
-            with_float!(grad.dtype(), NAME, T => {
-                let gs = g2.slice::<T>()?;
-                let (mean, rstd) = (mean.slice::<T>()?, rstd.slice::<T>()?);
-                let (lw, lb) = (ln_weight.slice::<T>()?, ln_bias.slice::<T>()?);
-                // In place, the input gradient is x itself: every read of a block of x comes before
-                // the block is overwritten, and each row is read before it is written.
-                let xp = SendPtr(x.slice_mut::<T>()?.as_mut_ptr());
-                let gxp = match &gx {
-                    Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())),
-                    None if in_place => Some(xp),
-                    None => None,
-                };
-                let mut gw_values = gw.as_ref().map(|t| t.slice_mut::<T>()).transpose()?;
-                if let (0, Some(g)) = (rows, &mut gw_values) {
-                    g.fill(T::of(0.0));
-                }
-                let gwp = gw_values.map(|s| s.as_mut_ptr());
-                // Column sums of the layer-norm weight and bias gradients over all rows, in f64.
-                let mut acc = sums.as_ref().map(|t| t.slice_mut::<f64>()).transpose()?;
-                if let Some(a) = &mut acc {
-                    a.fill(0.0);
-                }
-                let sc = scratch.slice_mut::<T>()?;
-                let w_mat = weight_mat::<T>(&weight, false)?;
-                let threads = rayon::current_num_threads();
-                for r0 in (0..rows).step_by(LN_ROWS) {
-                    let n = LN_ROWS.min(rows - r0);
-                    let g_ptr = gs[r0 * out_f..].as_ptr();
-                    let g_block = Mat { ptr: g_ptr, rs: out_f as isize, cs: 1 };
-                    let block = &mut sc[..n * d];
-                    // SAFETY: rows r0..r0+n of x are in its storage; they are only read until the dx
-                    // step below, which no longer uses this slice.
-                    let xb = unsafe { std::slice::from_raw_parts(xp.0.add(r0 * d) as *const T, n * d) };
-                    if let Some(gwp) = gwp {
-                        // Recompute the block's normalized rows (as forward did), then dW (+)= g^T y.
-                        for_rows_mut(block, d, |r, yr| {
-                            let (xr, m, rs) = (&xb[r * d..(r + 1) * d], mean[r0 + r], rstd[r0 + r]);
-                            for j in 0..d {
-                                let mut v = (xr[j] - m) * rs;
-                                v *= lw[j];
-                                v += lb[j];
-                                yr[j] = v;
-                            }
-                        });
-                        let g_t = Mat { ptr: g_ptr, rs: 1, cs: out_f as isize };
-                        let y = Mat { ptr: block.as_ptr(), rs: d as isize, cs: 1 };
-                        // SAFETY: the weight gradient is a fresh [out, d] tensor; operands are in bounds.
-                        unsafe { gemm_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads) };
-                    }
-                    if !need_gy {
-                        continue;
-                    }
-                    // gy = g W, the gradient of the normalized rows, over the scratch.
-                    // SAFETY: the scratch block is n x d and separate from the operands.
-                    unsafe { gemm_into::<T>(n, d, out_f, block.as_mut_ptr(), d as isize, false, g_block, w_mat, threads) };
-                    let gy: &[T] = block;
-                    if let Some(acc) = &mut acc {
-                        // Column blocks: each task sums its columns over the block's rows, in row order.
-                        const COLS: usize = 64;
-                        let (aw, ab) = acc.split_at_mut(d);
-                        // Rows outer, columns inner: memory in order, each column still summed in
-                        // row order.
-                        let run = |(blk, (sw, sb)): (usize, (&mut [f64], &mut [f64]))| {
-                            let j0 = blk * COLS;
-                            for r in 0..n {
-                                let (m, rs) = (mean[r0 + r], rstd[r0 + r]);
-                                let (gr, xr) = (&gy[r * d + j0..r * d + j0 + sw.len()], &xb[r * d + j0..r * d + j0 + sw.len()]);
-                                for (c, (sw, sb)) in sw.iter_mut().zip(sb.iter_mut()).enumerate() {
-                                    let gv = gr[c];
-                                    *sb += gv.f64();
-                                    *sw += (gv * (xr[c] - m) * rs).f64();
-                                }
-                            }
-                        };
-                        if n * d >= 2 * PAR_CHUNK && d > COLS {
-                            aw.par_chunks_mut(COLS).zip(ab.par_chunks_mut(COLS)).enumerate().for_each(run);
-                        } else {
-                            aw.chunks_mut(COLS).zip(ab.chunks_mut(COLS)).enumerate().for_each(run);
-                        }
-                    }
-                    if let Some(gxp) = gxp {
-                        #[allow(clippy::redundant_locals)] // capture the Send wrappers, not their raw pointers
-                        for_row_groups(n, d, |g0, gn| {
-                            let (xp, gxp) = (xp, gxp);
-                            for r in g0..g0 + gn {
-                                let (m, rs, gyr) = (mean[r0 + r], rstd[r0 + r], &gy[r * d..(r + 1) * d]);
-                                // SAFETY: row r0 + r of x and of dx (the same row when in place) is
-                                // touched by this task only; each x[j] is read before dx[j] is written.
-                                unsafe {
-                                    let (src, dst) = (xp.0.add((r0 + r) * d), gxp.0.add((r0 + r) * d));
-                                    let (a, b) = row_grad_sums(std::slice::from_raw_parts(src, d), gyr, Some(lw), m, rs);
-                                    for j in 0..d {
-                                        *dst.add(j) = row_dx(*src.add(j), gyr[j], Some(lw[j]), m, rs, a, b);
-                                    }
-                                }
-                            }
-                        });
-                    }
-                }
-                if let Some(acc) = &acc {
-                    if let Some(t) = &glw {
-                        t.slice_mut::<T>()?.iter_mut().zip(&acc[..d]).for_each(|(g, &a)| *g = T::of(a));
-                    }
-                    if let Some(t) = &glb {
-                        t.slice_mut::<T>()?.iter_mut().zip(&acc[d..]).for_each(|(g, &a)| *g = T::of(a));
-                    }
-                }
-            });
-        }
+        // In place, the input gradient is x itself.
+        let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
+        grad.device().backend().layer_norm_linear_backward(
+            &x,
+            &ln_weight,
+            &ln_bias,
+            &weight,
+            &mean,
+            &rstd,
+            &g2,
+            gx_target,
+            glw.as_ref(),
+            glb.as_ref(),
+            gw.as_ref(),
+            &scratch,
+            sums.as_ref(),
+        )?;
         drop((scratch, sums));
         let gx = if in_place {
             // x now holds its gradient: a temporary again, no longer an activation.
@@ -611,65 +328,20 @@ pub fn batch_norm(
     } else {
         None
     };
-    if x.device().computes() && x.numel() > 0 {
-        with_float!(x.dtype(), "batch_norm", T => {
-            let src = x.slice::<T>()?;
-            // Per-channel (mean, rstd) as f64: C values.
-            let ms: Vec<(f64, f64)> = if training {
-                let channel = |ch: usize| {
-                    let planes = || (0..nb).map(move |i| &src[(i * c + ch) * s..(i * c + ch + 1) * s]);
-                    let mean = planes().map(|p| p.iter().map(|v| v.f64()).sum::<f64>()).sum::<f64>() / n as f64;
-                    let var = planes()
-                        .map(|p| p.iter().map(|v| { let d = v.f64() - mean; d * d }).sum::<f64>())
-                        .sum::<f64>() / n as f64;
-                    (mean, var)
-                };
-                let mv: Vec<(f64, f64)> = if x.numel() >= 2 * PAR_CHUNK {
-                    (0..c).into_par_iter().map(channel).collect()
-                } else {
-                    (0..c).map(channel).collect()
-                };
-                if let Some((rm, rv)) = running {
-                    // The running statistics are exclusively owned buffers, updated in place.
-                    let (rm, rv) = (rm.slice_mut::<T>()?, rv.slice_mut::<T>()?);
-                    let unbias = n as f64 / (n - 1) as f64;
-                    for (ch, &(mean, var)) in mv.iter().enumerate() {
-                        rm[ch] = T::of((1.0 - momentum) * rm[ch].f64() + momentum * mean);
-                        rv[ch] = T::of((1.0 - momentum) * rv[ch].f64() + momentum * var * unbias);
-                    }
-                }
-                mv.iter().map(|&(m, v)| (m, 1.0 / (v + eps).sqrt())).collect()
-            } else {
-                let (rm, rv) = running.expect("checked above");
-                let (rm, rv) = (rm.slice::<T>()?, rv.slice::<T>()?);
-                rm.iter().zip(rv).map(|(&m, &v)| (m.f64(), 1.0 / (v.f64() + eps).sqrt())).collect()
-            };
-            let (w, b) = (opt_slice::<T>(weight.as_ref())?, opt_slice::<T>(bias.as_ref())?);
-            // y = x * alpha + beta with alpha = rstd * w, beta = b - mean * alpha (per channel).
-            let ab: Vec<(T, T)> = ms.iter().enumerate().map(|(ch, &(m, r))| {
-                let alpha = r * w.map_or(1.0, |w| w[ch].f64());
-                (T::of(alpha), T::of(b.map_or(0.0, |b| b[ch].f64()) - m * alpha))
-            }).collect();
-            let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
-            for_row_groups(nb * c, s, |p0, np| {
-                #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                let dst = dst;
-                for p in p0..p0 + np {
-                    let (alpha, beta) = ab[p % c];
-                    // SAFETY: plane p of the fresh output is written by this task only.
-                    let d = unsafe { std::slice::from_raw_parts_mut(dst.0.add(p * s), s) };
-                    d.iter_mut().zip(&src[p * s..(p + 1) * s]).for_each(|(d, &v)| *d = v * alpha + beta);
-                }
-            });
-            if let Some((sm, sr)) = &stats {
-                let (sm, sr) = (sm.slice_mut::<T>()?, sr.slice_mut::<T>()?);
-                for (ch, &(m, r)) in ms.iter().enumerate() {
-                    sm[ch] = T::of(m);
-                    sr[ch] = T::of(r);
-                }
-            }
-        });
-    }
+    let (mean, rstd) = (stats.as_ref().map(|s| &s.0), stats.as_ref().map(|s| &s.1));
+    x.device().backend().batch_norm(
+        &x,
+        running_mean,
+        running_var,
+        weight.as_ref(),
+        bias.as_ref(),
+        training,
+        momentum,
+        eps,
+        &out,
+        mean,
+        rstd,
+    )?;
     let Some((mean, rstd)) = stats else { return Ok(out) };
     let back = BatchNormBack {
         x: save(&x),
@@ -696,9 +368,7 @@ impl Backward for BatchNormBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grad = grad.contiguous()?;
         let shape = self.x.shape().to_vec();
-        let (nb, c) = (shape[0], shape[1]);
-        let s: usize = shape[2..].iter().product();
-        let n = nb * s;
+        let c = shape[1];
         let has_w = self.weight.is_some();
         let need_x = needs[0];
         let need_w = has_w && needs[1];
@@ -706,67 +376,17 @@ impl Backward for BatchNormBack {
         let gx = if need_x { Some(output(&grad, &shape, grad.dtype(), "batch_norm_backward")?) } else { None };
         let gw = if need_w { Some(output(&grad, &[c], grad.dtype(), "batch_norm_backward")?) } else { None };
         let gb = if need_b { Some(output(&grad, &[c], grad.dtype(), "batch_norm_backward")?) } else { None };
-        if grad.device().computes() {
-            with_float!(grad.dtype(), "batch_norm_backward", T => {
-                let (x, g) = (self.x.slice::<T>()?, grad.slice::<T>()?);
-                let (mean, rstd) = (self.mean.slice::<T>()?, self.rstd.slice::<T>()?);
-                let w = opt_slice::<T>(self.weight.as_ref())?;
-                // Per channel: (sum g, sum g * xhat).
-                let sums_needed = gw.is_some() || gb.is_some() || (gx.is_some() && self.training);
-                let sums: Vec<(f64, f64)> = if sums_needed {
-                    let channel = |ch: usize| {
-                        let (m, r) = (mean[ch], rstd[ch]);
-                        let (mut sg, mut sgx) = (0.0f64, 0.0f64);
-                        for i in 0..nb {
-                            let o = (i * c + ch) * s;
-                            for (&gv, &xv) in g[o..o + s].iter().zip(&x[o..o + s]) {
-                                sg += gv.f64();
-                                sgx += (gv * (xv - m) * r).f64();
-                            }
-                        }
-                        (sg, sgx)
-                    };
-                    if n * c >= 2 * PAR_CHUNK {
-                        (0..c).into_par_iter().map(channel).collect()
-                    } else {
-                        (0..c).map(channel).collect()
-                    }
-                } else {
-                    Vec::new()
-                };
-                if let Some(gx) = &gx {
-                    let training = self.training;
-                    let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
-                    for_row_groups(nb * c, s, |p0, np| {
-                        #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
-                        let dst = dst;
-                        for p in p0..p0 + np {
-                            let ch = p % c;
-                            let (m, r) = (mean[ch], rstd[ch]);
-                            let k = T::of(r.f64() * w.map_or(1.0, |w| w[ch].f64()));
-                            // SAFETY: plane p of the fresh gradient is written by this task only.
-                            let d = unsafe { std::slice::from_raw_parts_mut(dst.0.add(p * s), s) };
-                            let (gp, xp) = (&g[p * s..(p + 1) * s], &x[p * s..(p + 1) * s]);
-                            if training {
-                                let (sg, sgx) = sums[ch];
-                                let (a, b) = (T::of(sg / n as f64), T::of(sgx / n as f64));
-                                for j in 0..s {
-                                    d[j] = k * (gp[j] - a - (xp[j] - m) * r * b);
-                                }
-                            } else {
-                                d.iter_mut().zip(gp).for_each(|(d, &gv)| *d = gv * k);
-                            }
-                        }
-                    });
-                }
-                if let Some(gw) = &gw {
-                    gw.slice_mut::<T>()?.iter_mut().zip(&sums).for_each(|(d, &(_, sgx))| *d = T::of(sgx));
-                }
-                if let Some(gb) = &gb {
-                    gb.slice_mut::<T>()?.iter_mut().zip(&sums).for_each(|(d, &(sg, _))| *d = T::of(sg));
-                }
-            });
-        }
+        grad.device().backend().batch_norm_backward(
+            &self.x,
+            self.weight.as_ref(),
+            &self.mean,
+            &self.rstd,
+            self.training,
+            &grad,
+            gx.as_ref(),
+            gw.as_ref(),
+            gb.as_ref(),
+        )?;
         let mut grads = vec![gx];
         if has_w {
             grads.push(gw);

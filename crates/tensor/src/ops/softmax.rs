@@ -1,15 +1,13 @@
-//! softmax and log_softmax over one dim (numerically stable: max subtracted). Both save only their
-//! output for backward. Also holds the `test_support` helpers (gradient check, golden files, meta vs cpu)
+//! softmax and log_softmax over one dim (numerically stable: max subtracted): shapes, outputs and
+//! autograd; the kernels are the backend's (`backend/cpu/softmax.rs`). Both save only their output
+//! for backward. Also holds the `test_support` helpers (gradient check, golden files, meta vs cpu)
 //! shared by the unit tests of softmax, loss, norm, embedding, attention, dropout and cast.
 
-use super::{output, PAR_CHUNK};
+use super::output;
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::Float;
 use crate::error::Result;
 use crate::layout::resolve_dim;
 use crate::tensor::Tensor;
-use crate::with_float;
-use rayon::prelude::*;
 
 /// (outer, size, inner) of `shape` around `dim`; a 0-d tensor is one element.
 pub(crate) fn split_dim(shape: &[usize], dim: usize) -> (usize, usize, usize) {
@@ -19,105 +17,12 @@ pub(crate) fn split_dim(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
 }
 
-/// Runs `f(src_block, dst_block)` over consecutive blocks of `block` elements, several
-/// blocks per rayon task when the tensor is big enough to be worth threads.
-fn for_blocks<T: Float>(src: &[T], dst: &mut [T], block: usize, f: impl Fn(&[T], &mut [T]) + Sync) {
-    if block == 0 || dst.is_empty() {
-        return;
-    }
-    if dst.len() >= 2 * PAR_CHUNK && dst.len() > block {
-        let per_task = block * (PAR_CHUNK / block).max(1);
-        dst.par_chunks_mut(per_task).zip(src.par_chunks(per_task)).for_each(|(d, s)| {
-            d.chunks_mut(block).zip(s.chunks(block)).for_each(|(d, s)| f(s, d));
-        });
-    } else {
-        dst.chunks_mut(block).zip(src.chunks(block)).for_each(|(d, s)| f(s, d));
-    }
-}
-
-/// Softmax (or log-softmax) of each lane `i` of a block laid out [size, inner].
-fn softmax_block<T: Float>(s: &[T], d: &mut [T], size: usize, inner: usize, log: bool) {
-    if inner == 1 {
-        // The common case (last dim): plain slice passes.
-        let m = s.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
-        if log {
-            let ls = s.iter().map(|&v| (v - m).exp()).sum::<T>().ln();
-            d.iter_mut().zip(s).for_each(|(d, &v)| *d = v - m - ls);
-        } else {
-            let mut sum = T::zero();
-            for (d, &v) in d.iter_mut().zip(s) {
-                *d = (v - m).exp();
-                sum += *d;
-            }
-            d.iter_mut().for_each(|d| *d = *d / sum);
-        }
-        return;
-    }
-    for i in 0..inner {
-        let mut m = T::neg_infinity();
-        for k in 0..size {
-            m = m.max(s[k * inner + i]);
-        }
-        let mut sum = T::zero();
-        for k in 0..size {
-            let e = (s[k * inner + i] - m).exp();
-            if !log {
-                d[k * inner + i] = e;
-            }
-            sum += e;
-        }
-        if log {
-            let ls = sum.ln();
-            for k in 0..size {
-                d[k * inner + i] = s[k * inner + i] - m - ls;
-            }
-        } else {
-            for k in 0..size {
-                d[k * inner + i] = d[k * inner + i] / sum;
-            }
-        }
-    }
-}
-
-/// Input gradient of a block from the saved output `y` and the upstream gradient `g`.
-fn softmax_backward_block<T: Float>(y: &[T], g: &[T], d: &mut [T], size: usize, inner: usize, log: bool) {
-    for i in 0..inner {
-        if log {
-            // d x = g - exp(y) * sum(g)
-            let mut sg = T::zero();
-            for k in 0..size {
-                sg += g[k * inner + i];
-            }
-            for k in 0..size {
-                let j = k * inner + i;
-                d[j] = g[j] - y[j].exp() * sg;
-            }
-        } else {
-            // d x = y * (g - sum(g * y))
-            let mut dot = T::zero();
-            for k in 0..size {
-                dot += g[k * inner + i] * y[k * inner + i];
-            }
-            for k in 0..size {
-                let j = k * inner + i;
-                d[j] = y[j] * (g[j] - dot);
-            }
-        }
-    }
-}
-
 fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     let name = if log { "log_softmax" } else { "softmax" };
     let x = x.contiguous()?;
     let d = resolve_dim(dim, x.rank())?;
-    let (_, size, inner) = split_dim(x.shape(), d);
     let out = output(&x, x.shape(), x.dtype(), name)?;
-    if x.device().computes() {
-        with_float!(x.dtype(), name, T => {
-            let src = x.slice::<T>()?;
-            for_blocks(src, out.slice_mut::<T>()?, size * inner, |s, o| softmax_block(s, o, size, inner, log));
-        });
-    }
+    x.device().backend().softmax(&x, d, log, &out)?;
     if !needs_grad(&[&x]) {
         return Ok(out);
     }
@@ -148,27 +53,7 @@ impl Backward for SoftmaxBack {
         let name = if self.log { "log_softmax_backward" } else { "softmax_backward" };
         let grad = grad.contiguous()?;
         let gx = output(&grad, self.out.shape(), grad.dtype(), name)?;
-        if grad.device().computes() {
-            let (_, size, inner) = split_dim(self.out.shape(), self.dim);
-            let block = size * inner;
-            let log = self.log;
-            with_float!(grad.dtype(), name, T => {
-                let (y, g) = (self.out.slice::<T>()?, grad.slice::<T>()?);
-                let dst = gx.slice_mut::<T>()?;
-                if block > 0 && !dst.is_empty() {
-                    let run = |(d, (y, g)): (&mut [T], (&[T], &[T]))| {
-                        d.chunks_mut(block).zip(y.chunks(block).zip(g.chunks(block)))
-                            .for_each(|(d, (y, g))| softmax_backward_block(y, g, d, size, inner, log));
-                    };
-                    let per_task = block * (PAR_CHUNK / block).max(1);
-                    if dst.len() >= 2 * PAR_CHUNK && dst.len() > block {
-                        dst.par_chunks_mut(per_task).zip(y.par_chunks(per_task).zip(g.par_chunks(per_task))).for_each(run);
-                    } else {
-                        run((dst, (y, g)));
-                    }
-                }
-            });
-        }
+        grad.device().backend().softmax_backward(&self.out, &grad, self.dim, self.log, &gx)?;
         Ok(vec![Some(gx)])
     }
 }
@@ -345,6 +230,8 @@ pub(crate) mod test_support {
 mod tests {
     use super::test_support::*;
     use super::*;
+    use crate::backend::cpu::softmax::softmax_block;
+    use crate::ops::PAR_CHUNK;
     use crate::autograd::backward_with;
     use crate::{DType, Device};
 

@@ -12,6 +12,12 @@ pub(crate) mod embedding;
 pub(crate) mod optim;
 pub(crate) mod pool;
 pub(crate) mod reduce;
+// Seam B.
+pub(crate) mod attention;
+pub(crate) mod loss;
+pub(crate) mod matmul;
+pub(crate) mod norm;
+pub(crate) mod softmax;
 
 use super::Backend;
 use crate::error::Result;
@@ -220,5 +226,205 @@ impl Backend for Cpu {
 
     fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool) -> Result<()> {
         optim::unscale(grad, inv_scale, found_inf)
+    }
+
+    // Seam B: matmul.
+    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        matmul::matmul(a, b, out)
+    }
+
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
+        matmul::linear(x, weight, bias, out)
+    }
+
+    fn gelu_linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, scratch: &Tensor, out: &Tensor) -> Result<()> {
+        matmul::gelu_linear(x, weight, bias, scratch, out)
+    }
+
+    fn gelu_linear_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        scratch: &Tensor,
+    ) -> Result<()> {
+        matmul::gelu_linear_backward(x, weight, grad, gx, gw, scratch)
+    }
+
+    // Seam B: norm.
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        d: usize,
+        eps: f64,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    ) -> Result<()> {
+        norm::layer_norm(x, weight, bias, d, eps, out, mean, rstd)
+    }
+
+    fn layer_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        d: usize,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    ) -> Result<()> {
+        norm::layer_norm_backward(x, weight, mean, rstd, d, grad, gx, gw, gb)
+    }
+
+    fn layer_norm_linear(
+        &self,
+        x: &Tensor,
+        ln_weight: &Tensor,
+        ln_bias: &Tensor,
+        eps: f64,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        scratch: &Tensor,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    ) -> Result<()> {
+        norm::layer_norm_linear(x, ln_weight, ln_bias, eps, weight, bias, scratch, out, mean, rstd)
+    }
+
+    fn layer_norm_linear_backward(
+        &self,
+        x: &Tensor,
+        ln_weight: &Tensor,
+        ln_bias: &Tensor,
+        weight: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        glw: Option<&Tensor>,
+        glb: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        scratch: &Tensor,
+        sums: Option<&Tensor>,
+    ) -> Result<()> {
+        norm::layer_norm_linear_backward(x, ln_weight, ln_bias, weight, mean, rstd, grad, gx, glw, glb, gw, scratch, sums)
+    }
+
+    fn batch_norm(
+        &self,
+        x: &Tensor,
+        running_mean: Option<&Tensor>,
+        running_var: Option<&Tensor>,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    ) -> Result<()> {
+        norm::batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps, out, mean, rstd)
+    }
+
+    fn batch_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        training: bool,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    ) -> Result<()> {
+        norm::batch_norm_backward(x, weight, mean, rstd, training, grad, gx, gw, gb)
+    }
+
+    // Seam B: attention.
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        pb: &crate::ops::AttnProblem,
+        out: &Tensor,
+        lse: Option<&Tensor>,
+    ) -> Result<()> {
+        attention::attention(q, k, v, mask, pb, out, lse)
+    }
+
+    fn attention_backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        lse: &Tensor,
+        pb: &crate::ops::AttnProblem,
+        grad: &Tensor,
+        gq: Option<&Tensor>,
+        gk: Option<&Tensor>,
+        gv: Option<&Tensor>,
+    ) -> Result<()> {
+        attention::attention_backward(q, k, v, mask, lse, pb, grad, gq, gk, gv)
+    }
+
+    // Seam B: loss.
+    fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor) -> Result<()> {
+        loss::cross_entropy(logits, target, label_smoothing, out)
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        logits: &Tensor,
+        target: &Tensor,
+        label_smoothing: f64,
+        grad: &Tensor,
+        gx: &Tensor,
+    ) -> Result<()> {
+        loss::cross_entropy_backward(logits, target, label_smoothing, grad, gx)
+    }
+
+    fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
+        loss::nll_loss(log_probs, target, out)
+    }
+
+    fn nll_loss_backward(&self, target: &Tensor, grad: &Tensor, gx: &Tensor) -> Result<()> {
+        loss::nll_loss_backward(target, grad, gx)
+    }
+
+    fn mse_loss(&self, input: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
+        loss::mse_loss(input, target, out)
+    }
+
+    fn mse_loss_backward(
+        &self,
+        input: &Tensor,
+        target: &Tensor,
+        grad: &Tensor,
+        ga: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    ) -> Result<()> {
+        loss::mse_loss_backward(input, target, grad, ga, gb)
+    }
+
+    // Seam B: softmax.
+    fn softmax(&self, x: &Tensor, dim: usize, log: bool, out: &Tensor) -> Result<()> {
+        softmax::softmax(x, dim, log, out)
+    }
+
+    fn softmax_backward(&self, out: &Tensor, grad: &Tensor, dim: usize, log: bool, gx: &Tensor) -> Result<()> {
+        softmax::softmax_backward(out, grad, dim, log, gx)
     }
 }

@@ -1,0 +1,373 @@
+//! CPU kernels of attention (`ops/attention.rs`): FlashAttention-style fused forward and backward,
+//! one task per (batch, head) matrix, `DP_ROWS` query rows at a time, over operands addressed as the
+//! op's [`AttnLayouts`] describe (plain [.., T, D] stacks or the packed [B, T, 3E] projection). The
+//! only workspace is a per-task scratch of two `DP_ROWS x Tk` blocks outside the allocator; the
+//! causal flag and the bool mask decide which keys each row sees (blocks skip keys past their last
+//! visible one).
+
+use super::elementwise::exp_in_place;
+use super::gemm::{gemm_into, Mat, SendPtr};
+use crate::dtype::Float;
+use crate::error::Result;
+use crate::layout::broadcast_layout;
+use crate::ops::{AttnDims, AttnLayouts, AttnProblem};
+use crate::tensor::{Element, Tensor};
+use crate::with_float;
+use rayon::prelude::*;
+
+/// Query rows per block, in forward and backward (the per-task scratch is 2 x DP_ROWS x Tk).
+const DP_ROWS: usize = 64;
+
+/// Runs `f(i, gemm_threads)` for every batch matrix: in parallel over matrices when there are
+/// several, else one matrix with multi-threaded GEMMs.
+fn for_each_matrix(bh: usize, f: impl Fn(usize, usize) + Sync + Send) {
+    if bh > 1 {
+        (0..bh).into_par_iter().for_each(|i| f(i, 1));
+    } else {
+        (0..bh).for_each(|i| f(i, rayon::current_num_threads()));
+    }
+}
+
+/// The bool mask, broadcast to [batch..., Tq, Tk], read through its strides.
+struct MaskView<'a> {
+    bytes: &'a [u8],
+    /// Shape and strides of the batch dims (broadcast; stride 0 where the mask has size 1).
+    batch_shape: Vec<usize>,
+    batch_strides: Vec<usize>,
+    offset: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MaskView<'a> {
+    /// `m` seen as `full` ([batch..., Tq, Tk]); `m` must broadcast to it.
+    fn new(m: &'a Tensor, full: &[usize]) -> Result<Self> {
+        let r = full.len();
+        let l = broadcast_layout(m.layout(), full);
+        Ok(MaskView {
+            bytes: m.storage_bytes()?,
+            batch_shape: l.shape()[..r - 2].to_vec(),
+            batch_strides: l.strides()[..r - 2].to_vec(),
+            offset: l.offset(),
+            row_stride: l.strides()[r - 2],
+            col_stride: l.strides()[r - 1],
+        })
+    }
+
+    /// Element offset of (batch matrix i, row 0, col 0).
+    fn base(&self, mut i: usize) -> usize {
+        let mut o = self.offset;
+        for (&n, &s) in self.batch_shape.iter().zip(&self.batch_strides).rev() {
+            o += (i % n) * s;
+            i /= n;
+        }
+        o
+    }
+
+    fn masked(&self, base: usize, r: usize, c: usize) -> bool {
+        self.bytes[base + r * self.row_stride + c * self.col_stride] != 0
+    }
+}
+
+/// Which keys each query may see: the causal flag and the mask combined.
+struct Visibility<'a> {
+    causal: bool,
+    mask: Option<MaskView<'a>>,
+}
+
+impl Visibility<'_> {
+    /// The mask's element offset for matrix i (0 without a mask).
+    fn base(&self, i: usize) -> usize {
+        self.mask.as_ref().map_or(0, |m| m.base(i))
+    }
+
+    fn hidden(&self, base: usize, r: usize, j: usize) -> bool {
+        (self.causal && j > r) || self.mask.as_ref().is_some_and(|m| m.masked(base, r, j))
+    }
+
+    /// One past the last key any of rows `r0..r0 + rows` sees (0 when they see none): every key from
+    /// there on has probability 0 for the whole block. Depends only on the mask, never on data.
+    fn key_end(&self, base: usize, r0: usize, rows: usize, tk: usize) -> usize {
+        let limit = if self.causal { tk.min(r0 + rows) } else { tk };
+        if self.mask.is_none() {
+            return limit;
+        }
+        let mut end = 0;
+        for r in r0..r0 + rows {
+            if let Some(j) = (end..limit).rev().find(|&j| !self.hidden(base, r, j)) {
+                end = j + 1;
+            }
+        }
+        end
+    }
+}
+
+/// Scales, masks and softmaxes one score row in place; returns its log-sum-exp (of the scaled,
+/// masked scores). A fully masked row becomes 0 and returns -inf.
+fn softmax_row<T: Float>(row: &mut [T], scale: T, hidden: impl Fn(usize) -> bool) -> T {
+    let mut m = T::neg_infinity();
+    for (j, v) in row.iter_mut().enumerate() {
+        *v = if hidden(j) { T::neg_infinity() } else { *v * scale };
+        // NaN wins, so a NaN score is never mistaken for a fully masked row.
+        if *v > m || v.is_nan() {
+            m = *v;
+        }
+    }
+    if m == T::neg_infinity() {
+        row.iter_mut().for_each(|v| *v = T::of(0.0));
+        return m;
+    }
+    row.iter_mut().for_each(|v| *v -= m);
+    exp_in_place(row);
+    let mut sum = T::of(0.0);
+    for v in row.iter() {
+        sum += *v;
+    }
+    row.iter_mut().for_each(|v| *v = *v / sum);
+    m + sum.ln()
+}
+
+/// Raw operand pointers (inputs read, outputs written) of one forward or backward call.
+#[derive(Clone, Copy)]
+struct Ptrs<T> {
+    q: SendPtr<T>,
+    k: SendPtr<T>,
+    v: SendPtr<T>,
+    /// The output (forward) or its gradient (backward).
+    o: SendPtr<T>,
+    lse: SendPtr<T>,
+}
+
+fn read_ptr<T: Element>(t: &Tensor) -> Result<SendPtr<T>> {
+    Ok(SendPtr(t.slice::<T>()?.as_ptr() as *mut T))
+}
+
+fn write_ptr<T: Element>(t: &Tensor) -> Result<SendPtr<T>> {
+    Ok(SendPtr(t.slice_mut::<T>()?.as_mut_ptr()))
+}
+
+/// Forward: writes the output and, when `p.lse` is non-null, the per-row log-sum-exp. The pointers
+/// must cover every matrix of `dims` as laid out by `lay` (lse: [bh, tq] contiguous), and the output
+/// and lse must not overlap the inputs (the callers pass fresh tensors).
+fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayouts, scale: f64, vis: &Visibility<'_>) {
+    let AttnDims { bh, heads, tq, tk, d, dv } = dims;
+    let scale = T::of(scale);
+    for_each_matrix(bh, |i, threads| {
+        #[allow(clippy::redundant_locals)] // capture the Send wrappers, not their raw pointer fields
+        let p = p;
+        // SAFETY: matrix i's regions are in bounds (caller); its output rows and lse entries are
+        // written by this task only.
+        unsafe {
+            let qi = p.q.0.add(lay.q.start(i, heads)) as *const T;
+            let ki = p.k.0.add(lay.k.start(i, heads)) as *const T;
+            let vi = p.v.0.add(lay.v.start(i, heads)) as *const T;
+            let oi = p.o.0.add(lay.out.start(i, heads));
+            let base = vis.base(i);
+            let mut s = vec![T::zero(); DP_ROWS.min(tq) * tk];
+            for r0 in (0..tq).step_by(DP_ROWS) {
+                let rows = DP_ROWS.min(tq - r0);
+                let kend = vis.key_end(base, r0, rows, tk);
+                let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: lay.q.row_stride as isize, cs: 1 };
+                let kt = Mat { ptr: ki, rs: 1, cs: lay.k.row_stride as isize };
+                gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
+                for r in 0..rows {
+                    let row = &mut s[r * kend..(r + 1) * kend];
+                    let lse = softmax_row(row, scale, |j| vis.hidden(base, r0 + r, j));
+                    if !p.lse.0.is_null() {
+                        *p.lse.0.add(i * tq + r0 + r) = lse;
+                    }
+                }
+                let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
+                let vm = Mat { ptr: vi, rs: lay.v.row_stride as isize, cs: 1 };
+                let dst = oi.add(r0 * lay.out.row_stride);
+                gemm_into::<T>(rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, vm, threads);
+            }
+        }
+    });
+}
+
+/// Zeroes `rows` rows of `cols` elements, `row_stride` apart.
+///
+/// # Safety
+/// The region must be valid for writes.
+unsafe fn zero_rows<T: Float>(ptr: *mut T, rows: usize, cols: usize, row_stride: usize) {
+    for r in 0..rows {
+        std::slice::from_raw_parts_mut(ptr.add(r * row_stride), cols).fill(T::zero());
+    }
+}
+
+/// Backward: `p.o` is the output's gradient (laid out like the output); `g` the gradients of q, k and
+/// v (laid out like them), each written only when present. Requirements as for [`forward_kernel`];
+/// the gradient regions must not overlap the inputs or each other.
+fn backward_kernel<T: Float + Element>(
+    p: Ptrs<T>,
+    g: [Option<SendPtr<T>>; 3],
+    dims: AttnDims,
+    lay: AttnLayouts,
+    scale: f64,
+    vis: &Visibility<'_>,
+) {
+    let AttnDims { bh, heads, tq, tk, d, dv } = dims;
+    let scale = T::of(scale);
+    let [gq, gk, gv] = g;
+    let need_ds = gq.is_some() || gk.is_some();
+    for_each_matrix(bh, |i, threads| {
+        let (p, gq, gk, gv) = (p, gq, gk, gv);
+        // SAFETY: matrix i's regions are in bounds (caller); the gradients' matrix-i regions are
+        // touched only by this task.
+        unsafe {
+            let qi = p.q.0.add(lay.q.start(i, heads)) as *const T;
+            let ki = p.k.0.add(lay.k.start(i, heads)) as *const T;
+            let vi = p.v.0.add(lay.v.start(i, heads)) as *const T;
+            let goi = p.o.0.add(lay.out.start(i, heads)) as *const T;
+            let lse = p.lse.0.add(i * tq) as *const T;
+            let gqi = gq.map(|g| g.0.add(lay.q.start(i, heads)));
+            let gki = gk.map(|g| g.0.add(lay.k.start(i, heads)));
+            let gvi = gv.map(|g| g.0.add(lay.v.start(i, heads)));
+            // dK and dV accumulate over row blocks, and keys a block skips get nothing from it.
+            if let Some(gki) = gki {
+                zero_rows(gki, tk, d, lay.k.row_stride);
+            }
+            if let Some(gvi) = gvi {
+                zero_rows(gvi, tk, dv, lay.v.row_stride);
+            }
+            let (qrs, krs, vrs, ors) = (
+                lay.q.row_stride as isize,
+                lay.k.row_stride as isize,
+                lay.v.row_stride as isize,
+                lay.out.row_stride as isize,
+            );
+            let base = vis.base(i);
+            let block = DP_ROWS.min(tq) * tk;
+            let mut s = vec![T::zero(); block];
+            let mut dp = vec![T::zero(); if need_ds { block } else { 0 }];
+            for r0 in (0..tq).step_by(DP_ROWS) {
+                let rows = DP_ROWS.min(tq - r0);
+                let kend = vis.key_end(base, r0, rows, tk);
+                let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: qrs, cs: 1 };
+                let gob = Mat { ptr: goi.add(r0 * lay.out.row_stride), rs: ors, cs: 1 };
+                // P = exp(S - lse), recomputed exactly as forward scaled and masked it.
+                let kt = Mat { ptr: ki, rs: 1, cs: krs };
+                gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
+                for r in 0..rows {
+                    let l = *lse.add(r0 + r);
+                    let row = &mut s[r * kend..(r + 1) * kend];
+                    for (j, v) in row.iter_mut().enumerate() {
+                        *v = if l == T::neg_infinity() || vis.hidden(base, r0 + r, j) {
+                            T::neg_infinity()
+                        } else {
+                            *v * scale - l
+                        };
+                    }
+                    exp_in_place(row);
+                }
+                let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
+                let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: kend as isize };
+                if let Some(gvi) = gvi {
+                    // dV[:kend] += P^T dO
+                    gemm_into::<T>(kend, dv, rows, gvi, vrs, true, pt, gob, threads);
+                }
+                if !need_ds {
+                    continue;
+                }
+                // dP = dO v^T; dS = P * (dP - rowsum(P * dP)) * scale, over P.
+                let vt = Mat { ptr: vi, rs: 1, cs: vrs };
+                gemm_into::<T>(rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, vt, threads);
+                for r in 0..rows {
+                    let prow = &mut s[r * kend..(r + 1) * kend];
+                    let dprow = &dp[r * kend..(r + 1) * kend];
+                    let dot = prow.iter().zip(dprow).fold(T::zero(), |a, (&p, &g)| a + p * g);
+                    prow.iter_mut().zip(dprow).for_each(|(p, &g)| *p = *p * (g - dot) * scale);
+                }
+                if let Some(gqi) = gqi {
+                    // dQ rows = dS k[:kend]
+                    let km = Mat { ptr: ki, rs: krs, cs: 1 };
+                    gemm_into::<T>(rows, d, kend, gqi.add(r0 * lay.q.row_stride), qrs, false, pm, km, threads);
+                }
+                if let Some(gki) = gki {
+                    // dK[:kend] += dS^T q rows
+                    gemm_into::<T>(kend, d, rows, gki, krs, true, pt, qb, threads);
+                }
+            }
+        }
+    });
+}
+
+/// The writable pointer of each gradient, one per tensor: a gradient given more than once (the
+/// packed op's one [B, T, 3E] gradient for q, k and v) gets the same pointer each time.
+fn grad_ptrs<T: Element>(g: [Option<&Tensor>; 3]) -> Result<[Option<SendPtr<T>>; 3]> {
+    let mut out: [Option<SendPtr<T>>; 3] = [None; 3];
+    for i in 0..3 {
+        let Some(t) = g[i] else { continue };
+        let earlier = (0..i).find(|&j| g[j].is_some_and(|e| e.same(t)));
+        out[i] = match earlier {
+            Some(j) => out[j],
+            None => Some(write_ptr(t)?),
+        };
+    }
+    Ok(out)
+}
+
+/// Forward into `out` and, when given, the per-row log-sum-exp `lse`.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    pb: &AttnProblem,
+    out: &Tensor,
+    lse: Option<&Tensor>,
+) -> Result<()> {
+    if pb.dims.bh == 0 {
+        return Ok(());
+    }
+    let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
+    with_float!(q.dtype(), "scaled_dot_product_attention", T => {
+        let p = Ptrs::<T> {
+            q: read_ptr(q)?,
+            k: read_ptr(k)?,
+            v: read_ptr(v)?,
+            o: write_ptr(out)?,
+            lse: match lse { Some(l) => write_ptr(l)?, None => SendPtr(std::ptr::null_mut()) },
+        };
+        // The tensors are contiguous with the shapes the layouts describe; out and lse are fresh.
+        forward_kernel::<T>(p, pb.dims, pb.lay, pb.scale, &vis)
+    });
+    Ok(())
+}
+
+/// Backward from the output's gradient `grad`: the gradients of q, k and v, each when given (the
+/// packed op gives its one gradient three times).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    lse: &Tensor,
+    pb: &AttnProblem,
+    grad: &Tensor,
+    gq: Option<&Tensor>,
+    gk: Option<&Tensor>,
+    gv: Option<&Tensor>,
+) -> Result<()> {
+    if pb.dims.bh == 0 {
+        return Ok(());
+    }
+    let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
+    with_float!(grad.dtype(), "scaled_dot_product_attention_backward", T => {
+        let p = Ptrs::<T> {
+            q: read_ptr(q)?,
+            k: read_ptr(k)?,
+            v: read_ptr(v)?,
+            o: read_ptr(grad)?,
+            lse: read_ptr(lse)?,
+        };
+        let g = grad_ptrs::<T>([gq, gk, gv])?;
+        // The saved tensors and the gradients are contiguous with the shapes the layouts
+        // describe; the gradients are fresh, and the packed gradient's q, k and v parts are
+        // disjoint column ranges.
+        backward_kernel::<T>(p, g, pb.dims, pb.lay, pb.scale, &vis)
+    });
+    Ok(())
+}

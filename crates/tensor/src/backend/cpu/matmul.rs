@@ -1,0 +1,224 @@
+//! CPU kernels of the matrix products (`ops/matmul.rs`): batched, broadcast `matmul`, `linear` and the
+//! fused `gelu_linear` with its block-by-block backward, all on `memfit-kernels`' GEMM (strided
+//! operands, so transposed views multiply without copies). Also the linear-layer glue the fused
+//! normalization kernels share (`weight_mat`, `fill_rows_with_bias`).
+
+use super::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
+use super::gemm::{gemm_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
+use crate::dtype::Float;
+use crate::error::Result;
+use crate::layout::{broadcast_layout, Layout};
+use crate::ops::GELU_ROWS;
+use crate::tensor::Tensor;
+use crate::with_float;
+use rayon::prelude::*;
+
+/// The operand view of the last two dims of `t` at element offset `offset`.
+fn mat_of<T>(base: *const T, l: &Layout, offset: usize) -> Mat<T> {
+    let r = l.rank();
+    // SAFETY: offset is inside the storage (computed from the layout).
+    Mat { ptr: unsafe { base.add(offset) }, rs: l.strides()[r - 2] as isize, cs: l.strides()[r - 1] as isize }
+}
+
+/// Offsets of every batch matrix of a broadcast layout (all dims but the last two).
+fn batch_offsets(l: &Layout) -> Vec<usize> {
+    let r = l.rank();
+    let batch = Layout::new(l.shape()[..r - 2].to_vec(), l.strides()[..r - 2].to_vec(), l.offset());
+    let mut out = Vec::with_capacity(batch.numel());
+    batch.for_each_offset(|o| out.push(o));
+    out
+}
+
+/// `out = a @ b` over the last two dims, the batch dims of `a` and `b` broadcast to `out`'s.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+    let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
+    let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
+    let batch = &out.shape()[..ro - 2];
+    let mut sa = batch.to_vec();
+    sa.extend([m, k]);
+    let mut sb = batch.to_vec();
+    sb.extend([k, n]);
+    let (la, lb) = (broadcast_layout(a.layout(), &sa), broadcast_layout(b.layout(), &sb));
+    let (oa, ob) = (batch_offsets(&la), batch_offsets(&lb));
+    with_float!(a.dtype(), "matmul", T => {
+        let pa = SendPtr(a.storage_ptr()? as *mut T);
+        let pb = SendPtr(b.storage_ptr()? as *mut T);
+        let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
+        let threads = rayon::current_num_threads();
+        let run = |i: usize, threads: usize| {
+            let (d, pa, pb) = (dst, pa, pb);
+            // SAFETY: batch i writes its own m x n block of the fresh output; operands are in bounds.
+            unsafe {
+                gemm_into::<T>(m, n, k, d.0.add(i * m * n), n as isize, false,
+                    mat_of(pa.0 as *const T, &la, oa[i]), mat_of(pb.0 as *const T, &lb, ob[i]), threads)
+            }
+        };
+        if oa.len() > 1 && m * n * k < GEMM_PARALLEL_WORK {
+            (0..oa.len()).into_par_iter().for_each(|i| run(i, 1));
+        } else {
+            (0..oa.len()).for_each(|i| run(i, threads));
+        }
+    });
+    Ok(())
+}
+
+/// The weight [out, in] as a GEMM operand: transposed ([in, out], for `x W^T`) or as stored.
+pub(crate) fn weight_mat<T>(weight: &Tensor, transposed: bool) -> Result<Mat<T>> {
+    let w = weight.layout();
+    // SAFETY: the offset comes from the weight's layout.
+    let ptr = unsafe { (weight.storage_ptr()? as *const T).add(w.offset()) };
+    let (s0, s1) = (w.strides()[0] as isize, w.strides()[1] as isize);
+    Ok(if transposed { Mat { ptr, rs: s1, cs: s0 } } else { Mat { ptr, rs: s0, cs: s1 } })
+}
+
+/// Starts a linear layer's output: every row of `dst` (rows of `out_f`) is the bias, when there is
+/// one (the GEMM then accumulates into it). The bias is contiguous (the op made it so). Shared by
+/// `linear`, `gelu_linear` and `layer_norm_linear`.
+pub(crate) fn fill_rows_with_bias<T: Float + crate::tensor::Element>(
+    dst: &mut [T],
+    bias: Option<&Tensor>,
+    out_f: usize,
+) -> Result<()> {
+    if let Some(b) = bias {
+        let bv = b.slice::<T>()?;
+        dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
+    }
+    Ok(())
+}
+
+/// `out = x W^T + b` (x contiguous [rows, in], bias contiguous).
+pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
+    let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+    let rows = x.numel() / in_f.max(1);
+    with_float!(x.dtype(), "linear", T => {
+        let dst = out.slice_mut::<T>()?;
+        fill_rows_with_bias::<T>(dst, bias, out_f)?;
+        // W^T as a [in, out] operand: element (i, o) is W[o, i].
+        let wt = weight_mat::<T>(weight, true)?;
+        let xs = Mat { ptr: x.slice::<T>()?.as_ptr(), rs: in_f as isize, cs: 1 };
+        // SAFETY: fresh output of rows x out_f; operands valid for their layouts.
+        unsafe { gemm_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(), xs, wt, rayon::current_num_threads()) };
+    });
+    Ok(())
+}
+
+/// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through `scratch` (at least
+/// min(rows, GELU_ROWS) x in).
+pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, scratch: &Tensor, out: &Tensor) -> Result<()> {
+    let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+    let rows = x.numel() / in_f.max(1);
+    with_float!(x.dtype(), "gelu_linear", T => {
+        let dst = out.slice_mut::<T>()?;
+        fill_rows_with_bias::<T>(dst, bias, out_f)?;
+        let wt = weight_mat::<T>(weight, true)?;
+        let (xs, sc) = (x.slice::<T>()?, scratch.slice_mut::<T>()?);
+        for r0 in (0..rows).step_by(GELU_ROWS) {
+            let n = GELU_ROWS.min(rows - r0);
+            gelu_slice(&xs[r0 * in_f..(r0 + n) * in_f], &mut sc[..n * in_f]);
+            let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
+            // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
+            unsafe {
+                gemm_into::<T>(n, out_f, in_f, dst.as_mut_ptr().add(r0 * out_f), out_f as isize, bias.is_some(),
+                    a, wt, rayon::current_num_threads())
+            };
+        }
+    });
+    Ok(())
+}
+
+/// Backward of [`gelu_linear`] from `grad` [rows, out]: the input gradient into `gx` (which is `x`
+/// itself when the op decided to write it in place) and the weight gradient into `gw`, each when
+/// present. `scratch` holds min(rows, GELU_ROWS) rows of in, twice that when both gradients are
+/// wanted and `gx` is not `x`.
+pub(crate) fn gelu_linear_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+    gx: Option<&Tensor>,
+    gw: Option<&Tensor>,
+    scratch: &Tensor,
+) -> Result<()> {
+    const NAME: &str = "gelu_linear_backward";
+    let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+    let rows = grad.shape()[0];
+    let in_place = gx.is_some_and(|g| g.same(x));
+    let block = rows.min(GELU_ROWS);
+    with_float!(grad.dtype(), NAME, T => {
+        let gs = grad.slice::<T>()?;
+        // In place, the input gradient is x itself: reads of a block of x finish before the
+        // block is overwritten.
+        let xp = x.slice_mut::<T>()?.as_mut_ptr();
+        let gxp = match gx {
+            Some(_) if in_place => Some(xp),
+            Some(t) => Some(t.slice_mut::<T>()?.as_mut_ptr()),
+            None => None,
+        };
+        let gwp = gw.map(|t| t.slice_mut::<T>()).transpose()?;
+        if rows == 0 {
+            if let Some(gw) = gwp {
+                gw.fill(<T as Float>::of(0.0));
+            }
+        } else {
+            let gwp = gwp.map(|s| s.as_mut_ptr());
+            let (sc, deriv) = scratch.slice_mut::<T>()?.split_at_mut(block * in_f);
+            let w = weight_mat::<T>(weight, false)?;
+            let threads = rayon::current_num_threads();
+            for r0 in (0..rows).step_by(GELU_ROWS) {
+                let n = GELU_ROWS.min(rows - r0);
+                let len = n * in_f;
+                // SAFETY: block r0..r0+n of x, gx and grad is in bounds; the scratch and gw are
+                // separate tensors; no slice of the block outlives the writes below.
+                unsafe {
+                    let xb = xp.add(r0 * in_f);
+                    if let (Some(gwp), Some(gxp)) = (gwp, gxp) {
+                        // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
+                        // dx = (g_block W) * gelu'(x_block), over x's block when in place.
+                        let y = &mut sc[..len];
+                        if in_place {
+                            // x_block -> (y, gelu'(x)) with gelu'(x) over x_block.
+                            gelu_with_derivative_slice(y, std::slice::from_raw_parts_mut(xb, len));
+                        } else {
+                            let xr = std::slice::from_raw_parts(xb as *const T, len);
+                            let d = &mut deriv[..len];
+                            d.copy_from_slice(xr);
+                            gelu_with_derivative_slice(y, d);
+                        }
+                        let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
+                        let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
+                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
+                        let g_rows = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: out_f as isize, cs: 1 };
+                        gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
+                        let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
+                        if in_place {
+                            par_update(&sc[..len], dst, |g, d| g * d);
+                        } else {
+                            par_zip(&sc[..len], &deriv[..len], dst, |g, d| g * d);
+                        }
+                        continue;
+                    }
+                    if let Some(gwp) = gwp {
+                        // dW (+)= g_block^T gelu(x_block)
+                        gelu_slice(std::slice::from_raw_parts(xb, len), &mut sc[..len]);
+                        let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
+                        let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
+                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
+                    }
+                    if let Some(gxp) = gxp {
+                        // dx = (g_block W) * gelu'(x_block)
+                        let g_rows = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: out_f as isize, cs: 1 };
+                        gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
+                        if in_place {
+                            let xm = std::slice::from_raw_parts_mut(xb, len);
+                            gelu_backward_over_input(&sc[..len], xm);
+                        } else {
+                            let xr = std::slice::from_raw_parts(xb as *const T, len);
+                            let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
+                            gelu_backward_slice(xr, &sc[..len], dst);
+                        }
+                    }
+                }
+            }
+        }
+    });
+    Ok(())
+}
