@@ -1,6 +1,8 @@
-//! Tensor operations, one file per family: each holds the op's API, its CPU kernel, its backward and
-//! its unit tests. Every op allocates its outputs (and workspaces) through the device's allocator,
-//! runs its kernel only on a computing device, and records an autograd node when grad is needed.
+//! Tensor operations, one file per family: each holds what the op means — its API, argument checks,
+//! output shapes, its backward and its unit tests. Every op allocates its outputs (and workspaces)
+//! through the device's allocator, the same on every device, asks the device's backend to fill them
+//! (`crate::backend`: the CPU kernels live in `backend/cpu/`, `meta` computes nothing), and records
+//! an autograd node when grad is needed.
 
 mod attention;
 mod cast;
