@@ -300,8 +300,9 @@ unsafe fn rows<T: GemmScalar>(
     let (mr, nr) = (kernel.mr, kernel.nr);
     let mut tile = [T::default(); MAX_TILE * MAX_TILE];
     // A row-major A is read in place by whole tiles of rows (it is already contiguous along K);
-    // only its last partial tile is packed.
-    let direct = kernel.run_direct.filter(|_| a.cs == 1);
+    // only its last partial tile is packed. Not when its rows are a multiple of 4 KiB apart: then
+    // every row of a tile falls in the same L1 set and they evict each other (packing is faster).
+    let direct = kernel.run_direct.filter(|_| a.cs == 1 && (a.rs * std::mem::size_of::<T>() as isize) % 4096 != 0);
     for ic in range.clone().step_by(MC) {
         let mc = MC.min(range.end - ic);
         let packed_from = if direct.is_some() { mc - mc % mr } else { 0 };
