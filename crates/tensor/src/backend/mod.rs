@@ -15,8 +15,9 @@
 //! (`with_float!`, `dtype.rs`) and the conversions in `memfit-kernels`. Ops never branch on the
 //! device.
 //!
-//! The trait lists each kernel once ([`backends!`]); the meta backend is generated from the same
-//! list, so a kernel cannot be added to one backend and forgotten in the other.
+//! The trait lists each kernel once ([`backends!`]); both backends' implementations are generated from
+//! the same list (meta: no-ops; cpu: calls to the CPU kernel of the same name), so a kernel cannot be
+//! added to one backend and forgotten in the other.
 
 pub(crate) mod cpu;
 
@@ -26,7 +27,8 @@ use crate::tensor::Tensor;
 
 pub(crate) use cpu::Cpu;
 
-/// Declares [`Backend`] with one method per kernel, and [`Meta`] implementing each as a no-op.
+/// Declares [`Backend`] with one method per kernel, [`Meta`] implementing each as a no-op, and
+/// [`Cpu`] implementing each by the function of the same name in `cpu::kernels`.
 macro_rules! backends {
     ($( $(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?); )*) => {
         /// The kernels a device runs. Each fills outputs the op has already allocated; none
@@ -40,6 +42,10 @@ macro_rules! backends {
 
         impl Backend for Meta {
             $( fn $name(&self $(, _: $ty)*) -> Result<()> { Ok(()) } )*
+        }
+
+        impl Backend for Cpu {
+            $( fn $name(&self $(, $arg: $ty)*) -> Result<()> { cpu::kernels::$name($($arg),*) } )*
         }
     };
 }
