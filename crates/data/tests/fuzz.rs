@@ -98,7 +98,7 @@ proptest! {
         let path = dir.join("fuzz.txt");
         std::fs::write(&path, &bytes).unwrap();
         match load_text(&path) {
-            Ok(corpus) => prop_assert!(corpus.vocab.len() > 0 && corpus.train.len() + corpus.val.len() > 0),
+            Ok(corpus) => prop_assert!(!corpus.vocab.is_empty() && !(corpus.train.is_empty() && corpus.val.is_empty())),
             Err(e) => prop_assert!(e.to_string().contains("fuzz.txt"), "{}", e),
         }
     }

@@ -3,7 +3,7 @@
 //! bit, the checkpointed step keeps less between forward and backward, and `meta` predicts its
 //! allocations exactly.
 
-use memfit_nn::{build_model, GptConfig, Model, ModelKind, ModelSpec};
+use memfit_nn::{build_model, GptConfig, ModelKind, ModelSpec};
 use memfit_tensor::{autograd, ops, Category, DType, Device, Phase, Tensor};
 
 fn specs() -> Vec<ModelSpec> {
