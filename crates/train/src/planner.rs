@@ -14,6 +14,7 @@
 //! micro-batches (`train/tests/planning.rs` checks it against full windows). Candidate micro-batches
 //! are searched up to [`search_limit`]: no micro-batch fits whose inputs alone exceed the budget.
 
+use crate::config::CheckpointChoice;
 use crate::error::TrainError;
 use crate::samples::{synthetic, Samples};
 use crate::trainer::{RunOptions, Session};
@@ -206,7 +207,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
     };
     if run(1, Some(1), budget)?.is_none() {
         let needs = run(1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
-        return Err(does_not_fit(req, needs));
+        return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
     }
     let high = search_limit(&req.model, req.effective_batch, budget);
     let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
@@ -240,10 +241,43 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
     })
 }
 
-/// The error for a budget below what micro-batch 1 needs.
-pub fn does_not_fit(req: &PlanRequest, needs: u64) -> TrainError {
+/// When the request does not checkpoint every segment and checkpointing them all makes the batch
+/// fit: the plan that then fits, as advice (what to add, the micro-batch, the predicted peak).
+fn checkpointing_remedy(req: &PlanRequest) -> Result<Option<String>, TrainError> {
+    if req.checkpoint == CheckpointChoice::All || req.capacity.is_none() {
+        return Ok(None);
+    }
+    let all = PlanRequest { checkpoint: CheckpointChoice::All, ..req.clone() };
+    let segments = Session::new(Device::meta(), &req.model, req.optimizer, req.seed)?
+        .model
+        .checkpointing()
+        .map_or(0, |c| c.names().len());
+    if segments == 0 || predict(&all, 1, Some(1), all.budget())?.is_none() {
+        return Ok(None);
+    }
+    let p = plan(&all)?;
+    Ok(Some(format!(
+        "With activation checkpointing of all {segments} segments (each keeps only its input and runs its forward \
+         again in backward: less memory, more time, the same numbers) it fits: add --checkpoint all for micro-batch \
+         {} x {} (peak {} reserved).",
+        p.micro_batch,
+        p.accumulation_steps,
+        format_bytes(p.predicted.peak_reserved)
+    )))
+}
+
+/// The error for a budget below what micro-batch 1 needs, with a remedy that fits when there is one.
+pub fn does_not_fit(req: &PlanRequest, needs: u64, remedy: Option<String>) -> TrainError {
     let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
-    TrainError::Invalid(format!(
+    let message = does_not_fit_message(req, needs, &cap);
+    TrainError::Invalid(match remedy {
+        Some(r) => format!("{message} {r}"),
+        None => message,
+    })
+}
+
+fn does_not_fit_message(req: &PlanRequest, needs: u64, cap: &str) -> String {
+    format!(
         "{} does not fit in {cap}{}: even a micro-batch of 1 needs {} (peak reserved). \
          Use --memory {} or more, or a smaller model.",
         req.model.kind.name(),
@@ -254,7 +288,7 @@ pub fn does_not_fit(req: &PlanRequest, needs: u64) -> TrainError {
         },
         format_bytes(needs),
         format_bytes(((needs as f64) / (1.0 - req.safety_margin)).ceil() as u64),
-    ))
+    )
 }
 
 impl Plan {

@@ -117,3 +117,22 @@ fn an_unknown_segment_is_refused_with_the_model_s_segments() {
     assert!(mlp.set_checkpointing(&CheckpointChoice::All).is_err());
     assert!(mlp.set_checkpointing(&CheckpointChoice::None).unwrap().is_empty());
 }
+
+#[test]
+fn when_micro_batch_one_does_not_fit_the_planner_names_checkpointing_if_it_does() {
+    // A long context: activations dominate even at one sample.
+    let (_, spec) = text_spec(4, 64, 512);
+    let plain_one = predict(&request(&spec, 4, None, CheckpointChoice::None), 1, Some(1), None).unwrap().unwrap();
+    let ckpt_one = predict(&request(&spec, 4, None, CheckpointChoice::All), 1, Some(1), None).unwrap().unwrap();
+    assert!(ckpt_one.peak_reserved < plain_one.peak_reserved);
+    let capacity = (ckpt_one.peak_reserved + plain_one.peak_reserved) / 2;
+    let err = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::None)).unwrap_err().to_string();
+    assert!(err.contains("even a micro-batch of 1 needs") && err.contains("add --checkpoint all for micro-batch"), "{err}");
+    // The advice is a plan that fits.
+    let fitting = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::All)).unwrap();
+    assert!(err.contains(&format!("micro-batch {} x {}", fitting.micro_batch, fitting.accumulation_steps)), "{err}");
+    assert!(fitting.predicted.peak_reserved <= capacity);
+    // Below what checkpointing needs too, there is no such advice.
+    let err = plan(&request(&spec, 4, Some(ckpt_one.peak_reserved / 2), CheckpointChoice::None)).unwrap_err().to_string();
+    assert!(!err.contains("--checkpoint"), "{err}");
+}
