@@ -135,7 +135,8 @@ struct RunArgs {
     /// Fraction of the capacity the planner keeps free, from 0 to 0.5.
     #[arg(long, allow_hyphen_values = true, default_value_t = 0.0, value_parser = parse_safety_margin)]
     safety_margin: f64,
-    /// Activation checkpointing: none, all, or segment names separated by commas (gpt: blocks.0,
+    /// Activation checkpointing: none, all, auto (with --memory: the fewest segments that make the
+    /// batch fit, none when it fits without), or segment names separated by commas (gpt: blocks.0,
     /// blocks.1, ...; resnet: layer1..layer3; deepcnn: c1..c3; simplecnn: conv1). A checkpointed
     /// segment keeps only its input for backward and runs its forward again there: less memory, more
     /// time, the same numbers.
@@ -240,7 +241,8 @@ struct PlanArgs {
     /// Seed of the dry runs' initialization and synthetic data.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
-    /// Activation checkpointing the plan assumes: none, all, or segment names separated by commas.
+    /// Activation checkpointing the plan assumes: none, all, auto (the fewest segments that make the
+    /// batch fit), or segment names separated by commas.
     #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
     checkpoint: CheckpointChoice,
     /// Print the plan as JSON.
@@ -580,6 +582,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
                 .collect::<std::collections::BTreeMap<_, _>>(),
             "dominant_category": plan.training.dominant().name(),
             "larger_budget": plan.larger.map(|(m, b)| serde_json::json!({"micro_batch": m, "needs_bytes": b})),
+            "checkpointed_segments": plan.checkpoint.segment_names(),
             "planning_ms": plan.planning_ms,
         });
         println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);

@@ -83,24 +83,37 @@ pub enum CheckpointChoice {
     All,
     /// The segments with these names (as `memfit plan` lists them, e.g. `blocks.0`).
     Segments(Vec<String>),
+    /// The planner's choice under a budget: none when the batch fits without, else the fewest
+    /// segments (the earliest first) that make it fit. Without a budget, none.
+    Auto,
 }
 
 impl CheckpointChoice {
-    /// `none`, `all`, or a comma-separated list of segment names.
+    /// `none`, `all`, `auto`, or a comma-separated list of segment names.
     pub fn parse(text: &str) -> Result<CheckpointChoice, String> {
         match text.trim() {
             "none" => Ok(CheckpointChoice::None),
             "all" => Ok(CheckpointChoice::All),
-            "" => Err("give none, all, or segment names separated by commas (such as blocks.0,blocks.1)".into()),
+            "auto" => Ok(CheckpointChoice::Auto),
+            "" => Err("give none, all, auto, or segment names separated by commas (such as blocks.0,blocks.1)".into()),
             list => Ok(CheckpointChoice::Segments(list.split(',').map(|n| n.trim().to_string()).collect())),
         }
     }
 
-    /// One flag per segment of a model with segments `names`; an unknown name is an error that lists
-    /// the model's segments.
+    /// The segments named by a resolved choice (`all` as the word "all"; none and auto: empty).
+    pub fn segment_names(&self) -> Vec<String> {
+        match self {
+            CheckpointChoice::All => vec!["all".to_string()],
+            CheckpointChoice::Segments(names) => names.clone(),
+            CheckpointChoice::None | CheckpointChoice::Auto => Vec::new(),
+        }
+    }
+
+    /// One flag per segment of a model with segments `names` (`auto` not yet planned: none); an
+    /// unknown name is an error that lists the model's segments.
     pub fn flags(&self, model: &str, names: &[String]) -> Result<Vec<bool>, String> {
         match self {
-            CheckpointChoice::None => Ok(vec![false; names.len()]),
+            CheckpointChoice::None | CheckpointChoice::Auto => Ok(vec![false; names.len()]),
             CheckpointChoice::All => Ok(vec![true; names.len()]),
             CheckpointChoice::Segments(wanted) => {
                 if let Some(bad) = wanted.iter().find(|w| !names.contains(w)) {

@@ -101,7 +101,16 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     let device = Device::new(device_config);
     device.set_profiling(profiling);
     let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
-    let checkpointed = session.set_checkpointing(&cfg.checkpoint)?;
+    // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
+    // budget (then the fewest segments that make it fit); none without a budget.
+    let checkpoint = match (&cfg.checkpoint, &plan, cfg.memory) {
+        (crate::config::CheckpointChoice::Auto, Some(p), _) => p.checkpoint.clone(),
+        (crate::config::CheckpointChoice::Auto, None, Some(_)) => {
+            planner::fewest_segments(&request, micro)?.map_or(crate::config::CheckpointChoice::None, |(c, _)| c)
+        }
+        (choice, _, _) => choice.clone(),
+    };
+    let checkpointed = session.set_checkpointing(&checkpoint)?;
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {

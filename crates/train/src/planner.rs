@@ -85,6 +85,8 @@ pub struct Plan {
     /// Dry runs made.
     pub dry_runs: usize,
     pub planning_ms: f64,
+    /// The activation checkpointing the plan assumes (`auto` resolved to the segments it chose).
+    pub checkpoint: CheckpointChoice,
 }
 
 /// Dry-runs `micro` (and an evaluation micro-batch, when given) on `meta` with `capacity`. None when it
@@ -187,8 +189,60 @@ fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, Trai
     Ok(lo)
 }
 
-/// Chooses the largest micro-batch (and evaluation micro-batch) whose dry run fits the budget.
+/// Chooses the largest micro-batch (and evaluation micro-batch) whose dry run fits the budget. With
+/// `--checkpoint auto`, first the activation checkpointing: none when micro-batch 1 fits without it,
+/// else the fewest segments, earliest first, with which it fits (recomputing costs time, so as little
+/// as the budget forces).
 pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
+    if req.checkpoint != CheckpointChoice::Auto {
+        return plan_fixed(req);
+    }
+    let start = Instant::now();
+    let none = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    if req.budget().is_none() {
+        return plan_fixed(&none);
+    }
+    match fewest_segments(req, 1)? {
+        Some((choice, dry_runs)) => {
+            let mut p = plan_fixed(&PlanRequest { checkpoint: choice, ..req.clone() })?;
+            p.dry_runs += dry_runs;
+            p.planning_ms = start.elapsed().as_secs_f64() * 1e3;
+            Ok(p)
+        }
+        // Nothing fits: say what the lightest configuration (every segment checkpointed) needs.
+        None => {
+            let all = PlanRequest { checkpoint: CheckpointChoice::All, ..req.clone() };
+            let needs = predict(&all, 1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
+            let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
+            let message = does_not_fit_message(req, needs, &cap);
+            Err(TrainError::Invalid(message.replacen(
+                ": even a micro-batch of 1",
+                " even with activation checkpointing of every segment: a micro-batch of 1",
+                1,
+            )))
+        }
+    }
+}
+
+/// The fewest segments, earliest first, whose checkpointing lets `micro` (training and an
+/// evaluation micro-batch as large) fit the budget: `None` when nothing fits; also the dry runs made.
+pub fn fewest_segments(req: &PlanRequest, micro: usize) -> Result<Option<(CheckpointChoice, usize)>, TrainError> {
+    let names = Session::new(Device::meta(), &req.model, req.optimizer, req.seed)?
+        .model
+        .checkpointing()
+        .map(|c| c.names().to_vec())
+        .unwrap_or_default();
+    for k in 0..=names.len() {
+        let choice = if k == 0 { CheckpointChoice::None } else { CheckpointChoice::Segments(names[..k].to_vec()) };
+        let candidate = PlanRequest { checkpoint: choice, ..req.clone() };
+        if predict(&candidate, micro, Some(micro), candidate.budget())?.is_some() {
+            return Ok(Some((candidate.checkpoint, k + 1)));
+        }
+    }
+    Ok(None)
+}
+
+fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
     let start = Instant::now();
     if req.effective_batch == 0 {
         return Err(TrainError::Invalid("the batch size must be at least 1".into()));
@@ -238,13 +292,14 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
         larger,
         dry_runs,
         planning_ms: start.elapsed().as_secs_f64() * 1e3,
+        checkpoint: req.checkpoint.clone(),
     })
 }
 
 /// When the request does not checkpoint every segment and checkpointing them all makes the batch
 /// fit: the plan that then fits, as advice (what to add, the micro-batch, the predicted peak).
 fn checkpointing_remedy(req: &PlanRequest) -> Result<Option<String>, TrainError> {
-    if req.checkpoint == CheckpointChoice::All || req.capacity.is_none() {
+    if matches!(req.checkpoint, CheckpointChoice::All | CheckpointChoice::Auto) || req.capacity.is_none() {
         return Ok(None);
     }
     let all = PlanRequest { checkpoint: CheckpointChoice::All, ..req.clone() };
@@ -305,6 +360,13 @@ impl Plan {
             self.effective_batch,
             self.eval_micro_batch,
         ));
+        match &self.checkpoint {
+            CheckpointChoice::All => s.push_str("activation checkpointing: every segment\n"),
+            CheckpointChoice::Segments(names) => {
+                s.push_str(&format!("activation checkpointing: {} (each keeps only its input; its forward runs again in backward)\n", names.join(", ")))
+            }
+            CheckpointChoice::None | CheckpointChoice::Auto => {}
+        }
         s.push_str(&format!(
             "predicted peak of the whole run: {} allocated, {} reserved (training steps alone: {} allocated, {} reserved)\n",
             format_bytes(self.predicted.peak_allocated),

@@ -44,7 +44,7 @@ impl Session {
         let name = self.model.kind().name();
         let Some(segments) = self.model.checkpointing() else {
             return match choice {
-                crate::config::CheckpointChoice::None => Ok(Vec::new()),
+                crate::config::CheckpointChoice::None | crate::config::CheckpointChoice::Auto => Ok(Vec::new()),
                 _ => Err(TrainError::Invalid(format!("--checkpoint: {name} has no segments to checkpoint"))),
             };
         };

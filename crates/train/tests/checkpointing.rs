@@ -136,3 +136,39 @@ fn when_micro_batch_one_does_not_fit_the_planner_names_checkpointing_if_it_does(
     let err = plan(&request(&spec, 4, Some(ckpt_one.peak_reserved / 2), CheckpointChoice::None)).unwrap_err().to_string();
     assert!(!err.contains("--checkpoint"), "{err}");
 }
+
+#[test]
+fn auto_checkpoints_only_as_many_segments_as_the_budget_forces_and_the_plan_holds() {
+    let (_, spec) = text_spec(4, 64, 512);
+    let auto = |capacity| request(&spec, 2, capacity, CheckpointChoice::Auto);
+    // An ample budget: no checkpointing.
+    assert_eq!(plan(&auto(Some(1 << 30))).unwrap().checkpoint, CheckpointChoice::None);
+    // Between what checkpointing everything and nothing need at micro-batch 1: a prefix of the blocks.
+    let need = |c: CheckpointChoice| predict(&request(&spec, 2, None, c), 1, Some(1), None).unwrap().unwrap().peak_reserved;
+    let (plain, all) = (need(CheckpointChoice::None), need(CheckpointChoice::All));
+    let capacity = all + (plain - all) / 3;
+    let req = auto(Some(capacity));
+    let chosen = plan(&req).unwrap();
+    let CheckpointChoice::Segments(names) = &chosen.checkpoint else { panic!("{:?}", chosen.checkpoint) };
+    assert!(!names.is_empty() && names.len() <= 4 && names[0] == "blocks.0", "{names:?}");
+    // Fewer segments would not fit micro-batch 1.
+    let fewer = CheckpointChoice::Segments(names[..names.len() - 1].to_vec());
+    let fewer = if names.len() == 1 { CheckpointChoice::None } else { fewer };
+    let fewer_req = request(&spec, 2, Some(capacity), fewer);
+    assert!(predict(&fewer_req, 1, Some(1), fewer_req.budget()).unwrap().is_none());
+    // The planned run on cpu with that budget never runs out of memory and peaks as predicted.
+    let fixed = request(&spec, 2, Some(capacity), chosen.checkpoint.clone());
+    let dev = device(DeviceKind::Cpu, Some(capacity), None);
+    let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
+    session.set_checkpointing(&fixed.checkpoint).unwrap();
+    let (train, val, mut o) = dry_run(&fixed, chosen.micro_batch, chosen.eval_micro_batch);
+    o.recover = true;
+    session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+    let stats = dev.stats();
+    assert_eq!(stats.num_ooms, 0);
+    assert_eq!(stats.reserved_bytes.peak, chosen.predicted.peak_reserved);
+    assert_eq!(stats.allocated_bytes.peak, chosen.predicted.peak_allocated);
+    // Below what checkpointing everything needs, the error says so.
+    let err = plan(&auto(Some(all / 2))).unwrap_err().to_string();
+    assert!(err.contains("even with activation checkpointing of every segment"), "{err}");
+}
