@@ -391,3 +391,13 @@ fn memfit_isa_forces_the_kernels_path_and_a_wrong_value_is_refused() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("MEMFIT_ISA=\"sse9\" is not one of avx512, avx2, portable"), "{}", text(&out));
 }
+
+#[test]
+fn planning_a_huge_batch_under_a_huge_budget_stays_small_and_quick() {
+    let started = std::time::Instant::now();
+    let out = memfit(&["plan", "--model", "mlp", "--batch-size", "1000000000", "--memory", "1024TiB", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(r["micro_batch"].as_u64().unwrap() <= 1 << 16, "{r}");
+    assert!(started.elapsed().as_secs() < 10, "planned in bounded time");
+}

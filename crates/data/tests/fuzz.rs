@@ -8,11 +8,15 @@
 use flate2::read::GzDecoder;
 use memfit_data::{load_text, read_idx_images_from_bytes, read_idx_labels_from_bytes};
 use proptest::prelude::*;
-use proptest::test_runner::Config;
+use proptest::test_runner::{Config, RngSeed};
 use std::io::Read;
 
-fn cases() -> u32 {
-    std::env::var("MEMFIT_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+/// `MEMFIT_FUZZ_CASES` cases (default 256) from seed `MEMFIT_FUZZ_SEED` (default fixed, so a
+/// CI run is reproducible; give another seed, or many cases, to explore).
+fn config() -> Config {
+    let env = |key: &str| std::env::var(key).ok().and_then(|v| v.parse::<u64>().ok());
+    let cases = env("MEMFIT_FUZZ_CASES").map_or(256, |n| n.min(u32::MAX as u64) as u32);
+    Config { cases, rng_seed: RngSeed::Fixed(env("MEMFIT_FUZZ_SEED").unwrap_or(0x5eed)), ..Config::default() }
 }
 
 fn gunzip(bytes: &[u8]) -> Vec<u8> {
@@ -75,7 +79,7 @@ fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(Config { cases: cases(), ..Config::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn idx_readers_return_a_value_or_an_error_naming_the_file(bytes in mutated(idx_seeds())) {

@@ -136,32 +136,29 @@ impl sealed::Sealed for f64 {
 }
 
 thread_local! {
-    /// This thread's A block (f64 elements so either scalar fits).
-    static A_PACK: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
-    /// The B block of the products this thread runs or leads.
-    static B_PACK: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+    /// This thread's A blocks (f64 elements so either scalar fits), one per product running on it.
+    static A_PACK: RefCell<Vec<Vec<f64>>> = const { RefCell::new(Vec::new()) };
+    /// The B blocks of the products this thread runs or leads.
+    static B_PACK: RefCell<Vec<Vec<f64>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Elements of a packed A block and of a packed B block.
 const A_PACK_ELEMS: usize = (MC + MAX_TILE) * KC;
 const B_PACK_ELEMS: usize = KC * (NC + MAX_TILE);
 
-/// Runs `f` on this thread's buffer `key`, grown to `elems` elements of `T`. A nested use on the
-/// same thread (a rayon task stolen while the buffer is held) gets a fresh buffer instead.
-fn with_pack<T, R>(key: &'static std::thread::LocalKey<RefCell<Vec<f64>>>, elems: usize, f: impl FnOnce(*mut T) -> R) -> R {
+/// Runs `f` on one of this thread's buffers from `pool`, grown to `elems` elements of `T`, and puts
+/// it back. A product that starts on this thread while another one holds a buffer (a rayon task
+/// stolen while waiting) takes a second buffer, kept for the next time: the pool grows to the
+/// deepest such nesting once and is reused after, never per product.
+fn with_pack<T, R>(pool: &'static std::thread::LocalKey<RefCell<Vec<Vec<f64>>>>, elems: usize, f: impl FnOnce(*mut T) -> R) -> R {
     let need = (elems * std::mem::size_of::<T>()).div_ceil(std::mem::size_of::<f64>());
-    key.with(|cell| {
-        let mut fresh = Vec::new();
-        let mut held = cell.try_borrow_mut();
-        let buf: &mut Vec<f64> = match held.as_mut() {
-            Ok(b) => b,
-            Err(_) => &mut fresh,
-        };
-        if buf.len() < need {
-            buf.resize(need, 0.0);
-        }
-        f(buf.as_mut_ptr() as *mut T)
-    })
+    let mut buf = pool.with(|p| p.borrow_mut().pop()).unwrap_or_default();
+    if buf.len() < need {
+        buf.resize(need, 0.0);
+    }
+    let result = f(buf.as_mut_ptr() as *mut T);
+    pool.with(|p| p.borrow_mut().push(buf));
+    result
 }
 
 /// A packed buffer shared by the threads of one product (each writes or reads its own panels).

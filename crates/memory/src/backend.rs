@@ -3,13 +3,15 @@
 //!
 //! Contract:
 //! - `alloc_segment(bytes)` returns `Ok(Some(ptr))` with real memory aligned to [`SEGMENT_ALIGN`]
-//!   (HostBackend, via `std::alloc::alloc_zeroed` with a `Layout`; a null return is `Err(())`, never an abort),
+//!   (HostBackend: an anonymous memory map of its own, zero-filled by the operating system and handed
+//!   back to it by `free_segment`, so memory the cache releases leaves the process; a failed map is
+//!   `Err(())`, never an abort),
 //!   or `Ok(None)` for a backend that keeps no data (MetaBackend). `Err(())` means the backend itself
 //!   could not provide the memory; the allocator treats it like a capacity failure (release cache, retry,
 //!   then OutOfMemory).
 //! - `free_segment(ptr, bytes)` returns a segment obtained from `alloc_segment` with the same size.
 
-use std::alloc::{self, Layout};
+use memmap2::MmapMut;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 
@@ -25,14 +27,15 @@ pub trait SegmentBackend: Send {
     fn free_segment(&mut self, ptr: Option<NonNull<u8>>, bytes: usize);
 }
 
-/// Real host memory: the `cpu` device. Fresh segments are zero-filled, so no byte a tensor can read
-/// is ever uninitialized.
+/// Real host memory: the `cpu` device. Each segment is an anonymous memory map, zero-filled by the
+/// operating system (no byte a tensor can read is ever uninitialized) and unmapped when freed (the
+/// process's resident memory shrinks with the allocator's cache, instead of staying in the C heap).
 #[derive(Debug, Default)]
 pub struct HostBackend {
-    /// Every segment handed out and not yet taken back: base address -> size. `free_segment` is a safe
-    /// method, so it must not trust its arguments: deallocating with the wrong layout (or twice) would
-    /// be undefined behaviour. Segments are few and large, so the lookup costs nothing that matters.
-    segments: BTreeMap<usize, usize>,
+    /// Every segment handed out and not yet taken back, by base address. `free_segment` is a safe
+    /// method, so it must not trust its arguments: it unmaps only a map it made, of the size given.
+    /// Segments are few and large, so the lookup costs nothing that matters.
+    segments: BTreeMap<usize, MmapMut>,
 }
 
 /// No memory at all: the `meta` device, for planning.
@@ -45,16 +48,14 @@ impl SegmentBackend for HostBackend {
     }
 
     fn alloc_segment(&mut self, bytes: usize) -> Result<Option<NonNull<u8>>, ()> {
-        // A zero-sized layout may not be passed to `alloc`; the allocator never asks for one anyway.
-        if bytes == 0 {
+        // The allocator never asks for zero bytes; a map of zero bytes is refused by the system anyway.
+        if bytes == 0 || bytes > isize::MAX as usize {
             return Err(());
         }
-        // Fails (rather than panics) when `bytes` rounded up to the alignment exceeds isize::MAX.
-        let layout = Layout::from_size_align(bytes, SEGMENT_ALIGN).map_err(|_| ())?;
-        // SAFETY: `layout` has a non-zero size (checked above) and a valid power-of-two alignment.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or(())?;
-        self.segments.insert(ptr.as_ptr() as usize, bytes);
+        let mut map = MmapMut::map_anon(bytes).map_err(|_| ())?;
+        let ptr = NonNull::new(map.as_mut_ptr()).ok_or(())?;
+        debug_assert_eq!(ptr.as_ptr() as usize % SEGMENT_ALIGN, 0, "maps are page aligned");
+        self.segments.insert(ptr.as_ptr() as usize, map);
         Ok(Some(ptr))
     }
 
@@ -62,18 +63,14 @@ impl SegmentBackend for HostBackend {
         let Some(ptr) = ptr else {
             panic!("memfit-memory: HostBackend asked to free a segment without memory");
         };
-        let recorded = self.segments.remove(&(ptr.as_ptr() as usize));
+        let map = self.segments.remove(&(ptr.as_ptr() as usize));
         assert_eq!(
-            recorded,
+            map.as_ref().map(|m| m.len()),
             Some(bytes),
             "memfit-memory: HostBackend asked to free a segment it did not hand out with this size"
         );
-        let layout =
-            Layout::from_size_align(bytes, SEGMENT_ALIGN).expect("a size that was allocated has a valid layout");
-        // SAFETY: the segment map proves `ptr` came from `alloc::alloc_zeroed` in `alloc_segment` with exactly
-        // this size and alignment (so the same layout), and removing the entry above guarantees it is
-        // deallocated once.
-        unsafe { alloc::dealloc(ptr.as_ptr(), layout) };
+        // Dropping the map unmaps it: the pages go back to the operating system.
+        drop(map);
     }
 }
 

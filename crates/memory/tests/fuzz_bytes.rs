@@ -4,10 +4,14 @@
 
 use memfit_memory::{format_bytes, parse_bytes};
 use proptest::prelude::*;
-use proptest::test_runner::Config;
+use proptest::test_runner::{Config, RngSeed};
 
-fn cases() -> u32 {
-    std::env::var("MEMFIT_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+/// `MEMFIT_FUZZ_CASES` cases (default 256) from seed `MEMFIT_FUZZ_SEED` (default fixed, so a
+/// CI run is reproducible; give another seed, or many cases, to explore).
+fn config() -> Config {
+    let env = |key: &str| std::env::var(key).ok().and_then(|v| v.parse::<u64>().ok());
+    let cases = env("MEMFIT_FUZZ_CASES").map_or(256, |n| n.min(u32::MAX as u64) as u32);
+    Config { cases, rng_seed: RngSeed::Fixed(env("MEMFIT_FUZZ_SEED").unwrap_or(0x5eed)), ..Config::default() }
 }
 
 /// Strings near the grammar: a number (maybe odd), spaces, a unit (maybe mangled).
@@ -28,7 +32,7 @@ fn size_like() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(Config { cases: cases(), ..Config::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn any_string_gets_a_size_or_a_message_quoting_it(text in prop_oneof![size_like(), any::<String>()]) {

@@ -9,12 +9,16 @@ use memfit_nn::checkpoint::{load_named, read_metadata, to_bytes};
 use memfit_nn::{build_model, ModelKind, ModelSpec};
 use memfit_tensor::{Category, Device, Tensor};
 use proptest::prelude::*;
-use proptest::test_runner::Config;
+use proptest::test_runner::{Config, RngSeed};
 use std::collections::HashMap;
 use std::path::Path;
 
-fn cases() -> u32 {
-    std::env::var("MEMFIT_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+/// `MEMFIT_FUZZ_CASES` cases (default 256) from seed `MEMFIT_FUZZ_SEED` (default fixed, so a
+/// CI run is reproducible; give another seed, or many cases, to explore).
+fn config() -> Config {
+    let env = |key: &str| std::env::var(key).ok().and_then(|v| v.parse::<u64>().ok());
+    let cases = env("MEMFIT_FUZZ_CASES").map_or(256, |n| n.min(u32::MAX as u64) as u32);
+    Config { cases, rng_seed: RngSeed::Fixed(env("MEMFIT_FUZZ_SEED").unwrap_or(0x5eed)), ..Config::default() }
 }
 
 fn seeds() -> Vec<Vec<u8>> {
@@ -75,7 +79,7 @@ fn mutated() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(Config { cases: cases(), ..Config::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn a_checkpoint_loads_or_is_refused_naming_the_file(bytes in mutated()) {

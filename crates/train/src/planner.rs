@@ -27,6 +27,10 @@ use std::time::Instant;
 pub const PLAN_STEPS: usize = 3;
 /// The largest evaluation micro-batch the planner considers.
 pub const MAX_EVAL_MICRO: usize = 1024;
+/// The largest training micro-batch the planner considers, whatever the budget: a dry run walks the
+/// ids of a few micro-batches on the host, and beyond this a batch's host-side inputs outweigh any
+/// device saving (a 10^9 batch with a 1024 TiB budget used to exhaust the host's memory).
+pub const MAX_MICRO: usize = 1 << 16;
 
 #[derive(Clone, Debug)]
 pub struct PlanRequest {
@@ -263,19 +267,19 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         let needs = run(1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
     }
-    let high = search_limit(&req.model, req.effective_batch, budget);
+    let high = search_limit(&req.model, req.effective_batch.min(MAX_MICRO), budget);
     let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
     // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
     // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
     let accumulation_steps = req.effective_batch.div_ceil(largest);
     let micro = req.effective_batch.div_ceil(accumulation_steps);
-    let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch), budget);
+    let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch.min(MAX_MICRO)), budget);
     let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, Some(e), budget)?.is_some()))?;
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
     let predicted = run(micro, Some(eval_micro), budget)?.ok_or_else(not_fit)?;
     let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
     let larger = if micro < req.effective_batch && budget.is_some() {
-        let bigger = largest.saturating_mul(2).min(req.effective_batch);
+        let bigger = largest.saturating_mul(2).min(req.effective_batch).min(MAX_MICRO);
         let bigger = req.effective_batch.div_ceil(req.effective_batch.div_ceil(bigger));
         run(bigger, Some(1), None)?.map(|p| (bigger, p.peak_reserved))
     } else {

@@ -1,7 +1,7 @@
-//! Invariant 1 seen from the host: beyond the allocator's own segments, a training step's heap use
-//! is small and does not grow with the batch, so no kernel (memfit-kernels' GEMM and math included)
-//! keeps a tensor-sized buffer outside the allocator. Every heap allocation of this test binary is
-//! counted by a wrapping global allocator.
+//! Invariant 1 seen from the host: beyond the allocator's own segments (memory maps of their own,
+//! not heap), a training step's heap use is small and does not grow with the batch, so no kernel
+//! (memfit-kernels' GEMM and math included) keeps a tensor-sized buffer outside the allocator. Every
+//! heap allocation of this test binary is counted by a wrapping global allocator.
 
 mod common;
 
@@ -48,24 +48,20 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static COUNTING: Counting = Counting;
 
-/// Heap bytes at the peak of one steady-state training step that are not the allocator's
-/// segments: (heap peak - heap before) - (reserved peak - reserved before).
+/// Heap bytes a steady-state training step adds at its peak (the allocator's segments are memory
+/// maps, not heap, so all of it is memory outside the allocator).
 fn outside_bytes(spec: &ModelSpec, batch: usize) -> usize {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
         let dev: Device = device(DeviceKind::Cpu, None, None);
         let mut session = Session::new(dev.clone(), spec, adamw(), 1).unwrap();
         let samples = synthetic(spec, 2 * batch, 5);
-        // The first step creates the optimizer state and every thread's GEMM workspace.
-        session.run(samples.as_ref(), None, &opts(batch, batch, 1), &mut |_| {}).unwrap();
-        dev.allocator().reset_peak_stats();
-        let reserved_before = dev.stats().reserved_bytes.current;
+        // The first steps create the optimizer state and every thread's GEMM workspace.
+        session.run(samples.as_ref(), None, &opts(batch, batch, 2), &mut |_| {}).unwrap();
         let heap_before = LIVE.load(Ordering::Relaxed);
         PEAK.store(heap_before, Ordering::Relaxed);
         session.run(samples.as_ref(), None, &opts(batch, batch, 1), &mut |_| {}).unwrap();
-        let heap_peak = PEAK.load(Ordering::Relaxed) - heap_before;
-        let reserved_peak = dev.stats().reserved_bytes.peak - reserved_before;
-        heap_peak.saturating_sub(reserved_peak as usize)
+        PEAK.load(Ordering::Relaxed) - heap_before
     })
 }
 
@@ -81,9 +77,11 @@ fn a_step_keeps_no_batch_sized_memory_outside_the_allocator() {
     for (name, spec, batch) in cases {
         let small = outside_bytes(&spec, batch);
         let large = outside_bytes(&spec, 4 * batch);
-        // Graph nodes and bookkeeping scale with the number of ops, not with the batch; one
-        // tensor of the large batch would be far above this slack.
-        assert!(large <= small + (256 << 10), "{name}: {large} bytes outside the allocator at batch {} vs {small} at {batch}", 4 * batch);
+        // Graph nodes and bookkeeping scale with the number of ops, not with the batch; a GEMM that
+        // work stealing nests on a busy thread for the first time adds one bounded packing
+        // workspace. One activation of the large batch would be far above this slack.
+        let slack = (256 << 10) + memfit_kernels::gemm::WORKSPACE_BYTES_PER_THREAD;
+        assert!(large <= small + slack, "{name}: {large} bytes outside the allocator at batch {} vs {small} at {batch}", 4 * batch);
         assert!(small <= 16 << 20, "{name}: {small} bytes outside the allocator");
         println!("{name}: {small} / {large} bytes outside the allocator at batch {batch} / {}", 4 * batch);
     }
