@@ -14,8 +14,22 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 const RUN: &[&str] = &[
-    "train", "--data", "embedded", "--model", "simplecnn", "--batch-size", "8", "--micro-batch", "4", "--max-steps",
-    "400", "--no-eval", "--threads", "2", "--seed", "3",
+    "train",
+    "--data",
+    "embedded",
+    "--model",
+    "simplecnn",
+    "--batch-size",
+    "8",
+    "--micro-batch",
+    "4",
+    "--max-steps",
+    "400",
+    "--no-eval",
+    "--threads",
+    "2",
+    "--seed",
+    "3",
 ];
 
 /// The tensors of a safetensors file with the bits of every value, and its metadata.
@@ -86,8 +100,10 @@ fn sigint_writes_a_checkpoint_exits_130_and_the_resumed_run_ends_bit_identical()
     assert!(tensors(&out) == tensors(&full), "the resumed run's parameters differ from the uninterrupted run's");
 
     // A flag that would change the run is refused by name, before any work.
-    let refused =
-        Command::new(env!("CARGO_BIN_EXE_memfit")).args(["train", "--resume", save_dir_s, "--lr", "0.1"]).output().unwrap();
+    let refused = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["train", "--resume", save_dir_s, "--lr", "0.1"])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(refused.status.code(), Some(1), "{text}");
     assert!(text.contains("--lr 0.1 differs from the run being resumed"), "{text}");

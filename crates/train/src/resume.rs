@@ -232,11 +232,7 @@ impl Checkpoint {
     pub fn latest(dir: &Path) -> Result<Checkpoint, TrainError> {
         let bad = |why: String| TrainError::Checkpoint(format!("--resume {}: {why}", dir.display()));
         match std::fs::metadata(dir) {
-            Err(e) => {
-                return Err(bad(format!(
-                    "cannot read it ({e}): give the --save-dir of the run to continue"
-                )))
-            }
+            Err(e) => return Err(bad(format!("cannot read it ({e}): give the --save-dir of the run to continue"))),
             Ok(m) if !m.is_dir() => {
                 return Err(bad("it is not a directory: give the --save-dir of the run to continue".into()))
             }
@@ -274,7 +270,11 @@ impl Checkpoint {
             if bytes.len() as u64 != *len || hash(&bytes) != *sum {
                 return Err(corrupt(
                     &path,
-                    format!("is corrupt: {} bytes (hash {}), the checkpoint wrote {len} (hash {sum})", bytes.len(), hash(&bytes)),
+                    format!(
+                        "is corrupt: {} bytes (hash {}), the checkpoint wrote {len} (hash {sum})",
+                        bytes.len(),
+                        hash(&bytes)
+                    ),
                 ));
             }
         }
@@ -370,7 +370,10 @@ impl Checkpoint {
         let mut tensors = Vec::with_capacity(named.len());
         for (name, t) in named {
             let (param, kind) = name.rsplit_once('.').ok_or_else(|| {
-                TrainError::Checkpoint(format!("{}: tensor {name:?} is not PARAM.STATE", self.file("optimizer").display()))
+                TrainError::Checkpoint(format!(
+                    "{}: tensor {name:?} is not PARAM.STATE",
+                    self.file("optimizer").display()
+                ))
             })?;
             tensors.push((param.to_string(), kind.to_string(), t));
         }
@@ -387,9 +390,8 @@ impl Checkpoint {
 pub fn check_save_dir(dir: &Path, resuming: Option<&Path>) -> Result<(), TrainError> {
     let bad = |why: String| TrainError::Invalid(format!("--save-dir {}: {why}", dir.display()));
     match std::fs::symlink_metadata(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::create_dir(dir).map_err(|e| bad(format!("cannot create it: {e}; create its parent folder first")))?
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir(dir)
+            .map_err(|e| bad(format!("cannot create it: {e}; create its parent folder first")))?,
         Err(e) => return Err(bad(format!("cannot read it: {e}"))),
         Ok(m) if !m.is_dir() => return Err(bad("it is not a directory: name a directory (created if missing)".into())),
         Ok(_) => {}
@@ -488,7 +490,9 @@ pub fn write(
 /// first, so a half-removed checkpoint is never taken for a whole one), and leftovers of an
 /// interrupted write older than `newest`.
 fn prune(dir: &Path, keep: usize, newest: usize) -> Result<(), TrainError> {
-    let fail = |e: std::io::Error| TrainError::Checkpoint(format!("--save-dir {}: cannot remove old checkpoints: {e}", dir.display()));
+    let fail = |e: std::io::Error| {
+        TrainError::Checkpoint(format!("--save-dir {}: cannot remove old checkpoints: {e}", dir.display()))
+    };
     let (steps, mut files) = listing(dir).map_err(fail)?;
     let kept: Vec<usize> = steps.iter().rev().take(keep).copied().collect();
     files.sort_by_key(|(s, p)| (*s, p.extension().is_none_or(|e| e != "json")));

@@ -33,7 +33,8 @@ fn image_config() -> TrainConfig {
 
 /// A tiny GPT on a short text: 4 steps per epoch, so 6 steps cross into a second epoch.
 fn gpt_config(dir: &Path) -> TrainConfig {
-    let text: String = (0..400).map(|i| ["the whale ", "call me ", "ishmael. "][i % 3]).collect::<String>()[..400].into();
+    let text: String =
+        (0..400).map(|i| ["the whale ", "call me ", "ishmael. "][i % 3]).collect::<String>()[..400].into();
     let path = dir.join("text.txt");
     std::fs::write(&path, text).unwrap();
     let mut cfg = TrainConfig {
@@ -58,7 +59,9 @@ fn gpt_config(dir: &Path) -> TrainConfig {
 /// The tensors of a safetensors file (name, shape, dtype, the bits of every value) and its metadata:
 /// equal when the parameters are equal byte for byte (the file's header lists the metadata in a
 /// hash map's order, which varies between runs).
-fn tensors(path: &Path) -> (Vec<(String, Vec<usize>, String, Vec<u64>)>, Option<std::collections::HashMap<String, String>>) {
+fn tensors(
+    path: &Path,
+) -> (Vec<(String, Vec<usize>, String, Vec<u64>)>, Option<std::collections::HashMap<String, String>>) {
     let device = memfit_tensor::Device::cpu();
     let named = memfit_nn::checkpoint::load_named(path, &device, memfit_tensor::Category::Parameter).unwrap();
     let values = named
@@ -195,7 +198,8 @@ fn a_setting_that_differs_from_the_checkpoint_is_refused_by_name() {
 fn a_corrupt_or_missing_checkpoint_is_a_clear_error() {
     let dir = scratch("corrupt");
     let missing = dir.join("nothing-here");
-    let e = train(&TrainConfig { resume: Some(missing.clone()), ..image_config() }, &mut Quiet).unwrap_err().to_string();
+    let e =
+        train(&TrainConfig { resume: Some(missing.clone()), ..image_config() }, &mut Quiet).unwrap_err().to_string();
     assert!(e.contains("--resume") && e.contains("nothing-here") && e.contains("cannot read it"), "{e}");
     let empty = dir.join("empty");
     std::fs::create_dir(&empty).unwrap();
