@@ -1,7 +1,7 @@
 //! The `memfit` command: turns arguments into typed configuration, shows progress, prints results.
 //! All the work happens in memfit-train; errors print one clear message and exit non-zero.
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec};
 use memfit_tensor::memory::{format_bytes, parse_bytes, FaultInjection};
@@ -194,6 +194,22 @@ struct TrainArgs {
     /// When the run meets an out-of-memory (recovered or not), write its memory profile into this directory.
     #[arg(long, value_name = "DIR")]
     profile_on_oom: Option<PathBuf>,
+    /// Write a training checkpoint every N optimizer steps into --save-dir: weights, optimizer state, data
+    /// position and settings, all --resume needs. (Not --checkpoint, which is activation checkpointing.)
+    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_STEPS))]
+    save_every: Option<u64>,
+    /// Directory of the training checkpoints (created if missing; must not hold another run's). Also
+    /// written when SIGINT (Ctrl-C) or SIGTERM stops the run.
+    #[arg(long, value_name = "DIR")]
+    save_dir: Option<PathBuf>,
+    /// Training checkpoints kept in --save-dir: the newest N, from 1 to 1000.
+    #[arg(long, allow_negative_numbers = true, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_KEEP as u64))]
+    keep: u64,
+    /// Continue the run whose newest training checkpoint is in DIR, ending exactly as an uninterrupted run
+    /// would. Its settings come from the checkpoint; a flag that changes the numbers (--model, --batch-size,
+    /// --lr, --seed, ...) given with another value is refused.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -374,8 +390,9 @@ fn parse_shape(s: &str) -> Result<[usize; 3], String> {
 fn main() -> ExitCode {
     // Every refused argument exits with 1, like every other error (clap's own code is 2); help and
     // version print to stdout and succeed.
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command().try_get_matches().and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             let _ = e.print();
             return if e.use_stderr() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
@@ -387,18 +404,23 @@ fn main() -> ExitCode {
         eprintln!("error: {message}");
         return ExitCode::FAILURE;
     }
+    // Which flags were given on the command line (a resumed run takes the others from its checkpoint).
+    let sub = matches.subcommand().map(|(_, m)| m.clone());
+    let given = |id: &str| {
+        sub.as_ref().is_some_and(|m| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+    };
     let result = match cli.command {
-        Command::Train(a) => train(a),
-        Command::Plan(a) => plan(a),
-        Command::Bench(a) => bench(a),
-        Command::Generate(a) => generate(a),
+        Command::Train(a) => train(a, &given),
+        Command::Plan(a) => plan(a).map_err(Failure::from),
+        Command::Bench(a) => bench(a).map_err(Failure::from),
+        Command::Generate(a) => generate(a).map_err(Failure::from),
         Command::Profile(a) => profile(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
+        Err(Failure { message, code }) => {
             eprintln!("error: {message}");
-            ExitCode::FAILURE
+            ExitCode::from(code)
         }
     }
 }
@@ -408,9 +430,26 @@ struct Progress {
     bar: Option<ProgressBar>,
     last_line: usize,
     model: &'static str,
+    /// The first stopping signal received (0: none), set by [`stop_on_signals`].
+    signal: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Observer for Progress {
+    fn interrupted(&mut self) -> Option<i32> {
+        match self.signal.load(std::sync::atomic::Ordering::SeqCst) {
+            0 => None,
+            n => i32::try_from(n).ok(),
+        }
+    }
+
+    fn checkpoint_saved(&mut self, path: &std::path::Path) {
+        let line = format!("checkpoint {}", path.display());
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
     fn data_loaded(&mut self, description: &str, _train: usize, _val: usize) {
         eprintln!("data: {description}");
     }
@@ -440,8 +479,39 @@ impl Observer for Progress {
     }
 }
 
-fn train(a: TrainArgs) -> Result<(), String> {
-    let cfg = TrainConfig {
+/// A failed command: its message and exit code (1, or 128 + the signal that interrupted a run).
+struct Failure {
+    message: String,
+    code: u8,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure { message, code: 1 }
+    }
+}
+
+/// SIGINT and SIGTERM, for a training run: the first asks the run to stop after its current step (the
+/// job then writes a checkpoint and says how to resume); a second one exits at once with 128 + signal.
+/// Returns the number of the first signal received (0: none yet).
+fn stop_on_signals() -> Result<std::sync::Arc<std::sync::atomic::AtomicUsize>, String> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::sync::Arc;
+    let asked = Arc::new(AtomicBool::new(false));
+    let which = Arc::new(AtomicUsize::new(0));
+    for (signal, code) in [(SIGINT, 130), (SIGTERM, 143)] {
+        let fail = |e: std::io::Error| format!("cannot handle signal {signal}: {e}");
+        // Registered first, so it sees the flag as the previous signal left it: set means a second signal.
+        signal_hook::flag::register_conditional_shutdown(signal, code, Arc::clone(&asked)).map_err(fail)?;
+        signal_hook::flag::register_usize(signal, Arc::clone(&which), signal as usize).map_err(fail)?;
+        signal_hook::flag::register(signal, Arc::clone(&asked)).map_err(fail)?;
+    }
+    Ok(which)
+}
+
+fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
+    let mut cfg = TrainConfig {
         epochs: a.epochs.map(|e| e as usize),
         max_steps: a.max_steps.map(|s| s as usize),
         load: a.load,
@@ -449,8 +519,17 @@ fn train(a: TrainArgs) -> Result<(), String> {
         report: a.report,
         evaluate: !a.no_eval,
         profile_on_oom: a.profile_on_oom,
+        save_every: a.save_every.map(|n| n as usize),
+        save_dir: a.save_dir,
+        keep: a.keep as usize,
+        resume: a.resume.clone(),
         ..a.run.config()?
     };
+    if let Some(dir) = &a.resume {
+        let checkpoint = memfit_train::resume::Checkpoint::latest(dir).map_err(|e| e.to_string())?;
+        checkpoint.configure(&mut cfg, given).map_err(|e| e.to_string())?;
+        eprintln!("resuming {} at step {} from {}", cfg.model.name(), checkpoint.step, dir.display());
+    }
     let summary = run_with_progress(&cfg)?;
     let report = Report::new(&summary);
     let what = if cfg.device == DeviceKind::Meta { "predicted (meta device: nothing computed)" } else { "trained" };
@@ -486,7 +565,7 @@ fn profile_dir(files: &[PathBuf]) -> String {
     files.first().and_then(|f| f.parent()).map_or(String::new(), |d| d.display().to_string())
 }
 
-fn profile(a: ProfileArgs) -> Result<(), String> {
+fn profile(a: ProfileArgs) -> Result<(), Failure> {
     let cfg = TrainConfig {
         max_steps: Some(a.steps as usize),
         evaluate: false,
@@ -515,7 +594,7 @@ fn profile(a: ProfileArgs) -> Result<(), String> {
 }
 
 /// Runs a job with a progress bar on a terminal (a line every tenth of the run otherwise).
-fn run_with_progress(cfg: &TrainConfig) -> Result<memfit_train::RunSummary, String> {
+fn run_with_progress(cfg: &TrainConfig) -> Result<memfit_train::RunSummary, Failure> {
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr());
         bar.set_style(
@@ -527,12 +606,18 @@ fn run_with_progress(cfg: &TrainConfig) -> Result<memfit_train::RunSummary, Stri
     if cfg.device == DeviceKind::Meta && (cfg.save.is_some() || cfg.load.is_some()) {
         eprintln!("note: the meta device holds no data: --save and --load are skipped");
     }
-    let mut progress = Progress { bar, last_line: 0, model: cfg.model.name() };
+    let signal = stop_on_signals()?;
+    let mut progress = Progress { bar, last_line: 0, model: cfg.model.name(), signal };
     let result = memfit_train::train(cfg, &mut progress);
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
     }
-    result.map_err(|e| e.to_string())
+    result.map_err(|e| match e {
+        memfit_train::TrainError::Interrupted { signal, message } => {
+            Failure { message, code: 128u8.saturating_add(u8::try_from(signal).unwrap_or(0)) }
+        }
+        e => Failure::from(e.to_string()),
+    })
 }
 
 fn plan(a: PlanArgs) -> Result<(), String> {

@@ -301,6 +301,66 @@ impl Optimizer {
         Some(self.state[i].as_ref().map_or(0, ParamState::steps))
     }
 
+    /// Each parameter's update count, in parameter order (PyTorch's `state[p]['step']`; 0 before its
+    /// first update): with [`Optimizer::state`] and [`Optimizer::steps`], all a resumed run needs.
+    pub fn param_step_counts(&self) -> Vec<(String, u64)> {
+        self.params.iter().zip(&self.state).map(|((n, _), s)| (n.clone(), s.as_ref().map_or(0, ParamState::steps))).collect()
+    }
+
+    /// Restores the state [`Optimizer::state`], [`Optimizer::param_step_counts`] and
+    /// [`Optimizer::steps`] described, so the next `step` is the one an uninterrupted run would take.
+    /// `tensors` holds (parameter name, state name, values) as `state()` lists them; every parameter with
+    /// a count above 0 gets its state allocated (category `optimizer_state`) and copied. Everything is
+    /// checked before anything changes: an unknown parameter, a missing or misshapen state tensor is an
+    /// error that names it, and leaves the optimizer as it was.
+    pub fn restore(&mut self, steps: u64, counts: &[(String, u64)], tensors: &[(String, String, Tensor)]) -> Result<()> {
+        let find = |param: &str, kind: &str| tensors.iter().find(|(p, k, _)| p == param && k == kind).map(|(_, _, t)| t);
+        let mut fresh: Vec<Option<ParamState>> = self.params.iter().map(|_| None).collect();
+        for (name, count) in counts {
+            let i = self
+                .params
+                .iter()
+                .position(|(n, _)| n == name)
+                .ok_or_else(|| Error::invalid(format!("optimizer state names {name:?}, which the model does not have")))?;
+            if *count == 0 {
+                continue;
+            }
+            let param = &self.params[i].1;
+            let mut state = self.allocate_state(param)?;
+            let kinds: &[&str] = match &state {
+                ParamState::Sgd { momentum_buffer: Some(_), .. } => &["momentum_buffer"],
+                ParamState::Sgd { .. } => &[],
+                ParamState::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+            };
+            for kind in kinds {
+                let src = find(name, kind).ok_or_else(|| Error::invalid(format!("optimizer state {name}.{kind} is missing")))?;
+                if src.shape() != param.shape() || src.dtype() != param.dtype() {
+                    return Err(Error::shape(format!(
+                        "optimizer state {name}.{kind} is {:?} {} but the parameter is {:?} {}",
+                        src.shape(),
+                        src.dtype(),
+                        param.shape(),
+                        param.dtype()
+                    )));
+                }
+                let dst = match (&state, *kind) {
+                    (ParamState::Sgd { momentum_buffer: Some(b), .. }, _) => b,
+                    (ParamState::Adam { exp_avg, .. }, "exp_avg") => exp_avg,
+                    (ParamState::Adam { exp_avg_sq, .. }, _) => exp_avg_sq,
+                    _ => return Err(Error::invalid("internal: optimizer state kind")),
+                };
+                dst.copy_from(src)?;
+            }
+            match &mut state {
+                ParamState::Sgd { steps, .. } | ParamState::Adam { steps, .. } => *steps = *count,
+            }
+            fresh[i] = Some(state);
+        }
+        self.state = fresh;
+        self.steps = steps;
+        Ok(())
+    }
+
     /// Bytes of optimizer state currently held (allocated lazily, so 0 before the first step).
     pub fn state_bytes(&self) -> u64 {
         self.state().iter().map(|(_, _, t)| (t.numel() * t.dtype().size()) as u64).sum()

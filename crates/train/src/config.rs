@@ -22,6 +22,8 @@ pub mod limits {
     pub const MAX_CAPACITY: u64 = 1 << 50;
     /// Worker threads per available core.
     pub const THREADS_PER_CORE: usize = 16;
+    /// Training checkpoints kept (`--keep`).
+    pub const MAX_KEEP: usize = 1000;
     /// The largest safety margin (a fraction of the capacity kept free).
     pub const MAX_SAFETY_MARGIN: f64 = 0.5;
 
@@ -109,6 +111,16 @@ impl CheckpointChoice {
         }
     }
 
+    /// The flag's text for this choice (what [`CheckpointChoice::parse`] reads back).
+    pub fn as_flag(&self) -> String {
+        match self {
+            CheckpointChoice::None => "none".into(),
+            CheckpointChoice::All => "all".into(),
+            CheckpointChoice::Segments(names) => names.join(","),
+            CheckpointChoice::Auto => "auto".into(),
+        }
+    }
+
     /// One flag per segment of a model with segments `names` (`auto` not yet planned: none); an
     /// unknown name is an error that lists the model's segments.
     pub fn flags(&self, model: &str, names: &[String]) -> Result<Vec<bool>, String> {
@@ -176,6 +188,14 @@ pub struct TrainConfig {
     pub report: Option<PathBuf>,
     /// Segments that run with activation checkpointing.
     pub checkpoint: CheckpointChoice,
+    /// Write a training checkpoint (to resume from) every this many optimizer steps (`--save-every`).
+    pub save_every: Option<usize>,
+    /// Directory of the training checkpoints (`--save-dir`); also written on SIGINT/SIGTERM.
+    pub save_dir: Option<PathBuf>,
+    /// Training checkpoints kept in `save_dir` (the newest; older ones are removed).
+    pub keep: usize,
+    /// Continue the run whose newest training checkpoint is in this directory (`--resume`).
+    pub resume: Option<PathBuf>,
 }
 
 impl TrainConfig {
@@ -208,6 +228,25 @@ impl TrainConfig {
         }
         if let Some(m) = self.memory.filter(|&m| m > limits::MAX_CAPACITY) {
             return bad(format!("--memory {m} bytes is more than memfit manages: give at most 1024TiB"));
+        }
+        if let Some(n) = self.save_every.filter(|&n| n == 0 || n as u64 > limits::MAX_STEPS) {
+            return bad(format!("--save-every {n} is out of range: use 1 to {}", limits::MAX_STEPS));
+        }
+        if self.save_every.is_some() && self.save_dir.is_none() {
+            return bad("--save-every needs --save-dir DIR: the directory the training checkpoints go to".into());
+        }
+        if !(1..=limits::MAX_KEEP).contains(&self.keep) {
+            return bad(format!("--keep {} is out of range: use 1 to {}", self.keep, limits::MAX_KEEP));
+        }
+        let resumable = self.save_dir.is_some() || self.resume.is_some();
+        if resumable && self.device != DeviceKind::Cpu {
+            return bad(format!(
+                "--save-dir and --resume need --device cpu: the {} device holds no values to save",
+                self.device.name()
+            ));
+        }
+        if self.resume.is_some() && self.load.is_some() {
+            return bad("--load and --resume cannot be combined: the checkpoint being resumed holds the weights".into());
         }
         if let Some(t) = self.threads.filter(|&t| t == 0 || t > limits::max_threads()) {
             return bad(format!(
@@ -277,6 +316,10 @@ impl Default for TrainConfig {
             profile: None,
             profile_on_oom: None,
             report: None,
+            save_every: None,
+            save_dir: None,
+            keep: 2,
+            resume: None,
         }
     }
 }

@@ -13,6 +13,9 @@ pub enum TrainError {
     Checkpoint(String),
     /// Training diverged: a loss or a parameter is NaN or infinite (the message names the step).
     NotFinite(String),
+    /// Stopped by a signal (SIGINT, SIGTERM) after a whole step; the message says whether and how the
+    /// run can be resumed. Exit code 128 + `signal`.
+    Interrupted { signal: i32, message: String },
     /// A configuration that cannot work (message says why).
     Invalid(String),
     /// Any other engine error.
@@ -42,6 +45,7 @@ impl fmt::Display for TrainError {
             }
             TrainError::Checkpoint(m) | TrainError::Invalid(m) | TrainError::NotFinite(m) => write!(f, "{m}"),
             TrainError::Engine(e) => write!(f, "{e}"),
+            TrainError::Interrupted { message, .. } => write!(f, "{message}"),
         }
     }
 }

@@ -7,7 +7,8 @@ use crate::error::TrainError;
 use crate::planner::{self, Plan, PlanRequest};
 use crate::samples::Samples;
 use crate::task::Task;
-use crate::trainer::{RunOptions, RunOutcome, Session, StepEvent};
+use crate::resume::{Checkpoint, Template};
+use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
 use std::collections::HashMap;
@@ -43,6 +44,13 @@ pub trait Observer: Send {
     fn planned(&mut self, _plan: &Plan) {}
     fn step(&mut self, _event: &StepEvent) {}
     fn evaluating(&mut self, _samples: usize) {}
+    /// Asked after every step: the signal (2 SIGINT, 15 SIGTERM) that asks the run to stop, if any.
+    /// The job then writes a checkpoint (with `--save-dir`) and ends with `TrainError::Interrupted`.
+    fn interrupted(&mut self) -> Option<i32> {
+        None
+    }
+    /// A training checkpoint was written (its JSON file).
+    fn checkpoint_saved(&mut self, _path: &std::path::Path) {}
 }
 
 /// An observer that ignores everything.
@@ -66,8 +74,19 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         crate::output::check_input(&input.flag, &input.path)?;
     }
     crate::output::check_outputs(&outputs, &inputs)?;
+    let resumed = cfg.resume.as_deref().map(Checkpoint::latest).transpose()?;
+    if let Some(ckpt) = &resumed {
+        ckpt.check_config(cfg)?;
+    }
+    if let Some(dir) = &cfg.save_dir {
+        crate::resume::check_save_dir(dir, cfg.resume.as_deref())?;
+    }
     let task = Task::load(cfg)?;
     let (train_samples, val_samples) = (task.train_samples(), task.val_samples());
+    let task_metadata: std::collections::BTreeMap<String, String> = task.checkpoint_metadata().into_iter().collect();
+    if let Some(ckpt) = &resumed {
+        ckpt.check_task(train_samples.len(), &task_metadata)?;
+    }
     observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
     let spec = task.spec.clone();
     let optimizer = cfg.optimizer.config(cfg.lr);
@@ -111,6 +130,28 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         (choice, _, _) => choice.clone(),
     };
     let checkpointed = session.set_checkpointing(&checkpoint)?;
+    if let Some(ckpt) = &resumed {
+        if (ckpt.state.micro_batch, ckpt.state.eval_micro_batch) != (micro, eval_micro) {
+            return Err(TrainError::Invalid(format!(
+                "the run being resumed ({}) trained in micro-batches of {} (evaluation {}), this one plans {micro} \
+                 ({eval_micro}): resume with the memfit version that started it",
+                ckpt.dir.display(),
+                ckpt.state.micro_batch,
+                ckpt.state.eval_micro_batch
+            )));
+        }
+        ckpt.restore(&mut session)?;
+    }
+    let (spec_saved, outputs_saved) = Template::of(cfg);
+    let template = Template {
+        spec: spec_saved,
+        outputs: outputs_saved,
+        micro_batch: micro,
+        eval_micro_batch: eval_micro,
+        checkpointed_segments: checkpointed.clone(),
+        train_samples: train_samples.len(),
+        metadata: task_metadata,
+    };
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {
@@ -131,9 +172,28 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         record_samples: cfg.record_samples,
     };
     let val: Option<&dyn Samples> = if cfg.evaluate { Some(val_samples.as_ref()) } else { None };
+    let mut interrupt: Option<(i32, usize, usize, Option<PathBuf>)> = None;
     let result = {
-        let mut on_step = |e: &StepEvent| observer.step(e);
-        session.run(train_samples.as_ref(), val, &opts, &mut on_step)
+        let mut after = |s: &Session, e: &StepEvent, p: &crate::trainer::Progress| -> Result<AfterStep, TrainError> {
+            observer.step(e);
+            let signal = observer.interrupted();
+            let due = cfg.save_every.is_some_and(|n| p.steps % n == 0);
+            let mut written = None;
+            if let (Some(dir), true) = (&cfg.save_dir, due || signal.is_some()) {
+                let path = crate::resume::write(dir, cfg.keep, &template, s, p)?;
+                observer.checkpoint_saved(&path);
+                written = Some(path);
+            }
+            Ok(match signal {
+                Some(sig) => {
+                    interrupt = Some((sig, e.step, e.total_steps, written));
+                    AfterStep::Stop
+                }
+                None => AfterStep::Continue,
+            })
+        };
+        let start = resumed.as_ref().map(|c| c.state.progress.clone());
+        session.run_from(train_samples.as_ref(), val, &opts, start, &mut after)
     };
     // The profile is written whether the run succeeded or not: a failed run is what it is for.
     let profile_dir = cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0));
@@ -154,6 +214,22 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         Some((_, written)) => written?,
         None => Vec::new(),
     };
+    if let Some((signal, step, total, written)) = interrupt {
+        let name = crate::resume::signal_name(signal);
+        let message = match (&cfg.save_dir, written) {
+            (Some(dir), Some(json)) => format!(
+                "interrupted by {name} after step {step} of {total}: checkpoint {} written; resume with: memfit train \
+                 --resume {}",
+                json.display(),
+                dir.display()
+            ),
+            _ => format!(
+                "interrupted by {name} after step {step} of {total}: nothing can be resumed (no --save-dir); give \
+                 --save-dir DIR (and --save-every N) to write training checkpoints"
+            ),
+        };
+        return Err(TrainError::Interrupted { signal, message });
+    }
     if let Some(path) = &cfg.save {
         if cfg.device == DeviceKind::Cpu {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();

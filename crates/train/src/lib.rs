@@ -10,6 +10,8 @@
 //! - [`report`]: the JSON report and the memory table people read;
 //! - [`bench`]: step-time and memory benchmarks of the model zoo;
 //! - [`generate`]: text from a saved GPT;
+//! - [`resume`]: training checkpoints (`--save-every`, `--save-dir`) and `--resume`, exact (Note
+//!   [Exact resume]);
 //! - [`output`]: the one home of path checks and atomic, durable writes (Note [Paths]);
 //! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
 
@@ -22,6 +24,7 @@ pub mod output;
 pub mod planner;
 pub mod profile;
 pub mod report;
+pub mod resume;
 pub mod samples;
 pub mod task;
 pub mod trainer;

@@ -115,7 +115,7 @@ fn check_replaceable(flag: &str, path: &Path) -> Result<(), TrainError> {
 }
 
 /// Errors unless `dir` is a directory memfit can create files in (probed by creating one).
-fn check_writable_dir(flag: &str, path: &Path, dir: &Path) -> Result<(), TrainError> {
+pub(crate) fn check_writable_dir(flag: &str, path: &Path, dir: &Path) -> Result<(), TrainError> {
     match std::fs::metadata(dir) {
         Err(_) => {
             return Err(refuse(

@@ -134,10 +134,12 @@ pub struct RunOutcome {
     pub sample_log: Vec<Vec<usize>>,
     /// Loss and memory after every step, for training curves.
     pub curve: Vec<StepPoint>,
+    /// The run was stopped by its caller after `steps` steps (an interrupt), before it ended.
+    pub stopped: bool,
 }
 
 /// One step's point on the training curves.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepPoint {
     pub step: usize,
     /// Mean loss over the step's window (None on meta).
@@ -145,6 +147,38 @@ pub struct StepPoint {
     /// Allocated bytes after the step, and the peak so far.
     pub allocated: u64,
     pub peak_allocated: u64,
+}
+
+/// Where a run is, after a whole optimizer step: everything the loop needs to continue exactly as an
+/// uninterrupted run would (the data order is a function of the data seed and the epoch, so the
+/// epoch and the windows done in it are its whole position), plus the counts the report adds up.
+/// A training checkpoint saves it (`resume.rs`); [`Session::run_from`] starts from it.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Progress {
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// The epoch the next step belongs to, and the windows of it already trained.
+    pub epoch: usize,
+    pub window: usize,
+    /// The micro-batch in force (smaller than planned after a recovery) and the successful steps since
+    /// the last recovery (it grows back after `grow_after`).
+    pub micro: usize,
+    pub streak: usize,
+    /// Report counts so far.
+    pub epochs_begun: usize,
+    pub samples_seen: usize,
+    pub oom_recoveries: usize,
+    pub last_loss: Option<f64>,
+    pub step_times_ms: Vec<f64>,
+    pub curve: Vec<StepPoint>,
+}
+
+/// What the loop does after a step ([`Session::run_from`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterStep {
+    Continue,
+    /// Stop now: the run returns with [`RunOutcome::stopped`] set, without evaluating.
+    Stop,
 }
 
 /// The micro-batches still to run over a list of samples, and what to do when one fails
@@ -281,7 +315,7 @@ impl Session {
 
     /// Errors when a parameter holds NaN or infinity after `step` (a huge learning rate diverges in one
     /// update, before any loss shows it): such weights are never evaluated or saved.
-    fn check_finite_parameters(&self, step: usize) -> Result<(), TrainError> {
+    pub(crate) fn check_finite_parameters(&self, step: usize) -> Result<(), TrainError> {
         if !self.device.computes() {
             return Ok(());
         }
@@ -419,6 +453,24 @@ impl Session {
         opts: &RunOptions,
         on_step: &mut dyn FnMut(&StepEvent),
     ) -> Result<RunOutcome, TrainError> {
+        self.run_from(train, val, opts, None, &mut |_, e, _| {
+            on_step(e);
+            Ok(AfterStep::Continue)
+        })
+    }
+
+    /// [`Session::run`] from `start` (a checkpoint's [`Progress`]; None: the beginning), calling
+    /// `after` with the session, the step's event and the progress after every step; `after` may save
+    /// a checkpoint and stop the run. A run continued from a step's progress takes exactly the steps the
+    /// uninterrupted run took after it: the same windows in the same micro-batches.
+    pub fn run_from(
+        &mut self,
+        train: &dyn Samples,
+        val: Option<&dyn Samples>,
+        opts: &RunOptions,
+        start: Option<Progress>,
+        after: &mut dyn FnMut(&Session, &StepEvent, &Progress) -> Result<AfterStep, TrainError>,
+    ) -> Result<RunOutcome, TrainError> {
         if opts.effective_batch == 0 || opts.micro_batch == 0 {
             return Err(TrainError::Invalid("the batch size and micro-batch must be at least 1".into()));
         }
@@ -428,72 +480,102 @@ impl Session {
         let per_epoch = train.len().div_ceil(opts.effective_batch);
         let total = total_steps(per_epoch, opts.epochs, opts.max_steps)?;
         let planned_micro = opts.micro_batch.min(opts.effective_batch);
-        let mut micro = planned_micro;
-        let mut out = RunOutcome { final_micro_batch: micro, ..Default::default() };
-        let mut streak = 0;
-        let mut epoch = 0;
-        while out.steps < total {
-            let order = train.epoch_ids(opts.data_seed, epoch);
-            out.epochs = epoch + 1;
-            for window in order.chunks(opts.effective_batch) {
-                if out.steps >= total {
+        let mut p = start.unwrap_or(Progress { micro: planned_micro, ..Progress::default() });
+        if p.micro == 0 || p.micro > planned_micro || p.window >= per_epoch {
+            return Err(TrainError::Invalid(format!(
+                "cannot continue at micro-batch {} and window {} of an epoch of {per_epoch} windows (micro-batch {planned_micro})",
+                p.micro, p.window
+            )));
+        }
+        let mut stopped = false;
+        let mut sample_log = Vec::new();
+        'epochs: while p.steps < total {
+            let order = train.epoch_ids(opts.data_seed, p.epoch);
+            p.epochs_begun = p.epochs_begun.max(p.epoch + 1);
+            for window in order.chunks(opts.effective_batch).skip(p.window) {
+                if p.steps >= total {
                     break;
                 }
                 let start = Instant::now();
                 let mut used = Vec::with_capacity(if opts.record_samples { window.len() } else { 0 });
-                let (result, recoveries) = self.train_window(train, window, &mut micro, opts.recover, &mut used)?;
+                let (result, recoveries) = self.train_window(train, window, &mut p.micro, opts.recover, &mut used)?;
                 let ms = start.elapsed().as_secs_f64() * 1e3;
-                streak = if recoveries > 0 { 0 } else { streak + 1 };
-                if micro < planned_micro && streak >= opts.grow_after {
-                    micro = (micro * 2).min(planned_micro);
-                    streak = 0;
+                p.streak = if recoveries > 0 { 0 } else { p.streak + 1 };
+                if p.micro < planned_micro && p.streak >= opts.grow_after {
+                    p.micro = (p.micro * 2).min(planned_micro);
+                    p.streak = 0;
                 }
-                out.steps += 1;
-                out.samples_seen += window.len();
-                out.step_times_ms.push(ms);
-                out.oom_recoveries += recoveries;
+                p.steps += 1;
+                p.window += 1;
+                p.samples_seen += window.len();
+                p.step_times_ms.push(ms);
+                p.oom_recoveries += recoveries;
                 let computes = self.device.computes();
                 let loss = computes.then(|| result.loss_sum / window.len() as f64);
                 if let Some(l) = loss.filter(|l| !l.is_finite()) {
                     return Err(TrainError::NotFinite(format!(
                         "the training loss at step {} is {l}: training diverged and stopped (nothing is saved); \
                          try a smaller --lr",
-                        out.steps
+                        p.steps
                     )));
                 }
-                out.last_loss = loss;
-                if opts.record_samples {
-                    out.sample_log.push(used);
-                }
+                p.last_loss = loss;
                 let stats = self.device.stats();
-                out.curve.push(StepPoint {
-                    step: out.steps,
+                p.curve.push(StepPoint {
+                    step: p.steps,
                     loss,
                     allocated: stats.allocated_bytes.current,
                     peak_allocated: stats.allocated_bytes.peak,
                 });
-                on_step(&StepEvent {
-                    step: out.steps,
+                if opts.record_samples {
+                    sample_log.push(used);
+                }
+                let event = StepEvent {
+                    step: p.steps,
                     total_steps: total,
-                    epoch,
-                    samples: out.samples_seen,
+                    epoch: p.epoch,
+                    samples: p.samples_seen,
                     loss,
                     accuracy: computes.then(|| result.correct as f64 / result.predictions.max(1) as f64),
-                    micro_batch: micro,
-                    oom_recoveries: out.oom_recoveries,
+                    micro_batch: p.micro,
+                    oom_recoveries: p.oom_recoveries,
                     allocated: stats.allocated_bytes.current,
                     peak_allocated: stats.allocated_bytes.peak,
                     reserved: stats.reserved_bytes.current,
                     step_ms: ms,
-                });
+                };
+                // The position after this step: the next window, or the start of the next epoch.
+                if p.window == per_epoch {
+                    p.epoch += 1;
+                    p.window = 0;
+                }
+                if after(self, &event, &p)? == AfterStep::Stop {
+                    stopped = true;
+                    break 'epochs;
+                }
             }
-            epoch += 1;
+            if p.window != 0 {
+                // Only reached when `total` ended the run inside an epoch.
+                break;
+            }
         }
-        if out.steps > 0 {
-            self.check_finite_parameters(out.steps)?;
+        if p.steps > 0 {
+            self.check_finite_parameters(p.steps)?;
         }
-        out.final_micro_batch = micro;
-        if let Some(val) = val {
+        let mut out = RunOutcome {
+            steps: p.steps,
+            epochs: p.epochs_begun,
+            samples_seen: p.samples_seen,
+            step_times_ms: p.step_times_ms,
+            oom_recoveries: p.oom_recoveries,
+            final_micro_batch: p.micro,
+            last_loss: p.last_loss,
+            eval: None,
+            sample_log,
+            curve: p.curve,
+            stopped,
+        };
+        if let (Some(val), false) = (val, stopped) {
             out.eval = Some(self.evaluate(val, opts.eval_micro_batch, opts.recover)?);
         }
         Ok(out)
