@@ -406,9 +406,8 @@ fn main() -> ExitCode {
     }
     // Which flags were given on the command line (a resumed run takes the others from its checkpoint).
     let sub = matches.subcommand().map(|(_, m)| m.clone());
-    let given = |id: &str| {
-        sub.as_ref().is_some_and(|m| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
-    };
+    let given =
+        |id: &str| sub.as_ref().is_some_and(|m| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine));
     let result = match cli.command {
         Command::Train(a) => train(a, &given),
         Command::Plan(a) => plan(a).map_err(Failure::from),

@@ -338,7 +338,19 @@ fn fake_python(name: &str, result: &str, exit: i32) -> PathBuf {
 #[test]
 fn bench_runs_pytorch_after_each_case_and_prints_the_ratios() {
     let python = fake_python("fake-python-ok", r#"{"case": "{case}", "median_ms": 2.5, "peak_bytes": 1048576}"#, 0);
-    let base = ["bench", "--case", "simplecnn-b128", "--case", "resnet-b64", "--steps", "2", "--warmup", "1", "--threads", "1"];
+    let base = [
+        "bench",
+        "--case",
+        "simplecnn-b128",
+        "--case",
+        "resnet-b64",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+    ];
     let args = [&base[..], &["--compare-pytorch", python.to_str().unwrap(), "--json"]].concat();
     let out = memfit(&args);
     assert!(out.status.success(), "{}", text(&out));
@@ -356,7 +368,19 @@ fn bench_runs_pytorch_after_each_case_and_prints_the_ratios() {
     assert!((ratio - ms / 2.5).abs() < 0.01, "{line}");
     // A case PyTorch has no reference for (the script says so) is shown as such.
     let none = fake_python("fake-python-none", r#"{"case": "{case}", "error": "no PyTorch reference"}"#, 0);
-    let out = memfit(&["bench", "--case", "resnet-b64", "--steps", "1", "--warmup", "0", "--threads", "1", "--compare-pytorch", none.to_str().unwrap()]);
+    let out = memfit(&[
+        "bench",
+        "--case",
+        "resnet-b64",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--compare-pytorch",
+        none.to_str().unwrap(),
+    ]);
     assert!(out.status.success() && text(&out).contains("n/a"), "{}", text(&out));
 }
 
@@ -368,7 +392,19 @@ fn bench_refuses_a_python_without_torch_or_a_failing_one_clearly() {
     assert!(text(&out).contains("--compare-pytorch /nonexistent/python: cannot run it"), "{}", text(&out));
     assert!(started.elapsed().as_secs() < 5, "refused before measuring");
     let failing = fake_python("fake-python-fails", "", 1);
-    let out = memfit(&["bench", "--case", "simplecnn-b128", "--steps", "1", "--warmup", "0", "--threads", "1", "--compare-pytorch", failing.to_str().unwrap()]);
+    let out = memfit(&[
+        "bench",
+        "--case",
+        "simplecnn-b128",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--compare-pytorch",
+        failing.to_str().unwrap(),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("the PyTorch script failed: Traceback: boom"), "{}", text(&out));
 }

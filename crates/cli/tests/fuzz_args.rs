@@ -22,7 +22,11 @@ fn value(choices: &'static [&'static str]) -> impl Strategy<Value = String> {
 }
 
 /// One optional flag: absent, a sensible value (`good`, three times as likely) or any of `bad`.
-fn flag(name: &'static str, good: &'static [&'static str], bad: &'static [&'static str]) -> impl Strategy<Value = Vec<String>> {
+fn flag(
+    name: &'static str,
+    good: &'static [&'static str],
+    bad: &'static [&'static str],
+) -> impl Strategy<Value = Vec<String>> {
     let v = prop_oneof![3 => value(good), 1 => value(bad)];
     proptest::option::of(v).prop_map(move |v| v.map(|v| vec![name.to_string(), v]).unwrap_or_default())
 }

@@ -43,9 +43,17 @@ fn main() {
             let (brs, bcs) = if lay == "NT" { (1, k) } else { (n, 1) };
             // SAFETY: the buffers hold exactly the shapes and strides passed.
             let run = |c: &mut Vec<f32>| unsafe {
-                gemm(isa, m, n, k, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, false,
+                gemm(
+                    isa,
+                    m,
+                    n,
+                    k,
+                    MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
+                    false,
                     MatRef { ptr: a.as_ptr(), rs: ars as isize, cs: acs as isize },
-                    MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize }, threads)
+                    MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
+                    threads,
+                )
             };
             let mut times = pool.install(|| {
                 for _ in 0..3 {

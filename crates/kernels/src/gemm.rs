@@ -106,7 +106,10 @@ pub struct MicroKernel<T> {
 pub type PackLinesFn<T> = unsafe fn(src: *const T, ls: isize, len: usize, depth: usize, panel: usize, out: *mut T);
 
 /// A scalar the GEMM computes in.
-pub trait GemmScalar: sealed::Sealed + Copy + Default + Send + Sync + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + 'static {}
+pub trait GemmScalar:
+    sealed::Sealed + Copy + Default + Send + Sync + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + 'static
+{
+}
 impl GemmScalar for f32 {}
 impl GemmScalar for f64 {}
 
@@ -150,7 +153,11 @@ const B_PACK_ELEMS: usize = KC * (NC + MAX_TILE);
 /// it back. A product that starts on this thread while another one holds a buffer (a rayon task
 /// stolen while waiting) takes a second buffer, kept for the next time: the pool grows to the
 /// deepest such nesting once and is reused after, never per product.
-fn with_pack<T, R>(pool: &'static std::thread::LocalKey<RefCell<Vec<Vec<f64>>>>, elems: usize, f: impl FnOnce(*mut T) -> R) -> R {
+fn with_pack<T, R>(
+    pool: &'static std::thread::LocalKey<RefCell<Vec<Vec<f64>>>>,
+    elems: usize,
+    f: impl FnOnce(*mut T) -> R,
+) -> R {
     let need = (elems * std::mem::size_of::<T>()).div_ceil(std::mem::size_of::<f64>());
     let mut buf = pool.with(|p| p.borrow_mut().pop()).unwrap_or_default();
     if buf.len() < need {
@@ -226,7 +233,16 @@ pub unsafe fn gemm<T: GemmScalar>(
 
 /// The whole product on this thread.
 #[allow(clippy::too_many_arguments)]
-unsafe fn single<T: GemmScalar>(kernel: MicroKernel<T>, m: usize, n: usize, k: usize, c: MatMut<T>, accumulate: bool, a: MatRef<T>, b: MatRef<T>) {
+unsafe fn single<T: GemmScalar>(
+    kernel: MicroKernel<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    accumulate: bool,
+    a: MatRef<T>,
+    b: MatRef<T>,
+) {
     with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
         with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
             for jc in (0..n).step_by(NC) {
@@ -244,7 +260,17 @@ unsafe fn single<T: GemmScalar>(kernel: MicroKernel<T>, m: usize, n: usize, k: u
 /// The product on `parts` threads sharing each packed B block: the threads pack its panels
 /// together, then each multiplies its own whole-tile range of rows.
 #[allow(clippy::too_many_arguments)]
-unsafe fn shared_b<T: GemmScalar>(kernel: MicroKernel<T>, parts: usize, m: usize, n: usize, k: usize, c: MatMut<T>, accumulate: bool, a: MatRef<T>, b: MatRef<T>) {
+unsafe fn shared_b<T: GemmScalar>(
+    kernel: MicroKernel<T>,
+    parts: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    accumulate: bool,
+    a: MatRef<T>,
+    b: MatRef<T>,
+) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let row_tiles = m.div_ceil(mr);
     with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
@@ -259,7 +285,9 @@ unsafe fn shared_b<T: GemmScalar>(kernel: MicroKernel<T>, parts: usize, m: usize
                     let (lo, hi) = (q0 * nr, (q1 * nr).min(nc));
                     if lo < hi {
                         // SAFETY: part p packs panels q0..q1 only; B is read inside its bounds.
-                        unsafe { pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.get().add(lo * kc)) };
+                        unsafe {
+                            pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.get().add(lo * kc))
+                        };
                     }
                 });
                 (0..parts).into_par_iter().for_each(|p| {
@@ -269,7 +297,18 @@ unsafe fn shared_b<T: GemmScalar>(kernel: MicroKernel<T>, parts: usize, m: usize
                         // only read from here on.
                         unsafe {
                             with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
-                                rows(kernel, lo..hi, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, bpack.get())
+                                rows(
+                                    kernel,
+                                    lo..hi,
+                                    nc,
+                                    kc,
+                                    pc,
+                                    c.at(0, jc),
+                                    accumulate || pc > 0,
+                                    a,
+                                    apack,
+                                    bpack.get(),
+                                )
                             })
                         };
                     }
@@ -304,7 +343,16 @@ unsafe fn rows<T: GemmScalar>(
         let mc = MC.min(range.end - ic);
         let packed_from = if direct.is_some() { mc - mc % mr } else { 0 };
         if packed_from < mc {
-            pack(kernel, a.at(ic + packed_from, pc).ptr, a.rs, a.cs, mc - packed_from, kc, mr, apack.add(packed_from * kc));
+            pack(
+                kernel,
+                a.at(ic + packed_from, pc).ptr,
+                a.rs,
+                a.cs,
+                mc - packed_from,
+                kc,
+                mr,
+                apack.add(packed_from * kc),
+            );
         }
         for ir in (0..mc).step_by(mr) {
             let rows = mr.min(mc - ir);
@@ -314,7 +362,9 @@ unsafe fn rows<T: GemmScalar>(
                 let bp = bpack.add(jr * kc);
                 let cp = c.at(ic + ir, jr).ptr;
                 match direct {
-                    Some(run) if ir < packed_from && cols == nr => run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, cp, c.rs, add),
+                    Some(run) if ir < packed_from && cols == nr => {
+                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, cp, c.rs, add)
+                    }
                     Some(run) if ir < packed_from => {
                         run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, tile.as_mut_ptr(), nr as isize, false);
                         write_tile(&tile, nr, rows, cols, cp, c.rs, add);
@@ -331,7 +381,15 @@ unsafe fn rows<T: GemmScalar>(
 }
 
 /// Writes (or adds) the top-left `rows x cols` of a tile with row stride `nr` into C.
-unsafe fn write_tile<T: GemmScalar>(tile: &[T], nr: usize, rows: usize, cols: usize, c: *mut T, rs_c: isize, add: bool) {
+unsafe fn write_tile<T: GemmScalar>(
+    tile: &[T],
+    nr: usize,
+    rows: usize,
+    cols: usize,
+    c: *mut T,
+    rs_c: isize,
+    add: bool,
+) {
     for i in 0..rows {
         for j in 0..cols {
             let dst = c.offset(i as isize * rs_c + j as isize);
@@ -347,7 +405,16 @@ unsafe fn write_tile<T: GemmScalar>(tile: &[T], nr: usize, rows: usize, cols: us
 /// copy whole runs; contiguous depth (a transposed operand) is transposed in chunks of depth that
 /// keep the panel's written lines in L1.
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack<T: GemmScalar>(kernel: MicroKernel<T>, src: *const T, ls: isize, ds: isize, len: usize, depth: usize, panel: usize, out: *mut T) {
+unsafe fn pack<T: GemmScalar>(
+    kernel: MicroKernel<T>,
+    src: *const T,
+    ls: isize,
+    ds: isize,
+    len: usize,
+    depth: usize,
+    panel: usize,
+    out: *mut T,
+) {
     /// Depth steps transposed at once: `DEPTH_CHUNK * panel` elements written stay in L1.
     const DEPTH_CHUNK: usize = 32;
     if let (1, Some(pack_lines)) = (ds, kernel.pack_lines) {
@@ -402,7 +469,18 @@ mod tests {
 
     /// f64 reference of `A @ B` (+ C0 when accumulating) for strided operands.
     #[allow(clippy::too_many_arguments)]
-    fn reference(m: usize, n: usize, k: usize, a: &[f32], ars: usize, acs: usize, b: &[f32], brs: usize, bcs: usize, c0: &[f32]) -> Vec<f64> {
+    fn reference(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        ars: usize,
+        acs: usize,
+        b: &[f32],
+        brs: usize,
+        bcs: usize,
+        c0: &[f32],
+    ) -> Vec<f64> {
         let mut out = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -468,7 +546,10 @@ mod tests {
                                 portable = c;
                             } else {
                                 for (&got, &p) in c.iter().zip(&portable) {
-                                    assert!((got - p).abs() <= 2e-6 * (k as f32).sqrt().max(1.0), "{isa} vs portable: {got} vs {p}");
+                                    assert!(
+                                        (got - p).abs() <= 2e-6 * (k as f32).sqrt().max(1.0),
+                                        "{isa} vs portable: {got} vs {p}"
+                                    );
                                 }
                             }
                         }
@@ -498,8 +579,17 @@ mod tests {
         let mut c = vec![0.0; m * n];
         // SAFETY: the buffers hold exactly the shapes and strides passed.
         unsafe {
-            gemm(Isa::Portable, m, n, k, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, false,
-                MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 }, MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 }, 2)
+            gemm(
+                Isa::Portable,
+                m,
+                n,
+                k,
+                MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
+                false,
+                MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
+                MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 },
+                2,
+            )
         };
         for i in 0..m {
             for j in 0..n {

@@ -25,8 +25,23 @@ fn size_like() -> impl Strategy<Value = String> {
         Just("1e400".to_string()),
     ];
     let unit = prop_oneof![
-        Just(""), Just("B"), Just("KB"), Just("KiB"), Just("MB"), Just("MiB"), Just("GB"), Just("GiB"), Just("TB"),
-        Just("TiB"), Just("PiB"), Just("k"), Just("M"), Just("G"), Just("iB"), Just("MiBB"), Just("\u{b5}B"),
+        Just(""),
+        Just("B"),
+        Just("KB"),
+        Just("KiB"),
+        Just("MB"),
+        Just("MiB"),
+        Just("GB"),
+        Just("GiB"),
+        Just("TB"),
+        Just("TiB"),
+        Just("PiB"),
+        Just("k"),
+        Just("M"),
+        Just("G"),
+        Just("iB"),
+        Just("MiBB"),
+        Just("\u{b5}B"),
     ];
     (number, " {0,2}", unit, " {0,2}").prop_map(|(n, s, u, t)| format!("{n}{s}{u}{t}"))
 }

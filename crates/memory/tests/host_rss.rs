@@ -30,7 +30,10 @@ fn resident_memory_returns_to_the_system_and_peaks_within_the_capacity() {
         return;
     };
     let capacity = 192 * MIB;
-    let mut alloc = Allocator::new(Box::new(HostBackend::default()), AllocatorConfig { capacity: Some(capacity), ..Default::default() });
+    let mut alloc = Allocator::new(
+        Box::new(HostBackend::default()),
+        AllocatorConfig { capacity: Some(capacity), ..Default::default() },
+    );
     let sizes = [3 * MIB, 700 * 1024, 24 * MIB, 5 * MIB + 12345, MIB / 2, 40 * MIB];
     let mut failures = 0;
     for round in 0..40 {
@@ -61,10 +64,21 @@ fn resident_memory_returns_to_the_system_and_peaks_within_the_capacity() {
         }
         alloc.empty_cache();
         let (now, _) = rss().unwrap();
-        assert!(now < start + 16 * MIB, "round {round}: resident {} MiB after emptying the cache (started at {} MiB)", now / MIB, start / MIB);
+        assert!(
+            now < start + 16 * MIB,
+            "round {round}: resident {} MiB after emptying the cache (started at {} MiB)",
+            now / MIB,
+            start / MIB
+        );
     }
     assert_eq!(failures, 40, "every round ran into the capacity");
     let (_, peak) = rss().unwrap();
-    assert!(peak < start + capacity + 16 * MIB, "resident peak {} MiB for a {} MiB capacity (started at {} MiB)", peak / MIB, capacity / MIB, start / MIB);
+    assert!(
+        peak < start + capacity + 16 * MIB,
+        "resident peak {} MiB for a {} MiB capacity (started at {} MiB)",
+        peak / MIB,
+        capacity / MIB,
+        start / MIB
+    );
     println!("resident memory: start {} MiB, peak {} MiB, capacity {} MiB", start / MIB, peak / MIB, capacity / MIB);
 }

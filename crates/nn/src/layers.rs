@@ -256,7 +256,8 @@ impl BatchNorm2d {
         // Re-running a checkpointed segment in backward normalizes with the same batch statistics
         // but must not move the running statistics a second time.
         let update = train && !x.device().recomputing();
-        let (mean, var) = if update || !train { (Some(&self.running_mean), Some(&self.running_var)) } else { (None, None) };
+        let (mean, var) =
+            if update || !train { (Some(&self.running_mean), Some(&self.running_var)) } else { (None, None) };
         let y = ops::batch_norm(x, mean, var, Some(&self.weight), Some(&self.bias), train, self.momentum, self.eps)?;
         if update {
             self.count_batch()?;

@@ -304,7 +304,11 @@ impl Optimizer {
     /// Each parameter's update count, in parameter order (PyTorch's `state[p]['step']`; 0 before its
     /// first update): with [`Optimizer::state`] and [`Optimizer::steps`], all a resumed run needs.
     pub fn param_step_counts(&self) -> Vec<(String, u64)> {
-        self.params.iter().zip(&self.state).map(|((n, _), s)| (n.clone(), s.as_ref().map_or(0, ParamState::steps))).collect()
+        self.params
+            .iter()
+            .zip(&self.state)
+            .map(|((n, _), s)| (n.clone(), s.as_ref().map_or(0, ParamState::steps)))
+            .collect()
     }
 
     /// Restores the state [`Optimizer::state`], [`Optimizer::param_step_counts`] and
@@ -313,15 +317,19 @@ impl Optimizer {
     /// a count above 0 gets its state allocated (category `optimizer_state`) and copied. Everything is
     /// checked before anything changes: an unknown parameter, a missing or misshapen state tensor is an
     /// error that names it, and leaves the optimizer as it was.
-    pub fn restore(&mut self, steps: u64, counts: &[(String, u64)], tensors: &[(String, String, Tensor)]) -> Result<()> {
-        let find = |param: &str, kind: &str| tensors.iter().find(|(p, k, _)| p == param && k == kind).map(|(_, _, t)| t);
+    pub fn restore(
+        &mut self,
+        steps: u64,
+        counts: &[(String, u64)],
+        tensors: &[(String, String, Tensor)],
+    ) -> Result<()> {
+        let find =
+            |param: &str, kind: &str| tensors.iter().find(|(p, k, _)| p == param && k == kind).map(|(_, _, t)| t);
         let mut fresh: Vec<Option<ParamState>> = self.params.iter().map(|_| None).collect();
         for (name, count) in counts {
-            let i = self
-                .params
-                .iter()
-                .position(|(n, _)| n == name)
-                .ok_or_else(|| Error::invalid(format!("optimizer state names {name:?}, which the model does not have")))?;
+            let i = self.params.iter().position(|(n, _)| n == name).ok_or_else(|| {
+                Error::invalid(format!("optimizer state names {name:?}, which the model does not have"))
+            })?;
             if *count == 0 {
                 continue;
             }
@@ -333,7 +341,8 @@ impl Optimizer {
                 ParamState::Adam { .. } => &["exp_avg", "exp_avg_sq"],
             };
             for kind in kinds {
-                let src = find(name, kind).ok_or_else(|| Error::invalid(format!("optimizer state {name}.{kind} is missing")))?;
+                let src = find(name, kind)
+                    .ok_or_else(|| Error::invalid(format!("optimizer state {name}.{kind} is missing")))?;
                 if src.shape() != param.shape() || src.dtype() != param.dtype() {
                     return Err(Error::shape(format!(
                         "optimizer state {name}.{kind} is {:?} {} but the parameter is {:?} {}",

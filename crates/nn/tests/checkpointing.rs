@@ -74,7 +74,11 @@ fn step(spec: &ModelSpec, device: &Device, checkpointed: bool) -> Step {
     let stats = device.stats();
     let computes = device.computes();
     Step {
-        grads: if computes { model.parameters().iter().map(|(_, p)| bytes(&p.grad().unwrap())).collect() } else { vec![] },
+        grads: if computes {
+            model.parameters().iter().map(|(_, p)| bytes(&p.grad().unwrap())).collect()
+        } else {
+            vec![]
+        },
         buffers: if computes { model.buffers().iter().map(|(_, b)| bytes(b)).collect() } else { vec![] },
         peak: stats.allocated_bytes.peak,
         held,

@@ -197,11 +197,7 @@ pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], segment: Segment) -> Re
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         segment(&detached)?
     };
-    let back = CheckpointBack {
-        inputs: inputs.iter().map(|t| save(t)).collect(),
-        params: params.to_vec(),
-        segment,
-    };
+    let back = CheckpointBack { inputs: inputs.iter().map(|t| save(t)).collect(), params: params.to_vec(), segment };
     Ok(record(out, "checkpoint", &all, back))
 }
 
@@ -226,7 +222,8 @@ impl Backward for CheckpointBack {
         };
         // Gradients only for what the outer pass wants, in the node's input order.
         let wanted: Vec<usize> = (0..n + params.len()).filter(|&i| needs[i]).collect();
-        let targets: Vec<Tensor> = wanted.iter().map(|&i| if i < n { leaves[i].clone() } else { params[i - n].clone() }).collect();
+        let targets: Vec<Tensor> =
+            wanted.iter().map(|&i| if i < n { leaves[i].clone() } else { params[i - n].clone() }).collect();
         drop(leaves);
         let mut grads = vec![None; n + params.len()];
         if targets.is_empty() || out.grad_fn().is_none() {

@@ -15,7 +15,9 @@ pub mod ops;
 mod storage;
 mod tensor;
 
-pub use device::{Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, Span, SpanKind};
+pub use device::{
+    Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, Span, SpanKind,
+};
 pub use dtype::{DType, Float};
 pub use error::{Error, Result};
 pub use layout::Layout;

@@ -28,7 +28,9 @@ struct Net {
 
 impl Net {
     fn new(device: &Device) -> Net {
-        let p = |v: Vec<f32>, shape: &[usize]| Tensor::from_slice(device, &v, shape, Category::Parameter).unwrap().set_requires_grad(true);
+        let p = |v: Vec<f32>, shape: &[usize]| {
+            Tensor::from_slice(device, &v, shape, Category::Parameter).unwrap().set_requires_grad(true)
+        };
         Net { w1: p(values(64 * 32, 1), &[64, 32]), b1: p(values(64, 2), &[64]), w2: p(values(32 * 64, 3), &[32, 64]) }
     }
 
@@ -63,7 +65,8 @@ impl Net {
 /// bytes held between forward and backward.
 fn run(device: &Device, checkpointed: bool) -> (Vec<Vec<f32>>, u64, Vec<u64>) {
     let net = Arc::new(Net::new(device));
-    let x = Tensor::from_slice(device, &values(16 * 32, 4), &[16, 32], Category::Input).unwrap().set_requires_grad(true);
+    let x =
+        Tensor::from_slice(device, &values(16 * 32, 4), &[16, 32], Category::Input).unwrap().set_requires_grad(true);
     let loss = net.loss(&x, checkpointed);
     let held = device.stats().category(Category::Activation).current;
     backward(&loss).unwrap();
@@ -73,7 +76,16 @@ fn run(device: &Device, checkpointed: bool) -> (Vec<Vec<f32>>, u64, Vec<u64>) {
         Vec::new()
     };
     let stats = device.stats();
-    (grads, held, vec![stats.allocated_bytes.peak, stats.reserved_bytes.peak, stats.allocation.allocated, stats.requested_bytes.peak])
+    (
+        grads,
+        held,
+        vec![
+            stats.allocated_bytes.peak,
+            stats.reserved_bytes.peak,
+            stats.allocation.allocated,
+            stats.requested_bytes.peak,
+        ],
+    )
 }
 
 #[test]

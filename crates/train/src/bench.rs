@@ -84,8 +84,15 @@ pub fn pytorch_version(python: &Path) -> Result<String, TrainError> {
 }
 
 /// Runs one case in PyTorch; `None` when PyTorch has no reference for it.
-fn run_pytorch_case(python: &Path, case: &str, warmup: usize, steps: usize, threads: usize) -> Result<Option<PytorchCase>, TrainError> {
-    let fail = |what: String| TrainError::Invalid(format!("--compare-pytorch {}: case {case}: {what}", python.display()));
+fn run_pytorch_case(
+    python: &Path,
+    case: &str,
+    warmup: usize,
+    steps: usize,
+    threads: usize,
+) -> Result<Option<PytorchCase>, TrainError> {
+    let fail =
+        |what: String| TrainError::Invalid(format!("--compare-pytorch {}: case {case}: {what}", python.display()));
     let mut child = Command::new(python)
         .arg("-")
         .args([case.to_string(), warmup.to_string(), steps.to_string(), threads.to_string()])
@@ -103,12 +110,15 @@ fn run_pytorch_case(python: &Path, case: &str, warmup: usize, steps: usize, thre
         return Err(fail(format!("the PyTorch script failed: {}", err.lines().last().unwrap_or("no message"))));
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or_else(|| fail("no result printed".into()))?;
-    let value: serde_json::Value = serde_json::from_str(line).map_err(|e| fail(format!("unreadable result {line:?}: {e}")))?;
+    let line =
+        text.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or_else(|| fail("no result printed".into()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| fail(format!("unreadable result {line:?}: {e}")))?;
     if value.get("error").is_some() {
         return Ok(None);
     }
-    let result: PytorchCase = serde_json::from_value(value).map_err(|e| fail(format!("unreadable result {line:?}: {e}")))?;
+    let result: PytorchCase =
+        serde_json::from_value(value).map_err(|e| fail(format!("unreadable result {line:?}: {e}")))?;
     if !(result.median_ms.is_finite() && result.median_ms > 0.0) {
         return Err(fail(format!("implausible step time {} ms", result.median_ms)));
     }
@@ -152,7 +162,13 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
 
 /// Runs the cases (all when `only` is empty) on a pool of `threads` threads; with `pytorch` (a
 /// Python interpreter with PyTorch), each case is then run in PyTorch with as many threads.
-pub fn run(threads: usize, only: &[String], warmup: usize, steps: usize, pytorch: Option<&Path>) -> Result<BenchReport, TrainError> {
+pub fn run(
+    threads: usize,
+    only: &[String],
+    warmup: usize,
+    steps: usize,
+    pytorch: Option<&Path>,
+) -> Result<BenchReport, TrainError> {
     for name in only {
         if !CASES.iter().any(|c| c.name == name) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();

@@ -5,9 +5,9 @@
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::planner::{self, Plan, PlanRequest};
+use crate::resume::{Checkpoint, Template};
 use crate::samples::Samples;
 use crate::task::Task;
-use crate::resume::{Checkpoint, Template};
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};

@@ -366,9 +366,10 @@ impl Plan {
         ));
         match &self.checkpoint {
             CheckpointChoice::All => s.push_str("activation checkpointing: every segment\n"),
-            CheckpointChoice::Segments(names) => {
-                s.push_str(&format!("activation checkpointing: {} (each keeps only its input; its forward runs again in backward)\n", names.join(", ")))
-            }
+            CheckpointChoice::Segments(names) => s.push_str(&format!(
+                "activation checkpointing: {} (each keeps only its input; its forward runs again in backward)\n",
+                names.join(", ")
+            )),
             CheckpointChoice::None | CheckpointChoice::Auto => {}
         }
         s.push_str(&format!(

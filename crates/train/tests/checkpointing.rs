@@ -52,14 +52,23 @@ fn checkpointed_training_ends_with_the_plain_parameters_bit_for_bit() {
 }
 
 fn request(spec: &ModelSpec, effective: usize, capacity: Option<u64>, checkpoint: CheckpointChoice) -> PlanRequest {
-    PlanRequest { model: spec.clone(), optimizer: adamw(), effective_batch: effective, capacity, safety_margin: 0.0, seed: 5, checkpoint }
+    PlanRequest {
+        model: spec.clone(),
+        optimizer: adamw(),
+        effective_batch: effective,
+        capacity,
+        safety_margin: 0.0,
+        seed: 5,
+        checkpoint,
+    }
 }
 
 #[test]
 fn checkpointing_lowers_the_peak_and_planned_checkpointed_runs_peak_as_predicted() {
     let (_, spec) = text_spec(4, 32, 32);
     let effective = 32;
-    let plain = predict(&request(&spec, effective, None, CheckpointChoice::None), effective, None, None).unwrap().unwrap();
+    let plain =
+        predict(&request(&spec, effective, None, CheckpointChoice::None), effective, None, None).unwrap().unwrap();
     let all = request(&spec, effective, None, CheckpointChoice::All);
     let ckpt = predict(&all, effective, None, None).unwrap().unwrap();
     assert!(ckpt.peak_allocated < plain.peak_allocated, "checkpointed {ckpt:?} vs plain {plain:?}");
@@ -127,13 +136,17 @@ fn when_micro_batch_one_does_not_fit_the_planner_names_checkpointing_if_it_does(
     assert!(ckpt_one.peak_reserved < plain_one.peak_reserved);
     let capacity = (ckpt_one.peak_reserved + plain_one.peak_reserved) / 2;
     let err = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::None)).unwrap_err().to_string();
-    assert!(err.contains("even a micro-batch of 1 needs") && err.contains("add --checkpoint all for micro-batch"), "{err}");
+    assert!(
+        err.contains("even a micro-batch of 1 needs") && err.contains("add --checkpoint all for micro-batch"),
+        "{err}"
+    );
     // The advice is a plan that fits.
     let fitting = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::All)).unwrap();
     assert!(err.contains(&format!("micro-batch {} x {}", fitting.micro_batch, fitting.accumulation_steps)), "{err}");
     assert!(fitting.predicted.peak_reserved <= capacity);
     // Below what checkpointing needs too, there is no such advice.
-    let err = plan(&request(&spec, 4, Some(ckpt_one.peak_reserved / 2), CheckpointChoice::None)).unwrap_err().to_string();
+    let err =
+        plan(&request(&spec, 4, Some(ckpt_one.peak_reserved / 2), CheckpointChoice::None)).unwrap_err().to_string();
     assert!(!err.contains("--checkpoint"), "{err}");
 }
 
@@ -144,7 +157,8 @@ fn auto_checkpoints_only_as_many_segments_as_the_budget_forces_and_the_plan_hold
     // An ample budget: no checkpointing.
     assert_eq!(plan(&auto(Some(1 << 30))).unwrap().checkpoint, CheckpointChoice::None);
     // Between what checkpointing everything and nothing need at micro-batch 1: a prefix of the blocks.
-    let need = |c: CheckpointChoice| predict(&request(&spec, 2, None, c), 1, Some(1), None).unwrap().unwrap().peak_reserved;
+    let need =
+        |c: CheckpointChoice| predict(&request(&spec, 2, None, c), 1, Some(1), None).unwrap().unwrap().peak_reserved;
     let (plain, all) = (need(CheckpointChoice::None), need(CheckpointChoice::All));
     let capacity = all + (plain - all) / 3;
     let req = auto(Some(capacity));

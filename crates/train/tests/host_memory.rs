@@ -81,7 +81,11 @@ fn a_step_keeps_no_batch_sized_memory_outside_the_allocator() {
         // work stealing nests on a busy thread for the first time adds one bounded packing
         // workspace. One activation of the large batch would be far above this slack.
         let slack = (256 << 10) + memfit_kernels::gemm::WORKSPACE_BYTES_PER_THREAD;
-        assert!(large <= small + slack, "{name}: {large} bytes outside the allocator at batch {} vs {small} at {batch}", 4 * batch);
+        assert!(
+            large <= small + slack,
+            "{name}: {large} bytes outside the allocator at batch {} vs {small} at {batch}",
+            4 * batch
+        );
         assert!(small <= 16 << 20, "{name}: {small} bytes outside the allocator");
         println!("{name}: {small} / {large} bytes outside the allocator at batch {batch} / {}", 4 * batch);
     }

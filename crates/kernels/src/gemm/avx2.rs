@@ -25,7 +25,13 @@ const MR: usize = 6;
 const NR: usize = 16;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) const F32: MicroKernel<f32> = MicroKernel { mr: MR, nr: NR, run: run_checked, run_direct: Some(run_direct_checked), pack_lines: Some(super::transpose::pack_lines_checked) };
+pub(crate) const F32: MicroKernel<f32> = MicroKernel {
+    mr: MR,
+    nr: NR,
+    run: run_checked,
+    run_direct: Some(run_direct_checked),
+    pack_lines: Some(super::transpose::pack_lines_checked),
+};
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 
@@ -39,14 +45,30 @@ unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, c: *mut f32, rs_c
 /// # Safety
 /// As [`super::MicroKernelDirectFn`]; only handed out when the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-unsafe fn run_direct_checked(kc: usize, a: *const f32, lda: isize, b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+unsafe fn run_direct_checked(
+    kc: usize,
+    a: *const f32,
+    lda: isize,
+    b: *const f32,
+    c: *mut f32,
+    rs_c: isize,
+    accumulate: bool,
+) {
     run_direct(kc, a, lda, b, c, rs_c, accumulate)
 }
 
 /// The same tile with A read in place (row stride `lda`, unit column stride) instead of packed.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_direct(kc: usize, a: *const f32, lda: isize, mut b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+unsafe fn run_direct(
+    kc: usize,
+    a: *const f32,
+    lda: isize,
+    mut b: *const f32,
+    c: *mut f32,
+    rs_c: isize,
+    accumulate: bool,
+) {
     let mut lo = [_mm256_setzero_ps(); MR];
     let mut hi = [_mm256_setzero_ps(); MR];
     let rows: [*const f32; MR] = std::array::from_fn(|i| a.offset(i as isize * lda));
@@ -62,7 +84,6 @@ unsafe fn run_direct(kc: usize, a: *const f32, lda: isize, mut b: *const f32, c:
     }
     store!(lo, hi, c, rs_c, accumulate);
 }
-
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]

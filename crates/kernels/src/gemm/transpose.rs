@@ -9,7 +9,14 @@
 /// # Safety
 /// As `gemm::pack`; only called when the CPU supports AVX2.
 #[cfg(target_arch = "x86_64")]
-pub(crate) unsafe fn pack_lines_checked(src: *const f32, ls: isize, len: usize, depth: usize, panel: usize, out: *mut f32) {
+pub(crate) unsafe fn pack_lines_checked(
+    src: *const f32,
+    ls: isize,
+    len: usize,
+    depth: usize,
+    panel: usize,
+    out: *mut f32,
+) {
     pack_lines(src, ls, len, depth, panel, out)
 }
 

@@ -134,11 +134,12 @@ impl Model for ResNet {
         check_image_input(self.kind(), self.input, x)?;
         let mut h = self.bn1.forward(&self.conv1.forward(x)?, train)?.relu()?;
         for (i, stage) in self.stages.iter().enumerate() {
-            let params = || stage.iter().flat_map(|b| b.modules()).flat_map(|m| m.parameters()).map(|(_, t)| t).collect();
+            let params =
+                || stage.iter().flat_map(|b| b.modules()).flat_map(|m| m.parameters()).map(|(_, t)| t).collect();
             let stage = stage.clone();
-            h = self.checkpointing.run(i, &h, params, move |x| {
-                stage.iter().try_fold(x.clone(), |h, block| block.forward(&h, train))
-            })?;
+            h = self
+                .checkpointing
+                .run(i, &h, params, move |x| stage.iter().try_fold(x.clone(), |h, block| block.forward(&h, train)))?;
         }
         let pooled = ops::adaptive_avg_pool2d(&h, [1, 1])?;
         self.fc.forward(&pooled.flatten_from(1)?)

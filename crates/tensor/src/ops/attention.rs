@@ -145,8 +145,12 @@ pub fn scaled_dot_product_attention(
         check_mask(NAME, m, q, &full)?;
     }
     let dims = AttnDims { bh: batch.iter().product(), heads: 1, tq, tk, d, dv };
-    let lay =
-        AttnLayouts { q: AttnAddr::stack(tq, d), k: AttnAddr::stack(tk, d), v: AttnAddr::stack(tk, dv), out: AttnAddr::stack(tq, dv) };
+    let lay = AttnLayouts {
+        q: AttnAddr::stack(tq, d),
+        k: AttnAddr::stack(tk, d),
+        v: AttnAddr::stack(tk, dv),
+        out: AttnAddr::stack(tq, dv),
+    };
     let pb = AttnProblem { dims, lay, scale: 1.0 / (d as f64).sqrt(), causal, full };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let mut out_shape = batch.to_vec();

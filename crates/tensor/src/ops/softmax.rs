@@ -230,9 +230,9 @@ pub(crate) mod test_support {
 mod tests {
     use super::test_support::*;
     use super::*;
+    use crate::autograd::backward_with;
     use crate::backend::cpu::softmax::softmax_block;
     use crate::ops::PAR_CHUNK;
-    use crate::autograd::backward_with;
     use crate::{DType, Device};
 
     #[test]

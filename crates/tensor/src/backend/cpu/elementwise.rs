@@ -30,7 +30,9 @@ fn par_chunks2<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(&[T], &mut [T]) + 
 /// `f(a_chunk, b_chunk, dst_chunk)` over equal chunks of three slices, in parallel for large ones.
 fn par_chunks3<T: Float>(a: &[T], b: &[T], dst: &mut [T], f: impl Fn(&[T], &[T], &mut [T]) + Sync) {
     if dst.len() >= 2 * PAR_CHUNK {
-        dst.par_chunks_mut(PAR_CHUNK).zip(a.par_chunks(PAR_CHUNK).zip(b.par_chunks(PAR_CHUNK))).for_each(|(d, (a, b))| f(a, b, d));
+        dst.par_chunks_mut(PAR_CHUNK)
+            .zip(a.par_chunks(PAR_CHUNK).zip(b.par_chunks(PAR_CHUNK)))
+            .for_each(|(d, (a, b))| f(a, b, d));
     } else {
         f(a, b, dst);
     }
@@ -136,7 +138,6 @@ pub(crate) fn par_update<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T, T) ->
     }
 }
 
-
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
 
@@ -234,7 +235,6 @@ fn apply<T: Float>(op: Binary, a: T, b: T) -> T {
     }
 }
 
-
 /// All elements of a tensor's storage as `T` (for strided reads through its layout).
 pub(crate) fn typed_storage<T: Float>(t: &Tensor) -> Result<&[T]> {
     if t.dtype() != T::DTYPE {
@@ -244,7 +244,6 @@ pub(crate) fn typed_storage<T: Float>(t: &Tensor) -> Result<&[T]> {
     // SAFETY: the storage is 512-byte aligned and holds whole elements of T.
     Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) })
 }
-
 
 pub(crate) fn unary(op: Unary, x: &Tensor, out: &Tensor) -> Result<()> {
     with_float!(x.dtype(), op.name(), T => forward_kernel::<T>(op, x.slice::<T>()?, out.slice_mut::<T>()?));

@@ -37,4 +37,3 @@ pub(crate) unsafe fn gemm_into<T: Float>(
     use memfit_kernels::gemm::{gemm, MatMut};
     gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, accumulate, a, b, threads);
 }
-

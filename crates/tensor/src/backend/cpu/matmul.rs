@@ -3,7 +3,9 @@
 //! operands, so transposed views multiply without copies). Also the linear-layer glue the fused
 //! normalization kernels share (`weight_mat`, `fill_rows_with_bias`).
 
-use super::elementwise::{gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip};
+use super::elementwise::{
+    gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip,
+};
 use super::gemm::{gemm_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::dtype::Float;
 use crate::error::Result;
@@ -104,7 +106,13 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &T
 
 /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through `scratch` (at least
 /// min(rows, GELU_ROWS) x in).
-pub(crate) fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, scratch: &Tensor, out: &Tensor) -> Result<()> {
+pub(crate) fn gelu_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    scratch: &Tensor,
+    out: &Tensor,
+) -> Result<()> {
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
     let rows = x.numel() / in_f.max(1);
     with_float!(x.dtype(), "gelu_linear", T => {

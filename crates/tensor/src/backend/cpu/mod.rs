@@ -4,37 +4,37 @@
 //! `kernels::<name>`), matches the dtype once (`with_float!`) and calls `memfit-kernels` where a path
 //! per instruction set exists.
 
-pub(crate) mod data;
-pub(crate) mod elementwise;
-pub(crate) mod gemm;
+pub(crate) mod attention;
 pub(crate) mod cast;
 pub(crate) mod conv;
+pub(crate) mod data;
 pub(crate) mod dropout;
+pub(crate) mod elementwise;
 pub(crate) mod embedding;
-pub(crate) mod optim;
-pub(crate) mod pool;
-pub(crate) mod reduce;
-pub(crate) mod attention;
+pub(crate) mod gemm;
 pub(crate) mod loss;
 pub(crate) mod matmul;
 pub(crate) mod norm;
+pub(crate) mod optim;
+pub(crate) mod pool;
+pub(crate) mod reduce;
 pub(crate) mod softmax;
 
 /// Every kernel by its trait method's name.
 pub(crate) mod kernels {
-    pub(crate) use super::data::*;
-    pub(crate) use super::elementwise::*;
+    pub(crate) use super::attention::*;
     pub(crate) use super::cast::*;
     pub(crate) use super::conv::*;
+    pub(crate) use super::data::*;
     pub(crate) use super::dropout::*;
+    pub(crate) use super::elementwise::*;
     pub(crate) use super::embedding::*;
-    pub(crate) use super::optim::*;
-    pub(crate) use super::pool::*;
-    pub(crate) use super::reduce::*;
-    pub(crate) use super::attention::*;
     pub(crate) use super::loss::*;
     pub(crate) use super::matmul::*;
     pub(crate) use super::norm::*;
+    pub(crate) use super::optim::*;
+    pub(crate) use super::pool::*;
+    pub(crate) use super::reduce::*;
     pub(crate) use super::softmax::*;
 }
 
