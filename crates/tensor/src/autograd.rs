@@ -185,6 +185,9 @@ pub type Segment = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 ///
 /// [`Device::recomputing`]: crate::Device::recomputing
 pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], segment: Segment) -> Result<Tensor> {
+    if inputs.is_empty() {
+        return Err(Error::invalid("checkpoint(): a segment needs at least one input tensor"));
+    }
     let mut all: Vec<&Tensor> = inputs.to_vec();
     all.extend(params.iter());
     if !needs_grad(&all) {

@@ -132,8 +132,9 @@ fn the_re_run_is_marked_and_without_grad_the_segment_just_runs() {
     }
     {
         let _no_grad = device.no_grad();
-        let y = checkpoint(&[&x], &[], segment).unwrap();
+        let y = checkpoint(&[&x], &[], segment.clone()).unwrap();
         assert!(y.is_leaf());
     }
     assert_eq!(runs.load(Ordering::Relaxed), 3, "no re-run without a graph");
+    assert!(checkpoint(&[], &[], segment).is_err(), "a segment without inputs is an error, not a panic");
 }
