@@ -23,7 +23,8 @@
 //! request (`Oom`) and a live block moved to another category by `set_category` (`Retag`). Replaying
 //! them gives the live blocks, their categories and the totals at every moment.
 //!
-//! Data structures: blocks live in an arena (`BlockId` is an index into it; slots are reused), linked
+//! Data structures: blocks live in an arena (a `BlockId` holds an index into it, checked against the
+//! serial number of the allocation, because slots are reused), linked
 //! to their neighbours in the segment; each pool keeps its free blocks in a `BTreeSet` ordered by
 //! (size, segment id, offset), so the first entry at or above the request is the best fit. Segment ids
 //! increase monotonically and are never reused, which keeps every choice deterministic: the same
@@ -54,9 +55,32 @@ const MAX_BYTES: u64 = isize::MAX as u64;
 /// Virtual address of the first segment; later segments follow at 2 MiB-aligned addresses.
 const FIRST_ADDRESS: u64 = 1 << 32;
 
-/// Handle to a live block. Valid until passed to `free`.
+/// Opaque handle to a live block, valid until passed to `free`. It names its allocator and carries the
+/// serial number of the allocation it was handed out for, so a stale handle (its block freed, the
+/// record reused) or one from another allocator is refused with [`InvalidBlock`] instead of acting
+/// on someone else's block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockId(pub u32);
+pub struct BlockId {
+    allocator: u32,
+    index: u32,
+    serial: u64,
+}
+
+/// A [`BlockId`] that does not name a live block of this allocator: already freed, or handed out by
+/// another allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InvalidBlock(pub BlockId);
+
+impl std::fmt::Display for InvalidBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} is not a live block of this allocator (already freed, or from another allocator)", self.0)
+    }
+}
+
+impl std::error::Error for InvalidBlock {}
+
+/// Distinguishes allocators in their block handles.
+static NEXT_ALLOCATOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Fault injection: make requests fail with `OutOfMemory { injected: true, .. }` for testing recovery.
 /// Requests are counted from 1 over the allocator's life (only `allocate` calls count).
@@ -140,6 +164,20 @@ pub struct BlockSnapshot {
     pub owner: Request,
 }
 
+/// An owned copy of what an allocator knows at one moment, for profiles and tests that must not hold
+/// the allocator (a device keeps it behind a lock that its own operations take).
+#[derive(Clone, Debug, Default)]
+pub struct MemoryState {
+    pub capacity: Option<u64>,
+    pub stats: MemoryStats,
+    /// The timeline's events with their times (ns since the allocator started), oldest first.
+    pub events: Vec<(Event, u64)>,
+    /// Events the bounded timeline dropped before `events[0]` (0 when complete).
+    pub dropped_events: u64,
+    /// [`Allocator::snapshot`].
+    pub segments: Vec<SegmentSnapshot>,
+}
+
 pub struct Allocator {
     backend: Box<dyn SegmentBackend>,
     holds_data: bool,
@@ -157,6 +195,10 @@ pub struct Allocator {
     timeline: Timeline,
     /// `allocate` calls so far (the fault-injection request number).
     requests: u64,
+    /// This allocator's number in its block handles.
+    id: u32,
+    /// Allocations handed out so far (the serial of the last one).
+    handed_out: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,6 +225,8 @@ struct Block {
     owner: Request,
     /// The caller's byte count (while allocated).
     requested: u64,
+    /// The serial number of the allocation holding the block (while allocated; see [`BlockId`]).
+    serial: u64,
 }
 
 #[derive(Debug)]
@@ -259,6 +303,8 @@ impl Allocator {
             next_address: FIRST_ADDRESS,
             stats: MemoryStats::default(),
             requests: 0,
+            id: NEXT_ALLOCATOR.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            handed_out: 0,
         }
     }
 
@@ -293,10 +339,11 @@ impl Allocator {
         Ok(self.hand_out(index, rounded, bytes, request))
     }
 
-    /// Frees a live block. Freeing an unknown or already freed id is an internal error (panic).
-    pub fn free(&mut self, id: BlockId) {
-        let index = id.0;
-        let block = self.live_block(id).clone();
+    /// Frees a live block. A handle that names no live block of this allocator (freed already, or
+    /// another allocator's) is refused and changes nothing.
+    pub fn free(&mut self, id: BlockId) -> Result<(), InvalidBlock> {
+        let index = id.index;
+        let block = self.live_block(id)?.clone();
 
         self.stats.allocated_bytes.decrease(block.size);
         self.stats.active_bytes.decrease(block.size);
@@ -342,28 +389,31 @@ impl Allocator {
         self.adjust_inactive_split(inactive_before, inactive_after);
 
         self.record(EventKind::Free, block.size, address, block.owner);
+        Ok(())
     }
 
     /// Re-tags a live block (moves its bytes between categories) and records a Retag event, unless the
     /// block already has that category (then nothing happens). Allocated bytes do not change, so
     /// neither does `category_at_peak`: it keeps the mix of the moment the peak was reached.
-    pub fn set_category(&mut self, id: BlockId, category: Category) {
-        let block = self.live_block(id);
+    pub fn set_category(&mut self, id: BlockId, category: Category) -> Result<(), InvalidBlock> {
+        let block = self.live_block(id)?;
         let (old, size) = (block.owner.category, block.size);
         if old == category {
-            return;
+            return Ok(());
         }
         let address = self.segments[&block.segment].address + block.offset;
         self.stats.by_category[old.index()].decrease(size);
         self.stats.by_category[category.index()].increase(size);
-        let owner = &mut self.block_mut(id.0).owner;
+        let owner = &mut self.block_mut(id.index).owner;
         owner.category = category;
         let owner = *owner;
         self.record(EventKind::Retag, size, address, owner);
+        Ok(())
     }
 
-    pub fn category_of(&self, id: BlockId) -> Category {
-        self.live_block(id).owner.category
+    /// The category a live block is accounted under.
+    pub fn category_of(&self, id: BlockId) -> Result<Category, InvalidBlock> {
+        Ok(self.live_block(id)?.owner.category)
     }
 
     /// Releases every fully free cached segment back to the backend.
@@ -425,6 +475,18 @@ impl Allocator {
             .collect();
         live.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         live.into_iter().map(|(_, _, allocation)| allocation).collect()
+    }
+
+    /// Capacity, statistics, timeline and segments, copied.
+    pub fn state(&self) -> MemoryState {
+        let timeline = &self.timeline;
+        MemoryState {
+            capacity: self.capacity(),
+            stats: self.stats.clone(),
+            events: timeline.timed_events().map(|(event, time)| (*event, time)).collect(),
+            dropped_events: timeline.total().saturating_sub(timeline.len() as u64),
+            segments: self.snapshot(),
+        }
     }
 
     /// Every segment and its blocks as they are now, by address (PyTorch's snapshot `segments`).
@@ -559,11 +621,11 @@ impl Allocator {
         self.blocks[index as usize].as_mut().expect("block index refers to a record")
     }
 
-    /// The record of a live block handed out to a caller; panics on anything else.
-    fn live_block(&self, id: BlockId) -> &Block {
-        match self.blocks.get(id.0 as usize) {
-            Some(Some(block)) if block.allocated => block,
-            _ => panic!("memfit-memory: {id:?} is not a live allocation (unknown or already freed)"),
+    /// The record of the live block `id` was handed out for.
+    fn live_block(&self, id: BlockId) -> Result<&Block, InvalidBlock> {
+        match self.blocks.get(id.index as usize) {
+            Some(Some(block)) if id.allocator == self.id && block.allocated && block.serial == id.serial => Ok(block),
+            _ => Err(InvalidBlock(id)),
         }
     }
 
@@ -633,6 +695,7 @@ impl Allocator {
             next: None,
             owner: request,
             requested: 0,
+            serial: 0,
         });
         let address = self.next_address;
         // Segments never overlap in the address space: the next one starts past this one, 2 MiB
@@ -700,11 +763,14 @@ impl Allocator {
         } else {
             block.size
         };
+        self.handed_out += 1;
+        let serial = self.handed_out;
         let taken = self.block_mut(index);
         taken.size = size;
         taken.allocated = true;
         taken.owner = request;
         taken.requested = requested;
+        taken.serial = serial;
 
         let segment = self.segments.get_mut(&block.segment).expect("block's segment exists");
         segment.free_bytes -= size;
@@ -727,7 +793,8 @@ impl Allocator {
         let ptr = base.map(|base| {
             NonNull::new(base.as_ptr().wrapping_add(block.offset as usize)).expect("in-bounds pointer is not null")
         });
-        Allocation { id: BlockId(index), ptr, size, requested }
+        let id = BlockId { allocator: self.id, index, serial: self.handed_out };
+        Allocation { id, ptr, size, requested }
     }
 
     fn adjust_inactive_split(&mut self, before: u64, after: u64) {
@@ -826,7 +893,7 @@ mod tests {
 
     /// (segment id, offset) of a live block.
     fn place(a: &Allocator, allocation: &Allocation) -> (u64, u64) {
-        let block = a.live_block(allocation.id);
+        let block = a.live_block(allocation.id).unwrap();
         (block.segment, block.offset)
     }
 
@@ -932,11 +999,11 @@ mod tests {
         assert_eq!(segment_sizes(&a), [2 * MIB]);
         assert_eq!((place(&a, &x), place(&a, &y)), ((0, 0), (0, 1024)));
         assert_eq!(a.stats().inactive_split_bytes.current, 2 * MIB - 2048);
-        a.free(x.id);
+        a.free(x.id).unwrap();
         ok(&a);
         assert_eq!(a.small_free.len(), 2, "a hole at 0 and the tail");
         assert_eq!(a.stats().inactive_split_bytes.current, 2 * MIB - 1024);
-        a.free(y.id);
+        a.free(y.id).unwrap();
         ok(&a);
         // One free block spanning the segment, which still counts as reserved but not as split.
         assert_eq!(a.small_free.iter().map(|k| k.0).collect::<Vec<_>>(), [2 * MIB]);
@@ -953,13 +1020,13 @@ mod tests {
     fn free_coalesces_with_both_neighbours() {
         let mut a = meta(None);
         let blocks: Vec<Allocation> = (0..4).map(|_| a.allocate(512, act()).unwrap()).collect();
-        a.free(blocks[0].id);
-        a.free(blocks[2].id);
+        a.free(blocks[0].id).unwrap();
+        a.free(blocks[2].id).unwrap();
         assert_eq!(a.small_free.len(), 3);
-        a.free(blocks[1].id); // merges 0, 1 and 2
+        a.free(blocks[1].id).unwrap(); // merges 0, 1 and 2
         ok(&a);
         assert_eq!(a.small_free.iter().map(|k| (k.0, k.2)).collect::<Vec<_>>(), [(1536, 0), (2 * MIB - 2048, 2048)]);
-        a.free(blocks[3].id);
+        a.free(blocks[3].id).unwrap();
         ok(&a);
         assert_eq!(a.small_free.len(), 1);
         assert_eq!(a.blocks.iter().filter(|b| b.is_some()).count(), 1, "merged records are released");
@@ -976,7 +1043,7 @@ mod tests {
         let _sep3 = a.allocate(512, act()).unwrap();
         let (p4, p2, p8) = (place(&a, &hole_4k), place(&a, &hole_2k), place(&a, &hole_8k));
         for hole in [hole_8k, hole_2k, hole_4k] {
-            a.free(hole.id);
+            a.free(hole.id).unwrap();
         }
         let r = a.allocate(2 * KIB, act()).unwrap();
         assert_eq!(place(&a, &r), p2, "exact fit");
@@ -993,8 +1060,8 @@ mod tests {
         // Two full small segments, each with two 1 MiB blocks.
         let blocks: Vec<Allocation> = (0..4).map(|_| a.allocate(MIB, act()).unwrap()).collect();
         assert_eq!(segment_sizes(&a), [2 * MIB, 2 * MIB]);
-        a.free(blocks[3].id); // segment 1, offset 1 MiB
-        a.free(blocks[0].id); // segment 0, offset 0
+        a.free(blocks[3].id).unwrap(); // segment 1, offset 1 MiB
+        a.free(blocks[0].id).unwrap(); // segment 0, offset 0
         let r = a.allocate(MIB, act()).unwrap();
         assert_eq!(place(&a, &r), (0, 0));
         let r = a.allocate(MIB, act()).unwrap();
@@ -1043,9 +1110,9 @@ mod tests {
         let b = a.allocate(MIB, act()).unwrap(); // segment 1 (small)
         let c = a.allocate(5 * MIB, act()).unwrap(); // segment 2 (large)
         assert_eq!(a.stats().reserved_bytes.current, 24 * MIB);
-        a.free(a0.id);
-        a.free(b.id);
-        a.free(c.id);
+        a.free(a0.id).unwrap();
+        a.free(b.id).unwrap();
+        a.free(c.id).unwrap();
         a.empty_cache();
         ok(&a);
         assert_eq!(segment_sizes(&a), [2 * MIB], "segment 0 still holds a live block");
@@ -1067,8 +1134,8 @@ mod tests {
         let mut a = host(Some(24 * MIB));
         let cached = a.allocate(10 * MIB, act()).unwrap();
         let small = a.allocate(KIB, act()).unwrap();
-        a.free(cached.id);
-        a.free(small.id);
+        a.free(cached.id).unwrap();
+        a.free(small.id).unwrap();
         assert_eq!(a.stats().reserved_bytes.current, 12 * MIB);
         // 14 MiB fits no cached block and needs its own segment: 12 + 14 > 24, so both cached
         // segments go and then it fits.
@@ -1135,9 +1202,9 @@ mod tests {
         assert!(!err.injected);
 
         // The allocator still works, and the held block is intact.
-        assert_eq!(a.category_of(held.id), Category::Parameter);
+        assert_eq!(a.category_of(held.id).unwrap(), Category::Parameter);
         let fits = a.allocate(10 * MIB, act()).unwrap();
-        a.free(fits.id);
+        a.free(fits.id).unwrap();
         ok(&a);
     }
 
@@ -1146,7 +1213,7 @@ mod tests {
         let mut a = meta(Some(24 * MIB));
         let _held = a.allocate(12 * MIB, act()).unwrap();
         let cached = a.allocate(KIB, act()).unwrap();
-        a.free(cached.id);
+        a.free(cached.id).unwrap();
         let err = a.allocate(16 * MIB, act()).unwrap_err();
         ok(&a);
         assert_eq!(a.stats().num_alloc_retries, 1);
@@ -1174,12 +1241,12 @@ mod tests {
         let (mut a, live, refuse) = counting();
         let small = a.allocate(KIB, act()).unwrap();
         let large = a.allocate(5 * MIB, act()).unwrap();
-        a.free(small.id);
-        a.free(large.id);
+        a.free(small.id).unwrap();
+        a.free(large.id).unwrap();
         refuse.store(true, Ordering::SeqCst);
         // Cached blocks still serve requests without asking the backend.
         let reused = a.allocate(KIB, act()).unwrap();
-        a.free(reused.id);
+        a.free(reused.id).unwrap();
         // A new segment is refused: the cache goes back, the retry is refused too.
         let err = a.allocate(22 * MIB, act()).unwrap_err();
         assert_eq!(live.load(Ordering::SeqCst), 0);
@@ -1237,8 +1304,8 @@ mod tests {
         let mut a = meta(None);
         let x = a.allocate(3000, req(Category::Temporary, "matmul")).unwrap();
         assert_eq!(a.stats().category(Category::Temporary).current, 3072);
-        a.set_category(x.id, Category::Activation);
-        assert_eq!(a.category_of(x.id), Category::Activation);
+        a.set_category(x.id, Category::Activation).unwrap();
+        assert_eq!(a.category_of(x.id).unwrap(), Category::Activation);
         assert_eq!(a.stats().category(Category::Temporary).current, 0);
         assert_eq!(a.stats().category(Category::Temporary).peak, 3072);
         assert_eq!(a.stats().category(Category::Activation).current, 3072);
@@ -1250,11 +1317,11 @@ mod tests {
         );
         assert_eq!((retag.allocated, retag.reserved), (3072, 2 * MIB));
         let events = a.timeline().len();
-        a.set_category(x.id, Category::Activation);
+        a.set_category(x.id, Category::Activation).unwrap();
         assert_eq!(a.stats().category(Category::Activation).allocated, 3072, "same category: no change");
         assert_eq!(a.timeline().len(), events, "and no event");
         ok(&a);
-        a.free(x.id);
+        a.free(x.id).unwrap();
         assert_eq!(a.stats().category(Category::Activation).current, 0);
         let free = a.timeline().events().last().copied().unwrap();
         assert_eq!((free.kind, free.category, free.op), (EventKind::Free, Category::Activation, "matmul"));
@@ -1269,8 +1336,8 @@ mod tests {
         owner.module = 7;
         let x = a.allocate(3 * KIB, owner).unwrap();
         let at_peak = a.stats().category_at_peak;
-        a.set_category(x.id, Category::Activation);
-        a.set_category(x.id, Category::Gradient);
+        a.set_category(x.id, Category::Activation).unwrap();
+        a.set_category(x.id, Category::Gradient).unwrap();
         // At the peak, but a re-tag reaches no peak: the mix of the moment the peak was reached stays.
         assert_eq!(a.stats().category_at_peak, at_peak);
         assert_eq!(a.stats().category(Category::Gradient).current, 3 * KIB);
@@ -1298,17 +1365,17 @@ mod tests {
         let _p = a.allocate(4 * KIB, req(Category::Parameter, "p")).unwrap();
         let t = a.allocate(4 * KIB, req(Category::Temporary, "t")).unwrap();
         assert_eq!((at_peak(&a, Category::Parameter), at_peak(&a, Category::Temporary)), (4 * KIB, 4 * KIB));
-        a.free(t.id);
+        a.free(t.id).unwrap();
         let g = a.allocate(2 * KIB, req(Category::Gradient, "g")).unwrap();
         assert_eq!(at_peak(&a, Category::Gradient), 0, "below the peak");
-        a.set_category(g.id, Category::Activation);
+        a.set_category(g.id, Category::Activation).unwrap();
         let h = a.allocate(2 * KIB, req(Category::Gradient, "g")).unwrap();
         // Equal to the peak: the latest mix wins.
         assert_eq!(a.stats().allocated_bytes.peak, 8 * KIB);
         assert_eq!(at_peak(&a, Category::Temporary), 0);
         assert_eq!(at_peak(&a, Category::Activation), 2 * KIB);
         assert_eq!(at_peak(&a, Category::Gradient), 2 * KIB);
-        a.free(h.id);
+        a.free(h.id).unwrap();
         a.reset_peak_stats();
         assert_eq!(a.stats().allocated_bytes.peak, 6 * KIB);
         assert_eq!(a.stats().category(Category::Gradient).peak, 0);
@@ -1320,7 +1387,7 @@ mod tests {
     fn timeline_records_totals_after_each_event() {
         let mut a = meta(None);
         let x = a.allocate(100, req(Category::Input, "load")).unwrap();
-        a.free(x.id);
+        a.free(x.id).unwrap();
         a.empty_cache();
         let got: Vec<(EventKind, u64, u64, u64, u64)> =
             a.timeline().events().map(|e| (e.kind, e.seq, e.bytes, e.allocated, e.reserved)).collect();
@@ -1351,7 +1418,7 @@ mod tests {
         assert_eq!(a.stats(), &expected);
         assert_eq!(a.timeline().events().last().unwrap().kind, EventKind::Oom);
         a.allocate(KIB, act()).unwrap();
-        a.free(first.id);
+        a.free(first.id).unwrap();
         ok(&a);
 
         // Requests keep counting over the allocator's life: 3 so far, so 6 and 9 fail.
@@ -1371,13 +1438,27 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "not a live allocation")]
-    fn double_free_panics() {
+    fn stale_and_foreign_handles_are_refused_and_change_nothing() {
         let mut a = meta(None);
         let x = a.allocate(KIB, act()).unwrap();
         let _y = a.allocate(KIB, act()).unwrap();
-        a.free(x.id);
-        a.free(x.id);
+        a.free(x.id).unwrap();
+        // The freed record's slot is reused by the next allocation: the old handle must not reach it.
+        let z = a.allocate(KIB, act()).unwrap();
+        let before = a.stats().clone();
+        assert_eq!(a.free(x.id), Err(InvalidBlock(x.id)));
+        assert_eq!(a.set_category(x.id, Category::Gradient), Err(InvalidBlock(x.id)));
+        assert_eq!(a.category_of(x.id), Err(InvalidBlock(x.id)));
+        assert_eq!(a.stats(), &before);
+        assert_eq!(a.category_of(z.id), Ok(Category::Activation));
+        let message = InvalidBlock(x.id).to_string();
+        assert!(message.contains("not a live block"), "{message}");
+
+        let mut other = meta(None);
+        let w = other.allocate(KIB, act()).unwrap();
+        assert_eq!(a.free(w.id), Err(InvalidBlock(w.id)), "another allocator's handle");
+        other.free(w.id).unwrap();
+        ok(&a);
     }
 
     #[test]
@@ -1386,7 +1467,7 @@ mod tests {
         a.allocate(KIB, act()).unwrap();
         a.allocate(5 * MIB, act()).unwrap();
         let c = a.allocate(16 * MIB, act()).unwrap();
-        a.free(c.id);
+        a.free(c.id).unwrap();
         assert_eq!(live.load(Ordering::SeqCst), 3);
         drop(a);
         assert_eq!(live.load(Ordering::SeqCst), 0);

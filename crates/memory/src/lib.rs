@@ -15,8 +15,8 @@ mod stats;
 mod timeline;
 
 pub use allocator::{
-    Allocation, Allocator, AllocatorConfig, BlockId, BlockSnapshot, FaultInjection, LiveAllocation, Request,
-    SegmentSnapshot,
+    Allocation, Allocator, AllocatorConfig, BlockId, BlockSnapshot, FaultInjection, InvalidBlock, LiveAllocation,
+    MemoryState, Request, SegmentSnapshot,
 };
 pub use backend::{HostBackend, MetaBackend, SegmentBackend};
 pub use bytes::{format_bytes, parse_bytes};

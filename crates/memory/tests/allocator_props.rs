@@ -199,7 +199,7 @@ fn check_invariants(allocator: &Allocator, live: &[Live], capacity: Option<u64>)
     prop_assert_eq!(stats.allocated_bytes.current, live.iter().map(|l| l.allocation.size).sum::<u64>());
     prop_assert_eq!(stats.requested_bytes.current, live.iter().map(|l| l.allocation.requested).sum::<u64>());
     for l in live {
-        prop_assert_eq!(allocator.category_of(l.allocation.id), l.category);
+        prop_assert_eq!(allocator.category_of(l.allocation.id).unwrap(), l.category);
     }
     let largest: Vec<u64> = allocator.live_allocations().iter().map(|l| l.size).collect();
     prop_assert!(largest.windows(2).all(|w| w[0] >= w[1]));
@@ -291,7 +291,7 @@ fn run(
                 if !live.is_empty() {
                     let block = live.swap_remove(pick % live.len());
                     verify(&block)?;
-                    allocator.free(block.allocation.id);
+                    allocator.free(block.allocation.id).unwrap();
                 }
             }
             Op::SetCategory { pick, category } => {
@@ -300,7 +300,7 @@ fn run(
                     let changes = live[index].category != Category::ALL[category];
                     let events = allocator.timeline().total();
                     live[index].category = Category::ALL[category];
-                    allocator.set_category(live[index].allocation.id, Category::ALL[category]);
+                    allocator.set_category(live[index].allocation.id, Category::ALL[category]).unwrap();
                     let recorded = allocator.timeline().total() - events;
                     prop_assert_eq!(recorded, u64::from(changes), "one Retag event exactly when the category changes");
                     if changes {
@@ -319,7 +319,7 @@ fn run(
 
     for block in live.drain(..) {
         verify(&block)?;
-        allocator.free(block.allocation.id);
+        allocator.free(block.allocation.id).unwrap();
     }
     check_invariants(&allocator, &live, capacity)?;
     prop_assert_eq!(allocator.stats().allocated_bytes.current, 0);

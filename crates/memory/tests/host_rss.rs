@@ -60,7 +60,7 @@ fn resident_memory_returns_to_the_system_and_peaks_within_the_capacity() {
         // Free every other block first (fragmenting the segments), then the rest.
         let (odd, even): (Vec<_>, Vec<_>) = live.into_iter().enumerate().partition(|(i, _)| i % 2 == 1);
         for (_, id) in odd.into_iter().chain(even) {
-            alloc.free(id);
+            alloc.free(id).unwrap();
         }
         alloc.empty_cache();
         let (now, _) = rss().unwrap();

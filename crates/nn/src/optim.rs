@@ -444,7 +444,7 @@ mod tests {
             b.set_grad(Some(grad(&d, &[1.0])));
             let stats = d.stats();
             let requests = stats.allocation.allocated + stats.num_ooms;
-            d.allocator().set_fault_injection(Some(FaultInjection::Nth(requests + fail_at)));
+            d.set_fault_injection(Some(FaultInjection::Nth(requests + fail_at)));
             let mut opt =
                 Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], OptimizerConfig::adamw(0.1));
             let err = opt.step().unwrap_err();
@@ -455,7 +455,7 @@ mod tests {
             assert!(opt.state().is_empty());
             assert_eq!(d.stats().category(Category::OptimizerState).current, 0, "nothing leaked");
             // After the failure, a retry succeeds.
-            d.allocator().set_fault_injection(None);
+            d.set_fault_injection(None);
             opt.step().unwrap();
             assert_eq!(opt.state().len(), 4);
             assert_ne!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);

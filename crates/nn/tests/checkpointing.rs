@@ -60,7 +60,7 @@ fn step(spec: &ModelSpec, device: &Device, checkpointed: bool) -> Step {
     assert!(!segments.names().is_empty());
     segments.set(&vec![checkpointed; segments.names().len()]).unwrap();
     let (x, y) = batch(spec, device);
-    device.allocator().reset_peak_stats();
+    device.reset_peak_stats();
     let held;
     {
         let _p = device.enter_phase(Phase::Forward);

@@ -26,7 +26,7 @@ mod snapshot;
 mod summary;
 mod trace;
 
-use memfit_memory::{Allocator, Event, MemoryStats, Phase, SegmentSnapshot};
+use memfit_memory::{Allocator, Event, MemoryState, MemoryStats, Phase, SegmentSnapshot};
 use std::path::Path;
 
 pub use curves::{curves_svg, write_curves, CurvePoint};
@@ -87,17 +87,21 @@ impl Recording {
     /// Everything the allocator itself knows: capacity, timeline (with its dropped count), snapshot and
     /// statistics. The caller adds `modules` and `spans`, which belong to the device.
     pub fn from_allocator(title: impl Into<String>, device: impl Into<String>, allocator: &Allocator) -> Recording {
-        let timeline = allocator.timeline();
+        Recording::from_state(title, device, allocator.state())
+    }
+
+    /// As [`Recording::from_allocator`], from a copy of its state (`Device::memory_state`).
+    pub fn from_state(title: impl Into<String>, device: impl Into<String>, state: MemoryState) -> Recording {
         Recording {
             title: title.into(),
             device: device.into(),
-            capacity: allocator.capacity(),
-            events: timeline.timed_events().map(|(event, time)| (*event, time)).collect(),
-            dropped_events: timeline.total().saturating_sub(timeline.len() as u64),
-            segments: allocator.snapshot(),
+            capacity: state.capacity,
+            events: state.events,
+            dropped_events: state.dropped_events,
+            segments: state.segments,
             modules: vec![String::new()],
             spans: Vec::new(),
-            stats: allocator.stats().clone(),
+            stats: state.stats,
         }
     }
 

@@ -472,21 +472,21 @@ fn re_tagging_run() -> Recording {
     let mut saved = Vec::new();
     for _ in 0..3 {
         let out = a.allocate(16 * MIB, at(Category::Temporary, "linear", Phase::Forward)).unwrap();
-        a.set_category(out.id, Category::Activation);
+        a.set_category(out.id, Category::Activation).unwrap();
         saved.push(out);
     }
     let loss = a.allocate(MIB, at(Category::Temporary, "loss", Phase::Forward)).unwrap();
     // Backward: the last activation's memory becomes a gradient, re-tagged; then the peak.
-    a.set_category(saved[2].id, Category::Temporary);
-    a.free(loss.id);
+    a.set_category(saved[2].id, Category::Temporary).unwrap();
+    a.free(loss.id).unwrap();
     let scratch = a.allocate(8 * MIB, at(Category::Temporary, "linear_backward", Phase::Backward)).unwrap();
     // At the peak but after it was reached: the mix of the peak stays.
-    a.set_category(saved[1].id, Category::Temporary);
-    a.free(scratch.id);
+    a.set_category(saved[1].id, Category::Temporary).unwrap();
+    a.free(scratch.id).unwrap();
     let grad = a.allocate(4 * MIB, at(Category::Temporary, "linear_backward", Phase::Backward)).unwrap();
-    a.set_category(grad.id, Category::Gradient);
-    a.free(saved[2].id);
-    a.free(saved[1].id);
+    a.set_category(grad.id, Category::Gradient).unwrap();
+    a.free(saved[2].id).unwrap();
+    a.free(saved[1].id).unwrap();
     let mut recording = Recording::from_allocator("re-tags", "meta", &a);
     recording.modules = vec![String::new()];
     recording
@@ -603,18 +603,18 @@ fn a_truncated_timeline_says_which_categories_it_cannot_know() {
     let request = |category| Request { category, op: "matmul", phase: Phase::Backward, module: 0 };
     // Before the window: a saved activation (re-tagged there too) and a block never re-tagged.
     let saved = a.allocate(MIB, request(Category::Temporary)).unwrap();
-    a.set_category(saved.id, Category::Activation);
+    a.set_category(saved.id, Category::Activation).unwrap();
     let _kept = a.allocate(2 * MIB, request(Category::Parameter)).unwrap();
     let filler = a.allocate(512, request(Category::Other)).unwrap();
-    a.free(filler.id);
+    a.free(filler.id).unwrap();
     // The window: the peak, then the saved activation re-tagged as a temporary (its category before
     // that re-tag is not in the window), freed.
     let scratch = a.allocate(3 * MIB, request(Category::Temporary)).unwrap();
-    a.free(scratch.id);
-    a.set_category(saved.id, Category::Temporary);
+    a.free(scratch.id).unwrap();
+    a.set_category(saved.id, Category::Temporary).unwrap();
     let later = a.allocate(512, request(Category::Temporary)).unwrap();
-    a.free(later.id);
-    a.free(saved.id);
+    a.free(later.id).unwrap();
+    a.free(saved.id).unwrap();
     let recording = Recording::from_allocator("truncated re-tag", "meta", &a);
     assert_eq!(recording.dropped_events, 7, "the window starts at the peak's allocation");
 

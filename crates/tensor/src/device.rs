@@ -11,8 +11,8 @@
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use memfit_memory::{
-    Allocator, AllocatorConfig, Category, FaultInjection, HostBackend, MemoryStats, MetaBackend, Phase, Request,
-    SegmentBackend,
+    Allocator, AllocatorConfig, Category, Event, FaultInjection, HostBackend, MemoryState, MemoryStats, MetaBackend,
+    Phase, Request, SegmentBackend,
 };
 use std::collections::HashMap;
 use std::fmt;
@@ -172,8 +172,9 @@ impl Device {
         self.0.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Locks the allocator, for statistics, the timeline and cache control.
-    pub fn allocator(&self) -> MutexGuard<'_, Allocator> {
+    /// Locks the allocator. Crate-private: every public method below takes the lock for one call and
+    /// returns owned values, so no caller can hold it across operations (which would deadlock them).
+    pub(crate) fn allocator(&self) -> MutexGuard<'_, Allocator> {
         // A poisoned lock means a panic elsewhere already; the allocator's own state is consistent
         // between calls, so keep using it.
         self.0.allocator.lock().unwrap_or_else(|e| e.into_inner())
@@ -185,6 +186,31 @@ impl Device {
 
     pub fn capacity(&self) -> Option<u64> {
         self.allocator().capacity()
+    }
+
+    /// Starts the peak statistics afresh from the current values.
+    pub fn reset_peak_stats(&self) {
+        self.allocator().reset_peak_stats()
+    }
+
+    /// Returns every fully free cached segment to the system.
+    pub fn empty_cache(&self) {
+        self.allocator().empty_cache()
+    }
+
+    /// Makes chosen future allocations fail (for testing out-of-memory recovery); None stops it.
+    pub fn set_fault_injection(&self, fault: Option<FaultInjection>) {
+        self.allocator().set_fault_injection(fault)
+    }
+
+    /// The allocator's timeline events, oldest first (a copy).
+    pub fn timeline_events(&self) -> Vec<Event> {
+        self.allocator().timeline().events().copied().collect()
+    }
+
+    /// Capacity, statistics, timeline and segments, copied (for profiles).
+    pub fn memory_state(&self) -> MemoryState {
+        self.allocator().state()
     }
 
     /// Allocates storage for `bytes` bytes, tagged with `category`, on behalf of `op`.

@@ -6,6 +6,9 @@ use crate::error::{Error, Result};
 use memfit_memory::{Allocation, Category};
 use std::ptr::NonNull;
 
+/// A storage holds its block from `new` to `drop`, and nothing else frees it.
+const LIVE: &str = "a storage's block is live until the storage drops";
+
 pub struct Storage {
     device: Device,
     allocation: Allocation,
@@ -33,11 +36,11 @@ impl Storage {
     }
 
     pub fn category(&self) -> Category {
-        self.device.allocator().category_of(self.allocation.id)
+        self.device.allocator().category_of(self.allocation.id).expect(LIVE)
     }
 
     pub fn set_category(&self, category: Category) {
-        self.device.allocator().set_category(self.allocation.id, category);
+        self.device.allocator().set_category(self.allocation.id, category).expect(LIVE);
     }
 
     pub(crate) fn ptr(&self) -> Result<NonNull<u8>> {
@@ -47,6 +50,6 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        self.device.allocator().free(self.allocation.id);
+        self.device.allocator().free(self.allocation.id).expect(LIVE);
     }
 }

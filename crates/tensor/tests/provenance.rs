@@ -21,7 +21,7 @@ fn step(device: &Device) {
 
 fn module_of(device: &Device, op: &str, phase: Phase) -> Vec<String> {
     let names = device.module_names();
-    let events: Vec<_> = device.allocator().timeline().events().copied().collect();
+    let events: Vec<_> = device.timeline_events();
     events
         .iter()
         .filter(|e| e.kind == EventKind::Alloc && e.op.starts_with(op) && e.phase == phase)
@@ -41,9 +41,8 @@ fn forward_and_backward_allocations_name_their_module() {
     // Backward allocations happen outside the scopes but under the module of the op they undo.
     let names = device.module_names();
     let backward_modules: Vec<String> = device
-        .allocator()
-        .timeline()
-        .events()
+        .timeline_events()
+        .into_iter()
         .filter(|e| e.kind == EventKind::Alloc && e.phase == Phase::Backward)
         .map(|e| names[e.module as usize].clone())
         .collect();
@@ -71,7 +70,7 @@ fn spans_are_recorded_only_while_profiling_and_change_no_allocation() {
         "{spans:?}"
     );
     assert!(spans.iter().all(|s| s.end_ns >= s.start_ns));
-    let events = |d: &Device| d.allocator().timeline().events().copied().collect::<Vec<_>>();
+    let events = |d: &Device| d.timeline_events();
     assert_eq!(events(&plain), events(&profiled), "profiling changes no allocation");
     let meta = Device::meta();
     meta.set_profiling(true);

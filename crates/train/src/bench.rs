@@ -146,7 +146,7 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
         record_samples: false,
     };
     session.run(data.as_ref(), None, &opts(warmup), &mut |_| {})?;
-    device.allocator().reset_peak_stats();
+    device.reset_peak_stats();
     let timed = synthetic(&spec, case.batch * 2, 1);
     let outcome = session.run(timed.as_ref(), None, &opts(steps), &mut |_| {})?;
     let stats = device.stats();

@@ -23,7 +23,7 @@ pub const PROFILE_FILES: [&str; 5] = ["memory.html", "snapshot.pickle", "trace.j
 
 /// Everything `device` recorded, under `title`.
 pub fn recording(device: &Device, title: String) -> Recording {
-    let mut rec = Recording::from_allocator(title, device.kind().name(), &device.allocator());
+    let mut rec = Recording::from_state(title, device.kind().name(), device.memory_state());
     rec.modules = device.module_names();
     rec.spans = device
         .take_spans()

@@ -370,7 +370,7 @@ impl Session {
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
                     self.check_released(before)?;
-                    self.device.allocator().empty_cache();
+                    self.device.empty_cache();
                     queue.failed(chunk, e)?;
                     recoveries += 1;
                 }
@@ -386,7 +386,7 @@ impl Session {
                 if !(recover && e.is_oom()) {
                     return Err(e.into());
                 }
-                self.device.allocator().empty_cache();
+                self.device.empty_cache();
                 recoveries += 1;
                 self.optimizer.step()?;
             }
@@ -427,7 +427,7 @@ impl Session {
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
                     self.check_released(before)?;
-                    device.allocator().empty_cache();
+                    device.empty_cache();
                     queue.failed(chunk, e)?;
                     recoveries += 1;
                 }

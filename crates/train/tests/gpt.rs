@@ -110,7 +110,7 @@ fn meta_and_cpu_allocate_identically_for_gpt_steps() {
         let mut s = Session::new(dev.clone(), &spec, adamw(), 1).unwrap();
         s.run(&train, Some(&val), &o, &mut |_| {}).unwrap();
     }
-    let events = |d: &Device| d.allocator().timeline().events().copied().collect::<Vec<_>>();
+    let events = |d: &Device| d.timeline_events();
     assert!(!events(&cpu).is_empty());
     assert_eq!(events(&cpu), events(&meta), "identical event sequences");
     assert_eq!(cpu.stats(), meta.stats(), "identical statistics");

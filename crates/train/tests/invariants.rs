@@ -20,7 +20,7 @@ fn meta_and_cpu_allocate_identically_for_training_steps() {
             let mut s = Session::new(dev.clone(), &spec, adamw(), 1).unwrap();
             s.run(&samples, Some(&data(&spec, 20)), &o, &mut |_| {}).unwrap();
         }
-        let events = |d: &memfit_tensor::Device| d.allocator().timeline().events().copied().collect::<Vec<_>>();
+        let events = |d: &memfit_tensor::Device| d.timeline_events();
         assert_eq!(events(&cpu), events(&meta), "{kind:?}: identical event sequences");
         assert!(!events(&cpu).is_empty());
         assert_eq!(cpu.stats(), meta.stats(), "{kind:?}: identical statistics");

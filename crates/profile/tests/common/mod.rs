@@ -40,26 +40,26 @@ impl Script {
         let request = Request { category, op, phase: self.phase, module: self.module };
         let allocation = self.allocator.allocate(bytes, request).expect("the script fits in its capacity");
         if let Some(old) = self.tensors.insert(name.to_string(), allocation) {
-            self.allocator.free(old.id);
+            self.allocator.free(old.id).unwrap();
         }
     }
 
     fn free(&mut self, name: &str) {
         let allocation = self.tensors.remove(name).unwrap_or_else(|| panic!("{name} is live"));
-        self.allocator.free(allocation.id);
+        self.allocator.free(allocation.id).unwrap();
     }
 
     /// Hands `from`'s block over to `to` under another category (a backward reusing a saved
     /// activation's memory for a gradient).
     fn reuse(&mut self, from: &str, to: &str, category: Category) {
         let allocation = self.tensors.remove(from).unwrap_or_else(|| panic!("{from} is live"));
-        self.allocator.set_category(allocation.id, category);
+        self.allocator.set_category(allocation.id, category).unwrap();
         assert!(self.tensors.insert(to.to_string(), allocation).is_none(), "{to} is not live");
     }
 
     fn retag(&mut self, name: &str, category: Category) {
         let id = self.tensors[name].id;
-        self.allocator.set_category(id, category);
+        self.allocator.set_category(id, category).unwrap();
     }
 
     fn now(&self) -> u64 {
