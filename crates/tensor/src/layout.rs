@@ -9,6 +9,19 @@ pub struct Layout {
     offset: usize,
 }
 
+/// The number of elements of `shape`, or an error naming it when that overflows `usize`. Every shape
+/// a tensor gets from a caller goes through this (new tensors, reshape, expand), so [`Layout::numel`]
+/// never wraps.
+pub(crate) fn checked_numel(shape: &[usize]) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::shape(format!("shape {shape:?} has more elements than fit in memory")))
+}
+
 pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![0; shape.len()];
     let mut acc = 1;

@@ -79,7 +79,8 @@ impl Tensor {
         }))
     }
 
-    /// Uninitialized (arbitrary contents) tensor.
+    /// Uninitialized (arbitrary contents) tensor, except that a bool tensor starts all false (any other
+    /// byte than 0 or 1 is not a bool, so reading arbitrary bytes as bools would be undefined).
     pub fn empty(
         device: &Device,
         shape: &[usize],
@@ -87,11 +88,16 @@ impl Tensor {
         category: Category,
         op: &'static str,
     ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
-        let bytes =
-            numel.checked_mul(dtype.size()).ok_or_else(|| Error::shape(format!("shape {shape:?} is too large")))?;
+        let numel = crate::layout::checked_numel(shape)?;
+        let bytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::shape(format!("shape {shape:?} has more bytes than fit in memory")))?;
         let storage = device.allocate(bytes, category, op)?;
-        Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype))
+        let t = Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype);
+        if dtype == DType::Bool {
+            device.backend().fill_zeros(&t)?;
+        }
+        Ok(t)
     }
 
     pub fn zeros(device: &Device, shape: &[usize], dtype: DType, category: Category) -> Result<Tensor> {
@@ -102,6 +108,7 @@ impl Tensor {
 
     /// A tensor filled with `value` (float dtypes).
     pub fn full(device: &Device, shape: &[usize], value: f64, dtype: DType, category: Category) -> Result<Tensor> {
+        crate::ops::check_computable("full", dtype)?;
         let t = Tensor::empty(device, shape, dtype, category, "full")?;
         device.backend().fill(&t, value)?;
         Ok(t)
@@ -109,8 +116,7 @@ impl Tensor {
 
     /// Copies host data into a new tensor. On meta only the allocation happens.
     pub fn from_slice<T: Element>(device: &Device, data: &[T], shape: &[usize], category: Category) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
-        if numel != data.len() {
+        if crate::layout::checked_numel(shape)? != data.len() {
             return Err(Error::shape(format!("{} values do not fill shape {shape:?}", data.len())));
         }
         let t = Tensor::empty(device, shape, T::DTYPE, category, "from_slice")?;

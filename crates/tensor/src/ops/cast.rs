@@ -6,7 +6,7 @@
 //! to nearest even, keeps subnormals and overflows to infinity (checked bit for bit against PyTorch in
 //! the tests). The kernel is the backend's (`backend/cpu/cast.rs`).
 
-use super::output;
+use super::output_any;
 use crate::autograd::{needs_grad, record, Backward};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -29,7 +29,7 @@ impl Tensor {
             return Err(Error::dtype(format!("to_dtype: {from} casts only to f32 or f64, not {dtype}")));
         }
         let x = self.contiguous()?;
-        let out = output(&x, x.shape(), dtype, "cast")?;
+        let out = output_any(&x, x.shape(), dtype, "cast")?;
         x.device().backend().cast(&x, &out)?;
         if from.is_float() && needs_grad(&[&x]) {
             Ok(record(out, "cast", &[&x], CastBack { from }))

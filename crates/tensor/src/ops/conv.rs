@@ -20,7 +20,6 @@
 
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, Backward};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use std::ops::Range;
@@ -228,13 +227,6 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, params: Conv2d
     conv2d_with(x, weight, bias, params, LIMITS)
 }
 
-fn check_float(op: &str, dtype: DType) -> Result<()> {
-    match dtype {
-        DType::F32 | DType::F64 => Ok(()),
-        other => Err(Error::dtype(format!("{op} supports f32 and f64, not {other}"))),
-    }
-}
-
 /// An optional workspace of `len` elements (none when empty).
 fn workspace(like: &Tensor, len: usize, op: &'static str) -> Result<Option<Tensor>> {
     if len == 0 {
@@ -257,7 +249,7 @@ fn conv2d_with(
     let mut all = vec![x, weight];
     all.extend(bias);
     check_same("conv2d", &all)?;
-    check_float("conv2d", x.dtype())?;
+    super::check_computable("conv2d", x.dtype())?;
     let g = geometry(x.shape(), weight.shape(), &params, x.dtype().size(), limits)?;
     if let Some(b) = bias {
         if b.shape() != [g.o] {
@@ -347,7 +339,7 @@ mod tests {
     use crate::autograd::backward_with;
     use crate::memory::{Category, EventKind, Phase};
     use crate::ops::softmax::test_support::{assert_close, gradcheck};
-    use crate::Device;
+    use crate::{DType, Device};
 
     fn leaf(dev: &Device, data: &[f64], shape: &[usize], grad: bool) -> Tensor {
         let t = Tensor::from_slice(dev, data, shape, Category::Parameter).unwrap();

@@ -25,7 +25,7 @@ pub fn dropout(x: &Tensor, p: f64, training: bool, seed: u64) -> Result<Tensor> 
     let numel = x.numel();
     let grad = needs_grad(&[&x]);
     let out = output(&x, x.shape(), x.dtype(), "dropout")?;
-    let mask = if grad { Some(output(&x, &[numel.div_ceil(8)], DType::U8, "dropout")?) } else { None };
+    let mask = if grad { Some(super::output_any(&x, &[numel.div_ceil(8)], DType::U8, "dropout")?) } else { None };
     x.device().backend().dropout(&x, p, seed, &out, mask.as_ref())?;
     match mask {
         Some(mask) => Ok(record(out, "dropout", &[&x], DropoutBack { mask: save(&mask), p })),

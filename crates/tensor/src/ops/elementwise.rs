@@ -232,6 +232,7 @@ use super::sum_to_shape;
 /// `dst += src` in place (same shape; any layouts). Not recorded by autograd.
 pub fn add_into(dst: &Tensor, src: &Tensor) -> Result<()> {
     check_same("add_into", &[dst, src])?;
+    super::check_computable("add_into", dst.dtype())?;
     if dst.shape() != src.shape() {
         return Err(Error::shape(format!("add_into: {:?} and {:?} differ", dst.shape(), src.shape())));
     }

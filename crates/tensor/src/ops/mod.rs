@@ -37,8 +37,24 @@ use crate::tensor::Tensor;
 use crate::DType;
 use memfit_memory::Category;
 
+/// Errors unless kernels compute in `dtype` (f32 and f64). Ops check this before they allocate or run
+/// anything, on every device, so `meta` refuses exactly what `cpu` refuses.
+pub(crate) fn check_computable(op: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F64 => Ok(()),
+        other => Err(Error::dtype(format!("{op} supports f32 and f64, not {other}"))),
+    }
+}
+
 /// A fresh output tensor for `op`, on `like`'s device, counted as a temporary until autograd saves it.
+/// `dtype` is the dtype the op computes in, so it is checked ([`check_computable`]).
 pub(crate) fn output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
+    check_computable(op, dtype)?;
+    output_any(like, shape, dtype, op)
+}
+
+/// As [`output`], for a dtype the op stores rather than computes in: indices, masks, casts, copies.
+pub(crate) fn output_any(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
     Tensor::empty(like.device(), shape, dtype, Category::Temporary, op)
 }
 

@@ -221,7 +221,7 @@ impl Backward for LayerNormLinearBack {
         let gb = if has_bias && needs[4] { Some(g2.sum_dim(0, false)?) } else { None };
         // Everything is allocated before x may be overwritten.
         let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
-        let sums = if need_lw || need_lb { Some(output(&grad, &[2, d], DType::F64, NAME)?) } else { None };
+        let sums = if need_lw || need_lb { Some(super::output_any(&grad, &[2, d], DType::F64, NAME)?) } else { None };
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
         grad.device().backend().layer_norm_linear_backward(

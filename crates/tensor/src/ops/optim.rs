@@ -21,6 +21,7 @@ fn check_update(op: &str, param: &Tensor, grad: &Tensor, states: &[&Tensor]) -> 
     let mut all = vec![param, grad];
     all.extend_from_slice(states);
     check_same(op, &all)?;
+    super::check_computable(op, param.dtype())?;
     for t in &all[1..] {
         if t.shape() != param.shape() {
             return Err(Error::shape(format!(
@@ -140,6 +141,7 @@ pub fn unscale_(grad: &Tensor, inv_scale: f64) -> Result<bool> {
     if !grad.is_contiguous() {
         return Err(Error::invalid(format!("unscale_: the gradient {:?} must be contiguous", grad.shape())));
     }
+    super::check_computable("unscale_", grad.dtype())?;
     let mut found_inf = false;
     grad.device().backend().unscale(grad, inv_scale, &mut found_inf)?;
     Ok(found_inf)

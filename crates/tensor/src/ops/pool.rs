@@ -165,10 +165,11 @@ fn max_pool(x: &Tensor, params: Pool2dParams, want_indices: bool) -> Result<(Ten
     let x = x.contiguous()?;
     let shape = out_shape(&x, g.oh, g.ow);
     let out = output(&x, &shape, x.dtype(), "max_pool2d")?;
-    let indices = if want_indices { Some(output(&x, &shape, DType::I64, "max_pool2d")?) } else { None };
+    let indices = if want_indices { Some(super::output_any(&x, &shape, DType::I64, "max_pool2d")?) } else { None };
     let grad = needs_grad(&[&x]);
     let width = index_width(g.kh * g.kw);
-    let positions = if grad { Some(output(&x, &[out.numel() * width], DType::U8, "max_pool2d")?) } else { None };
+    let positions =
+        if grad { Some(super::output_any(&x, &[out.numel() * width], DType::U8, "max_pool2d")?) } else { None };
     x.device().backend().max_pool2d(&g, &x, &out, indices.as_ref(), positions.as_ref(), width)?;
     let out = match positions {
         Some(pos) => {

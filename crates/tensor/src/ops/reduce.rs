@@ -70,7 +70,7 @@ impl Tensor {
         }
         let shape = reduced_shape(x.shape(), d, keepdim);
         let values = output(&x, &shape, x.dtype(), "max")?;
-        let indices = output(&x, &shape, DType::I64, "max")?;
+        let indices = super::output_any(&x, &shape, DType::I64, "max")?;
         x.device().backend().max_dim(&x, outer, size, inner, &values, &indices)?;
         let values = if needs_grad(&[&x]) {
             let back = MaxDimBack { shape: x.shape().to_vec(), dim: d, indices: save(&indices) };

@@ -2,16 +2,16 @@
 //! A view shares storage; its backward maps the gradient back to the input's shape. The copies and
 //! accumulations are the backend's data-movement and element-wise kernels (`copy`, `add_into`).
 
-use super::output;
+use super::output_any;
 use crate::autograd::{needs_grad, record, Backward};
 use crate::error::{Error, Result};
-use crate::layout::{contiguous_strides, resolve_dim, Layout};
+use crate::layout::{checked_numel, contiguous_strides, resolve_dim, Layout};
 use crate::tensor::Tensor;
 
 impl Tensor {
     /// A row-major copy of any layout (no autograd; used by kernels and the engine).
     pub(crate) fn contiguous_copy(&self) -> Result<Tensor> {
-        let out = output(self, self.shape(), self.dtype(), "contiguous")?;
+        let out = output_any(self, self.shape(), self.dtype(), "contiguous")?;
         self.device().backend().copy(&out, self)?;
         Ok(out)
     }
@@ -52,14 +52,14 @@ impl Tensor {
                 out_shape.push(d as usize);
             }
         }
-        let known: usize = out_shape.iter().product();
+        let known = checked_numel(&out_shape)?;
         if let Some(i) = infer {
             if known == 0 || numel % known != 0 {
                 return Err(Error::shape(format!("reshape: cannot reshape {:?} into {shape:?}", self.shape())));
             }
             out_shape[i] = numel / known;
         }
-        if out_shape.iter().product::<usize>() != numel {
+        if checked_numel(&out_shape)? != numel {
             return Err(Error::shape(format!("reshape: cannot reshape {:?} into {shape:?}", self.shape())));
         }
         let src = self.contiguous()?;
@@ -149,6 +149,7 @@ impl Tensor {
         if shape == l.shape() {
             return Ok(self.clone());
         }
+        checked_numel(shape)?;
         let view = self.with_layout(Layout::new(shape.to_vec(), strides, l.offset()));
         Ok(if needs_grad(&[self]) {
             record(view, "expand", &[self], ExpandBack { shape: self.shape().to_vec() })
