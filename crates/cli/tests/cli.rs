@@ -62,6 +62,7 @@ fn the_report_has_the_documented_fields() {
         "predicted_peak_reserved_bytes",
         "oom_recoveries",
         "allocated_bytes_at_end",
+        "host",
     ] {
         assert!(r.get(key).is_some(), "report lacks {key}: {r}");
     }
@@ -436,4 +437,38 @@ fn planning_a_huge_batch_under_a_huge_budget_stays_small_and_quick() {
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(r["micro_batch"].as_u64().unwrap() <= 1 << 16, "{r}");
     assert!(started.elapsed().as_secs() < 10, "planned in bounded time");
+}
+
+/// Issue 12, part 3: the process's peak resident memory (VmHWM, read by memfit at the end of the run)
+/// stays within what was reserved for it: the resident memory at start, the device capacity, and the
+/// host memory the report names (data, timeline, kernel workspace), plus 8 MiB for everything else
+/// (thread stacks, code paged in, transient buffers of loading). Also with dozens of out-of-memory
+/// recoveries, whose freed segments go back to the system.
+#[test]
+fn peak_resident_memory_stays_within_the_cap_and_the_host_memory_the_report_names() {
+    const SLACK: u64 = 8 << 20;
+    let runs: [(&str, &[&str]); 4] = [
+        ("normal", &["--data", "embedded", "--memory", "24MiB", "--batch-size", "64", "--max-steps", "6"]),
+        ("oom-heavy", &["--data", "embedded", "--micro-batch", "64", "--memory", "2MiB", "--max-steps", "3"]),
+        ("injected", &["--data", "embedded", "--memory", "8MiB", "--max-steps", "6", "--inject-oom", "40"]),
+        ("gpt", &["--model", "gpt", "--memory", "96MiB", "--max-steps", "2", "--no-eval"]),
+    ];
+    for (name, args) in runs {
+        let r = report(&[&["train"], args].concat(), &format!("rss-{name}.json"));
+        let host = &r["host"];
+        let bytes = |key: &str| host[key].as_u64().unwrap_or_else(|| panic!("{name}: host.{key} in {host}"));
+        let cap = r["capacity_bytes"].as_u64().unwrap();
+        let held = bytes("dataset_bytes") + bytes("timeline_bytes") + bytes("kernel_workspace_bytes");
+        let (start, peak) = (bytes("rss_at_start_bytes"), bytes("peak_rss_bytes"));
+        let bound = start + cap + held + SLACK;
+        assert!(peak <= bound, "{name}: peak RSS {peak} > {bound} (start {start} + cap {cap} + host {held} + slack)");
+        assert!(peak > start + r["peak_reserved_bytes"].as_u64().unwrap() / 2, "{name}: the peak counts the device");
+        if name == "oom-heavy" {
+            assert!(r["num_ooms"].as_u64().unwrap() >= 20, "{name}: many recoveries: {}", r["num_ooms"]);
+        }
+    }
+    // The embedded images: 10,000 of 28x28 bytes and their labels.
+    let r = report(&["train", "--data", "embedded", "--max-steps", "1", "--no-eval"], "rss-data.json");
+    assert_eq!(r["host"]["dataset_bytes"], 10_000 * (28 * 28 + 1));
+    assert_eq!(r["host"]["kernel_workspace_bytes"].as_u64().unwrap() % (1 << 20), 0, "{}", r["host"]);
 }

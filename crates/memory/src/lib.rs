@@ -11,6 +11,7 @@ mod backend;
 mod bytes;
 mod category;
 mod oom;
+pub mod process;
 mod stats;
 mod timeline;
 

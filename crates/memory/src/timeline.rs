@@ -106,6 +106,12 @@ impl Timeline {
         self.events.is_empty()
     }
 
+    /// The most host memory the buffer can hold: `capacity` events and their times.
+    pub fn max_bytes(&self) -> u64 {
+        let per_event = std::mem::size_of::<Event>() + std::mem::size_of::<u64>();
+        (self.capacity as u64).saturating_mul(per_event as u64)
+    }
+
     /// Events ever recorded, including those dropped from the buffer.
     pub fn total(&self) -> u64 {
         self.total

@@ -208,6 +208,11 @@ impl Device {
         self.allocator().timeline().events().copied().collect()
     }
 
+    /// Host memory the allocator's timeline can take at most (it is bounded, outside the capacity).
+    pub fn timeline_max_bytes(&self) -> u64 {
+        self.allocator().timeline().max_bytes()
+    }
+
     /// Capacity, statistics, timeline and segments, copied (for profiles).
     pub fn memory_state(&self) -> MemoryState {
         self.allocator().state()

@@ -36,6 +36,8 @@ pub struct RunSummary {
     pub profile_files: Vec<PathBuf>,
     /// Segments that ran with activation checkpointing.
     pub checkpointed: Vec<String>,
+    /// Host memory outside the device's capacity.
+    pub host: crate::report::HostMemory,
 }
 
 /// What the job tells its caller while it runs.
@@ -69,6 +71,7 @@ pub fn train(cfg: &TrainConfig, observer: &mut dyn Observer) -> Result<RunSummar
 }
 
 fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer) -> Result<RunSummary, TrainError> {
+    let rss_at_start = memfit_tensor::memory::process::resident().map(|r| r.current);
     let (outputs, inputs) = cfg.paths();
     for input in &inputs {
         crate::output::check_input(&input.flag, &input.path)?;
@@ -254,6 +257,13 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         threads,
         profile_files,
         checkpointed,
+        host: crate::report::HostMemory {
+            dataset_bytes: task.host_bytes(),
+            timeline_bytes: device.timeline_max_bytes(),
+            kernel_workspace_bytes: (memfit_kernels::gemm::WORKSPACE_BYTES_PER_THREAD * threads) as u64,
+            rss_at_start_bytes: rss_at_start,
+            peak_rss_bytes: memfit_tensor::memory::process::resident().map(|r| r.peak),
+        },
     };
     if let Some(path) = &cfg.report {
         let report = crate::report::Report::new(&summary);

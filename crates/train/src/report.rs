@@ -16,6 +16,29 @@ pub struct PlanReport {
     pub effective_batch: usize,
 }
 
+/// Host memory of a run outside the device's capacity: what memfit holds there (each part bounded)
+/// and the process's resident memory as the system counts it (null where it does not say).
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct HostMemory {
+    /// The loaded data set (train and validation).
+    pub dataset_bytes: u64,
+    /// The allocator timeline's buffer, at most.
+    pub timeline_bytes: u64,
+    /// The matrix-multiply packing buffers of every worker thread, at most.
+    pub kernel_workspace_bytes: u64,
+    /// Resident before the job loaded anything (the program itself).
+    pub rss_at_start_bytes: Option<u64>,
+    /// The most ever resident (Linux `VmHWM`), at the end of the run.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl HostMemory {
+    /// What memfit holds on the host besides the device's segments.
+    pub fn held_bytes(&self) -> u64 {
+        self.dataset_bytes + self.timeline_bytes + self.kernel_workspace_bytes
+    }
+}
+
 /// The JSON report. Byte counts are integers; absent values are null.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -75,6 +98,7 @@ pub struct Report {
     pub final_micro_batch: usize,
     pub step_time_ms_median: f64,
     pub samples_per_second: f64,
+    pub host: HostMemory,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -156,6 +180,7 @@ impl Report {
             final_micro_batch: s.outcome.final_micro_batch,
             step_time_ms_median: median_ms,
             samples_per_second: if total_s > 0.0 { s.outcome.samples_seen as f64 / total_s } else { 0.0 },
+            host: s.host.clone(),
         }
     }
 
@@ -203,6 +228,17 @@ impl Report {
             self.plan.accumulation_steps,
             self.final_micro_batch
         ));
+        let h = &self.host;
+        s.push_str(&format!(
+            "  host: data {}, timeline {}, kernel workspace {} (outside the device capacity, each bounded)",
+            format_bytes(h.dataset_bytes),
+            format_bytes(h.timeline_bytes),
+            format_bytes(h.kernel_workspace_bytes)
+        ));
+        if let (Some(start), Some(peak)) = (h.rss_at_start_bytes, h.peak_rss_bytes) {
+            s.push_str(&format!("; process peak RSS {} ({} at start)", format_bytes(peak), format_bytes(start)));
+        }
+        s.push('\n');
         s
     }
 }

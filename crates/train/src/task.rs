@@ -51,6 +51,18 @@ impl Task {
         Ok(Task { spec: ModelSpec::image(cfg.model, input, memfit_data::NUM_CLASSES), data: TaskData::Images(images) })
     }
 
+    /// Host bytes the loaded data holds (pixels and labels, or token ids and the vocabulary): memory
+    /// outside the device's capacity, bounded by the data's size.
+    pub fn host_bytes(&self) -> u64 {
+        let bytes = match &self.data {
+            TaskData::Images(d) => [&d.train, &d.val].iter().map(|s| s.images.pixels.len() + s.labels.len()).sum(),
+            TaskData::Text { corpus, .. } => {
+                (corpus.train.len() + corpus.val.len() + corpus.vocab.len()) * std::mem::size_of::<u32>()
+            }
+        };
+        bytes as u64
+    }
+
     /// Where the data came from, for people.
     pub fn source(&self) -> String {
         match &self.data {
