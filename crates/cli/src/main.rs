@@ -196,11 +196,11 @@ struct TrainArgs {
     profile_on_oom: Option<PathBuf>,
     /// Write a training checkpoint every N optimizer steps into --save-dir: weights, optimizer state, data
     /// position and settings, all --resume needs. (Not --checkpoint, which is activation checkpointing.)
-    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_STEPS))]
+    #[arg(long, visible_alias = "checkpoint-every", allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_STEPS))]
     save_every: Option<u64>,
     /// Directory of the training checkpoints (created if missing; must not hold another run's). Also
     /// written when SIGINT (Ctrl-C) or SIGTERM stops the run.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, visible_alias = "checkpoint-dir", value_name = "DIR")]
     save_dir: Option<PathBuf>,
     /// Training checkpoints kept in --save-dir: the newest N, from 1 to 1000.
     #[arg(long, allow_negative_numbers = true, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_KEEP as u64))]

@@ -472,3 +472,22 @@ fn peak_resident_memory_stays_within_the_cap_and_the_host_memory_the_report_name
     assert_eq!(r["host"]["dataset_bytes"], 10_000 * (28 * 28 + 1));
     assert_eq!(r["host"]["kernel_workspace_bytes"].as_u64().unwrap() % (1 << 20), 0, "{}", r["host"]);
 }
+
+/// The names for periodic training checkpoints, `--checkpoint-every` and `--checkpoint-dir`,
+/// are aliases of `--save-every` and `--save-dir`.
+#[test]
+fn checkpoint_every_and_checkpoint_dir_write_resumable_checkpoints() {
+    let dir = temp("alias-ckpt");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let args = ["train", "--data", "embedded", "--max-steps", "2", "--no-eval", "--checkpoint-every", "1"];
+    let out = memfit(&[&args[..], &["--checkpoint-dir", d, "--keep", "5"]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    let mut names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names.iter().filter(|n| n.ends_with(".model.safetensors")).count(), 2, "{names:?}");
+    let resumed = memfit(&["train", "--resume", d]);
+    assert!(resumed.status.success(), "{}", text(&resumed));
+    assert!(text(&resumed).contains("for 2 steps"), "{}", text(&resumed));
+}
