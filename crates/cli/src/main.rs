@@ -257,10 +257,14 @@ struct PlanArgs {
     /// Seed of the dry runs' initialization and synthetic data.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
-    /// Activation checkpointing the plan assumes: none, all, auto (the fewest segments that make the
-    /// batch fit), or segment names separated by commas.
+    /// Activation checkpointing the plan assumes: none, all, auto (the planner weighs which segments to
+    /// checkpoint against a larger micro-batch, by predicted step time), or segment names separated by
+    /// commas.
     #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
     checkpoint: CheckpointChoice,
+    /// Keep this micro-batch (samples per forward/backward) and fit the rest around it.
+    #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
+    micro_batch: Option<u64>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -637,6 +641,9 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         safety_margin: a.safety_margin,
         checkpoint: a.checkpoint.clone(),
         seed: a.seed,
+        costs: memfit_train::cost::default_cache()
+            .map_or(memfit_train::cost::Costs::Calibrate, memfit_train::cost::Costs::Cached),
+        micro_batch: a.micro_batch.map(|m| m as usize),
     };
     let plan = memfit_train::plan(&request).map_err(|e| e.to_string())?;
     if a.json {
@@ -667,6 +674,16 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             "dominant_category": plan.training.dominant().name(),
             "larger_budget": plan.larger.map(|(m, b)| serde_json::json!({"micro_batch": m, "needs_bytes": b})),
             "checkpointed_segments": plan.checkpoint.segment_names(),
+            "predicted_step_time_ms": plan.predicted_step_ms,
+            "candidates": plan.candidates.iter().map(|c| serde_json::json!({
+                "checkpointed_segments": c.checkpointed,
+                "micro_batch": if c.fits() { Some(c.micro_batch) } else { None },
+                "accumulation_steps": if c.fits() { Some(c.accumulation_steps) } else { None },
+                "predicted_peak_reserved_bytes": c.peak_reserved,
+                "predicted_step_time_ms": c.step_ms,
+                "fits": c.fits(),
+            })).collect::<Vec<_>>(),
+            "calibration_ms": plan.calibration_ms,
             "planning_ms": plan.planning_ms,
         });
         println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);

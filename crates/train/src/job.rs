@@ -101,6 +101,8 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         safety_margin: cfg.safety_margin,
         seed: cfg.seed,
         checkpoint: cfg.checkpoint.clone(),
+        costs: crate::cost::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
+        micro_batch: cfg.micro_batch,
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
@@ -128,7 +130,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     let checkpoint = match (&cfg.checkpoint, &plan, cfg.memory) {
         (crate::config::CheckpointChoice::Auto, Some(p), _) => p.checkpoint.clone(),
         (crate::config::CheckpointChoice::Auto, None, Some(_)) => {
-            planner::fewest_segments(&request, micro)?.map_or(crate::config::CheckpointChoice::None, |(c, _)| c)
+            planner::fastest_segments(&request, micro)?.map_or(crate::config::CheckpointChoice::None, |(c, _)| c)
         }
         (choice, _, _) => choice.clone(),
     };
@@ -281,6 +283,9 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
         "this out-of-memory was injected by --inject-oom where recovery cannot absorb it (during setup, or on \
          one sample twice in a row); no --memory cap is set, so memory is not short: use a larger --inject-oom N"
             .to_string()
+    } else if request.capacity.is_some() {
+        let doctor = planner::remedies(request).map(|r| planner::prescribe(&r)).unwrap_or_default();
+        format!("{}\n{doctor}", advice_for_budget(request)).trim_end().to_string()
     } else {
         advice_for_budget(request)
     };

@@ -17,6 +17,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod cost;
 mod error;
 pub mod generate;
 pub mod job;

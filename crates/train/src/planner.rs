@@ -44,6 +44,10 @@ pub struct PlanRequest {
     pub seed: u64,
     /// Segments that run with activation checkpointing (the dry runs apply it too).
     pub checkpoint: crate::config::CheckpointChoice,
+    /// Where step times come from when the planner weighs configurations (`--checkpoint auto`).
+    pub costs: crate::cost::Costs,
+    /// A micro-batch the user fixed (`plan --micro-batch`): the plan keeps it and fits the rest.
+    pub micro_batch: Option<usize>,
 }
 
 impl PlanRequest {
@@ -91,6 +95,39 @@ pub struct Plan {
     pub planning_ms: f64,
     /// The activation checkpointing the plan assumes (`auto` resolved to the segments it chose).
     pub checkpoint: CheckpointChoice,
+    /// The configurations weighed (`--checkpoint auto`), in the order tried; empty otherwise.
+    pub candidates: Vec<Candidate>,
+    /// The step time the cost model predicts for the plan (`--checkpoint auto`).
+    pub predicted_step_ms: Option<f64>,
+    /// Time spent calibrating the cost model for this plan (0 when it came from the cache).
+    pub calibration_ms: f64,
+}
+
+/// One configuration the planner weighed: which segments it checkpoints, the largest micro-batch
+/// that then fits, its exact predicted peak and its predicted step time; `micro_batch` 0 when not even
+/// a micro-batch of 1 fits (then `peak_reserved` is what a micro-batch of 1 needs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    pub checkpointed: Vec<String>,
+    pub micro_batch: usize,
+    pub accumulation_steps: usize,
+    pub peak_reserved: u64,
+    pub step_ms: f64,
+}
+
+impl Candidate {
+    pub fn fits(&self) -> bool {
+        self.micro_batch > 0
+    }
+
+    /// The `--checkpoint` value that applies it.
+    pub fn checkpoint_flag(&self, all_segments: usize) -> String {
+        match self.checkpointed.len() {
+            0 => "none".to_string(),
+            n if n == all_segments => "all".to_string(),
+            _ => self.checkpointed.join(","),
+        }
+    }
 }
 
 /// Dry-runs `micro` (and an evaluation micro-batch, when given) on `meta` with `capacity`. None when it
@@ -194,56 +231,380 @@ fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, Trai
 }
 
 /// Chooses the largest micro-batch (and evaluation micro-batch) whose dry run fits the budget. With
-/// `--checkpoint auto`, first the activation checkpointing: none when micro-batch 1 fits without it,
-/// else the fewest segments, earliest first, with which it fits (recomputing costs time, so as little
-/// as the budget forces).
+/// `--checkpoint auto` and a budget, also which segments to checkpoint: Note [Choosing segments].
+/// When nothing fits, the error ends with the out-of-memory doctor's remedies ([`remedies`]).
 pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
+    let result = plan_or_refuse(req);
+    let Err(TrainError::Invalid(message)) = &result else { return result };
+    // `auto` weighed every remedy already; other choices get the doctor when the budget is the problem.
+    let micro = req.micro_batch.unwrap_or(1).min(req.effective_batch.max(1));
+    let short = req.checkpoint != CheckpointChoice::Auto
+        && req.budget().is_some()
+        && req.effective_batch > 0
+        && (0.0..=0.5).contains(&req.safety_margin)
+        && predict(req, micro, Some(micro.min(MAX_EVAL_MICRO)), req.budget())?.is_none();
+    if !short {
+        return result;
+    }
+    let remedies = remedies(req)?;
+    if remedies.is_empty() {
+        return result;
+    }
+    Err(TrainError::Invalid(format!("{message}\n{}", prescribe(&remedies))))
+}
+
+fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
     if req.checkpoint != CheckpointChoice::Auto {
         return plan_fixed(req);
     }
-    let start = Instant::now();
     let none = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
-    if req.budget().is_none() {
+    let names = segment_names(req)?;
+    if req.budget().is_none() || names.is_empty() {
         return plan_fixed(&none);
     }
-    match fewest_segments(req, 1)? {
-        Some((choice, dry_runs)) => {
-            let mut p = plan_fixed(&PlanRequest { checkpoint: choice, ..req.clone() })?;
-            p.dry_runs += dry_runs;
-            p.planning_ms = start.elapsed().as_secs_f64() * 1e3;
-            Ok(p)
+    let start = Instant::now();
+    let weighed = weigh(req, &names)?;
+    let best = weighed.fastest();
+    let Some(best) = best else {
+        return Err(TrainError::Invalid(weighed.nothing_fits(req)));
+    };
+    let chosen = PlanRequest { checkpoint: weighed.choice(best), ..req.clone() };
+    let mut p = plan_fixed(&chosen)?;
+    p.predicted_step_ms = Some(weighed.candidates[best].step_ms);
+    p.dry_runs += weighed.dry_runs;
+    p.calibration_ms = weighed.calibration_ms;
+    p.candidates = weighed.candidates;
+    p.planning_ms = start.elapsed().as_secs_f64() * 1e3;
+    Ok(p)
+}
+
+// Note [Choosing segments]
+// Which segments to checkpoint is a trade of saved bytes against recompute time, decided with exact
+// peaks from meta and times from the calibrated cost model (`cost.rs`). Each segment is first
+// checkpointed alone at micro-batch 1 on meta: the bytes it saves, divided by its share of the
+// recomputation, rank the segments (the most bytes per millisecond first). The candidates are the
+// ranked prefixes: none, the best one, the best two, ..., all. For each the planner finds the largest
+// micro-batch that fits (or checks the one the user fixed) and predicts the step time; it takes the
+// fastest that fits (ties: fewer segments). A larger micro-batch runs faster per sample and fewer
+// checkpointed segments recompute less, so at a mid budget the choice is often a few segments and a
+// larger micro-batch, faster than checkpointing everything and than a fixed sqrt(n) rule
+// (`train/tests/checkpointing.rs`). n + 1 candidates of a binary search each: planning stays in the
+// tens of milliseconds once the cost model is calibrated.
+
+/// The configurations weighed for one request.
+pub struct Weighed {
+    pub candidates: Vec<Candidate>,
+    /// Segment names in ranked order (the candidates are its prefixes).
+    pub ranked: Vec<String>,
+    pub dry_runs: usize,
+    pub calibration_ms: f64,
+    /// The step-time model the candidates were timed with.
+    pub costs: crate::cost::CostModel,
+}
+
+impl Weighed {
+    /// The index of the fastest candidate that fits (ties: the first, which has fewer segments).
+    pub fn fastest(&self) -> Option<usize> {
+        let mut best: Option<usize> = None;
+        for (i, c) in self.candidates.iter().enumerate() {
+            if c.fits() && best.is_none_or(|b| c.step_ms < self.candidates[b].step_ms) {
+                best = Some(i);
+            }
         }
-        // Nothing fits: say what the lightest configuration (every segment checkpointed) needs.
-        None => {
-            let all = PlanRequest { checkpoint: CheckpointChoice::All, ..req.clone() };
-            let needs = predict(&all, 1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
-            let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
-            let message = does_not_fit_message(req, needs, &cap);
-            Err(TrainError::Invalid(message.replacen(
-                ": even a micro-batch of 1",
-                " even with activation checkpointing of every segment: a micro-batch of 1",
-                1,
-            )))
+        best
+    }
+
+    /// The checkpointing of candidate `i`.
+    pub fn choice(&self, i: usize) -> CheckpointChoice {
+        let names = &self.candidates[i].checkpointed;
+        match names.len() {
+            0 => CheckpointChoice::None,
+            n if n == self.ranked.len() => CheckpointChoice::All,
+            _ => CheckpointChoice::Segments(names.clone()),
         }
+    }
+
+    /// The out-of-memory doctor's message when no candidate fits: every candidate's need at
+    /// micro-batch 1 and its step time, the fastest first, each with the flags that apply it.
+    pub fn nothing_fits(&self, req: &PlanRequest) -> String {
+        let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
+        let mut by_time: Vec<&Candidate> = self.candidates.iter().collect();
+        by_time.sort_by(|a, b| a.step_ms.total_cmp(&b.step_ms));
+        // A slower remedy is worth naming only when it needs less memory.
+        let mut lowest = u64::MAX;
+        by_time.retain(|c| {
+            let keep = c.peak_reserved < lowest;
+            lowest = lowest.min(c.peak_reserved);
+            keep
+        });
+        let lightest = self.candidates.iter().map(|c| c.peak_reserved).min().unwrap_or(0);
+        let micro = req.micro_batch.unwrap_or(1);
+        let mut s = format!(
+            "{} does not fit in {cap}{}: even a micro-batch of {micro} with activation checkpointing of every segment \
+             needs {} (peak reserved). Remedies, fastest first (peak reserved and step time predicted at micro-batch \
+             {micro}):",
+            req.model.kind.name(),
+            margin_words(req),
+            format_bytes(lightest),
+        );
+        for c in by_time {
+            let memory = memory_flag(with_margin(req, c.peak_reserved));
+            let flag = c.checkpoint_flag(self.ranked.len());
+            s.push_str(&format!(
+                "\n  a budget of {memory} with checkpointing {}: peak {}, ~{:.0} ms a step\n    {}",
+                if c.checkpointed.is_empty() { "nothing".to_string() } else { c.checkpointed.join(", ") },
+                format_bytes(c.peak_reserved),
+                c.step_ms,
+                command_with(&[("--memory", memory.clone()), ("--checkpoint", flag)])
+            ));
+        }
+        s.push_str("\n  or a smaller model.");
+        s
     }
 }
 
-/// The fewest segments, earliest first, whose checkpointing lets `micro` (training and an
-/// evaluation micro-batch as large) fit the budget: `None` when nothing fits; also the dry runs made.
-pub fn fewest_segments(req: &PlanRequest, micro: usize) -> Result<Option<(CheckpointChoice, usize)>, TrainError> {
-    let names = Session::new(Device::meta(), &req.model, req.optimizer, req.seed)?
+/// The segments `req.model` can checkpoint, by name (empty for a model without any).
+pub fn segment_names(req: &PlanRequest) -> Result<Vec<String>, TrainError> {
+    Ok(Session::new(Device::meta(), &req.model, req.optimizer, req.seed)?
         .model
         .checkpointing()
         .map(|c| c.names().to_vec())
-        .unwrap_or_default();
-    for k in 0..=names.len() {
-        let choice = if k == 0 { CheckpointChoice::None } else { CheckpointChoice::Segments(names[..k].to_vec()) };
-        let candidate = PlanRequest { checkpoint: choice, ..req.clone() };
-        if predict(&candidate, micro, Some(micro), candidate.budget())?.is_some() {
-            return Ok(Some((candidate.checkpoint, k + 1)));
+        .unwrap_or_default())
+}
+
+/// Weighs the ranked prefixes of `names` (Note [Choosing segments]), each at its largest fitting
+/// micro-batch, or at the one the user fixed.
+pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError> {
+    let micro = req.micro_batch;
+    let costs_start = Instant::now();
+    let cached = matches!(req.costs, crate::cost::Costs::Given(_));
+    let costs = crate::cost::model_for(req, names)?;
+    let calibration_ms = if cached { 0.0 } else { costs_start.elapsed().as_secs_f64() * 1e3 };
+    let mut dry_runs = 0;
+    let with = |checkpoint: CheckpointChoice| PlanRequest { checkpoint, ..req.clone() };
+    let training_peak = |r: &PlanRequest, dry_runs: &mut usize| -> Result<u64, TrainError> {
+        *dry_runs += 1;
+        Ok(predict(r, 1, None, None)?.map_or(u64::MAX, |p| p.peak_allocated))
+    };
+    let base = training_peak(&with(CheckpointChoice::None), &mut dry_runs)?;
+    let mut scored = Vec::new();
+    for name in names {
+        let peak = training_peak(&with(CheckpointChoice::Segments(vec![name.clone()])), &mut dry_runs)?;
+        let saved = base.saturating_sub(peak) as f64;
+        scored.push((saved / costs.share(name).max(1e-9), name.clone()));
+    }
+    // Stable: equal scores keep the model's order.
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let ranked: Vec<String> = scored.into_iter().map(|(_, n)| n).collect();
+    let mut candidates = Vec::new();
+    for k in 0..=ranked.len() {
+        let checkpointed = ranked[..k].to_vec();
+        let choice = match k {
+            0 => CheckpointChoice::None,
+            k if k == ranked.len() => CheckpointChoice::All,
+            _ => CheckpointChoice::Segments(checkpointed.clone()),
+        };
+        let r = with(choice);
+        let budget = r.budget();
+        let fitting = match micro {
+            Some(m) => {
+                dry_runs += 1;
+                predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), budget)?.map(|p| (m, p.peak_reserved))
+            }
+            None => match plan_fixed(&r) {
+                Ok(p) => {
+                    dry_runs += p.dry_runs;
+                    Some((p.micro_batch, p.training.peak_reserved))
+                }
+                Err(_) => None,
+            },
+        };
+        candidates.push(match fitting {
+            Some((m, peak)) => Candidate {
+                micro_batch: m,
+                accumulation_steps: req.effective_batch.div_ceil(m),
+                peak_reserved: peak,
+                step_ms: costs.step_ms(req.effective_batch, m, &checkpointed),
+                checkpointed,
+            },
+            None => {
+                dry_runs += 1;
+                let m = micro.unwrap_or(1);
+                let needs = predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), None)?.map_or(u64::MAX, |p| p.peak_reserved);
+                Candidate {
+                    micro_batch: 0,
+                    accumulation_steps: 0,
+                    peak_reserved: needs,
+                    step_ms: costs.step_ms(req.effective_batch, m, &checkpointed),
+                    checkpointed,
+                }
+            }
+        });
+    }
+    Ok(Weighed { candidates, ranked, dry_runs, calibration_ms, costs })
+}
+
+/// The fastest checkpointing (Note [Choosing segments]) with which a fixed micro-batch `micro` fits the
+/// budget, training and an evaluation micro-batch as large: `None` when nothing fits; also the dry runs made.
+pub fn fastest_segments(req: &PlanRequest, micro: usize) -> Result<Option<(CheckpointChoice, usize)>, TrainError> {
+    let names = segment_names(req)?;
+    let none = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    if names.is_empty() {
+        let fits = predict(&none, micro, Some(micro), none.budget())?.is_some();
+        return Ok(fits.then_some((CheckpointChoice::None, 1)));
+    }
+    let weighed = weigh(&PlanRequest { micro_batch: Some(micro), ..req.clone() }, &names)?;
+    Ok(weighed.fastest().map(|i| (weighed.choice(i), weighed.dry_runs)))
+}
+
+/// The command line that applies a remedy: this process's own (when it is the `memfit` command) with
+/// `flags` set, replacing any value they had; else just the flags.
+pub fn command_with(flags: &[(&str, String)]) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    let is_memfit = args.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == "memfit");
+    let mut out: Vec<String> = if is_memfit { vec!["memfit".to_string()] } else { vec!["add".to_string()] };
+    let mut rest = if is_memfit { args[1..].iter() } else { [].iter() };
+    while let Some(arg) = rest.next() {
+        let name = arg.split('=').next().unwrap_or(arg);
+        if flags.iter().any(|(flag, _)| *flag == name) {
+            if !arg.contains('=') {
+                rest.next(); // its value
+            }
+            continue;
+        }
+        out.push(arg.clone());
+    }
+    for (flag, value) in flags {
+        out.push(flag.to_string());
+        out.push(value.clone());
+    }
+    out.join(" ")
+}
+
+/// One way to make a run fit, with what it is predicted to cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Remedy {
+    /// What it changes, for people.
+    pub what: String,
+    pub peak_reserved: u64,
+    pub step_ms: Option<f64>,
+    /// The flags that apply it.
+    pub flags: Vec<(&'static str, String)>,
+}
+
+/// The out-of-memory doctor: the remedies that make `req`'s model and batch fit, the fastest first:
+/// each checkpointing candidate that fits the budget with its largest micro-batch (a smaller
+/// micro-batch with accumulation is the candidate without checkpointing), and the budget that fits
+/// the run as it was asked for (its fixed micro-batch, else micro-batch 1, nothing checkpointed).
+pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
+    let names = segment_names(req)?;
+    let free = PlanRequest { checkpoint: CheckpointChoice::Auto, micro_batch: None, ..req.clone() };
+    let mut out = Vec::new();
+    let mut costs = None;
+    if free.budget().is_some() && !names.is_empty() {
+        let w = weigh(&free, &names)?;
+        for c in w.candidates.iter().filter(|c| c.fits()) {
+            let what = match c.checkpointed.len() {
+                0 => format!("micro-batch {} x {}", c.micro_batch, c.accumulation_steps),
+                _ => format!(
+                    "checkpoint {} with micro-batch {} x {}",
+                    c.checkpointed.join(", "),
+                    c.micro_batch,
+                    c.accumulation_steps
+                ),
+            };
+            out.push(Remedy {
+                what,
+                peak_reserved: c.peak_reserved,
+                step_ms: Some(c.step_ms),
+                flags: vec![
+                    ("--micro-batch", c.micro_batch.to_string()),
+                    ("--checkpoint", c.checkpoint_flag(names.len())),
+                ],
+            });
+        }
+        costs = Some(w.costs);
+    } else if free.budget().is_some() {
+        let plain = PlanRequest { checkpoint: CheckpointChoice::None, ..free.clone() };
+        if let Ok(p) = plan_fixed(&plain) {
+            out.push(Remedy {
+                what: format!("micro-batch {} x {}", p.micro_batch, p.accumulation_steps),
+                peak_reserved: p.predicted.peak_reserved,
+                step_ms: None,
+                flags: vec![("--micro-batch", p.micro_batch.to_string())],
+            });
         }
     }
-    Ok(None)
+    let micro = req.micro_batch.unwrap_or(1).min(req.effective_batch.max(1));
+    let as_asked = PlanRequest {
+        checkpoint: if req.checkpoint == CheckpointChoice::Auto {
+            CheckpointChoice::None
+        } else {
+            req.checkpoint.clone()
+        },
+        ..req.clone()
+    };
+    if let Some(p) = predict(&as_asked, micro, Some(micro.min(MAX_EVAL_MICRO)), None)? {
+        let memory = memory_flag(with_margin(req, p.peak_reserved));
+        let checkpointed = as_asked.checkpoint.segment_names();
+        out.push(Remedy {
+            what: format!("a budget of {memory} for micro-batch {micro} as asked"),
+            peak_reserved: p.peak_reserved,
+            step_ms: costs.as_ref().map(|c: &crate::cost::CostModel| {
+                let all: Vec<String> = if checkpointed == ["all"] { names.clone() } else { checkpointed };
+                c.step_ms(req.effective_batch, micro, &all)
+            }),
+            flags: vec![("--memory", memory), ("--micro-batch", micro.to_string())],
+        });
+    }
+    out.sort_by(|a, b| a.step_ms.unwrap_or(f64::INFINITY).total_cmp(&b.step_ms.unwrap_or(f64::INFINITY)));
+    // A slower remedy is worth naming only when it needs less memory.
+    let mut lowest = u64::MAX;
+    out.retain(|r| {
+        let keep = r.peak_reserved < lowest;
+        lowest = lowest.min(r.peak_reserved);
+        keep
+    });
+    Ok(out)
+}
+
+/// The remedies as lines to print after an out-of-memory error, each with its command line.
+pub fn prescribe(remedies: &[Remedy]) -> String {
+    let mut s =
+        String::from("remedies, fastest first (peak reserved predicted exactly on meta, step time calibrated):");
+    for r in remedies {
+        let time = r.step_ms.map_or(String::new(), |t| format!(", ~{t:.0} ms a step"));
+        s.push_str(&format!(
+            "\n  {}: peak {}{time}\n    {}",
+            r.what,
+            format_bytes(r.peak_reserved),
+            command_with(&r.flags.iter().map(|(f, v)| (*f, v.clone())).collect::<Vec<_>>())
+        ));
+    }
+    s
+}
+
+/// A `--memory` value of at least `bytes`, rounded up to a whole MiB (KiB below 1 MiB).
+pub fn memory_flag(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{}MiB", bytes.div_ceil(1 << 20))
+    } else {
+        format!("{}KiB", bytes.div_ceil(1 << 10).max(1))
+    }
+}
+
+/// The capacity whose budget (less the safety margin) is `bytes`.
+fn with_margin(req: &PlanRequest, bytes: u64) -> u64 {
+    ((bytes as f64) / (1.0 - req.safety_margin)).ceil() as u64
+}
+
+/// " with a 10% safety margin", or nothing.
+fn margin_words(req: &PlanRequest) -> String {
+    if req.safety_margin > 0.0 {
+        format!(" with a {:.0}% safety margin", req.safety_margin * 100.0)
+    } else {
+        String::new()
+    }
 }
 
 fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
@@ -263,16 +624,22 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         dry_runs += 1;
         predict(req, micro, eval, cap)
     };
-    if run(1, Some(1), budget)?.is_none() {
-        let needs = run(1, Some(1), None)?.map(|p| p.peak_reserved).unwrap_or(0);
+    let first = req.micro_batch.unwrap_or(1).min(req.effective_batch);
+    if run(first, Some(first.min(MAX_EVAL_MICRO)), budget)?.is_none() {
+        let needs = run(first, Some(first.min(MAX_EVAL_MICRO)), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
     }
-    let high = search_limit(&req.model, req.effective_batch.min(MAX_MICRO), budget);
-    let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
-    // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
-    // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
-    let accumulation_steps = req.effective_batch.div_ceil(largest);
-    let micro = req.effective_batch.div_ceil(accumulation_steps);
+    let (largest, accumulation_steps, micro) = match req.micro_batch {
+        Some(_) => (first, req.effective_batch.div_ceil(first), first),
+        None => {
+            let high = search_limit(&req.model, req.effective_batch.min(MAX_MICRO), budget);
+            let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
+            // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch
+            // needs, but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
+            let accumulation_steps = req.effective_batch.div_ceil(largest);
+            (largest, accumulation_steps, req.effective_batch.div_ceil(accumulation_steps))
+        }
+    };
     let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch.min(MAX_MICRO)), budget);
     let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, Some(e), budget)?.is_some()))?;
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
@@ -297,6 +664,9 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         dry_runs,
         planning_ms: start.elapsed().as_secs_f64() * 1e3,
         checkpoint: req.checkpoint.clone(),
+        candidates: Vec::new(),
+        predicted_step_ms: None,
+        calibration_ms: 0.0,
     })
 }
 
@@ -307,10 +677,7 @@ fn checkpointing_remedy(req: &PlanRequest) -> Result<Option<String>, TrainError>
         return Ok(None);
     }
     let all = PlanRequest { checkpoint: CheckpointChoice::All, ..req.clone() };
-    let segments = Session::new(Device::meta(), &req.model, req.optimizer, req.seed)?
-        .model
-        .checkpointing()
-        .map_or(0, |c| c.names().len());
+    let segments = segment_names(req)?.len();
     if segments == 0 || predict(&all, 1, Some(1), all.budget())?.is_none() {
         return Ok(None);
     }
@@ -340,13 +707,9 @@ fn does_not_fit_message(req: &PlanRequest, needs: u64, cap: &str) -> String {
         "{} does not fit in {cap}{}: even a micro-batch of 1 needs {} (peak reserved). \
          Use --memory {} or more, or a smaller model.",
         req.model.kind.name(),
-        if req.safety_margin > 0.0 {
-            format!(" with a {:.0}% safety margin", req.safety_margin * 100.0)
-        } else {
-            String::new()
-        },
+        margin_words(req),
         format_bytes(needs),
-        format_bytes(((needs as f64) / (1.0 - req.safety_margin)).ceil() as u64),
+        format_bytes(with_margin(req, needs)),
     )
 }
 
@@ -404,7 +767,49 @@ impl Plan {
                 if self.effective_batch.div_ceil(micro) == 1 { "" } else { "s" }
             ));
         }
-        s.push_str(&format!("planned in {:.0} ms ({} dry runs on meta)\n", self.planning_ms, self.dry_runs));
+        if !self.candidates.is_empty() {
+            s.push_str(&self.candidates_table());
+        }
+        s.push_str(&format!("planned in {:.0} ms ({} dry runs on meta)", self.planning_ms, self.dry_runs));
+        if self.calibration_ms > 0.0 {
+            s.push_str(&format!(
+                ", {:.1} s of it calibrating step times on this machine (cached)",
+                self.calibration_ms / 1e3
+            ));
+        }
+        s.push('\n');
+        s
+    }
+
+    /// The configurations weighed, one a line, the chosen one marked.
+    pub fn candidates_table(&self) -> String {
+        let mut s = String::from(
+            "candidates weighed (peak exact from meta; step time from the cost model calibrated on this machine):\n",
+        );
+        s.push_str(&format!(
+            "    {:<32} {:>14} {:>14} {:>12}\n",
+            "checkpointed", "micro-batch", "peak reserved", "step time"
+        ));
+        let chosen = self.checkpoint.segment_names();
+        for c in &self.candidates {
+            let names = if c.checkpointed.is_empty() { "none".to_string() } else { c.checkpointed.join(",") };
+            let is_chosen = c.fits()
+                && c.micro_batch == self.micro_batch
+                && (c.checkpointed == chosen || (chosen == ["all"] && self.candidates.last() == Some(c)));
+            let micro = if c.fits() {
+                format!("{} x {}", c.micro_batch, c.accumulation_steps)
+            } else {
+                "does not fit".to_string()
+            };
+            s.push_str(&format!(
+                "  {} {:<32} {:>14} {:>14} {:>9.0} ms\n",
+                if is_chosen { "*" } else { " " },
+                names,
+                micro,
+                format_bytes(c.peak_reserved),
+                c.step_ms
+            ));
+        }
         s
     }
 }

@@ -98,6 +98,10 @@ pub struct Report {
     pub final_micro_batch: usize,
     pub step_time_ms_median: f64,
     pub samples_per_second: f64,
+    /// The step time the planner's cost model predicted (`--checkpoint auto` plans), and the measured
+    /// median's relative error against it (measured / predicted - 1).
+    pub predicted_step_time_ms: Option<f64>,
+    pub step_time_prediction_error: Option<f64>,
     pub host: HostMemory,
 }
 
@@ -180,6 +184,13 @@ impl Report {
             final_micro_batch: s.outcome.final_micro_batch,
             step_time_ms_median: median_ms,
             samples_per_second: if total_s > 0.0 { s.outcome.samples_seen as f64 / total_s } else { 0.0 },
+            predicted_step_time_ms: s.plan.as_ref().and_then(|p| p.predicted_step_ms),
+            step_time_prediction_error: s
+                .plan
+                .as_ref()
+                .and_then(|p| p.predicted_step_ms)
+                .filter(|&p| p > 0.0 && median_ms > 0.0)
+                .map(|p| median_ms / p - 1.0),
             host: s.host.clone(),
         }
     }

@@ -126,6 +126,8 @@ fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
         safety_margin: 0.0,
         seed: 5,
         checkpoint: Default::default(),
+        costs: Default::default(),
+        micro_batch: None,
     }
 }
 

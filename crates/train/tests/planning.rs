@@ -17,6 +17,8 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
         safety_margin: 0.0,
         seed: 5,
         checkpoint: Default::default(),
+        costs: Default::default(),
+        micro_batch: None,
     }
 }
 

@@ -1,0 +1,350 @@
+//! The time side of planning. The meta device predicts a configuration's memory exactly; how long a
+//! step takes depends on this machine, so it is measured: [`calibrate`] times a few real training
+//! steps on `cpu` (synthetic data, no cap) at micro-batches 1, 4, 16, ... until a step gets long,
+//! times the largest again with every segment checkpointed, profiles which share of the forward each
+//! segment takes, and times the optimizer update alone. The result, a [`CostModel`], predicts the step
+//! time of any micro-batch and checkpointed set:
+//!
+//! step = optimizer + sum over the window's micro-batches m of
+//!        plain(m) * (1 + recompute * sum over checkpointed segments s of share(s))
+//!
+//! where `plain` interpolates the measured forward-and-backward times linearly between the measured
+//! micro-batches (and extrapolates the last slope beyond), and `recompute` is the measured extra time
+//! of checkpointing every segment, as a fraction of `plain`. A model is cached per model, optimizer,
+//! instruction set, thread count and memfit version (`costs.json` in `MEMFIT_CACHE_DIR`, else
+//! `~/.cache/memfit`), so calibration is paid once; the run's report gives the prediction's error.
+
+use crate::config::CheckpointChoice;
+use crate::error::TrainError;
+use crate::planner::PlanRequest;
+use crate::samples::synthetic;
+use crate::trainer::{median, RunOptions, Session};
+use memfit_tensor::{Category, Device, Phase, SpanKind, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Optimizer steps timed per measurement; one more runs first (it creates the optimizer state).
+const TIMED_STEPS: usize = 2;
+/// Calibration stops growing the micro-batch when the next one would take about this long a step (or
+/// at the effective batch).
+const LONG_STEP_MS: f64 = 300.0;
+/// The largest micro-batch calibration measures.
+const MAX_CALIBRATION_MICRO: usize = 256;
+
+/// Where the step-time model comes from.
+#[derive(Clone, Debug, Default)]
+pub enum Costs {
+    /// Measure on this machine, every time.
+    #[default]
+    Calibrate,
+    /// Measure, cached in this file.
+    Cached(PathBuf),
+    /// This model (tests, and callers that calibrated already).
+    Given(CostModel),
+}
+
+/// Predicted step times of one model on this machine (see the module documentation).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    /// Micro-batches measured, ascending.
+    pub micro: Vec<usize>,
+    /// Forward and backward of one micro-batch of each size, nothing checkpointed (ms).
+    pub plain_ms: Vec<f64>,
+    /// The extra time of checkpointing every segment, as a fraction of the plain time.
+    pub recompute: f64,
+    /// The optimizer update and the step's other fixed work (ms).
+    pub optimizer_ms: f64,
+    /// Each segment's share of the recomputation (its share of the forward), summing to 1.
+    pub segments: BTreeMap<String, f64>,
+    /// How long calibration took (ms).
+    pub calibration_ms: f64,
+}
+
+impl CostModel {
+    /// Forward and backward of a micro-batch of `m` with `checkpointed` segments (names) re-run.
+    pub fn micro_ms(&self, m: usize, checkpointed: &[String]) -> f64 {
+        let plain = interpolate(&self.micro, &self.plain_ms, m);
+        let share: f64 = checkpointed.iter().map(|s| self.share(s)).sum();
+        plain * (1.0 + self.recompute * share)
+    }
+
+    /// One optimizer step over `effective` samples in micro-batches of `micro` (the last one partial).
+    pub fn step_ms(&self, effective: usize, micro: usize, checkpointed: &[String]) -> f64 {
+        let micro = micro.clamp(1, effective.max(1));
+        let parts = effective.div_ceil(micro).max(1);
+        let last = effective - (parts - 1) * micro;
+        self.optimizer_ms + (parts - 1) as f64 * self.micro_ms(micro, checkpointed) + self.micro_ms(last, checkpointed)
+    }
+
+    /// The recomputation share of checkpointing `segment` (0 for a name it does not know).
+    pub fn share(&self, segment: &str) -> f64 {
+        self.segments.get(segment).copied().unwrap_or(0.0)
+    }
+}
+
+/// `ys` at `x`, linear between the measured `xs` (ascending), the last slope beyond them, and
+/// proportional to `x` below the first.
+fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
+    let x = x as f64;
+    let points: Vec<(f64, f64)> = xs.iter().map(|&x| x as f64).zip(ys.iter().copied()).collect();
+    match points.as_slice() {
+        [] => 0.0,
+        [(x0, y0)] => y0 * x / x0,
+        _ => {
+            if x <= points[0].0 {
+                return points[0].1 * x / points[0].0;
+            }
+            let i = points.windows(2).position(|w| x <= w[1].0).unwrap_or(points.len() - 2);
+            let ((xa, ya), (xb, yb)) = (points[i], points[i + 1]);
+            (ya + (yb - ya) * (x - xa) / (xb - xa)).max(0.0)
+        }
+    }
+}
+
+/// The cost model `req.costs` asks for: given, read from its cache, or calibrated (and cached).
+pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<CostModel, TrainError> {
+    let path = match &req.costs {
+        Costs::Given(model) => return Ok(model.clone()),
+        Costs::Calibrate => None,
+        Costs::Cached(path) => Some(path),
+    };
+    let key = cache_key(req);
+    let mut cache: BTreeMap<String, CostModel> = path
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
+    if let Some(model) = cache.get(&key) {
+        return Ok(model.clone());
+    }
+    let model = calibrate(req, segments)?;
+    if let Some(path) = path {
+        cache.insert(key, model.clone());
+        // A cache that cannot be written costs a calibration next time, nothing else.
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let text = serde_json::to_string_pretty(&cache).expect("a cost cache serializes");
+        let _ = crate::output::write_atomic("cost cache", path, text.as_bytes());
+    }
+    Ok(model)
+}
+
+/// `costs.json` in `MEMFIT_CACHE_DIR`, else in `$HOME/.cache/memfit`; None without either.
+pub fn default_cache() -> Option<PathBuf> {
+    let dir = match std::env::var_os("MEMFIT_CACHE_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache").join("memfit"),
+    };
+    Some(dir.join("costs.json"))
+}
+
+/// What a cost model depends on besides the machine itself.
+fn cache_key(req: &PlanRequest) -> String {
+    format!(
+        "{:?} | {} | isa {} | threads {} | memfit {}",
+        req.model,
+        // The kind of optimizer, not its rates: they do not change the time.
+        format!("{:?}", req.optimizer).split([' ', '{', '(']).next().unwrap_or_default(),
+        memfit_tensor::Isa::active(),
+        rayon::current_num_threads(),
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// Times real training steps on `cpu` (see the module documentation).
+pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, TrainError> {
+    let start = Instant::now();
+    let effective = req.effective_batch.clamp(1, MAX_CALIBRATION_MICRO);
+    let (mut micro, mut plain_ms) = (Vec::new(), Vec::new());
+    let mut m = 1;
+    let (optimizer_ms, profile) = loop {
+        let measured = time_steps(req, m, &CheckpointChoice::None, segments)?;
+        micro.push(m);
+        plain_ms.push(measured.step_ms);
+        let next_too_long = measured.step_ms * ((m * 4).min(effective) as f64 / m as f64) > LONG_STEP_MS;
+        if m == effective || next_too_long {
+            break (measured.optimizer_ms, measured.segment_ms);
+        }
+        m = (m * 4).min(effective);
+    };
+    let largest = *micro.last().expect("one micro-batch measured");
+    for p in plain_ms.iter_mut() {
+        *p = (*p - optimizer_ms).max(0.0);
+    }
+    let recompute = if segments.is_empty() {
+        0.0
+    } else {
+        let all = time_steps(req, largest, &CheckpointChoice::All, segments)?.step_ms - optimizer_ms;
+        let plain = *plain_ms.last().expect("one micro-batch measured");
+        if plain > 0.0 {
+            (all / plain - 1.0).max(0.0)
+        } else {
+            0.0
+        }
+    };
+    let total: f64 = profile.values().sum();
+    let shares = segments
+        .iter()
+        .map(|s| {
+            let share = match total > 0.0 {
+                true => profile.get(s).copied().unwrap_or(0.0) / total,
+                false => 1.0 / segments.len() as f64,
+            };
+            (s.clone(), share)
+        })
+        .collect();
+    Ok(CostModel {
+        micro,
+        plain_ms,
+        recompute,
+        optimizer_ms,
+        segments: shares,
+        calibration_ms: start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// What one measurement gives.
+struct Measured {
+    /// Median step time, the first step not counted (ms).
+    step_ms: f64,
+    /// Median time of the optimizer update alone (ms).
+    optimizer_ms: f64,
+    /// Forward time of each segment (ms).
+    segment_ms: BTreeMap<String, f64>,
+}
+
+/// Times optimizer steps of one micro-batch of `micro`, profiling the segments' forward, then the
+/// optimizer update alone (on zero gradients: its arithmetic does not depend on the values).
+fn time_steps(
+    req: &PlanRequest,
+    micro: usize,
+    checkpoint: &CheckpointChoice,
+    segments: &[String],
+) -> Result<Measured, TrainError> {
+    let device = Device::cpu();
+    let mut session = Session::new(device.clone(), &req.model, req.optimizer, req.seed)?;
+    session.set_checkpointing(checkpoint)?;
+    let steps = TIMED_STEPS + 1;
+    let train = synthetic(&req.model, steps * micro, req.seed);
+    let opts = RunOptions {
+        effective_batch: micro,
+        micro_batch: micro,
+        eval_micro_batch: 1,
+        epochs: Some(1),
+        max_steps: Some(steps),
+        data_seed: req.seed,
+        recover: false,
+        grow_after: usize::MAX,
+        record_samples: false,
+    };
+    device.set_profiling(true);
+    let outcome = session.run(train.as_ref(), None, &opts, &mut |_| {})?;
+    device.set_profiling(false);
+    let names = device.module_names();
+    let spans: Vec<(String, u64, u64)> = device
+        .take_spans()
+        .into_iter()
+        .filter(|s| s.kind == SpanKind::Module && s.phase == Phase::Forward)
+        .map(|s| (names.get(s.module as usize).cloned().unwrap_or_default(), s.start_ns, s.end_ns))
+        .collect();
+    let segment_ms = segment_times(&spans, segments);
+    for (_, p) in session.model.parameters() {
+        p.set_grad(Some(Tensor::zeros(&device, p.shape(), p.dtype(), Category::Gradient)?));
+    }
+    let mut updates = Vec::new();
+    for _ in 0..TIMED_STEPS {
+        let start = Instant::now();
+        session.optimizer.step()?;
+        updates.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(Measured {
+        step_ms: median(outcome.step_times_ms.get(1..).unwrap_or(&[])),
+        optimizer_ms: median(&updates),
+        segment_ms,
+    })
+}
+
+/// Forward time of each segment: the union of the intervals of its modules' spans (modules nest).
+fn segment_times(spans: &[(String, u64, u64)], segments: &[String]) -> BTreeMap<String, f64> {
+    segments
+        .iter()
+        .map(|segment| {
+            let prefix = format!("{segment}.");
+            let mut intervals: Vec<(u64, u64)> = spans
+                .iter()
+                .filter(|(name, _, _)| name == segment || name.starts_with(&prefix))
+                .map(|&(_, a, b)| (a, b))
+                .collect();
+            intervals.sort_unstable();
+            let (mut total, mut end) = (0u64, 0u64);
+            for (a, b) in intervals {
+                let a = a.max(end);
+                if b > a {
+                    total += b - a;
+                    end = b;
+                }
+            }
+            (segment.clone(), total as f64 / 1e6)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> CostModel {
+        CostModel {
+            micro: vec![1, 4, 16],
+            plain_ms: vec![2.0, 5.0, 17.0],
+            recompute: 0.4,
+            optimizer_ms: 1.0,
+            segments: [("a".to_string(), 0.25), ("b".to_string(), 0.75)].into_iter().collect(),
+            calibration_ms: 0.0,
+        }
+    }
+
+    #[test]
+    fn interpolation_is_linear_between_points_and_extends_the_last_slope() {
+        let (xs, ys) = ([1, 4, 16], [2.0, 5.0, 17.0]);
+        assert_eq!(interpolate(&xs, &ys, 1), 2.0);
+        assert_eq!(interpolate(&xs, &ys, 2), 3.0);
+        assert_eq!(interpolate(&xs, &ys, 4), 5.0);
+        assert_eq!(interpolate(&xs, &ys, 10), 11.0);
+        assert_eq!(interpolate(&xs, &ys, 32), 33.0);
+        assert_eq!(interpolate(&[4], &[8.0], 2), 4.0);
+        assert_eq!(interpolate(&[2, 4], &[4.0, 6.0], 1), 2.0, "below the first point: proportional");
+        assert_eq!(interpolate(&[], &[], 3), 0.0);
+    }
+
+    #[test]
+    fn a_step_adds_the_optimizer_each_micro_batch_and_the_recomputation_of_its_segments() {
+        let c = model();
+        assert_eq!(c.micro_ms(4, &[]), 5.0);
+        assert_eq!(c.micro_ms(4, &["a".into()]), 5.5);
+        assert_eq!(c.micro_ms(4, &["a".into(), "b".into()]), 7.0);
+        assert_eq!(c.micro_ms(16, &["b".into()]), 17.0 * 1.3);
+        assert_eq!(c.micro_ms(4, &["unknown".into()]), 5.0);
+        // 10 samples in micro-batches of 4: 4 + 4 + 2.
+        assert_eq!(c.step_ms(10, 4, &[]), 1.0 + 5.0 + 5.0 + 3.0);
+        assert_eq!(c.step_ms(4, 16, &[]), 1.0 + 5.0, "a micro-batch above the batch is the batch");
+        assert_eq!(c.share("b"), 0.75);
+    }
+
+    #[test]
+    fn segment_time_is_the_union_of_its_module_spans() {
+        let spans = vec![
+            ("blocks.0.attn".to_string(), 0, 10),
+            ("blocks.0.attn.qkv".to_string(), 2, 5), // nested: counted once
+            ("blocks.0.mlp".to_string(), 12, 20),
+            ("blocks.1.mlp".to_string(), 20, 23),
+            ("blocks.10.mlp".to_string(), 30, 31),
+            ("head".to_string(), 40, 50),
+        ];
+        let t = segment_times(&spans, &["blocks.0".into(), "blocks.1".into()]);
+        assert_eq!(t["blocks.0"], 18.0 / 1e6);
+        assert_eq!(t["blocks.1"], 3.0 / 1e6);
+    }
+}
