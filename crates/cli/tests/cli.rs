@@ -491,3 +491,81 @@ fn checkpoint_every_and_checkpoint_dir_write_resumable_checkpoints() {
     assert!(resumed.status.success(), "{}", text(&resumed));
     assert!(text(&resumed).contains("for 2 steps"), "{}", text(&resumed));
 }
+
+/// `memfit` with a cost cache of its own, so tests never touch the user's.
+fn memfit_cached(args: &[&str], cache: &std::path::Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit")).args(args).env("MEMFIT_CACHE_DIR", cache).output().unwrap()
+}
+
+/// Issue 10: `plan --checkpoint auto` weighs checkpointing against the micro-batch by predicted step
+/// time (calibrated once, then cached), prints the candidates, keeps a micro-batch the user fixes, and
+/// a trained run reports the predicted step time and its error.
+#[test]
+fn auto_plans_weigh_candidates_by_time_keep_a_fixed_micro_batch_and_report_the_prediction() {
+    let cache = temp("cost-cache");
+    let _ = std::fs::remove_dir_all(&cache);
+    let gpt = ["--model", "gpt", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "64"];
+    let plan = |extra: &[&str]| {
+        let args = [&["plan"], &gpt[..], &["--memory", "24MiB", "--batch-size", "16", "--checkpoint", "auto"], extra];
+        memfit_cached(&args.concat(), &cache)
+    };
+    let out = plan(&["--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let candidates = p["candidates"].as_array().unwrap();
+    assert_eq!(candidates.len(), 3, "none, one block, both: {p}");
+    let fastest = candidates
+        .iter()
+        .filter(|c| c["fits"] == true)
+        .map(|c| c["predicted_step_time_ms"].as_f64().unwrap())
+        .fold(f64::INFINITY, f64::min);
+    assert_eq!(p["predicted_step_time_ms"].as_f64(), Some(fastest));
+    assert!(p["calibration_ms"].as_f64().unwrap() > 0.0, "the first plan calibrates");
+    assert!(cache.join("costs.json").exists());
+    let again: Value = serde_json::from_slice(&plan(&["--json"]).stdout).unwrap();
+    assert_eq!(again["calibration_ms"], 0.0, "the second plan reads the cache");
+
+    let text_out = plan(&[]);
+    let printed = String::from_utf8_lossy(&text_out.stdout);
+    assert!(printed.contains("candidates weighed") && printed.contains("\n  * "), "{printed}");
+
+    let fixed: Value = serde_json::from_slice(&plan(&["--micro-batch", "3", "--json"]).stdout).unwrap();
+    assert_eq!((fixed["micro_batch"].as_u64(), fixed["accumulation_steps"].as_u64()), (Some(3), Some(6)), "{fixed}");
+
+    let report_path = temp("auto-report.json");
+    let args = [&["train"], &gpt[..], &["--memory", "24MiB", "--batch-size", "16", "--checkpoint", "auto"]].concat();
+    let out = memfit_cached(
+        &[&args[..], &["--max-steps", "3", "--no-eval", "--report", report_path.to_str().unwrap()]].concat(),
+        &cache,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    let (predicted, error) = (r["predicted_step_time_ms"].as_f64().unwrap(), r["step_time_prediction_error"].as_f64());
+    assert!(predicted > 0.0);
+    let measured = r["step_time_ms_median"].as_f64().unwrap();
+    assert!((error.unwrap() - (measured / predicted - 1.0)).abs() < 1e-9, "{r}");
+}
+
+/// An unrecoverable out-of-memory ends with the doctor's remedies, each a command line that fits.
+#[test]
+fn an_out_of_memory_run_ends_with_remedies_and_their_command_lines() {
+    let cache = temp("cost-cache-doctor");
+    let args = ["train", "--model", "gpt", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "64"];
+    // Refused by the planner, and run out of memory at a fixed micro-batch (recovery cannot help).
+    for fixed in [&[][..], &["--micro-batch", "4"][..]] {
+        let run = [&args[..], &["--memory", "1MiB", "--batch-size", "8", "--max-steps", "1"], fixed].concat();
+        let out = memfit_cached(&run, &cache);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        let t = text(&out);
+        assert!(t.contains("remedies, fastest first"), "{t}");
+        let commands: Vec<&str> = t.lines().filter_map(|l| l.trim().strip_prefix("memfit ")).collect();
+        assert!(!commands.is_empty(), "{t}");
+        for command in commands {
+            assert!(command.contains("--memory") || command.contains("--micro-batch"), "{command}");
+            let words: Vec<&str> = command.split(' ').filter(|w| !w.is_empty()).collect();
+            let words: Vec<&str> = [&words[..], &["--device", "meta"]].concat();
+            let applied = memfit_cached(&words, &cache);
+            assert!(applied.status.success(), "`memfit {command}` fails:\n{}", text(&applied));
+        }
+    }
+}

@@ -103,10 +103,11 @@ fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
     }
 }
 
-/// The cost model `req.costs` asks for: given, read from its cache, or calibrated (and cached).
-pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<CostModel, TrainError> {
+/// The cost model `req.costs` asks for: given, read from its cache, or calibrated (and cached); true
+/// when it was calibrated now.
+pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<(CostModel, bool), TrainError> {
     let path = match &req.costs {
-        Costs::Given(model) => return Ok(model.clone()),
+        Costs::Given(model) => return Ok((model.clone(), false)),
         Costs::Calibrate => None,
         Costs::Cached(path) => Some(path),
     };
@@ -116,7 +117,7 @@ pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or_default();
     if let Some(model) = cache.get(&key) {
-        return Ok(model.clone());
+        return Ok((model.clone(), false));
     }
     let model = calibrate(req, segments)?;
     if let Some(path) = path {
@@ -128,7 +129,7 @@ pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         let text = serde_json::to_string_pretty(&cache).expect("a cost cache serializes");
         let _ = crate::output::write_atomic("cost cache", path, text.as_bytes());
     }
-    Ok(model)
+    Ok((model, true))
 }
 
 /// `costs.json` in `MEMFIT_CACHE_DIR`, else in `$HOME/.cache/memfit`; None without either.

@@ -376,10 +376,8 @@ pub fn segment_names(req: &PlanRequest) -> Result<Vec<String>, TrainError> {
 /// micro-batch, or at the one the user fixed.
 pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError> {
     let micro = req.micro_batch;
-    let costs_start = Instant::now();
-    let cached = matches!(req.costs, crate::cost::Costs::Given(_));
-    let costs = crate::cost::model_for(req, names)?;
-    let calibration_ms = if cached { 0.0 } else { costs_start.elapsed().as_secs_f64() * 1e3 };
+    let (costs, calibrated) = crate::cost::model_for(req, names)?;
+    let calibration_ms = if calibrated { costs.calibration_ms } else { 0.0 };
     let mut dry_runs = 0;
     let with = |checkpoint: CheckpointChoice| PlanRequest { checkpoint, ..req.clone() };
     let training_peak = |r: &PlanRequest, dry_runs: &mut usize| -> Result<u64, TrainError> {

@@ -288,10 +288,11 @@ fn calibration_measures_this_machine_and_is_cached() {
     let path = std::env::temp_dir().join(format!("memfit-costs-{}/costs.json", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let cached = PlanRequest { costs: Costs::Cached(path.clone()), ..req.clone() };
-    let first = memfit_train::cost::model_for(&cached, &names).unwrap();
-    assert!(path.exists(), "the model is kept");
+    let (first, measured) = memfit_train::cost::model_for(&cached, &names).unwrap();
+    assert!(measured && path.exists(), "the model is measured and kept");
     let second = memfit_train::cost::model_for(&cached, &names).unwrap();
-    assert_eq!(first, second, "the second plan reads the cache");
+    assert_eq!(second, (first.clone(), false), "the second plan reads the cache");
     let other = PlanRequest { costs: Costs::Cached(path.clone()), seed: 9, ..req };
-    assert_eq!(memfit_train::cost::model_for(&other, &names).unwrap(), first, "the seed does not change the key");
+    let third = memfit_train::cost::model_for(&other, &names).unwrap();
+    assert_eq!(third, (first, false), "the seed does not change the key");
 }
