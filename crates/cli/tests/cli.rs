@@ -569,3 +569,31 @@ fn an_out_of_memory_run_ends_with_remedies_and_their_command_lines() {
         }
     }
 }
+
+/// Issue 10, part 5: the report and memory table say what each remedy saved: the peak of the run's
+/// own configuration against the same without accumulation and without checkpointing, from meta.
+#[test]
+fn the_report_says_what_accumulation_and_checkpointing_saved() {
+    let gpt = ["--model", "gpt", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "64"];
+    let path = temp("savings.json");
+    let budget = ["--memory", "24MiB", "--batch-size", "16", "--micro-batch", "4", "--checkpoint", "blocks.0"];
+    let args = [&["train"], &gpt[..], &budget[..], &["--max-steps", "1", "--no-eval"]].concat();
+    let out = memfit(&[&args[..], &["--report", path.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("remedies (predicted peak reserved): micro-batch 4 x 4 instead of 16 saves"),
+        "{}",
+        text(&out)
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let training_peak = |micro: &str, checkpoint: &str| {
+        let plan = [&["plan"], &gpt[..], &["--memory", "1TiB", "--batch-size", "16", "--json"]].concat();
+        let out = memfit(&[&plan[..], &["--micro-batch", micro, "--checkpoint", checkpoint]].concat());
+        let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+        p["training_peak_reserved_bytes"].as_u64().unwrap()
+    };
+    let own = training_peak("4", "blocks.0");
+    assert_eq!(r["remedies"]["checkpointing_saved_bytes"].as_u64().unwrap(), training_peak("4", "none") - own);
+    assert_eq!(r["remedies"]["accumulation_saved_bytes"].as_u64().unwrap(), training_peak("16", "blocks.0") - own);
+    assert!(r["remedies"]["recompute_time_share"].is_null(), "no cost model without auto");
+}

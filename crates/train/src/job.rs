@@ -38,6 +38,8 @@ pub struct RunSummary {
     pub checkpointed: Vec<String>,
     /// Host memory outside the device's capacity.
     pub host: crate::report::HostMemory,
+    /// What accumulation and checkpointing saved (predicted; with a budget only).
+    pub savings: planner::Savings,
 }
 
 /// What the job tells its caller while it runs.
@@ -135,6 +137,10 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         (choice, _, _) => choice.clone(),
     };
     let checkpointed = session.set_checkpointing(&checkpoint)?;
+    let savings = match cfg.memory {
+        Some(_) => planner::savings(&request, micro, &checkpointed, plan.as_ref().and_then(|p| p.costs.as_ref()))?,
+        None => planner::Savings::default(),
+    };
     if let Some(ckpt) = &resumed {
         if (ckpt.state.micro_batch, ckpt.state.eval_micro_batch) != (micro, eval_micro) {
             return Err(TrainError::Invalid(format!(
@@ -266,6 +272,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
             rss_at_start_bytes: rss_at_start,
             peak_rss_bytes: memfit_tensor::memory::process::resident().map(|r| r.peak),
         },
+        savings,
     };
     if let Some(path) = &cfg.report {
         let report = crate::report::Report::new(&summary);

@@ -101,6 +101,8 @@ pub struct Plan {
     pub predicted_step_ms: Option<f64>,
     /// Time spent calibrating the cost model for this plan (0 when it came from the cache).
     pub calibration_ms: f64,
+    /// The step-time model the candidates were weighed with (`--checkpoint auto`).
+    pub costs: Option<crate::cost::CostModel>,
 }
 
 /// One configuration the planner weighed: which segments it checkpoints, the largest micro-batch
@@ -274,6 +276,7 @@ fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
     p.dry_runs += weighed.dry_runs;
     p.calibration_ms = weighed.calibration_ms;
     p.candidates = weighed.candidates;
+    p.costs = Some(weighed.costs);
     p.planning_ms = start.elapsed().as_secs_f64() * 1e3;
     Ok(p)
 }
@@ -479,6 +482,57 @@ pub fn command_with(flags: &[(&str, String)]) -> String {
     out.join(" ")
 }
 
+/// What the remedies in force saved, predicted on meta for the run's own configuration: peak reserved
+/// bytes without accumulation (the whole batch as one micro-batch) and without checkpointing, less the
+/// run's; and the share of the step the cost model gives to recomputation.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Savings {
+    pub accumulation_saved_bytes: Option<u64>,
+    pub checkpointing_saved_bytes: Option<u64>,
+    pub recompute_time_share: Option<f64>,
+}
+
+/// [`Savings`] of running `req` in micro-batches of `micro` with `checkpointed` segments (resolved
+/// names); `costs` gives the recompute share when the plan was weighed by time.
+pub fn savings(
+    req: &PlanRequest,
+    micro: usize,
+    checkpointed: &[String],
+    costs: Option<&crate::cost::CostModel>,
+) -> Result<Savings, TrainError> {
+    let as_run = PlanRequest {
+        checkpoint: match checkpointed.is_empty() {
+            true => CheckpointChoice::None,
+            false => CheckpointChoice::Segments(checkpointed.to_vec()),
+        },
+        ..req.clone()
+    };
+    let peak = |r: &PlanRequest, m: usize| -> Result<Option<u64>, TrainError> {
+        Ok(predict(r, m, None, None)?.map(|p| p.peak_reserved))
+    };
+    let Some(own) = peak(&as_run, micro)? else { return Ok(Savings::default()) };
+    let whole = req.effective_batch.min(MAX_MICRO);
+    let accumulation_saved_bytes = match micro < whole {
+        true => peak(&as_run, whole)?.map(|p| p.saturating_sub(own)),
+        false => None,
+    };
+    let plain = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    let checkpointing_saved_bytes = match checkpointed.is_empty() {
+        true => None,
+        false => peak(&plain, micro)?.map(|p| p.saturating_sub(own)),
+    };
+    let recompute_time_share = costs.filter(|_| !checkpointed.is_empty()).map(|c| {
+        let with = c.step_ms(req.effective_batch, micro, checkpointed);
+        let without = c.step_ms(req.effective_batch, micro, &[]);
+        if with > 0.0 {
+            (with - without) / with
+        } else {
+            0.0
+        }
+    });
+    Ok(Savings { accumulation_saved_bytes, checkpointing_saved_bytes, recompute_time_share })
+}
+
 /// One way to make a run fit, with what it is predicted to cost.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Remedy {
@@ -665,6 +719,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         candidates: Vec::new(),
         predicted_step_ms: None,
         calibration_ms: 0.0,
+        costs: None,
     })
 }
 

@@ -102,6 +102,8 @@ pub struct Report {
     /// median's relative error against it (measured / predicted - 1).
     pub predicted_step_time_ms: Option<f64>,
     pub step_time_prediction_error: Option<f64>,
+    /// What the remedies in force saved, predicted on meta (with `--memory`).
+    pub remedies: crate::planner::Savings,
     pub host: HostMemory,
 }
 
@@ -191,6 +193,7 @@ impl Report {
                 .and_then(|p| p.predicted_step_ms)
                 .filter(|&p| p > 0.0 && median_ms > 0.0)
                 .map(|p| median_ms / p - 1.0),
+            remedies: s.savings.clone(),
             host: s.host.clone(),
         }
     }
@@ -239,6 +242,30 @@ impl Report {
             self.plan.accumulation_steps,
             self.final_micro_batch
         ));
+        let r = &self.remedies;
+        let mut saved = Vec::new();
+        if let Some(b) = r.accumulation_saved_bytes {
+            saved.push(format!(
+                "micro-batch {} x {} instead of {} saves {}",
+                self.plan.micro_batch,
+                self.plan.accumulation_steps,
+                self.plan.effective_batch,
+                format_bytes(b)
+            ));
+        }
+        if let Some(b) = r.checkpointing_saved_bytes {
+            let time = r
+                .recompute_time_share
+                .map_or(String::new(), |t| format!(" for ~{:.0}% of the step in recomputation", t * 100.0));
+            saved.push(format!(
+                "checkpointing {} saves {}{time}",
+                self.checkpointed_segments.join(", "),
+                format_bytes(b)
+            ));
+        }
+        if !saved.is_empty() {
+            s.push_str(&format!("  remedies (predicted peak reserved): {}\n", saved.join("; ")));
+        }
         let h = &self.host;
         s.push_str(&format!(
             "  host: data {}, timeline {}, kernel workspace {} (outside the device capacity, each bounded)",
