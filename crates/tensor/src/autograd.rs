@@ -71,6 +71,63 @@ pub fn save(t: &Tensor) -> Tensor {
     t.detach()
 }
 
+/// An activation saved for backward, possibly in a compact dtype ([`save_compact`]).
+pub struct Compact {
+    stored: Tensor,
+    dtype: crate::DType,
+}
+
+impl Compact {
+    /// The saved tensor in its own dtype: itself, or a converted copy (a temporary).
+    pub fn restore(&self) -> Result<Tensor> {
+        self.stored.to_dtype(self.dtype)
+    }
+
+    /// As [`Compact::restore`], giving up the saved handle: a tensor saved as it was comes back
+    /// unshared, so backward may still write over it (Note [Gradient ownership]).
+    pub fn into_tensor(self) -> Result<Tensor> {
+        if self.stored.dtype() == self.dtype {
+            return Ok(self.stored);
+        }
+        self.restore()
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        self.stored.shape()
+    }
+}
+
+/// Saves a large activation for backward (Note [Half-precision storage]): in the device's saved
+/// dtype ([`crate::Device::set_saved_dtype`]) when that is set, the tensor is f32 and its storage
+/// is an op's output (a temporary or an activation: parameters and inputs live anyway, and a copy
+/// would only add memory); else as [`save`] does.
+pub fn save_compact(t: &Tensor) -> Result<Compact> {
+    let device = t.device();
+    let compact = device.saved_dtype().filter(|_| {
+        t.dtype() == crate::DType::F32 && matches!(t.storage().category(), Category::Temporary | Category::Activation)
+    });
+    let stored = match compact {
+        Some(dtype) => {
+            let _no_grad = device.no_grad();
+            let half = t.contiguous()?.to_dtype(dtype)?;
+            half.storage().set_category(Category::Activation);
+            half
+        }
+        None => save(t),
+    };
+    Ok(Compact { stored, dtype: t.dtype() })
+}
+
+// Note [Half-precision storage]
+// With a saved dtype set on the device, the large activations ops keep for backward (inputs of
+// matmul, linear and convolution, of element-wise and normalisation ops, attention's q/k/v) are
+// stored in bf16 or f16, halving the activation memory; small or sensitive saved state (layer and
+// batch norm statistics, attention's log-sum-exp, the logits of the loss, indices and masks) stays
+// exact. Forward outputs and all arithmetic stay f32; backward converts a saved tensor back to f32
+// (a temporary) just before it uses it. The conversion rounds to nearest even, as PyTorch's casts.
+// Parameters, gradients and optimizer state are untouched, so the update is the f32 update computed
+// from rounded activations. Conversions allocate the same on every device, so meta stays exact.
+
 /// Attaches a node for `backward` to `out`, an op's result computed from `inputs`. Call only when
 /// [`needs_grad`] is true.
 pub fn record(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: impl Backward + 'static) -> Tensor {

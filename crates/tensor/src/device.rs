@@ -81,6 +81,8 @@ struct DeviceInner {
     grad_enabled: AtomicBool,
     /// Depth of checkpointed segments being re-run (see [`Device::recompute`]).
     recomputing: AtomicU64,
+    /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
+    saved_dtype: Mutex<Option<crate::DType>>,
     next_id: AtomicU64,
     modules: Mutex<Modules>,
     profiling: AtomicBool,
@@ -133,6 +135,7 @@ impl Device {
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
             recomputing: AtomicU64::new(0),
+            saved_dtype: Mutex::new(None),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
             profiling: AtomicBool::new(false),
@@ -251,6 +254,22 @@ impl Device {
     /// again.
     pub fn recomputing(&self) -> bool {
         self.0.recomputing.load(Ordering::Relaxed) > 0
+    }
+
+    /// Half-precision storage: f32 activations saved for backward are kept in `dtype` (bf16 or f16)
+    /// and converted back when backward uses them ([`crate::autograd::save_compact`]); arithmetic
+    /// stays f32. None (the default) keeps them as they are.
+    pub fn set_saved_dtype(&self, dtype: Option<crate::DType>) -> Result<()> {
+        if let Some(d) = dtype.filter(|d| !matches!(d, crate::DType::BF16 | crate::DType::F16)) {
+            return Err(Error::dtype(format!("saved activations can be stored in bf16 or f16, not {d}")));
+        }
+        *self.0.saved_dtype.lock().unwrap_or_else(|e| e.into_inner()) = dtype;
+        Ok(())
+    }
+
+    /// The dtype activations are saved in (None: their own).
+    pub fn saved_dtype(&self) -> Option<crate::DType> {
+        *self.0.saved_dtype.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Marks a re-run of a checkpointed segment until the guard drops (nests).

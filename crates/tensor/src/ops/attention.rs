@@ -22,7 +22,7 @@
 //! CPU kernels agree). A plain `softmax` of such a row would be NaN. Their log-sum-exp is -inf.
 
 use super::{check_same, output};
-use crate::autograd::{needs_grad, record, save, Backward};
+use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -161,7 +161,7 @@ pub fn scaled_dot_product_attention(
     q.device().backend().attention(&q, &k, &v, mask, &pb, &out, lse.as_ref())?;
     let Some(lse) = lse else { return Ok(out) };
     let back = AttentionBack {
-        inputs: Saved::Separate([save(&q), save(&k), save(&v)]),
+        inputs: Saved::Separate([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]),
         lse: save(&lse),
         mask: mask.map(save),
         pb,
@@ -211,14 +211,14 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     let lse = if grad { Some(output(&qkv, &[b, heads, t], qkv.dtype(), NAME)?) } else { None };
     qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref())?;
     let Some(lse) = lse else { return Ok(out) };
-    let back = AttentionBack { inputs: Saved::Packed(save(&qkv)), lse: save(&lse), mask: mask.map(save), pb };
+    let back = AttentionBack { inputs: Saved::Packed(save_compact(&qkv)?), lse: save(&lse), mask: mask.map(save), pb };
     Ok(record(out, NAME, &[&qkv], back))
 }
 
 /// The saved inputs: separate q, k, v, or one packed qkv.
 enum Saved {
-    Separate([Tensor; 3]),
-    Packed(Tensor),
+    Separate([Compact; 3]),
+    Packed(Compact),
 }
 
 /// What attention saves for backward (Note [Saved tensors]): the inputs, the mask and the per-row
@@ -236,15 +236,21 @@ impl Backward for AttentionBack {
         let go = grad.contiguous()?;
         let name = "scaled_dot_product_attention_backward";
         // Gradients (allocated first, in input order) and the tensors q, k, v are read from.
-        let (grads, ins): (Vec<Option<Tensor>>, [&Tensor; 3]) = match &self.inputs {
-            Saved::Separate(qkv) => {
+        let restored: Vec<Tensor> = match &self.inputs {
+            Saved::Separate(qkv) => qkv.iter().map(Compact::restore).collect::<Result<_>>()?,
+            Saved::Packed(qkv) => vec![qkv.restore()?],
+        };
+        let (grads, ins): (Vec<Option<Tensor>>, [&Tensor; 3]) = match &restored[..] {
+            [q, k, v] => {
+                let qkv = [q, k, v];
                 let mut grads = Vec::with_capacity(3);
                 for (t, &need) in qkv.iter().zip(needs) {
                     grads.push(if need { Some(output(&go, t.shape(), go.dtype(), name)?) } else { None });
                 }
-                (grads, [&qkv[0], &qkv[1], &qkv[2]])
+                (grads, [q, k, v])
             }
-            Saved::Packed(qkv) => (vec![Some(output(&go, qkv.shape(), go.dtype(), name)?)], [qkv, qkv, qkv]),
+            [qkv] => (vec![Some(output(&go, qkv.shape(), go.dtype(), name)?)], [qkv, qkv, qkv]),
+            _ => return Err(Error::invalid("internal: attention saved neither one nor three inputs")),
         };
         let g = match &self.inputs {
             Saved::Separate(_) => [grads[0].as_ref(), grads[1].as_ref(), grads[2].as_ref()],

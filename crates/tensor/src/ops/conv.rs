@@ -19,7 +19,7 @@
 //! plan are the backend's (`backend/cpu/conv.rs`).
 
 use super::{check_same, output};
-use crate::autograd::{needs_grad, record, save, Backward};
+use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use std::ops::Range;
@@ -273,12 +273,12 @@ fn conv2d_with(
     if !needs_grad(&inputs) {
         return Ok(out);
     }
-    let back = Conv2dBack { x: save(&x), weight: save(&weight), has_bias: bias.is_some(), params, limits };
+    let back = Conv2dBack { x: save_compact(&x)?, weight: save(&weight), has_bias: bias.is_some(), params, limits };
     Ok(record(out, "conv2d", &inputs, back))
 }
 
 struct Conv2dBack {
-    x: Tensor,
+    x: Compact,
     weight: Tensor,
     has_bias: bool,
     params: Conv2dParams,
@@ -287,7 +287,8 @@ struct Conv2dBack {
 
 impl Backward for Conv2dBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
-        let (x, weight) = (&self.x, &self.weight);
+        let x = &self.x.restore()?;
+        let weight = &self.weight;
         let g = geometry(x.shape(), weight.shape(), &self.params, x.dtype().size(), self.limits)?;
         if grad.shape() != [g.n, g.o, g.oh, g.ow] || grad.dtype() != x.dtype() {
             return Err(Error::shape(format!(

@@ -3,7 +3,7 @@
 //! shapes, outputs and autograd. The kernels are the backend's (`backend/cpu/elementwise.rs`).
 
 use super::{check_same, output};
-use crate::autograd::{needs_grad, record, save, Backward};
+use crate::autograd::{needs_grad, record, save_compact, Backward, Compact};
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
@@ -50,27 +50,28 @@ fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
     }
     let saved = match op {
         Unary::Neg => None,
-        _ if op.saves_output() => Some(save(&out)),
-        _ => Some(save(&x)),
+        _ if op.saves_output() => Some(save_compact(&out)?),
+        _ => Some(save_compact(&x)?),
     };
     Ok(record(out, op.name(), &[&x], UnaryBack { op, saved }))
 }
 
 struct UnaryBack {
     op: Unary,
-    saved: Option<Tensor>,
+    saved: Option<Compact>,
 }
 
 impl Backward for UnaryBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grad = grad.into_contiguous()?;
+        let saved = self.saved.map(Compact::into_tensor).transpose()?;
         // The incoming gradient is usually a temporary nobody else holds: write the result over it
         // instead of allocating another tensor of the same size (the same on meta: it depends only
         // on who holds the gradient, never on data). A gradient `add` handed to both of its inputs
         // is shared until one of them is done with it, and is never written over.
         let in_place = grad.owns_storage();
         let out = if in_place { grad.clone() } else { output(&grad, grad.shape(), grad.dtype(), "unary_backward")? };
-        grad.device().backend().unary_backward(self.op, self.saved.as_ref(), &grad, &out)?;
+        grad.device().backend().unary_backward(self.op, saved.as_ref(), &grad, &out)?;
         Ok(vec![Some(out)])
     }
 }
@@ -175,11 +176,11 @@ fn binary(a: &Tensor, b: &Tensor, op: Binary) -> Result<Tensor> {
     }
     let (sa, sb) = match op {
         Binary::Add | Binary::Sub => (None, None),
-        Binary::Mul => (Some(save(a)), Some(save(b))),
-        Binary::Div => (None, Some(save(b))),
+        Binary::Mul => (Some(save_compact(a)?), Some(save_compact(b)?)),
+        Binary::Div => (None, Some(save_compact(b)?)),
     };
     // div's grad for b needs the output: -g * out / b.
-    let so = if op == Binary::Div && b.requires_grad() { Some(save(&out)) } else { None };
+    let so = if op == Binary::Div && b.requires_grad() { Some(save_compact(&out)?) } else { None };
     let back = BinaryBack { op, a_shape: a.shape().to_vec(), b_shape: b.shape().to_vec(), a: sa, b: sb, out: so };
     Ok(record(out, op.name(), &[a, b], back))
 }
@@ -188,13 +189,13 @@ struct BinaryBack {
     op: Binary,
     a_shape: Vec<usize>,
     b_shape: Vec<usize>,
-    a: Option<Tensor>,
-    b: Option<Tensor>,
-    out: Option<Tensor>,
+    a: Option<Compact>,
+    b: Option<Compact>,
+    out: Option<Compact>,
 }
 
-fn saved(t: &Option<Tensor>) -> Result<&Tensor> {
-    t.as_ref().ok_or_else(|| Error::invalid("internal: missing saved tensor"))
+fn saved(t: &Option<Compact>) -> Result<Tensor> {
+    t.as_ref().ok_or_else(|| Error::invalid("internal: missing saved tensor"))?.restore()
 }
 
 impl Backward for BinaryBack {
@@ -202,8 +203,8 @@ impl Backward for BinaryBack {
         let ga = if needs[0] {
             let g = match self.op {
                 Binary::Add | Binary::Sub => grad.clone(),
-                Binary::Mul => binary_kernel(&grad, saved(&self.b)?, Binary::Mul)?,
-                Binary::Div => binary_kernel(&grad, saved(&self.b)?, Binary::Div)?,
+                Binary::Mul => binary_kernel(&grad, &saved(&self.b)?, Binary::Mul)?,
+                Binary::Div => binary_kernel(&grad, &saved(&self.b)?, Binary::Div)?,
             };
             Some(sum_to_shape(&g, &self.a_shape)?)
         } else {
@@ -213,10 +214,10 @@ impl Backward for BinaryBack {
             let g = match self.op {
                 Binary::Add => grad.clone(),
                 Binary::Sub => grad.neg()?,
-                Binary::Mul => binary_kernel(&grad, saved(&self.a)?, Binary::Mul)?,
+                Binary::Mul => binary_kernel(&grad, &saved(&self.a)?, Binary::Mul)?,
                 Binary::Div => {
-                    let t = binary_kernel(&grad, saved(&self.out)?, Binary::Mul)?;
-                    binary_kernel(&t, saved(&self.b)?, Binary::Div)?.neg()?
+                    let t = binary_kernel(&grad, &saved(&self.out)?, Binary::Mul)?;
+                    binary_kernel(&t, &saved(&self.b)?, Binary::Div)?.neg()?
                 }
             };
             Some(sum_to_shape(&g, &self.b_shape)?)

@@ -5,7 +5,7 @@
 //! the backend's (`backend/cpu/matmul.rs`).
 
 use super::{check_same, output, sum_to_shape};
-use crate::autograd::{needs_grad, record, save, Backward};
+use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
@@ -40,25 +40,25 @@ impl Tensor {
         if !needs_grad(&[self, other]) {
             return Ok(out);
         }
-        let back = MatmulBack { a: save(self), b: save(other) };
+        let back = MatmulBack { a: save_compact(self)?, b: save_compact(other)? };
         Ok(record(out, "matmul", &[self, other], back))
     }
 }
 
 struct MatmulBack {
-    a: Tensor,
-    b: Tensor,
+    a: Compact,
+    b: Compact,
 }
 
 impl Backward for MatmulBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let ga = if needs[0] {
-            Some(sum_to_shape(&matmul_kernel(&grad, &self.b.transpose(-2, -1)?)?, self.a.shape())?)
+            Some(sum_to_shape(&matmul_kernel(&grad, &self.b.restore()?.transpose(-2, -1)?)?, self.a.shape())?)
         } else {
             None
         };
         let gb = if needs[1] {
-            Some(sum_to_shape(&matmul_kernel(&self.a.transpose(-2, -1)?, &grad)?, self.b.shape())?)
+            Some(sum_to_shape(&matmul_kernel(&self.a.restore()?.transpose(-2, -1)?, &grad)?, self.b.shape())?)
         } else {
             None
         };
@@ -113,12 +113,12 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     if !needs_grad(&inputs) {
         return Ok(out);
     }
-    let back = LinearBack { x: save(&x), weight: save(weight), has_bias: bias.is_some() };
+    let back = LinearBack { x: save_compact(&x)?, weight: save(weight), has_bias: bias.is_some() };
     Ok(record(out, "linear", &inputs, back))
 }
 
 struct LinearBack {
-    x: Tensor,
+    x: Compact,
     weight: Tensor,
     has_bias: bool,
 }
@@ -127,7 +127,6 @@ impl Backward for LinearBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let (out_f, in_f) = (self.weight.shape()[0], self.weight.shape()[1]);
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
-        let x2 = self.x.reshape(&[-1, in_f as isize])?;
         let gx = if needs[0] {
             let gx = matmul_kernel(&g2, &self.weight)?;
             let shape: Vec<isize> = self.x.shape().iter().map(|&d| d as isize).collect();
@@ -135,7 +134,12 @@ impl Backward for LinearBack {
         } else {
             None
         };
-        let gw = if needs[1] { Some(matmul_kernel(&g2.transpose(0, 1)?, &x2)?) } else { None };
+        let gw = if needs[1] {
+            let x2 = self.x.restore()?.reshape(&[-1, in_f as isize])?;
+            Some(matmul_kernel(&g2.transpose(0, 1)?, &x2)?)
+        } else {
+            None
+        };
         let mut grads = vec![gx, gw];
         if self.has_bias {
             grads.push(if needs[2] { Some(g2.sum_dim(0, false)?) } else { None });
@@ -176,13 +180,13 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     if !needs_grad(&inputs) {
         return Ok(out);
     }
-    let back = GeluLinearBack { x: save(&x), weight: save(weight), has_bias: bias.is_some() };
+    let back = GeluLinearBack { x: save_compact(&x)?, weight: save(weight), has_bias: bias.is_some() };
     Ok(record(out, "gelu_linear", &inputs, back))
 }
 
 struct GeluLinearBack {
     /// GELU's input; overwritten with its gradient in backward when exclusively owned.
-    x: Tensor,
+    x: Compact,
     weight: Tensor,
     has_bias: bool,
 }
@@ -191,6 +195,7 @@ impl Backward for GeluLinearBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         const NAME: &str = "gelu_linear_backward";
         let GeluLinearBack { x, weight, has_bias } = *self;
+        let x = x.into_tensor()?;
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
         let rows = g2.shape()[0];

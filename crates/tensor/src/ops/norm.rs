@@ -11,7 +11,7 @@
 
 use super::matmul::{check_linear, contiguous_bias};
 use super::{check_same, output};
-use crate::autograd::{needs_grad, record, save, Backward};
+use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -68,7 +68,7 @@ pub fn layer_norm(
     x.device().backend().layer_norm(&x, weight.as_ref(), bias.as_ref(), d, eps, &out, mean, rstd)?;
     let Some((mean, rstd)) = stats else { return Ok(out) };
     let back = LayerNormBack {
-        x: save(&x),
+        x: save_compact(&x)?,
         weight: weight.as_ref().map(save),
         mean: save(&mean),
         rstd: save(&rstd),
@@ -79,7 +79,7 @@ pub fn layer_norm(
 }
 
 struct LayerNormBack {
-    x: Tensor,
+    x: Compact,
     weight: Option<Tensor>,
     mean: Tensor,
     rstd: Tensor,
@@ -102,7 +102,7 @@ impl Backward for LayerNormBack {
         let gw = if need_w { Some(output(&grad, nshape, grad.dtype(), "layer_norm_backward")?) } else { None };
         let gb = if need_b { Some(output(&grad, nshape, grad.dtype(), "layer_norm_backward")?) } else { None };
         grad.device().backend().layer_norm_backward(
-            &self.x,
+            &self.x.restore()?,
             self.weight.as_ref(),
             &self.mean,
             &self.rstd,
@@ -182,7 +182,7 @@ pub fn layer_norm_linear(
     drop(scratch);
     let Some((mean, rstd)) = stats else { return Ok(out) };
     let back = LayerNormLinearBack {
-        x: save(&x),
+        x: save_compact(&x)?,
         ln_weight: save(&ln_w),
         ln_bias: save(&ln_b),
         weight: save(weight),
@@ -195,7 +195,7 @@ pub fn layer_norm_linear(
 
 struct LayerNormLinearBack {
     /// The normalization's input; overwritten with its gradient in backward when exclusively owned.
-    x: Tensor,
+    x: Compact,
     ln_weight: Tensor,
     ln_bias: Tensor,
     weight: Tensor,
@@ -208,6 +208,7 @@ impl Backward for LayerNormLinearBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         const NAME: &str = "layer_norm_linear_backward";
         let LayerNormLinearBack { x, ln_weight, ln_bias, weight, mean, rstd, has_bias } = *self;
+        let x = x.into_tensor()?;
         let (out_f, d) = (weight.shape()[0], weight.shape()[1]);
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
         let rows = g2.shape()[0];
@@ -344,7 +345,7 @@ pub fn batch_norm(
     )?;
     let Some((mean, rstd)) = stats else { return Ok(out) };
     let back = BatchNormBack {
-        x: save(&x),
+        x: save_compact(&x)?,
         weight: weight.as_ref().map(save),
         mean: save(&mean),
         rstd: save(&rstd),
@@ -355,7 +356,7 @@ pub fn batch_norm(
 }
 
 struct BatchNormBack {
-    x: Tensor,
+    x: Compact,
     weight: Option<Tensor>,
     /// Per-channel statistics used to normalize: the batch's in training, the running ones in eval.
     mean: Tensor,
@@ -377,7 +378,7 @@ impl Backward for BatchNormBack {
         let gw = if need_w { Some(output(&grad, &[c], grad.dtype(), "batch_norm_backward")?) } else { None };
         let gb = if need_b { Some(output(&grad, &[c], grad.dtype(), "batch_norm_backward")?) } else { None };
         grad.device().backend().batch_norm_backward(
-            &self.x,
+            &self.x.restore()?,
             self.weight.as_ref(),
             &self.mean,
             &self.rstd,
