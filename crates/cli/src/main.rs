@@ -9,7 +9,7 @@ use memfit_tensor::DeviceKind;
 use memfit_train::config::limits;
 use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
-use memfit_train::{CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Report, StepEvent, TrainConfig};
+use memfit_train::{CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Precision, Report, StepEvent, TrainConfig};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -142,6 +142,11 @@ struct RunArgs {
     /// time, the same numbers.
     #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
     checkpoint: CheckpointChoice,
+    /// Storage of the activations saved for backward: fp32 (as computed), bf16 or fp16 (half the
+    /// memory, arithmetic still f32; fp16 skips a step whose gradients overflow), or auto (with
+    /// --memory: the planner takes bf16 when it gives the fastest plan that fits).
+    #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
+    precision: Precision,
 }
 
 impl RunArgs {
@@ -163,6 +168,7 @@ impl RunArgs {
             fault: self.inject_oom.map(FaultInjection::EveryNth),
             safety_margin: self.safety_margin,
             checkpoint: self.checkpoint,
+            precision: self.precision,
             ..TrainConfig::default()
         })
     }
@@ -265,6 +271,9 @@ struct PlanArgs {
     /// Keep this micro-batch (samples per forward/backward) and fit the rest around it.
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     micro_batch: Option<u64>,
+    /// Storage of saved activations the plan assumes: fp32, bf16, fp16, or auto (bf16 weighed too).
+    #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
+    precision: Precision,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -644,6 +653,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         costs: memfit_train::cost::default_cache()
             .map_or(memfit_train::cost::Costs::Calibrate, memfit_train::cost::Costs::Cached),
         micro_batch: a.micro_batch.map(|m| m as usize),
+        precision: a.precision,
     };
     let plan = memfit_train::plan(&request).map_err(|e| e.to_string())?;
     if a.json {
@@ -674,9 +684,11 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             "dominant_category": plan.training.dominant().name(),
             "larger_budget": plan.larger.map(|(m, b)| serde_json::json!({"micro_batch": m, "needs_bytes": b})),
             "checkpointed_segments": plan.checkpoint.segment_names(),
+            "precision": plan.precision.name(),
             "predicted_step_time_ms": plan.predicted_step_ms,
             "candidates": plan.candidates.iter().map(|c| serde_json::json!({
                 "checkpointed_segments": c.checkpointed,
+                "precision": c.precision.name(),
                 "micro_batch": if c.fits() { Some(c.micro_batch) } else { None },
                 "accumulation_steps": if c.fits() { Some(c.accumulation_steps) } else { None },
                 "predicted_peak_reserved_bytes": c.peak_reserved,

@@ -75,6 +75,51 @@ impl OptimizerChoice {
     }
 }
 
+/// The dtype activations are saved in for backward (`--precision`; Note [Half-precision storage] in
+/// `tensor/src/autograd.rs`). Arithmetic, parameters, gradients and optimizer state stay f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// Activations saved as computed (the default: numerics never change).
+    #[default]
+    Fp32,
+    /// Large saved activations in bfloat16.
+    Bf16,
+    /// Large saved activations in float16; a step whose gradients overflow is skipped (GradScaler's rule).
+    Fp16,
+    /// The planner's choice under a budget: bf16 storage when it makes the fastest fitting plan.
+    Auto,
+}
+
+impl Precision {
+    pub fn parse(text: &str) -> Result<Precision, String> {
+        match text.trim() {
+            "fp32" => Ok(Precision::Fp32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" => Ok(Precision::Fp16),
+            "auto" => Ok(Precision::Auto),
+            other => Err(format!("unknown precision {other:?}: give fp32, bf16, fp16 or auto")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+            Precision::Auto => "auto",
+        }
+    }
+
+    /// The device's saved dtype for this precision (`auto` unresolved: none).
+    pub fn saved_dtype(self) -> Option<memfit_tensor::DType> {
+        match self {
+            Precision::Bf16 => Some(memfit_tensor::DType::BF16),
+            Precision::Fp16 => Some(memfit_tensor::DType::F16),
+            Precision::Fp32 | Precision::Auto => None,
+        }
+    }
+}
+
 /// Which model segments run with activation checkpointing (`--checkpoint`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum CheckpointChoice {
@@ -188,6 +233,8 @@ pub struct TrainConfig {
     pub report: Option<PathBuf>,
     /// Segments that run with activation checkpointing.
     pub checkpoint: CheckpointChoice,
+    /// The dtype of saved activations (`--precision`).
+    pub precision: Precision,
     /// Write a training checkpoint (to resume from) every this many optimizer steps (`--save-every`).
     pub save_every: Option<usize>,
     /// Directory of the training checkpoints (`--save-dir`); also written on SIGINT/SIGTERM.
@@ -293,6 +340,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             checkpoint: CheckpointChoice::None,
+            precision: Precision::Fp32,
             model: ModelKind::SimpleCnn,
             gpt: GptConfig::default(),
             data: None,

@@ -18,18 +18,19 @@ use crate::config::CheckpointChoice;
 use crate::error::TrainError;
 use crate::planner::PlanRequest;
 use crate::samples::synthetic;
-use crate::trainer::{median, RunOptions, Session};
+use crate::trainer::{RunOptions, Session};
 use memfit_tensor::{Category, Device, Phase, SpanKind, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// Optimizer steps timed per measurement; one more runs first (it creates the optimizer state).
-const TIMED_STEPS: usize = 2;
+/// Optimizer steps timed per measurement; one more runs first (it creates the optimizer state). The
+/// fastest counts: other work on the machine only ever adds time.
+const TIMED_STEPS: usize = 3;
 /// Calibration stops growing the micro-batch when the next one would take about this long a step (or
 /// at the effective batch).
-const LONG_STEP_MS: f64 = 300.0;
+const LONG_STEP_MS: f64 = 500.0;
 /// The largest micro-batch calibration measures.
 const MAX_CALIBRATION_MICRO: usize = 256;
 
@@ -56,6 +57,9 @@ pub struct CostModel {
     pub recompute: f64,
     /// The optimizer update and the step's other fixed work (ms).
     pub optimizer_ms: f64,
+    /// The extra time of storing saved activations in half precision (conversions), as a fraction
+    /// of the plain time.
+    pub half_overhead: f64,
     /// Each segment's share of the recomputation (its share of the forward), summing to 1.
     pub segments: BTreeMap<String, f64>,
     /// How long calibration took (ms).
@@ -76,6 +80,15 @@ impl CostModel {
         let parts = effective.div_ceil(micro).max(1);
         let last = effective - (parts - 1) * micro;
         self.optimizer_ms + (parts - 1) as f64 * self.micro_ms(micro, checkpointed) + self.micro_ms(last, checkpointed)
+    }
+
+    /// [`CostModel::step_ms`] with saved activations in half precision when `half`.
+    pub fn step_ms_in(&self, effective: usize, micro: usize, checkpointed: &[String], half: bool) -> f64 {
+        let step = self.step_ms(effective, micro, checkpointed);
+        match half {
+            true => self.optimizer_ms + (step - self.optimizer_ms) * (1.0 + self.half_overhead),
+            false => step,
+        }
     }
 
     /// The recomputation share of checkpointing `segment` (0 for a name it does not know).
@@ -144,7 +157,7 @@ pub fn default_cache() -> Option<PathBuf> {
 /// What a cost model depends on besides the machine itself.
 fn cache_key(req: &PlanRequest) -> String {
     format!(
-        "{:?} | {} | isa {} | threads {} | memfit {}",
+        "costs v2 | {:?} | {} | isa {} | threads {} | memfit {}",
         req.model,
         // The kind of optimizer, not its rates: they do not change the time.
         format!("{:?}", req.optimizer).split([' ', '{', '(']).next().unwrap_or_default(),
@@ -185,6 +198,9 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
             0.0
         }
     };
+    let plain = *plain_ms.last().expect("one micro-batch measured");
+    let half = time_steps_in(req, largest, &CheckpointChoice::None, segments, Some(memfit_tensor::DType::BF16))?;
+    let half_overhead = if plain > 0.0 { ((half.step_ms - optimizer_ms) / plain - 1.0).max(0.0) } else { 0.0 };
     let total: f64 = profile.values().sum();
     let shares = segments
         .iter()
@@ -201,6 +217,7 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         plain_ms,
         recompute,
         optimizer_ms,
+        half_overhead,
         segments: shares,
         calibration_ms: start.elapsed().as_secs_f64() * 1e3,
     })
@@ -208,9 +225,9 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
 
 /// What one measurement gives.
 struct Measured {
-    /// Median step time, the first step not counted (ms).
+    /// Fastest step, the first step not counted (ms).
     step_ms: f64,
-    /// Median time of the optimizer update alone (ms).
+    /// Fastest optimizer update alone (ms).
     optimizer_ms: f64,
     /// Forward time of each segment (ms).
     segment_ms: BTreeMap<String, f64>,
@@ -224,9 +241,21 @@ fn time_steps(
     checkpoint: &CheckpointChoice,
     segments: &[String],
 ) -> Result<Measured, TrainError> {
+    time_steps_in(req, micro, checkpoint, segments, None)
+}
+
+/// [`time_steps`] with saved activations in `saved` (None: as computed).
+fn time_steps_in(
+    req: &PlanRequest,
+    micro: usize,
+    checkpoint: &CheckpointChoice,
+    segments: &[String],
+    saved: Option<memfit_tensor::DType>,
+) -> Result<Measured, TrainError> {
     let device = Device::cpu();
     let mut session = Session::new(device.clone(), &req.model, req.optimizer, req.seed)?;
     session.set_checkpointing(checkpoint)?;
+    device.set_saved_dtype(saved)?;
     let steps = TIMED_STEPS + 1;
     let train = synthetic(&req.model, steps * micro, req.seed);
     let opts = RunOptions {
@@ -260,9 +289,10 @@ fn time_steps(
         session.optimizer.step()?;
         updates.push(start.elapsed().as_secs_f64() * 1e3);
     }
+    let fastest = |times: &[f64]| times.iter().copied().fold(f64::INFINITY, f64::min).min(f64::MAX);
     Ok(Measured {
-        step_ms: median(outcome.step_times_ms.get(1..).unwrap_or(&[])),
-        optimizer_ms: median(&updates),
+        step_ms: fastest(outcome.step_times_ms.get(1..).unwrap_or(&[])),
+        optimizer_ms: fastest(&updates),
         segment_ms,
     })
 }
@@ -301,6 +331,7 @@ mod tests {
             micro: vec![1, 4, 16],
             plain_ms: vec![2.0, 5.0, 17.0],
             recompute: 0.4,
+            half_overhead: 0.1,
             optimizer_ms: 1.0,
             segments: [("a".to_string(), 0.25), ("b".to_string(), 0.75)].into_iter().collect(),
             calibration_ms: 0.0,

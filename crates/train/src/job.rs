@@ -36,6 +36,10 @@ pub struct RunSummary {
     pub profile_files: Vec<PathBuf>,
     /// Segments that ran with activation checkpointing.
     pub checkpointed: Vec<String>,
+    /// The dtype saved activations were stored in (`auto` resolved).
+    pub precision: crate::config::Precision,
+    /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
+    pub skipped_steps: usize,
     /// Host memory outside the device's capacity.
     pub host: crate::report::HostMemory,
     /// What accumulation and checkpointing saved (predicted; with a budget only).
@@ -105,6 +109,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         checkpoint: cfg.checkpoint.clone(),
         costs: crate::cost::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
         micro_batch: cfg.micro_batch,
+        precision: cfg.precision,
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
@@ -137,6 +142,13 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         (choice, _, _) => choice.clone(),
     };
     let checkpointed = session.set_checkpointing(&checkpoint)?;
+    // `auto` is the plan's choice; without a plan, nothing is halved.
+    let precision = match (cfg.precision, &plan) {
+        (crate::config::Precision::Auto, Some(p)) => p.precision,
+        (crate::config::Precision::Auto, None) => crate::config::Precision::Fp32,
+        (p, _) => p,
+    };
+    session.set_precision(precision)?;
     let savings = match cfg.memory {
         Some(_) => planner::savings(&request, micro, &checkpointed, plan.as_ref().and_then(|p| p.costs.as_ref()))?,
         None => planner::Savings::default(),
@@ -265,6 +277,8 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         threads,
         profile_files,
         checkpointed,
+        precision,
+        skipped_steps: session.skipped_steps,
         host: crate::report::HostMemory {
             dataset_bytes: task.host_bytes(),
             timeline_bytes: device.timeline_max_bytes(),

@@ -30,7 +30,7 @@ pub mod samples;
 pub mod task;
 pub mod trainer;
 
-pub use config::{CheckpointChoice, OptimizerChoice, TrainConfig};
+pub use config::{CheckpointChoice, OptimizerChoice, Precision, TrainConfig};
 pub use error::TrainError;
 pub use job::{train, Observer, Quiet, RunSummary};
 pub use planner::{plan, Plan, PlanRequest};

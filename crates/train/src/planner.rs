@@ -48,6 +48,8 @@ pub struct PlanRequest {
     pub costs: crate::cost::Costs,
     /// A micro-batch the user fixed (`plan --micro-batch`): the plan keeps it and fits the rest.
     pub micro_batch: Option<usize>,
+    /// The dtype of saved activations; `auto` lets the planner weigh bf16 storage too.
+    pub precision: crate::config::Precision,
 }
 
 impl PlanRequest {
@@ -103,6 +105,8 @@ pub struct Plan {
     pub calibration_ms: f64,
     /// The step-time model the candidates were weighed with (`--checkpoint auto`).
     pub costs: Option<crate::cost::CostModel>,
+    /// The precision the plan assumes (`auto` resolved).
+    pub precision: crate::config::Precision,
 }
 
 /// One configuration the planner weighed: which segments it checkpoints, the largest micro-batch
@@ -110,6 +114,7 @@ pub struct Plan {
 /// a micro-batch of 1 fits (then `peak_reserved` is what a micro-batch of 1 needs).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
+    pub precision: crate::config::Precision,
     pub checkpointed: Vec<String>,
     pub micro_batch: usize,
     pub accumulation_steps: usize,
@@ -147,6 +152,7 @@ pub fn predict(
         Err(e) => return Err(e),
     };
     session.set_checkpointing(&req.checkpoint)?;
+    session.set_precision(req.precision)?;
     let (train, val, opts) = dry_run(req, micro, eval_micro.unwrap_or(1));
     let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
@@ -256,13 +262,20 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
 }
 
 fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
-    if req.checkpoint != CheckpointChoice::Auto {
+    use crate::config::Precision;
+    let (auto_checkpoint, auto_precision) =
+        (req.checkpoint == CheckpointChoice::Auto, req.precision == Precision::Auto);
+    if !auto_checkpoint && !auto_precision {
         return plan_fixed(req);
     }
-    let none = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    let resolved = PlanRequest {
+        checkpoint: if auto_checkpoint { CheckpointChoice::None } else { req.checkpoint.clone() },
+        precision: if auto_precision { Precision::Fp32 } else { req.precision },
+        ..req.clone()
+    };
     let names = segment_names(req)?;
-    if req.budget().is_none() || names.is_empty() {
-        return plan_fixed(&none);
+    if req.budget().is_none() || (names.is_empty() && !auto_precision) {
+        return plan_fixed(&resolved);
     }
     let start = Instant::now();
     let weighed = weigh(req, &names)?;
@@ -270,7 +283,8 @@ fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
     let Some(best) = best else {
         return Err(TrainError::Invalid(weighed.nothing_fits(req)));
     };
-    let chosen = PlanRequest { checkpoint: weighed.choice(best), ..req.clone() };
+    let chosen =
+        PlanRequest { checkpoint: weighed.choice(best), precision: weighed.candidates[best].precision, ..req.clone() };
     let mut p = plan_fixed(&chosen)?;
     p.predicted_step_ms = Some(weighed.candidates[best].step_ms);
     p.dry_runs += weighed.dry_runs;
@@ -297,7 +311,7 @@ fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
 /// The configurations weighed for one request.
 pub struct Weighed {
     pub candidates: Vec<Candidate>,
-    /// Segment names in ranked order (the candidates are its prefixes).
+    /// The model's segments.
     pub ranked: Vec<String>,
     pub dry_runs: usize,
     pub calibration_ms: f64,
@@ -353,12 +367,21 @@ impl Weighed {
         for c in by_time {
             let memory = memory_flag(with_margin(req, c.peak_reserved));
             let flag = c.checkpoint_flag(self.ranked.len());
+            let mut flags = vec![("--memory", memory.clone()), ("--checkpoint", flag)];
+            if c.precision != crate::config::Precision::Fp32 {
+                flags.push(("--precision", c.precision.name().to_string()));
+            }
             s.push_str(&format!(
-                "\n  a budget of {memory} with checkpointing {}: peak {}, ~{:.0} ms a step\n    {}",
+                "\n  a budget of {memory} with checkpointing {}{}: peak {}, ~{:.0} ms a step\n    {}",
                 if c.checkpointed.is_empty() { "nothing".to_string() } else { c.checkpointed.join(", ") },
+                if c.precision == crate::config::Precision::Fp32 {
+                    String::new()
+                } else {
+                    format!(", {} activations", c.precision.name())
+                },
                 format_bytes(c.peak_reserved),
                 c.step_ms,
-                command_with(&[("--memory", memory.clone()), ("--checkpoint", flag)])
+                command_with(&flags)
             ));
         }
         s.push_str("\n  or a smaller model.");
@@ -375,74 +398,95 @@ pub fn segment_names(req: &PlanRequest) -> Result<Vec<String>, TrainError> {
         .unwrap_or_default())
 }
 
-/// Weighs the ranked prefixes of `names` (Note [Choosing segments]), each at its largest fitting
-/// micro-batch, or at the one the user fixed.
+/// Weighs the ranked prefixes of `names` (Note [Choosing segments]) when checkpointing is `auto`,
+/// else the request's own segments; each in f32 and, when precision is `auto`, with bf16 storage;
+/// each at its largest fitting micro-batch, or at the one the user fixed.
 pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError> {
+    use crate::config::Precision;
     let micro = req.micro_batch;
     let (costs, calibrated) = crate::cost::model_for(req, names)?;
     let calibration_ms = if calibrated { costs.calibration_ms } else { 0.0 };
     let mut dry_runs = 0;
-    let with = |checkpoint: CheckpointChoice| PlanRequest { checkpoint, ..req.clone() };
-    let training_peak = |r: &PlanRequest, dry_runs: &mut usize| -> Result<u64, TrainError> {
-        *dry_runs += 1;
-        Ok(predict(r, 1, None, None)?.map_or(u64::MAX, |p| p.peak_allocated))
+    let with = |checkpoint: CheckpointChoice| PlanRequest { checkpoint, precision: Precision::Fp32, ..req.clone() };
+    let ranked: Vec<String> = if req.checkpoint == CheckpointChoice::Auto {
+        let training_peak = |r: &PlanRequest, dry_runs: &mut usize| -> Result<u64, TrainError> {
+            *dry_runs += 1;
+            Ok(predict(r, 1, None, None)?.map_or(u64::MAX, |p| p.peak_allocated))
+        };
+        let base = training_peak(&with(CheckpointChoice::None), &mut dry_runs)?;
+        let mut scored = Vec::new();
+        for name in names {
+            let peak = training_peak(&with(CheckpointChoice::Segments(vec![name.clone()])), &mut dry_runs)?;
+            let saved = base.saturating_sub(peak) as f64;
+            scored.push((saved / costs.share(name).max(1e-9), name.clone()));
+        }
+        // Stable: equal scores keep the model's order.
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+        scored.into_iter().map(|(_, n)| n).collect()
+    } else {
+        names.to_vec()
     };
-    let base = training_peak(&with(CheckpointChoice::None), &mut dry_runs)?;
-    let mut scored = Vec::new();
-    for name in names {
-        let peak = training_peak(&with(CheckpointChoice::Segments(vec![name.clone()])), &mut dry_runs)?;
-        let saved = base.saturating_sub(peak) as f64;
-        scored.push((saved / costs.share(name).max(1e-9), name.clone()));
-    }
-    // Stable: equal scores keep the model's order.
-    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let ranked: Vec<String> = scored.into_iter().map(|(_, n)| n).collect();
+    let sets: Vec<Vec<String>> = match &req.checkpoint {
+        CheckpointChoice::Auto => (0..=ranked.len()).map(|k| ranked[..k].to_vec()).collect(),
+        CheckpointChoice::None => vec![Vec::new()],
+        CheckpointChoice::All => vec![names.to_vec()],
+        CheckpointChoice::Segments(s) => vec![s.clone()],
+    };
+    let precisions = match req.precision {
+        Precision::Auto => vec![Precision::Fp32, Precision::Bf16],
+        p => vec![p],
+    };
     let mut candidates = Vec::new();
-    for k in 0..=ranked.len() {
-        let checkpointed = ranked[..k].to_vec();
-        let choice = match k {
-            0 => CheckpointChoice::None,
-            k if k == ranked.len() => CheckpointChoice::All,
-            _ => CheckpointChoice::Segments(checkpointed.clone()),
-        };
-        let r = with(choice);
-        let budget = r.budget();
-        let fitting = match micro {
-            Some(m) => {
-                dry_runs += 1;
-                predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), budget)?.map(|p| (m, p.peak_reserved))
-            }
-            None => match plan_fixed(&r) {
-                Ok(p) => {
-                    dry_runs += p.dry_runs;
-                    Some((p.micro_batch, p.training.peak_reserved))
+    for &precision in &precisions {
+        for checkpointed in &sets {
+            let choice = match checkpointed.len() {
+                0 => CheckpointChoice::None,
+                k if k == names.len() => CheckpointChoice::All,
+                _ => CheckpointChoice::Segments(checkpointed.clone()),
+            };
+            let r = PlanRequest { precision, ..with(choice) };
+            let budget = r.budget();
+            let fitting = match micro {
+                Some(m) => {
+                    dry_runs += 1;
+                    predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), budget)?.map(|p| (m, p.peak_reserved))
                 }
-                Err(_) => None,
-            },
-        };
-        candidates.push(match fitting {
-            Some((m, peak)) => Candidate {
-                micro_batch: m,
-                accumulation_steps: req.effective_batch.div_ceil(m),
-                peak_reserved: peak,
-                step_ms: costs.step_ms(req.effective_batch, m, &checkpointed),
-                checkpointed,
-            },
-            None => {
-                dry_runs += 1;
-                let m = micro.unwrap_or(1);
-                let needs = predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), None)?.map_or(u64::MAX, |p| p.peak_reserved);
-                Candidate {
-                    micro_batch: 0,
-                    accumulation_steps: 0,
-                    peak_reserved: needs,
-                    step_ms: costs.step_ms(req.effective_batch, m, &checkpointed),
-                    checkpointed,
+                None => match plan_fixed(&r) {
+                    Ok(p) => {
+                        dry_runs += p.dry_runs;
+                        Some((p.micro_batch, p.training.peak_reserved))
+                    }
+                    Err(_) => None,
+                },
+            };
+            let m = fitting.map_or(micro.unwrap_or(1), |(m, _)| m);
+            let step_ms = costs.step_ms_in(req.effective_batch, m, checkpointed, precision.saved_dtype().is_some());
+            candidates.push(match fitting {
+                Some((m, peak)) => Candidate {
+                    precision,
+                    micro_batch: m,
+                    accumulation_steps: req.effective_batch.div_ceil(m),
+                    peak_reserved: peak,
+                    step_ms,
+                    checkpointed: checkpointed.clone(),
+                },
+                None => {
+                    dry_runs += 1;
+                    let needs =
+                        predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), None)?.map_or(u64::MAX, |p| p.peak_reserved);
+                    Candidate {
+                        precision,
+                        micro_batch: 0,
+                        accumulation_steps: 0,
+                        peak_reserved: needs,
+                        step_ms,
+                        checkpointed: checkpointed.clone(),
+                    }
                 }
-            }
-        });
+            });
+        }
     }
-    Ok(Weighed { candidates, ranked, dry_runs, calibration_ms, costs })
+    Ok(Weighed { candidates, ranked: names.to_vec(), dry_runs, calibration_ms, costs })
 }
 
 /// The fastest checkpointing (Note [Choosing segments]) with which a fixed micro-batch `micro` fits the
@@ -550,13 +594,22 @@ pub struct Remedy {
 /// the run as it was asked for (its fixed micro-batch, else micro-batch 1, nothing checkpointed).
 pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
     let names = segment_names(req)?;
-    let free = PlanRequest { checkpoint: CheckpointChoice::Auto, micro_batch: None, ..req.clone() };
+    let free = PlanRequest {
+        checkpoint: CheckpointChoice::Auto,
+        micro_batch: None,
+        // Half storage changes the numbers: a remedy only when the user allowed it.
+        precision: match req.precision {
+            crate::config::Precision::Fp32 => crate::config::Precision::Fp32,
+            _ => crate::config::Precision::Auto,
+        },
+        ..req.clone()
+    };
     let mut out = Vec::new();
     let mut costs = None;
     if free.budget().is_some() && !names.is_empty() {
         let w = weigh(&free, &names)?;
         for c in w.candidates.iter().filter(|c| c.fits()) {
-            let what = match c.checkpointed.len() {
+            let mut what = match c.checkpointed.len() {
                 0 => format!("micro-batch {} x {}", c.micro_batch, c.accumulation_steps),
                 _ => format!(
                     "checkpoint {} with micro-batch {} x {}",
@@ -565,15 +618,13 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
                     c.accumulation_steps
                 ),
             };
-            out.push(Remedy {
-                what,
-                peak_reserved: c.peak_reserved,
-                step_ms: Some(c.step_ms),
-                flags: vec![
-                    ("--micro-batch", c.micro_batch.to_string()),
-                    ("--checkpoint", c.checkpoint_flag(names.len())),
-                ],
-            });
+            let mut flags =
+                vec![("--micro-batch", c.micro_batch.to_string()), ("--checkpoint", c.checkpoint_flag(names.len()))];
+            if c.precision != crate::config::Precision::Fp32 {
+                what.push_str(&format!(", {} activations", c.precision.name()));
+                flags.push(("--precision", c.precision.name().to_string()));
+            }
+            out.push(Remedy { what, peak_reserved: c.peak_reserved, step_ms: Some(c.step_ms), flags });
         }
         costs = Some(w.costs);
     } else if free.budget().is_some() {
@@ -593,6 +644,10 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
             CheckpointChoice::None
         } else {
             req.checkpoint.clone()
+        },
+        precision: match req.precision {
+            crate::config::Precision::Auto => crate::config::Precision::Fp32,
+            p => p,
         },
         ..req.clone()
     };
@@ -720,6 +775,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         predicted_step_ms: None,
         calibration_ms: 0.0,
         costs: None,
+        precision: req.precision,
     })
 }
 
@@ -840,13 +896,14 @@ impl Plan {
             "candidates weighed (peak exact from meta; step time from the cost model calibrated on this machine):\n",
         );
         s.push_str(&format!(
-            "    {:<32} {:>14} {:>14} {:>12}\n",
-            "checkpointed", "micro-batch", "peak reserved", "step time"
+            "    {:<9} {:<32} {:>14} {:>14} {:>12}\n",
+            "storage", "checkpointed", "micro-batch", "peak reserved", "step time"
         ));
         let chosen = self.checkpoint.segment_names();
         for c in &self.candidates {
             let names = if c.checkpointed.is_empty() { "none".to_string() } else { c.checkpointed.join(",") };
             let is_chosen = c.fits()
+                && c.precision == self.precision
                 && c.micro_batch == self.micro_batch
                 && (c.checkpointed == chosen || (chosen == ["all"] && self.candidates.last() == Some(c)));
             let micro = if c.fits() {
@@ -855,8 +912,9 @@ impl Plan {
                 "does not fit".to_string()
             };
             s.push_str(&format!(
-                "  {} {:<32} {:>14} {:>14} {:>9.0} ms\n",
+                "  {} {:<9} {:<32} {:>14} {:>14} {:>9.0} ms\n",
                 if is_chosen { "*" } else { " " },
+                c.precision.name(),
                 names,
                 micro,
                 format_bytes(c.peak_reserved),

@@ -68,6 +68,10 @@ pub struct Report {
     pub planned: bool,
     /// Segments that ran with activation checkpointing (`--checkpoint`), in forward order.
     pub checkpointed_segments: Vec<String>,
+    /// The dtype saved activations were stored in: fp32, bf16 or fp16.
+    pub precision: String,
+    /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
+    pub skipped_steps: usize,
     pub eval_micro_batch: usize,
     pub predicted_peak_allocated_bytes: Option<u64>,
     pub predicted_peak_reserved_bytes: Option<u64>,
@@ -157,6 +161,8 @@ impl Report {
             },
             planned: s.plan.is_some(),
             checkpointed_segments: s.checkpointed.clone(),
+            precision: s.precision.name().to_string(),
+            skipped_steps: s.skipped_steps,
             eval_micro_batch: s.eval_micro_batch,
             predicted_peak_allocated_bytes: s.plan.as_ref().map(|p| p.predicted.peak_allocated),
             predicted_peak_reserved_bytes: s.plan.as_ref().map(|p| p.predicted.peak_reserved),

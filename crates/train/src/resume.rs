@@ -61,6 +61,13 @@ pub struct RunSpec {
     pub seed: u64,
     pub data_seed: Option<u64>,
     pub checkpoint: String,
+    /// Absent in checkpoints written before `--precision` existed: fp32.
+    #[serde(default = "fp32")]
+    pub precision: String,
+}
+
+fn fp32() -> String {
+    "fp32".to_string()
 }
 
 impl RunSpec {
@@ -83,6 +90,7 @@ impl RunSpec {
             seed: cfg.seed,
             data_seed: cfg.data_seed,
             checkpoint: cfg.checkpoint.as_flag(),
+            precision: cfg.precision.name().to_string(),
         }
     }
 
@@ -106,6 +114,7 @@ impl RunSpec {
         cfg.seed = self.seed;
         cfg.data_seed = self.data_seed;
         cfg.checkpoint = CheckpointChoice::parse(&self.checkpoint).map_err(corrupt)?;
+        cfg.precision = crate::config::Precision::parse(&self.precision).map_err(corrupt)?;
         Ok(())
     }
 

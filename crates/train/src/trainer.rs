@@ -35,11 +35,35 @@ pub struct Session {
     pub device: Device,
     pub model: Box<dyn Model>,
     pub optimizer: Optimizer,
+    /// Optimizer steps skipped because a gradient overflowed (fp16 storage only).
+    pub skipped_steps: usize,
 }
 
 impl Session {
     /// Applies `choice` to the model's segments; returns the names of those that now run
     /// checkpointed.
+    /// Stores saved activations in `precision`'s dtype (resolved: `auto` is the planner's to decide).
+    pub fn set_precision(&self, precision: crate::config::Precision) -> Result<(), TrainError> {
+        Ok(self.device.set_saved_dtype(precision.saved_dtype())?)
+    }
+
+    /// With fp16 storage, a window whose gradients hold an inf or NaN (an activation overflowed in
+    /// f16) is not applied, as `GradScaler` skips such steps; gradients stay f32, so no loss scale is
+    /// needed to keep them from underflowing. True when the step must be skipped.
+    fn gradients_overflowed(&self) -> Result<bool, TrainError> {
+        if self.device.saved_dtype() != Some(memfit_tensor::DType::F16) || !self.device.computes() {
+            return Ok(false);
+        }
+        for (_, p) in self.model.parameters() {
+            if let Some(g) = p.grad() {
+                if memfit_tensor::ops::unscale_(&g, 1.0)? {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
     pub fn set_checkpointing(&self, choice: &crate::config::CheckpointChoice) -> Result<Vec<String>, TrainError> {
         let name = self.model.kind().name();
         let Some(segments) = self.model.checkpointing() else {
@@ -62,7 +86,7 @@ impl Session {
         let _phase = device.enter_phase(Phase::Setup);
         let model = memfit_nn::build_model(spec, &device, seed)?;
         let optimizer = Optimizer::new(model.parameters(), optimizer);
-        Ok(Session { device, model, optimizer })
+        Ok(Session { device, model, optimizer, skipped_steps: 0 })
     }
 
     fn allocated(&self) -> u64 {
@@ -380,6 +404,11 @@ impl Session {
         *micro = queue.micro;
         {
             let _p = self.device.enter_phase(Phase::Optimizer);
+            if self.gradients_overflowed()? {
+                self.skipped_steps += 1;
+                self.optimizer.zero_grad();
+                return Ok((total, recoveries));
+            }
             // The optimizer allocates all its state before it updates anything, so a failed step
             // changed nothing: release the cache and try once more.
             if let Err(e) = self.optimizer.step() {

@@ -63,6 +63,7 @@ fn request(spec: &ModelSpec, effective: usize, capacity: Option<u64>, checkpoint
         checkpoint,
         costs: Default::default(),
         micro_batch: None,
+        precision: Default::default(),
     }
 }
 
@@ -196,6 +197,7 @@ fn given_costs(segments: usize) -> Costs {
         plain_ms: vec![10.0, 16.0, 40.0],
         recompute: 0.35,
         optimizer_ms: 2.0,
+        half_overhead: 0.1,
         segments: (0..segments).map(|i| (format!("blocks.{i}"), 1.0 / segments as f64)).collect(),
         calibration_ms: 0.0,
     })

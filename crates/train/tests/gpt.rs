@@ -128,6 +128,7 @@ fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
         checkpoint: Default::default(),
         costs: Default::default(),
         micro_batch: None,
+        precision: Default::default(),
     }
 }
 

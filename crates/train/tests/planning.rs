@@ -19,6 +19,7 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
         checkpoint: Default::default(),
         costs: Default::default(),
         micro_batch: None,
+        precision: Default::default(),
     }
 }
 
