@@ -597,3 +597,25 @@ fn the_report_says_what_accumulation_and_checkpointing_saved() {
     assert_eq!(r["remedies"]["accumulation_saved_bytes"].as_u64().unwrap(), training_peak("16", "blocks.0") - own);
     assert!(r["remedies"]["recompute_time_share"].is_null(), "no cost model without auto");
 }
+
+/// `--precision` end to end: the report names it, meta predicts the bf16 run's peaks exactly, bf16
+/// lowers the peak, and a bad value is refused by name.
+#[test]
+fn precision_reaches_the_report_and_meta_predicts_it() {
+    let gpt = ["train", "--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "2", "--context", "64"];
+    let run = |precision: &str, device: &str| {
+        let args = [&gpt[..], &["--batch-size", "16", "--max-steps", "2", "--no-eval", "--device", device]].concat();
+        report(&[&args[..], &["--precision", precision]].concat(), &format!("precision-{precision}-{device}.json"))
+    };
+    let (cpu, meta) = (run("bf16", "cpu"), run("bf16", "meta"));
+    assert_eq!(cpu["precision"], "bf16");
+    assert_eq!(cpu["skipped_steps"], 0);
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes", "num_allocations"] {
+        assert_eq!(cpu[key], meta[key], "{key}");
+    }
+    let fp32 = run("fp32", "meta");
+    assert!(meta["peak_allocated_bytes"].as_u64() < fp32["peak_allocated_bytes"].as_u64());
+    let out = memfit(&["train", "--precision", "fp8"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("unknown precision \"fp8\""), "{}", text(&out));
+}
