@@ -744,7 +744,12 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
             // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch
             // needs, but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
             let accumulation_steps = req.effective_batch.div_ceil(largest);
-            (largest, accumulation_steps, req.effective_batch.div_ceil(accumulation_steps))
+            let balanced = req.effective_batch.div_ceil(accumulation_steps);
+            // Lighter in bytes allocated, but the reserved peak is not monotone in the micro-batch
+            // (segment reuse): keep the balanced parts only when they fit too.
+            let micro =
+                if balanced == largest || run(balanced, Some(1), budget)?.is_some() { balanced } else { largest };
+            (largest, accumulation_steps, micro)
         }
     };
     let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch.min(MAX_MICRO)), budget);
