@@ -173,17 +173,7 @@ fn auto_checkpoints_only_what_the_budget_forces_and_the_plan_holds() {
     let best = chosen.candidates.iter().filter(|c| c.fits()).map(|c| c.step_ms).fold(f64::INFINITY, f64::min);
     assert_eq!(chosen.predicted_step_ms, Some(best));
     // The planned run on cpu with that budget never runs out of memory and peaks as predicted.
-    let fixed = request(&spec, 2, Some(capacity), chosen.checkpoint.clone());
-    let dev = device(DeviceKind::Cpu, Some(capacity), None);
-    let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
-    session.set_checkpointing(&fixed.checkpoint).unwrap();
-    let (train, val, mut o) = dry_run(&fixed, chosen.micro_batch, chosen.eval_micro_batch);
-    o.recover = true;
-    session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
-    let stats = dev.stats();
-    assert_eq!(stats.num_ooms, 0);
-    assert_eq!(stats.reserved_bytes.peak, chosen.predicted.peak_reserved);
-    assert_eq!(stats.allocated_bytes.peak, chosen.predicted.peak_allocated);
+    assert_plan_holds_on_cpu(&req, &chosen, capacity);
     // Below what checkpointing everything needs, the error says so.
     let err = plan(&auto(Some(all / 2))).unwrap_err().to_string();
     assert!(err.contains("with activation checkpointing of every segment needs"), "{err}");
@@ -230,17 +220,7 @@ fn at_a_mid_budget_the_chosen_checkpointing_beats_all_and_sqrt_n_and_holds_on_cp
         }
     }
     let (capacity, chosen) = beaten.expect("a budget where the choice beats both fixed rules");
-    let fixed = with(Some(capacity), chosen.checkpoint.clone());
-    let dev = device(DeviceKind::Cpu, Some(capacity), None);
-    let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
-    session.set_checkpointing(&fixed.checkpoint).unwrap();
-    let (train, val, mut o) = dry_run(&fixed, chosen.micro_batch, chosen.eval_micro_batch);
-    o.recover = true;
-    session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
-    let stats = dev.stats();
-    assert_eq!(stats.num_ooms, 0);
-    assert_eq!(stats.reserved_bytes.peak, chosen.predicted.peak_reserved);
-    assert_eq!(stats.allocated_bytes.peak, chosen.predicted.peak_allocated);
+    assert_plan_holds_on_cpu(&with(Some(capacity), CheckpointChoice::Auto), &chosen, capacity);
 }
 
 /// The out-of-memory doctor: when a request does not fit, the error lists remedies, fastest first,

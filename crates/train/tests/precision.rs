@@ -8,7 +8,7 @@ use common::*;
 use memfit_nn::{GptConfig, ModelKind, ModelSpec};
 use memfit_tensor::{Category, DeviceKind};
 use memfit_train::cost::{CostModel, Costs};
-use memfit_train::planner::{dry_run, plan, predict, PlanRequest};
+use memfit_train::planner::{plan, predict, PlanRequest};
 use memfit_train::samples::TextWindows;
 use memfit_train::{CheckpointChoice, Precision, Session};
 
@@ -128,17 +128,7 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
     assert!(plan(&request(Some(capacity), Precision::Fp32)).is_err());
     let chosen = plan(&request(Some(capacity), Precision::Auto)).unwrap();
     assert_eq!(chosen.precision, Precision::Bf16, "{:?}", chosen.candidates);
-    let fixed = request(Some(capacity), Precision::Bf16);
-    let dev = device(DeviceKind::Cpu, Some(capacity), None);
-    let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
-    session.set_precision(Precision::Bf16).unwrap();
-    let (train, val, mut o) = dry_run(&fixed, chosen.micro_batch, chosen.eval_micro_batch);
-    o.recover = true;
-    session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
-    let stats = dev.stats();
-    assert_eq!(stats.num_ooms, 0);
-    assert_eq!(stats.reserved_bytes.peak, chosen.predicted.peak_reserved);
-    assert_eq!(stats.allocated_bytes.peak, chosen.predicted.peak_allocated);
+    assert_plan_holds_on_cpu(&request(Some(capacity), Precision::Auto), &chosen, capacity);
     // Not allowed to change the numbers, the doctor does not offer it either.
     let err = plan(&request(Some(capacity), Precision::Fp32)).unwrap_err().to_string();
     assert!(!err.contains("--precision"), "{err}");

@@ -84,3 +84,26 @@ pub fn sorted(log: &[Vec<usize>]) -> Vec<Vec<usize>> {
         })
         .collect()
 }
+
+/// Runs `plan`'s configuration (its segments, precision and micro-batches, as a dry run's program)
+/// on `cpu` with `capacity` and recovery on: it must never run out of memory and must peak exactly
+/// where meta predicted (invariant 8).
+pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_train::Plan, capacity: u64) {
+    let fixed = memfit_train::PlanRequest {
+        checkpoint: plan.checkpoint.clone(),
+        precision: plan.precision,
+        capacity: Some(capacity),
+        ..req.clone()
+    };
+    let dev = device(DeviceKind::Cpu, Some(capacity), None);
+    let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
+    session.set_checkpointing(&fixed.checkpoint).unwrap();
+    session.set_precision(fixed.precision).unwrap();
+    let (train, val, mut o) = memfit_train::planner::dry_run(&fixed, plan.micro_batch, plan.eval_micro_batch);
+    o.recover = true;
+    let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+    let stats = dev.stats();
+    assert_eq!((stats.num_ooms, outcome.oom_recoveries), (0, 0), "the planned run never ran out of memory");
+    assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved);
+    assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated);
+}
