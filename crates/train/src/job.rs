@@ -150,7 +150,10 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     };
     session.set_precision(precision)?;
     let savings = match cfg.memory {
-        Some(_) => planner::savings(&request, micro, &checkpointed, plan.as_ref().and_then(|p| p.costs.as_ref()))?,
+        Some(_) => {
+            let costs = plan.as_ref().and_then(|p| p.costs.as_ref());
+            planner::savings(&request, micro, &checkpointed, precision, costs)?
+        }
         None => planner::Savings::default(),
     };
     if let Some(ckpt) = &resumed {

@@ -533,15 +533,19 @@ pub fn command_with(flags: &[(&str, String)]) -> String {
 pub struct Savings {
     pub accumulation_saved_bytes: Option<u64>,
     pub checkpointing_saved_bytes: Option<u64>,
+    /// Against f32 storage (with `--precision bf16|fp16`).
+    pub precision_saved_bytes: Option<u64>,
     pub recompute_time_share: Option<f64>,
 }
 
 /// [`Savings`] of running `req` in micro-batches of `micro` with `checkpointed` segments (resolved
-/// names); `costs` gives the recompute share when the plan was weighed by time.
+/// names) and `precision` (resolved); `costs` gives the recompute share when the plan was weighed by
+/// time.
 pub fn savings(
     req: &PlanRequest,
     micro: usize,
     checkpointed: &[String],
+    precision: crate::config::Precision,
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<Savings, TrainError> {
     let as_run = PlanRequest {
@@ -549,6 +553,7 @@ pub fn savings(
             true => CheckpointChoice::None,
             false => CheckpointChoice::Segments(checkpointed.to_vec()),
         },
+        precision,
         ..req.clone()
     };
     let peak = |r: &PlanRequest, m: usize| -> Result<Option<u64>, TrainError> {
@@ -560,10 +565,15 @@ pub fn savings(
         true => peak(&as_run, whole)?.map(|p| p.saturating_sub(own)),
         false => None,
     };
-    let plain = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    let plain = PlanRequest { checkpoint: CheckpointChoice::None, ..as_run.clone() };
     let checkpointing_saved_bytes = match checkpointed.is_empty() {
         true => None,
         false => peak(&plain, micro)?.map(|p| p.saturating_sub(own)),
+    };
+    let f32_storage = PlanRequest { precision: crate::config::Precision::Fp32, ..as_run.clone() };
+    let precision_saved_bytes = match precision.saved_dtype() {
+        None => None,
+        Some(_) => peak(&f32_storage, micro)?.map(|p| p.saturating_sub(own)),
     };
     let recompute_time_share = costs.filter(|_| !checkpointed.is_empty()).map(|c| {
         let with = c.step_ms(req.effective_batch, micro, checkpointed);
@@ -574,7 +584,7 @@ pub fn savings(
             0.0
         }
     });
-    Ok(Savings { accumulation_saved_bytes, checkpointing_saved_bytes, recompute_time_share })
+    Ok(Savings { accumulation_saved_bytes, checkpointing_saved_bytes, precision_saved_bytes, recompute_time_share })
 }
 
 /// One way to make a run fit, with what it is predicted to cost.

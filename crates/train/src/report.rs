@@ -269,6 +269,9 @@ impl Report {
                 format_bytes(b)
             ));
         }
+        if let Some(b) = r.precision_saved_bytes {
+            saved.push(format!("{} storage saves {}", self.precision, format_bytes(b)));
+        }
         if !saved.is_empty() {
             s.push_str(&format!("  remedies (predicted peak reserved): {}\n", saved.join("; ")));
         }

@@ -133,3 +133,37 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
     let err = plan(&request(Some(capacity), Precision::Fp32)).unwrap_err().to_string();
     assert!(!err.contains("--precision"), "{err}");
 }
+
+/// Invariant 7 with half storage: a fault at any allocation of a bf16 run (conversions included) is
+/// recovered, the same windows train, nothing leaks, and the parameters end as the clean run's.
+#[test]
+fn a_fault_at_every_allocation_of_a_bf16_run_loses_no_window() {
+    let (text, spec) = text_gpt(2, 8, 6);
+    let train = TextWindows::train(&text.train, spec.gpt.max_t);
+    let o = opts(4, 4, 2);
+    let run = |fault| {
+        let dev = device(DeviceKind::Cpu, None, fault);
+        let mut s = Session::new(dev, &spec, adamw(), 3).unwrap();
+        s.set_precision(Precision::Bf16).unwrap();
+        let out = s.run(&train, None, &o, &mut |_| {}).unwrap();
+        let params: Vec<(String, Vec<f64>)> =
+            s.model.parameters().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect();
+        (out, params, s)
+    };
+    let setup = {
+        let dev = device(DeviceKind::Cpu, None, None);
+        drop(Session::new(dev.clone(), &spec, adamw(), 3).unwrap());
+        dev.stats().allocation.allocated
+    };
+    let (clean, clean_params, clean_session) = run(None);
+    let clean_stats = clean_session.device.stats();
+    for k in 1..=clean_stats.allocation.allocated - setup {
+        let (out, params, session) = run(Some(memfit_tensor::memory::FaultInjection::Nth(setup + k)));
+        let stats = session.device.stats();
+        assert_eq!(stats.num_injected_faults, 1, "fault at request {k}");
+        assert!(out.oom_recoveries >= 1, "fault at request {k} was recovered");
+        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "fault at request {k}: the same windows");
+        assert_params_close(&params, &clean_params, 1e-5, &format!("fault at request {k}"));
+        assert_eq!(stats.allocated_bytes.current, clean_stats.allocated_bytes.current, "fault {k}: nothing leaked");
+    }
+}
