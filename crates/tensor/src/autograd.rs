@@ -100,11 +100,15 @@ impl Compact {
 /// Saves a large activation for backward (Note [Half-precision storage]): in the device's saved
 /// dtype ([`crate::Device::set_saved_dtype`]) when that is set, the tensor is f32 and its storage
 /// is an op's output (a temporary or an activation: parameters and inputs live anyway, and a copy
-/// would only add memory); else as [`save`] does.
+/// would only add memory), outside a checkpointed segment's re-run; else as [`save`] does.
 pub fn save_compact(t: &Tensor) -> Result<Compact> {
     let device = t.device();
+    // A checkpointed segment's re-run saves what backward uses right away: converting it would only
+    // add a copy.
     let compact = device.saved_dtype().filter(|_| {
-        t.dtype() == crate::DType::F32 && matches!(t.storage().category(), Category::Temporary | Category::Activation)
+        t.dtype() == crate::DType::F32
+            && !device.recomputing()
+            && matches!(t.storage().category(), Category::Temporary | Category::Activation)
     });
     let stored = match compact {
         Some(dtype) => {
