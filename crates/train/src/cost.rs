@@ -33,6 +33,10 @@ const TIMED_STEPS: usize = 3;
 const LONG_STEP_MS: f64 = 500.0;
 /// The largest micro-batch calibration measures.
 const MAX_CALIBRATION_MICRO: usize = 256;
+/// Calibration runs real steps on this host only for a model whose micro-batch-1 step needs at most
+/// this much memory (the planner may plan for devices far larger than the host); larger models get
+/// [`CostModel::nominal`].
+const MAX_CALIBRATION_BYTES: u64 = 1 << 30;
 
 /// Where the step-time model comes from.
 #[derive(Clone, Debug, Default)]
@@ -64,9 +68,28 @@ pub struct CostModel {
     pub segments: BTreeMap<String, f64>,
     /// How long calibration took (ms).
     pub calibration_ms: f64,
+    /// Not measured (the model is too large to time on this host): times are relative units, from
+    /// the usual proportions (cost linear in the samples, a re-run forward a third of a step).
+    #[serde(default)]
+    pub nominal: bool,
 }
 
 impl CostModel {
+    /// The uncalibrated model: one unit per sample, recomputation a third of the forward-and-backward,
+    /// segments alike, half storage 3% dearer.
+    pub fn nominal(segments: &[String]) -> CostModel {
+        CostModel {
+            micro: vec![1],
+            plain_ms: vec![1.0],
+            recompute: 1.0 / 3.0,
+            optimizer_ms: 0.0,
+            half_overhead: 0.03,
+            segments: segments.iter().map(|s| (s.clone(), 1.0 / segments.len() as f64)).collect(),
+            calibration_ms: 0.0,
+            nominal: true,
+        }
+    }
+
     /// Forward and backward of a micro-batch of `m` with `checkpointed` segments (names) re-run.
     pub fn micro_ms(&self, m: usize, checkpointed: &[String]) -> f64 {
         let plain = interpolate(&self.micro, &self.plain_ms, m);
@@ -131,6 +154,12 @@ pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<(CostModel, b
         .unwrap_or_default();
     if let Some(model) = cache.get(&key) {
         return Ok((model.clone(), false));
+    }
+    let fp32 =
+        PlanRequest { checkpoint: CheckpointChoice::None, precision: crate::config::Precision::Fp32, ..req.clone() };
+    let one = crate::planner::predict(&fp32, 1, None, None)?.map_or(u64::MAX, |p| p.peak_reserved);
+    if one > MAX_CALIBRATION_BYTES {
+        return Ok((CostModel::nominal(segments), false));
     }
     let model = calibrate(req, segments)?;
     if let Some(path) = path {
@@ -220,6 +249,7 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         half_overhead,
         segments: shares,
         calibration_ms: start.elapsed().as_secs_f64() * 1e3,
+        nominal: false,
     })
 }
 
@@ -335,6 +365,7 @@ mod tests {
             optimizer_ms: 1.0,
             segments: [("a".to_string(), 0.25), ("b".to_string(), 0.75)].into_iter().collect(),
             calibration_ms: 0.0,
+            nominal: false,
         }
     }
 
@@ -363,6 +394,16 @@ mod tests {
         assert_eq!(c.step_ms(10, 4, &[]), 1.0 + 5.0 + 5.0 + 3.0);
         assert_eq!(c.step_ms(4, 16, &[]), 1.0 + 5.0, "a micro-batch above the batch is the batch");
         assert_eq!(c.share("b"), 0.75);
+    }
+
+    #[test]
+    fn the_nominal_model_charges_samples_and_a_third_for_a_re_run() {
+        let names = ["x".to_string(), "y".to_string()];
+        let c = CostModel::nominal(&names);
+        assert!(c.nominal);
+        assert_eq!(c.step_ms(8, 4, &[]), 8.0);
+        assert!((c.step_ms(8, 4, &names) - 8.0 * 4.0 / 3.0).abs() < 1e-12);
+        assert!((c.step_ms_in(8, 4, &[], true) - 8.0 * 1.03).abs() < 1e-12);
     }
 
     #[test]

@@ -427,7 +427,7 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
         names.to_vec()
     };
     let sets: Vec<Vec<String>> = match &req.checkpoint {
-        CheckpointChoice::Auto => (0..=ranked.len()).map(|k| ranked[..k].to_vec()).collect(),
+        CheckpointChoice::Auto => prefix_lengths(ranked.len()).into_iter().map(|k| ranked[..k].to_vec()).collect(),
         CheckpointChoice::None => vec![Vec::new()],
         CheckpointChoice::All => vec![names.to_vec()],
         CheckpointChoice::Segments(s) => vec![s.clone()],
@@ -446,18 +446,14 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
             };
             let r = PlanRequest { precision, ..with(choice) };
             let budget = r.budget();
-            let fitting = match micro {
-                Some(m) => {
-                    dry_runs += 1;
-                    predict(&r, m, Some(m.min(MAX_EVAL_MICRO)), budget)?.map(|p| (m, p.peak_reserved))
-                }
-                None => match plan_fixed(&r) {
-                    Ok(p) => {
-                        dry_runs += p.dry_runs;
-                        Some((p.micro_batch, p.training.peak_reserved))
-                    }
-                    Err(_) => None,
-                },
+            let mut run = |m: usize, eval: Option<usize>, cap: Option<u64>| {
+                dry_runs += 1;
+                predict(&r, m, eval, cap)
+            };
+            // Each candidate's training micro-batch; only the chosen one gets a whole plan.
+            let fitting = match fitting_micro(&r, &mut run)? {
+                Some((_, _, m)) => run(m, None, budget)?.map(|p| (m, p.peak_reserved)),
+                None => None,
             };
             let m = fitting.map_or(micro.unwrap_or(1), |(m, _)| m);
             let step_ms = costs.step_ms_in(req.effective_batch, m, checkpointed, precision.saved_dtype().is_some());
@@ -487,6 +483,19 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
         }
     }
     Ok(Weighed { candidates, ranked: names.to_vec(), dry_runs, calibration_ms, costs })
+}
+
+/// How many of `n` ranked segments the candidates checkpoint: every count up to 8 segments, then
+/// roughly geometric steps (each about 1.5 times the last) and all of them, so that planning stays
+/// well under a second for deep models.
+fn prefix_lengths(n: usize) -> Vec<usize> {
+    let mut ks: Vec<usize> = (0..=n.min(8)).collect();
+    let mut k = 8;
+    while k < n {
+        k = (k + k / 2).min(n);
+        ks.push(k);
+    }
+    ks
 }
 
 /// The fastest checkpointing (Note [Choosing segments]) with which a fixed micro-batch `micro` fits the
@@ -724,6 +733,33 @@ fn margin_words(req: &PlanRequest) -> String {
     }
 }
 
+/// A dry run: (training micro-batch, evaluation micro-batch, capacity) -> the prediction, None when
+/// it does not fit.
+type DryRun<'a> = dyn FnMut(usize, Option<usize>, Option<u64>) -> Result<Option<Prediction>, TrainError> + 'a;
+
+/// The training micro-batch of `req` under its budget: (largest that fits, accumulation steps, the
+/// micro-batch to run), or None when not even the first (1, or the user's) fits.
+fn fitting_micro(req: &PlanRequest, run: &mut DryRun) -> Result<Option<(usize, usize, usize)>, TrainError> {
+    let budget = req.budget();
+    let first = req.micro_batch.unwrap_or(1).min(req.effective_batch);
+    if run(first, Some(first.min(MAX_EVAL_MICRO)), budget)?.is_none() {
+        return Ok(None);
+    }
+    if req.micro_batch.is_some() {
+        return Ok(Some((first, req.effective_batch.div_ceil(first), first)));
+    }
+    let high = search_limit(&req.model, req.effective_batch.min(MAX_MICRO), budget);
+    let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
+    // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
+    // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
+    let accumulation_steps = req.effective_batch.div_ceil(largest);
+    let balanced = req.effective_batch.div_ceil(accumulation_steps);
+    // Lighter in bytes allocated, but the reserved peak is not monotone in the micro-batch (segment
+    // reuse): keep the balanced parts only when they fit too.
+    let micro = if balanced == largest || run(balanced, Some(1), budget)?.is_some() { balanced } else { largest };
+    Ok(Some((largest, accumulation_steps, micro)))
+}
+
 fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
     let start = Instant::now();
     if req.effective_batch == 0 {
@@ -741,26 +777,10 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         dry_runs += 1;
         predict(req, micro, eval, cap)
     };
-    let first = req.micro_batch.unwrap_or(1).min(req.effective_batch);
-    if run(first, Some(first.min(MAX_EVAL_MICRO)), budget)?.is_none() {
+    let Some((largest, accumulation_steps, micro)) = fitting_micro(req, &mut run)? else {
+        let first = req.micro_batch.unwrap_or(1).min(req.effective_batch);
         let needs = run(first, Some(first.min(MAX_EVAL_MICRO)), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
-    }
-    let (largest, accumulation_steps, micro) = match req.micro_batch {
-        Some(_) => (first, req.effective_batch.div_ceil(first), first),
-        None => {
-            let high = search_limit(&req.model, req.effective_batch.min(MAX_MICRO), budget);
-            let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
-            // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch
-            // needs, but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
-            let accumulation_steps = req.effective_batch.div_ceil(largest);
-            let balanced = req.effective_batch.div_ceil(accumulation_steps);
-            // Lighter in bytes allocated, but the reserved peak is not monotone in the micro-batch
-            // (segment reuse): keep the balanced parts only when they fit too.
-            let micro =
-                if balanced == largest || run(balanced, Some(1), budget)?.is_some() { balanced } else { largest };
-            (largest, accumulation_steps, micro)
-        }
     };
     let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch.min(MAX_MICRO)), budget);
     let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, Some(e), budget)?.is_some()))?;
@@ -907,35 +927,75 @@ impl Plan {
 
     /// The configurations weighed, one a line, the chosen one marked.
     pub fn candidates_table(&self) -> String {
-        let mut s = String::from(
-            "candidates weighed (peak exact from meta; step time from the cost model calibrated on this machine):\n",
-        );
+        let nominal = self.costs.as_ref().is_some_and(|c| c.nominal);
+        let mut s = String::from(match nominal {
+            false => {
+                "candidates weighed (peak exact from meta; step time from the cost model calibrated on this machine):\n"
+            }
+            true => {
+                "candidates weighed (peak exact from meta; the model is too large to time on this host, so step \
+                     times are nominal: one unit a sample, a re-run forward a third of a step):\n"
+            }
+        });
         s.push_str(&format!(
             "    {:<9} {:<32} {:>14} {:>14} {:>12}\n",
             "storage", "checkpointed", "micro-batch", "peak reserved", "step time"
         ));
         let chosen = self.checkpoint.segment_names();
+        let segments = self.candidates.iter().map(|c| c.checkpointed.len()).max().unwrap_or(0);
         for c in &self.candidates {
-            let names = if c.checkpointed.is_empty() { "none".to_string() } else { c.checkpointed.join(",") };
+            let names = match c.checkpointed.len() {
+                0 => "none".to_string(),
+                k if k == segments && chosen == ["all"] || k == segments && segments > 3 => "all".to_string(),
+                k if k > 3 => format!("{k} of {segments}: {}, ...", c.checkpointed[..2].join(",")),
+                _ => c.checkpointed.join(","),
+            };
             let is_chosen = c.fits()
                 && c.precision == self.precision
                 && c.micro_batch == self.micro_batch
-                && (c.checkpointed == chosen || (chosen == ["all"] && self.candidates.last() == Some(c)));
+                && (c.checkpointed == chosen || (chosen == ["all"] && c.checkpointed.len() == segments));
             let micro = if c.fits() {
                 format!("{} x {}", c.micro_batch, c.accumulation_steps)
             } else {
                 "does not fit".to_string()
             };
+            let time = match nominal {
+                false => format!("{:.0} ms", c.step_ms),
+                true => format!("{:.1} units", c.step_ms),
+            };
             s.push_str(&format!(
-                "  {} {:<9} {:<32} {:>14} {:>14} {:>9.0} ms\n",
+                "  {} {:<9} {:<32} {:>14} {:>14} {:>12}\n",
                 if is_chosen { "*" } else { " " },
                 c.precision.name(),
                 names,
                 micro,
                 format_bytes(c.peak_reserved),
-                c.step_ms
+                time
             ));
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_take_every_prefix_of_a_few_segments_and_geometric_steps_of_many() {
+        assert_eq!(prefix_lengths(0), [0]);
+        assert_eq!(prefix_lengths(4), [0, 1, 2, 3, 4]);
+        assert_eq!(prefix_lengths(8), [0, 1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(prefix_lengths(24), [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 24]);
+        assert_eq!(*prefix_lengths(1000).last().unwrap(), 1000);
+        assert!(prefix_lengths(1000).len() < 30);
+    }
+
+    #[test]
+    fn memory_flags_round_up_to_whole_units() {
+        assert_eq!(memory_flag(1), "1KiB");
+        assert_eq!(memory_flag(1 << 20), "1MiB");
+        assert_eq!(memory_flag((1 << 20) + 1), "2MiB");
+        assert_eq!(memory_flag(1023 << 10), "1023KiB");
     }
 }

@@ -190,6 +190,7 @@ fn given_costs(segments: usize) -> Costs {
         half_overhead: 0.1,
         segments: (0..segments).map(|i| (format!("blocks.{i}"), 1.0 / segments as f64)).collect(),
         calibration_ms: 0.0,
+        nominal: false,
     })
 }
 

@@ -100,6 +100,7 @@ fn costs() -> Costs {
         half_overhead: 0.1,
         segments: (0..2).map(|i| (format!("blocks.{i}"), 0.5)).collect(),
         calibration_ms: 0.0,
+        nominal: false,
     })
 }
 
