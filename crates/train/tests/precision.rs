@@ -9,7 +9,7 @@ use memfit_nn::{GptConfig, ModelKind, ModelSpec};
 use memfit_tensor::{Category, DeviceKind};
 use memfit_train::cost::{CostModel, Costs};
 use memfit_train::planner::{plan, predict, PlanRequest};
-use memfit_train::samples::TextWindows;
+use memfit_train::samples::{SplitSamples, TextWindows};
 use memfit_train::{CheckpointChoice, Precision, Session};
 
 fn text_gpt(layers: usize, d_model: usize, max_t: usize) -> (memfit_data::TextCorpus, ModelSpec) {
@@ -66,6 +66,28 @@ fn bf16_storage_trains_like_fp32_and_fp32_is_untouched() {
 }
 
 #[test]
+fn bf16_storage_classifies_fashion_mnist_like_fp32() {
+    let data = memfit_data::load_embedded().expect("the embedded Fashion-MNIST subset");
+    let (train, val) = (SplitSamples { split: &data.train }, SplitSamples { split: &data.val });
+    let spec = ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10);
+    let o = opts(64, 64, 40);
+    let results: Vec<(f64, f64)> = [Precision::Fp32, Precision::Bf16]
+        .into_iter()
+        .map(|precision| {
+            let mut s = Session::new(device(DeviceKind::Cpu, None, None), &spec, adamw(), 1).unwrap();
+            s.set_precision(precision).unwrap();
+            s.run(&train, None, &o, &mut |_| {}).unwrap();
+            let e = s.evaluate(&val, 500, false).unwrap();
+            (e.loss.unwrap(), e.accuracy.unwrap())
+        })
+        .collect();
+    let [(loss32, acc32), (loss16, acc16)] = results[..] else { unreachable!() };
+    assert!(acc32 > 0.5, "the fp32 run learned: accuracy {acc32}");
+    assert!((loss16 - loss32).abs() / loss32 < 0.02, "validation loss bf16 {loss16} vs fp32 {loss32}");
+    assert!((acc16 - acc32).abs() < 0.02, "validation accuracy bf16 {acc16} vs fp32 {acc32}");
+}
+
+#[test]
 fn fp16_storage_skips_a_step_whose_gradients_overflow() {
     let spec = small_spec(ModelKind::SimpleCnn);
     let samples = data(&spec, 16);
@@ -87,6 +109,15 @@ fn fp16_storage_skips_a_step_whose_gradients_overflow() {
         let after: Vec<Vec<f64>> = s.model.parameters().iter().map(|(_, p)| p.to_f64_vec().unwrap()).collect();
         assert_eq!(before == after, s.skipped_steps == 1, "{precision:?}: a skipped step changes nothing");
         skipped.push(s.skipped_steps);
+        // Back in range, the next step is taken again.
+        for (name, p) in s.model.parameters() {
+            if name == "conv1.weight" {
+                p.copy_from(&p.mul_scalar(1.0 / 3e5).unwrap()).unwrap();
+            }
+        }
+        let steps = s.optimizer.steps();
+        s.run(&samples, None, &o, &mut |_| {}).unwrap();
+        assert_eq!(s.optimizer.steps(), steps + 1, "{precision:?}: the run recovers");
     }
     assert_eq!(skipped, [0, 1], "f32 storage holds the values; f16 overflows and the step is skipped");
 }
