@@ -1,16 +1,19 @@
 //! The time side of planning. The meta device predicts a configuration's memory exactly; how long a
 //! step takes depends on this machine, so it is measured: [`calibrate`] times a few real training
 //! steps on `cpu` (synthetic data, no cap) at micro-batches 1, 4, 16, ... until a step gets long,
-//! times the largest again with every segment checkpointed, profiles which share of the forward each
-//! segment takes, and times the optimizer update alone. The result, a [`CostModel`], predicts the step
-//! time of any micro-batch and checkpointed set:
+//! times the largest again with every segment checkpointed and again with bf16 storage, profiles which
+//! share of the forward each segment takes, and times the optimizer update alone (the fastest of a
+//! few steps counts: other work on a shared machine only adds time). The result, a [`CostModel`],
+//! predicts the step time of any micro-batch, checkpointed set and storage precision:
 //!
-//! step = optimizer + sum over the window's micro-batches m of
+//! step = optimizer + (1 + half) * sum over the window's micro-batches m of
 //!        plain(m) * (1 + recompute * sum over checkpointed segments s of share(s))
 //!
 //! where `plain` interpolates the measured forward-and-backward times linearly between the measured
-//! micro-batches (and extrapolates the last slope beyond), and `recompute` is the measured extra time
-//! of checkpointing every segment, as a fraction of `plain`. A model is cached per model, optimizer,
+//! micro-batches (and extrapolates the last slope beyond), `recompute` is the measured extra time of
+//! checkpointing every segment as a fraction of `plain`, and `half` the measured extra time of
+//! half-precision storage (0 in f32). A model whose micro-batch-1 step would need more than 1 GiB is
+//! not run on this host: it gets [`CostModel::nominal`], said so wherever its times are shown. A model is cached per model, optimizer,
 //! instruction set, thread count and memfit version (`costs.json` in `MEMFIT_CACHE_DIR`, else
 //! `~/.cache/memfit`), so calibration is paid once; the run's report gives the prediction's error.
 

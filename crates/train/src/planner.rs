@@ -300,7 +300,8 @@ fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
 // peaks from meta and times from the calibrated cost model (`cost.rs`). Each segment is first
 // checkpointed alone at micro-batch 1 on meta: the bytes it saves, divided by its share of the
 // recomputation, rank the segments (the most bytes per millisecond first). The candidates are the
-// ranked prefixes: none, the best one, the best two, ..., all. For each the planner finds the largest
+// ranked prefixes: none, the best one, the best two, ..., all (beyond 8 segments, geometric steps), each
+// in f32 storage and, with `--precision auto`, in bf16 storage too. For each the planner finds the largest
 // micro-batch that fits (or checks the one the user fixed) and predicts the step time; it takes the
 // fastest that fits (ties: fewer segments). A larger micro-batch runs faster per sample and fewer
 // checkpointed segments recompute less, so at a mid budget the choice is often a few segments and a
