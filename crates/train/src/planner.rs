@@ -880,6 +880,12 @@ impl Plan {
             )),
             CheckpointChoice::None | CheckpointChoice::Auto => {}
         }
+        if self.precision.saved_dtype().is_some() {
+            s.push_str(&format!(
+                "saved activations stored in {} (converted back to f32 when backward reads them)\n",
+                self.precision.name()
+            ));
+        }
         s.push_str(&format!(
             "predicted peak of the whole run: {} allocated, {} reserved (training steps alone: {} allocated, {} reserved)\n",
             format_bytes(self.predicted.peak_allocated),
