@@ -43,13 +43,16 @@ fn args() -> impl Strategy<Value = Vec<String>> {
         flag("--lr", &["0.001", "1e300"], &["0", "-1", "inf", "nan", "abc"]),
         flag("--threads", &["1", "2"], &["0", "100000", "-2"]),
         flag("--safety-margin", &["0", "0.1", "0.5"], &["0.9", "nan", "-0.1"]),
-        flag("--checkpoint", &["none", "all", "blocks.0", "layer1"], &["nope", ""]),
+        (
+            flag("--checkpoint", &["none", "all", "blocks.0", "layer1"], &["nope", ""]),
+            flag("--precision", &["fp32", "bf16", "fp16"], &["fp8", "", "BF16"]),
+        ),
         flag("--context", &["8", "1"], &["0", "70000"]),
         flag("--heads", &["2", "1"], &["0", "3"]),
     )
         .prop_map(|(cmd, a, b, c, d, e, f, g, h, i, j, k)| {
             let mut out = vec![cmd.clone()];
-            for part in [a, b, c, e, i, j, k] {
+            for part in [a, b, c, e, i.0, i.1, j, k] {
                 out.extend(part);
             }
             if cmd == "train" {
