@@ -117,9 +117,22 @@ impl CostModel {
         }
     }
 
+    /// A predicted step time for people ([`describe_step`]).
+    pub fn describe(&self, step_ms: f64) -> String {
+        describe_step(self.nominal, step_ms)
+    }
+
     /// The recomputation share of checkpointing `segment` (0 for a name it does not know).
     pub fn share(&self, segment: &str) -> f64 {
         self.segments.get(segment).copied().unwrap_or(0.0)
+    }
+}
+
+/// A predicted step time for people: "~N ms a step", or units for a nominal model.
+pub fn describe_step(nominal: bool, step_ms: f64) -> String {
+    match nominal {
+        false => format!("~{step_ms:.0} ms a step"),
+        true => format!("~{step_ms:.1} units a step (nominal)"),
     }
 }
 
