@@ -135,8 +135,9 @@ struct RunArgs {
     /// Fraction of the capacity the planner keeps free, from 0 to 0.5.
     #[arg(long, allow_hyphen_values = true, default_value_t = 0.0, value_parser = parse_safety_margin)]
     safety_margin: f64,
-    /// Activation checkpointing: none, all, auto (with --memory: the fewest segments that make the
-    /// batch fit, none when it fits without), or segment names separated by commas (gpt: blocks.0,
+    /// Activation checkpointing: none, all, auto (with --memory: the planner weighs segments against the
+    /// micro-batch they allow by predicted step time and takes the fastest plan that fits), or segment
+    /// names separated by commas (gpt: blocks.0,
     /// blocks.1, ...; resnet: layer1..layer3; deepcnn: c1..c3; simplecnn: conv1). A checkpointed
     /// segment keeps only its input for backward and runs its forward again there: less memory, more
     /// time, the same numbers.

@@ -130,8 +130,8 @@ pub enum CheckpointChoice {
     All,
     /// The segments with these names (as `memfit plan` lists them, e.g. `blocks.0`).
     Segments(Vec<String>),
-    /// The planner's choice under a budget: none when the batch fits without, else the fewest
-    /// segments (the earliest first) that make it fit. Without a budget, none.
+    /// The planner's choice under a budget: the segments of the fastest plan that fits (Note
+    /// [Choosing segments] in `planner.rs`). Without a budget, none.
     Auto,
 }
 

@@ -133,7 +133,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     device.set_profiling(profiling);
     let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
     // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
-    // budget (then the fewest segments that make it fit); none without a budget.
+    // budget (then the fastest checkpointing with which it fits); none without a budget.
     let checkpoint = match (&cfg.checkpoint, &plan, cfg.memory) {
         (crate::config::CheckpointChoice::Auto, Some(p), _) => p.checkpoint.clone(),
         (crate::config::CheckpointChoice::Auto, None, Some(_)) => {
