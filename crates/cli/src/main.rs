@@ -143,8 +143,8 @@ struct RunArgs {
     /// time, the same numbers.
     #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
     checkpoint: CheckpointChoice,
-    /// Storage of the activations saved for backward: fp32 (as computed), bf16 or fp16 (half the
-    /// memory, arithmetic still f32; fp16 skips a step whose gradients overflow), or auto (with
+    /// Storage of the activations saved for backward: fp32 (as computed), bf16 or fp16 (about half their
+    /// bytes, arithmetic still f32; fp16 skips a step whose gradients overflow), or auto (with
     /// --memory: the planner takes bf16 when it gives the fastest plan that fits).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
