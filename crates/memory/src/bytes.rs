@@ -133,6 +133,32 @@ mod tests {
     }
 
     #[test]
+    fn every_unit_has_its_own_multiplier() {
+        let units = [
+            ("B", 1u64),
+            ("K", 1 << 10),
+            ("KiB", 1 << 10),
+            ("M", 1 << 20),
+            ("MiB", 1 << 20),
+            ("G", 1 << 30),
+            ("GiB", 1 << 30),
+            ("T", 1 << 40),
+            ("TiB", 1 << 40),
+            ("KB", 1_000),
+            ("MB", 1_000_000),
+            ("GB", 1_000_000_000),
+            ("TB", 1_000_000_000_000),
+        ];
+        for (unit, multiplier) in units {
+            assert_eq!(parse_bytes(&format!("3{unit}")), Ok(3 * multiplier), "3{unit}");
+            assert_eq!(parse_bytes(&format!("3 {}", unit.to_lowercase())), Ok(3 * multiplier), "3 {unit}");
+        }
+        assert_eq!(parse_bytes("2.5MB"), Ok(2_500_000));
+        assert_eq!(parse_bytes("0.25M"), Ok(1 << 18));
+        assert_eq!(parse_bytes("1.0000005MB"), Ok(1_000_000), "digits past the unit's precision round down");
+    }
+
+    #[test]
     fn rejects_malformed_input_with_a_helpful_message() {
         let err = parse_bytes("12XB").unwrap_err();
         assert!(err.contains("\"12XB\""), "{err}");
