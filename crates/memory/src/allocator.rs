@@ -1512,6 +1512,18 @@ mod tests {
     }
 
     #[test]
+    fn segment_addresses_start_at_4_gib_and_never_overlap() {
+        let mut a = meta(None);
+        a.allocate(KIB, act()).unwrap();
+        a.allocate(5 * MIB, act()).unwrap();
+        a.allocate(16 * MIB, act()).unwrap();
+        let addresses: Vec<(u64, u64)> = a.snapshot().iter().map(|s| (s.address, s.total_size)).collect();
+        // Never 0 (the address of an Oom event), 2 MiB aligned, in segment order.
+        let first = 0x1_0000_0000;
+        assert_eq!(addresses, [(first, 2 * MIB), (first + 2 * MIB, 20 * MIB), (first + 22 * MIB, 16 * MIB)]);
+    }
+
+    #[test]
     fn capacity_and_data_are_what_was_configured() {
         assert_eq!(meta(Some(3 * MIB)).capacity(), Some(3 * MIB));
         assert_eq!(host(None).capacity(), None);
