@@ -1462,6 +1462,22 @@ mod tests {
     }
 
     #[test]
+    fn a_double_free_is_refused_while_the_freed_record_still_exists() {
+        let mut a = meta(None);
+        let x = a.allocate(KIB, act()).unwrap();
+        let _y = a.allocate(KIB, act()).unwrap();
+        a.free(x.id).unwrap();
+        // x's record stays (a free block at offset 0, its neighbour is live), with x's serial.
+        assert!(a.blocks[x.id.index as usize].as_ref().is_some_and(|b| !b.allocated && b.serial == x.id.serial));
+        let before = a.stats().clone();
+        assert_eq!(a.free(x.id), Err(InvalidBlock(x.id)));
+        assert_eq!(a.set_category(x.id, Category::Gradient), Err(InvalidBlock(x.id)));
+        assert_eq!(a.category_of(x.id), Err(InvalidBlock(x.id)));
+        assert_eq!(a.stats(), &before);
+        ok(&a);
+    }
+
+    #[test]
     fn drop_returns_every_segment_live_blocks_included() {
         let (mut a, live, _) = counting();
         a.allocate(KIB, act()).unwrap();

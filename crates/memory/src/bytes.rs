@@ -159,6 +159,23 @@ mod tests {
     }
 
     #[test]
+    fn a_second_point_is_rejected_even_past_the_unit_s_precision() {
+        // The digits after the sixth decimal of MB are dropped; the second '.' must still be seen.
+        assert!(parse_bytes("1.1234567.8MB").is_err());
+        assert!(parse_bytes("1..5KiB").is_err());
+    }
+
+    #[test]
+    fn a_whole_part_too_long_for_u128_is_too_large_not_malformed() {
+        let forty_digits = format!("1{}TiB", "0".repeat(39));
+        assert!(parse_bytes(&forty_digits).unwrap_err().contains("more than"));
+        let thirty_digits = format!("1{}TiB", "0".repeat(29));
+        assert!(parse_bytes(&thirty_digits).unwrap_err().contains("more than"));
+        let twenty_one_digits = format!("1{}", "0".repeat(20));
+        assert!(parse_bytes(&twenty_one_digits).unwrap_err().contains("more than"));
+    }
+
+    #[test]
     fn rejects_malformed_input_with_a_helpful_message() {
         let err = parse_bytes("12XB").unwrap_err();
         assert!(err.contains("\"12XB\""), "{err}");
