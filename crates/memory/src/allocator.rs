@@ -1540,6 +1540,27 @@ mod tests {
     }
 
     #[test]
+    fn blocks_past_the_start_of_a_segment_have_its_address_plus_their_offset() {
+        let mut a = meta(None);
+        let first = 0x1_0000_0000;
+        let _x = a.allocate(KIB, req(Category::Parameter, "x")).unwrap();
+        let y = a.allocate(2 * KIB, req(Category::Input, "y")).unwrap();
+        let alloc = a.timeline().events().last().copied().unwrap();
+        assert_eq!((alloc.kind, alloc.address), (EventKind::Alloc, first + KIB));
+        let live: Vec<(u64, u64)> = a.live_allocations().iter().map(|l| (l.size, l.address)).collect();
+        assert_eq!(live, [(2 * KIB, first + KIB), (KIB, first)], "largest first");
+        let blocks: Vec<(u64, u64, bool)> =
+            a.snapshot()[0].blocks.iter().map(|b| (b.address, b.size, b.allocated)).collect();
+        assert_eq!(
+            blocks,
+            [(first, KIB, true), (first + KIB, 2 * KIB, true), (first + 3 * KIB, 2 * MIB - 3 * KIB, false)]
+        );
+        a.free(y.id).unwrap();
+        let free = a.timeline().events().last().copied().unwrap();
+        assert_eq!((free.kind, free.address, free.op), (EventKind::Free, first + KIB, "y"));
+    }
+
+    #[test]
     fn capacity_and_data_are_what_was_configured() {
         assert_eq!(meta(Some(3 * MIB)).capacity(), Some(3 * MIB));
         assert_eq!(host(None).capacity(), None);
