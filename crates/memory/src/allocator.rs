@@ -1462,6 +1462,22 @@ mod tests {
     }
 
     #[test]
+    fn a_double_free_is_refused_while_the_freed_record_still_exists() {
+        let mut a = meta(None);
+        let x = a.allocate(KIB, act()).unwrap();
+        let _y = a.allocate(KIB, act()).unwrap();
+        a.free(x.id).unwrap();
+        // x's record stays (a free block at offset 0, its neighbour is live), with x's serial.
+        assert!(a.blocks[x.id.index as usize].as_ref().is_some_and(|b| !b.allocated && b.serial == x.id.serial));
+        let before = a.stats().clone();
+        assert_eq!(a.free(x.id), Err(InvalidBlock(x.id)));
+        assert_eq!(a.set_category(x.id, Category::Gradient), Err(InvalidBlock(x.id)));
+        assert_eq!(a.category_of(x.id), Err(InvalidBlock(x.id)));
+        assert_eq!(a.stats(), &before);
+        ok(&a);
+    }
+
+    #[test]
     fn drop_returns_every_segment_live_blocks_included() {
         let (mut a, live, _) = counting();
         a.allocate(KIB, act()).unwrap();
@@ -1471,5 +1487,208 @@ mod tests {
         assert_eq!(live.load(Ordering::SeqCst), 3);
         drop(a);
         assert_eq!(live.load(Ordering::SeqCst), 0);
+    }
+
+    // ----- the consistency checker is the oracle of the property tests: each check must fire -----
+
+    /// A meta allocator (capacity 64 MiB) holding, in small segment 0, a 1 KiB parameter at offset 0,
+    /// a freed 1 KiB hole, a 2 KiB activation and the free tail; and a 5 MiB live block in large
+    /// segment 1 with its free 15 MiB tail. Every kind of block and both pools are present.
+    fn corruptible() -> (Allocator, Allocation) {
+        let mut a = meta(Some(64 * MIB));
+        let x = a.allocate(KIB, req(Category::Parameter, "p")).unwrap();
+        let hole = a.allocate(KIB, act()).unwrap();
+        a.allocate(2 * KIB, act()).unwrap();
+        a.allocate(5 * MIB, act()).unwrap();
+        a.free(hole.id).unwrap();
+        ok(&a);
+        (a, x)
+    }
+
+    /// Applies `corrupt` to a fresh `corruptible()` allocator and asserts the checker names the fault.
+    fn assert_reports(what: &str, corrupt: impl FnOnce(&mut Allocator, BlockId)) {
+        let (mut a, x) = corruptible();
+        corrupt(&mut a, x.id);
+        match a.check_consistency() {
+            Ok(()) => panic!("check_consistency accepted a corrupted state: expected {what:?}"),
+            Err(message) => assert!(message.contains(what), "expected {what:?}, got {message:?}"),
+        }
+    }
+
+    /// The block index of the record at `offset` in segment `segment`.
+    fn block_at(a: &Allocator, segment: u64, offset: u64) -> u32 {
+        let mut cursor = Some(a.segments[&segment].first_block);
+        while let Some(index) = cursor {
+            if a.block(index).offset == offset {
+                return index;
+            }
+            cursor = a.block(index).next;
+        }
+        panic!("no block at offset {offset} of segment {segment}")
+    }
+
+    #[test]
+    fn segment_addresses_start_at_4_gib_and_never_overlap() {
+        let mut a = meta(None);
+        a.allocate(KIB, act()).unwrap();
+        a.allocate(5 * MIB, act()).unwrap();
+        a.allocate(16 * MIB, act()).unwrap();
+        let addresses: Vec<(u64, u64)> = a.snapshot().iter().map(|s| (s.address, s.total_size)).collect();
+        // Never 0 (the address of an Oom event), 2 MiB aligned, in segment order.
+        let first = 0x1_0000_0000;
+        assert_eq!(addresses, [(first, 2 * MIB), (first + 2 * MIB, 20 * MIB), (first + 22 * MIB, 16 * MIB)]);
+    }
+
+    #[test]
+    fn blocks_past_the_start_of_a_segment_have_its_address_plus_their_offset() {
+        let mut a = meta(None);
+        let first = 0x1_0000_0000;
+        let _x = a.allocate(KIB, req(Category::Parameter, "x")).unwrap();
+        let y = a.allocate(2 * KIB, req(Category::Input, "y")).unwrap();
+        let alloc = a.timeline().events().last().copied().unwrap();
+        assert_eq!((alloc.kind, alloc.address), (EventKind::Alloc, first + KIB));
+        let live: Vec<(u64, u64)> = a.live_allocations().iter().map(|l| (l.size, l.address)).collect();
+        assert_eq!(live, [(2 * KIB, first + KIB), (KIB, first)], "largest first");
+        let blocks: Vec<(u64, u64, bool)> =
+            a.snapshot()[0].blocks.iter().map(|b| (b.address, b.size, b.allocated)).collect();
+        assert_eq!(
+            blocks,
+            [(first, KIB, true), (first + KIB, 2 * KIB, true), (first + 3 * KIB, 2 * MIB - 3 * KIB, false)]
+        );
+        a.free(y.id).unwrap();
+        let free = a.timeline().events().last().copied().unwrap();
+        assert_eq!((free.kind, free.address, free.op), (EventKind::Free, first + KIB, "y"));
+    }
+
+    #[test]
+    fn capacity_and_data_are_what_was_configured() {
+        assert_eq!(meta(Some(3 * MIB)).capacity(), Some(3 * MIB));
+        assert_eq!(host(None).capacity(), None);
+        assert!(host(None).holds_data());
+        assert!(!meta(None).holds_data());
+        let (a, _, _) = counting();
+        assert!(!a.holds_data());
+        let state = meta(Some(5 * MIB)).state();
+        assert_eq!(state.capacity, Some(5 * MIB));
+    }
+
+    #[test]
+    fn consistency_check_accepts_the_corruptible_state_and_reserved_equal_to_capacity() {
+        let (a, _) = corruptible();
+        assert_eq!(a.stats().reserved_bytes.current, 22 * MIB);
+        ok(&a);
+        // Reserved exactly at the capacity is allowed.
+        let mut full = meta(Some(2 * MIB));
+        full.allocate(KIB, act()).unwrap();
+        assert_eq!(full.stats().reserved_bytes.current, 2 * MIB);
+        ok(&full);
+    }
+
+    #[test]
+    fn consistency_check_reports_misplaced_blocks() {
+        assert_reports("dangling block 99", |a, _| a.segments.get_mut(&0).unwrap().first_block = 99);
+        assert_reports("out of place", |a, x| a.block_mut(x.index).segment = 1);
+        assert_reports("out of place", |a, _| {
+            let second = block_at(a, 0, KIB);
+            a.block_mut(second).offset = 2 * KIB;
+        });
+        assert_reports("out of place", |a, _| {
+            let second = block_at(a, 0, KIB);
+            a.block_mut(second).prev = None;
+        });
+    }
+
+    #[test]
+    fn consistency_check_reports_bad_block_sizes() {
+        // The tail stays where it is, so only the size is wrong.
+        assert_reports("has size 0", |a, _| {
+            let tail = block_at(a, 0, 4 * KIB);
+            a.block_mut(tail).size = 0;
+        });
+        assert_reports("has size 1000", |a, x| a.block_mut(x.index).size = 1000);
+    }
+
+    #[test]
+    fn consistency_check_reports_uncoalesced_free_blocks() {
+        // The live 2 KiB block between the hole and the tail becomes free: two free neighbours.
+        assert_reports("was not coalesced", |a, _| {
+            let middle = block_at(a, 0, 2 * KIB);
+            a.block_mut(middle).allocated = false;
+        });
+    }
+
+    #[test]
+    fn consistency_check_reports_segments_not_covered_or_miscounted() {
+        assert_reports("blocks cover", |a, _| a.segments.get_mut(&0).unwrap().size += 512);
+        assert_reports("blocks cover", |a, _| a.segments.get_mut(&1).unwrap().free_bytes -= 512);
+    }
+
+    #[test]
+    fn consistency_check_reports_lost_or_extra_block_records() {
+        // A record no segment links to.
+        assert_reports("block records", |a, x| {
+            let orphan = a.block(x.index).clone();
+            a.blocks.push(Some(orphan));
+        });
+        // A free slot that is not listed (the records stay reachable).
+        assert_reports("block records", |a, _| a.blocks.push(None));
+        // A listed free slot too many.
+        assert_reports("block records", |a, _| a.free_slots.push(0));
+    }
+
+    #[test]
+    fn consistency_check_reports_free_pools_that_do_not_match() {
+        assert_reports("free pools", |a, _| {
+            let first = *a.small_free.iter().next().unwrap();
+            a.small_free.remove(&first);
+        });
+        assert_reports("free pools", |a, _| {
+            let first = *a.large_free.iter().next().unwrap();
+            a.large_free.remove(&first);
+        });
+        // A free block listed in the other pool.
+        assert_reports("free pools", |a, _| {
+            let first = *a.small_free.iter().next().unwrap();
+            a.small_free.remove(&first);
+            a.large_free.insert(first);
+        });
+    }
+
+    #[test]
+    fn consistency_check_reports_every_statistic_that_disagrees() {
+        type Pick = fn(&mut MemoryStats) -> &mut Stat;
+        let stats: [(&str, Pick); 7] = [
+            ("allocated_bytes", |s| &mut s.allocated_bytes),
+            ("active_bytes", |s| &mut s.active_bytes),
+            ("requested_bytes", |s| &mut s.requested_bytes),
+            ("allocation", |s| &mut s.allocation),
+            ("reserved_bytes", |s| &mut s.reserved_bytes),
+            ("segment", |s| &mut s.segment),
+            ("inactive_split_bytes", |s| &mut s.inactive_split_bytes),
+        ];
+        for (name, pick) in stats {
+            // The current value is off (its peak keeps up, so only the value is wrong)...
+            assert_reports(name, |a, _| {
+                let stat = pick(&mut a.stats);
+                stat.current += 1;
+                stat.peak = stat.peak.max(stat.current);
+            });
+            assert_reports(name, |a, _| {
+                let stat = pick(&mut a.stats);
+                stat.current -= 1;
+            });
+            // ...or the value is right and its peak is below it.
+            assert_reports(name, |a, _| {
+                let stat = pick(&mut a.stats);
+                stat.peak = stat.current - 1;
+            });
+        }
+    }
+
+    #[test]
+    fn consistency_check_reports_category_totals_and_the_capacity() {
+        assert_reports("by_category", |a, _| a.stats.by_category[Category::Parameter.index()].current += 512);
+        assert_reports("by_category", |a, x| a.block_mut(x.index).owner.category = Category::Gradient);
+        assert_reports("exceeds the capacity", |a, _| a.config.capacity = Some(22 * MIB - 512));
     }
 }

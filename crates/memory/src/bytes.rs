@@ -133,6 +133,49 @@ mod tests {
     }
 
     #[test]
+    fn every_unit_has_its_own_multiplier() {
+        let units = [
+            ("B", 1u64),
+            ("K", 1 << 10),
+            ("KiB", 1 << 10),
+            ("M", 1 << 20),
+            ("MiB", 1 << 20),
+            ("G", 1 << 30),
+            ("GiB", 1 << 30),
+            ("T", 1 << 40),
+            ("TiB", 1 << 40),
+            ("KB", 1_000),
+            ("MB", 1_000_000),
+            ("GB", 1_000_000_000),
+            ("TB", 1_000_000_000_000),
+        ];
+        for (unit, multiplier) in units {
+            assert_eq!(parse_bytes(&format!("3{unit}")), Ok(3 * multiplier), "3{unit}");
+            assert_eq!(parse_bytes(&format!("3 {}", unit.to_lowercase())), Ok(3 * multiplier), "3 {unit}");
+        }
+        assert_eq!(parse_bytes("2.5MB"), Ok(2_500_000));
+        assert_eq!(parse_bytes("0.25M"), Ok(1 << 18));
+        assert_eq!(parse_bytes("1.0000005MB"), Ok(1_000_000), "digits past the unit's precision round down");
+    }
+
+    #[test]
+    fn a_second_point_is_rejected_even_past_the_unit_s_precision() {
+        // The digits after the sixth decimal of MB are dropped; the second '.' must still be seen.
+        assert!(parse_bytes("1.1234567.8MB").is_err());
+        assert!(parse_bytes("1..5KiB").is_err());
+    }
+
+    #[test]
+    fn a_whole_part_too_long_for_u128_is_too_large_not_malformed() {
+        let forty_digits = format!("1{}TiB", "0".repeat(39));
+        assert!(parse_bytes(&forty_digits).unwrap_err().contains("more than"));
+        let thirty_digits = format!("1{}TiB", "0".repeat(29));
+        assert!(parse_bytes(&thirty_digits).unwrap_err().contains("more than"));
+        let twenty_one_digits = format!("1{}", "0".repeat(20));
+        assert!(parse_bytes(&twenty_one_digits).unwrap_err().contains("more than"));
+    }
+
+    #[test]
     fn rejects_malformed_input_with_a_helpful_message() {
         let err = parse_bytes("12XB").unwrap_err();
         assert!(err.contains("\"12XB\""), "{err}");

@@ -84,3 +84,34 @@ impl fmt::Display for Phase {
         f.write_str(self.name())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn categories_have_stable_names_and_indexes() {
+        let names = ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other"];
+        for (i, (category, name)) in Category::ALL.iter().zip(names).enumerate() {
+            assert_eq!(category.index(), i);
+            assert_eq!(category.name(), name);
+            assert_eq!(category.to_string(), name);
+        }
+    }
+
+    #[test]
+    fn phases_have_stable_names() {
+        let phases = [
+            (Phase::Setup, "setup"),
+            (Phase::Data, "data"),
+            (Phase::Forward, "forward"),
+            (Phase::Backward, "backward"),
+            (Phase::Optimizer, "optimizer"),
+            (Phase::Eval, "eval"),
+        ];
+        for (phase, name) in phases {
+            assert_eq!(phase.name(), name);
+            assert_eq!(phase.to_string(), name);
+        }
+    }
+}

@@ -173,4 +173,51 @@ mod tests {
         assert!(text.contains("new 2.00 MiB segment does not fit"), "{text}");
         assert!(!example().to_string().contains("segment"), "not said when the request itself is too big");
     }
+
+    /// Whether the "segment does not fit" hint is given for a request with `free` bytes free.
+    fn hints(requested: u64, free: u64) -> bool {
+        let mut oom = example();
+        oom.requested = requested;
+        oom.free = free;
+        oom.to_string().contains("segment does not fit")
+    }
+
+    #[test]
+    fn the_segment_hint_is_given_exactly_when_the_request_fits_and_its_segment_does_not() {
+        // 1 MiB requests reserve 2 MiB segments.
+        assert!(hints(MIB, MIB), "the request exactly fits what is free, its segment does not");
+        assert!(hints(MIB, 2 * MIB - 512), "the segment is 512 B too big");
+        assert!(!hints(MIB, 2 * MIB), "the segment exactly fits: not why it failed");
+        assert!(!hints(MIB, MIB - 512), "the request itself does not fit");
+        // 5 MiB requests reserve 20 MiB segments.
+        assert!(hints(5 * MIB, 19 * MIB));
+        assert!(!hints(5 * MIB, 20 * MIB));
+        let text = {
+            let mut oom = example();
+            oom.requested = 5 * MIB;
+            oom.free = 19 * MIB;
+            oom.to_string()
+        };
+        assert!(text.contains("a new 20.00 MiB segment does not fit in what is free"), "{text}");
+        // Neither for an injected fault nor without a capacity.
+        let mut oom = example();
+        oom.requested = MIB;
+        oom.free = MIB;
+        oom.injected = true;
+        assert!(!oom.to_string().contains("segment"));
+        oom.injected = false;
+        oom.capacity = None;
+        assert!(!oom.to_string().contains("segment"));
+    }
+
+    #[test]
+    fn categories_are_listed_largest_first_with_ties_in_category_order() {
+        let mut oom = example();
+        oom.by_category = [0; Category::COUNT];
+        oom.by_category[Category::Input.index()] = MIB;
+        oom.by_category[Category::Gradient.index()] = MIB;
+        oom.by_category[Category::Other.index()] = 2 * MIB;
+        let text = oom.to_string();
+        assert!(text.contains("\nheld by category: other 2.00 MiB, gradient 1.00 MiB, input 1.00 MiB\n"), "{text}");
+    }
 }

@@ -73,3 +73,42 @@ impl MemoryStats {
         self.reserved_bytes.current - self.allocated_bytes.current
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_current_peak_and_running_totals() {
+        let mut stat = Stat::default();
+        stat.increase(100);
+        stat.increase(50);
+        stat.decrease(120);
+        assert_eq!(stat, Stat { current: 30, peak: 150, allocated: 150, freed: 120 });
+        stat.reset_peak();
+        assert_eq!(stat.peak, 30);
+        stat.increase(u64::MAX - 30);
+        stat.decrease(1);
+        stat.increase(1);
+        assert_eq!(stat.allocated, u64::MAX, "the running total saturates instead of overflowing");
+    }
+
+    #[test]
+    #[should_panic(expected = "would go negative")]
+    fn stat_refuses_to_go_negative() {
+        let mut stat = Stat::default();
+        stat.increase(1);
+        stat.decrease(2);
+    }
+
+    #[test]
+    fn reserved_unallocated_is_reserved_minus_allocated() {
+        let mut stats = MemoryStats::default();
+        stats.reserved_bytes.increase(20 << 20);
+        stats.allocated_bytes.increase(12 << 20);
+        assert_eq!(stats.reserved_unallocated(), 8 << 20);
+        stats.by_category[Category::Gradient.index()].increase(7);
+        assert_eq!(stats.category(Category::Gradient).current, 7);
+        assert_eq!(stats.category(Category::Parameter).current, 0);
+    }
+}

@@ -122,3 +122,63 @@ impl Timeline {
         self.times.clear();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(bytes: u64) -> Event {
+        Event {
+            seq: 99,
+            kind: EventKind::Alloc,
+            bytes,
+            address: 0,
+            category: Category::Temporary,
+            op: "op",
+            phase: Phase::Forward,
+            module: 0,
+            allocated: bytes,
+            reserved: bytes,
+        }
+    }
+
+    #[test]
+    fn keeps_the_newest_events_and_counts_them_all() {
+        let mut timeline = Timeline::new(3);
+        assert!(timeline.is_empty());
+        for bytes in 1..=5 {
+            timeline.record(event(bytes));
+        }
+        assert_eq!(timeline.len(), 3);
+        assert!(!timeline.is_empty());
+        assert_eq!(timeline.total(), 5, "dropped events are counted");
+        let kept: Vec<(u64, u64)> = timeline.events().map(|e| (e.seq, e.bytes)).collect();
+        assert_eq!(kept, [(2, 3), (3, 4), (4, 5)], "sequence numbers are the timeline's, oldest first");
+        let times: Vec<u64> = timeline.timed_events().map(|(_, t)| t).collect();
+        assert_eq!(times.len(), 3);
+        assert!(times.windows(2).all(|w| w[0] <= w[1]) && times[2] <= timeline.now_ns(), "{times:?}");
+        let per_event = (std::mem::size_of::<Event>() + 8) as u64;
+        assert_eq!(timeline.max_bytes(), 3 * per_event);
+    }
+
+    #[test]
+    fn clear_empties_the_buffer_but_keeps_counting() {
+        let mut timeline = Timeline::new(4);
+        timeline.record(event(1));
+        timeline.record(event(2));
+        timeline.clear();
+        assert!(timeline.is_empty());
+        assert_eq!(timeline.timed_events().count(), 0);
+        assert_eq!(timeline.total(), 2);
+        timeline.record(event(3));
+        let kept: Vec<(u64, u64)> = timeline.timed_events().map(|(e, _)| (e.seq, e.bytes)).collect();
+        assert_eq!(kept, [(2, 3)]);
+    }
+
+    #[test]
+    fn a_zero_capacity_timeline_keeps_nothing_and_counts() {
+        let mut timeline = Timeline::new(0);
+        timeline.record(event(1));
+        assert_eq!((timeline.len(), timeline.total(), timeline.max_bytes()), (0, 1, 0));
+    }
+}

@@ -1,0 +1,426 @@
+//! The tensor crate's core, checked where mutation testing (`tools/mutants`, docs/mutants.md) found
+//! behaviour no other test pinned down: when an op records a graph node (and so re-tags what it saves
+//! as an activation), what backward refuses, and the device, storage, dtype and error plumbing.
+
+use memfit_tensor::autograd::{self, backward, grad, needs_grad, Backward};
+use memfit_tensor::memory::{Event, EventKind, FaultInjection};
+use memfit_tensor::{Category, DType, Device, DeviceConfig, DeviceKind, Error, Float, Phase, Result, SpanKind, Tensor};
+use std::sync::{Arc, Mutex};
+
+fn leaf(device: &Device, values: &[f64]) -> Tensor {
+    Tensor::from_slice(device, values, &[values.len()], Category::Parameter).unwrap().set_requires_grad(true)
+}
+
+fn constant(device: &Device, values: &[f64]) -> Tensor {
+    Tensor::from_slice(device, values, &[values.len()], Category::Input).unwrap()
+}
+
+// ----- whether an op records a node -----
+
+#[test]
+fn an_op_on_a_tensor_that_requires_grad_records_a_node_and_saves_its_output() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[0.5, -1.0]);
+    assert!(needs_grad(&[&x]));
+    let y = x.tanh().unwrap();
+    assert!(!y.is_leaf() && y.requires_grad());
+    // tanh saves its output for backward: re-tagged from temporary to activation.
+    assert_eq!(y.storage().category(), Category::Activation);
+    assert_eq!(x.storage().category(), Category::Parameter, "a saved parameter stays a parameter");
+}
+
+#[test]
+fn an_op_under_no_grad_records_nothing_and_saves_nothing() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[0.5, -1.0]);
+    let y = {
+        let _no_grad = device.no_grad();
+        assert!(!needs_grad(&[&x]), "no_grad wins over an input that requires grad");
+        x.tanh().unwrap()
+    };
+    assert!(y.is_leaf() && !y.requires_grad());
+    assert_eq!(y.storage().category(), Category::Temporary, "nothing was saved, so nothing re-tagged");
+    let err = backward(&y.sum_all().unwrap()).unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)), "{err}");
+}
+
+#[test]
+fn an_op_on_tensors_that_do_not_require_grad_records_nothing() {
+    let device = Device::cpu();
+    let a = constant(&device, &[1.0, 2.0]);
+    let b = constant(&device, &[3.0, 4.0]);
+    assert!(device.grad_enabled());
+    assert!(!needs_grad(&[&a, &b]));
+    let y = a.tanh().unwrap();
+    assert!(y.is_leaf() && !y.requires_grad());
+    assert_eq!(y.storage().category(), Category::Temporary);
+    // Any input that requires grad is enough, wherever it is.
+    let w = leaf(&device, &[1.0, 1.0]);
+    assert!(needs_grad(&[&a, &w]) && needs_grad(&[&w, &a]));
+    assert!(!a.add(&w).unwrap().is_leaf());
+}
+
+#[test]
+fn no_inputs_never_need_grad() {
+    assert!(!needs_grad(&[]));
+}
+
+// ----- what backward refuses -----
+
+#[test]
+fn backward_through_a_tensor_without_graph_that_does_not_require_grad_fails() {
+    let device = Device::cpu();
+    let loss = constant(&device, &[3.0]);
+    let err = backward(&loss).unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)));
+    assert!(err.to_string().contains("does not require grad"), "{err}");
+    let err = grad(&[loss], &[None], &[]).unwrap_err();
+    assert!(err.to_string().contains("does not require grad"), "{err}");
+}
+
+#[test]
+fn backward_from_a_scalar_leaf_gives_it_gradient_one() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[2.5]);
+    backward(&x).unwrap();
+    let g = x.grad().unwrap();
+    assert_eq!(g.to_f64_vec().unwrap(), [1.0]);
+    assert_eq!(g.storage().category(), Category::Gradient);
+}
+
+#[test]
+fn backward_needs_a_scalar_and_a_matching_gradient() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    let y = x.tanh().unwrap();
+    let err = backward(&y).unwrap_err();
+    assert!(matches!(err, Error::Shape(_)), "{err}");
+    assert!(err.to_string().contains("needs a scalar output"), "{err}");
+    let wrong = Tensor::full(&device, &[3], 1.0, DType::F64, Category::Temporary).unwrap();
+    let err = autograd::backward_with(&y, wrong).unwrap_err();
+    assert!(matches!(err, Error::Shape(_)), "{err}");
+    assert!(x.grad().is_none(), "a failed backward commits nothing");
+    // The phase and grad mode are restored after backward, whatever happened.
+    assert_eq!(device.phase(), Phase::Setup);
+    assert!(device.grad_enabled());
+}
+
+// ----- graph execution -----
+
+/// A two-input op whose backward writes down the `needs` it was given and the order it ran in, and
+/// passes its gradient to every input that needs one.
+struct Logged {
+    name: &'static str,
+    log: Arc<Mutex<Vec<(&'static str, Vec<bool>)>>>,
+    inputs: usize,
+}
+
+impl Backward for Logged {
+    fn backward(self: Box<Self>, g: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        self.log.lock().unwrap().push((self.name, needs.to_vec()));
+        Ok(needs.iter().take(self.inputs).map(|&need| need.then(|| g.clone())).collect())
+    }
+}
+
+type Log = Arc<Mutex<Vec<(&'static str, Vec<bool>)>>>;
+
+/// `name(inputs)`: the first input's values, with a logged node when grad is needed.
+fn logged(name: &'static str, inputs: &[&Tensor], log: &Log) -> Tensor {
+    let out = inputs[0].detach().mul_scalar(1.0).unwrap();
+    if !needs_grad(inputs) {
+        return out;
+    }
+    autograd::record(out, name, inputs, Logged { name, log: log.clone(), inputs: inputs.len() })
+}
+
+#[test]
+fn grad_asks_a_node_only_for_the_gradients_that_lead_to_its_inputs() {
+    let device = Device::cpu();
+    let log: Log = Arc::default();
+    let (a, b, d) = (leaf(&device, &[1.0]), leaf(&device, &[2.0]), leaf(&device, &[3.0]));
+    let m = logged("m", &[&d], &log);
+    let out = logged("out", &[&a, &b, &m], &log);
+    // Only a: neither the leaf b nor the node m (behind which is only d) is wanted.
+    let got = grad(std::slice::from_ref(&out), &[None], std::slice::from_ref(&a)).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().to_f64_vec().unwrap(), [1.0]);
+    assert_eq!(*log.lock().unwrap(), [("out", vec![true, false, false])]);
+
+    // The intermediate m: its node is not run, but the gradient reaching it is returned.
+    log.lock().unwrap().clear();
+    let out = logged("out", &[&a, &b, &m], &log);
+    let got = grad(&[out], &[None], std::slice::from_ref(&m)).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().to_f64_vec().unwrap(), [1.0]);
+    assert_eq!(*log.lock().unwrap(), [("out", vec![false, false, true])]);
+
+    // backward wants every leaf.
+    log.lock().unwrap().clear();
+    let out = logged("out", &[&a, &b, &m], &log);
+    backward(&out).unwrap();
+    assert_eq!(*log.lock().unwrap(), [("out", vec![true, true, true]), ("m", vec![true])]);
+    for t in [&a, &b, &d] {
+        assert_eq!(t.grad().unwrap().to_f64_vec().unwrap(), [1.0]);
+    }
+}
+
+#[test]
+fn the_same_output_twice_is_differentiated_once_with_both_seeds() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    let y = x.mul(&x).unwrap().sum_all().unwrap();
+    let got = grad(&[y.clone(), y], &[None, None], std::slice::from_ref(&x)).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().to_f64_vec().unwrap(), [4.0, 8.0]);
+}
+
+#[test]
+fn a_checkpointed_segment_whose_output_needs_no_grad_gives_no_gradient() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    let constant: autograd::Segment =
+        Arc::new(|inputs: &[Tensor]| Tensor::full(inputs[0].device(), &[2], 7.0, DType::F64, Category::Temporary));
+    let out = autograd::checkpoint(&[&x], &[], constant).unwrap();
+    assert!(!out.is_leaf(), "x requires grad: the checkpoint records a node");
+    backward(&out.sum_all().unwrap()).unwrap();
+    assert!(x.grad().is_none());
+}
+
+#[test]
+fn committing_into_an_existing_gradient_allocates_nothing() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[0.5, -1.0, 2.0]);
+    let allocations_of_backward = || {
+        let loss = x.tanh().unwrap().sum_all().unwrap();
+        let before = device.stats().allocation.allocated;
+        backward(&loss).unwrap();
+        device.stats().allocation.allocated - before
+    };
+    // The first backward moves its (exclusively owned) gradient into .grad, the second adds into it:
+    // neither copies.
+    let first = allocations_of_backward();
+    let second = allocations_of_backward();
+    assert_eq!(first, second);
+    assert_eq!(x.grad().unwrap().storage().category(), Category::Gradient);
+}
+
+// ----- the device -----
+
+#[test]
+fn device_kinds_have_names_and_parse_back() {
+    for (kind, name) in [(DeviceKind::Cpu, "cpu"), (DeviceKind::Meta, "meta")] {
+        assert_eq!(kind.name(), name);
+        assert_eq!(kind.to_string(), name);
+        assert_eq!(DeviceKind::parse(name).unwrap(), kind);
+    }
+    let err = DeviceKind::parse("gpu").unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)) && err.to_string().contains("\"gpu\""), "{err}");
+    assert_eq!(format!("{:?}", Device::meta()), "Device(meta)");
+    assert_eq!(format!("{:?}", Device::cpu()), "Device(cpu)");
+}
+
+#[test]
+fn a_device_is_what_was_configured() {
+    let cpu = Device::cpu();
+    assert_eq!(cpu.kind(), DeviceKind::Cpu);
+    assert!(cpu.computes() && !Device::meta().computes());
+    assert_eq!(Device::meta().kind(), DeviceKind::Meta);
+    assert_eq!(cpu.capacity(), None);
+    let limited = Device::new(DeviceConfig::new(DeviceKind::Meta).capacity(Some(3 << 20)));
+    assert_eq!(limited.capacity(), Some(3 << 20));
+    assert_eq!(limited.memory_state().capacity, Some(3 << 20));
+    assert!(cpu.same(&cpu.clone()));
+    assert!(!cpu.same(&Device::cpu()));
+    let mut config = DeviceConfig::new(DeviceKind::Cpu);
+    config.timeline_events = 10;
+    let per_event = (std::mem::size_of::<Event>() + std::mem::size_of::<u64>()) as u64;
+    assert_eq!(Device::new(config).timeline_max_bytes(), 10 * per_event);
+}
+
+#[test]
+fn allocations_are_counted_recorded_and_returned() {
+    let device = Device::cpu();
+    let t = Tensor::zeros(&device, &[3, 5], DType::F32, Category::Input).unwrap();
+    assert_eq!(t.storage().requested_bytes(), 60);
+    assert!(t.storage().device().same(&device));
+    let stats = device.stats();
+    assert_eq!((stats.allocated_bytes.current, stats.requested_bytes.current), (512, 60));
+    let events = device.timeline_events();
+    assert_eq!(events.last().unwrap().kind, EventKind::Alloc);
+    assert_eq!(events.last().unwrap().category, Category::Input);
+    let state = device.memory_state();
+    assert_eq!(state.stats, stats);
+    assert_eq!(state.events.len(), events.len());
+    drop(t);
+    let stats = device.stats();
+    assert_eq!(stats.allocated_bytes.current, 0, "a dropped tensor's storage is freed");
+    assert_eq!(stats.allocated_bytes.peak, 512);
+    assert_eq!(stats.reserved_bytes.current, 2 << 20, "and cached");
+    device.reset_peak_stats();
+    assert_eq!(device.stats().allocated_bytes.peak, 0);
+    device.empty_cache();
+    assert_eq!(device.stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn injected_faults_reach_tensor_ops_as_out_of_memory() {
+    let device = Device::meta();
+    device.set_fault_injection(Some(FaultInjection::Nth(1)));
+    let err = Tensor::zeros(&device, &[4], DType::F32, Category::Input).unwrap_err();
+    assert!(err.is_oom());
+    let oom = err.as_oom().expect("an out-of-memory error carries its report");
+    assert!(oom.injected);
+    assert_eq!(err.to_string(), oom.to_string());
+    device.set_fault_injection(None);
+    Tensor::zeros(&device, &[4], DType::F32, Category::Input).unwrap();
+}
+
+#[test]
+fn guards_restore_phase_grad_mode_recomputation_and_module() {
+    let device = Device::cpu();
+    assert_eq!(device.phase(), Phase::Setup);
+    {
+        let _phase = device.enter_phase(Phase::Optimizer);
+        assert_eq!(device.phase(), Phase::Optimizer);
+    }
+    assert_eq!(device.phase(), Phase::Setup);
+
+    {
+        let _no_grad = device.no_grad();
+        assert!(!device.grad_enabled());
+        {
+            let _grad = device.enable_grad();
+            assert!(device.grad_enabled());
+        }
+        assert!(!device.grad_enabled());
+    }
+    assert!(device.grad_enabled());
+
+    assert!(!device.recomputing());
+    {
+        let _outer = device.recompute();
+        assert!(device.recomputing());
+        {
+            let _inner = device.recompute();
+            assert!(device.recomputing());
+        }
+        assert!(device.recomputing(), "still inside the outer re-run");
+    }
+    assert!(!device.recomputing());
+
+    assert_eq!(device.module(), 0);
+    {
+        let _a = device.enter_module("a");
+        assert_eq!(device.module(), 1);
+        {
+            let _b = device.enter_module("b");
+            assert_eq!(device.module(), 2);
+            let _back = device.restore_module(0);
+            assert_eq!(device.module(), 0);
+        }
+        assert_eq!(device.module(), 1);
+    }
+    assert_eq!(device.module(), 0);
+    assert_eq!(device.module_names(), ["", "a", "b"]);
+}
+
+#[test]
+fn spans_are_timed_and_recorded_only_while_profiling() {
+    let device = Device::cpu();
+    {
+        let _m = device.enter_module("quiet");
+        let _op = device.op_scope("quiet_op");
+    }
+    assert!(device.take_spans().is_empty(), "not profiling");
+    device.set_profiling(true);
+    {
+        let _phase = device.enter_phase(Phase::Forward);
+        let _m = device.enter_module("layer");
+        let _op = device.op_scope("matmul");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let spans = device.take_spans();
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    // The op's scope closes first.
+    assert_eq!(
+        (spans[0].name, spans[0].kind, spans[0].phase, spans[0].module),
+        ("matmul", SpanKind::Op, Phase::Forward, 2)
+    );
+    assert_eq!(
+        (spans[1].name, spans[1].kind, spans[1].module),
+        ("module", SpanKind::Module, 2),
+        "the module it entered"
+    );
+    for span in &spans {
+        assert!(span.end_ns >= span.start_ns + 1_000_000, "{span:?}");
+    }
+    assert!(device.take_spans().is_empty(), "taken");
+    // A restored module (autograd's) records no span.
+    {
+        let _back = device.restore_module(1);
+    }
+    assert!(device.take_spans().is_empty());
+    device.set_profiling(false);
+    {
+        let _op = device.op_scope("matmul");
+    }
+    assert!(device.take_spans().is_empty());
+}
+
+// ----- dtypes and errors -----
+
+#[test]
+fn dtypes_have_sizes_names_and_kinds() {
+    let all = [
+        (DType::F32, 4, "f32", true),
+        (DType::F64, 8, "f64", true),
+        (DType::F16, 2, "f16", true),
+        (DType::BF16, 2, "bf16", true),
+        (DType::I64, 8, "i64", false),
+        (DType::U8, 1, "u8", false),
+        (DType::Bool, 1, "bool", false),
+    ];
+    for (dtype, size, name, float) in all {
+        assert_eq!(
+            (dtype.size(), dtype.name(), dtype.to_string(), dtype.is_float()),
+            (size, name, name.to_string(), float)
+        );
+    }
+}
+
+#[test]
+fn float_conversions_and_erf() {
+    assert_eq!(<f32 as Float>::of(0.25), 0.25f32);
+    assert_eq!(<f64 as Float>::of(0.25), 0.25f64);
+    assert_eq!(Float::f64(0.75f32), 0.75);
+    assert_eq!(Float::f64(-0.75f64), -0.75);
+    assert!((Float::erf(0.5f32) - 0.520_499_9).abs() < 1e-6);
+    assert!((Float::erf(0.5f64) - 0.520_499_877_813_046_5).abs() < 1e-15);
+    let mut v = vec![1.5f32, 2.5];
+    assert_eq!(<f32 as Float>::as_f32(&v), Some(&[1.5f32, 2.5][..]));
+    <f32 as Float>::as_f32_mut(&mut v).unwrap()[1] = 4.0;
+    assert_eq!(v, [1.5, 4.0]);
+    let mut w = vec![1.5f64];
+    assert!(<f64 as Float>::as_f32(&w).is_none() && <f64 as Float>::as_f32_mut(&mut w).is_none());
+    assert_eq!(<f32 as Float>::DTYPE, DType::F32);
+    assert_eq!(<f64 as Float>::DTYPE, DType::F64);
+}
+
+#[test]
+fn errors_say_what_kind_they_are() {
+    let cases = [
+        (Error::shape("bad"), "shape error: bad"),
+        (Error::dtype("bad"), "dtype error: bad"),
+        (Error::device("bad"), "device error: bad"),
+        (Error::invalid("bad"), "bad"),
+    ];
+    for (err, text) in cases {
+        assert_eq!(err.to_string(), text);
+        assert!(!err.is_oom() && err.as_oom().is_none());
+    }
+    assert!(matches!(Error::shape("x"), Error::Shape(m) if m == "x"));
+    assert!(matches!(Error::dtype("x"), Error::DType(m) if m == "x"));
+    assert!(matches!(Error::device("x"), Error::Device(m) if m == "x"));
+    assert!(matches!(Error::invalid("x"), Error::Invalid(m) if m == "x"));
+    // Data asked of meta is a device error naming the device.
+    let t = Tensor::zeros(&Device::meta(), &[2], DType::F32, Category::Input).unwrap();
+    let err = t.to_f64_vec().unwrap_err();
+    assert!(matches!(err, Error::Device(_)) && err.to_string().contains("meta"), "{err}");
+}
