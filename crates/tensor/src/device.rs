@@ -82,7 +82,8 @@ struct DeviceInner {
     /// Depth of checkpointed segments being re-run (see [`Device::recompute`]).
     recomputing: AtomicU64,
     /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
-    saved_dtype: Mutex<Option<crate::DType>>,
+    /// 0: none, 1: bf16, 2: f16 (read by every save, so an atomic rather than a lock).
+    saved_dtype: std::sync::atomic::AtomicU8,
     next_id: AtomicU64,
     modules: Mutex<Modules>,
     profiling: AtomicBool,
@@ -135,7 +136,7 @@ impl Device {
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
             recomputing: AtomicU64::new(0),
-            saved_dtype: Mutex::new(None),
+            saved_dtype: std::sync::atomic::AtomicU8::new(0),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
             profiling: AtomicBool::new(false),
@@ -260,16 +261,23 @@ impl Device {
     /// and converted back when backward uses them ([`crate::autograd::save_compact`]); arithmetic
     /// stays f32. None (the default) keeps them as they are.
     pub fn set_saved_dtype(&self, dtype: Option<crate::DType>) -> Result<()> {
-        if let Some(d) = dtype.filter(|d| !matches!(d, crate::DType::BF16 | crate::DType::F16)) {
-            return Err(Error::dtype(format!("saved activations can be stored in bf16 or f16, not {d}")));
-        }
-        *self.0.saved_dtype.lock().unwrap_or_else(|e| e.into_inner()) = dtype;
+        let code = match dtype {
+            None => 0,
+            Some(crate::DType::BF16) => 1,
+            Some(crate::DType::F16) => 2,
+            Some(d) => return Err(Error::dtype(format!("saved activations can be stored in bf16 or f16, not {d}"))),
+        };
+        self.0.saved_dtype.store(code, Ordering::Relaxed);
         Ok(())
     }
 
     /// The dtype activations are saved in (None: their own).
     pub fn saved_dtype(&self) -> Option<crate::DType> {
-        *self.0.saved_dtype.lock().unwrap_or_else(|e| e.into_inner())
+        match self.0.saved_dtype.load(Ordering::Relaxed) {
+            1 => Some(crate::DType::BF16),
+            2 => Some(crate::DType::F16),
+            _ => None,
+        }
     }
 
     /// Marks a re-run of a checkpointed segment until the guard drops (nests).

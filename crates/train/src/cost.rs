@@ -232,20 +232,15 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
     for p in plain_ms.iter_mut() {
         *p = (*p - optimizer_ms).max(0.0);
     }
-    let recompute = if segments.is_empty() {
-        0.0
-    } else {
-        let all = time_steps(req, largest, &CheckpointChoice::All, segments)?.step_ms - optimizer_ms;
-        let plain = *plain_ms.last().expect("one micro-batch measured");
-        if plain > 0.0 {
-            (all / plain - 1.0).max(0.0)
-        } else {
-            0.0
-        }
-    };
+    // Extra time of a variant of the largest measured step, as a fraction of its plain time.
     let plain = *plain_ms.last().expect("one micro-batch measured");
+    let extra = |step_ms: f64| if plain > 0.0 { ((step_ms - optimizer_ms) / plain - 1.0).max(0.0) } else { 0.0 };
+    let recompute = match segments.is_empty() {
+        true => 0.0,
+        false => extra(time_steps(req, largest, &CheckpointChoice::All, segments)?.step_ms),
+    };
     let half = time_steps_in(req, largest, &CheckpointChoice::None, segments, Some(memfit_tensor::DType::BF16))?;
-    let half_overhead = if plain > 0.0 { ((half.step_ms - optimizer_ms) / plain - 1.0).max(0.0) } else { 0.0 };
+    let half_overhead = extra(half.step_ms);
     let total: f64 = profile.values().sum();
     let shares = segments
         .iter()
