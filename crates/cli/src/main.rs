@@ -1,6 +1,8 @@
 //! The `memfit` command: turns arguments into typed configuration, shows progress, prints results.
 //! All the work happens in memfit-train; errors print one clear message and exit non-zero.
 
+mod ranks;
+
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec};
@@ -9,6 +11,7 @@ use memfit_tensor::DeviceKind;
 use memfit_train::config::limits;
 use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
+use memfit_train::parallel::ParallelMode;
 use memfit_train::{CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Precision, Report, StepEvent, TrainConfig};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -217,6 +220,11 @@ struct TrainArgs {
     /// --lr, --seed, ...) given with another value is refused.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Train as one of the ranks `mpirun -np N` starts: data (each rank takes a shard of every batch;
+    /// gradients summed by all-reduce) or zero1 (data, with the optimizer state split between ranks).
+    /// Needs a memfit built with `--features mpi`.
+    #[arg(long, value_name = "MODE", value_parser = ParallelMode::parse)]
+    parallel: Option<ParallelMode>,
 }
 
 #[derive(Args)]
@@ -275,6 +283,10 @@ struct PlanArgs {
     /// Storage of saved activations the plan assumes: fp32, bf16, fp16, or auto (bf16 weighed too).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
+    /// Plan for this many ranks (devices) too: which of data parallel and ZeRO-1 fits, each rank's
+    /// predicted peak and the predicted throughput, beside one device's plan.
+    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_RANKS))]
+    devices: Option<u64>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -536,6 +548,7 @@ fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
         save_dir: a.save_dir,
         keep: a.keep as usize,
         resume: a.resume.clone(),
+        parallel: a.parallel,
         ..a.run.config()?
     };
     if let Some(dir) = &a.resume {
@@ -543,7 +556,16 @@ fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
         checkpoint.configure(&mut cfg, given).map_err(|e| e.to_string())?;
         eprintln!("resuming {} at step {} from {}", cfg.model.name(), checkpoint.step, dir.display());
     }
-    let summary = run_with_progress(&cfg)?;
+    let group = ranks::join(cfg.parallel)?;
+    if group.as_ref().is_some_and(|g| g.rank() != 0) {
+        // Rank 0 speaks for the job; the others train quietly and abort it if they fail.
+        let result = memfit_train::job::train_ranks(&cfg, &mut memfit_train::Quiet, group.clone());
+        return ranks::finish(group, result.map(|_| ()).map_err(failure));
+    }
+    let summary = match run_with_progress(&cfg, group.clone()) {
+        Ok(s) => s,
+        Err(e) => return ranks::finish(group, Err(e)),
+    };
     let report = Report::new(&summary);
     let what = if cfg.device == DeviceKind::Meta { "predicted (meta device: nothing computed)" } else { "trained" };
     println!(
@@ -567,10 +589,23 @@ fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
         _ => {}
     }
     print!("{}", report.memory_table());
+    if let Some(p) = &report.parallel {
+        print!("{}", ranks::table(p));
+    }
     if !summary.profile_files.is_empty() {
         println!("the run met an out-of-memory: its memory profile is in {}", profile_dir(&summary.profile_files));
     }
-    Ok(())
+    ranks::finish(group, Ok(()))
+}
+
+/// A job's error as the command's failure (exit 128 + signal for an interrupted run).
+fn failure(e: memfit_train::TrainError) -> Failure {
+    match e {
+        memfit_train::TrainError::Interrupted { signal, message } => {
+            Failure { message, code: 128u8.saturating_add(u8::try_from(signal).unwrap_or(0)) }
+        }
+        e => Failure::from(e.to_string()),
+    }
 }
 
 /// The folder of a profile's files.
@@ -585,7 +620,7 @@ fn profile(a: ProfileArgs) -> Result<(), Failure> {
         profile: Some(a.out.clone()),
         ..a.run.config()?
     };
-    let summary = run_with_progress(&cfg)?;
+    let summary = run_with_progress(&cfg, None)?;
     let summary_file = summary.profile_files.iter().find(|f| f.ends_with("summary.txt"));
     if let Some(text) = summary_file.and_then(|f| std::fs::read_to_string(f).ok()) {
         print!("{text}");
@@ -607,7 +642,10 @@ fn profile(a: ProfileArgs) -> Result<(), Failure> {
 }
 
 /// Runs a job with a progress bar on a terminal (a line every tenth of the run otherwise).
-fn run_with_progress(cfg: &TrainConfig) -> Result<memfit_train::RunSummary, Failure> {
+fn run_with_progress(
+    cfg: &TrainConfig,
+    group: Option<std::sync::Arc<dyn memfit_dist::Group>>,
+) -> Result<memfit_train::RunSummary, Failure> {
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr());
         bar.set_style(
@@ -621,16 +659,11 @@ fn run_with_progress(cfg: &TrainConfig) -> Result<memfit_train::RunSummary, Fail
     }
     let signal = stop_on_signals()?;
     let mut progress = Progress { bar, last_line: 0, model: cfg.model.name(), signal };
-    let result = memfit_train::train(cfg, &mut progress);
+    let result = memfit_train::job::train_ranks(cfg, &mut progress, group);
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
     }
-    result.map_err(|e| match e {
-        memfit_train::TrainError::Interrupted { signal, message } => {
-            Failure { message, code: 128u8.saturating_add(u8::try_from(signal).unwrap_or(0)) }
-        }
-        e => Failure::from(e.to_string()),
-    })
+    result.map_err(failure)
 }
 
 fn plan(a: PlanArgs) -> Result<(), String> {
@@ -655,8 +688,30 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             .map_or(memfit_train::cost::Costs::Calibrate, memfit_train::cost::Costs::Cached),
         micro_batch: a.micro_batch.map(|m| m as usize),
         precision: a.precision,
+        parallel: None,
     };
-    let plan = memfit_train::plan(&request).map_err(|e| e.to_string())?;
+    let single = memfit_train::plan(&request).map_err(|e| e.to_string());
+    let devices = match a.devices.filter(|&n| n > 1) {
+        Some(n) => Some(devices_plan(&request, n as usize, single.as_ref().ok())?),
+        None => None,
+    };
+    let plan = match (single, devices) {
+        (Ok(plan), devices) => (plan, devices),
+        (Err(e), None) => return Err(e),
+        (Err(e), Some((json, text))) => {
+            // One device cannot: say why, and what several can.
+            if a.json {
+                let json = serde_json::json!({"model": a.model.name(), "capacity_bytes": a.memory,
+                    "fits_one_device": false, "one_device": e, "devices": json});
+                println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
+            } else {
+                println!("one device: {e}
+{text}");
+            }
+            return Ok(());
+        }
+    };
+    let (plan, devices) = plan;
     if a.json {
         let p = &plan.predicted;
         let json = serde_json::json!({
@@ -698,6 +753,8 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             })).collect::<Vec<_>>(),
             "calibration_ms": plan.calibration_ms,
             "planning_ms": plan.planning_ms,
+            "fits_one_device": true,
+            "devices": devices.as_ref().map(|(json, _)| json.clone()),
         });
         println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
     } else {
@@ -707,8 +764,86 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             format!("{}x{}x{}", a.input[0], a.input[1], a.input[2])
         };
         print!("{}", plan.describe(&format!("{} ({input})", a.model.name())));
+        if let Some((_, text)) = devices {
+            print!("{text}");
+        }
     }
     Ok(())
+}
+
+/// `plan --devices N`: each parallel mode on `n` ranks (memfit_train::parallel::plan_devices), as JSON
+/// and as text, with one device's predicted step time beside them.
+fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Result<(serde_json::Value, String), String> {
+    let names = memfit_train::planner::segment_names(request).map_err(|e| e.to_string())?;
+    let (costs, _) = memfit_train::cost::model_for(request, &names).map_err(|e| e.to_string())?;
+    let plans = memfit_train::parallel::plan_devices(request, n, Some(&costs)).map_err(|e| e.to_string())?;
+    let batch = request.effective_batch as f64;
+    let unit = if costs.nominal { " units" } else { " ms" };
+    let per = if costs.nominal { "1000 units" } else { "s" };
+    let mut text = format!(
+        "on {n} devices (each with the budget; communication at a nominal {:.1} GB/s):\n",
+        memfit_train::parallel::NOMINAL_ALLREDUCE_BYTES_PER_S / 1e9
+    );
+    if let Some(p) = single {
+        let checkpointed = match &p.checkpoint {
+            CheckpointChoice::All => names.clone(),
+            c => c.segment_names(),
+        };
+        let step = costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision != Precision::Fp32);
+        text.push_str(&format!("  one device:      step {step:.1}{unit} ({:.0} samples/{per})\n", batch / step * 1e3));
+    }
+    let mut json = Vec::new();
+    for d in &plans {
+        let peaks: Vec<u64> = d.per_rank.iter().map(|p| p.peak_reserved).collect();
+        match &d.plan {
+            Ok(p) => {
+                let step = d.step_ms.unwrap_or(f64::NAN);
+                text.push_str(&format!(
+                    "  --parallel {:<5} fits: micro-batch {} x {} per rank, peak per rank {}, step {:.1}{unit} ({:.0} samples/{})\n",
+                    d.mode.name(),
+                    p.micro_batch,
+                    p.accumulation_steps,
+                    peaks.iter().map(|&b| format_bytes(b)).collect::<Vec<_>>().join(" / "),
+                    step,
+                    batch / step * 1e3,
+                    per
+                ));
+                text.push_str(&format!(
+                    "    mpirun -np {n} memfit train --parallel {} --batch-size {} --memory {}\n",
+                    d.mode.name(),
+                    request.effective_batch,
+                    memfit_train::planner::memory_flag(request.capacity.unwrap_or(0))
+                ));
+            }
+            Err(why) => text.push_str(&format!(
+                "  --parallel {:<5} does not fit: {}\n",
+                d.mode.name(),
+                why.lines().next().unwrap_or("")
+            )),
+        }
+        json.push(serde_json::json!({
+            "mode": d.mode.name(),
+            "ranks": n,
+            "fits": d.plan.is_ok(),
+            "why_not": d.plan.as_ref().err(),
+            "micro_batch": d.plan.as_ref().ok().map(|p| p.micro_batch),
+            "accumulation_steps": d.plan.as_ref().ok().map(|p| p.accumulation_steps),
+            "eval_micro_batch": d.plan.as_ref().ok().map(|p| p.eval_micro_batch),
+            "checkpointed_segments": d.plan.as_ref().ok().map(|p| p.checkpoint.segment_names()),
+            "precision": d.plan.as_ref().ok().map(|p| p.precision.name()),
+            "per_rank": d.per_rank.iter().enumerate().map(|(r, p)| serde_json::json!({
+                "rank": r,
+                "predicted_peak_allocated_bytes": p.peak_allocated,
+                "predicted_peak_reserved_bytes": p.peak_reserved,
+                "optimizer_state_bytes": p.category_peaks[memfit_tensor::Category::OptimizerState.index()],
+                "communication_bytes": p.category_peaks[memfit_tensor::Category::Communication.index()],
+            })).collect::<Vec<_>>(),
+            "predicted_step_time_ms": d.step_ms,
+            "predicted_samples_per_second": d.step_ms.map(|s| batch / s * 1e3),
+            "nominal_time": costs.nominal,
+        }));
+    }
+    Ok((serde_json::Value::Array(json), text))
 }
 
 fn bench(a: BenchArgs) -> Result<(), String> {

@@ -16,11 +16,14 @@ pub enum Category {
     Temporary,
     /// Data placed on the device (batches, targets).
     Input,
+    /// Buffers that cross between ranks (gradient buckets of data-parallel training, activations
+    /// sent between pipeline stages).
+    Communication,
     Other,
 }
 
 impl Category {
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 8;
     pub const ALL: [Category; Category::COUNT] = [
         Category::Parameter,
         Category::Gradient,
@@ -28,6 +31,7 @@ impl Category {
         Category::Activation,
         Category::Temporary,
         Category::Input,
+        Category::Communication,
         Category::Other,
     ];
 
@@ -40,6 +44,7 @@ impl Category {
             Category::Activation => "activation",
             Category::Temporary => "temporary",
             Category::Input => "input",
+            Category::Communication => "communication",
             Category::Other => "other",
         }
     }

@@ -41,6 +41,7 @@ pub(crate) const STACK: [Category; Category::COUNT] = [
     Category::Input,
     Category::Activation,
     Category::Temporary,
+    Category::Communication,
     Category::Other,
 ];
 
@@ -56,6 +57,7 @@ pub(crate) fn category_color(category: Category) -> RGBColor {
         Category::Input => RGBColor(0x76, 0xb7, 0xb2),
         Category::Activation => RGBColor(0x59, 0xa1, 0x4f),
         Category::Temporary => RGBColor(0xed, 0xc9, 0x48),
+        Category::Communication => RGBColor(0xe1, 0x57, 0x59),
         Category::Other => RGBColor(0x9c, 0x75, 0x5f),
     }
 }

@@ -289,8 +289,18 @@ impl Tensor {
         Ok(unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.0.storage.requested_bytes()) })
     }
 
-    /// Fills a freshly created contiguous tensor from the host through `fill` (no staging copy). Does
-    /// nothing on a device that holds no data.
+    /// Reads a contiguous tensor's elements in place through `read` (no copy), for transports such as
+    /// a collective operation's send buffer. None on a device that holds no data.
+    pub fn read_with<T: Element, R>(&self, read: impl FnOnce(&[T]) -> R) -> Result<Option<R>> {
+        if !self.device().computes() {
+            return Ok(None);
+        }
+        Ok(Some(read(self.slice::<T>()?)))
+    }
+
+    /// Fills a contiguous tensor from the host through `fill` (no staging copy): a fresh tensor, or a
+    /// buffer a collective operation receives into while nobody else reads it (Note [Storage
+    /// aliasing]). Does nothing on a device that holds no data.
     pub fn write_with<T: Element>(&self, fill: impl FnOnce(&mut [T])) -> Result<()> {
         if !self.device().computes() {
             return Ok(());

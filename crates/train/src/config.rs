@@ -24,6 +24,8 @@ pub mod limits {
     pub const THREADS_PER_CORE: usize = 16;
     /// Training checkpoints kept (`--keep`).
     pub const MAX_KEEP: usize = 1000;
+    /// The most ranks `plan --devices` plans for.
+    pub const MAX_RANKS: u64 = 1024;
     /// The largest safety margin (a fraction of the capacity kept free).
     pub const MAX_SAFETY_MARGIN: f64 = 0.5;
 
@@ -243,6 +245,8 @@ pub struct TrainConfig {
     pub keep: usize,
     /// Continue the run whose newest training checkpoint is in this directory (`--resume`).
     pub resume: Option<PathBuf>,
+    /// Training as one of several ranks (`--parallel`, under `mpirun`; Note [Data parallel]).
+    pub parallel: Option<crate::parallel::ParallelMode>,
 }
 
 impl TrainConfig {
@@ -291,6 +295,11 @@ impl TrainConfig {
                 "--save-dir and --resume need --device cpu: the {} device holds no values to save",
                 self.device.name()
             ));
+        }
+        if self.parallel == Some(crate::parallel::ParallelMode::Zero1) && resumable {
+            return bad("--save-dir and --resume are not available with --parallel zero1 (each rank holds part of \
+                 the optimizer state): use --parallel data, or --save for the weights"
+                .into());
         }
         if self.resume.is_some() && self.load.is_some() {
             return bad("--load and --resume cannot be combined: the checkpoint being resumed holds the weights".into());
@@ -368,6 +377,7 @@ impl Default for TrainConfig {
             save_dir: None,
             keep: 2,
             resume: None,
+            parallel: None,
         }
     }
 }

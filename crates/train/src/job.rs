@@ -11,8 +11,10 @@ use crate::task::Task;
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
+use memfit_dist::Group;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 pub use crate::task::EMBEDDED;
 
@@ -44,6 +46,8 @@ pub struct RunSummary {
     pub host: crate::report::HostMemory,
     /// What accumulation and checkpointing saved (predicted; with a budget only).
     pub savings: planner::Savings,
+    /// Each rank's memory, when trained as several ranks (`--parallel`).
+    pub ranks: Option<crate::report::RanksSummary>,
 }
 
 /// What the job tells its caller while it runs.
@@ -67,27 +71,66 @@ impl Observer for Quiet {}
 
 /// Runs a training job on the rayon pool of `cfg.threads` threads.
 pub fn train(cfg: &TrainConfig, observer: &mut dyn Observer) -> Result<RunSummary, TrainError> {
+    train_ranks(cfg, observer, None)
+}
+
+/// [`train`] as one rank of `group` (`cfg.parallel`; Note [Data parallel]). Every rank plans the
+/// same (rank 0's step-time model is shared), trains its shard and applies the same updates; rank 0
+/// alone writes the report, the saved model, training checkpoints and profiles.
+pub fn train_ranks(
+    cfg: &TrainConfig,
+    observer: &mut dyn Observer,
+    group: Option<Arc<dyn Group>>,
+) -> Result<RunSummary, TrainError> {
     cfg.check()?;
+    let group = match (cfg.parallel, group) {
+        (Some(_), Some(g)) => Some(g),
+        (Some(mode), None) => {
+            return Err(TrainError::Invalid(format!(
+                "--parallel {} needs ranks: start memfit with `mpirun -np N memfit train --parallel {} ...` from a \
+                 memfit built with `--features mpi`",
+                mode.name(),
+                mode.name()
+            )))
+        }
+        (None, _) => None,
+    };
+    if let Some(g) = group.as_ref().filter(|g| cfg.batch_size < g.size()) {
+        return Err(TrainError::Invalid(format!(
+            "--batch-size {} is smaller than the {} ranks: every rank needs a sample of each batch",
+            cfg.batch_size,
+            g.size()
+        )));
+    }
     let threads = cfg.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
-    pool.install(|| train_in_pool(cfg, threads, observer))
+    pool.install(|| train_in_pool(cfg, threads, observer, group))
 }
 
-fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer) -> Result<RunSummary, TrainError> {
+fn train_in_pool(
+    cfg: &TrainConfig,
+    threads: usize,
+    observer: &mut dyn Observer,
+    group: Option<Arc<dyn Group>>,
+) -> Result<RunSummary, TrainError> {
     let rss_at_start = memfit_tensor::memory::process::resident().map(|r| r.current);
+    // The rank that writes files (the only one without ranks).
+    let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
     let (outputs, inputs) = cfg.paths();
     for input in &inputs {
         crate::output::check_input(&input.flag, &input.path)?;
     }
-    crate::output::check_outputs(&outputs, &inputs)?;
+    if lead {
+        crate::output::check_outputs(&outputs, &inputs)?;
+    }
     let resumed = cfg.resume.as_deref().map(Checkpoint::latest).transpose()?;
     if let Some(ckpt) = &resumed {
         ckpt.check_config(cfg)?;
     }
-    if let Some(dir) = &cfg.save_dir {
+    if let (Some(dir), true) = (&cfg.save_dir, lead) {
         crate::resume::check_save_dir(dir, cfg.resume.as_deref())?;
     }
     let task = Task::load(cfg)?;
@@ -110,18 +153,23 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         costs: crate::cost::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
         micro_batch: cfg.micro_batch,
         precision: cfg.precision,
+        parallel: cfg.parallel.zip(group.as_ref().map(|g| g.size())),
+    };
+    let request = match &group {
+        Some(g) => shared_costs(request, g.as_ref())?,
+        None => request,
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
     // Evaluation runs in micro-batches of the training micro-batch unless the planner chose its own.
     let (micro, eval_micro, plan) = match (cfg.micro_batch, cfg.memory) {
-        (Some(m), _) => (m.min(cfg.batch_size), m.min(cfg.batch_size), None),
+        (Some(m), _) => (m.min(request.rank_batch()), m.min(request.rank_batch()), None),
         (None, Some(_)) => {
             let plan = planner::plan(&request)?;
             observer.planned(&plan);
             (plan.micro_batch, plan.eval_micro_batch, Some(plan))
         }
-        (None, None) => (cfg.batch_size, cfg.batch_size, None),
+        (None, None) => (request.rank_batch(), request.rank_batch(), None),
     };
 
     let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
@@ -132,6 +180,9 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
     let device = Device::new(device_config);
     device.set_profiling(profiling);
     let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
+    if let (Some(g), Some(mode)) = (&group, cfg.parallel) {
+        session.join(g.clone(), mode).map_err(|e| advise(e, &request))?;
+    }
     // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
     // budget (then the fastest checkpointing with which it fits); none without a budget.
     let checkpoint = match (&cfg.checkpoint, &plan, cfg.memory) {
@@ -205,7 +256,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
             let signal = observer.interrupted();
             let due = cfg.save_every.is_some_and(|n| p.steps % n == 0);
             let mut written = None;
-            if let (Some(dir), true) = (&cfg.save_dir, due || signal.is_some()) {
+            if let (Some(dir), true) = (&cfg.save_dir, lead && (due || signal.is_some())) {
                 let path = crate::resume::write(dir, cfg.keep, &template, s, p)?;
                 observer.checkpoint_saved(&path);
                 written = Some(path);
@@ -222,7 +273,11 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         session.run_from(train_samples.as_ref(), val, &opts, start, &mut after)
     };
     // The profile is written whether the run succeeded or not: a failed run is what it is for.
-    let profile_dir = cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0));
+    let profile_dir = cfg
+        .profile
+        .as_ref()
+        .or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0))
+        .filter(|_| lead);
     let profile = profile_dir.map(|dir| {
         let title = format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
         (dir, crate::profile::write_profile(dir, &crate::profile::recording(&device, title)))
@@ -256,7 +311,7 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         };
         return Err(TrainError::Interrupted { signal, message });
     }
-    if let Some(path) = &cfg.save {
+    if let (Some(path), true) = (&cfg.save, lead) {
         if cfg.device == DeviceKind::Cpu {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
             let tensors = memfit_nn::checkpoint::state_dict(session.model.as_ref());
@@ -266,12 +321,16 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
         }
     }
     let stats = device.stats();
+    let ranks = match &group {
+        Some(g) => Some(crate::report::RanksSummary::gather(g.as_ref(), cfg, &stats)),
+        None => None,
+    };
     let summary = RunSummary {
         config: cfg.clone(),
         spec,
         data_source: task.source(),
         micro_batch: micro,
-        accumulation_steps: cfg.batch_size.div_ceil(micro),
+        accumulation_steps: request.rank_batch().div_ceil(micro),
         eval_micro_batch: eval_micro,
         plan,
         outcome,
@@ -290,14 +349,38 @@ fn train_in_pool(cfg: &TrainConfig, threads: usize, observer: &mut dyn Observer)
             peak_rss_bytes: memfit_tensor::memory::process::resident().map(|r| r.peak),
         },
         savings,
+        ranks,
     };
-    if let Some(path) = &cfg.report {
+    if let (Some(path), true) = (&cfg.report, lead) {
         let report = crate::report::Report::new(&summary);
         crate::output::write_atomic("--report", path, (report.to_json() + "\n").as_bytes())?;
         let svg = memfit_profile::curves_svg(&crate::report::curve_points(&summary));
         crate::output::write_atomic("--report", &path.with_extension("svg"), svg.as_bytes())?;
     }
     Ok(summary)
+}
+
+/// With ranks and a plan that weighs time (`auto` checkpointing or precision under a budget): rank 0
+/// calibrates (or reads its cache) and every rank plans with its step-time model, so all ranks choose
+/// the same plan.
+fn shared_costs(request: PlanRequest, group: &dyn Group) -> Result<PlanRequest, TrainError> {
+    let weighs = request.checkpoint == crate::config::CheckpointChoice::Auto
+        || request.precision == crate::config::Precision::Auto;
+    if request.capacity.is_none() || !weighs {
+        return Ok(request);
+    }
+    let json = if group.rank() == 0 {
+        let alone = PlanRequest { parallel: None, ..request.clone() };
+        let names = planner::segment_names(&alone)?;
+        let (model, _) = crate::cost::model_for(&alone, &names)?;
+        serde_json::to_vec(&model).map_err(|e| TrainError::Invalid(format!("internal: cost model: {e}")))?
+    } else {
+        Vec::new()
+    };
+    let json = memfit_dist::collective::broadcast_bytes(group, &json, 0);
+    let model = serde_json::from_slice(&json)
+        .map_err(|e| TrainError::Invalid(format!("internal: rank 0's cost model did not arrive whole: {e}")))?;
+    Ok(PlanRequest { costs: crate::cost::Costs::Given(model), ..request })
 }
 
 /// Turns an out-of-memory that recovery could not absorb into the explanation plus the planner's advice.

@@ -13,6 +13,7 @@
 //! - [`resume`]: training checkpoints (`--save-every`, `--save-dir`) and `--resume`, exact (Note
 //!   [Exact resume]);
 //! - [`output`]: the one home of path checks and atomic, durable writes (Note [Paths]);
+//! - [`parallel`]: training as one of several ranks (`--parallel data|zero1`; Note [Data parallel]);
 //! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
 
 pub mod bench;
@@ -22,6 +23,7 @@ mod error;
 pub mod generate;
 pub mod job;
 pub mod output;
+pub mod parallel;
 pub mod planner;
 pub mod profile;
 pub mod report;

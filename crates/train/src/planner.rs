@@ -50,9 +50,21 @@ pub struct PlanRequest {
     pub micro_batch: Option<usize>,
     /// The dtype of saved activations; `auto` lets the planner weigh bf16 storage too.
     pub precision: crate::config::Precision,
+    /// Training as `size` ranks in `mode` (`effective_batch` is then the global batch): every
+    /// prediction is the largest of the ranks' (Note [Data parallel]).
+    pub parallel: Option<(crate::parallel::ParallelMode, usize)>,
 }
 
 impl PlanRequest {
+    /// The samples of each window one rank trains on: the whole effective batch alone, the largest
+    /// shard with ranks (rank 0's; Note [Data parallel]).
+    pub fn rank_batch(&self) -> usize {
+        match self.parallel {
+            Some((_, size)) => memfit_dist::partition::shard(self.effective_batch, 0, size).len(),
+            None => self.effective_batch,
+        }
+    }
+
     /// The capacity the plan must fit in: the budget less the margin.
     pub fn budget(&self) -> Option<u64> {
         self.capacity.map(|c| (c as f64 * (1.0 - self.safety_margin)).floor() as u64)
@@ -138,9 +150,31 @@ impl Candidate {
 }
 
 /// Dry-runs `micro` (and an evaluation micro-batch, when given) on `meta` with `capacity`. None when it
-/// does not fit.
+/// does not fit. With ranks, the prediction of the rank with the highest peak (rank 0 holds the largest
+/// shard; under ZeRO-1 every rank is run, as their optimizer state differs); None when any rank does
+/// not fit.
 pub fn predict(
     req: &PlanRequest,
+    micro: usize,
+    eval_micro: Option<usize>,
+    capacity: Option<u64>,
+) -> Result<Option<Prediction>, TrainError> {
+    let Some((mode, size)) = req.parallel else { return predict_rank(req, None, micro, eval_micro, capacity) };
+    let ranks = if mode == crate::parallel::ParallelMode::Data { 1 } else { size };
+    let mut worst: Option<Prediction> = None;
+    for rank in 0..ranks {
+        let Some(p) = predict_rank(req, Some(rank), micro, eval_micro, capacity)? else { return Ok(None) };
+        if worst.as_ref().is_none_or(|w| p.peak_reserved > w.peak_reserved) {
+            worst = Some(p);
+        }
+    }
+    Ok(worst)
+}
+
+/// [`predict`] for one rank (`rank` of `req.parallel`; None without ranks).
+pub fn predict_rank(
+    req: &PlanRequest,
+    rank: Option<usize>,
     micro: usize,
     eval_micro: Option<usize>,
     capacity: Option<u64>,
@@ -151,9 +185,17 @@ pub fn predict(
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e),
     };
+    let ranks = req.parallel.zip(rank);
+    if let Some(((mode, size), rank)) = ranks {
+        match session.join(std::sync::Arc::new(memfit_dist::Simulated { rank, size }), mode) {
+            Ok(()) => {}
+            Err(e) if e.as_oom().is_some() => return Ok(None),
+            Err(e) => return Err(e),
+        }
+    }
     session.set_checkpointing(&req.checkpoint)?;
     session.set_precision(req.precision)?;
-    let (train, val, opts) = dry_run(req, micro, eval_micro.unwrap_or(1));
+    let (train, val, opts) = dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1));
     let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
         Ok(_) => {}
@@ -177,9 +219,24 @@ pub fn predict(
 /// windows), `PLAN_STEPS` full windows, one evaluation micro-batch, recovery off. Running it on `cpu`
 /// with the same capacity reproduces the prediction exactly.
 pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
-    let window = representative_window(req.effective_batch, micro);
+    dry_run_rank(req, None, micro, eval_micro)
+}
+
+/// [`dry_run`] as rank `rank` of `size`: windows of `size` times that rank's representative shard, so
+/// that its shard of each is exactly what it trains on in a real window (Note [Data parallel]).
+fn dry_run_rank(
+    req: &PlanRequest,
+    rank: Option<(usize, usize)>,
+    micro: usize,
+    eval_micro: usize,
+) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
+    let (local, size) = match rank {
+        Some((r, size)) => (memfit_dist::partition::shard(req.effective_batch, r, size).len().max(1), size),
+        None => (req.effective_batch, 1),
+    };
+    let window = representative_window(local, micro) * size;
     let train = synthetic(&req.model, PLAN_STEPS * window, req.seed);
-    let val = synthetic(&req.model, eval_micro, req.seed);
+    let val = synthetic(&req.model, eval_micro * size, req.seed);
     let opts = RunOptions {
         effective_batch: window,
         micro_batch: micro,
@@ -458,12 +515,12 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
                 None => None,
             };
             let m = fitting.map_or(micro.unwrap_or(1), |(m, _)| m);
-            let step_ms = costs.step_ms_in(req.effective_batch, m, checkpointed, precision.saved_dtype().is_some());
+            let step_ms = costs.step_ms_in(req.rank_batch(), m, checkpointed, precision.saved_dtype().is_some());
             candidates.push(match fitting {
                 Some((m, peak)) => Candidate {
                     precision,
                     micro_batch: m,
-                    accumulation_steps: req.effective_batch.div_ceil(m),
+                    accumulation_steps: req.rank_batch().div_ceil(m),
                     peak_reserved: peak,
                     step_ms,
                     checkpointed: checkpointed.clone(),
@@ -571,7 +628,7 @@ pub fn savings(
         Ok(predict(r, m, None, None)?.map(|p| p.peak_reserved))
     };
     let Some(own) = peak(&as_run, micro)? else { return Ok(Savings::default()) };
-    let whole = req.effective_batch.min(MAX_MICRO);
+    let whole = req.rank_batch().min(MAX_MICRO);
     let accumulation_saved_bytes = match micro < whole {
         true => peak(&as_run, whole)?.map(|p| p.saturating_sub(own)),
         false => None,
@@ -587,8 +644,8 @@ pub fn savings(
         Some(_) => peak(&f32_storage, micro)?.map(|p| p.saturating_sub(own)),
     };
     let recompute_time_share = costs.filter(|_| !checkpointed.is_empty()).map(|c| {
-        let with = c.step_ms(req.effective_batch, micro, checkpointed);
-        let without = c.step_ms(req.effective_batch, micro, &[]);
+        let with = c.step_ms(req.rank_batch(), micro, checkpointed);
+        let without = c.step_ms(req.rank_batch(), micro, &[]);
         if with > 0.0 {
             (with - without) / with
         } else {
@@ -663,7 +720,7 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
             });
         }
     }
-    let micro = req.micro_batch.unwrap_or(1).min(req.effective_batch.max(1));
+    let micro = req.micro_batch.unwrap_or(1).min(req.rank_batch().max(1));
     let as_asked = PlanRequest {
         checkpoint: if req.checkpoint == CheckpointChoice::Auto {
             CheckpointChoice::None
@@ -684,7 +741,7 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
             peak_reserved: p.peak_reserved,
             step_ms: costs.as_ref().map(|c: &crate::cost::CostModel| {
                 let all: Vec<String> = if checkpointed == ["all"] { names.clone() } else { checkpointed };
-                c.step_ms(req.effective_batch, micro, &all)
+                c.step_ms(req.rank_batch(), micro, &all)
             }),
             nominal: costs.as_ref().is_some_and(|c| c.nominal),
             flags: vec![("--memory", memory), ("--micro-batch", micro.to_string())],
@@ -748,19 +805,19 @@ type DryRun<'a> = dyn FnMut(usize, Option<usize>, Option<u64>) -> Result<Option<
 /// micro-batch to run), or None when not even the first (1, or the user's) fits.
 fn fitting_micro(req: &PlanRequest, run: &mut DryRun) -> Result<Option<(usize, usize, usize)>, TrainError> {
     let budget = req.budget();
-    let first = req.micro_batch.unwrap_or(1).min(req.effective_batch);
+    let first = req.micro_batch.unwrap_or(1).min(req.rank_batch());
     if run(first, Some(first.min(MAX_EVAL_MICRO)), budget)?.is_none() {
         return Ok(None);
     }
     if req.micro_batch.is_some() {
-        return Ok(Some((first, req.effective_batch.div_ceil(first), first)));
+        return Ok(Some((first, req.rank_batch().div_ceil(first), first)));
     }
-    let high = search_limit(&req.model, req.effective_batch.min(MAX_MICRO), budget);
+    let high = search_limit(&req.model, req.rank_batch().min(MAX_MICRO), budget);
     let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
     // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
     // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
-    let accumulation_steps = req.effective_batch.div_ceil(largest);
-    let balanced = req.effective_batch.div_ceil(accumulation_steps);
+    let accumulation_steps = req.rank_batch().div_ceil(largest);
+    let balanced = req.rank_batch().div_ceil(accumulation_steps);
     // Lighter in bytes allocated, but the reserved peak is not monotone in the micro-batch (segment
     // reuse): keep the balanced parts only when they fit too.
     let micro = if balanced == largest || run(balanced, Some(1), budget)?.is_some() { balanced } else { largest };
@@ -785,7 +842,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         predict(req, micro, eval, cap)
     };
     let Some((largest, accumulation_steps, micro)) = fitting_micro(req, &mut run)? else {
-        let first = req.micro_batch.unwrap_or(1).min(req.effective_batch);
+        let first = req.micro_batch.unwrap_or(1).min(req.rank_batch());
         let needs = run(first, Some(first.min(MAX_EVAL_MICRO)), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
     };
@@ -794,9 +851,9 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
     let predicted = run(micro, Some(eval_micro), budget)?.ok_or_else(not_fit)?;
     let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
-    let larger = if micro < req.effective_batch && budget.is_some() {
-        let bigger = largest.saturating_mul(2).min(req.effective_batch).min(MAX_MICRO);
-        let bigger = req.effective_batch.div_ceil(req.effective_batch.div_ceil(bigger));
+    let larger = if micro < req.rank_batch() && budget.is_some() {
+        let bigger = largest.saturating_mul(2).min(req.rank_batch()).min(MAX_MICRO);
+        let bigger = req.rank_batch().div_ceil(req.rank_batch().div_ceil(bigger));
         run(bigger, Some(1), None)?.map(|p| (bigger, p.peak_reserved))
     } else {
         None
@@ -832,7 +889,8 @@ fn checkpointing_remedy(req: &PlanRequest) -> Result<Option<String>, TrainError>
     if segments == 0 || predict(&all, 1, Some(1), all.budget())?.is_none() {
         return Ok(None);
     }
-    let p = plan(&all)?;
+    // A fixed micro-batch may still not fit with every segment checkpointed: then this is no remedy.
+    let Ok(p) = plan_fixed(&all) else { return Ok(None) };
     Ok(Some(format!(
         "With activation checkpointing of all {segments} segments (each keeps only its input and runs its forward \
          again in backward: less memory, more time, the same numbers) it fits: add --checkpoint all for micro-batch \

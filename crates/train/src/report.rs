@@ -109,6 +109,66 @@ pub struct Report {
     /// What the remedies in force saved, predicted on meta (with `--memory`).
     pub remedies: crate::planner::Savings,
     pub host: HostMemory,
+    /// Training as several ranks (`--parallel`): the mode and every rank's memory; null for one process.
+    /// The top-level memory fields are rank 0's.
+    pub parallel: Option<RanksSummary>,
+}
+
+/// Training as several ranks: the mode and each rank's memory, gathered from every rank.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RanksSummary {
+    /// `data` or `zero1`.
+    pub mode: String,
+    pub ranks: usize,
+    pub per_rank: Vec<RankMemory>,
+}
+
+/// One rank's memory in a parallel run.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RankMemory {
+    pub rank: usize,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    /// Peak bytes of optimizer state (ZeRO-1: this rank's share).
+    pub optimizer_state_bytes: u64,
+    /// Peak bytes of communication buffers (the gradient buckets).
+    pub communication_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl RanksSummary {
+    /// Every rank's memory after a run (a collective call: every rank makes it).
+    pub fn gather(
+        group: &dyn memfit_dist::Group,
+        cfg: &crate::TrainConfig,
+        stats: &memfit_tensor::MemoryStats,
+    ) -> RanksSummary {
+        let rss = memfit_tensor::memory::process::resident().map_or(u64::MAX, |r| r.peak);
+        let columns: Vec<Vec<u64>> = [
+            stats.allocated_bytes.peak,
+            stats.reserved_bytes.peak,
+            stats.category(Category::OptimizerState).peak,
+            stats.category(Category::Communication).peak,
+            rss,
+        ]
+        .into_iter()
+        .map(|v| group.all_gather_u64(v))
+        .collect();
+        RanksSummary {
+            mode: cfg.parallel.map_or("none", |m| m.name()).to_string(),
+            ranks: group.size(),
+            per_rank: (0..group.size())
+                .map(|r| RankMemory {
+                    rank: r,
+                    peak_allocated_bytes: columns[0][r],
+                    peak_reserved_bytes: columns[1][r],
+                    optimizer_state_bytes: columns[2][r],
+                    communication_bytes: columns[3][r],
+                    peak_rss_bytes: Some(columns[4][r]).filter(|&v| v != u64::MAX),
+                })
+                .collect(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -201,6 +261,7 @@ impl Report {
                 .map(|p| median_ms / p - 1.0),
             remedies: s.savings.clone(),
             host: s.host.clone(),
+            parallel: s.ranks.clone(),
         }
     }
 

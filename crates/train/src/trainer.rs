@@ -37,6 +37,8 @@ pub struct Session {
     pub optimizer: Optimizer,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage only).
     pub skipped_steps: usize,
+    /// The other ranks this session trains with (`--parallel`; Note [Data parallel]), if any.
+    pub ranks: Option<crate::parallel::Ranks>,
 }
 
 impl Session {
@@ -86,7 +88,24 @@ impl Session {
         let _phase = device.enter_phase(Phase::Setup);
         let model = memfit_nn::build_model(spec, &device, seed)?;
         let optimizer = Optimizer::new(model.parameters(), optimizer);
-        Ok(Session { device, model, optimizer, skipped_steps: 0 })
+        Ok(Session { device, model, optimizer, skipped_steps: 0, ranks: None })
+    }
+
+    /// Trains from now on as one rank of `group` in `mode` (Note [Data parallel], Note [ZeRO-1]):
+    /// allocates the gradient buckets and, for ZeRO-1, keeps optimizer state for this rank's
+    /// parameters only. Call before the first step.
+    pub fn join(
+        &mut self,
+        group: std::sync::Arc<dyn memfit_dist::Group>,
+        mode: crate::parallel::ParallelMode,
+    ) -> Result<(), TrainError> {
+        let (ranks, sharded) =
+            crate::parallel::Ranks::join(group, mode, &self.device, self.model.as_ref(), &self.optimizer)?;
+        if let Some(optimizer) = sharded {
+            self.optimizer = optimizer;
+        }
+        self.ranks = Some(ranks);
+        Ok(())
     }
 
     fn allocated(&self) -> u64 {
@@ -370,15 +389,16 @@ impl Session {
 
     /// One optimizer step over `window` (Note [Recovery]). Returns the window's summed micro-batch
     /// results and the recoveries it took.
+    /// With ranks, `window` is this rank's shard of a window of `n` samples.
     fn train_window(
         &mut self,
         samples: &dyn Samples,
         window: &[usize],
+        n: usize,
         micro: &mut usize,
         recover: bool,
         used: &mut Vec<usize>,
     ) -> Result<(MicroResult, usize), TrainError> {
-        let n = window.len();
         let mut queue = MicroQueue::new(window, *micro);
         let mut total = MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 };
         let mut recoveries = 0;
@@ -404,9 +424,13 @@ impl Session {
         *micro = queue.micro;
         {
             let _p = self.device.enter_phase(Phase::Optimizer);
+            if let Some(ranks) = &self.ranks {
+                ranks.reduce_gradients(self.model.as_ref())?;
+            }
             if self.gradients_overflowed()? {
                 self.skipped_steps += 1;
                 self.optimizer.zero_grad();
+                self.finish_step()?;
                 return Ok((total, recoveries));
             }
             // The optimizer allocates all its state before it updates anything, so a failed step
@@ -420,8 +444,17 @@ impl Session {
                 self.optimizer.step()?;
             }
             self.optimizer.zero_grad();
+            self.finish_step()?;
         }
         Ok((total, recoveries))
+    }
+
+    /// With ranks: ZeRO-1's owners broadcast their updated parameters, and every gradient is freed.
+    fn finish_step(&self) -> Result<(), TrainError> {
+        match &self.ranks {
+            Some(ranks) => ranks.finish_step(self.model.as_ref()),
+            None => Ok(()),
+        }
     }
 
     /// Mean loss and accuracy over `samples`, under no-grad, in micro-batches of `eval_micro`
@@ -430,8 +463,9 @@ impl Session {
         let device = &self.device;
         let _ng = device.no_grad();
         let _p = device.enter_phase(Phase::Eval);
-        let order = samples.eval_ids();
-        let mut queue = MicroQueue::new(&order, eval_micro);
+        let all = samples.eval_ids();
+        let order = self.ranks.as_ref().map_or(&all[..], |r| r.shard(&all));
+        let mut queue = MicroQueue::new(order, eval_micro);
         let (mut loss_sum, mut correct, mut predictions, mut recoveries) = (0.0, 0, 0, 0);
         while let Some(chunk) = queue.next() {
             let before = self.allocated();
@@ -463,12 +497,18 @@ impl Session {
                 Err(e) => return Err(e),
             }
         }
+        if let Some(ranks) = &self.ranks {
+            let mut sums = [loss_sum, correct as f64, predictions as f64, recoveries as f64];
+            ranks.sum(&mut sums);
+            (loss_sum, correct, predictions, recoveries) =
+                (sums[0], sums[1] as usize, sums[2] as usize, sums[3] as usize);
+        }
         let n = predictions.max(1) as f64;
         let computes = device.computes() && predictions > 0;
         Ok(EvalResult {
             loss: computes.then_some(loss_sum / n),
             accuracy: computes.then_some(correct as f64 / n),
-            samples: order.len(),
+            samples: all.len(),
             micro_batch: queue.micro,
             oom_recoveries: recoveries,
         })
@@ -527,7 +567,21 @@ impl Session {
                 }
                 let start = Instant::now();
                 let mut used = Vec::with_capacity(if opts.record_samples { window.len() } else { 0 });
-                let (result, recoveries) = self.train_window(train, window, &mut p.micro, opts.recover, &mut used)?;
+                let local = self.ranks.as_ref().map_or(window, |r| r.shard(window));
+                let (mut result, mut recoveries) =
+                    self.train_window(train, local, window.len(), &mut p.micro, opts.recover, &mut used)?;
+                if let Some(ranks) = &self.ranks {
+                    let mut sums =
+                        [result.loss_sum, result.correct as f64, result.predictions as f64, recoveries as f64];
+                    ranks.sum(&mut sums);
+                    result = MicroResult {
+                        loss_sum: sums[0],
+                        correct: sums[1] as usize,
+                        predictions: sums[2] as usize,
+                    };
+                    recoveries = sums[3] as usize;
+                    ranks.check_replicas(self.model.as_ref(), p.steps + 1)?;
+                }
                 let ms = start.elapsed().as_secs_f64() * 1e3;
                 p.streak = if recoveries > 0 { 0 } else { p.streak + 1 };
                 if p.micro < planned_micro && p.streak >= opts.grow_after {
@@ -578,7 +632,12 @@ impl Session {
                     p.epoch += 1;
                     p.window = 0;
                 }
-                if after(self, &event, &p)? == AfterStep::Stop {
+                let mut stop = after(self, &event, &p)? == AfterStep::Stop;
+                if let Some(ranks) = &self.ranks {
+                    // Every rank stops after the same step, or the others would wait for it.
+                    stop = ranks.any(stop);
+                }
+                if stop {
                     stopped = true;
                     break 'epochs;
                 }

@@ -64,6 +64,7 @@ fn request(spec: &ModelSpec, effective: usize, capacity: Option<u64>, checkpoint
         costs: Default::default(),
         micro_batch: None,
         precision: Default::default(),
+        parallel: None,
     }
 }
 

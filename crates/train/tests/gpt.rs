@@ -129,6 +129,7 @@ fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
         costs: Default::default(),
         micro_batch: None,
         precision: Default::default(),
+        parallel: None,
     }
 }
 

@@ -20,6 +20,7 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
         costs: Default::default(),
         micro_batch: None,
         precision: Default::default(),
+        parallel: None,
     }
 }
 

@@ -92,6 +92,7 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
     let fixed = memfit_train::PlanRequest {
         checkpoint: plan.checkpoint.clone(),
         precision: plan.precision,
+        parallel: None,
         capacity: Some(capacity),
         ..req.clone()
     };

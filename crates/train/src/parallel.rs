@@ -1,0 +1,233 @@
+//! Training across ranks (`--parallel`): what a [`Session`](crate::Session) does differently when it
+//! is one of several processes that train one model together.
+//!
+//! Note [Data parallel]: every rank holds the whole model. Each effective batch (the window) is the
+//! global one; rank r takes its shard (`memfit_dist::partition::shard`), and each micro-batch's loss is
+//! weighted by its share of the *global* window (Note [Loss normalization]), so the sum over ranks of
+//! the accumulated gradients is exactly the single-process gradient of the window. Gradients are summed
+//! by all-reduce, piece by piece through one persistent bucket (category `communication`), then every rank applies
+//! the same update to the same parameters; a fingerprint of the parameters is compared across ranks
+//! after every step, so a divergence is an error, never a silent drift. Out-of-memory recovery stays
+//! local: a rank re-runs its own samples smaller and no collective happens inside a micro-batch.
+//! Losses, accuracies and recoveries are summed over ranks; evaluation is sharded the same way.
+//!
+//! Note [ZeRO-1]: `--parallel zero1` is data parallel with the optimizer state partitioned: each
+//! parameter has one owner rank (`memfit_dist::partition::owners`: largest first, to the least loaded
+//! rank, as PyTorch's `ZeroRedundancyOptimizer`), only the owner keeps its state and updates it, and
+//! then broadcasts the new values. Each rank holds about 1/N of the optimizer state; the update is the
+//! same as data parallel's.
+
+use crate::error::TrainError;
+use memfit_dist::{partition, GradientBucket, Group};
+use memfit_nn::{Model, Optimizer};
+use memfit_tensor::{Device, Phase, Tensor};
+use std::sync::Arc;
+
+/// How ranks share the work (`--parallel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ParallelMode {
+    /// Replicated model, sharded batch, all-reduced gradients (Note [Data parallel]).
+    Data,
+    /// Data parallel with the optimizer state sharded (Note [ZeRO-1]).
+    Zero1,
+}
+
+impl ParallelMode {
+    pub const ALL: [ParallelMode; 2] = [ParallelMode::Data, ParallelMode::Zero1];
+
+    pub fn parse(text: &str) -> Result<ParallelMode, String> {
+        match text.trim() {
+            "data" => Ok(ParallelMode::Data),
+            "zero1" => Ok(ParallelMode::Zero1),
+            "pipeline" => Err(
+                "--parallel pipeline is not available yet: use data or zero1 (a model that does not fit one rank \
+                 does not fit with them either; see `memfit plan --devices N`)"
+                    .into(),
+            ),
+            other => Err(format!("unknown parallel mode {other:?}: give data or zero1")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ParallelMode::Data => "data",
+            ParallelMode::Zero1 => "zero1",
+        }
+    }
+}
+
+/// Rank `rank` of `size` in `mode`, as the planner predicts it on `meta`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankPlan {
+    pub mode: ParallelMode,
+    pub rank: usize,
+    pub size: usize,
+}
+
+/// A session's place among its ranks.
+pub struct Ranks {
+    pub group: Arc<dyn Group>,
+    pub mode: ParallelMode,
+    bucket: GradientBucket,
+    /// The owner rank of each model parameter, in `Model::parameters()` order.
+    owners: Vec<usize>,
+}
+
+impl Ranks {
+    /// Joins `model` to `group`: allocates the gradient bucket and, for ZeRO-1, returns the optimizer
+    /// over the parameters this rank owns (the caller's optimizer is replaced by it).
+    pub fn join(
+        group: Arc<dyn Group>,
+        mode: ParallelMode,
+        device: &Device,
+        model: &dyn Model,
+        optimizer: &Optimizer,
+    ) -> Result<(Ranks, Option<Optimizer>), TrainError> {
+        let _phase = device.enter_phase(Phase::Setup);
+        let params = model.parameters();
+        let numels: Vec<usize> = params.iter().map(|(_, p)| p.numel()).collect();
+        let bucket =
+            GradientBucket::new(device, numels.iter().sum(), memfit_dist::collective::DEFAULT_BUCKET_BYTES)?;
+        let (owners, sharded) = match mode {
+            ParallelMode::Data => (vec![group.rank(); params.len()], None),
+            ParallelMode::Zero1 => {
+                let owners = partition::owners(&numels, group.size());
+                let mine: Vec<_> =
+                    params.into_iter().zip(&owners).filter(|(_, &o)| o == group.rank()).map(|(p, _)| p).collect();
+                (owners, Some(Optimizer::new(mine, optimizer.config())))
+            }
+        };
+        Ok((Ranks { group, mode, bucket, owners }, sharded))
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's samples of a window.
+    pub fn shard<'a>(&self, window: &'a [usize]) -> &'a [usize] {
+        &window[partition::shard(window.len(), self.rank(), self.size())]
+    }
+
+    /// Sums every rank's gradients into each rank's (Note [Data parallel]).
+    pub fn reduce_gradients(&self, model: &dyn Model) -> Result<(), TrainError> {
+        let params: Vec<Tensor> = model.parameters().into_iter().map(|(_, p)| p).collect();
+        Ok(self.bucket.all_reduce(self.group.as_ref(), &params)?)
+    }
+
+    /// After the optimizer step: ZeRO-1 owners broadcast their parameters; every gradient is freed.
+    pub fn finish_step(&self, model: &dyn Model) -> Result<(), TrainError> {
+        for ((_, p), &owner) in model.parameters().iter().zip(&self.owners) {
+            if self.mode == ParallelMode::Zero1 {
+                memfit_dist::collective::broadcast(self.group.as_ref(), p, owner)?;
+            }
+            p.set_grad(None);
+        }
+        Ok(())
+    }
+
+    /// Errors unless every rank holds the same parameters after `step`.
+    pub fn check_replicas(&self, model: &dyn Model, step: usize) -> Result<(), TrainError> {
+        let params: Vec<Tensor> = model.parameters().into_iter().map(|(_, p)| p).collect();
+        let Some(mine) = memfit_dist::collective::fingerprint(&params)? else { return Ok(()) };
+        let all = self.group.all_gather_u64(mine);
+        if all.iter().any(|&f| f != mine) {
+            return Err(TrainError::Invalid(format!(
+                "internal error: the ranks' parameters differ after step {step} (fingerprints {all:x?}); the run \
+                 stopped rather than train diverged replicas"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sums small host values over ranks (losses, counts).
+    pub fn sum(&self, values: &mut [f64]) {
+        self.group.all_reduce_sum_f64(values)
+    }
+
+    /// True when any rank says true (so all ranks stop after the same step).
+    pub fn any(&self, flag: bool) -> bool {
+        let mut v = [f64::from(u8::from(flag))];
+        self.sum(&mut v);
+        v[0] > 0.0
+    }
+
+    /// Bytes of this rank's gradient bucket.
+    pub fn bucket_bytes(&self) -> u64 {
+        self.bucket.bytes()
+    }
+}
+
+/// All-reduce bandwidth assumed when predicting a parallel step's time: what
+/// `mpirun -np 2 memfit-collectives --bandwidth 40` measured between two ranks of one 2-core machine
+/// (1.23 GB/s for 40 MiB). Real interconnects differ; the figure is printed with the prediction.
+pub const NOMINAL_ALLREDUCE_BYTES_PER_S: f64 = 1.2e9;
+
+/// One parallel mode planned for `ranks` devices (`memfit plan --devices N`).
+#[derive(Clone, Debug)]
+pub struct DevicesPlan {
+    pub mode: ParallelMode,
+    pub ranks: usize,
+    /// The plan every rank follows (micro-batch per rank, checkpointing, precision), or why none fits.
+    pub plan: Result<crate::planner::Plan, String>,
+    /// Each rank's predicted memory for that plan.
+    pub per_rank: Vec<crate::planner::Prediction>,
+    /// Predicted step time: the largest rank's compute (the cost model, at its shard of the batch)
+    /// plus communication at [`NOMINAL_ALLREDUCE_BYTES_PER_S`].
+    pub step_ms: Option<f64>,
+}
+
+/// Plans `req` (one device's request) for `ranks` devices in every mode; `costs` gives step times.
+pub fn plan_devices(
+    req: &crate::planner::PlanRequest,
+    ranks: usize,
+    costs: Option<&crate::cost::CostModel>,
+) -> Result<Vec<DevicesPlan>, TrainError> {
+    let all_segments = crate::planner::segment_names(req)?;
+    let mut out = Vec::new();
+    for mode in ParallelMode::ALL {
+        let r = crate::planner::PlanRequest { parallel: Some((mode, ranks)), ..req.clone() };
+        let plan = match crate::planner::plan(&r) {
+            Ok(p) => Ok(p),
+            Err(TrainError::Invalid(why)) => Err(why),
+            Err(e) => return Err(e),
+        };
+        let mut per_rank = Vec::new();
+        let mut step_ms = None;
+        if let Ok(p) = &plan {
+            let fixed = crate::planner::PlanRequest { checkpoint: p.checkpoint.clone(), precision: p.precision, ..r };
+            for rank in 0..ranks {
+                let prediction = crate::planner::predict_rank(
+                    &fixed,
+                    Some(rank),
+                    p.micro_batch,
+                    Some(p.eval_micro_batch),
+                    fixed.budget(),
+                )?;
+                per_rank.push(prediction.ok_or_else(|| {
+                    TrainError::Invalid(format!("internal: rank {rank} of a plan that fits has no prediction"))
+                })?);
+            }
+            step_ms = costs.map(|c| {
+                let local = memfit_dist::partition::shard(req.effective_batch, 0, ranks).len();
+                let names = match p.checkpoint {
+                    crate::config::CheckpointChoice::All => all_segments.clone(),
+                    ref c => c.segment_names(),
+                };
+                let half = p.precision != crate::config::Precision::Fp32;
+                let compute = c.step_ms_in(local, p.micro_batch, &names, half);
+                // Gradients are f32, as many bytes as the parameters.
+                let gradient_bytes = p.training.category_peaks[memfit_tensor::Category::Parameter.index()] as f64;
+                // The all-reduce, and under ZeRO-1 the owners' broadcasts of the updated parameters.
+                let moved = if mode == ParallelMode::Zero1 { 2.0 } else { 1.0 } * gradient_bytes;
+                compute + 1e3 * moved / NOMINAL_ALLREDUCE_BYTES_PER_S
+            });
+        }
+        out.push(DevicesPlan { mode, ranks, plan, per_rank, step_ms });
+    }
+    Ok(out)
+}
