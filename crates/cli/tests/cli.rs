@@ -70,7 +70,7 @@ fn the_report_has_the_documented_fields() {
     assert_eq!(r["steps"], 3);
     assert_eq!(r["samples_seen"], 3 * 64);
     assert_eq!(r["capacity_bytes"], 64u64 << 20);
-    for c in ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other"] {
+    for c in ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "communication", "other"] {
         assert!(r["peak_by_category"][c].is_u64(), "peak_by_category.{c}");
     }
     assert!(r["peak_by_category"]["parameter"].as_u64().unwrap() > 0);

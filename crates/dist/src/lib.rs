@@ -9,8 +9,8 @@
 //! - `mpi::Mpi` (feature `mpi`): real ranks started by `mpirun`. An error or panic on any rank aborts
 //!   the whole job (`MPI_Abort`), so a failing rank never leaves the others waiting.
 //!
-//! `partition.rs` says who does what: the samples of a window each rank takes, and which rank owns
-//! which parameter's optimizer state (ZeRO stage 1).
+//! `partition.rs` says who does what: the share of a window's samples (and under ZeRO-1 of the
+//! parameters' elements) each rank takes.
 
 pub mod collective;
 #[cfg(feature = "mpi")]

@@ -1,9 +1,10 @@
-//! Who does what across ranks: the samples of a window each rank takes, and which rank owns which
-//! parameter's optimizer state (ZeRO stage 1). Pure functions of sizes, the same on every rank.
+//! Who does what across ranks: the contiguous share of `n` items each rank takes (the samples of a
+//! window; under ZeRO-1 the parameters' flattened elements whose optimizer state it keeps). A pure
+//! function of sizes, the same on every rank.
 
 use std::ops::Range;
 
-/// The positions of a window of `n` samples that rank `rank` of `size` takes: contiguous, disjoint,
+/// The positions of `n` items (a window's samples, the parameters' elements) that rank `rank` of `size` takes: contiguous, disjoint,
 /// covering `0..n`, the first `n % size` ranks one sample more than the others.
 pub fn shard(n: usize, rank: usize, size: usize) -> Range<usize> {
     let size = size.max(1);
@@ -11,23 +12,6 @@ pub fn shard(n: usize, rank: usize, size: usize) -> Range<usize> {
     let start = rank * base + rank.min(extra);
     let len = base + usize::from(rank < extra);
     start.min(n)..(start + len).min(n)
-}
-
-/// The rank that owns each parameter's optimizer state, from the parameters' element counts: the
-/// largest parameter first, each to the rank holding the fewest elements so far (the lowest rank on a
-/// tie), as PyTorch's `ZeroRedundancyOptimizer` balances its partitions.
-pub fn owners(numels: &[usize], size: usize) -> Vec<usize> {
-    let size = size.max(1);
-    let mut order: Vec<usize> = (0..numels.len()).collect();
-    order.sort_by(|&a, &b| numels[b].cmp(&numels[a]).then(a.cmp(&b)));
-    let mut load = vec![0usize; size];
-    let mut owner = vec![0; numels.len()];
-    for i in order {
-        let rank = (0..size).min_by_key(|&r| (load[r], r)).unwrap_or(0);
-        load[rank] += numels[i];
-        owner[i] = rank;
-    }
-    owner
 }
 
 #[cfg(test)]
@@ -53,18 +37,5 @@ mod tests {
         assert_eq!(shard(10, 0, 3), 0..4);
         assert_eq!(shard(10, 1, 3), 4..7);
         assert_eq!(shard(10, 2, 3), 7..10);
-    }
-
-    #[test]
-    fn owners_balance_elements_largest_first() {
-        assert_eq!(owners(&[10, 1, 1, 8], 2), vec![0, 1, 1, 1]);
-        assert_eq!(owners(&[5, 5, 5, 5], 2), vec![0, 1, 0, 1]);
-        assert_eq!(owners(&[3, 3], 1), vec![0, 0]);
-        assert_eq!(owners(&[7], 3), vec![0]);
-        // Every rank's load within the largest parameter of the others'.
-        let numels = [65536, 256, 256, 768 * 256, 256 * 768, 768, 256, 256, 1024 * 256, 256 * 1024, 1024, 256];
-        let own = owners(&numels, 2);
-        let load = |r| numels.iter().zip(&own).filter(|(_, &o)| o == r).map(|(n, _)| n).sum::<usize>();
-        assert!(load(0).abs_diff(load(1)) <= *numels.iter().max().unwrap(), "{} vs {}", load(0), load(1));
     }
 }

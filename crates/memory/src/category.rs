@@ -96,7 +96,9 @@ mod tests {
 
     #[test]
     fn categories_have_stable_names_and_indexes() {
-        let names = ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other"];
+        let names =
+            ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "communication", "other"];
+        assert_eq!(Category::ALL.len(), names.len());
         for (i, (category, name)) in Category::ALL.iter().zip(names).enumerate() {
             assert_eq!(category.index(), i);
             assert_eq!(category.name(), name);

@@ -11,11 +11,14 @@
 //! local: a rank re-runs its own samples smaller and no collective happens inside a micro-batch.
 //! Losses, accuracies and recoveries are summed over ranks; evaluation is sharded the same way.
 //!
-//! Note [ZeRO-1]: `--parallel zero1` is data parallel with the optimizer state partitioned: each
-//! parameter has one owner rank (`memfit_dist::partition::owners`: largest first, to the least loaded
-//! rank, as PyTorch's `ZeroRedundancyOptimizer`), only the owner keeps its state and updates it, and
-//! then broadcasts the new values. Each rank holds about 1/N of the optimizer state; the update is the
-//! same as data parallel's.
+//! Note [ZeRO-1]: `--parallel zero1` is data parallel with the optimizer state partitioned. The
+//! parameters' elements, flattened in `Model::parameters()` order, are cut into `size` contiguous
+//! ranges (`memfit_dist::partition::shard`, as DeepSpeed's stage 1 cuts its flat buffer): rank r's
+//! optimizer runs over views of its range (a parameter that straddles two ranges is two slices), keeps
+//! state for those elements only, and updates them from the same views of the summed gradients; then
+//! each slice's owner broadcasts the new values in place. Each rank holds 1/N of the optimizer state
+//! (to an element), with no extra buffer, and since the optimizers' rules are element-wise, the update
+//! is bit for bit data parallel's.
 
 use crate::error::TrainError;
 use memfit_dist::{partition, GradientBucket, Group};
@@ -56,26 +59,34 @@ impl ParallelMode {
     }
 }
 
-/// Rank `rank` of `size` in `mode`, as the planner predicts it on `meta`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RankPlan {
-    pub mode: ParallelMode,
-    pub rank: usize,
-    pub size: usize,
-}
-
 /// A session's place among its ranks.
 pub struct Ranks {
     pub group: Arc<dyn Group>,
     pub mode: ParallelMode,
     bucket: GradientBucket,
-    /// The owner rank of each model parameter, in `Model::parameters()` order.
-    owners: Vec<usize>,
+    /// ZeRO-1: every rank's slices of the parameters (Note [ZeRO-1]); empty for data parallel.
+    slices: Vec<Slice>,
+}
+
+/// Elements `start..start + len` of parameter `param` (flattened), whose optimizer state `owner` keeps;
+/// `view` is that range of the parameter's storage.
+struct Slice {
+    param: usize,
+    start: usize,
+    len: usize,
+    owner: usize,
+    view: Tensor,
+}
+
+/// A flat range of `t`'s elements sharing its storage, outside any graph.
+fn flat_range(t: &Tensor, start: usize, len: usize) -> Result<Tensor, TrainError> {
+    let _ng = t.device().no_grad();
+    Ok(t.reshape(&[-1])?.narrow(0, start, len)?.detach())
 }
 
 impl Ranks {
     /// Joins `model` to `group`: allocates the gradient bucket and, for ZeRO-1, returns the optimizer
-    /// over the parameters this rank owns (the caller's optimizer is replaced by it).
+    /// over this rank's slices of the parameters (the caller's optimizer is replaced by it).
     pub fn join(
         group: Arc<dyn Group>,
         mode: ParallelMode,
@@ -85,19 +96,32 @@ impl Ranks {
     ) -> Result<(Ranks, Option<Optimizer>), TrainError> {
         let _phase = device.enter_phase(Phase::Setup);
         let params = model.parameters();
-        let numels: Vec<usize> = params.iter().map(|(_, p)| p.numel()).collect();
-        let bucket =
-            GradientBucket::new(device, numels.iter().sum(), memfit_dist::collective::DEFAULT_BUCKET_BYTES)?;
-        let (owners, sharded) = match mode {
-            ParallelMode::Data => (vec![group.rank(); params.len()], None),
-            ParallelMode::Zero1 => {
-                let owners = partition::owners(&numels, group.size());
-                let mine: Vec<_> =
-                    params.into_iter().zip(&owners).filter(|(_, &o)| o == group.rank()).map(|(p, _)| p).collect();
-                (owners, Some(Optimizer::new(mine, optimizer.config())))
+        let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
+        let bucket = GradientBucket::new(device, total, memfit_dist::collective::DEFAULT_BUCKET_BYTES)?;
+        let mut slices = Vec::new();
+        let mut sharded = None;
+        if mode == ParallelMode::Zero1 {
+            let mut offset = 0;
+            for (param, (_, p)) in params.iter().enumerate() {
+                let (first, last) = (offset, offset + p.numel());
+                for owner in 0..group.size() {
+                    let range = partition::shard(total, owner, group.size());
+                    let (a, b) = (range.start.max(first), range.end.min(last));
+                    if a < b {
+                        let view = flat_range(p, a - first, b - a)?;
+                        slices.push(Slice { param, start: a - first, len: b - a, owner, view });
+                    }
+                }
+                offset = last;
             }
-        };
-        Ok((Ranks { group, mode, bucket, owners }, sharded))
+            let mine = slices
+                .iter()
+                .filter(|s| s.owner == group.rank())
+                .map(|s| (format!("{}[{}..{}]", params[s.param].0, s.start, s.start + s.len), s.view.clone()))
+                .collect();
+            sharded = Some(Optimizer::new(mine, optimizer.config()));
+        }
+        Ok((Ranks { group, mode, bucket, slices }, sharded))
     }
 
     pub fn rank(&self) -> usize {
@@ -113,18 +137,26 @@ impl Ranks {
         &window[partition::shard(window.len(), self.rank(), self.size())]
     }
 
-    /// Sums every rank's gradients into each rank's (Note [Data parallel]).
+    /// Sums every rank's gradients into each rank's (Note [Data parallel]); under ZeRO-1, hands this
+    /// rank's slices their ranges of the summed gradients (views: nothing is copied).
     pub fn reduce_gradients(&self, model: &dyn Model) -> Result<(), TrainError> {
         let params: Vec<Tensor> = model.parameters().into_iter().map(|(_, p)| p).collect();
-        Ok(self.bucket.all_reduce(self.group.as_ref(), &params)?)
+        self.bucket.all_reduce(self.group.as_ref(), &params)?;
+        for s in self.slices.iter().filter(|s| s.owner == self.rank()) {
+            let grad = params[s.param].grad().ok_or_else(|| TrainError::Invalid("internal: no gradient".into()))?;
+            s.view.set_grad(Some(flat_range(&grad, s.start, s.len)?));
+        }
+        Ok(())
     }
 
-    /// After the optimizer step: ZeRO-1 owners broadcast their parameters; every gradient is freed.
+    /// After the optimizer step: under ZeRO-1 each slice's owner broadcasts its updated values; every
+    /// gradient is freed.
     pub fn finish_step(&self, model: &dyn Model) -> Result<(), TrainError> {
-        for ((_, p), &owner) in model.parameters().iter().zip(&self.owners) {
-            if self.mode == ParallelMode::Zero1 {
-                memfit_dist::collective::broadcast(self.group.as_ref(), p, owner)?;
-            }
+        for s in &self.slices {
+            memfit_dist::collective::broadcast(self.group.as_ref(), &s.view, s.owner)?;
+            s.view.set_grad(None);
+        }
+        for (_, p) in model.parameters() {
             p.set_grad(None);
         }
         Ok(())
