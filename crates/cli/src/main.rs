@@ -705,8 +705,10 @@ fn plan(a: PlanArgs) -> Result<(), String> {
                     "fits_one_device": false, "one_device": e, "devices": json});
                 println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
             } else {
-                println!("one device: {e}
-{text}");
+                println!(
+                    "one device: {e}
+{text}"
+                );
             }
             return Ok(());
         }
@@ -771,6 +773,24 @@ fn plan(a: PlanArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// The GPT size flags of a request that differ from the defaults (empty for image models).
+fn gpt_flags(request: &PlanRequest) -> String {
+    if request.model.kind != ModelKind::Gpt {
+        return String::new();
+    }
+    let (g, d) = (request.model.gpt, GptConfig::default());
+    [
+        ("--layers", g.layers, d.layers),
+        ("--d-model", g.d_model, d.d_model),
+        ("--heads", g.heads, d.heads),
+        ("--context", g.max_t, d.max_t),
+    ]
+    .iter()
+    .filter(|(_, v, default)| v != default)
+    .map(|(flag, v, _)| format!(" {flag} {v}"))
+    .collect()
+}
+
 /// `plan --devices N`: each parallel mode on `n` ranks (memfit_train::parallel::plan_devices), as JSON
 /// and as text, with one device's predicted step time beside them.
 fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Result<(serde_json::Value, String), String> {
@@ -789,7 +809,8 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
             CheckpointChoice::All => names.clone(),
             c => c.segment_names(),
         };
-        let step = costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision != Precision::Fp32);
+        let step =
+            costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision != Precision::Fp32);
         text.push_str(&format!("  one device:      step {step:.1}{unit} ({:.0} samples/{per})\n", batch / step * 1e3));
     }
     let mut json = Vec::new();
@@ -809,7 +830,9 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
                     per
                 ));
                 text.push_str(&format!(
-                    "    mpirun -np {n} memfit train --parallel {} --batch-size {} --memory {}\n",
+                    "    mpirun -np {n} memfit train --model {}{} --parallel {} --batch-size {} --memory {}\n",
+                    request.model.kind.name(),
+                    gpt_flags(request),
                     d.mode.name(),
                     request.effective_batch,
                     memfit_train::planner::memory_flag(request.capacity.unwrap_or(0))

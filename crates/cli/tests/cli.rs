@@ -70,7 +70,8 @@ fn the_report_has_the_documented_fields() {
     assert_eq!(r["steps"], 3);
     assert_eq!(r["samples_seen"], 3 * 64);
     assert_eq!(r["capacity_bytes"], 64u64 << 20);
-    for c in ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "communication", "other"] {
+    for c in ["parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "communication", "other"]
+    {
         assert!(r["peak_by_category"][c].is_u64(), "peak_by_category.{c}");
     }
     assert!(r["peak_by_category"]["parameter"].as_u64().unwrap() > 0);
@@ -618,4 +619,40 @@ fn precision_reaches_the_report_and_meta_predicts_it() {
     let out = memfit(&["train", "--precision", "fp8"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("unknown precision \"fp8\""), "{}", text(&out));
+}
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn parallel_without_mpi_says_how_to_build_it() {
+    let out = memfit(&["train", "--parallel", "zero1", "--max-steps", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--features mpi") && stderr.contains("mpirun -np N"), "{stderr}");
+    let out = memfit(&["train", "--parallel", "pipeline"]);
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn plan_for_devices_gives_each_mode_and_rank() {
+    let out =
+        memfit(&["plan", "--model", "mlp", "--batch-size", "64", "--memory", "48MiB", "--devices", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["fits_one_device"], true);
+    let devices = plan["devices"].as_array().unwrap();
+    let modes: Vec<&str> = devices.iter().map(|d| d["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["data", "zero1"]);
+    let state = |d: &serde_json::Value, r: usize| d["per_rank"][r]["optimizer_state_bytes"].as_u64().unwrap();
+    for d in devices {
+        assert_eq!(d["fits"], true, "{d}");
+        assert_eq!(d["per_rank"].as_array().unwrap().len(), 2);
+        for r in 0..2 {
+            assert!(d["per_rank"][r]["predicted_peak_reserved_bytes"].as_u64().unwrap() <= 48 << 20, "{d}");
+            assert_eq!(d["per_rank"][r]["communication_bytes"], 1u64 << 20);
+        }
+        // Each rank trains 32 of the 64 samples.
+        assert!(d["micro_batch"].as_u64().unwrap() * d["accumulation_steps"].as_u64().unwrap() >= 32);
+        assert!(d["micro_batch"].as_u64().unwrap() <= 32);
+    }
+    assert!(state(&devices[1], 0) < state(&devices[0], 0) * 6 / 10, "ZeRO-1 halves the optimizer state");
 }

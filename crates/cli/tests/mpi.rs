@@ -40,7 +40,12 @@ fn memfit_alone(dir: &Path, args: &[&str]) -> Output {
 
 fn ok(out: &Output) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "failed: {:?}\nstdout: {}\nstderr: {stderr}", out.status, String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "failed: {:?}\nstdout: {}\nstderr: {stderr}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -62,7 +67,8 @@ fn weights(path: &Path) -> Vec<(String, Vec<f64>)> {
 fn difference(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
     assert_eq!(a.iter().map(|(n, _)| n).collect::<Vec<_>>(), b.iter().map(|(n, _)| n).collect::<Vec<_>>());
     let scale = a.iter().flat_map(|(_, v)| v).fold(0.0f64, |m, v| m.max(v.abs()));
-    let diff = a.iter().zip(b).flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f64::max);
+    let diff =
+        a.iter().zip(b).flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f64::max);
     diff / scale
 }
 
@@ -73,8 +79,23 @@ fn report(path: &Path) -> serde_json::Value {
 /// SGD with momentum: its update is linear in the gradient, so a sum in another order stays within
 /// float rounding (Adam's normalisation magnifies the rounding of near-zero gradients).
 const MLP: &[&str] = &[
-    "train", "--data", "embedded", "--model", "mlp", "--batch-size", "64", "--max-steps", "12", "--threads", "1",
-    "--seed", "4", "--optimizer", "sgd", "--lr", "0.05",
+    "train",
+    "--data",
+    "embedded",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "64",
+    "--max-steps",
+    "12",
+    "--threads",
+    "1",
+    "--seed",
+    "4",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
 ];
 
 fn with<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
@@ -89,7 +110,11 @@ fn data_parallel_and_zero1_make_the_single_process_update() {
     let data = ok(&ranks(&dir, &with(MLP, &["--parallel", "data", "--save", "dp.safetensors", "--report", "dp.json"])));
     assert!(data.contains("ranks (data parallel, 2 ranks)"), "{data}");
     ok(&ranks(&dir, &with(MLP, &["--parallel", "zero1", "--save", "z.safetensors", "--report", "z.json"])));
-    let (one, dp, z) = (weights(&dir.join("one.safetensors")), weights(&dir.join("dp.safetensors")), weights(&dir.join("z.safetensors")));
+    let (one, dp, z) = (
+        weights(&dir.join("one.safetensors")),
+        weights(&dir.join("dp.safetensors")),
+        weights(&dir.join("z.safetensors")),
+    );
     // Gradients summed in another order: equal within float rounding, after 12 steps.
     let d = difference(&one, &dp);
     assert!(d > 0.0 && d < 1e-5, "data parallel vs one process: {d}");
@@ -99,10 +124,16 @@ fn data_parallel_and_zero1_make_the_single_process_update() {
     // The same global batches: the same samples, losses and sharded-then-summed validation.
     assert_eq!(one["samples_seen"], dp["samples_seen"]);
     let close = |a: &serde_json::Value, b: &serde_json::Value| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4;
-    assert!(close(&one["final_train_loss"], &dp["final_train_loss"]), "{} vs {}", one["final_train_loss"], dp["final_train_loss"]);
+    assert!(
+        close(&one["final_train_loss"], &dp["final_train_loss"]),
+        "{} vs {}",
+        one["final_train_loss"],
+        dp["final_train_loss"]
+    );
     assert!(close(&one["val_loss"], &dp["val_loss"]), "{} vs {}", one["val_loss"], dp["val_loss"]);
     assert!(close(&one["val_accuracy"], &dp["val_accuracy"]));
-    let state = |r: &serde_json::Value, rank: usize| r["parallel"]["per_rank"][rank]["optimizer_state_bytes"].as_u64().unwrap();
+    let state =
+        |r: &serde_json::Value, rank: usize| r["parallel"]["per_rank"][rank]["optimizer_state_bytes"].as_u64().unwrap();
     let full = state(&dp, 0);
     assert_eq!(state(&dp, 1), full);
     // ZeRO-1: each rank keeps half the state, to an element (each slice's state rounded to 512-byte blocks).
@@ -116,7 +147,22 @@ fn data_parallel_and_zero1_make_the_single_process_update() {
 #[test]
 fn each_rank_peak_is_the_meta_prediction() {
     let dir = scratch("peaks");
-    let gpt = ["--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "2", "--context", "32", "--batch-size", "12", "--memory", "24MiB"];
+    let gpt = [
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--context",
+        "32",
+        "--batch-size",
+        "12",
+        "--memory",
+        "24MiB",
+    ];
     let plan = ok(&memfit_alone(&dir, &with(&["plan", "--json", "--devices", "2"], &gpt)));
     let plan: serde_json::Value = serde_json::from_str(&plan).unwrap();
     for (i, mode) in ["data", "zero1"].iter().enumerate() {
@@ -124,7 +170,22 @@ fn each_rank_peak_is_the_meta_prediction() {
         assert_eq!(predicted["mode"], *mode);
         assert_eq!(predicted["fits"], true, "{predicted}");
         let file = format!("{mode}.json");
-        let args = with(&["train", "--data", "embedded", "--max-steps", "3", "--threads", "1", "--parallel", mode, "--report", &file], &gpt);
+        let args = with(
+            &[
+                "train",
+                "--data",
+                "embedded",
+                "--max-steps",
+                "3",
+                "--threads",
+                "1",
+                "--parallel",
+                mode,
+                "--report",
+                &file,
+            ],
+            &gpt,
+        );
         ok(&ranks(&dir, &args));
         let measured = report(&dir.join(&file));
         assert_eq!(measured["plan"]["micro_batch"], predicted["micro_batch"], "{mode}");
@@ -142,7 +203,8 @@ fn recovery_under_ranks_loses_no_sample() {
     let dir = scratch("recovery");
     let base = with(MLP, &["--parallel", "data", "--micro-batch", "16"]);
     ok(&ranks(&dir, &with(&base, &["--save", "plain.safetensors"])));
-    let out = ok(&ranks(&dir, &with(&base, &["--inject-oom", "37", "--save", "faults.safetensors", "--report", "f.json"])));
+    let out =
+        ok(&ranks(&dir, &with(&base, &["--inject-oom", "37", "--save", "faults.safetensors", "--report", "f.json"])));
     let r = report(&dir.join("f.json"));
     assert!(r["oom_recoveries"].as_u64().unwrap() > 0, "{out}");
     assert_eq!(r["samples_seen"], serde_json::json!(12 * 64));

@@ -127,7 +127,9 @@ impl GradientBucket {
     /// A bucket for gradients of `total` elements in all, of at most `bucket_bytes`.
     pub fn new(device: &Device, total: usize, bucket_bytes: u64) -> Result<GradientBucket> {
         let elems = total.min((bucket_bytes / 4).max(1) as usize).max(1);
-        Ok(GradientBucket { bucket: Tensor::empty(device, &[elems], DType::F32, Category::Communication, "grad_bucket")? })
+        Ok(GradientBucket {
+            bucket: Tensor::empty(device, &[elems], DType::F32, Category::Communication, "grad_bucket")?,
+        })
     }
 
     /// Bytes the bucket holds.
@@ -176,7 +178,8 @@ pub fn broadcast_bytes(group: &dyn Group, bytes: &[u8], root: usize) -> Vec<u8> 
         return bytes.to_vec();
     }
     let len = group.all_gather_u64(bytes.len() as u64)[root] as usize;
-    let mut buf: Vec<f32> = if group.rank() == root { bytes.iter().map(|&b| f32::from(b)).collect() } else { vec![0.0; len] };
+    let mut buf: Vec<f32> =
+        if group.rank() == root { bytes.iter().map(|&b| f32::from(b)).collect() } else { vec![0.0; len] };
     group.broadcast(&mut buf, root);
     buf.into_iter().map(|v| v as u8).collect()
 }

@@ -9,9 +9,9 @@ use crate::resume::{Checkpoint, Template};
 use crate::samples::Samples;
 use crate::task::Task;
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
+use memfit_dist::Group;
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
-use memfit_dist::Group;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -273,11 +273,8 @@ fn train_in_pool(
         session.run_from(train_samples.as_ref(), val, &opts, start, &mut after)
     };
     // The profile is written whether the run succeeded or not: a failed run is what it is for.
-    let profile_dir = cfg
-        .profile
-        .as_ref()
-        .or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0))
-        .filter(|_| lead);
+    let profile_dir =
+        cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0)).filter(|_| lead);
     let profile = profile_dir.map(|dir| {
         let title = format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
         (dir, crate::profile::write_profile(dir, &crate::profile::recording(&device, title)))

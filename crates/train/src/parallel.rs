@@ -42,11 +42,11 @@ impl ParallelMode {
         match text.trim() {
             "data" => Ok(ParallelMode::Data),
             "zero1" => Ok(ParallelMode::Zero1),
-            "pipeline" => Err(
-                "--parallel pipeline is not available yet: use data or zero1 (a model that does not fit one rank \
+            "pipeline" => {
+                Err("--parallel pipeline is not available yet: use data or zero1 (a model that does not fit one rank \
                  does not fit with them either; see `memfit plan --devices N`)"
-                    .into(),
-            ),
+                    .into())
+            }
             other => Err(format!("unknown parallel mode {other:?}: give data or zero1")),
         }
     }
@@ -199,6 +199,15 @@ impl Ranks {
 /// (1.23 GB/s for 40 MiB). Real interconnects differ; the figure is printed with the prediction.
 pub const NOMINAL_ALLREDUCE_BYTES_PER_S: f64 = 1.2e9;
 
+/// The predicted communication of one step of `plan`'s configuration in `mode`: the gradients'
+/// all-reduce (f32, as many bytes as the parameters) and under ZeRO-1 the owners' broadcasts of the
+/// updated parameters, at [`NOMINAL_ALLREDUCE_BYTES_PER_S`].
+pub fn communication_ms(mode: ParallelMode, plan: &crate::planner::Plan) -> f64 {
+    let parameter_bytes = plan.training.category_peaks[memfit_tensor::Category::Parameter.index()] as f64;
+    let moved = if mode == ParallelMode::Zero1 { 2.0 } else { 1.0 } * parameter_bytes;
+    1e3 * moved / NOMINAL_ALLREDUCE_BYTES_PER_S
+}
+
 /// One parallel mode planned for `ranks` devices (`memfit plan --devices N`).
 #[derive(Clone, Debug)]
 pub struct DevicesPlan {
@@ -251,12 +260,7 @@ pub fn plan_devices(
                     ref c => c.segment_names(),
                 };
                 let half = p.precision != crate::config::Precision::Fp32;
-                let compute = c.step_ms_in(local, p.micro_batch, &names, half);
-                // Gradients are f32, as many bytes as the parameters.
-                let gradient_bytes = p.training.category_peaks[memfit_tensor::Category::Parameter.index()] as f64;
-                // The all-reduce, and under ZeRO-1 the owners' broadcasts of the updated parameters.
-                let moved = if mode == ParallelMode::Zero1 { 2.0 } else { 1.0 } * gradient_bytes;
-                compute + 1e3 * moved / NOMINAL_ALLREDUCE_BYTES_PER_S
+                c.step_ms_in(local, p.micro_batch, &names, half) + communication_ms(mode, p)
             });
         }
         out.push(DevicesPlan { mode, ranks, plan, per_rank, step_ms });

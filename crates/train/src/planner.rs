@@ -195,7 +195,8 @@ pub fn predict_rank(
     }
     session.set_checkpointing(&req.checkpoint)?;
     session.set_precision(req.precision)?;
-    let (train, val, opts) = dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1));
+    let (train, val, opts) =
+        dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1));
     let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
         Ok(_) => {}
@@ -666,6 +667,8 @@ pub struct Remedy {
     pub nominal: bool,
     /// The flags that apply it.
     pub flags: Vec<(&'static str, String)>,
+    /// Ranks it runs on (`mpirun -np N`; 1: this process alone).
+    pub ranks: usize,
 }
 
 /// The out-of-memory doctor: the remedies that make `req`'s model and batch fit, the fastest first:
@@ -705,7 +708,14 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
                 flags.push(("--precision", c.precision.name().to_string()));
             }
             let nominal = w.costs.nominal;
-            out.push(Remedy { what, peak_reserved: c.peak_reserved, step_ms: Some(c.step_ms), nominal, flags });
+            out.push(Remedy {
+                what,
+                peak_reserved: c.peak_reserved,
+                step_ms: Some(c.step_ms),
+                nominal,
+                flags,
+                ranks: 1,
+            });
         }
         costs = Some(w.costs);
     } else if free.budget().is_some() {
@@ -717,6 +727,7 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
                 step_ms: None,
                 nominal: false,
                 flags: vec![("--micro-batch", p.micro_batch.to_string())],
+                ranks: 1,
             });
         }
     }
@@ -745,7 +756,34 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
             }),
             nominal: costs.as_ref().is_some_and(|c| c.nominal),
             flags: vec![("--memory", memory), ("--micro-batch", micro.to_string())],
+            ranks: 1,
         });
+    }
+    // More devices: two ranks with the optimizer state split, when they fit where one does not.
+    if req.parallel.is_none() && free.budget().is_some() {
+        let ranks = PlanRequest {
+            parallel: Some((crate::parallel::ParallelMode::Zero1, 2)),
+            checkpoint: CheckpointChoice::None,
+            micro_batch: None,
+            precision: as_asked.precision,
+            ..req.clone()
+        };
+        if let Ok(p) = plan_fixed(&ranks) {
+            out.push(Remedy {
+                what: format!(
+                    "2 ranks with the optimizer state split (ZeRO-1), micro-batch {} x {} each",
+                    p.micro_batch, p.accumulation_steps
+                ),
+                peak_reserved: p.predicted.peak_reserved,
+                step_ms: costs.as_ref().map(|c| {
+                    c.step_ms(ranks.rank_batch(), p.micro_batch, &[])
+                        + crate::parallel::communication_ms(crate::parallel::ParallelMode::Zero1, &p)
+                }),
+                nominal: costs.as_ref().is_some_and(|c| c.nominal),
+                flags: vec![("--parallel", "zero1".into()), ("--micro-batch", p.micro_batch.to_string())],
+                ranks: 2,
+            });
+        }
     }
     out.sort_by(|a, b| a.step_ms.unwrap_or(f64::INFINITY).total_cmp(&b.step_ms.unwrap_or(f64::INFINITY)));
     // A slower remedy is worth naming only when it needs less memory.
@@ -764,11 +802,21 @@ pub fn prescribe(remedies: &[Remedy]) -> String {
         String::from("remedies, fastest first (peak reserved predicted exactly on meta, step time calibrated):");
     for r in remedies {
         let time = r.step_ms.map_or(String::new(), |t| format!(", {}", crate::cost::describe_step(r.nominal, t)));
+        let mut flags: Vec<(&str, String)> = r.flags.iter().map(|(f, v)| (*f, v.clone())).collect();
+        let mut launcher = String::new();
+        if r.ranks > 1 {
+            if std::env::args().nth(1).as_deref() == Some("plan") {
+                // `plan` plans for ranks with --devices; `train` runs as one of them.
+                flags = vec![("--devices", r.ranks.to_string())];
+            } else {
+                launcher = format!("mpirun -np {} ", r.ranks);
+            }
+        }
         s.push_str(&format!(
-            "\n  {}: peak {}{time}\n    {}",
+            "\n  {}: peak {}{time}\n    {launcher}{}",
             r.what,
             format_bytes(r.peak_reserved),
-            command_with(&r.flags.iter().map(|(f, v)| (*f, v.clone())).collect::<Vec<_>>())
+            command_with(&flags)
         ));
     }
     s

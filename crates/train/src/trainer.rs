@@ -574,11 +574,8 @@ impl Session {
                     let mut sums =
                         [result.loss_sum, result.correct as f64, result.predictions as f64, recoveries as f64];
                     ranks.sum(&mut sums);
-                    result = MicroResult {
-                        loss_sum: sums[0],
-                        correct: sums[1] as usize,
-                        predictions: sums[2] as usize,
-                    };
+                    result =
+                        MicroResult { loss_sum: sums[0], correct: sums[1] as usize, predictions: sums[2] as usize };
                     recoveries = sums[3] as usize;
                     ranks.check_replicas(self.model.as_ref(), p.steps + 1)?;
                 }

@@ -12,7 +12,11 @@ use memfit_train::Session;
 use std::sync::Arc;
 
 fn params(s: &Session) -> Vec<(String, Vec<u64>)> {
-    s.model.parameters().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|v| v.to_bits()).collect())).collect()
+    s.model
+        .parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|v| v.to_bits()).collect()))
+        .collect()
 }
 
 #[test]
