@@ -483,6 +483,19 @@ impl Observer for Progress {
         eprint!("{}", plan.describe(self.model));
     }
 
+    fn staged(&mut self, plan: &memfit_train::pipeline::StagePlan, spec: &ModelSpec) {
+        let units = memfit_nn::stage_units(spec).unwrap_or(0);
+        eprintln!("pipeline of {} stages, micro-batch {}:", plan.stages.len(), plan.micro_batch);
+        for (rank, (range, p)) in plan.stages.iter().zip(&plan.per_stage).enumerate() {
+            eprintln!(
+                "  rank {rank}: {} (predicted peak {} allocated, {} reserved)",
+                memfit_train::pipeline::describe_units(range, units),
+                format_bytes(p.peak_allocated),
+                format_bytes(p.peak_reserved)
+            );
+        }
+    }
+
     fn step(&mut self, e: &StepEvent) {
         let loss = e.loss.map_or("-".to_string(), |l| format!("{l:.4}"));
         let acc = e.accuracy.map_or("-".to_string(), |a| format!("{:.3}", a));
@@ -811,7 +824,7 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
         };
         let step =
             costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision != Precision::Fp32);
-        text.push_str(&format!("  one device:      step {step:.1}{unit} ({:.0} samples/{per})\n", batch / step * 1e3));
+        text.push_str(&format!("  one device:         step {step:.1}{unit} ({:.0} samples/{per})\n", batch / step * 1e3));
     }
     let mut json = Vec::new();
     for d in &plans {
@@ -820,7 +833,7 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
             Ok(p) => {
                 let step = d.step_ms.unwrap_or(f64::NAN);
                 text.push_str(&format!(
-                    "  --parallel {:<5} fits: micro-batch {} x {} per rank, peak per rank {}, step {:.1}{unit} ({:.0} samples/{})\n",
+                    "  --parallel {:<8} fits: micro-batch {} x {} per rank, peak per rank {}, step {:.1}{unit} ({:.0} samples/{})\n",
                     d.mode.name(),
                     p.micro_batch,
                     p.accumulation_steps,
@@ -837,9 +850,12 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
                     request.effective_batch,
                     memfit_train::planner::memory_flag(request.capacity.unwrap_or(0))
                 ));
+                if !d.stages.is_empty() {
+                    text.push_str(&format!("    stages: {}\n", d.stages.join(" | ")));
+                }
             }
             Err(why) => text.push_str(&format!(
-                "  --parallel {:<5} does not fit: {}\n",
+                "  --parallel {:<8} does not fit: {}\n",
                 d.mode.name(),
                 why.lines().next().unwrap_or("")
             )),
@@ -861,6 +877,7 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
                 "optimizer_state_bytes": p.category_peaks[memfit_tensor::Category::OptimizerState.index()],
                 "communication_bytes": p.category_peaks[memfit_tensor::Category::Communication.index()],
             })).collect::<Vec<_>>(),
+            "stages": d.stages,
             "predicted_step_time_ms": d.step_ms,
             "predicted_samples_per_second": d.step_ms.map(|s| batch / s * 1e3),
             "nominal_time": costs.nominal,

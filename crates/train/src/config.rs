@@ -296,9 +296,18 @@ impl TrainConfig {
                 self.device.name()
             ));
         }
-        if self.parallel == Some(crate::parallel::ParallelMode::Zero1) && resumable {
-            return bad("--save-dir and --resume are not available with --parallel zero1 (each rank holds part of \
-                 the optimizer state): use --parallel data, or --save for the weights"
+        if let Some(mode) = self.parallel.filter(|&m| m != crate::parallel::ParallelMode::Data && resumable) {
+            return bad(format!(
+                "--save-dir and --resume are not available with --parallel {} (each rank holds part of the state): \
+                 use --parallel data, or --save for the weights",
+                mode.name()
+            ));
+        }
+        if self.parallel == Some(crate::parallel::ParallelMode::Pipeline)
+            && matches!(self.checkpoint, CheckpointChoice::Segments(_))
+        {
+            return bad("--checkpoint with segment names is not available with --parallel pipeline: give all, none or \
+                 auto (none)"
                 .into());
         }
         if self.resume.is_some() && self.load.is_some() {

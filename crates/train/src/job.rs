@@ -9,6 +9,7 @@ use crate::resume::{Checkpoint, Template};
 use crate::samples::Samples;
 use crate::task::Task;
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
+use crate::parallel::ParallelMode;
 use memfit_dist::Group;
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
@@ -54,6 +55,8 @@ pub struct RunSummary {
 pub trait Observer: Send {
     fn data_loaded(&mut self, _description: &str, _train: usize, _val: usize) {}
     fn planned(&mut self, _plan: &Plan) {}
+    /// A pipeline's cut (`--parallel pipeline`), on rank 0.
+    fn staged(&mut self, _plan: &crate::pipeline::StagePlan, _spec: &ModelSpec) {}
     fn step(&mut self, _event: &StepEvent) {}
     fn evaluating(&mut self, _samples: usize) {}
     /// Asked after every step: the signal (2 SIGINT, 15 SIGTERM) that asks the run to stop, if any.
@@ -95,7 +98,8 @@ pub fn train_ranks(
         }
         (None, _) => None,
     };
-    if let Some(g) = group.as_ref().filter(|g| cfg.batch_size < g.size()) {
+    let sharded = cfg.parallel.is_some_and(|m| m != crate::parallel::ParallelMode::Pipeline);
+    if let Some(g) = group.as_ref().filter(|g| sharded && cfg.batch_size < g.size()) {
         return Err(TrainError::Invalid(format!(
             "--batch-size {} is smaller than the {} ranks: every rank needs a sample of each batch",
             cfg.batch_size,
@@ -153,16 +157,34 @@ fn train_in_pool(
         costs: crate::cost::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
         micro_batch: cfg.micro_batch,
         precision: cfg.precision,
-        parallel: cfg.parallel.zip(group.as_ref().map(|g| g.size())),
+        // A pipeline's request is the whole model's: its stages are planned by `pipeline::plan_stages`.
+        parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.as_ref().map(|g| g.size())),
     };
+    let pipelined = group.as_ref().filter(|_| cfg.parallel == Some(ParallelMode::Pipeline));
     let request = match &group {
-        Some(g) => shared_costs(request, g.as_ref())?,
+        Some(g) => shared_costs(request, g.as_ref(), pipelined.is_some())?,
         None => request,
+    };
+    let staged = match pipelined {
+        Some(g) => {
+            let costs = match &request.costs {
+                crate::cost::Costs::Given(c) => Some(c.clone()),
+                _ => None,
+            };
+            let staged = crate::pipeline::plan_stages(&request, g.size(), costs.as_ref())?;
+            observer.staged(&staged, &spec);
+            Some(staged)
+        }
+        None => None,
     };
 
     // Choose the micro-batches: forced, planned under a budget, or the whole batch.
     // Evaluation runs in micro-batches of the training micro-batch unless the planner chose its own.
     let (micro, eval_micro, plan) = match (cfg.micro_batch, cfg.memory) {
+        _ if staged.is_some() => {
+            let m = staged.as_ref().map_or(1, |s| s.micro_batch);
+            (m, m.min(planner::MAX_EVAL_MICRO), None)
+        }
         (Some(m), _) => (m.min(request.rank_batch()), m.min(request.rank_batch()), None),
         (None, Some(_)) => {
             let plan = planner::plan(&request)?;
@@ -179,13 +201,27 @@ fn train_in_pool(
     }
     let device = Device::new(device_config);
     device.set_profiling(profiling);
-    let mut session = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
-    if let (Some(g), Some(mode)) = (&group, cfg.parallel) {
-        session.join(g.clone(), mode).map_err(|e| advise(e, &request))?;
-    }
+    let mut session = match (&group, cfg.parallel, &staged) {
+        (Some(g), _, Some(staged)) => {
+            Session::new_stage(device.clone(), &spec, optimizer, cfg.seed, g.clone(), staged.stages.clone())?
+        }
+        (Some(g), Some(mode), None) => {
+            let mut s = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
+            s.join(g.clone(), mode).map_err(|e| advise(e, &request))?;
+            s
+        }
+        _ => Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?,
+    };
     // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
-    // budget (then the fastest checkpointing with which it fits); none without a budget.
+    // budget (then the fastest checkpointing with which it fits); none without a budget. A pipeline
+    // stage checkpoints all its blocks or none (`auto`: none).
     let checkpoint = match (&cfg.checkpoint, &plan, cfg.memory) {
+        (crate::config::CheckpointChoice::Auto, _, _) if staged.is_some() => crate::config::CheckpointChoice::None,
+        (crate::config::CheckpointChoice::All, _, _)
+            if staged.is_some() && session.model.checkpointing().is_none_or(|c| c.names().is_empty()) =>
+        {
+            crate::config::CheckpointChoice::None
+        }
         (crate::config::CheckpointChoice::Auto, Some(p), _) => p.checkpoint.clone(),
         (crate::config::CheckpointChoice::Auto, None, Some(_)) => {
             planner::fastest_segments(&request, micro)?.map_or(crate::config::CheckpointChoice::None, |(c, _)| c)
@@ -201,11 +237,11 @@ fn train_in_pool(
     };
     session.set_precision(precision)?;
     let savings = match cfg.memory {
-        Some(_) => {
+        Some(_) if staged.is_none() => {
             let costs = plan.as_ref().and_then(|p| p.costs.as_ref());
             planner::savings(&request, micro, &checkpointed, precision, costs)?
         }
-        None => planner::Savings::default(),
+        _ => planner::Savings::default(),
     };
     if let Some(ckpt) = &resumed {
         if (ckpt.state.micro_batch, ckpt.state.eval_micro_batch) != (micro, eval_micro) {
@@ -232,9 +268,16 @@ fn train_in_pool(
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
         if cfg.device == DeviceKind::Cpu {
-            // The checkpoint's errors name the file already.
-            memfit_nn::checkpoint::load(path, session.model.as_ref())
-                .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            // The checkpoint's errors name the file already. A pipeline stage takes its own part.
+            let loaded = match staged {
+                Some(_) => memfit_nn::checkpoint::load_into(
+                    path,
+                    &memfit_nn::checkpoint::state_dict(session.model.as_ref()),
+                    false,
+                ),
+                None => memfit_nn::checkpoint::load(path, session.model.as_ref()),
+            };
+            loaded.map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         }
     }
     let opts = RunOptions {
@@ -308,10 +351,17 @@ fn train_in_pool(
         };
         return Err(TrainError::Interrupted { signal, message });
     }
+    // A pipeline's stages send their parameters to rank 0 (every rank takes part).
+    let gathered = match (&staged, &group, &cfg.save, cfg.device) {
+        (Some(s), Some(g), Some(_), DeviceKind::Cpu) => {
+            crate::pipeline::gather_state_dict(&session, &spec, cfg.seed, g.as_ref(), &s.stages)?
+        }
+        _ => None,
+    };
     if let (Some(path), true) = (&cfg.save, lead) {
         if cfg.device == DeviceKind::Cpu {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
-            let tensors = memfit_nn::checkpoint::state_dict(session.model.as_ref());
+            let tensors = gathered.unwrap_or_else(|| memfit_nn::checkpoint::state_dict(session.model.as_ref()));
             let bytes = memfit_nn::checkpoint::to_bytes(path, &tensors, Some(metadata))
                 .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
             crate::output::write_atomic("--save", path, &bytes)?;
@@ -319,7 +369,14 @@ fn train_in_pool(
     }
     let stats = device.stats();
     let ranks = match &group {
-        Some(g) => Some(crate::report::RanksSummary::gather(g.as_ref(), cfg, &stats)),
+        Some(g) => {
+            let stages = staged.as_ref().map_or(Vec::new(), |s| {
+                let units = memfit_nn::stage_units(&spec).unwrap_or(0);
+                s.stages.iter().map(|r| crate::pipeline::describe_units(r, units)).collect()
+            });
+            let predicted = staged.as_ref().map_or(Vec::new(), |s| s.per_stage.clone());
+            Some(crate::report::RanksSummary::gather(g.as_ref(), cfg, &stats, stages, &predicted))
+        }
         None => None,
     };
     let summary = RunSummary {
@@ -360,10 +417,11 @@ fn train_in_pool(
 /// With ranks and a plan that weighs time (`auto` checkpointing or precision under a budget): rank 0
 /// calibrates (or reads its cache) and every rank plans with its step-time model, so all ranks choose
 /// the same plan.
-fn shared_costs(request: PlanRequest, group: &dyn Group) -> Result<PlanRequest, TrainError> {
+fn shared_costs(request: PlanRequest, group: &dyn Group, pipeline: bool) -> Result<PlanRequest, TrainError> {
     let weighs = request.checkpoint == crate::config::CheckpointChoice::Auto
         || request.precision == crate::config::Precision::Auto;
-    if request.capacity.is_none() || !weighs {
+    // A pipeline's cut balances the stages' times, with or without a budget.
+    if !pipeline && (request.capacity.is_none() || !weighs) {
         return Ok(request);
     }
     let json = if group.rank() == 0 {

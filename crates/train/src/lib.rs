@@ -14,6 +14,7 @@
 //!   [Exact resume]);
 //! - [`output`]: the one home of path checks and atomic, durable writes (Note [Paths]);
 //! - [`parallel`]: training as one of several ranks (`--parallel data|zero1`; Note [Data parallel]);
+//! - [`pipeline`]: a model cut into stages across ranks (`--parallel pipeline`; Note [Pipeline]);
 //! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
 
 pub mod bench;
@@ -24,6 +25,7 @@ pub mod generate;
 pub mod job;
 pub mod output;
 pub mod parallel;
+pub mod pipeline;
 pub mod planner;
 pub mod profile;
 pub mod report;

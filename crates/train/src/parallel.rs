@@ -33,21 +33,19 @@ pub enum ParallelMode {
     Data,
     /// Data parallel with the optimizer state sharded (Note [ZeRO-1]).
     Zero1,
+    /// The layer sequence cut into one stage per rank (Note [Pipeline] in `pipeline.rs`).
+    Pipeline,
 }
 
 impl ParallelMode {
-    pub const ALL: [ParallelMode; 2] = [ParallelMode::Data, ParallelMode::Zero1];
+    pub const ALL: [ParallelMode; 3] = [ParallelMode::Data, ParallelMode::Zero1, ParallelMode::Pipeline];
 
     pub fn parse(text: &str) -> Result<ParallelMode, String> {
         match text.trim() {
             "data" => Ok(ParallelMode::Data),
             "zero1" => Ok(ParallelMode::Zero1),
-            "pipeline" => {
-                Err("--parallel pipeline is not available yet: use data or zero1 (a model that does not fit one rank \
-                 does not fit with them either; see `memfit plan --devices N`)"
-                    .into())
-            }
-            other => Err(format!("unknown parallel mode {other:?}: give data or zero1")),
+            "pipeline" => Ok(ParallelMode::Pipeline),
+            other => Err(format!("unknown parallel mode {other:?}: give data, zero1 or pipeline")),
         }
     }
 
@@ -55,6 +53,7 @@ impl ParallelMode {
         match self {
             ParallelMode::Data => "data",
             ParallelMode::Zero1 => "zero1",
+            ParallelMode::Pipeline => "pipeline",
         }
     }
 }
@@ -94,6 +93,9 @@ impl Ranks {
         model: &dyn Model,
         optimizer: &Optimizer,
     ) -> Result<(Ranks, Option<Optimizer>), TrainError> {
+        if mode == ParallelMode::Pipeline {
+            return Err(TrainError::Invalid("internal: a pipeline stage is built by Session::new_stage".into()));
+        }
         let _phase = device.enter_phase(Phase::Setup);
         let params = model.parameters();
         let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
@@ -220,6 +222,8 @@ pub struct DevicesPlan {
     /// Predicted step time: the largest rank's compute (the cost model, at its shard of the batch)
     /// plus communication at [`NOMINAL_ALLREDUCE_BYTES_PER_S`].
     pub step_ms: Option<f64>,
+    /// Pipeline: what each stage holds (empty otherwise).
+    pub stages: Vec<String>,
 }
 
 /// Plans `req` (one device's request) for `ranks` devices in every mode; `costs` gives step times.
@@ -231,6 +235,12 @@ pub fn plan_devices(
     let all_segments = crate::planner::segment_names(req)?;
     let mut out = Vec::new();
     for mode in ParallelMode::ALL {
+        if mode == ParallelMode::Pipeline {
+            if memfit_nn::stage_units(&req.model).is_some() {
+                out.push(plan_pipeline(req, ranks, costs)?);
+            }
+            continue;
+        }
         let r = crate::planner::PlanRequest { parallel: Some((mode, ranks)), ..req.clone() };
         let plan = match crate::planner::plan(&r) {
             Ok(p) => Ok(p),
@@ -263,7 +273,75 @@ pub fn plan_devices(
                 c.step_ms_in(local, p.micro_batch, &names, half) + communication_ms(mode, p)
             });
         }
-        out.push(DevicesPlan { mode, ranks, plan, per_rank, step_ms });
+        out.push(DevicesPlan { mode, ranks, plan, per_rank, step_ms, stages: Vec::new() });
     }
     Ok(out)
+}
+
+/// [`plan_devices`] for a pipeline: the cut and micro-batch of `crate::pipeline::plan_stages`, as a
+/// plan every stage follows, and GPipe's step time: (micro-batches + stages - 1) times the slowest
+/// stage's share of a micro-batch, plus the stream crossing each boundary twice per micro-batch.
+fn plan_pipeline(
+    req: &crate::planner::PlanRequest,
+    ranks: usize,
+    costs: Option<&crate::cost::CostModel>,
+) -> Result<DevicesPlan, TrainError> {
+    let single =
+        crate::planner::PlanRequest { parallel: None, checkpoint: crate::config::CheckpointChoice::None, ..req.clone() };
+    let staged = match crate::pipeline::plan_stages(&single, ranks, costs) {
+        Ok(s) => s,
+        Err(TrainError::Invalid(why)) => {
+            return Ok(DevicesPlan {
+                mode: ParallelMode::Pipeline,
+                ranks,
+                plan: Err(why),
+                per_rank: Vec::new(),
+                step_ms: None,
+                stages: Vec::new(),
+            })
+        }
+        Err(e) => return Err(e),
+    };
+    let micro = staged.micro_batch;
+    let worst = staged
+        .per_stage
+        .iter()
+        .max_by_key(|p| p.peak_reserved)
+        .cloned()
+        .ok_or_else(|| TrainError::Invalid("internal: a pipeline plan without stages".into()))?;
+    let parts = req.effective_batch.div_ceil(micro);
+    let plan = crate::planner::Plan {
+        micro_batch: micro,
+        accumulation_steps: parts,
+        effective_batch: req.effective_batch,
+        eval_micro_batch: micro.min(crate::planner::MAX_EVAL_MICRO),
+        budget: req.budget(),
+        predicted: worst.clone(),
+        training: worst,
+        larger: None,
+        dry_runs: 0,
+        planning_ms: 0.0,
+        checkpoint: crate::config::CheckpointChoice::None,
+        candidates: Vec::new(),
+        predicted_step_ms: None,
+        calibration_ms: 0.0,
+        costs: None,
+        precision: req.precision,
+    };
+    let units = memfit_nn::stage_units(&req.model).unwrap_or(0);
+    let step_ms = costs.map(|c| {
+        let slowest = staged.time_shares.iter().cloned().fold(0.0, f64::max);
+        let stream_bytes = (micro * req.model.gpt.max_t * req.model.gpt.d_model * 4) as f64;
+        (parts + ranks - 1) as f64 * slowest * c.micro_ms(micro, &[])
+            + c.optimizer_ms * slowest
+            + 1e3 * parts as f64 * 2.0 * stream_bytes / NOMINAL_ALLREDUCE_BYTES_PER_S
+    });
+    Ok(DevicesPlan {
+        mode: ParallelMode::Pipeline,
+        ranks,
+        plan: Ok(plan),
+        per_rank: staged.per_stage,
+        step_ms,
+        stages: staged.stages.iter().map(|s| crate::pipeline::describe_units(s, units)).collect(),
+    })
 }

@@ -196,31 +196,46 @@ pub fn predict_rank(
     session.set_checkpointing(&req.checkpoint)?;
     session.set_precision(req.precision)?;
     let (train, val, opts) =
-        dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1));
+        dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1), 1);
     let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
-        Ok(_) => {}
-        Err(e) if e.as_oom().is_some() => return Ok(None),
-        Err(e) => return Err(e),
+        Ok(_) => Ok(Some(prediction_of(&device))),
+        Err(e) if e.as_oom().is_some() => Ok(None),
+        Err(e) => Err(e),
     }
+}
+
+/// What a dry run on `device` peaked at.
+pub fn prediction_of(device: &Device) -> Prediction {
     let stats = device.stats();
     let mut category_peaks = [0; Category::COUNT];
     for c in Category::ALL {
         category_peaks[c.index()] = stats.category(c).peak;
     }
-    Ok(Some(Prediction {
+    Prediction {
         peak_allocated: stats.allocated_bytes.peak,
         peak_reserved: stats.reserved_bytes.peak,
         at_peak: stats.category_at_peak,
         category_peaks,
-    }))
+    }
 }
 
 /// The program a dry run executes: synthetic samples shaped like the model's input (images or token
 /// windows), `PLAN_STEPS` full windows, one evaluation micro-batch, recovery off. Running it on `cpu`
 /// with the same capacity reproduces the prediction exactly.
 pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
-    dry_run_rank(req, None, micro, eval_micro)
+    dry_run_rank(req, None, micro, eval_micro, 1)
+}
+
+/// [`dry_run`] for a pipeline stage, whose window runs in rounds of `round` micro-batches (Note
+/// [Pipeline]): a round plays the part of a micro-batch in the representative window.
+pub fn dry_run_rounds(
+    req: &PlanRequest,
+    micro: usize,
+    eval_micro: usize,
+    round: usize,
+) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
+    dry_run_rank(req, None, micro, eval_micro, round)
 }
 
 /// [`dry_run`] as rank `rank` of `size`: windows of `size` times that rank's representative shard, so
@@ -230,12 +245,17 @@ fn dry_run_rank(
     rank: Option<(usize, usize)>,
     micro: usize,
     eval_micro: usize,
+    round: usize,
 ) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
     let (local, size) = match rank {
         Some((r, size)) => (memfit_dist::partition::shard(req.effective_batch, r, size).len().max(1), size),
         None => (req.effective_batch, 1),
     };
-    let window = representative_window(local, micro) * size;
+    let window = if round > 1 {
+        representative_window(local, micro.saturating_mul(round)).min(local)
+    } else {
+        representative_window(local, micro)
+    } * size;
     let train = synthetic(&req.model, PLAN_STEPS * window, req.seed);
     let val = synthetic(&req.model, eval_micro * size, req.seed);
     let opts = RunOptions {

@@ -123,6 +123,15 @@ pub struct RanksSummary {
     pub per_rank: Vec<RankMemory>,
 }
 
+/// What a pipeline stage holds and was predicted to need (`--parallel pipeline` only).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct StageReport {
+    /// Its units of the layer sequence, for people: `embeddings + blocks.0-1`.
+    pub units: String,
+    pub predicted_peak_allocated_bytes: u64,
+    pub predicted_peak_reserved_bytes: u64,
+}
+
 /// One rank's memory in a parallel run.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct RankMemory {
@@ -134,6 +143,8 @@ pub struct RankMemory {
     /// Peak bytes of communication buffers (the gradient buckets).
     pub communication_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
+    /// Pipeline: this rank's stage.
+    pub stage: Option<StageReport>,
 }
 
 impl RanksSummary {
@@ -142,6 +153,8 @@ impl RanksSummary {
         group: &dyn memfit_dist::Group,
         cfg: &crate::TrainConfig,
         stats: &memfit_tensor::MemoryStats,
+        stages: Vec<String>,
+        predicted: &[crate::planner::Prediction],
     ) -> RanksSummary {
         let rss = memfit_tensor::memory::process::resident().map_or(u64::MAX, |r| r.peak);
         let columns: Vec<Vec<u64>> = [
@@ -165,6 +178,11 @@ impl RanksSummary {
                     optimizer_state_bytes: columns[2][r],
                     communication_bytes: columns[3][r],
                     peak_rss_bytes: Some(columns[4][r]).filter(|&v| v != u64::MAX),
+                    stage: stages.get(r).zip(predicted.get(r)).map(|(units, p)| StageReport {
+                        units: units.clone(),
+                        predicted_peak_allocated_bytes: p.peak_allocated,
+                        predicted_peak_reserved_bytes: p.peak_reserved,
+                    }),
                 })
                 .collect(),
         }

@@ -37,8 +37,10 @@ pub struct Session {
     pub optimizer: Optimizer,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage only).
     pub skipped_steps: usize,
-    /// The other ranks this session trains with (`--parallel`; Note [Data parallel]), if any.
+    /// The other ranks this session trains with (`--parallel data|zero1`; Note [Data parallel]), if any.
     pub ranks: Option<crate::parallel::Ranks>,
+    /// The stage of a pipeline this session is (`--parallel pipeline`; Note [Pipeline]), if any.
+    pub pipeline: Option<crate::pipeline::Pipeline>,
 }
 
 impl Session {
@@ -88,7 +90,7 @@ impl Session {
         let _phase = device.enter_phase(Phase::Setup);
         let model = memfit_nn::build_model(spec, &device, seed)?;
         let optimizer = Optimizer::new(model.parameters(), optimizer);
-        Ok(Session { device, model, optimizer, skipped_steps: 0, ranks: None })
+        Ok(Session { device, model, optimizer, skipped_steps: 0, ranks: None, pipeline: None })
     }
 
     /// Trains from now on as one rank of `group` in `mode` (Note [Data parallel], Note [ZeRO-1]):
@@ -108,7 +110,7 @@ impl Session {
         Ok(())
     }
 
-    fn allocated(&self) -> u64 {
+    pub(crate) fn allocated(&self) -> u64 {
         self.device.stats().allocated_bytes.current
     }
 }
@@ -270,11 +272,11 @@ impl<'a> MicroQueue<'a> {
     }
 }
 
-struct MicroResult {
+pub(crate) struct MicroResult {
     /// Mean loss over the micro-batch's predictions, times its samples.
-    loss_sum: f64,
-    correct: usize,
-    predictions: usize,
+    pub(crate) loss_sum: f64,
+    pub(crate) correct: usize,
+    pub(crate) predictions: usize,
 }
 
 /// The mean cross-entropy of `logits` [..., C] against int64 `targets` [...] (every prediction
@@ -286,13 +288,13 @@ pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor, TrainError> {
 
 /// The argmax class of every prediction of `logits` [..., C]: int64 [...] in device memory, made on
 /// every device alike (so meta predicts these allocations too), without a graph.
-fn argmax_classes(logits: &Tensor) -> Result<Tensor, TrainError> {
+pub(crate) fn argmax_classes(logits: &Tensor) -> Result<Tensor, TrainError> {
     let _no_grad = logits.device().no_grad();
     Ok(logits.max_dim(-1, false)?.1)
 }
 
 /// Counts the predictions equal to their targets (cpu only: reads both).
-fn count_correct(predicted: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
+pub(crate) fn count_correct(predicted: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
     let (p, t) = (predicted.to_vec::<i64>()?, targets.to_vec::<i64>()?);
     Ok(p.iter().zip(&t).filter(|(p, t)| p == t).count())
 }
@@ -376,7 +378,7 @@ impl Session {
     }
 
     /// After a failed attempt has been dropped, its bytes must all be back (Note [Recovery]).
-    fn check_released(&self, before: u64) -> Result<(), TrainError> {
+    pub(crate) fn check_released(&self, before: u64) -> Result<(), TrainError> {
         let after = self.allocated();
         if after != before {
             return Err(TrainError::Invalid(format!(
@@ -391,6 +393,56 @@ impl Session {
     /// results and the recoveries it took.
     /// With ranks, `window` is this rank's shard of a window of `n` samples.
     fn train_window(
+        &mut self,
+        samples: &dyn Samples,
+        window: &[usize],
+        n: usize,
+        micro: &mut usize,
+        recover: bool,
+        used: &mut Vec<usize>,
+    ) -> Result<(MicroResult, usize), TrainError> {
+        let (total, mut recoveries) = if self.pipeline.is_some() {
+            let done = self.pipeline_window(samples, window, micro, recover, true)?;
+            used.extend_from_slice(window);
+            done
+        } else {
+            self.accumulate(samples, window, n, micro, recover, used)?
+        };
+        {
+            let _p = self.device.enter_phase(Phase::Optimizer);
+            if let Some(ranks) = &self.ranks {
+                ranks.reduce_gradients(self.model.as_ref())?;
+            }
+            let mut overflowed = self.gradients_overflowed()?;
+            if let Some(p) = &self.pipeline {
+                // Every stage skips the step, or none does.
+                overflowed = p.any(overflowed);
+            }
+            if overflowed {
+                self.skipped_steps += 1;
+                self.optimizer.zero_grad();
+                self.finish_step()?;
+                return Ok((total, recoveries));
+            }
+            // The optimizer allocates all its state before it updates anything, so a failed step
+            // changed nothing: release the cache and try once more.
+            if let Err(e) = self.optimizer.step() {
+                if !(recover && e.is_oom()) {
+                    return Err(e.into());
+                }
+                self.device.empty_cache();
+                recoveries += 1;
+                self.optimizer.step()?;
+            }
+            self.optimizer.zero_grad();
+            self.finish_step()?;
+        }
+        Ok((total, recoveries))
+    }
+
+    /// The micro-batches of one window (this rank's shard of `n` samples), accumulating gradients, with
+    /// recovery (Note [Recovery]).
+    fn accumulate(
         &mut self,
         samples: &dyn Samples,
         window: &[usize],
@@ -422,30 +474,6 @@ impl Session {
             }
         }
         *micro = queue.micro;
-        {
-            let _p = self.device.enter_phase(Phase::Optimizer);
-            if let Some(ranks) = &self.ranks {
-                ranks.reduce_gradients(self.model.as_ref())?;
-            }
-            if self.gradients_overflowed()? {
-                self.skipped_steps += 1;
-                self.optimizer.zero_grad();
-                self.finish_step()?;
-                return Ok((total, recoveries));
-            }
-            // The optimizer allocates all its state before it updates anything, so a failed step
-            // changed nothing: release the cache and try once more.
-            if let Err(e) = self.optimizer.step() {
-                if !(recover && e.is_oom()) {
-                    return Err(e.into());
-                }
-                self.device.empty_cache();
-                recoveries += 1;
-                self.optimizer.step()?;
-            }
-            self.optimizer.zero_grad();
-            self.finish_step()?;
-        }
         Ok((total, recoveries))
     }
 
@@ -464,6 +492,19 @@ impl Session {
         let _ng = device.no_grad();
         let _p = device.enter_phase(Phase::Eval);
         let all = samples.eval_ids();
+        if self.pipeline.is_some() {
+            let mut micro = eval_micro;
+            let (r, recoveries) = self.pipeline_window(samples, &all, &mut micro, recover, false)?;
+            let computes = device.computes() && r.predictions > 0;
+            let n = r.predictions.max(1) as f64;
+            return Ok(EvalResult {
+                loss: computes.then_some(r.loss_sum / n),
+                accuracy: computes.then_some(r.correct as f64 / n),
+                samples: all.len(),
+                micro_batch: micro,
+                oom_recoveries: recoveries,
+            });
+        }
         let order = self.ranks.as_ref().map_or(&all[..], |r| r.shard(&all));
         let mut queue = MicroQueue::new(order, eval_micro);
         let (mut loss_sum, mut correct, mut predictions, mut recoveries) = (0.0, 0, 0, 0);
@@ -633,6 +674,9 @@ impl Session {
                 if let Some(ranks) = &self.ranks {
                     // Every rank stops after the same step, or the others would wait for it.
                     stop = ranks.any(stop);
+                }
+                if let Some(p) = &self.pipeline {
+                    stop = p.any(stop);
                 }
                 if stop {
                     stopped = true;

@@ -3,6 +3,12 @@
 //! (Linear d -> 4d), GELU (erf), `mlp.2` (Linear 4d -> d)}, final `ln`, `head = Linear(d, vocab)`, and the
 //! bool buffer `mask = triu(ones(max_t, max_t), 1)` (True = not allowed), used as `mask[:T, :T]`.
 //! int64 tokens [B, T] -> logits [B, T, vocab]. No dropout.
+//!
+//! A pipeline stage ([`Gpt::stage`]) is a contiguous range of the layer sequence: unit 0 the embeddings,
+//! units 1..=layers the blocks, unit layers + 1 the final norm and head. It holds only its units'
+//! parameters (with the full model's names and values: each is drawn from its own name's stream), takes
+//! tokens when it starts with unit 0 and the residual stream [B, T, d] otherwise, and returns logits
+//! when it ends with the head and the residual stream otherwise.
 
 use super::{GptConfig, Model, ModelKind};
 use crate::checkpointing::Checkpointing;
@@ -55,11 +61,13 @@ impl Block {
 
 pub struct Gpt {
     config: GptConfig,
-    tok: Embedding,
-    pos: Embedding,
+    /// The units of the layer sequence this model holds (all of them unless it is a pipeline stage).
+    units: std::ops::Range<usize>,
+    tok: Option<Embedding>,
+    pos: Option<Embedding>,
     blocks: Vec<Arc<Block>>,
-    ln: LayerNorm,
-    head: Linear,
+    ln: Option<LayerNorm>,
+    head: Option<Linear>,
     mask: Tensor,
     /// Segments: the blocks.
     checkpointing: Checkpointing,
@@ -67,7 +75,23 @@ pub struct Gpt {
 
 impl Gpt {
     pub fn new(init: &Initializer, config: GptConfig) -> Result<Self> {
+        Gpt::stage(init, config, 0..config.layers + 2)
+    }
+
+    /// Units in the layer sequence: the embeddings, each block, the head.
+    pub fn units(config: &GptConfig) -> usize {
+        config.layers + 2
+    }
+
+    /// The pipeline stage holding `units` of the layer sequence (see the module documentation).
+    pub fn stage(init: &Initializer, config: GptConfig, units: std::ops::Range<usize>) -> Result<Self> {
         let GptConfig { vocab, d_model, heads, layers, max_t } = config;
+        if units.is_empty() || units.end > layers + 2 {
+            return Err(Error::invalid(format!(
+                "gpt: a stage needs a non-empty range of the {} units (embeddings, {layers} blocks, head), got {units:?}",
+                layers + 2
+            )));
+        }
         for (name, v) in [("vocab", vocab), ("d_model", d_model), ("heads", heads), ("max_t", max_t)] {
             if v == 0 {
                 return Err(Error::invalid(format!("gpt: {name} must be positive")));
@@ -76,22 +100,37 @@ impl Gpt {
         if d_model % heads != 0 {
             return Err(Error::invalid(format!("gpt: d_model {d_model} must be divisible by heads {heads}")));
         }
+        let has = |unit: usize| units.contains(&unit);
+        let blocks: Vec<usize> = (0..layers).filter(|&i| has(i + 1)).collect();
         Ok(Gpt {
             config,
-            tok: Embedding::new(init, "tok", vocab, d_model)?,
-            pos: Embedding::new(init, "pos", max_t, d_model)?,
-            blocks: (0..layers)
+            tok: has(0).then(|| Embedding::new(init, "tok", vocab, d_model)).transpose()?,
+            pos: has(0).then(|| Embedding::new(init, "pos", max_t, d_model)).transpose()?,
+            blocks: blocks
+                .iter()
                 .map(|i| Block::new(init, &format!("blocks.{i}"), d_model, heads).map(Arc::new))
                 .collect::<Result<_>>()?,
-            ln: LayerNorm::new(init, "ln", d_model)?,
-            head: Linear::new(init, "head", d_model, vocab, true)?,
+            ln: has(layers + 1).then(|| LayerNorm::new(init, "ln", d_model)).transpose()?,
+            head: has(layers + 1).then(|| Linear::new(init, "head", d_model, vocab, true)).transpose()?,
             mask: init.causal_mask(max_t)?,
-            checkpointing: Checkpointing::new((0..layers).map(|i| format!("blocks.{i}")).collect()),
+            checkpointing: Checkpointing::new(blocks.iter().map(|i| format!("blocks.{i}")).collect()),
+            units,
         })
     }
 
     pub fn config(&self) -> GptConfig {
         self.config
+    }
+
+    /// Errors unless a sequence of `t` positions fits the model.
+    fn check_length(&self, t: usize) -> Result<()> {
+        if t == 0 || t > self.config.max_t {
+            return Err(Error::shape(format!(
+                "gpt: sequence length {t} must be between 1 and the model's max_t {}",
+                self.config.max_t
+            )));
+        }
+        Ok(())
     }
 
     /// `mask[:t, :t]`, contiguous.
@@ -108,41 +147,61 @@ impl Model for Gpt {
         ModelKind::Gpt
     }
 
-    fn forward(&self, idx: &Tensor, _train: bool) -> Result<Tensor> {
-        if idx.dtype() != DType::I64 || idx.rank() != 2 {
-            return Err(Error::shape(format!(
-                "gpt: expected int64 token ids [B, T], got {:?} {}",
-                idx.shape(),
-                idx.dtype()
-            )));
-        }
-        let t = idx.shape()[1];
-        if t == 0 || t > self.config.max_t {
-            return Err(Error::shape(format!(
-                "gpt: sequence length {t} must be between 1 and the model's max_t {}",
-                self.config.max_t
-            )));
-        }
-        let device = idx.device();
-        let positions = Tensor::empty(device, &[t], DType::I64, Category::Temporary, "arange")?;
-        positions.write_with::<i64>(|p| p.iter_mut().zip(0..).for_each(|(p, i)| *p = i))?;
-        let mut x = self.tok.forward(idx)?.add(&self.pos.forward(&positions)?)?;
-        let mask = self.mask_for(t)?;
+    fn forward(&self, input: &Tensor, _train: bool) -> Result<Tensor> {
+        let mut x = match (&self.tok, &self.pos) {
+            (Some(tok), Some(pos)) => {
+                let idx = input;
+                if idx.dtype() != DType::I64 || idx.rank() != 2 {
+                    return Err(Error::shape(format!(
+                        "gpt: expected int64 token ids [B, T], got {:?} {}",
+                        idx.shape(),
+                        idx.dtype()
+                    )));
+                }
+                self.check_length(idx.shape()[1])?;
+                let t = idx.shape()[1];
+                let device = idx.device();
+                let positions = Tensor::empty(device, &[t], DType::I64, Category::Temporary, "arange")?;
+                positions.write_with::<i64>(|p| p.iter_mut().zip(0..).for_each(|(p, i)| *p = i))?;
+                tok.forward(idx)?.add(&pos.forward(&positions)?)?
+            }
+            _ => {
+                if input.dtype() != DType::F32 || input.rank() != 3 || input.shape()[2] != self.config.d_model {
+                    return Err(Error::shape(format!(
+                        "gpt stage {:?}: expected the residual stream f32 [B, T, {}], got {:?} {}",
+                        self.units,
+                        self.config.d_model,
+                        input.shape(),
+                        input.dtype()
+                    )));
+                }
+                self.check_length(input.shape()[1])?;
+                input.clone()
+            }
+        };
+        let mask = self.mask_for(x.shape()[1])?;
         for (i, block) in self.blocks.iter().enumerate() {
             let (b, m) = (block.clone(), mask.clone());
             x = self.checkpointing.run(i, &x, || block.parameter_tensors(), move |x| b.forward(x, &m))?;
         }
-        self.head.forward_after_layer_norm(&x, &self.ln)
+        match (&self.head, &self.ln) {
+            (Some(head), Some(ln)) => head.forward_after_layer_norm(&x, ln),
+            _ => Ok(x),
+        }
     }
 
     fn parameters(&self) -> Vec<(String, Tensor)> {
-        let mut out = self.tok.parameters();
-        out.extend(self.pos.parameters());
+        let mut out = Vec::new();
+        for m in [&self.tok, &self.pos].into_iter().flatten() {
+            out.extend(m.parameters());
+        }
         for block in &self.blocks {
             out.extend(block.modules().into_iter().flat_map(|m| m.parameters()));
         }
-        out.extend(self.ln.parameters());
-        out.extend(self.head.parameters());
+        if let (Some(ln), Some(head)) = (&self.ln, &self.head) {
+            out.extend(ln.parameters());
+            out.extend(head.parameters());
+        }
         out
     }
 

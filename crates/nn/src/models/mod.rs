@@ -166,6 +166,25 @@ pub fn build_model(spec: &ModelSpec, device: &Device, seed: u64) -> Result<Box<d
     })
 }
 
+/// The units of a model's layer sequence a pipeline can cut (the GPT: embeddings, each block, head);
+/// None for a model that has no pipeline stages.
+pub fn stage_units(spec: &ModelSpec) -> Option<usize> {
+    (spec.kind == ModelKind::Gpt).then(|| Gpt::units(&spec.gpt))
+}
+
+/// The pipeline stage of `spec` holding `units` of its layer sequence ([`stage_units`]), initialized
+/// as the whole model would be (each parameter from its own name's stream).
+pub fn build_stage(spec: &ModelSpec, device: &Device, seed: u64, units: std::ops::Range<usize>) -> Result<Box<dyn Model>> {
+    let init = Initializer::new(device, seed);
+    match spec.kind {
+        ModelKind::Gpt => Ok(Box::new(Gpt::stage(&init, spec.gpt, units)?)),
+        other => Err(Error::invalid(format!(
+            "{}: pipeline stages are defined for the gpt only (its layer sequence: embeddings, blocks, head)",
+            other.name()
+        ))),
+    }
+}
+
 /// Errors unless an image model's input (C, H, W) and class count are all positive.
 fn check_image_spec(kind: ModelKind, input: [usize; 3], num_classes: usize) -> Result<()> {
     if input.contains(&0) {
