@@ -824,7 +824,10 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
         };
         let step =
             costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision != Precision::Fp32);
-        text.push_str(&format!("  one device:         step {step:.1}{unit} ({:.0} samples/{per})\n", batch / step * 1e3));
+        text.push_str(&format!(
+            "  one device:         step {step:.1}{unit} ({:.0} samples/{per})\n",
+            batch / step * 1e3
+        ));
     }
     let mut json = Vec::new();
     for d in &plans {

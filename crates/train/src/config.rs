@@ -306,9 +306,11 @@ impl TrainConfig {
         if self.parallel == Some(crate::parallel::ParallelMode::Pipeline)
             && matches!(self.checkpoint, CheckpointChoice::Segments(_))
         {
-            return bad("--checkpoint with segment names is not available with --parallel pipeline: give all, none or \
+            return bad(
+                "--checkpoint with segment names is not available with --parallel pipeline: give all, none or \
                  auto (none)"
-                .into());
+                    .into(),
+            );
         }
         if self.resume.is_some() && self.load.is_some() {
             return bad("--load and --resume cannot be combined: the checkpoint being resumed holds the weights".into());

@@ -4,12 +4,12 @@
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::parallel::ParallelMode;
 use crate::planner::{self, Plan, PlanRequest};
 use crate::resume::{Checkpoint, Template};
 use crate::samples::Samples;
 use crate::task::Task;
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
-use crate::parallel::ParallelMode;
 use memfit_dist::Group;
 use memfit_nn::ModelSpec;
 use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};

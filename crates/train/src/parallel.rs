@@ -286,8 +286,11 @@ fn plan_pipeline(
     ranks: usize,
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<DevicesPlan, TrainError> {
-    let single =
-        crate::planner::PlanRequest { parallel: None, checkpoint: crate::config::CheckpointChoice::None, ..req.clone() };
+    let single = crate::planner::PlanRequest {
+        parallel: None,
+        checkpoint: crate::config::CheckpointChoice::None,
+        ..req.clone()
+    };
     let staged = match crate::pipeline::plan_stages(&single, ranks, costs) {
         Ok(s) => s,
         Err(TrainError::Invalid(why)) => {

@@ -12,8 +12,9 @@
 //! Every message is a status followed, when it is good, by the tensor, and a stage that ran out of
 //! memory still takes part in every exchange (it receives and drops what it is sent, and sends failure
 //! statuses), so no stage ever waits for one that failed. After the window the stages agree whether any
-//! failed; if so, every stage drops the attempt (its gradients too) and the whole window runs again, at
-//! the same micro-batch once, then at half of it (Note [Recovery]): no sample is lost or counted twice.
+//! failed; if so, every stage drops the attempt (its gradients too) and the whole window runs again:
+//! at the same micro-batch, and at half of it once a stage has failed twice in a row (Note [Recovery];
+//! evaluation retries a round at a time): no sample is lost or counted twice.
 //! On `meta` no message moves: a stage's dry run is its allocations, received tensors included.
 //!
 //! The planner ([`plan_stages`]) cuts the sequence where each stage fits its rank's budget and the stages'
@@ -103,6 +104,14 @@ impl Pipeline {
         }
     }
 
+    /// Which stages say true.
+    fn which(&self, flag: bool) -> Vec<bool> {
+        let mut v = vec![0.0; self.stages.len()];
+        v[self.stage()] = f64::from(u8::from(flag));
+        self.group.all_reduce_sum_f64(&mut v);
+        v.into_iter().map(|x| x > 0.0).collect()
+    }
+
     /// True when any stage says true.
     pub(crate) fn any(&self, flag: bool) -> bool {
         let mut v = [f64::from(u8::from(flag))];
@@ -182,12 +191,14 @@ impl Session {
     ) -> Result<(MicroResult, usize), TrainError> {
         let p = self.pipeline.as_ref().ok_or_else(|| TrainError::Invalid("internal: not a pipeline stage".into()))?;
         let mut recoveries = 0;
-        let mut retried = false;
+        // The stages that failed the attempt before at this micro-batch size.
+        let mut failed_before = vec![false; p.stages.len()];
         loop {
             let before = self.allocated();
             let (result, failure) = self.pipeline_attempt(p, samples, window, *micro, train)?;
-            let failed = p.any(failure.is_some());
-            if !failed {
+            // A stage's own out-of-memory (a stage that only heard of another's failure does not count).
+            let failed = p.which(failure.as_ref().is_some_and(|e| e.as_oom().is_some()));
+            if !failed.contains(&true) {
                 let mut sums = [result.loss_sum, result.correct as f64, result.predictions as f64];
                 p.group.all_reduce_sum_f64(&mut sums);
                 let total = MicroResult { loss_sum: sums[0], correct: sums[1] as usize, predictions: sums[2] as usize };
@@ -198,7 +209,10 @@ impl Session {
             }
             self.check_released(before)?;
             self.device.empty_cache();
-            if !recover || (retried && *micro == 1) {
+            // A stage failing twice in a row at one size is short of memory (not a transient fault):
+            // halve the micro-batch; it cannot go below one sample.
+            let repeated = failed.iter().zip(&failed_before).any(|(now, then)| *now && *then);
+            if !recover || (repeated && *micro == 1) {
                 return Err(failure.unwrap_or_else(|| {
                     TrainError::Invalid(format!(
                         "another stage of the pipeline ran out of memory at micro-batch {micro} and could not recover \
@@ -207,12 +221,11 @@ impl Session {
                 }));
             }
             recoveries += 1;
-            if !retried {
-                // A transient failure passes on a second try at the same size.
-                retried = true;
-            } else {
+            if repeated {
                 *micro = micro.div_ceil(2);
-                retried = false;
+                failed_before = vec![false; p.stages.len()];
+            } else {
+                failed_before = failed;
             }
         }
     }
@@ -368,7 +381,14 @@ pub struct StagePlan {
 
 /// Every cut of `units` units into `n` non-empty contiguous ranges, at most `limit` of them.
 fn cuts(units: usize, n: usize, limit: usize) -> Vec<Vec<Range<usize>>> {
-    fn walk(start: usize, units: usize, left: usize, acc: &mut Vec<Range<usize>>, out: &mut Vec<Vec<Range<usize>>>, limit: usize) {
+    fn walk(
+        start: usize,
+        units: usize,
+        left: usize,
+        acc: &mut Vec<Range<usize>>,
+        out: &mut Vec<Vec<Range<usize>>>,
+        limit: usize,
+    ) {
         if out.len() >= limit {
             return;
         }
@@ -413,11 +433,12 @@ pub fn predict_stage(
 ) -> Result<Option<Prediction>, TrainError> {
     let device = Device::new(memfit_tensor::DeviceConfig::new(memfit_tensor::DeviceKind::Meta).capacity(capacity));
     let group: Arc<dyn Group> = Arc::new(memfit_dist::Simulated { rank: stage, size: stages.len() });
-    let mut session = match Session::new_stage(device.clone(), &req.model, req.optimizer, req.seed, group, stages.to_vec()) {
-        Ok(s) => s,
-        Err(e) if e.as_oom().is_some() => return Ok(None),
-        Err(e) => return Err(e),
-    };
+    let mut session =
+        match Session::new_stage(device.clone(), &req.model, req.optimizer, req.seed, group, stages.to_vec()) {
+            Ok(s) => s,
+            Err(e) if e.as_oom().is_some() => return Ok(None),
+            Err(e) => return Err(e),
+        };
     session.set_checkpointing(&req.checkpoint)?;
     session.set_precision(req.precision)?;
     let (train, val, opts) =
@@ -521,9 +542,12 @@ pub fn plan_stages(
     };
     let mut per_stage = Vec::new();
     for s in 0..stages.len() {
-        per_stage.push(predict_stage(req, &stages, s, micro, Some(micro.min(crate::planner::MAX_EVAL_MICRO)), budget)?.ok_or_else(
-            || TrainError::Invalid("internal: the chosen pipeline stage did not fit on a second dry run".into()),
-        )?);
+        per_stage.push(
+            predict_stage(req, &stages, s, micro, Some(micro.min(crate::planner::MAX_EVAL_MICRO)), budget)?
+                .ok_or_else(|| {
+                    TrainError::Invalid("internal: the chosen pipeline stage did not fit on a second dry run".into())
+                })?,
+        );
     }
     let time_shares = time(&stages);
     Ok(StagePlan { stages, micro_batch: micro, per_stage, time_shares })
@@ -600,9 +624,8 @@ pub fn gather_state_dict(
     order
         .into_iter()
         .map(|(name, _)| {
-            let t = named
-                .remove(&name)
-                .ok_or_else(|| TrainError::Invalid(format!("internal: no stage holds {name}")))?;
+            let t =
+                named.remove(&name).ok_or_else(|| TrainError::Invalid(format!("internal: no stage holds {name}")))?;
             Ok((name, t))
         })
         .collect::<Result<Vec<_>, _>>()

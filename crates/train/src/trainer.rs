@@ -492,9 +492,20 @@ impl Session {
         let _ng = device.no_grad();
         let _p = device.enter_phase(Phase::Eval);
         let all = samples.eval_ids();
-        if self.pipeline.is_some() {
+        if let Some(p) = &self.pipeline {
+            // One round at a time, each retried on its own (Note [Pipeline]).
             let mut micro = eval_micro;
-            let (r, recoveries) = self.pipeline_window(samples, &all, &mut micro, recover, false)?;
+            let (mut r, mut recoveries) = (MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 }, 0);
+            let mut start = 0;
+            while start < all.len() {
+                let end = (start + p.round() * micro).min(all.len());
+                let (part, rec) = self.pipeline_window(samples, &all[start..end], &mut micro, recover, false)?;
+                r.loss_sum += part.loss_sum;
+                r.correct += part.correct;
+                r.predictions += part.predictions;
+                recoveries += rec;
+                start = end;
+            }
             let computes = device.computes() && r.predictions > 0;
             let n = r.predictions.max(1) as f64;
             return Ok(EvalResult {

@@ -174,7 +174,12 @@ pub fn stage_units(spec: &ModelSpec) -> Option<usize> {
 
 /// The pipeline stage of `spec` holding `units` of its layer sequence ([`stage_units`]), initialized
 /// as the whole model would be (each parameter from its own name's stream).
-pub fn build_stage(spec: &ModelSpec, device: &Device, seed: u64, units: std::ops::Range<usize>) -> Result<Box<dyn Model>> {
+pub fn build_stage(
+    spec: &ModelSpec,
+    device: &Device,
+    seed: u64,
+    units: std::ops::Range<usize>,
+) -> Result<Box<dyn Model>> {
     let init = Initializer::new(device, seed);
     match spec.kind {
         ModelKind::Gpt => Ok(Box::new(Gpt::stage(&init, spec.gpt, units)?)),
