@@ -836,10 +836,11 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
             Ok(p) => {
                 let step = d.step_ms.unwrap_or(f64::NAN);
                 text.push_str(&format!(
-                    "  --parallel {:<8} fits: micro-batch {} x {} per rank, peak per rank {}, step {:.1}{unit} ({:.0} samples/{})\n",
+                    "  --parallel {:<8} fits: micro-batch {} x {} per {}, peak per rank {}, step {:.1}{unit} ({:.0} samples/{})\n",
                     d.mode.name(),
                     p.micro_batch,
                     p.accumulation_steps,
+                    if d.mode == ParallelMode::Pipeline { "window" } else { "rank" },
                     peaks.iter().map(|&b| format_bytes(b)).collect::<Vec<_>>().join(" / "),
                     step,
                     batch / step * 1e3,

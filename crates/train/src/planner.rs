@@ -804,6 +804,22 @@ pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
                 ranks: 2,
             });
         }
+        // A model cut into two pipeline stages, each rank holding half of it.
+        let whole = PlanRequest { checkpoint: CheckpointChoice::None, precision: as_asked.precision, ..req.clone() };
+        if memfit_nn::stage_units(&req.model).is_some() {
+            if let Ok(s) = crate::pipeline::plan_stages(&whole, 2, costs.as_ref()) {
+                let units = memfit_nn::stage_units(&req.model).unwrap_or(0);
+                let cut: Vec<String> = s.stages.iter().map(|r| crate::pipeline::describe_units(r, units)).collect();
+                out.push(Remedy {
+                    what: format!("2 pipeline ranks ({}), micro-batch {}", cut.join(" | "), s.micro_batch),
+                    peak_reserved: s.per_stage.iter().map(|p| p.peak_reserved).max().unwrap_or(0),
+                    step_ms: None,
+                    nominal: false,
+                    flags: vec![("--parallel", "pipeline".into())],
+                    ranks: 2,
+                });
+            }
+        }
     }
     out.sort_by(|a, b| a.step_ms.unwrap_or(f64::INFINITY).total_cmp(&b.step_ms.unwrap_or(f64::INFINITY)));
     // A slower remedy is worth naming only when it needs less memory.
