@@ -25,7 +25,7 @@ pub fn join(mode: Option<ParallelMode>) -> Result<Option<Arc<dyn Group>>, Failur
         if launched > 1 {
             return Err(Failure::from(format!(
                 "this process is one of {launched} ranks started by mpirun, but --parallel is not given: each rank \
-                 would train alone and write the same files; give --parallel data or --parallel zero1"
+                 would train alone and write the same files; give --parallel data, zero1 or pipeline"
             )));
         }
         return Ok(None);

@@ -339,3 +339,24 @@ fn a_gpt_no_rank_can_hold_trains_with_the_pipeline_and_peaks_as_planned() {
         assert_eq!(m["stage"]["units"], pipeline["stages"][rank]);
     }
 }
+
+#[test]
+fn a_data_parallel_run_resumes_exactly() {
+    let dir = scratch("resume");
+    let six: Vec<&str> = MLP.iter().map(|&a| if a == "12" { "6" } else { a }).collect();
+    let run = with(&six, &["--parallel", "data", "--no-eval"]);
+    ok(&ranks(
+        &dir,
+        &with(&run, &["--save-dir", "all", "--save-every", "3", "--keep", "5", "--save", "whole.safetensors"]),
+    ));
+    // Rank 0 wrote the checkpoints; resume from the one after step 3 as if the run had died there.
+    std::fs::create_dir(dir.join("half")).unwrap();
+    for entry in std::fs::read_dir(dir.join("all")).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().starts_with("step-0000000003") {
+            std::fs::copy(entry.path(), dir.join("half").join(entry.file_name())).unwrap();
+        }
+    }
+    let out = ok(&ranks(&dir, &["train", "--resume", "half", "--parallel", "data", "--save", "resumed.safetensors"]));
+    assert!(out.contains("trained mlp for 6 steps"), "{out}");
+    assert_eq!(weights(&dir.join("whole.safetensors")), weights(&dir.join("resumed.safetensors")));
+}
