@@ -78,24 +78,10 @@ fn report(path: &Path) -> serde_json::Value {
 
 /// SGD with momentum: its update is linear in the gradient, so a sum in another order stays within
 /// float rounding (Adam's normalisation magnifies the rounding of near-zero gradients).
+#[rustfmt::skip]
 const MLP: &[&str] = &[
-    "train",
-    "--data",
-    "embedded",
-    "--model",
-    "mlp",
-    "--batch-size",
-    "64",
-    "--max-steps",
-    "12",
-    "--threads",
-    "1",
-    "--seed",
-    "4",
-    "--optimizer",
-    "sgd",
-    "--lr",
-    "0.05",
+    "train", "--data", "embedded", "--model", "mlp", "--batch-size", "64", "--max-steps", "12", "--threads", "1",
+    "--seed", "4", "--optimizer", "sgd", "--lr", "0.05",
 ];
 
 fn with<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
@@ -147,22 +133,7 @@ fn data_parallel_and_zero1_make_the_single_process_update() {
 #[test]
 fn each_rank_peak_is_the_meta_prediction() {
     let dir = scratch("peaks");
-    let gpt = [
-        "--model",
-        "gpt",
-        "--layers",
-        "2",
-        "--d-model",
-        "64",
-        "--heads",
-        "2",
-        "--context",
-        "32",
-        "--batch-size",
-        "12",
-        "--memory",
-        "24MiB",
-    ];
+    let gpt = with(SMALL_GPT, &["--batch-size", "12", "--memory", "24MiB"]);
     let plan = ok(&memfit_alone(&dir, &with(&["plan", "--json", "--devices", "2"], &gpt)));
     let plan: serde_json::Value = serde_json::from_str(&plan).unwrap();
     for (i, mode) in ["data", "zero1"].iter().enumerate() {
@@ -240,41 +211,24 @@ fn ranks_without_parallel_are_refused() {
     assert!(!dir.join("same.safetensors").exists());
 }
 
+/// The sizes of a small GPT.
+#[rustfmt::skip]
+const SMALL_GPT: &[&str] = &["--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "2", "--context", "32"];
+
 /// A small GPT trained with SGD (linear in the gradient, see [`MLP`]).
-const GPT: &[&str] = &[
-    "train",
-    "--data",
-    "embedded",
-    "--model",
-    "gpt",
-    "--layers",
-    "2",
-    "--d-model",
-    "64",
-    "--heads",
-    "2",
-    "--context",
-    "32",
-    "--batch-size",
-    "8",
-    "--micro-batch",
-    "2",
-    "--max-steps",
-    "3",
-    "--optimizer",
-    "sgd",
-    "--lr",
-    "0.05",
-    "--threads",
-    "1",
-];
+fn gpt() -> Vec<&'static str> {
+    #[rustfmt::skip]
+    let run = ["--batch-size", "8", "--micro-batch", "2", "--max-steps", "3", "--optimizer", "sgd", "--lr", "0.05",
+        "--threads", "1"];
+    with(&with(&["train", "--data", "embedded"], SMALL_GPT), &run)
+}
 
 #[test]
 fn pipeline_makes_the_single_process_update_also_through_faults() {
     let dir = scratch("pipeline");
-    ok(&memfit_alone(&dir, &with(GPT, &["--save", "one.safetensors", "--report", "one.json"])));
+    ok(&memfit_alone(&dir, &with(&gpt(), &["--save", "one.safetensors", "--report", "one.json"])));
     let out =
-        ok(&ranks(&dir, &with(GPT, &["--parallel", "pipeline", "--save", "pp.safetensors", "--report", "pp.json"])));
+        ok(&ranks(&dir, &with(&gpt(), &["--parallel", "pipeline", "--save", "pp.safetensors", "--report", "pp.json"])));
     assert!(out.contains("ranks (pipeline parallel, 2 ranks)"), "{out}");
     let one = weights(&dir.join("one.safetensors"));
     let d = difference(&one, &weights(&dir.join("pp.safetensors")));
@@ -287,7 +241,10 @@ fn pipeline_makes_the_single_process_update_also_through_faults() {
     // lost or counted twice.
     ok(&ranks(
         &dir,
-        &with(GPT, &["--parallel", "pipeline", "--inject-oom", "300", "--save", "f.safetensors", "--report", "f.json"]),
+        &with(
+            &gpt(),
+            &["--parallel", "pipeline", "--inject-oom", "300", "--save", "f.safetensors", "--report", "f.json"],
+        ),
     ));
     let f = report(&dir.join("f.json"));
     assert!(f["oom_recoveries"].as_u64().unwrap() > 10, "{f}");
