@@ -6,9 +6,9 @@
 mod common;
 use common::*;
 use memfit_dist::{Simulated, Solo};
-use memfit_nn::{build_model, build_stage, stage_units, Model};
+use memfit_nn::{build_model, build_stage, stage_units};
 use memfit_tensor::{Category, DType, DeviceKind, Tensor};
-use memfit_train::samples::{synthetic, Samples};
+use memfit_train::samples::synthetic;
 use memfit_train::{PlanRequest, Session};
 use std::sync::Arc;
 
