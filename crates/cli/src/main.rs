@@ -221,8 +221,9 @@ struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Train as one of the ranks `mpirun -np N` starts: data (each rank takes a shard of every batch;
-    /// gradients summed by all-reduce) or zero1 (data, with the optimizer state split between ranks).
-    /// Needs a memfit built with `--features mpi`.
+    /// gradients summed by all-reduce), zero1 (data, with the optimizer state split between ranks) or
+    /// pipeline (gpt: the model cut into one stage per rank, planned to fit --memory). Needs a memfit
+    /// built with `--features mpi`.
     #[arg(long, value_name = "MODE", value_parser = ParallelMode::parse)]
     parallel: Option<ParallelMode>,
 }
@@ -283,8 +284,8 @@ struct PlanArgs {
     /// Storage of saved activations the plan assumes: fp32, bf16, fp16, or auto (bf16 weighed too).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
-    /// Plan for this many ranks (devices) too: which of data parallel and ZeRO-1 fits, each rank's
-    /// predicted peak and the predicted throughput, beside one device's plan.
+    /// Plan for this many ranks (devices) too: which of data parallel, ZeRO-1 and (gpt) a pipeline
+    /// fits, each rank's predicted peak and the predicted throughput, beside one device's plan.
     #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_RANKS))]
     devices: Option<u64>,
     /// Print the plan as JSON.
@@ -569,6 +570,8 @@ fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
         checkpoint.configure(&mut cfg, given).map_err(|e| e.to_string())?;
         eprintln!("resuming {} at step {} from {}", cfg.model.name(), checkpoint.step, dir.display());
     }
+    // Flags are refused before anything else, with or without MPI.
+    cfg.check().map_err(|e| Failure::from(e.to_string()))?;
     let group = ranks::join(cfg.parallel)?;
     if group.as_ref().is_some_and(|g| g.rank() != 0) {
         // Rank 0 speaks for the job; the others train quietly and abort it if they fail.

@@ -156,6 +156,22 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
             [&train[..], &["--lr", "1e300", "--max-steps", "1", "--save", &sv]].concat(),
             vec!["after step 1", "NaN or infinity", "nothing is saved"],
         ),
+        // ranks: an unknown mode, absurd device counts, and what each mode cannot do
+        ([&train[..], &["--parallel", "ring"]].concat(), vec!["--parallel", "data, zero1 or pipeline"]),
+        (
+            vec!["plan", "--model", "mlp", "--memory", "64MiB", "--batch-size", "8", "--devices", "0"],
+            vec!["--devices", "0"],
+        ),
+        (
+            vec!["plan", "--model", "mlp", "--memory", "64MiB", "--batch-size", "8", "--devices", "5000"],
+            vec!["--devices"],
+        ),
+        ([&train[..], &["--parallel", "zero1", "--save-dir", &d]].concat(), vec!["--save-dir", "--parallel zero1"]),
+        ([&train[..], &["--parallel", "pipeline", "--save-dir", &d]].concat(), vec!["--parallel pipeline"]),
+        (
+            [&train[..], &["--parallel", "pipeline", "--checkpoint", "blocks.0"]].concat(),
+            vec!["--checkpoint", "pipeline"],
+        ),
         // an injected fault with no cap: no advice to set a cap
         (
             [&train[..], &["--inject-oom", "1", "--max-steps", "1"]].concat(),
