@@ -183,3 +183,109 @@ pub fn broadcast_bytes(group: &dyn Group, bytes: &[u8], root: usize) -> Vec<u8> 
     group.broadcast(&mut buf, root);
     buf.into_iter().map(|v| v as u8).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Simulated, Solo};
+    use memfit_tensor::{DeviceConfig, DeviceKind};
+
+    fn cpu() -> Device {
+        Device::new(DeviceConfig::new(DeviceKind::Cpu))
+    }
+
+    fn f32s(device: &Device, v: &[f32]) -> Tensor {
+        Tensor::from_slice(device, v, &[v.len()], Category::Other).unwrap()
+    }
+
+    #[test]
+    fn one_rank_collectives_are_the_identity() {
+        let d = cpu();
+        let (t, out) = (f32s(&d, &[1.0, 2.0, 3.0]), f32s(&d, &[0.0; 3]));
+        all_reduce_sum(&Solo, &t, &out).unwrap();
+        assert_eq!(out.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        let out = f32s(&d, &[0.0; 3]);
+        all_gather(&Solo, &t, &out).unwrap();
+        assert_eq!(out.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        let out = f32s(&d, &[0.0; 3]);
+        reduce_scatter_sum(&Solo, &t, &out).unwrap();
+        assert_eq!(out.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        broadcast(&Solo, &t, 0).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        assert_eq!(broadcast_bytes(&Solo, b"plan", 0), b"plan");
+    }
+
+    #[test]
+    fn collectives_refuse_what_cannot_cross_ranks() {
+        let d = cpu();
+        let t = f32s(&d, &[1.0, 2.0, 3.0, 4.0]);
+        let ints = Tensor::zeros(&d, &[4], DType::I64, Category::Other).unwrap();
+        assert!(broadcast(&Solo, &ints, 0).unwrap_err().to_string().contains("f32"));
+        let strided = t.reshape(&[2, 2]).unwrap().transpose(0, 1).unwrap();
+        assert!(broadcast(&Solo, &strided, 0).unwrap_err().to_string().contains("strided"));
+        let short = f32s(&d, &[0.0; 3]);
+        assert!(all_reduce_sum(&Solo, &t, &short).is_err());
+        assert!(all_gather(&Simulated { rank: 0, size: 2 }, &t, &f32s(&d, &[0.0; 4])).is_err(), "needs 8");
+        assert!(reduce_scatter_sum(&Simulated { rank: 0, size: 2 }, &t, &f32s(&d, &[0.0; 4])).is_err(), "needs 2");
+        // A simulated rank moves no cpu data: every operation says so instead of pretending.
+        let sim = Simulated { rank: 1, size: 2 };
+        for result in [
+            broadcast(&sim, &t, 0),
+            send(&sim, &t, 0),
+            receive(&sim, &t, 0),
+            all_reduce_sum(&sim, &t, &f32s(&d, &[0.0; 4])),
+            all_gather(&sim, &f32s(&d, &[0.0; 2]), &t),
+            reduce_scatter_sum(&sim, &t, &f32s(&d, &[0.0; 2])),
+        ] {
+            assert!(result.unwrap_err().to_string().contains("simulated rank"));
+        }
+        assert_eq!(t.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn on_meta_collectives_allocate_nothing_and_move_nothing() {
+        let meta = Device::meta();
+        let sim = Simulated { rank: 1, size: 2 };
+        let t = Tensor::empty(&meta, &[4], DType::F32, Category::Other, "t").unwrap();
+        let before = meta.stats();
+        broadcast(&sim, &t, 0).unwrap();
+        send(&sim, &t, 0).unwrap();
+        receive(&sim, &t, 0).unwrap();
+        all_reduce_sum(&sim, &t, &t.clone()).unwrap();
+        assert_eq!(meta.stats(), before);
+        assert_eq!(fingerprint(std::slice::from_ref(&t)).unwrap(), None);
+        assert_eq!(broadcast_bytes(&sim, b"x", 0), b"x");
+    }
+
+    #[test]
+    fn a_bucket_sums_gradients_in_pieces_and_gives_missing_ones_zeros() {
+        let d = cpu();
+        let params: Vec<Tensor> = [5, 3, 4].iter().map(|&n| f32s(&d, &vec![0.0; n])).collect();
+        params[0].set_grad(Some(f32s(&d, &[1.0, 2.0, 3.0, 4.0, 5.0])));
+        params[2].set_grad(Some(f32s(&d, &[6.0, 7.0, 8.0, 9.0])));
+        // A bucket of 2 elements: every gradient crosses in pieces.
+        let bucket = GradientBucket::new(&d, 12, 8).unwrap();
+        assert_eq!(bucket.bytes(), 8);
+        assert_eq!(d.stats().category(Category::Communication).current, 512);
+        bucket.all_reduce(&Solo, &params).unwrap();
+        assert_eq!(params[0].grad().unwrap().to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(params[1].grad().unwrap().to_vec::<f32>().unwrap(), [0.0; 3]);
+        assert_eq!(params[2].grad().unwrap().to_vec::<f32>().unwrap(), [6.0, 7.0, 8.0, 9.0]);
+        // At most the whole gradient, at least one element.
+        assert_eq!(GradientBucket::new(&d, 3, 1 << 20).unwrap().bytes(), 12);
+        assert_eq!(GradientBucket::new(&d, 3, 0).unwrap().bytes(), 4);
+    }
+
+    #[test]
+    fn fingerprints_tell_parameters_apart() {
+        let d = cpu();
+        let a = [f32s(&d, &[1.0, 2.0]), f32s(&d, &[3.0])];
+        let b = [f32s(&d, &[1.0, 2.0]), f32s(&d, &[3.5])];
+        let swapped = [f32s(&d, &[2.0, 1.0]), f32s(&d, &[3.0])];
+        let f = |t: &[Tensor]| fingerprint(t).unwrap().unwrap();
+        assert_eq!(f(&a), f(&[f32s(&d, &[1.0, 2.0]), f32s(&d, &[3.0])]));
+        assert_ne!(f(&a), f(&b));
+        assert_ne!(f(&a), f(&swapped));
+        assert_ne!(f(&a), f(&[]));
+    }
+}
