@@ -189,11 +189,6 @@ impl Ranks {
         self.sum(&mut v);
         v[0] > 0.0
     }
-
-    /// Bytes of this rank's gradient bucket.
-    pub fn bucket_bytes(&self) -> u64 {
-        self.bucket.bytes()
-    }
 }
 
 /// All-reduce bandwidth assumed when predicting a parallel step's time: what

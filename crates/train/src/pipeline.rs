@@ -18,8 +18,11 @@
 //! On `meta` no message moves: a stage's dry run is its allocations, received tensors included.
 //!
 //! The planner ([`plan_stages`]) cuts the sequence where each stage fits its rank's budget and the stages'
-//! predicted times are most even (a block's time is its calibrated share of the forward, the embeddings
-//! and head share the rest), then takes the largest micro-batch every stage fits.
+//! predicted times are most even, then takes the largest micro-batch every stage fits. A block's time is
+//! its share of the blocks' forward as the cost model timed it; the embeddings and the head, which it
+//! does not time, count as what the blocks' shares leave of one (nothing, when they sum to one): beside
+//! a block they are small (the GPT's head is one d x vocab product). Without a cost model every unit
+//! counts the same.
 
 use crate::error::TrainError;
 use crate::planner::{PlanRequest, Prediction};
@@ -412,12 +415,11 @@ fn cuts(units: usize, n: usize, limit: usize) -> Vec<Vec<Range<usize>>> {
 }
 
 /// Each unit's share of the forward: a block its calibrated share (`costs`), the embeddings and the
-/// head half of the rest each; equal shares without a cost model.
-fn unit_shares(req: &PlanRequest, units: usize, costs: Option<&crate::cost::CostModel>) -> Vec<f64> {
+/// head half of what the blocks' shares leave of one each; equal shares without a cost model.
+fn unit_shares(units: usize, costs: Option<&crate::cost::CostModel>) -> Vec<f64> {
     let Some(c) = costs else { return vec![1.0 / units as f64; units] };
     let blocks: Vec<f64> = (0..units - 2).map(|i| c.share(&format!("blocks.{i}"))).collect();
     let rest = (1.0 - blocks.iter().sum::<f64>()).max(0.0) / 2.0;
-    let _ = req;
     std::iter::once(rest).chain(blocks).chain(std::iter::once(rest)).collect()
 }
 
@@ -451,7 +453,7 @@ pub fn predict_stage(
     }
 }
 
-/// The most stages any cut is tried for, and the largest micro-batch tried.
+/// The most cuts weighed (contiguous cuts of u units into n stages number C(u - 1, n - 1)).
 const MAX_CUTS: usize = 4096;
 
 /// Cuts `req`'s model into `n` stages (Note [Pipeline]): of the cuts whose every stage fits the budget
@@ -477,7 +479,7 @@ pub fn plan_stages(
         )));
     }
     let budget = req.budget();
-    let shares = unit_shares(req, units, costs);
+    let shares = unit_shares(units, costs);
     let time = |cut: &[Range<usize>]| -> Vec<f64> { cut.iter().map(|r| shares[r.clone()].iter().sum()).collect() };
     let mut all = cuts(units, n, MAX_CUTS);
     all.sort_by(|a, b| {
