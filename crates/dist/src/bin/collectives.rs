@@ -63,6 +63,16 @@ fn main() {
     }
     check(group, "send/receive", got.to_vec().unwrap(), values(prev, n));
 
+    // Host bytes from the last rank (a plan's inputs).
+    let text: &[u8] = if rank == size - 1 { b"rank 1's cost model" } else { b"" };
+    let got = collective::broadcast_bytes(group, text, size - 1);
+    check(
+        group,
+        "broadcast of bytes",
+        got.iter().map(|&b| f32::from(b)).collect(),
+        b"rank 1's cost model".iter().map(|&b| f32::from(b)).collect(),
+    );
+
     // Gradients through a bucket smaller than a parameter, one parameter without a gradient.
     let params: Vec<Tensor> = [700, 1, 300].iter().map(|&k| tensor(&device, &vec![0.0; k])).collect();
     for (i, p) in params.iter().enumerate().filter(|&(i, _)| !(i == 1 && rank == 0)) {
