@@ -1,5 +1,6 @@
 //! Every collective between two real ranks (`memfit-collectives` under `mpirun`), and a rank that
-//! fails ends the job. Needs an MPI library: `cargo test -p memfit-dist --features mpi`.
+//! panics ends the job (the panic hook calls `MPI_Abort`) instead of leaving the other waiting.
+//! Needs an MPI library: `cargo test -p memfit-dist --features mpi`.
 #![cfg(feature = "mpi")]
 
 use std::process::Command;
@@ -21,4 +22,14 @@ fn every_collective_is_right_between_two_ranks() {
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("collectives ok on 2 ranks"), "{stdout}");
     assert!(stdout.contains("GB/s"), "{stdout}");
+}
+
+#[test]
+fn a_panicking_rank_ends_the_job_at_once() {
+    let start = std::time::Instant::now();
+    let out = mpirun(&[env!("CARGO_BIN_EXE_memfit-collectives"), "--panic-on-rank", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("rank 1 panics on purpose"), "{stderr}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(60), "took {:?}", start.elapsed());
 }

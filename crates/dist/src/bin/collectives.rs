@@ -1,6 +1,7 @@
 //! Checks every collective of [`memfit_dist::collective`] between real ranks and measures all-reduce
 //! bandwidth: `mpirun -np 2 memfit-collectives [--bandwidth MiB]`. Exits non-zero (aborting the job)
-//! when any result is wrong. Used by `crates/dist/tests/mpi.rs`.
+//! when any result is wrong. `--panic-on-rank R` makes rank R panic while the others wait in a
+//! collective, to show that the panic hook ends the whole job. Used by `crates/dist/tests/mpi.rs`.
 
 use memfit_dist::collective;
 use memfit_dist::mpi::Mpi;
@@ -30,6 +31,10 @@ fn main() {
     let group: &dyn Group = &mpi;
     let (rank, size) = (group.rank(), group.size());
     let device = Device::new(DeviceConfig::new(DeviceKind::Cpu));
+    let panicking = std::env::args().skip_while(|a| a != "--panic-on-rank").nth(1).and_then(|r| r.parse().ok());
+    if panicking == Some(rank) {
+        panic!("rank {rank} panics on purpose (--panic-on-rank)");
+    }
     let n = 1000;
     let sum: Vec<f32> = (0..n).map(|i| (0..size).map(|r| (r * 1000 + i) as f32).sum()).collect();
 
