@@ -424,3 +424,56 @@ fn errors_say_what_kind_they_are() {
     let err = t.to_f64_vec().unwrap_err();
     assert!(matches!(err, Error::Device(_)) && err.to_string().contains("meta"), "{err}");
 }
+
+// ----- what ops refuse, and edge shapes (found by mutation testing of ops/ and backend/cpu/) -----
+
+#[test]
+fn ops_refuse_tensors_on_two_devices_or_of_two_dtypes() {
+    let (a, b) = (Device::cpu(), Device::cpu());
+    let x = Tensor::from_slice(&a, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2], Category::Input).unwrap();
+    let y = Tensor::from_slice(&b, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2], Category::Input).unwrap();
+    let err = x.matmul(&y).unwrap_err();
+    assert!(matches!(err, Error::Device(_)) && err.to_string().contains("different devices"), "{err}");
+    let err = x.add(&y).unwrap_err();
+    assert!(err.to_string().contains("different devices"), "{err}");
+    let wide = Tensor::from_slice(&a, &[1.0f64, 2.0, 3.0, 4.0], &[2, 2], Category::Input).unwrap();
+    let err = x.add(&wide).unwrap_err();
+    assert!(matches!(err, Error::DType(_)) && err.to_string().contains("f32 and f64 differ"), "{err}");
+    assert!(x.matmul(&wide).is_err());
+}
+
+#[test]
+fn integer_and_bool_tensors_cast_to_f32_and_f64_only() {
+    let d = Device::cpu();
+    let ints = Tensor::from_slice(&d, &[-2i64, 0, 7], &[3], Category::Input).unwrap();
+    assert_eq!(ints.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), [-2.0, 0.0, 7.0]);
+    assert_eq!(ints.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap(), [-2.0, 0.0, 7.0]);
+    let bools = Tensor::from_slice(&d, &[true, false], &[2], Category::Input).unwrap();
+    assert_eq!(bools.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap(), [1.0, 0.0]);
+    for (t, to) in [(&ints, DType::F16), (&ints, DType::BF16), (&bools, DType::BF16)] {
+        let err = t.to_dtype(to).unwrap_err();
+        assert!(err.to_string().contains("casts only to f32 or f64"), "{err}");
+    }
+    let floats = Tensor::from_slice(&d, &[1.5f32], &[1], Category::Input).unwrap();
+    assert!(floats.to_dtype(DType::I64).is_err());
+    // A cast of a constant records no graph: its output is a plain tensor.
+    let wide = floats.to_dtype(DType::F64).unwrap();
+    assert!(wide.is_leaf() && !wide.requires_grad());
+    // A cast of a parameter does, and back-propagates in the parameter's dtype.
+    let p = leaf(&d, &[0.25, 4.0]);
+    let narrow = p.to_dtype(DType::F32).unwrap();
+    assert!(!narrow.is_leaf() && narrow.requires_grad());
+    backward(&narrow.sum_all().unwrap()).unwrap();
+    assert_eq!(p.grad().unwrap().to_vec::<f64>().unwrap(), [1.0, 1.0]);
+}
+
+#[test]
+fn an_embedding_of_zero_width_gives_empty_rows() {
+    let d = Device::cpu();
+    let table = Tensor::zeros(&d, &[5, 0], DType::F32, Category::Parameter).unwrap();
+    let ids = Tensor::from_slice(&d, &[0i64, 4, 2], &[3], Category::Input).unwrap();
+    let rows = memfit_tensor::ops::embedding(&ids, &table).unwrap();
+    assert_eq!(rows.shape(), [3, 0]);
+    let bad = Tensor::from_slice(&d, &[5i64], &[1], Category::Input).unwrap();
+    assert!(memfit_tensor::ops::embedding(&bad, &table).unwrap_err().to_string().contains("out of range"));
+}
