@@ -477,3 +477,21 @@ fn an_embedding_of_zero_width_gives_empty_rows() {
     let bad = Tensor::from_slice(&d, &[5i64], &[1], Category::Input).unwrap();
     assert!(memfit_tensor::ops::embedding(&bad, &table).unwrap_err().to_string().contains("out of range"));
 }
+
+#[test]
+fn nesterov_needs_momentum_and_no_dampening() {
+    let d = Device::cpu();
+    let p = Tensor::from_slice(&d, &[1.0f32, 2.0], &[2], Category::Parameter).unwrap();
+    let g = Tensor::from_slice(&d, &[0.5f32, 0.5], &[2], Category::Gradient).unwrap();
+    let buf = Tensor::zeros(&d, &[2], DType::F32, Category::OptimizerState).unwrap();
+    let sgd = |momentum, dampening| {
+        memfit_tensor::ops::sgd_update(&p, &g, Some(&buf), true, 0.1, momentum, dampening, true, 0.0)
+    };
+    for (momentum, dampening) in [(0.9, 0.1), (0.0, 0.0)] {
+        let err = sgd(momentum, dampening).unwrap_err();
+        assert!(err.to_string().contains("Nesterov"), "momentum {momentum}, dampening {dampening}: {err}");
+    }
+    assert_eq!(p.to_vec::<f32>().unwrap(), [1.0, 2.0], "a refused update changes nothing");
+    sgd(0.9, 0.0).unwrap();
+    assert_ne!(p.to_vec::<f32>().unwrap(), [1.0, 2.0]);
+}
