@@ -171,6 +171,19 @@ impl GradientBucket {
     }
 }
 
+/// Which ranks say true (each rank gives its own `flag`), in rank order: one small all-reduce.
+pub fn which(group: &dyn Group, flag: bool) -> Vec<bool> {
+    let mut v = vec![0.0; group.size()];
+    v[group.rank()] = f64::from(u8::from(flag));
+    group.all_reduce_sum_f64(&mut v);
+    v.into_iter().map(|x| x > 0.0).collect()
+}
+
+/// True when any rank says true (so that every rank takes the same branch).
+pub fn any(group: &dyn Group, flag: bool) -> bool {
+    which(group, flag).contains(&true)
+}
+
 /// `root`'s bytes on every rank (small host messages: a plan's inputs). Each byte travels as one f32,
 /// exactly.
 pub fn broadcast_bytes(group: &dyn Group, bytes: &[u8], root: usize) -> Vec<u8> {
@@ -213,6 +226,8 @@ mod tests {
         broadcast(&Solo, &t, 0).unwrap();
         assert_eq!(t.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
         assert_eq!(broadcast_bytes(&Solo, b"plan", 0), b"plan");
+        assert_eq!((any(&Solo, true), any(&Solo, false)), (true, false));
+        assert_eq!(which(&Simulated { rank: 1, size: 3 }, true), [false, true, false], "a rank's own flag, in place");
     }
 
     #[test]

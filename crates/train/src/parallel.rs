@@ -185,9 +185,7 @@ impl Ranks {
 
     /// True when any rank says true (so all ranks stop after the same step).
     pub fn any(&self, flag: bool) -> bool {
-        let mut v = [f64::from(u8::from(flag))];
-        self.sum(&mut v);
-        v[0] > 0.0
+        memfit_dist::collective::any(self.group.as_ref(), flag)
     }
 }
 

@@ -109,17 +109,12 @@ impl Pipeline {
 
     /// Which stages say true.
     fn which(&self, flag: bool) -> Vec<bool> {
-        let mut v = vec![0.0; self.stages.len()];
-        v[self.stage()] = f64::from(u8::from(flag));
-        self.group.all_reduce_sum_f64(&mut v);
-        v.into_iter().map(|x| x > 0.0).collect()
+        collective::which(self.group.as_ref(), flag)
     }
 
     /// True when any stage says true.
     pub(crate) fn any(&self, flag: bool) -> bool {
-        let mut v = [f64::from(u8::from(flag))];
-        self.group.all_reduce_sum_f64(&mut v);
-        v[0] > 0.0
+        collective::any(self.group.as_ref(), flag)
     }
 }
 
@@ -457,8 +452,9 @@ pub fn predict_stage(
 const MAX_CUTS: usize = 4096;
 
 /// Cuts `req`'s model into `n` stages (Note [Pipeline]): of the cuts whose every stage fits the budget
-/// at micro-batch 1, the one with the most even predicted times, then the largest micro-batch (at most
-/// `req.micro_batch` when fixed) that every stage of it fits.
+/// at micro-batch 1, the one with the most even predicted times; then the micro-batch: `req.micro_batch`
+/// when fixed, else without a budget one round of micro-batches per window, else the largest that
+/// every stage fits.
 pub fn plan_stages(
     req: &PlanRequest,
     n: usize,
@@ -525,7 +521,10 @@ pub fn plan_stages(
         )));
     };
     let micro = if req.micro_batch.is_some() || budget.is_none() {
-        req.micro_batch.unwrap_or(req.effective_batch).min(req.effective_batch)
+        // Without a budget: one round per window, so that every stage has work (a single micro-batch
+        // of the whole window would leave all stages but one idle).
+        let one_round = req.effective_batch.div_ceil(rounds_of(n)).max(1);
+        req.micro_batch.unwrap_or(one_round).min(req.effective_batch)
     } else {
         let high = crate::planner::search_limit(&req.model, req.effective_batch.min(crate::planner::MAX_MICRO), budget);
         let (mut lo, mut hi) = (1, high);
