@@ -1,6 +1,7 @@
 //! GFLOP/s of memfit's GEMM for the products of the bench cases, per instruction set:
 //! `cargo run --release -p memfit-kernels --example gemm_bench [threads]`. The same cases as
-//! `tools/torch_gemm.py` (`--isa NAME` runs one level only).
+//! `tools/torch_gemm.py` (`--isa NAME` runs one level only, `--case TEXT` the cases whose name
+//! contains TEXT).
 
 use memfit_kernels::gemm::{gemm, MatMut, MatRef};
 use memfit_kernels::Isa;
@@ -26,16 +27,19 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut threads = 2;
     let mut only = None;
+    let mut case = String::new();
     while let Some(a) = args.next() {
         if a == "--isa" {
             only = args.next().and_then(|n| Isa::parse(&n));
+        } else if a == "--case" {
+            case = args.next().unwrap_or_default();
         } else {
             threads = a.parse().expect("threads");
         }
     }
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
     for isa in Isa::supported().into_iter().filter(|i| only.is_none_or(|o| o == *i)) {
-        for &(name, m, n, k, lay) in CASES {
+        for &(name, m, n, k, lay) in CASES.iter().filter(|c| c.0.contains(&case)) {
             let a = vec![0.5f32; m * k];
             let b = vec![0.25f32; k * n];
             let mut c = vec![0.0f32; m * n];

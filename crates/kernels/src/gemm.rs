@@ -402,7 +402,7 @@ unsafe fn write_tile<T: GemmScalar>(
 /// Packs `len` lines (rows of A, or columns of B) of `depth` elements into panels of `panel`
 /// lines: `out[p * panel * depth + d * panel + l]` = element (line `p * panel + l`, depth `d`),
 /// zero past `len`. `ls` is the stride between lines, `ds` between depth steps. Contiguous lines
-/// copy whole runs; contiguous depth (a transposed operand) is transposed in chunks of depth that
+/// are read one depth step at a time and dealt out to the panels; contiguous depth (a transposed operand) is transposed in chunks of depth that
 /// keep the panel's written lines in L1.
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack<T: GemmScalar>(
@@ -422,18 +422,22 @@ unsafe fn pack<T: GemmScalar>(
             return pack_lines(src, ls, len, depth, panel, out);
         }
     }
+    if ls == 1 {
+        // Lines contiguous (a transposed A, or a row-major B): each depth step is one run of
+        // `len` elements, read once, in order, and dealt out to the panels.
+        for d in 0..depth {
+            let from = src.offset(d as isize * ds);
+            for p0 in (0..len).step_by(panel) {
+                copy_run(from.add(p0), out.add(p0 * depth + d * panel), panel.min(len - p0), panel);
+            }
+        }
+        return;
+    }
     for p0 in (0..len).step_by(panel) {
         let lines = panel.min(len - p0);
         let dst = out.add(p0 * depth);
         let src = src.offset(p0 as isize * ls);
-        if ls == 1 {
-            for d in 0..depth {
-                let (from, to) = (src.offset(d as isize * ds), dst.add(d * panel));
-                for l in 0..lines {
-                    *to.add(l) = *from.add(l);
-                }
-            }
-        } else if ds == 1 {
+        if ds == 1 {
             for d0 in (0..depth).step_by(DEPTH_CHUNK) {
                 let dn = DEPTH_CHUNK.min(depth - d0);
                 for l in 0..lines {
@@ -458,6 +462,30 @@ unsafe fn pack<T: GemmScalar>(
                 for l in lines..panel {
                     *dst.add(d * panel + l) = T::default();
                 }
+            }
+        }
+    }
+}
+
+/// Copies `lines` elements from `from` to `to` and zeroes the rest of a `panel`-element run, with a
+/// fixed-size copy for the panel widths of the micro-kernels.
+#[inline(always)]
+unsafe fn copy_run<T: GemmScalar>(from: *const T, to: *mut T, lines: usize, panel: usize) {
+    #[inline(always)]
+    unsafe fn fixed<T: Copy, const N: usize>(from: *const T, to: *mut T) {
+        (to as *mut [T; N]).write_unaligned((from as *const [T; N]).read_unaligned());
+    }
+    match (lines == panel, panel) {
+        (true, 32) => fixed::<T, 32>(from, to),
+        (true, 16) => fixed::<T, 16>(from, to),
+        (true, 12) => fixed::<T, 12>(from, to),
+        (true, 8) => fixed::<T, 8>(from, to),
+        (true, 6) => fixed::<T, 6>(from, to),
+        (true, 4) => fixed::<T, 4>(from, to),
+        _ => {
+            std::ptr::copy_nonoverlapping(from, to, lines);
+            for l in lines..panel {
+                *to.add(l) = T::default();
             }
         }
     }
