@@ -1,13 +1,8 @@
-//! Shapes, strides and offsets (in elements), and the shape rules views and broadcasting follow.
+//! The shape rules views and broadcasting follow, checked before any kernel runs. [`Layout`] itself
+//! (shapes, strides, offsets and the strided walks) is `memfit-cpu`'s, whose kernels walk it.
 
 use crate::error::{Error, Result};
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Layout {
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-    offset: usize,
-}
+pub use memfit_cpu::layout::{contiguous_strides, Layout};
 
 /// The number of elements of `shape`, or an error naming it when that overflows `usize`. Every shape
 /// a tensor gets from a caller goes through this (new tensors, reshape, expand), so [`Layout::numel`]
@@ -20,147 +15,6 @@ pub(crate) fn checked_numel(shape: &[usize]) -> Result<usize> {
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
         .ok_or_else(|| Error::shape(format!("shape {shape:?} has more elements than fit in memory")))
-}
-
-pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
-    let mut acc = 1;
-    for (stride, &dim) in strides.iter_mut().zip(shape).rev() {
-        *stride = acc;
-        acc *= dim.max(1);
-    }
-    strides
-}
-
-impl Layout {
-    pub fn contiguous(shape: &[usize]) -> Self {
-        Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 }
-    }
-
-    pub(crate) fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize) -> Self {
-        Layout { shape, strides, offset }
-    }
-
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    pub fn strides(&self) -> &[usize] {
-        &self.strides
-    }
-
-    pub fn offset(&self) -> usize {
-        self.offset
-    }
-
-    pub fn rank(&self) -> usize {
-        self.shape.len()
-    }
-
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// True when elements are laid out in row-major order without gaps.
-    pub fn is_contiguous(&self) -> bool {
-        if self.numel() == 0 {
-            return true;
-        }
-        let mut expected = 1;
-        for (&dim, &stride) in self.shape.iter().zip(&self.strides).rev() {
-            if dim != 1 && stride != expected {
-                return false;
-            }
-            expected *= dim;
-        }
-        true
-    }
-
-    /// Element offset of each element in row-major order (for strided copies).
-    pub(crate) fn for_each_offset(&self, mut f: impl FnMut(usize)) {
-        let rank = self.rank();
-        let numel = self.numel();
-        if numel == 0 {
-            return;
-        }
-        if rank == 0 {
-            f(self.offset);
-            return;
-        }
-        let inner = self.shape[rank - 1];
-        let inner_stride = self.strides[rank - 1];
-        let mut index = vec![0usize; rank - 1];
-        let mut base = self.offset;
-        loop {
-            for i in 0..inner {
-                f(base + i * inner_stride);
-            }
-            // Advance the outer multi-index.
-            let mut d = rank - 1;
-            loop {
-                if d == 0 {
-                    return;
-                }
-                d -= 1;
-                index[d] += 1;
-                base += self.strides[d];
-                if index[d] < self.shape[d] {
-                    break;
-                }
-                base -= self.strides[d] * self.shape[d];
-                index[d] = 0;
-            }
-        }
-    }
-}
-
-/// Calls `f(offset_a, offset_b)` for each element of two same-shaped layouts, in row-major order.
-/// (Broadcast operands are passed as expanded layouts with stride 0.)
-pub(crate) fn for_each_offset_pair(a: &Layout, b: &Layout, mut f: impl FnMut(usize, usize)) {
-    debug_assert_eq!(a.shape, b.shape);
-    let rank = a.rank();
-    if a.numel() == 0 {
-        return;
-    }
-    if rank == 0 {
-        f(a.offset, b.offset);
-        return;
-    }
-    let inner = a.shape[rank - 1];
-    let (sa, sb) = (a.strides[rank - 1], b.strides[rank - 1]);
-    let mut index = vec![0usize; rank - 1];
-    let (mut base_a, mut base_b) = (a.offset, b.offset);
-    loop {
-        for i in 0..inner {
-            f(base_a + i * sa, base_b + i * sb);
-        }
-        let mut d = rank - 1;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            index[d] += 1;
-            base_a += a.strides[d];
-            base_b += b.strides[d];
-            if index[d] < a.shape[d] {
-                break;
-            }
-            base_a -= a.strides[d] * a.shape[d];
-            base_b -= b.strides[d] * b.shape[d];
-            index[d] = 0;
-        }
-    }
-}
-
-/// The layout of `l` broadcast to `shape` (stride 0 on broadcast dims). `shape` must be a valid
-/// broadcast target of `l`'s shape.
-pub(crate) fn broadcast_layout(l: &Layout, shape: &[usize]) -> Layout {
-    let lead = shape.len() - l.rank();
-    let strides = (0..shape.len())
-        .map(|i| if i < lead || l.shape[i - lead] != shape[i] { 0 } else { l.strides[i - lead] })
-        .collect();
-    Layout::new(shape.to_vec(), strides, l.offset)
 }
 
 /// Resolves a possibly negative dim against a rank.
@@ -193,17 +47,6 @@ pub(crate) fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn offsets_follow_strides() {
-        let l = Layout::new(vec![2, 3], vec![1, 2], 1);
-        let mut seen = vec![];
-        l.for_each_offset(|o| seen.push(o));
-        assert_eq!(seen, vec![1, 3, 5, 2, 4, 6]);
-        assert!(!l.is_contiguous());
-        assert!(Layout::contiguous(&[2, 1, 3]).is_contiguous());
-        assert!(Layout::new(vec![2, 0], vec![1, 1], 0).is_contiguous(), "empty tensors are contiguous");
-    }
 
     #[test]
     fn broadcasting() {

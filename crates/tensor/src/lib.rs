@@ -18,11 +18,11 @@ mod tensor;
 pub use device::{
     Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, Span, SpanKind,
 };
-pub use dtype::{DType, Float};
+pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use memfit_kernels::Isa;
 pub use memfit_memory as memory;
 pub use memfit_memory::{Category, MemoryStats, OutOfMemory, Phase};
 pub use storage::Storage;
-pub use tensor::{Element, Tensor};
+pub use tensor::Tensor;

@@ -9,33 +9,14 @@
 
 use crate::autograd::Node;
 use crate::device::Device;
-use crate::dtype::DType;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::storage::Storage;
+use memfit_cpu::View;
 use memfit_memory::Category;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-
-/// A Rust type that a tensor can hold.
-pub trait Element: Copy + Send + Sync + 'static {
-    const DTYPE: DType;
-}
-
-macro_rules! element {
-    ($t:ty, $d:expr) => {
-        impl Element for $t {
-            const DTYPE: DType = $d;
-        }
-    };
-}
-element!(f32, DType::F32);
-element!(f64, DType::F64);
-element!(half::f16, DType::F16);
-element!(half::bf16, DType::BF16);
-element!(i64, DType::I64);
-element!(u8, DType::U8);
-element!(bool, DType::Bool);
 
 pub(crate) struct TensorImpl {
     storage: Arc<Storage>,
@@ -227,66 +208,24 @@ impl Tensor {
             && self.numel() * self.dtype().size() == self.0.storage.requested_bytes()
     }
 
-    fn check_dtype(&self, want: DType) -> Result<()> {
-        if self.0.dtype != want {
-            return Err(Error::dtype(format!("tensor is {}, asked as {}", self.0.dtype, want)));
-        }
-        Ok(())
-    }
-
-    fn check_contiguous(&self) -> Result<()> {
-        if !self.is_contiguous() {
-            return Err(Error::invalid("internal: kernel given a non-contiguous tensor"));
-        }
-        Ok(())
+    /// What a kernel sees of this tensor: its storage, dtype and layout. Errors on meta.
+    pub(crate) fn view(&self) -> Result<View<'_>> {
+        let ptr = self.0.storage.ptr()?;
+        // SAFETY: the storage holds `requested_bytes` initialised bytes, is aligned to 512 B, lives
+        // as long as `self`, and every element of the layout lies inside it (it was allocated for
+        // this layout or a larger one); Note [Storage aliasing] is the rule its slices follow.
+        Ok(unsafe { View::new(ptr.as_ptr(), self.0.storage.requested_bytes(), self.0.dtype, &self.0.layout) })
     }
 
     /// The elements of a contiguous tensor. Errors on meta.
     pub(crate) fn slice<T: Element>(&self) -> Result<&[T]> {
-        self.check_dtype(T::DTYPE)?;
-        self.check_contiguous()?;
-        let ptr = self.0.storage.ptr()?;
-        // SAFETY: the storage holds at least offset + numel elements of T (it was allocated for this
-        // layout or a larger one), is aligned to 512 B, and lives as long as `self`; see
-        // Note [Storage aliasing] for why no mutable alias exists meanwhile.
-        Ok(unsafe { std::slice::from_raw_parts((ptr.as_ptr() as *const T).add(self.0.layout.offset()), self.numel()) })
+        Ok(self.view()?.slice::<T>()?)
     }
 
-    /// The elements of a contiguous tensor, for writing. Errors on meta.
+    /// The elements of a contiguous tensor, for writing (Note [Storage aliasing]). Errors on meta.
     #[allow(clippy::mut_from_ref)]
     pub(crate) fn slice_mut<T: Element>(&self) -> Result<&mut [T]> {
-        self.check_dtype(T::DTYPE)?;
-        self.check_contiguous()?;
-        let ptr = self.0.storage.ptr()?;
-        // SAFETY: as in `slice`; callers write only to fresh outputs or to exclusively updated
-        // parameter/gradient/state storage (Note [Storage aliasing]).
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut((ptr.as_ptr() as *mut T).add(self.0.layout.offset()), self.numel())
-        })
-    }
-
-    /// The whole storage as bytes, for dtype-agnostic copies.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) fn bytes_mut(&self) -> Result<&mut [u8]> {
-        self.check_contiguous()?;
-        let ptr = self.0.storage.ptr()?;
-        let size = self.dtype().size();
-        // SAFETY: as in `slice_mut`, in bytes.
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut(ptr.as_ptr().add(self.0.layout.offset() * size), self.numel() * size)
-        })
-    }
-
-    /// The storage's base pointer, for strided in-place writes (Note [Storage aliasing]).
-    pub(crate) fn storage_ptr(&self) -> Result<*mut u8> {
-        Ok(self.0.storage.ptr()?.as_ptr())
-    }
-
-    /// The storage's bytes from the start of this view's storage (for strided reads).
-    pub(crate) fn storage_bytes(&self) -> Result<&[u8]> {
-        let ptr = self.0.storage.ptr()?;
-        // SAFETY: the storage holds `requested_bytes` initialized bytes and outlives `self`.
-        Ok(unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.0.storage.requested_bytes()) })
+        Ok(self.view()?.slice_mut::<T>()?)
     }
 
     /// Reads a contiguous tensor's elements in place through `read` (no copy), for transports such as
@@ -311,15 +250,13 @@ impl Tensor {
 
     /// Copies the elements out in row-major order (any layout). Errors on meta.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        self.check_dtype(T::DTYPE)?;
-        if self.is_contiguous() {
-            return Ok(self.slice::<T>()?.to_vec());
+        let view = self.view()?;
+        if view.is_contiguous() {
+            return Ok(view.slice::<T>()?.to_vec());
         }
-        let ptr = self.0.storage.ptr()?;
-        let base = ptr.as_ptr() as *const T;
+        let storage = view.storage::<T>()?;
         let mut out = Vec::with_capacity(self.numel());
-        // SAFETY: every offset produced by the layout lies inside the storage.
-        self.0.layout.for_each_offset(|o| out.push(unsafe { *base.add(o) }));
+        self.0.layout.for_each_offset(|o| out.push(storage[o]));
         Ok(out)
     }
 
@@ -357,27 +294,6 @@ impl Tensor {
             )));
         }
         self.device().backend().copy(self, src)
-    }
-
-    /// Writes this tensor's elements, in row-major order, into `dst` (exactly numel * size bytes).
-    pub(crate) fn copy_into_bytes(&self, dst: &mut [u8]) -> Result<()> {
-        let size = self.dtype().size();
-        let bytes = self.storage_bytes()?;
-        if dst.len() != self.numel() * size {
-            return Err(Error::invalid("internal: copy destination has the wrong size"));
-        }
-        if self.is_contiguous() {
-            let start = self.layout().offset() * size;
-            dst.copy_from_slice(&bytes[start..start + dst.len()]);
-            return Ok(());
-        }
-        let mut chunks = dst.chunks_exact_mut(size);
-        self.layout().for_each_offset(|o| {
-            if let Some(chunk) = chunks.next() {
-                chunk.copy_from_slice(&bytes[o * size..(o + 1) * size]);
-            }
-        });
-        Ok(())
     }
 }
 

@@ -4,20 +4,22 @@
 //! device's allocator (identically on every device, so `meta` predicts `cpu` to the byte), records
 //! autograd, and then asks its device's [`Backend`] to fill the outputs. The backends:
 //!
-//! - `cpu` (`backend/cpu/`): the CPU kernels. Each matches the dtype once (`with_float!`) and runs
-//!   Rust code, calling `memfit-kernels` for what has a path per instruction set (GEMM, GELU, exp),
-//!   chosen at run time there.
-//! - `meta` (`backend/meta.rs`): computes nothing; every kernel is a no-op, so a meta run is the
-//!   cpu run's allocation sequence and nothing else.
+//! - `cpu` (`backend/cpu.rs`): the crate `memfit-cpu`, one kernel per method, given [`View`]s of
+//!   the tensors (storage, dtype, layout). Each matches the dtype once (`with_float!`) and calls
+//!   `memfit-kernels` for what has a path per instruction set (GEMM, GELU, exp), chosen at run time.
+//! - `meta` ([`Meta`], below): computes nothing; every kernel is a no-op, so a meta run is the cpu
+//!   run's allocation sequence and nothing else.
 //!
 //! Adding a device is adding one implementation of [`Backend`] (and a `SegmentBackend` for its
-//! memory); adding a dtype (f16/bf16 storage) is adding arms to the CPU kernels' dtype match
-//! (`with_float!`, `dtype.rs`) and the conversions in `memfit-kernels`. Ops never branch on the
-//! device.
+//! memory) and its arm in [`of`]; adding a dtype (f16/bf16 storage) is adding arms to the CPU
+//! kernels' dtype match (`with_float!`, `memfit-cpu/src/dtype.rs`) and the conversions in
+//! `memfit-kernels`. Ops never branch on the device.
 //!
 //! The trait lists each kernel once ([`backends!`]); both backends' implementations are generated from
-//! the same list (meta: no-ops; cpu: calls to the CPU kernel of the same name), so a kernel cannot be
-//! added to one backend and forgotten in the other.
+//! the same list (meta: no-ops; cpu: calls to the `memfit-cpu` kernel of the same name), so a kernel
+//! cannot be added to one backend and forgotten in the other.
+//!
+//! [`View`]: memfit_cpu::View
 
 pub(crate) mod cpu;
 
@@ -28,7 +30,7 @@ use crate::tensor::Tensor;
 pub(crate) use cpu::Cpu;
 
 /// Declares [`Backend`] with one method per kernel, [`Meta`] implementing each as a no-op, and
-/// [`Cpu`] implementing each by the function of the same name in `cpu::kernels`.
+/// [`Cpu`] implementing each by the function of the same name in `memfit_cpu::kernels`.
 macro_rules! backends {
     ($( $(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?); )*) => {
         /// The kernels a device runs. Each fills outputs the op has already allocated; none
@@ -45,7 +47,9 @@ macro_rules! backends {
         }
 
         impl Backend for Cpu {
-            $( fn $name(&self $(, $arg: $ty)*) -> Result<()> { cpu::kernels::$name($($arg),*) } )*
+            $( fn $name(&self $(, $arg: $ty)*) -> Result<()> {
+                Ok(memfit_cpu::kernels::$name($(cpu::Lower::lower($arg)?),*)?)
+            } )*
         }
     };
 }

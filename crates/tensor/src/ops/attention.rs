@@ -4,7 +4,7 @@
 //! already merged (no split or merge copies). Both take the causal flag and/or a boolean mask.
 //!
 //! This file holds shapes, layouts, outputs and autograd; the kernels are the backend's
-//! (`backend/cpu/attention.rs`). FlashAttention-style fused kernels, one task per (batch, head) matrix, `DP_ROWS` query rows at a
+//! (`memfit-cpu`'s `attention.rs`). FlashAttention-style fused kernels, one task per (batch, head) matrix, `DP_ROWS` query rows at a
 //! time: forward computes a block of scores `S = q k^T * scale + mask` into a scratch, softmaxes each
 //! row (max, then exp and sum), multiplies by v into the output and keeps only the rows' log-sum-exp.
 //! Backward saves q, k and v (or the packed qkv, one tensor), the mask and the per-row log-sum-exp
@@ -26,50 +26,7 @@ use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact}
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// Sizes of one attention problem.
-#[derive(Clone, Copy)]
-pub(crate) struct AttnDims {
-    /// Number of (batch, head) matrices.
-    pub(crate) bh: usize,
-    /// Heads per batch element (for addressing; 1 when the operands are plain [bh, T, D] stacks).
-    pub(crate) heads: usize,
-    pub(crate) tq: usize,
-    pub(crate) tk: usize,
-    pub(crate) d: usize,
-    pub(crate) dv: usize,
-}
-
-/// Where the (batch, head) matrices of an operand live, in elements: matrix `i = b * heads + h` starts
-/// at `offset + b * batch_stride + h * head_stride`, its rows are `row_stride` apart and its columns
-/// contiguous. A gradient has the same layout as its input.
-#[derive(Clone, Copy)]
-pub(crate) struct AttnAddr {
-    pub(crate) offset: usize,
-    pub(crate) batch_stride: usize,
-    pub(crate) head_stride: usize,
-    pub(crate) row_stride: usize,
-}
-
-impl AttnAddr {
-    /// A contiguous stack of [rows, cols] matrices.
-    fn stack(rows: usize, cols: usize) -> AttnAddr {
-        AttnAddr { offset: 0, batch_stride: rows * cols, head_stride: 0, row_stride: cols }
-    }
-
-    pub(crate) fn start(&self, i: usize, heads: usize) -> usize {
-        self.offset + (i / heads) * self.batch_stride + (i % heads) * self.head_stride
-    }
-}
-
-/// Layouts of q, k, v and the output (and of their gradients).
-#[derive(Clone, Copy)]
-pub(crate) struct AttnLayouts {
-    pub(crate) q: AttnAddr,
-    pub(crate) k: AttnAddr,
-    pub(crate) v: AttnAddr,
-    pub(crate) out: AttnAddr,
-}
+pub(crate) use memfit_cpu::attention::{AttnAddr, AttnDims, AttnLayouts, AttnProblem};
 
 /// Errors unless `m` is a bool mask on `like`'s device that broadcasts to `full`.
 fn check_mask(op: &str, m: &Tensor, like: &Tensor, full: &[usize]) -> Result<()> {
@@ -84,16 +41,6 @@ fn check_mask(op: &str, m: &Tensor, like: &Tensor, full: &[usize]) -> Result<()>
         return Err(Error::shape(format!("{op}: mask {:?} does not broadcast to {full:?}", m.shape())));
     }
     Ok(())
-}
-
-/// One attention call: sizes, operand layouts, scale and which keys are visible.
-pub(crate) struct AttnProblem {
-    pub(crate) dims: AttnDims,
-    pub(crate) lay: AttnLayouts,
-    pub(crate) scale: f64,
-    pub(crate) causal: bool,
-    /// The mask's broadcast target, [batch..., Tq, Tk].
-    pub(crate) full: Vec<usize>,
 }
 
 /// `F.scaled_dot_product_attention(q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv], is_causal)` with scale

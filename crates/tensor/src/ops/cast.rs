@@ -4,7 +4,7 @@
 //! Like PyTorch, a cast to f16 or bf16 goes through f32 (`c10::Half` and `c10::BFloat16` are built from
 //! a float): f64 -> f16 rounds to f32 first, then to f16. Rounding uses the `half` crate, which rounds
 //! to nearest even, keeps subnormals and overflows to infinity (checked bit for bit against PyTorch in
-//! the tests). The kernel is the backend's (`backend/cpu/cast.rs`).
+//! the tests). The kernel is the backend's (`memfit-cpu`'s `cast.rs`).
 
 use super::output_any;
 use crate::autograd::{needs_grad, record, Backward};
@@ -55,9 +55,9 @@ mod tests {
     use super::*;
     use crate::autograd::backward_with;
     use crate::ops::softmax::test_support::*;
-    use crate::ops::PAR_CHUNK;
     use crate::{Category, Device};
     use half::{bf16, f16};
+    use memfit_cpu::PAR_CHUNK;
 
     #[test]
     fn golden_rounding_is_bit_exact() {

@@ -16,13 +16,13 @@
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 //!
 //! This file plans (shapes, work plan, workspaces) and records autograd; the kernels that follow the
-//! plan are the backend's (`backend/cpu/conv.rs`).
+//! plan are the backend's (`memfit-cpu`'s `conv.rs`).
 
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use std::ops::Range;
+pub(crate) use memfit_cpu::conv::ConvGeom;
 
 /// Hyper-parameters of a 2-D convolution, `[h, w]` pairs as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,81 +50,6 @@ struct Limits {
 }
 
 const LIMITS: Limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32 };
-
-/// The shapes of one convolution and its work plan.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ConvGeom {
-    pub(crate) n: usize,
-    pub(crate) c: usize,
-    pub(crate) h: usize,
-    pub(crate) w: usize,
-    pub(crate) o: usize,
-    pub(crate) kh: usize,
-    pub(crate) kw: usize,
-    pub(crate) oh: usize,
-    pub(crate) ow: usize,
-    pub(crate) sh: usize,
-    pub(crate) sw: usize,
-    pub(crate) ph: usize,
-    pub(crate) pw: usize,
-    pub(crate) dh: usize,
-    pub(crate) dw: usize,
-    pub(crate) groups: usize,
-    /// 1x1 kernel, stride 1, no padding: the input is its own im2col matrix.
-    pub(crate) direct: bool,
-    /// Output rows per im2col tile.
-    pub(crate) tile_rows: usize,
-    /// Parallel lanes (0 for an empty batch).
-    pub(crate) lanes: usize,
-    /// Samples per lane (the last lane may have fewer).
-    pub(crate) per_lane: usize,
-}
-
-impl ConvGeom {
-    pub(crate) fn cg(&self) -> usize {
-        self.c / self.groups
-    }
-    pub(crate) fn og(&self) -> usize {
-        self.o / self.groups
-    }
-    /// GEMM depth per group: rows of the im2col matrix of one group.
-    pub(crate) fn kg(&self) -> usize {
-        self.cg() * self.kh * self.kw
-    }
-    /// Rows of the im2col matrix of all groups.
-    pub(crate) fn kc(&self) -> usize {
-        self.c * self.kh * self.kw
-    }
-    pub(crate) fn hw(&self) -> usize {
-        self.h * self.w
-    }
-    pub(crate) fn p(&self) -> usize {
-        self.oh * self.ow
-    }
-    /// Elements of one lane's im2col tile.
-    pub(crate) fn col_len(&self) -> usize {
-        if self.direct {
-            0
-        } else {
-            self.kc() * self.tile_rows * self.ow
-        }
-    }
-    /// Elements of one lane's transposed output-gradient tile `[rows*OW, O]` (weight gradient only).
-    pub(crate) fn gt_len(&self) -> usize {
-        self.o * self.tile_rows * self.ow
-    }
-    pub(crate) fn weight_len(&self) -> usize {
-        self.o * self.kg()
-    }
-    pub(crate) fn samples(&self, lane: usize) -> Range<usize> {
-        (lane * self.per_lane).min(self.n)..((lane + 1) * self.per_lane).min(self.n)
-    }
-    /// Output-row ranges of the tiles of one sample.
-    pub(crate) fn tiles(&self) -> impl Iterator<Item = (usize, usize)> {
-        let (rows, oh) = (self.tile_rows, self.oh);
-        (0..oh).step_by(rows.max(1)).map(move |r0| (r0, (r0 + rows).min(oh)))
-    }
-}
 
 fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limits: Limits) -> Result<ConvGeom> {
     if x.len() != 4 {

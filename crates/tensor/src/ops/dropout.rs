@@ -3,7 +3,7 @@
 //! Element `i` is kept when a SplitMix64 draw keyed by (seed, i) is >= p, so the mask depends only on
 //! the seed and the element's position (never on threading). Backward uses the mask saved as one bit
 //! per element (a u8 tensor of ceil(numel / 8) bytes, bit `i % 8` of byte `i / 8`). The kernels are
-//! the backend's (`backend/cpu/dropout.rs`).
+//! the backend's (`memfit-cpu`'s `dropout.rs`).
 
 use super::output;
 use crate::autograd::{needs_grad, record, save, Backward};
@@ -51,10 +51,10 @@ impl Backward for DropoutBack {
 mod tests {
     use super::*;
     use crate::autograd::backward_with;
-    use crate::backend::cpu::dropout::{mix, uniform};
     use crate::ops::softmax::test_support::*;
-    use crate::ops::PAR_CHUNK;
     use crate::{Category, Device};
+    use memfit_cpu::dropout::{mix, uniform};
+    use memfit_cpu::PAR_CHUNK;
 
     #[test]
     fn identity_when_not_training_or_p_zero() {

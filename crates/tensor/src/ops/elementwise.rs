@@ -1,44 +1,12 @@
 //! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, exp, log, neg, scalar
 //! affine), binary arithmetic with broadcasting (add, sub, mul, div), and in-place accumulation:
-//! shapes, outputs and autograd. The kernels are the backend's (`backend/cpu/elementwise.rs`).
+//! shapes, outputs and autograd. The kernels are the backend's (`memfit-cpu`'s `elementwise.rs`).
 
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save_compact, Backward, Compact};
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Unary {
-    Relu,
-    GeluErf,
-    GeluTanh,
-    Tanh,
-    Sigmoid,
-    Exp,
-    Log,
-    Neg,
-}
-
-impl Unary {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Unary::Relu => "relu",
-            Unary::GeluErf => "gelu",
-            Unary::GeluTanh => "gelu_tanh",
-            Unary::Tanh => "tanh",
-            Unary::Sigmoid => "sigmoid",
-            Unary::Exp => "exp",
-            Unary::Log => "log",
-            Unary::Neg => "neg",
-        }
-    }
-
-    /// Whether backward needs the output (else the input, or nothing for neg).
-    pub(crate) fn saves_output(self) -> bool {
-        matches!(self, Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp)
-    }
-}
 
 fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
     let _op = x.device().op_scope(op.name());
@@ -140,25 +108,6 @@ impl Backward for ScaleBack {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Binary {
-    Add,
-    Sub,
-    Mul,
-    Div,
-}
-
-impl Binary {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Binary::Add => "add",
-            Binary::Sub => "sub",
-            Binary::Mul => "mul",
-            Binary::Div => "div",
-        }
-    }
-}
-
 /// Computes `op(a, b)` over the broadcast shape into a new tensor.
 fn binary_kernel(a: &Tensor, b: &Tensor, op: Binary) -> Result<Tensor> {
     check_same(op.name(), &[a, b])?;
@@ -229,6 +178,7 @@ impl Backward for BinaryBack {
 }
 
 use super::sum_to_shape;
+pub(crate) use memfit_cpu::elementwise::{Binary, Unary};
 
 /// `dst += src` in place (same shape; any layouts). Not recorded by autograd.
 pub fn add_into(dst: &Tensor, src: &Tensor) -> Result<()> {

@@ -1,7 +1,7 @@
 //! Embedding lookup: rows of a weight table picked by int64 indices; the gradient scatter-adds.
 //! Saves only the indices (and the table's row count) for backward. The kernels (and the check of
 //! the index values, which only a computing device can read) are the backend's
-//! (`backend/cpu/embedding.rs`).
+//! (`memfit-cpu`'s `embedding.rs`).
 
 use super::{output, zeros_output};
 use crate::autograd::{needs_grad, record, save, Backward};

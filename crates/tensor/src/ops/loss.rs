@@ -1,7 +1,7 @@
 //! Losses, reduction mean: cross_entropy (logits + int64 class targets, optional label smoothing),
 //! nll_loss (on log-probabilities) and mse_loss.
 //!
-//! This file holds shapes, outputs and autograd; the kernels are the backend's (`backend/cpu/loss.rs`).
+//! This file holds shapes, outputs and autograd; the kernels are the backend's (`memfit-cpu`'s `loss.rs`).
 //! cross_entropy is one fused kernel (log-sum-exp per row, no probability tensor in forward); it saves
 //! the logits and the targets, and its backward recomputes the softmax straight into the gradient.
 //! Sums over rows are taken in fixed blocks and added in block order, so results do not depend on the

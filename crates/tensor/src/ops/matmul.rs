@@ -2,13 +2,14 @@
 //! `x W^T + b`) and `gelu_linear` (`linear(gelu(x))` fused, saving only GELU's input). Products run on
 //! `memfit-kernels`' GEMM, which takes arbitrary strides, so transposed views are multiplied without
 //! copies. This file holds shapes, outputs (and the fused op's scratch) and autograd; the kernels are
-//! the backend's (`backend/cpu/matmul.rs`).
+//! the backend's (`memfit-cpu`'s `matmul.rs`).
 
 use super::{check_same, output, sum_to_shape};
 use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
+pub(crate) use memfit_cpu::matmul::GELU_ROWS;
 use memfit_memory::Category;
 
 fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -147,9 +148,6 @@ impl Backward for LinearBack {
         Ok(grads)
     }
 }
-
-/// Rows [`gelu_linear`] runs per block (its scratch holds GELU_ROWS rows of the input).
-pub(crate) const GELU_ROWS: usize = 512;
 
 /// `linear(gelu(x), weight, bias)` with the exact (erf) GELU, fused (a transformer MLP's second layer
 /// with its activation): x [..., in], weight [out, in], bias [out].

@@ -1,7 +1,7 @@
 //! Tensor operations, one file per family: each holds what the op means — its API, argument checks,
 //! output shapes, its backward and its unit tests. Every op allocates its outputs (and workspaces)
 //! through the device's allocator, the same on every device, asks the device's backend to fill them
-//! (`crate::backend`: the CPU kernels live in `backend/cpu/`, `meta` computes nothing), and records
+//! (`crate::backend`: the CPU kernels are the crate `memfit-cpu`, `meta` computes nothing), and records
 //! an autograd node when grad is needed.
 
 mod attention;
@@ -78,6 +78,3 @@ pub(crate) fn check_same(op: &str, tensors: &[&Tensor]) -> Result<()> {
     }
     Ok(())
 }
-
-/// Splits `len` items into chunks big enough to be worth a thread.
-pub(crate) const PAR_CHUNK: usize = 1 << 15;

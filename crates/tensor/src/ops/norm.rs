@@ -7,7 +7,7 @@
 //! training, the running statistics in eval); layer_norm_linear saves the input, per-row mean and
 //! rstd and the weights, but not the normalized tensor, which its backward recomputes block by block.
 //! Statistics are accumulated in f64 with two passes. This file holds shapes, outputs (and the fused
-//! op's scratch) and autograd; the kernels are the backend's (`backend/cpu/norm.rs`).
+//! op's scratch) and autograd; the kernels are the backend's (`memfit-cpu`'s `norm.rs`).
 
 use super::matmul::{check_linear, contiguous_bias};
 use super::{check_same, output};
@@ -15,6 +15,7 @@ use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact}
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+pub(crate) use memfit_cpu::norm::LN_ROWS;
 use memfit_memory::Category;
 
 /// `F.layer_norm(x, normalized_shape, weight, bias, eps)`: biased variance, eps inside the sqrt.
@@ -122,9 +123,6 @@ impl Backward for LayerNormBack {
         Ok(grads)
     }
 }
-
-/// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
-pub(crate) const LN_ROWS: usize = 512;
 
 /// `linear(layer_norm(x, [in], ln_weight, ln_bias, eps), weight, bias)` fused (a pre-norm
 /// transformer's normalization and the projection after it): x [..., in], ln_weight and ln_bias [in],

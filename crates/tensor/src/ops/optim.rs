@@ -8,11 +8,12 @@
 //! reference (`add(alpha)`, `mul_`, `lerp_`, `addcmul_`, `sqrt`, `div`, `add_`, `addcdiv_`) becomes
 //! the same rounding step here. Only the tensor traffic is fused: one pass over memory per update.
 //! Large tensors are split into disjoint chunks updated in parallel (elementwise, so the result does
-//! not depend on the thread count). The kernels are the backend's (`backend/cpu/optim.rs`).
+//! not depend on the thread count). The kernels are the backend's (`memfit-cpu`'s `optim.rs`).
 
 use super::check_same;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+pub(crate) use memfit_cpu::optim::{AdamStep, SgdStep};
 use std::sync::Arc;
 
 /// Validates an in-place update: same device and dtype, same shape, contiguous, no two tensors
@@ -49,19 +50,6 @@ fn check_update(op: &str, param: &Tensor, grad: &Tensor, states: &[&Tensor]) -> 
     Ok(())
 }
 
-/// One SGD step's hyper-parameters as the caller gives them (Python floats: f64); the kernel casts
-/// them to the parameter's dtype (Note [Optimizer arithmetic]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SgdStep {
-    pub(crate) lr: f64,
-    pub(crate) momentum: f64,
-    pub(crate) dampening: f64,
-    pub(crate) nesterov: bool,
-    pub(crate) weight_decay: f64,
-    /// The momentum buffer is fresh: it is overwritten with the gradient, not blended.
-    pub(crate) first_step: bool,
-}
-
 /// SGD for one parameter: `g' = g + wd*p`; with momentum: `buf = g'` on the first step (the caller
 /// passes a freshly allocated buffer and `first_step = true`; its contents are overwritten), else
 /// `buf = momentum*buf + (1-dampening)*g'`; Nesterov uses `g' + momentum*buf`; `p -= lr * update`.
@@ -91,21 +79,6 @@ pub fn sgd_update(
     check_update("sgd_update", param, grad, buf.as_slice())?;
     let step = SgdStep { lr, momentum, dampening, nesterov, weight_decay, first_step };
     param.device().backend().sgd_update(param, grad, buf, step)
-}
-
-/// One Adam / AdamW step's hyper-parameters as the caller gives them (Python floats: f64); the
-/// kernel derives the bias corrections in f64 and casts to the parameter's dtype
-/// (Note [Optimizer arithmetic]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct AdamStep {
-    /// Numbered from 1.
-    pub(crate) step: u64,
-    pub(crate) lr: f64,
-    pub(crate) betas: (f64, f64),
-    pub(crate) eps: f64,
-    pub(crate) weight_decay: f64,
-    /// AdamW: decay the parameter, not the gradient.
-    pub(crate) decoupled: bool,
 }
 
 /// Adam / AdamW for one parameter at step `step` (numbered from 1). Adam's weight decay is L2 added to
@@ -150,8 +123,8 @@ pub fn unscale_(grad: &Tensor, inv_scale: f64) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::PAR_CHUNK;
     use crate::{Category, Device};
+    use memfit_cpu::PAR_CHUNK;
 
     fn t64(d: &Device, v: &[f64]) -> Tensor {
         Tensor::from_slice(d, v, &[v.len()], Category::Parameter).unwrap()

@@ -4,13 +4,14 @@
 //! parallel for large inputs. For its backward, max_pool2d saves neither the input nor int64 indices
 //! but the position of each maximum inside its window, in 1, 2 or 4 bytes (a `u8` tensor), chosen
 //! from the window size. The average pools save nothing but shapes. The kernels are the backend's
-//! (`backend/cpu/pool.rs`).
+//! (`memfit-cpu`'s `pool.rs`).
 
 use super::output;
 use crate::autograd::{needs_grad, record, save, Backward};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+pub(crate) use memfit_cpu::pool::{Avg, PoolGeom};
 
 /// Hyper-parameters of a 2-D pooling window, `[h, w]` pairs as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,33 +27,6 @@ impl Pool2dParams {
     /// A square window of `k` with stride `k` (the common `max_pool2d(x, k)`).
     pub fn square(k: usize) -> Self {
         Pool2dParams { kernel: [k, k], stride: [k, k], padding: [0, 0], dilation: [1, 1], ceil_mode: false }
-    }
-}
-
-/// The shapes of one pooling: `planes` independent [h, w] -> [oh, ow] planes.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct PoolGeom {
-    pub(crate) planes: usize,
-    pub(crate) h: usize,
-    pub(crate) w: usize,
-    pub(crate) oh: usize,
-    pub(crate) ow: usize,
-    pub(crate) kh: usize,
-    pub(crate) kw: usize,
-    pub(crate) sh: usize,
-    pub(crate) sw: usize,
-    pub(crate) ph: usize,
-    pub(crate) pw: usize,
-    pub(crate) dh: usize,
-    pub(crate) dw: usize,
-}
-
-impl PoolGeom {
-    pub(crate) fn hw(&self) -> usize {
-        self.h * self.w
-    }
-    pub(crate) fn ohw(&self) -> usize {
-        self.oh * self.ow
     }
 }
 
@@ -196,23 +170,6 @@ impl Backward for MaxPoolBack {
         let dx = output(&grad, &self.input_shape, grad.dtype(), "max_pool2d_backward")?;
         grad.device().backend().max_pool2d_backward(&g, width, &grad, &self.positions, &dx)?;
         Ok(vec![Some(dx)])
-    }
-}
-
-/// Which average pool: a fixed window (PyTorch's `count_include_pad` divisor rule) or adaptive windows.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Avg {
-    Fixed { count_include_pad: bool },
-    Adaptive,
-}
-
-impl Avg {
-    /// The op's name.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Avg::Fixed { .. } => "avg_pool2d",
-            Avg::Adaptive => "adaptive_avg_pool2d",
-        }
     }
 }
 

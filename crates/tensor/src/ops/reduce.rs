@@ -1,6 +1,6 @@
 //! Reductions: sum, mean and max over one dim or all elements, and `sum_to_shape` (the gradient of
 //! broadcasting): shapes, outputs and autograd. The kernels are the backend's
-//! (`backend/cpu/reduce.rs`).
+//! (`memfit-cpu`'s `reduce.rs`).
 
 use super::{output, zeros_output};
 use crate::autograd::{needs_grad, record, save, Backward};

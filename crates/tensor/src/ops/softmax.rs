@@ -1,5 +1,5 @@
 //! softmax and log_softmax over one dim (numerically stable: max subtracted): shapes, outputs and
-//! autograd; the kernels are the backend's (`backend/cpu/softmax.rs`). Both save only their output
+//! autograd; the kernels are the backend's (`memfit-cpu`'s `softmax.rs`). Both save only their output
 //! for backward. Also holds the `test_support` helpers (gradient check, golden files, meta vs cpu)
 //! shared by the unit tests of softmax, loss, norm, embedding, attention, dropout and cast.
 
@@ -8,14 +8,6 @@ use crate::autograd::{needs_grad, record, save, Backward};
 use crate::error::Result;
 use crate::layout::resolve_dim;
 use crate::tensor::Tensor;
-
-/// (outer, size, inner) of `shape` around `dim`; a 0-d tensor is one element.
-pub(crate) fn split_dim(shape: &[usize], dim: usize) -> (usize, usize, usize) {
-    if shape.is_empty() {
-        return (1, 1, 1);
-    }
-    (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
-}
 
 fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     let name = if log { "log_softmax" } else { "softmax" };
@@ -231,9 +223,9 @@ mod tests {
     use super::test_support::*;
     use super::*;
     use crate::autograd::backward_with;
-    use crate::backend::cpu::softmax::softmax_block;
-    use crate::ops::PAR_CHUNK;
     use crate::{DType, Device};
+    use memfit_cpu::softmax::softmax_block;
+    use memfit_cpu::PAR_CHUNK;
 
     #[test]
     fn hand_checked_values() {

@@ -3,22 +3,22 @@
 
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::ops::PAR_CHUNK;
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use rayon::prelude::*;
 
 const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The SplitMix64 finalizer.
-pub(crate) fn mix(mut z: u64) -> u64 {
+pub fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
 }
 
 /// A uniform draw in [0, 1) for element `i` of the stream `key` (= mix(seed)).
-pub(crate) fn uniform(key: u64, i: u64) -> f64 {
+pub fn uniform(key: u64, i: u64) -> f64 {
     let z = mix(key.wrapping_add(i.wrapping_add(1).wrapping_mul(GAMMA)));
     (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
@@ -28,7 +28,7 @@ const MASK_BYTES_PER_TASK: usize = PAR_CHUNK / 8;
 
 /// `out = x * mask / (1 - p)` with element `i` kept when `uniform(mix(seed), i) >= p`; writes the
 /// mask's bits into `mask` when given (x contiguous).
-pub(crate) fn dropout(x: &Tensor, p: f64, seed: u64, out: &Tensor, mask: Option<&Tensor>) -> Result<()> {
+pub fn dropout(x: View<'_>, p: f64, seed: u64, out: View<'_>, mask: Option<View<'_>>) -> Result<()> {
     if x.numel() == 0 {
         return Ok(());
     }
@@ -65,7 +65,7 @@ pub(crate) fn dropout(x: &Tensor, p: f64, seed: u64, out: &Tensor, mask: Option<
 }
 
 /// `gx = grad * mask / (1 - p)` (grad contiguous; `mask` one bit per element).
-pub(crate) fn dropout_backward(grad: &Tensor, mask: &Tensor, p: f64, gx: &Tensor) -> Result<()> {
+pub fn dropout_backward(grad: View<'_>, mask: View<'_>, p: f64, gx: View<'_>) -> Result<()> {
     with_float!(grad.dtype(), "dropout_backward", T => {
         let scale = T::of(1.0 / (1.0 - p));
         let (g, m, dst) = (grad.slice::<T>()?, mask.slice::<u8>()?, gx.slice_mut::<T>()?);

@@ -10,10 +10,12 @@ use super::gemm::{gemm_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::layout::{broadcast_layout, Layout};
-use crate::ops::GELU_ROWS;
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
 use rayon::prelude::*;
+
+/// Rows [`gelu_linear`] runs per block (its scratch holds GELU_ROWS rows of the input).
+pub const GELU_ROWS: usize = 512;
 
 /// The operand view of the last two dims of `t` at element offset `offset`.
 fn mat_of<T>(base: *const T, l: &Layout, offset: usize) -> Mat<T> {
@@ -32,7 +34,7 @@ fn batch_offsets(l: &Layout) -> Vec<usize> {
 }
 
 /// `out = a @ b` over the last two dims, the batch dims of `a` and `b` broadcast to `out`'s.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+pub fn matmul(a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
     let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
     let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
     let batch = &out.shape()[..ro - 2];
@@ -43,8 +45,8 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
     let (la, lb) = (broadcast_layout(a.layout(), &sa), broadcast_layout(b.layout(), &sb));
     let (oa, ob) = (batch_offsets(&la), batch_offsets(&lb));
     with_float!(a.dtype(), "matmul", T => {
-        let pa = SendPtr(a.storage_ptr()? as *mut T);
-        let pb = SendPtr(b.storage_ptr()? as *mut T);
+        let pa = SendPtr(a.storage_ptr() as *mut T);
+        let pb = SendPtr(b.storage_ptr() as *mut T);
         let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
         let threads = rayon::current_num_threads();
         let run = |i: usize, threads: usize| {
@@ -65,10 +67,10 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
 }
 
 /// The weight [out, in] as a GEMM operand: transposed ([in, out], for `x W^T`) or as stored.
-pub(crate) fn weight_mat<T>(weight: &Tensor, transposed: bool) -> Result<Mat<T>> {
+pub(crate) fn weight_mat<T>(weight: View<'_>, transposed: bool) -> Result<Mat<T>> {
     let w = weight.layout();
     // SAFETY: the offset comes from the weight's layout.
-    let ptr = unsafe { (weight.storage_ptr()? as *const T).add(w.offset()) };
+    let ptr = unsafe { (weight.storage_ptr() as *const T).add(w.offset()) };
     let (s0, s1) = (w.strides()[0] as isize, w.strides()[1] as isize);
     Ok(if transposed { Mat { ptr, rs: s1, cs: s0 } } else { Mat { ptr, rs: s0, cs: s1 } })
 }
@@ -76,9 +78,9 @@ pub(crate) fn weight_mat<T>(weight: &Tensor, transposed: bool) -> Result<Mat<T>>
 /// Starts a linear layer's output: every row of `dst` (rows of `out_f`) is the bias, when there is
 /// one (the GEMM then accumulates into it). The bias is contiguous (the op made it so). Shared by
 /// `linear`, `gelu_linear` and `layer_norm_linear`.
-pub(crate) fn fill_rows_with_bias<T: Float + crate::tensor::Element>(
+pub(crate) fn fill_rows_with_bias<T: Float + crate::dtype::Element>(
     dst: &mut [T],
-    bias: Option<&Tensor>,
+    bias: Option<View<'_>>,
     out_f: usize,
 ) -> Result<()> {
     if let Some(b) = bias {
@@ -89,7 +91,7 @@ pub(crate) fn fill_rows_with_bias<T: Float + crate::tensor::Element>(
 }
 
 /// `out = x W^T + b` (x contiguous [rows, in], bias contiguous).
-pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
+pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'_>) -> Result<()> {
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
     let rows = x.numel() / in_f.max(1);
     with_float!(x.dtype(), "linear", T => {
@@ -106,12 +108,12 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &T
 
 /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through `scratch` (at least
 /// min(rows, GELU_ROWS) x in).
-pub(crate) fn gelu_linear(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    scratch: &Tensor,
-    out: &Tensor,
+pub fn gelu_linear(
+    x: View<'_>,
+    weight: View<'_>,
+    bias: Option<View<'_>>,
+    scratch: View<'_>,
+    out: View<'_>,
 ) -> Result<()> {
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
     let rows = x.numel() / in_f.max(1);
@@ -138,13 +140,13 @@ pub(crate) fn gelu_linear(
 /// itself when the op decided to write it in place) and the weight gradient into `gw`, each when
 /// present. `scratch` holds min(rows, GELU_ROWS) rows of in, twice that when both gradients are
 /// wanted and `gx` is not `x`.
-pub(crate) fn gelu_linear_backward(
-    x: &Tensor,
-    weight: &Tensor,
-    grad: &Tensor,
-    gx: Option<&Tensor>,
-    gw: Option<&Tensor>,
-    scratch: &Tensor,
+pub fn gelu_linear_backward(
+    x: View<'_>,
+    weight: View<'_>,
+    grad: View<'_>,
+    gx: Option<View<'_>>,
+    gw: Option<View<'_>>,
+    scratch: View<'_>,
 ) -> Result<()> {
     const NAME: &str = "gelu_linear_backward";
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);

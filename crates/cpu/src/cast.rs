@@ -2,14 +2,15 @@
 //! (through the `half` crate for f16/bf16) and from the integer and bool dtypes.
 
 use crate::dtype::DType;
+use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::ops::PAR_CHUNK;
-use crate::tensor::{Element, Tensor};
+use crate::view::View;
+use crate::PAR_CHUNK;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// `dst[i] = f(src[i])` across dtypes, in parallel for large tensors.
-fn map_into<S: Element, D: Element>(x: &Tensor, out: &Tensor, f: impl Fn(S) -> D + Sync + Send) -> Result<()> {
+fn map_into<S: Element, D: Element>(x: View<'_>, out: View<'_>, f: impl Fn(S) -> D + Sync + Send) -> Result<()> {
     let (src, dst) = (x.slice::<S>()?, out.slice_mut::<D>()?);
     let run = |(d, s): (&mut [D], &[S])| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s));
     if dst.len() >= 2 * PAR_CHUNK {
@@ -21,7 +22,7 @@ fn map_into<S: Element, D: Element>(x: &Tensor, out: &Tensor, f: impl Fn(S) -> D
 }
 
 /// `out = x` converted to `out`'s dtype (x contiguous, same shape). Nothing to do when empty.
-pub(crate) fn cast(x: &Tensor, out: &Tensor) -> Result<()> {
+pub fn cast(x: View<'_>, out: View<'_>) -> Result<()> {
     use DType::*;
     if x.numel() == 0 {
         return Ok(());

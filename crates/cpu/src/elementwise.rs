@@ -3,13 +3,64 @@
 //! share (parallel maps, and GELU/exp through `memfit-kernels`' vectorised math for f32).
 
 use crate::dtype::Float;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layout::{broadcast_layout, for_each_offset_pair};
-use crate::ops::{Binary, Unary, PAR_CHUNK};
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use memfit_kernels::{math, Isa};
 use rayon::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unary {
+    Relu,
+    GeluErf,
+    GeluTanh,
+    Tanh,
+    Sigmoid,
+    Exp,
+    Log,
+    Neg,
+}
+
+impl Unary {
+    pub fn name(self) -> &'static str {
+        match self {
+            Unary::Relu => "relu",
+            Unary::GeluErf => "gelu",
+            Unary::GeluTanh => "gelu_tanh",
+            Unary::Tanh => "tanh",
+            Unary::Sigmoid => "sigmoid",
+            Unary::Exp => "exp",
+            Unary::Log => "log",
+            Unary::Neg => "neg",
+        }
+    }
+
+    /// Whether backward needs the output (else the input, or nothing for neg).
+    pub fn saves_output(self) -> bool {
+        matches!(self, Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl Binary {
+    pub fn name(self) -> &'static str {
+        match self {
+            Binary::Add => "add",
+            Binary::Sub => "sub",
+            Binary::Mul => "mul",
+            Binary::Div => "div",
+        }
+    }
+}
 
 // Slice kernels of GELU and exp: f32 runs `memfit-kernels`' vectorised math for the process's
 // instruction set, f64 the scalar functions below. Every GELU of the crate goes through these, so
@@ -141,13 +192,13 @@ pub(crate) fn par_update<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T, T) ->
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
 
-/// The exact (erf) GELU of one value, as [`Tensor::gelu`] computes it (fused ops share it).
+/// The exact (erf) GELU of one value, as the tensor crate's `gelu` computes it (fused ops share it).
 #[inline(always)]
 pub(crate) fn gelu_erf<T: Float>(x: T) -> T {
     T::of(0.5) * x * (T::one() + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf())
 }
 
-/// `g * gelu'(x)` for the exact GELU, as [`Tensor::gelu`]'s backward computes it.
+/// `g * gelu'(x)` for the exact GELU, as the tensor crate's `gelu`'s backward computes it.
 #[inline(always)]
 pub(crate) fn gelu_erf_backward<T: Float>(x: T, g: T) -> T {
     let half = T::of(0.5);
@@ -235,22 +286,12 @@ fn apply<T: Float>(op: Binary, a: T, b: T) -> T {
     }
 }
 
-/// All elements of a tensor's storage as `T` (for strided reads through its layout).
-pub(crate) fn typed_storage<T: Float>(t: &Tensor) -> Result<&[T]> {
-    if t.dtype() != T::DTYPE {
-        return Err(Error::dtype(format!("tensor is {}, asked as {}", t.dtype(), T::DTYPE)));
-    }
-    let bytes = t.storage_bytes()?;
-    // SAFETY: the storage is 512-byte aligned and holds whole elements of T.
-    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) })
-}
-
-pub(crate) fn unary(op: Unary, x: &Tensor, out: &Tensor) -> Result<()> {
+pub fn unary(op: Unary, x: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(x.dtype(), op.name(), T => forward_kernel::<T>(op, x.slice::<T>()?, out.slice_mut::<T>()?));
     Ok(())
 }
 
-pub(crate) fn unary_backward(op: Unary, saved: Option<&Tensor>, grad: &Tensor, out: &Tensor) -> Result<()> {
+pub fn unary_backward(op: Unary, saved: Option<View<'_>>, grad: View<'_>, out: View<'_>) -> Result<()> {
     let in_place = out.same(grad);
     with_float!(grad.dtype(), op.name(), T => {
         let dst = out.slice_mut::<T>()?;
@@ -264,7 +305,7 @@ pub(crate) fn unary_backward(op: Unary, saved: Option<&Tensor>, grad: &Tensor, o
     Ok(())
 }
 
-pub(crate) fn affine(x: &Tensor, scale: f64, shift: f64, out: &Tensor) -> Result<()> {
+pub fn affine(x: View<'_>, scale: f64, shift: f64, out: View<'_>) -> Result<()> {
     with_float!(x.dtype(), "affine", T => {
         let (a, b) = (T::of(scale), T::of(shift));
         par_map(x.slice::<T>()?, out.slice_mut::<T>()?, move |v| v * a + b)
@@ -272,7 +313,7 @@ pub(crate) fn affine(x: &Tensor, scale: f64, shift: f64, out: &Tensor) -> Result
     Ok(())
 }
 
-pub(crate) fn binary(op: Binary, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+pub fn binary(op: Binary, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
     let shape = out.shape();
     with_float!(a.dtype(), op.name(), T => {
         let dst = out.slice_mut::<T>()?;
@@ -281,7 +322,7 @@ pub(crate) fn binary(op: Binary, a: &Tensor, b: &Tensor, out: &Tensor) -> Result
         } else {
             let la = broadcast_layout(a.layout(), shape);
             let lb = broadcast_layout(b.layout(), shape);
-            let (sa, sb) = (typed_storage::<T>(a)?, typed_storage::<T>(b)?);
+            let (sa, sb) = (a.storage::<T>()?, b.storage::<T>()?);
             let mut i = 0;
             for_each_offset_pair(&la, &lb, |oa, ob| {
                 dst[i] = apply(op, sa[oa], sb[ob]);
@@ -292,7 +333,7 @@ pub(crate) fn binary(op: Binary, a: &Tensor, b: &Tensor, out: &Tensor) -> Result
     Ok(())
 }
 
-pub(crate) fn add_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+pub fn add_into(dst: View<'_>, src: View<'_>) -> Result<()> {
     with_float!(dst.dtype(), "add_into", T => {
         if dst.is_contiguous() && src.is_contiguous() {
             let s = src.slice::<T>()?;
@@ -304,8 +345,8 @@ pub(crate) fn add_into(dst: &Tensor, src: &Tensor) -> Result<()> {
                 d.iter_mut().zip(s).for_each(|(d, &s)| *d += s);
             }
         } else {
-            let s = typed_storage::<T>(src)?;
-            let base = dst.storage_ptr()? as *mut T;
+            let s = src.storage::<T>()?;
+            let base = dst.storage_ptr() as *mut T;
             for_each_offset_pair(dst.layout(), src.layout(), |od, os| {
                 // SAFETY: od is an in-bounds element offset of dst's storage, which nobody else is
                 // reading (Note [Storage aliasing]).

@@ -6,20 +6,95 @@
 use super::gemm::{gemm_into, Mat, SendPtr};
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::ops::ConvGeom;
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
 use rayon::prelude::*;
+use std::ops::Range;
+
+/// The shapes of one convolution and its work plan.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvGeom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub o: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub oh: usize,
+    pub ow: usize,
+    pub sh: usize,
+    pub sw: usize,
+    pub ph: usize,
+    pub pw: usize,
+    pub dh: usize,
+    pub dw: usize,
+    pub groups: usize,
+    /// 1x1 kernel, stride 1, no padding: the input is its own im2col matrix.
+    pub direct: bool,
+    /// Output rows per im2col tile.
+    pub tile_rows: usize,
+    /// Parallel lanes (0 for an empty batch).
+    pub lanes: usize,
+    /// Samples per lane (the last lane may have fewer).
+    pub per_lane: usize,
+}
+
+impl ConvGeom {
+    pub fn cg(&self) -> usize {
+        self.c / self.groups
+    }
+    pub fn og(&self) -> usize {
+        self.o / self.groups
+    }
+    /// GEMM depth per group: rows of the im2col matrix of one group.
+    pub fn kg(&self) -> usize {
+        self.cg() * self.kh * self.kw
+    }
+    /// Rows of the im2col matrix of all groups.
+    pub fn kc(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+    pub fn hw(&self) -> usize {
+        self.h * self.w
+    }
+    pub fn p(&self) -> usize {
+        self.oh * self.ow
+    }
+    /// Elements of one lane's im2col tile.
+    pub fn col_len(&self) -> usize {
+        if self.direct {
+            0
+        } else {
+            self.kc() * self.tile_rows * self.ow
+        }
+    }
+    /// Elements of one lane's transposed output-gradient tile `[rows*OW, O]` (weight gradient only).
+    pub fn gt_len(&self) -> usize {
+        self.o * self.tile_rows * self.ow
+    }
+    pub fn weight_len(&self) -> usize {
+        self.o * self.kg()
+    }
+    pub fn samples(&self, lane: usize) -> Range<usize> {
+        (lane * self.per_lane).min(self.n)..((lane + 1) * self.per_lane).min(self.n)
+    }
+    /// Output-row ranges of the tiles of one sample.
+    pub fn tiles(&self) -> impl Iterator<Item = (usize, usize)> {
+        let (rows, oh) = (self.tile_rows, self.oh);
+        (0..oh).step_by(rows.max(1)).map(move |r0| (r0, (r0 + rows).min(oh)))
+    }
+}
 
 /// `out = conv2d(x, weight) (+ bias)` for x `[N, C, H, W]` (all contiguous), using the op's im2col
 /// workspace (`lanes * col_len` elements; none for a direct 1x1 convolution).
-pub(crate) fn conv2d(
+pub fn conv2d(
     g: &ConvGeom,
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    out: &Tensor,
-    workspace: Option<&Tensor>,
+    x: View<'_>,
+    weight: View<'_>,
+    bias: Option<View<'_>>,
+    out: View<'_>,
+    workspace: Option<View<'_>>,
 ) -> Result<()> {
     with_float!(x.dtype(), "conv2d", T => {
         let b = match bias {
@@ -39,16 +114,16 @@ pub(crate) fn conv2d(
 /// (contiguous), with the op's workspaces: per lane an im2col tile (and, for `dw`, a transposed
 /// output-gradient tile), and the per-lane weight-gradient partials (for `dw`).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn conv2d_backward(
+pub fn conv2d_backward(
     g: &ConvGeom,
-    x: &Tensor,
-    weight: &Tensor,
-    grad: &Tensor,
-    dx: Option<&Tensor>,
-    dw: Option<&Tensor>,
-    db: Option<&Tensor>,
-    partials: Option<&Tensor>,
-    workspace: Option<&Tensor>,
+    x: View<'_>,
+    weight: View<'_>,
+    grad: View<'_>,
+    dx: Option<View<'_>>,
+    dw: Option<View<'_>>,
+    db: Option<View<'_>>,
+    partials: Option<View<'_>>,
+    workspace: Option<View<'_>>,
 ) -> Result<()> {
     with_float!(x.dtype(), "conv2d_backward", T => {
         let gout = grad.slice::<T>()?;

@@ -5,9 +5,9 @@
 
 use crate::dtype::Float;
 use crate::error::{Error, Result};
-use crate::ops::PAR_CHUNK;
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use rayon::prelude::*;
 
 /// Sum of `f(block)` over `blocks` blocks, computed in parallel when there are several, added in
@@ -43,7 +43,7 @@ fn row_lse<T: Float>(row: &[T]) -> (T, T) {
     (m, s.ln())
 }
 
-pub(crate) fn cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor) -> Result<()> {
+pub fn cross_entropy(logits: View<'_>, target: View<'_>, label_smoothing: f64, out: View<'_>) -> Result<()> {
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
     let t = target.slice::<i64>()?;
     validate_targets("cross_entropy", t, c)?;
@@ -74,16 +74,16 @@ pub(crate) fn cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f
     Ok(())
 }
 
-pub(crate) fn cross_entropy_backward(
-    logits: &Tensor,
-    target: &Tensor,
+pub fn cross_entropy_backward(
+    logits: View<'_>,
+    target: View<'_>,
     label_smoothing: f64,
-    grad: &Tensor,
-    gx: &Tensor,
+    grad: View<'_>,
+    gx: View<'_>,
 ) -> Result<()> {
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
     with_float!(grad.dtype(), "cross_entropy_backward", T => {
-        let g = grad.to_vec::<T>()?[0] / T::of(n as f64);
+        let g = grad.scalar::<T>()? / T::of(n as f64);
         let e = label_smoothing;
         let (on, off) = (T::of(1.0 - e), T::of(e / c as f64));
         let (x, t) = (logits.slice::<T>()?, target.slice::<i64>()?);
@@ -109,7 +109,7 @@ pub(crate) fn cross_entropy_backward(
     Ok(())
 }
 
-pub(crate) fn nll_loss(log_probs: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
+pub fn nll_loss(log_probs: View<'_>, target: View<'_>, out: View<'_>) -> Result<()> {
     let (n, c) = (log_probs.shape()[0], log_probs.shape()[1]);
     let t = target.slice::<i64>()?;
     validate_targets("nll_loss", t, c)?;
@@ -117,17 +117,17 @@ pub(crate) fn nll_loss(log_probs: &Tensor, target: &Tensor, out: &Tensor) -> Res
         // Strided reads: the input need not be contiguous (only N elements are touched).
         let l = log_probs.layout();
         let (s0, s1) = (l.strides()[0], l.strides()[1]);
-        let base = &super::elementwise::typed_storage::<T>(log_probs)?[l.offset()..];
+        let base = &log_probs.storage::<T>()?[l.offset()..];
         let sum: f64 = t.iter().enumerate().map(|(i, &ti)| base[i * s0 + ti as usize * s1].f64()).sum();
         out.slice_mut::<T>()?[0] = T::of(-sum / n as f64);
     });
     Ok(())
 }
 
-pub(crate) fn nll_loss_backward(target: &Tensor, grad: &Tensor, gx: &Tensor) -> Result<()> {
+pub fn nll_loss_backward(target: View<'_>, grad: View<'_>, gx: View<'_>) -> Result<()> {
     let (n, c) = (gx.shape()[0], gx.shape()[1]);
     with_float!(grad.dtype(), "nll_loss_backward", T => {
-        let g = grad.to_vec::<T>()?[0] / T::of(n as f64);
+        let g = grad.scalar::<T>()? / T::of(n as f64);
         let dst = gx.slice_mut::<T>()?;
         for (i, &t) in target.slice::<i64>()?.iter().enumerate() {
             dst[i * c + t as usize] = -g;
@@ -136,7 +136,7 @@ pub(crate) fn nll_loss_backward(target: &Tensor, grad: &Tensor, gx: &Tensor) -> 
     Ok(())
 }
 
-pub(crate) fn mse_loss(input: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
+pub fn mse_loss(input: View<'_>, target: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(input.dtype(), "mse_loss", T => {
         let (x, y) = (input.slice::<T>()?, target.slice::<T>()?);
         let len = x.len();
@@ -150,15 +150,15 @@ pub(crate) fn mse_loss(input: &Tensor, target: &Tensor, out: &Tensor) -> Result<
     Ok(())
 }
 
-pub(crate) fn mse_loss_backward(
-    input: &Tensor,
-    target: &Tensor,
-    grad: &Tensor,
-    ga: Option<&Tensor>,
-    gb: Option<&Tensor>,
+pub fn mse_loss_backward(
+    input: View<'_>,
+    target: View<'_>,
+    grad: View<'_>,
+    ga: Option<View<'_>>,
+    gb: Option<View<'_>>,
 ) -> Result<()> {
     with_float!(grad.dtype(), "mse_loss_backward", T => {
-        let scale = grad.to_vec::<T>()?[0] * T::of(2.0 / input.numel() as f64);
+        let scale = grad.scalar::<T>()? * T::of(2.0 / input.numel() as f64);
         let (x, y) = (input.slice::<T>()?, target.slice::<T>()?);
         if let Some(ga) = ga {
             super::elementwise::par_zip(x, y, ga.slice_mut::<T>()?, |p, q| (p - q) * scale);

@@ -7,10 +7,13 @@ use super::gemm::{gemm_into, Mat, SendPtr};
 use super::matmul::{fill_rows_with_bias, weight_mat};
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::ops::{LN_ROWS, PAR_CHUNK};
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use rayon::prelude::*;
+
+/// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
+pub const LN_ROWS: usize = 512;
 
 /// Calls `f(first_row, rows)` for consecutive groups of rows of `row_len` elements, in parallel when
 /// the data is big enough; groups hold about `PAR_CHUNK` elements.
@@ -39,7 +42,7 @@ fn for_rows_mut<T: Send>(buf: &mut [T], row_len: usize, f: impl Fn(usize, &mut [
     }
 }
 
-fn opt_slice<T: Float + crate::tensor::Element>(t: Option<&Tensor>) -> Result<Option<&[T]>> {
+fn opt_slice<T: Float + crate::dtype::Element>(t: Option<View<'_>>) -> Result<Option<&[T]>> {
     t.map(|t| t.slice::<T>()).transpose()
 }
 
@@ -102,15 +105,15 @@ fn row_dx<T: Float>(x: T, g: T, w: Option<T>, m: T, rs: T, a: T, b: T) -> T {
 /// `out = layer_norm(x)` over rows of `d` elements, with the per-row mean and rstd into `mean` and
 /// `rstd` when given.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm(
-    x: &Tensor,
-    weight: Option<&Tensor>,
-    bias: Option<&Tensor>,
+pub fn layer_norm(
+    x: View<'_>,
+    weight: Option<View<'_>>,
+    bias: Option<View<'_>>,
     d: usize,
     eps: f64,
-    out: &Tensor,
-    mean: Option<&Tensor>,
-    rstd: Option<&Tensor>,
+    out: View<'_>,
+    mean: Option<View<'_>>,
+    rstd: Option<View<'_>>,
 ) -> Result<()> {
     let rows = x.numel().checked_div(d).unwrap_or(0);
     if rows == 0 {
@@ -144,16 +147,16 @@ pub(crate) fn layer_norm(
 /// Layer-norm gradients (each when given) from the saved input, weight and per-row statistics, over
 /// rows of `d` elements.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm_backward(
-    x: &Tensor,
-    weight: Option<&Tensor>,
-    mean: &Tensor,
-    rstd: &Tensor,
+pub fn layer_norm_backward(
+    x: View<'_>,
+    weight: Option<View<'_>>,
+    mean: View<'_>,
+    rstd: View<'_>,
     d: usize,
-    grad: &Tensor,
-    gx: Option<&Tensor>,
-    gw: Option<&Tensor>,
-    gb: Option<&Tensor>,
+    grad: View<'_>,
+    gx: Option<View<'_>>,
+    gw: Option<View<'_>>,
+    gb: Option<View<'_>>,
 ) -> Result<()> {
     let rows = mean.numel();
     if d == 0 {
@@ -220,17 +223,17 @@ pub(crate) fn layer_norm_backward(
 /// `out = linear(layer_norm(x))`, `LN_ROWS` normalized rows at a time through `scratch`, with the
 /// per-row mean and rstd into `mean` and `rstd` when given.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm_linear(
-    x: &Tensor,
-    ln_weight: &Tensor,
-    ln_bias: &Tensor,
+pub fn layer_norm_linear(
+    x: View<'_>,
+    ln_weight: View<'_>,
+    ln_bias: View<'_>,
     eps: f64,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    scratch: &Tensor,
-    out: &Tensor,
-    mean: Option<&Tensor>,
-    rstd: Option<&Tensor>,
+    weight: View<'_>,
+    bias: Option<View<'_>>,
+    scratch: View<'_>,
+    out: View<'_>,
+    mean: Option<View<'_>>,
+    rstd: Option<View<'_>>,
 ) -> Result<()> {
     const NAME: &str = "layer_norm_linear";
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
@@ -275,20 +278,20 @@ pub(crate) fn layer_norm_linear(
 /// layer-norm weight and bias gradients (their f64 column sums in `sums` [2, in]) and the weight
 /// gradient, each when given.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm_linear_backward(
-    x: &Tensor,
-    ln_weight: &Tensor,
-    ln_bias: &Tensor,
-    weight: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
-    grad: &Tensor,
-    gx: Option<&Tensor>,
-    glw: Option<&Tensor>,
-    glb: Option<&Tensor>,
-    gw: Option<&Tensor>,
-    scratch: &Tensor,
-    sums: Option<&Tensor>,
+pub fn layer_norm_linear_backward(
+    x: View<'_>,
+    ln_weight: View<'_>,
+    ln_bias: View<'_>,
+    weight: View<'_>,
+    mean: View<'_>,
+    rstd: View<'_>,
+    grad: View<'_>,
+    gx: Option<View<'_>>,
+    glw: Option<View<'_>>,
+    glb: Option<View<'_>>,
+    gw: Option<View<'_>>,
+    scratch: View<'_>,
+    sums: Option<View<'_>>,
 ) -> Result<()> {
     const NAME: &str = "layer_norm_linear_backward";
     let (out_f, d) = (weight.shape()[0], weight.shape()[1]);
@@ -410,18 +413,18 @@ pub(crate) fn layer_norm_linear_backward(
 /// place when given) in training, else with the running statistics; the per-channel mean and rstd
 /// used go into `mean` and `rstd` when given.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn batch_norm(
-    x: &Tensor,
-    running_mean: Option<&Tensor>,
-    running_var: Option<&Tensor>,
-    weight: Option<&Tensor>,
-    bias: Option<&Tensor>,
+pub fn batch_norm(
+    x: View<'_>,
+    running_mean: Option<View<'_>>,
+    running_var: Option<View<'_>>,
+    weight: Option<View<'_>>,
+    bias: Option<View<'_>>,
     training: bool,
     momentum: f64,
     eps: f64,
-    out: &Tensor,
-    mean: Option<&Tensor>,
-    rstd: Option<&Tensor>,
+    out: View<'_>,
+    mean: Option<View<'_>>,
+    rstd: Option<View<'_>>,
 ) -> Result<()> {
     if x.numel() == 0 {
         return Ok(());
@@ -492,16 +495,16 @@ pub(crate) fn batch_norm(
 
 /// Batch-norm gradients (each when given) from the saved input, weight and per-channel statistics.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn batch_norm_backward(
-    x: &Tensor,
-    weight: Option<&Tensor>,
-    mean: &Tensor,
-    rstd: &Tensor,
+pub fn batch_norm_backward(
+    x: View<'_>,
+    weight: Option<View<'_>>,
+    mean: View<'_>,
+    rstd: View<'_>,
     training: bool,
-    grad: &Tensor,
-    gx: Option<&Tensor>,
-    gw: Option<&Tensor>,
-    gb: Option<&Tensor>,
+    grad: View<'_>,
+    gx: Option<View<'_>>,
+    gw: Option<View<'_>>,
+    gb: Option<View<'_>>,
 ) -> Result<()> {
     let shape = x.shape();
     let (nb, c) = (shape[0], shape[1]);

@@ -5,20 +5,63 @@
 use super::gemm::SendPtr;
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::ops::{Avg, PoolGeom};
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
 use num_traits::Zero as _;
 use rayon::prelude::*;
 
+/// The shapes of one pooling: `planes` independent [h, w] -> [oh, ow] planes.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolGeom {
+    pub planes: usize,
+    pub h: usize,
+    pub w: usize,
+    pub oh: usize,
+    pub ow: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub sh: usize,
+    pub sw: usize,
+    pub ph: usize,
+    pub pw: usize,
+    pub dh: usize,
+    pub dw: usize,
+}
+
+impl PoolGeom {
+    pub fn hw(&self) -> usize {
+        self.h * self.w
+    }
+    pub fn ohw(&self) -> usize {
+        self.oh * self.ow
+    }
+}
+
+/// Which average pool: a fixed window (PyTorch's `count_include_pad` divisor rule) or adaptive windows.
+#[derive(Clone, Copy, Debug)]
+pub enum Avg {
+    Fixed { count_include_pad: bool },
+    Adaptive,
+}
+
+impl Avg {
+    /// The op's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Avg::Fixed { .. } => "avg_pool2d",
+            Avg::Adaptive => "adaptive_avg_pool2d",
+        }
+    }
+}
+
 /// Max pooling of x (contiguous planes) into `out`, with the flat `h*W + w` int64 `indices` and the
 /// window `positions` (`width` little-endian bytes each) when asked for.
-pub(crate) fn max_pool2d(
+pub fn max_pool2d(
     g: &PoolGeom,
-    x: &Tensor,
-    out: &Tensor,
-    indices: Option<&Tensor>,
-    positions: Option<&Tensor>,
+    x: View<'_>,
+    out: View<'_>,
+    indices: Option<View<'_>>,
+    positions: Option<View<'_>>,
     width: usize,
 ) -> Result<()> {
     with_float!(x.dtype(), "max_pool2d", T => {
@@ -36,12 +79,12 @@ pub(crate) fn max_pool2d(
 }
 
 /// The gradient of max pooling: each output's gradient goes to the input at its saved window position.
-pub(crate) fn max_pool2d_backward(
+pub fn max_pool2d_backward(
     g: &PoolGeom,
     width: usize,
-    grad: &Tensor,
-    positions: &Tensor,
-    dx: &Tensor,
+    grad: View<'_>,
+    positions: View<'_>,
+    dx: View<'_>,
 ) -> Result<()> {
     with_float!(grad.dtype(), "max_pool2d_backward", T => {
         max_backward::<T>(g, width, grad.slice::<T>()?, positions.slice::<u8>()?, dx.slice_mut::<T>()?);
@@ -50,7 +93,7 @@ pub(crate) fn max_pool2d_backward(
 }
 
 /// Average pooling (fixed or adaptive windows) of x (contiguous planes) into `out`.
-pub(crate) fn avg_pool2d(g: &PoolGeom, kind: Avg, x: &Tensor, out: &Tensor) -> Result<()> {
+pub fn avg_pool2d(g: &PoolGeom, kind: Avg, x: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(x.dtype(), kind.name(), T => {
         let src = x.slice::<T>()?;
         let (hw, ohw) = (g.hw(), g.ohw());
@@ -81,7 +124,7 @@ pub(crate) fn avg_pool2d(g: &PoolGeom, kind: Avg, x: &Tensor, out: &Tensor) -> R
 }
 
 /// The gradient of average pooling: each output's gradient shared evenly over its window.
-pub(crate) fn avg_pool2d_backward(g: &PoolGeom, kind: Avg, grad: &Tensor, dx: &Tensor) -> Result<()> {
+pub fn avg_pool2d_backward(g: &PoolGeom, kind: Avg, grad: View<'_>, dx: View<'_>) -> Result<()> {
     with_float!(grad.dtype(), kind.name(), T => {
         let gs = grad.slice::<T>()?;
         let (hw, ohw) = (g.hw(), g.ohw());

@@ -5,10 +5,38 @@
 
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::ops::{AdamStep, SgdStep, PAR_CHUNK};
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use rayon::prelude::*;
+
+/// One SGD step's hyper-parameters as the caller gives them (Python floats: f64); the kernel casts
+/// them to the parameter's dtype (Note [Optimizer arithmetic]).
+#[derive(Clone, Copy, Debug)]
+pub struct SgdStep {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    /// The momentum buffer is fresh: it is overwritten with the gradient, not blended.
+    pub first_step: bool,
+}
+
+/// One Adam / AdamW step's hyper-parameters as the caller gives them (Python floats: f64); the
+/// kernel derives the bias corrections in f64 and casts to the parameter's dtype
+/// (Note [Optimizer arithmetic]).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamStep {
+    /// Numbered from 1.
+    pub step: u64,
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW: decay the parameter, not the gradient.
+    pub decoupled: bool,
+}
 
 /// SGD hyper-parameters already cast to the parameter's dtype (Note [Optimizer arithmetic]).
 #[derive(Clone, Copy)]
@@ -51,7 +79,7 @@ impl<T: Float> Sgd<T> {
 }
 
 /// One SGD step over `param` (and `momentum_buffer` when given), all contiguous, same dtype.
-pub(crate) fn sgd_update(param: &Tensor, grad: &Tensor, buf: Option<&Tensor>, step: SgdStep) -> Result<()> {
+pub fn sgd_update(param: View<'_>, grad: View<'_>, buf: Option<View<'_>>, step: SgdStep) -> Result<()> {
     let SgdStep { lr, momentum, dampening, nesterov, weight_decay, first_step } = step;
     with_float!(param.dtype(), "sgd_update", T => {
         let k = Sgd::<T> {
@@ -175,11 +203,11 @@ impl<T: Float> Adam<T> {
 }
 
 /// One Adam / AdamW step over `param`, `exp_avg` and `exp_avg_sq`, all contiguous, same dtype.
-pub(crate) fn adam_update(
-    param: &Tensor,
-    grad: &Tensor,
-    exp_avg: &Tensor,
-    exp_avg_sq: &Tensor,
+pub fn adam_update(
+    param: View<'_>,
+    grad: View<'_>,
+    exp_avg: View<'_>,
+    exp_avg_sq: View<'_>,
     step: AdamStep,
 ) -> Result<()> {
     let AdamStep { step, lr, betas, eps, weight_decay, decoupled } = step;
@@ -221,7 +249,7 @@ pub(crate) fn adam_update(
 
 /// `grad *= inv_scale` in place (contiguous); `found_inf` becomes true when any value is inf or NaN
 /// before or after the multiplication (it is left alone otherwise).
-pub(crate) fn unscale(grad: &Tensor, inv_scale: f64, found_inf: &mut bool) -> Result<()> {
+pub fn unscale(grad: View<'_>, inv_scale: f64, found_inf: &mut bool) -> Result<()> {
     let bad = with_float!(grad.dtype(), "unscale_", T => {
         let inv = T::of(inv_scale);
         let g = grad.slice_mut::<T>()?;

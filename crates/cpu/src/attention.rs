@@ -7,13 +7,67 @@
 
 use super::elementwise::exp_in_place;
 use super::gemm::{gemm_into, Mat, SendPtr};
+use crate::dtype::Element;
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::layout::broadcast_layout;
-use crate::ops::{AttnDims, AttnLayouts, AttnProblem};
-use crate::tensor::{Element, Tensor};
+use crate::view::View;
 use crate::with_float;
 use rayon::prelude::*;
+
+/// Sizes of one attention problem.
+#[derive(Clone, Copy)]
+pub struct AttnDims {
+    /// Number of (batch, head) matrices.
+    pub bh: usize,
+    /// Heads per batch element (for addressing; 1 when the operands are plain [bh, T, D] stacks).
+    pub heads: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub d: usize,
+    pub dv: usize,
+}
+
+/// Where the (batch, head) matrices of an operand live, in elements: matrix `i = b * heads + h` starts
+/// at `offset + b * batch_stride + h * head_stride`, its rows are `row_stride` apart and its columns
+/// contiguous. A gradient has the same layout as its input.
+#[derive(Clone, Copy)]
+pub struct AttnAddr {
+    pub offset: usize,
+    pub batch_stride: usize,
+    pub head_stride: usize,
+    pub row_stride: usize,
+}
+
+impl AttnAddr {
+    /// A contiguous stack of [rows, cols] matrices.
+    pub fn stack(rows: usize, cols: usize) -> AttnAddr {
+        AttnAddr { offset: 0, batch_stride: rows * cols, head_stride: 0, row_stride: cols }
+    }
+
+    pub fn start(&self, i: usize, heads: usize) -> usize {
+        self.offset + (i / heads) * self.batch_stride + (i % heads) * self.head_stride
+    }
+}
+
+/// Layouts of q, k, v and the output (and of their gradients).
+#[derive(Clone, Copy)]
+pub struct AttnLayouts {
+    pub q: AttnAddr,
+    pub k: AttnAddr,
+    pub v: AttnAddr,
+    pub out: AttnAddr,
+}
+
+/// One attention call: sizes, operand layouts, scale and which keys are visible.
+pub struct AttnProblem {
+    pub dims: AttnDims,
+    pub lay: AttnLayouts,
+    pub scale: f64,
+    pub causal: bool,
+    /// The mask's broadcast target, [batch..., Tq, Tk].
+    pub full: Vec<usize>,
+}
 
 /// Query rows per block, in forward and backward (the per-task scratch is 2 x DP_ROWS x Tk).
 const DP_ROWS: usize = 64;
@@ -41,11 +95,11 @@ struct MaskView<'a> {
 
 impl<'a> MaskView<'a> {
     /// `m` seen as `full` ([batch..., Tq, Tk]); `m` must broadcast to it.
-    fn new(m: &'a Tensor, full: &[usize]) -> Result<Self> {
+    fn new(m: View<'a>, full: &[usize]) -> Result<Self> {
         let r = full.len();
         let l = broadcast_layout(m.layout(), full);
         Ok(MaskView {
-            bytes: m.storage_bytes()?,
+            bytes: m.storage_bytes(),
             batch_shape: l.shape()[..r - 2].to_vec(),
             batch_strides: l.strides()[..r - 2].to_vec(),
             offset: l.offset(),
@@ -138,11 +192,11 @@ struct Ptrs<T> {
     lse: SendPtr<T>,
 }
 
-fn read_ptr<T: Element>(t: &Tensor) -> Result<SendPtr<T>> {
+fn read_ptr<T: Element>(t: View<'_>) -> Result<SendPtr<T>> {
     Ok(SendPtr(t.slice::<T>()?.as_ptr() as *mut T))
 }
 
-fn write_ptr<T: Element>(t: &Tensor) -> Result<SendPtr<T>> {
+fn write_ptr<T: Element>(t: View<'_>) -> Result<SendPtr<T>> {
     Ok(SendPtr(t.slice_mut::<T>()?.as_mut_ptr()))
 }
 
@@ -295,7 +349,7 @@ fn backward_kernel<T: Float + Element>(
 
 /// The writable pointer of each gradient, one per tensor: a gradient given more than once (the
 /// packed op's one [B, T, 3E] gradient for q, k and v) gets the same pointer each time.
-fn grad_ptrs<T: Element>(g: [Option<&Tensor>; 3]) -> Result<[Option<SendPtr<T>>; 3]> {
+fn grad_ptrs<T: Element>(g: [Option<View<'_>>; 3]) -> Result<[Option<SendPtr<T>>; 3]> {
     let mut out: [Option<SendPtr<T>>; 3] = [None; 3];
     for i in 0..3 {
         let Some(t) = g[i] else { continue };
@@ -309,14 +363,14 @@ fn grad_ptrs<T: Element>(g: [Option<&Tensor>; 3]) -> Result<[Option<SendPtr<T>>;
 }
 
 /// Forward into `out` and, when given, the per-row log-sum-exp `lse`.
-pub(crate) fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
+pub fn attention(
+    q: View<'_>,
+    k: View<'_>,
+    v: View<'_>,
+    mask: Option<View<'_>>,
     pb: &AttnProblem,
-    out: &Tensor,
-    lse: Option<&Tensor>,
+    out: View<'_>,
+    lse: Option<View<'_>>,
 ) -> Result<()> {
     if pb.dims.bh == 0 {
         return Ok(());
@@ -339,17 +393,17 @@ pub(crate) fn attention(
 /// Backward from the output's gradient `grad`: the gradients of q, k and v, each when given (the
 /// packed op gives its one gradient three times).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    lse: &Tensor,
+pub fn attention_backward(
+    q: View<'_>,
+    k: View<'_>,
+    v: View<'_>,
+    mask: Option<View<'_>>,
+    lse: View<'_>,
     pb: &AttnProblem,
-    grad: &Tensor,
-    gq: Option<&Tensor>,
-    gk: Option<&Tensor>,
-    gv: Option<&Tensor>,
+    grad: View<'_>,
+    gq: Option<View<'_>>,
+    gk: Option<View<'_>>,
+    gv: Option<View<'_>>,
 ) -> Result<()> {
     if pb.dims.bh == 0 {
         return Ok(());

@@ -3,10 +3,18 @@
 
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::ops::{split_dim, PAR_CHUNK};
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use rayon::prelude::*;
+
+/// (outer, size, inner) of `shape` around `dim`; a 0-d tensor is one element.
+pub fn split_dim(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    if shape.is_empty() {
+        return (1, 1, 1);
+    }
+    (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
+}
 
 /// Runs `f(src_block, dst_block)` over consecutive blocks of `block` elements, several
 /// blocks per rayon task when the tensor is big enough to be worth threads.
@@ -25,7 +33,7 @@ fn for_blocks<T: Float>(src: &[T], dst: &mut [T], block: usize, f: impl Fn(&[T],
 }
 
 /// Softmax (or log-softmax) of each lane `i` of a block laid out [size, inner].
-pub(crate) fn softmax_block<T: Float>(s: &[T], d: &mut [T], size: usize, inner: usize, log: bool) {
+pub fn softmax_block<T: Float>(s: &[T], d: &mut [T], size: usize, inner: usize, log: bool) {
     if inner == 1 {
         // The common case (last dim): plain slice passes.
         let m = s.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
@@ -103,7 +111,7 @@ fn name(log: bool) -> &'static str {
     }
 }
 
-pub(crate) fn softmax(x: &Tensor, dim: usize, log: bool, out: &Tensor) -> Result<()> {
+pub fn softmax(x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
     let (_, size, inner) = split_dim(x.shape(), dim);
     with_float!(x.dtype(), name(log), T => {
         let src = x.slice::<T>()?;
@@ -112,7 +120,7 @@ pub(crate) fn softmax(x: &Tensor, dim: usize, log: bool, out: &Tensor) -> Result
     Ok(())
 }
 
-pub(crate) fn softmax_backward(out: &Tensor, grad: &Tensor, dim: usize, log: bool, gx: &Tensor) -> Result<()> {
+pub fn softmax_backward(out: View<'_>, grad: View<'_>, dim: usize, log: bool, gx: View<'_>) -> Result<()> {
     let name = if log { "log_softmax_backward" } else { "softmax_backward" };
     let (_, size, inner) = split_dim(out.shape(), dim);
     let block = size * inner;

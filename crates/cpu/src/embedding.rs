@@ -3,14 +3,14 @@
 
 use super::gemm::SendPtr;
 use crate::error::{Error, Result};
-use crate::ops::PAR_CHUNK;
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
+use crate::PAR_CHUNK;
 use rayon::prelude::*;
 
 /// `out[k, :] = weight[indices[k], :]` (indices int64, all contiguous); errors on an index outside
 /// the table.
-pub(crate) fn embedding(indices: &Tensor, weight: &Tensor, out: &Tensor) -> Result<()> {
+pub fn embedding(indices: View<'_>, weight: View<'_>, out: View<'_>) -> Result<()> {
     let (v, d) = (weight.shape()[0], weight.shape()[1]);
     let ix = indices.slice::<i64>()?;
     if let Some(p) = ix.iter().position(|&i| i < 0 || i as u64 >= v as u64) {
@@ -35,7 +35,7 @@ pub(crate) fn embedding(indices: &Tensor, weight: &Tensor, out: &Tensor) -> Resu
 }
 
 /// `gw[indices[k], :] += grad[k, :]` over all k, into the zeroed `gw` [V, D] (grad contiguous).
-pub(crate) fn embedding_backward(indices: &Tensor, grad: &Tensor, gw: &Tensor) -> Result<()> {
+pub fn embedding_backward(indices: View<'_>, grad: View<'_>, gw: View<'_>) -> Result<()> {
     let d = gw.shape()[1];
     if d == 0 {
         return Ok(());

@@ -1,18 +1,17 @@
 //! CPU kernels of the reductions (`ops/reduce.rs`): sum/mean over one dim (rows in parallel for
 //! large inputs), max over one dim or all elements, their backwards, and `sum_to_shape`.
 
-use super::elementwise::typed_storage;
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::layout::{broadcast_layout, for_each_offset_pair};
-use crate::tensor::Tensor;
+use crate::view::View;
 use crate::with_float;
 use rayon::prelude::*;
 
 /// `out += x` summed down to `out`'s shape (which `x`'s is a broadcast of); `out` is zeroed.
-pub(crate) fn sum_to_shape(x: &Tensor, out: &Tensor) -> Result<()> {
+pub fn sum_to_shape(x: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(x.dtype(), "sum_to_shape", T => {
-        let src = typed_storage::<T>(x)?;
+        let src = x.storage::<T>()?;
         let dst = out.slice_mut::<T>()?;
         let target = broadcast_layout(out.layout(), x.shape());
         for_each_offset_pair(x.layout(), &target, |os, od| dst[od] += src[os]);
@@ -42,7 +41,7 @@ fn sum_dim_kernel<T: Float>(src: &[T], dst: &mut [T], outer: usize, size: usize,
 
 /// `out[o, i] = scale * sum_k x[o, k, i]` for x contiguous `[outer, size, inner]`; the scale is
 /// `1/size` for a mean, else 1.
-pub(crate) fn sum_dim(x: &Tensor, outer: usize, size: usize, inner: usize, mean: bool, out: &Tensor) -> Result<()> {
+pub fn sum_dim(x: View<'_>, outer: usize, size: usize, inner: usize, mean: bool, out: View<'_>) -> Result<()> {
     let name = if mean { "mean" } else { "sum" };
     let scale = if mean { 1.0 / size as f64 } else { 1.0 };
     with_float!(x.dtype(), name, T => sum_dim_kernel(x.slice::<T>()?, out.slice_mut::<T>()?, outer, size, inner, T::of(scale)));
@@ -50,7 +49,7 @@ pub(crate) fn sum_dim(x: &Tensor, outer: usize, size: usize, inner: usize, mean:
 }
 
 /// `out = grad * scale` where `grad` is the upstream gradient expanded to `out`'s shape.
-pub(crate) fn sum_backward(grad: &Tensor, scale: f64, out: &Tensor) -> Result<()> {
+pub fn sum_backward(grad: View<'_>, scale: f64, out: View<'_>) -> Result<()> {
     grad.copy_into_bytes(out.bytes_mut()?)?;
     if scale != 1.0 {
         with_float!(out.dtype(), "sum_backward", T => {
@@ -63,13 +62,13 @@ pub(crate) fn sum_backward(grad: &Tensor, scale: f64, out: &Tensor) -> Result<()
 
 /// Max over the middle dim of x contiguous `[outer, size, inner]`: `values` and int64 `indices`
 /// (first index among ties; a NaN wins and stays).
-pub(crate) fn max_dim(
-    x: &Tensor,
+pub fn max_dim(
+    x: View<'_>,
     outer: usize,
     size: usize,
     inner: usize,
-    values: &Tensor,
-    indices: &Tensor,
+    values: View<'_>,
+    indices: View<'_>,
 ) -> Result<()> {
     with_float!(x.dtype(), "max", T => {
         let src = x.slice::<T>()?;
@@ -95,13 +94,13 @@ pub(crate) fn max_dim(
 }
 
 /// `out[o, indices[o, i], i] += grad[o, i]` into the zeroed `out` `[outer, size, inner]`.
-pub(crate) fn max_dim_backward(
-    grad: &Tensor,
-    indices: &Tensor,
+pub fn max_dim_backward(
+    grad: View<'_>,
+    indices: View<'_>,
     outer: usize,
     size: usize,
     inner: usize,
-    out: &Tensor,
+    out: View<'_>,
 ) -> Result<()> {
     with_float!(grad.dtype(), "max_backward", T => {
         let (g, ix, dst) = (grad.slice::<T>()?, indices.slice::<i64>()?, out.slice_mut::<T>()?);
@@ -116,7 +115,7 @@ pub(crate) fn max_dim_backward(
 }
 
 /// `out[0]` = the max of all elements of x (contiguous, not empty); a NaN wins.
-pub(crate) fn max_all(x: &Tensor, out: &Tensor) -> Result<()> {
+pub fn max_all(x: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(x.dtype(), "max", T => {
         let m = x.slice::<T>()?.iter().copied().fold(<T as num_traits::Float>::neg_infinity(), |a, b| if b > a || b.is_nan() { b } else { a });
         out.slice_mut::<T>()?[0] = m;
@@ -126,9 +125,9 @@ pub(crate) fn max_all(x: &Tensor, out: &Tensor) -> Result<()> {
 
 /// The gradient of `max_all`: the 0-d `grad` split evenly among the elements of `x` equal to the
 /// maximum `max`, into the zeroed `out`.
-pub(crate) fn max_all_backward(x: &Tensor, max: &Tensor, grad: &Tensor, out: &Tensor) -> Result<()> {
+pub fn max_all_backward(x: View<'_>, max: View<'_>, grad: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(grad.dtype(), "max_backward", T => {
-        let (x, m, g) = (x.slice::<T>()?, max.slice::<T>()?[0], grad.to_vec::<T>()?[0]);
+        let (x, m, g) = (x.slice::<T>()?, max.slice::<T>()?[0], grad.scalar::<T>()?);
         let ties = x.iter().filter(|&&v| v == m).count().max(1);
         let share = g / T::of(ties as f64);
         for (d, &v) in out.slice_mut::<T>()?.iter_mut().zip(x) {

@@ -1,0 +1,24 @@
+//! CPU kernels that move data: zero and value fills, host bytes in, tensor-to-tensor copies.
+
+use crate::error::Result;
+use crate::view::View;
+use crate::with_float;
+
+pub fn fill_zeros(t: View<'_>) -> Result<()> {
+    t.bytes_mut()?.fill(0);
+    Ok(())
+}
+
+pub fn fill(t: View<'_>, value: f64) -> Result<()> {
+    with_float!(t.dtype(), "full", T => t.slice_mut::<T>()?.fill(<T as crate::dtype::Float>::of(value)));
+    Ok(())
+}
+
+pub fn write_bytes(t: View<'_>, bytes: &[u8]) -> Result<()> {
+    t.bytes_mut()?.copy_from_slice(bytes);
+    Ok(())
+}
+
+pub fn copy(dst: View<'_>, src: View<'_>) -> Result<()> {
+    src.copy_into_bytes(dst.bytes_mut()?)
+}

@@ -1,0 +1,34 @@
+//! What a kernel can refuse: a dtype it does not compute in, or data it cannot take (an index out of
+//! range, a view that is not contiguous). The tensor crate turns these into its own errors.
+
+use std::fmt;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// A dtype the kernel does not support, or a view read as another dtype.
+    DType(String),
+    /// Anything else about the data (an index out of range, a layout the kernel cannot take).
+    Invalid(String),
+}
+
+impl Error {
+    pub fn dtype(msg: impl Into<String>) -> Self {
+        Error::DType(msg.into())
+    }
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::Invalid(msg.into())
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::DType(m) => write!(f, "dtype error: {m}"),
+            Error::Invalid(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,216 @@
+//! [`View`]: what a kernel sees of a tensor — the storage's bytes, the dtype and the layout — and
+//! the typed slices it reads and writes through.
+//!
+//! Aliasing: kernels read inputs through `&[T]` and write outputs through `&mut [T]` made from one
+//! storage pointer. That is sound because of how the tensor crate issues ops (its Note [Storage
+//! aliasing], `tensor/src/tensor.rs`): an op writes only storage it has just allocated, or
+//! parameter, gradient and state storage that nothing else borrows during the update.
+
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+
+/// A tensor as a kernel sees it: `bytes` bytes of storage from `base`, read as `dtype` through
+/// `layout` (offsets in elements).
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    base: *mut u8,
+    bytes: usize,
+    dtype: DType,
+    layout: &'a Layout,
+}
+
+// SAFETY: a view is a shared description of storage that lives for 'a; the data it hands out obeys
+// the aliasing rule of the module docs on any thread, as the tensor it came from did.
+unsafe impl Send for View<'_> {}
+unsafe impl Sync for View<'_> {}
+
+impl<'a> View<'a> {
+    /// A view of `bytes` bytes of storage at `base`.
+    ///
+    /// # Safety
+    /// `base` must be valid for reads and writes of `bytes` bytes for 'a, aligned for `dtype`, and
+    /// hold initialised elements of `dtype`; every element `layout` addresses must lie inside; and
+    /// the storage must be used by the aliasing rule of the module docs.
+    pub unsafe fn new(base: *mut u8, bytes: usize, dtype: DType, layout: &'a Layout) -> Self {
+        View { base, bytes, dtype, layout }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn layout(&self) -> &'a Layout {
+        self.layout
+    }
+
+    pub fn shape(&self) -> &'a [usize] {
+        self.layout.shape()
+    }
+
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+
+    fn check_dtype(&self, want: DType) -> Result<()> {
+        if self.dtype != want {
+            return Err(Error::dtype(format!("tensor is {}, asked as {}", self.dtype, want)));
+        }
+        Ok(())
+    }
+
+    fn check_contiguous(&self) -> Result<()> {
+        if !self.is_contiguous() {
+            return Err(Error::invalid("internal: kernel given a non-contiguous tensor"));
+        }
+        Ok(())
+    }
+
+    /// True when both views are of the same elements (the same storage and layout): a kernel given
+    /// one tensor twice, or an output that is its input.
+    pub fn same(&self, other: View<'_>) -> bool {
+        self.base == other.base && self.layout == other.layout
+    }
+
+    /// The value of a one-element view.
+    pub fn scalar<T: Element>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            return Err(Error::invalid(format!("internal: kernel wanted one element, got shape {:?}", self.shape())));
+        }
+        Ok(self.storage::<T>()?[self.layout.offset()])
+    }
+
+    /// The elements of a contiguous view.
+    pub fn slice<T: Element>(&self) -> Result<&'a [T]> {
+        self.check_dtype(T::DTYPE)?;
+        self.check_contiguous()?;
+        // SAFETY: `new`'s contract: the storage holds the layout's elements of T from its offset,
+        // aligned, for 'a; no mutable alias exists meanwhile (module docs).
+        Ok(unsafe { std::slice::from_raw_parts((self.base as *const T).add(self.layout.offset()), self.numel()) })
+    }
+
+    /// The elements of a contiguous view, for writing.
+    #[allow(clippy::mut_from_ref)]
+    pub fn slice_mut<T: Element>(&self) -> Result<&'a mut [T]> {
+        self.check_dtype(T::DTYPE)?;
+        self.check_contiguous()?;
+        // SAFETY: as in `slice`; the kernel writes only fresh outputs or exclusively updated
+        // storage (module docs).
+        Ok(unsafe { std::slice::from_raw_parts_mut((self.base as *mut T).add(self.layout.offset()), self.numel()) })
+    }
+
+    /// The elements of a contiguous view as bytes, for dtype-agnostic fills and copies.
+    #[allow(clippy::mut_from_ref)]
+    pub fn bytes_mut(&self) -> Result<&'a mut [u8]> {
+        self.check_contiguous()?;
+        let size = self.dtype.size();
+        // SAFETY: as in `slice_mut`, in bytes.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.base.add(self.layout.offset() * size), self.numel() * size) })
+    }
+
+    /// The storage's base pointer, for strided writes through the layout (module docs).
+    pub fn storage_ptr(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// All of the storage's bytes, for strided reads through the layout.
+    pub fn storage_bytes(&self) -> &'a [u8] {
+        // SAFETY: `new`'s contract: `bytes` readable bytes for 'a.
+        unsafe { std::slice::from_raw_parts(self.base, self.bytes) }
+    }
+
+    /// All elements of the storage as `T`, for strided reads through the layout.
+    pub fn storage<T: Element>(&self) -> Result<&'a [T]> {
+        self.check_dtype(T::DTYPE)?;
+        // SAFETY: `new`'s contract: the storage is aligned for and holds elements of T.
+        Ok(unsafe { std::slice::from_raw_parts(self.base as *const T, self.bytes / std::mem::size_of::<T>()) })
+    }
+
+    /// Writes the elements, in row-major order (any layout), into `dst` (exactly numel * size bytes).
+    pub fn copy_into_bytes(&self, dst: &mut [u8]) -> Result<()> {
+        let size = self.dtype.size();
+        let bytes = self.storage_bytes();
+        if dst.len() != self.numel() * size {
+            return Err(Error::invalid("internal: copy destination has the wrong size"));
+        }
+        if self.is_contiguous() {
+            let start = self.layout.offset() * size;
+            dst.copy_from_slice(&bytes[start..start + dst.len()]);
+            return Ok(());
+        }
+        let mut chunks = dst.chunks_exact_mut(size);
+        self.layout.for_each_offset(|o| {
+            if let Some(chunk) = chunks.next() {
+                chunk.copy_from_slice(&bytes[o * size..(o + 1) * size]);
+            }
+        });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A view of `data` through `layout`.
+    fn view<'a>(data: &'a mut [f32], layout: &'a Layout) -> View<'a> {
+        // SAFETY: `data` outlives the view, is aligned for f32 and holds every element the test
+        // layouts address; nothing else borrows it meanwhile.
+        unsafe { View::new(data.as_mut_ptr() as *mut u8, std::mem::size_of_val(data), DType::F32, layout) }
+    }
+
+    #[test]
+    fn slices_check_dtype_and_contiguity_and_start_at_the_offset() {
+        let mut data = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0];
+        let row = Layout::new(vec![2], vec![1], 3);
+        let v = view(&mut data, &row);
+        assert_eq!(v.slice::<f32>().unwrap(), &[3.0, 4.0]);
+        v.slice_mut::<f32>().unwrap()[1] = 9.0;
+        assert_eq!(v.bytes_mut().unwrap().len(), 8);
+        assert!(matches!(v.slice::<f64>(), Err(Error::DType(_))));
+        assert_eq!(v.storage::<f32>().unwrap().len(), 6);
+        let column = Layout::new(vec![2], vec![3], 1);
+        let c = view(&mut data, &column);
+        assert!(matches!(c.slice::<f32>(), Err(Error::Invalid(_))));
+        assert!(matches!(c.slice_mut::<f32>(), Err(Error::Invalid(_))));
+        assert!(c.bytes_mut().is_err());
+        assert_eq!((c.rank(), c.numel(), c.shape()), (1, 2, &[2usize][..]));
+    }
+
+    #[test]
+    fn strided_copies_walk_the_layout_in_row_major_order() {
+        let mut data = [0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0];
+        let transposed = Layout::new(vec![3, 2], vec![1, 3], 0);
+        let t = view(&mut data, &transposed);
+        let mut out = [0u8; 24];
+        t.copy_into_bytes(&mut out).unwrap();
+        let got: Vec<f32> = out.chunks(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(got, [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        assert!(t.copy_into_bytes(&mut [0u8; 20]).is_err(), "a destination of the wrong size");
+    }
+
+    #[test]
+    fn same_means_the_same_elements_and_scalar_one_element() {
+        let mut data = [7.0f32, 8.0];
+        let base = data.as_mut_ptr() as *mut u8;
+        let (first, second) = (Layout::new(vec![], vec![], 0), Layout::new(vec![], vec![], 1));
+        // SAFETY: as in `view`; both views address elements of `data`.
+        let (a, b) = unsafe { (View::new(base, 8, DType::F32, &first), View::new(base, 8, DType::F32, &second)) };
+        assert!(a.same(a) && !a.same(b));
+        assert_eq!((a.scalar::<f32>().unwrap(), b.scalar::<f32>().unwrap()), (7.0, 8.0));
+        let pair = Layout::new(vec![2], vec![1], 0);
+        // SAFETY: as above.
+        let p = unsafe { View::new(base, 8, DType::F32, &pair) };
+        assert!(p.scalar::<f32>().is_err(), "two elements are not a scalar");
+        assert_eq!(p.storage_bytes().len(), 8);
+        assert_eq!(p.storage_ptr(), base);
+    }
+}
