@@ -304,6 +304,10 @@ struct BenchArgs {
     /// Timed steps per case, from 1 to 10000.
     #[arg(long, allow_negative_numbers = true, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_STEPS))]
     steps: u64,
+    /// Rounds per case, from 1 to 100: with --compare-pytorch, memfit and PyTorch take turns and each
+    /// side's time is the median of its rounds' medians (fairer on a busy machine).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_ROUNDS))]
+    rounds: u64,
     /// Warm-up steps per case, from 0 to 10000.
     #[arg(long, allow_negative_numbers = true, default_value_t = 3, value_parser = clap::value_parser!(u64).range(0..=limits::MAX_BENCH_STEPS))]
     warmup: u64,
@@ -896,16 +900,18 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
 fn bench(a: BenchArgs) -> Result<(), String> {
     let threads = a.threads.map_or_else(limits::cores, |t| t as usize);
     let (warmup, steps) = (a.warmup as usize, a.steps as usize);
-    let report = memfit_train::bench::run(threads, &a.cases, warmup, steps, a.compare_pytorch.as_deref())
-        .map_err(|e| e.to_string())?;
+    let report =
+        memfit_train::bench::run(threads, &a.cases, warmup, steps, a.rounds as usize, a.compare_pytorch.as_deref())
+            .map_err(|e| e.to_string())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
         return Ok(());
     }
     println!(
-        "memfit bench: AdamW training step, {threads} thread{}, median of {} steps, {} kernels{}",
+        "memfit bench: AdamW training step, {threads} thread{}, median of {} steps{}, {} kernels{}",
         if threads == 1 { "" } else { "s" },
         a.steps,
+        if a.rounds > 1 { format!(" (median of {} alternating rounds)", a.rounds) } else { String::new() },
         report.isa,
         report.pytorch_version.as_ref().map_or(String::new(), |v| format!(", vs PyTorch {v} in the same run"))
     );

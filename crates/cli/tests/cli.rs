@@ -387,6 +387,52 @@ fn bench_runs_pytorch_after_each_case_and_prints_the_ratios() {
 }
 
 #[test]
+fn bench_rounds_alternate_with_pytorch_and_report_the_median_of_the_rounds() {
+    use std::os::unix::fs::PermissionsExt;
+    // A fake PyTorch whose k-th run reports k ms: the rounds' times come back in order.
+    let (python, counter) = (temp("fake-python-rounds"), temp("fake-python-rounds.count"));
+    let _ = std::fs::remove_file(&counter);
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then echo 9.9-fake; exit 0; fi\ncat > /dev/null\n\
+         n=$(( $(cat {c} 2>/dev/null || echo 0) + 1 )); echo $n > {c}\n\
+         echo \"{{\\\"case\\\": \\\"$2\\\", \\\"median_ms\\\": $n, \\\"peak_bytes\\\": null}}\"\n",
+        c = counter.display()
+    );
+    std::fs::write(&python, script).unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = memfit(&[
+        "bench",
+        "--case",
+        "simplecnn-b128",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--rounds",
+        "3",
+        "--compare-pytorch",
+        python.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["rounds"], 3);
+    let case = &r["cases"][0];
+    assert_eq!(case["pytorch"]["round_ms"], serde_json::json!([1.0, 2.0, 3.0]));
+    assert_eq!(case["pytorch"]["median_ms"], 2.0);
+    let ours: Vec<f64> = case["round_ms"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(ours.len(), 3);
+    let mut sorted = ours.clone();
+    sorted.sort_by(f64::total_cmp);
+    assert_eq!(case["median_ms"].as_f64().unwrap(), sorted[1], "{ours:?}");
+    let out = memfit(&["bench", "--rounds", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("--rounds"), "{}", text(&out));
+}
+
+#[test]
 fn bench_refuses_a_python_without_torch_or_a_failing_one_clearly() {
     let started = std::time::Instant::now();
     let out = memfit(&["bench", "--case", "mlp-b256", "--compare-pytorch", "/nonexistent/python"]);

@@ -90,6 +90,7 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         ([&train[..], &["--threads", "100000"]].concat(), vec!["--threads", "100000"]),
         (vec!["bench", "--steps", "100000000"], vec!["--steps", "100000000", "1..=10000"]),
         (vec!["bench", "--warmup", "100000000"], vec!["--warmup", "100000000"]),
+        (vec!["bench", "--rounds", "1000"], vec!["--rounds", "1000", "1..=100"]),
         (vec!["bench", "--threads", "0"], vec!["--threads", "'0'"]),
         (vec!["generate", "--load", &g, "--prompt", "a", "--threads", "100000"], vec!["--threads", "100000"]),
         (vec!["generate", "--load", &g, "--prompt", "a", "--tokens", "100000000"], vec!["--tokens", "100000000"]),

@@ -46,21 +46,43 @@ fn opt_slice<T: Float + crate::dtype::Element>(t: Option<View<'_>>) -> Result<Op
     t.map(|t| t.slice::<T>()).transpose()
 }
 
+/// Independent partial sums [`lane_sum`] keeps (one AVX-512 register of f64).
+const LANES: usize = 8;
+
+/// `sum(f(v))` over `xs` in f64, kept in [`LANES`] partial sums (element `j` goes to sum `j % LANES`,
+/// the tail after the last whole group to a sum of its own, all combined in a fixed order) so that
+/// the additions vectorise instead of waiting on one another. The order depends only on the length:
+/// the same row always gives the same bits.
+#[inline(always)]
+fn lane_sum<T: Float>(xs: &[T], f: impl Fn(T) -> f64) -> f64 {
+    let mut acc = [0.0f64; LANES];
+    let groups = xs.chunks_exact(LANES);
+    let tail: f64 = groups.remainder().iter().map(|&v| f(v)).sum();
+    for group in groups {
+        for (a, &v) in acc.iter_mut().zip(group) {
+            *a += f(v);
+        }
+    }
+    combine(&acc, tail)
+}
+
+/// The total of [`LANES`] partial sums and a tail sum, added in one fixed order.
+#[inline(always)]
+fn combine(acc: &[f64; LANES], tail: f64) -> f64 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// Normalizes one row into `yr` (f64 two-pass statistics, biased variance, eps inside the sqrt, then
 /// the affine); returns (mean, rstd) as kept for backward. `layer_norm` and `layer_norm_linear` share
 /// it, so they produce the same bits.
 #[inline]
 fn normalize_row<T: Float>(xr: &[T], yr: &mut [T], w: Option<&[T]>, b: Option<&[T]>, eps: f64) -> (T, T) {
     let d = xr.len();
-    let mean = xr.iter().map(|v| v.f64()).sum::<f64>() / d as f64;
-    let var = xr
-        .iter()
-        .map(|v| {
-            let c = v.f64() - mean;
-            c * c
-        })
-        .sum::<f64>()
-        / d as f64;
+    let mean = lane_sum(xr, |v| v.f64()) / d as f64;
+    let var = lane_sum(xr, |v| {
+        let c = v.f64() - mean;
+        c * c
+    }) / d as f64;
     let (m, rs) = (T::of(mean), T::of(1.0 / (var + eps).sqrt()));
     for j in 0..d {
         let mut v = (xr[j] - m) * rs;
@@ -79,16 +101,30 @@ fn normalize_row<T: Float>(xr: &[T], yr: &mut [T], w: Option<&[T]>, b: Option<&[
 #[inline]
 fn row_grad_sums<T: Float>(xr: &[T], gr: &[T], w: Option<&[T]>, m: T, rs: T) -> (T, T) {
     let d = xr.len();
-    let (mut s1, mut s2) = (0.0f64, 0.0f64);
-    for j in 0..d {
+    let terms = |j: usize| {
         let dxh = match w {
             Some(w) => gr[j] * w[j],
             None => gr[j],
         };
-        s1 += dxh.f64();
-        s2 += (dxh * (xr[j] - m) * rs).f64();
+        (dxh.f64(), (dxh * (xr[j] - m) * rs).f64())
+    };
+    // Partial sums as in `lane_sum`, two at once.
+    let (mut a1, mut a2) = ([0.0f64; LANES], [0.0f64; LANES]);
+    let whole = d - d % LANES;
+    for j0 in (0..whole).step_by(LANES) {
+        for i in 0..LANES {
+            let (t1, t2) = terms(j0 + i);
+            a1[i] += t1;
+            a2[i] += t2;
+        }
     }
-    (T::of(s1 / d as f64), T::of(s2 / d as f64))
+    let (mut tail1, mut tail2) = (0.0f64, 0.0f64);
+    for j in whole..d {
+        let (t1, t2) = terms(j);
+        tail1 += t1;
+        tail2 += t2;
+    }
+    (T::of(combine(&a1, tail1) / d as f64), T::of(combine(&a2, tail2) / d as f64))
 }
 
 /// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b).

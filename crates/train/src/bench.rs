@@ -1,7 +1,9 @@
 //! `memfit bench`: per model, the median AdamW training-step time after warm-up and a steady-state
 //! step's peak allocated and reserved bytes, on synthetic data; with a PyTorch interpreter, the same
 //! step of the same model in PyTorch run right after each case (`assets/pytorch_bench.py`, embedded),
-//! so every ratio comes from one run on one machine.
+//! so every ratio comes from one run on one machine. With several rounds, memfit and PyTorch take
+//! turns (memfit, PyTorch, memfit, PyTorch, ...) and each side's time is the median of its rounds'
+//! medians: on a shared, noisy host a slow spell then falls on both sides instead of on one.
 
 use crate::error::TrainError;
 use crate::samples::synthetic;
@@ -37,7 +39,10 @@ pub const CASES: [BenchCase; 5] = [
 #[derive(Clone, Debug, Serialize)]
 pub struct CaseResult {
     pub name: String,
+    /// The median of the rounds' medians.
     pub median_ms: f64,
+    /// Each round's median step time, in the order run.
+    pub round_ms: Vec<f64>,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
     pub steps: usize,
@@ -48,7 +53,11 @@ pub struct CaseResult {
 /// One case measured in PyTorch by `assets/pytorch_bench.py`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PytorchCase {
+    /// The median of the rounds' medians.
     pub median_ms: f64,
+    /// Each round's median step time, in the order run (filled by memfit, not the script).
+    #[serde(default)]
+    pub round_ms: Vec<f64>,
     /// PyTorch's MemTracker estimate of a steady-state step's peak (null when unavailable).
     pub peak_bytes: Option<u64>,
 }
@@ -56,6 +65,8 @@ pub struct PytorchCase {
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
     pub threads: usize,
+    /// Rounds per case (memfit and PyTorch alternating).
+    pub rounds: usize,
     /// The instruction set memfit's kernels ran with.
     pub isa: String,
     /// The PyTorch version compared against, when one was.
@@ -150,9 +161,11 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
     let timed = synthetic(&spec, case.batch * 2, 1);
     let outcome = session.run(timed.as_ref(), None, &opts(steps), &mut |_| {})?;
     let stats = device.stats();
+    let median_ms = median(&outcome.step_times_ms);
     Ok(CaseResult {
         name: case.name.to_string(),
-        median_ms: median(&outcome.step_times_ms),
+        median_ms,
+        round_ms: vec![median_ms],
         peak_allocated_bytes: stats.allocated_bytes.peak,
         peak_reserved_bytes: stats.reserved_bytes.peak,
         steps,
@@ -160,15 +173,20 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
     })
 }
 
-/// Runs the cases (all when `only` is empty) on a pool of `threads` threads; with `pytorch` (a
-/// Python interpreter with PyTorch), each case is then run in PyTorch with as many threads.
+/// Runs the cases (all when `only` is empty) on a pool of `threads` threads, each `rounds` times;
+/// with `pytorch` (a Python interpreter with PyTorch), each round of a case is followed by the same
+/// case in PyTorch with as many threads.
 pub fn run(
     threads: usize,
     only: &[String],
     warmup: usize,
     steps: usize,
+    rounds: usize,
     pytorch: Option<&Path>,
 ) -> Result<BenchReport, TrainError> {
+    if rounds == 0 {
+        return Err(TrainError::Invalid("bench: --rounds must be at least 1".into()));
+    }
     for name in only {
         if !CASES.iter().any(|c| c.name == name) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
@@ -185,11 +203,23 @@ pub fn run(
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;
     let mut cases = Vec::new();
     for case in CASES.iter().filter(|c| only.is_empty() || only.iter().any(|n| n == c.name)) {
-        let mut result = pool.install(|| run_case(case, warmup, steps))?;
-        if let Some(python) = pytorch {
-            result.pytorch = run_pytorch_case(python, case.name, warmup, steps, threads)?;
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            ours.push(pool.install(|| run_case(case, warmup, steps))?);
+            if let Some(python) = pytorch {
+                theirs.push(run_pytorch_case(python, case.name, warmup, steps, threads)?);
+            }
+        }
+        let round_ms: Vec<f64> = ours.iter().map(|r| r.median_ms).collect();
+        let mut result = ours.pop().expect("at least one round");
+        result.median_ms = median(&round_ms);
+        result.round_ms = round_ms;
+        // A case without a PyTorch reference is None in every round.
+        if let Some(last) = theirs.iter().flatten().last() {
+            let round_ms: Vec<f64> = theirs.iter().flatten().map(|p| p.median_ms).collect();
+            result.pytorch = Some(PytorchCase { median_ms: median(&round_ms), round_ms, peak_bytes: last.peak_bytes });
         }
         cases.push(result);
     }
-    Ok(BenchReport { threads, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
+    Ok(BenchReport { threads, rounds, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
 }

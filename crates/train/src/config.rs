@@ -18,6 +18,8 @@ pub mod limits {
     pub const MAX_STEPS: u64 = 1 << 32;
     /// Timed steps of a benchmark case (`bench --steps`), and its warm-up steps.
     pub const MAX_BENCH_STEPS: u64 = 10_000;
+    /// `memfit bench --rounds`.
+    pub const MAX_BENCH_ROUNDS: u64 = 100;
     /// Device capacity: 1024 TiB (1 PiB).
     pub const MAX_CAPACITY: u64 = 1 << 50;
     /// Worker threads per available core.
