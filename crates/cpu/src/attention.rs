@@ -5,7 +5,7 @@
 //! causal flag and the bool mask decide which keys each row sees (blocks skip keys past their last
 //! visible one).
 
-use super::elementwise::exp_in_place;
+use super::elementwise::{exp_in_place, lane_dot, lane_sum};
 use super::gemm::{gemm_into, Mat, SendPtr};
 use crate::dtype::Element;
 use crate::dtype::Float;
@@ -139,6 +139,21 @@ impl Visibility<'_> {
         (self.causal && j > r) || self.mask.as_ref().is_some_and(|m| m.masked(base, r, j))
     }
 
+    /// Hides the keys row `r` may not see in its `row` of scores (set to -inf) and scales the others;
+    /// without a mask, the visible keys are a prefix, handled a slice at a time.
+    fn scale_and_hide<T: Float>(&self, base: usize, r: usize, row: &mut [T], scale: T) {
+        if self.mask.is_none() {
+            let visible = if self.causal { row.len().min(r + 1) } else { row.len() };
+            let (seen, unseen) = row.split_at_mut(visible);
+            seen.iter_mut().for_each(|v| *v = *v * scale);
+            unseen.fill(T::neg_infinity());
+            return;
+        }
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = if self.hidden(base, r, j) { T::neg_infinity() } else { *v * scale };
+        }
+    }
+
     /// One past the last key any of rows `r0..r0 + rows` sees (0 when they see none): every key from
     /// there on has probability 0 for the whole block. Depends only on the mask, never on data.
     fn key_end(&self, base: usize, r0: usize, rows: usize, tk: usize) -> usize {
@@ -156,16 +171,13 @@ impl Visibility<'_> {
     }
 }
 
-/// Scales, masks and softmaxes one score row in place; returns its log-sum-exp (of the scaled,
-/// masked scores). A fully masked row becomes 0 and returns -inf.
-fn softmax_row<T: Float>(row: &mut [T], scale: T, hidden: impl Fn(usize) -> bool) -> T {
-    let mut m = T::neg_infinity();
-    for (j, v) in row.iter_mut().enumerate() {
-        *v = if hidden(j) { T::neg_infinity() } else { *v * scale };
-        // NaN wins, so a NaN score is never mistaken for a fully masked row.
-        if *v > m || v.is_nan() {
-            m = *v;
-        }
+/// Softmaxes one row of scaled, masked scores (hidden keys -inf) in place; returns its log-sum-exp.
+/// A fully masked row becomes 0 and returns -inf.
+fn softmax_row<T: Float>(row: &mut [T]) -> T {
+    let mut m = row.iter().fold(T::neg_infinity(), |m, &v| if v > m { v } else { m });
+    // NaN wins, so a NaN score is never mistaken for a fully masked row.
+    if row.iter().any(|v| v.is_nan()) {
+        m = T::nan();
     }
     if m == T::neg_infinity() {
         row.iter_mut().for_each(|v| *v = T::of(0.0));
@@ -173,10 +185,7 @@ fn softmax_row<T: Float>(row: &mut [T], scale: T, hidden: impl Fn(usize) -> bool
     }
     row.iter_mut().for_each(|v| *v -= m);
     exp_in_place(row);
-    let mut sum = T::of(0.0);
-    for v in row.iter() {
-        sum += *v;
-    }
+    let sum = lane_sum(row, |v| v);
     row.iter_mut().for_each(|v| *v = *v / sum);
     m + sum.ln()
 }
@@ -226,7 +235,8 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
                 gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
                 for r in 0..rows {
                     let row = &mut s[r * kend..(r + 1) * kend];
-                    let lse = softmax_row(row, scale, |j| vis.hidden(base, r0 + r, j));
+                    vis.scale_and_hide(base, r0 + r, row, scale);
+                    let lse = softmax_row(row);
                     if !p.lse.0.is_null() {
                         *p.lse.0.add(i * tq + r0 + r) = lse;
                     }
@@ -306,12 +316,11 @@ fn backward_kernel<T: Float + Element>(
                 for r in 0..rows {
                     let l = *lse.add(r0 + r);
                     let row = &mut s[r * kend..(r + 1) * kend];
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = if l == T::neg_infinity() || vis.hidden(base, r0 + r, j) {
-                            T::neg_infinity()
-                        } else {
-                            *v * scale - l
-                        };
+                    if l == T::neg_infinity() {
+                        row.fill(T::neg_infinity());
+                    } else {
+                        vis.scale_and_hide(base, r0 + r, row, scale);
+                        row.iter_mut().for_each(|v| *v -= l);
                     }
                     exp_in_place(row);
                 }
@@ -330,7 +339,7 @@ fn backward_kernel<T: Float + Element>(
                 for r in 0..rows {
                     let prow = &mut s[r * kend..(r + 1) * kend];
                     let dprow = &dp[r * kend..(r + 1) * kend];
-                    let dot = prow.iter().zip(dprow).fold(T::zero(), |a, (&p, &g)| a + p * g);
+                    let dot = lane_dot(prow, dprow);
                     prow.iter_mut().zip(dprow).for_each(|(p, &g)| *p = *p * (g - dot) * scale);
                 }
                 if let Some(gqi) = gqi {

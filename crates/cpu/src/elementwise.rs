@@ -156,6 +156,47 @@ pub(crate) fn exp_in_place<T: Float>(v: &mut [T]) {
     }
 }
 
+/// Independent partial sums [`lane_sum`] keeps (one AVX-512 register of f64).
+pub(crate) const LANES: usize = 8;
+
+/// `sum(f(v))` over `xs`, kept in [`LANES`] partial sums of `A` (element `j` goes to sum `j % LANES`,
+/// the tail after the last whole group to a sum of its own, all combined in one fixed order) so that
+/// the additions vectorise instead of waiting on one another. The order depends only on the length:
+/// the same values always give the same bits.
+#[inline(always)]
+pub(crate) fn lane_sum<T: Copy, A: num_traits::Float>(xs: &[T], f: impl Fn(T) -> A) -> A {
+    let mut acc = [A::zero(); LANES];
+    let groups = xs.chunks_exact(LANES);
+    let tail = groups.remainder().iter().fold(A::zero(), |s, &v| s + f(v));
+    for group in groups {
+        for (a, &v) in acc.iter_mut().zip(group) {
+            *a = *a + f(v);
+        }
+    }
+    combine_lanes(&acc, tail)
+}
+
+/// `sum(a[j] * b[j])` over equal-length slices, kept in partial sums as [`lane_sum`] keeps them.
+#[inline(always)]
+pub(crate) fn lane_dot<T: Float>(a: &[T], b: &[T]) -> T {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [T::zero(); LANES];
+    let (ga, gb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail = ga.remainder().iter().zip(gb.remainder()).fold(T::zero(), |s, (&x, &y)| s + x * y);
+    for (x, y) in ga.zip(gb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    combine_lanes(&acc, tail)
+}
+
+/// The total of [`LANES`] partial sums and a tail sum, added in one fixed order.
+#[inline(always)]
+pub(crate) fn combine_lanes<A: num_traits::Float>(acc: &[A; LANES], tail: A) -> A {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// `dst[i] = f(src[i])`, in parallel for large tensors.
 pub(crate) fn par_map<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T) -> T + Sync) {
     if dst.len() >= 2 * PAR_CHUNK {

@@ -3,6 +3,7 @@
 //! and backward, with the row numerics they share (so fused and unfused produce the same bits).
 //! Statistics are accumulated in f64 with two passes.
 
+use super::elementwise::{combine_lanes, lane_sum, LANES};
 use super::gemm::{gemm_into, Mat, SendPtr};
 use super::matmul::{fill_rows_with_bias, weight_mat};
 use crate::dtype::Float;
@@ -44,32 +45,6 @@ fn for_rows_mut<T: Send>(buf: &mut [T], row_len: usize, f: impl Fn(usize, &mut [
 
 fn opt_slice<T: Float + crate::dtype::Element>(t: Option<View<'_>>) -> Result<Option<&[T]>> {
     t.map(|t| t.slice::<T>()).transpose()
-}
-
-/// Independent partial sums [`lane_sum`] keeps (one AVX-512 register of f64).
-const LANES: usize = 8;
-
-/// `sum(f(v))` over `xs` in f64, kept in [`LANES`] partial sums (element `j` goes to sum `j % LANES`,
-/// the tail after the last whole group to a sum of its own, all combined in a fixed order) so that
-/// the additions vectorise instead of waiting on one another. The order depends only on the length:
-/// the same row always gives the same bits.
-#[inline(always)]
-fn lane_sum<T: Float>(xs: &[T], f: impl Fn(T) -> f64) -> f64 {
-    let mut acc = [0.0f64; LANES];
-    let groups = xs.chunks_exact(LANES);
-    let tail: f64 = groups.remainder().iter().map(|&v| f(v)).sum();
-    for group in groups {
-        for (a, &v) in acc.iter_mut().zip(group) {
-            *a += f(v);
-        }
-    }
-    combine(&acc, tail)
-}
-
-/// The total of [`LANES`] partial sums and a tail sum, added in one fixed order.
-#[inline(always)]
-fn combine(acc: &[f64; LANES], tail: f64) -> f64 {
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// Normalizes one row into `yr` (f64 two-pass statistics, biased variance, eps inside the sqrt, then
@@ -124,7 +99,7 @@ fn row_grad_sums<T: Float>(xr: &[T], gr: &[T], w: Option<&[T]>, m: T, rs: T) -> 
         tail1 += t1;
         tail2 += t2;
     }
-    (T::of(combine(&a1, tail1) / d as f64), T::of(combine(&a2, tail2) / d as f64))
+    (T::of(combine_lanes(&a1, tail1) / d as f64), T::of(combine_lanes(&a2, tail2) / d as f64))
 }
 
 /// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b).
