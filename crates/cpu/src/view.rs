@@ -174,7 +174,14 @@ mod tests {
         let v = view(&mut data, &row);
         assert_eq!(v.slice::<f32>().unwrap(), &[3.0, 4.0]);
         v.slice_mut::<f32>().unwrap()[1] = 9.0;
-        assert_eq!(v.bytes_mut().unwrap().len(), 8);
+        assert_eq!(v.bytes_mut().unwrap(), [3.0f32.to_ne_bytes(), 9.0f32.to_ne_bytes()].concat());
+        let mut copied = [0u8; 8];
+        v.copy_into_bytes(&mut copied).unwrap();
+        assert_eq!(
+            copied[..],
+            [3.0f32.to_ne_bytes(), 9.0f32.to_ne_bytes()].concat(),
+            "a contiguous copy from the offset"
+        );
         assert!(matches!(v.slice::<f64>(), Err(Error::DType(_))));
         assert_eq!(v.storage::<f32>().unwrap().len(), 6);
         let column = Layout::new(vec![2], vec![3], 1);
