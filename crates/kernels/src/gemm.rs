@@ -8,6 +8,10 @@
 //! `C[MR x NR] (+)= A[MR x kc] B[kc x NR]`. Edge tiles are zero-padded in the packs and written
 //! through a small tile on the stack.
 //!
+//! Operands read in place: a row-major A by whole tiles of rows (`run_direct`), and a row-major B by
+//! whole panels (the kernels take B's step stride), unless their rows are a multiple of 4 KiB apart;
+//! only their partial edge tiles and panels are packed then.
+//!
 //! Threads: a product large enough runs on up to `threads` threads that pack each B block together
 //! (panels shared out) and then multiply their own ranges of rows; a product with too few rows
 //! for that splits its columns instead. Workspace: each thread keeps an A block and a B block of
@@ -79,14 +83,16 @@ unsafe impl<T> Sync for MatRef<T> {}
 unsafe impl<T> Send for MatMut<T> {}
 unsafe impl<T> Sync for MatMut<T> {}
 
-/// A micro-kernel: `C[MR x NR] (+)= A_panel · B_panel` over `kc` packed steps. A is packed
-/// `a[k * MR + i]`, B `b[k * NR + j]`; C has row stride `rs_c` and column stride 1.
-pub type MicroKernelFn<T> = unsafe fn(kc: usize, a: *const T, b: *const T, c: *mut T, rs_c: isize, accumulate: bool);
+/// A micro-kernel: `C[MR x NR] (+)= A_panel · B_panel` over `kc` steps. A is packed `a[k * MR + i]`;
+/// B's step k is the NR contiguous elements at `b + k * ldb` (`ldb` = NR for a packed panel, B's
+/// row stride when B is read in place); C has row stride `rs_c` and column stride 1.
+pub type MicroKernelFn<T> =
+    unsafe fn(kc: usize, a: *const T, b: *const T, ldb: isize, c: *mut T, rs_c: isize, accumulate: bool);
 
 /// A micro-kernel reading A in place (row stride `lda`, column stride 1) instead of from a pack:
-/// `C[MR x NR] (+)= A[MR rows x kc] · B_panel`.
+/// `C[MR x NR] (+)= A[MR rows x kc] · B_panel`, B as in [`MicroKernelFn`].
 pub type MicroKernelDirectFn<T> =
-    unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, c: *mut T, rs_c: isize, accumulate: bool);
+    unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, ldb: isize, c: *mut T, rs_c: isize, accumulate: bool);
 
 /// A micro-kernel and its tile.
 #[derive(Clone, Copy)]
@@ -245,12 +251,16 @@ unsafe fn single<T: GemmScalar>(
 ) {
     with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
         with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
+            let in_place = reads_b_in_place(b);
             for jc in (0..n).step_by(NC) {
                 let nc = NC.min(n - jc);
                 for pc in (0..k).step_by(KC) {
                     let kc = KC.min(k - pc);
-                    pack(kernel, b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, kernel.nr, bpack);
-                    rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, bpack);
+                    let block = BBlock::new(kernel, b.at(pc, jc), nc, in_place, bpack);
+                    let first = block.first_packed_panel(kernel);
+                    let at = first * kernel.nr;
+                    pack(kernel, b.at(pc, jc + at).ptr, b.cs, b.rs, nc - at, kc, kernel.nr, bpack.add(at * kc));
+                    rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, block);
                 }
             }
         })
@@ -273,15 +283,18 @@ unsafe fn shared_b<T: GemmScalar>(
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let row_tiles = m.div_ceil(mr);
+    let in_place = reads_b_in_place(b);
     with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
         let bpack = Shared(bpack);
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
-                let panels = nc.div_ceil(nr);
+                let block = BBlock::new(kernel, b.at(pc, jc), nc, in_place, bpack.get());
+                let (first, panels) = (block.first_packed_panel(kernel), nc.div_ceil(nr));
                 (0..parts).into_par_iter().for_each(|p| {
-                    let (q0, q1) = (panels * p / parts, panels * (p + 1) / parts);
+                    let to_pack = panels - first;
+                    let (q0, q1) = (first + to_pack * p / parts, first + to_pack * (p + 1) / parts);
                     let (lo, hi) = (q0 * nr, (q1 * nr).min(nc));
                     if lo < hi {
                         // SAFETY: part p packs panels q0..q1 only; B is read inside its bounds.
@@ -297,18 +310,7 @@ unsafe fn shared_b<T: GemmScalar>(
                         // only read from here on.
                         unsafe {
                             with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
-                                rows(
-                                    kernel,
-                                    lo..hi,
-                                    nc,
-                                    kc,
-                                    pc,
-                                    c.at(0, jc),
-                                    accumulate || pc > 0,
-                                    a,
-                                    apack,
-                                    bpack.get(),
-                                )
+                                rows(kernel, lo..hi, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, block)
                             })
                         };
                     }
@@ -316,6 +318,56 @@ unsafe fn shared_b<T: GemmScalar>(
             }
         }
     })
+}
+
+/// Whether B is read in place instead of packed: when B is row-major, each depth step of a panel is
+/// NR contiguous elements, which the micro-kernel can load where they are. Not when its rows are a
+/// multiple of 4 KiB apart: a panel's steps then share a few cache sets and evict each other, and
+/// packing is faster (measured: `gemm_bench` "sq 1024" and "gpt dW fc2").
+fn reads_b_in_place<T>(b: MatRef<T>) -> bool {
+    b.cs == 1 && (b.rs * std::mem::size_of::<T>() as isize) % 4096 != 0
+}
+
+/// Where the micro-kernels read one `kc x nc` block of B: whole panels from B itself when B is read
+/// in place, the rest (all, when packed; the last partial panel, in place) from the packed block.
+#[derive(Clone, Copy)]
+struct BBlock<T> {
+    packed: *const T,
+    /// B at the block's first element, when read in place.
+    in_place: Option<MatRef<T>>,
+    /// Columns of whole panels (a multiple of NR).
+    whole: usize,
+}
+
+// SAFETY: as for `MatRef`: the block is only read once packed (the join that ends the packing comes
+// first).
+unsafe impl<T> Send for BBlock<T> {}
+unsafe impl<T> Sync for BBlock<T> {}
+
+impl<T> BBlock<T> {
+    fn new(kernel: MicroKernel<T>, b: MatRef<T>, nc: usize, in_place: bool, packed: *mut T) -> Self {
+        BBlock { packed, in_place: in_place.then_some(b), whole: nc - nc % kernel.nr }
+    }
+
+    /// The first panel that has to be packed.
+    fn first_packed_panel(&self, kernel: MicroKernel<T>) -> usize {
+        if self.in_place.is_some() {
+            self.whole / kernel.nr
+        } else {
+            0
+        }
+    }
+
+    /// The panel starting at column `jr`: its pointer and the stride between its depth steps.
+    ///
+    /// # Safety
+    /// `jr` must be a panel start inside the block.
+    unsafe fn panel(&self, jr: usize, nr: usize, kc: usize) -> (*const T, isize) {
+        match &self.in_place {
+            Some(b) if jr + nr <= self.whole => (b.ptr.add(jr), b.rs),
+            _ => (self.packed.add(jr * kc), nr as isize),
+        }
+    }
 }
 
 /// Rows `range` of one packed B block: `C[range, 0..nc] (+)= A[range, pc..pc+kc] @ Bblock`,
@@ -331,7 +383,7 @@ unsafe fn rows<T: GemmScalar>(
     add: bool,
     a: MatRef<T>,
     apack: *mut T,
-    bpack: *const T,
+    b: BBlock<T>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let mut tile = [T::default(); MAX_TILE * MAX_TILE];
@@ -359,19 +411,19 @@ unsafe fn rows<T: GemmScalar>(
             let ap = apack.add(ir * kc);
             for jr in (0..nc).step_by(nr) {
                 let cols = nr.min(nc - jr);
-                let bp = bpack.add(jr * kc);
+                let (bp, ldb) = b.panel(jr, nr, kc);
                 let cp = c.at(ic + ir, jr).ptr;
                 match direct {
                     Some(run) if ir < packed_from && cols == nr => {
-                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, cp, c.rs, add)
+                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, cp, c.rs, add)
                     }
                     Some(run) if ir < packed_from => {
-                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, tile.as_mut_ptr(), nr as isize, false);
+                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, tile.as_mut_ptr(), nr as isize, false);
                         write_tile(&tile, nr, rows, cols, cp, c.rs, add);
                     }
-                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, bp, cp, c.rs, add),
+                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, bp, ldb, cp, c.rs, add),
                     _ => {
-                        (kernel.run)(kc, ap, bp, tile.as_mut_ptr(), nr as isize, false);
+                        (kernel.run)(kc, ap, bp, ldb, tile.as_mut_ptr(), nr as isize, false);
                         write_tile(&tile, nr, rows, cols, cp, c.rs, add);
                     }
                 }

@@ -38,33 +38,37 @@ pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 /// # Safety
 /// As [`super::MicroKernelFn`]; only handed out when the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
-    run(kc, a, b, c, rs_c, accumulate)
+unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, ldb: isize, c: *mut f32, rs_c: isize, accumulate: bool) {
+    run(kc, a, b, ldb, c, rs_c, accumulate)
 }
 
 /// # Safety
 /// As [`super::MicroKernelDirectFn`]; only handed out when the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn run_direct_checked(
     kc: usize,
     a: *const f32,
     lda: isize,
     b: *const f32,
+    ldb: isize,
     c: *mut f32,
     rs_c: isize,
     accumulate: bool,
 ) {
-    run_direct(kc, a, lda, b, c, rs_c, accumulate)
+    run_direct(kc, a, lda, b, ldb, c, rs_c, accumulate)
 }
 
 /// The same tile with A read in place (row stride `lda`, unit column stride) instead of packed.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn run_direct(
     kc: usize,
     a: *const f32,
     lda: isize,
     mut b: *const f32,
+    ldb: isize,
     c: *mut f32,
     rs_c: isize,
     accumulate: bool,
@@ -80,14 +84,14 @@ unsafe fn run_direct(
             lo[i] = _mm256_fmadd_ps(ai, b0, lo[i]);
             hi[i] = _mm256_fmadd_ps(ai, b1, hi[i]);
         }
-        b = b.add(NR);
+        b = b.offset(ldb);
     }
     store!(lo, hi, c, rs_c, accumulate);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, c: *mut f32, rs_c: isize, accumulate: bool) {
+unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, ldb: isize, c: *mut f32, rs_c: isize, accumulate: bool) {
     let mut lo = [_mm256_setzero_ps(); MR];
     let mut hi = [_mm256_setzero_ps(); MR];
     for _ in 0..kc {
@@ -99,7 +103,7 @@ unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, c: *mut f32, rs_c
             hi[i] = _mm256_fmadd_ps(ai, b1, hi[i]);
         }
         a = a.add(MR);
-        b = b.add(NR);
+        b = b.offset(ldb);
     }
     store!(lo, hi, c, rs_c, accumulate);
 }

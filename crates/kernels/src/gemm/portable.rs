@@ -11,12 +11,21 @@ pub(crate) fn kernel<T: GemmScalar>() -> MicroKernel<T> {
 }
 
 /// # Safety
-/// `a` holds `kc * MR`, `b` `kc * NR` packed elements; `c` is valid for an MR x NR tile.
-unsafe fn run<T: GemmScalar>(kc: usize, a: *const T, b: *const T, c: *mut T, rs_c: isize, accumulate: bool) {
+/// `a` holds `kc * MR` packed elements, `b` NR elements at each of `kc` steps `ldb` apart; `c` is
+/// valid for an MR x NR tile.
+unsafe fn run<T: GemmScalar>(
+    kc: usize,
+    a: *const T,
+    b: *const T,
+    ldb: isize,
+    c: *mut T,
+    rs_c: isize,
+    accumulate: bool,
+) {
     let mut acc = [[T::default(); NR]; MR];
     for p in 0..kc {
         let ap = std::slice::from_raw_parts(a.add(p * MR), MR);
-        let bp = std::slice::from_raw_parts(b.add(p * NR), NR);
+        let bp = std::slice::from_raw_parts(b.offset(p as isize * ldb), NR);
         for i in 0..MR {
             for j in 0..NR {
                 acc[i][j] = acc[i][j] + ap[i] * bp[j];
