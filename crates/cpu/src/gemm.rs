@@ -37,3 +37,27 @@ pub(crate) unsafe fn gemm_into<T: Float>(
     use memfit_kernels::gemm::{gemm, MatMut};
     gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, accumulate, a, b, threads);
 }
+
+/// As [`gemm_into`], with `a` given `block_rows` rows at a time by `a_block(r0, rows)` (which may
+/// compute them into a scratch it owns) and `b` packed once for all the blocks
+/// (`memfit_kernels::gemm::gemm_row_blocks`), on all the pool's threads.
+///
+/// # Safety
+/// As [`gemm_into`], for every block `a_block` returns.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_row_blocks_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    accumulate: bool,
+    block_rows: usize,
+    a_block: impl FnMut(usize, usize) -> Mat<T>,
+    b: Mat<T>,
+) {
+    use memfit_kernels::gemm::{gemm_row_blocks, MatMut};
+    let c = MatMut { ptr: dst, rs: dst_rs };
+    let threads = rayon::current_num_threads();
+    gemm_row_blocks(memfit_kernels::Isa::active(), m, n, k, c, accumulate, block_rows, a_block, b, threads);
+}

@@ -6,7 +6,7 @@
 use super::elementwise::{
     gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip,
 };
-use super::gemm::{gemm_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
+use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::dtype::Float;
 use crate::error::Result;
 use crate::layout::{broadcast_layout, Layout};
@@ -122,16 +122,15 @@ pub fn gelu_linear(
         fill_rows_with_bias::<T>(dst, bias, out_f)?;
         let wt = weight_mat::<T>(weight, true)?;
         let (xs, sc) = (x.slice::<T>()?, scratch.slice_mut::<T>()?);
-        for r0 in (0..rows).step_by(GELU_ROWS) {
-            let n = GELU_ROWS.min(rows - r0);
+        let gelu_rows = |r0: usize, n: usize| {
             gelu_slice(&xs[r0 * in_f..(r0 + n) * in_f], &mut sc[..n * in_f]);
-            let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
-            // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
-            unsafe {
-                gemm_into::<T>(n, out_f, in_f, dst.as_mut_ptr().add(r0 * out_f), out_f as isize, bias.is_some(),
-                    a, wt, rayon::current_num_threads())
-            };
-        }
+            Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 }
+        };
+        // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
+        unsafe {
+            gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(),
+                GELU_ROWS, gelu_rows, wt)
+        };
     });
     Ok(())
 }

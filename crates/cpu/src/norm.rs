@@ -4,7 +4,7 @@
 //! Statistics are accumulated in f64 with two passes.
 
 use super::elementwise::{combine_lanes, lane_sum, LANES};
-use super::gemm::{gemm_into, Mat, SendPtr};
+use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr};
 use super::matmul::{fill_rows_with_bias, weight_mat};
 use crate::dtype::Float;
 use crate::error::Result;
@@ -259,8 +259,7 @@ pub fn layer_norm_linear(
         };
         let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
         let wt = weight_mat::<T>(weight, true)?;
-        for r0 in (0..rows).step_by(LN_ROWS) {
-            let n = LN_ROWS.min(rows - r0);
+        let normalized_rows = |r0: usize, n: usize| {
             for_row_groups(n, in_f, |g0, gn| {
                 let (sc, st) = (sc, st);
                 for r in g0..g0 + gn {
@@ -273,13 +272,13 @@ pub fn layer_norm_linear(
                     }
                 }
             });
-            let a = Mat { ptr: sc.0 as *const T, rs: in_f as isize, cs: 1 };
-            // SAFETY: rows r0..r0+n of the fresh output; the scratch is a separate tensor.
-            unsafe {
-                gemm_into::<T>(n, out_f, in_f, dst.as_mut_ptr().add(r0 * out_f), out_f as isize, bias.is_some(),
-                    a, wt, rayon::current_num_threads())
-            };
-        }
+            Mat { ptr: sc.0 as *const T, rs: in_f as isize, cs: 1 }
+        };
+        // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
+        unsafe {
+            gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(),
+                LN_ROWS, normalized_rows, wt)
+        };
     });
     Ok(())
 }

@@ -220,9 +220,9 @@ pub unsafe fn gemm<T: GemmScalar>(
     let kernel = <T as sealed::Sealed>::micro_kernel(isa);
     let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
     if parts == 1 {
-        single(kernel, m, n, k, c, accumulate, a, b);
+        single(kernel, m, n, k, c, accumulate, a, BSource::Strided(b));
     } else if m >= 2 * parts * kernel.mr {
-        shared_b(kernel, parts, m, n, k, c, accumulate, a, b);
+        shared_b(kernel, parts, m, n, k, c, accumulate, a, BSource::Strided(b));
     } else {
         // Too few rows to share out: each thread takes whole columns (and packs all of A, small).
         let tiles = n.div_ceil(kernel.nr);
@@ -231,9 +231,186 @@ pub unsafe fn gemm<T: GemmScalar>(
             let (lo, hi) = (tiles * p / parts * kernel.nr, (tiles * (p + 1) / parts * kernel.nr).min(n));
             if lo < hi {
                 // SAFETY: each part writes its own columns of C; operands are offset inside bounds.
-                unsafe { single(kernel, m, hi - lo, k, c.at(0, lo), accumulate, a, b.at(0, lo)) };
+                unsafe { single(kernel, m, hi - lo, k, c.at(0, lo), accumulate, a, BSource::Strided(b.at(0, lo))) };
             }
         });
+    }
+}
+
+/// `C[m x n] (+)= A @ B` with A given `block_rows` rows at a time: `a_block(r0, rows)` returns rows
+/// `r0..r0 + rows` of A (it may compute them into a buffer of its own, read before its next call).
+/// B is packed once for all the blocks when it fits one thread's B workspace (read in place, or
+/// packed block by block, otherwise), so a fused op that prepares its left operand a block at a time
+/// (GELU, layer norm) does not repack its weight per block. Otherwise as [`gemm`].
+///
+/// # Safety
+/// As [`gemm`], for every block `a_block` returns.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_row_blocks<T: GemmScalar>(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    accumulate: bool,
+    block_rows: usize,
+    mut a_block: impl FnMut(usize, usize) -> MatRef<T>,
+    b: MatRef<T>,
+    threads: usize,
+) {
+    let kernel = <T as sealed::Sealed>::micro_kernel(isa);
+    let block_rows = block_rows.max(1);
+    let once = n > 0 && k > 0 && !reads_b_in_place(b) && packed_len(kernel, k, n) <= B_PACK_ELEMS;
+    if !once {
+        for r0 in (0..m).step_by(block_rows) {
+            let rows = block_rows.min(m - r0);
+            gemm(isa, rows, n, k, c.at(r0, 0), accumulate, a_block(r0, rows), b, threads);
+        }
+        return;
+    }
+    with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
+        pack_whole(kernel, threads.max(1), k, n, b, bpack);
+        for r0 in (0..m).step_by(block_rows) {
+            let rows = block_rows.min(m - r0);
+            let a = a_block(r0, rows);
+            let parts = if rows.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
+            let c = c.at(r0, 0);
+            if parts > 1 && rows >= 2 * parts * kernel.mr {
+                shared_b(kernel, parts, rows, n, k, c, accumulate, a, BSource::Packed(bpack));
+            } else {
+                single(kernel, rows, n, k, c, accumulate, a, BSource::Packed(bpack));
+            }
+        }
+    })
+}
+
+/// Where a product's B comes from.
+#[derive(Clone, Copy)]
+enum BSource<T> {
+    /// B itself, packed block by block into the workspace (or read in place).
+    Strided(MatRef<T>),
+    /// B packed whole beforehand by [`pack_whole`].
+    Packed(*const T),
+}
+
+// SAFETY: as for `MatRef`: read only, by parallel regions that start after the packing ended.
+unsafe impl<T> Send for BSource<T> {}
+unsafe impl<T> Sync for BSource<T> {}
+
+impl<T: GemmScalar> BSource<T> {
+    /// Block (jc, pc) of B (`nc` columns, `kc` deep) and the panels of it still to pack (from the
+    /// first returned): none when B was packed whole, the last partial one when B is read in place.
+    ///
+    /// # Safety
+    /// The block must be inside B; `bpack` the workspace this product packs B blocks into.
+    unsafe fn block(
+        self,
+        kernel: MicroKernel<T>,
+        k: usize,
+        jc: usize,
+        pc: usize,
+        nc: usize,
+        bpack: *mut T,
+    ) -> BBlock<T> {
+        let whole = nc - nc % kernel.nr;
+        match self {
+            BSource::Strided(b) => {
+                let in_place = reads_b_in_place(b);
+                BBlock { packed: bpack, in_place: in_place.then(|| b.at(pc, jc)), whole }
+            }
+            BSource::Packed(p) => {
+                BBlock { packed: p.add(packed_offset(kernel, k, jc, pc, nc)), in_place: None, whole: 0 }
+            }
+        }
+    }
+
+    /// The first panel of a block that has to be packed now (`panels` when none).
+    fn first_to_pack(self, block: &BBlock<T>, kernel: MicroKernel<T>, panels: usize) -> usize {
+        match self {
+            BSource::Packed(_) => panels,
+            BSource::Strided(_) if block.in_place.is_some() => block.whole / kernel.nr,
+            BSource::Strided(_) => 0,
+        }
+    }
+
+    /// Packs panels `q0..q1` of block (jc, pc) into `bpack` (a no-op for an empty range).
+    ///
+    /// # Safety
+    /// As [`pack`]; the block must be inside B.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pack_panels(
+        self,
+        kernel: MicroKernel<T>,
+        jc: usize,
+        pc: usize,
+        nc: usize,
+        kc: usize,
+        q: (usize, usize),
+        bpack: *mut T,
+    ) {
+        let nr = kernel.nr;
+        let (lo, hi) = (q.0 * nr, (q.1 * nr).min(nc));
+        if let (BSource::Strided(b), true) = (self, lo < hi) {
+            pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.add(lo * kc));
+        }
+    }
+
+    /// Runs `f` with this product's B workspace: one from the pool when B is packed block by block,
+    /// none when it was packed whole.
+    fn with_workspace<R>(self, f: impl FnOnce(*mut T) -> R) -> R {
+        match self {
+            BSource::Strided(_) => with_pack(&B_PACK, B_PACK_ELEMS, f),
+            BSource::Packed(_) => f(std::ptr::null_mut()),
+        }
+    }
+}
+
+/// Elements of block (jc, pc) and of the blocks before it in a B packed whole: blocks in loop order
+/// (jc, then pc), each `kc` deep and its columns padded to whole panels.
+fn packed_offset<T>(kernel: MicroKernel<T>, k: usize, jc: usize, pc: usize, nc: usize) -> usize {
+    jc * k + pc * nc.div_ceil(kernel.nr) * kernel.nr
+}
+
+/// Elements a B of `k x n` packed whole takes.
+fn packed_len<T>(kernel: MicroKernel<T>, k: usize, n: usize) -> usize {
+    let last = (n - 1) / NC * NC;
+    packed_offset(kernel, k, last, k, n - last)
+}
+
+/// Packs all of B (`k x n`), block by block in loop order, on up to `parts` threads.
+///
+/// # Safety
+/// B must be valid for its shape and strides; `out` must hold [`packed_len`] elements.
+unsafe fn pack_whole<T: GemmScalar>(
+    kernel: MicroKernel<T>,
+    parts: usize,
+    k: usize,
+    n: usize,
+    b: MatRef<T>,
+    out: *mut T,
+) {
+    let out = Shared(out);
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        let panels = nc.div_ceil(kernel.nr);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            let at = packed_offset(kernel, k, jc, pc, nc);
+            (0..parts).into_par_iter().for_each(|p| {
+                // SAFETY: part p packs its own panels of this block; B is read inside its bounds.
+                unsafe {
+                    BSource::Strided(b).pack_panels(
+                        kernel,
+                        jc,
+                        pc,
+                        nc,
+                        kc,
+                        (panels * p / parts, panels * (p + 1) / parts),
+                        out.get().add(at),
+                    )
+                };
+            });
+        }
     }
 }
 
@@ -247,19 +424,17 @@ unsafe fn single<T: GemmScalar>(
     c: MatMut<T>,
     accumulate: bool,
     a: MatRef<T>,
-    b: MatRef<T>,
+    b: BSource<T>,
 ) {
-    with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
+    b.with_workspace(|bpack: *mut T| {
         with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
-            let in_place = reads_b_in_place(b);
             for jc in (0..n).step_by(NC) {
                 let nc = NC.min(n - jc);
                 for pc in (0..k).step_by(KC) {
                     let kc = KC.min(k - pc);
-                    let block = BBlock::new(kernel, b.at(pc, jc), nc, in_place, bpack);
-                    let first = block.first_packed_panel(kernel);
-                    let at = first * kernel.nr;
-                    pack(kernel, b.at(pc, jc + at).ptr, b.cs, b.rs, nc - at, kc, kernel.nr, bpack.add(at * kc));
+                    let block = b.block(kernel, k, jc, pc, nc, bpack);
+                    let panels = nc.div_ceil(kernel.nr);
+                    b.pack_panels(kernel, jc, pc, nc, kc, (b.first_to_pack(&block, kernel, panels), panels), bpack);
                     rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, block);
                 }
             }
@@ -279,30 +454,27 @@ unsafe fn shared_b<T: GemmScalar>(
     c: MatMut<T>,
     accumulate: bool,
     a: MatRef<T>,
-    b: MatRef<T>,
+    b: BSource<T>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let row_tiles = m.div_ceil(mr);
-    let in_place = reads_b_in_place(b);
-    with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
+    b.with_workspace(|bpack: *mut T| {
         let bpack = Shared(bpack);
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
-                let block = BBlock::new(kernel, b.at(pc, jc), nc, in_place, bpack.get());
-                let (first, panels) = (block.first_packed_panel(kernel), nc.div_ceil(nr));
-                (0..parts).into_par_iter().for_each(|p| {
-                    let to_pack = panels - first;
-                    let (q0, q1) = (first + to_pack * p / parts, first + to_pack * (p + 1) / parts);
-                    let (lo, hi) = (q0 * nr, (q1 * nr).min(nc));
-                    if lo < hi {
-                        // SAFETY: part p packs panels q0..q1 only; B is read inside its bounds.
-                        unsafe {
-                            pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.get().add(lo * kc))
-                        };
-                    }
-                });
+                let block = b.block(kernel, k, jc, pc, nc, bpack.get());
+                let panels = nc.div_ceil(nr);
+                let first = b.first_to_pack(&block, kernel, panels);
+                if first < panels {
+                    (0..parts).into_par_iter().for_each(|p| {
+                        let to_pack = panels - first;
+                        let q = (first + to_pack * p / parts, first + to_pack * (p + 1) / parts);
+                        // SAFETY: part p packs panels q only; B is read inside its bounds.
+                        unsafe { b.pack_panels(kernel, jc, pc, nc, kc, q, bpack.get()) };
+                    });
+                }
                 (0..parts).into_par_iter().for_each(|p| {
                     let (lo, hi) = (row_tiles * p / parts * mr, (row_tiles * (p + 1) / parts * mr).min(m));
                     if lo < hi {
@@ -345,19 +517,6 @@ unsafe impl<T> Send for BBlock<T> {}
 unsafe impl<T> Sync for BBlock<T> {}
 
 impl<T> BBlock<T> {
-    fn new(kernel: MicroKernel<T>, b: MatRef<T>, nc: usize, in_place: bool, packed: *mut T) -> Self {
-        BBlock { packed, in_place: in_place.then_some(b), whole: nc - nc % kernel.nr }
-    }
-
-    /// The first panel that has to be packed.
-    fn first_packed_panel(&self, kernel: MicroKernel<T>) -> usize {
-        if self.in_place.is_some() {
-            self.whole / kernel.nr
-        } else {
-            0
-        }
-    }
-
     /// The panel starting at column `jr`: its pointer and the stride between its depth steps.
     ///
     /// # Safety
@@ -636,6 +795,78 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Row blocks with B packed once (B transposed, as a weight `x W^T`) or not (B row-major, read
+    /// in place; and B too large for the workspace): the same bits as one product, for every level.
+    #[test]
+    fn row_blocks_match_one_product() {
+        for (m, n, k, block) in [(100, 70, 40, 32), (37, 33, 600, 12), (64, 130, 20, 64), (50, 1100, 300, 25)] {
+            for tb in [true, false] {
+                let a = values(m * k, 4);
+                let b = values(k * n, 5);
+                let (brs, bcs) = if tb { (1, k) } else { (n, 1) };
+                let bm = MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize };
+                for isa in Isa::supported() {
+                    for accumulate in [false, true] {
+                        let c0 = values(m * n, 6);
+                        let (mut whole, mut blocks) = (c0.clone(), c0.clone());
+                        let am = MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
+                        let mut calls = Vec::new();
+                        // SAFETY: the buffers hold exactly the shapes and strides passed; each block
+                        // is rows r0..r0+rows of A.
+                        unsafe {
+                            gemm(
+                                isa,
+                                m,
+                                n,
+                                k,
+                                MatMut { ptr: whole.as_mut_ptr(), rs: n as isize },
+                                accumulate,
+                                am,
+                                bm,
+                                2,
+                            );
+                            let c = MatMut { ptr: blocks.as_mut_ptr(), rs: n as isize };
+                            gemm_row_blocks(
+                                isa,
+                                m,
+                                n,
+                                k,
+                                c,
+                                accumulate,
+                                block,
+                                |r0, rows| {
+                                    calls.push((r0, rows));
+                                    am.at(r0, 0)
+                                },
+                                bm,
+                                2,
+                            );
+                        }
+                        assert_eq!(whole, blocks, "{isa} {m}x{n}x{k} tb={tb} acc={accumulate}");
+                        let want: Vec<_> = (0..m).step_by(block).map(|r0| (r0, block.min(m - r0))).collect();
+                        assert_eq!(calls, want);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_b_layout_covers_every_block_once() {
+        let kernel = <f32 as sealed::Sealed>::micro_kernel(Isa::Portable);
+        for (k, n) in [(1, 1), (KC, NC), (KC + 1, NC + 1), (3 * KC + 5, 2 * NC + 9)] {
+            let mut next = 0;
+            for jc in (0..n).step_by(NC) {
+                let nc = NC.min(n - jc);
+                for pc in (0..k).step_by(KC) {
+                    assert_eq!(packed_offset(kernel, k, jc, pc, nc), next, "k={k} n={n} block ({jc}, {pc})");
+                    next += KC.min(k - pc) * nc.div_ceil(kernel.nr) * kernel.nr;
+                }
+            }
+            assert_eq!(packed_len(kernel, k, n), next);
         }
     }
 
