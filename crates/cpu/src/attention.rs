@@ -145,7 +145,7 @@ impl Visibility<'_> {
         if self.mask.is_none() {
             let visible = if self.causal { row.len().min(r + 1) } else { row.len() };
             let (seen, unseen) = row.split_at_mut(visible);
-            seen.iter_mut().for_each(|v| *v = *v * scale);
+            seen.iter_mut().for_each(|v| *v *= scale);
             unseen.fill(T::neg_infinity());
             return;
         }

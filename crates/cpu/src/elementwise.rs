@@ -197,6 +197,19 @@ pub(crate) fn combine_lanes<A: num_traits::Float>(acc: &[A; LANES], tail: A) -> 
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// Calls `f(first_row, rows)` for consecutive groups of rows of `row_len` elements, in parallel when
+/// the data is big enough; groups hold about `PAR_CHUNK` elements.
+pub(crate) fn for_row_groups(rows: usize, row_len: usize, f: impl Fn(usize, usize) + Sync + Send) {
+    let per = (PAR_CHUNK / row_len.max(1)).max(1);
+    let groups = rows.div_ceil(per);
+    let run = |k: usize| f(k * per, per.min(rows - k * per));
+    if rows * row_len >= 2 * PAR_CHUNK && groups > 1 {
+        (0..groups).into_par_iter().for_each(run);
+    } else {
+        (0..groups).for_each(run);
+    }
+}
+
 /// `dst[i] = f(src[i])`, in parallel for large tensors.
 pub(crate) fn par_map<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T) -> T + Sync) {
     if dst.len() >= 2 * PAR_CHUNK {

@@ -16,6 +16,19 @@ unsafe impl<T> Send for SendPtr<T> {}
 // SAFETY: see above.
 unsafe impl<T> Sync for SendPtr<T> {}
 
+impl<T> SendPtr<T> {
+    /// The `len` elements from element `at`, for writing (a method, so a closure captures the
+    /// whole `Send` wrapper).
+    ///
+    /// # Safety
+    /// The elements must be inside the allocation, and nobody else may use them while the slice
+    /// lives.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice_mut<'a>(self, at: usize, len: usize) -> &'a mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
+}
+
 /// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
 /// `accumulate` adds to dst instead of overwriting it. Runs `memfit-kernels`' GEMM for the
 /// process's instruction set on up to `threads` threads.

@@ -4,7 +4,7 @@
 //! normalization kernels share (`weight_mat`, `fill_rows_with_bias`).
 
 use super::elementwise::{
-    gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice, par_update, par_zip,
+    for_row_groups, gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice,
 };
 use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::dtype::Float;
@@ -16,6 +16,18 @@ use rayon::prelude::*;
 
 /// Rows [`gelu_linear`] runs per block (its scratch holds GELU_ROWS rows of the input).
 pub const GELU_ROWS: usize = 512;
+
+/// The row stride, in elements, of the fused GELU-linear's scratch rows of `in_f` inputs: `in_f`,
+/// padded by 16 elements when rows of `in_f` f32 or f64 values would be a multiple of 4 KiB apart,
+/// so that the GEMM reads the scratch in place instead of packing it (`memfit_kernels::gemm` packs
+/// operands whose rows are 4 KiB apart). The op sizes the scratch with it.
+pub fn gelu_scratch_stride(in_f: usize) -> usize {
+    if in_f > 0 && in_f.is_multiple_of(512) {
+        in_f + 16
+    } else {
+        in_f
+    }
+}
 
 /// The operand view of the last two dims of `t` at element offset `offset`.
 fn mat_of<T>(base: *const T, l: &Layout, offset: usize) -> Mat<T> {
@@ -121,10 +133,17 @@ pub fn gelu_linear(
         let dst = out.slice_mut::<T>()?;
         fill_rows_with_bias::<T>(dst, bias, out_f)?;
         let wt = weight_mat::<T>(weight, true)?;
-        let (xs, sc) = (x.slice::<T>()?, scratch.slice_mut::<T>()?);
+        let (xs, stride) = (x.slice::<T>()?, gelu_scratch_stride(in_f));
+        let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
         let gelu_rows = |r0: usize, n: usize| {
-            gelu_slice(&xs[r0 * in_f..(r0 + n) * in_f], &mut sc[..n * in_f]);
-            Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 }
+            for_row_groups(n, in_f, |g0, gn| {
+                for r in g0..g0 + gn {
+                    // SAFETY: scratch row r (of a block that fits the scratch) is this task's.
+                    let yr = unsafe { sc.slice_mut(r * stride, in_f) };
+                    gelu_slice(&xs[(r0 + r) * in_f..(r0 + r + 1) * in_f], yr);
+                }
+            });
+            Mat { ptr: sc.0 as *const T, rs: stride as isize, cs: 1 }
         };
         // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
         unsafe {
@@ -169,61 +188,68 @@ pub fn gelu_linear_backward(
             }
         } else {
             let gwp = gwp.map(|s| s.as_mut_ptr());
-            let (sc, deriv) = scratch.slice_mut::<T>()?.split_at_mut(block * in_f);
+            let stride = gelu_scratch_stride(in_f);
+            let (sc, deriv) = scratch.slice_mut::<T>()?.split_at_mut(block * stride);
+            let (scp, dp, xsp, gxs) = (SendPtr(sc.as_mut_ptr()), SendPtr(deriv.as_mut_ptr()), SendPtr(xp), gxp.map(SendPtr));
             let w = weight_mat::<T>(weight, false)?;
             let threads = rayon::current_num_threads();
             for r0 in (0..rows).step_by(GELU_ROWS) {
                 let n = GELU_ROWS.min(rows - r0);
-                let len = n * in_f;
-                // SAFETY: block r0..r0+n of x, gx and grad is in bounds; the scratch and gw are
-                // separate tensors; no slice of the block outlives the writes below.
+                // Row r of the block: of the scratch (`stride` apart), of x, of the derivative
+                // (second half of the scratch) and of dx. The block's rows are inside their
+                // tensors, and each row is used by one task at a time: the element-wise passes below
+                // give each task its own rows, and the GEMMs run between them.
+                // SAFETY: as just said.
+                let sc_row = |r: usize| unsafe { scp.slice_mut(r * stride, in_f) };
+                // SAFETY: as just said.
+                let x_row = |r: usize| unsafe { xsp.slice_mut((r0 + r) * in_f, in_f) };
+                // SAFETY: as just said.
+                let d_row = |r: usize| unsafe { dp.slice_mut(r * in_f, in_f) };
+                // SAFETY: as just said.
+                let gx_row = |g: SendPtr<T>, r: usize| unsafe { g.slice_mut((r0 + r) * in_f, in_f) };
+                let each_row = |f: &(dyn Fn(usize) + Sync)| for_row_groups(n, in_f, |g0, gn| (g0..g0 + gn).for_each(f));
+                let g_t = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: 1, cs: out_f as isize };
+                let g_rows = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: out_f as isize, cs: 1 };
+                let y = Mat { ptr: scp.0 as *const T, rs: stride as isize, cs: 1 };
+                // SAFETY: the operands are in bounds; the scratch and gw are separate tensors.
                 unsafe {
-                    let xb = xp.add(r0 * in_f);
-                    if let (Some(gwp), Some(gxp)) = (gwp, gxp) {
+                    if let (Some(gwp), Some(gxs)) = (gwp, gxs) {
                         // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
                         // dx = (g_block W) * gelu'(x_block), over x's block when in place.
-                        let y = &mut sc[..len];
-                        if in_place {
-                            // x_block -> (y, gelu'(x)) with gelu'(x) over x_block.
-                            gelu_with_derivative_slice(y, std::slice::from_raw_parts_mut(xb, len));
-                        } else {
-                            let xr = std::slice::from_raw_parts(xb as *const T, len);
-                            let d = &mut deriv[..len];
-                            d.copy_from_slice(xr);
-                            gelu_with_derivative_slice(y, d);
-                        }
-                        let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
-                        let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
-                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
-                        let g_rows = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: out_f as isize, cs: 1 };
-                        gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
-                        let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
-                        if in_place {
-                            par_update(&sc[..len], dst, |g, d| g * d);
-                        } else {
-                            par_zip(&sc[..len], &deriv[..len], dst, |g, d| g * d);
-                        }
+                        each_row(&|r| {
+                            if in_place {
+                                // x row -> (y, gelu'(x)) with gelu'(x) over x's row.
+                                gelu_with_derivative_slice(sc_row(r), x_row(r));
+                            } else {
+                                let d = d_row(r);
+                                d.copy_from_slice(x_row(r));
+                                gelu_with_derivative_slice(sc_row(r), d);
+                            }
+                        });
+                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
+                        gemm_into::<T>(n, in_f, out_f, scp.0, stride as isize, false, g_rows, w, threads);
+                        each_row(&|r| {
+                            let (g, d) = (sc_row(r), if in_place { x_row(r) } else { d_row(r) });
+                            let dst = gx_row(gxs, r);
+                            dst.iter_mut().zip(g.iter().zip(d.iter())).for_each(|(o, (&g, &d))| *o = g * d);
+                        });
                         continue;
                     }
                     if let Some(gwp) = gwp {
                         // dW (+)= g_block^T gelu(x_block)
-                        gelu_slice(std::slice::from_raw_parts(xb, len), &mut sc[..len]);
-                        let gt = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: 1, cs: out_f as isize };
-                        let a = Mat { ptr: sc.as_ptr(), rs: in_f as isize, cs: 1 };
-                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, gt, a, threads);
+                        each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
+                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
                     }
-                    if let Some(gxp) = gxp {
+                    if let Some(gxs) = gxs {
                         // dx = (g_block W) * gelu'(x_block)
-                        let g_rows = Mat { ptr: gs.as_ptr().add(r0 * out_f), rs: out_f as isize, cs: 1 };
-                        gemm_into::<T>(n, in_f, out_f, sc.as_mut_ptr(), in_f as isize, false, g_rows, w, threads);
-                        if in_place {
-                            let xm = std::slice::from_raw_parts_mut(xb, len);
-                            gelu_backward_over_input(&sc[..len], xm);
-                        } else {
-                            let xr = std::slice::from_raw_parts(xb as *const T, len);
-                            let dst = std::slice::from_raw_parts_mut(gxp.add(r0 * in_f), len);
-                            gelu_backward_slice(xr, &sc[..len], dst);
-                        }
+                        gemm_into::<T>(n, in_f, out_f, scp.0, stride as isize, false, g_rows, w, threads);
+                        each_row(&|r| {
+                            if in_place {
+                                gelu_backward_over_input(sc_row(r), x_row(r));
+                            } else {
+                                gelu_backward_slice(x_row(r), sc_row(r), gx_row(gxs, r));
+                            }
+                        });
                     }
                 }
             }

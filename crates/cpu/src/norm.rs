@@ -3,7 +3,7 @@
 //! and backward, with the row numerics they share (so fused and unfused produce the same bits).
 //! Statistics are accumulated in f64 with two passes.
 
-use super::elementwise::{combine_lanes, lane_sum, LANES};
+use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
 use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr};
 use super::matmul::{fill_rows_with_bias, weight_mat};
 use crate::dtype::Float;
@@ -15,19 +15,6 @@ use rayon::prelude::*;
 
 /// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
 pub const LN_ROWS: usize = 512;
-
-/// Calls `f(first_row, rows)` for consecutive groups of rows of `row_len` elements, in parallel when
-/// the data is big enough; groups hold about `PAR_CHUNK` elements.
-fn for_row_groups(rows: usize, row_len: usize, f: impl Fn(usize, usize) + Sync + Send) {
-    let per = (PAR_CHUNK / row_len.max(1)).max(1);
-    let groups = rows.div_ceil(per);
-    let run = |k: usize| f(k * per, per.min(rows - k * per));
-    if rows * row_len >= 2 * PAR_CHUNK && groups > 1 {
-        (0..groups).into_par_iter().for_each(run);
-    } else {
-        (0..groups).for_each(run);
-    }
-}
 
 /// Calls `f(row, values)` for every `row_len`-element row of `buf` (row_len > 0), in parallel groups
 /// of about `PAR_CHUNK` elements when the buffer is big enough.

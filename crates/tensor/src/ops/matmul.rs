@@ -9,7 +9,7 @@ use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact}
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
-pub(crate) use memfit_cpu::matmul::GELU_ROWS;
+pub(crate) use memfit_cpu::matmul::{gelu_scratch_stride, GELU_ROWS};
 use memfit_memory::Category;
 
 fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -168,7 +168,7 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("rank >= 1") = out_f;
     let out = output(&x, &shape, x.dtype(), "gelu_linear")?;
-    let scratch = output(&x, &[rows.min(GELU_ROWS), in_f], x.dtype(), "gelu_linear")?;
+    let scratch = output(&x, &[rows.min(GELU_ROWS), gelu_scratch_stride(in_f)], x.dtype(), "gelu_linear")?;
     let b = contiguous_bias(bias)?;
     x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
     drop(b);
@@ -208,7 +208,7 @@ impl Backward for GeluLinearBack {
         let both = needs[0] && needs[1];
         let block = rows.min(GELU_ROWS);
         let scratch_rows = if both && !in_place { 2 * block } else { block };
-        let scratch = output(&grad, &[scratch_rows, in_f], grad.dtype(), NAME)?;
+        let scratch = output(&grad, &[scratch_rows, gelu_scratch_stride(in_f)], grad.dtype(), NAME)?;
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
         grad.device().backend().gelu_linear_backward(&x, &weight, &g2, gx_target, gw.as_ref(), &scratch)?;
