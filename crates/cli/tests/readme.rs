@@ -3,17 +3,34 @@
 //! compared up to the number), and every inline claim "`memfit ...` completes with `...`" is run and
 //! checked.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn readme() -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md")).unwrap()
 }
 
-/// Runs `memfit ARGS` (split on spaces) and returns stdout and stderr, in that order.
+/// A cost cache holding the step-time calibration the README's plans were printed with
+/// (`tests/fixtures/costs.json`, the same for every instruction set and for 1 or 2 threads), copied
+/// to a directory of its own: a plan's choices follow measured step times, which vary from machine to
+/// machine and run to run, so the README's outputs are reproduced from pinned ones.
+fn pinned_costs() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memfit-readme-costs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/costs.json");
+    std::fs::copy(fixture, dir.join("costs.json")).unwrap();
+    dir
+}
+
+/// Runs `memfit ARGS` (split on spaces) with the pinned costs and returns stdout and stderr, in that
+/// order.
 fn run(command: &str) -> String {
     let args: Vec<&str> = command.trim().strip_prefix("memfit ").unwrap().split_whitespace().collect();
-    let out = Command::new(env!("CARGO_BIN_EXE_memfit")).args(&args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(&args)
+        .env("MEMFIT_CACHE_DIR", pinned_costs())
+        .output()
+        .unwrap();
     // Progress lines ("data: ...", "step ...") go to stderr between the output lines; the README
     // shows stdout and the error message.
     let stderr: String = String::from_utf8_lossy(&out.stderr)

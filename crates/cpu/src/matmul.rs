@@ -17,12 +17,15 @@ use rayon::prelude::*;
 /// Rows [`gelu_linear`] runs per block (its scratch holds GELU_ROWS rows of the input).
 pub const GELU_ROWS: usize = 512;
 
-/// The row stride, in elements, of the fused GELU-linear's scratch rows of `in_f` inputs: `in_f`,
-/// padded by 16 elements when rows of `in_f` f32 or f64 values would be a multiple of 4 KiB apart,
-/// so that the GEMM reads the scratch in place instead of packing it (`memfit_kernels::gemm` packs
-/// operands whose rows are 4 KiB apart). The op sizes the scratch with it.
-pub fn gelu_scratch_stride(in_f: usize) -> usize {
-    if in_f > 0 && in_f.is_multiple_of(512) {
+/// The row stride, in elements, of the fused GELU-linear's scratch of `block_rows` rows of `in_f`
+/// inputs: `in_f`, padded by 16 elements when rows of `in_f` f32 or f64 values would be a multiple
+/// of 4 KiB apart, so that the GEMM reads the scratch in place instead of packing it
+/// (`memfit_kernels::gemm` packs operands whose rows are 4 KiB apart). Only for whole blocks of
+/// `GELU_ROWS` rows: a smaller scratch stays exactly rows x in_f, so a small micro-batch's scratch
+/// does not grow past an allocator size class (1 MiB exactly would become a large-pool block). The
+/// op sizes the scratch with it.
+pub fn gelu_scratch_stride(in_f: usize, block_rows: usize) -> usize {
+    if in_f > 0 && in_f.is_multiple_of(512) && block_rows >= GELU_ROWS {
         in_f + 16
     } else {
         in_f
@@ -133,7 +136,7 @@ pub fn gelu_linear(
         let dst = out.slice_mut::<T>()?;
         fill_rows_with_bias::<T>(dst, bias, out_f)?;
         let wt = weight_mat::<T>(weight, true)?;
-        let (xs, stride) = (x.slice::<T>()?, gelu_scratch_stride(in_f));
+        let (xs, stride) = (x.slice::<T>()?, gelu_scratch_stride(in_f, rows.min(GELU_ROWS)));
         let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
         let gelu_rows = |r0: usize, n: usize| {
             for_row_groups(n, in_f, |g0, gn| {
@@ -188,7 +191,7 @@ pub fn gelu_linear_backward(
             }
         } else {
             let gwp = gwp.map(|s| s.as_mut_ptr());
-            let stride = gelu_scratch_stride(in_f);
+            let stride = gelu_scratch_stride(in_f, block);
             let (sc, deriv) = scratch.slice_mut::<T>()?.split_at_mut(block * stride);
             let (scp, dp, xsp, gxs) = (SendPtr(sc.as_mut_ptr()), SendPtr(deriv.as_mut_ptr()), SendPtr(xp), gxp.map(SendPtr));
             let w = weight_mat::<T>(weight, false)?;

@@ -168,7 +168,8 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("rank >= 1") = out_f;
     let out = output(&x, &shape, x.dtype(), "gelu_linear")?;
-    let scratch = output(&x, &[rows.min(GELU_ROWS), gelu_scratch_stride(in_f)], x.dtype(), "gelu_linear")?;
+    let block = rows.min(GELU_ROWS);
+    let scratch = output(&x, &[block, gelu_scratch_stride(in_f, block)], x.dtype(), "gelu_linear")?;
     let b = contiguous_bias(bias)?;
     x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
     drop(b);
@@ -208,7 +209,7 @@ impl Backward for GeluLinearBack {
         let both = needs[0] && needs[1];
         let block = rows.min(GELU_ROWS);
         let scratch_rows = if both && !in_place { 2 * block } else { block };
-        let scratch = output(&grad, &[scratch_rows, gelu_scratch_stride(in_f)], grad.dtype(), NAME)?;
+        let scratch = output(&grad, &[scratch_rows, gelu_scratch_stride(in_f, block)], grad.dtype(), NAME)?;
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
         grad.device().backend().gelu_linear_backward(&x, &weight, &g2, gx_target, gw.as_ref(), &scratch)?;
@@ -299,6 +300,45 @@ mod tests {
         assert_eq!(allocs[..2], [(4096, "gelu_linear_backward"), (block, "gelu_linear_backward")]);
         assert_eq!(allocs.len(), 3, "{allocs:?}");
         assert_eq!(a.stats().category(Category::Activation).current, 0);
+    }
+
+    /// A whole block of rows 4 KiB apart gets a padded scratch (read in place by the GEMM), and the
+    /// result is the unfused one's; a smaller block keeps exactly rows x in (its size class).
+    #[test]
+    fn gelu_scratch_is_padded_for_whole_blocks_of_4_kib_rows_only() {
+        assert_eq!(gelu_scratch_stride(1024, GELU_ROWS), 1040);
+        assert_eq!(gelu_scratch_stride(512, GELU_ROWS + 7), 528);
+        assert_eq!(gelu_scratch_stride(1024, GELU_ROWS - 1), 1024);
+        assert_eq!(gelu_scratch_stride(1000, GELU_ROWS), 1000);
+        assert_eq!(gelu_scratch_stride(0, GELU_ROWS), 0);
+        let dev = Device::cpu();
+        for rows in [GELU_ROWS + 3, 40] {
+            let x = t64(&dev, &values(rows * 512, 7), &[rows, 512]).set_requires_grad(true);
+            let w = t64(&dev, &values(3 * 512, 8), &[3, 512]).set_requires_grad(true);
+            let before = dev.allocator().timeline().events().count();
+            let fused = gelu_linear(&x, &w, None).unwrap();
+            let sizes: Vec<u64> = dev
+                .allocator()
+                .timeline()
+                .events()
+                .skip(before)
+                .filter(|e| e.kind == memfit_memory::EventKind::Alloc && e.op == "gelu_linear")
+                .map(|e| e.bytes)
+                .collect();
+            // The output (rows x 3) and the scratch (one block of rows).
+            let stride = if rows > GELU_ROWS { 528 } else { 512 };
+            assert!(sizes.contains(&((rows.min(GELU_ROWS) * stride * 8) as u64)), "rows {rows}: {sizes:?}");
+            assert_eq!(sizes.len(), 2, "rows {rows}: {sizes:?}");
+            let g = t64(&dev, &values(rows * 3, 9), &[rows, 3]);
+            backward_with(&fused, g.clone()).unwrap();
+            let got: Vec<Vec<f64>> = [&x, &w].iter().map(|t| t.take_grad().unwrap().to_f64_vec().unwrap()).collect();
+            let plain = linear(&x.gelu().unwrap(), &w, None).unwrap();
+            assert_close(&fused.to_f64_vec().unwrap(), &plain.to_f64_vec().unwrap(), 1e-12, "output");
+            backward_with(&plain, g).unwrap();
+            for (k, t) in [&x, &w].iter().enumerate() {
+                assert_close(&got[k], &t.take_grad().unwrap().to_f64_vec().unwrap(), 1e-12, "gradient");
+            }
+        }
     }
 
     /// A strided bias is copied contiguous by the op (not the kernel), so meta allocates the copy too.
