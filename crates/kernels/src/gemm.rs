@@ -8,9 +8,9 @@
 //! `C[MR x NR] (+)= A[MR x kc] B[kc x NR]`. Edge tiles are zero-padded in the packs and written
 //! through a small tile on the stack.
 //!
-//! Operands read in place: a row-major A by whole tiles of rows (`run_direct`), and a row-major B by
-//! whole panels (the kernels take B's step stride), unless their rows are a multiple of 4 KiB apart;
-//! only their partial edge tiles and panels are packed then.
+//! Operands read in place: a row-major A by whole tiles of rows (`run_direct`), and, for the levels
+//! where that is faster, a row-major B by whole panels (the kernels take B's step stride), unless
+//! their rows are a multiple of 4 KiB apart; only their partial edge tiles and panels are packed then.
 //!
 //! Threads: a product large enough runs on up to `threads` threads that pack each B block together
 //! (panels shared out) and then multiply their own ranges of rows; a product with too few rows
@@ -105,6 +105,10 @@ pub struct MicroKernel<T> {
     /// A faster packing of lines contiguous along the depth (transposed operands), when the level
     /// has one.
     pub pack_lines: Option<PackLinesFn<T>>,
+    /// Whether the kernel reads a row-major B in place rather than packed (measured per level: the
+    /// AVX-512 tile's two lines per step gain, the AVX2 tile's one line per step loses; the portable
+    /// level does, so that the path is tested on every CPU).
+    pub b_in_place: bool,
 }
 
 /// Packs `len` lines of `depth` contiguous elements (line stride `ls`) into panels of `panel`
@@ -260,7 +264,7 @@ pub unsafe fn gemm_row_blocks<T: GemmScalar>(
 ) {
     let kernel = <T as sealed::Sealed>::micro_kernel(isa);
     let block_rows = block_rows.max(1);
-    let once = n > 0 && k > 0 && !reads_b_in_place(b) && packed_len(kernel, k, n) <= B_PACK_ELEMS;
+    let once = n > 0 && k > 0 && !reads_b_in_place(kernel, b) && packed_len(kernel, k, n) <= B_PACK_ELEMS;
     if !once {
         for r0 in (0..m).step_by(block_rows) {
             let rows = block_rows.min(m - r0);
@@ -315,7 +319,7 @@ impl<T: GemmScalar> BSource<T> {
         let whole = nc - nc % kernel.nr;
         match self {
             BSource::Strided(b) => {
-                let in_place = reads_b_in_place(b);
+                let in_place = reads_b_in_place(kernel, b);
                 BBlock { packed: bpack, in_place: in_place.then(|| b.at(pc, jc)), whole }
             }
             BSource::Packed(p) => {
@@ -493,11 +497,11 @@ unsafe fn shared_b<T: GemmScalar>(
 }
 
 /// Whether B is read in place instead of packed: when B is row-major, each depth step of a panel is
-/// NR contiguous elements, which the micro-kernel can load where they are. Not when its rows are a
-/// multiple of 4 KiB apart: a panel's steps then share a few cache sets and evict each other, and
-/// packing is faster (measured: `gemm_bench` "sq 1024" and "gpt dW fc2").
-fn reads_b_in_place<T>(b: MatRef<T>) -> bool {
-    b.cs == 1 && (b.rs * std::mem::size_of::<T>() as isize) % 4096 != 0
+/// NR contiguous elements, which a micro-kernel that says so (`b_in_place`) loads where they are.
+/// Not when B's rows are a multiple of 4 KiB apart: a panel's steps then share a few cache sets and
+/// evict each other, and packing is faster (measured: `gemm_bench` "sq 1024" and "gpt dW fc2").
+fn reads_b_in_place<T>(kernel: MicroKernel<T>, b: MatRef<T>) -> bool {
+    kernel.b_in_place && b.cs == 1 && (b.rs * std::mem::size_of::<T>() as isize) % 4096 != 0
 }
 
 /// Where the micro-kernels read one `kc x nc` block of B: whole panels from B itself when B is read

@@ -31,6 +31,7 @@ pub(crate) const F32: MicroKernel<f32> = MicroKernel {
     run: run_checked,
     run_direct: Some(run_direct_checked),
     pack_lines: Some(super::transpose::pack_lines_checked),
+    b_in_place: false,
 };
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
