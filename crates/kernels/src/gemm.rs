@@ -375,10 +375,10 @@ fn packed_offset<T>(kernel: MicroKernel<T>, k: usize, jc: usize, pc: usize, nc: 
     jc * k + pc * nc.div_ceil(kernel.nr) * kernel.nr
 }
 
-/// Elements a B of `k x n` packed whole takes.
+/// Elements a B of `k x n` packed whole takes: every block but the last is NC wide, a multiple of
+/// NR, so only the last block's columns are padded.
 fn packed_len<T>(kernel: MicroKernel<T>, k: usize, n: usize) -> usize {
-    let last = (n - 1) / NC * NC;
-    packed_offset(kernel, k, last, k, n - last)
+    k * n.div_ceil(kernel.nr) * kernel.nr
 }
 
 /// Packs all of B (`k x n`), block by block in loop order, on up to `parts` threads.
@@ -861,7 +861,7 @@ mod tests {
     #[test]
     fn packed_b_layout_covers_every_block_once() {
         let kernel = <f32 as sealed::Sealed>::micro_kernel(Isa::Portable);
-        for (k, n) in [(1, 1), (KC, NC), (KC + 1, NC + 1), (3 * KC + 5, 2 * NC + 9)] {
+        for (k, n) in [(1, 1), (KC, NC), (KC + 1, NC + 1), (3 * KC + 5, 2 * NC + 9), (7, NC - 1), (2, 2 * NC - 3)] {
             let mut next = 0;
             for jc in (0..n).step_by(NC) {
                 let nc = NC.min(n - jc);
