@@ -1,5 +1,6 @@
 //! memfit-tensor: tensors whose every byte comes from the memfit allocator, on a computing `cpu` device
-//! or a planning `meta` device, with reverse-mode autograd and CPU kernels.
+//! or a planning `meta` device, with ops and reverse-mode autograd; the `cpu` device's kernels are the
+//! crate `memfit-cpu`, reached through one seam (`backend`).
 //!
 //! Entry points: [`Device`] (owns the allocator, phase and grad mode), [`Tensor`] (a view over
 //! [`Storage`] with an optional autograd node), [`autograd::backward`], and the op families in [`ops`].
