@@ -495,3 +495,19 @@ fn nesterov_needs_momentum_and_no_dampening() {
     sgd(0.9, 0.0).unwrap();
     assert_ne!(p.to_vec::<f32>().unwrap(), [1.0, 2.0]);
 }
+
+/// `max_all` computes its value: the gradient check alone passed with a kernel that wrote nothing
+/// (a constant output has a zero gradient, and no element ties with it).
+#[test]
+fn max_all_is_the_largest_element_in_every_float_dtype() {
+    let dev = Device::cpu();
+    for dtype in [DType::F32, DType::F64] {
+        let t = Tensor::from_slice(&dev, &[-3.0f64, -1.5, -7.0, -2.0, -1.75, -9.0], &[2, 3], Category::Input)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        assert_eq!(t.max_all().unwrap().item().unwrap(), -1.5, "{dtype}");
+        // A strided view: the op makes it contiguous first.
+        assert_eq!(t.transpose(0, 1).unwrap().max_all().unwrap().item().unwrap(), -1.5, "{dtype}");
+    }
+}
