@@ -1,6 +1,7 @@
 //! Packing of an operand whose lines are contiguous along the depth (a transposed view, such as
-//! the weight `W[out, in]` read as `W^T` by `x W^T`): 8 x 8 blocks transposed in AVX registers,
-//! shared by the AVX2 and AVX-512 levels.
+//! the weight `W[out, in]` read as `W^T` by `x W^T`): 8 x 8 blocks transposed in AVX registers, then
+//! one 4 x 8 block for a panel's next four lines (the AVX-512 tile's 12 = 8 + 4, the AVX2 tile's
+//! 6 = 4 + 2), shared by the AVX2 and AVX-512 levels.
 
 /// Packs `len` lines of `depth` contiguous elements (line stride `ls`) into panels of `panel`
 /// lines, as `gemm::pack` does for this layout: `out[p * panel * depth + d * panel + l]`, zero past
@@ -69,7 +70,36 @@ unsafe fn pack_lines(src: *const f32, ls: isize, len: usize, depth: usize, panel
                 }
             }
         }
-        for l in full_lines..lines {
+        if lines - full_lines >= 4 {
+            // Four more lines: 4 x 8 blocks, each depth step's four elements one 128-bit store.
+            let l0 = full_lines;
+            let row = |i: usize| src.offset((l0 + i) as isize * ls);
+            for d0 in (0..full_depth).step_by(8) {
+                let r: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(row(i).add(d0)));
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                // Depth steps j (low half) and j + 4 (high half) of the four lines.
+                let s = [
+                    _mm256_shuffle_ps::<0x44>(t0, t2),
+                    _mm256_shuffle_ps::<0xEE>(t0, t2),
+                    _mm256_shuffle_ps::<0x44>(t1, t3),
+                    _mm256_shuffle_ps::<0xEE>(t1, t3),
+                ];
+                for (j, sj) in s.into_iter().enumerate() {
+                    _mm_storeu_ps(dst.add((d0 + j) * panel + l0), _mm256_castps256_ps128(sj));
+                    _mm_storeu_ps(dst.add((d0 + j + 4) * panel + l0), _mm256_extractf128_ps::<1>(sj));
+                }
+            }
+            for d in full_depth..depth {
+                for i in 0..4 {
+                    *dst.add(d * panel + l0 + i) = *row(i).add(d);
+                }
+            }
+        }
+        let done = if lines - full_lines >= 4 { full_lines + 4 } else { full_lines };
+        for l in done..lines {
             let row = src.offset(l as isize * ls);
             for d in 0..depth {
                 *dst.add(d * panel + l) = *row.add(d);
