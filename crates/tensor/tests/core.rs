@@ -1,10 +1,13 @@
 //! The tensor crate's core, checked where mutation testing (`tools/mutants`, docs/mutants.md) found
 //! behaviour no other test pinned down: when an op records a graph node (and so re-tags what it saves
-//! as an activation), what backward refuses, and the device, storage, dtype and error plumbing.
+//! as an activation), what backward refuses, the device, storage, dtype and error plumbing, the
+//! tensor accessors and in-place writes, and the ops' shape rules.
 
 use memfit_tensor::autograd::{self, backward, grad, needs_grad, Backward};
 use memfit_tensor::memory::{Event, EventKind, FaultInjection};
-use memfit_tensor::{Category, DType, Device, DeviceConfig, DeviceKind, Error, Float, Phase, Result, SpanKind, Tensor};
+use memfit_tensor::{
+    ops, Category, DType, Device, DeviceConfig, DeviceKind, Error, Float, Phase, Result, SpanKind, Tensor,
+};
 use std::sync::{Arc, Mutex};
 
 fn leaf(device: &Device, values: &[f64]) -> Tensor {
@@ -510,4 +513,82 @@ fn max_all_is_the_largest_element_in_every_float_dtype() {
         // A strided view: the op makes it contiguous first.
         assert_eq!(t.transpose(0, 1).unwrap().max_all().unwrap().item().unwrap(), -1.5, "{dtype}");
     }
+}
+
+// ----- tensor accessors and in-place writes -----
+
+#[test]
+fn size_resolves_negative_dims_and_refuses_dims_out_of_range() {
+    let t = Tensor::zeros(&Device::cpu(), &[2, 3, 5], DType::F32, Category::Activation).unwrap();
+    assert_eq!([t.size(0).unwrap(), t.size(1).unwrap(), t.size(-1).unwrap(), t.size(-3).unwrap()], [2, 3, 5, 2]);
+    assert!(t.size(3).is_err() && t.size(-4).is_err());
+}
+
+#[test]
+fn write_with_fills_a_cpu_tensor_checks_its_dtype_and_leaves_meta_alone() {
+    let t = Tensor::zeros(&Device::cpu(), &[3], DType::F32, Category::Activation).unwrap();
+    t.write_with::<f32>(|s| s.copy_from_slice(&[1.0, 2.0, 3.5])).unwrap();
+    assert_eq!(t.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.5]);
+    assert_eq!(t.read_with::<f32, f32>(|s| s.iter().sum()).unwrap(), Some(6.5));
+    assert!(t.write_with::<f64>(|_| ()).is_err(), "an f32 tensor written as f64");
+
+    let meta = Tensor::zeros(&Device::meta(), &[3], DType::F32, Category::Activation).unwrap();
+    let mut called = false;
+    meta.write_with::<f32>(|_| called = true).unwrap();
+    assert!(!called, "meta holds no data to fill");
+}
+
+#[test]
+fn copy_from_overwrites_in_place_from_any_layout_and_refuses_other_shapes() {
+    let device = Device::cpu();
+    let dst = Tensor::zeros(&device, &[2, 2], DType::F32, Category::Parameter).unwrap();
+    let src = Tensor::from_slice(&device, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2], Category::Input).unwrap();
+    dst.copy_from(&src).unwrap();
+    assert_eq!(dst.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    dst.copy_from(&src.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(dst.to_vec::<f32>().unwrap(), [1.0, 3.0, 2.0, 4.0]);
+    let err = dst.copy_from(&src.reshape(&[4]).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("copy_from: destination [2, 2]"), "{err}");
+    assert!(dst.copy_from(&src.to_dtype(DType::F64).unwrap()).is_err());
+    assert_eq!(dst.to_vec::<f32>().unwrap(), [1.0, 3.0, 2.0, 4.0], "a refused copy writes nothing");
+}
+
+#[test]
+fn a_tensor_debug_prints_its_shape_dtype_device_and_grad_flag() {
+    let device = Device::cpu();
+    assert_eq!(format!("{:?}", leaf(&device, &[1.0, 2.0])), "Tensor([2], f64, cpu, requires_grad)");
+    let meta = Tensor::zeros(&Device::meta(), &[2, 3], DType::F32, Category::Activation).unwrap();
+    assert_eq!(format!("{meta:?}"), "Tensor([2, 3], f32, meta)");
+}
+
+// ----- attention's shape rules -----
+
+#[test]
+fn attention_takes_unbatched_inputs_of_different_lengths_and_widths() {
+    let device = Device::cpu();
+    let z = |shape: &[usize]| Tensor::zeros(&device, shape, DType::F32, Category::Activation).unwrap();
+    // Rank 2: Tq 3, Tk 5, D 4, Dv 2 (Dv != Tk, Tq != Tk).
+    let out = ops::scaled_dot_product_attention(&z(&[3, 4]), &z(&[5, 4]), &z(&[5, 2]), false, None).unwrap();
+    assert_eq!(out.shape(), [3, 2]);
+    // Rank 5: leading dims checked in full.
+    let out =
+        ops::scaled_dot_product_attention(&z(&[2, 1, 3, 3, 4]), &z(&[2, 1, 3, 5, 4]), &z(&[2, 1, 3, 5, 2]), true, None);
+    assert_eq!(out.unwrap().shape(), [2, 1, 3, 3, 2]);
+    for (q, k, v) in [
+        (&[2, 1, 3, 3, 4][..], &[2, 1, 2, 5, 4][..], &[2, 1, 3, 5, 2][..]),
+        (&[2, 1, 3, 3, 4], &[2, 1, 3, 5, 4], &[2, 1, 2, 5, 2]),
+        (&[3, 4], &[5, 4], &[4, 2]),
+        (&[4], &[4], &[4]),
+    ] {
+        let err = ops::scaled_dot_product_attention(&z(q), &z(k), &z(v), false, None).unwrap_err();
+        assert!(err.to_string().contains("expected q [..., Tq, D]"), "{q:?} {k:?} {v:?}: {err}");
+    }
+}
+
+#[test]
+fn packed_attention_needs_a_width_that_splits_into_three_times_the_heads() {
+    let qkv = Tensor::zeros(&Device::cpu(), &[1, 2, 9], DType::F32, Category::Activation).unwrap();
+    let err = ops::packed_self_attention(&qkv, 2, false, None).unwrap_err();
+    assert!(err.to_string().contains("positive multiple of heads = 2"), "{err}");
+    assert_eq!(ops::packed_self_attention(&qkv, 3, false, None).unwrap().shape(), [1, 2, 3]);
 }
