@@ -592,3 +592,35 @@ fn packed_attention_needs_a_width_that_splits_into_three_times_the_heads() {
     assert!(err.to_string().contains("positive multiple of heads = 2"), "{err}");
     assert_eq!(ops::packed_self_attention(&qkv, 3, false, None).unwrap().shape(), [1, 2, 3]);
 }
+
+#[test]
+fn matmul_linear_and_layer_norm_check_ranks_before_indexing() {
+    let device = Device::cpu();
+    let z = |shape: &[usize]| Tensor::zeros(&device, shape, DType::F64, Category::Activation).unwrap();
+    let err = z(&[3]).matmul(&z(&[3, 2])).unwrap_err();
+    assert!(err.to_string().contains("rank >= 2"), "{err}");
+    let err = z(&[2, 3]).matmul(&z(&[3])).unwrap_err();
+    assert!(err.to_string().contains("rank >= 2"), "{err}");
+    // A single sample without a batch dim: linear maps [in] to [out].
+    let x = constant(&device, &[1.0, 2.0, 3.0]);
+    let w = Tensor::from_slice(&device, &[1.0, 0.0, 1.0, 0.0, 1.0, 0.0], &[2, 3], Category::Parameter).unwrap();
+    assert_eq!(ops::linear(&x, &w, None).unwrap().to_vec::<f64>().unwrap(), [4.0, 2.0]);
+    // normalized_shape longer than the input's rank.
+    let err = ops::layer_norm(&z(&[4]), &[2, 4], None, None, 1e-5).unwrap_err();
+    assert!(err.to_string().contains("does not match the trailing dims"), "{err}");
+}
+
+/// Gradient accumulation adds in place only into a tensor nobody else holds: writing into a shared
+/// one would change the other holder's values (the gradient-aliasing bug class).
+#[test]
+fn add_accumulate_never_writes_into_a_tensor_someone_else_holds() {
+    let device = Device::cpu();
+    let prev = constant(&device, &[1.0, 2.0]);
+    let held = prev.clone();
+    let sum = ops::add_accumulate(prev, &constant(&device, &[10.0, 20.0])).unwrap();
+    assert_eq!(sum.to_vec::<f64>().unwrap(), [11.0, 22.0]);
+    assert_eq!(held.to_vec::<f64>().unwrap(), [1.0, 2.0], "the other holder's values changed");
+    let alone = constant(&device, &[1.0, 2.0]);
+    let sum = ops::add_accumulate(alone, &constant(&device, &[0.5, 0.5])).unwrap();
+    assert_eq!(sum.to_vec::<f64>().unwrap(), [1.5, 2.5]);
+}

@@ -376,6 +376,9 @@ mod tests {
             ([3, 6, 5, 4], [4, 3, 1, 1], params([1, 1], [0, 0], [1, 1], 2), true),
             ([2, 3, 5, 6], [2, 3, 1, 1], params([2, 2], [0, 0], [1, 1], 1), false),
             ([1, 2, 3, 3], [2, 2, 5, 5], params([1, 3], [2, 2], [1, 1], 1), true),
+            // One-dimensional kernels with stride 1 and no padding: not the direct 1x1 path.
+            ([2, 3, 6, 5], [4, 3, 3, 1], params([1, 1], [0, 0], [1, 1], 1), true),
+            ([2, 2, 5, 6], [3, 2, 1, 3], params([1, 1], [0, 0], [1, 1], 1), false),
         ]
     }
 
@@ -435,6 +438,21 @@ mod tests {
         )
         .unwrap();
         assert!(g.lanes > 1 && g.tile_rows == 32, "{g:?}");
+    }
+
+    /// A tile holds whole output rows of all C * kh * kw im2col columns (plus the gradient's O), and
+    /// lanes are added while their tiles and whole-weight partials fit the workspace.
+    #[test]
+    fn the_plan_sizes_tiles_and_lanes_from_the_whole_kernel() {
+        let padded = Conv2dParams { padding: [1, 1], ..Default::default() };
+        // f32, C 64, 3x3, O 64, W 64: a row is (576 + 64) * 64 * 4 = 163840 bytes; 4 MiB holds 25.
+        let g = geometry(&[1, 64, 64, 64], &[64, 64, 3, 3], &padded, 4, LIMITS).unwrap();
+        assert_eq!(g.tile_rows, 25);
+        // C 16, O 256, 8x8: a tile is all 8 rows, (144 + 256) * 8 * 4 * 8 = 102400 bytes, and the
+        // weight 256 * 144 * 4 = 147456; 1 MiB holds 4 such lanes, so 12 samples go 3 to a lane.
+        let limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 32 };
+        let g = geometry(&[12, 16, 8, 8], &[256, 16, 3, 3], &padded, 4, limits).unwrap();
+        assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
     }
 
     #[test]

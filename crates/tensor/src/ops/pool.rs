@@ -312,6 +312,24 @@ mod tests {
         assert_eq!(max_pool2d(&x, Pool2dParams::square(2)).unwrap().to_f64_vec().unwrap(), [6., 8., 16., 18.]);
     }
 
+    /// PyTorch's floor((H + 2p - d(k - 1) - 1) / s) + 1 with padding on both sides, and padding of at
+    /// most half the kernel in each dim (refused in either alone).
+    #[test]
+    fn output_sizes_count_padding_on_both_sides_and_too_much_padding_is_refused() {
+        let dev = Device::cpu();
+        let x = leaf(&dev, &[0.0; 49], &[1, 1, 7, 7], false);
+        let shape = |p: Pool2dParams| max_pool2d(&x, p).map(|t| t.shape().to_vec());
+        assert_eq!(shape(pool([3, 3], [1, 1], [1, 1], [1, 1], false)).unwrap(), [1, 1, 7, 7]);
+        assert_eq!(shape(pool([7, 3], [2, 1], [3, 0], [1, 1], false)).unwrap(), [1, 1, 4, 5]);
+        assert_eq!(shape(pool([2, 2], [1, 1], [1, 1], [1, 1], false)).unwrap(), [1, 1, 8, 8], "p = k / 2 is allowed");
+        let avg = avg_pool2d(&x, pool([3, 3], [1, 1], [1, 1], [1, 1], false), true).unwrap();
+        assert_eq!(avg.shape(), [1, 1, 7, 7]);
+        for p in [[2, 0], [0, 2]] {
+            let err = shape(pool([3, 3], [1, 1], p, [1, 1], false)).unwrap_err();
+            assert!(err.to_string().contains("at most half of the kernel size"), "{p:?}: {err}");
+        }
+    }
+
     #[test]
     fn avg_pool_divisors() {
         let dev = Device::cpu();
