@@ -571,6 +571,23 @@ mod tests {
         assert_eq!(dev.stats().by_category[Category::Activation.index()].current, before);
     }
 
+    /// Positions are kept in the fewest bytes that count a window: 1 up to 256 positions, 2 up to
+    /// 65536, else 4.
+    #[test]
+    fn saved_positions_widen_with_the_window() {
+        let dev = Device::cpu();
+        for (kernel, width) in [([16, 16], 1), ([16, 17], 2), ([256, 256], 2), ([256, 257], 4)] {
+            // 512 windows down a column: 512 positions, a whole number of 512-byte blocks.
+            let shape = [1, 1, kernel[0] + 511, kernel[1]];
+            let x = Tensor::zeros(&dev, &shape, DType::F32, Category::Input).unwrap().set_requires_grad(true);
+            let before = dev.stats().by_category[Category::Activation.index()].current;
+            let out = max_pool2d(&x, pool(kernel, [1, 1], [0, 0], [1, 1], false)).unwrap();
+            assert_eq!(out.numel(), 512);
+            let saved = dev.stats().by_category[Category::Activation.index()].current - before;
+            assert_eq!(saved, 512 * width, "window {kernel:?}");
+        }
+    }
+
     #[test]
     fn shape_errors_are_clear() {
         let dev = Device::cpu();
@@ -579,6 +596,11 @@ mod tests {
         assert!(msg(max_pool2d(&x, pool([2, 2], [2, 2], [2, 0], [1, 1], false))).contains("half of the kernel"));
         assert!(msg(max_pool2d(&x, pool([5, 5], [1, 1], [0, 0], [1, 1], false))).contains("too small"));
         assert!(msg(max_pool2d(&x, pool([3, 3], [1, 1], [0, 0], [2, 2], false))).contains("too small"));
+        // Too small in one dim only; an output of width 1 is fine.
+        let narrow = Tensor::zeros(&dev, &[1, 1, 4, 2], DType::F32, Category::Input).unwrap();
+        assert!(msg(max_pool2d(&narrow, pool([1, 3], [1, 1], [0, 0], [1, 1], false))).contains("too small"));
+        let three = Tensor::zeros(&dev, &[1, 1, 4, 3], DType::F32, Category::Input).unwrap();
+        assert_eq!(max_pool2d(&three, pool([1, 3], [1, 1], [0, 0], [1, 1], false)).unwrap().shape(), [1, 1, 4, 1]);
         assert!(msg(max_pool2d(&x, pool([2, 2], [0, 2], [0, 0], [1, 1], false))).contains("stride"));
         assert!(msg(avg_pool2d(&x, pool([0, 2], [1, 1], [0, 0], [1, 1], false), true)).contains("kernel"));
         assert!(msg(adaptive_avg_pool2d(&x, [0, 2])).contains("output size"));
