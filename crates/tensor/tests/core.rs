@@ -624,3 +624,13 @@ fn add_accumulate_never_writes_into_a_tensor_someone_else_holds() {
     let sum = ops::add_accumulate(alone, &constant(&device, &[0.5, 0.5])).unwrap();
     assert_eq!(sum.to_vec::<f64>().unwrap(), [1.5, 2.5]);
 }
+
+#[test]
+fn permute_needs_every_dim_exactly_once() {
+    let t = Tensor::zeros(&Device::cpu(), &[2, 3], DType::F32, Category::Activation).unwrap();
+    assert_eq!(t.permute(&[1, 0]).unwrap().shape(), [3, 2]);
+    for dims in [&[1][..], &[1, 0, 2], &[0, 0], &[0, 2]] {
+        let err = t.permute(dims).unwrap_err();
+        assert!(err.to_string().contains("is not a permutation of 2 dims"), "{dims:?}: {err}");
+    }
+}
