@@ -455,6 +455,18 @@ mod tests {
         assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
     }
 
+    /// Autograd checks an output gradient's shape, not its dtype: backward does.
+    #[test]
+    fn backward_refuses_a_gradient_of_another_dtype() {
+        let dev = Device::cpu();
+        let x = leaf(&dev, &values(1, 16), &[1, 1, 4, 4], true);
+        let w = leaf(&dev, &values(2, 4), &[1, 1, 2, 2], true);
+        let out = conv2d(&x, &w, None, Conv2dParams::default()).unwrap();
+        let seed = Tensor::full(&dev, out.shape(), 1.0, DType::F32, Category::Input).unwrap();
+        let err = backward_with(&out, seed).unwrap_err();
+        assert!(err.to_string().contains("conv2d backward: gradient [1, 1, 3, 3] f32 does not match"), "{err}");
+    }
+
     #[test]
     fn gradients_match_finite_differences() {
         let variants = [
