@@ -634,3 +634,12 @@ fn permute_needs_every_dim_exactly_once() {
         assert!(err.to_string().contains("is not a permutation of 2 dims"), "{dims:?}: {err}");
     }
 }
+
+#[test]
+fn unsqueeze_takes_any_dim_up_to_the_rank() {
+    let t = Tensor::zeros(&Device::cpu(), &[2, 3], DType::F32, Category::Activation).unwrap();
+    assert_eq!(t.unsqueeze(0).unwrap().shape(), [1, 2, 3]);
+    assert_eq!(t.unsqueeze(2).unwrap().shape(), [2, 3, 1], "after the last dim");
+    let err = t.unsqueeze(3).unwrap_err();
+    assert!(err.to_string().contains("unsqueeze: dim 3 out of range for rank 2"), "{err}");
+}
