@@ -306,3 +306,21 @@ impl fmt::Debug for Tensor {
         write!(f, ")")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bool tensor is zeroed when made, whatever its block held before: bytes other than 0 and 1
+    /// are not bools at all, so this reads the bytes, not the bools.
+    #[test]
+    fn a_fresh_bool_tensor_is_zero_bytes_even_in_a_dirty_block() {
+        let device = Device::cpu();
+        let dirty = Tensor::full(&device, &[1024], 3.0, DType::F32, Category::Activation).unwrap();
+        drop(dirty);
+        let mask = Tensor::empty(&device, &[64, 64], DType::Bool, Category::Activation, "mask").unwrap();
+        let bytes = mask.view().unwrap().storage_bytes();
+        assert_eq!(bytes.len(), 4096);
+        assert!(bytes.iter().all(|&b| b == 0));
+    }
+}

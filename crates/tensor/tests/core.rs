@@ -579,6 +579,9 @@ fn attention_takes_unbatched_inputs_of_different_lengths_and_widths() {
         (&[2, 1, 3, 3, 4], &[2, 1, 3, 5, 4], &[2, 1, 2, 5, 2]),
         (&[3, 4], &[5, 4], &[4, 2]),
         (&[4], &[4], &[4]),
+        // k or v of a higher rank whose leading dims and sizes would otherwise line up.
+        (&[2, 3, 4], &[2, 5, 4, 9], &[2, 5, 2]),
+        (&[2, 3, 4], &[2, 5, 4], &[2, 5, 2, 9]),
     ] {
         let err = ops::scaled_dot_product_attention(&z(q), &z(k), &z(v), false, None).unwrap_err();
         assert!(err.to_string().contains("expected q [..., Tq, D]"), "{q:?} {k:?} {v:?}: {err}");
