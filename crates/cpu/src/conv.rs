@@ -5,7 +5,7 @@
 
 use super::gemm::{gemm_into, Mat, SendPtr};
 use crate::dtype::Float;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::view::View;
 use crate::with_float;
 use rayon::prelude::*;
@@ -105,7 +105,10 @@ pub fn conv2d(
             Some(t) => Some(t.slice_mut::<T>()?),
             None => None,
         };
-        forward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out.slice_mut::<T>()?, ws);
+        let out = out.slice_mut::<T>()?;
+        check_len("conv2d output", out.len(), g.n * g.o * g.p())?;
+        check_len("conv2d im2col workspace", ws.as_ref().map_or(0, |s| s.len()), g.lanes * g.col_len())?;
+        forward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out, ws);
     });
     Ok(())
 }
@@ -144,12 +147,30 @@ pub fn conv2d_backward(
                 Some(t) => Some(t.slice_mut::<T>()?),
                 None => None,
             };
+            let len = |s: &Option<&mut [T]>| s.as_ref().map_or(0, |s| s.len());
+            if dxs.is_some() {
+                check_len("conv2d input gradient", len(&dxs), g.n * g.c * g.hw())?;
+            }
+            let gt_len = if dws.is_some() { g.gt_len() } else { 0 };
+            check_len("conv2d im2col workspace", len(&wss), g.lanes * (g.col_len() + gt_len))?;
+            if dws.is_some() {
+                check_len("conv2d weight-gradient partials", len(&ps), g.lanes * g.weight_len())?;
+            }
             backward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss);
         }
         if let Some(db) = db {
             bias_grad::<T>(g, gout, db.slice_mut::<T>()?);
         }
     });
+    Ok(())
+}
+
+/// Refuses a buffer shorter than the geometry's plan: the lanes write outputs and workspaces through
+/// raw pointers sized from the geometry, so a short one would be overrun, not reported.
+fn check_len(what: &str, have: usize, need: usize) -> Result<()> {
+    if have < need {
+        return Err(Error::invalid(format!("{what}: {have} elements where the geometry needs {need}")));
+    }
     Ok(())
 }
 

@@ -646,3 +646,74 @@ fn unsqueeze_takes_any_dim_up_to_the_rank() {
     let err = t.unsqueeze(3).unwrap_err();
     assert!(err.to_string().contains("unsqueeze: dim 3 out of range for rank 2"), "{err}");
 }
+
+#[test]
+fn linear_needs_a_weight_of_rank_2() {
+    let device = Device::cpu();
+    let z = |shape: &[usize]| Tensor::zeros(&device, shape, DType::F64, Category::Activation).unwrap();
+    for weight in [&[3][..], &[2, 3, 1]] {
+        let err = ops::linear(&z(&[2, 3]), &z(weight), None).unwrap_err();
+        assert!(err.to_string().contains("linear: input [2, 3], weight"), "{weight:?}: {err}");
+    }
+}
+
+/// The fused layer norm + linear gives the layer norm's weight gradient when its bias needs none, and
+/// the other way round: each is the same as when both are asked for.
+#[test]
+fn layer_norm_linear_gives_one_affine_gradient_without_the_other() {
+    let device = Device::cpu();
+    let x = Tensor::from_slice(&device, &[0.1, -0.4, 0.9, 0.3, 0.7, -0.2], &[2, 3], Category::Input).unwrap();
+    let w = Tensor::from_slice(&device, &[0.5, -0.3, 0.2, 0.1, 0.4, -0.6], &[2, 3], Category::Parameter).unwrap();
+    let run = |lw_grad: bool, lb_grad: bool| {
+        let param = |v: &[f64], grad: bool| {
+            Tensor::from_slice(&device, v, &[3], Category::Parameter).unwrap().set_requires_grad(grad)
+        };
+        let (lw, lb) = (param(&[1.2, 0.8, 1.1], lw_grad), param(&[0.1, -0.2, 0.05], lb_grad));
+        let out = ops::layer_norm_linear(&x, &lw, &lb, 1e-5, &w, None).unwrap();
+        backward(&out.mul(&out).unwrap().sum_all().unwrap()).unwrap();
+        let grad = |t: &Tensor| t.grad().map(|g| g.to_vec::<f64>().unwrap());
+        (grad(&lw), grad(&lb))
+    };
+    let (lw_both, lb_both) = run(true, true);
+    assert!(lw_both.is_some() && lb_both.is_some());
+    assert_eq!(run(true, false), (lw_both, None));
+    assert_eq!(run(false, true), (None, lb_both));
+}
+
+#[test]
+fn batch_norm_refuses_either_running_statistic_strided() {
+    let device = Device::cpu();
+    let x = Tensor::from_slice(&device, &[0.1, -0.4, 0.9, 0.3, 0.7, -0.2, 0.5, 0.8], &[2, 2, 1, 2], Category::Input);
+    let x = x.unwrap();
+    let buffer = || Tensor::zeros(&device, &[2], DType::F64, Category::Parameter).unwrap();
+    // A [1] value seen as [2]: stride 0, not a buffer of its own.
+    let strided = || Tensor::full(&device, &[1], 1.0, DType::F64, Category::Parameter).unwrap().expand(&[2]).unwrap();
+    for (mean, var) in [(buffer(), strided()), (strided(), buffer())] {
+        let err = ops::batch_norm(&x, Some(&mean), Some(&var), None, None, true, 0.1, 1e-5).unwrap_err();
+        assert!(err.to_string().contains("running statistics must be contiguous"), "{err}");
+    }
+    assert!(ops::batch_norm(&x, Some(&buffer()), Some(&buffer()), None, None, true, 0.1, 1e-5).is_ok());
+}
+
+/// Negation's gradient needs no saved tensor: its input stays what it was, not an activation.
+#[test]
+fn neg_saves_nothing() {
+    let device = Device::cpu();
+    let h = leaf(&device, &[1.0, 2.0]).mul_scalar(2.0).unwrap();
+    let activations = || device.stats().by_category[Category::Activation.index()].current;
+    let before = activations();
+    let y = h.neg().unwrap();
+    assert!(y.requires_grad());
+    assert_eq!(activations(), before);
+    assert_eq!(h.storage().category(), Category::Temporary);
+}
+
+#[test]
+fn reshape_infers_a_dim_only_when_the_rest_divide_the_count() {
+    let t = Tensor::zeros(&Device::cpu(), &[6], DType::F32, Category::Activation).unwrap();
+    assert_eq!(t.reshape(&[2, -1]).unwrap().shape(), [2, 3]);
+    let err = t.reshape(&[4, -1]).unwrap_err();
+    assert!(err.to_string().contains("reshape: cannot reshape [6] into [4, -1]"), "{err}");
+    let empty = Tensor::zeros(&Device::cpu(), &[0, 3], DType::F32, Category::Activation).unwrap();
+    assert!(empty.reshape(&[0, -1]).unwrap_err().to_string().contains("cannot reshape"));
+}
