@@ -5,7 +5,7 @@
 
 use super::gemm::{gemm_into, Mat, SendPtr};
 use crate::dtype::Float;
-use crate::error::{Error, Result};
+use crate::error::{check_len, Result};
 use crate::view::View;
 use crate::with_float;
 use rayon::prelude::*;
@@ -162,15 +162,6 @@ pub fn conv2d_backward(
             bias_grad::<T>(g, gout, db.slice_mut::<T>()?);
         }
     });
-    Ok(())
-}
-
-/// Refuses a buffer shorter than the geometry's plan: the lanes write outputs and workspaces through
-/// raw pointers sized from the geometry, so a short one would be overrun, not reported.
-fn check_len(what: &str, have: usize, need: usize) -> Result<()> {
-    if have < need {
-        return Err(Error::invalid(format!("{what}: {have} elements where the geometry needs {need}")));
-    }
     Ok(())
 }
 

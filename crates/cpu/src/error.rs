@@ -1,5 +1,6 @@
 //! What a kernel can refuse: a dtype it does not compute in, or data it cannot take (an index out of
-//! range, a view that is not contiguous). The tensor crate turns these into its own errors.
+//! range, a view that is not contiguous, a buffer shorter than its plan). The tensor crate turns these
+//! into its own errors.
 
 use std::fmt;
 
@@ -32,3 +33,13 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// Refuses a buffer shorter than a kernel's plan: kernels that write outputs or workspaces through
+/// raw pointers sized from their parameters check each buffer first, so a short one is reported,
+/// not overrun.
+pub(crate) fn check_len(what: &str, have: usize, need: usize) -> Result<()> {
+    if have < need {
+        return Err(Error::invalid(format!("{what}: {have} elements where the kernel needs {need}")));
+    }
+    Ok(())
+}

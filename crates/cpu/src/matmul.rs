@@ -8,7 +8,7 @@ use super::elementwise::{
 };
 use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
 use crate::dtype::Float;
-use crate::error::Result;
+use crate::error::{check_len, Result};
 use crate::layout::{broadcast_layout, Layout};
 use crate::view::View;
 use crate::with_float;
@@ -178,10 +178,16 @@ pub fn gelu_linear_backward(
         let gs = grad.slice::<T>()?;
         // In place, the input gradient is x itself: reads of a block of x finish before the
         // block is overwritten.
-        let xp = x.slice_mut::<T>()?.as_mut_ptr();
+        let xs = x.slice_mut::<T>()?;
+        check_len("gelu_linear_backward input", xs.len(), rows * in_f)?;
+        let xp = xs.as_mut_ptr();
         let gxp = match gx {
             Some(_) if in_place => Some(xp),
-            Some(t) => Some(t.slice_mut::<T>()?.as_mut_ptr()),
+            Some(t) => {
+                let gxs = t.slice_mut::<T>()?;
+                check_len("gelu_linear_backward input gradient", gxs.len(), rows * in_f)?;
+                Some(gxs.as_mut_ptr())
+            }
             None => None,
         };
         let gwp = gw.map(|t| t.slice_mut::<T>()).transpose()?;
@@ -192,7 +198,11 @@ pub fn gelu_linear_backward(
         } else {
             let gwp = gwp.map(|s| s.as_mut_ptr());
             let stride = gelu_scratch_stride(in_f, block);
-            let (sc, deriv) = scratch.slice_mut::<T>()?.split_at_mut(block * stride);
+            // The derivative's rows follow the scratch's when both gradients are wanted out of place.
+            let deriv_rows = if gxp.is_some() && gwp.is_some() && !in_place { block } else { 0 };
+            let scratch = scratch.slice_mut::<T>()?;
+            check_len("gelu_linear_backward scratch", scratch.len(), block * stride + deriv_rows * in_f)?;
+            let (sc, deriv) = scratch.split_at_mut(block * stride);
             let (scp, dp, xsp, gxs) = (SendPtr(sc.as_mut_ptr()), SendPtr(deriv.as_mut_ptr()), SendPtr(xp), gxp.map(SendPtr));
             let w = weight_mat::<T>(weight, false)?;
             let threads = rayon::current_num_threads();

@@ -623,8 +623,11 @@ fn add_accumulate_never_writes_into_a_tensor_someone_else_holds() {
     let sum = ops::add_accumulate(prev, &constant(&device, &[10.0, 20.0])).unwrap();
     assert_eq!(sum.to_vec::<f64>().unwrap(), [11.0, 22.0]);
     assert_eq!(held.to_vec::<f64>().unwrap(), [1.0, 2.0], "the other holder's values changed");
-    let alone = constant(&device, &[1.0, 2.0]);
-    let sum = ops::add_accumulate(alone, &constant(&device, &[0.5, 0.5])).unwrap();
+    // Held by nobody else: added in place, allocating nothing.
+    let (alone, g) = (constant(&device, &[1.0, 2.0]), constant(&device, &[0.5, 0.5]));
+    let before = device.stats().allocation.allocated;
+    let sum = ops::add_accumulate(alone, &g).unwrap();
+    assert_eq!(device.stats().allocation.allocated, before, "an exclusively held tensor is added into");
     assert_eq!(sum.to_vec::<f64>().unwrap(), [1.5, 2.5]);
 }
 
@@ -716,4 +719,45 @@ fn reshape_infers_a_dim_only_when_the_rest_divide_the_count() {
     assert!(err.to_string().contains("reshape: cannot reshape [6] into [4, -1]"), "{err}");
     let empty = Tensor::zeros(&Device::cpu(), &[0, 3], DType::F32, Category::Activation).unwrap();
     assert!(empty.reshape(&[0, -1]).unwrap_err().to_string().contains("cannot reshape"));
+}
+
+#[test]
+fn conv2d_refuses_a_kernel_empty_in_either_dim() {
+    let device = Device::cpu();
+    let x = Tensor::zeros(&device, &[1, 1, 4, 4], DType::F32, Category::Input).unwrap();
+    for kernel in [[3, 0], [0, 3]] {
+        let w = Tensor::zeros(&device, &[1, 1, kernel[0], kernel[1]], DType::F32, Category::Parameter).unwrap();
+        let err = ops::conv2d(&x, &w, None, ops::Conv2dParams::default()).unwrap_err();
+        assert!(err.to_string().contains("has an empty kernel"), "{kernel:?}: {err}");
+    }
+}
+
+#[test]
+fn layer_norm_over_every_dim_of_its_input() {
+    let device = Device::cpu();
+    let x = constant(&device, &[1.0, 2.0, 3.0, 6.0]);
+    let y = ops::layer_norm(&x, &[4], None, None, 0.0).unwrap().to_vec::<f64>().unwrap();
+    // Mean 3, variance 3.5.
+    let want = [-2.0, -1.0, 0.0, 3.0].map(|v: f64| v / 3.5f64.sqrt());
+    assert!(y.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12), "{y:?}");
+}
+
+/// The fused layer norm + linear prepares its input a block of at most 512 rows at a time, in a
+/// scratch as long as the block, not longer.
+#[test]
+fn layer_norm_linear_scratch_is_one_block_of_the_rows_there_are() {
+    let device = Device::cpu();
+    let x = Tensor::zeros(&device, &[3, 64], DType::F64, Category::Input).unwrap();
+    let ln = Tensor::full(&device, &[64], 1.0, DType::F64, Category::Parameter).unwrap();
+    let w = Tensor::zeros(&device, &[2, 64], DType::F64, Category::Parameter).unwrap();
+    let out = ops::layer_norm_linear(&x, &ln, &ln, 1e-5, &w, None).unwrap();
+    assert_eq!(out.shape(), [3, 2]);
+    let largest = device
+        .timeline_events()
+        .iter()
+        .filter(|e| e.kind == EventKind::Alloc && e.op == "layer_norm_linear")
+        .map(|e| e.bytes)
+        .max();
+    // The scratch: 3 rows of 64 f64 (1536 bytes); the output is smaller.
+    assert_eq!(largest, Some(3 * 64 * 8));
 }
