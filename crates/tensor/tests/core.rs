@@ -761,3 +761,13 @@ fn layer_norm_linear_scratch_is_one_block_of_the_rows_there_are() {
     // The scratch: 3 rows of 64 f64 (1536 bytes); the output is smaller.
     assert_eq!(largest, Some(3 * 64 * 8));
 }
+
+#[test]
+fn narrow_refuses_ranges_past_the_end_even_when_their_sum_overflows() {
+    let t = Tensor::from_slice(&Device::cpu(), &[1.0f32, 2.0, 3.0], &[3], Category::Input).unwrap();
+    assert_eq!(t.narrow(0, 1, 2).unwrap().to_vec::<f32>().unwrap(), [2.0, 3.0]);
+    for (start, len) in [(1, 3), (4, 0), (usize::MAX, 2)] {
+        let err = t.narrow(0, start, len).unwrap_err();
+        assert!(err.to_string().contains("out of range for size 3"), "{start} + {len}: {err}");
+    }
+}

@@ -113,8 +113,8 @@ impl Tensor {
     pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
         let d = resolve_dim(dim, self.rank())?;
         let size = self.shape()[d];
-        if start + len > size {
-            return Err(Error::shape(format!("narrow: {start}..{} out of range for size {size}", start + len)));
+        if start.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::shape(format!("narrow: {start} + {len} elements out of range for size {size}")));
         }
         let l = self.layout();
         let mut shape = l.shape().to_vec();
