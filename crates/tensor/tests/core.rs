@@ -771,3 +771,32 @@ fn narrow_refuses_ranges_past_the_end_even_when_their_sum_overflows() {
         assert!(err.to_string().contains("out of range for size 3"), "{start} + {len}: {err}");
     }
 }
+
+#[test]
+fn class_losses_need_logits_of_rank_2() {
+    let device = Device::cpu();
+    let logits = Tensor::zeros(&device, &[2, 3, 4], DType::F32, Category::Activation).unwrap();
+    let target = Tensor::from_slice(&device, &[0i64, 1], &[2], Category::Input).unwrap();
+    let err = ops::cross_entropy(&logits, &target, 0.0).unwrap_err();
+    assert!(err.to_string().contains("expected input [N, C] and target [N]"), "{err}");
+    assert!(ops::nll_loss(&logits, &target).is_err());
+}
+
+/// With only the weight needing a gradient, the fused GELU + linear backward keeps one block of
+/// GELU rows, not the second block a derivative needs when the input's gradient is wanted too.
+#[test]
+fn gelu_linear_backward_scratch_holds_the_derivative_only_when_needed() {
+    let device = Device::cpu();
+    let x = Tensor::full(&device, &[3, 64], 0.5, DType::F64, Category::Input).unwrap();
+    let w = Tensor::full(&device, &[2, 64], 0.1, DType::F64, Category::Parameter).unwrap().set_requires_grad(true);
+    let out = ops::gelu_linear(&x, &w, None).unwrap();
+    backward(&out.sum_all().unwrap()).unwrap();
+    let scratch = device
+        .timeline_events()
+        .iter()
+        .filter(|e| e.kind == EventKind::Alloc && e.op == "gelu_linear_backward")
+        .map(|e| e.bytes)
+        .max();
+    // 3 rows of 64 f64; the weight gradient [2, 64] is smaller.
+    assert_eq!(scratch, Some(3 * 64 * 8));
+}

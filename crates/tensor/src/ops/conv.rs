@@ -379,6 +379,8 @@ mod tests {
             // One-dimensional kernels with stride 1 and no padding: not the direct 1x1 path.
             ([2, 3, 6, 5], [4, 3, 3, 1], params([1, 1], [0, 0], [1, 1], 1), true),
             ([2, 2, 5, 6], [3, 2, 1, 3], params([1, 1], [0, 0], [1, 1], 1), false),
+            // 1x1 with stride 1 but padding: not direct either.
+            ([2, 3, 4, 5], [2, 3, 1, 1], params([1, 1], [1, 1], [1, 1], 1), true),
         ]
     }
 
@@ -453,6 +455,25 @@ mod tests {
         let limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 32 };
         let g = geometry(&[12, 16, 8, 8], &[256, 16, 3, 3], &padded, 4, limits).unwrap();
         assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
+    }
+
+    /// Backward allocates only the gradients asked for: none for a bias that needs none.
+    #[test]
+    fn backward_skips_the_gradient_of_a_bias_that_needs_none() {
+        let dev = Device::cpu();
+        let x = leaf(&dev, &values(1, 16), &[1, 1, 4, 4], true);
+        let w = leaf(&dev, &values(2, 4), &[1, 1, 2, 2], true);
+        let b = leaf(&dev, &[0.5], &[1], false);
+        let out = conv2d(&x, &w, Some(&b), Conv2dParams::default()).unwrap();
+        backward_with(&out, Tensor::full(&dev, out.shape(), 1.0, DType::F64, Category::Input).unwrap()).unwrap();
+        let grads = dev
+            .timeline_events()
+            .iter()
+            .filter(|e| e.kind == EventKind::Alloc && e.op == "conv2d_backward")
+            .map(|e| e.bytes)
+            .collect::<Vec<_>>();
+        assert_eq!(grads.len(), 2, "dx and dw only: {grads:?}");
+        assert!(x.grad().is_some() && w.grad().is_some() && b.grad().is_none());
     }
 
     /// Autograd checks an output gradient's shape, not its dtype: backward does.

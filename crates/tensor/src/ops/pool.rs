@@ -607,6 +607,10 @@ mod tests {
         assert!(msg(max_pool2d(&x, pool([2, 2], [0, 2], [0, 0], [1, 1], false))).contains("stride"));
         assert!(msg(avg_pool2d(&x, pool([0, 2], [1, 1], [0, 0], [1, 1], false), true)).contains("kernel"));
         assert!(msg(adaptive_avg_pool2d(&x, [0, 2])).contains("output size"));
+        for shape in [[1, 1, 0, 4], [1, 1, 4, 0]] {
+            let empty = Tensor::zeros(&dev, &shape, DType::F32, Category::Input).unwrap();
+            assert!(msg(max_pool2d(&empty, Pool2dParams::square(1))).contains("empty spatial dim"), "{shape:?}");
+        }
         let flat = Tensor::zeros(&dev, &[4, 4], DType::F32, Category::Input).unwrap();
         assert!(msg(max_pool2d(&flat, Pool2dParams::square(2))).contains("[N, C, H, W]"));
         let ints = Tensor::from_slice(&dev, &[0i64; 16], &[1, 1, 4, 4], Category::Input).unwrap();
