@@ -959,4 +959,20 @@ mod tests {
             }
         }
     }
+
+    /// The threads split the columns only where that was measured to win: each gets at least one
+    /// whole NC block and the split adds no blocks of columns (so n = 1024 on two threads, not 784,
+    /// 1536, or 1020, whose last part is 508 wide). Parts are whole tiles, shared out evenly.
+    #[test]
+    fn columns_split_only_into_whole_blocks() {
+        let k = portable::kernel::<f32>();
+        assert_eq!(k.nr, 8);
+        assert_eq!([0, 1].map(|p| column_part(k, 2, 1030, p)), [(0, 512), (512, 1030)]);
+        assert_eq!([0, 1, 2].map(|p| column_part(k, 3, 24, p)), [(0, 8), (8, 16), (16, 24)]);
+        for (parts, n, split) in
+            [(2, 1024, true), (2, 2048, true), (2, 784, false), (2, 1536, false), (3, 1024, false), (2, 1020, false)]
+        {
+            assert_eq!(columns_split_evenly(k, parts, n), split, "{parts} parts, n = {n}");
+        }
+    }
 }
