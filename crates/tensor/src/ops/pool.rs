@@ -322,6 +322,9 @@ mod tests {
         assert_eq!(shape(pool([3, 3], [1, 1], [1, 1], [1, 1], false)).unwrap(), [1, 1, 7, 7]);
         assert_eq!(shape(pool([7, 3], [2, 1], [3, 0], [1, 1], false)).unwrap(), [1, 1, 4, 5]);
         assert_eq!(shape(pool([2, 2], [1, 1], [1, 1], [1, 1], false)).unwrap(), [1, 1, 8, 8], "p = k / 2 is allowed");
+        // Ceil mode keeps a last window that starts inside the input: 2x2 stride 2 over 3x3 gives 2x2.
+        let three = leaf(&dev, &[0.0; 9], &[1, 1, 3, 3], false);
+        assert_eq!(max_pool2d(&three, pool([2, 2], [2, 2], [0, 0], [1, 1], true)).unwrap().shape(), [1, 1, 2, 2]);
         // Ceil mode with stride 1 adds no window: 2x2 windows over 2x2 give one.
         let small = leaf(&dev, &[0.0; 4], &[1, 1, 2, 2], false);
         assert_eq!(max_pool2d(&small, pool([2, 2], [1, 1], [0, 0], [1, 1], true)).unwrap().shape(), [1, 1, 1, 1]);
