@@ -742,6 +742,11 @@ fn layer_norm_over_every_dim_of_its_input() {
     assert!(y.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12), "{y:?}");
 }
 
+/// The largest block `op` allocated on `device` so far, from its timeline.
+fn largest_allocation(device: &Device, op: &str) -> Option<u64> {
+    device.timeline_events().iter().filter(|e| e.kind == EventKind::Alloc && e.op == op).map(|e| e.bytes).max()
+}
+
 /// The fused layer norm + linear prepares its input a block of at most 512 rows at a time, in a
 /// scratch as long as the block, not longer.
 #[test]
@@ -752,12 +757,7 @@ fn layer_norm_linear_scratch_is_one_block_of_the_rows_there_are() {
     let w = Tensor::zeros(&device, &[2, 64], DType::F64, Category::Parameter).unwrap();
     let out = ops::layer_norm_linear(&x, &ln, &ln, 1e-5, &w, None).unwrap();
     assert_eq!(out.shape(), [3, 2]);
-    let largest = device
-        .timeline_events()
-        .iter()
-        .filter(|e| e.kind == EventKind::Alloc && e.op == "layer_norm_linear")
-        .map(|e| e.bytes)
-        .max();
+    let largest = largest_allocation(&device, "layer_norm_linear");
     // The scratch: 3 rows of 64 f64 (1536 bytes); the output is smaller.
     assert_eq!(largest, Some(3 * 64 * 8));
 }
@@ -791,12 +791,7 @@ fn gelu_linear_backward_scratch_holds_the_derivative_only_when_needed() {
     let w = Tensor::full(&device, &[2, 64], 0.1, DType::F64, Category::Parameter).unwrap().set_requires_grad(true);
     let out = ops::gelu_linear(&x, &w, None).unwrap();
     backward(&out.sum_all().unwrap()).unwrap();
-    let scratch = device
-        .timeline_events()
-        .iter()
-        .filter(|e| e.kind == EventKind::Alloc && e.op == "gelu_linear_backward")
-        .map(|e| e.bytes)
-        .max();
+    let scratch = largest_allocation(&device, "gelu_linear_backward");
     // 3 rows of 64 f64; the weight gradient [2, 64] is smaller.
     assert_eq!(scratch, Some(3 * 64 * 8));
 }
