@@ -9,7 +9,7 @@ use super::elementwise::{exp_in_place, lane_dot, lane_sum};
 use super::gemm::{gemm_into, Mat, SendPtr};
 use crate::dtype::Element;
 use crate::dtype::Float;
-use crate::error::Result;
+use crate::error::{check_len, Error, Result};
 use crate::layout::broadcast_layout;
 use crate::view::View;
 use crate::with_float;
@@ -48,6 +48,15 @@ impl AttnAddr {
     pub fn start(&self, i: usize, heads: usize) -> usize {
         self.offset + (i / heads) * self.batch_stride + (i % heads) * self.head_stride
     }
+
+    /// One past the last element that `bh` matrices of `rows x cols` touch (`heads` divides `bh`, so
+    /// the last matrix starts furthest in), or 0 when they touch none.
+    fn extent(&self, bh: usize, heads: usize, rows: usize, cols: usize) -> usize {
+        if bh == 0 || rows == 0 || cols == 0 {
+            return 0;
+        }
+        self.start(bh - 1, heads) + (rows - 1) * self.row_stride + cols
+    }
 }
 
 /// Layouts of q, k, v and the output (and of their gradients).
@@ -67,6 +76,29 @@ pub struct AttnProblem {
     pub causal: bool,
     /// The mask's broadcast target, [batch..., Tq, Tk].
     pub full: Vec<usize>,
+}
+
+impl AttnProblem {
+    /// Refuses operands shorter than the matrices this problem addresses in them (`q`, `k`, `v` and
+    /// `out` are their lengths in elements; gradients are laid out as their inputs), and the log-sum-exp
+    /// shorter than one entry per query row, so that the kernels' raw-pointer walks stay in bounds.
+    fn check_lengths(&self, name: &str, q: usize, k: usize, v: usize, out: usize, lse: Option<usize>) -> Result<()> {
+        let AttnDims { bh, heads, tq, tk, d, dv } = self.dims;
+        if heads == 0 || bh % heads != 0 {
+            return Err(Error::invalid(format!(
+                "{name}: {bh} matrices are not a whole number of batches of {heads} heads"
+            )));
+        }
+        let lay = &self.lay;
+        check_len(&format!("{name} q"), q, lay.q.extent(bh, heads, tq, d))?;
+        check_len(&format!("{name} k"), k, lay.k.extent(bh, heads, tk, d))?;
+        check_len(&format!("{name} v"), v, lay.v.extent(bh, heads, tk, dv))?;
+        check_len(&format!("{name} output"), out, lay.out.extent(bh, heads, tq, dv))?;
+        match lse {
+            Some(n) => check_len(&format!("{name} log-sum-exp"), n, bh * tq),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Query rows per block, in forward and backward (the per-task scratch is 2 x DP_ROWS x Tk).
@@ -201,12 +233,16 @@ struct Ptrs<T> {
     lse: SendPtr<T>,
 }
 
-fn read_ptr<T: Element>(t: View<'_>) -> Result<SendPtr<T>> {
-    Ok(SendPtr(t.slice::<T>()?.as_ptr() as *mut T))
+/// The pointer and length (in elements) of an operand the kernels read.
+fn read_ptr<T: Element>(t: View<'_>) -> Result<(SendPtr<T>, usize)> {
+    let s = t.slice::<T>()?;
+    Ok((SendPtr(s.as_ptr() as *mut T), s.len()))
 }
 
-fn write_ptr<T: Element>(t: View<'_>) -> Result<SendPtr<T>> {
-    Ok(SendPtr(t.slice_mut::<T>()?.as_mut_ptr()))
+/// The pointer and length (in elements) of an operand the kernels write.
+fn write_ptr<T: Element>(t: View<'_>) -> Result<(SendPtr<T>, usize)> {
+    let s = t.slice_mut::<T>()?;
+    Ok((SendPtr(s.as_mut_ptr()), s.len()))
 }
 
 /// Forward: writes the output and, when `p.lse` is non-null, the per-row log-sum-exp. The pointers
@@ -357,18 +393,24 @@ fn backward_kernel<T: Float + Element>(
 }
 
 /// The writable pointer of each gradient, one per tensor: a gradient given more than once (the
-/// packed op's one [B, T, 3E] gradient for q, k and v) gets the same pointer each time.
-fn grad_ptrs<T: Element>(g: [Option<View<'_>>; 3]) -> Result<[Option<SendPtr<T>>; 3]> {
-    let mut out: [Option<SendPtr<T>>; 3] = [None; 3];
+/// packed op's one [B, T, 3E] gradient for q, k and v) gets the same pointer each time. Each is
+/// checked to hold what its input's layout addresses.
+fn grad_ptrs<T: Element>(g: [Option<View<'_>>; 3], pb: &AttnProblem) -> Result<[Option<SendPtr<T>>; 3]> {
+    let AttnDims { bh, heads, tq, tk, d, dv } = pb.dims;
+    let lay = &pb.lay;
+    let need = [lay.q.extent(bh, heads, tq, d), lay.k.extent(bh, heads, tk, d), lay.v.extent(bh, heads, tk, dv)];
+    let mut out: [Option<(SendPtr<T>, usize)>; 3] = [None; 3];
     for i in 0..3 {
         let Some(t) = g[i] else { continue };
-        let earlier = (0..i).find(|&j| g[j].is_some_and(|e| e.same(t)));
-        out[i] = match earlier {
-            Some(j) => out[j],
-            None => Some(write_ptr(t)?),
+        let earlier = (0..i).find(|&j| g[j].is_some_and(|e| e.same(t))).and_then(|j| out[j]);
+        let (p, len) = match earlier {
+            Some(seen) => seen,
+            None => write_ptr(t)?,
         };
+        check_len(&format!("scaled_dot_product_attention_backward gradient of {}", ["q", "k", "v"][i]), len, need[i])?;
+        out[i] = Some((p, len));
     }
-    Ok(out)
+    Ok(out.map(|o| o.map(|(p, _)| p)))
 }
 
 /// Forward into `out` and, when given, the per-row log-sum-exp `lse`.
@@ -386,14 +428,12 @@ pub fn attention(
     }
     let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
     with_float!(q.dtype(), "scaled_dot_product_attention", T => {
-        let p = Ptrs::<T> {
-            q: read_ptr(q)?,
-            k: read_ptr(k)?,
-            v: read_ptr(v)?,
-            o: write_ptr(out)?,
-            lse: match lse { Some(l) => write_ptr(l)?, None => SendPtr(std::ptr::null_mut()) },
-        };
-        // The tensors are contiguous with the shapes the layouts describe; out and lse are fresh.
+        let ((q, nq), (k, nk), (v, nv), (o, no)) = (read_ptr(q)?, read_ptr(k)?, read_ptr(v)?, write_ptr(out)?);
+        let lse = lse.map(write_ptr).transpose()?;
+        pb.check_lengths("scaled_dot_product_attention", nq, nk, nv, no, lse.map(|(_, n)| n))?;
+        let lse = lse.map_or(SendPtr(std::ptr::null_mut()), |(p, _)| p);
+        let p = Ptrs::<T> { q, k, v, o, lse };
+        // The tensors are contiguous and hold what the layouts address (checked); out and lse are fresh.
         forward_kernel::<T>(p, pb.dims, pb.lay, pb.scale, &vis)
     });
     Ok(())
@@ -419,16 +459,13 @@ pub fn attention_backward(
     }
     let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
     with_float!(grad.dtype(), "scaled_dot_product_attention_backward", T => {
-        let p = Ptrs::<T> {
-            q: read_ptr(q)?,
-            k: read_ptr(k)?,
-            v: read_ptr(v)?,
-            o: read_ptr(grad)?,
-            lse: read_ptr(lse)?,
-        };
-        let g = grad_ptrs::<T>([gq, gk, gv])?;
-        // The saved tensors and the gradients are contiguous with the shapes the layouts
-        // describe; the gradients are fresh, and the packed gradient's q, k and v parts are
+        let ((q, nq), (k, nk), (v, nv), (o, no)) = (read_ptr(q)?, read_ptr(k)?, read_ptr(v)?, read_ptr(grad)?);
+        let (lse, nl) = read_ptr(lse)?;
+        pb.check_lengths("scaled_dot_product_attention_backward", nq, nk, nv, no, Some(nl))?;
+        let p = Ptrs::<T> { q, k, v, o, lse };
+        let g = grad_ptrs::<T>([gq, gk, gv], pb)?;
+        // The saved tensors and the gradients are contiguous and hold what the layouts address
+        // (checked); the gradients are fresh, and the packed gradient's q, k and v parts are
         // disjoint column ranges.
         backward_kernel::<T>(p, g, pb.dims, pb.lay, pb.scale, &vis)
     });

@@ -2,7 +2,7 @@
 //! and the gradient's scatter-add (column blocks in parallel, indices in order within each block).
 
 use super::gemm::SendPtr;
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 use crate::view::View;
 use crate::with_float;
 use crate::PAR_CHUNK;
@@ -13,12 +13,7 @@ use rayon::prelude::*;
 pub fn embedding(indices: View<'_>, weight: View<'_>, out: View<'_>) -> Result<()> {
     let (v, d) = (weight.shape()[0], weight.shape()[1]);
     let ix = indices.slice::<i64>()?;
-    if let Some(p) = ix.iter().position(|&i| i < 0 || i as u64 >= v as u64) {
-        return Err(Error::invalid(format!(
-            "embedding: index {} (position {p}) is out of range for a table of {v} rows",
-            ix[p]
-        )));
-    }
+    check_indices("embedding", ix, v)?;
     if d > 0 {
         with_float!(weight.dtype(), "embedding", T => {
             let w = weight.slice::<T>()?;
@@ -34,14 +29,29 @@ pub fn embedding(indices: View<'_>, weight: View<'_>, out: View<'_>) -> Result<(
     Ok(())
 }
 
+/// Errors on an index outside a table of `rows` rows.
+fn check_indices(name: &str, ix: &[i64], rows: usize) -> Result<()> {
+    match ix.iter().position(|&i| i < 0 || i as u64 >= rows as u64) {
+        Some(p) => Err(Error::invalid(format!(
+            "{name}: index {} (position {p}) is out of range for a table of {rows} rows",
+            ix[p]
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// `gw[indices[k], :] += grad[k, :]` over all k, into the zeroed `gw` [V, D] (grad contiguous).
+/// Errors on an index outside the table and on a gradient shorter than one row per index (the
+/// parallel scatter writes through a raw pointer).
 pub fn embedding_backward(indices: View<'_>, grad: View<'_>, gw: View<'_>) -> Result<()> {
-    let d = gw.shape()[1];
+    let (v, d) = (gw.shape()[0], gw.shape()[1]);
     if d == 0 {
         return Ok(());
     }
     with_float!(grad.dtype(), "embedding_backward", T => {
         let (ix, g) = (indices.slice::<i64>()?, grad.slice::<T>()?);
+        check_indices("embedding_backward", ix, v)?;
+        check_len("embedding_backward output gradient", g.len(), ix.len() * d)?;
         let dst = gw.slice_mut::<T>()?;
         // Column blocks are disjoint, so tasks never add into the same element; within a
         // block the indices are visited in order (deterministic).

@@ -62,7 +62,9 @@ pub fn matmul(a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(a.dtype(), "matmul", T => {
         let pa = SendPtr(a.storage_ptr() as *mut T);
         let pb = SendPtr(b.storage_ptr() as *mut T);
-        let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
+        let dst = out.slice_mut::<T>()?;
+        check_len("matmul output", dst.len(), oa.len() * m * n)?;
+        let dst = SendPtr(dst.as_mut_ptr());
         let threads = rayon::current_num_threads();
         let run = |i: usize, threads: usize| {
             let (d, pa, pb) = (dst, pa, pb);
@@ -111,6 +113,7 @@ pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'
     let rows = x.numel() / in_f.max(1);
     with_float!(x.dtype(), "linear", T => {
         let dst = out.slice_mut::<T>()?;
+        check_len("linear output", dst.len(), rows * out_f)?;
         fill_rows_with_bias::<T>(dst, bias, out_f)?;
         // W^T as a [in, out] operand: element (i, o) is W[o, i].
         let wt = weight_mat::<T>(weight, true)?;
@@ -134,10 +137,14 @@ pub fn gelu_linear(
     let rows = x.numel() / in_f.max(1);
     with_float!(x.dtype(), "gelu_linear", T => {
         let dst = out.slice_mut::<T>()?;
+        check_len("gelu_linear output", dst.len(), rows * out_f)?;
         fill_rows_with_bias::<T>(dst, bias, out_f)?;
         let wt = weight_mat::<T>(weight, true)?;
-        let (xs, stride) = (x.slice::<T>()?, gelu_scratch_stride(in_f, rows.min(GELU_ROWS)));
-        let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
+        let block = rows.min(GELU_ROWS);
+        let (xs, stride) = (x.slice::<T>()?, gelu_scratch_stride(in_f, block));
+        let sc = scratch.slice_mut::<T>()?;
+        check_len("gelu_linear scratch", sc.len(), block * stride)?;
+        let sc = SendPtr(sc.as_mut_ptr());
         let gelu_rows = |r0: usize, n: usize| {
             for_row_groups(n, in_f, |g0, gn| {
                 for r in g0..g0 + gn {
@@ -176,6 +183,7 @@ pub fn gelu_linear_backward(
     let block = rows.min(GELU_ROWS);
     with_float!(grad.dtype(), NAME, T => {
         let gs = grad.slice::<T>()?;
+        check_len("gelu_linear_backward output gradient", gs.len(), rows * out_f)?;
         // In place, the input gradient is x itself: reads of a block of x finish before the
         // block is overwritten.
         let xs = x.slice_mut::<T>()?;
@@ -191,6 +199,9 @@ pub fn gelu_linear_backward(
             None => None,
         };
         let gwp = gw.map(|t| t.slice_mut::<T>()).transpose()?;
+        if let Some(g) = &gwp {
+            check_len("gelu_linear_backward weight gradient", g.len(), out_f * in_f)?;
+        }
         if rows == 0 {
             if let Some(gw) = gwp {
                 gw.fill(<T as Float>::of(0.0));

@@ -7,7 +7,7 @@ use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
 use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr};
 use super::matmul::{fill_rows_with_bias, weight_mat};
 use crate::dtype::Float;
-use crate::error::Result;
+use crate::error::{check_len, Result};
 use crate::view::View;
 use crate::with_float;
 use crate::PAR_CHUNK;
@@ -32,6 +32,34 @@ fn for_rows_mut<T: Send>(buf: &mut [T], row_len: usize, f: impl Fn(usize, &mut [
 
 fn opt_slice<T: Float + crate::dtype::Element>(t: Option<View<'_>>) -> Result<Option<&[T]>> {
     t.map(|t| t.slice::<T>()).transpose()
+}
+
+/// The writable pointers of the per-row statistics (mean, rstd), when both are wanted, each checked
+/// to hold `rows` entries.
+type StatPtrs<T> = Option<(SendPtr<T>, SendPtr<T>)>;
+fn statistics_ptrs<T: Float + crate::dtype::Element>(
+    name: &str,
+    mean: Option<View<'_>>,
+    rstd: Option<View<'_>>,
+    rows: usize,
+) -> Result<StatPtrs<T>> {
+    let (Some(m), Some(r)) = (mean, rstd) else { return Ok(None) };
+    let (m, r) = (m.slice_mut::<T>()?, r.slice_mut::<T>()?);
+    check_len(&format!("{name} mean"), m.len(), rows)?;
+    check_len(&format!("{name} rstd"), r.len(), rows)?;
+    Ok(Some((SendPtr(m.as_mut_ptr()), SendPtr(r.as_mut_ptr()))))
+}
+
+/// The writable pointer of a per-column gradient (`d` entries), when it is wanted.
+fn column_ptr<T: Float + crate::dtype::Element>(
+    what: &str,
+    t: Option<View<'_>>,
+    d: usize,
+) -> Result<Option<SendPtr<T>>> {
+    let Some(t) = t else { return Ok(None) };
+    let s = t.slice_mut::<T>()?;
+    check_len(what, s.len(), d)?;
+    Ok(Some(SendPtr(s.as_mut_ptr())))
 }
 
 /// Normalizes one row into `yr` (f64 two-pass statistics, biased variance, eps inside the sqrt, then
@@ -120,11 +148,10 @@ pub fn layer_norm(
     with_float!(x.dtype(), "layer_norm", T => {
         let src = x.slice::<T>()?;
         let (w, b) = (opt_slice::<T>(weight)?, opt_slice::<T>(bias)?);
-        let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
-        let st = match (mean, rstd) {
-            (Some(m), Some(r)) => Some((SendPtr(m.slice_mut::<T>()?.as_mut_ptr()), SendPtr(r.slice_mut::<T>()?.as_mut_ptr()))),
-            _ => None,
-        };
+        let dst = out.slice_mut::<T>()?;
+        check_len("layer_norm output", dst.len(), rows * d)?;
+        let dst = SendPtr(dst.as_mut_ptr());
+        let st = statistics_ptrs::<T>("layer_norm", mean, rstd, rows)?;
         for_row_groups(rows, d, |r0, n| {
             let (dst, st) = (dst, st);
             for r in r0..r0 + n {
@@ -163,9 +190,14 @@ pub fn layer_norm_backward(
     with_float!(grad.dtype(), "layer_norm_backward", T => {
         let (x, g) = (x.slice::<T>()?, grad.slice::<T>()?);
         let (mean, rstd) = (mean.slice::<T>()?, rstd.slice::<T>()?);
+        check_len("layer_norm_backward input", x.len(), rows * d)?;
+        check_len("layer_norm_backward output gradient", g.len(), rows * d)?;
+        check_len("layer_norm_backward rstd", rstd.len(), rows)?;
         let w = opt_slice::<T>(weight)?;
         if let Some(gx) = gx {
-            let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
+            let dst = gx.slice_mut::<T>()?;
+            check_len("layer_norm_backward input gradient", dst.len(), rows * d)?;
+            let dst = SendPtr(dst.as_mut_ptr());
             for_row_groups(rows, d, |r0, n| {
                 #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
                 let dst = dst;
@@ -182,8 +214,8 @@ pub fn layer_norm_backward(
             });
         }
         if gw.is_some() || gb.is_some() {
-            let pw = match gw { Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())), None => None };
-            let pb = match gb { Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())), None => None };
+            let pw = column_ptr::<T>("layer_norm_backward weight gradient", gw, d)?;
+            let pb = column_ptr::<T>("layer_norm_backward bias gradient", gb, d)?;
             // Column blocks: each task sums its columns over all rows (deterministic, no workspace).
             const COLS: usize = 64;
             let blocks = d.div_ceil(COLS);
@@ -238,13 +270,13 @@ pub fn layer_norm_linear(
     let rows = x.numel() / in_f;
     with_float!(x.dtype(), NAME, T => {
         let dst = out.slice_mut::<T>()?;
+        check_len("layer_norm_linear output", dst.len(), rows * out_f)?;
         fill_rows_with_bias::<T>(dst, bias, out_f)?;
         let (xs, w, b) = (x.slice::<T>()?, ln_weight.slice::<T>()?, ln_bias.slice::<T>()?);
-        let st = match (mean, rstd) {
-            (Some(m), Some(r)) => Some((SendPtr(m.slice_mut::<T>()?.as_mut_ptr()), SendPtr(r.slice_mut::<T>()?.as_mut_ptr()))),
-            _ => None,
-        };
-        let sc = SendPtr(scratch.slice_mut::<T>()?.as_mut_ptr());
+        let st = statistics_ptrs::<T>(NAME, mean, rstd, rows)?;
+        let sc = scratch.slice_mut::<T>()?;
+        check_len("layer_norm_linear scratch", sc.len(), rows.min(LN_ROWS) * in_f)?;
+        let sc = SendPtr(sc.as_mut_ptr());
         let wt = weight_mat::<T>(weight, true)?;
         let normalized_rows = |r0: usize, n: usize| {
             for_row_groups(n, in_f, |g0, gn| {
@@ -297,17 +329,27 @@ pub fn layer_norm_linear_backward(
     let in_place = gx.is_some_and(|g| g.same(x));
     with_float!(grad.dtype(), NAME, T => {
         let gs = grad.slice::<T>()?;
+        check_len("layer_norm_linear_backward output gradient", gs.len(), rows * out_f)?;
         let (mean, rstd) = (mean.slice::<T>()?, rstd.slice::<T>()?);
         let (lw, lb) = (ln_weight.slice::<T>()?, ln_bias.slice::<T>()?);
         // In place, the input gradient is x itself: every read of a block of x comes before
         // the block is overwritten, and each row is read before it is written.
-        let xp = SendPtr(x.slice_mut::<T>()?.as_mut_ptr());
+        let xs = x.slice_mut::<T>()?;
+        check_len("layer_norm_linear_backward input", xs.len(), rows * d)?;
+        let xp = SendPtr(xs.as_mut_ptr());
         let gxp = match gx {
             Some(_) if in_place => Some(xp),
-            Some(t) => Some(SendPtr(t.slice_mut::<T>()?.as_mut_ptr())),
+            Some(t) => {
+                let gxs = t.slice_mut::<T>()?;
+                check_len("layer_norm_linear_backward input gradient", gxs.len(), rows * d)?;
+                Some(SendPtr(gxs.as_mut_ptr()))
+            }
             None => None,
         };
         let mut gw_values = gw.map(|t| t.slice_mut::<T>()).transpose()?;
+        if let Some(g) = &gw_values {
+            check_len("layer_norm_linear_backward weight gradient", g.len(), out_f * d)?;
+        }
         if let (0, Some(g)) = (rows, &mut gw_values) {
             g.fill(T::of(0.0));
         }

@@ -4,7 +4,7 @@
 
 use super::gemm::SendPtr;
 use crate::dtype::Float;
-use crate::error::Result;
+use crate::error::{check_len, Result};
 use crate::view::View;
 use crate::with_float;
 use num_traits::Zero as _;
@@ -64,6 +64,7 @@ pub fn max_pool2d(
     positions: Option<View<'_>>,
     width: usize,
 ) -> Result<()> {
+    let (input, output) = (g.planes * g.hw(), g.planes * g.ohw());
     with_float!(x.dtype(), "max_pool2d", T => {
         let ix = match indices {
             Some(t) => Some(t.slice_mut::<i64>()?),
@@ -73,7 +74,16 @@ pub fn max_pool2d(
             Some(t) => Some(t.slice_mut::<u8>()?),
             None => None,
         };
-        max_forward::<T>(g, x.slice::<T>()?, out.slice_mut::<T>()?, ix, pos, width);
+        let (xs, out) = (x.slice::<T>()?, out.slice_mut::<T>()?);
+        check_len("max_pool2d input", xs.len(), input)?;
+        check_len("max_pool2d output", out.len(), output)?;
+        if let Some(ix) = &ix {
+            check_len("max_pool2d indices", ix.len(), output)?;
+        }
+        if let Some(pos) = &pos {
+            check_len("max_pool2d positions", pos.len(), output * width)?;
+        }
+        max_forward::<T>(g, xs, out, ix, pos, width);
     });
     Ok(())
 }
@@ -86,8 +96,13 @@ pub fn max_pool2d_backward(
     positions: View<'_>,
     dx: View<'_>,
 ) -> Result<()> {
+    let (input, output) = (g.planes * g.hw(), g.planes * g.ohw());
     with_float!(grad.dtype(), "max_pool2d_backward", T => {
-        max_backward::<T>(g, width, grad.slice::<T>()?, positions.slice::<u8>()?, dx.slice_mut::<T>()?);
+        let (gs, pos, dx) = (grad.slice::<T>()?, positions.slice::<u8>()?, dx.slice_mut::<T>()?);
+        check_len("max_pool2d_backward output gradient", gs.len(), output)?;
+        check_len("max_pool2d_backward positions", pos.len(), output * width)?;
+        check_len("max_pool2d_backward input gradient", dx.len(), input)?;
+        max_backward::<T>(g, width, gs, pos, dx);
     });
     Ok(())
 }
@@ -95,9 +110,11 @@ pub fn max_pool2d_backward(
 /// Average pooling (fixed or adaptive windows) of x (contiguous planes) into `out`.
 pub fn avg_pool2d(g: &PoolGeom, kind: Avg, x: View<'_>, out: View<'_>) -> Result<()> {
     with_float!(x.dtype(), kind.name(), T => {
-        let src = x.slice::<T>()?;
+        let (src, dst) = (x.slice::<T>()?, out.slice_mut::<T>()?);
         let (hw, ohw) = (g.hw(), g.ohw());
-        let dp = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
+        check_len(&format!("{} input", kind.name()), src.len(), g.planes * hw)?;
+        check_len(&format!("{} output", kind.name()), dst.len(), g.planes * ohw)?;
+        let dp = SendPtr(dst.as_mut_ptr());
         for_planes(g.planes, ohw * avg_window_area(g, kind), |plane| {
             let dp = &dp; // capture the whole SendPtr, not its raw field
             let s = &src[plane * hw..(plane + 1) * hw];
@@ -126,9 +143,11 @@ pub fn avg_pool2d(g: &PoolGeom, kind: Avg, x: View<'_>, out: View<'_>) -> Result
 /// The gradient of average pooling: each output's gradient shared evenly over its window.
 pub fn avg_pool2d_backward(g: &PoolGeom, kind: Avg, grad: View<'_>, dx: View<'_>) -> Result<()> {
     with_float!(grad.dtype(), kind.name(), T => {
-        let gs = grad.slice::<T>()?;
+        let (gs, dx) = (grad.slice::<T>()?, dx.slice_mut::<T>()?);
         let (hw, ohw) = (g.hw(), g.ohw());
-        let dp = SendPtr(dx.slice_mut::<T>()?.as_mut_ptr());
+        check_len(&format!("{} backward output gradient", kind.name()), gs.len(), g.planes * ohw)?;
+        check_len(&format!("{} backward input gradient", kind.name()), dx.len(), g.planes * hw)?;
+        let dp = SendPtr(dx.as_mut_ptr());
         for_planes(g.planes, hw + ohw * avg_window_area(g, kind), |plane| {
             let dp = &dp; // capture the whole SendPtr, not its raw field
             // SAFETY: each plane's gradient block is written by this task only.

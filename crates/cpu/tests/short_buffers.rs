@@ -1,0 +1,373 @@
+//! Kernels that write (or read) through raw pointers sized from their parameters refuse a buffer
+//! shorter than those parameters need, with an error naming it, instead of running past its end.
+//! Each case runs its kernel once with every buffer exactly as long as needed (it must succeed), then
+//! once per checked buffer with that buffer one element short (it must fail, naming the buffer).
+
+use memfit_cpu::attention::{AttnAddr, AttnDims, AttnLayouts, AttnProblem};
+use memfit_cpu::dtype::DType;
+use memfit_cpu::kernels;
+use memfit_cpu::layout::Layout;
+use memfit_cpu::pool::{Avg, PoolGeom};
+use memfit_cpu::{Error, Result, View};
+
+/// One kernel call: the buffers it gets (dtype and shape, zero-filled), the call, and which buffers
+/// to shorten (index, the shape it gets one element short, words its error must contain).
+struct Case {
+    name: &'static str,
+    buffers: Vec<(DType, Vec<usize>)>,
+    call: Box<dyn Fn(&[View<'_>]) -> Result<()>>,
+    shortened: Vec<(usize, Vec<usize>, &'static str)>,
+}
+
+/// Runs `f` on zero-filled views of `buffers` (contiguous, 8-byte aligned storage).
+fn with_views(buffers: &[(DType, Vec<usize>)], f: &dyn Fn(&[View<'_>]) -> Result<()>) -> Result<()> {
+    let layouts: Vec<Layout> = buffers.iter().map(|(_, shape)| Layout::contiguous(shape)).collect();
+    let mut stores: Vec<Vec<u64>> = buffers
+        .iter()
+        .map(|(dt, shape)| vec![0u64; (shape.iter().product::<usize>() * dt.size()).div_ceil(8).max(1)])
+        .collect();
+    let views: Vec<View<'_>> = stores
+        .iter_mut()
+        .zip(&layouts)
+        .zip(buffers)
+        // SAFETY: each store outlives its view, is 8-byte aligned and holds the layout's elements;
+        // the views are of distinct stores.
+        .map(|((st, l), (dt, _))| unsafe { View::new(st.as_mut_ptr() as *mut u8, st.len() * 8, *dt, l) })
+        .collect();
+    f(&views)
+}
+
+fn check(case: &Case) {
+    if let Err(e) = with_views(&case.buffers, &*case.call) {
+        panic!("{}: every buffer long enough, yet {e}", case.name);
+    }
+    for (i, short, words) in &case.shortened {
+        let want: usize = case.buffers[*i].1.iter().product();
+        assert_eq!(short.iter().product::<usize>() + 1, want, "{}: buffer {i}'s short shape", case.name);
+        let mut buffers = case.buffers.clone();
+        buffers[*i].1 = short.clone();
+        match with_views(&buffers, &*case.call) {
+            Err(Error::Invalid(m)) => assert!(
+                m.contains(words) && m.contains("elements where the kernel needs"),
+                "{}: buffer {i} short gave {m:?}, which does not name {words:?}",
+                case.name
+            ),
+            other => panic!("{}: buffer {i} ({words}) one element short gave {other:?}", case.name),
+        }
+    }
+}
+
+fn f32s(shape: &[usize]) -> (DType, Vec<usize>) {
+    (DType::F32, shape.to_vec())
+}
+
+/// A one-dimensional shape one element shorter than `shape`.
+fn short(shape: &[usize]) -> Vec<usize> {
+    vec![shape.iter().product::<usize>() - 1]
+}
+
+const ROWS: usize = 3;
+const D: usize = 4;
+const OUT: usize = 5;
+
+#[test]
+fn layer_norm_refuses_short_outputs_and_statistics() {
+    check(&Case {
+        name: "layer_norm",
+        buffers: vec![f32s(&[ROWS, D]), f32s(&[ROWS, D]), f32s(&[ROWS]), f32s(&[ROWS])],
+        call: Box::new(|v| kernels::layer_norm(v[0], None, None, D, 1e-5, v[1], Some(v[2]), Some(v[3]))),
+        shortened: vec![
+            (1, short(&[ROWS, D]), "layer_norm output"),
+            (2, short(&[ROWS]), "layer_norm mean"),
+            (3, short(&[ROWS]), "layer_norm rstd"),
+        ],
+    });
+}
+
+#[test]
+fn layer_norm_backward_refuses_short_operands_and_gradients() {
+    check(&Case {
+        name: "layer_norm_backward",
+        // x, weight, mean, rstd, grad, gx, gw, gb
+        buffers: vec![
+            f32s(&[ROWS, D]),
+            f32s(&[D]),
+            f32s(&[ROWS]),
+            f32s(&[ROWS]),
+            f32s(&[ROWS, D]),
+            f32s(&[ROWS, D]),
+            f32s(&[D]),
+            f32s(&[D]),
+        ],
+        call: Box::new(|v| {
+            kernels::layer_norm_backward(v[0], Some(v[1]), v[2], v[3], D, v[4], Some(v[5]), Some(v[6]), Some(v[7]))
+        }),
+        shortened: vec![
+            (0, short(&[ROWS, D]), "layer_norm_backward input"),
+            (3, short(&[ROWS]), "layer_norm_backward rstd"),
+            (4, short(&[ROWS, D]), "layer_norm_backward output gradient"),
+            (5, short(&[ROWS, D]), "layer_norm_backward input gradient"),
+            (6, short(&[D]), "layer_norm_backward weight gradient"),
+            (7, short(&[D]), "layer_norm_backward bias gradient"),
+        ],
+    });
+}
+
+#[test]
+fn layer_norm_linear_refuses_short_outputs_scratch_and_statistics() {
+    check(&Case {
+        name: "layer_norm_linear",
+        // x, ln weight, ln bias, weight, bias, scratch, out, mean, rstd
+        buffers: vec![
+            f32s(&[ROWS, D]),
+            f32s(&[D]),
+            f32s(&[D]),
+            f32s(&[OUT, D]),
+            f32s(&[OUT]),
+            f32s(&[ROWS, D]),
+            f32s(&[ROWS, OUT]),
+            f32s(&[ROWS]),
+            f32s(&[ROWS]),
+        ],
+        call: Box::new(|v| {
+            kernels::layer_norm_linear(v[0], v[1], v[2], 1e-5, v[3], Some(v[4]), v[5], v[6], Some(v[7]), Some(v[8]))
+        }),
+        shortened: vec![
+            (5, short(&[ROWS, D]), "layer_norm_linear scratch"),
+            (6, short(&[ROWS, OUT]), "layer_norm_linear output"),
+            (7, short(&[ROWS]), "layer_norm_linear mean"),
+            (8, short(&[ROWS]), "layer_norm_linear rstd"),
+        ],
+    });
+}
+
+#[test]
+fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
+    check(&Case {
+        name: "layer_norm_linear_backward",
+        // x, ln weight, ln bias, weight, mean, rstd, grad, gx, glw, glb, gw, scratch, sums
+        buffers: vec![
+            f32s(&[ROWS, D]),
+            f32s(&[D]),
+            f32s(&[D]),
+            f32s(&[OUT, D]),
+            f32s(&[ROWS]),
+            f32s(&[ROWS]),
+            f32s(&[ROWS, OUT]),
+            f32s(&[ROWS, D]),
+            f32s(&[D]),
+            f32s(&[D]),
+            f32s(&[OUT, D]),
+            f32s(&[ROWS, D]),
+            (DType::F64, vec![2, D]),
+        ],
+        call: Box::new(|v| {
+            kernels::layer_norm_linear_backward(
+                v[0],
+                v[1],
+                v[2],
+                v[3],
+                v[4],
+                v[5],
+                v[6],
+                Some(v[7]),
+                Some(v[8]),
+                Some(v[9]),
+                Some(v[10]),
+                v[11],
+                Some(v[12]),
+            )
+        }),
+        shortened: vec![
+            (0, short(&[ROWS, D]), "layer_norm_linear_backward input"),
+            (6, vec![ROWS * OUT - 1, 1], "layer_norm_linear_backward output gradient"),
+            (7, short(&[ROWS, D]), "layer_norm_linear_backward input gradient"),
+            (10, short(&[OUT, D]), "layer_norm_linear_backward weight gradient"),
+        ],
+    });
+}
+
+#[test]
+fn linear_and_matmul_refuse_short_outputs() {
+    check(&Case {
+        name: "linear",
+        buffers: vec![f32s(&[ROWS, D]), f32s(&[OUT, D]), f32s(&[OUT]), f32s(&[ROWS, OUT])],
+        call: Box::new(|v| kernels::linear(v[0], v[1], Some(v[2]), v[3])),
+        shortened: vec![(3, short(&[ROWS, OUT]), "linear output")],
+    });
+    check(&Case {
+        name: "matmul",
+        buffers: vec![f32s(&[ROWS, D]), f32s(&[D, OUT]), f32s(&[ROWS, OUT])],
+        call: Box::new(|v| kernels::matmul(v[0], v[1], v[2])),
+        // The output's rank names the batch dims: keep it.
+        shortened: vec![(2, vec![ROWS * OUT - 1, 1], "matmul output")],
+    });
+}
+
+#[test]
+fn gelu_linear_refuses_short_buffers_forward_and_backward() {
+    let stride = kernels::gelu_scratch_stride(D, ROWS);
+    check(&Case {
+        name: "gelu_linear",
+        buffers: vec![f32s(&[ROWS, D]), f32s(&[OUT, D]), f32s(&[OUT]), f32s(&[ROWS, stride]), f32s(&[ROWS, OUT])],
+        call: Box::new(|v| kernels::gelu_linear(v[0], v[1], Some(v[2]), v[3], v[4])),
+        shortened: vec![
+            (3, short(&[ROWS, stride]), "gelu_linear scratch"),
+            (4, short(&[ROWS, OUT]), "gelu_linear output"),
+        ],
+    });
+    check(&Case {
+        name: "gelu_linear_backward",
+        // x, weight, grad, gx, gw, scratch (two blocks: both gradients, out of place)
+        buffers: vec![
+            f32s(&[ROWS, D]),
+            f32s(&[OUT, D]),
+            f32s(&[ROWS, OUT]),
+            f32s(&[ROWS, D]),
+            f32s(&[OUT, D]),
+            f32s(&[2 * ROWS, stride]),
+        ],
+        call: Box::new(|v| kernels::gelu_linear_backward(v[0], v[1], v[2], Some(v[3]), Some(v[4]), v[5])),
+        shortened: vec![
+            (0, short(&[ROWS, D]), "gelu_linear_backward input"),
+            (2, vec![ROWS * OUT - 1, 1], "gelu_linear_backward output gradient"),
+            (3, short(&[ROWS, D]), "gelu_linear_backward input gradient"),
+            (4, short(&[OUT, D]), "gelu_linear_backward weight gradient"),
+            (5, short(&[2 * ROWS, stride]), "gelu_linear_backward scratch"),
+        ],
+    });
+}
+
+#[test]
+fn embedding_backward_refuses_short_gradients_and_indices_outside_the_table() {
+    let (v_rows, n) = (6, 4);
+    // Wide enough rows that the parallel scatter (through a raw pointer) runs.
+    let d = 2 * memfit_cpu::PAR_CHUNK / n + 64;
+    check(&Case {
+        name: "embedding_backward",
+        buffers: vec![(DType::I64, vec![n]), f32s(&[n, d]), f32s(&[v_rows, d])],
+        call: Box::new(move |v| kernels::embedding_backward(v[0], v[1], v[2])),
+        // The weight gradient's shape is the table's: it cannot be short of itself.
+        shortened: vec![(1, short(&[n, d]), "embedding_backward output gradient")],
+    });
+    for bad in [-1i64, 6, i64::MAX] {
+        let buffers = vec![(DType::I64, vec![2]), f32s(&[2, 3]), f32s(&[v_rows, 3])];
+        let got = with_views(&buffers, &|v| {
+            v[0].slice_mut::<i64>()?.copy_from_slice(&[0, bad]);
+            kernels::embedding_backward(v[0], v[1], v[2])
+        });
+        match got {
+            Err(Error::Invalid(m)) => {
+                assert!(m.contains(&format!("index {bad} (position 1)")) && m.contains("6 rows"), "{m}")
+            }
+            other => panic!("index {bad}: {other:?}"),
+        }
+    }
+}
+
+/// Two (batch, head) matrices of 3 x 4 queries, keys and values, as plain stacks.
+fn attention_problem(bh: usize, heads: usize) -> AttnProblem {
+    let (t, d) = (3, 4);
+    let stack = AttnAddr::stack(t, d);
+    AttnProblem {
+        dims: AttnDims { bh, heads, tq: t, tk: t, d, dv: d },
+        lay: AttnLayouts { q: stack, k: stack, v: stack, out: stack },
+        scale: 0.5,
+        causal: true,
+        full: vec![bh, t, t],
+    }
+}
+
+#[test]
+fn attention_refuses_short_operands_forward_and_backward() {
+    let m = [2, 3, 4];
+    check(&Case {
+        name: "attention",
+        // q, k, v, out, lse
+        buffers: vec![f32s(&m), f32s(&m), f32s(&m), f32s(&m), f32s(&[2, 3])],
+        call: Box::new(|v| kernels::attention(v[0], v[1], v[2], None, &attention_problem(2, 1), v[3], Some(v[4]))),
+        shortened: vec![
+            (0, short(&m), "scaled_dot_product_attention q"),
+            (1, short(&m), "scaled_dot_product_attention k"),
+            (2, short(&m), "scaled_dot_product_attention v"),
+            (3, short(&m), "scaled_dot_product_attention output"),
+            (4, short(&[2, 3]), "scaled_dot_product_attention log-sum-exp"),
+        ],
+    });
+    check(&Case {
+        name: "attention_backward",
+        // q, k, v, lse, grad, gq, gk, gv
+        buffers: vec![f32s(&m), f32s(&m), f32s(&m), f32s(&[2, 3]), f32s(&m), f32s(&m), f32s(&m), f32s(&m)],
+        call: Box::new(|v| {
+            let pb = attention_problem(2, 1);
+            kernels::attention_backward(v[0], v[1], v[2], None, v[3], &pb, v[4], Some(v[5]), Some(v[6]), Some(v[7]))
+        }),
+        shortened: vec![
+            (0, short(&m), "scaled_dot_product_attention_backward q"),
+            (3, short(&[2, 3]), "scaled_dot_product_attention_backward log-sum-exp"),
+            (4, short(&m), "scaled_dot_product_attention_backward output"),
+            (5, short(&m), "gradient of q"),
+            (6, short(&m), "gradient of k"),
+            (7, short(&m), "gradient of v"),
+        ],
+    });
+    // Heads that do not divide the matrices: the last matrix would not start furthest in.
+    let got = with_views(&[f32s(&m), f32s(&m), f32s(&m), f32s(&m)], &|v| {
+        kernels::attention(v[0], v[1], v[2], None, &attention_problem(3, 2), v[3], None)
+    });
+    assert!(matches!(&got, Err(Error::Invalid(m)) if m.contains("3 matrices") && m.contains("2 heads")), "{got:?}");
+}
+
+#[test]
+fn pooling_refuses_short_inputs_outputs_and_positions() {
+    // Two planes of 4 x 5 pooled by 2 x 2 windows, stride 2: 2 x 2 outputs each.
+    let g = PoolGeom { planes: 2, h: 4, w: 5, oh: 2, ow: 2, kh: 2, kw: 2, sh: 2, sw: 2, ph: 0, pw: 0, dh: 1, dw: 1 };
+    let (x, o) = ([2, 4, 5], [2, 2, 2]);
+    check(&Case {
+        name: "max_pool2d",
+        buffers: vec![f32s(&x), f32s(&o), (DType::I64, o.to_vec()), (DType::U8, o.to_vec())],
+        call: Box::new(move |v| kernels::max_pool2d(&g, v[0], v[1], Some(v[2]), Some(v[3]), 1)),
+        shortened: vec![
+            (0, short(&x), "max_pool2d input"),
+            (1, short(&o), "max_pool2d output"),
+            (2, short(&o), "max_pool2d indices"),
+            (3, short(&o), "max_pool2d positions"),
+        ],
+    });
+    check(&Case {
+        name: "max_pool2d_backward",
+        // grad, positions (two bytes each), dx
+        buffers: vec![f32s(&o), (DType::U8, vec![2, 2, 2, 2]), f32s(&x)],
+        call: Box::new(move |v| kernels::max_pool2d_backward(&g, 2, v[0], v[1], v[2])),
+        shortened: vec![
+            (0, short(&o), "max_pool2d_backward output gradient"),
+            (1, short(&[2, 2, 2, 2]), "max_pool2d_backward positions"),
+            (2, short(&x), "max_pool2d_backward input gradient"),
+        ],
+    });
+    for (kind, name) in [(Avg::Fixed { count_include_pad: true }, "avg_pool2d"), (Avg::Adaptive, "adaptive_avg_pool2d")]
+    {
+        check(&Case {
+            name: "avg pool",
+            buffers: vec![f32s(&x), f32s(&o)],
+            call: Box::new(move |v| kernels::avg_pool2d(&g, kind, v[0], v[1])),
+            shortened: vec![
+                (0, short(&x), leak(format!("{name} input"))),
+                (1, short(&o), leak(format!("{name} output"))),
+            ],
+        });
+        check(&Case {
+            name: "avg pool backward",
+            buffers: vec![f32s(&o), f32s(&x)],
+            call: Box::new(move |v| kernels::avg_pool2d_backward(&g, kind, v[0], v[1])),
+            shortened: vec![
+                (0, short(&o), leak(format!("{name} backward output gradient"))),
+                (1, short(&x), leak(format!("{name} backward input gradient"))),
+            ],
+        });
+    }
+}
+
+fn leak(s: String) -> &'static str {
+    Box::leak(s.into_boxed_str())
+}
