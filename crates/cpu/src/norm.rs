@@ -34,9 +34,11 @@ fn opt_slice<T: Float + crate::dtype::Element>(t: Option<View<'_>>) -> Result<Op
     t.map(|t| t.slice::<T>()).transpose()
 }
 
+/// The per-row statistics' writable pointers (mean, rstd), when both are wanted.
+type StatPtrs<T> = Option<(SendPtr<T>, SendPtr<T>)>;
+
 /// The writable pointers of the per-row statistics (mean, rstd), when both are wanted, each checked
 /// to hold `rows` entries.
-type StatPtrs<T> = Option<(SendPtr<T>, SendPtr<T>)>;
 fn statistics_ptrs<T: Float + crate::dtype::Element>(
     name: &str,
     mean: Option<View<'_>>,
