@@ -49,13 +49,13 @@ impl AttnAddr {
         self.offset + (i / heads) * self.batch_stride + (i % heads) * self.head_stride
     }
 
-    /// One past the last element that `bh` matrices of `rows x cols` touch (`heads` divides `bh`, so
-    /// the last matrix starts furthest in), or 0 when they touch none.
+    /// One past the furthest element that the rows of `bh` matrices of `rows x cols` reach (`heads`
+    /// divides `bh`, so the last matrix starts furthest in), or 0 when there are no rows.
     fn extent(&self, bh: usize, heads: usize, rows: usize, cols: usize) -> usize {
-        if bh == 0 || rows == 0 || cols == 0 {
-            return 0;
+        match (bh.checked_sub(1), rows.checked_sub(1)) {
+            (Some(last), Some(last_row)) => self.start(last, heads) + last_row * self.row_stride + cols,
+            _ => 0,
         }
-        self.start(bh - 1, heads) + (rows - 1) * self.row_stride + cols
     }
 }
 

@@ -318,6 +318,50 @@ fn attention_refuses_short_operands_forward_and_backward() {
     assert!(matches!(&got, Err(Error::Invalid(m)) if m.contains("3 matrices") && m.contains("2 heads")), "{got:?}");
 }
 
+/// Self-attention on one packed [1, T, 3E] projection (q, k and v its column thirds) with 2 heads of
+/// `dh`, the output [1, T, E], as the packed op lays them out.
+fn packed_problem(t: usize, dh: usize) -> AttnProblem {
+    let e = 2 * dh;
+    let part = |i: usize| AttnAddr { offset: i * e, batch_stride: t * 3 * e, head_stride: dh, row_stride: 3 * e };
+    AttnProblem {
+        dims: AttnDims { bh: 2, heads: 2, tq: t, tk: t, d: dh, dv: dh },
+        lay: AttnLayouts {
+            q: part(0),
+            k: part(1),
+            v: part(2),
+            out: AttnAddr { offset: 0, batch_stride: t * e, head_stride: dh, row_stride: e },
+        },
+        scale: 0.5,
+        causal: true,
+        full: vec![1, 2, t, t],
+    }
+}
+
+#[test]
+fn packed_attention_checks_each_part_of_its_one_gradient_and_needs_nothing_for_no_rows() {
+    let (t, dh) = (3, 4);
+    let packed = [1, t, 6 * dh];
+    // q, k and v are column thirds of one tensor, and so are their gradients: one element short,
+    // only v's third (the furthest) runs past it.
+    check(&Case {
+        name: "packed attention_backward",
+        // qkv, lse, grad, the packed gradient
+        buffers: vec![f32s(&packed), f32s(&[2, t]), f32s(&[1, t, 2 * dh]), f32s(&packed)],
+        call: Box::new(move |v| {
+            let pb = packed_problem(t, dh);
+            kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], Some(v[3]), Some(v[3]), Some(v[3]))
+        }),
+        shortened: vec![(3, short(&packed), "gradient of v")],
+    });
+    // No rows: nothing is read or written, so empty buffers do (k and v start at an offset).
+    let got = with_views(&[f32s(&[1, 0, 6 * dh]), f32s(&[2, 0]), f32s(&[1, 0, 2 * dh]), f32s(&[1, 0, 6 * dh])], &|v| {
+        let pb = packed_problem(0, dh);
+        kernels::attention(v[0], v[0], v[0], None, &pb, v[2], Some(v[1]))?;
+        kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], Some(v[3]), Some(v[3]), Some(v[3]))
+    });
+    assert!(got.is_ok(), "{got:?}");
+}
+
 #[test]
 fn pooling_refuses_short_inputs_outputs_and_positions() {
     // Two planes of 4 x 5 pooled by 2 x 2 windows, stride 2: 2 x 2 outputs each.
