@@ -376,6 +376,9 @@ mod tests {
             ([3, 6, 5, 4], [4, 3, 1, 1], params([1, 1], [0, 0], [1, 1], 2), true),
             ([2, 3, 5, 6], [2, 3, 1, 1], params([2, 2], [0, 0], [1, 1], 1), false),
             ([1, 2, 3, 3], [2, 2, 5, 5], params([1, 3], [2, 2], [1, 1], 1), true),
+            // Padding wider than a tap's offset at width stride 1: taps 1..pad start inside the
+            // padding by less than the padding (the first valid output is pad - offset, not 0).
+            ([1, 2, 5, 6], [2, 2, 5, 5], params([1, 1], [2, 2], [1, 1], 1), false),
             // One-dimensional kernels with stride 1 and no padding: not the direct 1x1 path.
             ([2, 3, 6, 5], [4, 3, 3, 1], params([1, 1], [0, 0], [1, 1], 1), true),
             ([2, 2, 5, 6], [3, 2, 1, 3], params([1, 1], [0, 0], [1, 1], 1), false),
