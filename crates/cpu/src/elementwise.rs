@@ -410,3 +410,56 @@ pub fn add_into(dst: View<'_>, src: View<'_>) -> Result<()> {
     });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The f32 slices of GELU (forward, with its derivative, backward over either operand) and exp run
+    /// `memfit-kernels`' vectorised math for the process's instruction set, chunked and in parallel as
+    /// they may be: every element has the kernels' bits, which the scalar formulas (the f64 path) do
+    /// not all share.
+    #[test]
+    fn f32_slices_run_the_vectorised_math() {
+        let n = 2 * PAR_CHUNK + 2 * MATH_CHUNK + 5;
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 / n as f32 - 0.5) * 12.0).collect();
+        let g: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        let isa = Isa::active();
+        let (mut want, mut got) = (vec![0.0f32; n], vec![0.0f32; n]);
+
+        math::gelu(isa, &x, &mut want);
+        gelu_slice(&x, &mut got);
+        assert_eq!(bits(&got), bits(&want), "gelu_slice");
+        assert!(x.iter().zip(&want).any(|(&x, &w)| gelu_erf(x).to_bits() != w.to_bits()), "the scalar GELU differs");
+
+        let mut want_d = vec![0.0f32; n];
+        math::gelu_with_derivative(isa, &x, &mut want, &mut want_d);
+        let mut xd = x.clone();
+        gelu_with_derivative_slice(&mut got, &mut xd);
+        assert_eq!((bits(&got), bits(&xd)), (bits(&want), bits(&want_d)), "gelu_with_derivative_slice");
+
+        math::gelu_backward(isa, &x, &g, &mut want);
+        gelu_backward_slice(&x, &g, &mut got);
+        assert_eq!(bits(&got), bits(&want), "gelu_backward_slice");
+        let mut over_grad = g.clone();
+        gelu_backward_over_grad(&x, &mut over_grad);
+        assert_eq!(bits(&over_grad), bits(&want), "gelu_backward_over_grad");
+        let mut over_input = x.clone();
+        gelu_backward_over_input(&g, &mut over_input);
+        assert_eq!(bits(&over_input), bits(&want), "gelu_backward_over_input");
+        assert!(
+            x.iter().zip(&g).zip(&want).any(|((&x, &g), &w)| gelu_erf_backward(x, g).to_bits() != w.to_bits()),
+            "the scalar GELU backward differs"
+        );
+
+        math::exp(isa, &x, &mut want);
+        let mut e = x.clone();
+        exp_in_place(&mut e);
+        assert_eq!(bits(&e), bits(&want), "exp_in_place");
+        assert!(x.iter().zip(&want).any(|(&x, &w)| x.exp().to_bits() != w.to_bits()), "the scalar exp differs");
+    }
+}
