@@ -419,6 +419,33 @@ mod tests {
         v.iter().map(|v| v.to_bits()).collect()
     }
 
+    /// A contiguous f32 view of `data`.
+    fn view<'a>(data: &'a mut [f32], layout: &'a crate::layout::Layout) -> View<'a> {
+        // SAFETY: `data` outlives the view, is aligned for f32 and holds the layout's elements.
+        unsafe {
+            View::new(data.as_mut_ptr() as *mut u8, std::mem::size_of_val(data), crate::dtype::DType::F32, layout)
+        }
+    }
+
+    /// Neg's gradient is the negated gradient on every route: with or without a saved tensor (the op
+    /// saves none; the kernel takes one as any unary does), written over the gradient or apart.
+    #[test]
+    fn neg_backward_negates_the_gradient_whatever_is_saved() {
+        let layout = crate::layout::Layout::contiguous(&[3]);
+        let (mut saved, mut out) = ([5.0f32, -6.0, 7.0], [0.0f32; 3]);
+        for with_saved in [false, true] {
+            for in_place in [false, true] {
+                let mut grad = [1.0f32, -2.0, 0.5];
+                let s = with_saved.then(|| view(&mut saved, &layout));
+                let g = view(&mut grad, &layout);
+                let o = if in_place { g } else { view(&mut out, &layout) };
+                unary_backward(Unary::Neg, s, g, o).unwrap();
+                let got = if in_place { grad } else { out };
+                assert_eq!(got, [-1.0, 2.0, -0.5], "saved {with_saved}, in place {in_place}");
+            }
+        }
+    }
+
     /// The f32 slices of GELU (forward, with its derivative, backward over either operand) and exp run
     /// `memfit-kernels`' vectorised math for the process's instruction set, chunked and in parallel as
     /// they may be: every element has the kernels' bits, which the scalar formulas (the f64 path) do

@@ -558,8 +558,9 @@ mod tests {
     #[test]
     fn layer_norm_linear_matches_composed_ops() {
         let dev = Device::cpu();
-        // Several blocks of rows, the last one partial; 70 features: two column blocks.
-        let (rows, i, o) = (2 * LN_ROWS + 105, 70, 12);
+        // Several blocks of rows, the last one partial; 160 features: three column blocks, the last
+        // partial, and a whole block of rows large enough to be worked in parallel row groups.
+        let (rows, i, o) = (2 * LN_ROWS + 105, 160, 12);
         for dtype in [DType::F64, DType::F32] {
             let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
             let leaf = |n, salt, scale: f64, shift: f64, shape: &[usize]| {
