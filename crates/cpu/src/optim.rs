@@ -272,3 +272,45 @@ pub fn unscale(grad: View<'_>, inv_scale: f64, found_inf: &mut bool) -> Result<(
     *found_inf |= bad;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp_avg.lerp_(grad, w)` as ATen computes it: `m + w (g - m)` for a weight below one half,
+    /// `g - (g - m)(1 - w)` from one half up. The two round differently, so the first moment's bits
+    /// say which was taken.
+    #[test]
+    fn the_first_moment_follows_atens_two_sided_lerp() {
+        let cases: Vec<(f32, f32)> =
+            (0..2000).map(|i| ((i as f32 * 0.37).sin() * 3.0, (i as f32 * 0.91).cos() * 2.0)).collect();
+        for beta1 in [0.9f32, 0.3] {
+            let w = 1.0 - beta1;
+            let k = Adam::<f32> {
+                decay: None,
+                l2: None,
+                lerp_weight: w,
+                beta2: 0.999,
+                one_minus_beta2: 0.001,
+                bias_correction2_sqrt: 1.0,
+                eps: 1e-8,
+                neg_step_size: -1e-3,
+            };
+            let (g, mut m): (Vec<f32>, Vec<f32>) = cases.iter().copied().unzip();
+            let (mut p, mut v) = (vec![1.0f32; g.len()], vec![0.5f32; g.len()]);
+            let m0 = m.clone();
+            k.update_chunk(&mut p, &g, &mut m, &mut v);
+            let low = |g: f32, m: f32| m + w * (g - m);
+            let high = |g: f32, m: f32| g - (g - m) * (1.0 - w);
+            let (aten, other): (&dyn Fn(f32, f32) -> f32, &dyn Fn(f32, f32) -> f32) =
+                if w < 0.5 { (&low, &high) } else { (&high, &low) };
+            for ((&g, &m0), &m) in g.iter().zip(&m0).zip(&m) {
+                assert_eq!(m.to_bits(), aten(g, m0).to_bits(), "beta1 {beta1}: g {g}, exp_avg {m0}");
+            }
+            assert!(
+                g.iter().zip(&m0).any(|(&g, &m0)| aten(g, m0).to_bits() != other(g, m0).to_bits()),
+                "beta1 {beta1}: the cases tell the two formulas apart"
+            );
+        }
+    }
+}

@@ -304,10 +304,20 @@ mod tests {
         assert_eq!(out.shape(), [1, 1, 3, 3]);
         assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 9., 16., 18., 19., 21., 23., 24.]);
         assert_eq!(max_pool2d(&x, Pool2dParams::square(2)).unwrap().shape(), [1, 1, 2, 2]);
-        // Partial last windows in the width only (even height): not the plain 2x2 fast path.
-        let x45 = leaf(&dev, &xv[..20], &[1, 1, 4, 5], false);
-        let out = max_pool2d(&x45, pool([2, 2], [2, 2], [0, 0], [1, 1], true)).unwrap();
-        assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 9., 16., 18., 19.]);
+        // With and without a gradient to come (then the window positions are saved, and plain 2x2
+        // windows take their fast path): several output rows and columns; partial last windows in
+        // the width only or the height only are not plain.
+        for grad in [false, true] {
+            let x55 = leaf(&dev, &xv, &[1, 1, 5, 5], grad);
+            let out = max_pool2d(&x55, Pool2dParams::square(2)).unwrap();
+            assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 16., 18.], "grad {grad}");
+            let x45 = leaf(&dev, &xv[..20], &[1, 1, 4, 5], grad);
+            let out = max_pool2d(&x45, pool([2, 2], [2, 2], [0, 0], [1, 1], true)).unwrap();
+            assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 9., 16., 18., 19.], "grad {grad}");
+            let x54 = leaf(&dev, &xv[..20], &[1, 1, 5, 4], grad);
+            let out = max_pool2d(&x54, pool([2, 2], [2, 2], [0, 0], [1, 1], true)).unwrap();
+            assert_eq!(out.to_f64_vec().unwrap(), [5., 7., 13., 15., 17., 19.], "grad {grad}");
+        }
         // ...but never one that starts in the right padding: 4 + 2*1 with k 2, s 3 gives 2, not 3.
         let x = leaf(&dev, &[0.0; 16], &[1, 1, 4, 4], false);
         assert_eq!(max_pool2d(&x, pool([2, 2], [3, 3], [1, 1], [1, 1], true)).unwrap().shape(), [1, 1, 2, 2]);
