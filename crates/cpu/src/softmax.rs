@@ -142,3 +142,30 @@ pub fn softmax_backward(out: View<'_>, grad: View<'_>, dim: usize, log: bool, gx
     });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::layout::Layout;
+
+    /// A dtype the kernels do not compute in is refused naming the op, softmax or log-softmax.
+    #[test]
+    fn an_integer_tensor_is_refused_by_name() {
+        let layout = Layout::contiguous(&[2, 3]);
+        let (mut x, mut out) = ([0i64; 6], [0i64; 6]);
+        // SAFETY: each array outlives its view, is aligned for i64 and holds the layout's elements.
+        let (x, out) = unsafe {
+            (
+                View::new(x.as_mut_ptr() as *mut u8, 48, DType::I64, &layout),
+                View::new(out.as_mut_ptr() as *mut u8, 48, DType::I64, &layout),
+            )
+        };
+        for (log, name) in [(false, "softmax supports"), (true, "log_softmax supports")] {
+            match softmax(x, 1, log, out) {
+                Err(crate::Error::DType(m)) => assert!(m.starts_with(name) && m.contains("i64"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}

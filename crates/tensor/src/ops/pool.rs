@@ -304,6 +304,13 @@ mod tests {
         assert_eq!(out.shape(), [1, 1, 3, 3]);
         assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 9., 16., 18., 19., 21., 23., 24.]);
         assert_eq!(max_pool2d(&x, Pool2dParams::square(2)).unwrap().shape(), [1, 1, 2, 2]);
+        // Dilation 2 and padding 1 on one row: every window's taps in the height fall in the
+        // padding, so each output is -inf and its gradient goes to no input.
+        let x = leaf(&dev, &[1., 2., 3.], &[1, 1, 1, 3], true);
+        let out = max_pool2d(&x, pool([2, 2], [1, 1], [1, 1], [2, 2], false)).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), [f64::NEG_INFINITY; 3]);
+        backward_with(&out, ones(&dev, &[1, 1, 1, 3])).unwrap();
+        assert_eq!(x.grad().unwrap().to_f64_vec().unwrap(), [0.; 3]);
         // With and without a gradient to come (then the window positions are saved, and plain 2x2
         // windows take their fast path): several output rows and columns; partial last windows in
         // the width only or the height only are not plain.
