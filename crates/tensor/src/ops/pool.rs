@@ -304,6 +304,20 @@ mod tests {
         assert_eq!(out.shape(), [1, 1, 3, 3]);
         assert_eq!(out.to_f64_vec().unwrap(), [6., 8., 9., 16., 18., 19., 21., 23., 24.]);
         assert_eq!(max_pool2d(&x, Pool2dParams::square(2)).unwrap().shape(), [1, 1, 2, 2]);
+        // Several planes on the 2x2 fast path (a gradient to come): the values of the general path,
+        // and each window's gradient at its maximum, plane by plane.
+        let v: Vec<f64> = (0..96).map(|i| ((i * 37) % 96) as f64).collect();
+        let (general, ix) =
+            max_pool2d_with_indices(&leaf(&dev, &v, &[2, 3, 4, 4], false), Pool2dParams::square(2)).unwrap();
+        let x = leaf(&dev, &v, &[2, 3, 4, 4], true);
+        let out = max_pool2d(&x, Pool2dParams::square(2)).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), general.to_f64_vec().unwrap());
+        backward_with(&out, ones(&dev, &[2, 3, 2, 2])).unwrap();
+        let mut want = vec![0.0; 96];
+        for (k, &i) in ix.to_vec::<i64>().unwrap().iter().enumerate() {
+            want[(k / 4) * 16 + i as usize] += 1.0;
+        }
+        assert_eq!(x.grad().unwrap().to_f64_vec().unwrap(), want);
         // Dilation 2 and padding 1 on one row: every window's taps in the height fall in the
         // padding, so each output is -inf and its gradient goes to no input.
         let x = leaf(&dev, &[1., 2., 3.], &[1, 1, 1, 3], true);
