@@ -261,6 +261,27 @@ mod tests {
         assert_close(&[y], &[e / (e + 1.0)], 1e-15, "scale");
     }
 
+    /// A mask that hides the first key of every row (left padding) leaves the keys after it seen,
+    /// and a mask with the causal flag hides what either hides.
+    #[test]
+    fn masks_hide_a_prefix_and_combine_with_the_causal_flag() {
+        let dev = Device::cpu();
+        let (t, d) = (5, 3);
+        let q = t64(&dev, &values(2 * t * d, 11), &[1, 2, t, d]);
+        let k = t64(&dev, &values(2 * t * d, 12), &[1, 2, t, d]);
+        let v = t64(&dev, &values(2 * t * d, 13), &[1, 2, t, d]);
+        let first: Vec<bool> = (0..t * t).map(|i| i % t == 0).collect();
+        let first = bools(&dev, &first, &[t, t]);
+        let y = scaled_dot_product_attention(&q, &k, &v, false, Some(&first)).unwrap();
+        let rest = |x: &Tensor| x.narrow(2, 1, t - 1).unwrap();
+        let r = scaled_dot_product_attention(&q, &rest(&k), &rest(&v), false, None).unwrap();
+        assert_close(&y.to_f64_vec().unwrap(), &r.to_f64_vec().unwrap(), 1e-14, "keys after a hidden first one");
+        let y = scaled_dot_product_attention(&q, &k, &v, true, Some(&first)).unwrap();
+        let either: Vec<bool> = (0..t * t).map(|i| i % t == 0 || i % t > i / t).collect();
+        let r = scaled_dot_product_attention(&q, &k, &v, false, Some(&bools(&dev, &either, &[t, t]))).unwrap();
+        assert_close(&y.to_f64_vec().unwrap(), &r.to_f64_vec().unwrap(), 0.0, "causal flag and mask");
+    }
+
     #[test]
     fn fully_masked_rows_give_zero_not_nan() {
         let dev = Device::cpu();
