@@ -599,6 +599,14 @@ mod tests {
         assert_eq!(out.shape(), [0, 2, 3, 3]);
         backward_with(&out, Tensor::zeros(&dev, &[0, 2, 3, 3], DType::F64, Category::Input).unwrap()).unwrap();
         assert_eq!(w.grad().unwrap().to_f64_vec().unwrap(), vec![0.0; 36]);
+        // No input channels: the output is the bias alone, and the weight gradient is empty.
+        let x = leaf(&dev, &[], &[1, 0, 4, 4], true);
+        let w = leaf(&dev, &[], &[2, 0, 3, 3], true);
+        let b = leaf(&dev, &[0.5, -1.0], &[2], true);
+        let out = conv2d(&x, &w, Some(&b), Conv2dParams::default()).unwrap();
+        assert_eq!(out.to_f64_vec().unwrap(), [[0.5; 4], [-1.0; 4]].concat());
+        backward_with(&out, Tensor::full(&dev, &[1, 2, 2, 2], 1.0, DType::F64, Category::Input).unwrap()).unwrap();
+        assert_eq!((w.grad().unwrap().numel(), b.grad().unwrap().to_f64_vec().unwrap()), (0, vec![4.0, 4.0]));
     }
 
     fn golden_dir() -> Option<std::path::PathBuf> {
