@@ -427,6 +427,22 @@ mod tests {
         }
     }
 
+    /// A dtype the kernels do not compute in is refused naming the binary op.
+    #[test]
+    fn binary_ops_on_integers_are_refused_by_name() {
+        let layout = crate::layout::Layout::contiguous(&[2]);
+        let (mut a, mut b, mut out) = ([1i64, 2], [3i64, 4], [0i64; 2]);
+        // SAFETY: each array outlives its view, is aligned for i64 and holds the layout's elements.
+        let [a, b, out] = [&mut a, &mut b, &mut out]
+            .map(|d| unsafe { View::new(d.as_mut_ptr() as *mut u8, 16, crate::dtype::DType::I64, &layout) });
+        for (op, name) in [(Binary::Add, "add"), (Binary::Sub, "sub"), (Binary::Mul, "mul"), (Binary::Div, "div")] {
+            match binary(op, a, b, out) {
+                Err(crate::Error::DType(m)) => assert!(m.starts_with(&format!("{name} supports")), "{m}"),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+    }
+
     /// Neg's gradient is the negated gradient on every route: with or without a saved tensor (the op
     /// saves none; the kernel takes one as any unary does), written over the gradient or apart.
     #[test]
