@@ -2,7 +2,7 @@
 //! and the gradient's scatter-add (column blocks in parallel, indices in order within each block).
 
 use super::gemm::SendPtr;
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, first_out_of_range, Error, Result};
 use crate::view::View;
 use crate::with_float;
 use crate::PAR_CHUNK;
@@ -31,7 +31,7 @@ pub fn embedding(indices: View<'_>, weight: View<'_>, out: View<'_>) -> Result<(
 
 /// Errors on an index outside a table of `rows` rows.
 fn check_indices(name: &str, ix: &[i64], rows: usize) -> Result<()> {
-    match ix.iter().position(|&i| i < 0 || i as u64 >= rows as u64) {
+    match first_out_of_range(ix, rows) {
         Some(p) => Err(Error::invalid(format!(
             "{name}: index {} (position {p}) is out of range for a table of {rows} rows",
             ix[p]

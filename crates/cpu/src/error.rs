@@ -43,3 +43,9 @@ pub(crate) fn check_len(what: &str, have: usize, need: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// The position of the first index outside `0..n` (negative or too large), if any: the one rule for
+/// embedding indices and class targets, each of which words its own error.
+pub(crate) fn first_out_of_range(ix: &[i64], n: usize) -> Option<usize> {
+    ix.iter().position(|&i| i < 0 || i as u64 >= n as u64)
+}

@@ -4,7 +4,7 @@
 //! the class count here, where their values are read.
 
 use crate::dtype::Float;
-use crate::error::{Error, Result};
+use crate::error::{first_out_of_range, Error, Result};
 use crate::view::View;
 use crate::with_float;
 use crate::PAR_CHUNK;
@@ -27,7 +27,7 @@ fn rows_per_block(row_len: usize) -> usize {
 
 /// Errors naming the first target outside `0..classes`.
 fn validate_targets(op: &str, target: &[i64], classes: usize) -> Result<()> {
-    match target.iter().position(|&t| t < 0 || t as u64 >= classes as u64) {
+    match first_out_of_range(target, classes) {
         Some(i) => Err(Error::invalid(format!(
             "{op}: target {} (sample {i}) is out of range for {classes} classes",
             target[i]
