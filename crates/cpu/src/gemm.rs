@@ -5,6 +5,8 @@ use crate::dtype::Float;
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
+/// A right operand prepared once for several products (the kernels crate's).
+pub(crate) use memfit_kernels::gemm::PreparedB;
 /// Work (m*n*k) below which a product runs on one thread.
 pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
 
@@ -73,4 +75,36 @@ pub(crate) unsafe fn gemm_row_blocks_into<T: Float>(
     let c = MatMut { ptr: dst, rs: dst_rs };
     let threads = rayon::current_num_threads();
     gemm_row_blocks(memfit_kernels::Isa::active(), m, n, k, c, accumulate, block_rows, a_block, b, threads);
+}
+
+/// Runs `f` with `b` [k x n] prepared once for several products `dst (+)= a_i @ b`
+/// (`memfit_kernels::gemm::with_prepared_b`: packed whole when the kernels would pack it per
+/// product), for the process's instruction set and the pool's threads; multiply with
+/// [`prepared_gemm_into`].
+///
+/// # Safety
+/// `b` must be valid for its shape and strides, and unchanged until `f` returns.
+pub(crate) unsafe fn with_prepared_b<T: Float, R>(
+    k: usize,
+    n: usize,
+    b: Mat<T>,
+    f: impl FnOnce(&PreparedB<T>) -> R,
+) -> R {
+    memfit_kernels::gemm::with_prepared_b(memfit_kernels::Isa::active(), k, n, b, rayon::current_num_threads(), f)
+}
+
+/// `dst[m x n] (+)= a[m x k] @ b` with a prepared `b`; otherwise as [`gemm_into`].
+///
+/// # Safety
+/// As [`gemm_into`].
+pub(crate) unsafe fn prepared_gemm_into<T: Float>(
+    b: &PreparedB<T>,
+    m: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    accumulate: bool,
+    a: Mat<T>,
+    threads: usize,
+) {
+    b.gemm(m, memfit_kernels::gemm::MatMut { ptr: dst, rs: dst_rs }, accumulate, a, threads);
 }

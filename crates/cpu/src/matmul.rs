@@ -6,7 +6,9 @@
 use super::elementwise::{
     for_row_groups, gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice,
 };
-use super::gemm::{gemm_into, gemm_row_blocks_into, Mat, SendPtr, GEMM_PARALLEL_WORK};
+use super::gemm::{
+    gemm_into, gemm_row_blocks_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr, GEMM_PARALLEL_WORK,
+};
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
 use crate::layout::{broadcast_layout, Layout};
@@ -217,65 +219,74 @@ pub fn gelu_linear_backward(
             let (scp, dp, xsp, gxs) = (SendPtr(sc.as_mut_ptr()), SendPtr(deriv.as_mut_ptr()), SendPtr(xp), gxp.map(SendPtr));
             let w = weight_mat::<T>(weight, false)?;
             let threads = rayon::current_num_threads();
-            for r0 in (0..rows).step_by(GELU_ROWS) {
-                let n = GELU_ROWS.min(rows - r0);
-                // Row r of the block: of the scratch (`stride` apart), of x, of the derivative
-                // (second half of the scratch) and of dx. The block's rows are inside their
-                // tensors, and each row is used by one task at a time: the element-wise passes below
-                // give each task its own rows, and the GEMMs run between them.
-                // SAFETY: as just said.
-                let sc_row = |r: usize| unsafe { scp.slice_mut(r * stride, in_f) };
-                // SAFETY: as just said.
-                let x_row = |r: usize| unsafe { xsp.slice_mut((r0 + r) * in_f, in_f) };
-                // SAFETY: as just said.
-                let d_row = |r: usize| unsafe { dp.slice_mut(r * in_f, in_f) };
-                // SAFETY: as just said.
-                let gx_row = |g: SendPtr<T>, r: usize| unsafe { g.slice_mut((r0 + r) * in_f, in_f) };
-                let each_row = |f: &(dyn Fn(usize) + Sync)| for_row_groups(n, in_f, |g0, gn| (g0..g0 + gn).for_each(f));
-                let g_t = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: 1, cs: out_f as isize };
-                let g_rows = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: out_f as isize, cs: 1 };
-                let y = Mat { ptr: scp.0 as *const T, rs: stride as isize, cs: 1 };
-                // SAFETY: the operands are in bounds; the scratch and gw are separate tensors.
-                unsafe {
-                    if let (Some(gwp), Some(gxs)) = (gwp, gxs) {
-                        // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
-                        // dx = (g_block W) * gelu'(x_block), over x's block when in place.
-                        each_row(&|r| {
-                            if in_place {
-                                // x row -> (y, gelu'(x)) with gelu'(x) over x's row.
-                                gelu_with_derivative_slice(sc_row(r), x_row(r));
-                            } else {
-                                let d = d_row(r);
-                                d.copy_from_slice(x_row(r));
-                                gelu_with_derivative_slice(sc_row(r), d);
-                            }
-                        });
-                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
-                        gemm_into::<T>(n, in_f, out_f, scp.0, stride as isize, false, g_rows, w, threads);
-                        each_row(&|r| {
-                            let (g, d) = (sc_row(r), if in_place { x_row(r) } else { d_row(r) });
-                            let dst = gx_row(gxs, r);
-                            dst.iter_mut().zip(g.iter().zip(d.iter())).for_each(|(o, (&g, &d))| *o = g * d);
-                        });
-                        continue;
-                    }
-                    if let Some(gwp) = gwp {
-                        // dW (+)= g_block^T gelu(x_block)
-                        each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
-                        gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
-                    }
-                    if let Some(gxs) = gxs {
-                        // dx = (g_block W) * gelu'(x_block)
-                        gemm_into::<T>(n, in_f, out_f, scp.0, stride as isize, false, g_rows, w, threads);
-                        each_row(&|r| {
-                            if in_place {
-                                gelu_backward_over_input(sc_row(r), x_row(r));
-                            } else {
-                                gelu_backward_slice(x_row(r), sc_row(r), gx_row(gxs, r));
-                            }
-                        });
+            // The blocks, with W prepared once for all their dx products when dx is wanted.
+            let blocks = |w_prep: Option<&PreparedB<T>>| {
+                for r0 in (0..rows).step_by(GELU_ROWS) {
+                    let n = GELU_ROWS.min(rows - r0);
+                    // Row r of the block: of the scratch (`stride` apart), of x, of the derivative
+                    // (second half of the scratch) and of dx. The block's rows are inside their
+                    // tensors, and each row is used by one task at a time: the element-wise passes below
+                    // give each task its own rows, and the GEMMs run between them.
+                    // SAFETY: as just said.
+                    let sc_row = |r: usize| unsafe { scp.slice_mut(r * stride, in_f) };
+                    // SAFETY: as just said.
+                    let x_row = |r: usize| unsafe { xsp.slice_mut((r0 + r) * in_f, in_f) };
+                    // SAFETY: as just said.
+                    let d_row = |r: usize| unsafe { dp.slice_mut(r * in_f, in_f) };
+                    // SAFETY: as just said.
+                    let gx_row = |g: SendPtr<T>, r: usize| unsafe { g.slice_mut((r0 + r) * in_f, in_f) };
+                    let each_row = |f: &(dyn Fn(usize) + Sync)| for_row_groups(n, in_f, |g0, gn| (g0..g0 + gn).for_each(f));
+                    let g_t = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: 1, cs: out_f as isize };
+                    let g_rows = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: out_f as isize, cs: 1 };
+                    let y = Mat { ptr: scp.0 as *const T, rs: stride as isize, cs: 1 };
+                    // SAFETY: the operands are in bounds; the scratch and gw are separate tensors.
+                    unsafe {
+                        if let (Some(gwp), Some(gxs)) = (gwp, gxs) {
+                            // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
+                            // dx = (g_block W) * gelu'(x_block), over x's block when in place.
+                            each_row(&|r| {
+                                if in_place {
+                                    // x row -> (y, gelu'(x)) with gelu'(x) over x's row.
+                                    gelu_with_derivative_slice(sc_row(r), x_row(r));
+                                } else {
+                                    let d = d_row(r);
+                                    d.copy_from_slice(x_row(r));
+                                    gelu_with_derivative_slice(sc_row(r), d);
+                                }
+                            });
+                            gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
+                            prepared_gemm_into::<T>(w_prep.expect("prepared when dx is wanted"), n, scp.0, stride as isize, false, g_rows, threads);
+                            each_row(&|r| {
+                                let (g, d) = (sc_row(r), if in_place { x_row(r) } else { d_row(r) });
+                                let dst = gx_row(gxs, r);
+                                dst.iter_mut().zip(g.iter().zip(d.iter())).for_each(|(o, (&g, &d))| *o = g * d);
+                            });
+                            continue;
+                        }
+                        if let Some(gwp) = gwp {
+                            // dW (+)= g_block^T gelu(x_block)
+                            each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
+                            gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
+                        }
+                        if let Some(gxs) = gxs {
+                            // dx = (g_block W) * gelu'(x_block)
+                            prepared_gemm_into::<T>(w_prep.expect("prepared when dx is wanted"), n, scp.0, stride as isize, false, g_rows, threads);
+                            each_row(&|r| {
+                                if in_place {
+                                    gelu_backward_over_input(sc_row(r), x_row(r));
+                                } else {
+                                    gelu_backward_slice(x_row(r), sc_row(r), gx_row(gxs, r));
+                                }
+                            });
+                        }
                     }
                 }
+            };
+            if gxs.is_some() {
+                // SAFETY: W is a parameter, unchanged during this call.
+                unsafe { with_prepared_b(out_f, in_f, w, |w_prep| blocks(Some(w_prep))) };
+            } else {
+                blocks(None);
             }
         }
     });

@@ -20,6 +20,9 @@ pub const CASES: &[(&str, usize, usize, usize, &str)] = &[
     ("gpt dX fc1", 4096, 256, 1024, "NN"),
     ("gpt dW fc1", 1024, 256, 4096, "TN"),
     ("gpt dW fc2", 256, 1024, 4096, "TN"),
+    ("gpt ln dX block attn", 512, 256, 768, "NN"),
+    ("gpt ln dX block mlp", 512, 256, 1024, "NN"),
+    ("gpt ln dW block mlp", 1024, 256, 512, "TN"),
     ("sq 1024", 1024, 1024, 1024, "NN"),
 ];
 

@@ -266,9 +266,9 @@ fn columns_split_evenly<T: GemmScalar>(kernel: MicroKernel<T>, parts: usize, n: 
 
 /// `C[m x n] (+)= A @ B` with A given `block_rows` rows at a time: `a_block(r0, rows)` returns rows
 /// `r0..r0 + rows` of A (it may compute them into a buffer of its own, read before its next call).
-/// B is packed once for all the blocks when it fits one thread's B workspace (read in place, or
-/// packed block by block, otherwise), so a fused op that prepares its left operand a block at a time
-/// (GELU, layer norm) does not repack its weight per block. Otherwise as [`gemm`].
+/// B is prepared once for all the blocks ([`with_prepared_b`]), so a fused op that prepares its left
+/// operand a block at a time (GELU, layer norm) does not repack its weight per block. Otherwise as
+/// [`gemm`].
 ///
 /// # Safety
 /// As [`gemm`], for every block `a_block` returns.
@@ -285,30 +285,73 @@ pub unsafe fn gemm_row_blocks<T: GemmScalar>(
     b: MatRef<T>,
     threads: usize,
 ) {
-    let kernel = <T as sealed::Sealed>::micro_kernel(isa);
     let block_rows = block_rows.max(1);
-    let once = n > 0 && k > 0 && !reads_b_in_place(kernel, b) && packed_len(kernel, k, n) <= B_PACK_ELEMS;
-    if !once {
+    with_prepared_b(isa, k, n, b, threads, |b| {
         for r0 in (0..m).step_by(block_rows) {
             let rows = block_rows.min(m - r0);
-            gemm(isa, rows, n, k, c.at(r0, 0), accumulate, a_block(r0, rows), b, threads);
+            b.gemm(rows, c.at(r0, 0), accumulate, a_block(r0, rows), threads);
         }
-        return;
+    })
+}
+
+/// A right operand `B[k x n]` prepared once for several products `C (+)= A @ B` with different
+/// left operands (the row blocks of a fused op, forward or backward): packed whole into this
+/// thread's B workspace when the kernels pack a B like it and it fits there, else left as it is
+/// (read in place, or packed block by block per product, as [`gemm`] does).
+pub struct PreparedB<T> {
+    isa: Isa,
+    kernel: MicroKernel<T>,
+    k: usize,
+    n: usize,
+    b: MatRef<T>,
+    /// B packed whole (the layout of [`pack_whole`]), when it was.
+    packed: Option<*const T>,
+}
+
+/// Runs `f` with `b` (`k x n`) prepared for products on up to `threads` threads; the packed copy,
+/// when there is one, lives until `f` returns.
+///
+/// # Safety
+/// B must be valid for its shape and strides, and unchanged until `f` returns.
+pub unsafe fn with_prepared_b<T: GemmScalar, R>(
+    isa: Isa,
+    k: usize,
+    n: usize,
+    b: MatRef<T>,
+    threads: usize,
+    f: impl FnOnce(&PreparedB<T>) -> R,
+) -> R {
+    let kernel = <T as sealed::Sealed>::micro_kernel(isa);
+    let plain = PreparedB { isa, kernel, k, n, b, packed: None };
+    if n == 0 || k == 0 || reads_b_in_place(kernel, b) || packed_len(kernel, k, n) > B_PACK_ELEMS {
+        return f(&plain);
     }
     with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
         pack_whole(kernel, threads.max(1), k, n, b, bpack);
-        for r0 in (0..m).step_by(block_rows) {
-            let rows = block_rows.min(m - r0);
-            let a = a_block(r0, rows);
-            let parts = if rows.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
-            let c = c.at(r0, 0);
-            if parts > 1 && rows >= 2 * parts * kernel.mr {
-                shared_b(kernel, parts, rows, n, k, c, accumulate, a, BSource::Packed(bpack));
-            } else {
-                single(kernel, rows, n, k, c, accumulate, a, BSource::Packed(bpack));
-            }
-        }
+        f(&PreparedB { packed: Some(bpack as *const T), ..plain })
     })
+}
+
+impl<T: GemmScalar> PreparedB<T> {
+    /// `C[m x n] (+)= A[m x k] @ B` on up to `threads` threads; as [`gemm`] with this B.
+    ///
+    /// # Safety
+    /// As [`gemm`].
+    pub unsafe fn gemm(&self, m: usize, c: MatMut<T>, accumulate: bool, a: MatRef<T>, threads: usize) {
+        let (kernel, n, k) = (self.kernel, self.n, self.k);
+        let Some(bpack) = self.packed else {
+            return gemm(self.isa, m, n, k, c, accumulate, a, self.b, threads);
+        };
+        if m == 0 {
+            return;
+        }
+        let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
+        if parts > 1 && m >= 2 * parts * kernel.mr {
+            shared_b(kernel, parts, m, n, k, c, accumulate, a, BSource::Packed(bpack));
+        } else {
+            single(kernel, m, n, k, c, accumulate, a, BSource::Packed(bpack));
+        }
+    }
 }
 
 /// Where a product's B comes from.
@@ -900,6 +943,57 @@ mod tests {
                         assert_eq!(calls, want);
                     }
                 }
+            }
+        }
+    }
+
+    /// One B prepared for several products gives each the bits of a plain product with that B, on
+    /// every level: row-major B (packed whole, or read in place where the level does), a transposed
+    /// B, rows 4 KiB apart, a B too big for one workspace (left as it is), an empty product, a zero
+    /// depth, and accumulation.
+    #[test]
+    fn a_prepared_b_multiplies_as_the_plain_product() {
+        for isa in Isa::supported() {
+            for &(k, n, tb) in
+                &[(37, 45, false), (37, 45, true), (300, 1024, false), (KC + 9, NC + 40, false), (0, 5, false)]
+            {
+                let b = values(k * n, 11);
+                let (brs, bcs) = if tb { (1, k) } else { (n, 1) };
+                let bm = MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize };
+                let products: Vec<(usize, Vec<f32>, bool)> = [(1, false), (40, true), (0, false), (77, false)]
+                    .iter()
+                    .map(|&(m, acc)| (m, values(m * k, m as u64), acc))
+                    .collect();
+                let plain: Vec<Vec<f32>> = products
+                    .iter()
+                    .map(|(m, a, acc)| {
+                        let mut c = values(m * n, 3);
+                        // SAFETY: the buffers hold exactly the shapes and strides passed.
+                        unsafe {
+                            let am = MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
+                            gemm(isa, *m, n, k, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, *acc, am, bm, 2)
+                        };
+                        c
+                    })
+                    .collect();
+                // SAFETY: B is valid and unchanged while prepared; each product's buffers hold
+                // exactly its shapes and strides.
+                let prepared: Vec<Vec<f32>> = unsafe {
+                    with_prepared_b(isa, k, n, bm, 2, |pb| {
+                        let whole = packed_len(pb.kernel, k, n) <= B_PACK_ELEMS && !reads_b_in_place(pb.kernel, bm);
+                        assert_eq!(pb.packed.is_some(), whole && k > 0, "{isa} k={k} n={n} tb={tb}");
+                        products
+                            .iter()
+                            .map(|(m, a, acc)| {
+                                let mut c = values(m * n, 3);
+                                let am = MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
+                                pb.gemm(*m, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, *acc, am, 2);
+                                c
+                            })
+                            .collect()
+                    })
+                };
+                assert_eq!(prepared, plain, "{isa} k={k} n={n} tb={tb}");
             }
         }
     }

@@ -86,6 +86,75 @@ impl Isa {
     }
 }
 
+/// Defines a function compiled once per instruction set, for the plain loops of the cpu backend
+/// (layer-norm rows, softmax rows) that have no hand-written path: the body is written once, as
+/// ordinary Rust, and the compiler auto-vectorises a copy of it per level (`#[target_feature]`
+/// functions that inline it). The defined function takes an [`Isa`] first and runs that level's copy
+/// (the portable one on a CPU that lacks the level).
+///
+/// The copies compute the same bits: Rust never fuses a separate multiply and add into one
+/// instruction, nor reorders float operations, so a wider register changes how many elements one
+/// instruction handles, not what is computed (the tests run each supported level against the
+/// portable one). The body's helpers must be `#[inline(always)]` to be compiled into each copy.
+///
+/// ```
+/// memfit_kernels::multiversion! {
+///     /// `y = a x + y`.
+///     pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+///         for (y, x) in y.iter_mut().zip(x) {
+///             *y += a * *x;
+///         }
+///     }
+/// }
+/// let mut y = [1.0, 2.0];
+/// axpy(memfit_kernels::Isa::active(), 2.0, &[1.0, 1.0], &mut y);
+/// assert_eq!(y, [3.0, 4.0]);
+/// ```
+#[macro_export]
+macro_rules! multiversion {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident $(<$($g:ident : $bound:path),+>)? ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)?
+        $body:block
+    ) => {
+        $(#[$attr])*
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name $(<$($g: $bound),+>)? (isa: $crate::Isa, $($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn body $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                /// # Safety
+                /// The CPU must support AVX-512F.
+                #[target_feature(enable = "avx512f")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx512 $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                /// # Safety
+                /// The CPU must support AVX2 and FMA.
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2 $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                match isa {
+                    // SAFETY: this CPU supports the level (checked in the guard).
+                    $crate::Isa::Avx512 if isa.is_supported() => return unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::Isa::Avx2Fma if isa.is_supported() => return unsafe { avx2($($arg),*) },
+                    _ => {}
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = isa;
+            body($($arg),*)
+        }
+    };
+}
+
 impl fmt::Display for Isa {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
