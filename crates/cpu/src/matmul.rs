@@ -17,7 +17,7 @@ use crate::with_float;
 use rayon::prelude::*;
 
 /// Rows [`gelu_linear`] runs per block (its scratch holds GELU_ROWS rows of the input).
-pub const GELU_ROWS: usize = 512;
+pub const GELU_ROWS: usize = 1024;
 
 /// The row stride, in elements, of the fused GELU-linear's scratch of `block_rows` rows of `in_f`
 /// inputs: `in_f`, padded by 16 elements when rows of `in_f` f32 or f64 values would be a multiple

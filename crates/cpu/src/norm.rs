@@ -15,7 +15,7 @@ use memfit_kernels::{multiversion, Isa};
 use rayon::prelude::*;
 
 /// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
-pub const LN_ROWS: usize = 512;
+pub const LN_ROWS: usize = 1024;
 
 /// Calls `f(row, values)` for every `row_len`-element row of `buf` (row_len > 0), in parallel groups
 /// of about `PAR_CHUNK` elements when the buffer is big enough.
