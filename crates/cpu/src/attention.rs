@@ -5,7 +5,7 @@
 //! causal flag and the bool mask decide which keys each row sees (blocks skip keys past their last
 //! visible one).
 
-use super::elementwise::{exp_in_place, lane_dot, lane_sum};
+use super::elementwise::{exp_in_place, lane_dot, lane_sum, LANES};
 use super::gemm::{gemm_into, Mat, SendPtr};
 use crate::dtype::Element;
 use crate::dtype::Float;
@@ -13,6 +13,7 @@ use crate::error::{check_len, Error, Result};
 use crate::layout::broadcast_layout;
 use crate::view::View;
 use crate::with_float;
+use memfit_kernels::{multiversion, Isa};
 use rayon::prelude::*;
 
 /// Sizes of one attention problem.
@@ -173,13 +174,10 @@ impl Visibility<'_> {
 
     /// Hides the keys row `r` may not see in its `row` of scores (set to -inf) and scales the others;
     /// without a mask, the visible keys are a prefix, handled a slice at a time.
-    fn scale_and_hide<T: Float>(&self, base: usize, r: usize, row: &mut [T], scale: T) {
+    fn scale_and_hide<T: Float>(&self, isa: Isa, base: usize, r: usize, row: &mut [T], scale: T) {
         if self.mask.is_none() {
             let visible = if self.causal { row.len().min(r + 1) } else { row.len() };
-            let (seen, unseen) = row.split_at_mut(visible);
-            seen.iter_mut().for_each(|v| *v *= scale);
-            unseen.fill(T::neg_infinity());
-            return;
+            return scale_prefix(isa, row, visible, scale);
         }
         for (j, v) in row.iter_mut().enumerate() {
             *v = if self.hidden(base, r, j) { T::neg_infinity() } else { *v * scale };
@@ -203,23 +201,70 @@ impl Visibility<'_> {
     }
 }
 
-/// Softmaxes one row of scaled, masked scores (hidden keys -inf) in place; returns its log-sum-exp.
-/// A fully masked row becomes 0 and returns -inf.
-fn softmax_row<T: Float>(row: &mut [T]) -> T {
-    let mut m = row.iter().fold(T::neg_infinity(), |m, &v| if v > m { v } else { m });
-    // NaN wins, so a NaN score is never mistaken for a fully masked row.
-    if row.iter().any(|v| v.is_nan()) {
-        m = T::nan();
+multiversion! {
+    /// Softmaxes one row of scaled, masked scores (hidden keys -inf) in place; returns its
+    /// log-sum-exp. A fully masked row becomes 0 and returns -inf.
+    fn softmax_row<T: Float>(row: &mut [T]) -> T {
+        // The maximum and whether any score is NaN, in lanes as `lane_sum` keeps its sums.
+        let (mut lanes, mut nan) = ([T::neg_infinity(); LANES], [false; LANES]);
+        let groups = row.chunks_exact(LANES);
+        let mut m = groups.remainder().iter().fold(T::neg_infinity(), |m, &v| if v > m { v } else { m });
+        let mut any_nan = groups.remainder().iter().any(|v| v.is_nan());
+        for group in groups {
+            for i in 0..LANES {
+                let v = group[i];
+                lanes[i] = if v > lanes[i] { v } else { lanes[i] };
+                nan[i] |= v.is_nan();
+            }
+        }
+        for (&v, &n) in lanes.iter().zip(&nan) {
+            m = if v > m { v } else { m };
+            any_nan |= n;
+        }
+        // NaN wins, so a NaN score is never mistaken for a fully masked row.
+        if any_nan {
+            m = T::nan();
+        }
+        if m == T::neg_infinity() {
+            row.iter_mut().for_each(|v| *v = T::of(0.0));
+            return m;
+        }
+        row.iter_mut().for_each(|v| *v -= m);
+        exp_in_place(row);
+        let sum = lane_sum(row, |v| v);
+        row.iter_mut().for_each(|v| *v = *v / sum);
+        m + sum.ln()
     }
-    if m == T::neg_infinity() {
-        row.iter_mut().for_each(|v| *v = T::of(0.0));
-        return m;
+}
+
+multiversion! {
+    /// Scales the first `visible` scores of a row and hides the rest (-inf).
+    fn scale_prefix<T: Float>(row: &mut [T], visible: usize, scale: T) {
+        let (seen, unseen) = row.split_at_mut(visible.min(row.len()));
+        seen.iter_mut().for_each(|v| *v *= scale);
+        unseen.fill(T::neg_infinity());
     }
-    row.iter_mut().for_each(|v| *v -= m);
-    exp_in_place(row);
-    let sum = lane_sum(row, |v| v);
-    row.iter_mut().for_each(|v| *v = *v / sum);
-    m + sum.ln()
+}
+
+multiversion! {
+    /// Backward's probabilities from a row of scaled, masked scores and the row's log-sum-exp `l`:
+    /// `exp(s - l)`, as forward's softmax made them (a fully masked row, `l` = -inf, gives 0).
+    fn probabilities_row<T: Float>(row: &mut [T], l: T) {
+        if l == T::neg_infinity() {
+            row.fill(T::neg_infinity());
+        } else {
+            row.iter_mut().for_each(|v| *v -= l);
+        }
+        exp_in_place(row);
+    }
+}
+
+multiversion! {
+    /// Softmax backward of one row, over the probabilities `p`: `dS = p * (dp - dot(p, dp)) * scale`.
+    fn softmax_grad_row<T: Float>(p: &mut [T], dp: &[T], scale: T) {
+        let dot = lane_dot(p, dp);
+        p.iter_mut().zip(dp).for_each(|(p, &g)| *p = *p * (g - dot) * scale);
+    }
 }
 
 /// Raw operand pointers (inputs read, outputs written) of one forward or backward call.
@@ -251,6 +296,7 @@ fn write_ptr<T: Element>(t: View<'_>) -> Result<(SendPtr<T>, usize)> {
 fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayouts, scale: f64, vis: &Visibility<'_>) {
     let AttnDims { bh, heads, tq, tk, d, dv } = dims;
     let scale = T::of(scale);
+    let isa = Isa::active();
     for_each_matrix(bh, |i, threads| {
         #[allow(clippy::redundant_locals)] // capture the Send wrappers, not their raw pointer fields
         let p = p;
@@ -271,8 +317,8 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
                 gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
                 for r in 0..rows {
                     let row = &mut s[r * kend..(r + 1) * kend];
-                    vis.scale_and_hide(base, r0 + r, row, scale);
-                    let lse = softmax_row(row);
+                    vis.scale_and_hide(isa, base, r0 + r, row, scale);
+                    let lse = softmax_row(isa, row);
                     if !p.lse.0.is_null() {
                         *p.lse.0.add(i * tq + r0 + r) = lse;
                     }
@@ -309,6 +355,7 @@ fn backward_kernel<T: Float + Element>(
 ) {
     let AttnDims { bh, heads, tq, tk, d, dv } = dims;
     let scale = T::of(scale);
+    let isa = Isa::active();
     let [gq, gk, gv] = g;
     let need_ds = gq.is_some() || gk.is_some();
     for_each_matrix(bh, |i, threads| {
@@ -352,13 +399,10 @@ fn backward_kernel<T: Float + Element>(
                 for r in 0..rows {
                     let l = *lse.add(r0 + r);
                     let row = &mut s[r * kend..(r + 1) * kend];
-                    if l == T::neg_infinity() {
-                        row.fill(T::neg_infinity());
-                    } else {
-                        vis.scale_and_hide(base, r0 + r, row, scale);
-                        row.iter_mut().for_each(|v| *v -= l);
+                    if l != T::neg_infinity() {
+                        vis.scale_and_hide(isa, base, r0 + r, row, scale);
                     }
-                    exp_in_place(row);
+                    probabilities_row(isa, row, l);
                 }
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
                 let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: kend as isize };
@@ -375,8 +419,7 @@ fn backward_kernel<T: Float + Element>(
                 for r in 0..rows {
                     let prow = &mut s[r * kend..(r + 1) * kend];
                     let dprow = &dp[r * kend..(r + 1) * kend];
-                    let dot = lane_dot(prow, dprow);
-                    prow.iter_mut().zip(dprow).for_each(|(p, &g)| *p = *p * (g - dot) * scale);
+                    softmax_grad_row(isa, prow, dprow, scale);
                 }
                 if let Some(gqi) = gqi {
                     // dQ rows = dS k[:kend]
@@ -470,4 +513,88 @@ pub fn attention_backward(
         backward_kernel::<T>(p, g, pb.dims, pb.lay, pb.scale, &vis)
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scores with a spread of magnitudes from a fixed seed, some hidden (-inf).
+    fn scores(len: usize, seed: u64, hidden_every: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|j| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                if hidden_every > 0 && j % hidden_every == 0 {
+                    f32::NEG_INFINITY
+                } else {
+                    ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
+                }
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The softmax row kernels give the portable copy's bits on every level, for rows with and
+    /// without a tail after the last whole vector, hidden keys, a NaN, and all keys hidden.
+    #[test]
+    fn softmax_row_kernels_give_the_same_bits_on_every_level() {
+        let run = |isa: Isa| {
+            let mut out = Vec::new();
+            for len in [1, 5, 8, 13, 64, 127] {
+                for (hidden, nan) in [(0, false), (3, false), (1, false), (0, true)] {
+                    let mut row = scores(len, len as u64, hidden);
+                    if nan {
+                        row[len / 2] = f32::NAN;
+                    }
+                    let mut scaled = row.clone();
+                    scale_prefix(isa, &mut scaled, len / 2 + 1, 0.125);
+                    out.extend(bits(&scaled));
+                    let lse = softmax_row(isa, &mut row);
+                    out.push(lse.to_bits());
+                    out.extend(bits(&row));
+                    let mut p = scaled.clone();
+                    probabilities_row(isa, &mut p, lse);
+                    out.extend(bits(&p));
+                    softmax_grad_row(isa, &mut p, &scores(len, 7, 0), 0.125);
+                    out.extend(bits(&p));
+                }
+            }
+            out
+        };
+        let want = run(Isa::Portable);
+        for isa in Isa::supported() {
+            assert_eq!(run(isa), want, "{isa} vs portable");
+        }
+    }
+
+    /// The softmax row by definition: probabilities summing to 1 with the log-sum-exp returned; a
+    /// NaN score makes the row NaN; a fully hidden row is 0 with -inf returned.
+    #[test]
+    fn softmax_row_follows_the_definition() {
+        let mut row = scores(37, 3, 4);
+        let want: Vec<f64> = {
+            let m = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+            let e: Vec<f64> = row.iter().map(|&v| (v as f64 - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            e.iter().map(|v| v / sum).collect()
+        };
+        let lse = softmax_row(Isa::active(), &mut row);
+        for (p, w) in row.iter().zip(&want) {
+            assert!((*p as f64 - w).abs() < 1e-6, "{p} vs {w}");
+        }
+        let lse_want = scores(37, 3, 4).iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
+        assert!((lse as f64 - lse_want).abs() < 1e-5, "{lse} vs {lse_want}");
+        let mut row = scores(20, 3, 0);
+        row[17] = f32::NAN;
+        assert!(softmax_row(Isa::active(), &mut row).is_nan() && row.iter().all(|v| v.is_nan()));
+        let mut row = vec![f32::NEG_INFINITY; 11];
+        assert_eq!(softmax_row(Isa::active(), &mut row), f32::NEG_INFINITY);
+        assert!(row.iter().all(|&v| v == 0.0));
+    }
 }
