@@ -2,6 +2,7 @@
 //! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share.
 
 use crate::dtype::Float;
+use memfit_kernels::gemm::{gemm, gemm_row_blocks, MatMut, Start};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
@@ -49,12 +50,33 @@ pub(crate) unsafe fn gemm_into<T: Float>(
     b: Mat<T>,
     threads: usize,
 ) {
-    use memfit_kernels::gemm::{gemm, MatMut};
-    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, accumulate, a, b, threads);
+    let start = Start::adding(accumulate);
+    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, start, a, b, threads);
 }
 
-/// As [`gemm_into`], with `a` given `block_rows` rows at a time by `a_block(r0, rows)` (which may
-/// compute them into a scratch it owns) and `b` packed once for all the blocks
+/// `dst[m x n] = a[m x k] @ b[k x n] + bias` (each row of `dst` plus the `n` values at `bias`, when
+/// given; the bias is added tile by tile as the product writes `dst`); otherwise as [`gemm_into`].
+///
+/// # Safety
+/// As [`gemm_into`]; `bias` must hold `n` elements.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_bias_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    bias: Option<*const T>,
+    a: Mat<T>,
+    b: Mat<T>,
+    threads: usize,
+) {
+    let start = bias.map_or(Start::Zero, Start::Bias);
+    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, start, a, b, threads);
+}
+
+/// As [`gemm_bias_into`], with `a` given `block_rows` rows at a time by `a_block(r0, rows)` (which
+/// may compute them into a scratch it owns) and `b` packed once for all the blocks
 /// (`memfit_kernels::gemm::gemm_row_blocks`), on all the pool's threads.
 ///
 /// # Safety
@@ -66,15 +88,15 @@ pub(crate) unsafe fn gemm_row_blocks_into<T: Float>(
     k: usize,
     dst: *mut T,
     dst_rs: isize,
-    accumulate: bool,
+    bias: Option<*const T>,
     block_rows: usize,
     a_block: impl FnMut(usize, usize) -> Mat<T>,
     b: Mat<T>,
 ) {
-    use memfit_kernels::gemm::{gemm_row_blocks, MatMut};
     let c = MatMut { ptr: dst, rs: dst_rs };
     let threads = rayon::current_num_threads();
-    gemm_row_blocks(memfit_kernels::Isa::active(), m, n, k, c, accumulate, block_rows, a_block, b, threads);
+    let start = bias.map_or(Start::Zero, Start::Bias);
+    gemm_row_blocks(memfit_kernels::Isa::active(), m, n, k, c, start, block_rows, a_block, b, threads);
 }
 
 /// Runs `f` with `b` [k x n] prepared once for several products `dst (+)= a_i @ b`
@@ -106,5 +128,5 @@ pub(crate) unsafe fn prepared_gemm_into<T: Float>(
     a: Mat<T>,
     threads: usize,
 ) {
-    b.gemm(m, memfit_kernels::gemm::MatMut { ptr: dst, rs: dst_rs }, accumulate, a, threads);
+    b.gemm(m, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
 }

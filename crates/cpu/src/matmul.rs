@@ -1,13 +1,14 @@
 //! CPU kernels of the matrix products (`ops/matmul.rs`): batched, broadcast `matmul`, `linear` and the
 //! fused `gelu_linear` with its block-by-block backward, all on `memfit-kernels`' GEMM (strided
 //! operands, so transposed views multiply without copies). Also the linear-layer glue the fused
-//! normalization kernels share (`weight_mat`, `fill_rows_with_bias`).
+//! normalization kernels share (`weight_mat`, `bias_row`).
 
 use super::elementwise::{
     for_row_groups, gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice,
 };
 use super::gemm::{
-    gemm_into, gemm_row_blocks_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr, GEMM_PARALLEL_WORK,
+    gemm_bias_into, gemm_into, gemm_row_blocks_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr,
+    GEMM_PARALLEL_WORK,
 };
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
@@ -94,19 +95,16 @@ pub(crate) fn weight_mat<T>(weight: View<'_>, transposed: bool) -> Result<Mat<T>
     Ok(if transposed { Mat { ptr, rs: s1, cs: s0 } } else { Mat { ptr, rs: s0, cs: s1 } })
 }
 
-/// Starts a linear layer's output: every row of `dst` (rows of `out_f`) is the bias, when there is
-/// one (the GEMM then accumulates into it). The bias is contiguous (the op made it so). Shared by
-/// `linear`, `gelu_linear` and `layer_norm_linear`.
-pub(crate) fn fill_rows_with_bias<T: Float + crate::dtype::Element>(
-    dst: &mut [T],
+/// The bias row of a linear layer's output (`out_f` values, checked), for the GEMM to add as it
+/// writes each tile of the output.
+pub(crate) fn bias_row<T: Float + crate::dtype::Element>(
     bias: Option<View<'_>>,
     out_f: usize,
-) -> Result<()> {
-    if let Some(b) = bias {
-        let bv = b.slice::<T>()?;
-        dst.chunks_mut(out_f).for_each(|r| r.copy_from_slice(bv));
-    }
-    Ok(())
+) -> Result<Option<*const T>> {
+    let Some(b) = bias else { return Ok(None) };
+    let bv = b.slice::<T>()?;
+    check_len("linear bias", bv.len(), out_f)?;
+    Ok(Some(bv.as_ptr()))
 }
 
 /// `out = x W^T + b` (x contiguous [rows, in], bias contiguous).
@@ -116,12 +114,12 @@ pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'
     with_float!(x.dtype(), "linear", T => {
         let dst = out.slice_mut::<T>()?;
         check_len("linear output", dst.len(), rows * out_f)?;
-        fill_rows_with_bias::<T>(dst, bias, out_f)?;
+        let bias = bias_row::<T>(bias, out_f)?;
         // W^T as a [in, out] operand: element (i, o) is W[o, i].
         let wt = weight_mat::<T>(weight, true)?;
         let xs = Mat { ptr: x.slice::<T>()?.as_ptr(), rs: in_f as isize, cs: 1 };
         // SAFETY: fresh output of rows x out_f; operands valid for their layouts.
-        unsafe { gemm_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(), xs, wt, rayon::current_num_threads()) };
+        unsafe { gemm_bias_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias, xs, wt, rayon::current_num_threads()) };
     });
     Ok(())
 }
@@ -140,7 +138,7 @@ pub fn gelu_linear(
     with_float!(x.dtype(), "gelu_linear", T => {
         let dst = out.slice_mut::<T>()?;
         check_len("gelu_linear output", dst.len(), rows * out_f)?;
-        fill_rows_with_bias::<T>(dst, bias, out_f)?;
+        let bias = bias_row::<T>(bias, out_f)?;
         let wt = weight_mat::<T>(weight, true)?;
         let block = rows.min(GELU_ROWS);
         let (xs, stride) = (x.slice::<T>()?, gelu_scratch_stride(in_f, block));
@@ -159,7 +157,7 @@ pub fn gelu_linear(
         };
         // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
         unsafe {
-            gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(),
+            gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias,
                 GELU_ROWS, gelu_rows, wt)
         };
     });

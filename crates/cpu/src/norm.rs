@@ -5,7 +5,7 @@
 
 use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
 use super::gemm::{gemm_into, gemm_row_blocks_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr};
-use super::matmul::{fill_rows_with_bias, weight_mat};
+use super::matmul::{bias_row, weight_mat};
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
 use crate::view::View;
@@ -347,7 +347,7 @@ pub fn layer_norm_linear(
     with_float!(x.dtype(), NAME, T => {
         let dst = out.slice_mut::<T>()?;
         check_len("layer_norm_linear output", dst.len(), rows * out_f)?;
-        fill_rows_with_bias::<T>(dst, bias, out_f)?;
+        let bias = bias_row::<T>(bias, out_f)?;
         let (xs, w, b) = (x.slice::<T>()?, ln_weight.slice::<T>()?, ln_bias.slice::<T>()?);
         let st = statistics_ptrs::<T>(NAME, mean, rstd, rows)?;
         let sc = scratch.slice_mut::<T>()?;
@@ -372,7 +372,7 @@ pub fn layer_norm_linear(
         };
         // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
         unsafe {
-            gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias.is_some(),
+            gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias,
                 LN_ROWS, normalized_rows, wt)
         };
     });

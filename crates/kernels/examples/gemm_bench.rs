@@ -3,7 +3,7 @@
 //! `tools/torch_gemm.py` (`--isa NAME` runs one level only, `--case TEXT` the cases whose name
 //! contains TEXT).
 
-use memfit_kernels::gemm::{gemm, MatMut, MatRef};
+use memfit_kernels::gemm::{gemm, MatMut, MatRef, Start};
 use memfit_kernels::Isa;
 use std::time::Instant;
 
@@ -56,7 +56,7 @@ fn main() {
                     n,
                     k,
                     MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
-                    false,
+                    Start::Zero,
                     MatRef { ptr: a.as_ptr(), rs: ars as isize, cs: acs as isize },
                     MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
                     threads,

@@ -191,8 +191,57 @@ impl<T> Shared<T> {
     }
 }
 
+/// What a product's output starts from before `A @ B` is added to it.
+#[derive(Clone, Copy, Debug)]
+pub enum Start<T> {
+    /// Nothing: C is overwritten.
+    Zero,
+    /// C's own values: the product is added to them.
+    Accumulate,
+    /// A bias row of `n` values (a linear layer's): each row of C becomes the product's row plus it,
+    /// added tile by tile as the product writes C (no pass over C before or after), with the bits
+    /// of filling C with the bias and accumulating.
+    Bias(*const T),
+}
+
+// SAFETY: the bias row is only read, by parallel regions; the caller of `gemm` guarantees validity.
+unsafe impl<T> Send for Start<T> {}
+unsafe impl<T> Sync for Start<T> {}
+
+impl<T> Start<T> {
+    /// [`Start::Accumulate`] when `accumulate`, else [`Start::Zero`].
+    pub fn adding(accumulate: bool) -> Self {
+        if accumulate {
+            Start::Accumulate
+        } else {
+            Start::Zero
+        }
+    }
+
+    /// The start of the columns from `col` on (a bias row offset with them).
+    ///
+    /// # Safety
+    /// The column must be inside the bias row.
+    unsafe fn at_col(self, col: usize) -> Self {
+        match self {
+            Start::Bias(b) => Start::Bias(b.add(col)),
+            other => other,
+        }
+    }
+
+    /// The start of depth block `pc`: the first block starts from this, the later ones add to what
+    /// the earlier ones wrote.
+    fn for_block(self, pc: usize) -> Self {
+        if pc > 0 {
+            Start::Accumulate
+        } else {
+            self
+        }
+    }
+}
+
 /// `C[m x n] (+)= A[m x k] @ B[k x n]` with the kernels of `isa`, on up to `threads` threads of
-/// the current rayon pool. `accumulate` adds to C instead of overwriting it.
+/// the current rayon pool; C starts from `start` (overwritten, accumulated into, or a bias row).
 ///
 /// # Safety
 /// The operands must be valid for their shapes and strides, and C must not overlap A or B.
@@ -203,7 +252,7 @@ pub unsafe fn gemm<T: GemmScalar>(
     n: usize,
     k: usize,
     c: MatMut<T>,
-    accumulate: bool,
+    start: Start<T>,
     a: MatRef<T>,
     b: MatRef<T>,
     threads: usize,
@@ -212,10 +261,13 @@ pub unsafe fn gemm<T: GemmScalar>(
         return;
     }
     if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                for j in 0..n {
-                    *c.ptr.offset(i as isize * c.rs + j as isize) = T::default();
+        for i in 0..m {
+            for j in 0..n {
+                let dst = c.ptr.offset(i as isize * c.rs + j as isize);
+                match start {
+                    Start::Zero => *dst = T::default(),
+                    Start::Accumulate => {}
+                    Start::Bias(b) => *dst = *b.add(j),
                 }
             }
         }
@@ -224,9 +276,9 @@ pub unsafe fn gemm<T: GemmScalar>(
     let kernel = <T as sealed::Sealed>::micro_kernel(isa);
     let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
     if parts == 1 {
-        single(kernel, m, n, k, c, accumulate, a, BSource::Strided(b));
+        single(kernel, m, n, k, c, start, a, BSource::Strided(b));
     } else if m >= 2 * parts * kernel.mr && !columns_split_evenly(kernel, parts, n) {
-        shared_b(kernel, parts, m, n, k, c, accumulate, a, BSource::Strided(b));
+        shared_b(kernel, parts, m, n, k, c, start, a, BSource::Strided(b));
     } else {
         // Too few rows to share out, or columns for a whole B block per thread: each thread takes
         // whole columns, packing its own B blocks and all of A.
@@ -235,7 +287,9 @@ pub unsafe fn gemm<T: GemmScalar>(
             let (lo, hi) = column_part(kernel, parts, n, p);
             if lo < hi {
                 // SAFETY: each part writes its own columns of C; operands are offset inside bounds.
-                unsafe { single(kernel, m, hi - lo, k, c.at(0, lo), accumulate, a, BSource::Strided(b.at(0, lo))) };
+                unsafe {
+                    single(kernel, m, hi - lo, k, c.at(0, lo), start.at_col(lo), a, BSource::Strided(b.at(0, lo)))
+                };
             }
         });
     }
@@ -279,7 +333,7 @@ pub unsafe fn gemm_row_blocks<T: GemmScalar>(
     n: usize,
     k: usize,
     c: MatMut<T>,
-    accumulate: bool,
+    start: Start<T>,
     block_rows: usize,
     mut a_block: impl FnMut(usize, usize) -> MatRef<T>,
     b: MatRef<T>,
@@ -289,7 +343,7 @@ pub unsafe fn gemm_row_blocks<T: GemmScalar>(
     with_prepared_b(isa, k, n, b, threads, |b| {
         for r0 in (0..m).step_by(block_rows) {
             let rows = block_rows.min(m - r0);
-            b.gemm(rows, c.at(r0, 0), accumulate, a_block(r0, rows), threads);
+            b.gemm(rows, c.at(r0, 0), start, a_block(r0, rows), threads);
         }
     })
 }
@@ -337,19 +391,19 @@ impl<T: GemmScalar> PreparedB<T> {
     ///
     /// # Safety
     /// As [`gemm`].
-    pub unsafe fn gemm(&self, m: usize, c: MatMut<T>, accumulate: bool, a: MatRef<T>, threads: usize) {
+    pub unsafe fn gemm(&self, m: usize, c: MatMut<T>, start: Start<T>, a: MatRef<T>, threads: usize) {
         let (kernel, n, k) = (self.kernel, self.n, self.k);
         let Some(bpack) = self.packed else {
-            return gemm(self.isa, m, n, k, c, accumulate, a, self.b, threads);
+            return gemm(self.isa, m, n, k, c, start, a, self.b, threads);
         };
         if m == 0 {
             return;
         }
         let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
         if parts > 1 && m >= 2 * parts * kernel.mr {
-            shared_b(kernel, parts, m, n, k, c, accumulate, a, BSource::Packed(bpack));
+            shared_b(kernel, parts, m, n, k, c, start, a, BSource::Packed(bpack));
         } else {
-            single(kernel, m, n, k, c, accumulate, a, BSource::Packed(bpack));
+            single(kernel, m, n, k, c, start, a, BSource::Packed(bpack));
         }
     }
 }
@@ -492,7 +546,7 @@ unsafe fn single<T: GemmScalar>(
     n: usize,
     k: usize,
     c: MatMut<T>,
-    accumulate: bool,
+    start: Start<T>,
     a: MatRef<T>,
     b: BSource<T>,
 ) {
@@ -505,7 +559,7 @@ unsafe fn single<T: GemmScalar>(
                     let block = b.block(kernel, k, jc, pc, nc, bpack);
                     let panels = nc.div_ceil(kernel.nr);
                     b.pack_panels(kernel, jc, pc, nc, kc, (b.first_to_pack(&block, kernel, panels), panels), bpack);
-                    rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, block);
+                    rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), start.at_col(jc).for_block(pc), a, apack, block);
                 }
             }
         })
@@ -522,7 +576,7 @@ unsafe fn shared_b<T: GemmScalar>(
     n: usize,
     k: usize,
     c: MatMut<T>,
-    accumulate: bool,
+    start: Start<T>,
     a: MatRef<T>,
     b: BSource<T>,
 ) {
@@ -552,7 +606,18 @@ unsafe fn shared_b<T: GemmScalar>(
                         // only read from here on.
                         unsafe {
                             with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
-                                rows(kernel, lo..hi, nc, kc, pc, c.at(0, jc), accumulate || pc > 0, a, apack, block)
+                                rows(
+                                    kernel,
+                                    lo..hi,
+                                    nc,
+                                    kc,
+                                    pc,
+                                    c.at(0, jc),
+                                    start.at_col(jc).for_block(pc),
+                                    a,
+                                    apack,
+                                    block,
+                                )
                             })
                         };
                     }
@@ -600,7 +665,7 @@ impl<T> BBlock<T> {
 }
 
 /// Rows `range` of one packed B block: `C[range, 0..nc] (+)= A[range, pc..pc+kc] @ Bblock`,
-/// packing A in blocks of [`MC`] rows; `c` starts at the block's first column.
+/// packing A in blocks of [`MC`] rows; `c` (and a bias `start`) starts at the block's first column.
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows<T: GemmScalar>(
     kernel: MicroKernel<T>,
@@ -609,12 +674,13 @@ unsafe fn rows<T: GemmScalar>(
     kc: usize,
     pc: usize,
     c: MatMut<T>,
-    add: bool,
+    start: Start<T>,
     a: MatRef<T>,
     apack: *mut T,
     b: BBlock<T>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
+    let add = matches!(start, Start::Accumulate);
     let mut tile = [T::default(); MAX_TILE * MAX_TILE];
     // A row-major A is read in place by whole tiles of rows (it is already contiguous along K);
     // only its last partial tile is packed. Not when its rows are a multiple of 4 KiB apart: then
@@ -656,6 +722,10 @@ unsafe fn rows<T: GemmScalar>(
                         write_tile(&tile, nr, rows, cols, cp, c.rs, add);
                     }
                 }
+                if let Start::Bias(bias) = start {
+                    // The tile just written is still in L1.
+                    add_bias(cp, c.rs, rows, cols, bias.add(jr));
+                }
             }
         }
     }
@@ -676,6 +746,16 @@ unsafe fn write_tile<T: GemmScalar>(
             let dst = c.offset(i as isize * rs_c + j as isize);
             let v = tile[i * nr + j];
             *dst = if add { *dst + v } else { v };
+        }
+    }
+}
+
+/// Adds `bias[j]` to column `j` of the top-left `rows x cols` of C.
+unsafe fn add_bias<T: GemmScalar>(c: *mut T, rs_c: isize, rows: usize, cols: usize, bias: *const T) {
+    for i in 0..rows {
+        let row = c.offset(i as isize * rs_c);
+        for j in 0..cols {
+            *row.add(j) = *row.add(j) + *bias.add(j);
         }
     }
 }
@@ -864,7 +944,7 @@ mod tests {
                                     n,
                                     k,
                                     MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
-                                    accumulate,
+                                    Start::adding(accumulate),
                                     MatRef { ptr: a.as_ptr(), rs: ars as isize, cs: acs as isize },
                                     MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
                                     threads,
@@ -916,7 +996,7 @@ mod tests {
                                 n,
                                 k,
                                 MatMut { ptr: whole.as_mut_ptr(), rs: n as isize },
-                                accumulate,
+                                Start::adding(accumulate),
                                 am,
                                 bm,
                                 2,
@@ -928,7 +1008,7 @@ mod tests {
                                 n,
                                 k,
                                 c,
-                                accumulate,
+                                Start::adding(accumulate),
                                 block,
                                 |r0, rows| {
                                     calls.push((r0, rows));
@@ -971,7 +1051,17 @@ mod tests {
                         // SAFETY: the buffers hold exactly the shapes and strides passed.
                         unsafe {
                             let am = MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
-                            gemm(isa, *m, n, k, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, *acc, am, bm, 2)
+                            gemm(
+                                isa,
+                                *m,
+                                n,
+                                k,
+                                MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
+                                Start::adding(*acc),
+                                am,
+                                bm,
+                                2,
+                            )
                         };
                         c
                     })
@@ -987,13 +1077,51 @@ mod tests {
                             .map(|(m, a, acc)| {
                                 let mut c = values(m * n, 3);
                                 let am = MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
-                                pb.gemm(*m, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, *acc, am, 2);
+                                pb.gemm(*m, MatMut { ptr: c.as_mut_ptr(), rs: n as isize }, Start::adding(*acc), am, 2);
                                 c
                             })
                             .collect()
                     })
                 };
                 assert_eq!(prepared, plain, "{isa} k={k} n={n} tb={tb}");
+            }
+        }
+    }
+
+    /// A bias start gives the bits of filling C with the bias row and accumulating (what the linear
+    /// layers did before), on every level, for products one thread runs, that share B blocks, that
+    /// split their columns (the bias offset with them), deeper than one block, with B prepared, and
+    /// through row blocks; C's row stride wider than its row.
+    #[test]
+    fn a_bias_start_equals_filling_with_the_bias_and_accumulating() {
+        for isa in Isa::supported() {
+            for &(m, n, k, threads) in
+                &[(5, 7, 3, 1), (64, 40, 70, 2), (13, 1030, 33, 2), (50, 45, KC + 20, 2), (3, 1, 1, 1)]
+            {
+                let (a, b, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
+                let rs = n + 3;
+                let am = MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
+                let bm = MatRef { ptr: b.as_ptr(), rs: 1, cs: k as isize };
+                let mut filled = vec![9.0f32; m * rs];
+                for row in filled.chunks_mut(rs) {
+                    row[..n].copy_from_slice(&bias);
+                }
+                let mut biased = vec![9.0f32; m * rs];
+                let mut prepared = biased.clone();
+                let mut blocks = biased.clone();
+                let start = Start::Bias(bias.as_ptr());
+                // SAFETY: every buffer holds the shapes and strides passed; the bias holds n values.
+                unsafe {
+                    let out = |c: &mut Vec<f32>| MatMut { ptr: c.as_mut_ptr(), rs: rs as isize };
+                    gemm(isa, m, n, k, out(&mut filled), Start::Accumulate, am, bm, threads);
+                    gemm(isa, m, n, k, out(&mut biased), start, am, bm, threads);
+                    with_prepared_b(isa, k, n, bm, threads, |pb| pb.gemm(m, out(&mut prepared), start, am, threads));
+                    gemm_row_blocks(isa, m, n, k, out(&mut blocks), start, 4, |r0, _| am.at(r0, 0), bm, threads);
+                }
+                let tag = format!("{isa} {m}x{n}x{k} t={threads}");
+                assert_eq!(biased, filled, "{tag}");
+                assert_eq!(prepared, filled, "{tag} prepared");
+                assert_eq!(blocks, filled, "{tag} row blocks");
             }
         }
     }
@@ -1015,15 +1143,33 @@ mod tests {
     }
 
     #[test]
-    fn an_empty_depth_zeroes_or_keeps_the_output() {
+    fn an_empty_depth_zeroes_keeps_or_biases_the_output() {
         let mut c = vec![7.0f32; 6];
         let a = MatRef { ptr: [].as_ptr(), rs: 0, cs: 1 };
         // SAFETY: k = 0 reads neither operand; c holds 2 x 3.
-        unsafe { gemm::<f32>(Isa::active(), 2, 3, 0, MatMut { ptr: c.as_mut_ptr(), rs: 3 }, true, a, a, 2) };
+        unsafe {
+            gemm::<f32>(Isa::active(), 2, 3, 0, MatMut { ptr: c.as_mut_ptr(), rs: 3 }, Start::Accumulate, a, a, 2)
+        };
         assert_eq!(c, vec![7.0; 6]);
         // SAFETY: as above.
-        unsafe { gemm::<f32>(Isa::active(), 2, 3, 0, MatMut { ptr: c.as_mut_ptr(), rs: 3 }, false, a, a, 2) };
+        unsafe { gemm::<f32>(Isa::active(), 2, 3, 0, MatMut { ptr: c.as_mut_ptr(), rs: 3 }, Start::Zero, a, a, 2) };
         assert_eq!(c, vec![0.0; 6]);
+        let bias = [1.0f32, -2.0, 3.5];
+        // SAFETY: as above; the bias holds n = 3 values.
+        unsafe {
+            gemm::<f32>(
+                Isa::active(),
+                2,
+                3,
+                0,
+                MatMut { ptr: c.as_mut_ptr(), rs: 3 },
+                Start::Bias(bias.as_ptr()),
+                a,
+                a,
+                2,
+            )
+        };
+        assert_eq!(c, [bias, bias].concat());
     }
 
     #[test]
@@ -1040,7 +1186,7 @@ mod tests {
                 n,
                 k,
                 MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
-                false,
+                Start::Zero,
                 MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
                 MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 },
                 2,
