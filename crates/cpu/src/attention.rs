@@ -523,19 +523,9 @@ mod tests {
 
     /// Scores with a spread of magnitudes from a fixed seed, some hidden (-inf).
     fn scores(len: usize, seed: u64, hidden_every: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|j| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                if hidden_every > 0 && j % hidden_every == 0 {
-                    f32::NEG_INFINITY
-                } else {
-                    ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
-                }
-            })
-            .collect()
+        let hidden = |j: usize| hidden_every > 0 && j % hidden_every == 0;
+        let values = crate::test_values::uniform(len, seed).enumerate();
+        values.map(|(j, v)| if hidden(j) { f32::NEG_INFINITY } else { (v * 20.0) as f32 }).collect()
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {

@@ -28,6 +28,8 @@ pub mod optim;
 pub mod pool;
 pub mod reduce;
 pub mod softmax;
+#[cfg(test)]
+mod test_values;
 
 pub use error::{Error, Result};
 pub use view::View;

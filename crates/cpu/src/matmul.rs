@@ -217,7 +217,8 @@ pub fn gelu_linear_backward(
             let (scp, dp, xsp, gxs) = (SendPtr(sc.as_mut_ptr()), SendPtr(deriv.as_mut_ptr()), SendPtr(xp), gxp.map(SendPtr));
             let w = weight_mat::<T>(weight, false)?;
             let threads = rayon::current_num_threads();
-            // The blocks, with W prepared once for all their dx products when dx is wanted.
+            // The blocks, with W prepared once for all their dx products (given exactly when dx is
+            // wanted).
             let blocks = |w_prep: Option<&PreparedB<T>>| {
                 for r0 in (0..rows).step_by(GELU_ROWS) {
                     let n = GELU_ROWS.min(rows - r0);
@@ -239,7 +240,7 @@ pub fn gelu_linear_backward(
                     let y = Mat { ptr: scp.0 as *const T, rs: stride as isize, cs: 1 };
                     // SAFETY: the operands are in bounds; the scratch and gw are separate tensors.
                     unsafe {
-                        if let (Some(gwp), Some(gxs)) = (gwp, gxs) {
+                        if let (Some(gwp), Some(gxs), Some(w_prep)) = (gwp, gxs, w_prep) {
                             // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
                             // dx = (g_block W) * gelu'(x_block), over x's block when in place.
                             each_row(&|r| {
@@ -253,7 +254,7 @@ pub fn gelu_linear_backward(
                                 }
                             });
                             gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
-                            prepared_gemm_into::<T>(w_prep.expect("prepared when dx is wanted"), n, scp.0, stride as isize, false, g_rows, threads);
+                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
                                 let (g, d) = (sc_row(r), if in_place { x_row(r) } else { d_row(r) });
                                 let dst = gx_row(gxs, r);
@@ -266,9 +267,9 @@ pub fn gelu_linear_backward(
                             each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
                             gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
                         }
-                        if let Some(gxs) = gxs {
+                        if let (Some(gxs), Some(w_prep)) = (gxs, w_prep) {
                             // dx = (g_block W) * gelu'(x_block)
-                            prepared_gemm_into::<T>(w_prep.expect("prepared when dx is wanted"), n, scp.0, stride as isize, false, g_rows, threads);
+                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
                                 if in_place {
                                     gelu_backward_over_input(sc_row(r), x_row(r));

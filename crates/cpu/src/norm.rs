@@ -688,15 +688,7 @@ mod tests {
 
     /// Values with every sign and a spread of magnitudes, from a fixed seed.
     fn values<T: Float>(len: usize, seed: u64) -> Vec<T> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                T::of(((s >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 8.0)
-            })
-            .collect()
+        crate::test_values::uniform(len, seed).map(|v| T::of(v * 8.0)).collect()
     }
 
     fn bits<T: Float>(v: &[T]) -> Vec<u64> {

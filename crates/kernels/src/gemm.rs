@@ -12,11 +12,16 @@
 //! where that is faster, a row-major B by whole panels (the kernels take B's step stride), unless
 //! their rows are a multiple of 4 KiB apart; only their partial edge tiles and panels are packed then.
 //!
+//! C starts from zero, from its own values, or from a bias row ([`Start`]), added to each tile as
+//! the tile is written. A right operand used by several products (a fused op's row blocks) can be
+//! prepared once ([`with_prepared_b`]): packed whole where the level would pack it per product.
+//!
 //! Threads: a product large enough runs on up to `threads` threads that pack each B block together
 //! (panels shared out) and then multiply their own ranges of rows; a product with too few rows for
 //! that, or with columns enough for whole B blocks per thread, splits its columns instead.
-//! Workspace: each thread keeps an A block and a B block of at most [`WORKSPACE_BYTES_PER_THREAD`]
-//! bytes together, reused; their size depends on the block sizes only, never on the operands.
+//! Workspace: each thread keeps an A block, a B block and a prepared B of at most
+//! [`WORKSPACE_BYTES_PER_THREAD`] bytes together, reused; their size depends on the block sizes
+//! only, never on the operands.
 
 use crate::isa::Isa;
 use rayon::prelude::*;
@@ -35,9 +40,10 @@ pub const MC: usize = 192;
 pub const NC: usize = 512;
 /// The largest micro-kernel tile side; block sizes above are multiples of every MR and NR.
 const MAX_TILE: usize = 32;
-/// The most bytes one thread's packing workspace holds: an A block and a B block, each padded to
+/// The most bytes one thread's packing workspace holds: an A block, a B block, and a B prepared
+/// whole ([`with_prepared_b`]) that a fused op keeps while it runs other products, each padded to
 /// whole tiles, in f64 (the widest scalar; f32 products use half).
-pub const WORKSPACE_BYTES_PER_THREAD: usize = (A_PACK_ELEMS + B_PACK_ELEMS) * std::mem::size_of::<f64>();
+pub const WORKSPACE_BYTES_PER_THREAD: usize = (A_PACK_ELEMS + 2 * B_PACK_ELEMS) * std::mem::size_of::<f64>();
 /// Work (m*n*k) below which a product runs on one thread.
 pub const PARALLEL_WORK: usize = 48 * 48 * 48;
 
