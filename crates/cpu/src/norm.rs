@@ -92,71 +92,75 @@ multiversion! {
 /// `yr = (xr - m) * rs`, times `w` and plus `b` when given.
 #[inline(always)]
 fn affine_row<T: Float>(xr: &[T], yr: &mut [T], m: T, rs: T, w: Option<&[T]>, b: Option<&[T]>) {
-    let yr = &mut yr[..xr.len()];
-    match (w, b) {
-        (Some(w), Some(b)) => {
-            let (w, b) = (&w[..xr.len()], &b[..xr.len()]);
-            for j in 0..xr.len() {
-                let mut v = (xr[j] - m) * rs;
-                v *= w[j];
-                v += b[j];
-                yr[j] = v;
-            }
+    for (j, (y, &x)) in yr.iter_mut().zip(xr).enumerate() {
+        let mut v = (x - m) * rs;
+        if let Some(w) = w {
+            v *= w[j];
         }
-        _ => {
-            for j in 0..xr.len() {
-                let mut v = (xr[j] - m) * rs;
-                if let Some(w) = w {
-                    v *= w[j];
-                }
-                if let Some(b) = b {
-                    v += b[j];
-                }
-                yr[j] = v;
-            }
+        if let Some(b) = b {
+            v += b[j];
         }
+        *y = v;
     }
 }
 
-/// Layer-norm backward's per-row means of `dxhat = g * w` and of `dxhat * xhat`.
+/// Layer-norm backward's per-row means of `dxhat = g * w` and of `dxhat * xhat`, with `w` read only
+/// when `W` (the caller passes any slice of the row's length otherwise). Whole slices and chunks, no
+/// indexing, so the loops vectorise.
 #[inline(always)]
-fn row_grad_sums<T: Float>(xr: &[T], gr: &[T], w: Option<&[T]>, m: T, rs: T) -> (T, T) {
+fn row_grad_sums<T: Float, const W: bool>(xr: &[T], gr: &[T], wr: &[T], m: T, rs: T) -> (T, T) {
     let d = xr.len();
-    let terms = |j: usize| {
-        let dxh = match w {
-            Some(w) => gr[j] * w[j],
-            None => gr[j],
-        };
-        (dxh.f64(), (dxh * (xr[j] - m) * rs).f64())
+    let (gr, wr) = (&gr[..d], &wr[..d]);
+    let terms = |x: T, g: T, w: T| {
+        let dxh = if W { g * w } else { g };
+        (dxh.f64(), (dxh * (x - m) * rs).f64())
     };
     // Partial sums as in `lane_sum`, two at once.
     let (mut a1, mut a2) = ([0.0f64; LANES], [0.0f64; LANES]);
-    let whole = d - d % LANES;
-    for j0 in (0..whole).step_by(LANES) {
+    let (xc, gc, wc) = (xr.chunks_exact(LANES), gr.chunks_exact(LANES), wr.chunks_exact(LANES));
+    let (mut tail1, mut tail2) = (0.0f64, 0.0f64);
+    for ((&x, &g), &w) in xc.remainder().iter().zip(gc.remainder()).zip(wc.remainder()) {
+        let (t1, t2) = terms(x, g, w);
+        tail1 += t1;
+        tail2 += t2;
+    }
+    for ((x, g), w) in xc.zip(gc).zip(wc) {
         for i in 0..LANES {
-            let (t1, t2) = terms(j0 + i);
+            let (t1, t2) = terms(x[i], g[i], w[i]);
             a1[i] += t1;
             a2[i] += t2;
         }
     }
-    let (mut tail1, mut tail2) = (0.0f64, 0.0f64);
-    for j in whole..d {
-        let (t1, t2) = terms(j);
-        tail1 += t1;
-        tail2 += t2;
-    }
     (T::of(combine_lanes(&a1, tail1) / d as f64), T::of(combine_lanes(&a2, tail2) / d as f64))
 }
 
-/// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b).
+/// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b); `w` is used only
+/// when `W`.
 #[inline(always)]
-fn row_dx<T: Float>(x: T, g: T, w: Option<T>, m: T, rs: T, a: T, b: T) -> T {
-    let dxh = match w {
-        Some(w) => g * w,
-        None => g,
-    };
+fn row_dx<T: Float, const W: bool>(x: T, g: T, w: T, m: T, rs: T, a: T, b: T) -> T {
+    let dxh = if W { g * w } else { g };
     let xh = (x - m) * rs;
     rs * (dxh - a - xh * b)
+}
+
+/// [`dx_row`] for a weight given (`W`) or not (`wr` is then any slice of the row's length).
+#[inline(always)]
+fn dx_row_with<T: Float, const W: bool>(x: Option<&[T]>, dx: &mut [T], g: &[T], wr: &[T], m: T, rs: T) {
+    let d = dx.len();
+    let (g, wr) = (&g[..d], &wr[..d]);
+    let (a, b) = row_grad_sums::<T, W>(x.unwrap_or(dx), g, wr, m, rs);
+    match x {
+        Some(x) => {
+            for (((dx, &x), &g), &w) in dx.iter_mut().zip(&x[..d]).zip(g).zip(wr) {
+                *dx = row_dx::<T, W>(x, g, w, m, rs, a, b);
+            }
+        }
+        None => {
+            for ((dx, &g), &w) in dx.iter_mut().zip(g).zip(wr) {
+                *dx = row_dx::<T, W>(*dx, g, w, m, rs, a, b);
+            }
+        }
+    }
 }
 
 multiversion! {
@@ -164,33 +168,9 @@ multiversion! {
     /// `dx` itself when `x` is `None`: the gradient then overwrites the input), the gradient of the
     /// normalized row `g` and the row's statistics.
     fn dx_row<T: Float>(x: Option<&[T]>, dx: &mut [T], g: &[T], w: Option<&[T]>, m: T, rs: T) {
-        let d = dx.len();
-        let g = &g[..d];
-        let (a, b) = row_grad_sums(x.unwrap_or(dx), g, w, m, rs);
-        match (x, w) {
-            (Some(x), Some(w)) => {
-                let (x, w) = (&x[..d], &w[..d]);
-                for j in 0..d {
-                    dx[j] = row_dx(x[j], g[j], Some(w[j]), m, rs, a, b);
-                }
-            }
-            (None, Some(w)) => {
-                let w = &w[..d];
-                for j in 0..d {
-                    dx[j] = row_dx(dx[j], g[j], Some(w[j]), m, rs, a, b);
-                }
-            }
-            (Some(x), None) => {
-                let x = &x[..d];
-                for j in 0..d {
-                    dx[j] = row_dx(x[j], g[j], None, m, rs, a, b);
-                }
-            }
-            (None, None) => {
-                for j in 0..d {
-                    dx[j] = row_dx(dx[j], g[j], None, m, rs, a, b);
-                }
-            }
+        match w {
+            Some(w) => dx_row_with::<T, true>(x, dx, g, w, m, rs),
+            None => dx_row_with::<T, false>(x, dx, g, g, m, rs),
         }
     }
 }
