@@ -1,12 +1,14 @@
 //! CPU kernels of attention (`ops/attention.rs`): FlashAttention-style fused forward and backward,
 //! one task per (batch, head) matrix, `DP_ROWS` query rows at a time, over operands addressed as the
 //! op's [`AttnLayouts`] describe (plain [.., T, D] stacks or the packed [B, T, 3E] projection). The
-//! only workspace is a per-task scratch of two `DP_ROWS x Tk` blocks outside the allocator; the
+//! only workspace is a per-task scratch outside the allocator: two `DP_ROWS x Tk` blocks of scores,
+//! and the matrix's keys and values prepared once for all its blocks' products (packed where the
+//! GEMM would pack them per product, at most `PREPARED_B_MAX_ELEMS` elements each); the
 //! causal flag and the bool mask decide which keys each row sees (blocks skip keys past their last
 //! visible one).
 
 use super::elementwise::{exp_in_place, lane_dot, lane_sum, LANES};
-use super::gemm::{gemm_into, Mat, SendPtr};
+use super::gemm::{gemm_into, prepare_b_in, prepared_b_len, prepared_part_into, Mat, SendPtr};
 use crate::dtype::Element;
 use crate::dtype::Float;
 use crate::error::{check_len, Error, Result};
@@ -103,9 +105,11 @@ impl AttnProblem {
 }
 
 /// Query rows per block, in forward and backward (the per-task scratch is 2 x DP_ROWS x Tk). Smaller
-/// blocks skip more of the causal triangle, larger ones make larger products: on the GPT (T = 128,
-/// head size 64) 32 rows beat 16, 64 and 128 (attention 45 ms a step vs 52, 50 and 58 on AVX-512).
-const DP_ROWS: usize = 32;
+/// blocks skip more of the causal triangle, larger ones make larger products, and a multiple of
+/// every micro-kernel's rows (6 and 12) leaves no partial tile: on the GPT (T = 128, head size 64)
+/// 24 rows beat 32 (attention 43 vs 45 ms a step on AVX-512, 48 vs 50 on AVX2), which beat 36, 48,
+/// 16, 64 and 128.
+const DP_ROWS: usize = 24;
 
 /// Runs `f(i, gemm_threads)` for every batch matrix: in parallel over matrices when there are
 /// several, else one matrix with multi-threaded GEMMs.
@@ -311,12 +315,19 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
             let oi = p.o.0.add(lay.out.start(i, heads));
             let base = vis.base(i);
             let mut s = vec![T::zero(); DP_ROWS.min(tq) * tk];
+            // k^T and v, prepared once for all the blocks (each uses their first keys).
+            let (kt_len, v_len) = (prepared_b_len(d, tk), prepared_b_len(tk, dv));
+            let mut packs = vec![T::zero(); kt_len + v_len];
+            let (kt_buf, v_buf) = packs.split_at_mut(kt_len);
+            let kt = Mat { ptr: ki, rs: 1, cs: lay.k.row_stride as isize };
+            let kt = prepare_b_in(d, tk, kt, kt_buf, threads);
+            let vm = Mat { ptr: vi, rs: lay.v.row_stride as isize, cs: 1 };
+            let vm = prepare_b_in(tk, dv, vm, v_buf, threads);
             for r0 in (0..tq).step_by(DP_ROWS) {
                 let rows = DP_ROWS.min(tq - r0);
                 let kend = vis.key_end(base, r0, rows, tk);
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: lay.q.row_stride as isize, cs: 1 };
-                let kt = Mat { ptr: ki, rs: 1, cs: lay.k.row_stride as isize };
-                gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
+                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
                 for r in 0..rows {
                     let row = &mut s[r * kend..(r + 1) * kend];
                     vis.scale_and_hide(isa, base, r0 + r, row, scale);
@@ -326,9 +337,8 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
                     }
                 }
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
-                let vm = Mat { ptr: vi, rs: lay.v.row_stride as isize, cs: 1 };
                 let dst = oi.add(r0 * lay.out.row_stride);
-                gemm_into::<T>(rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, vm, threads);
+                prepared_part_into(&vm, rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, threads);
             }
         }
     });
@@ -390,14 +400,25 @@ fn backward_kernel<T: Float + Element>(
             let block = DP_ROWS.min(tq) * tk;
             let mut s = vec![T::zero(); block];
             let mut dp = vec![T::zero(); if need_ds { block } else { 0 }];
+            // k^T, v^T and k, prepared once for all the blocks (each uses their first keys).
+            let lens = [
+                prepared_b_len(d, tk),
+                if need_ds { prepared_b_len(dv, tk) } else { 0 },
+                if gqi.is_some() { prepared_b_len(tk, d) } else { 0 },
+            ];
+            let mut packs = vec![T::zero(); lens.iter().sum()];
+            let (kt_buf, rest) = packs.split_at_mut(lens[0]);
+            let (vt_buf, k_buf) = rest.split_at_mut(lens[1]);
+            let kt = prepare_b_in(d, tk, Mat { ptr: ki, rs: 1, cs: krs }, kt_buf, threads);
+            let vt = prepare_b_in(dv, tk, Mat { ptr: vi, rs: 1, cs: vrs }, vt_buf, threads);
+            let km = prepare_b_in(tk, d, Mat { ptr: ki, rs: krs, cs: 1 }, k_buf, threads);
             for r0 in (0..tq).step_by(DP_ROWS) {
                 let rows = DP_ROWS.min(tq - r0);
                 let kend = vis.key_end(base, r0, rows, tk);
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: qrs, cs: 1 };
                 let gob = Mat { ptr: goi.add(r0 * lay.out.row_stride), rs: ors, cs: 1 };
                 // P = exp(S - lse), recomputed exactly as forward scaled and masked it.
-                let kt = Mat { ptr: ki, rs: 1, cs: krs };
-                gemm_into::<T>(rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, kt, threads);
+                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
                 for r in 0..rows {
                     let l = *lse.add(r0 + r);
                     let row = &mut s[r * kend..(r + 1) * kend];
@@ -416,8 +437,7 @@ fn backward_kernel<T: Float + Element>(
                     continue;
                 }
                 // dP = dO v^T; dS = P * (dP - rowsum(P * dP)) * scale, over P.
-                let vt = Mat { ptr: vi, rs: 1, cs: vrs };
-                gemm_into::<T>(rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, vt, threads);
+                prepared_part_into(&vt, rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, threads);
                 for r in 0..rows {
                     let prow = &mut s[r * kend..(r + 1) * kend];
                     let dprow = &dp[r * kend..(r + 1) * kend];
@@ -425,8 +445,7 @@ fn backward_kernel<T: Float + Element>(
                 }
                 if let Some(gqi) = gqi {
                     // dQ rows = dS k[:kend]
-                    let km = Mat { ptr: ki, rs: krs, cs: 1 };
-                    gemm_into::<T>(rows, d, kend, gqi.add(r0 * lay.q.row_stride), qrs, false, pm, km, threads);
+                    prepared_part_into(&km, rows, d, kend, gqi.add(r0 * lay.q.row_stride), qrs, false, pm, threads);
                 }
                 if let Some(gki) = gki {
                     // dK[:kend] += dS^T q rows

@@ -130,3 +130,56 @@ pub(crate) unsafe fn prepared_gemm_into<T: Float>(
 ) {
     b.gemm(m, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
 }
+
+/// The most elements attention (or any kernel) gives one operand it prepares in a buffer of its own
+/// ([`prepare_b_in`]): 64 Ki elements (256 KiB of f32), so a `T = 1024`, head size 64 key matrix
+/// is packed once and a larger one is multiplied as it is.
+pub(crate) const PREPARED_B_MAX_ELEMS: usize = 1 << 16;
+
+/// Elements of the buffer [`prepare_b_in`] packs a `k x n` operand into: enough for any instruction
+/// set, or none past [`PREPARED_B_MAX_ELEMS`] (the operand is then multiplied as it is).
+pub(crate) fn prepared_b_len(k: usize, n: usize) -> usize {
+    let need = memfit_kernels::gemm::prepared_b_capacity(k, n);
+    if need <= PREPARED_B_MAX_ELEMS {
+        need
+    } else {
+        0
+    }
+}
+
+/// `b` [k x n] prepared in `buf` (the caller's, [`prepared_b_len`] elements) for several products
+/// that each use its first rows and columns ([`prepared_part_into`]): packed there, on up to
+/// `threads` threads, when the kernels would pack it per product and it fits.
+///
+/// # Safety
+/// `b` must be valid for its shape and strides; it and `buf` must stay unchanged while the result is
+/// used.
+pub(crate) unsafe fn prepare_b_in<T: Float>(
+    k: usize,
+    n: usize,
+    b: Mat<T>,
+    buf: &mut [T],
+    threads: usize,
+) -> PreparedB<T> {
+    PreparedB::prepare_into(memfit_kernels::Isa::active(), k, n, b, buf.as_mut_ptr(), buf.len(), threads)
+}
+
+/// `dst[m x n] (+)= a[m x k] @ b[..k, ..n]` with the first `k` rows and `n` columns of a prepared
+/// `b`; otherwise as [`gemm_into`].
+///
+/// # Safety
+/// As [`gemm_into`]; `n` and `k` at most `b`'s.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn prepared_part_into<T: Float>(
+    b: &PreparedB<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    accumulate: bool,
+    a: Mat<T>,
+    threads: usize,
+) {
+    b.gemm_part(m, n, k, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
+}

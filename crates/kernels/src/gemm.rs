@@ -381,35 +381,87 @@ pub unsafe fn with_prepared_b<T: GemmScalar, R>(
     threads: usize,
     f: impl FnOnce(&PreparedB<T>) -> R,
 ) -> R {
-    let kernel = <T as sealed::Sealed>::micro_kernel(isa);
-    let plain = PreparedB { isa, kernel, k, n, b, packed: None };
-    if n == 0 || k == 0 || reads_b_in_place(kernel, b) || packed_len(kernel, k, n) > B_PACK_ELEMS {
-        return f(&plain);
-    }
     with_pack(&B_PACK, B_PACK_ELEMS, |bpack: *mut T| {
-        pack_whole(kernel, threads.max(1), k, n, b, bpack);
-        f(&PreparedB { packed: Some(bpack as *const T), ..plain })
+        f(&PreparedB::prepare_into(isa, k, n, b, bpack, B_PACK_ELEMS, threads))
     })
 }
 
+/// The elements a buffer needs for [`PreparedB::prepare_into`] to pack a `k x n` B whole, on any
+/// level: `k` rows of `n` padded to the widest panel (each level pads to its own panel width,
+/// which divides the widest).
+pub fn prepared_b_capacity(k: usize, n: usize) -> usize {
+    k * n.div_ceil(MAX_TILE) * MAX_TILE
+}
+
 impl<T: GemmScalar> PreparedB<T> {
+    /// `b` (`k x n`) prepared in a buffer of the caller's (`dst`, `len` elements): packed whole there,
+    /// on up to `threads` threads, when the level would pack a B like it and it fits (see
+    /// [`prepared_b_capacity`]), else left as it is. For an operand multiplied by many products of
+    /// its own, on many threads at once (attention's keys and values, one matrix per task), where
+    /// one thread's workspace would not do.
+    ///
+    /// # Safety
+    /// B must be valid for its shape and strides; `dst` valid for `len` elements. Both must stay
+    /// unchanged (but for this packing) while the result is used.
+    pub unsafe fn prepare_into(
+        isa: Isa,
+        k: usize,
+        n: usize,
+        b: MatRef<T>,
+        dst: *mut T,
+        len: usize,
+        threads: usize,
+    ) -> Self {
+        let kernel = <T as sealed::Sealed>::micro_kernel(isa);
+        let plain = PreparedB { isa, kernel, k, n, b, packed: None };
+        if n == 0 || k == 0 || reads_b_in_place(kernel, b) || packed_len(kernel, k, n) > len {
+            return plain;
+        }
+        pack_whole(kernel, threads.max(1), k, n, b, dst);
+        PreparedB { packed: Some(dst as *const T), ..plain }
+    }
+
     /// `C[m x n] (+)= A[m x k] @ B` on up to `threads` threads; as [`gemm`] with this B.
     ///
     /// # Safety
     /// As [`gemm`].
     pub unsafe fn gemm(&self, m: usize, c: MatMut<T>, start: Start<T>, a: MatRef<T>, threads: usize) {
-        let (kernel, n, k) = (self.kernel, self.n, self.k);
+        self.gemm_part(m, self.n, self.k, c, start, a, threads)
+    }
+
+    /// `C[m x n] (+)= A[m x k] @ B[..k, ..n]`: the product with the first `n` columns and the first
+    /// `k` rows (depth steps) of this B only (attention's keys up to a block's last visible one).
+    ///
+    /// # Safety
+    /// As [`gemm`]; `n` and `k` at most this B's.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_part(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        c: MatMut<T>,
+        start: Start<T>,
+        a: MatRef<T>,
+        threads: usize,
+    ) {
+        debug_assert!(n <= self.n && k <= self.k, "a part of B inside B");
+        let kernel = self.kernel;
         let Some(bpack) = self.packed else {
             return gemm(self.isa, m, n, k, c, start, a, self.b, threads);
         };
-        if m == 0 {
+        if m == 0 || n == 0 {
             return;
         }
+        if k == 0 {
+            return gemm(self.isa, m, n, 0, c, start, a, self.b, threads);
+        }
+        let b = BSource::Packed { ptr: bpack, k: self.k, n: self.n };
         let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
         if parts > 1 && m >= 2 * parts * kernel.mr {
-            shared_b(kernel, parts, m, n, k, c, start, a, BSource::Packed(bpack));
+            shared_b(kernel, parts, m, n, k, c, start, a, b);
         } else {
-            single(kernel, m, n, k, c, start, a, BSource::Packed(bpack));
+            single(kernel, m, n, k, c, start, a, b);
         }
     }
 }
@@ -419,8 +471,9 @@ impl<T: GemmScalar> PreparedB<T> {
 enum BSource<T> {
     /// B itself, packed block by block into the workspace (or read in place).
     Strided(MatRef<T>),
-    /// B packed whole beforehand by [`pack_whole`].
-    Packed(*const T),
+    /// B packed whole beforehand (by [`pack_whole`]), `k x n` in all: a product may use its first
+    /// rows and columns only.
+    Packed { ptr: *const T, k: usize, n: usize },
 }
 
 // SAFETY: as for `MatRef`: read only, by parallel regions that start after the packing ended.
@@ -446,10 +499,12 @@ impl<T: GemmScalar> BSource<T> {
         match self {
             BSource::Strided(b) => {
                 let in_place = reads_b_in_place(kernel, b);
-                BBlock { packed: bpack, in_place: in_place.then(|| b.at(pc, jc)), whole }
+                BBlock { packed: bpack, depth: KC.min(k - pc), in_place: in_place.then(|| b.at(pc, jc)), whole }
             }
-            BSource::Packed(p) => {
-                BBlock { packed: p.add(packed_offset(kernel, k, jc, pc, nc)), in_place: None, whole: 0 }
+            BSource::Packed { ptr, k, n } => {
+                // The block as packed: the whole B's columns and depth at (jc, pc).
+                let (nc, depth) = (NC.min(n - jc), KC.min(k - pc));
+                BBlock { packed: ptr.add(packed_offset(kernel, k, jc, pc, nc)), depth, in_place: None, whole: 0 }
             }
         }
     }
@@ -457,7 +512,7 @@ impl<T: GemmScalar> BSource<T> {
     /// The first panel of a block that has to be packed now (`panels` when none).
     fn first_to_pack(self, block: &BBlock<T>, kernel: MicroKernel<T>, panels: usize) -> usize {
         match self {
-            BSource::Packed(_) => panels,
+            BSource::Packed { .. } => panels,
             BSource::Strided(_) if block.in_place.is_some() => block.whole / kernel.nr,
             BSource::Strided(_) => 0,
         }
@@ -490,7 +545,7 @@ impl<T: GemmScalar> BSource<T> {
     fn with_workspace<R>(self, f: impl FnOnce(*mut T) -> R) -> R {
         match self {
             BSource::Strided(_) => with_pack(&B_PACK, B_PACK_ELEMS, f),
-            BSource::Packed(_) => f(std::ptr::null_mut()),
+            BSource::Packed { .. } => f(std::ptr::null_mut()),
         }
     }
 }
@@ -646,6 +701,9 @@ fn reads_b_in_place<T>(kernel: MicroKernel<T>, b: MatRef<T>) -> bool {
 #[derive(Clone, Copy)]
 struct BBlock<T> {
     packed: *const T,
+    /// The depth the block's panels were packed with (each panel is `depth x NR`): the product's
+    /// `kc`, or more when it uses the first rows of a B packed whole.
+    depth: usize,
     /// B at the block's first element, when read in place.
     in_place: Option<MatRef<T>>,
     /// Columns of whole panels (a multiple of NR).
@@ -662,10 +720,10 @@ impl<T> BBlock<T> {
     ///
     /// # Safety
     /// `jr` must be a panel start inside the block.
-    unsafe fn panel(&self, jr: usize, nr: usize, kc: usize) -> (*const T, isize) {
+    unsafe fn panel(&self, jr: usize, nr: usize) -> (*const T, isize) {
         match &self.in_place {
             Some(b) if jr + nr <= self.whole => (b.ptr.add(jr), b.rs),
-            _ => (self.packed.add(jr * kc), nr as isize),
+            _ => (self.packed.add(jr * self.depth), nr as isize),
         }
     }
 }
@@ -712,7 +770,7 @@ unsafe fn rows<T: GemmScalar>(
             let ap = apack.add(ir * kc);
             for jr in (0..nc).step_by(nr) {
                 let cols = nr.min(nc - jr);
-                let (bp, ldb) = b.panel(jr, nr, kc);
+                let (bp, ldb) = b.panel(jr, nr);
                 let cp = c.at(ic + ir, jr).ptr;
                 match direct {
                     Some(run) if ir < packed_from && cols == nr => {
@@ -1128,6 +1186,68 @@ mod tests {
                 assert_eq!(biased, filled, "{tag}");
                 assert_eq!(prepared, filled, "{tag} prepared");
                 assert_eq!(blocks, filled, "{tag} row blocks");
+            }
+        }
+    }
+
+    /// A B prepared in a buffer of the caller's is packed there exactly when the level would pack
+    /// it and the buffer holds it (row-major and transposed, across the block edges, with a partial
+    /// last panel; a buffer one panel short); a product with it, or with any first rows and columns
+    /// of it (`gemm_part`), has the bits of the plain product with that part of B, on one thread
+    /// and on two, from zero and accumulating.
+    #[test]
+    fn a_b_prepared_in_a_buffer_multiplies_any_part_as_the_plain_product() {
+        for isa in Isa::supported() {
+            let kernel = <f32 as sealed::Sealed>::micro_kernel(isa);
+            for &(k, n, tb, short) in &[
+                (37, 45, false, false),
+                (37, 45, true, false),
+                (KC + 9, NC + 40, true, false),
+                (128, 64, true, true),
+                (128, 64, false, false),
+                (3, 1, true, false),
+            ] {
+                let b = values(k * n, 5);
+                let (brs, bcs) = if tb { (1, k) } else { (n, 1) };
+                let bm = MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize };
+                let capacity = prepared_b_capacity(k, n);
+                assert!(capacity >= packed_len(kernel, k, n), "{isa} {k}x{n}");
+                let len = if short { packed_len(kernel, k, n) - kernel.nr } else { capacity };
+                let mut buf = vec![f32::NAN; len];
+                // SAFETY: B holds k x n at its strides; the buffer holds len elements and outlives pb.
+                let pb = unsafe { PreparedB::prepare_into(isa, k, n, bm, buf.as_mut_ptr(), len, 2) };
+                let tag = format!("{isa} B {k}x{n} tb={tb} short={short}");
+                assert_eq!(pb.packed.is_some(), !short && !reads_b_in_place(kernel, bm), "{tag}");
+                for &(m, kp, np, acc, threads) in &[
+                    (40, k, n, false, 2),
+                    (13, k, n, true, 1),
+                    (70, k.div_ceil(2), n, true, 2),
+                    (9, k, n.div_ceil(3), false, 1),
+                    (64, k - 1, n - n / 4, false, 2),
+                    (5, 0, n, true, 1),
+                ] {
+                    let a = values(m * kp, m as u64);
+                    let am = MatRef { ptr: a.as_ptr(), rs: kp as isize, cs: 1 };
+                    let c0 = values(m * np, 3);
+                    let (mut plain, mut part) = (c0.clone(), c0);
+                    let start = Start::adding(acc);
+                    // SAFETY: the buffers hold the shapes and strides passed; B and its pack live.
+                    unsafe {
+                        gemm(
+                            isa,
+                            m,
+                            np,
+                            kp,
+                            MatMut { ptr: plain.as_mut_ptr(), rs: np as isize },
+                            start,
+                            am,
+                            bm,
+                            threads,
+                        );
+                        pb.gemm_part(m, np, kp, MatMut { ptr: part.as_mut_ptr(), rs: np as isize }, start, am, threads);
+                    }
+                    assert_eq!(part, plain, "{tag}, part {m}x{np}x{kp} acc={acc} t={threads}");
+                }
             }
         }
     }
