@@ -2,7 +2,7 @@
 //! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share.
 
 use crate::dtype::Float;
-use memfit_kernels::gemm::{gemm, gemm_row_blocks, MatMut, Start};
+use memfit_kernels::gemm::{gemm, gemm_row_blocks, gemm_with_row_sums, MatMut, Start};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
@@ -52,6 +52,32 @@ pub(crate) unsafe fn gemm_into<T: Float>(
 ) {
     let start = Start::adding(accumulate);
     gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, start, a, b, threads);
+}
+
+/// As [`gemm_into`], and, when `row_sums` is given, adds each row of `a` to its sum there (`m`
+/// values, each row's elements one at a time in order, read as `a` is packed): a weight-gradient
+/// product `g^T x` gives the bias gradient, the column sums of `g`, on the way.
+///
+/// # Safety
+/// As [`gemm_into`]; `row_sums` valid for `m` elements, overlapping no operand.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_summing_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    accumulate: bool,
+    a: Mat<T>,
+    b: Mat<T>,
+    threads: usize,
+    row_sums: Option<*mut T>,
+) {
+    let (isa, c, start) = (memfit_kernels::Isa::active(), MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
+    match row_sums {
+        Some(sums) => gemm_with_row_sums(isa, m, n, k, c, start, a, b, threads, sums),
+        None => gemm(isa, m, n, k, c, start, a, b, threads),
+    }
 }
 
 /// `dst[m x n] = a[m x k] @ b[k x n] + bias` (each row of `dst` plus the `n` values at `bias`, when

@@ -7,8 +7,8 @@ use super::elementwise::{
     for_row_groups, gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice,
 };
 use super::gemm::{
-    gemm_bias_into, gemm_into, gemm_row_blocks_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr,
-    GEMM_PARALLEL_WORK,
+    gemm_bias_into, gemm_into, gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat,
+    PreparedB, SendPtr, GEMM_PARALLEL_WORK,
 };
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
@@ -124,6 +124,50 @@ pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'
     Ok(())
 }
 
+/// A linear layer's weight gradient `gw = grad^T x` ([out, in], from `grad` [rows, out] and `x`
+/// [rows, in]) and, when given, its bias gradient `gb` (the column sums of `grad`, added up as the
+/// product reads `grad`: no pass of their own).
+pub fn linear_weight_grad(grad: View<'_>, x: View<'_>, gw: View<'_>, gb: Option<View<'_>>) -> Result<()> {
+    const NAME: &str = "linear_weight_grad";
+    let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
+    // The rows are x's; the output gradient must have as many.
+    let rows = x.numel() / in_f.max(1);
+    with_float!(grad.dtype(), NAME, T => {
+        let (gs, xs, dst) = (grad.slice::<T>()?, x.slice::<T>()?, gw.slice_mut::<T>()?);
+        check_len("linear_weight_grad output gradient", gs.len(), rows * out_f)?;
+        check_len("linear_weight_grad weight gradient", dst.len(), out_f * in_f)?;
+        let gbp = bias_grad_ptr::<T>(NAME, gb, out_f, true)?;
+        let g_t = Mat { ptr: gs.as_ptr(), rs: 1, cs: out_f as isize };
+        let xm = Mat { ptr: xs.as_ptr(), rs: in_f as isize, cs: 1 };
+        // SAFETY: the gradients are fresh tensors of the checked lengths; the operands are in bounds.
+        unsafe {
+            gemm_summing_into::<T>(out_f, in_f, rows, dst.as_mut_ptr(), in_f as isize, false, g_t, xm, rayon::current_num_threads(), gbp)
+        };
+    });
+    Ok(())
+}
+
+/// The bias gradient `gb` ([out]) of a linear backward, checked and zeroed for a weight-gradient
+/// product to add its column sums of the output gradient into: only alongside the weight gradient
+/// (`with_weight`), which is what reads the output gradient.
+pub(crate) fn bias_grad_ptr<T: Float + crate::dtype::Element>(
+    name: &str,
+    gb: Option<View<'_>>,
+    out_f: usize,
+    with_weight: bool,
+) -> Result<Option<*mut T>> {
+    let Some(gb) = gb else { return Ok(None) };
+    if !with_weight {
+        return Err(crate::error::Error::invalid(format!(
+            "{name}: a bias gradient is summed by the weight-gradient product, so it needs the weight gradient too"
+        )));
+    }
+    let g = gb.slice_mut::<T>()?;
+    check_len(&format!("{name} bias gradient"), g.len(), out_f)?;
+    g[..out_f].fill(<T as Float>::of(0.0));
+    Ok(Some(g.as_mut_ptr()))
+}
+
 /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through `scratch` (at least
 /// min(rows, GELU_ROWS) x in).
 pub fn gelu_linear(
@@ -165,8 +209,8 @@ pub fn gelu_linear(
 }
 
 /// Backward of [`gelu_linear`] from `grad` [rows, out]: the input gradient into `gx` (which is `x`
-/// itself when the op decided to write it in place) and the weight gradient into `gw`, each when
-/// present. `scratch` holds min(rows, GELU_ROWS) rows of in, twice that when both gradients are
+/// itself when the op decided to write it in place), the weight gradient into `gw` and, with it, the
+/// bias gradient into `gb` (summed as the weight-gradient product reads `grad`), each when present. `scratch` holds min(rows, GELU_ROWS) rows of in, twice that when both gradients are
 /// wanted and `gx` is not `x`.
 pub fn gelu_linear_backward(
     x: View<'_>,
@@ -174,6 +218,7 @@ pub fn gelu_linear_backward(
     grad: View<'_>,
     gx: Option<View<'_>>,
     gw: Option<View<'_>>,
+    gb: Option<View<'_>>,
     scratch: View<'_>,
 ) -> Result<()> {
     const NAME: &str = "gelu_linear_backward";
@@ -202,6 +247,7 @@ pub fn gelu_linear_backward(
         if let Some(g) = &gwp {
             check_len("gelu_linear_backward weight gradient", g.len(), out_f * in_f)?;
         }
+        let gbp = bias_grad_ptr::<T>(NAME, gb, out_f, gwp.is_some())?;
         if rows == 0 {
             if let Some(gw) = gwp {
                 gw.fill(<T as Float>::of(0.0));
@@ -253,7 +299,7 @@ pub fn gelu_linear_backward(
                                     gelu_with_derivative_slice(sc_row(r), d);
                                 }
                             });
-                            gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
+                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
                             prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
                                 let (g, d) = (sc_row(r), if in_place { x_row(r) } else { d_row(r) });
@@ -265,7 +311,7 @@ pub fn gelu_linear_backward(
                         if let Some(gwp) = gwp {
                             // dW (+)= g_block^T gelu(x_block)
                             each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
-                            gemm_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads);
+                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
                         }
                         if let (Some(gxs), Some(w_prep)) = (gxs, w_prep) {
                             // dx = (g_block W) * gelu'(x_block)

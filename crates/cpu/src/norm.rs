@@ -4,8 +4,10 @@
 //! Statistics are accumulated in f64 with two passes.
 
 use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
-use super::gemm::{gemm_into, gemm_row_blocks_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr};
-use super::matmul::{bias_row, weight_mat};
+use super::gemm::{
+    gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr,
+};
+use super::matmul::{bias_grad_ptr, bias_row, weight_mat};
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
 use crate::view::View;
@@ -361,8 +363,9 @@ pub fn layer_norm_linear(
 
 /// Backward of [`layer_norm_linear`] from `grad` [rows, out], block by block through `scratch`: the
 /// input gradient into `gx` (which is `x` itself when the op decided to write it in place), the
-/// layer-norm weight and bias gradients (their f64 column sums in `sums` [2, in]) and the weight
-/// gradient, each when given.
+/// layer-norm weight and bias gradients (their f64 column sums in `sums` [2, in]), the weight
+/// gradient and, with it, the linear bias gradient `gb` (summed as the weight-gradient product reads
+/// `grad`), each when given.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_linear_backward(
     x: View<'_>,
@@ -376,6 +379,7 @@ pub fn layer_norm_linear_backward(
     glw: Option<View<'_>>,
     glb: Option<View<'_>>,
     gw: Option<View<'_>>,
+    gb: Option<View<'_>>,
     scratch: View<'_>,
     sums: Option<View<'_>>,
 ) -> Result<()> {
@@ -411,6 +415,7 @@ pub fn layer_norm_linear_backward(
             g.fill(T::of(0.0));
         }
         let gwp = gw_values.map(|s| s.as_mut_ptr());
+        let gbp = bias_grad_ptr::<T>(NAME, gb, out_f, gwp.is_some())?;
         // Column sums of the layer-norm weight and bias gradients over all rows, in f64.
         let mut acc = sums.map(|t| t.slice_mut::<f64>()).transpose()?;
         if let Some(a) = &mut acc {
@@ -438,7 +443,7 @@ pub fn layer_norm_linear_backward(
                     let g_t = Mat { ptr: g_ptr, rs: 1, cs: out_f as isize };
                     let y = Mat { ptr: block.as_ptr(), rs: d as isize, cs: 1 };
                     // SAFETY: the weight gradient is a fresh [out, d] tensor; operands are in bounds.
-                    unsafe { gemm_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads) };
+                    unsafe { gemm_summing_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads, gbp) };
                 }
                 let Some(w_prep) = w_prep else { continue };
                 // gy = g W, the gradient of the normalized rows, over the scratch.

@@ -145,7 +145,7 @@ fn layer_norm_linear_refuses_short_outputs_scratch_and_statistics() {
 fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
     check(&Case {
         name: "layer_norm_linear_backward",
-        // x, ln weight, ln bias, weight, mean, rstd, grad, gx, glw, glb, gw, scratch, sums
+        // x, ln weight, ln bias, weight, mean, rstd, grad, gx, glw, glb, gw, scratch, sums, gb
         buffers: vec![
             f32s(&[ROWS, D]),
             f32s(&[D]),
@@ -160,6 +160,7 @@ fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
             f32s(&[OUT, D]),
             f32s(&[ROWS, D]),
             (DType::F64, vec![2, D]),
+            f32s(&[OUT]),
         ],
         call: Box::new(|v| {
             kernels::layer_norm_linear_backward(
@@ -174,6 +175,7 @@ fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
                 Some(v[8]),
                 Some(v[9]),
                 Some(v[10]),
+                Some(v[13]),
                 v[11],
                 Some(v[12]),
             )
@@ -183,6 +185,7 @@ fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
             (6, vec![ROWS * OUT - 1, 1], "layer_norm_linear_backward output gradient"),
             (7, short(&[ROWS, D]), "layer_norm_linear_backward input gradient"),
             (10, short(&[OUT, D]), "layer_norm_linear_backward weight gradient"),
+            (13, short(&[OUT]), "layer_norm_linear_backward bias gradient"),
         ],
     });
 }
@@ -205,6 +208,20 @@ fn linear_and_matmul_refuse_short_outputs() {
 }
 
 #[test]
+fn linear_weight_grad_refuses_short_operands_and_gradients() {
+    check(&Case {
+        name: "linear_weight_grad",
+        // grad, x (whose rows are the problem's), gw, gb
+        buffers: vec![f32s(&[ROWS, OUT]), f32s(&[ROWS, D]), f32s(&[OUT, D]), f32s(&[OUT])],
+        call: Box::new(|v| kernels::linear_weight_grad(v[0], v[1], v[2], Some(v[3]))),
+        shortened: vec![
+            (0, vec![ROWS * OUT - 1, 1], "linear_weight_grad output gradient"),
+            (3, short(&[OUT]), "linear_weight_grad bias gradient"),
+        ],
+    });
+}
+
+#[test]
 fn gelu_linear_refuses_short_buffers_forward_and_backward() {
     let stride = kernels::gelu_scratch_stride(D, ROWS);
     check(&Case {
@@ -218,7 +235,7 @@ fn gelu_linear_refuses_short_buffers_forward_and_backward() {
     });
     check(&Case {
         name: "gelu_linear_backward",
-        // x, weight, grad, gx, gw, scratch (two blocks: both gradients, out of place)
+        // x, weight, grad, gx, gw, scratch (two blocks: both gradients, out of place), gb
         buffers: vec![
             f32s(&[ROWS, D]),
             f32s(&[OUT, D]),
@@ -226,14 +243,16 @@ fn gelu_linear_refuses_short_buffers_forward_and_backward() {
             f32s(&[ROWS, D]),
             f32s(&[OUT, D]),
             f32s(&[2 * ROWS, stride]),
+            f32s(&[OUT]),
         ],
-        call: Box::new(|v| kernels::gelu_linear_backward(v[0], v[1], v[2], Some(v[3]), Some(v[4]), v[5])),
+        call: Box::new(|v| kernels::gelu_linear_backward(v[0], v[1], v[2], Some(v[3]), Some(v[4]), Some(v[6]), v[5])),
         shortened: vec![
             (0, short(&[ROWS, D]), "gelu_linear_backward input"),
             (2, vec![ROWS * OUT - 1, 1], "gelu_linear_backward output gradient"),
             (3, short(&[ROWS, D]), "gelu_linear_backward input gradient"),
             (4, short(&[OUT, D]), "gelu_linear_backward weight gradient"),
             (5, short(&[2 * ROWS, stride]), "gelu_linear_backward scratch"),
+            (6, short(&[OUT]), "gelu_linear_backward bias gradient"),
         ],
     });
 }

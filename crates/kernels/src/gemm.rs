@@ -263,6 +263,46 @@ pub unsafe fn gemm<T: GemmScalar>(
     b: MatRef<T>,
     threads: usize,
 ) {
+    product(isa, m, n, k, c, start, a, b, threads, None)
+}
+
+/// As [`gemm`], and adds each row of A to `row_sums` (`m` values): `row_sums[i] += A[i, p]` one
+/// element at a time for `p` in `0..k`, in order, so sums that start from zero have the bits of a
+/// plain sequential sum. Read as A is packed, so a weight-gradient product `dW = dY^T X` gives the
+/// bias gradient (the column sums of `dY`) with no pass over `dY` of its own.
+///
+/// # Safety
+/// As [`gemm`]; `row_sums` valid for `m` elements, overlapping no operand.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_with_row_sums<T: GemmScalar>(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    start: Start<T>,
+    a: MatRef<T>,
+    b: MatRef<T>,
+    threads: usize,
+    row_sums: *mut T,
+) {
+    product(isa, m, n, k, c, start, a, b, threads, Some(Shared(row_sums)))
+}
+
+/// [`gemm`], with A's row sums when asked ([`gemm_with_row_sums`]).
+#[allow(clippy::too_many_arguments)]
+unsafe fn product<T: GemmScalar>(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    start: Start<T>,
+    a: MatRef<T>,
+    b: MatRef<T>,
+    threads: usize,
+    sums: Option<Shared<T>>,
+) {
     if m == 0 || n == 0 {
         return;
     }
@@ -282,20 +322,20 @@ pub unsafe fn gemm<T: GemmScalar>(
     let kernel = <T as sealed::Sealed>::micro_kernel(isa);
     let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
     if parts == 1 {
-        single(kernel, m, n, k, c, start, a, BSource::Strided(b));
+        single(kernel, m, n, k, c, start, a, BSource::Strided(b), sums);
     } else if m >= 2 * parts * kernel.mr && !columns_split_evenly(kernel, parts, n) {
-        shared_b(kernel, parts, m, n, k, c, start, a, BSource::Strided(b));
+        shared_b(kernel, parts, m, n, k, c, start, a, BSource::Strided(b), sums);
     } else {
         // Too few rows to share out, or columns for a whole B block per thread: each thread takes
-        // whole columns, packing its own B blocks and all of A.
+        // whole columns, packing its own B blocks and all of A (whose row sums the first takes).
         let parts = parts.min(n.div_ceil(kernel.nr));
         (0..parts).into_par_iter().for_each(|p| {
             let (lo, hi) = column_part(kernel, parts, n, p);
             if lo < hi {
-                // SAFETY: each part writes its own columns of C; operands are offset inside bounds.
-                unsafe {
-                    single(kernel, m, hi - lo, k, c.at(0, lo), start.at_col(lo), a, BSource::Strided(b.at(0, lo)))
-                };
+                let (c, start, b) = (c.at(0, lo), start.at_col(lo), BSource::Strided(b.at(0, lo)));
+                // SAFETY: each part writes its own columns of C (and only the first the sums);
+                // operands are offset inside bounds.
+                unsafe { single(kernel, m, hi - lo, k, c, start, a, b, sums.filter(|_| lo == 0)) };
             }
         });
     }
@@ -459,9 +499,9 @@ impl<T: GemmScalar> PreparedB<T> {
         let b = BSource::Packed { ptr: bpack, k: self.k, n: self.n };
         let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
         if parts > 1 && m >= 2 * parts * kernel.mr {
-            shared_b(kernel, parts, m, n, k, c, start, a, b);
+            shared_b(kernel, parts, m, n, k, c, start, a, b, None);
         } else {
-            single(kernel, m, n, k, c, start, a, b);
+            single(kernel, m, n, k, c, start, a, b, None);
         }
     }
 }
@@ -536,7 +576,7 @@ impl<T: GemmScalar> BSource<T> {
         let nr = kernel.nr;
         let (lo, hi) = (q.0 * nr, (q.1 * nr).min(nc));
         if let (BSource::Strided(b), true) = (self, lo < hi) {
-            pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.add(lo * kc));
+            pack(kernel, b.at(pc, jc + lo).ptr, b.cs, b.rs, hi - lo, kc, nr, bpack.add(lo * kc), None);
         }
     }
 
@@ -610,6 +650,7 @@ unsafe fn single<T: GemmScalar>(
     start: Start<T>,
     a: MatRef<T>,
     b: BSource<T>,
+    sums: Option<Shared<T>>,
 ) {
     b.with_workspace(|bpack: *mut T| {
         with_pack(&A_PACK, A_PACK_ELEMS, |apack: *mut T| {
@@ -620,7 +661,8 @@ unsafe fn single<T: GemmScalar>(
                     let block = b.block(kernel, k, jc, pc, nc, bpack);
                     let panels = nc.div_ceil(kernel.nr);
                     b.pack_panels(kernel, jc, pc, nc, kc, (b.first_to_pack(&block, kernel, panels), panels), bpack);
-                    rows(kernel, 0..m, nc, kc, pc, c.at(0, jc), start.at_col(jc).for_block(pc), a, apack, block);
+                    let (c, start, sums) = (c.at(0, jc), start.at_col(jc).for_block(pc), sums.filter(|_| jc == 0));
+                    rows(kernel, 0..m, nc, kc, pc, c, start, a, apack, block, sums);
                 }
             }
         })
@@ -640,6 +682,7 @@ unsafe fn shared_b<T: GemmScalar>(
     start: Start<T>,
     a: MatRef<T>,
     b: BSource<T>,
+    sums: Option<Shared<T>>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let row_tiles = m.div_ceil(mr);
@@ -678,6 +721,7 @@ unsafe fn shared_b<T: GemmScalar>(
                                     a,
                                     apack,
                                     block,
+                                    sums.filter(|_| jc == 0),
                                 )
                             })
                         };
@@ -742,6 +786,7 @@ unsafe fn rows<T: GemmScalar>(
     a: MatRef<T>,
     apack: *mut T,
     b: BBlock<T>,
+    sums: Option<Shared<T>>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
     let add = matches!(start, Start::Accumulate);
@@ -753,6 +798,7 @@ unsafe fn rows<T: GemmScalar>(
     for ic in range.clone().step_by(MC) {
         let mc = MC.min(range.end - ic);
         let packed_from = if direct.is_some() { mc - mc % mr } else { 0 };
+        let sums = sums.map(|s| s.get().add(ic));
         if packed_from < mc {
             pack(
                 kernel,
@@ -763,7 +809,11 @@ unsafe fn rows<T: GemmScalar>(
                 kc,
                 mr,
                 apack.add(packed_from * kc),
+                sums.map(|s| s.add(packed_from)),
             );
+        }
+        if let (Some(sums), true) = (sums, packed_from > 0) {
+            add_line_sums(a.at(ic, pc).ptr, a.rs, a.cs, packed_from, kc, sums);
         }
         for ir in (0..mc).step_by(mr) {
             let rows = mr.min(mc - ir);
@@ -828,7 +878,8 @@ unsafe fn add_bias<T: GemmScalar>(c: *mut T, rs_c: isize, rows: usize, cols: usi
 /// lines: `out[p * panel * depth + d * panel + l]` = element (line `p * panel + l`, depth `d`),
 /// zero past `len`. `ls` is the stride between lines, `ds` between depth steps. Contiguous lines
 /// are read one depth step at a time and dealt out to the panels; contiguous depth (a transposed operand) is transposed in chunks of depth that
-/// keep the panel's written lines in L1.
+/// keep the panel's written lines in L1. With `sums`, adds each line's elements to its sum, in
+/// depth order (while the step is in L1, for contiguous lines).
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack<T: GemmScalar>(
     kernel: MicroKernel<T>,
@@ -839,12 +890,17 @@ unsafe fn pack<T: GemmScalar>(
     depth: usize,
     panel: usize,
     out: *mut T,
+    sums: Option<*mut T>,
 ) {
     /// Depth steps transposed at once: `DEPTH_CHUNK * panel` elements written stay in L1.
     const DEPTH_CHUNK: usize = 32;
     if let (1, Some(pack_lines)) = (ds, kernel.pack_lines) {
         if ls != 1 {
-            return pack_lines(src, ls, len, depth, panel, out);
+            pack_lines(src, ls, len, depth, panel, out);
+            if let Some(sums) = sums {
+                add_line_sums(src, ls, ds, len, depth, sums);
+            }
+            return;
         }
     }
     if ls == 1 {
@@ -858,8 +914,15 @@ unsafe fn pack<T: GemmScalar>(
             for p0 in (0..len).step_by(panel) {
                 copy_run(from.add(p0), out.add(p0 * depth + d * panel), panel.min(len - p0), panel);
             }
+            if let Some(sums) = sums {
+                let (step, sums) = (std::slice::from_raw_parts(from, len), std::slice::from_raw_parts_mut(sums, len));
+                sums.iter_mut().zip(step).for_each(|(s, &v)| *s = *s + v);
+            }
         }
         return;
+    }
+    if let Some(sums) = sums {
+        add_line_sums(src, ls, ds, len, depth, sums);
     }
     for p0 in (0..len).step_by(panel) {
         let lines = panel.min(len - p0);
@@ -891,6 +954,21 @@ unsafe fn pack<T: GemmScalar>(
                     *dst.add(d * panel + l) = T::default();
                 }
             }
+        }
+    }
+}
+
+/// Adds the `depth` elements of each of `len` lines (line stride `ls`, depth stride `ds`) to its sum
+/// in `sums`, in depth order.
+///
+/// # Safety
+/// The lines must be valid for reads, `sums` for `len` elements.
+unsafe fn add_line_sums<T: GemmScalar>(src: *const T, ls: isize, ds: isize, len: usize, depth: usize, sums: *mut T) {
+    for l in 0..len {
+        let line = src.offset(l as isize * ls);
+        let sum = &mut *sums.add(l);
+        for d in 0..depth {
+            *sum = *sum + *line.offset(d as isize * ds);
         }
     }
 }
@@ -1247,6 +1325,59 @@ mod tests {
                         pb.gemm_part(m, np, kp, MatMut { ptr: part.as_mut_ptr(), rs: np as isize }, start, am, threads);
                     }
                     assert_eq!(part, plain, "{tag}, part {m}x{np}x{kp} acc={acc} t={threads}");
+                }
+            }
+        }
+    }
+
+    /// A product with A's row sums writes the bits of the plain product, and adds to each sum the
+    /// bits of a sequential sum of its row from where it started, on every level: A row-major (read
+    /// in place but for a partial tile), row-major with rows 4 KiB apart (packed), transposed (a
+    /// weight gradient's `dY^T`) and with no unit stride; deeper than one block, wider than one
+    /// (each row summed once), on one thread, with shared B blocks and with the columns split.
+    #[test]
+    fn row_sums_of_a_are_sequential_sums_alongside_the_plain_product() {
+        for isa in Isa::supported() {
+            for &(m, n, k, threads) in &[(5, 7, 3, 1), (64, 40, KC + 70, 2), (13, 2 * NC + 30, 33, 2), (100, 45, 9, 2)]
+            {
+                let (a, b) = (values((m * 1024).max(k * (2 * m + 1) + 2 * m), 1), values(k * n, 2));
+                let bm = MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 };
+                for (layout, am) in [
+                    ("row-major", MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 }),
+                    ("rows 4 KiB apart", MatRef { ptr: a.as_ptr(), rs: 1024, cs: 1 }),
+                    ("transposed", MatRef { ptr: a.as_ptr(), rs: 1, cs: m as isize }),
+                    ("no unit stride", MatRef { ptr: a.as_ptr(), rs: 2, cs: 2 * m as isize + 1 }),
+                ] {
+                    let start_sums = values(m, 4);
+                    let want_sums: Vec<f32> = (0..m)
+                        .map(|i| {
+                            // SAFETY: row i of A is inside `a` at these strides.
+                            (0..k).fold(start_sums[i], |s, p| {
+                                s + unsafe { *am.ptr.offset(i as isize * am.rs + p as isize * am.cs) }
+                            })
+                        })
+                        .collect();
+                    let (mut plain, mut summed, mut sums) = (values(m * n, 3), values(m * n, 3), start_sums.clone());
+                    // SAFETY: the buffers hold the shapes and strides passed; sums holds m values.
+                    unsafe {
+                        gemm(
+                            isa,
+                            m,
+                            n,
+                            k,
+                            MatMut { ptr: plain.as_mut_ptr(), rs: n as isize },
+                            Start::Accumulate,
+                            am,
+                            bm,
+                            threads,
+                        );
+                        let out = MatMut { ptr: summed.as_mut_ptr(), rs: n as isize };
+                        gemm_with_row_sums(isa, m, n, k, out, Start::Accumulate, am, bm, threads, sums.as_mut_ptr());
+                    }
+                    let tag = format!("{isa} {layout} {m}x{n}x{k} t={threads}");
+                    assert_eq!(summed, plain, "{tag}");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&sums), bits(&want_sums), "{tag} sums");
                 }
             }
         }

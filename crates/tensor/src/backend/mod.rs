@@ -185,10 +185,15 @@ backends! {
     fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor);
     /// `out = x W^T + b` (x contiguous [.., in], weight [out, in], bias contiguous [out]).
     fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor);
+    /// A linear layer's weight gradient `gw = grad^T x` (grad [rows, out], x [rows, in]) and, when
+    /// given, its bias gradient `gb` (grad's column sums), from one pass over `grad`.
+    fn linear_weight_grad(&self, grad: &Tensor, x: &Tensor, gw: &Tensor, gb: Option<&Tensor>);
     /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through the op's `scratch`.
     fn gelu_linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, scratch: &Tensor, out: &Tensor);
-    /// gelu_linear's input gradient into `gx` (`x` itself when in place) and weight gradient into
-    /// `gw`, each when given, from `grad` [rows, out], block by block through `scratch`.
+    /// gelu_linear's input gradient into `gx` (`x` itself when in place), weight gradient into `gw`
+    /// and, with it, bias gradient into `gb`, each when given, from `grad` [rows, out], block by
+    /// block through `scratch`.
+    #[allow(clippy::too_many_arguments)]
     fn gelu_linear_backward(
         &self,
         x: &Tensor,
@@ -196,6 +201,7 @@ backends! {
         grad: &Tensor,
         gx: Option<&Tensor>,
         gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
         scratch: &Tensor,
     );
 
@@ -244,9 +250,10 @@ backends! {
         mean: Option<&Tensor>,
         rstd: Option<&Tensor>,
     );
-    /// layer_norm_linear's gradients (each when given; `gx` is `x` itself when in place) from
-    /// `grad` [rows, out], block by block through `scratch`, with f64 column `sums` [2, in] for the
-    /// layer-norm weight and bias gradients.
+    /// layer_norm_linear's gradients (each when given; `gx` is `x` itself when in place; the linear
+    /// bias gradient `gb` only with the weight gradient `gw`) from `grad` [rows, out], block by
+    /// block through `scratch`, with f64 column `sums` [2, in] for the layer-norm weight and bias
+    /// gradients.
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_linear_backward(
         &self,
@@ -261,6 +268,7 @@ backends! {
         glw: Option<&Tensor>,
         glb: Option<&Tensor>,
         gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
         scratch: &Tensor,
         sums: Option<&Tensor>,
     );

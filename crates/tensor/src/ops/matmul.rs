@@ -135,17 +135,28 @@ impl Backward for LinearBack {
         } else {
             None
         };
-        let gw = if needs[1] {
-            let x2 = self.x.restore()?.reshape(&[-1, in_f as isize])?;
-            Some(matmul_kernel(&g2.transpose(0, 1)?, &x2)?)
-        } else {
-            None
-        };
+        let gw = if needs[1] { Some(output(&g2, &[out_f, in_f], g2.dtype(), "linear_backward")?) } else { None };
+        let gb = bias_grad(&g2, self.has_bias && needs[2], gw.is_some(), "linear_backward")?;
+        if let Some(gw) = &gw {
+            let x2 = self.x.restore()?.reshape(&[-1, in_f as isize])?.contiguous()?;
+            g2.device().backend().linear_weight_grad(&g2, &x2, gw, gb.as_ref())?;
+        }
         let mut grads = vec![gx, gw];
         if self.has_bias {
-            grads.push(if needs[2] { Some(g2.sum_dim(0, false)?) } else { None });
+            grads.push(gb);
         }
         Ok(grads)
+    }
+}
+
+/// A linear layer's bias gradient from its output gradient `g2` [rows, out], when `wanted`: a fresh
+/// output that the weight-gradient kernel fills when it runs (`with_weight`; it sums `g2`'s columns
+/// as it reads `g2` for the weight gradient), else `g2`'s column sums.
+pub(crate) fn bias_grad(g2: &Tensor, wanted: bool, with_weight: bool, op: &'static str) -> Result<Option<Tensor>> {
+    match (wanted, with_weight) {
+        (false, _) => Ok(None),
+        (true, true) => Ok(Some(output(g2, &[g2.shape()[1]], g2.dtype(), op)?)),
+        (true, false) => Ok(Some(g2.sum_dim(0, false)?)),
     }
 }
 
@@ -202,7 +213,7 @@ impl Backward for GeluLinearBack {
         let in_place = needs[0] && x.owns_storage();
         let gx = if needs[0] && !in_place { Some(output(&grad, x.shape(), grad.dtype(), NAME)?) } else { None };
         let gw = if needs[1] { Some(output(&grad, &[out_f, in_f], grad.dtype(), NAME)?) } else { None };
-        let gb = if has_bias && needs[2] { Some(g2.sum_dim(0, false)?) } else { None };
+        let gb = bias_grad(&g2, has_bias && needs[2], gw.is_some(), NAME)?;
         // Everything is allocated before x may be overwritten. With both gradients wanted, a block's
         // GELU output and derivative come from one erf per element (as in an unfused backward): the
         // derivative goes over x's block when in place, else into a second half of the scratch.
@@ -212,7 +223,8 @@ impl Backward for GeluLinearBack {
         let scratch = output(&grad, &[scratch_rows, gelu_scratch_stride(in_f, block)], grad.dtype(), NAME)?;
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
-        grad.device().backend().gelu_linear_backward(&x, &weight, &g2, gx_target, gw.as_ref(), &scratch)?;
+        let gb_target = gb.as_ref().filter(|_| gw.is_some());
+        grad.device().backend().gelu_linear_backward(&x, &weight, &g2, gx_target, gw.as_ref(), gb_target, &scratch)?;
         drop(scratch);
         let gx = if in_place {
             // x now holds its gradient: a temporary again, no longer an activation.

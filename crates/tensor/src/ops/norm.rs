@@ -9,7 +9,7 @@
 //! Statistics are accumulated in f64 with two passes. This file holds shapes, outputs (and the fused
 //! op's scratch) and autograd; the kernels are the backend's (`memfit-cpu`'s `norm.rs`).
 
-use super::matmul::{check_linear, contiguous_bias};
+use super::matmul::{bias_grad, check_linear, contiguous_bias};
 use super::{check_same, output};
 use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact};
 use crate::dtype::DType;
@@ -217,7 +217,7 @@ impl Backward for LayerNormLinearBack {
         let glw = if need_lw { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
         let glb = if need_lb { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
         let gw = if need_w { Some(output(&grad, &[out_f, d], grad.dtype(), NAME)?) } else { None };
-        let gb = if has_bias && needs[4] { Some(g2.sum_dim(0, false)?) } else { None };
+        let gb = bias_grad(&g2, has_bias && needs[4], gw.is_some(), NAME)?;
         // Everything is allocated before x may be overwritten.
         let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
         let sums = if need_lw || need_lb { Some(super::output_any(&grad, &[2, d], DType::F64, NAME)?) } else { None };
@@ -235,6 +235,7 @@ impl Backward for LayerNormLinearBack {
             glw.as_ref(),
             glb.as_ref(),
             gw.as_ref(),
+            gb.as_ref().filter(|_| gw.is_some()),
             &scratch,
             sums.as_ref(),
         )?;
