@@ -111,13 +111,17 @@ impl AttnProblem {
 /// 16, 64 and 128.
 const DP_ROWS: usize = 24;
 
-/// Runs `f(i, gemm_threads)` for every batch matrix: in parallel over matrices when there are
-/// several, else one matrix with multi-threaded GEMMs.
-fn for_each_matrix(bh: usize, f: impl Fn(usize, usize) + Sync + Send) {
+/// Runs `f(i, gemm_threads, scratch)` for every batch matrix: in parallel over matrices when there
+/// are several, else one matrix with multi-threaded GEMMs. `scratch` is `scratch_len` elements,
+/// allocated (and zeroed) once per rayon job and reused by the matrices the job runs: `f` may not
+/// expect it zeroed.
+fn for_each_matrix<T: Float>(bh: usize, scratch_len: usize, f: impl Fn(usize, usize, &mut [T]) + Sync + Send) {
+    let new = || vec![T::zero(); scratch_len];
     if bh > 1 {
-        (0..bh).into_par_iter().for_each(|i| f(i, 1));
+        (0..bh).into_par_iter().for_each_init(new, |scratch, i| f(i, 1, scratch));
     } else {
-        (0..bh).for_each(|i| f(i, rayon::current_num_threads()));
+        let mut scratch = new();
+        (0..bh).for_each(|i| f(i, rayon::current_num_threads(), &mut scratch));
     }
 }
 
@@ -168,7 +172,29 @@ struct Visibility<'a> {
     mask: Option<MaskView<'a>>,
 }
 
-impl Visibility<'_> {
+impl<'a> Visibility<'a> {
+    /// The causal flag and the mask, `tq x tk` per matrix. A mask that is the same for every matrix
+    /// and hides exactly the keys after each query (a GPT's `triu(ones, 1)` buffer) becomes the
+    /// causal flag, and one that hides nothing goes: the same keys seen, by the fast paths (whole
+    /// visible prefixes, no byte per score).
+    fn new(causal: bool, mask: Option<MaskView<'a>>, tq: usize, tk: usize) -> Self {
+        let Some(m) = mask else { return Visibility { causal, mask: None } };
+        if m.batch_strides.iter().any(|&s| s != 0) {
+            return Visibility { causal, mask: Some(m) };
+        }
+        let base = m.base(0);
+        let matches = |hides: &dyn Fn(usize, usize) -> bool| {
+            (0..tq).all(|r| (0..tk).all(|j| m.masked(base, r, j) == hides(r, j)))
+        };
+        if matches(&|r, j| j > r) {
+            Visibility { causal: true, mask: None }
+        } else if matches(&|_, _| false) {
+            Visibility { causal, mask: None }
+        } else {
+            Visibility { causal, mask: Some(m) }
+        }
+    }
+
     /// The mask's element offset for matrix i (0 without a mask).
     fn base(&self, i: usize) -> usize {
         self.mask.as_ref().map_or(0, |m| m.base(i))
@@ -303,7 +329,10 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
     let AttnDims { bh, heads, tq, tk, d, dv } = dims;
     let scale = T::of(scale);
     let isa = Isa::active();
-    for_each_matrix(bh, |i, threads| {
+    // Per task: a block of scores, then k^T and v prepared once for all the blocks (each uses
+    // their first keys).
+    let lens = [DP_ROWS.min(tq) * tk, prepared_b_len(d, tk), prepared_b_len(tk, dv)];
+    for_each_matrix(bh, lens.iter().sum(), |i, threads, scratch: &mut [T]| {
         #[allow(clippy::redundant_locals)] // capture the Send wrappers, not their raw pointer fields
         let p = p;
         // SAFETY: matrix i's regions are in bounds (caller); its output rows and lse entries are
@@ -314,11 +343,8 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
             let vi = p.v.0.add(lay.v.start(i, heads)) as *const T;
             let oi = p.o.0.add(lay.out.start(i, heads));
             let base = vis.base(i);
-            let mut s = vec![T::zero(); DP_ROWS.min(tq) * tk];
-            // k^T and v, prepared once for all the blocks (each uses their first keys).
-            let (kt_len, v_len) = (prepared_b_len(d, tk), prepared_b_len(tk, dv));
-            let mut packs = vec![T::zero(); kt_len + v_len];
-            let (kt_buf, v_buf) = packs.split_at_mut(kt_len);
+            let (s, packs) = scratch.split_at_mut(lens[0]);
+            let (kt_buf, v_buf) = packs.split_at_mut(lens[1]);
             let kt = Mat { ptr: ki, rs: 1, cs: lay.k.row_stride as isize };
             let kt = prepare_b_in(d, tk, kt, kt_buf, threads);
             let vm = Mat { ptr: vi, rs: lay.v.row_stride as isize, cs: 1 };
@@ -370,7 +396,17 @@ fn backward_kernel<T: Float + Element>(
     let isa = Isa::active();
     let [gq, gk, gv] = g;
     let need_ds = gq.is_some() || gk.is_some();
-    for_each_matrix(bh, |i, threads| {
+    // Per task: blocks of scores (and of their gradient), then k^T, v^T and k prepared once for all
+    // the blocks (each uses their first keys).
+    let block = DP_ROWS.min(tq) * tk;
+    let lens = [
+        block,
+        if need_ds { block } else { 0 },
+        prepared_b_len(d, tk),
+        if need_ds { prepared_b_len(dv, tk) } else { 0 },
+        if gq.is_some() { prepared_b_len(tk, d) } else { 0 },
+    ];
+    for_each_matrix(bh, lens.iter().sum(), |i, threads, scratch: &mut [T]| {
         let (p, gq, gk, gv) = (p, gq, gk, gv);
         // SAFETY: matrix i's regions are in bounds (caller); the gradients' matrix-i regions are
         // touched only by this task.
@@ -397,18 +433,10 @@ fn backward_kernel<T: Float + Element>(
                 lay.out.row_stride as isize,
             );
             let base = vis.base(i);
-            let block = DP_ROWS.min(tq) * tk;
-            let mut s = vec![T::zero(); block];
-            let mut dp = vec![T::zero(); if need_ds { block } else { 0 }];
-            // k^T, v^T and k, prepared once for all the blocks (each uses their first keys).
-            let lens = [
-                prepared_b_len(d, tk),
-                if need_ds { prepared_b_len(dv, tk) } else { 0 },
-                if gqi.is_some() { prepared_b_len(tk, d) } else { 0 },
-            ];
-            let mut packs = vec![T::zero(); lens.iter().sum()];
-            let (kt_buf, rest) = packs.split_at_mut(lens[0]);
-            let (vt_buf, k_buf) = rest.split_at_mut(lens[1]);
+            let (s, rest) = scratch.split_at_mut(lens[0]);
+            let (dp, rest) = rest.split_at_mut(lens[1]);
+            let (kt_buf, rest) = rest.split_at_mut(lens[2]);
+            let (vt_buf, k_buf) = rest.split_at_mut(lens[3]);
             let kt = prepare_b_in(d, tk, Mat { ptr: ki, rs: 1, cs: krs }, kt_buf, threads);
             let vt = prepare_b_in(dv, tk, Mat { ptr: vi, rs: 1, cs: vrs }, vt_buf, threads);
             let km = prepare_b_in(tk, d, Mat { ptr: ki, rs: krs, cs: 1 }, k_buf, threads);
@@ -490,7 +518,8 @@ pub fn attention(
     if pb.dims.bh == 0 {
         return Ok(());
     }
-    let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
+    let mask = mask.map(|m| MaskView::new(m, &pb.full)).transpose()?;
+    let vis = Visibility::new(pb.causal, mask, pb.dims.tq, pb.dims.tk);
     with_float!(q.dtype(), "scaled_dot_product_attention", T => {
         let ((q, nq), (k, nk), (v, nv), (o, no)) = (read_ptr(q)?, read_ptr(k)?, read_ptr(v)?, write_ptr(out)?);
         let lse = lse.map(write_ptr).transpose()?;
@@ -521,7 +550,8 @@ pub fn attention_backward(
     if pb.dims.bh == 0 {
         return Ok(());
     }
-    let vis = Visibility { causal: pb.causal, mask: mask.map(|m| MaskView::new(m, &pb.full)).transpose()? };
+    let mask = mask.map(|m| MaskView::new(m, &pb.full)).transpose()?;
+    let vis = Visibility::new(pb.causal, mask, pb.dims.tq, pb.dims.tk);
     with_float!(grad.dtype(), "scaled_dot_product_attention_backward", T => {
         let ((q, nq), (k, nk), (v, nv), (o, no)) = (read_ptr(q)?, read_ptr(k)?, read_ptr(v)?, read_ptr(grad)?);
         let (lse, nl) = read_ptr(lse)?;
@@ -545,6 +575,31 @@ mod tests {
         let hidden = |j: usize| hidden_every > 0 && j % hidden_every == 0;
         let values = crate::test_values::uniform(len, seed).enumerate();
         values.map(|(j, v)| if hidden(j) { f32::NEG_INFINITY } else { (v * 20.0) as f32 }).collect()
+    }
+
+    /// Which path a mask takes: shared causal → the causal flag; shared empty → no mask; per
+    /// matrix, or one key off causal → read byte by byte.
+    #[test]
+    fn a_shared_causal_or_empty_mask_becomes_the_flag_or_nothing() {
+        use crate::layout::Layout;
+        let t = 5;
+        let full = [2, t, t];
+        let path = |pattern: &dyn Fn(usize, usize) -> bool, per_matrix: bool, causal: bool| {
+            let one: Vec<u8> = (0..t * t).map(|i| pattern(i / t, i % t) as u8).collect();
+            let mut bytes = if per_matrix { one.repeat(2) } else { one };
+            let layout = Layout::contiguous(if per_matrix { &full[..] } else { &full[1..] });
+            // SAFETY: `bytes` holds the layout's elements, one byte each, and outlives the view.
+            let view = unsafe { View::new(bytes.as_mut_ptr(), bytes.len(), crate::dtype::DType::Bool, &layout) };
+            let vis = Visibility::new(causal, Some(MaskView::new(view, &full).unwrap()), t, t);
+            (vis.causal, vis.mask.is_some())
+        };
+        let later = |r: usize, j: usize| j > r;
+        assert_eq!(path(&later, false, false), (true, false), "shared causal mask");
+        assert_eq!(path(&later, true, false), (false, true), "causal mask per matrix");
+        assert_eq!(path(&|_, _| false, false, false), (false, false), "shared empty mask");
+        assert_eq!(path(&|_, _| false, false, true), (true, false), "shared empty mask, causal flag");
+        assert_eq!(path(&|r, j| j > r || (r, j) == (3, 1), false, false), (false, true), "one key off causal");
+        assert_eq!(path(&|r, j| j >= r, false, false), (false, true), "the diagonal hidden too");
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {

@@ -282,6 +282,44 @@ mod tests {
         assert_close(&y.to_f64_vec().unwrap(), &r.to_f64_vec().unwrap(), 0.0, "causal flag and mask");
     }
 
+    /// The kernel takes a mask shared by every matrix that hides exactly the later keys (a GPT's
+    /// causal buffer) by its causal fast path, and one that hides nothing by the unmasked one: the
+    /// same bits, forward and backward, as the causal flag, as no mask, and as the same masks given
+    /// per head (read byte by byte); a mask one key away from causal is not mistaken for it.
+    #[test]
+    fn causal_and_empty_masks_take_the_fast_paths_with_the_same_bits() {
+        let dev = Device::cpu();
+        let (h, t, d) = (2, 30, 3);
+        let run = |causal: bool, mask: Option<&Tensor>| {
+            let q = t64(&dev, &values(h * t * d, 21), &[1, h, t, d]).set_requires_grad(true);
+            let k = t64(&dev, &values(h * t * d, 22), &[1, h, t, d]).set_requires_grad(true);
+            let v = t64(&dev, &values(h * t * d, 23), &[1, h, t, d]).set_requires_grad(true);
+            let y = scaled_dot_product_attention(&q, &k, &v, causal, mask).unwrap();
+            backward(&y.mul(&y).unwrap().sum_all().unwrap()).unwrap();
+            let mut out = y.to_f64_vec().unwrap();
+            for x in [&q, &k, &v] {
+                out.extend(x.grad().unwrap().to_f64_vec().unwrap());
+            }
+            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        let pattern =
+            |hide: &dyn Fn(usize, usize) -> bool| -> Vec<bool> { (0..t * t).map(|i| hide(i / t, i % t)).collect() };
+        let shared = |p: &[bool]| bools(&dev, p, &[t, t]);
+        let per_head = |p: &[bool]| bools(&dev, &p.repeat(h), &[1, h, t, t]);
+        let causal = pattern(&|r, j| j > r);
+        let flag = run(true, None);
+        assert_eq!(run(false, Some(&shared(&causal))), flag, "causal mask");
+        assert_eq!(run(false, Some(&per_head(&causal))), flag, "causal mask per head");
+        assert_eq!(run(true, Some(&shared(&causal))), flag, "causal mask and flag");
+        let nothing = pattern(&|_, _| false);
+        assert_eq!(run(false, Some(&shared(&nothing))), run(false, None), "empty mask");
+        assert_eq!(run(true, Some(&shared(&nothing))), flag, "empty mask and flag");
+        let almost = pattern(&|r, j| j > r || (r, j) == (5, 2));
+        let almost_shared = run(false, Some(&shared(&almost)));
+        assert_ne!(almost_shared, flag, "one more hidden key");
+        assert_eq!(almost_shared, run(false, Some(&per_head(&almost))), "almost causal, shared or per head");
+    }
+
     #[test]
     fn fully_masked_rows_give_zero_not_nan() {
         let dev = Device::cpu();
