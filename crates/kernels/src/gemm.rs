@@ -89,16 +89,18 @@ unsafe impl<T> Sync for MatRef<T> {}
 unsafe impl<T> Send for MatMut<T> {}
 unsafe impl<T> Sync for MatMut<T> {}
 
-/// A micro-kernel: `C[MR x NR] (+)= A_panel · B_panel` over `kc` steps. A is packed `a[k * MR + i]`;
-/// B's step k is the NR contiguous elements at `b + k * ldb` (`ldb` = NR for a packed panel, B's
-/// row stride when B is read in place); C has row stride `rs_c` and column stride 1.
+/// A micro-kernel: `C[MR x NR] = start + A_panel · B_panel` over `kc` steps. A is packed
+/// `a[k * MR + i]`; B's step k is the NR contiguous elements at `b + k * ldb` (`ldb` = NR for a
+/// packed panel, B's row stride when B is read in place); C has row stride `rs_c` and column stride
+/// 1. The tile starts from zero, from C's own values, or from the NR values of a bias row under
+/// every row (added to the product as it is stored: the bits of accumulating onto the bias).
 pub type MicroKernelFn<T> =
-    unsafe fn(kc: usize, a: *const T, b: *const T, ldb: isize, c: *mut T, rs_c: isize, accumulate: bool);
+    unsafe fn(kc: usize, a: *const T, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>);
 
 /// A micro-kernel reading A in place (row stride `lda`, column stride 1) instead of from a pack:
 /// `C[MR x NR] (+)= A[MR rows x kc] · B_panel`, B as in [`MicroKernelFn`].
 pub type MicroKernelDirectFn<T> =
-    unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, ldb: isize, c: *mut T, rs_c: isize, accumulate: bool);
+    unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>);
 
 /// A micro-kernel and its tile.
 #[derive(Clone, Copy)]
@@ -789,7 +791,6 @@ unsafe fn rows<T: GemmScalar>(
     sums: Option<Shared<T>>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let add = matches!(start, Start::Accumulate);
     let mut tile = [T::default(); MAX_TILE * MAX_TILE];
     // A row-major A is read in place by whole tiles of rows (it is already contiguous along K);
     // only its last partial tile is packed. Not when its rows are a multiple of 4 KiB apart: then
@@ -822,30 +823,31 @@ unsafe fn rows<T: GemmScalar>(
                 let cols = nr.min(nc - jr);
                 let (bp, ldb) = b.panel(jr, nr);
                 let cp = c.at(ic + ir, jr).ptr;
+                // A whole tile starts where C does (its bias row from this tile's column); a
+                // partial one is computed from zero on the stack and written with what C starts from.
+                let whole_start = start.at_col(jr);
+                let tp = tile.as_mut_ptr();
                 match direct {
                     Some(run) if ir < packed_from && cols == nr => {
-                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, cp, c.rs, add)
+                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, cp, c.rs, whole_start)
                     }
                     Some(run) if ir < packed_from => {
-                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, tile.as_mut_ptr(), nr as isize, false);
-                        write_tile(&tile, nr, rows, cols, cp, c.rs, add);
+                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, tp, nr as isize, Start::Zero);
+                        write_tile(&tile, nr, rows, cols, cp, c.rs, whole_start);
                     }
-                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, bp, ldb, cp, c.rs, add),
+                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, bp, ldb, cp, c.rs, whole_start),
                     _ => {
-                        (kernel.run)(kc, ap, bp, ldb, tile.as_mut_ptr(), nr as isize, false);
-                        write_tile(&tile, nr, rows, cols, cp, c.rs, add);
+                        (kernel.run)(kc, ap, bp, ldb, tp, nr as isize, Start::Zero);
+                        write_tile(&tile, nr, rows, cols, cp, c.rs, whole_start);
                     }
-                }
-                if let Start::Bias(bias) = start {
-                    // The tile just written is still in L1.
-                    add_bias(cp, c.rs, rows, cols, bias.add(jr));
                 }
             }
         }
     }
 }
 
-/// Writes (or adds) the top-left `rows x cols` of a tile with row stride `nr` into C.
+/// Writes the top-left `rows x cols` of a tile with row stride `nr` into C, added to what C starts
+/// from (as a micro-kernel's store does).
 unsafe fn write_tile<T: GemmScalar>(
     tile: &[T],
     nr: usize,
@@ -853,23 +855,17 @@ unsafe fn write_tile<T: GemmScalar>(
     cols: usize,
     c: *mut T,
     rs_c: isize,
-    add: bool,
+    start: Start<T>,
 ) {
     for i in 0..rows {
         for j in 0..cols {
             let dst = c.offset(i as isize * rs_c + j as isize);
             let v = tile[i * nr + j];
-            *dst = if add { *dst + v } else { v };
-        }
-    }
-}
-
-/// Adds `bias[j]` to column `j` of the top-left `rows x cols` of C.
-unsafe fn add_bias<T: GemmScalar>(c: *mut T, rs_c: isize, rows: usize, cols: usize, bias: *const T) {
-    for i in 0..rows {
-        let row = c.offset(i as isize * rs_c);
-        for j in 0..cols {
-            *row.add(j) = *row.add(j) + *bias.add(j);
+            *dst = match start {
+                Start::Zero => v,
+                Start::Accumulate => *dst + v,
+                Start::Bias(b) => v + *b.add(j),
+            };
         }
     }
 }

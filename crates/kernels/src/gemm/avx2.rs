@@ -1,20 +1,33 @@
 //! The AVX2/FMA micro-kernel: a 6 x 16 f32 tile in 12 ymm accumulators; each step loads two
 //! vectors of B and broadcasts six elements of A.
 
-use super::MicroKernel;
+use super::{MicroKernel, Start};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Adds C to the accumulators when asked, then stores them into C (a macro, so the accumulators
-/// stay in registers).
+/// Adds what the tile starts from to the accumulators (C's own values, or a bias row under every
+/// row), then stores them into C (a macro, so the accumulators stay in registers).
 macro_rules! store {
-    ($lo:ident, $hi:ident, $c:expr, $rs_c:expr, $accumulate:expr) => {
+    ($lo:ident, $hi:ident, $c:expr, $rs_c:expr, $start:expr) => {
+        match $start {
+            Start::Zero => {}
+            Start::Accumulate => {
+                for i in 0..MR {
+                    let p = $c.offset(i as isize * $rs_c);
+                    $lo[i] = _mm256_add_ps($lo[i], _mm256_loadu_ps(p));
+                    $hi[i] = _mm256_add_ps($hi[i], _mm256_loadu_ps(p.add(8)));
+                }
+            }
+            Start::Bias(row) => {
+                let (r0, r1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
+                for i in 0..MR {
+                    $lo[i] = _mm256_add_ps($lo[i], r0);
+                    $hi[i] = _mm256_add_ps($hi[i], r1);
+                }
+            }
+        }
         for i in 0..MR {
             let p = $c.offset(i as isize * $rs_c);
-            if $accumulate {
-                $lo[i] = _mm256_add_ps($lo[i], _mm256_loadu_ps(p));
-                $hi[i] = _mm256_add_ps($hi[i], _mm256_loadu_ps(p.add(8)));
-            }
             _mm256_storeu_ps(p, $lo[i]);
             _mm256_storeu_ps(p.add(8), $hi[i]);
         }
@@ -39,8 +52,16 @@ pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 /// # Safety
 /// As [`super::MicroKernelFn`]; only handed out when the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, ldb: isize, c: *mut f32, rs_c: isize, accumulate: bool) {
-    run(kc, a, b, ldb, c, rs_c, accumulate)
+unsafe fn run_checked(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs_c: isize,
+    start: Start<f32>,
+) {
+    run(kc, a, b, ldb, c, rs_c, start)
 }
 
 /// # Safety
@@ -55,9 +76,9 @@ unsafe fn run_direct_checked(
     ldb: isize,
     c: *mut f32,
     rs_c: isize,
-    accumulate: bool,
+    start: Start<f32>,
 ) {
-    run_direct(kc, a, lda, b, ldb, c, rs_c, accumulate)
+    run_direct(kc, a, lda, b, ldb, c, rs_c, start)
 }
 
 /// The same tile with A read in place (row stride `lda`, unit column stride) instead of packed.
@@ -72,7 +93,7 @@ unsafe fn run_direct(
     ldb: isize,
     c: *mut f32,
     rs_c: isize,
-    accumulate: bool,
+    start: Start<f32>,
 ) {
     let mut lo = [_mm256_setzero_ps(); MR];
     let mut hi = [_mm256_setzero_ps(); MR];
@@ -87,12 +108,20 @@ unsafe fn run_direct(
         }
         b = b.offset(ldb);
     }
-    store!(lo, hi, c, rs_c, accumulate);
+    store!(lo, hi, c, rs_c, start);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, ldb: isize, c: *mut f32, rs_c: isize, accumulate: bool) {
+unsafe fn run(
+    kc: usize,
+    mut a: *const f32,
+    mut b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs_c: isize,
+    start: Start<f32>,
+) {
     let mut lo = [_mm256_setzero_ps(); MR];
     let mut hi = [_mm256_setzero_ps(); MR];
     for _ in 0..kc {
@@ -106,5 +135,5 @@ unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, ldb: isize, c: *m
         a = a.add(MR);
         b = b.offset(ldb);
     }
-    store!(lo, hi, c, rs_c, accumulate);
+    store!(lo, hi, c, rs_c, start);
 }

@@ -1,20 +1,33 @@
 //! The AVX-512 micro-kernel: a 12 x 32 f32 tile in 24 zmm accumulators; each step loads two
 //! vectors of B and broadcasts twelve elements of A.
 
-use super::MicroKernel;
+use super::{MicroKernel, Start};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Adds C to the accumulators when asked, then stores them into C (a macro, so the accumulators
-/// stay in registers).
+/// Adds what the tile starts from to the accumulators (C's own values, or a bias row under every
+/// row), then stores them into C (a macro, so the accumulators stay in registers).
 macro_rules! store {
-    ($lo:ident, $hi:ident, $c:expr, $rs_c:expr, $accumulate:expr) => {
+    ($lo:ident, $hi:ident, $c:expr, $rs_c:expr, $start:expr) => {
+        match $start {
+            Start::Zero => {}
+            Start::Accumulate => {
+                for i in 0..MR {
+                    let p = $c.offset(i as isize * $rs_c);
+                    $lo[i] = _mm512_add_ps($lo[i], _mm512_loadu_ps(p));
+                    $hi[i] = _mm512_add_ps($hi[i], _mm512_loadu_ps(p.add(16)));
+                }
+            }
+            Start::Bias(row) => {
+                let (r0, r1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
+                for i in 0..MR {
+                    $lo[i] = _mm512_add_ps($lo[i], r0);
+                    $hi[i] = _mm512_add_ps($hi[i], r1);
+                }
+            }
+        }
         for i in 0..MR {
             let p = $c.offset(i as isize * $rs_c);
-            if $accumulate {
-                $lo[i] = _mm512_add_ps($lo[i], _mm512_loadu_ps(p));
-                $hi[i] = _mm512_add_ps($hi[i], _mm512_loadu_ps(p.add(16)));
-            }
             _mm512_storeu_ps(p, $lo[i]);
             _mm512_storeu_ps(p.add(16), $hi[i]);
         }
@@ -62,8 +75,16 @@ pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 /// # Safety
 /// As [`super::MicroKernelFn`]; only handed out when the CPU supports AVX-512F.
 #[cfg(target_arch = "x86_64")]
-unsafe fn run_checked(kc: usize, a: *const f32, b: *const f32, ldb: isize, c: *mut f32, rs_c: isize, accumulate: bool) {
-    run(kc, a, b, ldb, c, rs_c, accumulate)
+unsafe fn run_checked(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs_c: isize,
+    start: Start<f32>,
+) {
+    run(kc, a, b, ldb, c, rs_c, start)
 }
 
 /// # Safety
@@ -78,9 +99,9 @@ unsafe fn run_direct_checked(
     ldb: isize,
     c: *mut f32,
     rs_c: isize,
-    accumulate: bool,
+    start: Start<f32>,
 ) {
-    run_direct(kc, a, lda, b, ldb, c, rs_c, accumulate)
+    run_direct(kc, a, lda, b, ldb, c, rs_c, start)
 }
 
 /// The same tile with A read in place (row stride `lda`, unit column stride) instead of packed.
@@ -95,7 +116,7 @@ unsafe fn run_direct(
     ldb: isize,
     c: *mut f32,
     rs_c: isize,
-    accumulate: bool,
+    start: Start<f32>,
 ) {
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
@@ -112,12 +133,20 @@ unsafe fn run_direct(
         }
         b = b.offset(ldb);
     }
-    store!(lo, hi, c, rs_c, accumulate);
+    store!(lo, hi, c, rs_c, start);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, ldb: isize, c: *mut f32, rs_c: isize, accumulate: bool) {
+unsafe fn run(
+    kc: usize,
+    mut a: *const f32,
+    mut b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs_c: isize,
+    start: Start<f32>,
+) {
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
     prefetch_tile(c, rs_c);
@@ -133,5 +162,5 @@ unsafe fn run(kc: usize, mut a: *const f32, mut b: *const f32, ldb: isize, c: *m
         a = a.add(MR);
         b = b.offset(ldb);
     }
-    store!(lo, hi, c, rs_c, accumulate);
+    store!(lo, hi, c, rs_c, start);
 }

@@ -1,7 +1,7 @@
 //! The portable micro-kernel: plain Rust over a 4 x 8 tile, for any scalar and any CPU (the
 //! compiler vectorizes it for the baseline target).
 
-use super::{GemmScalar, MicroKernel};
+use super::{GemmScalar, MicroKernel, Start};
 
 const MR: usize = 4;
 const NR: usize = 8;
@@ -15,15 +15,7 @@ pub(crate) fn kernel<T: GemmScalar>() -> MicroKernel<T> {
 /// # Safety
 /// `a` holds `kc * MR` packed elements, `b` NR elements at each of `kc` steps `ldb` apart; `c` is
 /// valid for an MR x NR tile.
-unsafe fn run<T: GemmScalar>(
-    kc: usize,
-    a: *const T,
-    b: *const T,
-    ldb: isize,
-    c: *mut T,
-    rs_c: isize,
-    accumulate: bool,
-) {
+unsafe fn run<T: GemmScalar>(kc: usize, a: *const T, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>) {
     let mut acc = [[T::default(); NR]; MR];
     for p in 0..kc {
         let ap = std::slice::from_raw_parts(a.add(p * MR), MR);
@@ -38,7 +30,11 @@ unsafe fn run<T: GemmScalar>(
         let cr = c.offset(i as isize * rs_c);
         for (j, &v) in row.iter().enumerate() {
             let dst = cr.add(j);
-            *dst = if accumulate { *dst + v } else { v };
+            *dst = match start {
+                Start::Zero => v,
+                Start::Accumulate => *dst + v,
+                Start::Bias(b) => v + *b.add(j),
+            };
         }
     }
 }
