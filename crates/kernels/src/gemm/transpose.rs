@@ -4,8 +4,8 @@
 //! 6 = 4 + 2), shared by the AVX2 and AVX-512 levels.
 
 /// Packs `len` lines of `depth` contiguous elements (line stride `ls`) into panels of `panel`
-/// lines, as `gemm::pack` does for this layout: `out[p * panel * depth + d * panel + l]`, zero past
-/// `len`.
+/// lines `stride` apart, as `gemm::pack` does for this layout: `out[p * stride + d * panel + l]`,
+/// zero past `len`.
 ///
 /// # Safety
 /// As `gemm::pack`; only called when the CPU supports AVX2.
@@ -16,18 +16,19 @@ pub(crate) unsafe fn pack_lines_checked(
     len: usize,
     depth: usize,
     panel: usize,
+    stride: usize,
     out: *mut f32,
 ) {
-    pack_lines(src, ls, len, depth, panel, out)
+    pack_lines(src, ls, len, depth, panel, stride, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn pack_lines(src: *const f32, ls: isize, len: usize, depth: usize, panel: usize, out: *mut f32) {
+unsafe fn pack_lines(src: *const f32, ls: isize, len: usize, depth: usize, panel: usize, stride: usize, out: *mut f32) {
     use std::arch::x86_64::*;
     for p0 in (0..len).step_by(panel) {
         let lines = panel.min(len - p0);
-        let dst = out.add(p0 * depth);
+        let dst = out.add(p0 / panel * stride);
         let src = src.offset(p0 as isize * ls);
         let (full_lines, full_depth) = (lines - lines % 8, depth - depth % 8);
         for l0 in (0..full_lines).step_by(8) {
