@@ -50,8 +50,7 @@ pub(crate) unsafe fn gemm_into<T: Float>(
     b: Mat<T>,
     threads: usize,
 ) {
-    let start = Start::adding(accumulate);
-    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, start, a, b, threads);
+    gemm_summing_into(m, n, k, dst, dst_rs, accumulate, a, b, threads, None)
 }
 
 /// As [`gemm_into`], and, when `row_sums` is given, adds each row of `a` to its sum there (`m`

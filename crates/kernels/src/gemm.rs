@@ -40,6 +40,9 @@ pub const MC: usize = 192;
 pub const NC: usize = 512;
 /// The largest micro-kernel tile side; block sizes above are multiples of every MR and NR.
 const MAX_TILE: usize = 32;
+/// The narrowest panels of any level (the portable kernel's tile), which pad a block the most.
+const MIN_MR: usize = 4;
+const MIN_NR: usize = 8;
 /// Elements between one packed panel's end and the next one's start. Unpadded, the panels of a
 /// block start a multiple of 4 KiB apart (`KC` x panel width x 4 bytes), so the lines a pack writes
 /// at one depth step, one per panel, all fall in the same L1 set and evict each other (measured on
@@ -176,10 +179,11 @@ thread_local! {
 }
 
 /// Elements of a packed A block and of a packed B block.
-/// (Each at least a block's panels, padded: a block has at most `MC + MAX_TILE` rows, or
-/// `NC + MAX_TILE` columns, in panels of at least one line.)
-const A_PACK_ELEMS: usize = (MC + MAX_TILE) * (KC + PANEL_PAD);
-const B_PACK_ELEMS: usize = (KC + PANEL_PAD) * (NC + MAX_TILE);
+/// (A block of at most `MC` rows, or `NC` columns, of at most `KC` steps, in whole panels (the block
+/// sizes are multiples of every tile side), each padded: the most panels on the level with the
+/// narrowest.)
+const A_PACK_ELEMS: usize = MC * KC + MC / MIN_MR * PANEL_PAD;
+const B_PACK_ELEMS: usize = NC * KC + NC / MIN_NR * PANEL_PAD;
 
 /// Runs `f` on one of this thread's buffers from `pool`, grown to `elems` elements of `T`, and puts
 /// it back. A product that starts on this thread while another one holds a buffer (a rayon task
@@ -446,9 +450,8 @@ pub unsafe fn with_prepared_b<T: GemmScalar, R>(
 /// level: `k` rows of `n` padded to the widest panel (each level pads to its own panel width,
 /// which divides the widest), and the panels' padding.
 pub fn prepared_b_capacity(k: usize, n: usize) -> usize {
-    // Panels at least 8 wide (every level's NR), each padded once per block of KC rows: at most
-    // twice a panel's width of padding per block.
-    n.div_ceil(MAX_TILE) * MAX_TILE * (k + 2 * k.div_ceil(KC))
+    // Panels at least MIN_NR wide, each padded once per block of KC rows.
+    n.div_ceil(MAX_TILE) * MAX_TILE * (k + PANEL_PAD / MIN_NR * k.div_ceil(KC))
 }
 
 impl<T: GemmScalar> PreparedB<T> {
@@ -1400,15 +1403,30 @@ mod tests {
     }
 
     /// The blocks of a B packed whole follow each other with no gap or overlap, padded panels and
-    /// all, within what `prepared_b_capacity` promises, on every level; a block of A or of B fits
-    /// its workspace.
+    /// all, within what `prepared_b_capacity` promises (exactly that on the level with the
+    /// narrowest panels, for whole widest panels), on every level; a block of A or of B fits its
+    /// workspace, exactly on that level.
     #[test]
     fn packed_b_layout_covers_every_block_once() {
         for isa in Isa::ALL {
             let kernel = <f32 as sealed::Sealed>::micro_kernel(isa);
-            assert!(MC.div_ceil(kernel.mr) * panel_stride(KC, kernel.mr) <= A_PACK_ELEMS, "{isa} A block");
-            assert!(NC.div_ceil(kernel.nr) * panel_stride(KC, kernel.nr) <= B_PACK_ELEMS, "{isa} B block");
-            for (k, n) in [(1, 1), (KC, NC), (KC + 1, NC + 1), (3 * KC + 5, 2 * NC + 9), (7, NC - 1), (2, 2 * NC - 3)] {
+            let (mr, nr) = (kernel.mr, kernel.nr);
+            assert!(mr >= MIN_MR && nr >= MIN_NR && MC % mr == 0 && NC % nr == 0 && MAX_TILE % nr == 0, "{isa} tile");
+            let (a_block, b_block) = (MC / mr * panel_stride(KC, mr), NC / nr * panel_stride(KC, nr));
+            assert!(a_block <= A_PACK_ELEMS && b_block <= B_PACK_ELEMS, "{isa} blocks");
+            let narrowest = (mr, nr) == (MIN_MR, MIN_NR);
+            if narrowest {
+                assert_eq!((a_block, b_block), (A_PACK_ELEMS, B_PACK_ELEMS), "{isa} blocks");
+            }
+            for (k, n) in [
+                (1, 1),
+                (KC, NC),
+                (KC + 1, NC + 1),
+                (3 * KC + 5, 2 * NC + 9),
+                (7, NC - 1),
+                (2, 2 * NC - 3),
+                (KC + 3, 96),
+            ] {
                 let mut next = 0;
                 for jc in (0..n).step_by(NC) {
                     let nc = NC.min(n - jc);
@@ -1419,6 +1437,9 @@ mod tests {
                 }
                 assert_eq!(packed_len(kernel, k, n), next, "{isa} k={k} n={n}");
                 assert!(next <= prepared_b_capacity(k, n), "{isa} k={k} n={n}");
+                if narrowest && n % MAX_TILE == 0 {
+                    assert_eq!(next, prepared_b_capacity(k, n), "{isa} k={k} n={n}");
+                }
             }
         }
     }
