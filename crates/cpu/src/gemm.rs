@@ -208,3 +208,20 @@ pub(crate) unsafe fn prepared_part_into<T: Float>(
 ) {
     b.gemm_part(m, n, k, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An operand up to the limit gets a buffer that holds it packed on any level; a larger one
+    /// none (it is multiplied as it is), so a task's scratch stays bounded.
+    #[test]
+    fn prepared_operands_get_a_buffer_up_to_the_limit_only() {
+        let capacity = memfit_kernels::gemm::prepared_b_capacity;
+        assert_eq!(prepared_b_len(64, 128), capacity(64, 128));
+        assert!(capacity(500, 128) <= PREPARED_B_MAX_ELEMS && capacity(512, 128) > PREPARED_B_MAX_ELEMS);
+        assert_eq!(prepared_b_len(500, 128), capacity(500, 128));
+        assert_eq!(prepared_b_len(512, 128), 0);
+        assert_eq!(PREPARED_B_MAX_ELEMS, 65_536);
+    }
+}
