@@ -13,8 +13,12 @@
 //! their rows are a multiple of 4 KiB apart; only their partial edge tiles and panels are packed then.
 //!
 //! C starts from zero, from its own values, or from a bias row ([`Start`]), added to each tile as
-//! the tile is written. A right operand used by several products (a fused op's row blocks) can be
-//! prepared once ([`with_prepared_b`]): packed whole where the level would pack it per product.
+//! the micro-kernel stores it. A right operand used by several products (a fused op's row blocks)
+//! can be prepared once ([`with_prepared_b`], or [`PreparedB::prepare_into`] a buffer of the
+//! caller's): packed whole where the level would pack it per product, and multiplied whole or by
+//! its first rows and columns ([`PreparedB::gemm_part`]). A product can add up A's rows as it packs
+//! them ([`gemm_with_row_sums`]: a weight gradient's bias gradient). Packed panels are padded
+//! ([`PANEL_PAD`]) so that a pack's writes at one depth step do not share an L1 set.
 //!
 //! Threads: a product large enough runs on up to `threads` threads that pack each B block together
 //! (panels shared out) and then multiply their own ranges of rows; a product with too few rows for
