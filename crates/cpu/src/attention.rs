@@ -107,8 +107,9 @@ impl AttnProblem {
 /// Query rows per block, in forward and backward (their scores take 2 x DP_ROWS x Tk of the
 /// per-task scratch). Smaller blocks skip more of the causal triangle, larger ones make larger
 /// products, and a multiple of every micro-kernel's rows (6 and 12) leaves no partial tile: on the
-/// GPT (T = 128, head size 64) 24 rows beat 32 (attention 43 vs 45 ms a step on AVX-512, 48 vs 50 on AVX2), which beat 36, 48,
-/// 16, 64 and 128.
+/// GPT (T = 128, head size 64) 24 rows beat 32 (attention 43 vs 45 ms a step on AVX-512, 48 vs 50
+/// on AVX2), which beat 36, 48, 16, 64 and 128; after the causal fast path, 24 still beats 16, 32
+/// and 48 (38 vs 47, 41, 40 ms on AVX-512).
 const DP_ROWS: usize = 24;
 
 /// Runs `f(i, gemm_threads, scratch)` for every batch matrix: in parallel over matrices when there
