@@ -1,6 +1,7 @@
 //! CPU kernels of the normalizations (`ops/norm.rs`): layer_norm, batch_norm (batch statistics with
 //! the running-statistics update, or the running statistics) and the fused layer_norm_linear, forward
-//! and backward, with the row numerics they share (so fused and unfused produce the same bits).
+//! and backward, with the row numerics they share (so fused and unfused produce the same normalized
+//! rows and input gradients).
 //! Statistics are accumulated in f64 with two passes.
 
 use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
@@ -363,9 +364,10 @@ pub fn layer_norm_linear(
 
 /// Backward of [`layer_norm_linear`] from `grad` [rows, out], block by block through `scratch`: the
 /// input gradient into `gx` (which is `x` itself when the op decided to write it in place), the
-/// layer-norm weight and bias gradients (their f64 column sums in `sums` [2, in]), the weight
-/// gradient and, with it, the linear bias gradient `gb` (summed as the weight-gradient product reads
-/// `grad`), each when given.
+/// layer-norm weight and bias gradients (summed in f64 in `sums` [2, in]), the weight gradient and,
+/// with it, the linear bias gradient `gb` (summed as the weight-gradient product reads `grad`), each
+/// when given. Given the weight and bias gradients, the layer-norm gradients come from the
+/// weight-gradient product ([`affine_after_product`]); otherwise from column sums over the rows.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_linear_backward(
     x: View<'_>,
@@ -416,11 +418,17 @@ pub fn layer_norm_linear_backward(
         }
         let gwp = gw_values.map(|s| s.as_mut_ptr());
         let gbp = bias_grad_ptr::<T>(NAME, gb, out_f, gwp.is_some())?;
-        // Column sums of the layer-norm weight and bias gradients over all rows, in f64.
+        // The layer-norm weight and bias gradients, in f64: column sums over the rows, or, when the
+        // weight-gradient product runs (with the row sums of g), sums over its rows (`from_product`).
         let mut acc = sums.map(|t| t.slice_mut::<f64>()).transpose()?;
         if let Some(a) = &mut acc {
+            check_len("layer_norm_linear_backward column sums", a.len(), 2 * d)?;
             a.fill(0.0);
         }
+        let from_product = match (gwp, gbp) {
+            (Some(gwp), Some(gbp)) if acc.is_some() => Some((gwp, gbp)),
+            _ => None,
+        };
         let sc = scratch.slice_mut::<T>()?;
         let w_mat = weight_mat::<T>(weight, false)?;
         let isa = Isa::active();
@@ -436,9 +444,11 @@ pub fn layer_norm_linear_backward(
                 // step below, which no longer uses this slice.
                 let xb = unsafe { std::slice::from_raw_parts(xp.0.add(r0 * d) as *const T, n * d) };
                 if let Some(gwp) = gwp {
-                    // Recompute the block's normalized rows (as forward did), then dW (+)= g^T y.
+                    // Recompute the block's normalized rows (as forward did), then dW (+)= g^T y; or,
+                    // when the affine comes after the product, dW (+)= g^T xhat.
+                    let (aw, ab) = if from_product.is_some() { (None, None) } else { (Some(lw), Some(lb)) };
                     for_rows_mut(block, d, |r, yr| {
-                        renormalize_row(isa, &xb[r * d..(r + 1) * d], yr, mean[r0 + r], rstd[r0 + r], Some(lw), Some(lb))
+                        renormalize_row(isa, &xb[r * d..(r + 1) * d], yr, mean[r0 + r], rstd[r0 + r], aw, ab)
                     });
                     let g_t = Mat { ptr: g_ptr, rs: 1, cs: out_f as isize };
                     let y = Mat { ptr: block.as_ptr(), rs: d as isize, cs: 1 };
@@ -450,7 +460,7 @@ pub fn layer_norm_linear_backward(
                 // SAFETY: the scratch block is n x d and separate from the operands.
                 unsafe { prepared_gemm_into::<T>(w_prep, n, block.as_mut_ptr(), d as isize, false, g_block, threads) };
                 let gy: &[T] = block;
-                if let Some(acc) = &mut acc {
+                if let (Some(acc), None) = (&mut acc, from_product) {
                     // Column blocks: each task sums its columns over the block's rows, in row order.
                     const COLS: usize = 64;
                     let (aw, ab) = acc.split_at_mut(d);
@@ -493,6 +503,11 @@ pub fn layer_norm_linear_backward(
         } else {
             blocks(None);
         }
+        if let (Some(acc), Some((gwp, gbp))) = (&mut acc, from_product) {
+            // SAFETY: gw holds out x d and gb out values (checked above), both fresh tensors
+            // separate from W.
+            unsafe { affine_after_product(acc, gwp, gbp, w_mat, lw, lb, out_f, d) };
+        }
         if let Some(acc) = &acc {
             if let Some(t) = glw {
                 t.slice_mut::<T>()?.iter_mut().zip(&acc[..d]).for_each(|(g, &a)| *g = T::of(a));
@@ -503,6 +518,45 @@ pub fn layer_norm_linear_backward(
         }
     });
     Ok(())
+}
+
+/// Layer-norm-linear backward's layer-norm weight and bias gradients from the weight-gradient
+/// product, and that product's affine. With `y = xhat * lw + lb` and the output gradient `g`, the
+/// normalized rows' gradient is `gy = g W`, so over all rows
+/// `sum_r gy[r, c] xhat[r, c] = sum_o W[o, c] G[o, c]` with `G = g^T xhat`, and
+/// `sum_r gy[r, c] = sum_o W[o, c] gb[o]` with `gb` the column sums of `g`: sums over the `out`
+/// rows of W instead of over every row of the batch. The product ran on `xhat` and left `G` in
+/// `gw`; the weight gradient `g^T y` is then `G[o, c] lw[c] + gb[o] lb[c]`. `acc` [2, d] receives
+/// the two sums in f64, over `o` in order.
+///
+/// # Safety
+/// `gw` must hold `out_f x d` and `gb` `out_f` elements, and `w` address an `out_f x d` matrix;
+/// none may overlap.
+#[allow(clippy::too_many_arguments)]
+unsafe fn affine_after_product<T: Float>(
+    acc: &mut [f64],
+    gw: *mut T,
+    gb: *mut T,
+    w: Mat<T>,
+    lw: &[T],
+    lb: &[T],
+    out_f: usize,
+    d: usize,
+) {
+    let (aw, ab) = acc.split_at_mut(d);
+    let gw = std::slice::from_raw_parts_mut(gw, out_f * d);
+    let gb = std::slice::from_raw_parts(gb as *const T, out_f);
+    for (o, (row, &b)) in gw.chunks_exact_mut(d).zip(gb).enumerate() {
+        let w_row = w.ptr.offset(o as isize * w.rs);
+        for c in 0..d {
+            let wv = (*w_row.offset(c as isize * w.cs)).f64();
+            aw[c] += wv * row[c].f64();
+            ab[c] += wv * b.f64();
+        }
+        for ((g, &lw), &lb) in row.iter_mut().zip(&lw[..d]).zip(&lb[..d]) {
+            *g = *g * lw + b * lb;
+        }
+    }
 }
 
 /// `out = batch_norm(x)` over channel dim 1: with the batch statistics (updating the running ones in

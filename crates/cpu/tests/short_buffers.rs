@@ -185,6 +185,7 @@ fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
             (6, vec![ROWS * OUT - 1, 1], "layer_norm_linear_backward output gradient"),
             (7, short(&[ROWS, D]), "layer_norm_linear_backward input gradient"),
             (10, short(&[OUT, D]), "layer_norm_linear_backward weight gradient"),
+            (12, short(&[2, D]), "layer_norm_linear_backward column sums"),
             (13, short(&[OUT]), "layer_norm_linear_backward bias gradient"),
         ],
     });

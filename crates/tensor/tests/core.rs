@@ -683,6 +683,54 @@ fn layer_norm_linear_gives_one_affine_gradient_without_the_other() {
     assert_eq!(run(false, true), (None, lb_both));
 }
 
+/// The fused layer norm + linear's layer-norm gradients, in f32 over more rows than one block: from
+/// the weight-gradient product (weight trained) and from column sums over the rows (weight frozen),
+/// both as the unfused layer norm and linear give them, to f32 rounding.
+#[test]
+fn layer_norm_linear_affine_gradients_agree_with_the_unfused_ops_whether_the_weight_trains_or_not() {
+    let device = Device::cpu();
+    let (rows, d, out) = (1100, 24, 40);
+    let values = |n: usize, seed: u64| -> Vec<f64> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    };
+    let t = |v: Vec<f64>, shape: &[usize], grad: bool| {
+        let t = Tensor::from_slice(&device, &v, shape, Category::Parameter).unwrap().to_dtype(DType::F32).unwrap();
+        t.set_requires_grad(grad)
+    };
+    let seed = t(values(rows * out, 5), &[rows, out], false);
+    let run = |fused: bool, weight_grad: bool| {
+        let x = t(values(rows * d, 1).iter().map(|v| v * 3.0 + 0.5).collect(), &[rows, d], true);
+        let lw = t(values(d, 2).iter().map(|v| v + 1.5).collect(), &[d], true);
+        let lb = t(values(d, 3), &[d], true);
+        let w = t(values(out * d, 4), &[out, d], weight_grad);
+        let b = t(values(out, 6), &[out], true);
+        let y = if fused {
+            ops::layer_norm_linear(&x, &lw, &lb, 1e-5, &w, Some(&b)).unwrap()
+        } else {
+            ops::linear(&ops::layer_norm(&x, &[d], Some(&lw), Some(&lb), 1e-5).unwrap(), &w, Some(&b)).unwrap()
+        };
+        backward(&y.mul(&seed).unwrap().sum_all().unwrap()).unwrap();
+        let g = |t: &Tensor| t.grad().expect("gradient").to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+        [g(&lw), g(&lb), g(&x), g(&b)]
+    };
+    let want = run(false, true);
+    for weight_grad in [true, false] {
+        let got = run(true, weight_grad);
+        for (i, name) in ["ln weight", "ln bias", "input", "bias"].iter().enumerate() {
+            let scale = want[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for (g, w) in got[i].iter().zip(&want[i]) {
+                assert!((g - w).abs() <= 1e-5 * scale, "{name} (weight grad {weight_grad}): {g} vs {w}");
+            }
+        }
+    }
+}
+
 #[test]
 fn batch_norm_refuses_either_running_statistic_strided() {
     let device = Device::cpu();

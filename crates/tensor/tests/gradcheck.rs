@@ -471,6 +471,24 @@ fn gradcheck_layer_norm_linear() {
     gradcheck("layer_norm_linear constant norm", &inputs, |x| {
         ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
     });
+    // A constant weight: the layer-norm gradients are then summed over the rows (with the weight's
+    // gradient they come from its product). Without the linear bias too, whose column sums the
+    // product otherwise needs a scratch for.
+    let mut inputs = ln_inputs(&mut rng, &[530, 6]);
+    inputs[3].wrt = false;
+    gradcheck("layer_norm_linear constant weight", &inputs, |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
+    let mut inputs = ln_inputs(&mut rng, &[3, 6]);
+    inputs[3].wrt = false;
+    gradcheck("layer_norm_linear constant weight, no bias", &inputs[..4], |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], None)
+    });
+    let mut inputs = ln_inputs(&mut rng, &[3, 6]);
+    inputs[4].wrt = false;
+    gradcheck("layer_norm_linear constant bias", &inputs, |x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
     let mut inputs = ln_inputs(&mut rng, &[3, 6]);
     inputs[1..].iter_mut().for_each(|i| i.wrt = false);
     gradcheck("layer_norm_linear input only, in place", &inputs, |x| {

@@ -131,12 +131,15 @@ impl Backward for LayerNormBack {
 /// Unfused, autograd keeps both the normalization's input (for its backward) and its output (for the
 /// linear's); this op saves only `x`, the per-row mean and rstd and the weights, and recomputes the
 /// normalized rows in backward. Forward and backward work in blocks of `LN_ROWS` rows through one
-/// allocator scratch of LN_ROWS x in, so the normalized tensor never exists whole; the column sums of
-/// the layer-norm weight and bias gradients are kept in an f64 [2, in] allocator tensor. Backward
-/// writes the input gradient over the saved `x` when nobody else can see it (Note [Gradient
-/// ownership] in `autograd.rs`), else into a new tensor. Normalized values and layer-norm gradients are
-/// computed exactly as [`layer_norm`] computes them; only the sum over rows of the linear weight
-/// gradient is split by row blocks.
+/// allocator scratch of LN_ROWS x in, so the normalized tensor never exists whole. Backward writes the
+/// input gradient over the saved `x` when nobody else can see it (Note [Gradient ownership] in
+/// `autograd.rs`), else into a new tensor. Normalized values and the input gradient are computed
+/// exactly as [`layer_norm`] computes them; the linear weight gradient's sum over rows is split by
+/// row blocks. The layer-norm weight and bias gradients are summed in an f64 [2, in] allocator
+/// tensor: when the linear weight gradient is wanted too, from the weight-gradient product (taken
+/// on the normalized rows before the affine, with the column sums of the output gradient; sums over
+/// the `out` rows of the weight instead of over every input row, see `affine_after_product` in
+/// `memfit-cpu`), else as the unfused layer norm sums them.
 pub fn layer_norm_linear(
     x: &Tensor,
     ln_weight: &Tensor,
@@ -217,7 +220,10 @@ impl Backward for LayerNormLinearBack {
         let glw = if need_lw { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
         let glb = if need_lb { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
         let gw = if need_w { Some(output(&grad, &[out_f, d], grad.dtype(), NAME)?) } else { None };
-        let gb = bias_grad(&g2, has_bias && needs[4], gw.is_some(), NAME)?;
+        // The layer-norm gradients come from the weight-gradient product when it runs: it then sums
+        // the columns of g (the linear bias gradient, or a scratch when that is not wanted).
+        let want_gb = has_bias && needs[4];
+        let gb = bias_grad(&g2, want_gb || (need_w && (need_lw || need_lb)), gw.is_some(), NAME)?;
         // Everything is allocated before x may be overwritten.
         let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
         let sums = if need_lw || need_lb { Some(super::output_any(&grad, &[2, d], DType::F64, NAME)?) } else { None };
@@ -249,7 +255,7 @@ impl Backward for LayerNormLinearBack {
         };
         let mut grads = vec![gx, glw, glb, gw];
         if has_bias {
-            grads.push(gb);
+            grads.push(gb.filter(|_| want_gb));
         }
         Ok(grads)
     }
