@@ -66,9 +66,6 @@ impl Binary {
 // instruction set, f64 the scalar functions below. Every GELU of the crate goes through these, so
 // fused and unfused ops compute the same values.
 
-/// Elements per call into the vectorised math, and the stack buffer of the in-place variants.
-const MATH_CHUNK: usize = 1024;
-
 /// `f(src_chunk, dst_chunk)` over equal chunks of two slices, in parallel for large ones.
 fn par_chunks2<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(&[T], &mut [T]) + Sync) {
     if dst.len() >= 2 * PAR_CHUNK {
@@ -100,14 +97,7 @@ pub(crate) fn gelu_slice<T: Float>(src: &[T], dst: &mut [T]) {
 /// `y = gelu(x)` and `xd = gelu'(x)`, where `xd` holds `x` on entry.
 pub(crate) fn gelu_with_derivative_slice<T: Float>(y: &mut [T], xd: &mut [T]) {
     let run = |y: &mut [T], xd: &mut [T]| match (T::as_f32_mut(y), T::as_f32_mut(xd)) {
-        (Some(y), Some(xd)) => {
-            let mut x = [0.0f32; MATH_CHUNK];
-            for (y, xd) in y.chunks_mut(MATH_CHUNK).zip(xd.chunks_mut(MATH_CHUNK)) {
-                let x = &mut x[..xd.len()];
-                x.copy_from_slice(xd);
-                math::gelu_with_derivative(Isa::active(), x, y, xd);
-            }
-        }
+        (Some(y), Some(xd)) => math::gelu_with_derivative_over_input(Isa::active(), xd, y),
         _ => y.iter_mut().zip(xd.iter_mut()).for_each(|(y, xd)| (*y, *xd) = gelu_erf_with_derivative(*xd)),
     };
     if y.len() >= 2 * PAR_CHUNK {
@@ -136,14 +126,7 @@ pub(crate) fn gelu_backward_over_grad<T: Float>(x: &[T], g: &mut [T]) {
 /// `x = g * gelu'(x)`, over the input.
 pub(crate) fn gelu_backward_over_input<T: Float>(g: &[T], x: &mut [T]) {
     par_chunks2(g, x, |g, xs| match (T::as_f32(g), T::as_f32_mut(xs)) {
-        (Some(g), Some(xs)) => {
-            let mut x = [0.0f32; MATH_CHUNK];
-            for (g, xs) in g.chunks(MATH_CHUNK).zip(xs.chunks_mut(MATH_CHUNK)) {
-                let x = &mut x[..xs.len()];
-                x.copy_from_slice(xs);
-                math::gelu_backward(Isa::active(), x, g, xs);
-            }
-        }
+        (Some(g), Some(xs)) => math::gelu_backward_over_input(Isa::active(), g, xs),
         _ => xs.iter_mut().zip(g).for_each(|(x, &g)| *x = gelu_erf_backward(*x, g)),
     });
 }
@@ -468,7 +451,7 @@ mod tests {
     /// not all share.
     #[test]
     fn f32_slices_run_the_vectorised_math() {
-        let n = 2 * PAR_CHUNK + 2 * MATH_CHUNK + 5;
+        let n = 2 * PAR_CHUNK + 2053;
         let x: Vec<f32> = (0..n).map(|i| (i as f32 / n as f32 - 0.5) * 12.0).collect();
         let g: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let isa = Isa::active();

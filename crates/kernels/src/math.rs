@@ -147,6 +147,19 @@ pub fn gelu_with_derivative(isa: Isa, x: &[f32], y: &mut [f32], d: &mut [f32]) {
     unsafe { dual::<GeluWithDerivative>(isa, x.len(), x.as_ptr(), y.as_mut_ptr(), d.as_mut_ptr()) }
 }
 
+/// [`gelu_with_derivative`] with the derivative written over its input: `y = gelu(x)`, then
+/// `xd = gelu'(x)` where `xd` held `x` (bit for bit the same values).
+///
+/// # Panics
+/// If the slices differ in length.
+pub fn gelu_with_derivative_over_input(isa: Isa, xd: &mut [f32], y: &mut [f32]) {
+    assert_eq!(xd.len(), y.len(), "gelu_with_derivative_over_input: x and y differ in length");
+    let p = xd.as_mut_ptr();
+    // SAFETY: both slices hold xd.len() elements; the kernel reads each vector of x before it
+    // writes the derivative back through the same pointer, and `y` (a `&mut`) overlaps neither.
+    unsafe { dual::<GeluWithDerivative>(isa, xd.len(), p, y.as_mut_ptr(), p) }
+}
+
 /// `out = g * gelu'(x)`: GELU's backward for the incoming gradient `g`.
 ///
 /// # Panics
@@ -168,6 +181,18 @@ pub fn gelu_backward_inplace(isa: Isa, x: &[f32], g: &mut [f32]) {
     // SAFETY: both slices hold x.len() elements; the kernel reads each vector of `g` before it
     // writes it back through the same pointer, and `x` (a `&`) cannot overlap `g`.
     unsafe { fused::<GeluBackward>(isa, x.len(), x.as_ptr(), p, p) }
+}
+
+/// `x = g * gelu'(x)` in place over the input (bit for bit [`gelu_backward`]).
+///
+/// # Panics
+/// If the slices differ in length.
+pub fn gelu_backward_over_input(isa: Isa, g: &[f32], x: &mut [f32]) {
+    assert_eq!(x.len(), g.len(), "gelu_backward_over_input: x and g differ in length");
+    let p = x.as_mut_ptr();
+    // SAFETY: both slices hold x.len() elements; the kernel reads each vector of `x` before it
+    // writes the result back through the same pointer, and `g` (a `&`) cannot overlap `x`.
+    unsafe { fused::<GeluBackward>(isa, x.len(), p, g.as_ptr(), p) }
 }
 
 /// `y = e^x`.
@@ -358,6 +383,10 @@ mod tests {
         gelu_backward(isa, x, g, &mut b);
         let mut bi = g.to_vec();
         gelu_backward_inplace(isa, x, &mut bi);
+        let mut bx = x.to_vec();
+        gelu_backward_over_input(isa, g, &mut bx);
+        let (mut y3, mut dx) = (vec![0.0; n], x.to_vec());
+        gelu_with_derivative_over_input(isa, &mut dx, &mut y3);
         let mut e = vec![0.0; xe.len()];
         exp(isa, xe, &mut e);
         let mut ei = xe.to_vec();
@@ -368,6 +397,9 @@ mod tests {
             ("gelu_with_derivative.d", d),
             ("gelu_backward", b),
             ("gelu_backward_inplace", bi),
+            ("gelu_backward_over_input", bx),
+            ("gelu_with_derivative_over_input.y", y3),
+            ("gelu_with_derivative_over_input.d", dx),
             ("exp", e),
             ("exp_inplace", ei),
         ]
@@ -437,6 +469,13 @@ mod tests {
                     y[..len].copy_from_slice(gs);
                     gelu_backward_inplace(isa, xs, &mut y[..len]);
                     check("gelu_backward", &y);
+                    y[..len].copy_from_slice(xs);
+                    gelu_backward_over_input(isa, gs, &mut y[..len]);
+                    check("gelu_backward", &y);
+                    d[..len].copy_from_slice(xs);
+                    gelu_with_derivative_over_input(isa, &mut d[..len], &mut y[..len]);
+                    check("gelu_with_derivative.y", &y);
+                    check("gelu_with_derivative.d", &d);
                     exp(isa, xs, &mut y[..len]);
                     check("exp", &y);
                     y[..len].copy_from_slice(xs);
@@ -457,6 +496,12 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(get("gelu")), bits(get("gelu_with_derivative.y")), "{isa}");
             assert_eq!(bits(get("gelu_backward")), bits(get("gelu_backward_inplace")), "{isa}");
+            assert_eq!(bits(get("gelu_backward")), bits(get("gelu_backward_over_input")), "{isa}");
+            for part in ["y", "d"] {
+                let (a, b) =
+                    (format!("gelu_with_derivative.{part}"), format!("gelu_with_derivative_over_input.{part}"));
+                assert_eq!(bits(get(&a)), bits(get(&b)), "{isa} {part}");
+            }
             let gd: Vec<f32> = g.iter().zip(get("gelu_with_derivative.d")).map(|(g, d)| g * d).collect();
             assert_eq!(bits(get("gelu_backward")), bits(&gd), "{isa}");
             assert_eq!(bits(get("exp")), bits(get("exp_inplace")), "{isa}");

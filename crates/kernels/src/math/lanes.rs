@@ -80,7 +80,8 @@ unsafe fn unary_loop<V: Lanes, K: Unary>(n: usize, x: *const f32, y: *mut f32) {
     }
 }
 
-/// `(y[i], d[i]) = K(x[i])` for `i < n`; the three ranges must not overlap.
+/// `(y[i], d[i]) = K(x[i])` for `i < n`. `d` may equal `x` (the derivative over its input);
+/// otherwise no two ranges overlap.
 ///
 /// # Safety
 /// `x` is readable and `y`, `d` writable for `n` elements; the CPU supports `V`'s instruction set.
@@ -100,8 +101,8 @@ pub(super) unsafe fn map_dual<V: Lanes, K: Dual>(n: usize, x: *const f32, y: *mu
     }
 }
 
-/// `out[i] = K(x[i], g[i])` for `i < n`. `out` may equal `g` (in place); otherwise no range
-/// overlaps `out`.
+/// `out[i] = K(x[i], g[i])` for `i < n`. `out` may equal `g` or `x` (in place); otherwise no
+/// range overlaps `out`.
 ///
 /// # Safety
 /// `x`, `g` are readable and `out` writable for `n` elements; the CPU supports `V`'s instruction
