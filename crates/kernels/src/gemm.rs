@@ -9,8 +9,10 @@
 //! through a small tile on the stack.
 //!
 //! Operands read in place: a row-major A by whole tiles of rows (`run_direct`), and, for the levels
-//! where that is faster, a row-major B by whole panels (the kernels take B's step stride), unless
-//! their rows are a multiple of 4 KiB apart; only their partial edge tiles and panels are packed then.
+//! where that is faster, a row-major B by whole panels (the kernels take B's step stride); for a
+//! block of at most [`SHORT_DEPTH`] steps also a column-major A (the packed kernel takes A's step
+//! stride) and a row-major B on every level; never when their rows (or steps) are a multiple of
+//! 4 KiB apart. Only their partial edge tiles and panels are packed then.
 //!
 //! C starts from zero, from its own values, or from a bias row ([`Start`]), added to each tile as
 //! the micro-kernel stores it. A right operand used by several products (a fused op's row blocks)
@@ -107,13 +109,14 @@ unsafe impl<T> Sync for MatRef<T> {}
 unsafe impl<T> Send for MatMut<T> {}
 unsafe impl<T> Sync for MatMut<T> {}
 
-/// A micro-kernel: `C[MR x NR] = start + A_panel · B_panel` over `kc` steps. A is packed
-/// `a[k * MR + i]`; B's step k is the NR contiguous elements at `b + k * ldb` (`ldb` = NR for a
+/// A micro-kernel: `C[MR x NR] = start + A_panel · B_panel` over `kc` steps. A's step k is the MR
+/// contiguous elements at `a + k * lda` (`lda` = MR for a packed panel, A's column stride when a
+/// column-major A is read in place); B's step k is the NR contiguous elements at `b + k * ldb` (`ldb` = NR for a
 /// packed panel, B's row stride when B is read in place); C has row stride `rs_c` and column
 /// stride 1. The tile starts from zero, from C's own values, or from the NR values of a bias row
 /// under every row (added to the product as it is stored: the bits of accumulating onto the bias).
 pub type MicroKernelFn<T> =
-    unsafe fn(kc: usize, a: *const T, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>);
+    unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>);
 
 /// A micro-kernel reading A in place (row stride `lda`, column stride 1) instead of from a pack:
 /// `C[MR x NR] (+)= A[MR rows x kc] · B_panel`, B as in [`MicroKernelFn`].
@@ -479,7 +482,7 @@ impl<T: GemmScalar> PreparedB<T> {
     ) -> Self {
         let kernel = <T as sealed::Sealed>::micro_kernel(isa);
         let plain = PreparedB { isa, kernel, k, n, b, packed: None };
-        if n == 0 || k == 0 || reads_b_in_place(kernel, b) || packed_len(kernel, k, n) > len {
+        if n == 0 || k == 0 || reads_b_in_place(kernel, b, k) || packed_len(kernel, k, n) > len {
             return plain;
         }
         pack_whole(kernel, threads.max(1), k, n, b, dst);
@@ -563,8 +566,9 @@ impl<T: GemmScalar> BSource<T> {
         let whole = nc - nc % kernel.nr;
         match self {
             BSource::Strided(b) => {
-                let in_place = reads_b_in_place(kernel, b);
-                BBlock { packed: bpack, depth: KC.min(k - pc), in_place: in_place.then(|| b.at(pc, jc)), whole }
+                let depth = KC.min(k - pc);
+                let in_place = reads_b_in_place(kernel, b, depth);
+                BBlock { packed: bpack, depth, in_place: in_place.then(|| b.at(pc, jc)), whole }
             }
             BSource::Packed { ptr, k, n } => {
                 // The block as packed: the whole B's columns and depth at (jc, pc).
@@ -760,12 +764,13 @@ unsafe fn shared_b<T: GemmScalar>(
     })
 }
 
-/// Whether B is read in place instead of packed: when B is row-major, each depth step of a panel is
-/// NR contiguous elements, which a micro-kernel that says so (`b_in_place`) loads where they are.
-/// Not when B's rows are a multiple of 4 KiB apart: a panel's steps then share a few cache sets and
-/// evict each other, and packing is faster (measured: `gemm_bench` "sq 1024" and "gpt dW fc2").
-fn reads_b_in_place<T>(kernel: MicroKernel<T>, b: MatRef<T>) -> bool {
-    kernel.b_in_place && b.cs == 1 && (b.rs * std::mem::size_of::<T>() as isize) % 4096 != 0
+/// Whether a block of `depth` steps of B is read in place instead of packed: when B is row-major,
+/// each depth step of a panel is NR contiguous elements, which a micro-kernel that says so
+/// (`b_in_place`), or any for at most [`SHORT_DEPTH`] steps, loads where they are. Not when B's
+/// rows are a multiple of 4 KiB apart: a panel's steps then share a few cache sets and evict each
+/// other, and packing is faster (measured: `gemm_bench` "sq 1024" and "gpt dW fc2").
+fn reads_b_in_place<T>(kernel: MicroKernel<T>, b: MatRef<T>, depth: usize) -> bool {
+    (kernel.b_in_place || depth <= SHORT_DEPTH) && b.cs == 1 && (b.rs * std::mem::size_of::<T>() as isize) % 4096 != 0
 }
 
 /// Where the micro-kernels read one `kc x nc` block of B: whole panels from B itself when B is read
@@ -817,11 +822,21 @@ unsafe fn rows<T: GemmScalar>(
     sums: Option<Shared<T>>,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let mut tile = [T::default(); MAX_TILE * MAX_TILE];
-    // A row-major A is read in place by whole tiles of rows (it is already contiguous along K);
-    // only its last partial tile is packed. Not when its rows are a multiple of 4 KiB apart: then
-    // every row of a tile falls in the same L1 set and they evict each other (packing is faster).
-    let direct = kernel.run_direct.filter(|_| a.cs == 1 && (a.rs * std::mem::size_of::<T>() as isize) % 4096 != 0);
+    // A partial tile's products, written whole (MR x NR, row stride NR) by a micro-kernel before
+    // `write_tile` reads their top-left part: never read uninitialized, so never zeroed (a 4 KiB
+    // memset per call counts in attention's many small products).
+    let mut tile = [std::mem::MaybeUninit::<T>::uninit(); MAX_TILE * MAX_TILE];
+    // A row-major A is read in place by whole tiles of rows (it is already contiguous along K), and
+    // so is a column-major one (a transposed operand: each step's MR elements contiguous, as in a
+    // pack) of at most `SHORT_DEPTH` steps; only the last partial tile is packed. Not when the
+    // rows, or steps, are a multiple of 4 KiB apart: they then fall in one L1 set and evict each
+    // other (packing is faster).
+    let apart = |stride: isize| (stride * std::mem::size_of::<T>() as isize) % 4096 == 0;
+    let direct = match kernel.run_direct {
+        Some(run) if a.cs == 1 && !apart(a.rs) => Some((run, a.rs)),
+        _ if a.rs == 1 && kc <= SHORT_DEPTH && !apart(a.cs) => Some((kernel.run, a.cs)),
+        _ => None,
+    };
     for ic in range.clone().step_by(MC) {
         let mc = MC.min(range.end - ic);
         let packed_from = if direct.is_some() { mc - mc % mr } else { 0 };
@@ -852,19 +867,19 @@ unsafe fn rows<T: GemmScalar>(
                 // A whole tile starts where C does (its bias row from this tile's column); a
                 // partial one is computed from zero on the stack and written with what C starts from.
                 let whole_start = start.at_col(jr);
-                let tp = tile.as_mut_ptr();
+                let tp = tile.as_mut_ptr() as *mut T;
                 match direct {
-                    Some(run) if ir < packed_from && cols == nr => {
-                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, cp, c.rs, whole_start)
+                    Some((run, lda)) if ir < packed_from && cols == nr => {
+                        run(kc, a.at(ic + ir, pc).ptr, lda, bp, ldb, cp, c.rs, whole_start)
                     }
-                    Some(run) if ir < packed_from => {
-                        run(kc, a.at(ic + ir, pc).ptr, a.rs, bp, ldb, tp, nr as isize, Start::Zero);
-                        write_tile(&tile, nr, rows, cols, cp, c.rs, whole_start);
+                    Some((run, lda)) if ir < packed_from => {
+                        run(kc, a.at(ic + ir, pc).ptr, lda, bp, ldb, tp, nr as isize, Start::Zero);
+                        write_tile(tp, nr, rows, cols, cp, c.rs, whole_start);
                     }
-                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, bp, ldb, cp, c.rs, whole_start),
+                    _ if rows == mr && cols == nr => (kernel.run)(kc, ap, mr as isize, bp, ldb, cp, c.rs, whole_start),
                     _ => {
-                        (kernel.run)(kc, ap, bp, ldb, tp, nr as isize, Start::Zero);
-                        write_tile(&tile, nr, rows, cols, cp, c.rs, whole_start);
+                        (kernel.run)(kc, ap, mr as isize, bp, ldb, tp, nr as isize, Start::Zero);
+                        write_tile(tp, nr, rows, cols, cp, c.rs, whole_start);
                     }
                 }
             }
@@ -872,10 +887,19 @@ unsafe fn rows<T: GemmScalar>(
     }
 }
 
+/// Steps of a column-major A that [`rows`] reads in place rather than packs, and of a row-major B
+/// that every level reads in place: few enough that a tile's or panel's steps, a cache line each,
+/// stay in L1 while they are reused (attention's per-block dK and dV products, 24 steps; a weight
+/// gradient's 512 would not).
+const SHORT_DEPTH: usize = 64;
+
 /// Writes the top-left `rows x cols` of a tile with row stride `nr` into C, added to what C starts
 /// from (as a micro-kernel's store does).
+///
+/// # Safety
+/// Those elements of the tile must be initialized, and C valid for the writes.
 unsafe fn write_tile<T: GemmScalar>(
-    tile: &[T],
+    tile: *const T,
     nr: usize,
     rows: usize,
     cols: usize,
@@ -886,7 +910,7 @@ unsafe fn write_tile<T: GemmScalar>(
     for i in 0..rows {
         for j in 0..cols {
             let dst = c.offset(i as isize * rs_c + j as isize);
-            let v = tile[i * nr + j];
+            let v = *tile.add(i * nr + j);
             *dst = match start {
                 Start::Zero => v,
                 Start::Accumulate => *dst + v,
@@ -1235,7 +1259,7 @@ mod tests {
                 // exactly its shapes and strides.
                 let prepared: Vec<Vec<f32>> = unsafe {
                     with_prepared_b(isa, k, n, bm, 2, |pb| {
-                        let whole = packed_len(pb.kernel, k, n) <= B_PACK_ELEMS && !reads_b_in_place(pb.kernel, bm);
+                        let whole = packed_len(pb.kernel, k, n) <= B_PACK_ELEMS && !reads_b_in_place(pb.kernel, bm, k);
                         assert_eq!(pb.packed.is_some(), whole && k > 0, "{isa} k={k} n={n} tb={tb}");
                         products
                             .iter()
@@ -1318,7 +1342,7 @@ mod tests {
                 // SAFETY: B holds k x n at its strides; the buffer holds len elements and outlives pb.
                 let pb = unsafe { PreparedB::prepare_into(isa, k, n, bm, buf.as_mut_ptr(), len, 2) };
                 let tag = format!("{isa} B {k}x{n} tb={tb} short={short}");
-                assert_eq!(pb.packed.is_some(), !short && !reads_b_in_place(kernel, bm), "{tag}");
+                assert_eq!(pb.packed.is_some(), !short && !reads_b_in_place(kernel, bm, k), "{tag}");
                 for &(m, kp, np, acc, threads) in &[
                     (40, k, n, false, 2),
                     (13, k, n, true, 1),

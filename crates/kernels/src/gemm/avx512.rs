@@ -75,16 +75,18 @@ pub(crate) const F32: MicroKernel<f32> = super::portable::kernel::<f32>();
 /// # Safety
 /// As [`super::MicroKernelFn`]; only handed out when the CPU supports AVX-512F.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn run_checked(
     kc: usize,
     a: *const f32,
+    lda: isize,
     b: *const f32,
     ldb: isize,
     c: *mut f32,
     rs_c: isize,
     start: Start<f32>,
 ) {
-    run(kc, a, b, ldb, c, rs_c, start)
+    run(kc, a, lda, b, ldb, c, rs_c, start)
 }
 
 /// # Safety
@@ -138,9 +140,11 @@ unsafe fn run_direct(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn run(
     kc: usize,
     mut a: *const f32,
+    lda: isize,
     mut b: *const f32,
     ldb: isize,
     c: *mut f32,
@@ -159,7 +163,7 @@ unsafe fn run(
             lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
             hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
         }
-        a = a.add(MR);
+        a = a.offset(lda);
         b = b.offset(ldb);
     }
     store!(lo, hi, c, rs_c, start);

@@ -13,12 +13,22 @@ pub(crate) fn kernel<T: GemmScalar>() -> MicroKernel<T> {
 }
 
 /// # Safety
-/// `a` holds `kc * MR` packed elements, `b` NR elements at each of `kc` steps `ldb` apart; `c` is
-/// valid for an MR x NR tile.
-unsafe fn run<T: GemmScalar>(kc: usize, a: *const T, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>) {
+/// `a` holds MR elements at each of `kc` steps `lda` apart, `b` NR elements at each of `kc` steps
+/// `ldb` apart; `c` is valid for an MR x NR tile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run<T: GemmScalar>(
+    kc: usize,
+    a: *const T,
+    lda: isize,
+    b: *const T,
+    ldb: isize,
+    c: *mut T,
+    rs_c: isize,
+    start: Start<T>,
+) {
     let mut acc = [[T::default(); NR]; MR];
     for p in 0..kc {
-        let ap = std::slice::from_raw_parts(a.add(p * MR), MR);
+        let ap = std::slice::from_raw_parts(a.offset(p as isize * lda), MR);
         let bp = std::slice::from_raw_parts(b.offset(p as isize * ldb), NR);
         for i in 0..MR {
             for j in 0..NR {
