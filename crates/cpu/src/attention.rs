@@ -420,13 +420,10 @@ fn backward_kernel<T: Float + Element>(
             let gqi = gq.map(|g| g.0.add(lay.q.start(i, heads)));
             let gki = gk.map(|g| g.0.add(lay.k.start(i, heads)));
             let gvi = gv.map(|g| g.0.add(lay.v.start(i, heads)));
-            // dK and dV accumulate over row blocks, and keys a block skips get nothing from it.
-            if let Some(gki) = gki {
-                zero_rows(gki, tk, d, lay.k.row_stride);
-            }
-            if let Some(gvi) = gvi {
-                zero_rows(gvi, tk, dv, lay.v.row_stride);
-            }
+            // dK and dV accumulate over row blocks, and keys a block skips get nothing from it: the
+            // first block to reach a key writes its rows, later ones add to them (`touched`: the
+            // keys some block has reached), and keys no block reaches are zeroed at the end.
+            let mut touched = 0;
             let (qrs, krs, vrs, ors) = (
                 lay.q.row_stride as isize,
                 lay.k.row_stride as isize,
@@ -458,9 +455,32 @@ fn backward_kernel<T: Float + Element>(
                 }
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
                 let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: kend as isize };
+                // `dst[:kend] (+)= a[:kend] @ b`: added to the keys reached before, written for the
+                // others (a row of `a` per key, `dst`'s rows `rs` apart).
+                let seen = touched.min(kend);
+                let add_or_write = |dst: *mut T, rs: isize, a: Mat<T>, b: Mat<T>, cols: usize| {
+                    if seen > 0 {
+                        gemm_into::<T>(seen, cols, rows, dst, rs, true, a, b, threads);
+                    }
+                    if kend > seen {
+                        let a = Mat { ptr: a.ptr.add(seen), ..a };
+                        gemm_into::<T>(
+                            kend - seen,
+                            cols,
+                            rows,
+                            dst.offset(seen as isize * rs),
+                            rs,
+                            false,
+                            a,
+                            b,
+                            threads,
+                        );
+                    }
+                };
+                touched = touched.max(kend);
                 if let Some(gvi) = gvi {
                     // dV[:kend] += P^T dO
-                    gemm_into::<T>(kend, dv, rows, gvi, vrs, true, pt, gob, threads);
+                    add_or_write(gvi, vrs, pt, gob, dv);
                 }
                 if !need_ds {
                     continue;
@@ -478,8 +498,14 @@ fn backward_kernel<T: Float + Element>(
                 }
                 if let Some(gki) = gki {
                     // dK[:kend] += dS^T q rows
-                    gemm_into::<T>(kend, d, rows, gki, krs, true, pt, qb, threads);
+                    add_or_write(gki, krs, pt, qb, d);
                 }
+            }
+            if let Some(gki) = gki {
+                zero_rows(gki.add(touched * lay.k.row_stride), tk - touched, d, lay.k.row_stride);
+            }
+            if let Some(gvi) = gvi {
+                zero_rows(gvi.add(touched * lay.v.row_stride), tk - touched, dv, lay.v.row_stride);
             }
         }
     });
@@ -605,6 +631,86 @@ mod tests {
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Backward writes every key's gradient whatever its buffer held: the first block to reach a
+    /// key writes it, later ones add, and keys no query sees get 0. Three blocks of queries whose
+    /// masks reach keys 0..20, then only 0..10, then 0..25 (out of 30), with random holes.
+    #[test]
+    fn key_gradients_are_written_whatever_the_buffers_held() {
+        use crate::dtype::DType;
+        use crate::layout::Layout;
+        use crate::test_values::uniform;
+        let (bh, tq, tk, d) = (2, 2 * DP_ROWS + 12, 30, 4);
+        let reach = |r: usize| {
+            if r < DP_ROWS {
+                20
+            } else if r < 2 * DP_ROWS {
+                10
+            } else {
+                25
+            }
+        };
+        let mut mask: Vec<u8> = uniform(bh * tq * tk, 9)
+            .enumerate()
+            .map(|(i, hole)| {
+                let (r, j) = (i / tk % tq, i % tk);
+                (j >= reach(r) || (j > 0 && hole < -0.3)) as u8
+            })
+            .collect();
+        let f32_values = |n: usize, seed: u64| uniform(n, seed).map(|x| x as f32).collect::<Vec<f32>>();
+        let (q, k, v, go) = (
+            f32_values(bh * tq * d, 1),
+            f32_values(bh * tk * d, 2),
+            f32_values(bh * tk * d, 3),
+            f32_values(bh * tq * d, 4),
+        );
+        let (mut out, mut lse) = (vec![0f32; bh * tq * d], vec![0f32; bh * tq]);
+        let lay = AttnLayouts {
+            q: AttnAddr::stack(tq, d),
+            k: AttnAddr::stack(tk, d),
+            v: AttnAddr::stack(tk, d),
+            out: AttnAddr::stack(tq, d),
+        };
+        let dims = AttnDims { bh, heads: 1, tq, tk, d, dv: d };
+        let pb = AttnProblem { dims, lay, scale: 0.5, causal: false, full: vec![bh, tq, tk] };
+        let (lq, lk, lm, ll) = (
+            Layout::contiguous(&[bh, tq, d]),
+            Layout::contiguous(&[bh, tk, d]),
+            Layout::contiguous(&[bh, tq, tk]),
+            Layout::contiguous(&[bh, tq]),
+        );
+        /// A view of `v` as `l`.
+        fn f32s<'a>(v: &mut [f32], l: &'a Layout) -> View<'a> {
+            // SAFETY: every buffer holds its layout's elements and outlives its views (the test's
+            // calls use them while the buffers live).
+            unsafe { View::new(v.as_mut_ptr() as *mut u8, v.len() * 4, DType::F32, l) }
+        }
+        // SAFETY: as above, one byte per mask element.
+        let m = unsafe { View::new(mask.as_mut_ptr(), mask.len(), DType::Bool, &lm) };
+        let (mut q1, mut k1, mut v1) = (q.clone(), k.clone(), v.clone());
+        let (qv, kv, vv) = (f32s(&mut q1, &lq), f32s(&mut k1, &lk), f32s(&mut v1, &lk));
+        attention(qv, kv, vv, Some(m), &pb, f32s(&mut out, &lq), Some(f32s(&mut lse, &ll))).unwrap();
+        let grads = |fill: f32| {
+            let (mut gq, mut gk, mut gv) = (vec![fill; bh * tq * d], vec![fill; bh * tk * d], vec![fill; bh * tk * d]);
+            let (mut lse, mut go) = (lse.clone(), go.clone());
+            let (l, g) = (f32s(&mut lse, &ll), f32s(&mut go, &lq));
+            let (dq, dk, dv) = (f32s(&mut gq, &lq), f32s(&mut gk, &lk), f32s(&mut gv, &lk));
+            attention_backward(qv, kv, vv, Some(m), l, &pb, g, Some(dq), Some(dk), Some(dv)).unwrap();
+            (gq, gk, gv)
+        };
+        let (zeroed, stale) = (grads(0.0), grads(f32::NAN));
+        assert_eq!(bits(&stale.0), bits(&zeroed.0), "dq");
+        assert_eq!(bits(&stale.1), bits(&zeroed.1), "dk");
+        assert_eq!(bits(&stale.2), bits(&zeroed.2), "dv");
+        for i in 0..bh {
+            for g in [&stale.1, &stale.2] {
+                let unseen = &g[(i * tk + 25) * d..(i + 1) * tk * d];
+                assert!(unseen.iter().all(|&x| x.to_bits() == 0), "keys no query sees: {unseen:?}");
+                let first_block_only = &g[(i * tk + 12) * d..(i * tk + 20) * d];
+                assert!(first_block_only.iter().all(|x| x.is_finite()) && first_block_only.iter().any(|&x| x != 0.0));
+            }
+        }
     }
 
     /// The softmax row kernels give the portable copy's bits on every level, for rows with and
