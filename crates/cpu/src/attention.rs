@@ -234,10 +234,15 @@ impl<'a> Visibility<'a> {
     }
 }
 
+// The softmax of a block of rows in three steps, so that the exponentials of the whole block are
+// one call of the vectorised exp (not one per row): `shift_row` per row, `exp_in_place` over the
+// block, `normalize_row` per row. A row's values and log-sum-exp do not depend on the grouping.
+
 multiversion! {
-    /// Softmaxes one row of scaled, masked scores (hidden keys -inf) in place; returns its
-    /// log-sum-exp. A fully masked row becomes 0 and returns -inf.
-    fn softmax_row<T: Float>(row: &mut [T]) -> T {
+    /// First step of the softmax of one row of scaled, masked scores (hidden keys -inf): subtracts
+    /// the row's maximum and returns it; a fully masked row (maximum -inf) becomes all -inf (0
+    /// once exponentiated), a row with a NaN score all NaN (the NaN is returned).
+    fn shift_row<T: Float>(row: &mut [T]) -> T {
         // The maximum and whether any score is NaN, in lanes as `lane_sum` keeps its sums.
         let (mut lanes, mut nan) = ([T::neg_infinity(); LANES], [false; LANES]);
         let groups = row.chunks_exact(LANES);
@@ -259,11 +264,21 @@ multiversion! {
             m = T::nan();
         }
         if m == T::neg_infinity() {
-            row.iter_mut().for_each(|v| *v = T::of(0.0));
+            row.fill(T::neg_infinity());
+        } else {
+            row.iter_mut().for_each(|v| *v -= m);
+        }
+        m
+    }
+}
+
+multiversion! {
+    /// Last step of the softmax of one row: divides the exponentials by their sum and returns the
+    /// log-sum-exp `m + ln(sum)` (-inf for a fully masked row, whose exponentials are all 0).
+    fn normalize_row<T: Float>(row: &mut [T], m: T) -> T {
+        if m == T::neg_infinity() {
             return m;
         }
-        row.iter_mut().for_each(|v| *v -= m);
-        exp_in_place(row);
         let sum = lane_sum(row, |v| v);
         row.iter_mut().for_each(|v| *v = *v / sum);
         m + sum.ln()
@@ -280,15 +295,15 @@ multiversion! {
 }
 
 multiversion! {
-    /// Backward's probabilities from a row of scaled, masked scores and the row's log-sum-exp `l`:
-    /// `exp(s - l)`, as forward's softmax made them (a fully masked row, `l` = -inf, gives 0).
-    fn probabilities_row<T: Float>(row: &mut [T], l: T) {
+    /// Backward's probabilities from a row of scaled, masked scores and the row's log-sum-exp `l`,
+    /// first step: `s - l` (-inf for a fully masked row, `l` = -inf), which the block's exp turns
+    /// into forward's softmax (0 for the masked row).
+    fn subtract_lse_row<T: Float>(row: &mut [T], l: T) {
         if l == T::neg_infinity() {
             row.fill(T::neg_infinity());
         } else {
             row.iter_mut().for_each(|v| *v -= l);
         }
-        exp_in_place(row);
     }
 }
 
@@ -355,10 +370,15 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
                 let kend = vis.key_end(base, r0, rows, tk);
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: lay.q.row_stride as isize, cs: 1 };
                 prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
-                for r in 0..rows {
+                let mut maxima = [T::zero(); DP_ROWS];
+                for (r, m) in maxima[..rows].iter_mut().enumerate() {
                     let row = &mut s[r * kend..(r + 1) * kend];
                     vis.scale_and_hide(isa, base, r0 + r, row, scale);
-                    let lse = softmax_row(isa, row);
+                    *m = shift_row(isa, row);
+                }
+                exp_in_place(&mut s[..rows * kend]);
+                for (r, &m) in maxima[..rows].iter().enumerate() {
+                    let lse = normalize_row(isa, &mut s[r * kend..(r + 1) * kend], m);
                     if !p.lse.0.is_null() {
                         *p.lse.0.add(i * tq + r0 + r) = lse;
                     }
@@ -451,8 +471,9 @@ fn backward_kernel<T: Float + Element>(
                     if l != T::neg_infinity() {
                         vis.scale_and_hide(isa, base, r0 + r, row, scale);
                     }
-                    probabilities_row(isa, row, l);
+                    subtract_lse_row(isa, row, l);
                 }
+                exp_in_place(&mut s[..rows * kend]);
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
                 let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: kend as isize };
                 // `dst[:kend] (+)= a[:kend] @ b`: added to the keys reached before, written for the
@@ -633,6 +654,13 @@ mod tests {
         v.iter().map(|v| v.to_bits()).collect()
     }
 
+    /// The softmax of one row as the kernels take it, in its three steps; returns the log-sum-exp.
+    fn softmax_row(isa: Isa, row: &mut [f32]) -> f32 {
+        let m = shift_row(isa, row);
+        exp_in_place(row);
+        normalize_row(isa, row, m)
+    }
+
     /// Backward writes every key's gradient whatever its buffer held: the first block to reach a
     /// key writes it, later ones add, and keys no query sees get 0. Three blocks of queries whose
     /// masks reach keys 0..20, then only 0..10, then 0..25 (out of 30), with random holes.
@@ -732,7 +760,8 @@ mod tests {
                     out.push(lse.to_bits());
                     out.extend(bits(&row));
                     let mut p = scaled.clone();
-                    probabilities_row(isa, &mut p, lse);
+                    subtract_lse_row(isa, &mut p, lse);
+                    exp_in_place(&mut p);
                     out.extend(bits(&p));
                     softmax_grad_row(isa, &mut p, &scores(len, 7, 0), 0.125);
                     out.extend(bits(&p));
