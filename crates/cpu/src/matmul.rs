@@ -302,9 +302,14 @@ pub fn gelu_linear_backward(
                             gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
                             prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
-                                let (g, d) = (sc_row(r), if in_place { x_row(r) } else { d_row(r) });
-                                let dst = gx_row(gxs, r);
-                                dst.iter_mut().zip(g.iter().zip(d.iter())).for_each(|(o, (&g, &d))| *o = g * d);
+                                let g = sc_row(r);
+                                if in_place {
+                                    // dx over the derivative, both x's row: one reference to it.
+                                    x_row(r).iter_mut().zip(g.iter()).for_each(|(d, &g)| *d *= g);
+                                } else {
+                                    let (d, dst) = (d_row(r), gx_row(gxs, r));
+                                    dst.iter_mut().zip(g.iter().zip(d.iter())).for_each(|(o, (&g, &d))| *o = g * d);
+                                }
                             });
                             continue;
                         }

@@ -527,7 +527,7 @@ pub fn layer_norm_linear_backward(
 /// `sum_r gy[r, c] = sum_o W[o, c] gb[o]` with `gb` the column sums of `g`: sums over the `out`
 /// rows of W instead of over every row of the batch. The product ran on `xhat` and left `G` in
 /// `gw`; the weight gradient `g^T y` is then `G[o, c] lw[c] + gb[o] lb[c]`. `acc` [2, d] receives
-/// the two sums in f64, over `o` in order.
+/// the two sums in f64, over `o` in order. In parallel over blocks of columns.
 ///
 /// # Safety
 /// `gw` must hold `out_f x d` and `gb` `out_f` elements, and `w` address an `out_f x d` matrix;
@@ -543,19 +543,31 @@ unsafe fn affine_after_product<T: Float>(
     out_f: usize,
     d: usize,
 ) {
+    const COLS: usize = 64;
     let (aw, ab) = acc.split_at_mut(d);
-    let gw = std::slice::from_raw_parts_mut(gw, out_f * d);
     let gb = std::slice::from_raw_parts(gb as *const T, out_f);
-    for (o, (row, &b)) in gw.chunks_exact_mut(d).zip(gb).enumerate() {
-        let w_row = w.ptr.offset(o as isize * w.rs);
-        for c in 0..d {
-            let wv = (*w_row.offset(c as isize * w.cs)).f64();
-            aw[c] += wv * row[c].f64();
-            ab[c] += wv * b.f64();
+    let (gw, w_ptr) = (SendPtr(gw), SendPtr(w.ptr as *mut T));
+    let run = |(blk, (sw, sb)): (usize, (&mut [f64], &mut [f64]))| {
+        let (gw, w_ptr) = (gw, w_ptr);
+        let c0 = blk * COLS;
+        let (lw, lb) = (&lw[c0..c0 + sw.len()], &lb[c0..c0 + sw.len()]);
+        for (o, &b) in gb.iter().enumerate() {
+            // SAFETY: row o of gw and of W are inside them (caller); this task alone touches
+            // columns c0..c0 + sw.len() of gw.
+            let row = unsafe { gw.slice_mut(o * d + c0, sw.len()) };
+            let w_row = unsafe { w_ptr.0.offset(o as isize * w.rs + c0 as isize * w.cs) as *const T };
+            for (c, g) in row.iter_mut().enumerate() {
+                let wv = unsafe { *w_row.offset(c as isize * w.cs) }.f64();
+                sw[c] += wv * g.f64();
+                sb[c] += wv * b.f64();
+                *g = *g * lw[c] + b * lb[c];
+            }
         }
-        for ((g, &lw), &lb) in row.iter_mut().zip(&lw[..d]).zip(&lb[..d]) {
-            *g = *g * lw + b * lb;
-        }
+    };
+    if out_f * d >= 2 * PAR_CHUNK && d > COLS {
+        aw.par_chunks_mut(COLS).zip(ab.par_chunks_mut(COLS)).enumerate().for_each(run);
+    } else {
+        aw.chunks_mut(COLS).zip(ab.chunks_mut(COLS)).enumerate().for_each(run);
     }
 }
 

@@ -112,9 +112,9 @@ unsafe impl<T> Sync for MatMut<T> {}
 
 /// A micro-kernel: `C[MR x NR] = start + A_panel · B_panel` over `kc` steps. A's step k is the MR
 /// contiguous elements at `a + k * lda` (`lda` = MR for a packed panel, A's column stride when a
-/// column-major A is read in place); B's step k is the NR contiguous elements at `b + k * ldb` (`ldb` = NR for a
-/// packed panel, B's row stride when B is read in place); C has row stride `rs_c` and column
-/// stride 1. The tile starts from zero, from C's own values, or from the NR values of a bias row
+/// column-major A is read in place); B's step k is the NR contiguous elements at `b + k * ldb`
+/// (`ldb` = NR for a packed panel, B's row stride when B is read in place); C has row stride
+/// `rs_c` and column stride 1. The tile starts from zero, from C's own values, or from the NR values of a bias row
 /// under every row (added to the product as it is stored: the bits of accumulating onto the bias).
 pub type MicroKernelFn<T> =
     unsafe fn(kc: usize, a: *const T, lda: isize, b: *const T, ldb: isize, c: *mut T, rs_c: isize, start: Start<T>);
