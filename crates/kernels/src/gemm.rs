@@ -1439,6 +1439,26 @@ mod tests {
         }
     }
 
+    /// Which row-major B is read in place: at most `SHORT_DEPTH` steps on every level, deeper only on
+    /// the levels whose kernels say so, never with rows 4 KiB apart or a column stride.
+    #[test]
+    fn short_row_major_b_is_read_in_place_on_every_level() {
+        let b = [0f32; 1];
+        for isa in Isa::supported() {
+            let kernel = <f32 as sealed::Sealed>::micro_kernel(isa);
+            let at = |rs: isize, cs: isize| MatRef { ptr: b.as_ptr(), rs, cs };
+            for (m, depth, want) in [
+                (at(40, 1), SHORT_DEPTH, true),
+                (at(40, 1), SHORT_DEPTH + 1, kernel.b_in_place),
+                (at(40, 1), KC, kernel.b_in_place),
+                (at(1024, 1), 8, false),
+                (at(1, 40), 8, false),
+            ] {
+                assert_eq!(reads_b_in_place(kernel, m, depth), want, "{isa} rs={} cs={} depth={depth}", m.rs, m.cs);
+            }
+        }
+    }
+
     /// The blocks of a B packed whole follow each other with no gap or overlap, padded panels and
     /// all, within what `prepared_b_capacity` promises (exactly that on the level with the
     /// narrowest panels, for whole widest panels), on every level; a block of A or of B fits its
