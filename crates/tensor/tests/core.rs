@@ -667,20 +667,23 @@ fn layer_norm_linear_gives_one_affine_gradient_without_the_other() {
     let device = Device::cpu();
     let x = Tensor::from_slice(&device, &[0.1, -0.4, 0.9, 0.3, 0.7, -0.2], &[2, 3], Category::Input).unwrap();
     let w = Tensor::from_slice(&device, &[0.5, -0.3, 0.2, 0.1, 0.4, -0.6], &[2, 3], Category::Parameter).unwrap();
-    let run = |lw_grad: bool, lb_grad: bool| {
-        let param = |v: &[f64], grad: bool| {
-            Tensor::from_slice(&device, v, &[3], Category::Parameter).unwrap().set_requires_grad(grad)
+    // With the weight frozen (column sums over the rows) and trained (sums from its product).
+    for w in [w.clone(), w.clone().set_requires_grad(true)] {
+        let run = |lw_grad: bool, lb_grad: bool| {
+            let param = |v: &[f64], grad: bool| {
+                Tensor::from_slice(&device, v, &[3], Category::Parameter).unwrap().set_requires_grad(grad)
+            };
+            let (lw, lb) = (param(&[1.2, 0.8, 1.1], lw_grad), param(&[0.1, -0.2, 0.05], lb_grad));
+            let out = ops::layer_norm_linear(&x, &lw, &lb, 1e-5, &w, None).unwrap();
+            backward(&out.mul(&out).unwrap().sum_all().unwrap()).unwrap();
+            let grad = |t: &Tensor| t.grad().map(|g| g.to_vec::<f64>().unwrap());
+            (grad(&lw), grad(&lb))
         };
-        let (lw, lb) = (param(&[1.2, 0.8, 1.1], lw_grad), param(&[0.1, -0.2, 0.05], lb_grad));
-        let out = ops::layer_norm_linear(&x, &lw, &lb, 1e-5, &w, None).unwrap();
-        backward(&out.mul(&out).unwrap().sum_all().unwrap()).unwrap();
-        let grad = |t: &Tensor| t.grad().map(|g| g.to_vec::<f64>().unwrap());
-        (grad(&lw), grad(&lb))
-    };
-    let (lw_both, lb_both) = run(true, true);
-    assert!(lw_both.is_some() && lb_both.is_some());
-    assert_eq!(run(true, false), (lw_both, None));
-    assert_eq!(run(false, true), (None, lb_both));
+        let (lw_both, lb_both) = run(true, true);
+        assert!(lw_both.is_some() && lb_both.is_some());
+        assert_eq!(run(true, false), (lw_both, None));
+        assert_eq!(run(false, true), (None, lb_both));
+    }
 }
 
 /// The fused layer norm + linear's layer-norm gradients, in f32 over more rows than one block: from

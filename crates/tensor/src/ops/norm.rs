@@ -652,6 +652,36 @@ mod tests {
         assert_eq!(a.stats().category(Category::Activation).current, 0);
     }
 
+    /// With the weight frozen, the layer-norm gradients are column sums over the rows: backward
+    /// allocates no weight gradient and no column sums of the output gradient.
+    #[test]
+    fn layer_norm_linear_with_a_frozen_weight_allocates_no_product_buffers() {
+        let dev = Device::cpu();
+        let (rows, i, o) = (300, 64, 8);
+        let leaf = |n, salt, shape: &[usize], grad: bool| {
+            Tensor::from_slice(&dev, &values(n, salt), shape, Category::Input).unwrap().set_requires_grad(grad)
+        };
+        let (x, lw, lb) = (leaf(rows * i, 1, &[rows, i], true), leaf(i, 2, &[i], true), leaf(i, 3, &[i], true));
+        let w = leaf(o * i, 4, &[o, i], false);
+        let y = layer_norm_linear(&x, &lw, &lb, 1e-5, &w, None).unwrap();
+        let g = t64(&dev, &values(rows * o, 5), &[rows, o]);
+        let before = dev.allocator().timeline().events().count();
+        backward_with(&y, g).unwrap();
+        let a = dev.allocator();
+        let allocs: Vec<(u64, &str)> = a
+            .timeline()
+            .events()
+            .skip(before)
+            .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
+            .map(|e| (e.bytes, e.op))
+            .collect();
+        // The input gradient (x is a leaf), ln weight and bias gradients, a block of rows, the f64 sums.
+        let name = "layer_norm_linear_backward";
+        let block = (rows.min(LN_ROWS) * i * 8) as u64;
+        let want = [(block, name), (512, name), (512, name), (block, name), (1024, name)];
+        assert_eq!(allocs, want);
+    }
+
     #[test]
     fn layer_norm_linear_meta_allocates_like_cpu() {
         assert_meta_matches_cpu(|dev| {
