@@ -484,7 +484,7 @@ fn backward_kernel<T: Float + Element>(
                         gemm_into::<T>(seen, cols, rows, dst, rs, true, a, b, threads);
                     }
                     if kend > seen {
-                        let a = Mat { ptr: a.ptr.add(seen), ..a };
+                        let a = Mat { ptr: a.ptr.offset(seen as isize * a.rs), ..a };
                         gemm_into::<T>(
                             kend - seen,
                             cols,
