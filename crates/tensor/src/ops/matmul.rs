@@ -297,21 +297,14 @@ mod tests {
         let g = t64(&dev, &values(300 * 8, 3), &[300, 8]);
         let before = dev.allocator().timeline().events().count();
         backward_with(&y, g).unwrap();
-        let a = dev.allocator();
-        let allocs: Vec<(u64, &str)> = a
-            .timeline()
-            .events()
-            .skip(before)
-            .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
-            .map(|e| (e.bytes, e.op))
-            .collect();
+        let allocs = allocations_since(&dev, before);
         // The weight gradient and a scratch of one block of rows (GELU's output, then the gradient
         // before GELU; its derivative goes over the saved input, which becomes dx); then the affine's
         // backward (its own output).
         let block = (300.min(GELU_ROWS) * 64 * 8) as u64;
         assert_eq!(allocs[..2], [(4096, "gelu_linear_backward"), (block, "gelu_linear_backward")]);
         assert_eq!(allocs.len(), 3, "{allocs:?}");
-        assert_eq!(a.stats().category(Category::Activation).current, 0);
+        assert_eq!(dev.stats().category(Category::Activation).current, 0);
     }
 
     /// A whole block of rows 4 KiB apart gets a padded scratch (read in place by the GEMM), and the

@@ -634,14 +634,7 @@ mod tests {
         let g = t64(&dev, &values(rows * o, 5), &[rows, o]);
         let before = dev.allocator().timeline().events().count();
         backward_with(&y, g).unwrap();
-        let a = dev.allocator();
-        let allocs: Vec<(u64, &str)> = a
-            .timeline()
-            .events()
-            .skip(before)
-            .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
-            .map(|e| (e.bytes, e.op))
-            .collect();
+        let allocs = allocations_since(&dev, before);
         // ln weight and bias gradients, the weight gradient, the column sums of g (no linear bias:
         // a scratch), a scratch of one block of rows and the f64 sums of the ln gradients; dx
         // overwrites the saved input; then the affine's backward.
@@ -649,7 +642,7 @@ mod tests {
         let block = (rows.min(LN_ROWS) * i * 8) as u64;
         assert_eq!(allocs[..6], [(512, name), (512, name), (4096, name), (512, name), (block, name), (1024, name)]);
         assert_eq!(allocs.len(), 7, "{allocs:?}");
-        assert_eq!(a.stats().category(Category::Activation).current, 0);
+        assert_eq!(dev.stats().category(Category::Activation).current, 0);
     }
 
     /// With the weight frozen, the layer-norm gradients are column sums over the rows: backward
@@ -667,14 +660,7 @@ mod tests {
         let g = t64(&dev, &values(rows * o, 5), &[rows, o]);
         let before = dev.allocator().timeline().events().count();
         backward_with(&y, g).unwrap();
-        let a = dev.allocator();
-        let allocs: Vec<(u64, &str)> = a
-            .timeline()
-            .events()
-            .skip(before)
-            .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
-            .map(|e| (e.bytes, e.op))
-            .collect();
+        let allocs = allocations_since(&dev, before);
         // The input gradient (x is a leaf), ln weight and bias gradients, a block of rows, the f64 sums.
         let name = "layer_norm_linear_backward";
         let block = (rows.min(LN_ROWS) * i * 8) as u64;

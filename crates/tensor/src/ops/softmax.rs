@@ -71,6 +71,13 @@ pub(crate) mod test_support {
         Tensor::from_slice(dev, data, shape, Category::Input).unwrap()
     }
 
+    /// The allocations (bytes, op) of `dev`'s allocator after its first `before` timeline events.
+    pub fn allocations_since(dev: &Device, before: usize) -> Vec<(u64, &'static str)> {
+        let a = dev.allocator();
+        let events = a.timeline().events();
+        events.skip(before).filter(|e| e.kind == memfit_memory::EventKind::Alloc).map(|e| (e.bytes, e.op)).collect()
+    }
+
     /// Deterministic pseudo-random values in [-1, 1) (a Weyl sequence), distinct per `salt`.
     pub fn values(n: usize, salt: u64) -> Vec<f64> {
         (0..n)
