@@ -451,7 +451,8 @@ mod tests {
     /// not all share.
     #[test]
     fn f32_slices_run_the_vectorised_math() {
-        let n = 2 * PAR_CHUNK + 2053;
+        // Parallel chunks, and a last one with a tail shorter than any vector.
+        let n = 2 * PAR_CHUNK + 5;
         let x: Vec<f32> = (0..n).map(|i| (i as f32 / n as f32 - 0.5) * 12.0).collect();
         let g: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let isa = Isa::active();
