@@ -4,7 +4,8 @@
 //! Contract:
 //! - `alloc_segment(bytes)` returns `Ok(Some(ptr))` with real memory aligned to [`SEGMENT_ALIGN`]
 //!   (HostBackend: an anonymous memory map of its own, zero-filled by the operating system and handed
-//!   back to it by `free_segment`, so memory the cache releases leaves the process; a failed map is
+//!   back to it by `free_segment`, so memory the cache releases leaves the process; on Linux a
+//!   segment of at least [`HUGE_PAGE_BYTES`] is advised for transparent huge pages; a failed map is
 //!   `Err(())`, never an abort),
 //!   or `Ok(None)` for a backend that keeps no data (MetaBackend). `Err(())` means the backend itself
 //!   could not provide the memory; the allocator treats it like a capacity failure (release cache, retry,
@@ -18,6 +19,16 @@ use std::ptr::NonNull;
 /// Alignment of every segment base; block offsets are multiples of 512, so every block is aligned too.
 pub const SEGMENT_ALIGN: usize = 512;
 
+/// Segments of at least this many bytes (x86-64's huge page) are advised for transparent huge
+/// pages (Linux `madvise(MADV_HUGEPAGE)`; systems whose setting is `madvise`, the common default,
+/// otherwise give them 4 KiB pages). The kernels read large activations and weights in place, rows
+/// kilobytes apart, so with 4 KiB pages nearly every row is a page of its own and a TLB miss; with
+/// 2 MiB pages the GPT bench step ran 1-9% faster (`memfit profile --model gpt`, the two builds
+/// alternating, 16 pairs, both instruction sets). The advice changes no byte that is counted: a
+/// segment still maps exactly the bytes the allocator asked for, and a page is still filled only
+/// when touched. Where huge pages are disabled (`never`) or unsupported, the advice does nothing.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
 pub trait SegmentBackend: Send {
     /// True when memory is real (data can be read and written).
     fn holds_data(&self) -> bool;
@@ -29,7 +40,8 @@ pub trait SegmentBackend: Send {
 
 /// Real host memory: the `cpu` device. Each segment is an anonymous memory map, zero-filled by the
 /// operating system (no byte a tensor can read is ever uninitialized) and unmapped when freed (the
-/// process's resident memory shrinks with the allocator's cache, instead of staying in the C heap).
+/// process's resident memory shrinks with the allocator's cache, instead of staying in the C heap);
+/// large ones in huge pages where the system allows ([`HUGE_PAGE_BYTES`]).
 #[derive(Debug, Default)]
 pub struct HostBackend {
     /// Every segment handed out and not yet taken back, by base address. `free_segment` is a safe
@@ -53,6 +65,12 @@ impl SegmentBackend for HostBackend {
             return Err(());
         }
         let mut map = MmapMut::map_anon(bytes).map_err(|_| ())?;
+        #[cfg(target_os = "linux")]
+        if bytes >= HUGE_PAGE_BYTES {
+            // Only advice: a kernel without transparent huge pages refuses it, and the segment is
+            // as usable with small pages.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
         let ptr = NonNull::new(map.as_mut_ptr()).ok_or(())?;
         debug_assert_eq!(ptr.as_ptr() as usize % SEGMENT_ALIGN, 0, "maps are page aligned");
         self.segments.insert(ptr.as_ptr() as usize, map);
@@ -102,6 +120,47 @@ mod tests {
             assert_eq!(*ptr.as_ptr().add(4095), 0xAB);
         }
         backend.free_segment(Some(ptr), 4096);
+    }
+
+    /// The `VmFlags` of the mapping of this process that holds `addr`, from `/proc/self/smaps`.
+    #[cfg(target_os = "linux")]
+    fn mapping_flags(addr: usize) -> Vec<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
+            if let Some((lo, hi)) =
+                range.and_then(|(a, b)| Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?)))
+            {
+                inside = (lo..hi).contains(&addr);
+            } else if let (true, Some(flags)) = (inside, line.strip_prefix("VmFlags:")) {
+                return flags.split_whitespace().map(str::to_string).collect();
+            }
+        }
+        panic!("no mapping holds {addr:#x}")
+    }
+
+    /// Segments of a huge page or more are advised for huge pages (the mapping's `hg` flag), smaller
+    /// ones are not; where the kernel has no transparent huge pages, neither is (the advice fails
+    /// quietly) and both segments still work.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn large_host_segments_are_advised_for_huge_pages() {
+        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists();
+        let mut backend = HostBackend::default();
+        for (bytes, advised) in
+            [(HUGE_PAGE_BYTES, thp), (3 * HUGE_PAGE_BYTES + 4096, thp), (HUGE_PAGE_BYTES - 4096, false)]
+        {
+            let ptr = backend.alloc_segment(bytes).unwrap().unwrap();
+            let flags = mapping_flags(ptr.as_ptr() as usize);
+            assert_eq!(flags.iter().any(|f| f == "hg"), advised, "{bytes} bytes: flags {flags:?}");
+            // SAFETY: the segment is `bytes` bytes of fresh memory owned by this test.
+            unsafe {
+                ptr.as_ptr().write_bytes(0x5A, bytes);
+                assert_eq!(*ptr.as_ptr().add(bytes - 1), 0x5A);
+            }
+            backend.free_segment(Some(ptr), bytes);
+        }
     }
 
     #[test]
