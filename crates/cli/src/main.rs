@@ -916,9 +916,15 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         report.pytorch_version.as_ref().map_or(String::new(), |v| format!(", vs PyTorch {v} in the same run"))
     );
     let compare = report.pytorch_version.is_some();
+    // With several rounds, the spread of the rounds' own ratios (the host's noise) after the ratio.
+    let spread = compare && report.rounds > 1;
     print!("{:<16} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
     if compare {
-        print!(" {:>12} {:>8} {:>14} {:>8}", "PyTorch ms", "ratio", "PyTorch peak", "ratio");
+        print!(" {:>12} {:>8}", "PyTorch ms", "ratio");
+        if spread {
+            print!(" {:>13}", "round ratios");
+        }
+        print!(" {:>14} {:>8}", "PyTorch peak", "ratio");
     }
     println!();
     for c in &report.cases {
@@ -934,7 +940,13 @@ fn bench(a: BenchArgs) -> Result<(), String> {
                 let peak = p.peak_bytes.map_or("n/a".to_string(), format_bytes);
                 let peak_ratio =
                     p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
-                print!(" {:>12.2} {:>8.2} {:>14} {:>8}", p.median_ms, c.median_ms / p.median_ms, peak, peak_ratio);
+                print!(" {:>12.2} {:>8.2}", p.median_ms, c.median_ms / p.median_ms);
+                if spread {
+                    let lo = c.round_ratios.iter().copied().fold(f64::INFINITY, f64::min);
+                    let hi = c.round_ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    print!(" {:>13}", format!("{lo:.2}-{hi:.2}"));
+                }
+                print!(" {:>14} {:>8}", peak, peak_ratio);
             }
             None if compare => print!(" {:>12}", "n/a"),
             None => {}
@@ -943,6 +955,9 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     }
     if compare {
         println!("ratio = memfit / PyTorch (below 1: memfit is faster or smaller); PyTorch's peak is its MemTracker estimate");
+        if spread {
+            println!("round ratios = the lowest and highest of the rounds' own step-time ratios (each round's pair ran back to back)");
+        }
     }
     Ok(())
 }

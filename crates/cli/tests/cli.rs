@@ -400,7 +400,7 @@ fn bench_rounds_alternate_with_pytorch_and_report_the_median_of_the_rounds() {
     );
     std::fs::write(&python, script).unwrap();
     std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = memfit(&[
+    let args = [
         "bench",
         "--case",
         "simplecnn-b128",
@@ -414,8 +414,8 @@ fn bench_rounds_alternate_with_pytorch_and_report_the_median_of_the_rounds() {
         "3",
         "--compare-pytorch",
         python.to_str().unwrap(),
-        "--json",
-    ]);
+    ];
+    let out = memfit(&[&args[..], &["--json"]].concat());
     assert!(out.status.success(), "{}", text(&out));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["rounds"], 3);
@@ -427,6 +427,21 @@ fn bench_rounds_alternate_with_pytorch_and_report_the_median_of_the_rounds() {
     let mut sorted = ours.clone();
     sorted.sort_by(f64::total_cmp);
     assert_eq!(case["median_ms"].as_f64().unwrap(), sorted[1], "{ours:?}");
+    // Each round's own ratio pairs the rounds in order: PyTorch's k-th run took k ms.
+    let ratios: Vec<f64> = case["round_ratios"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(ratios.len(), 3);
+    for (k, (r, o)) in ratios.iter().zip(&ours).enumerate() {
+        assert!((r - o / (k + 1) as f64).abs() < 1e-12, "{ratios:?} {ours:?}");
+    }
+    // The table gives their spread after the ratio.
+    let _ = std::fs::remove_file(&counter);
+    let out = memfit(&args);
+    let printed = text(&out);
+    assert!(out.status.success() && printed.contains("round ratios"), "{printed}");
+    let line = printed.lines().find(|l| l.starts_with("simplecnn-b128")).unwrap();
+    let (lo, hi) = line.split_whitespace().nth(8).unwrap().split_once('-').unwrap();
+    let (lo, hi): (f64, f64) = (lo.parse().unwrap(), hi.parse().unwrap());
+    assert!(0.0 < lo && lo <= hi, "{line}");
     let out = memfit(&["bench", "--rounds", "0"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("--rounds"), "{}", text(&out));

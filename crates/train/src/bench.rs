@@ -48,6 +48,10 @@ pub struct CaseResult {
     pub steps: usize,
     /// The same step in PyTorch, when asked for and the case has a PyTorch reference.
     pub pytorch: Option<PytorchCase>,
+    /// Each round's memfit / PyTorch step-time ratio, in the order run (empty without PyTorch): the
+    /// two sides take turns, so a round's pair ran close together, and the spread shows how much
+    /// of the case's ratio is the host's noise.
+    pub round_ratios: Vec<f64>,
 }
 
 /// One case measured in PyTorch by `assets/pytorch_bench.py`.
@@ -170,7 +174,13 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseRes
         peak_reserved_bytes: stats.reserved_bytes.peak,
         steps,
         pytorch: None,
+        round_ratios: Vec::new(),
     })
+}
+
+/// Each round's ratio of memfit's step time to PyTorch's, rounds paired in the order run.
+fn round_ratios(ours: &[f64], theirs: &[f64]) -> Vec<f64> {
+    ours.iter().zip(theirs).map(|(o, t)| o / t).collect()
 }
 
 /// Runs the cases (all when `only` is empty) on a pool of `threads` threads, each `rounds` times;
@@ -217,9 +227,21 @@ pub fn run(
         // A case without a PyTorch reference is None in every round.
         if let Some(last) = theirs.iter().flatten().last() {
             let round_ms: Vec<f64> = theirs.iter().flatten().map(|p| p.median_ms).collect();
+            result.round_ratios = round_ratios(&result.round_ms, &round_ms);
             result.pytorch = Some(PytorchCase { median_ms: median(&round_ms), round_ms, peak_bytes: last.peak_bytes });
         }
         cases.push(result);
     }
     Ok(BenchReport { threads, rounds, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_ratios;
+
+    #[test]
+    fn round_ratios_pair_the_rounds_in_order() {
+        assert_eq!(round_ratios(&[10.0, 30.0, 20.0], &[20.0, 20.0, 40.0]), vec![0.5, 1.5, 0.5]);
+        assert!(round_ratios(&[10.0], &[]).is_empty());
+    }
 }
