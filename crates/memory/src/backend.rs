@@ -23,8 +23,9 @@ pub const SEGMENT_ALIGN: usize = 512;
 /// pages (Linux `madvise(MADV_HUGEPAGE)`; systems whose setting is `madvise`, the common default,
 /// otherwise give them 4 KiB pages). The kernels read large activations and weights in place, rows
 /// kilobytes apart, so with 4 KiB pages nearly every row is a page of its own and a TLB miss; with
-/// 2 MiB pages the GPT bench step ran 1-9% faster (`memfit profile --model gpt`, the two builds
-/// alternating, 16 pairs, both instruction sets). The advice changes no byte that is counted: a
+/// 2 MiB pages the GPT step's ops took 468 instead of 497 ms (`memfit profile --model gpt`, AVX2
+/// path, the two builds alternating: faster in 14 of 17 pairs) and 459 instead of 474 on AVX-512
+/// (medians of 3 pairs). The advice changes no byte that is counted: a
 /// segment still maps exactly the bytes the allocator asked for, and a page is still filled only
 /// when touched. Where huge pages are disabled (`never`) or unsupported, the advice does nothing.
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
