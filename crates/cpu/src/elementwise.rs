@@ -215,6 +215,39 @@ pub(crate) fn par_zip<T: Float>(a: &[T], b: &[T], dst: &mut [T], f: impl Fn(T, T
     }
 }
 
+/// True when `full` has the output's shape, `part` the output's trailing dimensions (after any
+/// leading ones of size 1) and both are contiguous: `part` then repeats along `full`'s rows of
+/// `part.len()` elements.
+fn repeats_along_rows(full: &View<'_>, part: &View<'_>, shape: &[usize]) -> bool {
+    let dims = part.shape();
+    let dims = &dims[dims.iter().position(|&d| d != 1).unwrap_or(dims.len())..];
+    full.shape() == shape
+        && full.is_contiguous()
+        && part.is_contiguous()
+        && !dims.is_empty()
+        && !dims.contains(&0)
+        && dims.len() < shape.len()
+        && shape.ends_with(dims)
+}
+
+/// `dst[r * n + j] = f(full[r * n + j], row[j])` with `n = row.len()`: whole rows per task, in
+/// parallel for large tensors.
+fn par_rows<T: Float>(full: &[T], row: &[T], dst: &mut [T], f: impl Fn(T, T) -> T + Sync) {
+    let n = row.len();
+    let each = |(d, a): (&mut [T], &[T])| {
+        d.chunks_mut(n)
+            .zip(a.chunks(n))
+            .for_each(|(d, a)| d.iter_mut().zip(a.iter().zip(row)).for_each(|(d, (&a, &b))| *d = f(a, b)))
+    };
+    // Chunks of whole rows, about PAR_CHUNK elements each.
+    let chunk = n * PAR_CHUNK.div_ceil(n);
+    if dst.len() >= 2 * chunk {
+        dst.par_chunks_mut(chunk).zip(full.par_chunks(chunk)).for_each(each);
+    } else {
+        each((dst, full));
+    }
+}
+
 /// `dst[i] = f(src[i], dst[i])`, in parallel for large tensors.
 pub(crate) fn par_update<T: Float>(src: &[T], dst: &mut [T], f: impl Fn(T, T) -> T + Sync) {
     if dst.len() >= 2 * PAR_CHUNK {
@@ -356,6 +389,11 @@ pub fn binary(op: Binary, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()>
         let dst = out.slice_mut::<T>()?;
         if a.shape() == b.shape() && a.is_contiguous() && b.is_contiguous() {
             par_zip(a.slice::<T>()?, b.slice::<T>()?, dst, move |x, y| apply(op, x, y));
+        } else if repeats_along_rows(&a, &b, shape) {
+            // b repeats over a's rows (a bias, a position embedding): row by row, in parallel.
+            par_rows(a.slice::<T>()?, b.slice::<T>()?, dst, move |x, y| apply(op, x, y));
+        } else if repeats_along_rows(&b, &a, shape) {
+            par_rows(b.slice::<T>()?, a.slice::<T>()?, dst, move |y, x| apply(op, x, y));
         } else {
             let la = broadcast_layout(a.layout(), shape);
             let lb = broadcast_layout(b.layout(), shape);
@@ -422,6 +460,61 @@ mod tests {
             match binary(op, a, b, out) {
                 Err(crate::Error::DType(m)) => assert!(m.starts_with(&format!("{name} supports")), "{m}"),
                 other => panic!("{name}: {other:?}"),
+            }
+        }
+    }
+
+    /// An operand that repeats along the other's rows (a bias, a position embedding; leading
+    /// dimensions of size 1 or none) takes the row-by-row path, on either side and for every op,
+    /// large enough to run in parallel; other broadcasts and empty tensors take the strided walk.
+    /// Every route gives each element `op(a, b)` with a and b in their places.
+    #[test]
+    fn binary_ops_broadcast_rows_on_either_side() {
+        use crate::layout::Layout;
+        let rows = 2 * PAR_CHUNK / 48 + 7;
+        // (full, part, whether part repeats along full's rows)
+        let cases: [(Vec<usize>, Vec<usize>, bool); 5] = [
+            (vec![rows, 3, 16], vec![3, 16], true),
+            (vec![rows, 3, 16], vec![1, 1, 16], true),
+            (vec![5, 3, 16], vec![1, 16], true),
+            (vec![5, 3, 16], vec![5, 1, 16], false),
+            (vec![4, 0, 16], vec![0, 16], false),
+        ];
+        for (full_shape, part_shape, rowwise) in cases {
+            let (lf, lp) = (Layout::contiguous(&full_shape), Layout::contiguous(&part_shape));
+            let (nf, np) = (lf.numel(), lp.numel());
+            let mut full: Vec<f32> = (0..nf).map(|i| ((i * 37) % 101) as f32 / 8.0 - 6.0).collect();
+            let mut part: Vec<f32> = (0..np).map(|i| ((i * 53) % 97) as f32 / 16.0 + 0.5).collect();
+            let (vf, vp) = (view(&mut full, &lf), view(&mut part, &lp));
+            assert_eq!(repeats_along_rows(&vf, &vp, &full_shape), rowwise, "{full_shape:?} {part_shape:?}");
+            assert!(!repeats_along_rows(&vp, &vf, &full_shape), "{full_shape:?} {part_shape:?}");
+            // The element of `part` that lines up with element i of `full`, broadcasting its size-1
+            // dimensions and the missing leading ones.
+            let part_of = |i: usize| {
+                let (mut rest, mut at, mut stride) = (i, 0, 1);
+                for k in (0..full_shape.len()).rev() {
+                    let idx = rest % full_shape[k];
+                    rest /= full_shape[k];
+                    if let Some(&d) = (k + part_shape.len()).checked_sub(full_shape.len()).map(|j| &part_shape[j]) {
+                        at += if d == 1 { 0 } else { idx * stride };
+                        stride *= d;
+                    }
+                }
+                at
+            };
+            for op in [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div] {
+                for part_first in [false, true] {
+                    let mut out = vec![0.0f32; nf];
+                    let lo = Layout::contiguous(&full_shape);
+                    let (vf, vp, vo) = (view(&mut full, &lf), view(&mut part, &lp), view(&mut out, &lo));
+                    let r = if part_first { binary(op, vp, vf, vo) } else { binary(op, vf, vp, vo) };
+                    r.unwrap();
+                    for (i, &got) in out.iter().enumerate() {
+                        let (f, p) = (full[i], part[part_of(i)]);
+                        let want = if part_first { apply(op, p, f) } else { apply(op, f, p) };
+                        assert_eq!(got.to_bits(), want.to_bits(), "{full_shape:?} {part_shape:?} {op:?} at {i}");
+                    }
+                }
             }
         }
     }
