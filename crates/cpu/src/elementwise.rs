@@ -217,7 +217,7 @@ pub(crate) fn par_zip<T: Float>(a: &[T], b: &[T], dst: &mut [T], f: impl Fn(T, T
 
 /// True when `full` has the output's shape, `part` the output's trailing dimensions (after any
 /// leading ones of size 1) and both are contiguous: `part` then repeats along `full`'s rows of
-/// `part.len()` elements.
+/// `part.len()` elements (all of `full` is one row when the shapes are equal).
 fn repeats_along_rows(full: &View<'_>, part: &View<'_>, shape: &[usize]) -> bool {
     let dims = part.shape();
     let dims = &dims[dims.iter().position(|&d| d != 1).unwrap_or(dims.len())..];
@@ -226,7 +226,6 @@ fn repeats_along_rows(full: &View<'_>, part: &View<'_>, shape: &[usize]) -> bool
         && part.is_contiguous()
         && !dims.is_empty()
         && !dims.contains(&0)
-        && dims.len() < shape.len()
         && shape.ends_with(dims)
 }
 
