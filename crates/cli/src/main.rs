@@ -305,7 +305,8 @@ struct BenchArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_STEPS))]
     steps: u64,
     /// Rounds per case, from 1 to 100: with --compare-pytorch, memfit and PyTorch take turns and each
-    /// side's time is the median of its rounds' medians (fairer on a busy machine).
+    /// side's time is the median of its rounds' medians (fairer on a busy machine), and the table
+    /// gives the lowest and highest of the rounds' own ratios.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_ROUNDS))]
     rounds: u64,
     /// Warm-up steps per case, from 0 to 10000.
