@@ -2,7 +2,6 @@
 //! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share.
 
 use crate::dtype::Float;
-use crate::elementwise::for_row_groups;
 use memfit_kernels::gemm::{gemm, gemm_row_blocks, gemm_with_row_sums, MatMut, Start};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
@@ -157,78 +156,6 @@ pub(crate) unsafe fn prepared_gemm_into<T: Float>(
     b.gemm(m, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
 }
 
-/// Columns of a row that [`weight_grad_from_rows`] has computed at once (a multiple of every
-/// micro-kernel's panel width), on the stack.
-pub(crate) const ROW_RUN: usize = 256;
-
-/// A weight gradient `dw[m x n] (+)= g_t[m x k] @ y[k x n]` (with `g_t`'s row sums added to
-/// `row_sums`, when given, as [`gemm_summing_into`]) whose right operand `y` a fused op computes
-/// row by row: `fill(r, j0, run)` writes columns `j0..j0 + run.len()` of row `r` (runs of at most
-/// [`ROW_RUN`]; each (row, run) once, rows in parallel groups). Where the kernels would pack such
-/// a `y`, the runs go from the stack straight into the packed layout in `buf` (no row-major copy
-/// and no packing pass); otherwise into `buf` row-major, rows `rs` apart, and the product reads
-/// them there. The same bits either way.
-///
-/// # Safety
-/// `g_t` valid for `m x k`, `dw` for `m x n` (row stride `n`) and `row_sums` for `m`, none
-/// overlapping `buf`; `buf` must hold `k` rows of `rs >= n` elements.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn weight_grad_from_rows<T: Float>(
-    isa: memfit_kernels::Isa,
-    m: usize,
-    n: usize,
-    k: usize,
-    dw: *mut T,
-    accumulate: bool,
-    g_t: Mat<T>,
-    row_sums: Option<*mut T>,
-    buf: &mut [T],
-    rs: usize,
-    fill: impl Fn(usize, usize, &mut [T]) + Sync + Send,
-) {
-    debug_assert!(k == 0 || buf.len() >= (k - 1) * rs + n, "k rows of the buffer");
-    let threads = rayon::current_num_threads();
-    let c = MatMut { ptr: dw, rs: n as isize };
-    let start = Start::adding(accumulate);
-    match PreparedB::for_rows(isa, k, n, rs, buf.as_mut_ptr(), buf.len()) {
-        Some(pb) => {
-            for_row_groups(k, n, |r0, rows| {
-                let mut run = [T::zero(); ROW_RUN];
-                for r in r0..r0 + rows {
-                    for j0 in (0..n).step_by(ROW_RUN) {
-                        let run = &mut run[..ROW_RUN.min(n - j0)];
-                        fill(r, j0, run);
-                        // SAFETY: row r's runs start at multiples of ROW_RUN and end at one or
-                        // at n; this task alone writes them.
-                        unsafe { pb.write_row(r, j0, run) };
-                    }
-                }
-            });
-            match row_sums {
-                Some(sums) => pb.gemm_with_row_sums(m, c, start, g_t, threads, sums),
-                None => pb.gemm(m, c, start, g_t, threads),
-            }
-        }
-        None => {
-            let rows = SendPtr(buf.as_mut_ptr());
-            for_row_groups(k, n, |r0, count| {
-                for r in r0..r0 + count {
-                    for j0 in (0..n).step_by(ROW_RUN) {
-                        // SAFETY: row r of the buffer (checked to hold k rows of rs) is this
-                        // task's alone.
-                        fill(r, j0, unsafe { rows.slice_mut(r * rs + j0, ROW_RUN.min(n - j0)) });
-                    }
-                }
-            });
-            let (y, start) = (Mat { ptr: buf.as_ptr(), rs: rs as isize, cs: 1 }, Start::adding(accumulate));
-            match row_sums {
-                Some(sums) => gemm_with_row_sums(isa, m, n, k, c, start, g_t, y, threads, sums),
-                None => gemm(isa, m, n, k, c, start, g_t, y, threads),
-            }
-        }
-    }
-}
-
 /// The most elements attention (or any kernel) gives one operand it prepares in a buffer of its own
 /// ([`prepare_b_in`]): 64 Ki elements (256 KiB of f32), so a `T = 1024`, head size 64 key matrix
 /// is packed once and a larger one is multiplied as it is.
@@ -285,68 +212,6 @@ pub(crate) unsafe fn prepared_part_into<T: Float>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A weight gradient from rows computed a run at a time has the bits of the plain product and
-    /// row sums over the same rows laid out row-major, on every level, whether the rows went
-    /// straight into the packed layout (AVX2's 16-wide panels; rows 4 KiB apart on every level) or
-    /// row-major (a short depth, read in place; a buffer too short to pack into), from zero and
-    /// accumulating; each (row, run) is computed once.
-    #[test]
-    fn a_weight_gradient_from_rows_equals_the_plain_product() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let value = |r: usize, j: usize| ((r * 31 + j * 17) % 23) as f32 / 8.0 - 1.25;
-        for isa in memfit_kernels::Isa::supported() {
-            for &(m, n, k, rs, short) in &[
-                (40, 256, 1030, 256, false),
-                (7, 45, 37, 50, false),
-                (33, 300, 530, 1024, false),
-                (12, 70, 600, 70, true),
-            ] {
-                let len = if short {
-                    (k - 1) * rs + n
-                } else {
-                    (k * rs).max(memfit_kernels::gemm::prepared_b_capacity(k, n))
-                };
-                let g: Vec<f32> = crate::test_values::uniform(k * m, 3).map(|v| v as f32).collect();
-                let g_t = Mat { ptr: g.as_ptr(), rs: 1, cs: m as isize };
-                let y: Vec<f32> = (0..k * n).map(|i| value(i / n, i % n)).collect();
-                for accumulate in [false, true] {
-                    let (mut want, mut want_sums) = (vec![0.5f32; m * n], vec![0.25f32; m]);
-                    let (mut got, mut got_sums) = (want.clone(), want_sums.clone());
-                    let mut buf = vec![f32::NAN; len];
-                    let calls = AtomicUsize::new(0);
-                    let fill = |r: usize, j0: usize, run: &mut [f32]| {
-                        calls.fetch_add(1, Ordering::Relaxed);
-                        run.iter_mut().enumerate().for_each(|(i, v)| *v = value(r, j0 + i));
-                    };
-                    // SAFETY: every buffer holds the shapes and strides passed.
-                    unsafe {
-                        let (c, start) = (MatMut { ptr: want.as_mut_ptr(), rs: n as isize }, Start::adding(accumulate));
-                        let ym = Mat { ptr: y.as_ptr(), rs: n as isize, cs: 1 };
-                        gemm_with_row_sums(isa, m, n, k, c, start, g_t, ym, 2, want_sums.as_mut_ptr());
-                        let sums = Some(got_sums.as_mut_ptr());
-                        weight_grad_from_rows(
-                            isa,
-                            m,
-                            n,
-                            k,
-                            got.as_mut_ptr(),
-                            accumulate,
-                            g_t,
-                            sums,
-                            &mut buf,
-                            rs,
-                            fill,
-                        );
-                    }
-                    let tag = format!("{isa} {m}x{n}x{k} rs={rs} short={short} acc={accumulate}");
-                    assert_eq!(got, want, "{tag}");
-                    assert_eq!(got_sums, want_sums, "{tag} sums");
-                    assert_eq!(calls.load(Ordering::Relaxed), k * n.div_ceil(ROW_RUN), "{tag} calls");
-                }
-            }
-        }
-    }
 
     /// An operand up to the limit gets a buffer that holds it packed on any level; a larger one
     /// none (it is multiplied as it is), so a task's scratch stays bounded.

@@ -7,8 +7,8 @@ use super::elementwise::{
     for_row_groups, gelu_backward_over_input, gelu_backward_slice, gelu_slice, gelu_with_derivative_slice,
 };
 use super::gemm::{
-    gemm_bias_into, gemm_into, gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, weight_grad_from_rows,
-    with_prepared_b, Mat, PreparedB, SendPtr, GEMM_PARALLEL_WORK,
+    gemm_bias_into, gemm_into, gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat,
+    PreparedB, SendPtr, GEMM_PARALLEL_WORK,
 };
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
@@ -283,33 +283,23 @@ pub fn gelu_linear_backward(
                     let each_row = |f: &(dyn Fn(usize) + Sync)| for_row_groups(n, in_f, |g0, gn| (g0..g0 + gn).for_each(f));
                     let g_t = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: 1, cs: out_f as isize };
                     let g_rows = Mat { ptr: gs[r0 * out_f..].as_ptr(), rs: out_f as isize, cs: 1 };
-                    // dW (+)= g_block^T gelu(x_block), gelu(x) computed a run of a row at a time by
-                    // `y_run(r, j0, run)` into the scratch's first part (which the dx product reuses
-                    // after).
-                    let weight_grad = |gwp: *mut T, y_run: &(dyn Fn(usize, usize, &mut [T]) + Sync)| {
-                        // SAFETY: the first block x stride elements of the scratch (checked) are
-                        // only written through this slice until the product ends.
-                        let y_buf = unsafe { scp.slice_mut(0, block * stride) };
-                        // SAFETY: the weight gradient is a fresh [out, in] tensor separate from the
-                        // scratch; the operands are in bounds.
-                        unsafe { weight_grad_from_rows::<T>(memfit_kernels::Isa::active(), out_f, in_f, n, gwp, r0 > 0, g_t, gbp, y_buf, stride, y_run) };
-                    };
+                    let y = Mat { ptr: scp.0 as *const T, rs: stride as isize, cs: 1 };
                     // SAFETY: the operands are in bounds; the scratch and gw are separate tensors.
                     unsafe {
                         if let (Some(gwp), Some(gxs), Some(w_prep)) = (gwp, gxs, w_prep) {
-                            // gelu(x) and gelu'(x) in one pass, for dW; then
+                            // gelu(x) and gelu'(x) in one pass; dW (+)= g_block^T gelu(x_block); then
                             // dx = (g_block W) * gelu'(x_block), over x's block when in place.
-                            weight_grad(gwp, &|r, j0, run| {
-                                let cols = j0..j0 + run.len();
+                            each_row(&|r| {
                                 if in_place {
-                                    // x -> (y, gelu'(x)) with gelu'(x) over x's row.
-                                    gelu_with_derivative_slice(run, &mut x_row(r)[cols]);
+                                    // x row -> (y, gelu'(x)) with gelu'(x) over x's row.
+                                    gelu_with_derivative_slice(sc_row(r), x_row(r));
                                 } else {
-                                    let d = &mut d_row(r)[cols.clone()];
-                                    d.copy_from_slice(&x_row(r)[cols]);
-                                    gelu_with_derivative_slice(run, d);
+                                    let d = d_row(r);
+                                    d.copy_from_slice(x_row(r));
+                                    gelu_with_derivative_slice(sc_row(r), d);
                                 }
                             });
+                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
                             prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
                                 let g = sc_row(r);
@@ -324,7 +314,9 @@ pub fn gelu_linear_backward(
                             continue;
                         }
                         if let Some(gwp) = gwp {
-                            weight_grad(gwp, &|r, j0, run| gelu_slice(&x_row(r)[j0..j0 + run.len()], run));
+                            // dW (+)= g_block^T gelu(x_block)
+                            each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
+                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
                         }
                         if let (Some(gxs), Some(w_prep)) = (gxs, w_prep) {
                             // dx = (g_block W) * gelu'(x_block)

@@ -6,7 +6,7 @@
 
 use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
 use super::gemm::{
-    gemm_row_blocks_into, prepared_gemm_into, weight_grad_from_rows, with_prepared_b, Mat, PreparedB, SendPtr,
+    gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr,
 };
 use super::matmul::{bias_grad_ptr, bias_row, weight_mat};
 use crate::dtype::Float;
@@ -20,12 +20,18 @@ use rayon::prelude::*;
 /// Rows [`layer_norm_linear`] runs per block (its scratch holds LN_ROWS normalized rows).
 pub const LN_ROWS: usize = 1024;
 
-/// Elements of [`layer_norm_linear_backward`]'s scratch for `rows` rows of `d`: one block of
-/// normalized rows, row-major or packed for the weight-gradient product (whichever takes more on
-/// any instruction set, so the size never depends on the CPU), then the block's `gy` rows.
-pub fn layer_norm_linear_backward_scratch_len(rows: usize, d: usize) -> usize {
-    let block = rows.min(LN_ROWS);
-    (block * d).max(memfit_kernels::gemm::prepared_b_capacity(block, d))
+/// Calls `f(row, values)` for every `row_len`-element row of `buf` (row_len > 0), in parallel groups
+/// of about `PAR_CHUNK` elements when the buffer is big enough.
+fn for_rows_mut<T: Send>(buf: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let per = (PAR_CHUNK / row_len).max(1);
+    let run = |(k, group): (usize, &mut [T])| {
+        group.chunks_mut(row_len).enumerate().for_each(|(i, row)| f(k * per + i, row));
+    };
+    if buf.len() >= 2 * PAR_CHUNK && buf.len() > per * row_len {
+        buf.par_chunks_mut(per * row_len).enumerate().for_each(run);
+    } else {
+        buf.chunks_mut(per * row_len).enumerate().for_each(run);
+    }
 }
 
 fn opt_slice<T: Float + crate::dtype::Element>(t: Option<View<'_>>) -> Result<Option<&[T]>> {
@@ -424,7 +430,7 @@ pub fn layer_norm_linear_backward(
             _ => None,
         };
         let sc = scratch.slice_mut::<T>()?;
-        check_len("layer_norm_linear_backward scratch", sc.len(), layer_norm_linear_backward_scratch_len(rows, d))?;
+        check_len("layer_norm_linear_backward scratch", sc.len(), rows.min(LN_ROWS) * d)?;
         let w_mat = weight_mat::<T>(weight, false)?;
         let isa = Isa::active();
         let threads = rayon::current_num_threads();
@@ -434,6 +440,7 @@ pub fn layer_norm_linear_backward(
                 let n = LN_ROWS.min(rows - r0);
                 let g_ptr = gs[r0 * out_f..].as_ptr();
                 let g_block = Mat { ptr: g_ptr, rs: out_f as isize, cs: 1 };
+                let block = &mut sc[..n * d];
                 // SAFETY: rows r0..r0+n of x are in its storage; they are only read until the dx
                 // step below, which no longer uses this slice.
                 let xb = unsafe { std::slice::from_raw_parts(xp.0.add(r0 * d) as *const T, n * d) };
@@ -441,17 +448,14 @@ pub fn layer_norm_linear_backward(
                     // Recompute the block's normalized rows (as forward did), then dW (+)= g^T y; or,
                     // when the affine comes after the product, dW (+)= g^T xhat.
                     let (aw, ab) = if from_product.is_some() { (None, None) } else { (Some(lw), Some(lb)) };
-                    let y_run = |r: usize, j0: usize, run: &mut [T]| {
-                        let cols = j0..j0 + run.len();
-                        let (w, b) = (aw.map(|w| &w[cols.clone()]), ab.map(|b| &b[cols.clone()]));
-                        renormalize_row(isa, &xb[r * d..(r + 1) * d][cols], run, mean[r0 + r], rstd[r0 + r], w, b)
-                    };
+                    for_rows_mut(block, d, |r, yr| {
+                        renormalize_row(isa, &xb[r * d..(r + 1) * d], yr, mean[r0 + r], rstd[r0 + r], aw, ab)
+                    });
                     let g_t = Mat { ptr: g_ptr, rs: 1, cs: out_f as isize };
-                    // SAFETY: the weight gradient is a fresh [out, d] tensor and the scratch a
-                    // separate one of at least n x d (checked); operands are in bounds.
-                    unsafe { weight_grad_from_rows::<T>(isa, out_f, d, n, gwp, r0 > 0, g_t, gbp, sc, d, y_run) };
+                    let y = Mat { ptr: block.as_ptr(), rs: d as isize, cs: 1 };
+                    // SAFETY: the weight gradient is a fresh [out, d] tensor; operands are in bounds.
+                    unsafe { gemm_summing_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads, gbp) };
                 }
-                let block = &mut sc[..n * d];
                 let Some(w_prep) = w_prep else { continue };
                 // gy = g W, the gradient of the normalized rows, over the scratch.
                 // SAFETY: the scratch block is n x d and separate from the operands.

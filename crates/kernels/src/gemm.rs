@@ -490,71 +490,12 @@ impl<T: GemmScalar> PreparedB<T> {
         PreparedB { packed: Some(dst as *const T), ..plain }
     }
 
-    /// A `k x n` B that the caller writes row by row ([`PreparedB::write_row`]) into `dst` (`len`
-    /// elements) in the layout a level that packs B multiplies it in, instead of writing it
-    /// row-major (rows `rs` elements apart) for the product to pack: a fused op that computes its
-    /// weight-gradient operand a row at a time (layer norm's and GELU's rows) saves the packing pass.
-    /// `None` when the level would read such a row-major B in place, or `dst` is too short (see
-    /// [`prepared_b_capacity`]): the caller then writes B row-major and multiplies it as it is.
-    ///
-    /// # Safety
-    /// `dst` must be valid for `len` elements and stay unchanged, but for `write_row`, while the
-    /// result is used.
-    pub unsafe fn for_rows(isa: Isa, k: usize, n: usize, rs: usize, dst: *mut T, len: usize) -> Option<Self> {
-        let kernel = <T as sealed::Sealed>::micro_kernel(isa);
-        let row_major = MatRef { ptr: dst as *const T, rs: rs as isize, cs: 1 };
-        if n == 0 || k == 0 || reads_b_in_place(kernel, row_major, KC.min(k)) || packed_len(kernel, k, n) > len {
-            return None;
-        }
-        Some(PreparedB { isa, kernel, k, n, b: row_major, packed: Some(dst as *const T) })
-    }
-
-    /// Writes `values` as columns `j0..j0 + values.len()` of row `p` of a B made by
-    /// [`PreparedB::for_rows`], zeroing the padding of a last partial panel when the values reach
-    /// column `n`. Different rows, and different runs of one row, may be written from different
-    /// threads at once.
-    ///
-    /// # Safety
-    /// This B must come from [`PreparedB::for_rows`]; `p < k`; the run starts at a multiple of
-    /// 32 and ends at one or at `n` (so it covers whole panels on every level); no two writers may
-    /// write the same run.
-    pub unsafe fn write_row(&self, p: usize, j0: usize, values: &[T]) {
-        let end = j0 + values.len();
-        debug_assert!(p < self.k && j0 % MAX_TILE == 0 && (end % MAX_TILE == 0 || end == self.n) && end <= self.n);
-        let Some(base) = self.packed else { return };
-        let (k, n, nr) = (self.k, self.n, self.kernel.nr);
-        let (pc, kc) = (p / KC * KC, KC.min(k - p / KC * KC));
-        for j in (j0..end).step_by(nr) {
-            let (jc, lines) = (j / NC * NC, nr.min(end - j));
-            let block = packed_offset(self.kernel, k, jc, pc, NC.min(n - jc));
-            let at = base.add(block + (j - jc) / nr * panel_stride(kc, nr) + (p - pc) * nr) as *mut T;
-            // Only the panel at B's last column can be short: its padding is zeroed.
-            copy_run(values.as_ptr().add(j - j0), at, lines, nr);
-        }
-    }
-
     /// `C[m x n] (+)= A[m x k] @ B` on up to `threads` threads; as [`gemm`] with this B.
     ///
     /// # Safety
     /// As [`gemm`].
     pub unsafe fn gemm(&self, m: usize, c: MatMut<T>, start: Start<T>, a: MatRef<T>, threads: usize) {
         self.gemm_part(m, self.n, self.k, c, start, a, threads)
-    }
-
-    /// As [`PreparedB::gemm`], and adds each row of A to `row_sums` as [`gemm_with_row_sums`] does.
-    ///
-    /// # Safety
-    /// As [`gemm_with_row_sums`].
-    pub unsafe fn gemm_with_row_sums(
-        &self,
-        m: usize,
-        c: MatMut<T>,
-        start: Start<T>,
-        a: MatRef<T>,
-        threads: usize,
-        row_sums: *mut T,
-    ) {
-        self.product(m, self.n, self.k, c, start, a, threads, Some(Shared(row_sums)))
     }
 
     /// `C[m x n] (+)= A[m x k] @ B[..k, ..n]`: the product with the first `n` columns and the first
@@ -573,47 +514,26 @@ impl<T: GemmScalar> PreparedB<T> {
         a: MatRef<T>,
         threads: usize,
     ) {
-        self.product(m, n, k, c, start, a, threads, None)
-    }
-
-    /// [`PreparedB::gemm_part`], with A's row sums when asked.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn product(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        c: MatMut<T>,
-        start: Start<T>,
-        a: MatRef<T>,
-        threads: usize,
-        sums: Option<Shared<T>>,
-    ) {
         debug_assert!(n <= self.n && k <= self.k, "a part of B inside B");
         let kernel = self.kernel;
         let Some(bpack) = self.packed else {
-            return product(self.isa, m, n, k, c, start, a, self.b, threads, sums);
+            return gemm(self.isa, m, n, k, c, start, a, self.b, threads);
         };
         if m == 0 || n == 0 {
             return;
         }
         if k == 0 {
-            return product(self.isa, m, n, 0, c, start, a, self.b, threads, sums);
+            return gemm(self.isa, m, n, 0, c, start, a, self.b, threads);
         }
         let b = BSource::Packed { ptr: bpack, k: self.k, n: self.n };
         let parts = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_WORK { threads.max(1) } else { 1 };
         if parts > 1 && m >= 2 * parts * kernel.mr {
-            shared_b(kernel, parts, m, n, k, c, start, a, b, sums);
+            shared_b(kernel, parts, m, n, k, c, start, a, b, None);
         } else {
-            single(kernel, m, n, k, c, start, a, b, sums);
+            single(kernel, m, n, k, c, start, a, b, None);
         }
     }
 }
-
-// SAFETY: a prepared B is read by the threads of its products after its packing ended; the rows a
-// caller writes (`write_row`) go to disjoint places, and the caller joins them before a product.
-unsafe impl<T> Send for PreparedB<T> {}
-unsafe impl<T> Sync for PreparedB<T> {}
 
 /// Where a product's B comes from.
 #[derive(Clone, Copy)]
@@ -1460,80 +1380,6 @@ mod tests {
                         pb.gemm_part(m, np, kp, MatMut { ptr: part.as_mut_ptr(), rs: np as isize }, start, am, threads);
                     }
                     assert_eq!(part, plain, "{tag}, part {m}x{np}x{kp} acc={acc} t={threads}");
-                }
-            }
-        }
-    }
-
-    /// A B written row by row into a buffer (`for_rows`, `write_row`, in runs of 32 or 64 columns
-    /// and rows out of order, from two threads) multiplies, with A's row sums, with the bits of the
-    /// plain product and sums over the same B row-major; `for_rows` declines exactly where the level
-    /// reads such a B in place (every AVX-512 and portable level here but rows 4 KiB apart), or the
-    /// buffer is short. Shapes across the depth and column blocks, a partial last panel, A
-    /// transposed (a weight gradient's `dY^T`) and row-major, on one thread and two, from zero and
-    /// accumulating.
-    #[test]
-    fn a_b_written_by_rows_multiplies_as_the_plain_product() {
-        for isa in Isa::supported() {
-            let kernel = <f32 as sealed::Sealed>::micro_kernel(isa);
-            for &(k, n, rs, short) in &[
-                (37, 45, 45, false),
-                (KC + 9, NC + 40, NC + 40, false),
-                (300, 1024, 1024, false),
-                (200, 70, 70, true),
-                (130, 96, 100, false),
-            ] {
-                let b = values(k * rs, 7);
-                let bm = MatRef { ptr: b.as_ptr(), rs: rs as isize, cs: 1 };
-                let len = if short { packed_len(kernel, k, n) - 1 } else { prepared_b_capacity(k, n) };
-                let mut buf = vec![f32::NAN; len];
-                let tag = format!("{isa} B {k}x{n} rs={rs} short={short}");
-                // SAFETY: the buffer holds len elements and outlives pb.
-                let pb = unsafe { PreparedB::for_rows(isa, k, n, rs, buf.as_mut_ptr(), len) };
-                let in_place = reads_b_in_place(kernel, bm, KC.min(k));
-                assert_eq!(pb.is_some(), !short && !in_place, "{tag}");
-                let Some(pb) = pb else { continue };
-                let run = if n > 64 { 64 } else { 32 };
-                (0..k).into_par_iter().for_each(|p| {
-                    let p = (p * 7) % k; // rows out of order (7 is prime to every k here)
-                    for j0 in (0..n).step_by(run) {
-                        let row = &b[p * rs + j0..p * rs + (j0 + run).min(n)];
-                        // SAFETY: row p's run j0 is written by this task only; it ends at a
-                        // multiple of 32 or at n.
-                        unsafe { pb.write_row(p, j0, row) };
-                    }
-                });
-                for &(m, ta, acc, threads) in &[(40, true, false, 2), (13, false, true, 1), (256, true, true, 2)] {
-                    let a = values(m * k, m as u64);
-                    let am = if ta {
-                        MatRef { ptr: a.as_ptr(), rs: 1, cs: m as isize }
-                    } else {
-                        MatRef { ptr: a.as_ptr(), rs: k as isize, cs: 1 }
-                    };
-                    let c0 = values(m * n, 3);
-                    let (mut plain, mut rows) = (c0.clone(), c0);
-                    let (mut plain_sums, mut rows_sums) = (values(m, 4), values(m, 4));
-                    let start = Start::adding(acc);
-                    // SAFETY: the buffers hold the shapes and strides passed; B and its pack live.
-                    unsafe {
-                        let out = |c: &mut Vec<f32>| MatMut { ptr: c.as_mut_ptr(), rs: n as isize };
-                        gemm_with_row_sums(
-                            isa,
-                            m,
-                            n,
-                            k,
-                            out(&mut plain),
-                            start,
-                            am,
-                            bm,
-                            threads,
-                            plain_sums.as_mut_ptr(),
-                        );
-                        pb.gemm_with_row_sums(m, out(&mut rows), start, am, threads, rows_sums.as_mut_ptr());
-                    }
-                    let what = format!("{tag}, {m} rows ta={ta} acc={acc} t={threads}");
-                    assert_eq!(rows, plain, "{what}");
-                    assert_eq!(rows_sums, plain_sums, "{what} sums");
                 }
             }
         }

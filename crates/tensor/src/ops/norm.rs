@@ -15,7 +15,7 @@ use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact}
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-pub(crate) use memfit_cpu::norm::{layer_norm_linear_backward_scratch_len, LN_ROWS};
+pub(crate) use memfit_cpu::norm::LN_ROWS;
 use memfit_memory::Category;
 
 /// `F.layer_norm(x, normalized_shape, weight, bias, eps)`: biased variance, eps inside the sqrt.
@@ -225,7 +225,7 @@ impl Backward for LayerNormLinearBack {
         let want_gb = has_bias && needs[4];
         let gb = bias_grad(&g2, want_gb || (need_w && (need_lw || need_lb)), gw.is_some(), NAME)?;
         // Everything is allocated before x may be overwritten.
-        let scratch = output(&grad, &[layer_norm_linear_backward_scratch_len(rows, d)], grad.dtype(), NAME)?;
+        let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
         let sums = if need_lw || need_lb { Some(super::output_any(&grad, &[2, d], DType::F64, NAME)?) } else { None };
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
@@ -639,12 +639,8 @@ mod tests {
         // a scratch), a scratch of one block of rows and the f64 sums of the ln gradients; dx
         // overwrites the saved input; then the affine's backward.
         let name = "layer_norm_linear_backward";
-        let scratch = (layer_norm_linear_backward_scratch_len(rows, i) * 8).next_multiple_of(512) as u64;
-        assert!(
-            scratch > (rows.min(LN_ROWS) * i * 8) as u64,
-            "a block of rows, as the weight-gradient product packs them"
-        );
-        assert_eq!(allocs[..6], [(512, name), (512, name), (4096, name), (512, name), (scratch, name), (1024, name)]);
+        let block = (rows.min(LN_ROWS) * i * 8) as u64;
+        assert_eq!(allocs[..6], [(512, name), (512, name), (4096, name), (512, name), (block, name), (1024, name)]);
         assert_eq!(allocs.len(), 7, "{allocs:?}");
         assert_eq!(dev.stats().category(Category::Activation).current, 0);
     }
@@ -667,9 +663,8 @@ mod tests {
         let allocs = allocations_since(&dev, before);
         // The input gradient (x is a leaf), ln weight and bias gradients, a block of rows, the f64 sums.
         let name = "layer_norm_linear_backward";
-        let block = (rows * i * 8) as u64;
-        let scratch = (layer_norm_linear_backward_scratch_len(rows, i) * 8).next_multiple_of(512) as u64;
-        let want = [(block, name), (512, name), (512, name), (scratch, name), (1024, name)];
+        let block = (rows.min(LN_ROWS) * i * 8) as u64;
+        let want = [(block, name), (512, name), (512, name), (block, name), (1024, name)];
         assert_eq!(allocs, want);
     }
 
