@@ -803,6 +803,9 @@ mod tests {
                 let (mut sw, mut sb) = (vec![0.25f64; cols], vec![-0.5f64; cols]);
                 add_column_sums(isa, &mut sw, &mut sb, &gs, &xs, mean, &rstd, d, j0);
                 out.extend(sw.iter().chain(&sb).map(|v| v.to_bits()));
+                let (mut gw, mut sw, mut sb) = (g.clone(), vec![0.25f64; d], vec![-0.5f64; d]);
+                affine_product_row(isa, &mut gw, &x, &mut sw, &mut sb, &w, &b, stats[0]);
+                out.extend(bits(&gw).into_iter().chain(sw.iter().chain(&sb).map(|v| v.to_bits())));
                 out
             };
             let want = run(Isa::Portable);
@@ -816,6 +819,20 @@ mod tests {
     fn row_kernels_give_the_same_bits_on_every_level() {
         each_level_matches_portable::<f32>();
         each_level_matches_portable::<f64>();
+    }
+
+    /// One row of the affine after the weight-gradient product, by its definition: the f64 sums
+    /// gain `W G` and `W gb`, and the row becomes `G lw + gb lb`.
+    #[test]
+    fn affine_product_row_follows_the_definition() {
+        let (g, w, lw, lb) = (values::<f32>(37, 1), values::<f32>(37, 2), values::<f32>(37, 3), values::<f32>(37, 4));
+        let (mut row, mut sw, mut sb) = (g.clone(), vec![1.5f64; 37], vec![-2.0f64; 37]);
+        affine_product_row(Isa::active(), &mut row, &w, &mut sw, &mut sb, &lw, &lb, 0.75f32);
+        for c in 0..37 {
+            assert_eq!(sw[c], 1.5 + w[c] as f64 * g[c] as f64, "column {c}");
+            assert_eq!(sb[c], -2.0 + w[c] as f64 * 0.75, "column {c}");
+            assert_eq!(row[c], g[c] * lw[c] + 0.75 * lb[c], "column {c}");
+        }
     }
 
     /// The per-level copies are real: a row normalized by hand in f64 agrees with the kernel.
