@@ -835,6 +835,29 @@ mod tests {
         }
     }
 
+    /// `affine_after_product` reads a weight stored transposed (columns contiguous: its rows
+    /// gathered) as it reads the same weight stored row-major, in every column block, the sums and
+    /// the rewritten weight gradient alike.
+    #[test]
+    fn affine_after_product_reads_a_strided_weight_as_a_contiguous_one() {
+        let (out_f, d) = (9, 150); // three column blocks, the last partial
+        let w = values::<f32>(out_f * d, 1);
+        let wt: Vec<f32> = (0..d * out_f).map(|i| w[(i % out_f) * d + i / out_f]).collect();
+        let (gw0, gb, lw, lb) =
+            (values::<f32>(out_f * d, 2), values::<f32>(out_f, 3), values::<f32>(d, 4), values::<f32>(d, 5));
+        let run = |w: Mat<f32>| {
+            let (mut acc, mut gw) = (vec![0.0f64; 2 * d], gw0.clone());
+            let mut gb = gb.clone();
+            // SAFETY: gw holds out_f x d, gb out_f, and w addresses an out_f x d matrix; none overlap.
+            unsafe { affine_after_product(&mut acc, gw.as_mut_ptr(), gb.as_mut_ptr(), w, &lw, &lb, out_f, d) };
+            (acc, gw)
+        };
+        let rows = run(Mat { ptr: w.as_ptr(), rs: d as isize, cs: 1 });
+        let strided = run(Mat { ptr: wt.as_ptr(), rs: 1, cs: out_f as isize });
+        assert_eq!(strided, rows);
+        assert!(rows.0.iter().any(|&v| v != 0.0), "the sums were taken");
+    }
+
     /// The per-level copies are real: a row normalized by hand in f64 agrees with the kernel.
     #[test]
     fn normalize_row_matches_the_definition() {
