@@ -120,7 +120,8 @@ struct RunArgs {
     /// the batch does not fit.
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
-    /// cpu (computes) or meta (allocates exactly what cpu would, computes nothing: a prediction).
+    /// cpu or cuda (cuda:N for GPU N) compute; meta allocates exactly what cpu would and computes
+    /// nothing (a prediction), meta:cuda exactly what cuda would, on a machine without a GPU.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: DeviceKind,
     /// Seed of the parameters' initialization (and of the data order unless --data-seed is given).
@@ -288,6 +289,10 @@ struct PlanArgs {
     /// fits, each rank's predicted peak and the predicted throughput, beside one device's plan.
     #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_RANKS))]
     devices: Option<u64>,
+    /// The device the plan is for: cpu, or cuda (a GPU: its workspaces and policy, predicted on the
+    /// meta device, so no GPU is needed to plan for one). meta and meta:cuda plan as cpu and cuda.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: DeviceKind,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -588,7 +593,7 @@ fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
         Err(e) => return ranks::finish(group, Err(e)),
     };
     let report = Report::new(&summary);
-    let what = if cfg.device == DeviceKind::Meta { "predicted (meta device: nothing computed)" } else { "trained" };
+    let what = if cfg.device.is_meta() { "predicted (meta device: nothing computed)" } else { "trained" };
     println!(
         "{what} {} for {} step{} ({} samples, micro-batch {} x {}), step median {:.1} ms",
         report.model,
@@ -675,7 +680,7 @@ fn run_with_progress(
         );
         bar
     });
-    if cfg.device == DeviceKind::Meta && (cfg.save.is_some() || cfg.load.is_some()) {
+    if cfg.device.is_meta() && (cfg.save.is_some() || cfg.load.is_some()) {
         eprintln!("note: the meta device holds no data: --save and --load are skipped");
     }
     let signal = stop_on_signals()?;
@@ -710,6 +715,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         micro_batch: a.micro_batch.map(|m| m as usize),
         precision: a.precision,
         parallel: None,
+        target: a.device.target(),
     };
     let single = memfit_train::plan(&request).map_err(|e| e.to_string());
     let devices = match a.devices.filter(|&n| n > 1) {

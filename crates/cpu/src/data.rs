@@ -1,4 +1,4 @@
-//! CPU kernels that move data: zero and value fills, host bytes in, tensor-to-tensor copies.
+//! CPU kernels that move data: zero and value fills, host bytes in and out, tensor-to-tensor copies.
 
 use crate::error::Result;
 use crate::view::View;
@@ -17,6 +17,11 @@ pub fn fill(t: View<'_>, value: f64) -> Result<()> {
 pub fn write_bytes(t: View<'_>, bytes: &[u8]) -> Result<()> {
     t.bytes_mut()?.copy_from_slice(bytes);
     Ok(())
+}
+
+/// The tensor's elements in row-major order (any layout) into host `bytes`.
+pub fn read_bytes(t: View<'_>, bytes: &mut [u8]) -> Result<()> {
+    t.copy_into_bytes(bytes)
 }
 
 pub fn copy(dst: View<'_>, src: View<'_>) -> Result<()> {

@@ -204,7 +204,7 @@ mod tests {
     use memfit_tensor::{DeviceConfig, DeviceKind};
 
     fn cpu() -> Device {
-        Device::new(DeviceConfig::new(DeviceKind::Cpu))
+        Device::new(DeviceConfig::new(DeviceKind::Cpu)).unwrap()
     }
 
     fn f32s(device: &Device, v: &[f32]) -> Tensor {

@@ -438,7 +438,7 @@ mod tests {
         // state and counters untouched.
         for fail_at in 1..=4u64 {
             let config = DeviceConfig::new(DeviceKind::Cpu);
-            let d = Device::new(config);
+            let d = Device::new(config).unwrap();
             let (a, b) = (leaf(&d, &[1.0, 2.0]), leaf(&d, &[3.0]));
             a.set_grad(Some(grad(&d, &[1.0, 1.0])));
             b.set_grad(Some(grad(&d, &[1.0])));

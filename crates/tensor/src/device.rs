@@ -11,41 +11,108 @@
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use memfit_memory::{
-    Allocator, AllocatorConfig, Category, Event, FaultInjection, HostBackend, MemoryState, MemoryStats, MetaBackend,
-    Phase, Request, SegmentBackend,
+    Allocator, AllocatorConfig, Category, Event, FaultInjection, MemoryState, MemoryStats, Phase, Request,
 };
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The kind of machine whose memory a device follows: a `meta` device imitating a target allocates
+/// exactly what a device of that target allocates (its workspaces sized as that target's kernels
+/// need them), so a plan for a GPU is made on a machine without one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    Cpu,
+    Cuda,
+}
+
+impl Target {
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Cpu => "cpu",
+            Target::Cuda => "cuda",
+        }
+    }
+}
+
+/// Which device: `cpu` and `cuda` (GPU `N`) compute; `meta` allocates as its [`Target`] would and
+/// computes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DeviceKind {
     Cpu,
-    Meta,
+    Cuda(u32),
+    Meta(Target),
 }
 
 impl DeviceKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            DeviceKind::Cpu => "cpu",
-            DeviceKind::Meta => "meta",
+    /// `meta` imitating `cpu` (what `--device meta` means).
+    pub const META: DeviceKind = DeviceKind::Meta(Target::Cpu);
+    /// The first GPU.
+    pub const CUDA: DeviceKind = DeviceKind::Cuda(0);
+
+    /// The device's name as `--device` takes it: `cpu`, `cuda`, `cuda:1`, `meta`, `meta:cuda`.
+    pub fn name(self) -> String {
+        self.to_string()
+    }
+
+    /// Parses `cpu`, `cuda`, `cuda:N`, `meta` (imitating cpu), `meta:cpu` or `meta:cuda`.
+    pub fn parse(text: &str) -> Result<Self> {
+        let expected = "expected cpu, cuda, cuda:N (a GPU's number), meta or meta:cuda";
+        match text {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::CUDA),
+            "meta" | "meta:cpu" => Ok(DeviceKind::META),
+            "meta:cuda" => Ok(DeviceKind::Meta(Target::Cuda)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => match n.parse::<u32>() {
+                    Ok(ordinal) if ordinal < MAX_CUDA_ORDINAL && !n.starts_with('+') => Ok(DeviceKind::Cuda(ordinal)),
+                    _ => Err(Error::invalid(format!(
+                        "unknown device {other:?}: a GPU's number is 0 to {} (cuda:0 is the first)",
+                        MAX_CUDA_ORDINAL - 1
+                    ))),
+                },
+                None => Err(Error::invalid(format!("unknown device {other:?}: {expected}"))),
+            },
         }
     }
 
-    /// Parses `cpu` or `meta`.
-    pub fn parse(text: &str) -> Result<Self> {
-        match text {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "meta" => Ok(DeviceKind::Meta),
-            other => Err(Error::invalid(format!("unknown device {other:?}: expected cpu or meta"))),
+    /// The machine this device's allocations follow.
+    pub fn target(self) -> Target {
+        match self {
+            DeviceKind::Cpu => Target::Cpu,
+            DeviceKind::Cuda(_) => Target::Cuda,
+            DeviceKind::Meta(target) => target,
         }
+    }
+
+    /// True when kernels run (and data exists) on this kind of device.
+    pub fn computes(self) -> bool {
+        !self.is_meta()
+    }
+
+    pub fn is_meta(self) -> bool {
+        matches!(self, DeviceKind::Meta(_))
+    }
+
+    /// True when the host reads and writes the device's memory in place (`cpu`); a GPU's is copied.
+    pub fn host_readable(self) -> bool {
+        self == DeviceKind::Cpu
     }
 }
 
+/// GPUs a process addresses: `cuda:0` to `cuda:1023`.
+const MAX_CUDA_ORDINAL: u32 = 1024;
+
 impl fmt::Display for DeviceKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        match self {
+            DeviceKind::Cpu => f.write_str("cpu"),
+            DeviceKind::Cuda(0) => f.write_str("cuda"),
+            DeviceKind::Cuda(n) => write!(f, "cuda:{n}"),
+            DeviceKind::Meta(Target::Cpu) => f.write_str("meta"),
+            DeviceKind::Meta(target) => write!(f, "meta:{}", target.name()),
+        }
     }
 }
 
@@ -76,6 +143,8 @@ impl DeviceConfig {
 
 struct DeviceInner {
     kind: DeviceKind,
+    backend: Box<dyn crate::backend::Backend>,
+    context_bytes: Option<u64>,
     allocator: Mutex<Allocator>,
     phase: Mutex<Phase>,
     grad_enabled: AtomicBool,
@@ -121,17 +190,20 @@ pub struct Span {
 pub struct Device(Arc<DeviceInner>);
 
 impl Device {
-    pub fn new(config: DeviceConfig) -> Self {
-        let backend: Box<dyn SegmentBackend> = match config.kind {
-            DeviceKind::Cpu => Box::new(HostBackend::default()),
-            DeviceKind::Meta => Box::new(MetaBackend),
-        };
+    /// Opens the device: for `cuda`, its driver, context and libraries (an error names what is
+    /// missing; nothing panics). The capacity is the config's, or for a GPU without one its free
+    /// memory once the context exists.
+    pub fn new(config: DeviceConfig) -> Result<Self> {
+        let opened = crate::backend::open(config.kind)?;
+        let capacity = config.capacity.or(opened.free_bytes);
         let allocator = Allocator::new(
-            backend,
-            AllocatorConfig { capacity: config.capacity, timeline_events: config.timeline_events, fault: config.fault },
+            opened.segments,
+            AllocatorConfig { capacity, timeline_events: config.timeline_events, fault: config.fault },
         );
-        Device(Arc::new(DeviceInner {
+        Ok(Device(Arc::new(DeviceInner {
             kind: config.kind,
+            backend: opened.kernels,
+            context_bytes: opened.context_bytes,
             allocator: Mutex::new(allocator),
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
@@ -141,17 +213,17 @@ impl Device {
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
             profiling: AtomicBool::new(false),
             spans: Mutex::new(Vec::new()),
-        }))
+        })))
     }
 
     /// A `cpu` device with unlimited capacity.
     pub fn cpu() -> Self {
-        Device::new(DeviceConfig::new(DeviceKind::Cpu))
+        Device::new(DeviceConfig::new(DeviceKind::Cpu)).expect("the cpu device always opens")
     }
 
-    /// A `meta` device with unlimited capacity.
+    /// A `meta` device (imitating `cpu`) with unlimited capacity.
     pub fn meta() -> Self {
-        Device::new(DeviceConfig::new(DeviceKind::Meta))
+        Device::new(DeviceConfig::new(DeviceKind::META)).expect("the meta device always opens")
     }
 
     pub fn kind(&self) -> DeviceKind {
@@ -159,13 +231,31 @@ impl Device {
     }
 
     /// The kernels this device runs (`crate::backend`: the one place an op's code is chosen).
-    pub(crate) fn backend(&self) -> &'static dyn crate::backend::Backend {
-        crate::backend::of(self.0.kind)
+    pub(crate) fn backend(&self) -> &dyn crate::backend::Backend {
+        self.0.backend.as_ref()
+    }
+
+    /// The machine whose allocations this device follows (ops size their workspaces for it).
+    pub fn target(&self) -> Target {
+        self.0.kind.target()
     }
 
     /// True when kernels run (and data exists) on this device.
     pub fn computes(&self) -> bool {
-        self.0.kind == DeviceKind::Cpu
+        self.0.kind.computes()
+    }
+
+    /// True when the host reads and writes this device's memory in place; a GPU's tensors are copied
+    /// to and from the host ([`crate::Tensor::to_vec`], [`crate::Tensor::write_with`]).
+    pub fn host_readable(&self) -> bool {
+        self.0.kind.host_readable()
+    }
+
+    /// Device memory the driver's context holds outside the allocator (a GPU's context, measured as
+    /// the free memory before and after it was created); None on `cpu` and `meta`. Not counted
+    /// against the capacity: the capacity is what was free after it.
+    pub fn context_bytes(&self) -> Option<u64> {
+        self.0.context_bytes
     }
 
     pub fn same(&self, other: &Device) -> bool {

@@ -18,6 +18,7 @@ mod tensor;
 
 pub use device::{
     Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, Span, SpanKind,
+    Target,
 };
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};

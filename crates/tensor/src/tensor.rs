@@ -101,11 +101,16 @@ impl Tensor {
             return Err(Error::shape(format!("{} values do not fill shape {shape:?}", data.len())));
         }
         let t = Tensor::empty(device, shape, T::DTYPE, category, "from_slice")?;
-        // SAFETY: elements are plain numbers (no padding, any bit pattern valid); the byte view
-        // covers exactly the slice and lives no longer than it.
-        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
-        device.backend().write_bytes(&t, bytes)?;
+        device.backend().write_bytes(&t, element_bytes(data))?;
         Ok(t)
+    }
+
+    /// Refuses reading or writing this tensor's elements as `T` unless `T` is its dtype.
+    fn check_dtype<T: Element>(&self) -> Result<()> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::dtype(format!("a {} tensor's elements read as {}", self.dtype(), T::DTYPE)));
+        }
+        Ok(())
     }
 
     /// A 0-d tensor.
@@ -208,8 +213,15 @@ impl Tensor {
             && self.numel() * self.dtype().size() == self.0.storage.requested_bytes()
     }
 
-    /// What a kernel sees of this tensor: its storage, dtype and layout. Errors on meta.
+    /// What a host kernel sees of this tensor: its storage, dtype and layout. Errors on a device
+    /// whose memory the host cannot read (meta, a GPU).
     pub(crate) fn view(&self) -> Result<View<'_>> {
+        if !self.device().host_readable() {
+            return Err(Error::device(format!(
+                "the {} device's memory is not readable from the host in place (copy it with to_vec)",
+                self.device().kind()
+            )));
+        }
         let ptr = self.0.storage.ptr()?;
         // SAFETY: the storage holds `requested_bytes` initialised bytes, is aligned to 512 B, lives
         // as long as `self`, and every element of the layout lies inside it (it was allocated for
@@ -230,9 +242,14 @@ impl Tensor {
 
     /// Reads a contiguous tensor's elements in place through `read` (no copy), for transports such as
     /// a collective operation's send buffer. None on a device that holds no data.
+    /// On a device the host cannot read in place (a GPU), `read` sees a host copy.
     pub fn read_with<T: Element, R>(&self, read: impl FnOnce(&[T]) -> R) -> Result<Option<R>> {
         if !self.device().computes() {
             return Ok(None);
+        }
+        if !self.device().host_readable() {
+            self.check_dtype::<T>()?;
+            return Ok(Some(read(&self.to_vec::<T>()?)));
         }
         Ok(Some(read(self.slice::<T>()?)))
     }
@@ -240,9 +257,19 @@ impl Tensor {
     /// Fills a contiguous tensor from the host through `fill` (no staging copy): a fresh tensor, or a
     /// buffer a collective operation receives into while nobody else reads it (Note [Storage
     /// aliasing]). Does nothing on a device that holds no data.
+    /// On a device the host cannot write in place (a GPU), `fill` updates a host copy of the
+    /// tensor's values, which is then copied back.
     pub fn write_with<T: Element>(&self, fill: impl FnOnce(&mut [T])) -> Result<()> {
         if !self.device().computes() {
             return Ok(());
+        }
+        if !self.device().host_readable() {
+            if !self.is_contiguous() {
+                return Err(Error::shape(format!("write_with needs a contiguous tensor, not {:?}", self.layout())));
+            }
+            let mut values = self.to_vec::<T>()?;
+            fill(&mut values);
+            return self.device().backend().write_bytes(self, element_bytes(&values));
         }
         fill(self.slice_mut::<T>()?);
         Ok(())
@@ -250,6 +277,17 @@ impl Tensor {
 
     /// Copies the elements out in row-major order (any layout). Errors on meta.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if self.device().computes() && !self.device().host_readable() {
+            self.check_dtype::<T>()?;
+            let mut bytes = vec![0u8; self.numel() * self.dtype().size()];
+            self.device().backend().read_bytes(self, &mut bytes)?;
+            // SAFETY: `T` is the tensor's element type (checked), a plain `Copy` value of
+            // `dtype().size()` bytes for which every bit pattern the device wrote is one `T`
+            // holds (a bool is 0 or 1: kernels write nothing else); the read is unaligned because a byte vector's start need not be aligned.
+            return Ok((0..self.numel())
+                .map(|i| unsafe { bytes.as_ptr().add(i * std::mem::size_of::<T>()).cast::<T>().read_unaligned() })
+                .collect());
+        }
         let view = self.view()?;
         if view.is_contiguous() {
             return Ok(view.slice::<T>()?.to_vec());
@@ -323,4 +361,11 @@ mod tests {
         assert_eq!(bytes.len(), 4096);
         assert!(bytes.iter().all(|&b| b == 0));
     }
+}
+
+/// The bytes of a slice of elements.
+fn element_bytes<T: Element>(data: &[T]) -> &[u8] {
+    // SAFETY: elements are plain numbers (no padding); the byte view covers exactly the slice and
+    // lives no longer than it.
+    unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) }
 }

@@ -6,7 +6,7 @@
 use memfit_tensor::autograd::{self, backward, grad, needs_grad, Backward};
 use memfit_tensor::memory::{Event, EventKind, FaultInjection};
 use memfit_tensor::{
-    ops, Category, DType, Device, DeviceConfig, DeviceKind, Error, Float, Phase, Result, SpanKind, Tensor,
+    ops, Category, DType, Device, DeviceConfig, DeviceKind, Error, Float, Phase, Result, SpanKind, Target, Tensor,
 };
 use std::sync::{Arc, Mutex};
 
@@ -208,13 +208,27 @@ fn committing_into_an_existing_gradient_allocates_nothing() {
 
 #[test]
 fn device_kinds_have_names_and_parse_back() {
-    for (kind, name) in [(DeviceKind::Cpu, "cpu"), (DeviceKind::Meta, "meta")] {
+    let kinds = [
+        (DeviceKind::Cpu, "cpu", Target::Cpu),
+        (DeviceKind::META, "meta", Target::Cpu),
+        (DeviceKind::CUDA, "cuda", Target::Cuda),
+        (DeviceKind::Cuda(3), "cuda:3", Target::Cuda),
+        (DeviceKind::Meta(Target::Cuda), "meta:cuda", Target::Cuda),
+    ];
+    for (kind, name, target) in kinds {
         assert_eq!(kind.name(), name);
         assert_eq!(kind.to_string(), name);
         assert_eq!(DeviceKind::parse(name).unwrap(), kind);
+        assert_eq!(kind.target(), target, "{name}");
+        assert_eq!(kind.computes(), !name.starts_with("meta"), "{name}");
+        assert_eq!(kind.host_readable(), name == "cpu", "{name}");
     }
-    let err = DeviceKind::parse("gpu").unwrap_err();
-    assert!(matches!(err, Error::Invalid(_)) && err.to_string().contains("\"gpu\""), "{err}");
+    assert_eq!(DeviceKind::parse("cuda:0").unwrap(), DeviceKind::CUDA);
+    assert_eq!(DeviceKind::parse("meta:cpu").unwrap(), DeviceKind::META);
+    for bad in ["gpu", "cuda:", "cuda:-1", "cuda:+1", "cuda:x", "cuda:1024", "meta:gpu", "CPU"] {
+        let err = DeviceKind::parse(bad).unwrap_err();
+        assert!(matches!(err, Error::Invalid(_)) && err.to_string().contains(&format!("{bad:?}")), "{err}");
+    }
     assert_eq!(format!("{:?}", Device::meta()), "Device(meta)");
     assert_eq!(format!("{:?}", Device::cpu()), "Device(cpu)");
 }
@@ -224,9 +238,9 @@ fn a_device_is_what_was_configured() {
     let cpu = Device::cpu();
     assert_eq!(cpu.kind(), DeviceKind::Cpu);
     assert!(cpu.computes() && !Device::meta().computes());
-    assert_eq!(Device::meta().kind(), DeviceKind::Meta);
+    assert_eq!(Device::meta().kind(), DeviceKind::META);
     assert_eq!(cpu.capacity(), None);
-    let limited = Device::new(DeviceConfig::new(DeviceKind::Meta).capacity(Some(3 << 20)));
+    let limited = Device::new(DeviceConfig::new(DeviceKind::META).capacity(Some(3 << 20))).unwrap();
     assert_eq!(limited.capacity(), Some(3 << 20));
     assert_eq!(limited.memory_state().capacity, Some(3 << 20));
     assert!(cpu.same(&cpu.clone()));
@@ -234,7 +248,7 @@ fn a_device_is_what_was_configured() {
     let mut config = DeviceConfig::new(DeviceKind::Cpu);
     config.timeline_events = 10;
     let per_event = (std::mem::size_of::<Event>() + std::mem::size_of::<u64>()) as u64;
-    assert_eq!(Device::new(config).timeline_max_bytes(), 10 * per_event);
+    assert_eq!(Device::new(config).unwrap().timeline_max_bytes(), 10 * per_event);
 }
 
 #[test]

@@ -292,9 +292,9 @@ impl TrainConfig {
             return bad(format!("--keep {} is out of range: use 1 to {}", self.keep, limits::MAX_KEEP));
         }
         let resumable = self.save_dir.is_some() || self.resume.is_some();
-        if resumable && self.device != DeviceKind::Cpu {
+        if resumable && !self.device.computes() {
             return bad(format!(
-                "--save-dir and --resume need --device cpu: the {} device holds no values to save",
+                "--save-dir and --resume need a device that computes (cpu or cuda): the {} device holds no values to save",
                 self.device.name()
             ));
         }

@@ -86,7 +86,7 @@ pub fn generate(cfg: &GenerateConfig, on_text: &mut (dyn FnMut(&str) + Send)) ->
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
     pool.install(|| {
         let start = Instant::now();
-        let device = Device::new(DeviceConfig::new(DeviceKind::Cpu).capacity(cfg.memory));
+        let device = Device::new(DeviceConfig::new(DeviceKind::Cpu).capacity(cfg.memory))?;
         let model = {
             let _p = device.enter_phase(Phase::Setup);
             memfit_nn::build_model(&ModelSpec::gpt(config), &device, 0)?

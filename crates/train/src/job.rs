@@ -12,7 +12,7 @@ use crate::task::Task;
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
 use memfit_dist::Group;
 use memfit_nn::ModelSpec;
-use memfit_tensor::{Device, DeviceConfig, DeviceKind, MemoryStats};
+use memfit_tensor::{Device, DeviceConfig, MemoryStats};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -159,6 +159,7 @@ fn train_in_pool(
         precision: cfg.precision,
         // A pipeline's request is the whole model's: its stages are planned by `pipeline::plan_stages`.
         parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.as_ref().map(|g| g.size())),
+        target: cfg.device.target(),
     };
     let pipelined = group.as_ref().filter(|_| cfg.parallel == Some(ParallelMode::Pipeline));
     let request = match &group {
@@ -199,7 +200,7 @@ fn train_in_pool(
     if profiling {
         device_config.timeline_events = crate::profile::PROFILE_TIMELINE_EVENTS;
     }
-    let device = Device::new(device_config);
+    let device = Device::new(device_config)?;
     device.set_profiling(profiling);
     let mut session = match (&group, cfg.parallel, &staged) {
         (Some(g), _, Some(staged)) => {
@@ -267,7 +268,7 @@ fn train_in_pool(
     };
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
-        if cfg.device == DeviceKind::Cpu {
+        if cfg.device.computes() {
             // The checkpoint's errors name the file already. A pipeline stage takes its own part.
             let loaded = match staged {
                 Some(_) => memfit_nn::checkpoint::load_into(
@@ -353,13 +354,13 @@ fn train_in_pool(
     }
     // A pipeline's stages send their parameters to rank 0 (every rank takes part).
     let gathered = match (&staged, &group, &cfg.save, cfg.device) {
-        (Some(s), Some(g), Some(_), DeviceKind::Cpu) => {
+        (Some(s), Some(g), Some(_), kind) if kind.computes() => {
             crate::pipeline::gather_state_dict(&session, &spec, cfg.seed, g.as_ref(), &s.stages)?
         }
         _ => None,
     };
     if let (Some(path), true) = (&cfg.save, lead) {
-        if cfg.device == DeviceKind::Cpu {
+        if cfg.device.computes() {
             let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
             let tensors = gathered.unwrap_or_else(|| memfit_nn::checkpoint::state_dict(session.model.as_ref()));
             let bytes = memfit_nn::checkpoint::to_bytes(path, &tensors, Some(metadata))

@@ -428,7 +428,8 @@ pub fn predict_stage(
     eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
-    let device = Device::new(memfit_tensor::DeviceConfig::new(memfit_tensor::DeviceKind::Meta).capacity(capacity));
+    let device =
+        Device::new(memfit_tensor::DeviceConfig::new(memfit_tensor::DeviceKind::Meta(req.target)).capacity(capacity))?;
     let group: Arc<dyn Group> = Arc::new(memfit_dist::Simulated { rank: stage, size: stages.len() });
     let mut session =
         match Session::new_stage(device.clone(), &req.model, req.optimizer, req.seed, group, stages.to_vec()) {

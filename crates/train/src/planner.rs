@@ -53,6 +53,8 @@ pub struct PlanRequest {
     /// Training as `size` ranks in `mode` (`effective_batch` is then the global batch): every
     /// prediction is the largest of the ranks' (Note [Data parallel]).
     pub parallel: Option<(crate::parallel::ParallelMode, usize)>,
+    /// The machine the run is for: its dry runs imitate it (`meta:cuda` for a GPU run).
+    pub target: memfit_tensor::Target,
 }
 
 impl PlanRequest {
@@ -179,7 +181,7 @@ pub fn predict_rank(
     eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
-    let device = Device::new(DeviceConfig::new(DeviceKind::Meta).capacity(capacity));
+    let device = Device::new(DeviceConfig::new(DeviceKind::Meta(req.target)).capacity(capacity))?;
     let mut session = match Session::new(device.clone(), &req.model, req.optimizer, req.seed) {
         Ok(s) => s,
         Err(e) if e.as_oom().is_some() => return Ok(None),

@@ -65,6 +65,7 @@ fn request(spec: &ModelSpec, effective: usize, capacity: Option<u64>, checkpoint
         micro_batch: None,
         precision: Default::default(),
         parallel: None,
+        target: memfit_tensor::Target::Cpu,
     }
 }
 

@@ -105,7 +105,7 @@ fn meta_and_cpu_allocate_identically_for_gpt_steps() {
     let val = TextWindows::eval(&text.val[..200], spec.gpt.max_t);
     let o = opts(8, 4, 3);
     let cpu = device(DeviceKind::Cpu, None, None);
-    let meta = device(DeviceKind::Meta, None, None);
+    let meta = device(DeviceKind::META, None, None);
     for dev in [&cpu, &meta] {
         let mut s = Session::new(dev.clone(), &spec, adamw(), 1).unwrap();
         s.run(&train, Some(&val), &o, &mut |_| {}).unwrap();
@@ -130,6 +130,7 @@ fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
         micro_batch: None,
         precision: Default::default(),
         parallel: None,
+        target: memfit_tensor::Target::Cpu,
     }
 }
 

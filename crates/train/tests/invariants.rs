@@ -15,7 +15,7 @@ fn meta_and_cpu_allocate_identically_for_training_steps() {
         let samples = data(&spec, 40);
         let o = opts(16, 16, 3);
         let cpu = device(DeviceKind::Cpu, None, None);
-        let meta = device(DeviceKind::Meta, None, None);
+        let meta = device(DeviceKind::META, None, None);
         for dev in [&cpu, &meta] {
             let mut s = Session::new(dev.clone(), &spec, adamw(), 1).unwrap();
             s.run(&samples, Some(&data(&spec, 20)), &o, &mut |_| {}).unwrap();

@@ -45,7 +45,7 @@ fn a_simulated_rank_on_meta_allocates_as_a_rank_on_cpu() {
         let samples = data(&spec, 40);
         let o = opts(16, 8, 3);
         let groups: [(DeviceKind, Arc<dyn Group>); 2] =
-            [(DeviceKind::Cpu, Arc::new(Solo)), (DeviceKind::Meta, Arc::new(Simulated { rank: 0, size: 1 }))];
+            [(DeviceKind::Cpu, Arc::new(Solo)), (DeviceKind::META, Arc::new(Simulated { rank: 0, size: 1 }))];
         let mut devices = Vec::new();
         for (kind, group) in groups {
             let dev = device(kind, None, None);
@@ -66,7 +66,7 @@ fn zero1_ranks_split_the_optimizer_state_and_data_ranks_do_not() {
     let o = opts(8, 4, 2);
     // (elements of optimizer state, bytes of optimizer state) of rank `rank` of 2.
     let state = |mode, rank| {
-        let dev = device(DeviceKind::Meta, None, None);
+        let dev = device(DeviceKind::META, None, None);
         let mut s = Session::new(dev.clone(), &spec, adamw(), 1).unwrap();
         s.join(Arc::new(Simulated { rank, size: 2 }), mode).unwrap();
         s.run(&samples, None, &o, &mut |_| {}).unwrap();

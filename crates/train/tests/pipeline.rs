@@ -54,7 +54,7 @@ fn a_one_stage_pipeline_trains_like_the_plain_loop_and_meta_predicts_it() {
     let mut devices = Vec::new();
     for (kind, group) in [
         (DeviceKind::Cpu, Arc::new(Solo) as Arc<dyn memfit_dist::Group>),
-        (DeviceKind::Meta, Arc::new(Simulated { rank: 0, size: 1 })),
+        (DeviceKind::META, Arc::new(Simulated { rank: 0, size: 1 })),
     ] {
         let dev = device(kind, None, None);
         let mut s = Session::new_stage(dev.clone(), &spec, sgd(), 3, group, vec![0..units]).unwrap();
@@ -89,6 +89,7 @@ fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
         micro_batch: None,
         precision: Default::default(),
         parallel: None,
+        target: memfit_tensor::Target::Cpu,
     };
     let whole = memfit_train::planner::predict(&request(None), 1, Some(1), None).unwrap().unwrap().peak_reserved;
     let budget = whole * 3 / 4;

@@ -21,6 +21,7 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
         micro_batch: None,
         precision: Default::default(),
         parallel: None,
+        target: memfit_tensor::Target::Cpu,
     }
 }
 
@@ -98,7 +99,7 @@ fn a_dry_run_of_the_representative_window_peaks_like_the_whole_window() {
             let req = PlanRequest { model: spec.clone(), ..request(kind, effective, None) };
             assert!(representative_window(effective, micro) < effective);
             let bounded = predict(&req, micro, Some(micro), None).unwrap().unwrap();
-            let dev = device(DeviceKind::Meta, None, None);
+            let dev = device(DeviceKind::META, None, None);
             let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
             let (_, val, mut o) = dry_run(&req, micro, micro);
             o.effective_batch = effective;

@@ -28,7 +28,7 @@ fn half_storage_halves_saved_activations_and_meta_allocates_as_cpu() {
     for (spec, samples) in cases {
         let mut activation_peaks = Vec::new();
         for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-            let (cpu, meta) = (device(DeviceKind::Cpu, None, None), device(DeviceKind::Meta, None, None));
+            let (cpu, meta) = (device(DeviceKind::Cpu, None, None), device(DeviceKind::META, None, None));
             for dev in [&cpu, &meta] {
                 let mut s = Session::new(dev.clone(), spec, adamw(), 1).unwrap();
                 s.set_precision(precision).unwrap();
@@ -150,6 +150,7 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
         micro_batch: Some(64),
         precision,
         parallel: None,
+        target: memfit_tensor::Target::Cpu,
     };
     let need = |p| predict(&request(None, p), 64, Some(64), None).unwrap().unwrap().peak_reserved;
     let (fp32, bf16) = (need(Precision::Fp32), need(Precision::Bf16));

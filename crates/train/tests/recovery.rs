@@ -115,7 +115,7 @@ fn a_real_shortage_shrinks_the_micro_batch_and_a_transient_one_does_not() {
     let o = opts(64, 64, 2);
     // Find the peak of micro-batch 16 and give a capacity between it and micro-batch 64's.
     let probe = |micro: usize| {
-        let dev = device(DeviceKind::Meta, None, None);
+        let dev = device(DeviceKind::META, None, None);
         let mut s = Session::new(dev.clone(), &spec, adamw(), 3).unwrap();
         s.run(&samples, None, &opts(64, micro, 1), &mut |_| {}).unwrap();
         dev.stats().reserved_bytes.peak

@@ -6,7 +6,7 @@
 use memfit_dist::collective;
 use memfit_dist::mpi::Mpi;
 use memfit_dist::{GradientBucket, Group};
-use memfit_tensor::{Category, Device, DeviceConfig, DeviceKind, Tensor};
+use memfit_tensor::{Category, Device, Tensor};
 
 fn values(rank: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| (rank * 1000 + i) as f32).collect()
@@ -30,7 +30,7 @@ fn main() {
     });
     let group: &dyn Group = &mpi;
     let (rank, size) = (group.rank(), group.size());
-    let device = Device::new(DeviceConfig::new(DeviceKind::Cpu));
+    let device = Device::cpu();
     let panicking = std::env::args().skip_while(|a| a != "--panic-on-rank").nth(1).and_then(|r| r.parse().ok());
     if panicking == Some(rank) {
         panic!("rank {rank} panics on purpose (--panic-on-rank)");

@@ -47,7 +47,7 @@ macro_rules! as_is {
     };
 }
 
-as_is!(bool, f64, u64, usize, &'a [u8], &'a mut bool, Unary, Binary, Avg, SgdStep, AdamStep);
+as_is!(bool, f64, u64, usize, &'a [u8], &'a mut [u8], &'a mut bool, Unary, Binary, Avg, SgdStep, AdamStep);
 as_is!(&'a ConvGeom, &'a PoolGeom, &'a AttnProblem);
 
 impl From<memfit_cpu::Error> for Error {

@@ -22,10 +22,12 @@
 //! [`View`]: memfit_cpu::View
 
 pub(crate) mod cpu;
+pub(crate) mod cuda;
 
 use crate::device::DeviceKind;
 use crate::error::Result;
 use crate::tensor::Tensor;
+use memfit_memory::{HostBackend, MetaBackend, SegmentBackend};
 
 pub(crate) use cpu::Cpu;
 
@@ -35,7 +37,7 @@ macro_rules! backends {
     ($( $(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)* $(,)?); )*) => {
         /// The kernels a device runs. Each fills outputs the op has already allocated; none
         /// allocates a tensor of its own except through the op's tensors.
-        pub(crate) trait Backend: Sync {
+        pub(crate) trait Backend: Send + Sync {
             $( $(#[$doc])* fn $name(&self $(, $arg: $ty)*) -> Result<()>; )*
         }
 
@@ -64,6 +66,9 @@ backends! {
     fn fill(&self, t: &Tensor, value: f64);
     /// Copies host bytes (the tensor's dtype, row-major) into a fresh contiguous tensor.
     fn write_bytes(&self, t: &Tensor, bytes: &[u8]);
+    /// Copies the tensor's elements in row-major order (any layout) into host `bytes` (the tensor's
+    /// dtype; exactly its size). Waits for the device: the one way a GPU's values reach the host.
+    fn read_bytes(&self, t: &Tensor, bytes: &mut [u8]);
     /// Copies `src`'s elements, in row-major order, into `dst` (same shape and dtype).
     fn copy(&self, dst: &Tensor, src: &Tensor);
 
@@ -356,10 +361,27 @@ backends! {
     fn softmax_backward(&self, out: &Tensor, grad: &Tensor, dim: usize, log: bool, gx: &Tensor);
 }
 
-/// The backend of a device kind.
-pub(crate) fn of(kind: DeviceKind) -> &'static dyn Backend {
-    match kind {
-        DeviceKind::Cpu => &Cpu,
-        DeviceKind::Meta => &Meta,
-    }
+/// What opening a device gives: where its segments come from, its kernels, and for a GPU the bytes
+/// its context took and the memory free after it.
+pub(crate) struct Opened {
+    pub segments: Box<dyn SegmentBackend>,
+    pub kernels: Box<dyn Backend>,
+    pub context_bytes: Option<u64>,
+    pub free_bytes: Option<u64>,
+}
+
+/// Opens the memory and kernels of a device kind (the one place they are chosen).
+pub(crate) fn open(kind: DeviceKind) -> Result<Opened> {
+    Ok(match kind {
+        DeviceKind::Cpu => Opened {
+            segments: Box::new(HostBackend::default()),
+            kernels: Box::new(Cpu),
+            context_bytes: None,
+            free_bytes: None,
+        },
+        DeviceKind::Meta(_) => {
+            Opened { segments: Box::new(MetaBackend), kernels: Box::new(Meta), context_bytes: None, free_bytes: None }
+        }
+        DeviceKind::Cuda(ordinal) => cuda::open(ordinal)?,
+    })
 }

@@ -21,7 +21,7 @@ pub fn small_spec(kind: ModelKind) -> ModelSpec {
 }
 
 pub fn device(kind: DeviceKind, capacity: Option<u64>, fault: Option<FaultInjection>) -> Device {
-    Device::new(DeviceConfig::new(kind).capacity(capacity).fault(fault))
+    Device::new(DeviceConfig::new(kind).capacity(capacity).fault(fault)).unwrap()
 }
 
 pub fn opts(effective: usize, micro: usize, steps: usize) -> RunOptions {
@@ -93,6 +93,7 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
         checkpoint: plan.checkpoint.clone(),
         precision: plan.precision,
         parallel: None,
+        target: memfit_tensor::Target::Cpu,
         capacity: Some(capacity),
         ..req.clone()
     };
