@@ -782,6 +782,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             })).collect::<Vec<_>>(),
             "calibration_ms": plan.calibration_ms,
             "planning_ms": plan.planning_ms,
+            "target": a.device.target().name(),
             "fits_one_device": true,
             "devices": devices.as_ref().map(|(json, _)| json.clone()),
         });

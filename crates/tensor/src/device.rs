@@ -11,7 +11,7 @@
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use memfit_memory::{
-    Allocator, AllocatorConfig, Category, Event, FaultInjection, MemoryState, MemoryStats, Phase, Request,
+    Allocation, Allocator, AllocatorConfig, Category, Event, FaultInjection, MemoryState, MemoryStats, Phase, Request,
 };
 use std::collections::HashMap;
 use std::fmt;
@@ -145,6 +145,9 @@ struct DeviceInner {
     kind: DeviceKind,
     backend: Box<dyn crate::backend::Backend>,
     context_bytes: Option<u64>,
+    /// The math library's workspace on a GPU target (cuBLAS's, [`memfit_cuda::LIBRARY_WORKSPACE_BYTES`]):
+    /// allocated when the device opens, freed when it closes, so it is counted like any block.
+    library_workspace: Option<Allocation>,
     allocator: Mutex<Allocator>,
     phase: Mutex<Phase>,
     grad_enabled: AtomicBool,
@@ -157,6 +160,16 @@ struct DeviceInner {
     modules: Mutex<Modules>,
     profiling: AtomicBool,
     spans: Mutex<Vec<Span>>,
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        if let Some(block) = self.library_workspace.take() {
+            let allocator = self.allocator.get_mut().unwrap_or_else(|e| e.into_inner());
+            // The block is this allocator's and freed only here; a failure cannot happen.
+            let _ = allocator.free(block.id);
+        }
+    }
 }
 
 /// Interned module names and the one in force.
@@ -196,14 +209,23 @@ impl Device {
     pub fn new(config: DeviceConfig) -> Result<Self> {
         let opened = crate::backend::open(config.kind)?;
         let capacity = config.capacity.or(opened.free_bytes);
-        let allocator = Allocator::new(
+        let mut allocator = Allocator::new(
             opened.segments,
             AllocatorConfig { capacity, timeline_events: config.timeline_events, fault: config.fault },
         );
+        let library_workspace = match config.kind.target() {
+            Target::Cpu => None,
+            Target::Cuda => {
+                let request =
+                    Request { category: Category::Other, op: "cublas_workspace", phase: Phase::Setup, module: 0 };
+                Some(allocator.allocate(memfit_cuda::LIBRARY_WORKSPACE_BYTES, request)?)
+            }
+        };
         Ok(Device(Arc::new(DeviceInner {
             kind: config.kind,
             backend: opened.kernels,
             context_bytes: opened.context_bytes,
+            library_workspace,
             allocator: Mutex::new(allocator),
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
@@ -214,6 +236,16 @@ impl Device {
             profiling: AtomicBool::new(false),
             spans: Mutex::new(Vec::new()),
         })))
+    }
+
+    /// Checks quickly (no context, no allocation) that a device of this kind can open: for a GPU,
+    /// that its libraries load. For the checks made before any long work; [`Device::new`] checks
+    /// everything again.
+    pub fn probe(kind: DeviceKind) -> Result<()> {
+        match kind {
+            DeviceKind::Cuda(ordinal) => crate::backend::cuda::probe(ordinal),
+            DeviceKind::Cpu | DeviceKind::Meta(_) => Ok(()),
+        }
     }
 
     /// A `cpu` device with unlimited capacity.

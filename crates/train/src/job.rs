@@ -86,6 +86,8 @@ pub fn train_ranks(
     group: Option<Arc<dyn Group>>,
 ) -> Result<RunSummary, TrainError> {
     cfg.check()?;
+    // A GPU whose driver or libraries are missing is refused before the data loads.
+    Device::probe(cfg.device)?;
     let group = match (cfg.parallel, group) {
         (Some(_), Some(g)) => Some(g),
         (Some(mode), None) => {

@@ -1,0 +1,97 @@
+//! `--device cuda` on the command line without a GPU: a missing driver is one clear error and exit
+//! 1 before any data loads (never a panic); bad device names are refused; `meta:cuda` and `plan
+//! --device cuda` predict a GPU run, with the GPU's own allocations (cuBLAS's workspace) in it.
+//! On a machine whose driver is there, the no-driver check says `skipped` on its own line.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn memfit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit")).args(args).output().expect("the memfit binary runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn report(args: &[&str], name: &str) -> Value {
+    let dir = std::env::temp_dir().join(format!("memfit-cuda-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let all = [args, &["--report", path.to_str().unwrap()]].concat();
+    let out = memfit(&all);
+    assert!(out.status.success(), "memfit {all:?} failed:\n{}", text(&out));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+#[test]
+fn without_a_driver_cuda_is_one_clear_error_before_the_data_loads() {
+    if memfit_cuda::Library::Driver.present() {
+        println!("skipped: an NVIDIA driver is present here; the GPU check (tools/gpu-check) covers cuda");
+        return;
+    }
+    for device in ["cuda", "cuda:1"] {
+        let out = memfit(&["train", "--device", device, "--data", "embedded", "--max-steps", "1"]);
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        assert!(all.contains(&format!("--device {device}: no NVIDIA driver (libcuda.so.1 not found)")), "{all}");
+        assert!(all.contains("meta:cuda"), "the error names the way to predict without a GPU: {all}");
+        assert!(!all.contains("data:") && !all.contains("panicked"), "{all}");
+    }
+}
+
+#[test]
+fn device_names_that_are_not_devices_are_refused() {
+    for (device, words) in [("gpu", "expected cpu, cuda"), ("cuda:x", "a GPU's number"), ("meta:tpu", "meta:cuda")] {
+        let out = memfit(&["train", "--device", device]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(text(&out).contains(words), "{device}: {}", text(&out));
+    }
+}
+
+#[test]
+fn meta_cuda_predicts_a_gpu_run_with_the_gpus_own_allocations() {
+    let args = ["train", "--model", "gpt", "--layers", "2", "--d-model", "64", "--max-steps", "2", "--no-eval"];
+    let cpu = report(&[&args[..], &["--device", "meta"]].concat(), "meta.json");
+    let gpu = report(&[&args[..], &["--device", "meta:cuda"]].concat(), "meta-cuda.json");
+    assert_eq!(gpu["device"], "meta:cuda");
+    let peak = |r: &Value| r["peak_allocated_bytes"].as_u64().unwrap();
+    // cuBLAS's workspace is allocated when the device opens and held: it adds to every peak.
+    let workspace = memfit_cuda::LIBRARY_WORKSPACE_BYTES;
+    assert!(peak(&gpu) >= peak(&cpu) + workspace, "{} vs {} + {workspace}", peak(&gpu), peak(&cpu));
+    // Deterministic: the same prediction twice.
+    let again = report(&[&args[..], &["--device", "meta:cuda"]].concat(), "meta-cuda-2.json");
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes", "peak_by_category", "num_allocations"] {
+        assert_eq!(gpu[key], again[key], "{key}");
+    }
+}
+
+#[test]
+fn plan_for_cuda_needs_no_gpu_and_counts_its_workspace() {
+    let plan = |device: &str| {
+        let out = memfit(&[
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "256",
+            "--memory",
+            "64MiB",
+            "--device",
+            device,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+        let mut json = serde_json::from_slice::<Value>(&out.stdout).unwrap();
+        json.as_object_mut().unwrap().remove("planning_ms");
+        json
+    };
+    let (cpu, gpu) = (plan("cpu"), plan("cuda"));
+    assert_eq!((cpu["target"].as_str(), gpu["target"].as_str()), (Some("cpu"), Some("cuda")));
+    assert_eq!(gpu, plan("meta:cuda"), "meta:cuda plans as cuda");
+    let workspace = memfit_cuda::LIBRARY_WORKSPACE_BYTES;
+    assert_eq!(gpu["training_at_peak_by_category"]["other"].as_u64(), Some(workspace), "{gpu}");
+    let micro = |p: &Value| p["micro_batch"].as_u64().unwrap();
+    // 8 MiB fewer for activations: never a larger micro-batch than on cpu.
+    assert!(micro(&gpu) <= micro(&cpu), "{gpu} vs {cpu}");
+}

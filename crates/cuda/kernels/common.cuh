@@ -1,0 +1,58 @@
+// Shared by every memfit kernel source (prepended by memfit-cuda before NVRTC compiles a source).
+// Element-wise kernels are grid-stride loops over 64-bit indices; reductions are deterministic
+// (fixed tree order within a block, no atomics on floats), so a run repeats bit for bit.
+
+// NVRTC has no <math.h> macros: float infinity and NaN (converted exactly to double where needed).
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// A strided view of up to 8 dims, row-major walk: element k of the walk is at offset(k).
+struct Strided {
+    int rank;
+    i64 shape[8];
+    i64 stride[8];
+    i64 offset;
+};
+
+__device__ __forceinline__ i64 strided_offset(const Strided& s, i64 k) {
+    i64 off = s.offset;
+    for (int d = s.rank - 1; d >= 0; --d) {
+        i64 n = s.shape[d];
+        off += (k % n) * s.stride[d];
+        k /= n;
+    }
+    return off;
+}
+
+#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// Sum of `v` over the block (blockDim.x a power of two, at most 1024) into every thread's return,
+// in a fixed order.
+template <typename T>
+__device__ T block_sum(T v, T* shared) {
+    shared[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
+        __syncthreads();
+    }
+    T r = shared[0];
+    __syncthreads();
+    return r;
+}
+
+template <typename T>
+__device__ T block_max(T v, T* shared) {
+    shared[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) shared[threadIdx.x] = fmax(shared[threadIdx.x], shared[threadIdx.x + s]);
+        __syncthreads();
+    }
+    T r = shared[0];
+    __syncthreads();
+    return r;
+}

@@ -1,0 +1,44 @@
+// Data movement: fills, strided copies (any layout to row-major), dtype casts. Half types are
+// their bits (unsigned short): NVRTC alone has no cuda_fp16.h, and these are the only conversions.
+
+template <typename T>
+__device__ void fill_t(T* out, i64 n, T value) {
+    GRID_STRIDE(i, n) out[i] = value;
+}
+extern "C" __global__ void fill_f32(float* out, i64 n, float value) { fill_t(out, n, value); }
+extern "C" __global__ void fill_f64(double* out, i64 n, double value) { fill_t(out, n, value); }
+
+// dst[k] = src[offset(k)] for elements of `bytes` bytes each (1, 2, 4 or 8).
+template <typename T>
+__device__ void gather_t(T* dst, const T* src, Strided s, i64 n) {
+    GRID_STRIDE(k, n) dst[k] = src[strided_offset(s, k)];
+}
+extern "C" __global__ void gather_b1(unsigned char* d, const unsigned char* s, Strided v, i64 n) { gather_t(d, s, v, n); }
+extern "C" __global__ void gather_b2(unsigned short* d, const unsigned short* s, Strided v, i64 n) { gather_t(d, s, v, n); }
+extern "C" __global__ void gather_b4(unsigned int* d, const unsigned int* s, Strided v, i64 n) { gather_t(d, s, v, n); }
+extern "C" __global__ void gather_b8(u64* d, const u64* s, Strided v, i64 n) { gather_t(d, s, v, n); }
+
+// Casts between the float dtypes, rounding to nearest even as PyTorch's `.to()` (NaN stays NaN).
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((unsigned int)h << 16); }
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+
+extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, i64 n) { GRID_STRIDE(i, n) y[i] = f32_to_bf16(x[i]); }
+extern "C" __global__ void cast_bf16_f32(const unsigned short* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = bf16_to_f32(x[i]); }
+extern "C" __global__ void cast_f32_f16(const float* x, unsigned short* y, i64 n) { GRID_STRIDE(i, n) y[i] = f32_to_f16(x[i]); }
+extern "C" __global__ void cast_f16_f32(const unsigned short* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = f16_to_f32(x[i]); }
+extern "C" __global__ void cast_f32_f64(const float* x, double* y, i64 n) { GRID_STRIDE(i, n) y[i] = (double)x[i]; }
+extern "C" __global__ void cast_f64_f32(const double* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = (float)x[i]; }

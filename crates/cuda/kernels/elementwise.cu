@@ -1,0 +1,77 @@
+// Element-wise ops: unary (and their backward), affine, broadcasting binary, add_into.
+// Unary codes follow memfit's `Unary`: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 tanh, 4 sigmoid,
+// 5 exp, 6 log, 7 neg. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
+
+#define INV_SQRT2 0.70710678118654752440
+#define INV_SQRT_2PI 0.39894228040143267794
+#define SQRT_2_OVER_PI 0.79788456080286535588
+
+template <typename T>
+__device__ T unary_of(int op, T x) {
+    switch (op) {
+        case 0: return x > T(0) ? x : T(0);
+        case 1: return T(0.5) * x * (T(1) + erf(x * T(INV_SQRT2)));
+        case 2: return T(0.5) * x * (T(1) + tanh(T(SQRT_2_OVER_PI) * (x + T(0.044715) * x * x * x)));
+        case 3: return tanh(x);
+        case 4: return T(1) / (T(1) + exp(-x));
+        case 5: return exp(x);
+        case 6: return log(x);
+        default: return -x;
+    }
+}
+
+// The derivative's factor from the saved value `s` (the output for relu, tanh, sigmoid, exp; the
+// input for gelu, gelu_tanh, log; nothing for neg).
+template <typename T>
+__device__ T unary_grad(int op, T s, T g) {
+    switch (op) {
+        case 0: return s > T(0) ? g : T(0);
+        case 1: {
+            T cdf = T(0.5) * (T(1) + erf(s * T(INV_SQRT2)));
+            T pdf = T(INV_SQRT_2PI) * exp(T(-0.5) * s * s);
+            return g * (cdf + s * pdf);
+        }
+        case 2: {
+            T inner = T(SQRT_2_OVER_PI) * (s + T(0.044715) * s * s * s);
+            T t = tanh(inner);
+            T d_inner = T(SQRT_2_OVER_PI) * (T(1) + T(3) * T(0.044715) * s * s);
+            return g * (T(0.5) * (T(1) + t) + T(0.5) * s * (T(1) - t * t) * d_inner);
+        }
+        case 3: return g * (T(1) - s * s);
+        case 4: return g * s * (T(1) - s);
+        case 5: return g * s;
+        case 6: return g / s;
+        default: return -g;
+    }
+}
+
+template <typename T>
+__device__ T binary_of(int op, T a, T b) {
+    switch (op) {
+        case 0: return a + b;
+        case 1: return a - b;
+        case 2: return a * b;
+        default: return a / b;
+    }
+}
+
+#define FLOAT_KERNELS(T, SUF)                                                                          \
+    extern "C" __global__ void unary_##SUF(int op, const T* x, T* out, i64 n) {                       \
+        GRID_STRIDE(i, n) out[i] = unary_of<T>(op, x[i]);                                             \
+    }                                                                                                  \
+    extern "C" __global__ void unary_backward_##SUF(int op, const T* saved, const T* g, T* out, i64 n) { \
+        GRID_STRIDE(i, n) out[i] = unary_grad<T>(op, saved ? saved[i] : T(0), g[i]);                  \
+    }                                                                                                  \
+    extern "C" __global__ void affine_##SUF(const T* x, T scale, T shift, T* out, i64 n) {            \
+        GRID_STRIDE(i, n) out[i] = x[i] * scale + shift;                                               \
+    }                                                                                                  \
+    /* a and b as strided views broadcast to out's shape (stride 0 along broadcast dims). */           \
+    extern "C" __global__ void binary_##SUF(int op, const T* a, Strided sa, const T* b, Strided sb, T* out, i64 n) { \
+        GRID_STRIDE(k, n) out[k] = binary_of<T>(op, a[strided_offset(sa, k)], b[strided_offset(sb, k)]); \
+    }                                                                                                  \
+    extern "C" __global__ void add_into_##SUF(T* dst, const T* src, i64 n) {                          \
+        GRID_STRIDE(i, n) dst[i] += src[i];                                                            \
+    }
+
+FLOAT_KERNELS(float, f32)
+FLOAT_KERNELS(double, f64)

@@ -1,0 +1,72 @@
+// Losses, mean over rows, in one block of 1024 threads so the sum's order is fixed (no scratch
+// memory: a row's log-sum-exp is one thread's loop). A target outside [0, C) sets `*bad` to its
+// row + 1 instead of reading out of bounds; the host reads it at the step's synchronisation.
+
+#define LOSS(T, SUF)                                                                                    \
+    extern "C" __global__ void cross_entropy_##SUF(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* out, i64* bad) { \
+        __shared__ T shared[1024];                                                                      \
+        T acc = T(0);                                                                                   \
+        for (i64 r = threadIdx.x; r < n; r += blockDim.x) {                                             \
+            const T* row = logits + r * c;                                                              \
+            i64 t = target[r];                                                                          \
+            if (t < 0 || t >= c) { atomicCAS((u64*)bad, 0ULL, (u64)(r + 1)); continue; }                \
+            T m = -INFINITY, s = T(0), total = T(0);                                                    \
+            for (i64 j = 0; j < c; ++j) m = fmax(m, row[j]);                                            \
+            for (i64 j = 0; j < c; ++j) { s += exp(row[j] - m); total += row[j]; }                      \
+            T lse = m + log(s);                                                                         \
+            /* (1 - eps) * (lse - x_t) + eps * (lse - mean_j x_j) */                                     \
+            acc += (T(1) - smoothing) * (lse - row[t]) + smoothing * (lse - total / T(c));              \
+        }                                                                                               \
+        acc = block_sum<T>(acc, shared);                                                                \
+        if (threadIdx.x == 0) *out = acc / T(n);                                                        \
+    }                                                                                                   \
+    /* gx[r, j] = g / n * (softmax_j - (1 - eps) [j == t] - eps / C), one block per row. */            \
+    extern "C" __global__ void cross_entropy_backward_##SUF(const T* logits, const i64* target, i64 n, i64 c, T smoothing, const T* g, T* gx) { \
+        __shared__ T shared[256];                                                                       \
+        for (i64 r = blockIdx.x; r < n; r += gridDim.x) {                                               \
+            const T* row = logits + r * c;                                                              \
+            T m = -INFINITY;                                                                            \
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) m = fmax(m, row[j]);                      \
+            m = block_max<T>(m, shared);                                                                \
+            T s = T(0);                                                                                 \
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) s += exp(row[j] - m);                     \
+            s = block_sum<T>(s, shared);                                                                \
+            T scale = *g / T(n);                                                                        \
+            i64 t = target[r];                                                                          \
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) {                                         \
+                T p = exp(row[j] - m) / s;                                                              \
+                gx[r * c + j] = scale * (p - (j == t ? T(1) - smoothing : T(0)) - smoothing / T(c));    \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void nll_loss_##SUF(const T* lp, Strided rows, i64 col_stride, const i64* target, i64 n, i64 c, T* out, i64* bad) { \
+        __shared__ T shared[1024];                                                                      \
+        T acc = T(0);                                                                                   \
+        for (i64 r = threadIdx.x; r < n; r += blockDim.x) {                                             \
+            i64 t = target[r];                                                                          \
+            if (t < 0 || t >= c) { atomicCAS((u64*)bad, 0ULL, (u64)(r + 1)); continue; }                \
+            acc -= lp[strided_offset(rows, r) + t * col_stride];                                        \
+        }                                                                                               \
+        acc = block_sum<T>(acc, shared);                                                                \
+        if (threadIdx.x == 0) *out = acc / T(n);                                                        \
+    }                                                                                                   \
+    extern "C" __global__ void nll_loss_backward_##SUF(const i64* target, const T* g, i64 n, i64 c, T* gx) { \
+        GRID_STRIDE(r, n) gx[r * c + target[r]] = -*g / T(n);                                           \
+    }                                                                                                   \
+    extern "C" __global__ void mse_loss_##SUF(const T* a, const T* b, i64 n, T* out) {                  \
+        __shared__ T shared[1024];                                                                      \
+        T acc = T(0);                                                                                   \
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) { T d = a[i] - b[i]; acc += d * d; }          \
+        acc = block_sum<T>(acc, shared);                                                                \
+        if (threadIdx.x == 0) *out = acc / T(n);                                                        \
+    }                                                                                                   \
+    extern "C" __global__ void mse_loss_backward_##SUF(const T* a, const T* b, const T* g, i64 n, T* ga, T* gb) { \
+        GRID_STRIDE(i, n) {                                                                             \
+            T d = T(2) * (a[i] - b[i]) * *g / T(n);                                                     \
+            if (ga) ga[i] = d;                                                                          \
+            if (gb) gb[i] = -d;                                                                         \
+        }                                                                                               \
+    }
+
+LOSS(float, f32)
+LOSS(double, f64)

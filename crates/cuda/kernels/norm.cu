@@ -1,0 +1,58 @@
+// Layer norm over rows of d elements: one block (256 threads) per row for the statistics, output
+// and input gradient; the weight and bias gradients as column sums, one thread per column looping
+// over rows in order (deterministic; no partials to allocate).
+
+#define LAYER_NORM(T, SUF)                                                                              \
+    extern "C" __global__ void layer_norm_##SUF(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, T* out, T* mean, T* rstd) { \
+        __shared__ T shared[256];                                                                       \
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                            \
+            const T* row = x + r * d;                                                                   \
+            T s = T(0);                                                                                 \
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += row[j];                              \
+            T mu = block_sum<T>(s, shared) / T(d);                                                      \
+            T q = T(0);                                                                                 \
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) { T c = row[j] - mu; q += c * c; }        \
+            T rs = T(1) / sqrt(block_sum<T>(q, shared) / T(d) + eps);                                   \
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {                                         \
+                T y = (row[j] - mu) * rs;                                                               \
+                if (w) y *= w[j];                                                                       \
+                if (b) y += b[j];                                                                       \
+                out[r * d + j] = y;                                                                     \
+            }                                                                                           \
+            if (threadIdx.x == 0) { if (mean) mean[r] = mu; if (rstd) rstd[r] = rs; }                   \
+        }                                                                                               \
+    }                                                                                                   \
+    /* gx = rstd * (g w - mean(g w) - xhat * mean(g w xhat)). */                                        \
+    extern "C" __global__ void layer_norm_backward_x_##SUF(const T* x, const T* w, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gx) { \
+        __shared__ T shared[256];                                                                       \
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                            \
+            T mu = mean[r], rs = rstd[r], s1 = T(0), s2 = T(0);                                         \
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {                                         \
+                T gw = g[r * d + j] * (w ? w[j] : T(1));                                                \
+                s1 += gw;                                                                               \
+                s2 += gw * (x[r * d + j] - mu) * rs;                                                    \
+            }                                                                                           \
+            s1 = block_sum<T>(s1, shared) / T(d);                                                       \
+            s2 = block_sum<T>(s2, shared) / T(d);                                                       \
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {                                         \
+                T xhat = (x[r * d + j] - mu) * rs;                                                      \
+                T gw = g[r * d + j] * (w ? w[j] : T(1));                                                \
+                gx[r * d + j] = rs * (gw - s1 - xhat * s2);                                             \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void layer_norm_backward_wb_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gw, T* gb) { \
+        GRID_STRIDE(j, d) {                                                                             \
+            T sw = T(0), sb = T(0);                                                                     \
+            for (i64 r = 0; r < rows; ++r) {                                                            \
+                T gi = g[r * d + j];                                                                    \
+                sw += gi * (x[r * d + j] - mean[r]) * rstd[r];                                          \
+                sb += gi;                                                                               \
+            }                                                                                           \
+            if (gw) gw[j] = sw;                                                                         \
+            if (gb) gb[j] = sb;                                                                         \
+        }                                                                                               \
+    }
+
+LAYER_NORM(float, f32)
+LAYER_NORM(double, f64)

@@ -1,0 +1,63 @@
+// Reductions, each output computed by one thread (or one block) in a fixed order.
+
+#define REDUCE(T, SUF)                                                                                  \
+    /* x contiguous [outer, size, inner] -> out [outer, inner]: sum (or mean) over the middle dim. */   \
+    extern "C" __global__ void sum_dim_##SUF(const T* x, i64 outer, i64 size, i64 inner, int mean, T* out) { \
+        GRID_STRIDE(k, outer * inner) {                                                                 \
+            i64 o = k / inner, i = k % inner;                                                           \
+            T acc = T(0);                                                                               \
+            for (i64 s = 0; s < size; ++s) acc += x[(o * size + s) * inner + i];                        \
+            out[k] = mean ? acc / T(size) : acc;                                                        \
+        }                                                                                               \
+    }                                                                                                   \
+    /* out[j] = sum of x over the elements that broadcast from out's element j: x viewed through      \
+       `groups` (the dims out keeps, strides of x) and `within` (the dims summed away). */             \
+    extern "C" __global__ void sum_to_shape_##SUF(const T* x, Strided kept, Strided summed, i64 n_out, i64 n_sum, T* out) { \
+        GRID_STRIDE(j, n_out) {                                                                         \
+            i64 base = strided_offset(kept, j);                                                         \
+            T acc = T(0);                                                                               \
+            for (i64 s = 0; s < n_sum; ++s) acc += x[base + strided_offset(summed, s)];                 \
+            out[j] = acc;                                                                               \
+        }                                                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void sum_backward_##SUF(const T* g, Strided gs, T scale, T* out, i64 n) {     \
+        GRID_STRIDE(k, n) out[k] = g[strided_offset(gs, k)] * scale;                                    \
+    }                                                                                                   \
+    /* max over the middle dim with the first index of the max (NaN wins, as in PyTorch). */           \
+    extern "C" __global__ void max_dim_##SUF(const T* x, i64 outer, i64 size, i64 inner, T* values, i64* indices) { \
+        GRID_STRIDE(k, outer * inner) {                                                                 \
+            i64 o = k / inner, i = k % inner, best = 0;                                                 \
+            T m = x[o * size * inner + i];                                                              \
+            for (i64 s = 1; s < size && m == m; ++s) {                                                  \
+                T v = x[(o * size + s) * inner + i];                                                    \
+                if (v > m || v != v) { m = v; best = s; }                                               \
+            }                                                                                           \
+            values[k] = m;                                                                              \
+            indices[k] = best;                                                                          \
+        }                                                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void max_dim_backward_##SUF(const T* g, const i64* idx, i64 outer, i64 size, i64 inner, T* out) { \
+        GRID_STRIDE(k, outer * inner) {                                                                 \
+            i64 o = k / inner, i = k % inner;                                                           \
+            out[(o * size + idx[k]) * inner + i] += g[k];                                               \
+        }                                                                                               \
+    }                                                                                                   \
+    /* One block of 1024 threads. */                                                                    \
+    extern "C" __global__ void max_all_##SUF(const T* x, i64 n, T* out) {                              \
+        __shared__ T shared[1024];                                                                      \
+        T m = -INFINITY;                                                                                \
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) m = (x[i] != x[i] || m != m) ? NAN : fmax(m, x[i]); \
+        m = block_max<T>(m, shared);                                                                    \
+        if (threadIdx.x == 0) *out = m;                                                                 \
+    }                                                                                                   \
+    /* The 0-d grad shared equally among the elements equal to the max (one block: counts first). */   \
+    extern "C" __global__ void max_all_backward_##SUF(const T* x, const T* max, const T* g, i64 n, T* out) { \
+        __shared__ T shared[1024];                                                                      \
+        T count = T(0);                                                                                 \
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) count += (x[i] == *max) ? T(1) : T(0);        \
+        count = block_sum<T>(count, shared);                                                            \
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) out[i] = (x[i] == *max) ? *g / count : T(0);  \
+    }
+
+REDUCE(float, f32)
+REDUCE(double, f64)

@@ -1,0 +1,173 @@
+//! memfit's CUDA C kernels: their sources (`crates/cuda/kernels/*.cu`, each compiled with
+//! `common.cuh` in front), compiled by NVRTC for the GPU's architecture on first use and cached on
+//! disk, so a second run loads PTX instead of compiling.
+//!
+//! The cache key is everything that changes the PTX: the source's hash, the architecture and
+//! NVRTC's version. The folder is `$MEMFIT_CACHE_DIR/cuda`, else `$XDG_CACHE_HOME/memfit/cuda`,
+//! else `~/.cache/memfit/cuda`; a cache that cannot be written only costs a compile next time.
+
+use crate::libraries::{probe, Library};
+use crate::{call_error, CudaError};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+use std::path::PathBuf;
+
+/// Included in front of every source.
+const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// One source file: its name and text. Each defines `extern "C"` kernels named `<op>_<dtype>`.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    pub name: &'static str,
+    pub text: &'static str,
+}
+
+/// Every kernel source, by op family (the tensor crate's `ops/` files).
+pub const SOURCES: [Source; 9] = [
+    Source { name: "data", text: include_str!("../kernels/data.cu") },
+    Source { name: "elementwise", text: include_str!("../kernels/elementwise.cu") },
+    Source { name: "dropout", text: include_str!("../kernels/dropout.cu") },
+    Source { name: "embedding", text: include_str!("../kernels/embedding.cu") },
+    Source { name: "reduce", text: include_str!("../kernels/reduce.cu") },
+    Source { name: "softmax", text: include_str!("../kernels/softmax.cu") },
+    Source { name: "loss", text: include_str!("../kernels/loss.cu") },
+    Source { name: "optim", text: include_str!("../kernels/optim.cu") },
+    Source { name: "norm", text: include_str!("../kernels/norm.cu") },
+];
+
+impl Source {
+    /// The text NVRTC compiles: the common header, then the source.
+    pub fn program(&self) -> String {
+        format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.text)
+    }
+}
+
+/// The GPU architectures memfit supports (compute capability 8.0 and later: bf16 arithmetic).
+pub const MIN_CAPABILITY: (i32, i32) = (8, 0);
+
+/// NVRTC's name of a virtual architecture, `compute_90` for capability (9, 0).
+pub fn arch_name(capability: (i32, i32)) -> Option<&'static str> {
+    Some(match capability {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 7) => "compute_87",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => return None,
+    })
+}
+
+/// Compiles `source` for `capability` to PTX (no cache). Errors name a missing NVRTC, an
+/// architecture memfit does not know, or the kernel with NVRTC's log.
+pub fn compile(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
+    probe(&[Library::Nvrtc])?;
+    let arch = arch_name(capability).ok_or_else(|| CudaError::Call {
+        what: format!("compiling {} for sm_{}{}", source.name, capability.0, capability.1),
+        detail: format!(
+            "memfit knows compute capabilities 8.0, 8.6, 8.7, 8.9, 9.0, 10.0 and 12.0 (at least {}.{})",
+            MIN_CAPABILITY.0, MIN_CAPABILITY.1
+        ),
+    })?;
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some(format!("{}.cu", source.name)),
+        // No include path: the sources need no header (the GPU machine may have none).
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    compile_ptx_with_opts(source.program(), options).map_err(|e| match e {
+        CompileError::CompileError { log, .. } => {
+            CudaError::Compile { kernel: source.name.to_string(), log: log.to_string_lossy().into_owned() }
+        }
+        other => call_error(&format!("NVRTC on {}", source.name), other),
+    })
+}
+
+/// NVRTC's version, `(major, minor)`.
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    probe(&[Library::Nvrtc])?;
+    let mut version = (0, 0);
+    // SAFETY: NVRTC is loaded (probed above); the call writes two ints.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut version.0, &mut version.1) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(call_error("nvrtcVersion", status));
+    }
+    Ok(version)
+}
+
+/// The cache folder (see the module's docs), or None when no home is known.
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let base = var("MEMFIT_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("memfit")))
+        .or_else(|| var("HOME").map(|h| h.join(".cache").join("memfit")))?;
+    Some(base.join("cuda"))
+}
+
+/// The file a source's PTX is cached in for `capability` and NVRTC `version`.
+pub fn cache_file(dir: &std::path::Path, source: &Source, capability: (i32, i32), version: (i32, i32)) -> PathBuf {
+    let hash = fnv1a(source.program().as_bytes());
+    dir.join(format!(
+        "{}-{hash:016x}-sm{}{}-nvrtc{}.{}.ptx",
+        source.name, capability.0, capability.1, version.0, version.1
+    ))
+}
+
+/// [`compile`] through the disk cache: the cached PTX when there is one, else a compile whose PTX
+/// is written for next time (atomically: a temporary file renamed into place).
+pub fn compile_cached(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
+    let version = nvrtc_version()?;
+    let file = cache_dir().map(|dir| cache_file(&dir, source, capability, version));
+    if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(Ptx::from_src(text));
+    }
+    let ptx = compile(source, capability)?;
+    if let Some(file) = file {
+        let _ = write_cache(&file, &ptx.to_src());
+    }
+    Ok(ptx)
+}
+
+fn write_cache(file: &std::path::Path, text: &str) -> std::io::Result<()> {
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let temporary = file.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&temporary, text)?;
+    std::fs::rename(&temporary, file)
+}
+
+/// FNV-1a, 64 bits: a stable hash of a source (the standard library's is not stable across builds).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_supported_capability_has_an_architecture_and_older_ones_are_refused() {
+        assert_eq!(arch_name((9, 0)), Some("compute_90"));
+        assert_eq!(arch_name((8, 0)), Some("compute_80"));
+        assert_eq!(arch_name((7, 5)), None);
+    }
+
+    #[test]
+    fn cache_files_change_with_the_source_the_architecture_and_nvrtc() {
+        let dir = std::path::Path::new("/c");
+        let a = cache_file(dir, &SOURCES[0], (9, 0), (13, 0));
+        assert_eq!(a, cache_file(dir, &SOURCES[0], (9, 0), (13, 0)));
+        assert_ne!(a, cache_file(dir, &SOURCES[1], (9, 0), (13, 0)));
+        assert_ne!(a, cache_file(dir, &SOURCES[0], (8, 0), (13, 0)));
+        assert_ne!(a, cache_file(dir, &SOURCES[0], (9, 0), (13, 1)));
+        assert!(a.to_string_lossy().starts_with("/c/data-"), "{a:?}");
+    }
+
+    #[test]
+    fn fnv1a_is_the_published_function() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}

@@ -1,0 +1,54 @@
+//! Every kernel source compiles with NVRTC for sm_80 and sm_90, on any machine that has NVRTC (no
+//! GPU needed: `.ci/run` installs PyPI's `nvidia-cuda-nvrtc` and puts it on `LD_LIBRARY_PATH`).
+//! Without NVRTC it says so on its own line, `skipped: ...`, rather than passing silently (this
+//! test has no harness, so what it prints is not captured). `MEMFIT_REQUIRE_NVRTC=1` turns the
+//! skip into a failure (CI sets it once it installed NVRTC).
+
+use memfit_cuda::kernels::{compile, nvrtc_version, SOURCES};
+use memfit_cuda::Library;
+
+fn main() {
+    let required = std::env::var_os("MEMFIT_REQUIRE_NVRTC").is_some_and(|v| v == "1");
+    if !Library::Nvrtc.present() {
+        let why = Library::Nvrtc.missing_message();
+        if required {
+            eprintln!("nvrtc: FAILED: MEMFIT_REQUIRE_NVRTC=1 but {why}");
+            std::process::exit(1);
+        }
+        println!("nvrtc: skipped: {} kernel sources not compiled: {why}", SOURCES.len());
+        return;
+    }
+    let version = nvrtc_version().expect("NVRTC answers its version");
+    let mut failures = 0;
+    for capability in [(8, 0), (9, 0)] {
+        for source in &SOURCES {
+            match compile(source, capability) {
+                Ok(ptx) => assert!(ptx.to_src().contains(".entry"), "{}: PTX without kernels", source.name),
+                Err(e) => {
+                    eprintln!("nvrtc: {} for sm_{}{}: {e}", source.name, capability.0, capability.1);
+                    failures += 1;
+                }
+            }
+        }
+    }
+    // A broken source is an error with NVRTC's log, not a panic.
+    let broken =
+        memfit_cuda::kernels::Source { name: "broken", text: "extern \"C\" __global__ void k() { undefined_name; }" };
+    match compile(&broken, (9, 0)) {
+        Err(memfit_cuda::CudaError::Compile { kernel, log }) => {
+            assert_eq!(kernel, "broken");
+            assert!(log.contains("undefined_name"), "{log}");
+        }
+        other => panic!("a broken kernel compiled or failed otherwise: {:?}", other.map(|_| ())),
+    }
+    if failures > 0 {
+        eprintln!("nvrtc: {failures} compilations failed");
+        std::process::exit(1);
+    }
+    println!(
+        "nvrtc: {} kernel sources compiled for sm_80 and sm_90 with NVRTC {}.{}",
+        SOURCES.len(),
+        version.0,
+        version.1
+    );
+}
