@@ -15,6 +15,11 @@
 //! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 //!
+//! On a GPU target (`cuda`, and `meta:cuda` predicting it) the plan is the GPU kernels': one lane
+//! (the GPU is parallel inside each product), tiles of im2col columns only, and no weight partials
+//! (cuBLAS adds each tile's product into the weight gradient itself, reading the output gradient
+//! transposed in place): [`limits_for`].
+//!
 //! This file plans (shapes, work plan, workspaces) and records autograd; the kernels that follow the
 //! plan are the backend's (`memfit-cpu`'s `conv.rs`).
 
@@ -47,9 +52,25 @@ struct Limits {
     /// Lanes are added while all lanes' tiles and weight partials fit in this many bytes.
     workspace_bytes: usize,
     max_lanes: usize,
+    /// The weight gradient goes through a transposed output-gradient tile per lane and per-lane
+    /// partials (the cpu kernels); without, the product accumulates into it directly (cuBLAS).
+    staged_weight_grad: bool,
 }
 
-const LIMITS: Limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32 };
+const LIMITS: Limits =
+    Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32, staged_weight_grad: true };
+
+/// The work plan's budgets on a GPU: one lane, nothing staged.
+const CUDA_LIMITS: Limits =
+    Limits { tile_bytes: 4 << 20, workspace_bytes: 4 << 20, max_lanes: 1, staged_weight_grad: false };
+
+/// The work plan of the machine a device's allocations follow.
+fn limits_for(target: crate::Target) -> Limits {
+    match target {
+        crate::Target::Cpu => LIMITS,
+        crate::Target::Cuda => CUDA_LIMITS,
+    }
+}
 
 fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limits: Limits) -> Result<ConvGeom> {
     if x.len() != 4 {
@@ -110,7 +131,8 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
     let kc = c.saturating_mul(kh * kw);
     // One output row of a lane's tiles: its im2col columns (none when direct) and its transposed
     // output-gradient row.
-    let row_bytes = (if direct { 0 } else { kc }).saturating_add(o).saturating_mul(ow).saturating_mul(elem);
+    let staged_rows = if limits.staged_weight_grad { o } else { 0 };
+    let row_bytes = (if direct { 0 } else { kc }).saturating_add(staged_rows).saturating_mul(ow).saturating_mul(elem);
     let tile_rows = (limits.tile_bytes / row_bytes.max(1)).clamp(1, oh);
     let weight_bytes = o.saturating_mul(cg * kh * kw).saturating_mul(elem);
     let lane_bytes = row_bytes.saturating_mul(tile_rows).saturating_add(weight_bytes).max(1);
@@ -149,7 +171,7 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
 /// OH = floor((H + 2p - d(k-1) - 1)/s) + 1.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams) -> Result<Tensor> {
     let _op = x.device().op_scope("conv2d");
-    conv2d_with(x, weight, bias, params, LIMITS)
+    conv2d_with(x, weight, bias, params, limits_for(x.device().target()))
 }
 
 /// An optional workspace of `len` elements (none when empty).
@@ -235,10 +257,11 @@ impl Backward for Conv2dBack {
         let dw = if need_w { Some(output(&grad, weight.shape(), x.dtype(), "conv2d_backward")?) } else { None };
         let db = if need_b { Some(output(&grad, &[g.o], x.dtype(), "conv2d_backward")?) } else { None };
         // Per lane: an im2col tile, and for the weight gradient a transposed output-gradient tile.
-        let lane_len = if need_w { g.col_len() + g.gt_len() } else { g.col_len() };
+        let staged = need_w && self.limits.staged_weight_grad;
+        let lane_len = if staged { g.col_len() + g.gt_len() } else { g.col_len() };
         let ws = if need_x || need_w { workspace(&grad, g.lanes * lane_len, "conv2d_im2col")? } else { None };
         let partials =
-            if need_w { workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")? } else { None };
+            if staged { workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")? } else { None };
         grad.device().backend().conv2d_backward(
             &g,
             x,
@@ -390,8 +413,8 @@ mod tests {
     /// Work plans exercised besides the default: one lane with one output row per tile (threaded
     /// GEMM and im2col), several lanes with weight partials and multi-tile samples.
     const SMALL: [Limits; 2] = [
-        Limits { tile_bytes: 1, workspace_bytes: 1, max_lanes: 32 },
-        Limits { tile_bytes: 200, workspace_bytes: 1 << 20, max_lanes: 2 },
+        Limits { tile_bytes: 1, workspace_bytes: 1, max_lanes: 32, staged_weight_grad: true },
+        Limits { tile_bytes: 200, workspace_bytes: 1 << 20, max_lanes: 2, staged_weight_grad: true },
     ];
 
     #[test]
@@ -455,9 +478,37 @@ mod tests {
         assert_eq!(g.tile_rows, 25);
         // C 16, O 256, 8x8: a tile is all 8 rows, (144 + 256) * 8 * 4 * 8 = 102400 bytes, and the
         // weight 256 * 144 * 4 = 147456; 1 MiB holds 4 such lanes, so 12 samples go 3 to a lane.
-        let limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 32 };
+        let limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 32, staged_weight_grad: true };
         let g = geometry(&[12, 16, 8, 8], &[256, 16, 3, 3], &padded, 4, limits).unwrap();
         assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
+    }
+
+    /// A GPU target plans one lane of im2col columns only: no transposed gradient tile and no weight
+    /// partials, in forward and backward, whatever the batch; a cpu target stages the weight gradient.
+    #[test]
+    fn a_gpu_target_plans_one_lane_and_no_weight_partials() {
+        let padded = Conv2dParams { padding: [1, 1], ..Default::default() };
+        let g = geometry(&[64, 64, 64, 64], &[64, 64, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
+        // A row of im2col columns alone: 576 * 64 * 4 = 147456 bytes; 4 MiB holds 28 rows.
+        assert_eq!((g.lanes, g.per_lane, g.tile_rows), (1, 64, 28));
+        let ops = |device: &Device| {
+            let x = leaf(device, &values(3, 2 * 3 * 6 * 6), &[2, 3, 6, 6], true);
+            let w = leaf(device, &values(4, 4 * 3 * 9), &[4, 3, 3, 3], true);
+            let out = conv2d(&x, &w, None, padded).unwrap();
+            backward_with(&out, Tensor::full(device, out.shape(), 1.0, DType::F64, Category::Input).unwrap()).unwrap();
+            let events = device.timeline_events();
+            let sizes = |op: &str| {
+                events.iter().filter(|e| e.kind == EventKind::Alloc && e.op == op).map(|e| e.bytes).collect::<Vec<_>>()
+            };
+            (sizes("conv2d_im2col"), sizes("conv2d_weight_partials"))
+        };
+        // Blocks are whole 512-byte units. Forward's tile and backward's: 27 columns x 36 positions.
+        let block = |bytes: u64| bytes.div_ceil(512) * 512;
+        let gpu = Device::new(crate::DeviceConfig::new(crate::DeviceKind::Meta(crate::Target::Cuda))).unwrap();
+        assert_eq!(ops(&gpu), (vec![block(27 * 36 * 8); 2], vec![]));
+        let (cpu_tiles, cpu_partials) = ops(&Device::meta());
+        assert_eq!(cpu_tiles[1], block(2 * (27 + 4) * 36 * 8), "two lanes, each with the gradient's tile");
+        assert_eq!(cpu_partials, vec![block(2 * 4 * 27 * 8)]);
     }
 
     /// Backward allocates only the gradients asked for: none for a bias that needs none.
