@@ -41,6 +41,16 @@ fn main() {
         }
         other => panic!("a broken kernel compiled or failed otherwise: {:?}", other.map(|_| ())),
     }
+    // The disk cache: the first call writes the PTX under $MEMFIT_CACHE_DIR, the second reads it back.
+    let dir = std::env::temp_dir().join(format!("memfit-nvrtc-cache-{}", std::process::id()));
+    std::env::set_var("MEMFIT_CACHE_DIR", &dir);
+    let first = memfit_cuda::kernels::compile_cached(&SOURCES[0], (9, 0)).expect("compiles").to_src();
+    let file = memfit_cuda::kernels::cache_file(&dir.join("cuda"), &SOURCES[0], (9, 0), version);
+    assert_eq!(std::fs::read_to_string(&file).expect("the PTX was cached"), first);
+    std::fs::write(&file, format!("{first}\n// from the cache")).unwrap();
+    let second = memfit_cuda::kernels::compile_cached(&SOURCES[0], (9, 0)).unwrap().to_src();
+    assert!(second.ends_with("// from the cache"), "the second call read the cache");
+    let _ = std::fs::remove_dir_all(&dir);
     if failures > 0 {
         eprintln!("nvrtc: {failures} compilations failed");
         std::process::exit(1);

@@ -234,6 +234,21 @@ fn device_kinds_have_names_and_parse_back() {
 }
 
 #[test]
+fn a_gpu_target_holds_cublas_workspace_from_open_to_close() {
+    let workspace = memfit_cuda::LIBRARY_WORKSPACE_BYTES;
+    let gpu = Device::new(DeviceConfig::new(DeviceKind::Meta(Target::Cuda))).unwrap();
+    assert_eq!(gpu.target(), Target::Cuda);
+    let stats = gpu.stats();
+    assert_eq!(stats.allocated_bytes.current, workspace);
+    assert_eq!(stats.by_category[Category::Other.index()].current, workspace);
+    assert!(gpu.timeline_events().iter().any(|e| e.op == "cublas_workspace" && e.bytes == workspace));
+    assert_eq!(Device::meta().stats().allocated_bytes.current, 0, "a cpu target holds none");
+    // A capacity below it cannot open: an out-of-memory error, not a panic.
+    let small = Device::new(DeviceConfig::new(DeviceKind::Meta(Target::Cuda)).capacity(Some(workspace - 1)));
+    assert!(small.unwrap_err().is_oom());
+}
+
+#[test]
 fn a_device_is_what_was_configured() {
     let cpu = Device::cpu();
     assert_eq!(cpu.kind(), DeviceKind::Cpu);

@@ -428,8 +428,13 @@ pub fn predict_stage(
     eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
-    let device =
-        Device::new(memfit_tensor::DeviceConfig::new(memfit_tensor::DeviceKind::Meta(req.target)).capacity(capacity))?;
+    let config = memfit_tensor::DeviceConfig::new(memfit_tensor::DeviceKind::Meta(req.target)).capacity(capacity);
+    // A GPU target's device holds cuBLAS's workspace from the start: a capacity below it fits nothing.
+    let device = match Device::new(config) {
+        Ok(d) => d,
+        Err(e) if e.as_oom().is_some() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
     let group: Arc<dyn Group> = Arc::new(memfit_dist::Simulated { rank: stage, size: stages.len() });
     let mut session =
         match Session::new_stage(device.clone(), &req.model, req.optimizer, req.seed, group, stages.to_vec()) {

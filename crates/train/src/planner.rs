@@ -181,7 +181,12 @@ pub fn predict_rank(
     eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
-    let device = Device::new(DeviceConfig::new(DeviceKind::Meta(req.target)).capacity(capacity))?;
+    // A GPU target's device holds cuBLAS's workspace from the start: a capacity below it fits nothing.
+    let device = match Device::new(DeviceConfig::new(DeviceKind::Meta(req.target)).capacity(capacity)) {
+        Ok(d) => d,
+        Err(e) if e.as_oom().is_some() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
     let mut session = match Session::new(device.clone(), &req.model, req.optimizer, req.seed) {
         Ok(s) => s,
         Err(e) if e.as_oom().is_some() => return Ok(None),

@@ -8,10 +8,13 @@
 //!   the tensors (storage, dtype, layout). Each matches the dtype once (`with_float!`) and calls
 //!   `memfit-kernels` for what has a path per instruction set (GEMM, GELU, exp), chosen at run time.
 //! - `meta` ([`Meta`], below): computes nothing; every kernel is a no-op, so a meta run is the cpu
-//!   run's allocation sequence and nothing else.
+//!   run's allocation sequence and nothing else (or a GPU's: `meta:cuda`, whose ops size their
+//!   workspaces as the GPU's kernels need them, see `Device::target`).
+//! - `cuda` (`backend/cuda.rs`): opens a GPU through `memfit-cuda`; its kernels are not all written
+//!   yet, so an opened GPU is refused with what was found.
 //!
 //! Adding a device is adding one implementation of [`Backend`] (and a `SegmentBackend` for its
-//! memory) and its arm in [`of`]; adding a dtype (f16/bf16 storage) is adding arms to the CPU
+//! memory) and its arm in [`open`]; adding a dtype (f16/bf16 storage) is adding arms to the CPU
 //! kernels' dtype match (`with_float!`, `memfit-cpu/src/dtype.rs`) and the conversions in
 //! `memfit-kernels`. Ops never branch on the device.
 //!
