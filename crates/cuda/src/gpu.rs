@@ -25,12 +25,7 @@ impl Gpu {
     /// Opens GPU `ordinal`: checks that the driver, cuBLAS and NVRTC can be loaded first (naming
     /// the one that cannot), then that the device exists, then creates its context.
     pub fn open(ordinal: u32) -> Result<Gpu, CudaError> {
-        probe(&Library::ALL)?;
-        let count = CudaContext::device_count().map_err(|e| call_error("cuInit/cuDeviceGetCount", e))?;
-        let count = u32::try_from(count).unwrap_or(0);
-        if ordinal >= count {
-            return Err(CudaError::NoDevice { ordinal, count });
-        }
+        Gpu::check(ordinal)?;
         // The device's identity first, without a context, to ask NVML what is free before it.
         let device = cudarc::driver::result::device::get(ordinal as i32).map_err(|e| call_error("cuDeviceGet", e))?;
         let uuid = cudarc::driver::result::device::get_uuid(device).map_err(|e| call_error("cuDeviceGetUuid", e))?;
@@ -48,6 +43,18 @@ impl Gpu {
             context_bytes: free_before.map(|before| before.saturating_sub(free as u64)),
             context,
         })
+    }
+
+    /// Checks, without creating a context (milliseconds), that GPU `ordinal` can be opened: the
+    /// driver, cuBLAS and NVRTC load, and the driver sees that many GPUs.
+    pub fn check(ordinal: u32) -> Result<(), CudaError> {
+        probe(&Library::ALL)?;
+        let count = CudaContext::device_count().map_err(|e| call_error("cuInit/cuDeviceGetCount", e))?;
+        let count = u32::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        Ok(())
     }
 
     /// The context, for streams, modules and libraries.

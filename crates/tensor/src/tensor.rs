@@ -282,8 +282,9 @@ impl Tensor {
             let mut bytes = vec![0u8; self.numel() * self.dtype().size()];
             self.device().backend().read_bytes(self, &mut bytes)?;
             // SAFETY: `T` is the tensor's element type (checked), a plain `Copy` value of
-            // `dtype().size()` bytes for which every bit pattern the device wrote is one `T`
-            // holds (a bool is 0 or 1: kernels write nothing else); the read is unaligned because a byte vector's start need not be aligned.
+            // `dtype().size()` bytes, and every value the device wrote is a valid `T` (a bool is 0
+            // or 1: kernels write nothing else); the read is unaligned because a byte vector's
+            // start need not be aligned for `T`.
             return Ok((0..self.numel())
                 .map(|i| unsafe { bytes.as_ptr().add(i * std::mem::size_of::<T>()).cast::<T>().read_unaligned() })
                 .collect());

@@ -8,8 +8,7 @@ use memfit_memory::format_bytes;
 
 /// Checks, in milliseconds, that GPU `ordinal` can be used: its libraries load and it exists.
 pub(crate) fn probe(ordinal: u32) -> Result<()> {
-    memfit_cuda::probe(&memfit_cuda::Library::ALL).map_err(|e| refused(ordinal, e))?;
-    Ok(())
+    memfit_cuda::Gpu::check(ordinal).map_err(|e| refused(ordinal, e))
 }
 
 pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
