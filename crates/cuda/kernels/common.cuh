@@ -3,8 +3,11 @@
 // (fixed tree order within a block, no atomics on floats), so a run repeats bit for bit.
 
 // NVRTC has no <math.h> macros: float infinity and NaN (converted exactly to double where needed).
+// (The emulator's host compiler has them.)
+#ifndef MEMFIT_EMULATOR
 #define INFINITY __int_as_float(0x7f800000)
 #define NAN __int_as_float(0x7fffffff)
+#endif
 
 typedef long long i64;
 typedef unsigned long long u64;

@@ -25,6 +25,19 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float x) {
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((unsigned int)h << 16); }
+#ifdef MEMFIT_EMULATOR
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    _Float16 h = (_Float16)x;
+    unsigned short u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short u) {
+    _Float16 h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
+#else
 __device__ __forceinline__ unsigned short f32_to_f16(float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -35,6 +48,7 @@ __device__ __forceinline__ float f16_to_f32(unsigned short h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
     return x;
 }
+#endif
 
 extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, i64 n) { GRID_STRIDE(i, n) y[i] = f32_to_bf16(x[i]); }
 extern "C" __global__ void cast_bf16_f32(const unsigned short* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = bf16_to_f32(x[i]); }

@@ -1,14 +1,24 @@
-//! An open GPU: its context (the primary context of device `cuda:N`), what it is, and how much
-//! memory the context itself took.
+//! An open GPU: its context (the primary context of device `cuda:N`), what it is, how much memory
+//! the context (and cuBLAS's handle) took, and the [`Machine`] it is: memory, copies and launches on
+//! one stream (the context's default stream), kernels loaded from NVRTC's PTX on first use,
+//! products by cuBLAS.
 
+use crate::kernels::{compile_cached, source_of};
 use crate::libraries::{probe, Library};
+use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
 use crate::{call_error, nvml, CudaError};
-use cudarc::driver::CudaContext;
-use std::sync::Arc;
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// One GPU with its context made current on the opening thread.
 pub struct Gpu {
     context: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Mutex<CudaBlas>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
     /// `name (sm_XY)`, as reports print it.
     pub description: String,
     /// Compute capability, `(major, minor)`.
@@ -16,22 +26,25 @@ pub struct Gpu {
     /// Device memory free once the context exists.
     pub free_bytes: u64,
     pub total_bytes: u64,
-    /// Memory the context took: free memory before it was created (NVML) less free memory after.
-    /// None where NVML (`libnvidia-ml.so.1`) is not there to ask before.
+    /// Memory the context and cuBLAS's handle took: free memory before the context was created
+    /// (NVML) less free memory after. None where NVML (`libnvidia-ml.so.1`) is not there to ask.
     pub context_bytes: Option<u64>,
 }
 
 impl Gpu {
     /// Opens GPU `ordinal`: checks that the driver, cuBLAS and NVRTC can be loaded first (naming
-    /// the one that cannot), then that the device exists, then creates its context.
+    /// the one that cannot), then that the device exists, then creates its context and a cuBLAS
+    /// handle on its stream.
     pub fn open(ordinal: u32) -> Result<Gpu, CudaError> {
         Gpu::check(ordinal)?;
         // The device's identity first, without a context, to ask NVML what is free before it.
-        let device = cudarc::driver::result::device::get(ordinal as i32).map_err(|e| call_error("cuDeviceGet", e))?;
-        let uuid = cudarc::driver::result::device::get_uuid(device).map_err(|e| call_error("cuDeviceGetUuid", e))?;
+        let device = result::device::get(ordinal as i32).map_err(|e| call_error("cuDeviceGet", e))?;
+        let uuid = result::device::get_uuid(device).map_err(|e| call_error("cuDeviceGetUuid", e))?;
         let uuid_bytes: [u8; 16] = uuid.bytes.map(|b| b as u8);
         let free_before = nvml::free_bytes(&uuid_bytes);
         let context = CudaContext::new(ordinal as usize).map_err(|e| call_error("creating the CUDA context", e))?;
+        let stream = context.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| call_error("creating the cuBLAS handle", e))?;
         let (free, total) = context.mem_get_info().map_err(|e| call_error("cuMemGetInfo", e))?;
         let capability = context.compute_capability().map_err(|e| call_error("cuDeviceGetAttribute", e))?;
         let name = context.name().map_err(|e| call_error("cuDeviceGetName", e))?;
@@ -42,6 +55,10 @@ impl Gpu {
             total_bytes: total as u64,
             context_bytes: free_before.map(|before| before.saturating_sub(free as u64)),
             context,
+            stream,
+            blas: Mutex::new(blas),
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -57,8 +74,213 @@ impl Gpu {
         Ok(())
     }
 
-    /// The context, for streams, modules and libraries.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.context
+    fn bind(&self) -> Result<(), CudaError> {
+        self.context.bind_to_thread().map_err(|e| call_error("making the CUDA context current", e))
+    }
+
+    /// Kernel `name`, its module loaded (compiled or from the PTX cache) on first use.
+    fn function(&self, name: &str) -> Result<CudaFunction, CudaError> {
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let source = source_of(name).ok_or_else(|| CudaError::Call {
+            what: format!("launching {name}"),
+            detail: "no kernel of that name in memfit's sources".into(),
+        })?;
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(source.name) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = compile_cached(source, self.capability)?;
+                    let module = self
+                        .context
+                        .load_module(ptx)
+                        .map_err(|e| call_error(&format!("loading the kernels of {}.cu", source.name), e))?;
+                    modules.insert(source.name, module.clone());
+                    module
+                }
+            }
+        };
+        let f = module.load_function(name).map_err(|e| call_error(&format!("finding kernel {name}"), e))?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+}
+
+impl Machine for Gpu {
+    fn description(&self) -> String {
+        self.description.clone()
+    }
+
+    fn max_blocks(&self) -> u32 {
+        // Enough blocks to fill every multiprocessor several times over; grid-stride loops do the rest.
+        let sms = self
+            .context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(108)
+            .max(1) as u32;
+        sms * 16
+    }
+
+    fn free_bytes(&self) -> Result<u64, CudaError> {
+        self.bind()?;
+        let (free, _) = self.context.mem_get_info().map_err(|e| call_error("cuMemGetInfo", e))?;
+        Ok(free as u64)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64, CudaError> {
+        self.bind()?;
+        // SAFETY: a plain allocation in the current context, zero-filled before anyone reads it.
+        unsafe {
+            let ptr = result::malloc_sync(bytes).map_err(|e| call_error("cuMemAlloc", e))?;
+            if let Err(e) = result::memset_d8_sync(ptr, 0, bytes) {
+                let _ = result::free_sync(ptr);
+                return Err(call_error("cuMemsetD8", e));
+            }
+            Ok(ptr)
+        }
+    }
+
+    fn free(&self, address: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: the caller gives back an address from `alloc` once; cuMemFree waits for the
+            // work using it (one stream).
+            unsafe {
+                let _ = result::free_sync(address);
+            }
+        }
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: `dst` is device memory of at least `src.len()` bytes (the caller's contract).
+        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| call_error("cuMemcpyHtoD", e))
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: `src` is device memory of at least `dst.len()` bytes; the copy on the default
+        // stream waits for the kernels before it.
+        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| call_error("cuMemcpyDtoH", e))
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: both ranges are device memory of at least `bytes` (the caller's contract).
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| call_error("cuMemcpyDtoD", e))
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: as `copy`.
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| call_error("cuMemsetD8", e))
+    }
+
+    fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<(), CudaError> {
+        if shape.grid == 0 {
+            return Ok(());
+        }
+        let f = self.function(name)?;
+        self.bind()?;
+        let mut params: Vec<*mut std::ffi::c_void> = args.iter_mut().map(Arg::address).collect();
+        // SAFETY: the kernel's parameters are `args` in order (each launcher passes exactly the
+        // kernel's signature), each pointing at a value that lives through the call (the driver
+        // copies them at launch); addresses in them are live device memory.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (shape.grid, 1, 1),
+                (shape.block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| call_error(&format!("launching {name}"), e))
+    }
+
+    fn set_library_workspace(&self, address: u64, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handle is live; the workspace is device memory of this context that the
+        // caller keeps allocated for the handle's life (the device frees it only when it closes).
+        let status = unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), address as *mut _, bytes) };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(call_error("cublasSetWorkspace", status));
+        }
+        Ok(())
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        self.bind()?;
+        let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let int = |v: usize| i32::try_from(v).map_err(|_| call_error("cuBLAS", format!("dimension {v} too large")));
+        let (m, n, k, lda, ldb, ldc, batch) =
+            (int(g.m)?, int(g.n)?, int(g.k)?, int(g.lda)?, int(g.ldb)?, int(g.ldc)?, int(g.batch)?);
+        let (sa, sb, sc) = (g.stride_a as i64, g.stride_b as i64, g.stride_c as i64);
+        // SAFETY: the operands are device memory holding the matrices the strides and leading
+        // dimensions describe (the launcher's contract); alpha and beta are host values.
+        let status = unsafe {
+            match g.dtype {
+                GemmType::F32 => {
+                    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
+                    cudarc::cublas::result::sgemm_strided_batched(
+                        *blas.handle(),
+                        op(g.transa),
+                        op(g.transb),
+                        m,
+                        n,
+                        k,
+                        &alpha,
+                        g.a as *const f32,
+                        lda,
+                        sa,
+                        g.b as *const f32,
+                        ldb,
+                        sb,
+                        &beta,
+                        g.c as *mut f32,
+                        ldc,
+                        sc,
+                        batch,
+                    )
+                }
+                GemmType::F64 => {
+                    let (alpha, beta) = (g.alpha, g.beta);
+                    cudarc::cublas::result::dgemm_strided_batched(
+                        *blas.handle(),
+                        op(g.transa),
+                        op(g.transb),
+                        m,
+                        n,
+                        k,
+                        &alpha,
+                        g.a as *const f64,
+                        lda,
+                        sa,
+                        g.b as *const f64,
+                        ldb,
+                        sb,
+                        &beta,
+                        g.c as *mut f64,
+                        ldc,
+                        sc,
+                        batch,
+                    )
+                }
+            }
+        };
+        status.map_err(|e| call_error("cublasGemmStridedBatched", e))
     }
 }

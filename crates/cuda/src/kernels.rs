@@ -14,24 +14,34 @@ use std::path::PathBuf;
 /// Included in front of every source.
 const COMMON: &str = include_str!("../kernels/common.cuh");
 
-/// One source file: its name and text. Each defines `extern "C"` kernels named `<op>_<dtype>`.
+/// One source file: its name, text and the prefixes of the kernels it defines (`extern "C"`
+/// kernels named `<op>_<dtype>`; [`source_of`] finds a kernel's source by them).
 #[derive(Clone, Copy, Debug)]
 pub struct Source {
     pub name: &'static str,
     pub text: &'static str,
+    pub kernels: &'static [&'static str],
 }
 
 /// Every kernel source, by op family (the tensor crate's `ops/` files).
 pub const SOURCES: [Source; 9] = [
-    Source { name: "data", text: include_str!("../kernels/data.cu") },
-    Source { name: "elementwise", text: include_str!("../kernels/elementwise.cu") },
-    Source { name: "dropout", text: include_str!("../kernels/dropout.cu") },
-    Source { name: "embedding", text: include_str!("../kernels/embedding.cu") },
-    Source { name: "reduce", text: include_str!("../kernels/reduce.cu") },
-    Source { name: "softmax", text: include_str!("../kernels/softmax.cu") },
-    Source { name: "loss", text: include_str!("../kernels/loss.cu") },
-    Source { name: "optim", text: include_str!("../kernels/optim.cu") },
-    Source { name: "norm", text: include_str!("../kernels/norm.cu") },
+    Source { name: "data", text: include_str!("../kernels/data.cu"), kernels: &["fill_", "gather_", "cast_"] },
+    Source {
+        name: "elementwise",
+        text: include_str!("../kernels/elementwise.cu"),
+        kernels: &["unary_", "affine_", "binary_", "add_into_"],
+    },
+    Source { name: "dropout", text: include_str!("../kernels/dropout.cu"), kernels: &["dropout_"] },
+    Source { name: "embedding", text: include_str!("../kernels/embedding.cu"), kernels: &["embedding_"] },
+    Source { name: "reduce", text: include_str!("../kernels/reduce.cu"), kernels: &["sum_", "max_"] },
+    Source { name: "softmax", text: include_str!("../kernels/softmax.cu"), kernels: &["softmax_"] },
+    Source {
+        name: "loss",
+        text: include_str!("../kernels/loss.cu"),
+        kernels: &["cross_entropy_", "nll_loss_", "mse_loss_"],
+    },
+    Source { name: "optim", text: include_str!("../kernels/optim.cu"), kernels: &["sgd_", "adam_", "unscale_"] },
+    Source { name: "norm", text: include_str!("../kernels/norm.cu"), kernels: &["layer_norm_"] },
 ];
 
 impl Source {
@@ -39,6 +49,11 @@ impl Source {
     pub fn program(&self) -> String {
         format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.text)
     }
+}
+
+/// The source that defines kernel `name` (by its prefix; each prefix belongs to one source).
+pub fn source_of(name: &str) -> Option<&'static Source> {
+    SOURCES.iter().find(|s| s.kernels.iter().any(|p| name.starts_with(p)))
 }
 
 /// The GPU architectures memfit supports (compute capability 8.0 and later: bf16 arithmetic).
@@ -139,7 +154,7 @@ fn write_cache(file: &std::path::Path, text: &str) -> std::io::Result<()> {
 }
 
 /// FNV-1a, 64 bits: a stable hash of a source (the standard library's is not stable across builds).
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 

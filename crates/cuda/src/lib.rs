@@ -7,17 +7,25 @@
 //! [`CudaError`] that names what is missing; no function here calls into a library [`probe`] has
 //! not found.
 //!
+//! A GPU is a [`Machine`] (memory, copies, launches by kernel name, cuBLAS products): the real one
+//! ([`Gpu`]) or the [`Emulator`], which runs the same kernel sources on the host so CI tests every
+//! launcher without a GPU (`MEMFIT_CUDA_EMULATOR=1`).
+//!
 //! Knows nothing about tensors: the tensor crate's `backend/cuda.rs` lowers tensors to device
 //! addresses and calls in here, as `backend/cpu.rs` does with `memfit-cpu`.
 
+pub mod emulator;
 pub mod gpu;
 pub mod kernels;
 pub mod libraries;
+pub mod machine;
 pub mod nvml;
 pub mod segments;
 
+pub use emulator::Emulator;
 pub use gpu::Gpu;
 pub use libraries::{probe, Library};
+pub use machine::{Arg, Gemm, GemmType, Launch, Machine, Strided};
 pub use segments::CudaSegments;
 
 use std::fmt;

@@ -1,0 +1,136 @@
+//! What the cuda backend asks of a GPU, as one trait ([`Machine`]): device memory, copies, kernel
+//! launches by name and cuBLAS's strided batched products. Two implementations: the real GPU
+//! ([`crate::GpuMachine`], cudarc) and the emulator ([`crate::Emulator`], the same kernel sources
+//! compiled for the host), so every launcher the backend has runs in CI, where there is no GPU.
+//!
+//! Addresses are the device's (`u64`, as `CUdeviceptr`); on the emulator they are host addresses.
+//! All work goes to one stream in order; a copy to the host waits for the work before it.
+
+use crate::CudaError;
+use std::ffi::c_void;
+
+/// The most dims a [`Strided`] view has (the kernels' `Strided` struct in `common.cuh`).
+pub const MAX_RANK: usize = 8;
+
+/// A strided view, exactly as the kernels' `struct Strided` lays it out: element `k` of the
+/// row-major walk over `shape` is at `offset + sum_d index_d(k) * stride[d]` (in elements).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    pub rank: i32,
+    pub shape: [i64; MAX_RANK],
+    pub stride: [i64; MAX_RANK],
+    pub offset: i64,
+}
+
+impl Strided {
+    /// A view of `shape` with `strides` and `offset` (elements). None beyond [`MAX_RANK`] dims.
+    pub fn new(shape: &[usize], strides: &[usize], offset: usize) -> Option<Strided> {
+        if shape.len() > MAX_RANK || strides.len() != shape.len() {
+            return None;
+        }
+        let mut s =
+            Strided { rank: shape.len() as i32, shape: [1; MAX_RANK], stride: [0; MAX_RANK], offset: offset as i64 };
+        for (d, (&n, &st)) in shape.iter().zip(strides).enumerate() {
+            s.shape[d] = n as i64;
+            s.stride[d] = st as i64;
+        }
+        Some(s)
+    }
+}
+
+/// One kernel argument, by value.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+    /// A device address (0 for a null pointer: an optional output not asked for).
+    Ptr(u64),
+    View(Strided),
+}
+
+impl Arg {
+    /// The address of the value, as `cuLaunchKernel`'s parameter array takes it.
+    pub(crate) fn address(&mut self) -> *mut c_void {
+        match self {
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::I64(v) => v as *mut i64 as *mut c_void,
+            Arg::U64(v) | Arg::Ptr(v) => v as *mut u64 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+            Arg::F64(v) => v as *mut f64 as *mut c_void,
+            Arg::View(v) => v as *mut Strided as *mut c_void,
+        }
+    }
+}
+
+/// A launch's shape: `grid` blocks of `block` threads (one dimension each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: u32,
+    pub block: u32,
+}
+
+/// A float type cuBLAS multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmType {
+    F32,
+    F64,
+}
+
+/// `C = alpha op(A) op(B) + beta C` for `batch` matrices, column-major as cuBLAS's
+/// `cublas<T>gemmStridedBatched`: `op(A)` is `m x k` (A stored `m x k`, or `k x m` when
+/// `transa`), `op(B)` is `k x n`, `C` is `m x n` with leading dimension `ldc`; matrix `i` of each
+/// starts `i * stride_*` elements after the first. With `beta == 0`, C is written, never read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub dtype: GemmType,
+    pub transa: bool,
+    pub transb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f64,
+    pub a: u64,
+    pub lda: usize,
+    pub stride_a: usize,
+    pub b: u64,
+    pub ldb: usize,
+    pub stride_b: usize,
+    pub beta: f64,
+    pub c: u64,
+    pub ldc: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
+
+/// A GPU as the backend uses it (see the module's docs).
+pub trait Machine: Send + Sync {
+    /// `name (sm_XY)` or the emulator's name, for messages and reports.
+    fn description(&self) -> String;
+    /// The most blocks a launch needs to fill this machine (grid-stride kernels loop beyond).
+    fn max_blocks(&self) -> u32;
+    /// Device memory free now.
+    fn free_bytes(&self) -> Result<u64, CudaError>;
+    /// `bytes` of zero-filled device memory; `Err` when the device has none left.
+    fn alloc(&self, bytes: usize) -> Result<u64, CudaError>;
+    /// Gives back memory from [`Machine::alloc`] (after the work using it).
+    fn free(&self, address: u64);
+    /// Copies host bytes to the device (in stream order).
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), CudaError>;
+    /// Copies device bytes to the host once all work before it is done.
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), CudaError>;
+    /// Copies `bytes` between device addresses (in stream order).
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError>;
+    /// Sets `bytes` at `dst` to zero (in stream order).
+    fn zero(&self, dst: u64, bytes: usize) -> Result<(), CudaError>;
+    /// Launches the kernel `name` (of [`crate::kernels::SOURCES`]) with `args`.
+    fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<(), CudaError>;
+    /// Gives the math library its workspace: `bytes` at `address`, memory of memfit's allocator
+    /// that the caller keeps until the machine is dropped.
+    fn set_library_workspace(&self, address: u64, bytes: usize) -> Result<(), CudaError>;
+    /// A strided batched product (cuBLAS's, in the workspace given).
+    fn gemm(&self, g: &Gemm) -> Result<(), CudaError>;
+}
