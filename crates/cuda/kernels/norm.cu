@@ -41,7 +41,8 @@
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
-    extern "C" __global__ void layer_norm_backward_wb_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gw, T* gb) { \
+    /* accumulate: add to gw and gb (a later block of rows) instead of writing them. */              \
+    extern "C" __global__ void layer_norm_backward_wb_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gw, T* gb, int accumulate) { \
         GRID_STRIDE(j, d) {                                                                             \
             T sw = T(0), sb = T(0);                                                                     \
             for (i64 r = 0; r < rows; ++r) {                                                            \
@@ -49,8 +50,15 @@
                 sw += gi * (x[r * d + j] - mean[r]) * rstd[r];                                          \
                 sb += gi;                                                                               \
             }                                                                                           \
-            if (gw) gw[j] = sw;                                                                         \
-            if (gb) gb[j] = sb;                                                                         \
+            if (gw) gw[j] = accumulate ? gw[j] + sw : sw;                                               \
+            if (gb) gb[j] = accumulate ? gb[j] + sb : sb;                                               \
+        }                                                                                               \
+    }                                                                                                   \
+    /* out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given). */         \
+    extern "C" __global__ void layer_norm_apply_##SUF(const T* x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, T* out) { \
+        GRID_STRIDE(k, rows * d) {                                                                      \
+            i64 r = k / d, j = k % d;                                                                   \
+            out[k] = (x[k] - mean[r]) * rstd[r] * w[j] + b[j];                                          \
         }                                                                                               \
     }
 

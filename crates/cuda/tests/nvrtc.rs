@@ -32,8 +32,11 @@ fn main() {
         }
     }
     // A broken source is an error with NVRTC's log, not a panic.
-    let broken =
-        memfit_cuda::kernels::Source { name: "broken", text: "extern \"C\" __global__ void k() { undefined_name; }" };
+    let broken = memfit_cuda::kernels::Source {
+        name: "broken",
+        text: "extern \"C\" __global__ void k() { undefined_name; }",
+        kernels: &["k"],
+    };
     match compile(&broken, (9, 0)) {
         Err(memfit_cuda::CudaError::Compile { kernel, log }) => {
             assert_eq!(kernel, "broken");

@@ -18,7 +18,7 @@ use memfit_nn::models::GptConfig;
 use memfit_nn::{build_model, Model, ModelKind, ModelSpec, Optimizer, OptimizerConfig};
 use memfit_tensor::autograd::{backward, backward_with};
 use memfit_tensor::ops::{self, Conv2dParams, Pool2dParams};
-use memfit_tensor::{Category, DType, Device, Tensor};
+use memfit_tensor::{Category, DType, Device, DeviceConfig, DeviceKind, Tensor};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -704,7 +704,7 @@ fn dispatch(case: &Case, args: &Args, entries: &HashMap<String, &Entry>) -> Res<
 }
 
 fn run_op_case(case: &Case) -> Res<()> {
-    let device = Device::cpu();
+    let device = test_device()?;
     let mut args = Args::new();
     let mut by_local: HashMap<String, &Entry> = HashMap::new();
     for e in &case.entries {
@@ -822,7 +822,7 @@ fn check_optimizer_state(check: &mut Check, case: &Case, opt: &Optimizer) {
 }
 
 fn run_optimizer_case(case: &Case) -> Res<()> {
-    let device = Device::cpu();
+    let device = test_device()?;
     let config = optimizer_config(&case.attrs)?;
     let n_steps = as_usize(case.attr("n_steps")?, "n_steps")? as u64;
     let mut params = Vec::new();
@@ -863,7 +863,7 @@ fn run_optimizer_case(case: &Case) -> Res<()> {
 }
 
 fn run_grad_scaler_case(case: &Case) -> Res<()> {
-    let device = Device::cpu();
+    let device = test_device()?;
     let config = GradScalerConfig {
         init_scale: as_f64(case.attr("init_scale")?, "init_scale")?,
         growth_factor: as_f64(case.attr("growth_factor")?, "growth_factor")?,
@@ -918,7 +918,7 @@ fn run_grad_scaler_case(case: &Case) -> Res<()> {
 }
 
 fn run_cast_case(case: &Case) -> Res<()> {
-    let device = Device::cpu();
+    let device = test_device()?;
     let to = match case.attr("to")?.as_str() {
         Some("float16") => DType::F16,
         Some("bfloat16") => DType::BF16,
@@ -1080,7 +1080,7 @@ fn noise_gradient_slack(case: &Case, config: &OptimizerConfig) -> Res<(HashMap<S
 }
 
 fn run_model_train_case(case: &Case) -> Res<()> {
-    let device = Device::cpu();
+    let device = test_device()?;
     let model = model_for(case, &device)?;
     let x = case.only("input")?.data.to_tensor(&device, Category::Input)?;
     let y = case.only("target")?.data.to_tensor(&device, Category::Input)?;
@@ -1126,7 +1126,7 @@ fn run_model_train_case(case: &Case) -> Res<()> {
 }
 
 fn run_grad_accumulation_case(case: &Case) -> Res<()> {
-    let device = Device::cpu();
+    let device = test_device()?;
     let model = model_for(case, &device)?;
     let xe = case.only("input")?;
     let ye = case.only("target")?;
@@ -1190,6 +1190,14 @@ fn run_case(case: &Case) -> Res<()> {
     }
 }
 
+/// The device the cases run on: `MEMFIT_TEST_DEVICE` (`cpu` by default; `cuda` on a GPU, or on
+/// the emulator with `MEMFIT_CUDA_EMULATOR=1`).
+fn test_device() -> Res<Device> {
+    let name = std::env::var("MEMFIT_TEST_DEVICE").unwrap_or_else(|_| "cpu".to_string());
+    let kind = DeviceKind::parse(&name).ctx("MEMFIT_TEST_DEVICE")?;
+    Device::new(DeviceConfig::new(kind)).ctx("opening the test device")
+}
+
 fn golden_dir() -> PathBuf {
     match std::env::var_os("MEMFIT_GOLDEN_DIR") {
         Some(dir) => PathBuf::from(dir),
@@ -1234,7 +1242,8 @@ fn golden_cases_match_pytorch() {
     }
     // Written straight to stderr (not through println!) so that the summary shows even when the
     // test harness captures the output of passing tests, as in CI.
-    let summary = format!("golden: {} cases checked, {failed} failed\n", cases.len());
+    let device = std::env::var("MEMFIT_TEST_DEVICE").unwrap_or_else(|_| "cpu".to_string());
+    let summary = format!("golden: {} cases checked on {device}, {failed} failed\n", cases.len());
     let _ = std::io::Write::write_all(&mut std::io::stderr(), summary.as_bytes());
     assert!(failed == 0, "golden: {failed} of {} cases failed (see the lines above)", cases.len());
 }

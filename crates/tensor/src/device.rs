@@ -218,7 +218,11 @@ impl Device {
             Target::Cuda => {
                 let request =
                     Request { category: Category::Other, op: "cublas_workspace", phase: Phase::Setup, module: 0 };
-                Some(allocator.allocate(memfit_cuda::LIBRARY_WORKSPACE_BYTES, request)?)
+                let block = allocator.allocate(memfit_cuda::LIBRARY_WORKSPACE_BYTES, request)?;
+                if let Some(ptr) = block.ptr {
+                    opened.kernels.use_library_workspace(ptr.as_ptr() as usize as u64, block.requested)?;
+                }
+                Some(block)
             }
         };
         Ok(Device(Arc::new(DeviceInner {

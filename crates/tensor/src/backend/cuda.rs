@@ -1,27 +1,1537 @@
-//! The `cuda` backend: opening a GPU through `memfit-cuda` (driver, cuBLAS and NVRTC found first,
-//! each missing one named). Its kernels are not all written yet (issue 27), so a GPU that opens
-//! is refused with what was found; `meta:cuda` predicts a GPU run meanwhile.
+//! The `cuda` backend: every kernel of [`super::Backend`] as launches on a [`Machine`] — a GPU
+//! opened through `memfit-cuda` (driver, cuBLAS and NVRTC found first, each missing one named), or,
+//! with `MEMFIT_CUDA_EMULATOR=1`, the emulator that runs the same kernel sources on the host (how
+//! CI tests this file).
+//!
+//! Each method lowers its tensors to device addresses (the storage's block plus the layout's
+//! offset), checks the layouts the kernels assume, and launches. Matrix products go to cuBLAS
+//! (column-major: a row-major `C = A B` is computed as `C^T = B^T A^T`, see [`Operand`]).
+//! Data-dependent errors (an embedding index, a loss target out of range) are flagged by the
+//! kernels in a status word at the end of the library workspace and reported at the next copy to
+//! the host, the step's synchronisation.
 
+use super::Backend;
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
-use memfit_memory::format_bytes;
+use crate::ops::{AdamStep, AttnProblem, Avg, Binary, ConvGeom, PoolGeom, SgdStep, Unary};
+use crate::tensor::Tensor;
+use crate::DType;
+use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Strided};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Threads a block for element-wise kernels and one-block-per-row kernels (their shared arrays
+/// hold 256 values); reductions over a whole tensor in one block use [`WHOLE_BLOCK`].
+const BLOCK: u32 = 256;
+const WHOLE_BLOCK: u32 = 1024;
+/// Bytes at the end of the library workspace kept for the status word (cuBLAS gets the rest).
+const STATUS_BYTES: u64 = 512;
 
 /// Checks, in milliseconds, that GPU `ordinal` can be used: its libraries load and it exists.
 pub(crate) fn probe(ordinal: u32) -> Result<()> {
+    if memfit_cuda::emulator::requested() {
+        return Ok(());
+    }
     memfit_cuda::Gpu::check(ordinal).map_err(|e| refused(ordinal, e))
 }
 
 pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
-    let gpu = memfit_cuda::Gpu::open(ordinal).map_err(|e| refused(ordinal, e))?;
-    Err(Error::device(format!(
-        "--device {}: found {} with {} free, but this memfit's CUDA kernels are not all written yet (issue 27): \
-         --device meta:cuda predicts the run's memory on this GPU's policy meanwhile",
-        DeviceKind::Cuda(ordinal),
-        gpu.description,
-        format_bytes(gpu.free_bytes)
-    )))
+    let (machine, context_bytes, free): (Arc<dyn Machine>, Option<u64>, u64) = if memfit_cuda::emulator::requested() {
+        let emulator = Emulator::open().map_err(|e| refused(ordinal, e))?;
+        let free = emulator.free_bytes().map_err(|e| refused(ordinal, e))?;
+        (Arc::new(emulator), None, free)
+    } else {
+        let gpu = Gpu::open(ordinal).map_err(|e| refused(ordinal, e))?;
+        let (context, free) = (gpu.context_bytes, gpu.free_bytes);
+        (Arc::new(gpu), context, free)
+    };
+    Ok(super::Opened {
+        segments: Box::new(CudaSegments::new(machine.clone())),
+        kernels: Box::new(Cuda { machine, status: AtomicU64::new(0), ordinal }),
+        context_bytes,
+        free_bytes: Some(free),
+    })
 }
 
 fn refused(ordinal: u32, e: memfit_cuda::CudaError) -> Error {
     Error::device(format!("--device {}: {e}", DeviceKind::Cuda(ordinal)))
+}
+
+/// The cuda kernels of one device.
+pub(crate) struct Cuda {
+    machine: Arc<dyn Machine>,
+    /// Device address of the status word (set when the device gives the library its workspace):
+    /// `[0]` an embedding position + 1 whose index was out of range, `[1]` a loss row + 1 whose
+    /// target was, `[2]` (as i32) unscale's found-inf flag.
+    status: AtomicU64,
+    ordinal: u32,
+}
+
+/// The dtype suffix of a float kernel (`f32` or `f64`), or an error naming the op.
+fn float(op: &str, dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F64 => Ok("f64"),
+        other => Err(Error::dtype(format!("{op} on cuda supports f32 and f64, not {other}"))),
+    }
+}
+
+/// A float kernel argument in the tensor's dtype.
+fn scalar(dtype: DType, v: f64) -> Arg {
+    match dtype {
+        DType::F32 => Arg::F32(v as f32),
+        _ => Arg::F64(v),
+    }
+}
+
+/// The device address of a tensor's first element.
+fn addr(t: &Tensor) -> Result<u64> {
+    let base = t.storage().ptr()?.as_ptr() as usize as u64;
+    Ok(base + (t.layout().offset() * t.dtype().size()) as u64)
+}
+
+/// The address of a tensor the kernel reads or writes densely in row-major order.
+fn dense(t: &Tensor, what: &str) -> Result<u64> {
+    if !t.is_contiguous() {
+        return Err(Error::invalid(format!("{what} on cuda needs a contiguous tensor, got {:?}", t.layout())));
+    }
+    addr(t)
+}
+
+fn dense_opt(t: Option<&Tensor>, what: &str) -> Result<u64> {
+    t.map_or(Ok(0), |t| dense(t, what))
+}
+
+/// The address of a tensor's storage start and its view (element offsets from it).
+fn strided(t: &Tensor, shape: &[usize], strides: &[usize]) -> Result<(u64, Strided)> {
+    let base = t.storage().ptr()?.as_ptr() as usize as u64;
+    let view = Strided::new(shape, strides, t.layout().offset())
+        .ok_or_else(|| Error::invalid(format!("cuda kernels take tensors of at most 8 dims, not {:?}", shape)))?;
+    Ok((base, view))
+}
+
+/// `t`'s strides as seen through broadcasting to `shape` (leading dims added, size-1 dims stride 0).
+fn broadcast_strides(t: &Tensor, shape: &[usize]) -> Vec<usize> {
+    let (rank, lead) = (shape.len(), shape.len() - t.rank());
+    (0..rank).map(|d| if d < lead || t.shape()[d - lead] == 1 { 0 } else { t.layout().strides()[d - lead] }).collect()
+}
+
+/// One operand of a row-major product `[rows, cols]` with element strides `(row, col)`, as cuBLAS
+/// sees it: column-major storage read transposed or not, with its leading dimension.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Operand {
+    address: u64,
+    trans: bool,
+    ld: usize,
+}
+
+impl Operand {
+    /// The row-major matrix `[rows, cols]` at `address` with strides `(rs, cs)`, which the
+    /// column-major product uses as its transpose: unit column stride reads it as is (`N`, ld = rs),
+    /// unit row stride reads it transposed (`T`, ld = cs). None for any other layout.
+    fn of(address: u64, rows: usize, cols: usize, rs: usize, cs: usize) -> Option<Operand> {
+        // A dim of size 1 has any stride; give it the one that makes the layout dense.
+        let cs = if cols == 1 { 1 } else { cs };
+        let rs = if rows == 1 { cols.max(1) } else { rs };
+        if cs == 1 && rs >= cols {
+            Some(Operand { address, trans: false, ld: rs.max(1) })
+        } else if rs == 1 {
+            let cs = if cols == 1 { rows.max(1) } else { cs };
+            (cs >= rows).then_some(Operand { address, trans: true, ld: cs.max(1) })
+        } else {
+            None
+        }
+    }
+}
+
+/// `c[m, n] = a[m, k] b[k, n]` (row-major, `c` dense with row stride `n`), `batch` times with the
+/// given element strides between matrices, `beta` times what `c` holds added.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    dtype: GemmType,
+    (m, n, k): (usize, usize, usize),
+    a: Operand,
+    b: Operand,
+    c: u64,
+    (stride_a, stride_b, stride_c, batch): (usize, usize, usize, usize),
+    beta: f64,
+) -> Gemm {
+    Gemm {
+        dtype,
+        transa: b.trans,
+        transb: a.trans,
+        m: n,
+        n: m,
+        k,
+        alpha: 1.0,
+        a: b.address,
+        lda: b.ld,
+        stride_a: stride_b,
+        b: a.address,
+        ldb: a.ld,
+        stride_b: stride_a,
+        beta,
+        c,
+        ldc: n.max(1),
+        stride_c,
+        batch,
+    }
+}
+
+fn gemm_type(op: &str, dtype: DType) -> Result<GemmType> {
+    match dtype {
+        DType::F32 => Ok(GemmType::F32),
+        DType::F64 => Ok(GemmType::F64),
+        other => Err(Error::dtype(format!("{op} on cuda supports f32 and f64, not {other}"))),
+    }
+}
+
+fn operand(t: &Tensor, address: u64, rows: usize, cols: usize, rs: usize, cs: usize, op: &str) -> Result<Operand> {
+    Operand::of(address, rows, cols, rs, cs).ok_or_else(|| {
+        Error::invalid(format!(
+            "{op} on cuda: an operand of shape {:?} with strides {:?} has no unit stride (make it contiguous first)",
+            t.shape(),
+            t.layout().strides()
+        ))
+    })
+}
+
+impl Cuda {
+    fn err(&self, e: memfit_cuda::CudaError) -> Error {
+        refused(self.ordinal, e)
+    }
+
+    /// `n` elements' worth of blocks of `block` threads, at most the machine's useful grid.
+    fn grid(&self, n: usize, block: u32) -> Launch {
+        let blocks = n.div_ceil(block as usize).clamp(1, self.machine.max_blocks() as usize);
+        Launch { grid: blocks as u32, block }
+    }
+
+    fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<()> {
+        self.machine.launch(name, shape, args).map_err(|e| self.err(e))
+    }
+
+    fn gemm(&self, g: Gemm) -> Result<()> {
+        if g.m == 0 || g.n == 0 || g.batch == 0 {
+            return Ok(());
+        }
+        if g.k == 0 {
+            // cuBLAS leaves C to beta * C; a product over nothing is zero.
+            return if g.beta == 0.0 {
+                let size = if g.dtype == GemmType::F32 { 4 } else { 8 };
+                for i in 0..g.batch {
+                    let c = g.c + (i * g.stride_c * size) as u64;
+                    for col in 0..g.n {
+                        self.machine.zero(c + (col * g.ldc * size) as u64, g.m * size).map_err(|e| self.err(e))?;
+                    }
+                }
+                Ok(())
+            } else {
+                Ok(())
+            };
+        }
+        self.machine.gemm(&g).map_err(|e| self.err(e))
+    }
+
+    fn status(&self) -> Result<u64> {
+        match self.status.load(Ordering::Relaxed) {
+            0 => Err(Error::device("the cuda device has no library workspace yet".to_string())),
+            s => Ok(s),
+        }
+    }
+
+    /// Reads and clears the status word; an error for an out-of-range index or target flagged
+    /// since the last read.
+    fn check_status(&self) -> Result<()> {
+        let status = self.status()?;
+        let mut bytes = [0u8; 16];
+        self.machine.download(status, &mut bytes).map_err(|e| self.err(e))?;
+        let word = |i: usize| i64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let (index, target) = (word(0), word(1));
+        if index == 0 && target == 0 {
+            return Ok(());
+        }
+        self.machine.zero(status, 16).map_err(|e| self.err(e))?;
+        if index != 0 {
+            return Err(Error::invalid(format!(
+                "embedding: the index at position {} is outside the table (indices must be in 0..rows)",
+                index - 1
+            )));
+        }
+        Err(Error::invalid(format!(
+            "a loss target (row {}) is outside 0..classes: the labels do not match the model's outputs",
+            target - 1
+        )))
+    }
+
+    /// Copies `t` (any layout) into dense device memory at `dst`.
+    fn gather(&self, t: &Tensor, dst: u64) -> Result<()> {
+        let n = t.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let size = t.dtype().size();
+        if t.is_contiguous() {
+            return self.machine.copy(dst, addr(t)?, n * size).map_err(|e| self.err(e));
+        }
+        let (base, view) = strided(t, t.shape(), t.layout().strides())?;
+        let name = format!("gather_b{size}");
+        self.launch(
+            &name,
+            self.grid(n, BLOCK),
+            &mut [Arg::Ptr(dst), Arg::Ptr(base), Arg::View(view), Arg::I64(n as i64)],
+        )
+    }
+
+    /// `out[r, :] = bias` for every row (before a product adds onto it).
+    fn broadcast_rows(&self, bias: &Tensor, rows: usize, cols: usize, out: u64) -> Result<()> {
+        let (base, view) = strided(bias, &[rows, cols], &[0, bias.layout().strides()[0]])?;
+        let name = format!("gather_b{}", bias.dtype().size());
+        self.launch(
+            &name,
+            self.grid(rows * cols, BLOCK),
+            &mut [Arg::Ptr(out), Arg::Ptr(base), Arg::View(view), Arg::I64((rows * cols) as i64)],
+        )
+    }
+
+    /// Column sums of dense `[rows, cols]` at `x` into `out` (`cols`), in the dtype's kernel.
+    fn column_sums(&self, sfx: &str, x: u64, rows: usize, cols: usize, out: u64) -> Result<()> {
+        self.launch(
+            &format!("sum_dim_{sfx}"),
+            self.grid(cols, BLOCK),
+            &mut [Arg::Ptr(x), Arg::I64(1), Arg::I64(rows as i64), Arg::I64(cols as i64), Arg::I32(0), Arg::Ptr(out)],
+        )
+    }
+
+    /// `out[rows, out_f] (+)= x[rows, in_f] W^T` for a weight `[out_f, in_f]` of any unit-stride layout.
+    fn times_weight_t(&self, x: u64, rows: usize, weight: &Tensor, out: u64, beta: f64, op: &str) -> Result<()> {
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let ws = weight.layout().strides();
+        let a = Operand { address: x, trans: false, ld: in_f.max(1) };
+        // W^T is [in_f, out_f] with strides (ws[1], ws[0]).
+        let b = operand(weight, addr(weight)?, in_f, out_f, ws[1], ws[0], op)?;
+        self.gemm(product(gemm_type(op, weight.dtype())?, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta))
+    }
+
+    /// `out[rows, in_f] = g[rows, out_f] W` for a weight `[out_f, in_f]`.
+    fn times_weight(&self, g: u64, rows: usize, weight: &Tensor, out: u64, op: &str) -> Result<()> {
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let ws = weight.layout().strides();
+        let a = Operand { address: g, trans: false, ld: out_f.max(1) };
+        let b = operand(weight, addr(weight)?, out_f, in_f, ws[0], ws[1], op)?;
+        self.gemm(product(gemm_type(op, weight.dtype())?, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0))
+    }
+
+    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense).
+    fn weight_grad(
+        &self,
+        dtype: DType,
+        g: u64,
+        x: u64,
+        rows: usize,
+        out_f: usize,
+        in_f: usize,
+        gw: u64,
+        beta: f64,
+    ) -> Result<()> {
+        let a = Operand { address: g, trans: true, ld: out_f.max(1) };
+        let b = Operand { address: x, trans: false, ld: in_f.max(1) };
+        self.gemm(product(gemm_type("a weight gradient", dtype)?, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta))
+    }
+}
+
+/// Not written for the GPU yet: says so by name (the op runs on `cpu`; `meta:cuda` plans it).
+fn not_yet(op: &str) -> Result<()> {
+    Err(Error::device(format!(
+        "{op} has no cuda kernel yet (issue 27): run this model with --device cpu, or plan it with --device meta:cuda"
+    )))
+}
+
+impl Backend for Cuda {
+    fn use_library_workspace(&self, address: u64, bytes: u64) -> Result<()> {
+        let status = address + bytes - STATUS_BYTES;
+        self.machine.set_library_workspace(address, (bytes - STATUS_BYTES) as usize).map_err(|e| self.err(e))?;
+        self.machine.zero(status, STATUS_BYTES as usize).map_err(|e| self.err(e))?;
+        self.status.store(status, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn fill_zeros(&self, t: &Tensor) -> Result<()> {
+        self.machine.zero(dense(t, "fill_zeros")?, t.numel() * t.dtype().size()).map_err(|e| self.err(e))
+    }
+
+    fn fill(&self, t: &Tensor, value: f64) -> Result<()> {
+        let sfx = float("full", t.dtype())?;
+        let n = t.numel();
+        self.launch(
+            &format!("fill_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [Arg::Ptr(dense(t, "full")?), Arg::I64(n as i64), scalar(t.dtype(), value)],
+        )
+    }
+
+    fn write_bytes(&self, t: &Tensor, bytes: &[u8]) -> Result<()> {
+        self.machine.upload(dense(t, "a copy from the host")?, bytes).map_err(|e| self.err(e))
+    }
+
+    fn read_bytes(&self, t: &Tensor, bytes: &mut [u8]) -> Result<()> {
+        self.check_status()?;
+        if t.is_contiguous() {
+            return self.machine.download(addr(t)?, bytes).map_err(|e| self.err(e));
+        }
+        // A strided tensor: gathered on the device into host-bound order through a staging copy.
+        let staging = self.machine.alloc(bytes.len().max(1)).map_err(|e| self.err(e))?;
+        let result =
+            self.gather(t, staging).and_then(|()| self.machine.download(staging, bytes).map_err(|e| self.err(e)));
+        self.machine.free(staging);
+        result
+    }
+
+    fn copy(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        self.gather(src, dense(dst, "copy")?)
+    }
+
+    fn unary(&self, op: Unary, x: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float(op.name(), x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("unary_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::I32(unary_code(op)),
+                Arg::Ptr(dense(x, op.name())?),
+                Arg::Ptr(dense(out, op.name())?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn unary_backward(&self, op: Unary, saved: Option<&Tensor>, grad: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float(op.name(), grad.dtype())?;
+        let n = grad.numel();
+        self.launch(
+            &format!("unary_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::I32(unary_code(op)),
+                Arg::Ptr(dense_opt(saved, op.name())?),
+                Arg::Ptr(dense(grad, op.name())?),
+                Arg::Ptr(dense(out, op.name())?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn affine(&self, x: &Tensor, scale: f64, shift: f64, out: &Tensor) -> Result<()> {
+        let sfx = float("affine", x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("affine_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "affine")?),
+                scalar(x.dtype(), scale),
+                scalar(x.dtype(), shift),
+                Arg::Ptr(dense(out, "affine")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn binary(&self, op: Binary, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float(op.name(), a.dtype())?;
+        let shape = out.shape();
+        let (pa, va) = strided(a, shape, &broadcast_strides(a, shape))?;
+        let (pb, vb) = strided(b, shape, &broadcast_strides(b, shape))?;
+        let n = out.numel();
+        self.launch(
+            &format!("binary_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::I32(binary_code(op)),
+                Arg::Ptr(pa),
+                Arg::View(va),
+                Arg::Ptr(pb),
+                Arg::View(vb),
+                Arg::Ptr(dense(out, op.name())?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn add_into(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        let sfx = float("add_into", dst.dtype())?;
+        let n = dst.numel();
+        if src.is_contiguous() {
+            return self.launch(
+                &format!("add_into_{sfx}"),
+                self.grid(n, BLOCK),
+                &mut [Arg::Ptr(dense(dst, "add_into")?), Arg::Ptr(addr(src)?), Arg::I64(n as i64)],
+            );
+        }
+        // dst = dst + src through the broadcasting kernel (it reads each element before writing it).
+        self.binary(Binary::Add, dst, src, dst)
+    }
+
+    fn conv2d(
+        &self,
+        _: &ConvGeom,
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: &Tensor,
+        _: Option<&Tensor>,
+    ) -> Result<()> {
+        not_yet("conv2d")
+    }
+
+    fn conv2d_backward(
+        &self,
+        _: &ConvGeom,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+    ) -> Result<()> {
+        not_yet("conv2d")
+    }
+
+    fn max_pool2d(
+        &self,
+        _: &PoolGeom,
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: usize,
+    ) -> Result<()> {
+        not_yet("max_pool2d")
+    }
+
+    fn max_pool2d_backward(&self, _: &PoolGeom, _: usize, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<()> {
+        not_yet("max_pool2d")
+    }
+
+    fn avg_pool2d(&self, _: &PoolGeom, _: Avg, _: &Tensor, _: &Tensor) -> Result<()> {
+        not_yet("avg_pool2d")
+    }
+
+    fn avg_pool2d_backward(&self, _: &PoolGeom, _: Avg, _: &Tensor, _: &Tensor) -> Result<()> {
+        not_yet("avg_pool2d")
+    }
+
+    fn dropout(&self, x: &Tensor, p: f64, seed: u64, out: &Tensor, mask: Option<&Tensor>) -> Result<()> {
+        let sfx = float("dropout", x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("dropout_{sfx}"),
+            self.grid(n.div_ceil(8), BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "dropout")?),
+                Arg::F64(p),
+                Arg::U64(memfit_cpu::dropout::mix(seed)),
+                scalar(x.dtype(), 1.0 / (1.0 - p)),
+                Arg::Ptr(dense(out, "dropout")?),
+                Arg::Ptr(dense_opt(mask, "dropout")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn dropout_backward(&self, grad: &Tensor, mask: &Tensor, p: f64, gx: &Tensor) -> Result<()> {
+        let sfx = float("dropout", grad.dtype())?;
+        let n = grad.numel();
+        self.launch(
+            &format!("dropout_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(grad, "dropout")?),
+                Arg::Ptr(dense(mask, "dropout")?),
+                scalar(grad.dtype(), 1.0 / (1.0 - p)),
+                Arg::Ptr(dense(gx, "dropout")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn embedding(&self, indices: &Tensor, weight: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("embedding", weight.dtype())?;
+        let (rows, d) = (weight.shape()[0], weight.shape()[1]);
+        let count = indices.numel();
+        self.launch(
+            &format!("embedding_{sfx}"),
+            self.grid(count * d, BLOCK),
+            &mut [
+                Arg::Ptr(dense(indices, "embedding")?),
+                Arg::I64(count as i64),
+                Arg::Ptr(dense(weight, "embedding")?),
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                Arg::Ptr(dense(out, "embedding")?),
+                Arg::Ptr(self.status()?),
+            ],
+        )
+    }
+
+    fn embedding_backward(&self, indices: &Tensor, grad: &Tensor, gw: &Tensor) -> Result<()> {
+        let sfx = float("embedding", grad.dtype())?;
+        let (rows, d) = (gw.shape()[0], gw.shape()[1]);
+        self.launch(
+            &format!("embedding_backward_{sfx}"),
+            self.grid(rows * d, BLOCK),
+            &mut [
+                Arg::Ptr(dense(indices, "embedding")?),
+                Arg::I64(indices.numel() as i64),
+                Arg::Ptr(dense(grad, "embedding")?),
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                Arg::Ptr(dense(gw, "embedding")?),
+            ],
+        )
+    }
+
+    fn cast(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        let name = |d: DType| match d {
+            DType::F32 => Some("f32"),
+            DType::F64 => Some("f64"),
+            DType::BF16 => Some("bf16"),
+            DType::F16 => Some("f16"),
+            _ => None,
+        };
+        let n = x.numel();
+        if x.dtype() == out.dtype() {
+            return self.gather(x, dense(out, "cast")?);
+        }
+        let (from, to) = (name(x.dtype()), name(out.dtype()));
+        let kernel = match (from, to) {
+            (Some(f), Some(t)) if f == "f32" || t == "f32" => format!("cast_{f}_{t}"),
+            _ => {
+                return Err(Error::dtype(format!("cast from {} to {} has no cuda kernel", x.dtype(), out.dtype())));
+            }
+        };
+        self.launch(
+            &kernel,
+            self.grid(n, BLOCK),
+            &mut [Arg::Ptr(dense(x, "cast")?), Arg::Ptr(dense(out, "cast")?), Arg::I64(n as i64)],
+        )
+    }
+
+    fn sum_to_shape(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("sum_to_shape", x.dtype())?;
+        let xs = x.shape();
+        let lead = xs.len() - out.rank();
+        let (mut kept_shape, mut kept_strides, mut summed_shape, mut summed_strides) = (vec![], vec![], vec![], vec![]);
+        for (d, &n) in xs.iter().enumerate() {
+            let o = if d < lead { 1 } else { out.shape()[d - lead] };
+            let stride = x.layout().strides()[d];
+            if o == 1 && n != 1 {
+                summed_shape.push(n);
+                summed_strides.push(stride);
+            } else {
+                kept_shape.push(n);
+                kept_strides.push(stride);
+            }
+        }
+        let (base, kept) = strided(x, &kept_shape, &kept_strides)?;
+        let summed = Strided::new(&summed_shape, &summed_strides, 0)
+            .ok_or_else(|| Error::invalid("sum_to_shape on cuda takes at most 8 dims".to_string()))?;
+        let (n_out, n_sum) = (out.numel(), summed_shape.iter().product::<usize>());
+        self.launch(
+            &format!("sum_to_shape_{sfx}"),
+            self.grid(n_out, BLOCK),
+            &mut [
+                Arg::Ptr(base),
+                Arg::View(kept),
+                Arg::View(summed),
+                Arg::I64(n_out as i64),
+                Arg::I64(n_sum as i64),
+                Arg::Ptr(dense(out, "sum_to_shape")?),
+            ],
+        )
+    }
+
+    fn sum_dim(&self, x: &Tensor, outer: usize, size: usize, inner: usize, mean: bool, out: &Tensor) -> Result<()> {
+        let sfx = float(if mean { "mean" } else { "sum" }, x.dtype())?;
+        self.launch(
+            &format!("sum_dim_{sfx}"),
+            self.grid(outer * inner, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "sum")?),
+                Arg::I64(outer as i64),
+                Arg::I64(size as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(mean as i32),
+                Arg::Ptr(dense(out, "sum")?),
+            ],
+        )
+    }
+
+    fn sum_backward(&self, grad: &Tensor, scale: f64, out: &Tensor) -> Result<()> {
+        let sfx = float("sum_backward", grad.dtype())?;
+        let shape = out.shape();
+        let (base, view) = strided(grad, shape, &broadcast_strides(grad, shape))?;
+        let n = out.numel();
+        self.launch(
+            &format!("sum_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(base),
+                Arg::View(view),
+                scalar(grad.dtype(), scale),
+                Arg::Ptr(dense(out, "sum_backward")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn max_dim(
+        &self,
+        x: &Tensor,
+        outer: usize,
+        size: usize,
+        inner: usize,
+        values: &Tensor,
+        indices: &Tensor,
+    ) -> Result<()> {
+        let sfx = float("max", x.dtype())?;
+        if size == 0 {
+            return Ok(());
+        }
+        self.launch(
+            &format!("max_dim_{sfx}"),
+            self.grid(outer * inner, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "max")?),
+                Arg::I64(outer as i64),
+                Arg::I64(size as i64),
+                Arg::I64(inner as i64),
+                Arg::Ptr(dense(values, "max")?),
+                Arg::Ptr(dense(indices, "max")?),
+            ],
+        )
+    }
+
+    fn max_dim_backward(
+        &self,
+        grad: &Tensor,
+        indices: &Tensor,
+        outer: usize,
+        size: usize,
+        inner: usize,
+        out: &Tensor,
+    ) -> Result<()> {
+        let sfx = float("max_backward", grad.dtype())?;
+        self.launch(
+            &format!("max_dim_backward_{sfx}"),
+            self.grid(outer * inner, BLOCK),
+            &mut [
+                Arg::Ptr(dense(grad, "max_backward")?),
+                Arg::Ptr(dense(indices, "max_backward")?),
+                Arg::I64(outer as i64),
+                Arg::I64(size as i64),
+                Arg::I64(inner as i64),
+                Arg::Ptr(dense(out, "max_backward")?),
+            ],
+        )
+    }
+
+    fn max_all(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("max", x.dtype())?;
+        self.launch(
+            &format!("max_all_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [Arg::Ptr(dense(x, "max")?), Arg::I64(x.numel() as i64), Arg::Ptr(dense(out, "max")?)],
+        )
+    }
+
+    fn max_all_backward(&self, x: &Tensor, max: &Tensor, grad: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("max_backward", x.dtype())?;
+        self.launch(
+            &format!("max_all_backward_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [
+                Arg::Ptr(dense(x, "max_backward")?),
+                Arg::Ptr(dense(max, "max_backward")?),
+                Arg::Ptr(dense(grad, "max_backward")?),
+                Arg::I64(x.numel() as i64),
+                Arg::Ptr(dense(out, "max_backward")?),
+            ],
+        )
+    }
+
+    fn sgd_update(&self, param: &Tensor, grad: &Tensor, momentum_buffer: Option<&Tensor>, step: SgdStep) -> Result<()> {
+        let dt = param.dtype();
+        let sfx = float("sgd_update", dt)?;
+        let n = param.numel();
+        self.launch(
+            &format!("sgd_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(param, "sgd_update")?),
+                Arg::Ptr(dense(grad, "sgd_update")?),
+                Arg::Ptr(dense_opt(momentum_buffer, "sgd_update")?),
+                scalar(dt, step.weight_decay),
+                Arg::I32((step.weight_decay != 0.0) as i32),
+                scalar(dt, step.momentum),
+                scalar(dt, 1.0 - step.dampening),
+                Arg::I32(step.nesterov as i32),
+                Arg::I32(step.first_step as i32),
+                scalar(dt, -step.lr),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn adam_update(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        exp_avg: &Tensor,
+        exp_avg_sq: &Tensor,
+        step: AdamStep,
+    ) -> Result<()> {
+        let dt = param.dtype();
+        let sfx = float("adam_update", dt)?;
+        let n = param.numel();
+        // The cpu kernel's arithmetic (Note [Optimizer arithmetic]): Python floats, then the dtype.
+        let AdamStep { step, lr, betas: (beta1, beta2), eps, weight_decay, decoupled } = step;
+        let t = step as f64;
+        let (bc1, bc2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+        let decay = weight_decay != 0.0 && decoupled;
+        let l2 = weight_decay != 0.0 && !decoupled;
+        self.launch(
+            &format!("adam_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(param, "adam_update")?),
+                Arg::Ptr(dense(grad, "adam_update")?),
+                Arg::Ptr(dense(exp_avg, "adam_update")?),
+                Arg::Ptr(dense(exp_avg_sq, "adam_update")?),
+                scalar(dt, 1.0 - lr * weight_decay),
+                Arg::I32(decay as i32),
+                scalar(dt, weight_decay),
+                Arg::I32(l2 as i32),
+                scalar(dt, 1.0 - beta1),
+                scalar(dt, beta2),
+                scalar(dt, 1.0 - beta2),
+                scalar(dt, bc2.powf(0.5)),
+                scalar(dt, eps),
+                scalar(dt, -(lr / bc1)),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool) -> Result<()> {
+        let sfx = float("unscale_", grad.dtype())?;
+        let flag = self.status()? + 16;
+        self.machine.zero(flag, 4).map_err(|e| self.err(e))?;
+        let n = grad.numel();
+        self.launch(
+            &format!("unscale_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(grad, "unscale_")?),
+                scalar(grad.dtype(), inv_scale),
+                Arg::Ptr(flag),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        let mut bytes = [0u8; 4];
+        self.machine.download(flag, &mut bytes).map_err(|e| self.err(e))?;
+        if i32::from_le_bytes(bytes) != 0 {
+            *found_inf = true;
+        }
+        Ok(())
+    }
+
+    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
+        let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
+        let batch_shape = &out.shape()[..ro - 2];
+        let dtype = gemm_type("matmul", a.dtype())?;
+        let mut sa = batch_shape.to_vec();
+        sa.extend([m, k]);
+        let mut sb = batch_shape.to_vec();
+        sb.extend([k, n]);
+        let (la, lb) = (broadcast_strides(a, &sa), broadcast_strides(b, &sb));
+        let pa = operand(a, addr(a)?, m, k, la[ro - 2], la[ro - 1], "matmul")?;
+        let pb = operand(b, addr(b)?, k, n, lb[ro - 2], lb[ro - 1], "matmul")?;
+        let c = dense(out, "matmul")?;
+        let size = a.dtype().size() as u64;
+        // Batch offsets (elements) of each operand, in row-major order over the batch dims.
+        let count: usize = batch_shape.iter().product();
+        let offsets = |strides: &[usize]| -> Vec<usize> {
+            (0..count)
+                .map(|mut i| {
+                    let mut off = 0;
+                    for d in (0..batch_shape.len()).rev() {
+                        off += (i % batch_shape[d]) * strides[d];
+                        i /= batch_shape[d];
+                    }
+                    off
+                })
+                .collect()
+        };
+        let (oa, ob) = (offsets(&la), offsets(&lb));
+        // One strided call when both walk their batch at a constant step, else one call a matrix.
+        let step = |o: &[usize]| -> Option<usize> {
+            let s = if o.len() > 1 { o[1] - o[0] } else { 0 };
+            o.windows(2).all(|w| w[1] == w[0] + s).then_some(s)
+        };
+        if let (Some(step_a), Some(step_b)) = (step(&oa), step(&ob)) {
+            return self.gemm(product(dtype, (m, n, k), pa, pb, c, (step_a, step_b, m * n, count), 0.0));
+        }
+        for i in 0..count {
+            let a_i = Operand { address: pa.address + oa[i] as u64 * size, ..pa };
+            let b_i = Operand { address: pb.address + ob[i] as u64 * size, ..pb };
+            self.gemm(product(dtype, (m, n, k), a_i, b_i, c + (i * m * n) as u64 * size, (0, 0, 0, 1), 0.0))?;
+        }
+        Ok(())
+    }
+
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let rows = x.numel() / in_f.max(1);
+        let dst = dense(out, "linear")?;
+        if let Some(bias) = bias {
+            self.broadcast_rows(bias, rows, out_f, dst)?;
+        }
+        self.times_weight_t(dense(x, "linear")?, rows, weight, dst, if bias.is_some() { 1.0 } else { 0.0 }, "linear")
+    }
+
+    fn linear_weight_grad(&self, grad: &Tensor, x: &Tensor, gw: &Tensor, gb: Option<&Tensor>) -> Result<()> {
+        const NAME: &str = "linear_weight_grad";
+        let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
+        let rows = x.numel() / in_f.max(1);
+        let g = dense(grad, NAME)?;
+        self.weight_grad(grad.dtype(), g, dense(x, NAME)?, rows, out_f, in_f, dense(gw, NAME)?, 0.0)?;
+        if let Some(gb) = gb {
+            self.column_sums(float(NAME, grad.dtype())?, g, rows, out_f, dense(gb, NAME)?)?;
+        }
+        Ok(())
+    }
+
+    fn gelu_linear(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        scratch: &Tensor,
+        out: &Tensor,
+    ) -> Result<()> {
+        const NAME: &str = "gelu_linear";
+        let sfx = float(NAME, x.dtype())?;
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let rows = x.numel() / in_f.max(1);
+        let size = x.dtype().size() as u64;
+        let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
+        if let Some(bias) = bias {
+            self.broadcast_rows(bias, rows, out_f, dst)?;
+        }
+        let block = (scratch.numel() / in_f.max(1)).max(1);
+        for r0 in (0..rows).step_by(block) {
+            let n = block.min(rows - r0);
+            let count = n * in_f;
+            self.launch(
+                &format!("unary_{sfx}"),
+                self.grid(count, BLOCK),
+                &mut [
+                    Arg::I32(unary_code(Unary::GeluErf)),
+                    Arg::Ptr(xp + (r0 * in_f) as u64 * size),
+                    Arg::Ptr(sc),
+                    Arg::I64(count as i64),
+                ],
+            )?;
+            self.times_weight_t(
+                sc,
+                n,
+                weight,
+                dst + (r0 * out_f) as u64 * size,
+                if bias.is_some() { 1.0 } else { 0.0 },
+                NAME,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn gelu_linear_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+        scratch: &Tensor,
+    ) -> Result<()> {
+        const NAME: &str = "gelu_linear_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let rows = grad.shape()[0];
+        let size = grad.dtype().size() as u64;
+        let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
+        let (gxp, gwp) = (dense_opt(gx, NAME)?, dense_opt(gw, NAME)?);
+        let block = (scratch.numel() / in_f.max(1)).max(1);
+        if let Some(gb) = gb {
+            self.column_sums(sfx, g, rows, out_f, dense(gb, NAME)?)?;
+        }
+        for (i, r0) in (0..rows).step_by(block).enumerate() {
+            let n = block.min(rows - r0);
+            let count = n * in_f;
+            let (x_block, g_block) = (xp + (r0 * in_f) as u64 * size, g + (r0 * out_f) as u64 * size);
+            // The weight gradient first: it reads gelu(x) before a gradient written in place over x.
+            if gwp != 0 {
+                self.launch(
+                    &format!("unary_{sfx}"),
+                    self.grid(count, BLOCK),
+                    &mut [
+                        Arg::I32(unary_code(Unary::GeluErf)),
+                        Arg::Ptr(x_block),
+                        Arg::Ptr(sc),
+                        Arg::I64(count as i64),
+                    ],
+                )?;
+                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, if i == 0 { 0.0 } else { 1.0 })?;
+            }
+            if gxp != 0 {
+                self.times_weight(g_block, n, weight, sc, NAME)?;
+                self.launch(
+                    &format!("unary_backward_{sfx}"),
+                    self.grid(count, BLOCK),
+                    &mut [
+                        Arg::I32(unary_code(Unary::GeluErf)),
+                        Arg::Ptr(x_block),
+                        Arg::Ptr(sc),
+                        Arg::Ptr(gxp + (r0 * in_f) as u64 * size),
+                        Arg::I64(count as i64),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        d: usize,
+        eps: f64,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    ) -> Result<()> {
+        const NAME: &str = "layer_norm";
+        let sfx = float(NAME, x.dtype())?;
+        let rows = x.numel() / d.max(1);
+        self.layer_norm_rows(
+            sfx,
+            x.dtype(),
+            (dense(x, NAME)?, dense_opt(weight, NAME)?, dense_opt(bias, NAME)?),
+            rows,
+            d,
+            eps,
+            dense(out, NAME)?,
+            (dense_opt(mean, NAME)?, dense_opt(rstd, NAME)?),
+        )
+    }
+
+    fn layer_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        d: usize,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    ) -> Result<()> {
+        const NAME: &str = "layer_norm_backward";
+        let sfx = float(NAME, x.dtype())?;
+        let rows = x.numel() / d.max(1);
+        let (xp, mp, rp, g) = (dense(x, NAME)?, dense(mean, NAME)?, dense(rstd, NAME)?, dense(grad, NAME)?);
+        if gw.is_some() || gb.is_some() {
+            self.launch(
+                &format!("layer_norm_backward_wb_{sfx}"),
+                self.grid(d, BLOCK),
+                &mut [
+                    Arg::Ptr(xp),
+                    Arg::Ptr(mp),
+                    Arg::Ptr(rp),
+                    Arg::Ptr(g),
+                    Arg::I64(rows as i64),
+                    Arg::I64(d as i64),
+                    Arg::Ptr(dense_opt(gw, NAME)?),
+                    Arg::Ptr(dense_opt(gb, NAME)?),
+                    Arg::I32(0),
+                ],
+            )?;
+        }
+        if let Some(gx) = gx {
+            self.launch(
+                &format!("layer_norm_backward_x_{sfx}"),
+                self.grid(rows * BLOCK as usize, BLOCK),
+                &mut [
+                    Arg::Ptr(xp),
+                    Arg::Ptr(dense_opt(weight, NAME)?),
+                    Arg::Ptr(mp),
+                    Arg::Ptr(rp),
+                    Arg::Ptr(g),
+                    Arg::I64(rows as i64),
+                    Arg::I64(d as i64),
+                    Arg::Ptr(dense(gx, NAME)?),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn layer_norm_linear(
+        &self,
+        x: &Tensor,
+        ln_weight: &Tensor,
+        ln_bias: &Tensor,
+        eps: f64,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        scratch: &Tensor,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
+    ) -> Result<()> {
+        const NAME: &str = "layer_norm_linear";
+        let sfx = float(NAME, x.dtype())?;
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let rows = x.numel() / in_f.max(1);
+        let size = x.dtype().size() as u64;
+        let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
+        let (lw, lb) = (dense(ln_weight, NAME)?, dense(ln_bias, NAME)?);
+        let (mp, rp) = (dense_opt(mean, NAME)?, dense_opt(rstd, NAME)?);
+        if let Some(bias) = bias {
+            self.broadcast_rows(bias, rows, out_f, dst)?;
+        }
+        let block = (scratch.numel() / in_f.max(1)).max(1);
+        let at = |p: u64, r: usize| if p == 0 { 0 } else { p + r as u64 * size };
+        for r0 in (0..rows).step_by(block) {
+            let n = block.min(rows - r0);
+            self.layer_norm_rows(
+                sfx,
+                x.dtype(),
+                (xp + (r0 * in_f) as u64 * size, lw, lb),
+                n,
+                in_f,
+                eps,
+                sc,
+                (at(mp, r0), at(rp, r0)),
+            )?;
+            self.times_weight_t(
+                sc,
+                n,
+                weight,
+                dst + (r0 * out_f) as u64 * size,
+                if bias.is_some() { 1.0 } else { 0.0 },
+                NAME,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn layer_norm_linear_backward(
+        &self,
+        x: &Tensor,
+        ln_weight: &Tensor,
+        ln_bias: &Tensor,
+        weight: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        glw: Option<&Tensor>,
+        glb: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
+        scratch: &Tensor,
+        _sums: Option<&Tensor>,
+    ) -> Result<()> {
+        const NAME: &str = "layer_norm_linear_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        let rows = grad.shape()[0];
+        let size = grad.dtype().size() as u64;
+        let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
+        let (lw, lb, mp, rp) = (dense(ln_weight, NAME)?, dense(ln_bias, NAME)?, dense(mean, NAME)?, dense(rstd, NAME)?);
+        let (gxp, glwp, glbp, gwp) =
+            (dense_opt(gx, NAME)?, dense_opt(glw, NAME)?, dense_opt(glb, NAME)?, dense_opt(gw, NAME)?);
+        let block = (scratch.numel() / in_f.max(1)).max(1);
+        if let Some(gb) = gb {
+            self.column_sums(sfx, g, rows, out_f, dense(gb, NAME)?)?;
+        }
+        for (i, r0) in (0..rows).step_by(block).enumerate() {
+            let n = block.min(rows - r0);
+            let x_block = xp + (r0 * in_f) as u64 * size;
+            let g_block = g + (r0 * out_f) as u64 * size;
+            let (m_block, r_block) = (mp + r0 as u64 * size, rp + r0 as u64 * size);
+            // Everything that reads x before a gradient written in place over it.
+            if gwp != 0 {
+                self.launch(
+                    &format!("layer_norm_apply_{sfx}"),
+                    self.grid(n * in_f, BLOCK),
+                    &mut [
+                        Arg::Ptr(x_block),
+                        Arg::Ptr(lw),
+                        Arg::Ptr(lb),
+                        Arg::Ptr(m_block),
+                        Arg::Ptr(r_block),
+                        Arg::I64(n as i64),
+                        Arg::I64(in_f as i64),
+                        Arg::Ptr(sc),
+                    ],
+                )?;
+                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, if i == 0 { 0.0 } else { 1.0 })?;
+            }
+            if gxp == 0 && glwp == 0 && glbp == 0 {
+                continue;
+            }
+            // dy = grad W: the layer norm's output gradient.
+            self.times_weight(g_block, n, weight, sc, NAME)?;
+            if glwp != 0 || glbp != 0 {
+                self.launch(
+                    &format!("layer_norm_backward_wb_{sfx}"),
+                    self.grid(in_f, BLOCK),
+                    &mut [
+                        Arg::Ptr(x_block),
+                        Arg::Ptr(m_block),
+                        Arg::Ptr(r_block),
+                        Arg::Ptr(sc),
+                        Arg::I64(n as i64),
+                        Arg::I64(in_f as i64),
+                        Arg::Ptr(glwp),
+                        Arg::Ptr(glbp),
+                        Arg::I32((i > 0) as i32),
+                    ],
+                )?;
+            }
+            if gxp != 0 {
+                self.launch(
+                    &format!("layer_norm_backward_x_{sfx}"),
+                    self.grid(n * BLOCK as usize, BLOCK),
+                    &mut [
+                        Arg::Ptr(x_block),
+                        Arg::Ptr(lw),
+                        Arg::Ptr(m_block),
+                        Arg::Ptr(r_block),
+                        Arg::Ptr(sc),
+                        Arg::I64(n as i64),
+                        Arg::I64(in_f as i64),
+                        Arg::Ptr(gxp + (r0 * in_f) as u64 * size),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn batch_norm(
+        &self,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: bool,
+        _: f64,
+        _: f64,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+    ) -> Result<()> {
+        not_yet("batch_norm")
+    }
+
+    fn batch_norm_backward(
+        &self,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: &Tensor,
+        _: &Tensor,
+        _: bool,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+    ) -> Result<()> {
+        not_yet("batch_norm")
+    }
+
+    fn attention(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: &AttnProblem,
+        _: &Tensor,
+        _: Option<&Tensor>,
+    ) -> Result<()> {
+        not_yet("attention")
+    }
+
+    fn attention_backward(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: &Tensor,
+        _: &AttnProblem,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+        _: Option<&Tensor>,
+    ) -> Result<()> {
+        not_yet("attention")
+    }
+
+    fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor) -> Result<()> {
+        let sfx = float("cross_entropy", logits.dtype())?;
+        let (n, c) = (logits.shape()[0], logits.shape()[1]);
+        self.launch(
+            &format!("cross_entropy_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [
+                Arg::Ptr(dense(logits, "cross_entropy")?),
+                Arg::Ptr(dense(target, "cross_entropy")?),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                scalar(logits.dtype(), label_smoothing),
+                Arg::Ptr(dense(out, "cross_entropy")?),
+                Arg::Ptr(self.status()? + 8),
+            ],
+        )
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        logits: &Tensor,
+        target: &Tensor,
+        label_smoothing: f64,
+        grad: &Tensor,
+        gx: &Tensor,
+    ) -> Result<()> {
+        let sfx = float("cross_entropy", logits.dtype())?;
+        let (n, c) = (logits.shape()[0], logits.shape()[1]);
+        self.launch(
+            &format!("cross_entropy_backward_{sfx}"),
+            self.grid(n * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(dense(logits, "cross_entropy")?),
+                Arg::Ptr(dense(target, "cross_entropy")?),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                scalar(logits.dtype(), label_smoothing),
+                Arg::Ptr(dense(grad, "cross_entropy")?),
+                Arg::Ptr(dense(gx, "cross_entropy")?),
+            ],
+        )
+    }
+
+    fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("nll_loss", log_probs.dtype())?;
+        let (n, c) = (log_probs.shape()[0], log_probs.shape()[1]);
+        let strides = log_probs.layout().strides();
+        let (base, rows) = strided(log_probs, &[n], &[strides[0]])?;
+        self.launch(
+            &format!("nll_loss_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [
+                Arg::Ptr(base),
+                Arg::View(rows),
+                Arg::I64(strides[1] as i64),
+                Arg::Ptr(dense(target, "nll_loss")?),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                Arg::Ptr(dense(out, "nll_loss")?),
+                Arg::Ptr(self.status()? + 8),
+            ],
+        )
+    }
+
+    fn nll_loss_backward(&self, target: &Tensor, grad: &Tensor, gx: &Tensor) -> Result<()> {
+        let sfx = float("nll_loss", grad.dtype())?;
+        let (n, c) = (gx.shape()[0], gx.shape()[1]);
+        self.launch(
+            &format!("nll_loss_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(target, "nll_loss")?),
+                Arg::Ptr(dense(grad, "nll_loss")?),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                Arg::Ptr(dense(gx, "nll_loss")?),
+            ],
+        )
+    }
+
+    fn mse_loss(&self, input: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("mse_loss", input.dtype())?;
+        self.launch(
+            &format!("mse_loss_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [
+                Arg::Ptr(dense(input, "mse_loss")?),
+                Arg::Ptr(dense(target, "mse_loss")?),
+                Arg::I64(input.numel() as i64),
+                Arg::Ptr(dense(out, "mse_loss")?),
+            ],
+        )
+    }
+
+    fn mse_loss_backward(
+        &self,
+        input: &Tensor,
+        target: &Tensor,
+        grad: &Tensor,
+        ga: Option<&Tensor>,
+        gb: Option<&Tensor>,
+    ) -> Result<()> {
+        let sfx = float("mse_loss", input.dtype())?;
+        let n = input.numel();
+        self.launch(
+            &format!("mse_loss_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(input, "mse_loss")?),
+                Arg::Ptr(dense(target, "mse_loss")?),
+                Arg::Ptr(dense(grad, "mse_loss")?),
+                Arg::I64(n as i64),
+                Arg::Ptr(dense_opt(ga, "mse_loss")?),
+                Arg::Ptr(dense_opt(gb, "mse_loss")?),
+            ],
+        )
+    }
+
+    fn softmax(&self, x: &Tensor, dim: usize, log: bool, out: &Tensor) -> Result<()> {
+        let sfx = float("softmax", x.dtype())?;
+        let (outer, d, inner) = split(x.shape(), dim);
+        self.launch(
+            &format!("softmax_{sfx}"),
+            self.grid(outer * inner * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "softmax")?),
+                Arg::I64(outer as i64),
+                Arg::I64(d as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(log as i32),
+                Arg::Ptr(dense(out, "softmax")?),
+            ],
+        )
+    }
+
+    fn softmax_backward(&self, out: &Tensor, grad: &Tensor, dim: usize, log: bool, gx: &Tensor) -> Result<()> {
+        let sfx = float("softmax", out.dtype())?;
+        let (outer, d, inner) = split(out.shape(), dim);
+        self.launch(
+            &format!("softmax_backward_{sfx}"),
+            self.grid(outer * inner * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(dense(out, "softmax")?),
+                Arg::Ptr(dense(grad, "softmax")?),
+                Arg::I64(outer as i64),
+                Arg::I64(d as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(log as i32),
+                Arg::Ptr(dense(gx, "softmax")?),
+            ],
+        )
+    }
+}
+
+impl Cuda {
+    /// Layer norm of `rows` dense rows of `d`, weight and bias optional (0), statistics written
+    /// when their addresses are not 0.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_rows(
+        &self,
+        sfx: &str,
+        dtype: DType,
+        (x, w, b): (u64, u64, u64),
+        rows: usize,
+        d: usize,
+        eps: f64,
+        out: u64,
+        (mean, rstd): (u64, u64),
+    ) -> Result<()> {
+        self.launch(
+            &format!("layer_norm_{sfx}"),
+            self.grid(rows * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(b),
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                scalar(dtype, eps),
+                Arg::Ptr(out),
+                Arg::Ptr(mean),
+                Arg::Ptr(rstd),
+            ],
+        )
+    }
+}
+
+/// `shape` as `[outer, shape[dim], inner]`.
+fn split(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
+}
+
+/// The kernels' code of a unary op (`elementwise.cu`).
+fn unary_code(op: Unary) -> i32 {
+    match op {
+        Unary::Relu => 0,
+        Unary::GeluErf => 1,
+        Unary::GeluTanh => 2,
+        Unary::Tanh => 3,
+        Unary::Sigmoid => 4,
+        Unary::Exp => 5,
+        Unary::Log => 6,
+        Unary::Neg => 7,
+    }
+}
+
+/// The kernels' code of a binary op (`elementwise.cu`).
+fn binary_code(op: Binary) -> i32 {
+    match op {
+        Binary::Add => 0,
+        Binary::Sub => 1,
+        Binary::Mul => 2,
+        Binary::Div => 3,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operands_read_row_major_matrices_as_cublas_needs_them() {
+        // Row-major [2, 3] (strides 3, 1): column-major 3 x 2, not transposed, ld 3.
+        assert_eq!(Operand::of(8, 2, 3, 3, 1), Some(Operand { address: 8, trans: false, ld: 3 }));
+        // Its transpose as a view [3, 2] (strides 1, 3): read transposed, ld 3.
+        assert_eq!(Operand::of(8, 3, 2, 1, 3), Some(Operand { address: 8, trans: true, ld: 3 }));
+        // A row inside a wider matrix keeps its row stride.
+        assert_eq!(Operand::of(8, 2, 3, 5, 1), Some(Operand { address: 8, trans: false, ld: 5 }));
+        // One row or one column: any stride.
+        assert_eq!(Operand::of(8, 1, 3, 0, 1), Some(Operand { address: 8, trans: false, ld: 3 }));
+        assert_eq!(Operand::of(8, 3, 1, 1, 7), Some(Operand { address: 8, trans: false, ld: 1 }));
+        // Neither stride is 1: no operand.
+        assert_eq!(Operand::of(8, 2, 3, 6, 2), None);
+    }
 }

@@ -10,8 +10,8 @@
 //! - `meta` ([`Meta`], below): computes nothing; every kernel is a no-op, so a meta run is the cpu
 //!   run's allocation sequence and nothing else (or a GPU's: `meta:cuda`, whose ops size their
 //!   workspaces as the GPU's kernels need them, see `Device::target`).
-//! - `cuda` (`backend/cuda.rs`): opens a GPU through `memfit-cuda`; its kernels are not all written
-//!   yet, so an opened GPU is refused with what was found.
+//! - `cuda` (`backend/cuda.rs`): launches on a GPU opened through `memfit-cuda` (or on its
+//!   emulator, `MEMFIT_CUDA_EMULATOR=1`): the kernels' CUDA C sources and cuBLAS for products.
 //!
 //! Adding a device is adding one implementation of [`Backend`] (and a `SegmentBackend` for its
 //! memory) and its arm in [`open`]; adding a dtype (f16/bf16 storage) is adding arms to the CPU
@@ -42,6 +42,12 @@ macro_rules! backends {
         /// allocates a tensor of its own except through the op's tensors.
         pub(crate) trait Backend: Send + Sync {
             $( $(#[$doc])* fn $name(&self $(, $arg: $ty)*) -> Result<()>; )*
+
+            /// Takes the math library's workspace (`bytes` at device `address`, a block of the
+            /// device's allocator held until it closes); only a GPU has one.
+            fn use_library_workspace(&self, _address: u64, _bytes: u64) -> Result<()> {
+                Ok(())
+            }
         }
 
         /// The `meta` backend: allocation happens in the ops; nothing is computed.
