@@ -24,7 +24,7 @@ pub struct Source {
 }
 
 /// Every kernel source, by op family (the tensor crate's `ops/` files).
-pub const SOURCES: [Source; 9] = [
+pub const SOURCES: [Source; 10] = [
     Source { name: "data", text: include_str!("../kernels/data.cu"), kernels: &["fill_", "gather_", "cast_"] },
     Source {
         name: "elementwise",
@@ -41,6 +41,7 @@ pub const SOURCES: [Source; 9] = [
         kernels: &["cross_entropy_", "nll_loss_", "mse_loss_"],
     },
     Source { name: "optim", text: include_str!("../kernels/optim.cu"), kernels: &["sgd_", "adam_", "unscale_"] },
+    Source { name: "attention", text: include_str!("../kernels/attention.cu"), kernels: &["attention_"] },
     Source { name: "norm", text: include_str!("../kernels/norm.cu"), kernels: &["layer_norm_"] },
 ];
 

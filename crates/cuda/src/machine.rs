@@ -40,7 +40,7 @@ impl Strided {
 }
 
 /// One kernel argument, by value.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Arg {
     I32(i32),
     I64(i64),
@@ -50,6 +50,9 @@ pub enum Arg {
     /// A device address (0 for a null pointer: an optional output not asked for).
     Ptr(u64),
     View(Strided),
+    /// A C struct by value, as 8-byte words in its field order (a 4-byte field in the low half of
+    /// its word, as x86-64's layout pads it).
+    Words(Vec<u64>),
 }
 
 impl Arg {
@@ -62,6 +65,7 @@ impl Arg {
             Arg::F32(v) => v as *mut f32 as *mut c_void,
             Arg::F64(v) => v as *mut f64 as *mut c_void,
             Arg::View(v) => v as *mut Strided as *mut c_void,
+            Arg::Words(w) => w.as_mut_ptr() as *mut c_void,
         }
     }
 }

@@ -1273,31 +1273,77 @@ impl Backend for Cuda {
 
     fn attention(
         &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: &AttnProblem,
-        _: &Tensor,
-        _: Option<&Tensor>,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        pb: &AttnProblem,
+        out: &Tensor,
+        lse: Option<&Tensor>,
     ) -> Result<()> {
-        not_yet("attention")
+        const NAME: &str = "scaled_dot_product_attention";
+        let sfx = float(NAME, q.dtype())?;
+        if pb.dims.bh == 0 {
+            return Ok(());
+        }
+        let problem = attention_problem(q, k, v, pb, NAME)?;
+        let visible = visibility(mask, pb)?;
+        self.launch(
+            &format!("attention_{sfx}"),
+            self.grid(pb.dims.bh * pb.dims.tq, BLOCK),
+            &mut [
+                problem,
+                visible,
+                Arg::Ptr(dense(out, NAME)?),
+                addr_arg(&pb.lay.out),
+                Arg::Ptr(dense_opt(lse, NAME)?),
+            ],
+        )
     }
 
     fn attention_backward(
         &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: &Tensor,
-        _: &AttnProblem,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        lse: &Tensor,
+        pb: &AttnProblem,
+        grad: &Tensor,
+        gq: Option<&Tensor>,
+        gk: Option<&Tensor>,
+        gv: Option<&Tensor>,
     ) -> Result<()> {
-        not_yet("attention")
+        const NAME: &str = "scaled_dot_product_attention_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        if pb.dims.bh == 0 {
+            return Ok(());
+        }
+        let problem = attention_problem(q, k, v, pb, NAME)?;
+        let visible = visibility(mask, pb)?;
+        let (g, l) = (dense(grad, NAME)?, dense(lse, NAME)?);
+        let (gqp, gkp, gvp) = (dense_opt(gq, NAME)?, dense_opt(gk, NAME)?, dense_opt(gv, NAME)?);
+        let rows = self.grid(pb.dims.bh * pb.dims.tq, BLOCK);
+        let common = |extra: &[Arg]| {
+            let mut args = vec![problem.clone(), visible.clone(), Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l)];
+            args.extend_from_slice(extra);
+            args
+        };
+        // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
+        if gqp != 0 {
+            self.launch(&format!("attention_backward_d_{sfx}"), rows, &mut common(&[Arg::Ptr(gqp)]))?;
+        }
+        if gkp != 0 || gvp != 0 {
+            self.launch(
+                &format!("attention_backward_kv_{sfx}"),
+                self.grid(pb.dims.bh * pb.dims.tk, BLOCK),
+                &mut common(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
+            )?;
+        }
+        if gqp != 0 {
+            self.launch(&format!("attention_backward_q_{sfx}"), rows, &mut common(&[Arg::Ptr(gqp)]))?;
+        }
+        Ok(())
     }
 
     fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor) -> Result<()> {
@@ -1485,6 +1531,65 @@ impl Cuda {
             ],
         )
     }
+}
+
+/// An attention operand's layout as the kernels' `struct Addr` (attention.cu).
+fn addr_arg(a: &memfit_cpu::attention::AttnAddr) -> Arg {
+    Arg::Words(addr_words(a).to_vec())
+}
+
+fn addr_words(a: &memfit_cpu::attention::AttnAddr) -> [u64; 4] {
+    [a.offset as u64, a.batch_stride as u64, a.head_stride as u64, a.row_stride as u64]
+}
+
+/// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes and the scale.
+fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &str) -> Result<Arg> {
+    let d = pb.dims;
+    let mut words = vec![dense(q, op)?, dense(k, op)?, dense(v, op)?];
+    for a in [&pb.lay.q, &pb.lay.k, &pb.lay.v] {
+        words.extend(addr_words(a));
+    }
+    words.extend([d.bh, d.heads, d.tq, d.tk, d.d, d.dv].map(|n| n as u64));
+    words.push(match q.dtype() {
+        DType::F32 => u64::from((pb.scale as f32).to_bits()),
+        _ => pb.scale.to_bits(),
+    });
+    Ok(Arg::Words(words))
+}
+
+/// The kernels' `struct Visible`: the causal flag and the mask (bytes, non-zero = hidden) seen as
+/// `pb.full` ([batch..., Tq, Tk]).
+fn visibility(mask: Option<&Tensor>, pb: &AttnProblem) -> Result<Arg> {
+    let mut words = vec![u64::from(pb.causal)];
+    match mask {
+        None => {
+            words.push(0);
+            words.extend(Strided::new(&[], &[], 0).map(strided_words).unwrap_or_default());
+            words.extend([0, 0]);
+        }
+        Some(m) => {
+            if m.dtype().size() != 1 {
+                return Err(Error::dtype(format!("an attention mask is bool or u8, not {}", m.dtype())));
+            }
+            let full = &pb.full;
+            let r = full.len();
+            let strides = broadcast_strides(m, full);
+            let (base, view) = strided(m, &full[..r - 2], &strides[..r - 2])?;
+            words.push(base);
+            words.extend(strided_words(view));
+            words.extend([strides[r - 2] as u64, strides[r - 1] as u64]);
+        }
+    }
+    Ok(Arg::Words(words))
+}
+
+/// A [`Strided`] as the words of its C layout (rank in the low half of the first).
+fn strided_words(s: Strided) -> Vec<u64> {
+    let mut words = vec![s.rank as u32 as u64];
+    words.extend(s.shape.iter().map(|&n| n as u64));
+    words.extend(s.stride.iter().map(|&n| n as u64));
+    words.push(s.offset as u64);
+    words
 }
 
 /// `shape` as `[outer, shape[dim], inner]`.
