@@ -64,3 +64,72 @@
 
 LAYER_NORM(float, f32)
 LAYER_NORM(double, f64)
+
+// Batch norm over channel dim 1 of x [nb, c, s...] (s = the spatial size): one block (256
+// threads) per channel, statistics summed in double in a fixed order (as the cpu kernel sums in
+// f64). Training uses the batch's mean and biased variance and updates the running statistics
+// with the unbiased one; eval uses the running ones.
+#define BATCH_NORM(T, SUF)                                                                              \
+    extern "C" __global__ void batch_norm_##SUF(const T* x, i64 nb, i64 c, i64 s, int training, double momentum, double eps, \
+                                                T* running_mean, T* running_var, const T* w, const T* b, T* out, T* mean, T* rstd) { \
+        __shared__ double shared[256];                                                                  \
+        i64 n = nb * s;                                                                                 \
+        for (i64 ch = blockIdx.x; ch < c; ch += gridDim.x) {                                            \
+            double m, r;                                                                                \
+            if (training) {                                                                             \
+                double acc = 0.0;                                                                       \
+                for (i64 k = threadIdx.x; k < n; k += blockDim.x) acc += (double)x[((k / s) * c + ch) * s + k % s]; \
+                m = block_sum<double>(acc, shared) / (double)n;                                         \
+                double q = 0.0;                                                                         \
+                for (i64 k = threadIdx.x; k < n; k += blockDim.x) {                                     \
+                    double d = (double)x[((k / s) * c + ch) * s + k % s] - m;                           \
+                    q += d * d;                                                                         \
+                }                                                                                       \
+                double var = block_sum<double>(q, shared) / (double)n;                                  \
+                if (threadIdx.x == 0 && running_mean && running_var) {                                  \
+                    double unbias = (double)n / (double)(n - 1);                                        \
+                    running_mean[ch] = (T)((1.0 - momentum) * (double)running_mean[ch] + momentum * m); \
+                    running_var[ch] = (T)((1.0 - momentum) * (double)running_var[ch] + momentum * var * unbias); \
+                }                                                                                       \
+                r = 1.0 / sqrt(var + eps);                                                              \
+            } else {                                                                                    \
+                m = (double)running_mean[ch];                                                           \
+                r = 1.0 / sqrt((double)running_var[ch] + eps);                                          \
+            }                                                                                           \
+            double alpha_d = r * (w ? (double)w[ch] : 1.0);                                             \
+            T alpha = (T)alpha_d, beta = (T)((b ? (double)b[ch] : 0.0) - m * alpha_d);                  \
+            for (i64 k = threadIdx.x; k < n; k += blockDim.x) {                                         \
+                i64 at = ((k / s) * c + ch) * s + k % s;                                                \
+                out[at] = x[at] * alpha + beta;                                                         \
+            }                                                                                           \
+            if (threadIdx.x == 0) { if (mean) mean[ch] = (T)m; if (rstd) rstd[ch] = (T)r; }             \
+        }                                                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void batch_norm_backward_##SUF(const T* x, const T* w, const T* mean, const T* rstd, int training, const T* g, \
+                                                         i64 nb, i64 c, i64 s, T* gx, T* gw, T* gb) {   \
+        __shared__ double shared[256];                                                                  \
+        i64 n = nb * s;                                                                                 \
+        for (i64 ch = blockIdx.x; ch < c; ch += gridDim.x) {                                            \
+            T m = mean[ch], r = rstd[ch];                                                               \
+            double sg = 0.0, sgx = 0.0;                                                                 \
+            for (i64 k = threadIdx.x; k < n; k += blockDim.x) {                                         \
+                i64 at = ((k / s) * c + ch) * s + k % s;                                                \
+                sg += (double)g[at];                                                                    \
+                sgx += (double)(g[at] * (x[at] - m) * r);                                               \
+            }                                                                                           \
+            sg = block_sum<double>(sg, shared);                                                         \
+            sgx = block_sum<double>(sgx, shared);                                                       \
+            if (threadIdx.x == 0) { if (gw) gw[ch] = (T)sgx; if (gb) gb[ch] = (T)sg; }                  \
+            if (gx) {                                                                                   \
+                T k_ = (T)((double)r * (w ? (double)w[ch] : 1.0));                                      \
+                T a = (T)(sg / (double)n), bb = (T)(sgx / (double)n);                                   \
+                for (i64 k = threadIdx.x; k < n; k += blockDim.x) {                                     \
+                    i64 at = ((k / s) * c + ch) * s + k % s;                                            \
+                    gx[at] = training ? k_ * (g[at] - a - (x[at] - m) * r * bb) : g[at] * k_;           \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+BATCH_NORM(float, f32)
+BATCH_NORM(double, f64)

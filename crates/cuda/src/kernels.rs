@@ -24,7 +24,7 @@ pub struct Source {
 }
 
 /// Every kernel source, by op family (the tensor crate's `ops/` files).
-pub const SOURCES: [Source; 10] = [
+pub const SOURCES: [Source; 12] = [
     Source { name: "data", text: include_str!("../kernels/data.cu"), kernels: &["fill_", "gather_", "cast_"] },
     Source {
         name: "elementwise",
@@ -33,7 +33,7 @@ pub const SOURCES: [Source; 10] = [
     },
     Source { name: "dropout", text: include_str!("../kernels/dropout.cu"), kernels: &["dropout_"] },
     Source { name: "embedding", text: include_str!("../kernels/embedding.cu"), kernels: &["embedding_"] },
-    Source { name: "reduce", text: include_str!("../kernels/reduce.cu"), kernels: &["sum_", "max_"] },
+    Source { name: "reduce", text: include_str!("../kernels/reduce.cu"), kernels: &["sum_", "max_dim_", "max_all_"] },
     Source { name: "softmax", text: include_str!("../kernels/softmax.cu"), kernels: &["softmax_"] },
     Source {
         name: "loss",
@@ -42,7 +42,9 @@ pub const SOURCES: [Source; 10] = [
     },
     Source { name: "optim", text: include_str!("../kernels/optim.cu"), kernels: &["sgd_", "adam_", "unscale_"] },
     Source { name: "attention", text: include_str!("../kernels/attention.cu"), kernels: &["attention_"] },
-    Source { name: "norm", text: include_str!("../kernels/norm.cu"), kernels: &["layer_norm_"] },
+    Source { name: "norm", text: include_str!("../kernels/norm.cu"), kernels: &["layer_norm_", "batch_norm_"] },
+    Source { name: "conv", text: include_str!("../kernels/conv.cu"), kernels: &["im2col_", "col2im_"] },
+    Source { name: "pool", text: include_str!("../kernels/pool.cu"), kernels: &["max_pool2d_", "avg_pool2d_"] },
 ];
 
 impl Source {

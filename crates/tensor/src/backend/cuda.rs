@@ -340,13 +340,6 @@ impl Cuda {
     }
 }
 
-/// Not written for the GPU yet: says so by name (the op runs on `cpu`; `meta:cuda` plans it).
-fn not_yet(op: &str) -> Result<()> {
-    Err(Error::device(format!(
-        "{op} has no cuda kernel yet (issue 27): run this model with --device cpu, or plan it with --device meta:cuda"
-    )))
-}
-
 impl Backend for Cuda {
     fn use_library_workspace(&self, address: u64, bytes: u64) -> Result<()> {
         let status = address + bytes - STATUS_BYTES;
@@ -475,53 +468,232 @@ impl Backend for Cuda {
 
     fn conv2d(
         &self,
-        _: &ConvGeom,
-        _: &Tensor,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: &Tensor,
-        _: Option<&Tensor>,
+        g: &ConvGeom,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        out: &Tensor,
+        workspace: Option<&Tensor>,
     ) -> Result<()> {
-        not_yet("conv2d")
+        const NAME: &str = "conv2d";
+        let sfx = float(NAME, x.dtype())?;
+        let dtype = gemm_type(NAME, x.dtype())?;
+        let size = x.dtype().size() as u64;
+        let (xp, wp, op) = (dense(x, NAME)?, dense(weight, NAME)?, dense(out, NAME)?);
+        let (p, hw, og, kg, cg, groups) = (g.oh * g.ow, g.h * g.w, g.og(), g.kg(), g.cg(), g.groups);
+        if let Some(bias) = bias {
+            let (base, view) = strided(bias, &[g.n, g.o, p], &[0, bias.layout().strides()[0], 0])?;
+            let n = g.n * g.o * p;
+            let name = format!("gather_b{size}");
+            self.launch(
+                &name,
+                self.grid(n, BLOCK),
+                &mut [Arg::Ptr(op), Arg::Ptr(base), Arg::View(view), Arg::I64(n as i64)],
+            )?;
+        }
+        let beta = if bias.is_some() { 1.0 } else { 0.0 };
+        // Every group's weight rows [og, kg], one matrix a group.
+        let w_g = Operand { address: wp, trans: false, ld: kg.max(1) };
+        for n in 0..g.n {
+            let out_n = op + (n * g.o * p) as u64 * size;
+            let x_n = xp + (n * g.c * hw) as u64 * size;
+            if g.direct {
+                let x_g = Operand { address: x_n, trans: false, ld: p.max(1) };
+                let gemm = product(dtype, (og, p, kg), w_g, x_g, out_n, (og * kg, cg * hw, og * p, groups), beta);
+                self.gemm(gemm)?;
+                continue;
+            }
+            let col =
+                dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
+            for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
+                let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
+                let tp = (r1 - r0) * g.ow;
+                self.launch(
+                    &format!("im2col_{sfx}"),
+                    self.grid(g.kc() * tp, BLOCK),
+                    &mut [Arg::Ptr(x_n), conv_words(g, r0, r1), Arg::Ptr(col)],
+                )?;
+                let col_g = Operand { address: col, trans: false, ld: tp.max(1) };
+                let c = out_n + (r0 * g.ow) as u64 * size;
+                let gemm = product(dtype, (og, tp, kg), w_g, col_g, c, (og * kg, kg * tp, og * p, groups), beta);
+                self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
+            }
+        }
+        Ok(())
     }
 
     fn conv2d_backward(
         &self,
-        _: &ConvGeom,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
+        g: &ConvGeom,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        dx: Option<&Tensor>,
+        dw: Option<&Tensor>,
+        db: Option<&Tensor>,
+        _partials: Option<&Tensor>,
+        workspace: Option<&Tensor>,
     ) -> Result<()> {
-        not_yet("conv2d")
+        const NAME: &str = "conv2d_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        let dtype = gemm_type(NAME, grad.dtype())?;
+        let size = grad.dtype().size() as u64;
+        let (xp, wp, gp) = (dense(x, NAME)?, dense(weight, NAME)?, dense(grad, NAME)?);
+        let (dxp, dwp) = (dense_opt(dx, NAME)?, dense_opt(dw, NAME)?);
+        let (p, hw, og, kg, cg, groups) = (g.oh * g.ow, g.h * g.w, g.og(), g.kg(), g.cg(), g.groups);
+        if let Some(db) = db {
+            // db[o] = the sum of grad over samples and pixels.
+            let (base, kept) = strided(grad, &[g.o], &[p])?;
+            let summed = Strided::new(&[g.n, p], &[g.o * p, 1], 0).expect("two dims");
+            self.launch(
+                &format!("sum_to_shape_{sfx}"),
+                self.grid(g.o, BLOCK),
+                &mut [
+                    Arg::Ptr(base),
+                    Arg::View(kept),
+                    Arg::View(summed),
+                    Arg::I64(g.o as i64),
+                    Arg::I64((g.n * p) as i64),
+                    Arg::Ptr(dense(db, NAME)?),
+                ],
+            )?;
+        }
+        if dxp != 0 && !g.direct {
+            // col2im adds onto it.
+            self.machine.zero(dxp, g.n * g.c * hw * size as usize).map_err(|e| self.err(e))?;
+        }
+        // W_g^T [kg, og] of every group (weight rows [og, kg]).
+        let w_t = Operand { address: wp, trans: true, ld: kg.max(1) };
+        let mut first = true;
+        for n in 0..g.n {
+            let (x_n, g_n) = (xp + (n * g.c * hw) as u64 * size, gp + (n * g.o * p) as u64 * size);
+            if g.direct {
+                if dwp != 0 {
+                    // dw_g [og, kg] (+)= grad_g [og, p] x_g^T [p, kg].
+                    let a = Operand { address: g_n, trans: false, ld: p.max(1) };
+                    let b = Operand { address: x_n, trans: true, ld: p.max(1) };
+                    let beta = if first { 0.0 } else { 1.0 };
+                    self.gemm(product(dtype, (og, kg, p), a, b, dwp, (og * p, cg * hw, og * kg, groups), beta))?;
+                }
+                if dxp != 0 {
+                    // dx_g [kg, p] = W_g^T [kg, og] grad_g [og, p].
+                    let b = Operand { address: g_n, trans: false, ld: p.max(1) };
+                    let c = dxp + (n * g.c * hw) as u64 * size;
+                    self.gemm(product(dtype, (kg, p, og), w_t, b, c, (og * kg, og * p, cg * hw, groups), 0.0))?;
+                }
+                first = false;
+                continue;
+            }
+            let col =
+                dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
+            for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
+                let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
+                let tp = (r1 - r0) * g.ow;
+                let g_tile = Operand { address: g_n + (r0 * g.ow) as u64 * size, trans: false, ld: p.max(1) };
+                if dwp != 0 {
+                    self.launch(
+                        &format!("im2col_{sfx}"),
+                        self.grid(g.kc() * tp, BLOCK),
+                        &mut [Arg::Ptr(x_n), conv_words(g, r0, r1), Arg::Ptr(col)],
+                    )?;
+                    // dw_g [og, kg] (+)= grad tile [og, tp] col_g^T [tp, kg].
+                    let b = Operand { address: col, trans: true, ld: tp.max(1) };
+                    let beta = if first { 0.0 } else { 1.0 };
+                    self.gemm(product(dtype, (og, kg, tp), g_tile, b, dwp, (og * p, kg * tp, og * kg, groups), beta))?;
+                }
+                if dxp != 0 {
+                    // col_g [kg, tp] = W_g^T [kg, og] grad tile [og, tp], then added onto dx.
+                    self.gemm(product(dtype, (kg, tp, og), w_t, g_tile, col, (og * kg, og * p, kg * tp, groups), 0.0))?;
+                    let dx_n = dxp + (n * g.c * hw) as u64 * size;
+                    self.launch(
+                        &format!("col2im_{sfx}"),
+                        self.grid(g.c * hw, BLOCK),
+                        &mut [Arg::Ptr(col), conv_words(g, r0, r1), Arg::Ptr(dx_n)],
+                    )?;
+                }
+                first = false;
+            }
+        }
+        if dwp != 0 && g.n == 0 {
+            self.machine.zero(dwp, g.o * kg * size as usize).map_err(|e| self.err(e))?;
+        }
+        Ok(())
     }
 
     fn max_pool2d(
         &self,
-        _: &PoolGeom,
-        _: &Tensor,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: usize,
+        g: &PoolGeom,
+        x: &Tensor,
+        out: &Tensor,
+        indices: Option<&Tensor>,
+        positions: Option<&Tensor>,
+        width: usize,
     ) -> Result<()> {
-        not_yet("max_pool2d")
+        const NAME: &str = "max_pool2d";
+        let sfx = float(NAME, x.dtype())?;
+        self.launch(
+            &format!("max_pool2d_{sfx}"),
+            self.grid(g.planes * g.oh * g.ow, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, NAME)?),
+                pool_words(g),
+                Arg::Ptr(dense(out, NAME)?),
+                Arg::Ptr(dense_opt(indices, NAME)?),
+                Arg::Ptr(dense_opt(positions, NAME)?),
+                Arg::I32(width as i32),
+            ],
+        )
     }
 
-    fn max_pool2d_backward(&self, _: &PoolGeom, _: usize, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<()> {
-        not_yet("max_pool2d")
+    fn max_pool2d_backward(
+        &self,
+        g: &PoolGeom,
+        width: usize,
+        grad: &Tensor,
+        positions: &Tensor,
+        dx: &Tensor,
+    ) -> Result<()> {
+        const NAME: &str = "max_pool2d_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        self.launch(
+            &format!("max_pool2d_backward_{sfx}"),
+            self.grid(g.planes, BLOCK),
+            &mut [
+                Arg::Ptr(dense(grad, NAME)?),
+                Arg::Ptr(dense(positions, NAME)?),
+                Arg::I32(width as i32),
+                pool_words(g),
+                Arg::Ptr(dense(dx, NAME)?),
+            ],
+        )
     }
 
-    fn avg_pool2d(&self, _: &PoolGeom, _: Avg, _: &Tensor, _: &Tensor) -> Result<()> {
-        not_yet("avg_pool2d")
+    fn avg_pool2d(&self, g: &PoolGeom, kind: Avg, x: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float(kind.name(), x.dtype())?;
+        self.launch(
+            &format!("avg_pool2d_{sfx}"),
+            self.grid(g.planes * g.oh * g.ow, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, kind.name())?),
+                pool_words(g),
+                Arg::I32(avg_code(kind)),
+                Arg::Ptr(dense(out, kind.name())?),
+            ],
+        )
     }
 
-    fn avg_pool2d_backward(&self, _: &PoolGeom, _: Avg, _: &Tensor, _: &Tensor) -> Result<()> {
-        not_yet("avg_pool2d")
+    fn avg_pool2d_backward(&self, g: &PoolGeom, kind: Avg, grad: &Tensor, dx: &Tensor) -> Result<()> {
+        let sfx = float(kind.name(), grad.dtype())?;
+        self.launch(
+            &format!("avg_pool2d_backward_{sfx}"),
+            self.grid(g.planes, BLOCK),
+            &mut [
+                Arg::Ptr(dense(grad, kind.name())?),
+                pool_words(g),
+                Arg::I32(avg_code(kind)),
+                Arg::Ptr(dense(dx, kind.name())?),
+            ],
+        )
     }
 
     fn dropout(&self, x: &Tensor, p: f64, seed: u64, out: &Tensor, mask: Option<&Tensor>) -> Result<()> {
@@ -1241,34 +1413,84 @@ impl Backend for Cuda {
 
     fn batch_norm(
         &self,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: bool,
-        _: f64,
-        _: f64,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
+        x: &Tensor,
+        running_mean: Option<&Tensor>,
+        running_var: Option<&Tensor>,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+        out: &Tensor,
+        mean: Option<&Tensor>,
+        rstd: Option<&Tensor>,
     ) -> Result<()> {
-        not_yet("batch_norm")
+        const NAME: &str = "batch_norm";
+        let sfx = float(NAME, x.dtype())?;
+        if x.numel() == 0 {
+            return Ok(());
+        }
+        let (nb, c) = (x.shape()[0], x.shape()[1]);
+        let s: usize = x.shape()[2..].iter().product();
+        if !training && (running_mean.is_none() || running_var.is_none()) {
+            return Err(Error::invalid("batch_norm in eval needs the running statistics"));
+        }
+        self.launch(
+            &format!("batch_norm_{sfx}"),
+            self.grid(c * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, NAME)?),
+                Arg::I64(nb as i64),
+                Arg::I64(c as i64),
+                Arg::I64(s as i64),
+                Arg::I32(training as i32),
+                Arg::F64(momentum),
+                Arg::F64(eps),
+                Arg::Ptr(dense_opt(running_mean, NAME)?),
+                Arg::Ptr(dense_opt(running_var, NAME)?),
+                Arg::Ptr(dense_opt(weight, NAME)?),
+                Arg::Ptr(dense_opt(bias, NAME)?),
+                Arg::Ptr(dense(out, NAME)?),
+                Arg::Ptr(dense_opt(mean, NAME)?),
+                Arg::Ptr(dense_opt(rstd, NAME)?),
+            ],
+        )
     }
 
     fn batch_norm_backward(
         &self,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: &Tensor,
-        _: &Tensor,
-        _: bool,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
-        _: Option<&Tensor>,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        mean: &Tensor,
+        rstd: &Tensor,
+        training: bool,
+        grad: &Tensor,
+        gx: Option<&Tensor>,
+        gw: Option<&Tensor>,
+        gb: Option<&Tensor>,
     ) -> Result<()> {
-        not_yet("batch_norm")
+        const NAME: &str = "batch_norm_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        let (nb, c) = (x.shape()[0], x.shape()[1]);
+        let s: usize = x.shape()[2..].iter().product();
+        self.launch(
+            &format!("batch_norm_backward_{sfx}"),
+            self.grid(c * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, NAME)?),
+                Arg::Ptr(dense_opt(weight, NAME)?),
+                Arg::Ptr(dense(mean, NAME)?),
+                Arg::Ptr(dense(rstd, NAME)?),
+                Arg::I32(training as i32),
+                Arg::Ptr(dense(grad, NAME)?),
+                Arg::I64(nb as i64),
+                Arg::I64(c as i64),
+                Arg::I64(s as i64),
+                Arg::Ptr(dense_opt(gx, NAME)?),
+                Arg::Ptr(dense_opt(gw, NAME)?),
+                Arg::Ptr(dense_opt(gb, NAME)?),
+            ],
+        )
     }
 
     fn attention(
@@ -1590,6 +1812,27 @@ fn strided_words(s: Strided) -> Vec<u64> {
     words.extend(s.stride.iter().map(|&n| n as u64));
     words.push(s.offset as u64);
     words
+}
+
+/// The kernels' `struct Conv` (conv.cu) for output rows `r0..r1`.
+fn conv_words(g: &ConvGeom, r0: usize, r1: usize) -> Arg {
+    Arg::Words([g.c, g.h, g.w, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.ow, r0, r1].map(|v| v as u64).to_vec())
+}
+
+/// The kernels' `struct Pool` (pool.cu).
+fn pool_words(g: &PoolGeom) -> Arg {
+    Arg::Words(
+        [g.planes, g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw].map(|v| v as u64).to_vec(),
+    )
+}
+
+/// The kernels' code of an average pooling's windows (pool.cu).
+fn avg_code(kind: Avg) -> i32 {
+    match kind {
+        Avg::Fixed { count_include_pad: true } => 0,
+        Avg::Fixed { count_include_pad: false } => 1,
+        Avg::Adaptive => 2,
+    }
 }
 
 /// `shape` as `[outer, shape[dim], inner]`.
