@@ -95,3 +95,78 @@ fn plan_for_cuda_needs_no_gpu_and_counts_its_workspace() {
     // 8 MiB fewer for activations: never a larger micro-batch than on cpu.
     assert!(micro(&gpu) <= micro(&cpu), "{gpu} vs {cpu}");
 }
+
+/// `report`, with the emulated GPU (`MEMFIT_CUDA_EMULATOR=1`: memfit's CUDA kernel sources compiled
+/// for the host, cuBLAS's contract by its definition) behind `--device cuda`.
+fn emulated_report(args: &[&str], name: &str) -> Value {
+    let dir = std::env::temp_dir().join(format!("memfit-cuda-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let all = [args, &["--device", "cuda", "--report", path.to_str().unwrap()]].concat();
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(&all)
+        .env("MEMFIT_CUDA_EMULATOR", "1")
+        .output()
+        .expect("the memfit binary runs");
+    assert!(out.status.success(), "memfit {all:?} on the emulated GPU failed:\n{}", text(&out));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+/// Every launcher and kernel of the cuda backend runs here, on the emulated GPU: the three model
+/// families train, `meta:cuda` predicts each run's peaks (allocated, reserved, by category) to the
+/// byte, the losses follow the cpu run's, and recovery from out-of-memory loses no sample.
+#[test]
+fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
+    let cases: [(&str, &[&str]); 3] = [
+        ("mlp", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval"]),
+        ("simplecnn", &["train", "--model", "simplecnn", "--max-steps", "2", "--no-eval"]),
+        (
+            "gpt",
+            &[
+                "train",
+                "--model",
+                "gpt",
+                "--layers",
+                "1",
+                "--d-model",
+                "32",
+                "--context",
+                "16",
+                "--batch-size",
+                "4",
+                "--max-steps",
+                "2",
+                "--no-eval",
+            ],
+        ),
+    ];
+    for (name, args) in cases {
+        let gpu = emulated_report(args, &format!("{name}-cuda.json"));
+        assert_eq!(gpu["device"], "cuda", "{name}");
+        let meta = report(&[args, &["--device", "meta:cuda"]].concat(), &format!("{name}-meta-cuda.json"));
+        for key in [
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "peak_by_category",
+            "at_peak_by_category",
+            "num_allocations",
+        ] {
+            assert_eq!(gpu[key], meta[key], "{name}: {key} on the emulated GPU and as meta:cuda predicts it");
+        }
+        let cpu = report(&[args, &["--device", "cpu"]].concat(), &format!("{name}-cpu.json"));
+        let loss = |r: &Value| r["final_train_loss"].as_f64().unwrap();
+        assert!(
+            (loss(&gpu) - loss(&cpu)).abs() <= 1e-4 * loss(&cpu).abs(),
+            "{name}: loss {} on the emulated GPU, {} on cpu",
+            loss(&gpu),
+            loss(&cpu)
+        );
+    }
+    // Injected out-of-memory errors: the failed attempts are dropped and the same samples re-run.
+    let args = ["train", "--model", "mlp", "--max-steps", "3", "--no-eval"];
+    let plain = emulated_report(&args, "plain.json");
+    let injected = emulated_report(&[&args[..], &["--inject-oom", "40"]].concat(), "injected.json");
+    assert!(injected["oom_recoveries"].as_u64().unwrap() > 0, "{injected}");
+    assert_eq!(plain["final_train_loss"], injected["final_train_loss"], "recovery changed the update");
+    assert_eq!(plain["samples_seen"], injected["samples_seen"]);
+}
