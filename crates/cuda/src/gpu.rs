@@ -19,6 +19,8 @@ pub struct Gpu {
     blas: Mutex<CudaBlas>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Blocks that fill every multiprocessor several times over (read once at open).
+    max_blocks: u32,
     /// `name (sm_XY)`, as reports print it.
     pub description: String,
     /// Compute capability, `(major, minor)`.
@@ -48,7 +50,11 @@ impl Gpu {
         let (free, total) = context.mem_get_info().map_err(|e| call_error("cuMemGetInfo", e))?;
         let capability = context.compute_capability().map_err(|e| call_error("cuDeviceGetAttribute", e))?;
         let name = context.name().map_err(|e| call_error("cuDeviceGetName", e))?;
+        let sms = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| call_error("cuDeviceGetAttribute", e))?;
         Ok(Gpu {
+            max_blocks: (sms.max(1) as u32) * 16,
             description: format!("{name} (sm_{}{})", capability.0, capability.1),
             capability,
             free_bytes: free as u64,
@@ -115,13 +121,8 @@ impl Machine for Gpu {
     }
 
     fn max_blocks(&self) -> u32 {
-        // Enough blocks to fill every multiprocessor several times over; grid-stride loops do the rest.
-        let sms = self
-            .context
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .unwrap_or(108)
-            .max(1) as u32;
-        sms * 16
+        // Grid-stride loops do the rest.
+        self.max_blocks
     }
 
     fn free_bytes(&self) -> Result<u64, CudaError> {
