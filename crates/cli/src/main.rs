@@ -235,8 +235,8 @@ struct ProfileArgs {
     run: RunArgs,
     /// Optimizer steps to record (from the start: setup, the first step that creates the optimizer state,
     /// then steady-state steps).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    steps: u32,
+    #[arg(long, visible_alias = "steps", allow_negative_numbers = true, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    max_steps: u32,
     /// Directory for memory.html, snapshot.pickle, trace.json and summary.txt/json (created; an existing
     /// one may hold only an earlier profile).
     #[arg(long, default_value = "memfit-profile")]
@@ -248,12 +248,13 @@ struct PlanArgs {
     /// The model to plan: mlp, simplecnn, deepcnn, resnet or gpt.
     #[arg(long, value_parser = parse_model)]
     model: ModelKind,
-    /// Memory budget, e.g. 64MiB (at most 1024TiB).
+    /// Memory budget, e.g. 64MiB or 80GiB (at most 1024TiB) [default: unlimited: the plan then says what the
+    /// whole batch needs].
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
-    memory: u64,
-    /// Effective batch to keep: samples per optimizer step.
+    memory: Option<u64>,
+    /// Effective batch to keep: samples per optimizer step [default: train's, 64; gpt 32].
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
-    batch_size: u64,
+    batch_size: Option<u64>,
     /// Image models: input shape CxHxW (default 1x28x28, Fashion-MNIST).
     #[arg(long, default_value = "1x28x28", value_parser = parse_shape)]
     input: [usize; 3],
@@ -303,8 +304,9 @@ struct BenchArgs {
     /// Worker threads, from 1 to 16 per core (default: all cores).
     #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
     threads: Option<u64>,
-    /// Only this case (repeatable): mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32.
-    #[arg(long = "case")]
+    /// Only this model's case (repeatable): mlp, simplecnn, deepcnn, resnet, gpt, or a case by name
+    /// (mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32).
+    #[arg(long = "model", visible_alias = "case")]
     cases: Vec<String>,
     /// Timed steps per case, from 1 to 10000.
     #[arg(long, allow_negative_numbers = true, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_STEPS))]
@@ -365,13 +367,41 @@ fn threads_parser() -> clap::builder::RangedU64ValueParser<u64> {
     clap::value_parser!(u64).range(1..=limits::max_threads() as u64)
 }
 
-/// A capacity: a size [`parse_bytes`] reads, at most [`limits::MAX_CAPACITY`].
+/// A capacity: a size [`parse_bytes`] reads, with a unit, above 0 and at most [`limits::MAX_CAPACITY`].
+/// A bare number is refused: `--memory 80` meant 80 bytes to the parser and 80 GiB to its user.
 fn parse_capacity(s: &str) -> Result<u64, String> {
+    let text = s.trim();
+    if !text.is_empty() && text.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(format!("{text} has no unit: add one, such as {text}MiB or {text}GiB"));
+    }
     let bytes = parse_bytes(s)?;
+    if bytes == 0 {
+        return Err("a capacity of 0 bytes holds nothing: give a size such as 256MiB".to_string());
+    }
     if bytes > limits::MAX_CAPACITY {
         return Err(format!("{} is more than memfit manages: give at most 1024TiB", format_bytes(bytes)));
     }
     Ok(bytes)
+}
+
+/// What a `--memory` written in decimal units was read as (`80GB` is 80 x 10^9 bytes = 74.51 GiB, not
+/// the 80 GiB an "80GB" GPU holds); None for binary units.
+fn decimal_unit_note(text: &str) -> Option<String> {
+    let text = text.trim();
+    let unit_at = text.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+    let (number, unit) = text.split_at(unit_at);
+    let binary = match unit.trim().to_ascii_lowercase().as_str() {
+        "kb" => "KiB",
+        "mb" => "MiB",
+        "gb" => "GiB",
+        "tb" => "TiB",
+        _ => return None,
+    };
+    let bytes = parse_bytes(text).ok()?;
+    Some(format!(
+        "note: --memory {text} is read in decimal units: {bytes} bytes = {}; for {number} {binary} write {number}{binary}",
+        format_bytes(bytes)
+    ))
 }
 
 /// A number in `range` (finite), or a message saying which numbers are accepted.
@@ -443,6 +473,10 @@ fn main() -> ExitCode {
     }
     // Which flags were given on the command line (a resumed run takes the others from its checkpoint).
     let sub = matches.subcommand().map(|(_, m)| m.clone());
+    let memory_text = sub.as_ref().and_then(|m| m.try_get_raw("memory").ok().flatten()).and_then(|mut v| v.next());
+    if let Some(note) = memory_text.and_then(|t| decimal_unit_note(&t.to_string_lossy())) {
+        eprintln!("{note}");
+    }
     let given =
         |id: &str| sub.as_ref().is_some_and(|m| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine));
     let result = match cli.command {
@@ -488,6 +522,13 @@ impl Observer for Progress {
 
     fn data_loaded(&mut self, description: &str, _train: usize, _val: usize) {
         eprintln!("data: {description}");
+    }
+
+    fn notice(&mut self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
     }
 
     fn planned(&mut self, plan: &Plan) {
@@ -641,7 +682,7 @@ fn profile_dir(files: &[PathBuf]) -> String {
 
 fn profile(a: ProfileArgs) -> Result<(), Failure> {
     let cfg = TrainConfig {
-        max_steps: Some(a.steps as usize),
+        max_steps: Some(a.max_steps as usize),
         evaluate: false,
         profile: Some(a.out.clone()),
         ..a.run.config()?
@@ -705,8 +746,8 @@ fn plan(a: PlanArgs) -> Result<(), String> {
     let request = PlanRequest {
         model: spec,
         optimizer: a.optimizer.config(lr),
-        effective_batch: a.batch_size as usize,
-        capacity: Some(a.memory),
+        effective_batch: a.batch_size.map_or(default_batch(a.model), |b| b as usize),
+        capacity: a.memory,
         safety_margin: a.safety_margin,
         checkpoint: a.checkpoint.clone(),
         seed: a.seed,
@@ -716,6 +757,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         precision: a.precision,
         parallel: None,
         target: a.device.target(),
+        evaluate: true,
     };
     let single = memfit_train::plan(&request).map_err(|e| e.to_string());
     let devices = match a.devices.filter(|&n| n > 1) {

@@ -20,6 +20,9 @@ t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz; gzip-compressed or not";
 pub enum DataError {
     /// The `--data` folder does not exist or is not a folder.
     MissingDir { path: PathBuf },
+    /// `--data` names a file where a folder of IDX files was expected (a text, for the GPT, given to an
+    /// image model).
+    NotAFolder { path: PathBuf },
     /// One of the four Fashion-MNIST files is not in the folder (neither
     /// `name.gz` nor the uncompressed `name`).
     MissingFile { path: PathBuf },
@@ -76,6 +79,12 @@ impl fmt::Display for DataError {
             DataError::MissingDir { path } => write!(
                 f,
                 "missing folder {}: --data must name a folder with the four Fashion-MNIST IDX files ({FASHION_FILES_HINT})",
+                path.display()
+            ),
+            DataError::NotAFolder { path } => write!(
+                f,
+                "--data {} is a file, not a folder: image models (mlp, simplecnn, deepcnn, resnet) read a folder with \
+                 the four Fashion-MNIST IDX files ({FASHION_FILES_HINT}); a text file trains the GPT (--model gpt)",
                 path.display()
             ),
             DataError::MissingFile { path } => write!(

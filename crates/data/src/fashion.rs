@@ -247,6 +247,9 @@ pub fn load_split(images_path: &Path, labels_path: &Path) -> Result<Split, DataE
 // ---------------------------------------------------------------------------
 
 fn load_dir(dir: &Path, source: Source) -> Result<FashionMnist, DataError> {
+    if dir.is_file() {
+        return Err(DataError::NotAFolder { path: dir.to_path_buf() });
+    }
     if !dir.is_dir() {
         return Err(DataError::MissingDir { path: dir.to_path_buf() });
     }

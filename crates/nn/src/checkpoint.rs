@@ -74,8 +74,29 @@ pub fn to_bytes(
     }
     let mut info = metadata.unwrap_or_default();
     info.entry("format".to_string()).or_insert_with(|| "pt".to_string());
-    safetensors::serialize(views, &Some(info))
-        .map_err(|e| Error::invalid(format!("cannot write checkpoint {}: {}", path.display(), describe(&e))))
+    let bytes = safetensors::serialize(views, &Some(info))
+        .map_err(|e| Error::invalid(format!("cannot write checkpoint {}: {}", path.display(), describe(&e))))?;
+    canonical_header(bytes).map_err(|why| Error::invalid(format!("cannot write checkpoint {}: {why}", path.display())))
+}
+
+/// `bytes` (a safetensors file) with its JSON header's keys sorted: the crate writes the metadata in a
+/// hash map's order, which differs from run to run, so the same model saved twice gave different files.
+/// The header stays padded with spaces to a multiple of 8 bytes; tensor offsets are relative to the data
+/// after it, so they do not change.
+fn canonical_header(bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+    let length: [u8; 8] = bytes.get(..8).and_then(|b| b.try_into().ok()).ok_or("a header without its length")?;
+    let end =
+        usize::try_from(u64::from_le_bytes(length)).ok().and_then(|n| n.checked_add(8)).ok_or("a header too long")?;
+    let header = bytes.get(8..end).ok_or("a header longer than the file")?;
+    // serde_json's maps are ordered by key (no `preserve_order`): parsing and printing sorts them.
+    let value: serde_json::Value = serde_json::from_slice(header).map_err(|e| format!("its header: {e}"))?;
+    let mut text = serde_json::to_vec(&value).map_err(|e| format!("its header: {e}"))?;
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - end);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[end..]);
+    Ok(out)
 }
 
 /// Loads `path` into the model's parameters and buffers (strict, like PyTorch's
@@ -189,6 +210,13 @@ fn corrupt(path: &Path, bytes: &[u8], e: &SafeTensorError) -> Error {
         return Error::invalid(format!(
             "checkpoint {} is a PyTorch pickle ({kind}, written by torch.save), not safetensors: memfit reads \
              safetensors; convert it in Python with `safetensors.torch.save_file(torch.load(PATH), \"model.safetensors\")`",
+            path.display()
+        ));
+    }
+    if bytes.trim_ascii_start().starts_with(b"{") {
+        return Error::invalid(format!(
+            "checkpoint {} is JSON, not safetensors: a training checkpoint (step-N.json) is continued with `memfit \
+             train --resume DIR` naming its folder; --load takes a model saved with --save (.safetensors)",
             path.display()
         ));
     }

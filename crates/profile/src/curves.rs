@@ -21,7 +21,32 @@ pub struct CurvePoint {
     pub allocated: u64,
     /// The most allocated at once up to the end of this step (the run's peak so far).
     pub peak_allocated: u64,
+    /// Reserved bytes (the allocator's segments) at the end of the step.
+    pub reserved: u64,
 }
+
+/// A run's curves and the figures its report gives, so the picture and the table say the same.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Curves {
+    pub points: Vec<CurvePoint>,
+    /// The run's peaks (evaluation included), as its report gives them.
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    /// The device's capacity (`--memory`), drawn as a line.
+    pub capacity: Option<u64>,
+}
+
+impl Curves {
+    /// Curves whose peaks are the points' own (no capacity).
+    pub fn of_points(points: Vec<CurvePoint>) -> Curves {
+        let peak_allocated = points.iter().map(|p| p.peak_allocated.max(p.allocated)).max().unwrap_or(0);
+        let peak_reserved = points.iter().map(|p| p.reserved).max().unwrap_or(0);
+        Curves { points, peak_allocated, peak_reserved, capacity: None }
+    }
+}
+
+/// Marks an SVG as memfit's training curves: an existing file without it is not replaced.
+pub const CURVES_MARK: &str = "<!-- memfit training curves -->";
 
 const SIZE: (u32, u32) = (1000, 640);
 /// Losses beyond this magnitude are not drawn.
@@ -31,30 +56,42 @@ const TRAIN: RGBColor = RGBColor(0x4e, 0x79, 0xa7);
 const VAL: RGBColor = RGBColor(0xe1, 0x57, 0x59);
 const PEAK: RGBColor = RGBColor(0xc6, 0x28, 0x28);
 const ALLOCATED: RGBColor = RGBColor(0x59, 0xa1, 0x4f);
+const RESERVED: RGBColor = RGBColor(0x9c, 0x75, 0x5f);
 
-pub fn curves_svg(points: &[CurvePoint]) -> String {
-    if points.is_empty() {
-        return message_svg(SIZE, "no training steps were recorded");
+pub fn curves_svg(curves: &Curves) -> String {
+    if curves.points.is_empty() {
+        return marked(message_svg(SIZE, "no training steps were recorded"));
     }
-    let mut points = points.to_vec();
-    points.sort_by_key(|p| p.step);
+    let mut sorted = curves.clone();
+    sorted.points.sort_by_key(|p| p.step);
     let mut svg = String::new();
-    match draw(&points, &mut svg) {
-        Ok(()) => svg,
-        Err(error) => message_svg(SIZE, &format!("could not draw the curves: {error}")),
+    match draw(&sorted, &mut svg) {
+        Ok(()) => marked(svg),
+        Err(error) => marked(message_svg(SIZE, &format!("could not draw the curves: {error}"))),
     }
 }
 
-pub fn write_curves(points: &[CurvePoint], path: &Path) -> std::io::Result<()> {
-    crate::write_file(path, curves_svg(points))
+/// `svg` with [`CURVES_MARK`] just inside its root element.
+fn marked(mut svg: String) -> String {
+    let inside = svg.find("<svg").and_then(|at| svg[at..].find('>').map(|end| at + end + 1)).unwrap_or(0);
+    svg.insert_str(inside, &format!("\n{CURVES_MARK}"));
+    svg
 }
 
-fn draw(points: &[CurvePoint], svg: &mut String) -> Result<(), Box<dyn std::error::Error>> {
+pub fn write_curves(curves: &Curves, path: &Path) -> std::io::Result<()> {
+    crate::write_file(path, curves_svg(curves))
+}
+
+fn draw(curves: &Curves, svg: &mut String) -> Result<(), Box<dyn std::error::Error>> {
+    let points = &curves.points;
     let first = points.first().map_or(0, |p| p.step) as f64;
     let mut last = points.last().map_or(0, |p| p.step) as f64;
     if last <= first {
         last = first + 1.0;
     }
+    // Whole steps only: a short run gets one label a step, not "1 1 1 2 2 2".
+    let x_labels = ((last - first) as usize + 1).min(10);
+    let step_label = |x: &f64| if x.fract() == 0.0 { format!("{x:.0}") } else { String::new() };
     let plottable = |loss: &f64| loss.abs() <= MAX_LOSS;
     let train: Vec<(f64, f64)> =
         points.iter().filter_map(|p| p.train_loss.filter(plottable).map(|l| (p.step as f64, l))).collect();
@@ -86,7 +123,8 @@ fn draw(points: &[CurvePoint], svg: &mut String) -> Result<(), Box<dyn std::erro
         .label_style((FONT, 13))
         .x_desc("step")
         .y_desc("loss")
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_labels(x_labels)
+        .x_label_formatter(&step_label)
         .y_label_formatter(&|y| trim_number(*y))
         .draw()?;
     if train.is_empty() && val.is_empty() {
@@ -114,12 +152,25 @@ fn draw(points: &[CurvePoint], svg: &mut String) -> Result<(), Box<dyn std::erro
             .draw()?;
     }
 
-    // Memory.
-    let most = points.iter().map(|p| p.peak_allocated.max(p.allocated)).max().unwrap_or(0).max(1);
+    // Memory: the run's peaks as its report gives them, the reserved curve and the budget.
+    let capacity = curves.capacity.unwrap_or(0);
+    let most = points
+        .iter()
+        .map(|p| p.peak_allocated.max(p.allocated).max(p.reserved))
+        .chain([curves.peak_allocated, curves.peak_reserved, capacity])
+        .max()
+        .unwrap_or(0)
+        .max(1);
     let (unit, unit_name) = unit_for(most);
     let to_y = |bytes: u64| bytes as f64 / unit;
+    let budget = curves.capacity.map_or(String::new(), |c| format!(" of a budget of {}", format_bytes(c)));
+    let caption = format!(
+        "memory per step (run's peak {} allocated, {} reserved{budget})",
+        format_bytes(curves.peak_allocated),
+        format_bytes(curves.peak_reserved)
+    );
     let mut chart = ChartBuilder::on(&bottom)
-        .caption(format!("memory per step (peak {})", format_bytes(most)), (FONT, 18))
+        .caption(caption, (FONT, 18))
         .margin(10)
         .margin_right(24)
         .x_label_area_size(34)
@@ -132,9 +183,23 @@ fn draw(points: &[CurvePoint], svg: &mut String) -> Result<(), Box<dyn std::erro
         .label_style((FONT, 13))
         .x_desc("step")
         .y_desc(format!("bytes ({unit_name})"))
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_labels(x_labels)
+        .x_label_formatter(&step_label)
         .y_label_formatter(&|y| trim_number(*y))
         .draw()?;
+    if let Some(c) = curves.capacity {
+        chart
+            .draw_series(LineSeries::new([(first, to_y(c)), (last, to_y(c))], BLACK.stroke_width(1)))?
+            .label("budget (--memory)")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], BLACK.stroke_width(1)));
+    }
+    chart
+        .draw_series(LineSeries::new(
+            points.iter().map(|p| (p.step as f64, to_y(p.reserved))),
+            RESERVED.stroke_width(2),
+        ))?
+        .label("reserved at the end of the step")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], RESERVED.stroke_width(2)));
     chart
         .draw_series(LineSeries::new(
             points.iter().map(|p| (p.step as f64, to_y(p.peak_allocated))),

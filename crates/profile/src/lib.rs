@@ -29,7 +29,7 @@ mod trace;
 use memfit_memory::{Allocator, Event, MemoryState, MemoryStats, Phase, SegmentSnapshot};
 use std::path::Path;
 
-pub use curves::{curves_svg, write_curves, CurvePoint};
+pub use curves::{curves_svg, write_curves, CurvePoint, Curves, CURVES_MARK};
 pub use html::{html, write_html};
 pub use snapshot::{snapshot_pickle, write_snapshot, MAX_TRACE_ENTRIES};
 pub use summary::{summary, summary_json};

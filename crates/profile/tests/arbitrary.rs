@@ -5,7 +5,8 @@
 
 use memfit_memory::{BlockSnapshot, Category, Event, EventKind, MemoryStats, Phase, Request, SegmentSnapshot, Stat};
 use memfit_profile::{
-    chrome_trace, curves_svg, html, snapshot_pickle, summary, summary_json, CurvePoint, Recording, Span, SpanKind,
+    chrome_trace, curves_svg, html, snapshot_pickle, summary, summary_json, CurvePoint, Curves, Recording, Span,
+    SpanKind,
 };
 use proptest::prelude::*;
 
@@ -133,12 +134,13 @@ proptest! {
 
     #[test]
     fn any_curve_gives_an_svg(points in prop::collection::vec(
-        (0..1000usize, prop::option::of(any::<f64>()), prop::option::of(any::<f64>()), any::<u64>(), any::<u64>()), 0..50)) {
+        (0..1000usize, prop::option::of(any::<f64>()), prop::option::of(any::<f64>()), any::<u64>(), any::<u64>(), any::<u64>()), 0..50),
+        capacity in prop::option::of(any::<u64>())) {
         let points: Vec<CurvePoint> = points
             .into_iter()
-            .map(|(step, train_loss, val_loss, allocated, peak_allocated)| CurvePoint { step, train_loss, val_loss, allocated, peak_allocated })
+            .map(|(step, train_loss, val_loss, allocated, peak_allocated, reserved)| CurvePoint { step, train_loss, val_loss, allocated, peak_allocated, reserved })
             .collect();
-        let svg = curves_svg(&points);
+        let svg = curves_svg(&Curves { capacity, ..Curves::of_points(points) });
         prop_assert!(svg.contains("<svg") && svg.trim_end().ends_with("</svg>"));
     }
 }

@@ -11,7 +11,7 @@ use common::{scripted_recording, scripted_run, Backend};
 use memfit_memory::{format_bytes, Allocator, AllocatorConfig, Category, EventKind, MetaBackend, Phase, Request};
 use memfit_profile::{
     chrome_trace, curves_svg, html, snapshot_pickle, summary, summary_json, write_chrome_trace, write_curves,
-    write_html, write_snapshot, CurvePoint, Recording,
+    write_html, write_snapshot, CurvePoint, Curves, Recording, CURVES_MARK,
 };
 use serde_pickle::{DeOptions, HashableValue, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -647,7 +647,7 @@ fn an_empty_recording_gives_every_output_without_panicking() {
     assert!(trace["traceEvents"].is_array());
     assert!(summary(&empty).contains("no allocation"));
     assert!(summary_json(&empty)["peak"].is_null());
-    assert!(curves_svg(&[]).contains("<svg"));
+    assert!(curves_svg(&Curves::of_points(Vec::new())).contains("<svg"));
 
     // Odd input: a free of an address never allocated, a module id beyond the table.
     let mut odd = scripted_recording(Backend::Meta, 1 << 16);
@@ -668,19 +668,61 @@ fn training_curves_draw_loss_and_memory() {
             val_loss: (step % 10 == 9).then_some(2.0 * (-(step as f64) / 25.0).exp() + 0.4),
             allocated: 10 << 20,
             peak_allocated: (30 << 20) + (step as u64 % 3) * (1 << 20),
+            reserved: 40 << 20,
         })
         .collect();
-    let svg = curves_svg(&points);
-    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    let curves = Curves { points, peak_allocated: 33 << 20, peak_reserved: 40 << 20, capacity: Some(48 << 20) };
+    let svg = curves_svg(&curves);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>") && svg.contains(CURVES_MARK));
     assert!(svg.contains("training loss") && svg.contains("validation loss") && svg.contains("peak allocated"));
-    write_curves(&points, &out_dir().join("run.svg")).expect("write");
+    assert!(svg.contains("reserved at the end of the step") && svg.contains("budget (--memory)"));
+    // The title gives the run's peaks (the report's), not the largest point.
+    assert!(
+        svg.contains("run&apos;s peak 33.00 MiB allocated, 40.00 MiB reserved of a budget of 48.00 MiB")
+            || svg.contains("run's peak 33.00 MiB allocated, 40.00 MiB reserved of a budget of 48.00 MiB"),
+        "{svg}"
+    );
+    write_curves(&curves, &out_dir().join("run.svg")).expect("write");
+    // Three steps: one label each, no repeats.
+    let short: Vec<CurvePoint> = (1..=3)
+        .map(|step| CurvePoint {
+            step,
+            train_loss: Some(40.0),
+            val_loss: None,
+            allocated: 100 << 30,
+            peak_allocated: 110 << 30,
+            reserved: 120 << 30,
+        })
+        .collect();
+    let svg = curves_svg(&Curves::of_points(short));
+    for label in ["1", "2", "3"] {
+        assert_eq!(
+            svg.matches(&format!(">\n{label}\n</text>")).count(),
+            2,
+            "step {label} labels each of the two charts once"
+        );
+    }
 
     let odd = [
-        CurvePoint { step: 3, train_loss: Some(f64::NAN), val_loss: None, allocated: 0, peak_allocated: 0 },
-        CurvePoint { step: 3, train_loss: Some(f64::INFINITY), val_loss: Some(-1.0), allocated: 1, peak_allocated: 1 },
+        CurvePoint {
+            step: 3,
+            train_loss: Some(f64::NAN),
+            val_loss: None,
+            allocated: 0,
+            peak_allocated: 0,
+            reserved: 0,
+        },
+        CurvePoint {
+            step: 3,
+            train_loss: Some(f64::INFINITY),
+            val_loss: Some(-1.0),
+            allocated: 1,
+            peak_allocated: 1,
+            reserved: 2,
+        },
     ];
-    assert!(curves_svg(&odd).contains("<svg"));
-    assert!(curves_svg(&odd[..1]).contains("<svg"));
+    assert!(curves_svg(&Curves::of_points(odd.to_vec())).contains("<svg"));
+    assert!(curves_svg(&Curves::of_points(odd[..1].to_vec())).contains("<svg"));
 }
 
 #[test]

@@ -197,11 +197,15 @@ pub fn run(
     if rounds == 0 {
         return Err(TrainError::Invalid("bench: --rounds must be at least 1".into()));
     }
+    // A case is named by itself (`gpt-b32`) or by its model (`gpt`, as `--model` elsewhere), any case.
+    let named = |c: &BenchCase, name: &str| {
+        c.name.eq_ignore_ascii_case(name) || c.name.split('-').next().is_some_and(|m| m.eq_ignore_ascii_case(name))
+    };
     for name in only {
-        if !CASES.iter().any(|c| c.name == name) {
+        if !CASES.iter().any(|c| named(c, name)) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
             return Err(TrainError::Invalid(format!(
-                "unknown bench case {name:?}: expected one of {}",
+                "unknown bench case {name:?}: expected a model (mlp, simplecnn, deepcnn, resnet, gpt) or a case: {}",
                 names.join(", ")
             )));
         }
@@ -212,7 +216,7 @@ pub fn run(
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;
     let mut cases = Vec::new();
-    for case in CASES.iter().filter(|c| only.is_empty() || only.iter().any(|n| n == c.name)) {
+    for case in CASES.iter().filter(|c| only.is_empty() || only.iter().any(|n| named(c, n))) {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
             ours.push(pool.install(|| run_case(case, warmup, steps))?);

@@ -139,6 +139,17 @@ pub enum CheckpointChoice {
     Auto,
 }
 
+/// For a `--checkpoint` value that looks like a folder: the flags of training checkpoints.
+pub fn path_hint(value: &str) -> String {
+    match value.contains('/') || std::path::Path::new(value).exists() {
+        true => format!(
+            " (--checkpoint is activation checkpointing; to write training checkpoints into {value} give --save-dir \
+             {value}, to continue the run saved there give --resume {value})"
+        ),
+        false => String::new(),
+    }
+}
+
 impl CheckpointChoice {
     /// `none`, `all`, `auto`, or a comma-separated list of segment names.
     pub fn parse(text: &str) -> Result<CheckpointChoice, String> {
@@ -179,8 +190,9 @@ impl CheckpointChoice {
             CheckpointChoice::Segments(wanted) => {
                 if let Some(bad) = wanted.iter().find(|w| !names.contains(w)) {
                     return Err(format!(
-                        "--checkpoint: {model} has no segment {bad:?}; its segments are {}",
-                        if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                        "--checkpoint: {model} has no segment {bad:?}; its segments are {}{}",
+                        if names.is_empty() { "none".to_string() } else { names.join(", ") },
+                        path_hint(bad)
                     ));
                 }
                 Ok(names.iter().map(|n| wanted.contains(n)).collect())

@@ -51,6 +51,9 @@ pub struct RunSummary {
     pub ranks: Option<crate::report::RanksSummary>,
 }
 
+/// Clean steps after which a micro-batch that recovery shrank doubles again (Note [Recovery]).
+const GROW_AFTER: usize = 50;
+
 /// What the job tells its caller while it runs.
 pub trait Observer: Send {
     fn data_loaded(&mut self, _description: &str, _train: usize, _val: usize) {}
@@ -59,6 +62,9 @@ pub trait Observer: Send {
     fn staged(&mut self, _plan: &crate::pipeline::StagePlan, _spec: &ModelSpec) {}
     fn step(&mut self, _event: &StepEvent) {}
     fn evaluating(&mut self, _samples: usize) {}
+    /// Something the user should know while the run goes on: a batch larger than the data, an
+    /// out-of-memory the run recovered from. One line.
+    fn notice(&mut self, _line: &str) {}
     /// Asked after every step: the signal (2 SIGINT, 15 SIGTERM) that asks the run to stop, if any.
     /// The job then writes a checkpoint (with `--save-dir`) and ends with `TrainError::Interrupted`.
     fn interrupted(&mut self) -> Option<i32> {
@@ -131,7 +137,11 @@ fn train_in_pool(
     }
     if lead {
         crate::output::check_outputs(&outputs, &inputs)?;
+        if let Some(report) = &cfg.report {
+            crate::report::check_replaceable(report)?;
+        }
     }
+    check_model_flags(cfg)?;
     let resumed = cfg.resume.as_deref().map(Checkpoint::latest).transpose()?;
     if let Some(ckpt) = &resumed {
         ckpt.check_config(cfg)?;
@@ -146,12 +156,21 @@ fn train_in_pool(
         ckpt.check_task(train_samples.len(), &task_metadata)?;
     }
     observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
+    // A batch larger than the data is the data: one step takes every sample (the numbers are the
+    // same; the plan is made for the samples a step really holds).
+    let batch_size = cfg.batch_size.min(train_samples.len().max(1));
+    if batch_size < cfg.batch_size {
+        observer.notice(&format!(
+            "--batch-size {} is more than the {batch_size} training samples: every step takes all {batch_size}",
+            cfg.batch_size
+        ));
+    }
     let spec = task.spec.clone();
     let optimizer = cfg.optimizer.config(cfg.lr);
     let request = PlanRequest {
         model: spec.clone(),
         optimizer,
-        effective_batch: cfg.batch_size,
+        effective_batch: batch_size,
         capacity: cfg.memory,
         safety_margin: cfg.safety_margin,
         seed: cfg.seed,
@@ -162,6 +181,7 @@ fn train_in_pool(
         // A pipeline's request is the whole model's: its stages are planned by `pipeline::plan_stages`.
         parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.as_ref().map(|g| g.size())),
         target: cfg.device.target(),
+        evaluate: cfg.evaluate,
     };
     let pipelined = group.as_ref().filter(|_| cfg.parallel == Some(ParallelMode::Pipeline));
     let request = match &group {
@@ -284,20 +304,32 @@ fn train_in_pool(
         }
     }
     let opts = RunOptions {
-        effective_batch: cfg.batch_size,
+        effective_batch: batch_size,
         micro_batch: micro,
         eval_micro_batch: eval_micro,
         epochs: cfg.epochs,
         max_steps: cfg.max_steps,
         data_seed: cfg.data_seed.unwrap_or(cfg.seed),
         recover: true,
-        grow_after: 50,
+        grow_after: GROW_AFTER,
         record_samples: cfg.record_samples,
     };
     let val: Option<&dyn Samples> = if cfg.evaluate { Some(val_samples.as_ref()) } else { None };
     let mut interrupt: Option<(i32, usize, usize, Option<PathBuf>)> = None;
+    let mut recovered = resumed.as_ref().map_or(0, |c| c.state.progress.oom_recoveries);
     let result = {
         let mut after = |s: &Session, e: &StepEvent, p: &crate::trainer::Progress| -> Result<AfterStep, TrainError> {
+            if e.oom_recoveries > recovered {
+                let times = e.oom_recoveries - recovered;
+                observer.notice(&format!(
+                    "step {}: out of memory {}, recovered: the same samples ran again in micro-batches of {} (no \
+                     sample lost; it grows back after {GROW_AFTER} clean steps)",
+                    e.step,
+                    if times == 1 { "once".to_string() } else { format!("{times} times") },
+                    e.micro_batch
+                ));
+                recovered = e.oom_recoveries;
+            }
             observer.step(e);
             let signal = observer.interrupted();
             let due = cfg.save_every.is_some_and(|n| p.steps % n == 0);
@@ -411,7 +443,7 @@ fn train_in_pool(
     if let (Some(path), true) = (&cfg.report, lead) {
         let report = crate::report::Report::new(&summary);
         crate::output::write_atomic("--report", path, (report.to_json() + "\n").as_bytes())?;
-        let svg = memfit_profile::curves_svg(&crate::report::curve_points(&summary));
+        let svg = memfit_profile::curves_svg(&crate::report::curves(&summary));
         crate::output::write_atomic("--report", &path.with_extension("svg"), svg.as_bytes())?;
     }
     Ok(summary)
@@ -486,6 +518,35 @@ fn advice_for_budget(request: &PlanRequest) -> String {
         }
         _ => String::new(),
     }
+}
+
+/// What can be checked about the model before the data loads, so a wrong flag costs no loading time:
+/// the model a `--load` file holds (its metadata names it) and the `--checkpoint` segments (on a
+/// model built on meta; a GPT's vocabulary does not change its segments).
+fn check_model_flags(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if let Some(path) = &cfg.load {
+        let metadata = memfit_nn::checkpoint::read_metadata(path)
+            .map_err(|e| TrainError::Checkpoint(e.to_string()))?
+            .unwrap_or_default();
+        if let Some(saved) = metadata.get(memfit_nn::models::MODEL_KEY) {
+            if !saved.eq_ignore_ascii_case(cfg.model.name()) {
+                return Err(TrainError::Checkpoint(format!(
+                    "checkpoint {} holds a {saved} model (its metadata says so), not {}: add --model {saved}",
+                    path.display(),
+                    cfg.model.name()
+                )));
+            }
+        }
+    }
+    if matches!(cfg.checkpoint, crate::config::CheckpointChoice::None | crate::config::CheckpointChoice::Auto) {
+        return Ok(());
+    }
+    let spec = match cfg.model {
+        memfit_nn::ModelKind::Gpt => ModelSpec::gpt(memfit_nn::GptConfig { vocab: 2, ..cfg.gpt }),
+        kind => ModelSpec::image(kind, [1, 28, 28], memfit_data::NUM_CLASSES),
+    };
+    Session::new(Device::meta(), &spec, cfg.optimizer.config(cfg.lr), cfg.seed)?.set_checkpointing(&cfg.checkpoint)?;
+    Ok(())
 }
 
 /// Errors when a checkpoint made for a text task was trained on another vocabulary: its token ids

@@ -311,6 +311,7 @@ fn plan_pipeline(
         accumulation_steps: parts,
         effective_batch: req.effective_batch,
         eval_micro_batch: micro.min(crate::planner::MAX_EVAL_MICRO),
+        evaluates: req.evaluate,
         budget: req.budget(),
         predicted: worst.clone(),
         training: worst,

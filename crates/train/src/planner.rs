@@ -55,6 +55,8 @@ pub struct PlanRequest {
     pub parallel: Option<(crate::parallel::ParallelMode, usize)>,
     /// The machine the run is for: its dry runs imitate it (`meta:cuda` for a GPU run).
     pub target: memfit_tensor::Target,
+    /// The run evaluates after training (`--no-eval`: false): the plan's prediction includes it.
+    pub evaluate: bool,
 }
 
 impl PlanRequest {
@@ -91,6 +93,21 @@ impl Prediction {
     }
 }
 
+/// "micro-batch 16 x 4 accumulation steps = effective batch 64", exact when the last micro-batch is
+/// smaller ("micro-batch 13 x 5 accumulation steps, the last of 12, = effective batch 64").
+pub fn window_words(effective: usize, micro: usize) -> String {
+    let micro = micro.clamp(1, effective.max(1));
+    let parts = effective.div_ceil(micro).max(1);
+    let last = effective - (parts - 1) * micro;
+    let steps = if parts == 1 { "step" } else { "steps" };
+    match last == micro {
+        true => format!("micro-batch {micro} x {parts} accumulation {steps} = effective batch {effective}"),
+        false => format!(
+            "micro-batch {micro} x {parts} accumulation {steps}, the last of {last}, = effective batch {effective}"
+        ),
+    }
+}
+
 /// A chosen configuration.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -98,8 +115,10 @@ pub struct Plan {
     pub accumulation_steps: usize,
     pub effective_batch: usize,
     pub eval_micro_batch: usize,
+    /// The run evaluates after training: `predicted` includes an evaluation micro-batch.
+    pub evaluates: bool,
     pub budget: Option<u64>,
-    /// The whole dry run: training steps and an evaluation micro-batch.
+    /// The whole dry run: training steps and an evaluation micro-batch (when the run evaluates).
     pub predicted: Prediction,
     /// The training steps alone (what a training step holds at its peak).
     pub training: Prediction,
@@ -937,11 +956,15 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         let needs = run(first, Some(first.min(MAX_EVAL_MICRO)), None)?.map(|p| p.peak_reserved).unwrap_or(0);
         return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
     };
-    let eval_high = search_limit(&req.model, MAX_EVAL_MICRO.max(req.effective_batch.min(MAX_MICRO)), budget);
-    let eval_micro = largest_fitting(eval_high, |e| Ok(run(micro, Some(e), budget)?.is_some()))?;
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
-    let predicted = run(micro, Some(eval_micro), budget)?.ok_or_else(not_fit)?;
     let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
+    let (eval_micro, predicted) = match req.evaluate {
+        true => {
+            let eval_micro = eval_micro_within(req, micro, &training, &mut run)?;
+            (eval_micro, run(micro, Some(eval_micro), budget)?.ok_or_else(not_fit)?)
+        }
+        false => (micro, training.clone()),
+    };
     let larger = if micro < req.rank_batch() && budget.is_some() {
         let bigger = largest.saturating_mul(2).min(req.rank_batch()).min(MAX_MICRO);
         let bigger = req.rank_batch().div_ceil(req.rank_batch().div_ceil(bigger));
@@ -954,6 +977,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         accumulation_steps,
         effective_batch: req.effective_batch,
         eval_micro_batch: eval_micro,
+        evaluates: req.evaluate,
         budget,
         predicted,
         training,
@@ -968,6 +992,32 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         precision: req.precision,
     })
 }
+
+/// The evaluation micro-batch (Note [Evaluation's micro-batch]): the largest, up to [`MAX_EVAL_MICRO`],
+/// whose evaluation fits in what the training steps reserve; when not even 1 does, the largest that fits
+/// the budget.
+fn eval_micro_within(
+    req: &PlanRequest,
+    micro: usize,
+    training: &Prediction,
+    run: &mut DryRun,
+) -> Result<usize, TrainError> {
+    let high = search_limit(&req.model, MAX_EVAL_MICRO.max(micro).min(MAX_MICRO), req.budget());
+    for cap in [Some(training.peak_reserved), req.budget()] {
+        if run(micro, Some(1), cap)?.is_some() {
+            return largest_fitting(high, |e| Ok(run(micro, Some(e), cap)?.is_some()));
+        }
+    }
+    Ok(1)
+}
+
+// Note [Evaluation's micro-batch]
+// Evaluation keeps no activations for backward, so it could take far larger micro-batches than
+// training; filling the whole budget with them (808.8 MiB of a 1 GiB budget for a 207 MiB training step)
+// made the run's peak evaluation's, hid the training step's real need and left nothing to other users
+// of the device. The planner takes the largest evaluation micro-batch (at most MAX_EVAL_MICRO) that
+// fits in the bytes the training steps reserve already: the run's peak reserved is the training
+// step's, and evaluation is as fast as that memory allows. The search is bounded like training's.
 
 /// When the request does not checkpoint every segment and checkpointing them all makes the batch
 /// fit: the plan that then fits, as advice (what to add, the micro-batch, the predicted peak).
@@ -1019,13 +1069,13 @@ impl Plan {
     pub fn describe(&self, model: &str) -> String {
         let mut s = String::new();
         let budget = self.budget.map_or("unlimited memory".to_string(), |b| format!("a budget of {}", format_bytes(b)));
+        let evaluation = match self.evaluates {
+            true => format!(" (evaluation micro-batch {})", self.eval_micro_batch),
+            false => " (no evaluation)".to_string(),
+        };
         s.push_str(&format!(
-            "plan for {model} with {budget}: micro-batch {} x {} accumulation step{} = effective batch {} (evaluation micro-batch {})\n",
-            self.micro_batch,
-            self.accumulation_steps,
-            if self.accumulation_steps == 1 { "" } else { "s" },
-            self.effective_batch,
-            self.eval_micro_batch,
+            "plan for {model} with {budget}: {}{evaluation}\n",
+            window_words(self.effective_batch, self.micro_batch)
         ));
         match &self.checkpoint {
             CheckpointChoice::All => s.push_str("activation checkpointing: every segment\n"),
@@ -1041,13 +1091,20 @@ impl Plan {
                 self.precision.name()
             ));
         }
-        s.push_str(&format!(
-            "predicted peak of the whole run: {} allocated, {} reserved (training steps alone: {} allocated, {} reserved)\n",
-            format_bytes(self.predicted.peak_allocated),
-            format_bytes(self.predicted.peak_reserved),
-            format_bytes(self.training.peak_allocated),
-            format_bytes(self.training.peak_reserved),
-        ));
+        match self.evaluates {
+            true => s.push_str(&format!(
+                "predicted peak of the whole run: {} allocated, {} reserved (training steps alone: {} allocated, {} reserved)\n",
+                format_bytes(self.predicted.peak_allocated),
+                format_bytes(self.predicted.peak_reserved),
+                format_bytes(self.training.peak_allocated),
+                format_bytes(self.training.peak_reserved),
+            )),
+            false => s.push_str(&format!(
+                "predicted peak of the run: {} allocated, {} reserved\n",
+                format_bytes(self.predicted.peak_allocated),
+                format_bytes(self.predicted.peak_reserved),
+            )),
+        }
         s.push_str("a training step at its peak holds:\n");
         let t = &self.training;
         let total = t.peak_allocated.max(1) as f64;

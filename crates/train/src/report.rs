@@ -317,15 +317,18 @@ impl Report {
             self.num_segments,
             self.num_alloc_retries
         ));
+        let end = match self.final_micro_batch == self.plan.micro_batch {
+            true => String::new(),
+            false => format!(", micro-batch {} at the end", self.final_micro_batch),
+        };
         s.push_str(&format!(
-            "  out-of-memory: {} ({} injected), recovered {} time{}; micro-batch {} x {} (final {})\n",
+            "  out-of-memory: {} ({} injected), recovered {} time{} with no sample lost; planned micro-batch {} x {}{end}\n",
             self.num_ooms,
             self.num_injected_faults,
             self.oom_recoveries,
             if self.oom_recoveries == 1 { "" } else { "s" },
             self.plan.micro_batch,
             self.plan.accumulation_steps,
-            self.final_micro_batch
         ));
         let r = &self.remedies;
         let mut saved = Vec::new();
@@ -369,10 +372,42 @@ impl Report {
     }
 }
 
-/// Loss and memory per step, and the validation loss after the last one: the training curves of a run.
-pub fn curve_points(summary: &crate::RunSummary) -> Vec<memfit_profile::CurvePoint> {
+/// Errors when `--report PATH`, or the curves written beside it (`PATH` with `.svg`), names an existing
+/// file memfit did not write: a report replaces only a report (a JSON object with a report's fields),
+/// and curves only curves (marked with [`memfit_profile::CURVES_MARK`], or beside a report: older
+/// curves carry no mark). Checked before any work.
+pub fn check_replaceable(path: &std::path::Path) -> Result<(), crate::TrainError> {
+    let is_report = |p: &std::path::Path| {
+        std::fs::read(p).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).is_some_and(|v| {
+            ["model", "samples_seen", "peak_reserved_bytes", "plan"].iter().all(|k| v.get(k).is_some())
+        })
+    };
+    let refuse = |p: &std::path::Path, what: &str| {
+        crate::TrainError::Invalid(format!(
+            "--report {}: {} exists and is not {what} memfit wrote; memfit does not overwrite it: name another file \
+             or move it away",
+            path.display(),
+            p.display()
+        ))
+    };
+    let exists = |p: &std::path::Path| std::fs::symlink_metadata(p).is_ok();
+    if exists(path) && !is_report(path) {
+        return Err(refuse(path, "a report"));
+    }
+    let svg = path.with_extension("svg");
+    let marked =
+        || std::fs::read(&svg).is_ok_and(|b| String::from_utf8_lossy(&b).contains(memfit_profile::CURVES_MARK));
+    if exists(&svg) && !marked() && !is_report(path) {
+        return Err(refuse(&svg, "training curves"));
+    }
+    Ok(())
+}
+
+/// Loss and memory per step, the validation loss after the last one, the run's peaks and its budget:
+/// the training curves of a run, with the figures of its report.
+pub fn curves(summary: &crate::RunSummary) -> memfit_profile::Curves {
     let last = summary.outcome.curve.len();
-    summary
+    let points = summary
         .outcome
         .curve
         .iter()
@@ -382,6 +417,13 @@ pub fn curve_points(summary: &crate::RunSummary) -> Vec<memfit_profile::CurvePoi
             val_loss: if p.step == last { summary.outcome.eval.as_ref().and_then(|e| e.loss) } else { None },
             allocated: p.allocated,
             peak_allocated: p.peak_allocated,
+            reserved: p.reserved,
         })
-        .collect()
+        .collect();
+    memfit_profile::Curves {
+        points,
+        peak_allocated: summary.stats.allocated_bytes.peak,
+        peak_reserved: summary.stats.reserved_bytes.peak,
+        capacity: summary.capacity,
+    }
 }

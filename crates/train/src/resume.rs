@@ -399,8 +399,9 @@ impl Checkpoint {
 pub fn check_save_dir(dir: &Path, resuming: Option<&Path>) -> Result<(), TrainError> {
     let bad = |why: String| TrainError::Invalid(format!("--save-dir {}: {why}", dir.display()));
     match std::fs::symlink_metadata(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir(dir)
-            .map_err(|e| bad(format!("cannot create it: {e}; create its parent folder first")))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).map_err(|e| bad(format!("cannot create it (with its parents): {e}")))?
+        }
         Err(e) => return Err(bad(format!("cannot read it: {e}"))),
         Ok(m) if !m.is_dir() => return Err(bad("it is not a directory: name a directory (created if missing)".into())),
         Ok(_) => {}

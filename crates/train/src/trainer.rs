@@ -73,7 +73,10 @@ impl Session {
         let Some(segments) = self.model.checkpointing() else {
             return match choice {
                 crate::config::CheckpointChoice::None | crate::config::CheckpointChoice::Auto => Ok(Vec::new()),
-                _ => Err(TrainError::Invalid(format!("--checkpoint: {name} has no segments to checkpoint"))),
+                _ => Err(TrainError::Invalid(format!(
+                    "--checkpoint: {name} has no segments to checkpoint{}",
+                    crate::config::path_hint(&choice.as_flag())
+                ))),
             };
         };
         let flags = choice.flags(name, segments.names()).map_err(TrainError::Invalid)?;
@@ -192,6 +195,9 @@ pub struct StepPoint {
     /// Allocated bytes after the step, and the peak so far.
     pub allocated: u64,
     pub peak_allocated: u64,
+    /// Reserved bytes after the step.
+    #[serde(default)]
+    pub reserved: u64,
 }
 
 /// Where a run is, after a whole optimizer step: everything the loop needs to continue exactly as an
@@ -658,6 +664,7 @@ impl Session {
                     loss,
                     allocated: stats.allocated_bytes.current,
                     peak_allocated: stats.allocated_bytes.peak,
+                    reserved: stats.reserved_bytes.current,
                 });
                 if opts.record_samples {
                     sample_log.push(used);

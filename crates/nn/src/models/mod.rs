@@ -58,7 +58,8 @@ impl ModelKind {
     }
 
     pub fn parse(text: &str) -> std::result::Result<ModelKind, String> {
-        ModelKind::ALL.into_iter().find(|k| k.name() == text).ok_or_else(|| {
+        // Case does not matter (`GPT`, `ResNet`): a model has one name whatever its capitals.
+        ModelKind::ALL.into_iter().find(|k| k.name().eq_ignore_ascii_case(text.trim())).ok_or_else(|| {
             let names: Vec<&str> = ModelKind::ALL.iter().map(|k| k.name()).collect();
             format!("unknown model {text:?}: expected one of {}", names.join(", "))
         })
