@@ -144,9 +144,9 @@ struct RunArgs {
     /// names separated by commas (gpt: blocks.0,
     /// blocks.1, ...; resnet: layer1..layer3; deepcnn: c1..c3; simplecnn: conv1). A checkpointed
     /// segment keeps only its input for backward and runs its forward again there: less memory, more
-    /// time, the same numbers.
-    #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
-    checkpoint: CheckpointChoice,
+    /// time, the same numbers [default: auto with --memory, else none].
+    #[arg(long, value_parser = CheckpointChoice::parse)]
+    checkpoint: Option<CheckpointChoice>,
     /// Storage of the activations saved for backward: fp32 (as computed), bf16 or fp16 (about half their
     /// bytes, arithmetic still f32; fp16 skips a step whose gradients overflow), or auto (with
     /// --memory: the planner takes bf16 when it gives the fastest plan that fits).
@@ -172,7 +172,7 @@ impl RunArgs {
             threads: self.threads.map(|t| t as usize),
             fault: self.inject_oom.map(FaultInjection::EveryNth),
             safety_margin: self.safety_margin,
-            checkpoint: self.checkpoint,
+            checkpoint: checkpoint_or_default(self.checkpoint, self.memory),
             precision: self.precision,
             ..TrainConfig::default()
         })
@@ -277,9 +277,9 @@ struct PlanArgs {
     seed: u64,
     /// Activation checkpointing the plan assumes: none, all, auto (the planner weighs which segments to
     /// checkpoint against a larger micro-batch, by predicted step time), or segment names separated by
-    /// commas.
-    #[arg(long, default_value = "none", value_parser = CheckpointChoice::parse)]
-    checkpoint: CheckpointChoice,
+    /// commas [default: auto with --memory, else none].
+    #[arg(long, value_parser = CheckpointChoice::parse)]
+    checkpoint: Option<CheckpointChoice>,
     /// Keep this micro-batch (samples per forward/backward) and fit the rest around it.
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     micro_batch: Option<u64>,
@@ -351,6 +351,12 @@ struct GenerateArgs {
     /// Worker threads, from 1 to 16 per core (default: all cores).
     #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
     threads: Option<u64>,
+}
+
+/// `--checkpoint` as given, else `auto` under a budget (the planner then checkpoints only what the
+/// budget needs: it never changes a number) and `none` without one.
+fn checkpoint_or_default(given: Option<CheckpointChoice>, memory: Option<u64>) -> CheckpointChoice {
+    given.unwrap_or(if memory.is_some() { CheckpointChoice::Auto } else { CheckpointChoice::None })
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
@@ -749,7 +755,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         effective_batch: a.batch_size.map_or(default_batch(a.model), |b| b as usize),
         capacity: a.memory,
         safety_margin: a.safety_margin,
-        checkpoint: a.checkpoint.clone(),
+        checkpoint: checkpoint_or_default(a.checkpoint.clone(), a.memory),
         seed: a.seed,
         costs: memfit_train::cost::default_cache()
             .map_or(memfit_train::cost::Costs::Calibrate, memfit_train::cost::Costs::Cached),
@@ -759,27 +765,33 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         target: a.device.target(),
         evaluate: true,
     };
-    let single = memfit_train::plan(&request).map_err(|e| e.to_string());
+    let single = memfit_train::plan(&request);
     let devices = match a.devices.filter(|&n| n > 1) {
         Some(n) => Some(devices_plan(&request, n as usize, single.as_ref().ok())?),
         None => None,
     };
     let plan = match (single, devices) {
         (Ok(plan), devices) => (plan, devices),
-        (Err(e), None) => return Err(e),
-        (Err(e), Some((json, text))) => {
-            // One device cannot: say why, and what several can.
+        (Err(e), devices) => {
+            // One device cannot: say why, what would fit (the doctor's remedies) and what several can.
+            let diagnosis = match &e {
+                memfit_train::TrainError::DoesNotFit(d) => Some(d.as_ref()),
+                _ => None,
+            };
             if a.json {
                 let json = serde_json::json!({"model": a.model.name(), "capacity_bytes": a.memory,
-                    "fits_one_device": false, "one_device": e, "devices": json});
+                    "fits_one_device": false, "one_device": e.to_string(), "diagnosis": diagnosis,
+                    "devices": devices.as_ref().map(|(json, _)| json)});
                 println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
-            } else {
-                println!(
-                    "one device: {e}
-{text}"
-                );
             }
-            return Ok(());
+            return match devices {
+                Some((_, text)) if !a.json => {
+                    println!("one device: {e}\n{text}");
+                    Ok(())
+                }
+                Some(_) => Ok(()),
+                None => Err(e.to_string()),
+            };
         }
     };
     let (plan, devices) = plan;

@@ -19,6 +19,9 @@ pub mod partition;
 
 pub use collective::GradientBucket;
 
+/// This build carries the MPI transport (feature `mpi`): `mpirun` can start its ranks.
+pub const MPI: bool = cfg!(feature = "mpi");
+
 /// A group of ranks and the transport between them. Buffers are host slices (the cpu device's
 /// memory); the tensor-level operations in [`collective`] call these only on a device that holds data.
 /// Calls are collective: every rank makes the same calls in the same order.

@@ -10,7 +10,7 @@
 //!        plain(m) * (1 + recompute * sum over checkpointed segments s of share(s))
 //!
 //! where `plain` interpolates the measured forward-and-backward times linearly between the measured
-//! micro-batches (and extrapolates the last slope beyond), `recompute` is the measured extra time of
+//! micro-batches (and beyond them keeps the largest one's time per sample), `recompute` is the measured extra time of
 //! checkpointing every segment as a fraction of `plain`, and `half` the measured extra time of
 //! half-precision storage (0 in f32). A model whose micro-batch-1 step would need more than 1 GiB is
 //! not run on this host: it gets [`CostModel::nominal`], said so wherever its times are shown. A model is cached per model, optimizer,
@@ -136,8 +136,10 @@ pub fn describe_step(nominal: bool, step_ms: f64) -> String {
     }
 }
 
-/// `ys` at `x`, linear between the measured `xs` (ascending), the last slope beyond them, and
-/// proportional to `x` below the first.
+/// `ys` at `x`, linear between the measured `xs` (ascending), and proportional to `x` outside them
+/// (below the first, and beyond the last at the last point's time per sample: a slope measured between
+/// two small micro-batches says nothing of larger ones, and extending it made the planner prefer
+/// smaller micro-batches it had never timed).
 fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
     let x = x as f64;
     let points: Vec<(f64, f64)> = xs.iter().map(|&x| x as f64).zip(ys.iter().copied()).collect();
@@ -147,6 +149,10 @@ fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
         _ => {
             if x <= points[0].0 {
                 return points[0].1 * x / points[0].0;
+            }
+            let (x_last, y_last) = points[points.len() - 1];
+            if x > x_last {
+                return y_last * x / x_last;
             }
             let i = points.windows(2).position(|w| x <= w[1].0).unwrap_or(points.len() - 2);
             let ((xa, ya), (xb, yb)) = (points[i], points[i + 1]);
@@ -381,13 +387,13 @@ mod tests {
     }
 
     #[test]
-    fn interpolation_is_linear_between_points_and_extends_the_last_slope() {
+    fn interpolation_is_linear_between_points_and_proportional_outside_them() {
         let (xs, ys) = ([1, 4, 16], [2.0, 5.0, 17.0]);
         assert_eq!(interpolate(&xs, &ys, 1), 2.0);
         assert_eq!(interpolate(&xs, &ys, 2), 3.0);
         assert_eq!(interpolate(&xs, &ys, 4), 5.0);
         assert_eq!(interpolate(&xs, &ys, 10), 11.0);
-        assert_eq!(interpolate(&xs, &ys, 32), 33.0);
+        assert_eq!(interpolate(&xs, &ys, 32), 34.0, "beyond the last point: its time per sample");
         assert_eq!(interpolate(&[4], &[8.0], 2), 4.0);
         assert_eq!(interpolate(&[2, 4], &[4.0, 6.0], 1), 2.0, "below the first point: proportional");
         assert_eq!(interpolate(&[], &[], 3), 0.0);

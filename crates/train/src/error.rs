@@ -16,6 +16,8 @@ pub enum TrainError {
     /// Stopped by a signal (SIGINT, SIGTERM) after a whole step; the message says whether and how the
     /// run can be resumed. Exit code 128 + `signal`.
     Interrupted { signal: i32, message: String },
+    /// The run does not fit its budget at all: why, and the remedies that would fit (Note [One doctor]).
+    DoesNotFit(Box<crate::doctor::Diagnosis>),
     /// A configuration that cannot work (message says why).
     Invalid(String),
     /// Any other engine error.
@@ -45,6 +47,7 @@ impl fmt::Display for TrainError {
             }
             TrainError::Checkpoint(m) | TrainError::Invalid(m) | TrainError::NotFinite(m) => write!(f, "{m}"),
             TrainError::Engine(e) => write!(f, "{e}"),
+            TrainError::DoesNotFit(d) => write!(f, "{d}"),
             TrainError::Interrupted { message, .. } => write!(f, "{message}"),
         }
     }

@@ -12,6 +12,7 @@ use crate::task::Task;
 use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
 use memfit_dist::Group;
 use memfit_nn::ModelSpec;
+use memfit_tensor::memory::format_bytes;
 use memfit_tensor::{Device, DeviceConfig, MemoryStats};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -201,19 +202,35 @@ fn train_in_pool(
         None => None,
     };
 
-    // Choose the micro-batches: forced, planned under a budget, or the whole batch.
-    // Evaluation runs in micro-batches of the training micro-batch unless the planner chose its own.
+    // Choose the micro-batches: planned under a budget (around a micro-batch the user fixed), forced, or
+    // the whole batch. Evaluation runs in micro-batches of the training micro-batch unless the planner
+    // chose its own.
     let (micro, eval_micro, plan) = match (cfg.micro_batch, cfg.memory) {
         _ if staged.is_some() => {
             let m = staged.as_ref().map_or(1, |s| s.micro_batch);
             (m, m.min(planner::MAX_EVAL_MICRO), None)
         }
-        (Some(m), _) => (m.min(request.rank_batch()), m.min(request.rank_batch()), None),
-        (None, Some(_)) => {
-            let plan = planner::plan(&request)?;
-            observer.planned(&plan);
-            (plan.micro_batch, plan.eval_micro_batch, Some(plan))
-        }
+        (fixed, Some(_)) => match planner::plan_unexplained(&request) {
+            Ok(plan) => {
+                observer.planned(&plan);
+                (plan.micro_batch, plan.eval_micro_batch, Some(plan))
+            }
+            // A micro-batch the user fixed runs even where it does not fit: recovery shrinks it and
+            // loses no sample (Note [Recovery]).
+            Err(TrainError::DoesNotFit(d)) if fixed.is_some() => {
+                observer.notice(&format!(
+                    "note: {} Recovery will try smaller micro-batches where it does not fit (no sample lost).",
+                    d.problem
+                ));
+                let m = fixed.unwrap_or(1).min(request.rank_batch());
+                (m, m, None)
+            }
+            Err(TrainError::DoesNotFit(_)) => {
+                return Err(TrainError::DoesNotFit(Box::new(crate::doctor::diagnose(&request)?)))
+            }
+            Err(e) => return Err(e),
+        },
+        (Some(m), None) => (m.min(request.rank_batch()), m.min(request.rank_batch()), None),
         (None, None) => (request.rank_batch(), request.rank_batch(), None),
     };
 
@@ -473,50 +490,46 @@ fn shared_costs(request: PlanRequest, group: &dyn Group, pipeline: bool) -> Resu
     Ok(PlanRequest { costs: crate::cost::Costs::Given(model), ..request })
 }
 
-/// Turns an out-of-memory that recovery could not absorb into the explanation plus the planner's advice.
+/// Turns an out-of-memory that recovery could not absorb into the explanation plus the doctor's
+/// diagnosis (Note [One doctor]).
 fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
     let Some(oom) = e.as_oom().cloned() else { return e };
     let advice = if oom.injected && request.capacity.is_none() {
         "this out-of-memory was injected by --inject-oom where recovery cannot absorb it (during setup, or on \
          one sample twice in a row); no --memory cap is set, so memory is not short: use a larger --inject-oom N"
             .to_string()
-    } else if request.capacity.is_some() {
-        let doctor = planner::remedies(request).map(|r| planner::prescribe(&r)).unwrap_or_default();
-        format!("{}\n{doctor}", advice_for_budget(request)).trim_end().to_string()
     } else {
         advice_for_budget(request)
     };
     TrainError::OutOfMemory { oom: Box::new(oom), advice }
 }
 
-/// What would fit: what micro-batch 1 needs against the capacity.
+/// What would fit: the doctor's diagnosis when the least of the run does not fit the budget; else why
+/// recovery could not help.
 fn advice_for_budget(request: &PlanRequest) -> String {
-    match planner::predict(request, 1, Some(1), None) {
-        Ok(Some(p)) => {
-            let fits = request.capacity.is_some_and(|c| p.peak_reserved <= c);
-            if fits {
-                format!(
-                    "memfit could not recover: micro-batch 1 needs {} (peak reserved), which fits; \
-                     run `memfit plan --model {} --memory ... --batch-size {}` to see a configuration that fits.",
-                    memfit_tensor::memory::format_bytes(p.peak_reserved),
-                    request.model.kind.name(),
-                    request.effective_batch
-                )
-            } else if request.capacity.is_none() {
-                format!(
-                    "no --memory cap was set, so the host itself could not provide the memory; a micro-batch of 1 \
-                     needs {} (peak reserved): use a smaller model or batch.",
-                    memfit_tensor::memory::format_bytes(p.peak_reserved)
-                )
-            } else {
-                format!(
-                    "even a micro-batch of 1 needs {} (peak reserved): use --memory {} or more, or a smaller model.",
-                    memfit_tensor::memory::format_bytes(p.peak_reserved),
-                    memfit_tensor::memory::format_bytes(p.peak_reserved)
-                )
-            }
-        }
-        _ => String::new(),
+    let needs = match crate::doctor::least_needs(request) {
+        Ok(n) => n,
+        Err(e) => return format!("(the doctor could not look: {e})"),
+    };
+    let flag = planner::memory_flag(needs);
+    match request.budget() {
+        Some(budget) if needs > budget => match crate::doctor::diagnose(request) {
+            Ok(d) => d.to_string(),
+            Err(e) => format!("(the doctor could not look: {e})"),
+        },
+        Some(_) => format!(
+            "memfit could not recover although the least of this run needs only {} (peak reserved), which fits: \
+             run `memfit plan --model {} --memory {} --batch-size {}` to see a configuration that fits.",
+            format_bytes(needs),
+            request.model.kind.name(),
+            planner::memory_flag(request.capacity.unwrap_or(needs)),
+            request.effective_batch
+        ),
+        None => format!(
+            "no --memory cap was set, so the host itself could not provide the memory; the least of this run \
+             needs {} (peak reserved): use a smaller model or batch, or give --memory {flag} or less to plan it.",
+            format_bytes(needs)
+        ),
     }
 }
 

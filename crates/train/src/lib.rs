@@ -7,6 +7,7 @@
 //! - [`trainer`]: the training loop with gradient accumulation and out-of-memory recovery (Note
 //!   [Recovery]) on any device, `meta` included, so the same code predicts and runs;
 //! - [`planner`]: chooses the micro-batch for an effective batch and a budget by dry runs on `meta`;
+//! - [`doctor`]: when nothing fits, the remedies that would, as data (Note [One doctor]);
 //! - [`report`]: the JSON report and the memory table people read;
 //! - [`bench`]: step-time and memory benchmarks of the model zoo;
 //! - [`generate`]: text from a saved GPT;
@@ -20,6 +21,7 @@
 pub mod bench;
 pub mod config;
 pub mod cost;
+pub mod doctor;
 mod error;
 pub mod generate;
 pub mod job;

@@ -235,9 +235,11 @@ pub fn plan_devices(
             continue;
         }
         let r = crate::planner::PlanRequest { parallel: Some((mode, ranks)), ..req.clone() };
-        let plan = match crate::planner::plan(&r) {
+        // Why a mode does not fit is one line of the devices' table: the problem, not the doctor.
+        let plan = match crate::planner::plan_unexplained(&r) {
             Ok(p) => Ok(p),
             Err(TrainError::Invalid(why)) => Err(why),
+            Err(TrainError::DoesNotFit(d)) => Err(d.problem),
             Err(e) => return Err(e),
         };
         let mut per_rank = Vec::new();

@@ -149,7 +149,10 @@ pub struct Plan {
 pub struct Candidate {
     pub precision: crate::config::Precision,
     pub checkpointed: Vec<String>,
+    /// The fastest micro-batch that fits (0: none fits).
     pub micro_batch: usize,
+    /// The largest micro-batch that fits (0: none).
+    pub largest_micro_batch: usize,
     pub accumulation_steps: usize,
     pub peak_reserved: u64,
     pub step_ms: f64,
@@ -344,28 +347,16 @@ fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, Trai
 
 /// Chooses the largest micro-batch (and evaluation micro-batch) whose dry run fits the budget. With
 /// `--checkpoint auto` and a budget, also which segments to checkpoint: Note [Choosing segments].
-/// When nothing fits, the error ends with the out-of-memory doctor's remedies ([`remedies`]).
+/// When nothing fits, [`TrainError::DoesNotFit`] carries the doctor's diagnosis (Note [One doctor]).
 pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
-    let result = plan_or_refuse(req);
-    let Err(TrainError::Invalid(message)) = &result else { return result };
-    // `auto` weighed every remedy already; other choices get the doctor when the budget is the problem.
-    let micro = req.micro_batch.unwrap_or(1).min(req.effective_batch.max(1));
-    let short = req.checkpoint != CheckpointChoice::Auto
-        && req.budget().is_some()
-        && req.effective_batch > 0
-        && (0.0..=0.5).contains(&req.safety_margin)
-        && predict(req, micro, Some(micro.min(MAX_EVAL_MICRO)), req.budget())?.is_none();
-    if !short {
-        return result;
+    match plan_unexplained(req) {
+        Err(TrainError::DoesNotFit(_)) => Err(TrainError::DoesNotFit(Box::new(crate::doctor::diagnose(req)?))),
+        result => result,
     }
-    let remedies = remedies(req)?;
-    if remedies.is_empty() {
-        return result;
-    }
-    Err(TrainError::Invalid(format!("{message}\n{}", prescribe(&remedies))))
 }
 
-fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
+/// [`plan`] without the doctor: a request that does not fit ends with a bare [`TrainError::DoesNotFit`].
+pub(crate) fn plan_unexplained(req: &PlanRequest) -> Result<Plan, TrainError> {
     use crate::config::Precision;
     let (auto_checkpoint, auto_precision) =
         (req.checkpoint == CheckpointChoice::Auto, req.precision == Precision::Auto);
@@ -381,15 +372,32 @@ fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
     if req.budget().is_none() || (names.is_empty() && !auto_precision) {
         return plan_fixed(&resolved);
     }
+    // The whole batch in one micro-batch, nothing re-run, stored as computed: when it fits, it is the
+    // plan (Note [Choosing segments]), with nothing to weigh or calibrate.
+    let whole = req.rank_batch().min(MAX_MICRO);
+    if req.micro_batch.is_none()
+        && whole == req.rank_batch()
+        && resolved.checkpoint == CheckpointChoice::None
+        && predict(&resolved, whole, Some(1), req.budget())?.is_some()
+    {
+        return plan_fixed(&resolved);
+    }
     let start = Instant::now();
     let weighed = weigh(req, &names)?;
     let best = weighed.fastest();
     let Some(best) = best else {
-        return Err(TrainError::Invalid(weighed.nothing_fits(req)));
+        let needs = weighed.candidates.iter().map(|c| c.peak_reserved).min().unwrap_or(0);
+        return Err(TrainError::DoesNotFit(Box::new(crate::doctor::Diagnosis::bare(req, needs))));
     };
     let chosen =
         PlanRequest { checkpoint: weighed.choice(best), precision: weighed.candidates[best].precision, ..req.clone() };
-    let mut p = plan_fixed(&chosen)?;
+    // The candidate's own micro-batch: the fastest, which need not be the largest that fits.
+    let micro = weighed.candidates[best].micro_batch;
+    let mut p = plan_fixed(&PlanRequest { micro_batch: Some(micro), ..chosen })?;
+    if micro < weighed.candidates[best].largest_micro_batch {
+        // Limited by speed, not by the budget: more memory would not change it.
+        p.larger = None;
+    }
     p.predicted_step_ms = Some(weighed.candidates[best].step_ms);
     p.dry_runs += weighed.dry_runs;
     p.calibration_ms = weighed.calibration_ms;
@@ -406,13 +414,18 @@ fn plan_or_refuse(req: &PlanRequest) -> Result<Plan, TrainError> {
 // recomputation, rank the segments (the most bytes per millisecond first). The candidates are the
 // ranked prefixes: none, the best one, the best two, ..., all (beyond 8 segments, geometric steps), each
 // in f32 storage and, with `--precision auto`, in bf16 storage too. For each the planner finds the largest
-// micro-batch that fits (or checks the one the user fixed) and predicts the step time; it takes the
-// fastest that fits (ties: fewer segments). A larger micro-batch runs faster per sample and fewer
-// checkpointed segments recompute less, so at a mid budget the choice is often a few segments and a
-// larger micro-batch, faster than checkpointing everything and than a fixed sqrt(n) rule
-// (`train/tests/checkpointing.rs`). Each candidate costs a binary search over the training micro-batch
-// (only the chosen one gets the evaluation micro-batch and the rest of a plan): about a hundred dry
-// runs, 0.1 s, for the GPT once the cost model is calibrated; 0.9 s for a 24-layer one.
+// micro-batch that fits (or checks the one the user fixed), then times every micro-batch up to it (one
+// per number of accumulation steps, each as even as that count allows) and keeps the fastest: a larger
+// micro-batch is not always faster per sample on a CPU, and taking only the largest made more memory
+// give a slower plan. It takes the fastest candidate that fits (ties: fewer segments). Fewer checkpointed
+// segments recompute less, so at a mid budget the choice is often a few segments and a larger
+// micro-batch, faster than checkpointing everything and than a fixed sqrt(n) rule
+// (`train/tests/checkpointing.rs`). Since every micro-batch that fits a budget fits a larger one, more
+// memory never gives a slower predicted plan. When the whole batch fits as one micro-batch with nothing
+// re-run and f32 storage, that is the plan: nothing re-runs, nothing accumulates, nothing is weighed
+// (or calibrated). Each candidate costs a binary search over the training micro-batch (only the
+// chosen one gets the evaluation micro-batch and the rest of a plan): about a hundred dry runs, 0.1 s,
+// for the GPT once the cost model is calibrated; 0.9 s for a 24-layer one.
 
 /// The configurations weighed for one request.
 pub struct Weighed {
@@ -445,53 +458,6 @@ impl Weighed {
             n if n == self.segments.len() => CheckpointChoice::All,
             _ => CheckpointChoice::Segments(names.clone()),
         }
-    }
-
-    /// The out-of-memory doctor's message when no candidate fits: every candidate's need at
-    /// micro-batch 1 and its step time, the fastest first, each with the flags that apply it.
-    pub fn nothing_fits(&self, req: &PlanRequest) -> String {
-        let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
-        let mut by_time: Vec<&Candidate> = self.candidates.iter().collect();
-        by_time.sort_by(|a, b| a.step_ms.total_cmp(&b.step_ms));
-        // A slower remedy is worth naming only when it needs less memory.
-        let mut lowest = u64::MAX;
-        by_time.retain(|c| {
-            let keep = c.peak_reserved < lowest;
-            lowest = lowest.min(c.peak_reserved);
-            keep
-        });
-        let lightest = self.candidates.iter().map(|c| c.peak_reserved).min().unwrap_or(0);
-        let micro = req.micro_batch.unwrap_or(1);
-        let mut s = format!(
-            "{} does not fit in {cap}{}: even a micro-batch of {micro} with activation checkpointing of every segment \
-             needs {} (peak reserved). Remedies, fastest first (peak reserved and step time predicted at micro-batch \
-             {micro}):",
-            req.model.kind.name(),
-            margin_words(req),
-            format_bytes(lightest),
-        );
-        for c in by_time {
-            let memory = memory_flag(with_margin(req, c.peak_reserved));
-            let flag = c.checkpoint_flag(self.segments.len());
-            let mut flags = vec![("--memory", memory.clone()), ("--checkpoint", flag)];
-            if c.precision != crate::config::Precision::Fp32 {
-                flags.push(("--precision", c.precision.name().to_string()));
-            }
-            s.push_str(&format!(
-                "\n  a budget of {memory} with checkpointing {}{}: peak {}, {}\n    {}",
-                if c.checkpointed.is_empty() { "nothing".to_string() } else { c.checkpointed.join(", ") },
-                if c.precision == crate::config::Precision::Fp32 {
-                    String::new()
-                } else {
-                    format!(", {} activations", c.precision.name())
-                },
-                format_bytes(c.peak_reserved),
-                self.costs.describe(c.step_ms),
-                command_with(&flags)
-            ));
-        }
-        s.push_str("\n  or a smaller model.");
-        s
     }
 }
 
@@ -556,17 +522,33 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
                 dry_runs += 1;
                 predict(&r, m, eval, cap)
             };
-            // Each candidate's training micro-batch; only the chosen one gets a whole plan.
+            // Each candidate's training micro-batch: the fastest of those that fit (Note [Choosing
+            // segments]); only the chosen candidate gets a whole plan.
+            let half = precision.saved_dtype().is_some();
+            let time = |m: usize| costs.step_ms_in(req.rank_batch(), m, checkpointed, half);
             let fitting = match fitting_micro(&r, &mut run)? {
-                Some((_, _, m)) => run(m, None, budget)?.map(|p| (m, p.peak_reserved)),
+                Some((largest, _, balanced)) => {
+                    let mut options = balanced_micro_batches(r.rank_batch(), largest, r.micro_batch);
+                    // Fastest first; ties (to a nanosecond): the larger micro-batch (fewer accumulation steps).
+                    options.sort_by_key(|&m| ((time(m) * 1e6).round() as i64, std::cmp::Reverse(m)));
+                    let mut found = None;
+                    for m in options {
+                        if let Some(p) = run(m, None, budget)? {
+                            found = Some((m, largest, p.peak_reserved));
+                            break;
+                        }
+                    }
+                    found.or(run(balanced, None, budget)?.map(|p| (balanced, largest, p.peak_reserved)))
+                }
                 None => None,
             };
-            let m = fitting.map_or(micro.unwrap_or(1), |(m, _)| m);
-            let step_ms = costs.step_ms_in(req.rank_batch(), m, checkpointed, precision.saved_dtype().is_some());
+            let m = fitting.map_or(micro.unwrap_or(1), |(m, _, _)| m);
+            let step_ms = time(m);
             candidates.push(match fitting {
-                Some((m, peak)) => Candidate {
+                Some((m, largest, peak)) => Candidate {
                     precision,
                     micro_batch: m,
+                    largest_micro_batch: largest,
                     accumulation_steps: req.rank_batch().div_ceil(m),
                     peak_reserved: peak,
                     step_ms,
@@ -579,6 +561,7 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
                     Candidate {
                         precision,
                         micro_batch: 0,
+                        largest_micro_batch: 0,
                         accumulation_steps: 0,
                         peak_reserved: needs,
                         step_ms,
@@ -589,6 +572,28 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
         }
     }
     Ok(Weighed { candidates, segments: names.to_vec(), dry_runs, calibration_ms, costs })
+}
+
+/// The micro-batches worth timing for `effective` samples when at most `largest` fit: one for each
+/// number of accumulation steps from the fewest up, each as even as that count allows (`ceil(effective
+/// / k)`), largest first; only `fixed` when the user fixed one. About 2 sqrt(effective) of them.
+fn balanced_micro_batches(effective: usize, largest: usize, fixed: Option<usize>) -> Vec<usize> {
+    if let Some(m) = fixed {
+        return vec![m.min(effective.max(1))];
+    }
+    let effective = effective.max(1);
+    let mut out = Vec::new();
+    let mut k = effective.div_ceil(largest.clamp(1, effective));
+    while k <= effective {
+        let m = effective.div_ceil(k);
+        out.push(m);
+        if m == 1 {
+            break;
+        }
+        // The next count that gives a smaller micro-batch.
+        k = effective.div_ceil(m - 1);
+    }
+    out
 }
 
 /// How many of `n` ranked segments the candidates checkpoint: every count up to 8 segments, then
@@ -615,30 +620,6 @@ pub fn fastest_segments(req: &PlanRequest, micro: usize) -> Result<Option<(Check
     }
     let weighed = weigh(&PlanRequest { micro_batch: Some(micro), ..req.clone() }, &names)?;
     Ok(weighed.fastest().map(|i| (weighed.choice(i), weighed.dry_runs)))
-}
-
-/// The command line that applies a remedy: this process's own (when it is the `memfit` command) with
-/// `flags` set, replacing any value they had; else just the flags.
-pub fn command_with(flags: &[(&str, String)]) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    let is_memfit = args.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == "memfit");
-    let mut out: Vec<String> = if is_memfit { vec!["memfit".to_string()] } else { vec!["add".to_string()] };
-    let mut rest = if is_memfit { args[1..].iter() } else { [].iter() };
-    while let Some(arg) = rest.next() {
-        let name = arg.split('=').next().unwrap_or(arg);
-        if flags.iter().any(|(flag, _)| *flag == name) {
-            if !arg.contains('=') {
-                rest.next(); // its value
-            }
-            continue;
-        }
-        out.push(arg.clone());
-    }
-    for (flag, value) in flags {
-        out.push(flag.to_string());
-        out.push(value.clone());
-    }
-    out.join(" ")
 }
 
 /// What the remedies in force saved, predicted on meta for the run's own configuration: peak reserved
@@ -702,188 +683,6 @@ pub fn savings(
     Ok(Savings { accumulation_saved_bytes, checkpointing_saved_bytes, precision_saved_bytes, recompute_time_share })
 }
 
-/// One way to make a run fit, with what it is predicted to cost.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Remedy {
-    /// What it changes, for people.
-    pub what: String,
-    pub peak_reserved: u64,
-    pub step_ms: Option<f64>,
-    /// The step time is nominal (units, not ms): see [`crate::cost::CostModel::nominal`].
-    pub nominal: bool,
-    /// The flags that apply it.
-    pub flags: Vec<(&'static str, String)>,
-    /// Ranks it runs on (`mpirun -np N`; 1: this process alone).
-    pub ranks: usize,
-}
-
-/// The out-of-memory doctor: the remedies that make `req`'s model and batch fit, the fastest first:
-/// each checkpointing candidate that fits the budget with its largest micro-batch (a smaller
-/// micro-batch with accumulation is the candidate without checkpointing), and the budget that fits
-/// the run as it was asked for (its fixed micro-batch, else micro-batch 1, nothing checkpointed).
-pub fn remedies(req: &PlanRequest) -> Result<Vec<Remedy>, TrainError> {
-    let names = segment_names(req)?;
-    let free = PlanRequest {
-        checkpoint: CheckpointChoice::Auto,
-        micro_batch: None,
-        // Half storage changes the numbers: a remedy only when the user allowed it.
-        precision: match req.precision {
-            crate::config::Precision::Fp32 => crate::config::Precision::Fp32,
-            _ => crate::config::Precision::Auto,
-        },
-        ..req.clone()
-    };
-    let mut out = Vec::new();
-    let mut costs = None;
-    if free.budget().is_some() && !names.is_empty() {
-        let w = weigh(&free, &names)?;
-        for c in w.candidates.iter().filter(|c| c.fits()) {
-            let mut what = match c.checkpointed.len() {
-                0 => format!("micro-batch {} x {}", c.micro_batch, c.accumulation_steps),
-                _ => format!(
-                    "checkpoint {} with micro-batch {} x {}",
-                    c.checkpointed.join(", "),
-                    c.micro_batch,
-                    c.accumulation_steps
-                ),
-            };
-            let mut flags =
-                vec![("--micro-batch", c.micro_batch.to_string()), ("--checkpoint", c.checkpoint_flag(names.len()))];
-            if c.precision != crate::config::Precision::Fp32 {
-                what.push_str(&format!(", {} activations", c.precision.name()));
-                flags.push(("--precision", c.precision.name().to_string()));
-            }
-            let nominal = w.costs.nominal;
-            out.push(Remedy {
-                what,
-                peak_reserved: c.peak_reserved,
-                step_ms: Some(c.step_ms),
-                nominal,
-                flags,
-                ranks: 1,
-            });
-        }
-        costs = Some(w.costs);
-    } else if free.budget().is_some() {
-        let plain = PlanRequest { checkpoint: CheckpointChoice::None, ..free.clone() };
-        if let Ok(p) = plan_fixed(&plain) {
-            out.push(Remedy {
-                what: format!("micro-batch {} x {}", p.micro_batch, p.accumulation_steps),
-                peak_reserved: p.predicted.peak_reserved,
-                step_ms: None,
-                nominal: false,
-                flags: vec![("--micro-batch", p.micro_batch.to_string())],
-                ranks: 1,
-            });
-        }
-    }
-    let micro = req.micro_batch.unwrap_or(1).min(req.rank_batch().max(1));
-    let as_asked = PlanRequest {
-        checkpoint: if req.checkpoint == CheckpointChoice::Auto {
-            CheckpointChoice::None
-        } else {
-            req.checkpoint.clone()
-        },
-        precision: match req.precision {
-            crate::config::Precision::Auto => crate::config::Precision::Fp32,
-            p => p,
-        },
-        ..req.clone()
-    };
-    if let Some(p) = predict(&as_asked, micro, Some(micro.min(MAX_EVAL_MICRO)), None)? {
-        let memory = memory_flag(with_margin(req, p.peak_reserved));
-        let checkpointed = as_asked.checkpoint.segment_names();
-        out.push(Remedy {
-            what: format!("a budget of {memory} for micro-batch {micro} as asked"),
-            peak_reserved: p.peak_reserved,
-            step_ms: costs.as_ref().map(|c: &crate::cost::CostModel| {
-                let all: Vec<String> = if checkpointed == ["all"] { names.clone() } else { checkpointed };
-                c.step_ms(req.rank_batch(), micro, &all)
-            }),
-            nominal: costs.as_ref().is_some_and(|c| c.nominal),
-            flags: vec![("--memory", memory), ("--micro-batch", micro.to_string())],
-            ranks: 1,
-        });
-    }
-    // More devices: two ranks with the optimizer state split, when they fit where one does not.
-    if req.parallel.is_none() && free.budget().is_some() {
-        let ranks = PlanRequest {
-            parallel: Some((crate::parallel::ParallelMode::Zero1, 2)),
-            checkpoint: CheckpointChoice::None,
-            micro_batch: None,
-            precision: as_asked.precision,
-            ..req.clone()
-        };
-        if let Ok(p) = plan_fixed(&ranks) {
-            out.push(Remedy {
-                what: format!(
-                    "2 ranks with the optimizer state split (ZeRO-1), micro-batch {} x {} each",
-                    p.micro_batch, p.accumulation_steps
-                ),
-                peak_reserved: p.predicted.peak_reserved,
-                step_ms: costs.as_ref().map(|c| {
-                    c.step_ms(ranks.rank_batch(), p.micro_batch, &[])
-                        + crate::parallel::communication_ms(crate::parallel::ParallelMode::Zero1, &p)
-                }),
-                nominal: costs.as_ref().is_some_and(|c| c.nominal),
-                flags: vec![("--parallel", "zero1".into()), ("--micro-batch", p.micro_batch.to_string())],
-                ranks: 2,
-            });
-        }
-        // A model cut into two pipeline stages, each rank holding half of it.
-        let whole = PlanRequest { checkpoint: CheckpointChoice::None, precision: as_asked.precision, ..req.clone() };
-        if memfit_nn::stage_units(&req.model).is_some() {
-            if let Ok(s) = crate::pipeline::plan_stages(&whole, 2, costs.as_ref()) {
-                let units = memfit_nn::stage_units(&req.model).unwrap_or(0);
-                let cut: Vec<String> = s.stages.iter().map(|r| crate::pipeline::describe_units(r, units)).collect();
-                out.push(Remedy {
-                    what: format!("2 pipeline ranks ({}), micro-batch {}", cut.join(" | "), s.micro_batch),
-                    peak_reserved: s.per_stage.iter().map(|p| p.peak_reserved).max().unwrap_or(0),
-                    step_ms: None,
-                    nominal: false,
-                    flags: vec![("--parallel", "pipeline".into())],
-                    ranks: 2,
-                });
-            }
-        }
-    }
-    out.sort_by(|a, b| a.step_ms.unwrap_or(f64::INFINITY).total_cmp(&b.step_ms.unwrap_or(f64::INFINITY)));
-    // A slower remedy is worth naming only when it needs less memory.
-    let mut lowest = u64::MAX;
-    out.retain(|r| {
-        let keep = r.peak_reserved < lowest;
-        lowest = lowest.min(r.peak_reserved);
-        keep
-    });
-    Ok(out)
-}
-
-/// The remedies as lines to print after an out-of-memory error, each with its command line.
-pub fn prescribe(remedies: &[Remedy]) -> String {
-    let mut s =
-        String::from("remedies, fastest first (peak reserved predicted exactly on meta, step time calibrated):");
-    for r in remedies {
-        let time = r.step_ms.map_or(String::new(), |t| format!(", {}", crate::cost::describe_step(r.nominal, t)));
-        let mut flags: Vec<(&str, String)> = r.flags.iter().map(|(f, v)| (*f, v.clone())).collect();
-        let mut launcher = String::new();
-        if r.ranks > 1 {
-            if std::env::args().nth(1).as_deref() == Some("plan") {
-                // `plan` plans for ranks with --devices; `train` runs as one of them.
-                flags = vec![("--devices", r.ranks.to_string())];
-            } else {
-                launcher = format!("mpirun -np {} ", r.ranks);
-            }
-        }
-        s.push_str(&format!(
-            "\n  {}: peak {}{time}\n    {launcher}{}",
-            r.what,
-            format_bytes(r.peak_reserved),
-            command_with(&flags)
-        ));
-    }
-    s
-}
-
 /// A `--memory` value of at least `bytes`, rounded up to a whole MiB (KiB below 1 MiB).
 pub fn memory_flag(bytes: u64) -> String {
     if bytes >= 1 << 20 {
@@ -894,17 +693,8 @@ pub fn memory_flag(bytes: u64) -> String {
 }
 
 /// The capacity whose budget (less the safety margin) is `bytes`.
-fn with_margin(req: &PlanRequest, bytes: u64) -> u64 {
+pub(crate) fn with_margin(req: &PlanRequest, bytes: u64) -> u64 {
     ((bytes as f64) / (1.0 - req.safety_margin)).ceil() as u64
-}
-
-/// " with a 10% safety margin", or nothing.
-fn margin_words(req: &PlanRequest) -> String {
-    if req.safety_margin > 0.0 {
-        format!(" with a {:.0}% safety margin", req.safety_margin * 100.0)
-    } else {
-        String::new()
-    }
 }
 
 /// A dry run: (training micro-batch, evaluation micro-batch, capacity) -> the prediction, None when
@@ -954,7 +744,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
     let Some((largest, accumulation_steps, micro)) = fitting_micro(req, &mut run)? else {
         let first = req.micro_batch.unwrap_or(1).min(req.rank_batch());
         let needs = run(first, Some(first.min(MAX_EVAL_MICRO)), None)?.map(|p| p.peak_reserved).unwrap_or(0);
-        return Err(does_not_fit(req, needs, checkpointing_remedy(req)?));
+        return Err(TrainError::DoesNotFit(Box::new(crate::doctor::Diagnosis::bare(req, needs))));
     };
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
     let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
@@ -994,74 +784,33 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
 }
 
 /// The evaluation micro-batch (Note [Evaluation's micro-batch]): the largest, up to [`MAX_EVAL_MICRO`],
-/// whose evaluation fits in what the training steps reserve; when not even 1 does, the largest that fits
-/// the budget.
+/// with which the run reserves no more than its training steps do; 1 when none does.
 fn eval_micro_within(
     req: &PlanRequest,
     micro: usize,
     training: &Prediction,
     run: &mut DryRun,
 ) -> Result<usize, TrainError> {
-    let high = search_limit(&req.model, MAX_EVAL_MICRO.max(micro).min(MAX_MICRO), req.budget());
-    for cap in [Some(training.peak_reserved), req.budget()] {
-        if run(micro, Some(1), cap)?.is_some() {
-            return largest_fitting(high, |e| Ok(run(micro, Some(e), cap)?.is_some()));
-        }
+    let budget = req.budget();
+    let high = search_limit(&req.model, MAX_EVAL_MICRO.max(micro).min(MAX_MICRO), budget);
+    let mut within = |e: usize| -> Result<bool, TrainError> {
+        Ok(run(micro, Some(e), budget)?.is_some_and(|p| p.peak_reserved <= training.peak_reserved))
+    };
+    match within(1)? {
+        true => largest_fitting(high, within),
+        false => Ok(1),
     }
-    Ok(1)
 }
 
 // Note [Evaluation's micro-batch]
 // Evaluation keeps no activations for backward, so it could take far larger micro-batches than
 // training; filling the whole budget with them (808.8 MiB of a 1 GiB budget for a 207 MiB training step)
 // made the run's peak evaluation's, hid the training step's real need and left nothing to other users
-// of the device. The planner takes the largest evaluation micro-batch (at most MAX_EVAL_MICRO) that
-// fits in the bytes the training steps reserve already: the run's peak reserved is the training
-// step's, and evaluation is as fast as that memory allows. The search is bounded like training's.
-
-/// When the request does not checkpoint every segment and checkpointing them all makes the batch
-/// fit: the plan that then fits, as advice (what to add, the micro-batch, the predicted peak).
-fn checkpointing_remedy(req: &PlanRequest) -> Result<Option<String>, TrainError> {
-    if matches!(req.checkpoint, CheckpointChoice::All | CheckpointChoice::Auto) || req.capacity.is_none() {
-        return Ok(None);
-    }
-    let all = PlanRequest { checkpoint: CheckpointChoice::All, ..req.clone() };
-    let segments = segment_names(req)?.len();
-    if segments == 0 || predict(&all, 1, Some(1), all.budget())?.is_none() {
-        return Ok(None);
-    }
-    // A fixed micro-batch may still not fit with every segment checkpointed: then this is no remedy.
-    let Ok(p) = plan_fixed(&all) else { return Ok(None) };
-    Ok(Some(format!(
-        "With activation checkpointing of all {segments} segments (each keeps only its input and runs its forward \
-         again in backward: less memory, more time, the same numbers) it fits: add --checkpoint all for micro-batch \
-         {} x {} (peak {} reserved).",
-        p.micro_batch,
-        p.accumulation_steps,
-        format_bytes(p.predicted.peak_reserved)
-    )))
-}
-
-/// The error for a budget below what micro-batch 1 needs, with a remedy that fits when there is one.
-pub fn does_not_fit(req: &PlanRequest, needs: u64, remedy: Option<String>) -> TrainError {
-    let cap = req.capacity.map_or("unlimited".to_string(), format_bytes);
-    let message = does_not_fit_message(req, needs, &cap);
-    TrainError::Invalid(match remedy {
-        Some(r) => format!("{message} {r}"),
-        None => message,
-    })
-}
-
-fn does_not_fit_message(req: &PlanRequest, needs: u64, cap: &str) -> String {
-    format!(
-        "{} does not fit in {cap}{}: even a micro-batch of 1 needs {} (peak reserved). \
-         Use --memory {} or more, or a smaller model.",
-        req.model.kind.name(),
-        margin_words(req),
-        format_bytes(needs),
-        format_bytes(with_margin(req, needs)),
-    )
-}
+// of the device. The planner takes the largest evaluation micro-batch (at most MAX_EVAL_MICRO) with which
+// the whole run, dry-run at the budget, reserves no more than its training steps: the run's peak
+// reserved is the training step's, and evaluation is as fast as that memory allows. (Fitting under a
+// cap of the training peak is not the same: under a cap the allocator releases its cache and retries,
+// so the same run at the budget reserves more.) The search is bounded like training's.
 
 impl Plan {
     /// A few lines a person reads: the choice, the predicted peak by category, what dominates, and
@@ -1208,6 +957,17 @@ mod tests {
         assert_eq!(prefix_lengths(24), [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 24]);
         assert_eq!(*prefix_lengths(1000).last().unwrap(), 1000);
         assert!(prefix_lengths(1000).len() < 30);
+    }
+
+    #[test]
+    fn micro_batches_are_one_per_accumulation_count_each_as_even_as_it_allows() {
+        assert_eq!(balanced_micro_batches(64, 64, None), [64, 32, 22, 16, 13, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(balanced_micro_batches(64, 20, None)[..3], [16, 13, 11]);
+        assert_eq!(balanced_micro_batches(10, 100, None), [10, 5, 4, 3, 2, 1]);
+        assert_eq!(balanced_micro_batches(1, 1, None), [1]);
+        assert_eq!(balanced_micro_batches(64, 64, Some(8)), [8]);
+        let many = balanced_micro_batches(1 << 30, 1 << 16, None);
+        assert!(many.len() < 70_000 && many[0] == 1 << 16 && many.windows(2).all(|w| w[0] > w[1]));
     }
 
     #[test]

@@ -13,6 +13,7 @@ use memfit_train::cost::{CostModel, Costs};
 use memfit_train::planner::{dry_run, plan, predict, PlanRequest};
 use memfit_train::samples::{Samples, TextWindows};
 use memfit_train::trainer::RunOutcome;
+use memfit_train::TrainError;
 use memfit_train::{CheckpointChoice, RunOptions, Session};
 
 fn text_spec(layers: usize, d_model: usize, max_t: usize) -> (memfit_data::TextCorpus, ModelSpec) {
@@ -142,19 +143,24 @@ fn when_micro_batch_one_does_not_fit_the_planner_names_checkpointing_if_it_does(
     let ckpt_one = predict(&request(&spec, 4, None, CheckpointChoice::All), 1, Some(1), None).unwrap().unwrap();
     assert!(ckpt_one.peak_reserved < plain_one.peak_reserved);
     let capacity = (ckpt_one.peak_reserved + plain_one.peak_reserved) / 2;
-    let err = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::None)).unwrap_err().to_string();
-    assert!(
-        err.contains("even a micro-batch of 1 needs") && err.contains("add --checkpoint all for micro-batch"),
-        "{err}"
-    );
-    // The advice is a plan that fits.
-    let fitting = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::All)).unwrap();
-    assert!(err.contains(&format!("micro-batch {} x {}", fitting.micro_batch, fitting.accumulation_steps)), "{err}");
+    let Err(TrainError::DoesNotFit(d)) = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::None)) else {
+        panic!("micro-batch 1 without checkpointing does not fit")
+    };
+    assert!(d.problem.contains("even a micro-batch of 1 needs"), "{d}");
+    let free = d.remedies.iter().find(|r| r.what.contains("let the planner choose")).expect("checkpointing offered");
+    assert!(free.plan.contains("checkpointing") || free.plan.contains("every segment checkpointed"), "{d}");
+    // The advice is a plan that fits, at the peak it names.
+    let fitting = plan(&request(&spec, 4, Some(capacity), CheckpointChoice::Auto)).unwrap();
+    assert!(free.plan.starts_with(&memfit_train::planner::window_words(4, fitting.micro_batch)), "{d}");
+    assert_eq!(free.predicted_peak_reserved_bytes, fitting.predicted.peak_reserved);
     assert!(fitting.predicted.peak_reserved <= capacity);
     // Below what checkpointing needs too, there is no such advice.
-    let err =
-        plan(&request(&spec, 4, Some(ckpt_one.peak_reserved / 2), CheckpointChoice::None)).unwrap_err().to_string();
-    assert!(!err.contains("--checkpoint"), "{err}");
+    let Err(TrainError::DoesNotFit(d)) =
+        plan(&request(&spec, 4, Some(ckpt_one.peak_reserved / 2), CheckpointChoice::None))
+    else {
+        panic!("half of what checkpointing needs does not fit")
+    };
+    assert!(d.remedies.iter().all(|r| !r.what.contains("let the planner choose")), "{d}");
 }
 
 #[test]
@@ -179,7 +185,7 @@ fn auto_checkpoints_only_what_the_budget_forces_and_the_plan_holds() {
     assert_plan_holds_on_cpu(&req, &chosen, capacity);
     // Below what checkpointing everything needs, the error says so.
     let err = plan(&auto(Some(all / 2))).unwrap_err().to_string();
-    assert!(err.contains("with activation checkpointing of every segment needs"), "{err}");
+    assert!(err.contains("with every segment checkpointed needs"), "{err}");
 }
 
 /// A step-time model for planner tests: fixed work per micro-batch, so larger micro-batches run
@@ -227,32 +233,43 @@ fn at_a_mid_budget_the_chosen_checkpointing_beats_all_and_sqrt_n_and_holds_on_cp
     assert_plan_holds_on_cpu(&with(Some(capacity), CheckpointChoice::Auto), &chosen, capacity);
 }
 
-/// The out-of-memory doctor: when a request does not fit, the error lists remedies, fastest first,
-/// each with the flags that apply it; every listed remedy fits when applied.
+/// The out-of-memory doctor: when a request does not fit, the diagnosis lists remedies, those that keep
+/// the numbers first and each group fastest first, each with the flags that apply it; every listed
+/// remedy fits when applied, at the peak it names.
 #[test]
 fn the_doctor_lists_remedies_that_fit_when_applied() {
     let (_, spec) = text_spec(4, 64, 512);
     let with = |capacity, checkpoint| PlanRequest { costs: given_costs(4), ..request(&spec, 4, capacity, checkpoint) };
     let need = |c| predict(&with(None, c), 1, Some(1), None).unwrap().unwrap().peak_reserved;
     let capacity = (need(CheckpointChoice::All) + need(CheckpointChoice::None)) / 2;
-    let err = plan(&with(Some(capacity), CheckpointChoice::None)).unwrap_err().to_string();
-    assert!(err.contains("remedies, fastest first"), "{err}");
-    let commands: Vec<&str> = err.lines().filter_map(|l| l.trim().strip_prefix("add ")).collect();
-    assert!(commands.len() >= 2, "a checkpointing remedy and a budget: {err}");
-    let mut times = Vec::new();
-    for command in &commands {
-        let words: Vec<&str> = command.split(' ').collect();
-        let value = |flag: &str| words.iter().position(|w| *w == flag).map(|i| words[i + 1]);
-        let capacity = value("--memory").map_or(capacity, |m| memfit_tensor::memory::parse_bytes(m).unwrap());
-        let checkpoint = value("--checkpoint").map_or(CheckpointChoice::None, |c| CheckpointChoice::parse(c).unwrap());
-        let micro = value("--micro-batch").map(|m| m.parse().unwrap());
-        let applied = PlanRequest { micro_batch: micro, ..with(Some(capacity), checkpoint) };
-        let p = plan(&applied).unwrap_or_else(|e| panic!("`{command}` does not fit: {e}"));
-        times.push(p.micro_batch);
+    let asked = PlanRequest { micro_batch: Some(1), ..with(Some(capacity), CheckpointChoice::None) };
+    let Err(TrainError::DoesNotFit(d)) = plan(&asked) else { panic!("it does not fit") };
+    assert!(d.remedies.len() >= 2, "the planner's choice and a budget: {d}");
+    let mut last = (false, false, 0.0);
+    for r in &d.remedies {
+        let mut applied = asked.clone();
+        for (flag, value) in &r.flags {
+            match (flag.as_str(), value.as_deref()) {
+                ("--memory", Some(m)) => applied.capacity = Some(memfit_tensor::memory::parse_bytes(m).unwrap()),
+                ("--checkpoint", Some(c)) => applied.checkpoint = CheckpointChoice::parse(c).unwrap(),
+                ("--micro-batch", None) => applied.micro_batch = None,
+                ("--precision", Some(p)) => applied.precision = memfit_train::Precision::parse(p).unwrap(),
+                ("--parallel", Some("zero1")) => {
+                    applied.parallel = Some((memfit_train::parallel::ParallelMode::Zero1, r.ranks))
+                }
+                ("--parallel", Some("pipeline")) => continue,
+                other => panic!("unexpected flag {other:?}: {d}"),
+            }
+        }
+        if r.flags.iter().any(|(f, v)| f == "--parallel" && v.as_deref() == Some("pipeline")) {
+            continue;
+        }
+        let p = plan(&applied).unwrap_or_else(|e| panic!("`{}` does not fit: {e}", r.command));
+        assert_eq!(p.predicted.peak_reserved, r.predicted_peak_reserved_bytes, "{}", r.what);
+        let key = (r.changes_numbers, r.unavailable.is_some(), r.predicted_step_time_ms.unwrap_or(f64::INFINITY));
+        assert!((key.0, key.1) > (last.0, last.1) || key.2 >= last.2, "ordered: {d}");
+        last = key;
     }
-    let ms: Vec<f64> = err.lines().filter_map(|l| l.split(", ~").nth(1)?.split(" ms").next()?.parse().ok()).collect();
-    assert_eq!(ms.len(), commands.len(), "{err}");
-    assert!(ms.windows(2).all(|w| w[0] <= w[1]), "fastest first: {ms:?}");
 }
 
 /// Calibration measures real steps: times grow with the micro-batch, the segments' shares add up to

@@ -56,7 +56,14 @@ fn planned_runs_fit_and_peak_exactly_as_predicted() {
         // A budget below micro-batch 1 is refused with what the smallest step needs.
         let too_small = request(kind, effective, Some(smallest.peak_reserved / 2));
         match plan(&too_small) {
-            Err(TrainError::Invalid(msg)) => assert!(msg.contains("even a micro-batch of 1 needs"), "{msg}"),
+            Err(TrainError::DoesNotFit(d)) => {
+                assert!(d.problem.contains("even a micro-batch of 1 needs"), "{d}");
+                assert!(d.needs_bytes > smallest.peak_reserved / 2, "{d}");
+                // Each remedy fits when applied, at the peak it gives.
+                for r in &d.remedies {
+                    assert!(r.predicted_peak_reserved_bytes >= d.needs_bytes || r.ranks > 1, "{d}");
+                }
+            }
             other => panic!("{kind:?}: expected a does-not-fit error, got {other:?}"),
         }
     }

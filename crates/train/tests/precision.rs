@@ -10,6 +10,7 @@ use memfit_tensor::{Category, DeviceKind};
 use memfit_train::cost::{CostModel, Costs};
 use memfit_train::planner::{plan, predict, PlanRequest};
 use memfit_train::samples::{SplitSamples, TextWindows};
+use memfit_train::TrainError;
 use memfit_train::{CheckpointChoice, Precision, Session};
 
 fn text_gpt(layers: usize, d_model: usize, max_t: usize) -> (memfit_data::TextCorpus, ModelSpec) {
@@ -164,9 +165,12 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
     let chosen = plan(&request(Some(capacity), Precision::Auto)).unwrap();
     assert_eq!(chosen.precision, Precision::Bf16, "{:?}", chosen.candidates);
     assert_plan_holds_on_cpu(&request(Some(capacity), Precision::Auto), &chosen, capacity);
-    // Not allowed to change the numbers, the doctor does not offer it either.
-    let err = plan(&request(Some(capacity), Precision::Fp32)).unwrap_err().to_string();
-    assert!(!err.contains("--precision"), "{err}");
+    // Not allowed to change the numbers, the doctor lists it, marked so, after those that keep them.
+    let Err(TrainError::DoesNotFit(d)) = plan(&request(Some(capacity), Precision::Fp32)) else { panic!() };
+    let half = d.remedies.iter().position(|r| r.command.contains("--precision bf16")).expect("bf16 listed");
+    assert!(d.remedies[half].changes_numbers, "{d}");
+    assert!(d.remedies[..half].iter().all(|r| !r.changes_numbers), "{d}");
+    assert!(d.to_string().contains("changes the numbers"), "{d}");
 }
 
 /// Invariant 7 with half storage: a fault at any allocation of a bf16 run (conversions included) is

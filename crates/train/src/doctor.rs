@@ -1,0 +1,382 @@
+//! The out-of-memory doctor: when a run does not fit its budget, what would, as data ([`Diagnosis`]).
+//!
+//! Note [One doctor]: each [`Remedy`] is a change to the request (a budget, the planner's free choices,
+//! half storage, more ranks) that the planner then plans like any request; the remedy carries that
+//! plan's exact predicted peak (meta) and its predicted step time (the cost model), whether it changes
+//! the numbers (half storage does; micro-batches, accumulation, checkpointing and ranks do not) and
+//! whether this memfit can run it (ranks need a build with MPI). Text ([`Diagnosis`]'s `Display`) and
+//! JSON (`serde`) are two renderings of that one value, so no figure is printed that the planner did
+//! not produce. A remedy's command is the user's own command line with only the flags it needs set
+//! or removed (`crates/cli/tests/doctor.rs` pastes every command of a grid of cases and checks each
+//! fits at its predicted peak).
+
+use crate::config::{CheckpointChoice, Precision};
+use crate::error::TrainError;
+use crate::parallel::ParallelMode;
+use crate::planner::{self, Plan, PlanRequest};
+use memfit_tensor::memory::format_bytes;
+use serde::Serialize;
+
+/// Why a run does not fit, and what would.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Diagnosis {
+    /// What does not fit and what the least of it needs, for people.
+    pub problem: String,
+    pub capacity_bytes: Option<u64>,
+    /// What the run as asked needs at the least (its smallest micro-batch, every segment it may
+    /// checkpoint re-run): peak reserved.
+    pub needs_bytes: u64,
+    /// Those that keep the numbers and run here first, each group fastest first.
+    pub remedies: Vec<Remedy>,
+}
+
+/// One way to make the run fit, with the plan it gives.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Remedy {
+    /// What it changes, for people ("a budget of 42MiB").
+    pub what: String,
+    /// What the planner then chooses ("micro-batch 8 x 4 accumulation steps = effective batch 32").
+    pub plan: String,
+    /// The command line that applies it: the user's own, with only the flags it needs changed.
+    pub command: String,
+    /// The flags it changes: each set to a value, or removed (null).
+    pub flags: Vec<(String, Option<String>)>,
+    pub predicted_peak_reserved_bytes: u64,
+    pub predicted_step_time_ms: Option<f64>,
+    /// The step time is in nominal units (a model too large to time on this host).
+    pub nominal_time: bool,
+    /// It changes the numbers the run computes (half storage of saved activations).
+    pub changes_numbers: bool,
+    /// Ranks it runs on (1: this process alone).
+    pub ranks: usize,
+    /// Why this memfit cannot run it (None: it can).
+    pub unavailable: Option<String>,
+}
+
+/// A change to the command line: a flag set to a value, or removed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Edit {
+    Set(&'static str, String),
+    Remove(&'static str),
+}
+
+impl Diagnosis {
+    /// The problem alone (the planner's refusal before the doctor looks for remedies).
+    pub fn bare(req: &PlanRequest, needs_bytes: u64) -> Diagnosis {
+        Diagnosis {
+            problem: problem(req, needs_bytes),
+            capacity_bytes: req.capacity,
+            needs_bytes,
+            remedies: Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Display for Diagnosis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.problem)?;
+        if self.remedies.is_empty() {
+            return write!(f, " Use a smaller model or batch.");
+        }
+        write!(
+            f,
+            "\nremedies (peak reserved predicted exactly on meta; step time from the cost model), those that keep \
+             the numbers first:"
+        )?;
+        for r in &self.remedies {
+            let time = r
+                .predicted_step_time_ms
+                .map_or(String::new(), |t| format!(", {}", crate::cost::describe_step(r.nominal_time, t)));
+            let numbers = if r.changes_numbers { "; changes the numbers" } else { "" };
+            write!(
+                f,
+                "\n  {}: {}; peak {}{time}{numbers}",
+                r.what,
+                r.plan,
+                format_bytes(r.predicted_peak_reserved_bytes)
+            )?;
+            match &r.unavailable {
+                Some(why) => write!(f, "\n    (this memfit cannot run it: {why})\n    {}", r.command)?,
+                None => write!(f, "\n    {}", r.command)?,
+            }
+        }
+        write!(f, "\n  or a smaller model or batch.")
+    }
+}
+
+/// "gpt does not fit in 40.00 MiB: even a micro-batch of 1 with every segment checkpointed needs 52.00
+/// MiB (peak reserved)."
+fn problem(req: &PlanRequest, needs: u64) -> String {
+    let cap = req.capacity.map_or("unlimited memory".to_string(), format_bytes);
+    let margin = match req.safety_margin > 0.0 {
+        true => format!(" with a {:.0}% safety margin", req.safety_margin * 100.0),
+        false => String::new(),
+    };
+    let micro = match req.micro_batch {
+        Some(m) => format!("micro-batch {m} as asked"),
+        None => "a micro-batch of 1".to_string(),
+    };
+    let segments = planner::segment_names(req).is_ok_and(|n| !n.is_empty());
+    let checkpointing = match &req.checkpoint {
+        CheckpointChoice::Auto | CheckpointChoice::All if segments => " with every segment checkpointed",
+        CheckpointChoice::Auto | CheckpointChoice::All => "",
+        CheckpointChoice::Segments(_) => " with the segments asked checkpointed",
+        CheckpointChoice::None => "",
+    };
+    format!(
+        "{} does not fit in {cap}{margin}: even {micro}{checkpointing} needs {} (peak reserved).",
+        req.model.kind.name(),
+        format_bytes(needs)
+    )
+}
+
+/// The request the least of `req` is: `auto` checkpointing as every segment, `auto` precision as bf16.
+fn least_of(req: &PlanRequest) -> PlanRequest {
+    PlanRequest {
+        checkpoint: match &req.checkpoint {
+            CheckpointChoice::Auto => CheckpointChoice::All,
+            c => c.clone(),
+        },
+        precision: match req.precision {
+            Precision::Auto => Precision::Bf16,
+            p => p,
+        },
+        ..req.clone()
+    }
+}
+
+/// What `req` needs at the least: peak reserved of its smallest micro-batch (and an evaluation one
+/// when it evaluates), with no budget. Zero for a model without segments asked to checkpoint some.
+pub fn least_needs(req: &PlanRequest) -> Result<u64, TrainError> {
+    let mut least = least_of(req);
+    if least.checkpoint == CheckpointChoice::All && planner::segment_names(req)?.is_empty() {
+        // A model without segments re-runs nothing.
+        least.checkpoint = CheckpointChoice::None;
+    }
+    let micro = req.micro_batch.unwrap_or(1).min(req.rank_batch().max(1));
+    let eval = req.evaluate.then_some(1);
+    Ok(planner::predict(&least, micro, eval, None)?.map_or(0, |p| p.peak_reserved))
+}
+
+/// The diagnosis of a request that does not fit (Note [One doctor]).
+pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
+    let needs = least_needs(req)?;
+    let names = planner::segment_names(req)?;
+    let costs = crate::cost::model_for(req, &names).ok().map(|(c, _)| c);
+    let mut remedies = Vec::new();
+    let mut add = |r: &PlanRequest, what: String, edits: Vec<Edit>, changes_numbers: bool| -> Result<(), TrainError> {
+        if let Some(remedy) = remedy(r, what, edits, changes_numbers, &names, costs.as_ref())? {
+            remedies.push(remedy);
+        }
+        Ok(())
+    };
+    // The planner's own choices, when the user fixed them.
+    let pinned = req.micro_batch.is_some() || req.checkpoint != CheckpointChoice::Auto;
+    if pinned && req.capacity.is_some() {
+        let free = PlanRequest { micro_batch: None, checkpoint: CheckpointChoice::Auto, ..req.clone() };
+        let mut edits = vec![Edit::Remove("--micro-batch")];
+        if req.checkpoint != CheckpointChoice::Auto {
+            edits.push(Edit::Set("--checkpoint", "auto".into()));
+        }
+        add(&free, "let the planner choose the micro-batch and checkpointing".into(), edits, false)?;
+    }
+    // A budget that fits the run as asked.
+    if needs > 0 {
+        let flag = planner::memory_flag(planner::with_margin(req, needs));
+        if let Ok(bytes) = memfit_tensor::memory::parse_bytes(&flag) {
+            let larger = PlanRequest { capacity: Some(bytes), ..req.clone() };
+            add(&larger, format!("a budget of {flag}"), vec![Edit::Set("--memory", flag.clone())], false)?;
+        }
+    }
+    // Half storage of saved activations.
+    if req.precision == Precision::Fp32 && req.capacity.is_some() {
+        let half = PlanRequest { precision: Precision::Bf16, ..req.clone() };
+        let edits = vec![Edit::Set("--precision", "bf16".into())];
+        add(&half, "saved activations in bf16".into(), edits, true)?;
+    }
+    // Two ranks, each with the budget (each needs a sample of every batch).
+    if req.parallel.is_none() && req.capacity.is_some() && req.effective_batch >= 2 {
+        let zero = PlanRequest { parallel: Some((ParallelMode::Zero1, 2)), ..req.clone() };
+        let edits = vec![Edit::Set("--parallel", "zero1".into())];
+        add(&zero, "2 ranks with the optimizer state split (ZeRO-1)".into(), edits, false)?;
+        if let Some(r) = pipeline_remedy(req, costs.as_ref())? {
+            remedies.push(r);
+        }
+    }
+    // `plan` plans ranks of every mode with one command (`--devices 2`): name it once.
+    let mut seen = std::collections::HashSet::new();
+    remedies.retain(|r| seen.insert(r.command.clone()));
+    remedies.sort_by(|a, b| {
+        let rank = |r: &Remedy| (r.changes_numbers, r.unavailable.is_some());
+        rank(a).cmp(&rank(b)).then(
+            a.predicted_step_time_ms
+                .unwrap_or(f64::INFINITY)
+                .total_cmp(&b.predicted_step_time_ms.unwrap_or(f64::INFINITY)),
+        )
+    });
+    Ok(Diagnosis { problem: problem(req, needs), capacity_bytes: req.capacity, needs_bytes: needs, remedies })
+}
+
+/// The remedy that applies `edits`, planned as `r`; None when it does not fit either.
+fn remedy(
+    r: &PlanRequest,
+    what: String,
+    edits: Vec<Edit>,
+    changes_numbers: bool,
+    names: &[String],
+    costs: Option<&crate::cost::CostModel>,
+) -> Result<Option<Remedy>, TrainError> {
+    let p = match planner::plan_unexplained(r) {
+        Ok(p) => p,
+        Err(TrainError::DoesNotFit(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let ranks = r.parallel.map_or(1, |(_, n)| n);
+    let step = p.predicted_step_ms.or_else(|| {
+        costs.map(|c| {
+            let checkpointed = match &p.checkpoint {
+                CheckpointChoice::All => names.to_vec(),
+                other => other.segment_names(),
+            };
+            let half = p.precision.saved_dtype().is_some();
+            let mut t = c.step_ms_in(r.rank_batch(), p.micro_batch, &checkpointed, half);
+            if let Some((mode, _)) = r.parallel {
+                t += crate::parallel::communication_ms(mode, &p);
+            }
+            t
+        })
+    });
+    Ok(Some(Remedy {
+        what,
+        plan: plan_words(&p, ranks),
+        command: command(&edits, ranks),
+        flags: flags_of(&edits),
+        predicted_peak_reserved_bytes: p.predicted.peak_reserved,
+        predicted_step_time_ms: step,
+        nominal_time: costs.is_some_and(|c| c.nominal),
+        changes_numbers,
+        ranks,
+        unavailable: unavailable(ranks),
+    }))
+}
+
+/// A GPT cut into two pipeline stages, each rank holding half of it.
+fn pipeline_remedy(req: &PlanRequest, costs: Option<&crate::cost::CostModel>) -> Result<Option<Remedy>, TrainError> {
+    let Some(units) = memfit_nn::stage_units(&req.model) else { return Ok(None) };
+    let whole = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    let staged = match crate::pipeline::plan_stages(&whole, 2, costs) {
+        Ok(s) => s,
+        Err(TrainError::Invalid(_) | TrainError::DoesNotFit(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let cut: Vec<String> = staged.stages.iter().map(|r| crate::pipeline::describe_units(r, units)).collect();
+    Ok(Some(Remedy {
+        what: "2 pipeline ranks, each holding part of the model".into(),
+        plan: format!("stages {}, micro-batch {}", cut.join(" | "), staged.micro_batch),
+        command: command(&[Edit::Set("--parallel", "pipeline".into())], 2),
+        flags: flags_of(&[Edit::Set("--parallel", "pipeline".into())]),
+        predicted_peak_reserved_bytes: staged.per_stage.iter().map(|p| p.peak_reserved).max().unwrap_or(0),
+        predicted_step_time_ms: None,
+        nominal_time: false,
+        changes_numbers: false,
+        ranks: 2,
+        unavailable: unavailable(2),
+    }))
+}
+
+/// Why this memfit cannot run a remedy on `ranks` ranks: `train` needs MPI for ranks (`plan` plans
+/// for them with `--devices` anywhere).
+fn unavailable(ranks: usize) -> Option<String> {
+    let planning = std::env::args().nth(1).as_deref() == Some("plan");
+    (ranks > 1 && !planning && !memfit_dist::MPI).then(|| {
+        "ranks need a memfit built with MPI: `cargo build --release --features mpi` (Debian: apt-get install \
+         libopenmpi-dev openmpi-bin libclang-dev)"
+            .to_string()
+    })
+}
+
+/// "micro-batch 8 x 4 accumulation steps = effective batch 32, checkpointing blocks.0, bf16 storage".
+fn plan_words(p: &Plan, ranks: usize) -> String {
+    let mut s = match ranks {
+        1 => planner::window_words(p.effective_batch, p.micro_batch),
+        _ => format!(
+            "micro-batch {} x {} on each of {ranks} ranks = effective batch {}",
+            p.micro_batch, p.accumulation_steps, p.effective_batch
+        ),
+    };
+    match &p.checkpoint {
+        CheckpointChoice::All => s.push_str(", every segment checkpointed"),
+        CheckpointChoice::Segments(names) => s.push_str(&format!(", checkpointing {}", names.join(", "))),
+        CheckpointChoice::None | CheckpointChoice::Auto => {}
+    }
+    if p.precision.saved_dtype().is_some() {
+        s.push_str(&format!(", {} storage", p.precision.name()));
+    }
+    s
+}
+
+/// The command line that applies `edits`: this process's own (when it is the `memfit` command) with
+/// each edited flag set or removed, the rest as the user gave it; on `ranks` ranks, under `mpirun` for
+/// `train` and with `--devices` for `plan`. Outside `memfit` (a library caller), the edits alone.
+pub fn command(edits: &[Edit], ranks: usize) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    let is_memfit = args.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == "memfit");
+    let planning = args.get(1).is_some_and(|a| a == "plan");
+    let mut edits = edits.to_vec();
+    if planning && ranks > 1 {
+        edits.retain(|e| !matches!(e, Edit::Set("--parallel", _)));
+        edits.push(Edit::Set("--devices", ranks.to_string()));
+    }
+    let name_of = |e: &Edit| match e {
+        Edit::Set(f, _) | Edit::Remove(f) => *f,
+    };
+    if !is_memfit {
+        let words: Vec<String> = edits
+            .iter()
+            .map(|e| match e {
+                Edit::Set(f, v) => format!("{f} {v}"),
+                Edit::Remove(f) => format!("without {f}"),
+            })
+            .collect();
+        return format!("flags: {}", words.join(", "));
+    }
+    let mut out = vec!["memfit".to_string()];
+    let mut rest = args[1..].iter();
+    while let Some(arg) = rest.next() {
+        let name = arg.split('=').next().unwrap_or(arg);
+        if edits.iter().any(|e| name_of(e) == name) {
+            if !arg.contains('=') && name.starts_with("--") && !is_switch(name) {
+                rest.next(); // its value
+            }
+            continue;
+        }
+        out.push(arg.clone());
+    }
+    for e in &edits {
+        if let Edit::Set(flag, value) = e {
+            out.push(flag.to_string());
+            out.push(value.clone());
+        }
+    }
+    let line = out.join(" ");
+    match ranks > 1 && !planning {
+        true => format!("mpirun -np {ranks} {line}"),
+        false => line,
+    }
+}
+
+/// `edits` as data: (flag, value), the value None for a flag removed.
+fn flags_of(edits: &[Edit]) -> Vec<(String, Option<String>)> {
+    edits
+        .iter()
+        .map(|e| match e {
+            Edit::Set(f, v) => (f.to_string(), Some(v.clone())),
+            Edit::Remove(f) => (f.to_string(), None),
+        })
+        .collect()
+}
+
+/// Flags that take no value (their next word is another flag).
+fn is_switch(flag: &str) -> bool {
+    matches!(flag, "--no-eval" | "--json")
+}
