@@ -556,9 +556,13 @@ fn checkpoint_every_and_checkpoint_dir_write_resumable_checkpoints() {
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     names.sort();
     assert_eq!(names.iter().filter(|n| n.ends_with(".model.safetensors")).count(), 2, "{names:?}");
-    let resumed = memfit(&["train", "--resume", d]);
+    // The run is finished: resuming it says so; a longer --max-steps extends it.
+    let finished = memfit(&["train", "--resume", d]);
+    assert_eq!(finished.status.code(), Some(1), "{}", text(&finished));
+    assert!(text(&finished).contains("nothing was left to do"), "{}", text(&finished));
+    let resumed = memfit(&["train", "--resume", d, "--max-steps", "3"]);
     assert!(resumed.status.success(), "{}", text(&resumed));
-    assert!(text(&resumed).contains("for 2 steps"), "{}", text(&resumed));
+    assert!(text(&resumed).contains("for 3 steps"), "{}", text(&resumed));
 }
 
 /// `memfit` with a cost cache of its own, so tests never touch the user's.

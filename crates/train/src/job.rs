@@ -155,6 +155,16 @@ fn train_in_pool(
     let task_metadata: std::collections::BTreeMap<String, String> = task.checkpoint_metadata().into_iter().collect();
     if let Some(ckpt) = &resumed {
         ckpt.check_task(train_samples.len(), &task_metadata)?;
+        let per_epoch = train_samples.len().div_ceil(cfg.batch_size.min(train_samples.len().max(1)));
+        let total = crate::trainer::total_steps(per_epoch, cfg.epochs, cfg.max_steps)?;
+        let done = ckpt.state.progress.steps;
+        if done >= total {
+            return Err(TrainError::Invalid(format!(
+                "the run in {} has trained {done} steps and this one asks for {total}: nothing was left to do; give \
+                 --max-steps N (above {done}) or --epochs N to train it further, exactly as one longer run would",
+                ckpt.dir.display()
+            )));
+        }
     }
     observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
     // A batch larger than the data is the data: one step takes every sample (the numbers are the
@@ -349,7 +359,8 @@ fn train_in_pool(
             }
             observer.step(e);
             let signal = observer.interrupted();
-            let due = cfg.save_every.is_some_and(|n| p.steps % n == 0);
+            // Every N steps, and after the last (so a finished run can be extended with --resume).
+            let due = cfg.save_every.is_some_and(|n| p.steps % n == 0) || e.step == e.total_steps;
             let mut written = None;
             if let (Some(dir), true) = (&cfg.save_dir, lead && (due || signal.is_some())) {
                 let path = crate::resume::write(dir, cfg.keep, &template, s, p)?;

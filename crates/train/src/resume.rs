@@ -15,7 +15,10 @@
 //!   overwritten by the saved weights anyway); no step draws random numbers;
 //! - the micro-batch in force and the streak since the last recovery (so the windows split the same way),
 //!   the plan, and every flag that changes the numbers ([`RunSpec`]): a resumed run takes them from
-//!   the checkpoint, and refuses a flag given with another value, naming it.
+//!   the checkpoint, and refuses a flag given with another value, naming it; except the run's length
+//!   ([`HORIZON`]: `--max-steps`, `--epochs`), which no step depends on, so `--resume DIR --max-steps N`
+//!   extends a finished run (a run with `--save-dir` writes a checkpoint after its last step) into
+//!   exactly the run of N steps.
 //!
 //! A checkpoint is three files written through `output::write_atomic` (temporary file, fsync, rename,
 //! fsync of the directory): the two safetensors files, then `step-K.json`, which holds the small
@@ -118,10 +121,12 @@ impl RunSpec {
         Ok(())
     }
 
-    /// The settings in which `self` (the checkpoint's) and `given` differ: (flag id, saved, given).
+    /// The settings in which `self` (the checkpoint's) and `given` differ: (flag id, saved, given). The
+    /// run's length ([`HORIZON`]) may differ: it extends or shortens the run, and changes no step.
     pub fn differences(&self, given: &RunSpec) -> Vec<(String, String, String)> {
         let (a, b) = (fields(self), fields(given));
         a.into_iter()
+            .filter(|(id, _)| !HORIZON.contains(&id.as_str()))
             .filter_map(|(id, saved)| {
                 let other = b.get(&id).cloned().unwrap_or(serde_json::Value::Null);
                 (other != saved).then(|| (id, show(&saved), show(&other)))
@@ -129,6 +134,12 @@ impl RunSpec {
             .collect()
     }
 }
+
+/// The settings that say how long a run is (`--epochs`, `--max-steps`), not what any of its steps
+/// computes: the first N steps of a longer run are the steps of a run of N (the data order is a
+/// function of the seed and the epoch; nothing depends on the total), so a resumed run may change them
+/// to extend a finished run exactly (Note [Exact resume]).
+pub const HORIZON: [&str; 2] = ["epochs", "max_steps"];
 
 fn fields(spec: &RunSpec) -> BTreeMap<String, serde_json::Value> {
     match serde_json::to_value(spec) {
@@ -303,7 +314,15 @@ impl Checkpoint {
         if let Some(e) = self.refusal(&differ) {
             return Err(e);
         }
+        let (epochs, max_steps) = (cfg.epochs, cfg.max_steps);
         self.state.spec.apply_to(cfg)?;
+        // A length given extends (or ends) the run; not given, the run keeps its own.
+        if given("epochs") {
+            cfg.epochs = epochs;
+        }
+        if given("max_steps") {
+            cfg.max_steps = max_steps;
+        }
         let o = &self.state.outputs;
         if !given("save") {
             cfg.save = o.save.clone();

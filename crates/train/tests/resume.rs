@@ -169,6 +169,31 @@ fn periodic_checkpoints_keep_the_newest_and_resume_after_a_crash() {
     train(&loaded, &mut Quiet).expect("a checkpoint's weights load with --load");
 }
 
+/// A finished run extended with `--max-steps` ends exactly as one longer run; resuming a finished run
+/// without a longer horizon says nothing was left to do.
+#[test]
+fn a_finished_run_extends_into_exactly_the_longer_run() {
+    let dir = scratch("extend");
+    for (name, cfg) in [("simplecnn", image_config()), ("gpt", gpt_config(&dir))] {
+        let long_path = dir.join(format!("{name}-long.safetensors"));
+        let long = train(&TrainConfig { max_steps: Some(9), save: Some(long_path.clone()), ..cfg.clone() }, &mut Quiet)
+            .unwrap();
+        let save_dir = dir.join(format!("{name}-ckpt"));
+        let short = TrainConfig { save_dir: Some(save_dir.clone()), ..cfg.clone() };
+        train(&short, &mut Quiet).unwrap();
+        let e = train(&TrainConfig { resume: Some(save_dir.clone()), ..short.clone() }, &mut Quiet)
+            .expect_err("finished")
+            .to_string();
+        assert!(e.contains("nothing was left to do") && e.contains("--max-steps N (above 6)"), "{e}");
+        let out = dir.join(format!("{name}-extended.safetensors"));
+        let extended = TrainConfig { resume: Some(save_dir), max_steps: Some(9), save: Some(out.clone()), ..short };
+        let summary = train(&extended, &mut Quiet).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(tensors(&out) == tensors(&long_path), "{name}: the extended run's parameters differ");
+        assert_eq!(summary.outcome.steps, 9);
+        assert_eq!(summary.outcome.last_loss, long.outcome.last_loss, "{name}");
+    }
+}
+
 #[test]
 fn a_setting_that_differs_from_the_checkpoint_is_refused_by_name() {
     let dir = scratch("refused");
