@@ -694,6 +694,33 @@ fn meta_models_cannot_be_saved_but_can_check_a_checkpoint() {
     std::fs::remove_file(&path).unwrap();
 }
 
+/// The same model with the same metadata saves to the same bytes every time (the safetensors crate
+/// writes metadata in a hash map's order; memfit sorts the header), and the file still reads back.
+#[test]
+fn saving_is_byte_reproducible() {
+    let spec = ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10);
+    let model = build_model(&spec, &Device::cpu(), 3).unwrap();
+    let tensors = checkpoint::state_dict(model.as_ref());
+    let metadata: std::collections::HashMap<String, String> =
+        (0..12).map(|i| (format!("key{i}"), format!("value {i}"))).collect();
+    let path = scratch("reproducible.safetensors");
+    let first = checkpoint::to_bytes(&path, &tensors, Some(metadata.clone())).unwrap();
+    for _ in 0..4 {
+        let again: std::collections::HashMap<String, String> = metadata.clone().into_iter().collect();
+        assert!(checkpoint::to_bytes(&path, &tensors, Some(again)).unwrap() == first, "the bytes differ");
+    }
+    let header_len = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
+    assert_eq!(header_len % 8, 0, "the header stays 8-byte aligned");
+    std::fs::write(&path, &first).unwrap();
+    assert_eq!(checkpoint::read_metadata(&path).unwrap().unwrap(), {
+        let mut m = metadata;
+        m.insert("format".into(), "pt".into());
+        m
+    });
+    checkpoint::load(&path, build_model(&spec, &Device::cpu(), 4).unwrap().as_ref()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+}
+
 // ---------------------------------------------------------------- golden PyTorch values
 
 #[test]
