@@ -1,9 +1,10 @@
 //! The time side of planning. The meta device predicts a configuration's memory exactly; how long a
 //! step takes depends on this machine, so it is measured: [`calibrate`] times a few real training
-//! steps on `cpu` (synthetic data, no cap) at micro-batches 1, 4, 16, ... until a step gets long,
+//! steps on `cpu` (synthetic data, no cap) at micro-batches 1, 2, 4, 8, ... until a step gets long,
 //! times the largest again with every segment checkpointed and again with bf16 storage, profiles which
-//! share of the forward each segment takes, and times the optimizer update alone (the fastest of a
-//! few steps counts: other work on a shared machine only adds time). The result, a [`CostModel`],
+//! share of the forward each segment takes (in a step of its own: recording spans costs time), and
+//! times the optimizer update alone. Each time is the median of at least five steps, more for short
+//! ones (a run's report gives its median too). The result, a [`CostModel`],
 //! predicts the step time of any micro-batch, checkpointed set and storage precision:
 //!
 //! step = optimizer + (1 + half) * sum over the window's micro-batches m of
@@ -28,12 +29,17 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// Optimizer steps timed per measurement; one more runs first (it creates the optimizer state). The
-/// fastest counts: other work on the machine only ever adds time.
-const TIMED_STEPS: usize = 3;
+/// Optimizer steps timed per measurement at least; one more runs first (it creates the optimizer
+/// state). The median counts, as in a run's report.
+const TIMED_STEPS: usize = 5;
+/// Short steps are timed until they add up to this much (a few milliseconds a step vary by a third
+/// from run to run on a shared machine)...
+const MIN_TIMED_MS: f64 = 150.0;
+/// ...or this many steps.
+const MAX_TIMED_STEPS: usize = 60;
 /// Calibration stops growing the micro-batch when the next one would take about this long a step (or
 /// at the effective batch).
-const LONG_STEP_MS: f64 = 500.0;
+const LONG_STEP_MS: f64 = 250.0;
 /// The largest micro-batch calibration measures.
 const MAX_CALIBRATION_MICRO: usize = 256;
 /// Calibration runs real steps on this host only for a model whose micro-batch-1 step needs at most
@@ -75,6 +81,11 @@ pub struct CostModel {
     /// the usual proportions (cost linear in the samples, a re-run forward a third of a step).
     #[serde(default)]
     pub nominal: bool,
+    /// The model's kernels share a micro-batch's samples out to this many threads, so a micro-batch
+    /// costs as much as the next multiple of it (with 2 threads, 3 samples take as long as 4); 0 or 1
+    /// when calibration found no such steps. Measured, not assumed: see [`calibrate`].
+    #[serde(default)]
+    pub sample_rounds: usize,
 }
 
 impl CostModel {
@@ -90,12 +101,13 @@ impl CostModel {
             segments: segments.iter().map(|s| (s.clone(), 1.0 / segments.len() as f64)).collect(),
             calibration_ms: 0.0,
             nominal: true,
+            sample_rounds: 0,
         }
     }
 
     /// Forward and backward of a micro-batch of `m` with `checkpointed` segments (names) re-run.
     pub fn micro_ms(&self, m: usize, checkpointed: &[String]) -> f64 {
-        let plain = interpolate(&self.micro, &self.plain_ms, m);
+        let plain = interpolate(&self.micro, &self.plain_ms, m.next_multiple_of(self.sample_rounds.max(1)));
         let share: f64 = checkpointed.iter().map(|s| self.share(s)).sum();
         plain * (1.0 + self.recompute * share)
     }
@@ -208,7 +220,7 @@ pub fn default_cache() -> Option<PathBuf> {
 /// What a cost model depends on besides the machine itself.
 fn cache_key(req: &PlanRequest) -> String {
     format!(
-        "costs v2 | {:?} | {} | isa {} | threads {} | memfit {}",
+        "costs v3 | {:?} | {} | isa {} | threads {} | memfit {}",
         req.model,
         // The kind of optimizer, not its rates: they do not change the time.
         format!("{:?}", req.optimizer).split([' ', '{', '(']).next().unwrap_or_default(),
@@ -224,17 +236,19 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
     let effective = req.effective_batch.clamp(1, MAX_CALIBRATION_MICRO);
     let (mut micro, mut plain_ms) = (Vec::new(), Vec::new());
     let mut m = 1;
-    let (optimizer_ms, profile) = loop {
-        let measured = time_steps(req, m, &CheckpointChoice::None, segments)?;
+    let optimizer_ms = loop {
+        let measured = time_steps(req, m, &CheckpointChoice::None)?;
         micro.push(m);
         plain_ms.push(measured.step_ms);
-        let next_too_long = measured.step_ms * ((m * 4).min(effective) as f64 / m as f64) > LONG_STEP_MS;
+        let next_too_long = measured.step_ms * ((m * 2).min(effective) as f64 / m as f64) > LONG_STEP_MS;
         if m == effective || next_too_long {
-            break (measured.optimizer_ms, measured.segment_ms);
+            break measured.optimizer_ms;
         }
-        m = (m * 4).min(effective);
+        m = (m * 2).min(effective);
     };
     let largest = *micro.last().expect("one micro-batch measured");
+    let sample_rounds = sample_rounds(req, &micro, &plain_ms, optimizer_ms)?;
+    let profile = segment_forward_ms(req, largest, segments)?;
     for p in plain_ms.iter_mut() {
         *p = (*p - optimizer_ms).max(0.0);
     }
@@ -243,9 +257,9 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
     let extra = |step_ms: f64| if plain > 0.0 { ((step_ms - optimizer_ms) / plain - 1.0).max(0.0) } else { 0.0 };
     let recompute = match segments.is_empty() {
         true => 0.0,
-        false => extra(time_steps(req, largest, &CheckpointChoice::All, segments)?.step_ms),
+        false => extra(time_steps(req, largest, &CheckpointChoice::All)?.step_ms),
     };
-    let half = time_steps_in(req, largest, &CheckpointChoice::None, segments, Some(memfit_tensor::DType::BF16))?;
+    let half = time_steps_in(req, largest, &CheckpointChoice::None, Some(memfit_tensor::DType::BF16))?;
     let half_overhead = extra(half.step_ms);
     let total: f64 = profile.values().sum();
     let shares = segments
@@ -267,7 +281,31 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         segments: shares,
         calibration_ms: start.elapsed().as_secs_f64() * 1e3,
         nominal: false,
+        sample_rounds,
     })
+}
+
+/// Note [Samples in rounds]: kernels that split a micro-batch's samples between threads (convolutions,
+/// pooling) take as long for 3 samples as for 4 on 2 threads: the thread with two samples sets the time.
+/// Interpolating between the measured powers of two then under-predicts odd micro-batches (deepcnn's
+/// 3 x 22 ran 30% slower than predicted), and the planner picked them. Calibration times one micro-batch
+/// of threads + 1 samples: when its time is nearer the next multiple of the thread count's than the
+/// interpolated one, the model rounds every micro-batch up to a multiple of the threads
+/// ([`CostModel::sample_rounds`]), and the planner prefers even splits. A GPT's kernels split rows of
+/// tokens instead, and its model keeps plain interpolation.
+///
+/// `micro` and `plain` (with the optimizer still in) are the measured points.
+fn sample_rounds(req: &PlanRequest, micro: &[usize], plain: &[f64], optimizer_ms: f64) -> Result<usize, TrainError> {
+    let threads = rayon::current_num_threads();
+    let (odd, even) = (threads + 1, 2 * threads);
+    if threads < 2 || !micro.contains(&even) || micro.contains(&odd) {
+        return Ok(0);
+    }
+    let measured = time_steps(req, odd, &CheckpointChoice::None)?.step_ms - optimizer_ms;
+    let plain: Vec<f64> = plain.iter().map(|p| p - optimizer_ms).collect();
+    let linear = interpolate(micro, &plain, odd);
+    let rounded = interpolate(micro, &plain, even);
+    Ok(if (measured - rounded).abs() < (measured - linear).abs() { threads } else { 0 })
 }
 
 /// What one measurement gives.
@@ -276,34 +314,27 @@ struct Measured {
     step_ms: f64,
     /// Fastest optimizer update alone (ms).
     optimizer_ms: f64,
-    /// Forward time of each segment (ms).
-    segment_ms: BTreeMap<String, f64>,
 }
 
-/// Times optimizer steps of one micro-batch of `micro`, profiling the segments' forward, then the
-/// optimizer update alone (on zero gradients: its arithmetic does not depend on the values).
-fn time_steps(
+/// Times optimizer steps of one micro-batch of `micro` (unprofiled: recording spans costs time the
+/// runs being planned do not pay), then the optimizer update alone (on zero gradients: its arithmetic
+/// does not depend on the values).
+fn time_steps(req: &PlanRequest, micro: usize, checkpoint: &CheckpointChoice) -> Result<Measured, TrainError> {
+    time_steps_in(req, micro, checkpoint, None)
+}
+
+/// A session of `req`'s model on `cpu` and the options of `steps` one-micro-batch steps of `micro`.
+fn timing_session(
     req: &PlanRequest,
     micro: usize,
     checkpoint: &CheckpointChoice,
-    segments: &[String],
-) -> Result<Measured, TrainError> {
-    time_steps_in(req, micro, checkpoint, segments, None)
-}
-
-/// [`time_steps`] with saved activations in `saved` (None: as computed).
-fn time_steps_in(
-    req: &PlanRequest,
-    micro: usize,
-    checkpoint: &CheckpointChoice,
-    segments: &[String],
     saved: Option<memfit_tensor::DType>,
-) -> Result<Measured, TrainError> {
+    steps: usize,
+) -> Result<(Session, Box<dyn crate::samples::Samples>, RunOptions), TrainError> {
     let device = Device::cpu();
-    let mut session = Session::new(device.clone(), &req.model, req.optimizer, req.seed)?;
+    let session = Session::new(device.clone(), &req.model, req.optimizer, req.seed)?;
     session.set_checkpointing(checkpoint)?;
     device.set_saved_dtype(saved)?;
-    let steps = TIMED_STEPS + 1;
     let train = synthetic(&req.model, steps * micro, req.seed);
     let opts = RunOptions {
         effective_batch: micro,
@@ -316,17 +347,25 @@ fn time_steps_in(
         grow_after: usize::MAX,
         record_samples: false,
     };
-    device.set_profiling(true);
+    Ok((session, train, opts))
+}
+
+/// [`time_steps`] with saved activations in `saved` (None: as computed).
+fn time_steps_in(
+    req: &PlanRequest,
+    micro: usize,
+    checkpoint: &CheckpointChoice,
+    saved: Option<memfit_tensor::DType>,
+) -> Result<Measured, TrainError> {
+    let (mut session, train, opts) = timing_session(req, micro, checkpoint, saved, TIMED_STEPS + 1)?;
     let outcome = session.run(train.as_ref(), None, &opts, &mut |_| {})?;
-    device.set_profiling(false);
-    let names = device.module_names();
-    let spans: Vec<(String, u64, u64)> = device
-        .take_spans()
-        .into_iter()
-        .filter(|s| s.kind == SpanKind::Module && s.phase == Phase::Forward)
-        .map(|s| (names.get(s.module as usize).cloned().unwrap_or_default(), s.start_ns, s.end_ns))
-        .collect();
-    let segment_ms = segment_times(&spans, segments);
+    let mut times = outcome.step_times_ms.get(1..).unwrap_or(&[]).to_vec();
+    // Short steps are noisy: time more of them, up to MIN_TIMED_MS in all.
+    let more = RunOptions { max_steps: Some(TIMED_STEPS), ..opts };
+    while times.iter().sum::<f64>() < MIN_TIMED_MS && times.len() < MAX_TIMED_STEPS {
+        times.extend(session.run(train.as_ref(), None, &more, &mut |_| {})?.step_times_ms);
+    }
+    let device = session.device.clone();
     for (_, p) in session.model.parameters() {
         p.set_grad(Some(Tensor::zeros(&device, p.shape(), p.dtype(), Category::Gradient)?));
     }
@@ -336,12 +375,39 @@ fn time_steps_in(
         session.optimizer.step()?;
         updates.push(start.elapsed().as_secs_f64() * 1e3);
     }
-    let fastest = |times: &[f64]| times.iter().copied().fold(f64::INFINITY, f64::min).min(f64::MAX);
-    Ok(Measured {
-        step_ms: fastest(outcome.step_times_ms.get(1..).unwrap_or(&[])),
-        optimizer_ms: fastest(&updates),
-        segment_ms,
-    })
+    Ok(Measured { step_ms: crate::trainer::median(&times), optimizer_ms: crate::trainer::median(&updates) })
+}
+
+/// The forward time of each segment at micro-batch `micro`, from a profiled step (the second: the
+/// first creates the optimizer state); empty without segments.
+fn segment_forward_ms(
+    req: &PlanRequest,
+    micro: usize,
+    segments: &[String],
+) -> Result<BTreeMap<String, f64>, TrainError> {
+    if segments.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let (mut session, train, opts) = timing_session(req, micro, &CheckpointChoice::None, None, 2)?;
+    let device = session.device.clone();
+    let mut steps = 0;
+    session.run(train.as_ref(), None, &opts, &mut |_| {
+        steps += 1;
+        // Profile the second step only.
+        device.set_profiling(steps == 1);
+        if steps == 1 {
+            let _ = device.take_spans();
+        }
+    })?;
+    device.set_profiling(false);
+    let names = device.module_names();
+    let spans: Vec<(String, u64, u64)> = device
+        .take_spans()
+        .into_iter()
+        .filter(|s| s.kind == SpanKind::Module && s.phase == Phase::Forward)
+        .map(|s| (names.get(s.module as usize).cloned().unwrap_or_default(), s.start_ns, s.end_ns))
+        .collect();
+    Ok(segment_times(&spans, segments))
 }
 
 /// Forward time of each segment: the union of the intervals of its modules' spans (modules nest).
@@ -383,6 +449,7 @@ mod tests {
             segments: [("a".to_string(), 0.25), ("b".to_string(), 0.75)].into_iter().collect(),
             calibration_ms: 0.0,
             nominal: false,
+            sample_rounds: 0,
         }
     }
 
@@ -411,6 +478,16 @@ mod tests {
         assert_eq!(c.step_ms(10, 4, &[]), 1.0 + 5.0 + 5.0 + 3.0);
         assert_eq!(c.step_ms(4, 16, &[]), 1.0 + 5.0, "a micro-batch above the batch is the batch");
         assert_eq!(c.share("b"), 0.75);
+    }
+
+    #[test]
+    fn samples_shared_out_to_threads_cost_a_whole_round() {
+        let rounds = CostModel { sample_rounds: 2, ..model() };
+        assert_eq!(rounds.micro_ms(3, &[]), rounds.micro_ms(4, &[]), "3 samples on 2 threads take as long as 4");
+        assert_eq!(rounds.micro_ms(4, &[]), 5.0);
+        assert!(model().micro_ms(3, &[]) < model().micro_ms(4, &[]));
+        // So the planner's fastest split of 12 samples is 4 x 3, not 3 x 4 (which pays for 4 x 4).
+        assert!(rounds.step_ms(12, 4, &[]) < rounds.step_ms(12, 3, &[]));
     }
 
     #[test]

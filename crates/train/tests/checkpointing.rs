@@ -200,6 +200,7 @@ fn given_costs(segments: usize) -> Costs {
         segments: (0..segments).map(|i| (format!("blocks.{i}"), 1.0 / segments as f64)).collect(),
         calibration_ms: 0.0,
         nominal: false,
+        sample_rounds: 0,
     })
 }
 

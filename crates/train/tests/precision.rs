@@ -133,6 +133,7 @@ fn costs() -> Costs {
         segments: (0..2).map(|i| (format!("blocks.{i}"), 0.5)).collect(),
         calibration_ms: 0.0,
         nominal: false,
+        sample_rounds: 0,
     })
 }
 
