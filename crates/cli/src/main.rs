@@ -541,13 +541,13 @@ impl Observer for Progress {
         eprint!("{}", plan.describe(self.model));
     }
 
-    fn staged(&mut self, plan: &memfit_train::pipeline::StagePlan, spec: &ModelSpec) {
+    fn staged(&mut self, plan: &memfit_train::stages::StagePlan, spec: &ModelSpec) {
         let units = memfit_nn::stage_units(spec).unwrap_or(0);
         eprintln!("pipeline of {} stages, micro-batch {}:", plan.stages.len(), plan.micro_batch);
         for (rank, (range, p)) in plan.stages.iter().zip(&plan.per_stage).enumerate() {
             eprintln!(
                 "  rank {rank}: {} (predicted peak {} allocated, {} reserved)",
-                memfit_train::pipeline::describe_units(range, units),
+                memfit_train::stages::describe_units(range, units),
                 format_bytes(p.peak_allocated),
                 format_bytes(p.peak_reserved)
             );
@@ -757,7 +757,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         safety_margin: a.safety_margin,
         checkpoint: checkpoint_or_default(a.checkpoint.clone(), a.memory),
         seed: a.seed,
-        costs: memfit_train::cost::default_cache()
+        costs: memfit_train::calibration::default_cache()
             .map_or(memfit_train::cost::Costs::Calibrate, memfit_train::cost::Costs::Cached),
         micro_batch: a.micro_batch.map(|m| m as usize),
         precision: a.precision,
@@ -873,18 +873,18 @@ fn gpt_flags(request: &PlanRequest) -> String {
     .collect()
 }
 
-/// `plan --devices N`: each parallel mode on `n` ranks (memfit_train::parallel::plan_devices), as JSON
+/// `plan --devices N`: each parallel mode on `n` ranks (memfit_train::devices::plan_devices), as JSON
 /// and as text, with one device's predicted step time beside them.
 fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Result<(serde_json::Value, String), String> {
     let names = memfit_train::planner::segment_names(request).map_err(|e| e.to_string())?;
-    let (costs, _) = memfit_train::cost::model_for(request, &names).map_err(|e| e.to_string())?;
-    let plans = memfit_train::parallel::plan_devices(request, n, Some(&costs)).map_err(|e| e.to_string())?;
+    let (costs, _) = memfit_train::calibration::model_for(request, &names).map_err(|e| e.to_string())?;
+    let plans = memfit_train::devices::plan_devices(request, n, Some(&costs)).map_err(|e| e.to_string())?;
     let batch = request.effective_batch as f64;
     let unit = if costs.nominal { " units" } else { " ms" };
     let per = if costs.nominal { "1000 units" } else { "s" };
     let mut text = format!(
         "on {n} devices (each with the budget; communication at a nominal {:.1} GB/s):\n",
-        memfit_train::parallel::NOMINAL_ALLREDUCE_BYTES_PER_S / 1e9
+        memfit_train::devices::NOMINAL_ALLREDUCE_BYTES_PER_S / 1e9
     );
     if let Some(p) = single {
         let checkpointed = match &p.checkpoint {

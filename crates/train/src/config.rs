@@ -6,6 +6,9 @@ use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::DeviceKind;
 use std::path::PathBuf;
 
+/// `--data embedded` selects the data shipped inside memfit even when other data is installed.
+pub const EMBEDDED: &str = "embedded";
+
 /// Bounds of every size a user gives (the CLI's value parsers and the job both use them): past these a
 /// run is a typo, and inside them every product memfit forms (samples x steps, batch x sample bytes)
 /// fits in 64 bits.
@@ -39,6 +42,38 @@ pub mod limits {
     /// The most worker threads memfit starts: a sane multiple of the cores.
     pub fn max_threads() -> usize {
         cores().saturating_mul(THREADS_PER_CORE)
+    }
+}
+
+/// How ranks share the work (`--parallel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ParallelMode {
+    /// Replicated model, sharded batch, all-reduced gradients (Note [Data parallel]).
+    Data,
+    /// Data parallel with the optimizer state sharded (Note [ZeRO-1]).
+    Zero1,
+    /// The layer sequence cut into one stage per rank (Note [Pipeline] in `pipeline.rs`).
+    Pipeline,
+}
+
+impl ParallelMode {
+    pub const ALL: [ParallelMode; 3] = [ParallelMode::Data, ParallelMode::Zero1, ParallelMode::Pipeline];
+
+    pub fn parse(text: &str) -> Result<ParallelMode, String> {
+        match text.trim() {
+            "data" => Ok(ParallelMode::Data),
+            "zero1" => Ok(ParallelMode::Zero1),
+            "pipeline" => Ok(ParallelMode::Pipeline),
+            other => Err(format!("unknown parallel mode {other:?}: give data, zero1 or pipeline")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ParallelMode::Data => "data",
+            ParallelMode::Zero1 => "zero1",
+            ParallelMode::Pipeline => "pipeline",
+        }
     }
 }
 
@@ -260,7 +295,7 @@ pub struct TrainConfig {
     /// Continue the run whose newest training checkpoint is in this directory (`--resume`).
     pub resume: Option<PathBuf>,
     /// Training as one of several ranks (`--parallel`, under `mpirun`; Note [Data parallel]).
-    pub parallel: Option<crate::parallel::ParallelMode>,
+    pub parallel: Option<ParallelMode>,
 }
 
 impl TrainConfig {
@@ -310,16 +345,14 @@ impl TrainConfig {
                 self.device.name()
             ));
         }
-        if let Some(mode) = self.parallel.filter(|&m| m != crate::parallel::ParallelMode::Data && resumable) {
+        if let Some(mode) = self.parallel.filter(|&m| m != ParallelMode::Data && resumable) {
             return bad(format!(
                 "--save-dir and --resume are not available with --parallel {} (each rank holds part of the state): \
                  use --parallel data, or --save for the weights",
                 mode.name()
             ));
         }
-        if self.parallel == Some(crate::parallel::ParallelMode::Pipeline)
-            && matches!(self.checkpoint, CheckpointChoice::Segments(_))
-        {
+        if self.parallel == Some(ParallelMode::Pipeline) && matches!(self.checkpoint, CheckpointChoice::Segments(_)) {
             return bad(
                 "--checkpoint with segment names is not available with --parallel pipeline: give all, none or \
                  auto (none)"
@@ -361,9 +394,7 @@ impl TrainConfig {
         if let Some(p) = &self.load {
             inputs.push(NamedPath::file("--load", p));
         }
-        if let Some(p) =
-            self.data.as_ref().filter(|p| self.model == ModelKind::Gpt && p.as_os_str() != crate::task::EMBEDDED)
-        {
+        if let Some(p) = self.data.as_ref().filter(|p| self.model == ModelKind::Gpt && p.as_os_str() != EMBEDDED) {
             inputs.push(NamedPath::file("--data", p));
         }
         (outputs, inputs)
@@ -407,6 +438,29 @@ impl Default for TrainConfig {
     }
 }
 
+/// Optimizer steps of a run with `per_epoch` steps per epoch: `epochs` passes (default one), or
+/// `max_steps` across as many epochs as it takes when no epoch count is given; with both, whichever
+/// ends first. Overflow is an error, never a wrap.
+pub fn total_steps(
+    per_epoch: usize,
+    epochs: Option<usize>,
+    max_steps: Option<usize>,
+) -> Result<usize, crate::TrainError> {
+    let by_epochs = |e: usize| {
+        per_epoch.checked_mul(e).ok_or_else(|| {
+            crate::TrainError::Invalid(format!(
+                "--epochs {e} of {per_epoch} steps each is more steps than memfit can count"
+            ))
+        })
+    };
+    Ok(match (epochs, max_steps) {
+        (None, None) => per_epoch,
+        (None, Some(m)) => m,
+        (Some(e), None) => by_epochs(e)?,
+        (Some(e), Some(m)) => by_epochs(e).map_or(m, |t| t.min(m)),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -437,7 +491,6 @@ mod tests {
 
     #[test]
     fn steps_run_across_epochs_and_never_wrap() {
-        use crate::trainer::total_steps;
         assert_eq!(total_steps(10, None, None).unwrap(), 10);
         assert_eq!(total_steps(10, None, Some(25)).unwrap(), 25);
         assert_eq!(total_steps(10, Some(2), Some(25)).unwrap(), 20);

@@ -1,51 +1,19 @@
-//! The time side of planning. The meta device predicts a configuration's memory exactly; how long a
-//! step takes depends on this machine, so it is measured: [`calibrate`] times a few real training
-//! steps on `cpu` (synthetic data, no cap) at micro-batches 1, 2, 4, 8, ... until a step gets long,
-//! times the largest again with every segment checkpointed and again with bf16 storage, profiles which
-//! share of the forward each segment takes (in a step of its own: recording spans costs time), and
-//! times the optimizer update alone. Each time is the median of at least five steps, more for short
-//! ones (a run's report gives its median too). The result, a [`CostModel`],
-//! predicts the step time of any micro-batch, checkpointed set and storage precision:
+//! The time side of planning: a [`CostModel`] predicts the step time of any micro-batch, checkpointed
+//! set and storage precision of one model on this machine, from times `calibration.rs` measured:
 //!
 //! step = optimizer + (1 + half) * sum over the window's micro-batches m of
 //!        plain(m) * (1 + recompute * sum over checkpointed segments s of share(s))
 //!
 //! where `plain` interpolates the measured forward-and-backward times linearly between the measured
-//! micro-batches (and beyond them keeps the largest one's time per sample), `recompute` is the measured extra time of
-//! checkpointing every segment as a fraction of `plain`, and `half` the measured extra time of
-//! half-precision storage (0 in f32). A model whose micro-batch-1 step would need more than 1 GiB is
-//! not run on this host: it gets [`CostModel::nominal`], said so wherever its times are shown. A model is cached per model, optimizer,
-//! instruction set, thread count and memfit version (`costs.json` in `MEMFIT_CACHE_DIR`, else
-//! `~/.cache/memfit`), so calibration is paid once; the run's report gives the prediction's error.
+//! micro-batches (beyond them keeping the largest one's time per sample; a micro-batch counted as the
+//! next multiple of [`CostModel::sample_rounds`], Note [Samples in rounds]), `recompute` is the
+//! measured extra time of checkpointing every segment as a fraction of `plain`, and `half` the measured
+//! extra time of half-precision storage (0 in f32). A model too large to time on this host gets
+//! [`CostModel::nominal`], said so wherever its times are shown.
 
-use crate::config::CheckpointChoice;
-use crate::error::TrainError;
-use crate::planner::PlanRequest;
-use crate::samples::synthetic;
-use crate::trainer::{RunOptions, Session};
-use memfit_tensor::{Category, Device, Phase, SpanKind, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
-
-/// Optimizer steps timed per measurement at least; one more runs first (it creates the optimizer
-/// state). The median counts, as in a run's report.
-const TIMED_STEPS: usize = 5;
-/// Short steps are timed until they add up to this much (a few milliseconds a step vary by a third
-/// from run to run on a shared machine)...
-const MIN_TIMED_MS: f64 = 150.0;
-/// ...or this many steps.
-const MAX_TIMED_STEPS: usize = 60;
-/// Calibration stops growing the micro-batch when the next one would take about this long a step (or
-/// at the effective batch).
-const LONG_STEP_MS: f64 = 250.0;
-/// The largest micro-batch calibration measures.
-const MAX_CALIBRATION_MICRO: usize = 256;
-/// Calibration runs real steps on this host only for a model whose micro-batch-1 step needs at most
-/// this much memory (the planner may plan for devices far larger than the host); larger models get
-/// [`CostModel::nominal`].
-const MAX_CALIBRATION_BYTES: u64 = 1 << 30;
 
 /// Where the step-time model comes from.
 #[derive(Clone, Debug, Default)]
@@ -152,7 +120,7 @@ pub fn describe_step(nominal: bool, step_ms: f64) -> String {
 /// (below the first, and beyond the last at the last point's time per sample: a slope measured between
 /// two small micro-batches says nothing of larger ones, and extending it made the planner prefer
 /// smaller micro-batches it had never timed).
-fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
+pub(crate) fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
     let x = x as f64;
     let points: Vec<(f64, f64)> = xs.iter().map(|&x| x as f64).zip(ys.iter().copied()).collect();
     match points.as_slice() {
@@ -171,268 +139,6 @@ fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
             (ya + (yb - ya) * (x - xa) / (xb - xa)).max(0.0)
         }
     }
-}
-
-/// The cost model `req.costs` asks for: given, read from its cache, or calibrated (and cached); true
-/// when it was calibrated now.
-pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<(CostModel, bool), TrainError> {
-    let path = match &req.costs {
-        Costs::Given(model) => return Ok((model.clone(), false)),
-        Costs::Calibrate => None,
-        Costs::Cached(path) => Some(path),
-    };
-    let key = cache_key(req);
-    let mut cache: BTreeMap<String, CostModel> = path
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .and_then(|text| serde_json::from_str(&text).ok())
-        .unwrap_or_default();
-    if let Some(model) = cache.get(&key) {
-        return Ok((model.clone(), false));
-    }
-    let fp32 =
-        PlanRequest { checkpoint: CheckpointChoice::None, precision: crate::config::Precision::Fp32, ..req.clone() };
-    let one = crate::planner::predict(&fp32, 1, None, None)?.map_or(u64::MAX, |p| p.peak_reserved);
-    if one > MAX_CALIBRATION_BYTES {
-        return Ok((CostModel::nominal(segments), false));
-    }
-    let model = calibrate(req, segments)?;
-    if let Some(path) = path {
-        cache.insert(key, model.clone());
-        // A cache that cannot be written costs a calibration next time, nothing else.
-        if let Some(dir) = path.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let text = serde_json::to_string_pretty(&cache).expect("a cost cache serializes");
-        let _ = crate::output::write_atomic("cost cache", path, text.as_bytes());
-    }
-    Ok((model, true))
-}
-
-/// `costs.json` in `MEMFIT_CACHE_DIR`, else in `$HOME/.cache/memfit`; None without either.
-pub fn default_cache() -> Option<PathBuf> {
-    let dir = match std::env::var_os("MEMFIT_CACHE_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache").join("memfit"),
-    };
-    Some(dir.join("costs.json"))
-}
-
-/// What a cost model depends on besides the machine itself.
-fn cache_key(req: &PlanRequest) -> String {
-    format!(
-        "costs v3 | {:?} | {} | isa {} | threads {} | memfit {}",
-        req.model,
-        // The kind of optimizer, not its rates: they do not change the time.
-        format!("{:?}", req.optimizer).split([' ', '{', '(']).next().unwrap_or_default(),
-        memfit_tensor::Isa::active(),
-        rayon::current_num_threads(),
-        env!("CARGO_PKG_VERSION")
-    )
-}
-
-/// Times real training steps on `cpu` (see the module documentation).
-pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, TrainError> {
-    let start = Instant::now();
-    let effective = req.effective_batch.clamp(1, MAX_CALIBRATION_MICRO);
-    let (mut micro, mut plain_ms) = (Vec::new(), Vec::new());
-    let mut m = 1;
-    let optimizer_ms = loop {
-        let measured = time_steps(req, m, &CheckpointChoice::None)?;
-        micro.push(m);
-        plain_ms.push(measured.step_ms);
-        let next_too_long = measured.step_ms * ((m * 2).min(effective) as f64 / m as f64) > LONG_STEP_MS;
-        if m == effective || next_too_long {
-            break measured.optimizer_ms;
-        }
-        m = (m * 2).min(effective);
-    };
-    let largest = *micro.last().expect("one micro-batch measured");
-    let sample_rounds = sample_rounds(req, &micro, &plain_ms, optimizer_ms)?;
-    let profile = segment_forward_ms(req, largest, segments)?;
-    for p in plain_ms.iter_mut() {
-        *p = (*p - optimizer_ms).max(0.0);
-    }
-    // Extra time of a variant of the largest measured step, as a fraction of its plain time.
-    let plain = *plain_ms.last().expect("one micro-batch measured");
-    let extra = |step_ms: f64| if plain > 0.0 { ((step_ms - optimizer_ms) / plain - 1.0).max(0.0) } else { 0.0 };
-    let recompute = match segments.is_empty() {
-        true => 0.0,
-        false => extra(time_steps(req, largest, &CheckpointChoice::All)?.step_ms),
-    };
-    let half = time_steps_in(req, largest, &CheckpointChoice::None, Some(memfit_tensor::DType::BF16))?;
-    let half_overhead = extra(half.step_ms);
-    let total: f64 = profile.values().sum();
-    let shares = segments
-        .iter()
-        .map(|s| {
-            let share = match total > 0.0 {
-                true => profile.get(s).copied().unwrap_or(0.0) / total,
-                false => 1.0 / segments.len() as f64,
-            };
-            (s.clone(), share)
-        })
-        .collect();
-    Ok(CostModel {
-        micro,
-        plain_ms,
-        recompute,
-        optimizer_ms,
-        half_overhead,
-        segments: shares,
-        calibration_ms: start.elapsed().as_secs_f64() * 1e3,
-        nominal: false,
-        sample_rounds,
-    })
-}
-
-/// Note [Samples in rounds]: kernels that split a micro-batch's samples between threads (convolutions,
-/// pooling) take as long for 3 samples as for 4 on 2 threads: the thread with two samples sets the time.
-/// Interpolating between the measured powers of two then under-predicts odd micro-batches (deepcnn's
-/// 3 x 22 ran 30% slower than predicted), and the planner picked them. Calibration times one micro-batch
-/// of threads + 1 samples: when its time is nearer the next multiple of the thread count's than the
-/// interpolated one, the model rounds every micro-batch up to a multiple of the threads
-/// ([`CostModel::sample_rounds`]), and the planner prefers even splits. A GPT's kernels split rows of
-/// tokens instead, and its model keeps plain interpolation.
-///
-/// `micro` and `plain` (with the optimizer still in) are the measured points.
-fn sample_rounds(req: &PlanRequest, micro: &[usize], plain: &[f64], optimizer_ms: f64) -> Result<usize, TrainError> {
-    let threads = rayon::current_num_threads();
-    let (odd, even) = (threads + 1, 2 * threads);
-    if threads < 2 || !micro.contains(&even) || micro.contains(&odd) {
-        return Ok(0);
-    }
-    let measured = time_steps(req, odd, &CheckpointChoice::None)?.step_ms - optimizer_ms;
-    let plain: Vec<f64> = plain.iter().map(|p| p - optimizer_ms).collect();
-    let linear = interpolate(micro, &plain, odd);
-    let rounded = interpolate(micro, &plain, even);
-    Ok(if (measured - rounded).abs() < (measured - linear).abs() { threads } else { 0 })
-}
-
-/// What one measurement gives.
-struct Measured {
-    /// Fastest step, the first step not counted (ms).
-    step_ms: f64,
-    /// Fastest optimizer update alone (ms).
-    optimizer_ms: f64,
-}
-
-/// Times optimizer steps of one micro-batch of `micro` (unprofiled: recording spans costs time the
-/// runs being planned do not pay), then the optimizer update alone (on zero gradients: its arithmetic
-/// does not depend on the values).
-fn time_steps(req: &PlanRequest, micro: usize, checkpoint: &CheckpointChoice) -> Result<Measured, TrainError> {
-    time_steps_in(req, micro, checkpoint, None)
-}
-
-/// A session of `req`'s model on `cpu` and the options of `steps` one-micro-batch steps of `micro`.
-fn timing_session(
-    req: &PlanRequest,
-    micro: usize,
-    checkpoint: &CheckpointChoice,
-    saved: Option<memfit_tensor::DType>,
-    steps: usize,
-) -> Result<(Session, Box<dyn crate::samples::Samples>, RunOptions), TrainError> {
-    let device = Device::cpu();
-    let session = Session::new(device.clone(), &req.model, req.optimizer, req.seed)?;
-    session.set_checkpointing(checkpoint)?;
-    device.set_saved_dtype(saved)?;
-    let train = synthetic(&req.model, steps * micro, req.seed);
-    let opts = RunOptions {
-        effective_batch: micro,
-        micro_batch: micro,
-        eval_micro_batch: 1,
-        epochs: Some(1),
-        max_steps: Some(steps),
-        data_seed: req.seed,
-        recover: false,
-        grow_after: usize::MAX,
-        record_samples: false,
-    };
-    Ok((session, train, opts))
-}
-
-/// [`time_steps`] with saved activations in `saved` (None: as computed).
-fn time_steps_in(
-    req: &PlanRequest,
-    micro: usize,
-    checkpoint: &CheckpointChoice,
-    saved: Option<memfit_tensor::DType>,
-) -> Result<Measured, TrainError> {
-    let (mut session, train, opts) = timing_session(req, micro, checkpoint, saved, TIMED_STEPS + 1)?;
-    let outcome = session.run(train.as_ref(), None, &opts, &mut |_| {})?;
-    let mut times = outcome.step_times_ms.get(1..).unwrap_or(&[]).to_vec();
-    // Short steps are noisy: time more of them, up to MIN_TIMED_MS in all.
-    let more = RunOptions { max_steps: Some(TIMED_STEPS), ..opts };
-    while times.iter().sum::<f64>() < MIN_TIMED_MS && times.len() < MAX_TIMED_STEPS {
-        times.extend(session.run(train.as_ref(), None, &more, &mut |_| {})?.step_times_ms);
-    }
-    let device = session.device.clone();
-    for (_, p) in session.model.parameters() {
-        p.set_grad(Some(Tensor::zeros(&device, p.shape(), p.dtype(), Category::Gradient)?));
-    }
-    let mut updates = Vec::new();
-    for _ in 0..TIMED_STEPS {
-        let start = Instant::now();
-        session.optimizer.step()?;
-        updates.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    Ok(Measured { step_ms: crate::trainer::median(&times), optimizer_ms: crate::trainer::median(&updates) })
-}
-
-/// The forward time of each segment at micro-batch `micro`, from a profiled step (the second: the
-/// first creates the optimizer state); empty without segments.
-fn segment_forward_ms(
-    req: &PlanRequest,
-    micro: usize,
-    segments: &[String],
-) -> Result<BTreeMap<String, f64>, TrainError> {
-    if segments.is_empty() {
-        return Ok(BTreeMap::new());
-    }
-    let (mut session, train, opts) = timing_session(req, micro, &CheckpointChoice::None, None, 2)?;
-    let device = session.device.clone();
-    let mut steps = 0;
-    session.run(train.as_ref(), None, &opts, &mut |_| {
-        steps += 1;
-        // Profile the second step only.
-        device.set_profiling(steps == 1);
-        if steps == 1 {
-            let _ = device.take_spans();
-        }
-    })?;
-    device.set_profiling(false);
-    let names = device.module_names();
-    let spans: Vec<(String, u64, u64)> = device
-        .take_spans()
-        .into_iter()
-        .filter(|s| s.kind == SpanKind::Module && s.phase == Phase::Forward)
-        .map(|s| (names.get(s.module as usize).cloned().unwrap_or_default(), s.start_ns, s.end_ns))
-        .collect();
-    Ok(segment_times(&spans, segments))
-}
-
-/// Forward time of each segment: the union of the intervals of its modules' spans (modules nest).
-fn segment_times(spans: &[(String, u64, u64)], segments: &[String]) -> BTreeMap<String, f64> {
-    segments
-        .iter()
-        .map(|segment| {
-            let prefix = format!("{segment}.");
-            let mut intervals: Vec<(u64, u64)> = spans
-                .iter()
-                .filter(|(name, _, _)| name == segment || name.starts_with(&prefix))
-                .map(|&(_, a, b)| (a, b))
-                .collect();
-            intervals.sort_unstable();
-            let (mut total, mut end) = (0u64, 0u64);
-            for (a, b) in intervals {
-                let a = a.max(end);
-                if b > a {
-                    total += b - a;
-                    end = b;
-                }
-            }
-            (segment.clone(), total as f64 / 1e6)
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -498,20 +204,5 @@ mod tests {
         assert_eq!(c.step_ms(8, 4, &[]), 8.0);
         assert!((c.step_ms(8, 4, &names) - 8.0 * 4.0 / 3.0).abs() < 1e-12);
         assert!((c.step_ms_in(8, 4, &[], true) - 8.0 * 1.03).abs() < 1e-12);
-    }
-
-    #[test]
-    fn segment_time_is_the_union_of_its_module_spans() {
-        let spans = vec![
-            ("blocks.0.attn".to_string(), 0, 10),
-            ("blocks.0.attn.qkv".to_string(), 2, 5), // nested: counted once
-            ("blocks.0.mlp".to_string(), 12, 20),
-            ("blocks.1.mlp".to_string(), 20, 23),
-            ("blocks.10.mlp".to_string(), 30, 31),
-            ("head".to_string(), 40, 50),
-        ];
-        let t = segment_times(&spans, &["blocks.0".into(), "blocks.1".into()]);
-        assert_eq!(t["blocks.0"], 18.0 / 1e6);
-        assert_eq!(t["blocks.1"], 3.0 / 1e6);
     }
 }

@@ -1,4 +1,5 @@
-//! The out-of-memory doctor: when a run does not fit its budget, what would, as data ([`Diagnosis`]).
+//! The out-of-memory doctor: when a run does not fit its budget, what would, as data ([`Diagnosis`],
+//! defined with the error it travels in).
 //!
 //! Note [One doctor]: each [`Remedy`] is a change to the request (a budget, the planner's free choices,
 //! half storage, more ranks) that the planner then plans like any request; the remedy carries that
@@ -10,48 +11,10 @@
 //! or removed (`crates/cli/tests/doctor.rs` pastes every command of a grid of cases and checks each
 //! fits at its predicted peak).
 
+use crate::config::ParallelMode;
 use crate::config::{CheckpointChoice, Precision};
-use crate::error::TrainError;
-use crate::parallel::ParallelMode;
+use crate::error::{Diagnosis, Remedy, TrainError};
 use crate::planner::{self, Plan, PlanRequest};
-use memfit_tensor::memory::format_bytes;
-use serde::Serialize;
-
-/// Why a run does not fit, and what would.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Diagnosis {
-    /// What does not fit and what the least of it needs, for people.
-    pub problem: String,
-    pub capacity_bytes: Option<u64>,
-    /// What the run as asked needs at the least (its smallest micro-batch, every segment it may
-    /// checkpoint re-run): peak reserved.
-    pub needs_bytes: u64,
-    /// Those that keep the numbers and run here first, each group fastest first.
-    pub remedies: Vec<Remedy>,
-}
-
-/// One way to make the run fit, with the plan it gives.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Remedy {
-    /// What it changes, for people ("a budget of 42MiB").
-    pub what: String,
-    /// What the planner then chooses ("micro-batch 8 x 4 accumulation steps = effective batch 32").
-    pub plan: String,
-    /// The command line that applies it: the user's own, with only the flags it needs changed.
-    pub command: String,
-    /// The flags it changes: each set to a value, or removed (null).
-    pub flags: Vec<(String, Option<String>)>,
-    pub predicted_peak_reserved_bytes: u64,
-    pub predicted_step_time_ms: Option<f64>,
-    /// The step time is in nominal units (a model too large to time on this host).
-    pub nominal_time: bool,
-    /// It changes the numbers the run computes (half storage of saved activations).
-    pub changes_numbers: bool,
-    /// Ranks it runs on (1: this process alone).
-    pub ranks: usize,
-    /// Why this memfit cannot run it (None: it can).
-    pub unavailable: Option<String>,
-}
 
 /// A change to the command line: a flag set to a value, or removed.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,74 +23,12 @@ pub enum Edit {
     Remove(&'static str),
 }
 
-impl Diagnosis {
-    /// The problem alone (the planner's refusal before the doctor looks for remedies).
-    pub fn bare(req: &PlanRequest, needs_bytes: u64) -> Diagnosis {
-        Diagnosis {
-            problem: problem(req, needs_bytes),
-            capacity_bytes: req.capacity,
-            needs_bytes,
-            remedies: Vec::new(),
-        }
+/// The planner's plan ([`planner::choose`]), or, when nothing fits, the diagnosis with its remedies.
+pub fn plan(req: &PlanRequest) -> Result<Plan, TrainError> {
+    match planner::choose(req) {
+        Err(TrainError::DoesNotFit(_)) => Err(TrainError::DoesNotFit(Box::new(diagnose(req)?))),
+        result => result,
     }
-}
-
-impl std::fmt::Display for Diagnosis {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.problem)?;
-        if self.remedies.is_empty() {
-            return write!(f, " Use a smaller model or batch.");
-        }
-        write!(
-            f,
-            "\nremedies (peak reserved predicted exactly on meta; step time from the cost model), those that keep \
-             the numbers first:"
-        )?;
-        for r in &self.remedies {
-            let time = r
-                .predicted_step_time_ms
-                .map_or(String::new(), |t| format!(", {}", crate::cost::describe_step(r.nominal_time, t)));
-            let numbers = if r.changes_numbers { "; changes the numbers" } else { "" };
-            write!(
-                f,
-                "\n  {}: {}; peak {}{time}{numbers}",
-                r.what,
-                r.plan,
-                format_bytes(r.predicted_peak_reserved_bytes)
-            )?;
-            match &r.unavailable {
-                Some(why) => write!(f, "\n    (this memfit cannot run it: {why})\n    {}", r.command)?,
-                None => write!(f, "\n    {}", r.command)?,
-            }
-        }
-        write!(f, "\n  or a smaller model or batch.")
-    }
-}
-
-/// "gpt does not fit in 40.00 MiB: even a micro-batch of 1 with every segment checkpointed needs 52.00
-/// MiB (peak reserved)."
-fn problem(req: &PlanRequest, needs: u64) -> String {
-    let cap = req.capacity.map_or("unlimited memory".to_string(), format_bytes);
-    let margin = match req.safety_margin > 0.0 {
-        true => format!(" with a {:.0}% safety margin", req.safety_margin * 100.0),
-        false => String::new(),
-    };
-    let micro = match req.micro_batch {
-        Some(m) => format!("micro-batch {m} as asked"),
-        None => "a micro-batch of 1".to_string(),
-    };
-    let segments = planner::segment_names(req).is_ok_and(|n| !n.is_empty());
-    let checkpointing = match &req.checkpoint {
-        CheckpointChoice::Auto | CheckpointChoice::All if segments => " with every segment checkpointed",
-        CheckpointChoice::Auto | CheckpointChoice::All => "",
-        CheckpointChoice::Segments(_) => " with the segments asked checkpointed",
-        CheckpointChoice::None => "",
-    };
-    format!(
-        "{} does not fit in {cap}{margin}: even {micro}{checkpointing} needs {} (peak reserved).",
-        req.model.kind.name(),
-        format_bytes(needs)
-    )
 }
 
 /// The request the least of `req` is: `auto` checkpointing as every segment, `auto` precision as bf16.
@@ -162,7 +63,7 @@ pub fn least_needs(req: &PlanRequest) -> Result<u64, TrainError> {
 pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
     let needs = least_needs(req)?;
     let names = planner::segment_names(req)?;
-    let costs = crate::cost::model_for(req, &names).ok().map(|(c, _)| c);
+    let costs = crate::calibration::model_for(req, &names).ok().map(|(c, _)| c);
     let mut remedies = Vec::new();
     let mut add = |r: &PlanRequest, what: String, edits: Vec<Edit>, changes_numbers: bool| -> Result<(), TrainError> {
         if let Some(remedy) = remedy(r, what, edits, changes_numbers, &names, costs.as_ref())? {
@@ -214,7 +115,7 @@ pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
                 .total_cmp(&b.predicted_step_time_ms.unwrap_or(f64::INFINITY)),
         )
     });
-    Ok(Diagnosis { problem: problem(req, needs), capacity_bytes: req.capacity, needs_bytes: needs, remedies })
+    Ok(Diagnosis { problem: planner::problem(req, needs), capacity_bytes: req.capacity, needs_bytes: needs, remedies })
 }
 
 /// The remedy that applies `edits`, planned as `r`; None when it does not fit either.
@@ -226,7 +127,7 @@ fn remedy(
     names: &[String],
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<Option<Remedy>, TrainError> {
-    let p = match planner::plan_unexplained(r) {
+    let p = match planner::choose(r) {
         Ok(p) => p,
         Err(TrainError::DoesNotFit(_)) => return Ok(None),
         Err(e) => return Err(e),
@@ -241,7 +142,7 @@ fn remedy(
             let half = p.precision.saved_dtype().is_some();
             let mut t = c.step_ms_in(r.rank_batch(), p.micro_batch, &checkpointed, half);
             if let Some((mode, _)) = r.parallel {
-                t += crate::parallel::communication_ms(mode, &p);
+                t += crate::devices::communication_ms(mode, &p);
             }
             t
         })
@@ -264,12 +165,12 @@ fn remedy(
 fn pipeline_remedy(req: &PlanRequest, costs: Option<&crate::cost::CostModel>) -> Result<Option<Remedy>, TrainError> {
     let Some(units) = memfit_nn::stage_units(&req.model) else { return Ok(None) };
     let whole = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
-    let staged = match crate::pipeline::plan_stages(&whole, 2, costs) {
+    let staged = match crate::stages::plan_stages(&whole, 2, costs) {
         Ok(s) => s,
         Err(TrainError::Invalid(_) | TrainError::DoesNotFit(_)) => return Ok(None),
         Err(e) => return Err(e),
     };
-    let cut: Vec<String> = staged.stages.iter().map(|r| crate::pipeline::describe_units(r, units)).collect();
+    let cut: Vec<String> = staged.stages.iter().map(|r| crate::stages::describe_units(r, units)).collect();
     Ok(Some(Remedy {
         what: "2 pipeline ranks, each holding part of the model".into(),
         plan: format!("stages {}, micro-batch {}", cut.join(" | "), staged.micro_batch),

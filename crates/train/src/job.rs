@@ -9,48 +9,18 @@ use crate::planner::{self, Plan, PlanRequest};
 use crate::resume::{Checkpoint, Template};
 use crate::samples::Samples;
 use crate::task::Task;
-use crate::trainer::{AfterStep, RunOptions, RunOutcome, Session, StepEvent};
+use crate::trainer::{AfterStep, RunOptions, Session, StepEvent};
 use memfit_dist::Group;
 use memfit_nn::ModelSpec;
 use memfit_tensor::memory::format_bytes;
-use memfit_tensor::{Device, DeviceConfig, MemoryStats};
+use memfit_tensor::{Device, DeviceConfig};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use crate::task::EMBEDDED;
 
-/// Everything a finished run reports.
-#[derive(Clone, Debug)]
-pub struct RunSummary {
-    pub config: TrainConfig,
-    /// The model trained (sizes resolved from the data).
-    pub spec: ModelSpec,
-    pub data_source: String,
-    pub micro_batch: usize,
-    pub accumulation_steps: usize,
-    pub eval_micro_batch: usize,
-    /// The plan, when the planner chose the micro-batch.
-    pub plan: Option<Plan>,
-    pub outcome: RunOutcome,
-    pub stats: MemoryStats,
-    pub capacity: Option<u64>,
-    pub threads: usize,
-    /// Files of the memory profile written (`profile` or `profile_on_oom`).
-    pub profile_files: Vec<PathBuf>,
-    /// Segments that ran with activation checkpointing.
-    pub checkpointed: Vec<String>,
-    /// The dtype saved activations were stored in (`auto` resolved).
-    pub precision: crate::config::Precision,
-    /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
-    pub skipped_steps: usize,
-    /// Host memory outside the device's capacity.
-    pub host: crate::report::HostMemory,
-    /// What accumulation and checkpointing saved (predicted; with a budget only).
-    pub savings: planner::Savings,
-    /// Each rank's memory, when trained as several ranks (`--parallel`).
-    pub ranks: Option<crate::report::RanksSummary>,
-}
+pub use crate::report::RunSummary;
 
 /// Clean steps after which a micro-batch that recovery shrank doubles again (Note [Recovery]).
 const GROW_AFTER: usize = 50;
@@ -60,7 +30,7 @@ pub trait Observer: Send {
     fn data_loaded(&mut self, _description: &str, _train: usize, _val: usize) {}
     fn planned(&mut self, _plan: &Plan) {}
     /// A pipeline's cut (`--parallel pipeline`), on rank 0.
-    fn staged(&mut self, _plan: &crate::pipeline::StagePlan, _spec: &ModelSpec) {}
+    fn staged(&mut self, _plan: &crate::stages::StagePlan, _spec: &ModelSpec) {}
     fn step(&mut self, _event: &StepEvent) {}
     fn evaluating(&mut self, _samples: usize) {}
     /// Something the user should know while the run goes on: a batch larger than the data, an
@@ -186,10 +156,10 @@ fn train_in_pool(
         safety_margin: cfg.safety_margin,
         seed: cfg.seed,
         checkpoint: cfg.checkpoint.clone(),
-        costs: crate::cost::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
+        costs: crate::calibration::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
         micro_batch: cfg.micro_batch,
         precision: cfg.precision,
-        // A pipeline's request is the whole model's: its stages are planned by `pipeline::plan_stages`.
+        // A pipeline's request is the whole model's: its stages are planned by `stages::plan_stages`.
         parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.as_ref().map(|g| g.size())),
         target: cfg.device.target(),
         evaluate: cfg.evaluate,
@@ -205,7 +175,7 @@ fn train_in_pool(
                 crate::cost::Costs::Given(c) => Some(c.clone()),
                 _ => None,
             };
-            let staged = crate::pipeline::plan_stages(&request, g.size(), costs.as_ref())?;
+            let staged = crate::stages::plan_stages(&request, g.size(), costs.as_ref())?;
             observer.staged(&staged, &spec);
             Some(staged)
         }
@@ -220,7 +190,7 @@ fn train_in_pool(
             let m = staged.as_ref().map_or(1, |s| s.micro_batch);
             (m, m.min(planner::MAX_EVAL_MICRO), None)
         }
-        (fixed, Some(_)) => match planner::plan_unexplained(&request) {
+        (fixed, Some(_)) => match planner::choose(&request) {
             Ok(plan) => {
                 observer.planned(&plan);
                 (plan.micro_batch, plan.eval_micro_batch, Some(plan))
@@ -435,7 +405,7 @@ fn train_in_pool(
         Some(g) => {
             let stages = staged.as_ref().map_or(Vec::new(), |s| {
                 let units = memfit_nn::stage_units(&spec).unwrap_or(0);
-                s.stages.iter().map(|r| crate::pipeline::describe_units(r, units)).collect()
+                s.stages.iter().map(|r| crate::stages::describe_units(r, units)).collect()
             });
             let predicted = staged.as_ref().map_or(Vec::new(), |s| s.per_stage.clone());
             Some(crate::report::RanksSummary::gather(g.as_ref(), cfg, &stats, stages, &predicted))
@@ -490,7 +460,7 @@ fn shared_costs(request: PlanRequest, group: &dyn Group, pipeline: bool) -> Resu
     let json = if group.rank() == 0 {
         let alone = PlanRequest { parallel: None, ..request.clone() };
         let names = planner::segment_names(&alone)?;
-        let (model, _) = crate::cost::model_for(&alone, &names)?;
+        let (model, _) = crate::calibration::model_for(&alone, &names)?;
         serde_json::to_vec(&model).map_err(|e| TrainError::Invalid(format!("internal: cost model: {e}")))?
     } else {
         Vec::new()

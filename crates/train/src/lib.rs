@@ -19,9 +19,12 @@
 //! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
 
 pub mod bench;
+pub mod calibration;
 pub mod config;
 pub mod cost;
+pub mod devices;
 pub mod doctor;
+pub mod dry_run;
 mod error;
 pub mod generate;
 pub mod job;
@@ -33,12 +36,16 @@ pub mod profile;
 pub mod report;
 pub mod resume;
 pub mod samples;
+pub mod stages;
 pub mod task;
 pub mod trainer;
 
 pub use config::{CheckpointChoice, OptimizerChoice, Precision, TrainConfig};
+pub use doctor::plan;
 pub use error::TrainError;
-pub use job::{train, Observer, Quiet, RunSummary};
-pub use planner::{plan, Plan, PlanRequest};
+pub use error::{Diagnosis, Remedy};
+pub use job::{train, Observer, Quiet};
+pub use planner::{Plan, PlanRequest};
 pub use report::Report;
+pub use report::RunSummary;
 pub use trainer::{RunOptions, Session, StepEvent};

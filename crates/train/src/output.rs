@@ -142,6 +142,37 @@ pub(crate) fn check_writable_dir(flag: &str, path: &Path, dir: &Path) -> Result<
     }
 }
 
+/// The files a profile directory holds (and the only ones memfit writes there).
+pub const PROFILE_FILES: [&str; 5] = ["memory.html", "snapshot.pickle", "trace.json", "summary.txt", "summary.json"];
+
+/// Errors unless `dir` can take a profile: a directory that does not exist yet (it is created), or one
+/// that holds nothing but an earlier profile's files (they are replaced). Checked before a run starts,
+/// so a bad `--out` costs no training time and no user file is ever overwritten.
+pub fn check_profile_dir(dir: &Path) -> Result<(), TrainError> {
+    let bad = |why: String| TrainError::Invalid(format!("cannot write a profile to {}: {why}", dir.display()));
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(bad(e.to_string())),
+        Ok(meta) if !meta.is_dir() => Err(bad("it exists and is not a directory; name a new directory".into())),
+        Ok(_) => {
+            let entries = std::fs::read_dir(dir).map_err(|e| bad(e.to_string()))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| bad(e.to_string()))?;
+                let name = entry.file_name();
+                let ours = PROFILE_FILES.iter().any(|f| name == *f);
+                let regular = entry.file_type().is_ok_and(|t| t.is_file());
+                if !(ours && regular) {
+                    return Err(bad(format!(
+                        "it already holds {:?}, which is not a memfit profile file; name a new or empty directory",
+                        name
+                    )));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
 /// Checks every output before any work (Note [Paths]): each can be written, and no two paths (outputs
 /// among themselves, or an output and an input) are the same file.
 pub fn check_outputs(outputs: &[NamedPath], inputs: &[NamedPath]) -> Result<(), TrainError> {
@@ -152,8 +183,7 @@ pub fn check_outputs(outputs: &[NamedPath], inputs: &[NamedPath]) -> Result<(), 
                 check_writable_dir(&out.flag, &out.path, &parent_of(&out.path))?;
             }
             PathKind::Directory => {
-                crate::profile::check_profile_dir(&out.path)
-                    .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.flag)))?;
+                check_profile_dir(&out.path).map_err(|e| TrainError::Invalid(format!("{}: {e}", out.flag)))?;
                 // The directory, or the nearest existing folder it will be created in, must take files.
                 let existing = out.path.ancestors().find(|a| !a.as_os_str().is_empty() && a.exists());
                 check_writable_dir(&out.flag, &out.path, existing.unwrap_or(Path::new(".")))?;

@@ -18,8 +18,7 @@ use std::path::{Path, PathBuf};
 /// (a GPT step makes ~1,500 events), bounded (~20 MB).
 pub const PROFILE_TIMELINE_EVENTS: usize = 1 << 18;
 
-/// The files a profile directory holds (and the only ones memfit writes there).
-pub const PROFILE_FILES: [&str; 5] = ["memory.html", "snapshot.pickle", "trace.json", "summary.txt", "summary.json"];
+pub use crate::output::{check_profile_dir, PROFILE_FILES};
 
 /// Everything `device` recorded, under `title`.
 pub fn recording(device: &Device, title: String) -> Recording {
@@ -41,34 +40,6 @@ pub fn recording(device: &Device, title: String) -> Recording {
         })
         .collect();
     rec
-}
-
-/// Errors unless `dir` can take a profile: a directory that does not exist yet (it is created), or one
-/// that holds nothing but an earlier profile's files (they are replaced). Checked before a run starts,
-/// so a bad `--out` costs no training time and no user file is ever overwritten.
-pub fn check_profile_dir(dir: &Path) -> Result<(), TrainError> {
-    let bad = |why: String| TrainError::Invalid(format!("cannot write a profile to {}: {why}", dir.display()));
-    match std::fs::symlink_metadata(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(bad(e.to_string())),
-        Ok(meta) if !meta.is_dir() => Err(bad("it exists and is not a directory; name a new directory".into())),
-        Ok(_) => {
-            let entries = std::fs::read_dir(dir).map_err(|e| bad(e.to_string()))?;
-            for entry in entries {
-                let entry = entry.map_err(|e| bad(e.to_string()))?;
-                let name = entry.file_name();
-                let ours = PROFILE_FILES.iter().any(|f| name == *f);
-                let regular = entry.file_type().is_ok_and(|t| t.is_file());
-                if !(ours && regular) {
-                    return Err(bad(format!(
-                        "it already holds {:?}, which is not a memfit profile file; name a new or empty directory",
-                        name
-                    )));
-                }
-            }
-            Ok(())
-        }
-    }
 }
 
 /// Writes the profile files of `rec` into `dir` (created if needed); returns their paths.

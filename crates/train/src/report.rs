@@ -1,13 +1,48 @@
 //! The run report: JSON for machines (`--report PATH`, schema in the README) and a memory table for
 //! people.
 
-use crate::job::RunSummary;
-use crate::trainer::median;
+use crate::config::TrainConfig;
+use crate::trainer::{median, RunOutcome};
 use memfit_nn::ModelInput;
+use memfit_nn::ModelSpec;
 use memfit_tensor::memory::format_bytes;
 use memfit_tensor::Category;
+use memfit_tensor::MemoryStats;
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Everything a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    pub config: TrainConfig,
+    /// The model trained (sizes resolved from the data).
+    pub spec: ModelSpec,
+    pub data_source: String,
+    pub micro_batch: usize,
+    pub accumulation_steps: usize,
+    pub eval_micro_batch: usize,
+    /// The plan, when the planner chose the micro-batch.
+    pub plan: Option<crate::planner::Plan>,
+    pub outcome: RunOutcome,
+    pub stats: MemoryStats,
+    pub capacity: Option<u64>,
+    pub threads: usize,
+    /// Files of the memory profile written (`profile` or `profile_on_oom`).
+    pub profile_files: Vec<PathBuf>,
+    /// Segments that ran with activation checkpointing.
+    pub checkpointed: Vec<String>,
+    /// The dtype saved activations were stored in (`auto` resolved).
+    pub precision: crate::config::Precision,
+    /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
+    pub skipped_steps: usize,
+    /// Host memory outside the device's capacity.
+    pub host: HostMemory,
+    /// What accumulation and checkpointing saved (predicted; with a budget only).
+    pub savings: crate::planner::Savings,
+    /// Each rank's memory, when trained as several ranks (`--parallel`).
+    pub ranks: Option<RanksSummary>,
+}
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct PlanReport {

@@ -14,6 +14,9 @@ use memfit_data::{eval_window_starts, fill_batch, fill_windows, random_window_st
 use memfit_nn::{ModelInput, ModelSpec};
 use memfit_tensor::{Category, DType, Device, Error, Result, Tensor};
 
+/// The normalization of image inputs (the one [`crate::samples::SplitSamples`] applies).
+pub const IMAGE_NORMALIZATION: memfit_data::Normalization = memfit_data::Normalization::FASHION_MNIST;
+
 /// Samples of one task, named by ids.
 pub trait Samples: Sync {
     /// Samples in one epoch (and in one evaluation pass).
@@ -65,8 +68,7 @@ impl Samples for SplitSamples<'_> {
     fn to_device(&self, device: &Device, ids: &[usize]) -> Result<(Tensor, Tensor)> {
         let (rows, cols) = (self.split.images.rows, self.split.images.cols);
         batch_tensors::<f32>(device, &[ids.len(), 1, rows, cols], &[ids.len()], |px, lb| {
-            fill_batch(self.split, ids, crate::task::IMAGE_NORMALIZATION, px, lb)
-                .map_err(|e| Error::invalid(e.to_string()))
+            fill_batch(self.split, ids, IMAGE_NORMALIZATION, px, lb).map_err(|e| Error::invalid(e.to_string()))
         })
     }
 }

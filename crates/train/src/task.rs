@@ -10,11 +10,9 @@ use memfit_data::{FashionMnist, TextCorpus, Vocab};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec};
 use std::path::Path;
 
-/// `--data embedded` selects the data shipped inside memfit even when other data is installed.
-pub const EMBEDDED: &str = "embedded";
+pub use crate::config::EMBEDDED;
 
-/// The normalization of image inputs (the one [`crate::samples::SplitSamples`] applies).
-pub const IMAGE_NORMALIZATION: memfit_data::Normalization = memfit_data::Normalization::FASHION_MNIST;
+pub use crate::samples::IMAGE_NORMALIZATION;
 
 /// Checkpoint metadata keys of the input normalization: the formula, the mean and the std.
 pub const NORMALIZATION_KEYS: [&str; 3] = ["memfit.input.normalization", "memfit.input.mean", "memfit.input.std"];

@@ -729,22 +729,7 @@ impl Session {
     }
 }
 
-/// Optimizer steps of a run with `per_epoch` steps per epoch: `epochs` passes (default one), or
-/// `max_steps` across as many epochs as it takes when no epoch count is given; with both, whichever
-/// ends first. Overflow is an error, never a wrap.
-pub fn total_steps(per_epoch: usize, epochs: Option<usize>, max_steps: Option<usize>) -> Result<usize, TrainError> {
-    let by_epochs = |e: usize| {
-        per_epoch.checked_mul(e).ok_or_else(|| {
-            TrainError::Invalid(format!("--epochs {e} of {per_epoch} steps each is more steps than memfit can count"))
-        })
-    };
-    Ok(match (epochs, max_steps) {
-        (None, None) => per_epoch,
-        (None, Some(m)) => m,
-        (Some(e), None) => by_epochs(e)?,
-        (Some(e), Some(m)) => by_epochs(e).map_or(m, |t| t.min(m)),
-    })
-}
+pub use crate::config::total_steps;
 
 /// The median of a list of timings (0 for none).
 pub fn median(values: &[f64]) -> f64 {

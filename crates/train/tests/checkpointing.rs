@@ -10,7 +10,8 @@ use memfit_nn::{GptConfig, ModelSpec};
 use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::{Device, DeviceKind};
 use memfit_train::cost::{CostModel, Costs};
-use memfit_train::planner::{dry_run, plan, predict, PlanRequest};
+use memfit_train::plan;
+use memfit_train::planner::{dry_run, predict, PlanRequest};
 use memfit_train::samples::{Samples, TextWindows};
 use memfit_train::trainer::RunOutcome;
 use memfit_train::TrainError;
@@ -280,7 +281,7 @@ fn calibration_measures_this_machine_and_is_cached() {
     let (_, spec) = text_spec(2, 16, 16);
     let req = request(&spec, 16, Some(1 << 30), CheckpointChoice::Auto);
     let names = vec!["blocks.0".to_string(), "blocks.1".to_string()];
-    let model = memfit_train::cost::calibrate(&req, &names).unwrap();
+    let model = memfit_train::calibration::calibrate(&req, &names).unwrap();
     assert_eq!(model.micro[0], 1);
     assert!(model.micro.windows(2).all(|w| w[0] < w[1]) && *model.micro.last().unwrap() <= 16, "{model:?}");
     assert!(model.plain_ms.iter().all(|&t| t > 0.0), "{model:?}");
@@ -292,11 +293,11 @@ fn calibration_measures_this_machine_and_is_cached() {
     let path = std::env::temp_dir().join(format!("memfit-costs-{}/costs.json", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let cached = PlanRequest { costs: Costs::Cached(path.clone()), ..req.clone() };
-    let (first, measured) = memfit_train::cost::model_for(&cached, &names).unwrap();
+    let (first, measured) = memfit_train::calibration::model_for(&cached, &names).unwrap();
     assert!(measured && path.exists(), "the model is measured and kept");
-    let second = memfit_train::cost::model_for(&cached, &names).unwrap();
+    let second = memfit_train::calibration::model_for(&cached, &names).unwrap();
     assert_eq!(second, (first.clone(), false), "the second plan reads the cache");
     let other = PlanRequest { costs: Costs::Cached(path.clone()), seed: 9, ..req };
-    let third = memfit_train::cost::model_for(&other, &names).unwrap();
+    let third = memfit_train::calibration::model_for(&other, &names).unwrap();
     assert_eq!(third, (first, false), "the seed does not change the key");
 }

@@ -95,7 +95,7 @@ fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
     let whole = memfit_train::planner::predict(&request(None), 1, Some(1), None).unwrap().unwrap().peak_reserved;
     let budget = whole * 3 / 4;
     assert!(memfit_train::plan(&request(Some(budget))).is_err(), "the whole model does not fit {budget}");
-    let plan = memfit_train::pipeline::plan_stages(&request(Some(budget)), 2, None).unwrap();
+    let plan = memfit_train::stages::plan_stages(&request(Some(budget)), 2, None).unwrap();
     assert_eq!(plan.stages.len(), 2);
     assert_eq!((plan.stages[0].start, plan.stages[0].end), (0, plan.stages[1].start));
     assert_eq!(plan.stages[1].end, stage_units(&spec).unwrap());
@@ -105,7 +105,7 @@ fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
     assert!(plan.micro_batch >= 1);
     // Equal shares without a cost model: the most even cut of 6 units is 3 + 3.
     assert_eq!(plan.stages[0], 0..3);
-    let err = memfit_train::pipeline::plan_stages(&request(Some(1 << 20)), 2, None).unwrap_err();
+    let err = memfit_train::stages::plan_stages(&request(Some(1 << 20)), 2, None).unwrap_err();
     assert!(err.to_string().contains("no cut of gpt into 2 stages fits"), "{err}");
-    assert!(memfit_train::pipeline::plan_stages(&request(None), 7, None).is_err(), "6 units, 7 stages");
+    assert!(memfit_train::stages::plan_stages(&request(None), 7, None).is_err(), "6 units, 7 stages");
 }

@@ -5,7 +5,8 @@ mod common;
 use common::*;
 use memfit_nn::{ModelKind, ModelSpec};
 use memfit_tensor::DeviceKind;
-use memfit_train::planner::{dry_run, plan, predict, PlanRequest};
+use memfit_train::plan;
+use memfit_train::planner::{dry_run, predict, PlanRequest};
 use memfit_train::{Session, TrainError};
 
 fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequest {
