@@ -102,39 +102,12 @@ fn train_in_pool(
     let rss_at_start = memfit_tensor::memory::process::resident().map(|r| r.current);
     // The rank that writes files (the only one without ranks).
     let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
-    let (outputs, inputs) = cfg.paths();
-    for input in &inputs {
-        crate::output::check_input(&input.flag, &input.path)?;
-    }
-    if lead {
-        crate::output::check_outputs(&outputs, &inputs)?;
-        if let Some(report) = &cfg.report {
-            crate::report::check_replaceable(report)?;
-        }
-    }
-    check_model_flags(cfg)?;
-    let resumed = cfg.resume.as_deref().map(Checkpoint::latest).transpose()?;
-    if let Some(ckpt) = &resumed {
-        ckpt.check_config(cfg)?;
-    }
-    if let (Some(dir), true) = (&cfg.save_dir, lead) {
-        crate::resume::check_save_dir(dir, cfg.resume.as_deref())?;
-    }
+    let resumed = check_before_work(cfg, lead)?;
     let task = Task::load(cfg)?;
     let (train_samples, val_samples) = (task.train_samples(), task.val_samples());
     let task_metadata: std::collections::BTreeMap<String, String> = task.checkpoint_metadata().into_iter().collect();
     if let Some(ckpt) = &resumed {
-        ckpt.check_task(train_samples.len(), &task_metadata)?;
-        let per_epoch = train_samples.len().div_ceil(cfg.batch_size.min(train_samples.len().max(1)));
-        let total = crate::trainer::total_steps(per_epoch, cfg.epochs, cfg.max_steps)?;
-        let done = ckpt.state.progress.steps;
-        if done >= total {
-            return Err(TrainError::Invalid(format!(
-                "the run in {} has trained {done} steps and this one asks for {total}: nothing was left to do; give \
-                 --max-steps N (above {done}) or --epochs N to train it further, exactly as one longer run would",
-                ckpt.dir.display()
-            )));
-        }
+        check_resumable(cfg, ckpt, train_samples.len(), &task_metadata)?;
     }
     observer.data_loaded(&task.source(), train_samples.len(), val_samples.len());
     // A batch larger than the data is the data: one step takes every sample (the numbers are the
@@ -147,29 +120,8 @@ fn train_in_pool(
         ));
     }
     let spec = task.spec.clone();
-    let optimizer = cfg.optimizer.config(cfg.lr);
-    let request = PlanRequest {
-        model: spec.clone(),
-        optimizer,
-        effective_batch: batch_size,
-        capacity: cfg.memory,
-        safety_margin: cfg.safety_margin,
-        seed: cfg.seed,
-        checkpoint: cfg.checkpoint.clone(),
-        costs: crate::calibration::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
-        micro_batch: cfg.micro_batch,
-        precision: cfg.precision,
-        // A pipeline's request is the whole model's: its stages are planned by `stages::plan_stages`.
-        parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.as_ref().map(|g| g.size())),
-        target: cfg.device.target(),
-        evaluate: cfg.evaluate,
-    };
-    let pipelined = group.as_ref().filter(|_| cfg.parallel == Some(ParallelMode::Pipeline));
-    let request = match &group {
-        Some(g) => shared_costs(request, g.as_ref(), pipelined.is_some())?,
-        None => request,
-    };
-    let staged = match pipelined {
+    let request = plan_request(cfg, &spec, batch_size, group.as_deref())?;
+    let staged = match group.as_ref().filter(|_| cfg.parallel == Some(ParallelMode::Pipeline)) {
         Some(g) => {
             let costs = match &request.costs {
                 crate::cost::Costs::Given(c) => Some(c.clone()),
@@ -181,81 +133,10 @@ fn train_in_pool(
         }
         None => None,
     };
-
-    // Choose the micro-batches: planned under a budget (around a micro-batch the user fixed), forced, or
-    // the whole batch. Evaluation runs in micro-batches of the training micro-batch unless the planner
-    // chose its own.
-    let (micro, eval_micro, plan) = match (cfg.micro_batch, cfg.memory) {
-        _ if staged.is_some() => {
-            let m = staged.as_ref().map_or(1, |s| s.micro_batch);
-            (m, m.min(planner::MAX_EVAL_MICRO), None)
-        }
-        (fixed, Some(_)) => match planner::choose(&request) {
-            Ok(plan) => {
-                observer.planned(&plan);
-                (plan.micro_batch, plan.eval_micro_batch, Some(plan))
-            }
-            // A micro-batch the user fixed runs even where it does not fit: recovery shrinks it and
-            // loses no sample (Note [Recovery]).
-            Err(TrainError::DoesNotFit(d)) if fixed.is_some() => {
-                observer.notice(&format!(
-                    "note: {} Recovery will try smaller micro-batches where it does not fit (no sample lost).",
-                    d.problem
-                ));
-                let m = fixed.unwrap_or(1).min(request.rank_batch());
-                (m, m, None)
-            }
-            Err(TrainError::DoesNotFit(_)) => {
-                return Err(TrainError::DoesNotFit(Box::new(crate::doctor::diagnose(&request)?)))
-            }
-            Err(e) => return Err(e),
-        },
-        (Some(m), None) => (m.min(request.rank_batch()), m.min(request.rank_batch()), None),
-        (None, None) => (request.rank_batch(), request.rank_batch(), None),
-    };
-
-    let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
-    let profiling = cfg.profile.is_some() || cfg.profile_on_oom.is_some();
-    if profiling {
-        device_config.timeline_events = crate::profile::PROFILE_TIMELINE_EVENTS;
-    }
-    let device = Device::new(device_config)?;
-    device.set_profiling(profiling);
-    let mut session = match (&group, cfg.parallel, &staged) {
-        (Some(g), _, Some(staged)) => {
-            Session::new_stage(device.clone(), &spec, optimizer, cfg.seed, g.clone(), staged.stages.clone())?
-        }
-        (Some(g), Some(mode), None) => {
-            let mut s = Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?;
-            s.join(g.clone(), mode).map_err(|e| advise(e, &request))?;
-            s
-        }
-        _ => Session::new(device.clone(), &spec, optimizer, cfg.seed).map_err(|e| advise(e, &request))?,
-    };
-    // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
-    // budget (then the fastest checkpointing with which it fits); none without a budget. A pipeline
-    // stage checkpoints all its blocks or none (`auto`: none).
-    let checkpoint = match (&cfg.checkpoint, &plan, cfg.memory) {
-        (crate::config::CheckpointChoice::Auto, _, _) if staged.is_some() => crate::config::CheckpointChoice::None,
-        (crate::config::CheckpointChoice::All, _, _)
-            if staged.is_some() && session.model.checkpointing().is_none_or(|c| c.names().is_empty()) =>
-        {
-            crate::config::CheckpointChoice::None
-        }
-        (crate::config::CheckpointChoice::Auto, Some(p), _) => p.checkpoint.clone(),
-        (crate::config::CheckpointChoice::Auto, None, Some(_)) => {
-            planner::fastest_segments(&request, micro)?.map_or(crate::config::CheckpointChoice::None, |(c, _)| c)
-        }
-        (choice, _, _) => choice.clone(),
-    };
-    let checkpointed = session.set_checkpointing(&checkpoint)?;
-    // `auto` is the plan's choice; without a plan, nothing is halved.
-    let precision = match (cfg.precision, &plan) {
-        (crate::config::Precision::Auto, Some(p)) => p.precision,
-        (crate::config::Precision::Auto, None) => crate::config::Precision::Fp32,
-        (p, _) => p,
-    };
-    session.set_precision(precision)?;
+    let (micro, eval_micro, plan) = choose_micro_batches(cfg, &request, staged.as_ref(), observer)?;
+    let device = run_device(cfg)?;
+    let mut session = build_session(cfg, &request, &device, group.as_ref(), staged.as_ref())?;
+    let (checkpointed, precision) = configure_session(&session, cfg, &request, plan.as_ref(), staged.is_some(), micro)?;
     let savings = match cfg.memory {
         Some(_) if staged.is_none() => {
             let costs = plan.as_ref().and_then(|p| p.costs.as_ref());
@@ -275,6 +156,10 @@ fn train_in_pool(
         }
         ckpt.restore(&mut session)?;
     }
+    if let Some(path) = &cfg.load {
+        check_vocab(path, &task)?;
+        load_weights(cfg, path, &session, staged.is_some())?;
+    }
     let (spec_saved, outputs_saved) = Template::of(cfg);
     let template = Template {
         spec: spec_saved,
@@ -285,21 +170,6 @@ fn train_in_pool(
         train_samples: train_samples.len(),
         metadata: task_metadata,
     };
-    if let Some(path) = &cfg.load {
-        check_vocab(path, &task)?;
-        if cfg.device.computes() {
-            // The checkpoint's errors name the file already. A pipeline stage takes its own part.
-            let loaded = match staged {
-                Some(_) => memfit_nn::checkpoint::load_into(
-                    path,
-                    &memfit_nn::checkpoint::state_dict(session.model.as_ref()),
-                    false,
-                ),
-                None => memfit_nn::checkpoint::load(path, session.model.as_ref()),
-            };
-            loaded.map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-        }
-    }
     let opts = RunOptions {
         effective_batch: batch_size,
         micro_batch: micro,
@@ -312,42 +182,12 @@ fn train_in_pool(
         record_samples: cfg.record_samples,
     };
     let val: Option<&dyn Samples> = if cfg.evaluate { Some(val_samples.as_ref()) } else { None };
-    let mut interrupt: Option<(i32, usize, usize, Option<PathBuf>)> = None;
-    let mut recovered = resumed.as_ref().map_or(0, |c| c.state.progress.oom_recoveries);
-    let result = {
-        let mut after = |s: &Session, e: &StepEvent, p: &crate::trainer::Progress| -> Result<AfterStep, TrainError> {
-            if e.oom_recoveries > recovered {
-                let times = e.oom_recoveries - recovered;
-                observer.notice(&format!(
-                    "step {}: out of memory {}, recovered: the same samples ran again in micro-batches of {} (no \
-                     sample lost; it grows back after {GROW_AFTER} clean steps)",
-                    e.step,
-                    if times == 1 { "once".to_string() } else { format!("{times} times") },
-                    e.micro_batch
-                ));
-                recovered = e.oom_recoveries;
-            }
-            observer.step(e);
-            let signal = observer.interrupted();
-            // Every N steps, and after the last (so a finished run can be extended with --resume).
-            let due = cfg.save_every.is_some_and(|n| p.steps % n == 0) || e.step == e.total_steps;
-            let mut written = None;
-            if let (Some(dir), true) = (&cfg.save_dir, lead && (due || signal.is_some())) {
-                let path = crate::resume::write(dir, cfg.keep, &template, s, p)?;
-                observer.checkpoint_saved(&path);
-                written = Some(path);
-            }
-            Ok(match signal {
-                Some(sig) => {
-                    interrupt = Some((sig, e.step, e.total_steps, written));
-                    AfterStep::Stop
-                }
-                None => AfterStep::Continue,
-            })
-        };
-        let start = resumed.as_ref().map(|c| c.state.progress.clone());
-        session.run_from(train_samples.as_ref(), val, &opts, start, &mut after)
-    };
+    let (result, interrupt) = run_steps(
+        &mut session,
+        Steps { cfg, lead, template: &template, samples: train_samples.as_ref(), val, opts: &opts },
+        resumed.as_ref(),
+        observer,
+    );
     // The profile is written whether the run succeeded or not: a failed run is what it is for.
     let profile_dir =
         cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0)).filter(|_| lead);
@@ -368,50 +208,19 @@ fn train_in_pool(
         Some((_, written)) => written?,
         None => Vec::new(),
     };
-    if let Some((signal, step, total, written)) = interrupt {
-        let name = crate::resume::signal_name(signal);
-        let message = match (&cfg.save_dir, written) {
-            (Some(dir), Some(json)) => format!(
-                "interrupted by {name} after step {step} of {total}: checkpoint {} written; resume with: memfit train \
-                 --resume {}",
-                json.display(),
-                dir.display()
-            ),
-            _ => format!(
-                "interrupted by {name} after step {step} of {total}: nothing can be resumed (no --save-dir); give \
-                 --save-dir DIR (and --save-every N) to write training checkpoints"
-            ),
-        };
-        return Err(TrainError::Interrupted { signal, message });
+    if let Some(stop) = interrupt {
+        return Err(stop.error(cfg));
     }
-    // A pipeline's stages send their parameters to rank 0 (every rank takes part).
-    let gathered = match (&staged, &group, &cfg.save, cfg.device) {
-        (Some(s), Some(g), Some(_), kind) if kind.computes() => {
-            crate::pipeline::gather_state_dict(&session, &spec, cfg.seed, g.as_ref(), &s.stages)?
-        }
-        _ => None,
-    };
-    if let (Some(path), true) = (&cfg.save, lead) {
-        if cfg.device.computes() {
-            let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
-            let tensors = gathered.unwrap_or_else(|| memfit_nn::checkpoint::state_dict(session.model.as_ref()));
-            let bytes = memfit_nn::checkpoint::to_bytes(path, &tensors, Some(metadata))
-                .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-            crate::output::write_atomic("--save", path, &bytes)?;
-        }
-    }
+    save_model(cfg, lead, &task, &session, group.as_deref(), staged.as_ref())?;
     let stats = device.stats();
-    let ranks = match &group {
-        Some(g) => {
-            let stages = staged.as_ref().map_or(Vec::new(), |s| {
-                let units = memfit_nn::stage_units(&spec).unwrap_or(0);
-                s.stages.iter().map(|r| crate::stages::describe_units(r, units)).collect()
-            });
-            let predicted = staged.as_ref().map_or(Vec::new(), |s| s.per_stage.clone());
-            Some(crate::report::RanksSummary::gather(g.as_ref(), cfg, &stats, stages, &predicted))
-        }
-        None => None,
-    };
+    let ranks = group.as_ref().map(|g| {
+        let stages = staged.as_ref().map_or(Vec::new(), |s| {
+            let units = memfit_nn::stage_units(&spec).unwrap_or(0);
+            s.stages.iter().map(|r| crate::stages::describe_units(r, units)).collect()
+        });
+        let predicted = staged.as_ref().map_or(Vec::new(), |s| s.per_stage.clone());
+        crate::report::RanksSummary::gather(g.as_ref(), cfg, &stats, stages, &predicted)
+    });
     let summary = RunSummary {
         config: cfg.clone(),
         spec,
@@ -439,12 +248,323 @@ fn train_in_pool(
         ranks,
     };
     if let (Some(path), true) = (&cfg.report, lead) {
-        let report = crate::report::Report::new(&summary);
-        crate::output::write_atomic("--report", path, (report.to_json() + "\n").as_bytes())?;
-        let svg = memfit_profile::curves_svg(&crate::report::curves(&summary));
-        crate::output::write_atomic("--report", &path.with_extension("svg"), svg.as_bytes())?;
+        crate::report::write(path, &summary)?;
     }
     Ok(summary)
+}
+
+/// Everything checked before any work (Note [Paths]): inputs and outputs, the report a `--report`
+/// would replace, the model flags, the run being resumed and the save directory. Returns the
+/// checkpoint being resumed.
+fn check_before_work(cfg: &TrainConfig, lead: bool) -> Result<Option<Checkpoint>, TrainError> {
+    let (outputs, inputs) = cfg.paths();
+    for input in &inputs {
+        crate::output::check_input(&input.flag, &input.path)?;
+    }
+    if lead {
+        crate::output::check_outputs(&outputs, &inputs)?;
+        if let Some(report) = &cfg.report {
+            crate::report::check_replaceable(report)?;
+        }
+    }
+    check_model_flags(cfg)?;
+    let resumed = cfg.resume.as_deref().map(Checkpoint::latest).transpose()?;
+    if let Some(ckpt) = &resumed {
+        ckpt.check_config(cfg)?;
+    }
+    if let (Some(dir), true) = (&cfg.save_dir, lead) {
+        crate::resume::check_save_dir(dir, cfg.resume.as_deref())?;
+    }
+    Ok(resumed)
+}
+
+/// Errors unless the run in `ckpt` trained on this data and has steps left to take.
+fn check_resumable(
+    cfg: &TrainConfig,
+    ckpt: &Checkpoint,
+    train_samples: usize,
+    metadata: &std::collections::BTreeMap<String, String>,
+) -> Result<(), TrainError> {
+    ckpt.check_task(train_samples, metadata)?;
+    let per_epoch = train_samples.div_ceil(cfg.batch_size.min(train_samples.max(1)));
+    let total = crate::trainer::total_steps(per_epoch, cfg.epochs, cfg.max_steps)?;
+    let done = ckpt.state.progress.steps;
+    if done >= total {
+        return Err(TrainError::Invalid(format!(
+            "the run in {} has trained {done} steps and this one asks for {total}: nothing was left to do; give \
+             --max-steps N (above {done}) or --epochs N to train it further, exactly as one longer run would",
+            ckpt.dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The planner's request for this run: its model, batch and budget; with ranks, rank 0's step-time
+/// model shared by all.
+fn plan_request(
+    cfg: &TrainConfig,
+    spec: &ModelSpec,
+    batch_size: usize,
+    group: Option<&dyn Group>,
+) -> Result<PlanRequest, TrainError> {
+    let request = PlanRequest {
+        model: spec.clone(),
+        optimizer: cfg.optimizer.config(cfg.lr),
+        effective_batch: batch_size,
+        capacity: cfg.memory,
+        safety_margin: cfg.safety_margin,
+        seed: cfg.seed,
+        checkpoint: cfg.checkpoint.clone(),
+        costs: crate::calibration::default_cache().map_or(crate::cost::Costs::Calibrate, crate::cost::Costs::Cached),
+        micro_batch: cfg.micro_batch,
+        precision: cfg.precision,
+        // A pipeline's request is the whole model's: its stages are planned by `stages::plan_stages`.
+        parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.map(|g| g.size())),
+        target: cfg.device.target(),
+        evaluate: cfg.evaluate,
+    };
+    match group {
+        Some(g) => shared_costs(request, g, cfg.parallel == Some(ParallelMode::Pipeline)),
+        None => Ok(request),
+    }
+}
+
+/// The training and evaluation micro-batches and the plan: a pipeline's, planned under a budget
+/// (around a micro-batch the user fixed), forced, or the whole batch. Evaluation runs in micro-batches
+/// of the training micro-batch unless the planner chose its own.
+fn choose_micro_batches(
+    cfg: &TrainConfig,
+    request: &PlanRequest,
+    staged: Option<&crate::stages::StagePlan>,
+    observer: &mut dyn Observer,
+) -> Result<(usize, usize, Option<Plan>), TrainError> {
+    if let Some(s) = staged {
+        return Ok((s.micro_batch, s.micro_batch.min(planner::MAX_EVAL_MICRO), None));
+    }
+    Ok(match (cfg.micro_batch, cfg.memory) {
+        (fixed, Some(_)) => match planner::choose(request) {
+            Ok(plan) => {
+                observer.planned(&plan);
+                (plan.micro_batch, plan.eval_micro_batch, Some(plan))
+            }
+            // A micro-batch the user fixed runs even where it does not fit: recovery shrinks it and
+            // loses no sample (Note [Recovery]).
+            Err(TrainError::DoesNotFit(d)) if fixed.is_some() => {
+                observer.notice(&format!(
+                    "note: {} Recovery will try smaller micro-batches where it does not fit (no sample lost).",
+                    d.problem
+                ));
+                let m = fixed.unwrap_or(1).min(request.rank_batch());
+                (m, m, None)
+            }
+            Err(TrainError::DoesNotFit(_)) => {
+                return Err(TrainError::DoesNotFit(Box::new(crate::doctor::diagnose(request)?)))
+            }
+            Err(e) => return Err(e),
+        },
+        (Some(m), None) => (m.min(request.rank_batch()), m.min(request.rank_batch()), None),
+        (None, None) => (request.rank_batch(), request.rank_batch(), None),
+    })
+}
+
+/// The run's device: its capacity and fault injection, recording a timeline when a profile is asked.
+fn run_device(cfg: &TrainConfig) -> Result<Device, TrainError> {
+    let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
+    let profiling = cfg.profile.is_some() || cfg.profile_on_oom.is_some();
+    if profiling {
+        device_config.timeline_events = crate::profile::PROFILE_TIMELINE_EVENTS;
+    }
+    let device = Device::new(device_config)?;
+    device.set_profiling(profiling);
+    Ok(device)
+}
+
+/// The session: a pipeline stage, one of several ranks, or alone.
+fn build_session(
+    cfg: &TrainConfig,
+    request: &PlanRequest,
+    device: &Device,
+    group: Option<&Arc<dyn Group>>,
+    staged: Option<&crate::stages::StagePlan>,
+) -> Result<Session, TrainError> {
+    let (spec, optimizer) = (&request.model, request.optimizer);
+    Ok(match (group, cfg.parallel, staged) {
+        (Some(g), _, Some(staged)) => {
+            Session::new_stage(device.clone(), spec, optimizer, cfg.seed, g.clone(), staged.stages.clone())?
+        }
+        (Some(g), Some(mode), None) => {
+            let mut s = Session::new(device.clone(), spec, optimizer, cfg.seed).map_err(|e| advise(e, request))?;
+            s.join(g.clone(), mode).map_err(|e| advise(e, request))?;
+            s
+        }
+        _ => Session::new(device.clone(), spec, optimizer, cfg.seed).map_err(|e| advise(e, request))?,
+    })
+}
+
+/// Sets the session's activation checkpointing and storage precision; returns the segments
+/// checkpointed and the precision (`auto` resolved).
+fn configure_session(
+    session: &Session,
+    cfg: &TrainConfig,
+    request: &PlanRequest,
+    plan: Option<&Plan>,
+    staged: bool,
+    micro: usize,
+) -> Result<(Vec<String>, crate::config::Precision), TrainError> {
+    use crate::config::{CheckpointChoice, Precision};
+    // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
+    // budget (then the fastest checkpointing with which it fits); none without a budget. A pipeline
+    // stage checkpoints all its blocks or none (`auto`: none).
+    let checkpoint = match (&cfg.checkpoint, plan, cfg.memory) {
+        (CheckpointChoice::Auto, _, _) if staged => CheckpointChoice::None,
+        (CheckpointChoice::All, _, _)
+            if staged && session.model.checkpointing().is_none_or(|c| c.names().is_empty()) =>
+        {
+            CheckpointChoice::None
+        }
+        (CheckpointChoice::Auto, Some(p), _) => p.checkpoint.clone(),
+        (CheckpointChoice::Auto, None, Some(_)) => {
+            planner::fastest_segments(request, micro)?.map_or(CheckpointChoice::None, |(c, _)| c)
+        }
+        (choice, _, _) => choice.clone(),
+    };
+    let checkpointed = session.set_checkpointing(&checkpoint)?;
+    // `auto` is the plan's choice; without a plan, nothing is halved.
+    let precision = match (cfg.precision, plan) {
+        (Precision::Auto, Some(p)) => p.precision,
+        (Precision::Auto, None) => Precision::Fp32,
+        (p, _) => p,
+    };
+    session.set_precision(precision)?;
+    Ok((checkpointed, precision))
+}
+
+/// `--load`: the weights of `path` into the session (a pipeline stage takes its own part). Nothing is
+/// read on a device that holds no data.
+fn load_weights(cfg: &TrainConfig, path: &std::path::Path, session: &Session, stage: bool) -> Result<(), TrainError> {
+    if !cfg.device.computes() {
+        return Ok(());
+    }
+    // The checkpoint's errors name the file already.
+    let loaded = match stage {
+        true => {
+            memfit_nn::checkpoint::load_into(path, &memfit_nn::checkpoint::state_dict(session.model.as_ref()), false)
+        }
+        false => memfit_nn::checkpoint::load(path, session.model.as_ref()),
+    };
+    loaded.map_err(|e| TrainError::Checkpoint(e.to_string()))
+}
+
+/// What the steps of a run need besides the session.
+struct Steps<'a> {
+    cfg: &'a TrainConfig,
+    /// This process writes the files (rank 0, or alone).
+    lead: bool,
+    template: &'a Template,
+    samples: &'a dyn Samples,
+    val: Option<&'a dyn Samples>,
+    opts: &'a RunOptions,
+}
+
+/// A run stopped by a signal: the signal, the step after which it stopped, the run's steps and the
+/// training checkpoint written then.
+struct Interrupt {
+    signal: i32,
+    step: usize,
+    total: usize,
+    written: Option<PathBuf>,
+}
+
+impl Interrupt {
+    /// The error the run ends with: how to resume it, or that nothing can be resumed.
+    fn error(self, cfg: &TrainConfig) -> TrainError {
+        let (step, total) = (self.step, self.total);
+        let name = crate::resume::signal_name(self.signal);
+        let message = match (&cfg.save_dir, self.written) {
+            (Some(dir), Some(json)) => format!(
+                "interrupted by {name} after step {step} of {total}: checkpoint {} written; resume with: memfit train \
+                 --resume {}",
+                json.display(),
+                dir.display()
+            ),
+            _ => format!(
+                "interrupted by {name} after step {step} of {total}: nothing can be resumed (no --save-dir); give \
+                 --save-dir DIR (and --save-every N) to write training checkpoints"
+            ),
+        };
+        TrainError::Interrupted { signal: self.signal, message }
+    }
+}
+
+/// Trains (from the checkpoint being resumed, if any), telling `observer` of every step and
+/// recovery, writing training checkpoints when due, and stopping after the step a signal arrived in.
+fn run_steps(
+    session: &mut Session,
+    run: Steps,
+    resumed: Option<&Checkpoint>,
+    observer: &mut dyn Observer,
+) -> (Result<crate::trainer::RunOutcome, TrainError>, Option<Interrupt>) {
+    let Steps { cfg, lead, template, samples, val, opts } = run;
+    let mut interrupt = None;
+    let mut recovered = resumed.map_or(0, |c| c.state.progress.oom_recoveries);
+    let mut after = |s: &Session, e: &StepEvent, p: &crate::trainer::Progress| -> Result<AfterStep, TrainError> {
+        if e.oom_recoveries > recovered {
+            let times = e.oom_recoveries - recovered;
+            observer.notice(&format!(
+                "step {}: out of memory {}, recovered: the same samples ran again in micro-batches of {} (no \
+                 sample lost; it grows back after {GROW_AFTER} clean steps)",
+                e.step,
+                if times == 1 { "once".to_string() } else { format!("{times} times") },
+                e.micro_batch
+            ));
+            recovered = e.oom_recoveries;
+        }
+        observer.step(e);
+        let signal = observer.interrupted();
+        // Every N steps, and after the last (so a finished run can be extended with --resume).
+        let due = cfg.save_every.is_some_and(|n| p.steps % n == 0) || e.step == e.total_steps;
+        let mut written = None;
+        if let (Some(dir), true) = (&cfg.save_dir, lead && (due || signal.is_some())) {
+            let path = crate::resume::write(dir, cfg.keep, template, s, p)?;
+            observer.checkpoint_saved(&path);
+            written = Some(path);
+        }
+        Ok(match signal {
+            Some(signal) => {
+                interrupt = Some(Interrupt { signal, step: e.step, total: e.total_steps, written });
+                AfterStep::Stop
+            }
+            None => AfterStep::Continue,
+        })
+    };
+    let start = resumed.map(|c| c.state.progress.clone());
+    let result = session.run_from(samples, val, opts, start, &mut after);
+    (result, interrupt)
+}
+
+/// `--save`: the trained parameters (a pipeline's gathered from its stages onto rank 0, every rank
+/// taking part), written by the lead rank with the task's metadata.
+fn save_model(
+    cfg: &TrainConfig,
+    lead: bool,
+    task: &Task,
+    session: &Session,
+    group: Option<&dyn Group>,
+    staged: Option<&crate::stages::StagePlan>,
+) -> Result<(), TrainError> {
+    let (Some(path), true) = (&cfg.save, cfg.device.computes()) else { return Ok(()) };
+    let gathered = match (staged, group) {
+        (Some(s), Some(g)) => crate::pipeline::gather_state_dict(session, &task.spec, cfg.seed, g, &s.stages)?,
+        _ => None,
+    };
+    if lead {
+        let metadata: HashMap<String, String> = task.checkpoint_metadata().into_iter().collect();
+        let tensors = gathered.unwrap_or_else(|| memfit_nn::checkpoint::state_dict(session.model.as_ref()));
+        let bytes = memfit_nn::checkpoint::to_bytes(path, &tensors, Some(metadata))
+            .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        crate::output::write_atomic("--save", path, &bytes)?;
+    }
+    Ok(())
 }
 
 /// With ranks and a plan that weighs time (`auto` checkpointing or precision under a budget): rank 0

@@ -21,6 +21,7 @@
 //! is bit for bit data parallel's.
 
 use crate::error::TrainError;
+use crate::trainer::{Peers, Session};
 use memfit_dist::{partition, GradientBucket, Group};
 use memfit_nn::{Model, Optimizer};
 use memfit_tensor::{Device, Phase, Tensor};
@@ -156,5 +157,44 @@ impl Ranks {
     /// True when any rank says true (so all ranks stop after the same step).
     pub fn any(&self, flag: bool) -> bool {
         memfit_dist::collective::any(self.group.as_ref(), flag)
+    }
+}
+
+impl Peers for Ranks {
+    fn shard<'a>(&self, ids: &'a [usize]) -> &'a [usize] {
+        Ranks::shard(self, ids)
+    }
+    fn reduce_gradients(&self, model: &dyn Model) -> Result<(), TrainError> {
+        Ranks::reduce_gradients(self, model)
+    }
+    fn finish_step(&self, model: &dyn Model) -> Result<(), TrainError> {
+        Ranks::finish_step(self, model)
+    }
+    fn sum(&self, values: &mut [f64]) {
+        Ranks::sum(self, values)
+    }
+    fn check_replicas(&self, model: &dyn Model, step: usize) -> Result<(), TrainError> {
+        Ranks::check_replicas(self, model, step)
+    }
+    fn any(&self, flag: bool) -> bool {
+        Ranks::any(self, flag)
+    }
+}
+
+impl Session {
+    /// Trains from now on as one rank of `group` in `mode` (Note [Data parallel], Note [ZeRO-1]):
+    /// allocates the gradient buckets and, for ZeRO-1, keeps optimizer state for this rank's
+    /// parameters only. Call before the first step.
+    pub fn join(
+        &mut self,
+        group: std::sync::Arc<dyn memfit_dist::Group>,
+        mode: ParallelMode,
+    ) -> Result<(), TrainError> {
+        let (ranks, sharded) = Ranks::join(group, mode, &self.device, self.model.as_ref(), &self.optimizer)?;
+        if let Some(optimizer) = sharded {
+            self.optimizer = optimizer;
+        }
+        self.peers = Some(Box::new(ranks));
+        Ok(())
     }
 }

@@ -22,7 +22,7 @@
 
 use crate::error::TrainError;
 use crate::samples::Samples;
-use crate::trainer::{argmax_classes, count_correct, loss, MicroResult, Session};
+use crate::trainer::{argmax_classes, count_correct, loss, MicroResult, Peers, Session};
 use memfit_dist::{collective, Group};
 use memfit_tensor::{autograd, Category, DType, Device, Phase, Tensor};
 use std::ops::Range;
@@ -167,41 +167,42 @@ impl Session {
             model,
             optimizer,
             skipped_steps: 0,
-            ranks: None,
-            pipeline: Some(Pipeline { group, stages, stream }),
+            peers: Some(Box::new(Pipeline { group, stages, stream })),
         })
     }
+}
 
+impl Pipeline {
     /// One window through the pipeline (Note [Pipeline]), retried whole after an out-of-memory on any
     /// stage. Returns the window's results (summed over the stages) and the recoveries it took.
-    pub(crate) fn pipeline_window(
+    fn window(
         &self,
+        s: &Session,
         samples: &dyn Samples,
         window: &[usize],
         micro: &mut usize,
         recover: bool,
         train: bool,
     ) -> Result<(MicroResult, usize), TrainError> {
-        let p = self.pipeline.as_ref().ok_or_else(|| TrainError::Invalid("internal: not a pipeline stage".into()))?;
         let mut recoveries = 0;
         // The stages that failed the attempt before at this micro-batch size.
-        let mut failed_before = vec![false; p.stages.len()];
+        let mut failed_before = vec![false; self.stages.len()];
         loop {
-            let before = self.allocated();
-            let (result, failure) = self.pipeline_attempt(p, samples, window, *micro, train)?;
+            let before = s.allocated();
+            let (result, failure) = self.attempt(s, samples, window, *micro, train)?;
             // A stage's own out-of-memory (a stage that only heard of another's failure does not count).
-            let failed = p.which(failure.as_ref().is_some_and(|e| e.as_oom().is_some()));
+            let failed = self.which(failure.as_ref().is_some_and(|e| e.as_oom().is_some()));
             if !failed.contains(&true) {
                 let mut sums = [result.loss_sum, result.correct as f64, result.predictions as f64];
-                p.group.all_reduce_sum_f64(&mut sums);
+                self.group.all_reduce_sum_f64(&mut sums);
                 let total = MicroResult { loss_sum: sums[0], correct: sums[1] as usize, predictions: sums[2] as usize };
                 return Ok((total, recoveries));
             }
-            for (_, param) in self.model.parameters() {
+            for (_, param) in s.model.parameters() {
                 param.set_grad(None);
             }
-            self.check_released(before)?;
-            self.device.empty_cache();
+            s.check_released(before)?;
+            s.device.empty_cache();
             // A stage failing twice in a row at one size is short of memory (not a transient fault):
             // halve the micro-batch; it cannot go below one sample.
             let repeated = failed.iter().zip(&failed_before).any(|(now, then)| *now && *then);
@@ -216,7 +217,7 @@ impl Session {
             recoveries += 1;
             if repeated {
                 *micro = micro.div_ceil(2);
-                failed_before = vec![false; p.stages.len()];
+                failed_before = vec![false; self.stages.len()];
             } else {
                 failed_before = failed;
             }
@@ -226,38 +227,38 @@ impl Session {
     /// One attempt at a window: every micro-batch forward, then (training) every one backward in
     /// reverse. Returns this stage's results and its out-of-memory, if it had one; other errors end
     /// the run.
-    fn pipeline_attempt(
+    fn attempt(
         &self,
-        p: &Pipeline,
+        s: &Session,
         samples: &dyn Samples,
         window: &[usize],
         micro: usize,
         train: bool,
     ) -> Result<(MicroResult, Option<TrainError>), TrainError> {
-        let device = &self.device;
+        let device = &s.device;
         let n = window.len();
         let chunks: Vec<&[usize]> = window.chunks(micro.max(1)).collect();
         let mut result = MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 };
         let mut failure: Option<TrainError> = None;
-        let stage = p.stage();
-        for round in chunks.chunks(p.round()) {
+        let stage = self.stage();
+        for round in chunks.chunks(self.round()) {
             let mut in_flight: Vec<Option<InFlight>> = Vec::with_capacity(round.len());
             for &chunk in round {
                 let mut flight = None;
                 if failure.is_none() {
-                    match self.stage_forward(p, samples, chunk, n, train, &mut result) {
+                    match self.stage_forward(s, samples, chunk, n, train, &mut result) {
                         Ok(Some(f)) => flight = Some(f),
                         Ok(None) => failure = Some(TrainError::Invalid("an earlier stage ran out of memory".into())),
                         Err(e) => failure = Some(survivable(e)?),
                     }
-                } else if !p.first() {
+                } else if !self.first() {
                     // Take (and drop) what the stage before sends, so it never waits.
-                    if let Err(e) = p.fetch(device, chunk.len(), stage - 1, "stage_input") {
+                    if let Err(e) = self.fetch(device, chunk.len(), stage - 1, "stage_input") {
                         survivable(e)?;
                     }
                 }
-                if !p.last() {
-                    p.post(device, flight.as_ref().map(|f| &f.output), stage + 1)?;
+                if !self.last() {
+                    self.post(device, flight.as_ref().map(|f| &f.output), stage + 1)?;
                 }
                 in_flight.push(flight.filter(|_| train));
             }
@@ -267,10 +268,10 @@ impl Session {
             let _phase = device.enter_phase(Phase::Backward);
             for (i, chunk) in round.iter().enumerate().rev() {
                 let flight = in_flight[i].take();
-                let grad = if p.last() {
+                let grad = if self.last() {
                     None
                 } else {
-                    match p.fetch(device, chunk.len(), stage + 1, "stage_output_grad") {
+                    match self.fetch(device, chunk.len(), stage + 1, "stage_output_grad") {
                         Ok(Some(g)) => Some(g),
                         Ok(None) => {
                             failure.get_or_insert(TrainError::Invalid("a later stage ran out of memory".into()));
@@ -293,8 +294,8 @@ impl Session {
                         Err(e) => failure = Some(survivable(e.into())?),
                     }
                 }
-                if !p.first() {
-                    p.post(device, sent.as_ref().filter(|_| failure.is_none()), stage - 1)?;
+                if !self.first() {
+                    self.post(device, sent.as_ref().filter(|_| failure.is_none()), stage - 1)?;
                 }
             }
         }
@@ -306,31 +307,31 @@ impl Session {
     /// the stage before failed.
     fn stage_forward(
         &self,
-        p: &Pipeline,
+        s: &Session,
         samples: &dyn Samples,
         chunk: &[usize],
         n: usize,
         train: bool,
         result: &mut MicroResult,
     ) -> Result<Option<InFlight>, TrainError> {
-        let device = &self.device;
+        let device = &s.device;
         let phase = if train { Phase::Forward } else { Phase::Eval };
         // The stage before's message first, before anything here can fail: every message of the
         // round is taken exactly once (Note [Pipeline]).
-        let received = match p.first() {
+        let received = match self.first() {
             true => None,
             false => {
                 let _p = device.enter_phase(phase);
-                match p.fetch(device, chunk.len(), p.stage() - 1, "stage_input")? {
+                match self.fetch(device, chunk.len(), self.stage() - 1, "stage_input")? {
                     Some(t) => Some(t.set_requires_grad(train)),
                     None => return Ok(None),
                 }
             }
         };
-        let (tokens, targets) = if p.first() || p.last() {
+        let (tokens, targets) = if self.first() || self.last() {
             let _p = device.enter_phase(Phase::Data);
             let (x, y) = samples.to_device(device, chunk)?;
-            (p.first().then_some(x), p.last().then_some(y))
+            (self.first().then_some(x), self.last().then_some(y))
         } else {
             (None, None)
         };
@@ -340,9 +341,9 @@ impl Session {
             (None, Some(t)) => t,
             (None, None) => return Err(TrainError::Invalid("internal: a stage with no input".into())),
         };
-        let output = self.model.forward(&input, train)?;
+        let output = s.model.forward(&input, train)?;
         let Some(y) = targets else {
-            let received = (!p.first()).then_some(input);
+            let received = (!self.first()).then_some(input);
             return Ok(Some(InFlight { input: received, output }));
         };
         let l = loss(&output, &y)?;
@@ -356,8 +357,35 @@ impl Session {
         }
         result.predictions += y.numel();
         let weighted = if !train || chunk.len() == n { l } else { l.mul_scalar(chunk.len() as f64 / n as f64)? };
-        let received = (!p.first()).then_some(input);
+        let received = (!self.first()).then_some(input);
         Ok(Some(InFlight { input: received, output: weighted }))
+    }
+}
+
+impl Peers for Pipeline {
+    fn run_window(
+        &self,
+        session: &Session,
+        samples: &dyn Samples,
+        window: &[usize],
+        micro: &mut usize,
+        recover: bool,
+        train: bool,
+    ) -> Option<Result<(MicroResult, usize), TrainError>> {
+        Some(self.window(session, samples, window, micro, recover, train))
+    }
+
+    fn eval_round(&self) -> Option<usize> {
+        Some(self.round())
+    }
+
+    /// Every stage skips the step, or none does.
+    fn overflowed(&self, local: bool) -> bool {
+        self.any(local)
+    }
+
+    fn any(&self, flag: bool) -> bool {
+        Pipeline::any(self, flag)
     }
 }
 

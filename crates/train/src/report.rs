@@ -407,6 +407,14 @@ impl Report {
     }
 }
 
+/// Writes the report of `summary` to `path` and its training curves beside it (`.svg`), atomically.
+pub fn write(path: &std::path::Path, summary: &RunSummary) -> Result<(), crate::TrainError> {
+    let report = Report::new(summary);
+    crate::output::write_atomic("--report", path, (report.to_json() + "\n").as_bytes())?;
+    let svg = memfit_profile::curves_svg(&curves(summary));
+    crate::output::write_atomic("--report", &path.with_extension("svg"), svg.as_bytes())
+}
+
 /// Errors when `--report PATH`, or the curves written beside it (`PATH` with `.svg`), names an existing
 /// file memfit did not write: a report replaces only a report (a JSON object with a report's fields),
 /// and curves only curves (marked with [`memfit_profile::CURVES_MARK`], or beside a report: older

@@ -37,10 +37,59 @@ pub struct Session {
     pub optimizer: Optimizer,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage only).
     pub skipped_steps: usize,
-    /// The other ranks this session trains with (`--parallel data|zero1`; Note [Data parallel]), if any.
-    pub ranks: Option<crate::parallel::Ranks>,
-    /// The stage of a pipeline this session is (`--parallel pipeline`; Note [Pipeline]), if any.
-    pub pipeline: Option<crate::pipeline::Pipeline>,
+    /// The processes this session trains with, if any: ranks that share every window
+    /// (`parallel::Ranks`) or the other stages of a pipeline (`pipeline::Pipeline`).
+    pub peers: Option<Box<dyn Peers>>,
+}
+
+/// What a session does differently as one of several processes that train one model: one of ranks
+/// that share every window (`parallel::Ranks`: `--parallel data|zero1`, Note [Data parallel]) or a
+/// stage of a pipeline (`pipeline::Pipeline`: `--parallel pipeline`, Note [Pipeline]). The session
+/// calls these at fixed points of its loop and knows nothing else of them; the drivers build on the
+/// session, never the other way. Every default is what a process alone does.
+pub trait Peers: Send + Sync {
+    /// The ids of `ids` (a window, or the evaluation set) this process takes.
+    fn shard<'a>(&self, ids: &'a [usize]) -> &'a [usize] {
+        ids
+    }
+    /// Runs `window` (training when `train`, else evaluation) when its micro-batches cross processes:
+    /// the results summed over the processes and the recoveries it took; None: the session runs them
+    /// as alone.
+    fn run_window(
+        &self,
+        _session: &Session,
+        _samples: &dyn Samples,
+        _window: &[usize],
+        _micro: &mut usize,
+        _recover: bool,
+        _train: bool,
+    ) -> Option<Result<(MicroResult, usize), TrainError>> {
+        None
+    }
+    /// Micro-batches an evaluation window holds, when evaluation runs in windows ([`Peers::run_window`]).
+    fn eval_round(&self) -> Option<usize> {
+        None
+    }
+    /// After backward, before the update: the gradients summed across ranks.
+    fn reduce_gradients(&self, _model: &dyn Model) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// Whether any process's gradients overflowed, when every process must skip the step together.
+    fn overflowed(&self, local: bool) -> bool {
+        local
+    }
+    /// After the update (or the skipped one): ZeRO-1's owners broadcast their parameters.
+    fn finish_step(&self, _model: &dyn Model) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// `values` summed over processes whose results are partial (ranks' shards).
+    fn sum(&self, _values: &mut [f64]) {}
+    /// After step `step`: the replicas still agree.
+    fn check_replicas(&self, _model: &dyn Model, _step: usize) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// True when any process says true (so all stop after the same step).
+    fn any(&self, flag: bool) -> bool;
 }
 
 impl Session {
@@ -93,24 +142,7 @@ impl Session {
         let _phase = device.enter_phase(Phase::Setup);
         let model = memfit_nn::build_model(spec, &device, seed)?;
         let optimizer = Optimizer::new(model.parameters(), optimizer);
-        Ok(Session { device, model, optimizer, skipped_steps: 0, ranks: None, pipeline: None })
-    }
-
-    /// Trains from now on as one rank of `group` in `mode` (Note [Data parallel], Note [ZeRO-1]):
-    /// allocates the gradient buckets and, for ZeRO-1, keeps optimizer state for this rank's
-    /// parameters only. Call before the first step.
-    pub fn join(
-        &mut self,
-        group: std::sync::Arc<dyn memfit_dist::Group>,
-        mode: crate::parallel::ParallelMode,
-    ) -> Result<(), TrainError> {
-        let (ranks, sharded) =
-            crate::parallel::Ranks::join(group, mode, &self.device, self.model.as_ref(), &self.optimizer)?;
-        if let Some(optimizer) = sharded {
-            self.optimizer = optimizer;
-        }
-        self.ranks = Some(ranks);
-        Ok(())
+        Ok(Session { device, model, optimizer, skipped_steps: 0, peers: None })
     }
 
     pub(crate) fn allocated(&self) -> u64 {
@@ -278,11 +310,12 @@ impl<'a> MicroQueue<'a> {
     }
 }
 
-pub(crate) struct MicroResult {
+/// What micro-batches (or a window of them) add up to: the loss and the right predictions.
+pub struct MicroResult {
     /// Mean loss over the micro-batch's predictions, times its samples.
-    pub(crate) loss_sum: f64,
-    pub(crate) correct: usize,
-    pub(crate) predictions: usize,
+    pub loss_sum: f64,
+    pub correct: usize,
+    pub predictions: usize,
 }
 
 /// The mean cross-entropy of `logits` [..., C] against int64 `targets` [...] (every prediction
@@ -407,22 +440,22 @@ impl Session {
         recover: bool,
         used: &mut Vec<usize>,
     ) -> Result<(MicroResult, usize), TrainError> {
-        let (total, mut recoveries) = if self.pipeline.is_some() {
-            let done = self.pipeline_window(samples, window, micro, recover, true)?;
-            used.extend_from_slice(window);
-            done
-        } else {
-            self.accumulate(samples, window, n, micro, recover, used)?
+        let crossing = self.peers.as_ref().and_then(|p| p.run_window(self, samples, window, micro, recover, true));
+        let (total, mut recoveries) = match crossing {
+            Some(done) => {
+                used.extend_from_slice(window);
+                done?
+            }
+            None => self.accumulate(samples, window, n, micro, recover, used)?,
         };
         {
             let _p = self.device.enter_phase(Phase::Optimizer);
-            if let Some(ranks) = &self.ranks {
-                ranks.reduce_gradients(self.model.as_ref())?;
+            if let Some(peers) = &self.peers {
+                peers.reduce_gradients(self.model.as_ref())?;
             }
             let mut overflowed = self.gradients_overflowed()?;
-            if let Some(p) = &self.pipeline {
-                // Every stage skips the step, or none does.
-                overflowed = p.any(overflowed);
+            if let Some(peers) = &self.peers {
+                overflowed = peers.overflowed(overflowed);
             }
             if overflowed {
                 self.skipped_steps += 1;
@@ -485,8 +518,8 @@ impl Session {
 
     /// With ranks: ZeRO-1's owners broadcast their updated parameters, and every gradient is freed.
     fn finish_step(&self) -> Result<(), TrainError> {
-        match &self.ranks {
-            Some(ranks) => ranks.finish_step(self.model.as_ref()),
+        match &self.peers {
+            Some(peers) => peers.finish_step(self.model.as_ref()),
             None => Ok(()),
         }
     }
@@ -498,14 +531,16 @@ impl Session {
         let _ng = device.no_grad();
         let _p = device.enter_phase(Phase::Eval);
         let all = samples.eval_ids();
-        if let Some(p) = &self.pipeline {
+        if let Some((p, round)) = self.peers.as_ref().and_then(|p| Some((p, p.eval_round()?))) {
             // One round at a time, each retried on its own (Note [Pipeline]).
             let mut micro = eval_micro;
             let (mut r, mut recoveries) = (MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 }, 0);
             let mut start = 0;
             while start < all.len() {
-                let end = (start + p.round() * micro).min(all.len());
-                let (part, rec) = self.pipeline_window(samples, &all[start..end], &mut micro, recover, false)?;
+                let end = (start + round * micro).min(all.len());
+                let (part, rec) = p
+                    .run_window(self, samples, &all[start..end], &mut micro, recover, false)
+                    .ok_or_else(|| TrainError::Invalid("internal: evaluation rounds without windows".into()))??;
                 r.loss_sum += part.loss_sum;
                 r.correct += part.correct;
                 r.predictions += part.predictions;
@@ -522,7 +557,7 @@ impl Session {
                 oom_recoveries: recoveries,
             });
         }
-        let order = self.ranks.as_ref().map_or(&all[..], |r| r.shard(&all));
+        let order = self.peers.as_ref().map_or(&all[..], |p| p.shard(&all));
         let mut queue = MicroQueue::new(order, eval_micro);
         let (mut loss_sum, mut correct, mut predictions, mut recoveries) = (0.0, 0, 0, 0);
         while let Some(chunk) = queue.next() {
@@ -555,9 +590,9 @@ impl Session {
                 Err(e) => return Err(e),
             }
         }
-        if let Some(ranks) = &self.ranks {
+        if let Some(peers) = &self.peers {
             let mut sums = [loss_sum, correct as f64, predictions as f64, recoveries as f64];
-            ranks.sum(&mut sums);
+            peers.sum(&mut sums);
             (loss_sum, correct, predictions, recoveries) =
                 (sums[0], sums[1] as usize, sums[2] as usize, sums[3] as usize);
         }
@@ -584,6 +619,76 @@ impl Session {
             on_step(e);
             Ok(AfterStep::Continue)
         })
+    }
+
+    /// One optimizer step over `window` (Note [Recovery]; with ranks, this rank's shard of it):
+    /// updates the progress `p` and returns the step's event and the samples it used (with
+    /// `opts.record_samples`).
+    fn train_step(
+        &mut self,
+        train: &dyn Samples,
+        window: &[usize],
+        opts: &RunOptions,
+        total: usize,
+        p: &mut Progress,
+    ) -> Result<(StepEvent, Vec<usize>), TrainError> {
+        let planned_micro = opts.micro_batch.min(opts.effective_batch);
+        let start = Instant::now();
+        let mut used = Vec::with_capacity(if opts.record_samples { window.len() } else { 0 });
+        let local = self.peers.as_ref().map_or(window, |peers| peers.shard(window));
+        let (mut result, mut recoveries) =
+            self.train_window(train, local, window.len(), &mut p.micro, opts.recover, &mut used)?;
+        if let Some(peers) = &self.peers {
+            let mut sums = [result.loss_sum, result.correct as f64, result.predictions as f64, recoveries as f64];
+            peers.sum(&mut sums);
+            result = MicroResult { loss_sum: sums[0], correct: sums[1] as usize, predictions: sums[2] as usize };
+            recoveries = sums[3] as usize;
+            peers.check_replicas(self.model.as_ref(), p.steps + 1)?;
+        }
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        p.streak = if recoveries > 0 { 0 } else { p.streak + 1 };
+        if p.micro < planned_micro && p.streak >= opts.grow_after {
+            p.micro = (p.micro * 2).min(planned_micro);
+            p.streak = 0;
+        }
+        p.steps += 1;
+        p.window += 1;
+        p.samples_seen += window.len();
+        p.step_times_ms.push(ms);
+        p.oom_recoveries += recoveries;
+        let computes = self.device.computes();
+        let loss = computes.then(|| result.loss_sum / window.len() as f64);
+        if let Some(l) = loss.filter(|l| !l.is_finite()) {
+            return Err(TrainError::NotFinite(format!(
+                "the training loss at step {} is {l}: training diverged and stopped (nothing is saved); \
+                 try a smaller --lr",
+                p.steps
+            )));
+        }
+        p.last_loss = loss;
+        let stats = self.device.stats();
+        p.curve.push(StepPoint {
+            step: p.steps,
+            loss,
+            allocated: stats.allocated_bytes.current,
+            peak_allocated: stats.allocated_bytes.peak,
+            reserved: stats.reserved_bytes.current,
+        });
+        let event = StepEvent {
+            step: p.steps,
+            total_steps: total,
+            epoch: p.epoch,
+            samples: p.samples_seen,
+            loss,
+            accuracy: computes.then(|| result.correct as f64 / result.predictions.max(1) as f64),
+            micro_batch: p.micro,
+            oom_recoveries: p.oom_recoveries,
+            allocated: stats.allocated_bytes.current,
+            peak_allocated: stats.allocated_bytes.peak,
+            reserved: stats.reserved_bytes.current,
+            step_ms: ms,
+        };
+        Ok((event, used))
     }
 
     /// [`Session::run`] from `start` (a checkpoint's [`Progress`]; None: the beginning), calling
@@ -623,78 +728,19 @@ impl Session {
                 if p.steps >= total {
                     break;
                 }
-                let start = Instant::now();
-                let mut used = Vec::with_capacity(if opts.record_samples { window.len() } else { 0 });
-                let local = self.ranks.as_ref().map_or(window, |r| r.shard(window));
-                let (mut result, mut recoveries) =
-                    self.train_window(train, local, window.len(), &mut p.micro, opts.recover, &mut used)?;
-                if let Some(ranks) = &self.ranks {
-                    let mut sums =
-                        [result.loss_sum, result.correct as f64, result.predictions as f64, recoveries as f64];
-                    ranks.sum(&mut sums);
-                    result =
-                        MicroResult { loss_sum: sums[0], correct: sums[1] as usize, predictions: sums[2] as usize };
-                    recoveries = sums[3] as usize;
-                    ranks.check_replicas(self.model.as_ref(), p.steps + 1)?;
-                }
-                let ms = start.elapsed().as_secs_f64() * 1e3;
-                p.streak = if recoveries > 0 { 0 } else { p.streak + 1 };
-                if p.micro < planned_micro && p.streak >= opts.grow_after {
-                    p.micro = (p.micro * 2).min(planned_micro);
-                    p.streak = 0;
-                }
-                p.steps += 1;
-                p.window += 1;
-                p.samples_seen += window.len();
-                p.step_times_ms.push(ms);
-                p.oom_recoveries += recoveries;
-                let computes = self.device.computes();
-                let loss = computes.then(|| result.loss_sum / window.len() as f64);
-                if let Some(l) = loss.filter(|l| !l.is_finite()) {
-                    return Err(TrainError::NotFinite(format!(
-                        "the training loss at step {} is {l}: training diverged and stopped (nothing is saved); \
-                         try a smaller --lr",
-                        p.steps
-                    )));
-                }
-                p.last_loss = loss;
-                let stats = self.device.stats();
-                p.curve.push(StepPoint {
-                    step: p.steps,
-                    loss,
-                    allocated: stats.allocated_bytes.current,
-                    peak_allocated: stats.allocated_bytes.peak,
-                    reserved: stats.reserved_bytes.current,
-                });
+                let (event, used) = self.train_step(train, window, opts, total, &mut p)?;
                 if opts.record_samples {
                     sample_log.push(used);
                 }
-                let event = StepEvent {
-                    step: p.steps,
-                    total_steps: total,
-                    epoch: p.epoch,
-                    samples: p.samples_seen,
-                    loss,
-                    accuracy: computes.then(|| result.correct as f64 / result.predictions.max(1) as f64),
-                    micro_batch: p.micro,
-                    oom_recoveries: p.oom_recoveries,
-                    allocated: stats.allocated_bytes.current,
-                    peak_allocated: stats.allocated_bytes.peak,
-                    reserved: stats.reserved_bytes.current,
-                    step_ms: ms,
-                };
                 // The position after this step: the next window, or the start of the next epoch.
                 if p.window == per_epoch {
                     p.epoch += 1;
                     p.window = 0;
                 }
                 let mut stop = after(self, &event, &p)? == AfterStep::Stop;
-                if let Some(ranks) = &self.ranks {
-                    // Every rank stops after the same step, or the others would wait for it.
-                    stop = ranks.any(stop);
-                }
-                if let Some(p) = &self.pipeline {
-                    stop = p.any(stop);
+                if let Some(peers) = &self.peers {
+                    // Every process stops after the same step, or the others would wait for it.
+                    stop = peers.any(stop);
                 }
                 if stop {
                     stopped = true;
