@@ -51,7 +51,7 @@ pub struct CostModel {
     pub nominal: bool,
     /// The model's kernels share a micro-batch's samples out to this many threads, so a micro-batch
     /// costs as much as the next multiple of it (with 2 threads, 3 samples take as long as 4); 0 or 1
-    /// when calibration found no such steps. Measured, not assumed: see [`calibrate`].
+    /// when calibration found no such steps. Measured, not assumed: see [`crate::calibration::calibrate`].
     #[serde(default)]
     pub sample_rounds: usize,
 }

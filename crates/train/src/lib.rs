@@ -1,22 +1,22 @@
-//! memfit-train: runs training under a memory budget.
+//! memfit-train: runs training under a memory budget. A straight stack: each layer imports only
+//! the layers below it (`ARCHITECTURE.md` draws it).
 //!
-//! - [`task`]: what each model kind learns from (Fashion-MNIST images, or the characters of a text)
-//!   and how a job loads it;
-//! - [`samples`]: where a step's inputs come from (images, text windows, or synthetic), written
-//!   straight into device tensors;
-//! - [`trainer`]: the training loop with gradient accumulation and out-of-memory recovery (Note
-//!   [Recovery]) on any device, `meta` included, so the same code predicts and runs;
-//! - [`planner`]: chooses the micro-batch for an effective batch and a budget by dry runs on `meta`;
-//! - [`doctor`]: when nothing fits, the remedies that would, as data (Note [One doctor]);
-//! - [`report`]: the JSON report and the memory table people read;
-//! - [`bench`]: step-time and memory benchmarks of the model zoo;
-//! - [`generate`]: text from a saved GPT;
-//! - [`resume`]: training checkpoints (`--save-every`, `--save-dir`) and `--resume`, exact (Note
-//!   [Exact resume]);
-//! - [`output`]: the one home of path checks and atomic, durable writes (Note [Paths]);
-//! - [`parallel`]: training as one of several ranks (`--parallel data|zero1`; Note [Data parallel]);
-//! - [`pipeline`]: a model cut into stages across ranks (`--parallel pipeline`; Note [Pipeline]);
-//! - [`profile`]: memory profiles of a run (HTML page, PyTorch snapshot, Chrome trace, summary).
+//! - settings and errors: [`cost`] (the step-time formula, a [`cost::CostModel`]), [`error`] (every
+//!   way a run ends, and the doctor's [`Diagnosis`]), [`output`] (the one home of path checks and
+//!   atomic, durable writes; Note [Paths]), [`config`] (a run's settings, their bounds and checks);
+//! - data: [`samples`] (where a step's inputs come from: images, text windows or synthetic, written
+//!   straight into device tensors), [`task`] (what each model kind learns from, and how a job loads it);
+//! - the session: [`trainer`] (the training loop with gradient accumulation and out-of-memory
+//!   recovery, Note [Recovery], on any device, `meta` included, so the same code predicts and runs;
+//!   the [`trainer::Peers`] trait is all it knows of other processes);
+//! - its drivers across processes: [`parallel`] (ranks, `--parallel data|zero1`; Note [Data
+//!   parallel]) and [`pipeline`] (stages, `--parallel pipeline`; Note [Pipeline]);
+//! - planning: [`dry_run`] (one meta dry run shared by every planner), [`calibration`] (the cost model,
+//!   measured), [`planner`] (the micro-batch, checkpointing and storage for a budget), [`stages`] (a
+//!   pipeline's cut), [`devices`] (`plan --devices N`), [`doctor`] (when nothing fits, the remedies,
+//!   as data; Note [One doctor]);
+//! - on top: [`job`] (a run), [`resume`] (training checkpoints, exact; Note [Exact resume]),
+//!   [`report`] (the JSON report and the memory table), [`bench`], [`generate`], [`profile`].
 
 pub mod bench;
 pub mod calibration;
@@ -25,7 +25,7 @@ pub mod cost;
 pub mod devices;
 pub mod doctor;
 pub mod dry_run;
-mod error;
+pub mod error;
 pub mod generate;
 pub mod job;
 pub mod output;
