@@ -121,40 +121,14 @@ fn train_in_pool(
     }
     let spec = task.spec.clone();
     let request = plan_request(cfg, &spec, batch_size, group.as_deref())?;
-    let staged = match group.as_ref().filter(|_| cfg.parallel == Some(ParallelMode::Pipeline)) {
-        Some(g) => {
-            let costs = match &request.costs {
-                crate::cost::Costs::Given(c) => Some(c.clone()),
-                _ => None,
-            };
-            let staged = crate::stages::plan_stages(&request, g.size(), costs.as_ref())?;
-            observer.staged(&staged, &spec);
-            Some(staged)
-        }
-        None => None,
-    };
+    let staged = plan_pipeline(cfg, &request, group.as_deref(), observer)?;
     let (micro, eval_micro, plan) = choose_micro_batches(cfg, &request, staged.as_ref(), observer)?;
     let device = run_device(cfg)?;
     let mut session = build_session(cfg, &request, &device, group.as_ref(), staged.as_ref())?;
-    let (checkpointed, precision) = configure_session(&session, cfg, &request, plan.as_ref(), staged.is_some(), micro)?;
-    let savings = match cfg.memory {
-        Some(_) if staged.is_none() => {
-            let costs = plan.as_ref().and_then(|p| p.costs.as_ref());
-            planner::savings(&request, micro, &checkpointed, precision, costs)?
-        }
-        _ => planner::Savings::default(),
-    };
+    let (checkpointed, precision, savings) =
+        configure_session(&session, cfg, &request, plan.as_ref(), staged.is_some(), micro)?;
     if let Some(ckpt) = &resumed {
-        if (ckpt.state.micro_batch, ckpt.state.eval_micro_batch) != (micro, eval_micro) {
-            return Err(TrainError::Invalid(format!(
-                "the run being resumed ({}) trained in micro-batches of {} (evaluation {}), this one plans {micro} \
-                 ({eval_micro}): resume with the memfit version that started it",
-                ckpt.dir.display(),
-                ckpt.state.micro_batch,
-                ckpt.state.eval_micro_batch
-            )));
-        }
-        ckpt.restore(&mut session)?;
+        restore(ckpt, &mut session, micro, eval_micro)?;
     }
     if let Some(path) = &cfg.load {
         check_vocab(path, &task)?;
@@ -188,26 +162,8 @@ fn train_in_pool(
         resumed.as_ref(),
         observer,
     );
-    // The profile is written whether the run succeeded or not: a failed run is what it is for.
-    let profile_dir =
-        cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0)).filter(|_| lead);
-    let profile = profile_dir.map(|dir| {
-        let title = format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
-        (dir, crate::profile::write_profile(dir, &crate::profile::recording(&device, title)))
-    });
-    // A run's own error comes first; a profile that could not be written is the error of a run that
-    // otherwise succeeded.
-    let outcome = result.map_err(|e| match (advise(e, &request), &profile) {
-        (TrainError::OutOfMemory { oom, advice }, Some((dir, Ok(_)))) => TrainError::OutOfMemory {
-            oom,
-            advice: format!("{advice}\nthe memory profile of this run is in {} (open memory.html)", dir.display()),
-        },
-        (e, _) => e,
-    })?;
-    let profile_files = match profile {
-        Some((_, written)) => written?,
-        None => Vec::new(),
-    };
+    let title = format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
+    let (outcome, profile_files) = with_profile(cfg, lead, &device, &request, result, title)?;
     if let Some(stop) = interrupt {
         return Err(stop.error(cfg));
     }
@@ -367,6 +323,68 @@ fn choose_micro_batches(
     })
 }
 
+/// With `--parallel pipeline`: the cut of the model into the ranks' stages and its micro-batch
+/// (rank 0's step-time model shared by all).
+fn plan_pipeline(
+    cfg: &TrainConfig,
+    request: &PlanRequest,
+    group: Option<&dyn Group>,
+    observer: &mut dyn Observer,
+) -> Result<Option<crate::stages::StagePlan>, TrainError> {
+    let Some(g) = group.filter(|_| cfg.parallel == Some(ParallelMode::Pipeline)) else { return Ok(None) };
+    let costs = match &request.costs {
+        crate::cost::Costs::Given(c) => Some(c.clone()),
+        _ => None,
+    };
+    let staged = crate::stages::plan_stages(request, g.size(), costs.as_ref())?;
+    observer.staged(&staged, &request.model);
+    Ok(Some(staged))
+}
+
+/// Continues the run of `ckpt` in `session`: it must have planned the same micro-batches.
+fn restore(ckpt: &Checkpoint, session: &mut Session, micro: usize, eval_micro: usize) -> Result<(), TrainError> {
+    if (ckpt.state.micro_batch, ckpt.state.eval_micro_batch) != (micro, eval_micro) {
+        return Err(TrainError::Invalid(format!(
+            "the run being resumed ({}) trained in micro-batches of {} (evaluation {}), this one plans {micro} \
+             ({eval_micro}): resume with the memfit version that started it",
+            ckpt.dir.display(),
+            ckpt.state.micro_batch,
+            ckpt.state.eval_micro_batch
+        )));
+    }
+    ckpt.restore(session)
+}
+
+/// The run's outcome, its memory profile written first (`--profile`, or `--profile-on-oom` after an
+/// out-of-memory), whether the run succeeded or not: a failed run is what it is for. A run's own error
+/// comes first (with the doctor's advice and where its profile is); a profile that could not be written
+/// is the error of a run that otherwise succeeded.
+fn with_profile(
+    cfg: &TrainConfig,
+    lead: bool,
+    device: &Device,
+    request: &PlanRequest,
+    result: Result<crate::trainer::RunOutcome, TrainError>,
+    title: String,
+) -> Result<(crate::trainer::RunOutcome, Vec<PathBuf>), TrainError> {
+    let profile_dir =
+        cfg.profile.as_ref().or(cfg.profile_on_oom.as_ref().filter(|_| device.stats().num_ooms > 0)).filter(|_| lead);
+    let profile =
+        profile_dir.map(|dir| (dir, crate::profile::write_profile(dir, &crate::profile::recording(device, title))));
+    let outcome = result.map_err(|e| match (advise(e, request), &profile) {
+        (TrainError::OutOfMemory { oom, advice }, Some((dir, Ok(_)))) => TrainError::OutOfMemory {
+            oom,
+            advice: format!("{advice}\nthe memory profile of this run is in {} (open memory.html)", dir.display()),
+        },
+        (e, _) => e,
+    })?;
+    let files = match profile {
+        Some((_, written)) => written?,
+        None => Vec::new(),
+    };
+    Ok((outcome, files))
+}
+
 /// The run's device: its capacity and fault injection, recording a timeline when a profile is asked.
 fn run_device(cfg: &TrainConfig) -> Result<Device, TrainError> {
     let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
@@ -402,7 +420,7 @@ fn build_session(
 }
 
 /// Sets the session's activation checkpointing and storage precision; returns the segments
-/// checkpointed and the precision (`auto` resolved).
+/// checkpointed, the precision (`auto` resolved) and what the remedies in force saved.
 fn configure_session(
     session: &Session,
     cfg: &TrainConfig,
@@ -410,7 +428,7 @@ fn configure_session(
     plan: Option<&Plan>,
     staged: bool,
     micro: usize,
-) -> Result<(Vec<String>, crate::config::Precision), TrainError> {
+) -> Result<(Vec<String>, crate::config::Precision, planner::Savings), TrainError> {
     use crate::config::{CheckpointChoice, Precision};
     // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
     // budget (then the fastest checkpointing with which it fits); none without a budget. A pipeline
@@ -436,7 +454,15 @@ fn configure_session(
         (p, _) => p,
     };
     session.set_precision(precision)?;
-    Ok((checkpointed, precision))
+    // What the remedies in force saved (with a budget; a pipeline's stages are planned apart).
+    let savings = match cfg.memory {
+        Some(_) if !staged => {
+            let costs = plan.and_then(|p| p.costs.as_ref());
+            planner::savings(request, micro, &checkpointed, precision, costs)?
+        }
+        _ => planner::Savings::default(),
+    };
+    Ok((checkpointed, precision, savings))
 }
 
 /// `--load`: the weights of `path` into the session (a pipeline stage takes its own part). Nothing is
@@ -522,7 +548,7 @@ fn run_steps(
         observer.step(e);
         let signal = observer.interrupted();
         // Every N steps, and after the last (so a finished run can be extended with --resume).
-        let due = cfg.save_every.is_some_and(|n| p.steps % n == 0) || e.step == e.total_steps;
+        let due = cfg.save_every.is_some_and(|n| p.steps.is_multiple_of(n)) || e.step == e.total_steps;
         let mut written = None;
         if let (Some(dir), true) = (&cfg.save_dir, lead && (due || signal.is_some())) {
             let path = crate::resume::write(dir, cfg.keep, template, s, p)?;
