@@ -11,8 +11,7 @@
 //! or removed (`crates/cli/tests/doctor.rs` pastes every command of a grid of cases and checks each
 //! fits at its predicted peak).
 
-use crate::config::ParallelMode;
-use crate::config::{CheckpointChoice, Precision};
+use crate::config::{CheckpointChoice, ParallelMode, Precision};
 use crate::error::{Diagnosis, Remedy, TrainError};
 use crate::planner::{self, Plan, PlanRequest};
 
