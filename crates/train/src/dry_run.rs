@@ -116,30 +116,43 @@ pub fn predict_rank(
     eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
+    let ranks = req.parallel.zip(rank);
+    let program = dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1), 1);
+    dry_run_on(req, capacity, program, eval_micro.is_some(), |device| {
+        let mut session = Session::new(device, &req.model, req.optimizer, req.seed)?;
+        if let Some(((mode, size), rank)) = ranks {
+            session.join(std::sync::Arc::new(memfit_dist::Simulated { rank, size }), mode)?;
+        }
+        Ok(session)
+    })
+}
+
+/// Runs `program` (training samples, evaluation samples, options; evaluation only when `evaluate`)
+/// with the session `build` makes on a fresh `meta` device of `capacity`, imitating `req`'s target
+/// with its checkpointing and precision: the prediction, or None when it does not fit (out of memory
+/// anywhere, the session's setup included). Every planner's dry run: one device, a rank, a stage.
+pub fn dry_run_on(
+    req: &PlanRequest,
+    capacity: Option<u64>,
+    program: (Box<dyn Samples>, Box<dyn Samples>, RunOptions),
+    evaluate: bool,
+    build: impl FnOnce(Device) -> Result<Session, TrainError>,
+) -> Result<Option<Prediction>, TrainError> {
     // A GPU target's device holds cuBLAS's workspace from the start: a capacity below it fits nothing.
     let device = match Device::new(DeviceConfig::new(DeviceKind::Meta(req.target)).capacity(capacity)) {
         Ok(d) => d,
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let mut session = match Session::new(device.clone(), &req.model, req.optimizer, req.seed) {
+    let mut session = match build(device.clone()) {
         Ok(s) => s,
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e),
     };
-    let ranks = req.parallel.zip(rank);
-    if let Some(((mode, size), rank)) = ranks {
-        match session.join(std::sync::Arc::new(memfit_dist::Simulated { rank, size }), mode) {
-            Ok(()) => {}
-            Err(e) if e.as_oom().is_some() => return Ok(None),
-            Err(e) => return Err(e),
-        }
-    }
     session.set_checkpointing(&req.checkpoint)?;
     session.set_precision(req.precision)?;
-    let (train, val, opts) =
-        dry_run_rank(req, ranks.map(|((_, size), rank)| (rank, size)), micro, eval_micro.unwrap_or(1), 1);
-    let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
+    let (train, val, opts) = program;
+    let val: Option<&dyn Samples> = if evaluate { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
         Ok(_) => Ok(Some(prediction_of(&device))),
         Err(e) if e.as_oom().is_some() => Ok(None),

@@ -12,10 +12,8 @@
 use crate::dry_run::{PlanRequest, Prediction};
 use crate::error::TrainError;
 use crate::pipeline::rounds_of;
-use crate::samples::Samples;
 use crate::trainer::Session;
 use memfit_dist::Group;
-use memfit_tensor::Device;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -81,30 +79,11 @@ pub fn predict_stage(
     eval_micro: Option<usize>,
     capacity: Option<u64>,
 ) -> Result<Option<Prediction>, TrainError> {
-    let config = memfit_tensor::DeviceConfig::new(memfit_tensor::DeviceKind::Meta(req.target)).capacity(capacity);
-    // A GPU target's device holds cuBLAS's workspace from the start: a capacity below it fits nothing.
-    let device = match Device::new(config) {
-        Ok(d) => d,
-        Err(e) if e.as_oom().is_some() => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    let group: Arc<dyn Group> = Arc::new(memfit_dist::Simulated { rank: stage, size: stages.len() });
-    let mut session =
-        match Session::new_stage(device.clone(), &req.model, req.optimizer, req.seed, group, stages.to_vec()) {
-            Ok(s) => s,
-            Err(e) if e.as_oom().is_some() => return Ok(None),
-            Err(e) => return Err(e),
-        };
-    session.set_checkpointing(&req.checkpoint)?;
-    session.set_precision(req.precision)?;
-    let (train, val, opts) =
-        crate::dry_run::dry_run_rounds(req, micro, eval_micro.unwrap_or(1), rounds_of(stages.len()));
-    let val: Option<&dyn Samples> = if eval_micro.is_some() { Some(val.as_ref()) } else { None };
-    match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
-        Ok(_) => Ok(Some(crate::dry_run::prediction_of(&device))),
-        Err(e) if e.as_oom().is_some() => Ok(None),
-        Err(e) => Err(e),
-    }
+    let program = crate::dry_run::dry_run_rounds(req, micro, eval_micro.unwrap_or(1), rounds_of(stages.len()));
+    crate::dry_run::dry_run_on(req, capacity, program, eval_micro.is_some(), |device| {
+        let group: Arc<dyn Group> = Arc::new(memfit_dist::Simulated { rank: stage, size: stages.len() });
+        Session::new_stage(device, &req.model, req.optimizer, req.seed, group, stages.to_vec())
+    })
 }
 
 /// The most cuts weighed (contiguous cuts of u units into n stages number C(u - 1, n - 1)).
