@@ -145,13 +145,7 @@ fn plan_pipeline(
         precision: req.precision,
     };
     let units = memfit_nn::stage_units(&req.model).unwrap_or(0);
-    let step_ms = costs.map(|c| {
-        let slowest = staged.time_shares.iter().cloned().fold(0.0, f64::max);
-        let stream_bytes = (micro * req.model.gpt.max_t * req.model.gpt.d_model * 4) as f64;
-        (parts + ranks - 1) as f64 * slowest * c.micro_ms(micro, &[])
-            + c.optimizer_ms * slowest
-            + 1e3 * parts as f64 * 2.0 * stream_bytes / NOMINAL_ALLREDUCE_BYTES_PER_S
-    });
+    let step_ms = costs.map(|c| pipeline_step_ms(req, &staged, c));
     Ok(DevicesPlan {
         mode: ParallelMode::Pipeline,
         ranks,
@@ -160,4 +154,21 @@ fn plan_pipeline(
         step_ms,
         stages: staged.stages.iter().map(|s| crate::stages::describe_units(s, units)).collect(),
     })
+}
+
+/// GPipe's step time of `staged`: (micro-batches + stages - 1) times the slowest stage's share of a
+/// micro-batch, its share of the optimizer, and the stream crossing each boundary twice per
+/// micro-batch at [`NOMINAL_ALLREDUCE_BYTES_PER_S`].
+pub fn pipeline_step_ms(
+    req: &crate::planner::PlanRequest,
+    staged: &crate::stages::StagePlan,
+    c: &crate::cost::CostModel,
+) -> f64 {
+    let (micro, ranks) = (staged.micro_batch, staged.stages.len());
+    let parts = req.effective_batch.div_ceil(micro.max(1));
+    let slowest = staged.time_shares.iter().cloned().fold(0.0, f64::max);
+    let stream_bytes = (micro * req.model.gpt.max_t * req.model.gpt.d_model * 4) as f64;
+    (parts + ranks - 1) as f64 * slowest * c.micro_ms(micro, &[])
+        + c.optimizer_ms * slowest
+        + 1e3 * parts as f64 * 2.0 * stream_bytes / NOMINAL_ALLREDUCE_BYTES_PER_S
 }

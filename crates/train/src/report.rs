@@ -415,6 +415,141 @@ pub fn write(path: &std::path::Path, summary: &RunSummary) -> Result<(), crate::
     crate::output::write_atomic("--report", &path.with_extension("svg"), svg.as_bytes())
 }
 
+/// A plan for people: `plan`'s output and what `train` prints when it plans (the figures are the
+/// plan's own).
+impl crate::planner::Plan {
+    /// A few lines a person reads: the choice, the predicted peak by category, what dominates, and
+    /// what would change it.
+    pub fn describe(&self, model: &str) -> String {
+        let mut s = String::new();
+        let budget = self.budget.map_or("unlimited memory".to_string(), |b| format!("a budget of {}", format_bytes(b)));
+        let evaluation = match self.evaluates {
+            true => format!(" (evaluation micro-batch {})", self.eval_micro_batch),
+            false => " (no evaluation)".to_string(),
+        };
+        s.push_str(&format!(
+            "plan for {model} with {budget}: {}{evaluation}\n",
+            crate::planner::window_words(self.effective_batch, self.micro_batch)
+        ));
+        match &self.checkpoint {
+            crate::config::CheckpointChoice::All => s.push_str("activation checkpointing: every segment\n"),
+            crate::config::CheckpointChoice::Segments(names) => s.push_str(&format!(
+                "activation checkpointing: {} (each keeps only its input; its forward runs again in backward)\n",
+                names.join(", ")
+            )),
+            crate::config::CheckpointChoice::None | crate::config::CheckpointChoice::Auto => {}
+        }
+        if self.precision.saved_dtype().is_some() {
+            s.push_str(&format!(
+                "saved activations stored in {} (converted back to f32 when backward reads them)\n",
+                self.precision.name()
+            ));
+        }
+        match self.evaluates {
+            true => s.push_str(&format!(
+                "predicted peak of the whole run: {} allocated, {} reserved (training steps alone: {} allocated, {} reserved)\n",
+                format_bytes(self.predicted.peak_allocated),
+                format_bytes(self.predicted.peak_reserved),
+                format_bytes(self.training.peak_allocated),
+                format_bytes(self.training.peak_reserved),
+            )),
+            false => s.push_str(&format!(
+                "predicted peak of the run: {} allocated, {} reserved\n",
+                format_bytes(self.predicted.peak_allocated),
+                format_bytes(self.predicted.peak_reserved),
+            )),
+        }
+        s.push_str("a training step at its peak holds:\n");
+        let t = &self.training;
+        let total = t.peak_allocated.max(1) as f64;
+        let mut cats: Vec<Category> = Category::ALL.to_vec();
+        cats.sort_by_key(|c| std::cmp::Reverse(t.at_peak[c.index()]));
+        for c in cats {
+            let b = t.at_peak[c.index()];
+            if b > 0 {
+                s.push_str(&format!(
+                    "  {:<16} {:>12}  {:>5.1}%\n",
+                    c.name(),
+                    format_bytes(b),
+                    100.0 * b as f64 / total
+                ));
+            }
+        }
+        s.push_str(&format!("dominated by {}\n", t.dominant().name()));
+        if let Some((micro, needs)) = self.larger {
+            s.push_str(&format!(
+                "a budget of {} would allow micro-batch {micro} ({} accumulation step{})\n",
+                format_bytes(needs),
+                self.effective_batch.div_ceil(micro),
+                if self.effective_batch.div_ceil(micro) == 1 { "" } else { "s" }
+            ));
+        }
+        if !self.candidates.is_empty() {
+            s.push_str(&self.candidates_table());
+        }
+        s.push_str(&format!("planned in {:.0} ms ({} dry runs on meta)", self.planning_ms, self.dry_runs));
+        if self.calibration_ms > 0.0 {
+            s.push_str(&format!(
+                ", {:.1} s of it calibrating step times on this machine (cached)",
+                self.calibration_ms / 1e3
+            ));
+        }
+        s.push('\n');
+        s
+    }
+
+    /// The configurations weighed, one a line, the chosen one marked.
+    pub fn candidates_table(&self) -> String {
+        let nominal = self.costs.as_ref().is_some_and(|c| c.nominal);
+        let mut s = String::from(match nominal {
+            false => {
+                "candidates weighed (peak exact from meta; step time from the cost model calibrated on this machine):\n"
+            }
+            true => {
+                "candidates weighed (peak exact from meta; the model is too large to time on this host, so step \
+                     times are nominal: one unit a sample, a re-run forward a third of a step):\n"
+            }
+        });
+        s.push_str(&format!(
+            "    {:<9} {:<32} {:>14} {:>14} {:>12}\n",
+            "storage", "checkpointed", "micro-batch", "peak reserved", "step time"
+        ));
+        let chosen = self.checkpoint.segment_names();
+        let segments = self.candidates.iter().map(|c| c.checkpointed.len()).max().unwrap_or(0);
+        for c in &self.candidates {
+            let names = match c.checkpointed.len() {
+                0 => "none".to_string(),
+                k if k == segments && chosen == ["all"] || k == segments && segments > 3 => "all".to_string(),
+                k if k > 3 => format!("{k} of {segments}: {}, ...", c.checkpointed[..2].join(",")),
+                _ => c.checkpointed.join(","),
+            };
+            let is_chosen = c.fits()
+                && c.precision == self.precision
+                && c.micro_batch == self.micro_batch
+                && (c.checkpointed == chosen || (chosen == ["all"] && c.checkpointed.len() == segments));
+            let micro = if c.fits() {
+                format!("{} x {}", c.micro_batch, c.accumulation_steps)
+            } else {
+                "does not fit".to_string()
+            };
+            let time = match nominal {
+                false => format!("{:.0} ms", c.step_ms),
+                true => format!("{:.1} units", c.step_ms),
+            };
+            s.push_str(&format!(
+                "  {} {:<9} {:<32} {:>14} {:>14} {:>12}\n",
+                if is_chosen { "*" } else { " " },
+                c.precision.name(),
+                names,
+                micro,
+                format_bytes(c.peak_reserved),
+                time
+            ));
+        }
+        s
+    }
+}
+
 /// Errors when `--report PATH`, or the curves written beside it (`PATH` with `.svg`), names an existing
 /// file memfit did not write: a report replaces only a report (a JSON object with a report's fields),
 /// and curves only curves (marked with [`memfit_profile::CURVES_MARK`], or beside a report: older
