@@ -12,7 +12,7 @@
 //! else `~/.cache/memfit`), so calibration is paid once; the run's report gives the prediction's error.
 
 use crate::config::CheckpointChoice;
-use crate::cost::{interpolate, CostModel, Costs};
+use crate::cost::{CostModel, Costs};
 use crate::dry_run::PlanRequest;
 use crate::error::TrainError;
 use crate::samples::synthetic;
@@ -115,7 +115,7 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
     };
     let largest = *micro.last().expect("one micro-batch measured");
     let optimizer_ms = fixed_step_ms(req, plain_ms[0], optimizer_ms)?;
-    let sample_rounds = sample_rounds(req, &micro, &plain_ms, optimizer_ms)?;
+    let sample_rounds = sample_rounds(req, &micro)?;
     let profile = segment_forward_ms(req, largest, segments)?;
     for p in plain_ms.iter_mut() {
         *p = (*p - optimizer_ms).max(0.0);
@@ -192,18 +192,27 @@ fn fixed_step_ms(req: &PlanRequest, one_sample_ms: f64, optimizer_ms: f64) -> Re
 /// ([`CostModel::sample_rounds`]), and the planner prefers even splits. A GPT's kernels split rows of
 /// tokens instead, and its model keeps plain interpolation.
 ///
-/// `micro` and `plain` (with the optimizer still in) are the measured points.
-fn sample_rounds(req: &PlanRequest, micro: &[usize], plain: &[f64], optimizer_ms: f64) -> Result<usize, TrainError> {
+/// The three micro-batches are timed here, one after the other (so the same load on the machine
+/// weighs on all three), `rounds` of times each, and the median decides: one noisy comparison
+/// against points timed seconds apart used to flip the answer from one calibration to the next.
+/// `micro` are the micro-batches calibration measured (the test runs only where it has no odd one).
+fn sample_rounds(req: &PlanRequest, micro: &[usize]) -> Result<usize, TrainError> {
+    const ROUNDS: usize = 3;
     let threads = rayon::current_num_threads();
-    let (odd, even) = (threads + 1, 2 * threads);
+    let (low, odd, even) = (threads, threads + 1, 2 * threads);
     if threads < 2 || !micro.contains(&even) || micro.contains(&odd) {
         return Ok(0);
     }
-    let measured = time_steps(req, odd, &CheckpointChoice::None)?.step_ms - optimizer_ms;
-    let plain: Vec<f64> = plain.iter().map(|p| p - optimizer_ms).collect();
-    let linear = interpolate(micro, &plain, odd);
-    let rounded = interpolate(micro, &plain, even);
-    Ok(if (measured - rounded).abs() < (measured - linear).abs() { threads } else { 0 })
+    let mut votes = 0;
+    for _ in 0..ROUNDS {
+        let time = |m: usize| -> Result<f64, TrainError> { Ok(time_steps(req, m, &CheckpointChoice::None)?.step_ms) };
+        let (t_low, t_odd, t_even) = (time(low)?, time(odd)?, time(even)?);
+        let linear = t_low + (t_even - t_low) * (odd - low) as f64 / (even - low) as f64;
+        if (t_odd - t_even).abs() < (t_odd - linear).abs() {
+            votes += 1;
+        }
+    }
+    Ok(if 2 * votes > ROUNDS { threads } else { 0 })
 }
 
 /// What one measurement gives.

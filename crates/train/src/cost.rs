@@ -120,7 +120,7 @@ pub fn describe_step(nominal: bool, step_ms: f64) -> String {
 /// (below the first, and beyond the last at the last point's time per sample: a slope measured between
 /// two small micro-batches says nothing of larger ones, and extending it made the planner prefer
 /// smaller micro-batches it had never timed).
-pub(crate) fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
+fn interpolate(xs: &[usize], ys: &[f64], x: usize) -> f64 {
     let x = x as f64;
     let points: Vec<(f64, f64)> = xs.iter().map(|&x| x as f64).zip(ys.iter().copied()).collect();
     match points.as_slice() {
