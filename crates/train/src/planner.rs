@@ -7,7 +7,7 @@
 //! prediction is exact for a run of the same steps on `cpu` with at least that capacity, because the
 //! allocation sequence is the same (the invariant `meta == cpu`).
 
-use crate::config::CheckpointChoice;
+use crate::config::{CheckpointChoice, Precision};
 pub use crate::dry_run::{
     dry_run, dry_run_rounds, predict, predict_rank, prediction_of, representative_window, search_limit, PlanRequest,
     Prediction, MAX_EVAL_MICRO, MAX_MICRO, PLAN_STEPS,
@@ -65,7 +65,7 @@ pub struct Plan {
     /// The step-time model the candidates were weighed with (`--checkpoint auto`).
     pub costs: Option<crate::cost::CostModel>,
     /// The precision the plan assumes (`auto` resolved).
-    pub precision: crate::config::Precision,
+    pub precision: Precision,
 }
 
 /// One configuration the planner weighed: which segments it checkpoints, the largest micro-batch
@@ -73,7 +73,7 @@ pub struct Plan {
 /// a micro-batch of 1 fits (then `peak_reserved` is what a micro-batch of 1 needs).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
-    pub precision: crate::config::Precision,
+    pub precision: Precision,
     pub checkpointed: Vec<String>,
     /// The fastest micro-batch that fits (0: none fits).
     pub micro_batch: usize,
@@ -121,7 +121,6 @@ fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, Trai
 /// When nothing fits, [`TrainError::DoesNotFit`] says what the least of the run needs; the doctor's
 /// [`crate::doctor::plan`] adds the remedies.
 pub fn choose(req: &PlanRequest) -> Result<Plan, TrainError> {
-    use crate::config::Precision;
     let (auto_checkpoint, auto_precision) =
         (req.checkpoint == CheckpointChoice::Auto, req.precision == Precision::Auto);
     if !auto_checkpoint && !auto_precision {
@@ -238,7 +237,6 @@ pub fn segment_names(req: &PlanRequest) -> Result<Vec<String>, TrainError> {
 /// else the request's own segments; each in f32 and, when precision is `auto`, with bf16 storage;
 /// each at its largest fitting micro-batch, or at the one the user fixed.
 pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError> {
-    use crate::config::Precision;
     let micro = req.micro_batch;
     let (costs, calibrated) = crate::calibration::model_for(req, names)?;
     let calibration_ms = if calibrated { costs.calibration_ms } else { 0.0 };
@@ -405,7 +403,7 @@ pub fn savings(
     req: &PlanRequest,
     micro: usize,
     checkpointed: &[String],
-    precision: crate::config::Precision,
+    precision: Precision,
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<Savings, TrainError> {
     let as_run = PlanRequest {
@@ -430,7 +428,7 @@ pub fn savings(
         true => None,
         false => peak(&plain, micro)?.map(|p| p.saturating_sub(own)),
     };
-    let f32_storage = PlanRequest { precision: crate::config::Precision::Fp32, ..as_run.clone() };
+    let f32_storage = PlanRequest { precision: Precision::Fp32, ..as_run.clone() };
     let precision_saved_bytes = match precision.saved_dtype() {
         None => None,
         Some(_) => peak(&f32_storage, micro)?.map(|p| p.saturating_sub(own)),
