@@ -176,7 +176,7 @@ fn every_absurd_input_is_refused_clearly_and_quickly() {
         // an injected fault with no cap: no advice to set a cap
         (
             [&train[..], &["--inject-oom", "1", "--max-steps", "1"]].concat(),
-            vec!["injected by --inject-oom", "no --memory cap is set"],
+            vec!["injected by --inject-oom", "not a shortage of memory"],
         ),
     ];
     let mut problems = Vec::new();
