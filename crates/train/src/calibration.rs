@@ -118,7 +118,8 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
     let sample_rounds = sample_rounds(req, &micro)?;
     let profile = segment_forward_ms(req, largest, segments)?;
     for p in plain_ms.iter_mut() {
-        *p = (*p - optimizer_ms).max(0.0);
+        // A sample is never free: a noisy step below the fixed work keeps a tenth of its time.
+        *p = (*p - optimizer_ms).max(0.1 * *p);
     }
     per_sample_envelope(&micro, &mut plain_ms);
     // Extra time of a variant of the largest measured step, as a fraction of its plain time.
