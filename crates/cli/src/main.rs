@@ -106,7 +106,8 @@ struct RunArgs {
     /// Effective batch: samples (images or text windows) per optimizer step [default: 64; gpt 32].
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     batch_size: Option<u64>,
-    /// Force the micro-batch (gradient accumulation makes up the effective batch); evaluation uses it too.
+    /// Force the micro-batch (gradient accumulation makes up the effective batch); evaluation uses it too,
+    /// unless --memory is given (then the planner fits evaluation around it).
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     micro_batch: Option<u64>,
     /// Learning rate, finite and above 0 [default: 3e-3, which reaches 88-89% validation accuracy in one
@@ -116,8 +117,8 @@ struct RunArgs {
     /// sgd (momentum 0.9), adam or adamw.
     #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
     optimizer: OptimizerChoice,
-    /// Device capacity, e.g. 256MiB or 2GiB, at most 1024TiB (default: unlimited). Plans the micro-batch when
-    /// the batch does not fit.
+    /// Device capacity with a unit, e.g. 256MiB or 2GiB, at most 1024TiB (default: unlimited). The planner
+    /// then chooses the micro-batch, accumulation and checkpointing (none changes a number) unless given.
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
     /// cpu or cuda (cuda:N for GPU N) compute; meta allocates exactly what cpu would and computes
@@ -345,7 +346,7 @@ struct GenerateArgs {
     /// Seed of the sampling: the same seed gives the same text.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
-    /// Device capacity, e.g. 64MiB, at most 1024TiB (default: unlimited).
+    /// Device capacity with a unit, e.g. 64MiB, at most 1024TiB (default: unlimited).
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
     memory: Option<u64>,
     /// Worker threads, from 1 to 16 per core (default: all cores).

@@ -189,12 +189,41 @@ pub fn load_named(path: impl AsRef<Path>, device: &Device, category: Category) -
     Ok(out)
 }
 
-/// The string metadata of `path` (`__metadata__`), if any.
+/// The string metadata of `path` (`__metadata__`), if any. Only the header is read (its length and its
+/// JSON), not the tensors' bytes; a file whose header is not well formed is read whole, for the error
+/// that says what it is. The tensors are checked when they are loaded.
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<Option<HashMap<String, String>>> {
     let path = path.as_ref();
+    if let Some(metadata) = header_metadata(path) {
+        return Ok(metadata);
+    }
     let bytes = read(path)?;
     let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(path, &bytes, &e))?;
     Ok(metadata.metadata().clone())
+}
+
+/// The largest header the safetensors format allows (its crate's `MAX_HEADER_SIZE`).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// `__metadata__` read from the header alone: Some(None) when the header has none, None when the header
+/// is not a well-formed safetensors header.
+fn header_metadata(path: &Path) -> Option<Option<HashMap<String, String>>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).ok()?;
+    let file_len = file.metadata().ok()?.len();
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).ok()?;
+    let n = u64::from_le_bytes(length);
+    if n > MAX_HEADER_BYTES || n.checked_add(8)? > file_len {
+        return None;
+    }
+    let mut header = vec![0u8; usize::try_from(n).ok()?];
+    file.read_exact(&mut header).ok()?;
+    let value: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    match value.as_object()?.get("__metadata__") {
+        None => Some(None),
+        Some(m) => Some(Some(serde_json::from_value(m.clone()).ok()?)),
+    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {

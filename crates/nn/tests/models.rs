@@ -718,6 +718,15 @@ fn saving_is_byte_reproducible() {
         m
     });
     checkpoint::load(&path, build_model(&spec, &Device::cpu(), 4).unwrap().as_ref()).unwrap();
+    // The metadata comes from the header alone: a file cut inside its tensors still names its model,
+    // and loading it is the error.
+    std::fs::write(&path, &first[..header_len + 8 + 16]).unwrap();
+    assert_eq!(checkpoint::read_metadata(&path).unwrap().unwrap()["key3"], "value 3");
+    assert!(checkpoint::load(&path, build_model(&spec, &Device::cpu(), 4).unwrap().as_ref()).is_err());
+    // A header that is not one (a JSON file) is read whole and named.
+    std::fs::write(&path, b"{\"format\": \"memfit-training-checkpoint-1\"}").unwrap();
+    let e = checkpoint::read_metadata(&path).unwrap_err().to_string();
+    assert!(e.contains("is JSON, not safetensors"), "{e}");
     std::fs::remove_file(&path).unwrap();
 }
 

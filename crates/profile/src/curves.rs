@@ -193,27 +193,20 @@ fn draw(curves: &Curves, svg: &mut String) -> Result<(), Box<dyn std::error::Err
             .label("budget (--memory)")
             .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], BLACK.stroke_width(1)));
     }
-    chart
-        .draw_series(LineSeries::new(
-            points.iter().map(|p| (p.step as f64, to_y(p.reserved))),
-            RESERVED.stroke_width(2),
-        ))?
-        .label("reserved at the end of the step")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], RESERVED.stroke_width(2)));
-    chart
-        .draw_series(LineSeries::new(
-            points.iter().map(|p| (p.step as f64, to_y(p.peak_allocated))),
-            PEAK.stroke_width(2),
-        ))?
-        .label("peak allocated so far")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], PEAK.stroke_width(2)));
-    chart
-        .draw_series(LineSeries::new(
-            points.iter().map(|p| (p.step as f64, to_y(p.allocated))),
-            ALLOCATED.stroke_width(2),
-        ))?
-        .label("allocated at the end of the step")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], ALLOCATED.stroke_width(2)));
+    let memory_curves: [(fn(&CurvePoint) -> u64, RGBColor, &str); 3] = [
+        (|p| p.reserved, RESERVED, "reserved at the end of the step"),
+        (|p| p.peak_allocated, PEAK, "peak allocated so far"),
+        (|p| p.allocated, ALLOCATED, "allocated at the end of the step"),
+    ];
+    for (bytes, color, label) in memory_curves {
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().map(|p| (p.step as f64, to_y(bytes(p)))),
+                color.stroke_width(2),
+            ))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+    }
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::LowerRight)

@@ -623,8 +623,8 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
     let Some(oom) = e.as_oom().cloned() else { return e };
     let advice = if oom.injected && request.capacity.is_none() {
         "this out-of-memory was injected by --inject-oom where recovery cannot absorb it (during setup, or on \
-         one sample twice in a row); it is not a shortage of memory (no --memory cap is set, and the device had \
-         room): use a larger --inject-oom N"
+         one sample twice in a row); it is not a shortage of memory (no --memory cap is set; the fault was \
+         injected, not met): use a larger --inject-oom N"
             .to_string()
     } else {
         advice_for_budget(request)

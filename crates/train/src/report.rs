@@ -555,8 +555,12 @@ impl crate::planner::Plan {
 /// and curves only curves (marked with [`memfit_profile::CURVES_MARK`], or beside a report: older
 /// curves carry no mark). Checked before any work.
 pub fn check_replaceable(path: &std::path::Path) -> Result<(), crate::TrainError> {
+    // A report is a few kilobytes: a large file is not one, and is not read.
+    const LARGEST_REPORT: u64 = 64 << 20;
+    let small = |p: &std::path::Path| std::fs::metadata(p).is_ok_and(|m| m.len() <= LARGEST_REPORT);
     let is_report = |p: &std::path::Path| {
-        std::fs::read(p).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).is_some_and(|v| {
+        let read = small(p).then(|| std::fs::read(p).ok()).flatten();
+        read.and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).is_some_and(|v| {
             ["model", "samples_seen", "peak_reserved_bytes", "plan"].iter().all(|k| v.get(k).is_some())
         })
     };
@@ -573,8 +577,10 @@ pub fn check_replaceable(path: &std::path::Path) -> Result<(), crate::TrainError
         return Err(refuse(path, "a report"));
     }
     let svg = path.with_extension("svg");
-    let marked =
-        || std::fs::read(&svg).is_ok_and(|b| String::from_utf8_lossy(&b).contains(memfit_profile::CURVES_MARK));
+    let marked = || {
+        small(&svg)
+            && std::fs::read(&svg).is_ok_and(|b| String::from_utf8_lossy(&b).contains(memfit_profile::CURVES_MARK))
+    };
     if exists(&svg) && !marked() && !is_report(path) {
         return Err(refuse(&svg, "training curves"));
     }
