@@ -327,6 +327,9 @@ struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// cpu or cuda (cuda:N for GPU N); with --compare-pytorch, PyTorch runs on the same device.
+    #[arg(long, default_value = "cpu", value_parser = parse_compute_device)]
+    device: DeviceKind,
 }
 
 #[derive(Args)]
@@ -352,6 +355,9 @@ struct GenerateArgs {
     /// Worker threads, from 1 to 16 per core (default: all cores).
     #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
     threads: Option<u64>,
+    /// cpu or cuda (cuda:N for GPU N).
+    #[arg(long, default_value = "cpu", value_parser = parse_compute_device)]
+    device: DeviceKind,
 }
 
 /// `--checkpoint` as given, else `auto` under a budget (the planner then checkpoints only what the
@@ -435,6 +441,19 @@ fn parse_temperature(s: &str) -> Result<f64, String> {
 
 fn parse_device(s: &str) -> Result<DeviceKind, String> {
     DeviceKind::parse(s).map_err(|e| e.to_string())
+}
+
+/// A device that computes (for commands whose output is computed values or times: `generate`,
+/// `bench`); meta is refused with what to use instead.
+fn parse_compute_device(s: &str) -> Result<DeviceKind, String> {
+    let kind = parse_device(s)?;
+    if kind.is_meta() {
+        return Err(format!(
+            "{s} computes nothing, so it has no text or step times to give: use cpu or cuda (`memfit plan --device cuda` \
+             predicts a GPU's memory without one)"
+        ));
+    }
+    Ok(kind)
 }
 
 /// The largest channel count and side of a `plan --input` shape.
@@ -963,15 +982,23 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
 fn bench(a: BenchArgs) -> Result<(), String> {
     let threads = a.threads.map_or_else(limits::cores, |t| t as usize);
     let (warmup, steps) = (a.warmup as usize, a.steps as usize);
-    let report =
-        memfit_train::bench::run(threads, &a.cases, warmup, steps, a.rounds as usize, a.compare_pytorch.as_deref())
-            .map_err(|e| e.to_string())?;
+    let report = memfit_train::bench::run(&memfit_train::bench::BenchConfig {
+        device: a.device,
+        threads,
+        only: &a.cases,
+        warmup,
+        steps,
+        rounds: a.rounds as usize,
+        pytorch: a.compare_pytorch.as_deref(),
+    })
+    .map_err(|e| e.to_string())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
         return Ok(());
     }
     println!(
-        "memfit bench: AdamW training step, {threads} thread{}, median of {} steps{}, {} kernels{}",
+        "memfit bench: AdamW training step on {}, {threads} thread{}, median of {} steps{}, {} kernels{}",
+        report.device,
         if threads == 1 { "" } else { "s" },
         a.steps,
         if a.rounds > 1 { format!(" (median of {} alternating rounds)", a.rounds) } else { String::new() },
@@ -1034,6 +1061,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         seed: a.seed,
         memory: a.memory,
         threads: a.threads.map(|t| t as usize),
+        device: a.device,
     };
     use std::io::Write;
     let mut out = std::io::stdout();

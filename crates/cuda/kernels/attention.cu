@@ -1,7 +1,11 @@
-// Scaled dot-product attention, forward and backward, one thread per query row (forward, and the
-// backward's D and dq) or per key row (the backward's dk and dv): each thread walks its row in
-// order, so results repeat bit for bit and no scratch memory is needed (O(T) memory, as the cpu
-// path: only the per-row log-sum-exp is saved). Correct, not fast: fused tiles are issue 32.
+// Scaled dot-product attention, forward and backward, in two forms; both repeat bit for bit (fixed
+// orders, no atomics) and need no scratch memory (O(T) memory, as the cpu path: only the per-row
+// log-sum-exp is saved).
+// - Tiled (f32, head sizes up to 128; below): a block of 128 threads takes a tile of query rows (the
+//   forward, the backward's D and dq) or of key rows (dk and dv), stages the other side's rows in
+//   shared memory a tile at a time and keeps its own results in registers, with the online softmax
+//   of FlashAttention (Dao, 2022). A causal block stops at (or starts from) the diagonal.
+// - Per row (f64, larger heads): one thread per query or key row walking its row in order.
 //
 // Matrix i = b * heads + h of an operand starts at offset + b * batch + h * head (elements), its
 // rows `row` apart, columns contiguous (Addr); a gradient is laid out as its input. Key j is
@@ -143,3 +147,255 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
 
 ATTENTION(float, f32)
 ATTENTION(double, f64)
+
+// ----- Tiled, f32 ---------------------------------------------------------------------------------
+// Shared tiles are [rows][D + 1] (the pad keeps the rows of a tile in different banks); a thread's
+// results are the columns lane, lane + 32, ... (< D) of the rows warp, warp + 4, ... of its block's
+// tile. Rows past the end and columns past the head size are staged as zeros and never written.
+
+#define TILE_THREADS 128
+#define TILE_WARPS (TILE_THREADS / 32)
+
+// Rows r0 .. r0 + ROWS of a matrix (`rows` of them, `cols` values each, row r at m + r * stride)
+// into `sh`.
+template <int D, int ROWS>
+__device__ void stage_rows(float* sh, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
+    for (int e = threadIdx.x; e < ROWS * D; e += TILE_THREADS) {
+        int a = e / D, c = e % D;
+        sh[a * (D + 1) + c] = (r0 + a < rows && c < cols) ? m[(r0 + a) * stride + c] : 0.0f;
+    }
+}
+
+template <int D>
+__device__ __forceinline__ float tile_dot(const float* a, const float* b, i64 n) {
+    float s = 0.0f;
+    for (i64 c = 0; c < n; ++c) s += a[c] * b[c];
+    return s;
+}
+
+// The forward of one tile of BR query rows: out and lse of rows r0 .. r0 + BR of matrix i.
+template <int D, int BR, int BC>
+__device__ void attention_tile(const Problem<float>& p, const Visible& vis, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
+    __shared__ float qs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], s[BR * (BC + 1)];
+    __shared__ float m_row[BR], l_row[BR], alpha_row[BR];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float acc[BR / TILE_WARPS][D / 32];
+    for (int k = 0; k < BR / TILE_WARPS; ++k)
+        for (int u = 0; u < D / 32; ++u) acc[k][u] = 0.0f;
+    stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+    if (threadIdx.x < BR) { m_row[threadIdx.x] = -INFINITY; l_row[threadIdx.x] = 0.0f; }
+    i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
+    for (i64 j0 = 0; j0 < kend; j0 += BC) {
+        __syncthreads();
+        stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+        stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        __syncthreads();
+        for (int e = threadIdx.x; e < BR * BC; e += TILE_THREADS) {
+            int a = e / BC, b = e % BC;
+            i64 r = r0 + a, j = j0 + b;
+            bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+            s[a * (BC + 1) + b] = seen ? p.scale * tile_dot<D>(qs + a * (D + 1), ks + b * (D + 1), p.d) : -INFINITY;
+        }
+        __syncthreads();
+        if (threadIdx.x < BR) {
+            int a = threadIdx.x;
+            float* row = s + a * (BC + 1);
+            float m = m_row[a];
+            for (int b = 0; b < BC; ++b) m = fmaxf(m, row[b]);
+            float alpha = 1.0f, sum = 0.0f;
+            if (m != -INFINITY) {
+                alpha = expf(m_row[a] - m);
+                for (int b = 0; b < BC; ++b) { row[b] = expf(row[b] - m); sum += row[b]; }
+                m_row[a] = m;
+            } else {
+                for (int b = 0; b < BC; ++b) row[b] = 0.0f;
+            }
+            l_row[a] = l_row[a] * alpha + sum;
+            alpha_row[a] = alpha;
+        }
+        __syncthreads();
+        for (int k = 0; k < BR / TILE_WARPS; ++k) {
+            int a = warp + TILE_WARPS * k;
+            const float* pr = s + a * (BC + 1);
+            for (int u = 0; u < D / 32; ++u) {
+                int c = lane + 32 * u;
+                float o = acc[k][u] * alpha_row[a];
+                for (int b = 0; b < BC; ++b) o += pr[b] * vs[b * (D + 1) + c];
+                acc[k][u] = o;
+            }
+        }
+    }
+    __syncthreads();
+    for (int k = 0; k < BR / TILE_WARPS; ++k) {
+        int a = warp + TILE_WARPS * k;
+        i64 r = r0 + a;
+        if (r >= p.tq) continue;
+        float l = l_row[a];
+        float* o = out + matrix(ao, i, p.heads) + r * ao.row;
+        for (int u = 0; u < D / 32; ++u) {
+            int c = lane + 32 * u;
+            if (c < p.dv) o[c] = l > 0.0f ? acc[k][u] / l : 0.0f;
+        }
+    }
+    if (lse && threadIdx.x < BR && r0 + threadIdx.x < p.tq) {
+        int a = threadIdx.x;
+        lse[i * p.tq + r0 + a] = l_row[a] > 0.0f ? m_row[a] + logf(l_row[a]) : -INFINITY;
+    }
+    __syncthreads();
+}
+
+// The backward over one tile of BR query rows. pass 0: D of each row (sum over keys of P dP) into
+// the first element of its dq row; pass 1: dq of each row, its D read from there first.
+template <int D, int BR, int BC>
+__device__ void attention_backward_q_tile(const Problem<float>& p, const Visible& vis, const float* g, const Addr& ag, const float* lse,
+                                          float* gq, int pass, i64 i, i64 r0) {
+    __shared__ float qs[BR * (D + 1)], gs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], s[BR * (BC + 1)];
+    __shared__ float l_row[BR], d_row[BR];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float acc[BR / TILE_WARPS][D / 32];
+    for (int k = 0; k < BR / TILE_WARPS; ++k)
+        for (int u = 0; u < D / 32; ++u) acc[k][u] = 0.0f;
+    float* gq0 = gq + matrix(p.aq, i, p.heads);
+    stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+    stage_rows<D, BR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
+    if (threadIdx.x < BR) {
+        i64 r = r0 + threadIdx.x;
+        l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
+        d_row[threadIdx.x] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
+    }
+    i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
+    for (i64 j0 = 0; j0 < kend; j0 += BC) {
+        __syncthreads();
+        stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+        stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        __syncthreads();
+        for (int e = threadIdx.x; e < BR * BC; e += TILE_THREADS) {
+            int a = e / BC, b = e % BC;
+            i64 r = r0 + a, j = j0 + b;
+            float v = 0.0f;
+            if (r < p.tq && j < p.tk && !vis.hidden(i, r, j)) {
+                float prob = expf(p.scale * tile_dot<D>(qs + a * (D + 1), ks + b * (D + 1), p.d) - l_row[a]);
+                float dp = tile_dot<D>(gs + a * (D + 1), vs + b * (D + 1), p.dv);
+                v = pass == 0 ? prob * dp : prob * (dp - d_row[a]) * p.scale;
+            }
+            s[a * (BC + 1) + b] = v;
+        }
+        __syncthreads();
+        if (pass == 0) {
+            if (threadIdx.x < BR)
+                for (int b = 0; b < BC; ++b) d_row[threadIdx.x] += s[threadIdx.x * (BC + 1) + b];
+        } else {
+            for (int k = 0; k < BR / TILE_WARPS; ++k) {
+                int a = warp + TILE_WARPS * k;
+                const float* dsr = s + a * (BC + 1);
+                for (int u = 0; u < D / 32; ++u) {
+                    int c = lane + 32 * u;
+                    float x = acc[k][u];
+                    for (int b = 0; b < BC; ++b) x += dsr[b] * ks[b * (D + 1) + c];
+                    acc[k][u] = x;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (pass == 0) {
+        if (threadIdx.x < BR && r0 + threadIdx.x < p.tq) gq0[(r0 + threadIdx.x) * p.aq.row] = d_row[threadIdx.x];
+    } else {
+        for (int k = 0; k < BR / TILE_WARPS; ++k) {
+            i64 r = r0 + warp + TILE_WARPS * k;
+            if (r >= p.tq) continue;
+            for (int u = 0; u < D / 32; ++u) {
+                int c = lane + 32 * u;
+                if (c < p.d) gq0[r * p.aq.row + c] = acc[k][u];
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// dk and dv of one tile of BC key rows, from every query row that sees them (D from dq's rows).
+template <int D, int BR, int BC>
+__device__ void attention_backward_kv_tile(const Problem<float>& p, const Visible& vis, const float* g, const Addr& ag, const float* lse,
+                                           const float* gq, float* gk, float* gv, i64 i, i64 j0) {
+    __shared__ float ks[BC * (D + 1)], vs[BC * (D + 1)], qs[BR * (D + 1)], gs[BR * (D + 1)];
+    __shared__ float ps[BR * (BC + 1)], ds[BR * (BC + 1)], l_row[BR], d_row[BR];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float dk[BC / TILE_WARPS][D / 32], dv[BC / TILE_WARPS][D / 32];
+    for (int k = 0; k < BC / TILE_WARPS; ++k)
+        for (int u = 0; u < D / 32; ++u) { dk[k][u] = 0.0f; dv[k][u] = 0.0f; }
+    const float* gq0 = gq + matrix(p.aq, i, p.heads);
+    stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+    stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+    i64 rstart = vis.causal ? (j0 / BR) * BR : 0;
+    for (i64 r0 = rstart; r0 < p.tq; r0 += BR) {
+        __syncthreads();
+        stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+        stage_rows<D, BR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
+        if (threadIdx.x < BR) {
+            i64 r = r0 + threadIdx.x;
+            l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
+            d_row[threadIdx.x] = r < p.tq ? gq0[r * p.aq.row] : 0.0f;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < BR * BC; e += TILE_THREADS) {
+            int a = e / BC, b = e % BC;
+            i64 r = r0 + a, j = j0 + b;
+            float prob = 0.0f, dsv = 0.0f;
+            if (r < p.tq && j < p.tk && !vis.hidden(i, r, j)) {
+                prob = expf(p.scale * tile_dot<D>(qs + a * (D + 1), ks + b * (D + 1), p.d) - l_row[a]);
+                float dp = tile_dot<D>(gs + a * (D + 1), vs + b * (D + 1), p.dv);
+                dsv = prob * (dp - d_row[a]) * p.scale;
+            }
+            ps[a * (BC + 1) + b] = prob;
+            ds[a * (BC + 1) + b] = dsv;
+        }
+        __syncthreads();
+        for (int k = 0; k < BC / TILE_WARPS; ++k) {
+            int b = warp + TILE_WARPS * k;
+            for (int u = 0; u < D / 32; ++u) {
+                int c = lane + 32 * u;
+                float xv = dv[k][u], xk = dk[k][u];
+                for (int a = 0; a < BR; ++a) {
+                    xv += ps[a * (BC + 1) + b] * gs[a * (D + 1) + c];
+                    xk += ds[a * (BC + 1) + b] * qs[a * (D + 1) + c];
+                }
+                dv[k][u] = xv;
+                dk[k][u] = xk;
+            }
+        }
+    }
+    __syncthreads();
+    for (int k = 0; k < BC / TILE_WARPS; ++k) {
+        i64 j = j0 + warp + TILE_WARPS * k;
+        if (j >= p.tk) continue;
+        for (int u = 0; u < D / 32; ++u) {
+            int c = lane + 32 * u;
+            if (gk && c < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + c] = dk[k][u];
+            if (gv && c < p.dv) gv[matrix(p.av, i, p.heads) + j * p.av.row + c] = dv[k][u];
+        }
+    }
+    __syncthreads();
+}
+
+// The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs, so a block's
+// threads always agree on their tile (the barriers inside need that). Query tiles of BR rows meet
+// key tiles of BC rows (forward, D and dq); key tiles of KC rows meet query tiles of KR (dk, dv).
+#define ATTENTION_TILED(D, BR, BC, KC, KR)                                                                      \
+    extern "C" __global__ void attention_tiled_d##D##_f32(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
+        i64 tiles = (p.tq + BR - 1) / BR;                                                               \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_tile<D, BR, BC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * BR);                \
+    }                                                                                                   \
+    extern "C" __global__ void attention_tiled_backward_q_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
+        i64 tiles = (p.tq + BR - 1) / BR;                                                               \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_backward_q_tile<D, BR, BC>(p, vis, g, ag, lse, gq, pass, t / tiles, (t % tiles) * BR); \
+    }                                                                                                   \
+    extern "C" __global__ void attention_tiled_backward_kv_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
+        i64 tiles = (p.tk + KC - 1) / KC;                                                               \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_backward_kv_tile<D, KR, KC>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, (t % tiles) * KC); \
+    }
+
+ATTENTION_TILED(64, 32, 16, 32, 16)
+ATTENTION_TILED(128, 16, 16, 16, 16)

@@ -1,6 +1,6 @@
 // Layer norm over rows of d elements: one block (256 threads) per row for the statistics, output
-// and input gradient; the weight and bias gradients as column sums, one thread per column looping
-// over rows in order (deterministic; no partials to allocate).
+// and input gradient; the weight and bias gradients as column sums, a block per 32 columns (warp
+// partials in shared memory, added in a fixed order: deterministic, nothing to allocate).
 
 #define LAYER_NORM(T, SUF)                                                                              \
     extern "C" __global__ void layer_norm_##SUF(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, T* out, T* mean, T* rstd) { \
@@ -41,17 +41,32 @@
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
-    /* accumulate: add to gw and gb (a later block of rows) instead of writing them. */              \
+    /* The weight and bias gradients as column sums: a block of 1024 threads per 32 columns, each    \
+       of its 32 warps summing every 32nd row, the warps' partials added in warp order.               \
+       accumulate: add to gw and gb (a later block of rows) instead of writing them. */              \
     extern "C" __global__ void layer_norm_backward_wb_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gw, T* gb, int accumulate) { \
-        GRID_STRIDE(j, d) {                                                                             \
+        __shared__ T part_w[32][33];                                                                    \
+        __shared__ T part_b[32][33];                                                                    \
+        int lane = threadIdx.x % 32, group = threadIdx.x / 32;                                          \
+        for (i64 j0 = (i64)blockIdx.x * 32; j0 < d; j0 += (i64)gridDim.x * 32) {                        \
+            i64 j = j0 + lane;                                                                          \
             T sw = T(0), sb = T(0);                                                                     \
-            for (i64 r = 0; r < rows; ++r) {                                                            \
-                T gi = g[r * d + j];                                                                    \
-                sw += gi * (x[r * d + j] - mean[r]) * rstd[r];                                          \
-                sb += gi;                                                                               \
+            if (j < d)                                                                                  \
+                for (i64 r = group; r < rows; r += 32) {                                                \
+                    T gi = g[r * d + j];                                                                \
+                    sw += gi * (x[r * d + j] - mean[r]) * rstd[r];                                      \
+                    sb += gi;                                                                           \
+                }                                                                                       \
+            part_w[group][lane] = sw;                                                                   \
+            part_b[group][lane] = sb;                                                                   \
+            __syncthreads();                                                                            \
+            if (group == 0 && j < d) {                                                                  \
+                T tw = T(0), tb = T(0);                                                                 \
+                for (int w = 0; w < 32; ++w) { tw += part_w[w][lane]; tb += part_b[w][lane]; }          \
+                if (gw) gw[j] = accumulate ? gw[j] + tw : tw;                                           \
+                if (gb) gb[j] = accumulate ? gb[j] + tb : tb;                                           \
             }                                                                                           \
-            if (gw) gw[j] = accumulate ? gw[j] + sw : sw;                                               \
-            if (gb) gb[j] = accumulate ? gb[j] + sb : sb;                                               \
+            __syncthreads();                                                                            \
         }                                                                                               \
     }                                                                                                   \
     /* out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given). */         \

@@ -1,13 +1,36 @@
-// Reductions, each output computed by one thread (or one block) in a fixed order.
+// Reductions, each output computed by one thread or one block in a fixed order (no atomics).
 
 #define REDUCE(T, SUF)                                                                                  \
-    /* x contiguous [outer, size, inner] -> out [outer, inner]: sum (or mean) over the middle dim. */   \
-    extern "C" __global__ void sum_dim_##SUF(const T* x, i64 outer, i64 size, i64 inner, int mean, T* out) { \
-        GRID_STRIDE(k, outer * inner) {                                                                 \
-            i64 o = k / inner, i = k % inner;                                                           \
+    /* x contiguous [outer, size, inner] -> out [outer, inner]: sum (or mean) over the middle dim,  \
+       inner > 1. A block of 1024 threads per (o, 32 consecutive inner indices): lane = the index,  \
+       each of the 32 warps sums every 32nd s, then the warps' partials are added in warp order. */  \
+    extern "C" __global__ void sum_dim_cols_##SUF(const T* x, i64 outer, i64 size, i64 inner, int mean, T* out) { \
+        __shared__ T part[32][33];                                                                      \
+        i64 col_tiles = (inner + 31) / 32;                                                              \
+        int lane = threadIdx.x % 32, group = threadIdx.x / 32;                                          \
+        for (i64 t = blockIdx.x; t < outer * col_tiles; t += gridDim.x) {                               \
+            i64 o = t / col_tiles, i = (t % col_tiles) * 32 + lane;                                     \
             T acc = T(0);                                                                               \
-            for (i64 s = 0; s < size; ++s) acc += x[(o * size + s) * inner + i];                        \
-            out[k] = mean ? acc / T(size) : acc;                                                        \
+            if (i < inner)                                                                              \
+                for (i64 s = group; s < size; s += 32) acc += x[(o * size + s) * inner + i];            \
+            part[group][lane] = acc;                                                                    \
+            __syncthreads();                                                                            \
+            if (group == 0 && i < inner) {                                                              \
+                T sum = T(0);                                                                           \
+                for (int w = 0; w < 32; ++w) sum += part[w][lane];                                      \
+                out[o * inner + i] = mean ? sum / T(size) : sum;                                        \
+            }                                                                                           \
+            __syncthreads();                                                                            \
+        }                                                                                               \
+    }                                                                                                   \
+    /* The same with inner == 1: a block of 256 threads per contiguous row of `size` values. */         \
+    extern "C" __global__ void sum_dim_rows_##SUF(const T* x, i64 outer, i64 size, int mean, T* out) {  \
+        __shared__ T shared[256];                                                                       \
+        for (i64 o = blockIdx.x; o < outer; o += gridDim.x) {                                           \
+            T acc = T(0);                                                                               \
+            for (i64 s = threadIdx.x; s < size; s += blockDim.x) acc += x[o * size + s];                \
+            T sum = block_sum<T>(acc, shared);                                                          \
+            if (threadIdx.x == 0) out[o] = mean ? sum / T(size) : sum;                                  \
         }                                                                                               \
     }                                                                                                   \
     /* out[j] = sum of x over the elements that broadcast from out's element j: x viewed through      \

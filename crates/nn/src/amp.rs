@@ -112,15 +112,11 @@ impl GradScaler {
         }
         // PyTorch: inv_scale = scale.double().reciprocal().float().
         let inv_scale = f64::from((1.0 / f64::from(self.scale)) as f32);
-        let mut found_inf = false;
-        for (name, p) in params {
-            if let Some(g) = p.grad() {
-                found_inf |= unscale_(&g, inv_scale).map_err(|e| match e {
-                    Error::OutOfMemory(_) => e,
-                    other => Error::invalid(format!("GradScaler: unscaling the gradient of {name}: {other}")),
-                })?;
-            }
-        }
+        let grads: Vec<Tensor> = params.iter().filter_map(|(_, p)| p.grad()).collect();
+        let found_inf = unscale_(&grads.iter().collect::<Vec<_>>(), inv_scale).map_err(|e| match e {
+            Error::OutOfMemory(_) => e,
+            other => Error::invalid(format!("GradScaler: unscaling the gradients: {other}")),
+        })?;
         self.found_inf = Some(found_inf);
         Ok(found_inf)
     }

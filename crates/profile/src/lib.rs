@@ -68,8 +68,10 @@ impl SpanKind {
 pub struct Recording {
     /// One line saying what ran, e.g. "simplecnn, batch 64 (micro 64), 3 steps on cpu".
     pub title: String,
-    /// "cpu" or "meta".
+    /// The device as reports name it: "cpu", "meta", "meta:cuda", "cuda (NVIDIA H100 80GB HBM3 (sm_90))".
     pub device: String,
+    /// The GPU's ordinal (`cuda:N`), the snapshot's device index; 0 elsewhere.
+    pub ordinal: u32,
     pub capacity: Option<u64>,
     /// Allocator events with their times (ns since the device started), oldest first: `timeline.timed_events()`.
     pub events: Vec<(Event, u64)>,
@@ -95,6 +97,7 @@ impl Recording {
         Recording {
             title: title.into(),
             device: device.into(),
+            ordinal: 0,
             capacity: state.capacity,
             events: state.events,
             dropped_events: state.dropped_events,

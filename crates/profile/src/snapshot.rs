@@ -2,7 +2,8 @@
 //! pickled (protocol 3), so PyTorch's own tools read it: `python -m torch.cuda._memory_viz stats|trace|
 //! trace_plot|segment_plot FILE` and the interactive viewer at pytorch.org/memory_viz.
 //!
-//! Layout (what PyTorch's C++ `_cuda_memorySnapshot` emits, for device 0 and one stream):
+//! Layout (what PyTorch's C++ `_cuda_memorySnapshot` emits, for one device, the recording's
+//! ordinal, and one stream):
 //! - `segments`: one dict per segment (`address`, `total_size`, `allocated_size`, `active_size`,
 //!   `requested_size`, `segment_type`, ..., `blocks` tiling it by address, each `active_allocated` or
 //!   `inactive`);
@@ -126,7 +127,7 @@ impl Snapshot {
                 let allocated = segment.blocks.iter().filter(|b| b.allocated);
                 let allocated_size = int(saturating_sum(allocated.clone().map(|b| b.size)));
                 Segment {
-                    device: 0,
+                    device: recording.ordinal,
                     address: int(segment.address),
                     total_size: int(segment.total_size),
                     allocated_size,

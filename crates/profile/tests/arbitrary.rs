@@ -106,6 +106,7 @@ fn recording() -> impl Strategy<Value = Recording> {
             Recording {
                 title: "t<i>tle".to_string(),
                 device: if dropped == 1 { "meta".to_string() } else { "cpu".to_string() },
+                ordinal: 0,
                 capacity,
                 events,
                 dropped_events: dropped * 1000,

@@ -144,7 +144,11 @@ impl DeviceConfig {
 struct DeviceInner {
     kind: DeviceKind,
     backend: Box<dyn crate::backend::Backend>,
+    /// What the device is, where there is more to say than its kind (a GPU's name).
+    description: Option<String>,
     context_bytes: Option<u64>,
+    /// A GPU's free memory once its context existed.
+    free_at_open: Option<u64>,
     /// The math library's workspace on a GPU target (cuBLAS's, [`memfit_cuda::LIBRARY_WORKSPACE_BYTES`]):
     /// allocated when the device opens, freed when it closes, so it is counted like any block.
     library_workspace: Option<Allocation>,
@@ -228,7 +232,9 @@ impl Device {
         Ok(Device(Arc::new(DeviceInner {
             kind: config.kind,
             backend: opened.kernels,
+            description: opened.description,
             context_bytes: opened.context_bytes,
+            free_at_open: opened.free_bytes,
             library_workspace,
             allocator: Mutex::new(allocator),
             phase: Mutex::new(Phase::Setup),
@@ -292,6 +298,19 @@ impl Device {
     /// against the capacity: the capacity is what was free after it.
     pub fn context_bytes(&self) -> Option<u64> {
         self.0.context_bytes
+    }
+
+    /// A GPU's free memory when it opened (after its context was made); None on `cpu` and `meta`.
+    pub fn free_at_open(&self) -> Option<u64> {
+        self.0.free_at_open
+    }
+
+    /// The device as reports name it: `cpu`, `meta:cuda`, or `cuda:0 (NVIDIA H100 80GB HBM3 (sm_90))`.
+    pub fn describe(&self) -> String {
+        match &self.0.description {
+            Some(d) => format!("{} ({d})", self.0.kind),
+            None => self.0.kind.to_string(),
+        }
     }
 
     pub fn same(&self, other: &Device) -> bool {

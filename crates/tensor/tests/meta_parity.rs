@@ -101,7 +101,7 @@ fn programs() -> Vec<(&'static str, Program)> {
             let (m, v) = (z(d, &[3], t), z(d, &[3], t));
             ops::adam_update(&p, &z(d, &[3], t), &m, &v, 1, 1e-3, (0.9, 0.999), 1e-8, 0.0, false).map(drop)
         }),
-        ("unscale_", |d, t| ops::unscale_(&z(d, &[3], t), 0.5).map(drop)),
+        ("unscale_", |d, t| ops::unscale_(&[&z(d, &[3], t)], 0.5).map(drop)),
     ]
 }
 

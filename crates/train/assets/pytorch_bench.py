@@ -1,9 +1,11 @@
 """PyTorch's side of `memfit bench --compare-pytorch PYTHON`: the bench cases' models written in
 PyTorch, one AdamW training step timed as memfit times it (warm-up steps, then the median of the
-timed steps), and PyTorch's own estimate of a steady-state step's peak memory (MemTracker on fake
-tensors). memfit runs this script with its arguments and reads one JSON object from stdout.
+timed steps, each ended by the loss read back as memfit reads it), and a steady-state step's peak
+memory: on the cpu PyTorch's own estimate (MemTracker on fake tensors), on a GPU the caching
+allocator's measured peak (`torch.cuda.max_memory_allocated`). memfit runs this script with its
+arguments and reads one JSON object from stdout.
 
-Usage: python pytorch_bench.py CASE WARMUP STEPS THREADS
+Usage: python pytorch_bench.py CASE WARMUP STEPS THREADS [DEVICE]   (DEVICE: cpu, or cuda:N)
 """
 import json, statistics, sys, time
 
@@ -60,7 +62,7 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x, self.mask[:t, :t])
         return self.head(self.ln(x))
@@ -83,24 +85,30 @@ def loss_of(model, x, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def step_times(make_model, make_batch, warmup, steps):
-    model = make_model()
+def step_times(make_model, make_batch, warmup, steps, device):
+    model = make_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = make_batch()
+    x, y = (t.to(device) for t in make_batch())
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_of(model, x, y).backward()
+        loss = loss_of(model, x, y)
+        loss.backward()
         opt.step()
+        # memfit reads each step's loss back (its progress line): the same synchronisation here.
+        return loss.item()
 
     for _ in range(warmup):
         step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return times, peak
 
 
 def steady_peak_bytes(make_model, make_batch):
@@ -129,17 +137,18 @@ def steady_peak_bytes(make_model, make_batch):
 
 def main():
     case, warmup, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    device = torch.device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
     if case not in CASES:
         print(json.dumps({"case": case, "error": "no PyTorch reference for this case"}))
         return
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     make_model, make_batch = CASES[case]
-    times = step_times(make_model, make_batch, warmup, steps)
+    times, measured_peak = step_times(make_model, make_batch, warmup, steps, device)
     print(json.dumps({
         "case": case,
         "median_ms": statistics.median(times),
-        "peak_bytes": steady_peak_bytes(make_model, make_batch),
+        "peak_bytes": measured_peak if measured_peak is not None else steady_peak_bytes(make_model, make_batch),
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
     }))

@@ -1,7 +1,7 @@
 //! `memfit bench`: per model, the median AdamW training-step time after warm-up and a steady-state
-//! step's peak allocated and reserved bytes, on synthetic data; with a PyTorch interpreter, the same
-//! step of the same model in PyTorch run right after each case (`assets/pytorch_bench.py`, embedded),
-//! so every ratio comes from one run on one machine. With several rounds, memfit and PyTorch take
+//! step's peak allocated and reserved bytes, on synthetic data, on the cpu or a GPU; with a PyTorch
+//! interpreter, the same step of the same model in PyTorch on the same device, run right after each
+//! case (`assets/pytorch_bench.py`, embedded), so every ratio comes from one run on one machine. With several rounds, memfit and PyTorch take
 //! turns (memfit, PyTorch, memfit, PyTorch, ...) and each side's time is the median of its rounds'
 //! medians: on a shared, noisy host a slow spell then falls on both sides instead of on one.
 
@@ -9,7 +9,7 @@ use crate::error::TrainError;
 use crate::samples::synthetic;
 use crate::trainer::{median, RunOptions, Session};
 use memfit_nn::{GptConfig, ModelKind, ModelSpec, OptimizerConfig};
-use memfit_tensor::Device;
+use memfit_tensor::{Device, DeviceConfig, DeviceKind};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::Path;
@@ -68,6 +68,8 @@ pub struct PytorchCase {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
+    /// Where the steps ran: `cpu`, or `cuda:N (its name)`.
+    pub device: String,
     pub threads: usize,
     /// Rounds per case (memfit and PyTorch alternating).
     pub rounds: usize,
@@ -99,18 +101,18 @@ pub fn pytorch_version(python: &Path) -> Result<String, TrainError> {
 }
 
 /// Runs one case in PyTorch; `None` when PyTorch has no reference for it.
-fn run_pytorch_case(
-    python: &Path,
-    case: &str,
-    warmup: usize,
-    steps: usize,
-    threads: usize,
-) -> Result<Option<PytorchCase>, TrainError> {
+fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &str) -> Result<Option<PytorchCase>, TrainError> {
+    let (warmup, steps, threads) = (cfg.warmup, cfg.steps, cfg.threads);
+    // PyTorch's name of the device.
+    let device = match cfg.device {
+        DeviceKind::Cuda(n) => format!("cuda:{n}"),
+        _ => "cpu".to_string(),
+    };
     let fail =
         |what: String| TrainError::Invalid(format!("--compare-pytorch {}: case {case}: {what}", python.display()));
     let mut child = Command::new(python)
         .arg("-")
-        .args([case.to_string(), warmup.to_string(), steps.to_string(), threads.to_string()])
+        .args([case.to_string(), warmup.to_string(), steps.to_string(), threads.to_string(), device])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -140,11 +142,11 @@ fn run_pytorch_case(
     Ok(Some(result))
 }
 
-/// Measures one case: `warmup` steps, then `steps` timed steps; the peaks are those of the timed
-/// (steady-state, optimizer state present) steps.
-pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
+/// Measures one case on `kind`: `warmup` steps, then `steps` timed steps; the peaks are those of
+/// the timed (steady-state, optimizer state present) steps.
+pub fn run_case(case: &BenchCase, kind: DeviceKind, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
     let spec = (case.spec)();
-    let device = Device::cpu();
+    let device = Device::new(DeviceConfig::new(kind))?;
     let optimizer = OptimizerConfig::AdamW { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 };
     let mut session = Session::new(device.clone(), &spec, optimizer, 0)?;
     // Two windows of data, reused across epochs: the data's size does not grow with the steps.
@@ -183,17 +185,32 @@ fn round_ratios(ours: &[f64], theirs: &[f64]) -> Vec<f64> {
     ours.iter().zip(theirs).map(|(o, t)| o / t).collect()
 }
 
+/// What `memfit bench` runs.
+pub struct BenchConfig<'a> {
+    /// cpu or cuda (meta computes no times).
+    pub device: DeviceKind,
+    /// The cpu's worker threads (PyTorch gets as many).
+    pub threads: usize,
+    /// The cases, by case or model name (all when empty).
+    pub only: &'a [String],
+    pub warmup: usize,
+    pub steps: usize,
+    /// Rounds per case: memfit and PyTorch alternate.
+    pub rounds: usize,
+    /// A Python interpreter with PyTorch, to run each case there too.
+    pub pytorch: Option<&'a Path>,
+}
+
 /// Runs the cases (all when `only` is empty) on a pool of `threads` threads, each `rounds` times;
 /// with `pytorch` (a Python interpreter with PyTorch), each round of a case is followed by the same
-/// case in PyTorch with as many threads.
-pub fn run(
-    threads: usize,
-    only: &[String],
-    warmup: usize,
-    steps: usize,
-    rounds: usize,
-    pytorch: Option<&Path>,
-) -> Result<BenchReport, TrainError> {
+/// case in PyTorch with as many threads, on the same device.
+pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
+    let (threads, only, rounds, pytorch) = (cfg.threads, cfg.only, cfg.rounds, cfg.pytorch);
+    if cfg.device.is_meta() {
+        return Err(TrainError::Invalid(
+            "bench: the meta device computes nothing, so it has no step times: use cpu or cuda".into(),
+        ));
+    }
     if rounds == 0 {
         return Err(TrainError::Invalid("bench: --rounds must be at least 1".into()));
     }
@@ -214,14 +231,17 @@ pub fn run(
         .num_threads(threads)
         .build()
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
+    // The device first (a missing GPU is named before PyTorch is asked anything), then PyTorch.
+    Device::probe(cfg.device)?;
+    let device = Device::new(DeviceConfig::new(cfg.device))?.describe();
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;
     let mut cases = Vec::new();
     for case in CASES.iter().filter(|c| only.is_empty() || only.iter().any(|n| named(c, n))) {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
-            ours.push(pool.install(|| run_case(case, warmup, steps))?);
+            ours.push(pool.install(|| run_case(case, cfg.device, cfg.warmup, cfg.steps))?);
             if let Some(python) = pytorch {
-                theirs.push(run_pytorch_case(python, case.name, warmup, steps, threads)?);
+                theirs.push(run_pytorch_case(cfg, python, case.name)?);
             }
         }
         let round_ms: Vec<f64> = ours.iter().map(|r| r.median_ms).collect();
@@ -236,7 +256,7 @@ pub fn run(
         }
         cases.push(result);
     }
-    Ok(BenchReport { threads, rounds, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
+    Ok(BenchReport { device, threads, rounds, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
 }
 
 #[cfg(test)]

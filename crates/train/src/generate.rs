@@ -25,6 +25,8 @@ pub struct GenerateConfig {
     /// Device capacity in bytes; None = unlimited.
     pub memory: Option<u64>,
     pub threads: Option<usize>,
+    /// The device that computes (cpu or cuda).
+    pub device: DeviceKind,
 }
 
 /// A finished generation.
@@ -86,7 +88,7 @@ pub fn generate(cfg: &GenerateConfig, on_text: &mut (dyn FnMut(&str) + Send)) ->
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
     pool.install(|| {
         let start = Instant::now();
-        let device = Device::new(DeviceConfig::new(DeviceKind::Cpu).capacity(cfg.memory))?;
+        let device = Device::new(DeviceConfig::new(cfg.device).capacity(cfg.memory))?;
         let model = {
             let _p = device.enter_phase(Phase::Setup);
             memfit_nn::build_model(&ModelSpec::gpt(config), &device, 0)?

@@ -187,7 +187,9 @@ fn train_in_pool(
         plan,
         outcome,
         stats,
-        capacity: cfg.memory,
+        capacity: device.capacity(),
+        device_name: device.describe(),
+        context_bytes: device.context_bytes(),
         threads,
         profile_files,
         checkpointed,
@@ -196,7 +198,12 @@ fn train_in_pool(
         host: crate::report::HostMemory {
             dataset_bytes: task.host_bytes(),
             timeline_bytes: device.timeline_max_bytes(),
-            kernel_workspace_bytes: (memfit_kernels::gemm::WORKSPACE_BYTES_PER_THREAD * threads) as u64,
+            // The cpu kernels' packing buffers; a GPU's workspaces are device memory, in the table.
+            kernel_workspace_bytes: if cfg.device.target() == memfit_tensor::Target::Cpu {
+                (memfit_kernels::gemm::WORKSPACE_BYTES_PER_THREAD * threads) as u64
+            } else {
+                0
+            },
             rss_at_start_bytes: rss_at_start,
             peak_rss_bytes: memfit_tensor::memory::process::resident().map(|r| r.peak),
         },
@@ -394,6 +401,17 @@ fn run_device(cfg: &TrainConfig) -> Result<Device, TrainError> {
     }
     let device = Device::new(device_config)?;
     device.set_profiling(profiling);
+    if let (Some(memory), Some(free)) = (cfg.memory, device.free_at_open()) {
+        if memory > free {
+            eprintln!(
+                "note: --memory {} is more than the {} free on {}: past that, the GPU itself runs out of memory, \
+                 which recovery handles as any out-of-memory (smaller micro-batches)",
+                format_bytes(memory),
+                format_bytes(free),
+                device.describe()
+            );
+        }
+    }
     Ok(device)
 }
 

@@ -22,7 +22,11 @@ pub use crate::output::{check_profile_dir, PROFILE_FILES};
 
 /// Everything `device` recorded, under `title`.
 pub fn recording(device: &Device, title: String) -> Recording {
-    let mut rec = Recording::from_state(title, device.kind().name(), device.memory_state());
+    let mut rec = Recording::from_state(title, device.describe(), device.memory_state());
+    rec.ordinal = match device.kind() {
+        memfit_tensor::DeviceKind::Cuda(n) => n,
+        _ => 0,
+    };
     rec.modules = device.module_names();
     rec.spans = device
         .take_spans()

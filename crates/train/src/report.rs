@@ -26,7 +26,12 @@ pub struct RunSummary {
     pub plan: Option<crate::planner::Plan>,
     pub outcome: RunOutcome,
     pub stats: MemoryStats,
+    /// The allocator's capacity: `--memory`, or a GPU's free memory when it opened.
     pub capacity: Option<u64>,
+    /// The device as reports name it (`cuda:0 (NVIDIA H100 80GB HBM3 (sm_90))`).
+    pub device_name: String,
+    /// A GPU's context: device memory the driver holds outside the allocator and its capacity.
+    pub context_bytes: Option<u64>,
     pub threads: usize,
     /// Files of the memory profile written (`profile` or `profile_on_oom`).
     pub profile_files: Vec<PathBuf>,
@@ -83,7 +88,13 @@ pub struct Report {
     /// The GPT's sizes and vocabulary size (null for image models).
     pub gpt: Option<GptReport>,
     pub device: String,
+    /// The device with its name where it has one (a GPU's, with its architecture).
+    pub device_name: String,
+    /// The allocator's capacity: `--memory`, or a GPU's free memory when it opened; null: unlimited.
     pub capacity_bytes: Option<u64>,
+    /// A GPU's context (driver, kernels, cuBLAS's handle): device memory outside the allocator, not
+    /// counted against the capacity (null on cpu and meta, or where NVML could not say).
+    pub context_bytes: Option<u64>,
     pub data: String,
     pub optimizer: String,
     /// Learning rate.
@@ -256,7 +267,9 @@ impl Report {
                 GptReport { layers: g.layers, d_model: g.d_model, heads: g.heads, context: g.max_t, vocab: g.vocab }
             }),
             device: s.config.device.name().to_string(),
+            device_name: s.device_name.clone(),
             capacity_bytes: s.capacity,
+            context_bytes: s.context_bytes,
             data: s.data_source.clone(),
             optimizer: s.config.optimizer.name().to_string(),
             lr: s.config.lr,
@@ -326,7 +339,9 @@ impl Report {
     pub fn memory_table(&self) -> String {
         let mut s = String::new();
         let cap = self.capacity_bytes.map_or("unlimited".to_string(), format_bytes);
-        s.push_str(&format!("memory ({} device, capacity {cap})\n", self.device));
+        let device =
+            if self.device_name == self.device { format!("{} device", self.device) } else { self.device_name.clone() };
+        s.push_str(&format!("memory ({device}, capacity {cap})\n"));
         s.push_str(&format!("  {:<16} {:>12} {:>14}\n", "category", "own peak", "at overall peak"));
         let mut cats: Vec<(&String, &u64)> = self.at_peak_by_category.iter().collect();
         cats.sort_by_key(|(_, b)| std::cmp::Reverse(**b));
@@ -391,6 +406,12 @@ impl Report {
         }
         if !saved.is_empty() {
             s.push_str(&format!("  remedies (predicted peak reserved): {}\n", saved.join("; ")));
+        }
+        if let Some(c) = self.context_bytes {
+            s.push_str(&format!(
+                "  context: {} of the GPU held by its driver (CUDA context, kernels, cuBLAS handle), outside the capacity\n",
+                format_bytes(c)
+            ));
         }
         let h = &self.host;
         s.push_str(&format!(
@@ -608,6 +629,7 @@ pub fn curves(summary: &crate::RunSummary) -> memfit_profile::Curves {
         points,
         peak_allocated: summary.stats.allocated_bytes.peak,
         peak_reserved: summary.stats.reserved_bytes.peak,
-        capacity: summary.capacity,
+        // The budget's line (a GPU's whole free memory would flatten every curve).
+        capacity: summary.config.memory,
     }
 }

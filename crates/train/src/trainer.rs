@@ -107,14 +107,8 @@ impl Session {
         if self.device.saved_dtype() != Some(memfit_tensor::DType::F16) || !self.device.computes() {
             return Ok(false);
         }
-        for (_, p) in self.model.parameters() {
-            if let Some(g) = p.grad() {
-                if memfit_tensor::ops::unscale_(&g, 1.0)? {
-                    return Ok(true);
-                }
-            }
-        }
-        Ok(false)
+        let grads: Vec<Tensor> = self.model.parameters().into_iter().filter_map(|(_, p)| p.grad()).collect();
+        Ok(memfit_tensor::ops::unscale_(&grads.iter().collect::<Vec<_>>(), 1.0)?)
     }
 
     pub fn set_checkpointing(&self, choice: &crate::config::CheckpointChoice) -> Result<Vec<String>, TrainError> {
@@ -403,10 +397,15 @@ impl Session {
         if !self.device.computes() {
             return Ok(());
         }
-        for (name, p) in self.model.parameters() {
-            // A multiplication by 1 (exact: it changes no value) that reports any NaN or infinity,
-            // on the device: no host copy of the weights.
-            if ops::unscale_(&p, 1.0)? {
+        let params = self.model.parameters();
+        // A multiplication by 1 (exact: it changes no value) that reports any NaN or infinity, on
+        // the device: no host copy of the weights, and one read of the flag for all of them. Only
+        // when one is found are they asked one by one, to name it.
+        if !ops::unscale_(&params.iter().map(|(_, p)| p).collect::<Vec<_>>(), 1.0)? {
+            return Ok(());
+        }
+        for (name, p) in &params {
+            if ops::unscale_(&[p], 1.0)? {
                 return Err(TrainError::NotFinite(format!(
                     "parameter {name} holds NaN or infinity after step {step}: training diverged and stopped \
                      (nothing is saved); try a smaller --lr"

@@ -233,6 +233,7 @@ fn a_saved_gpt_generates_the_same_text_for_a_seed() {
             seed,
             memory: None,
             threads: Some(1),
+            device: memfit_tensor::DeviceKind::Cpu,
         };
         let mut streamed = String::new();
         let out = generate(&g, &mut |t: &str| streamed.push_str(t)).unwrap();
@@ -253,6 +254,7 @@ fn a_saved_gpt_generates_the_same_text_for_a_seed() {
         seed: 0,
         memory: None,
         threads: Some(1),
+        device: memfit_tensor::DeviceKind::Cpu,
     };
     let e = generate(&bad, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("U+00E9") && e.contains("vocabulary"), "{e}");

@@ -24,6 +24,8 @@ use std::sync::Arc;
 /// hold 256 values); reductions over a whole tensor in one block use [`WHOLE_BLOCK`].
 const BLOCK: u32 = 256;
 const WHOLE_BLOCK: u32 = 1024;
+/// Threads of a block of the tiled kernels (attention.cu's `TILE_THREADS`).
+const TILE_THREADS: u32 = 128;
 /// Bytes at the end of the library workspace kept for the status word (cuBLAS gets the rest).
 const STATUS_BYTES: u64 = 512;
 
@@ -46,6 +48,7 @@ pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
         (Arc::new(gpu), context, free)
     };
     Ok(super::Opened {
+        description: Some(machine.description()),
         segments: Box::new(CudaSegments::new(machine.clone())),
         kernels: Box::new(Cuda { machine, status: AtomicU64::new(0), ordinal }),
         context_bytes,
@@ -207,6 +210,18 @@ impl Cuda {
         Launch { grid: blocks as u32, block }
     }
 
+    /// One block of [`WHOLE_BLOCK`] threads per tile of 32 columns of a column sum (`tiles` of them).
+    fn column_tiles(&self, tiles: usize) -> Launch {
+        Launch { grid: tiles.clamp(1, self.machine.max_blocks() as usize) as u32, block: WHOLE_BLOCK }
+    }
+
+    /// One block of [`TILE_THREADS`] per tile of `rows` rows of each of `matrices` matrices (blocks
+    /// beyond the device's useful count walk the rest).
+    fn tiles(&self, matrices: usize, n: usize, rows: usize) -> Launch {
+        let blocks = (matrices * n.div_ceil(rows)).clamp(1, self.machine.max_blocks() as usize);
+        Launch { grid: blocks as u32, block: TILE_THREADS }
+    }
+
     fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<()> {
         self.machine.launch(name, shape, args).map_err(|e| self.err(e))
     }
@@ -296,10 +311,33 @@ impl Cuda {
 
     /// Column sums of dense `[rows, cols]` at `x` into `out` (`cols`), in the dtype's kernel.
     fn column_sums(&self, sfx: &str, x: u64, rows: usize, cols: usize, out: u64) -> Result<()> {
+        self.sum_middle(sfx, x, (1, rows, cols), false, out)
+    }
+
+    /// The sums (or means) over the middle dim of dense `[outer, size, inner]` at `x` into `out`
+    /// (`[outer, inner]`): a block per row of `size` values when inner is 1, else a block per 32
+    /// columns.
+    fn sum_middle(
+        &self,
+        sfx: &str,
+        x: u64,
+        (outer, size, inner): (usize, usize, usize),
+        mean: bool,
+        out: u64,
+    ) -> Result<()> {
+        let (outer_arg, size_arg, mean_arg) = (Arg::I64(outer as i64), Arg::I64(size as i64), Arg::I32(mean as i32));
+        if inner == 1 {
+            let shape = Launch { grid: outer.clamp(1, self.machine.max_blocks() as usize) as u32, block: BLOCK };
+            return self.launch(
+                &format!("sum_dim_rows_{sfx}"),
+                shape,
+                &mut [Arg::Ptr(x), outer_arg, size_arg, mean_arg, Arg::Ptr(out)],
+            );
+        }
         self.launch(
-            &format!("sum_dim_{sfx}"),
-            self.grid(cols, BLOCK),
-            &mut [Arg::Ptr(x), Arg::I64(1), Arg::I64(rows as i64), Arg::I64(cols as i64), Arg::I32(0), Arg::Ptr(out)],
+            &format!("sum_dim_cols_{sfx}"),
+            self.column_tiles(outer * inner.div_ceil(32)),
+            &mut [Arg::Ptr(x), outer_arg, size_arg, Arg::I64(inner as i64), mean_arg, Arg::Ptr(out)],
         )
     }
 
@@ -828,18 +866,7 @@ impl Backend for Cuda {
 
     fn sum_dim(&self, x: &Tensor, outer: usize, size: usize, inner: usize, mean: bool, out: &Tensor) -> Result<()> {
         let sfx = float(if mean { "mean" } else { "sum" }, x.dtype())?;
-        self.launch(
-            &format!("sum_dim_{sfx}"),
-            self.grid(outer * inner, BLOCK),
-            &mut [
-                Arg::Ptr(dense(x, "sum")?),
-                Arg::I64(outer as i64),
-                Arg::I64(size as i64),
-                Arg::I64(inner as i64),
-                Arg::I32(mean as i32),
-                Arg::Ptr(dense(out, "sum")?),
-            ],
-        )
+        self.sum_middle(sfx, dense(x, "sum")?, (outer, size, inner), mean, dense(out, "sum")?)
     }
 
     fn sum_backward(&self, grad: &Tensor, scale: f64, out: &Tensor) -> Result<()> {
@@ -999,20 +1026,27 @@ impl Backend for Cuda {
     }
 
     fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool) -> Result<()> {
-        let sfx = float("unscale_", grad.dtype())?;
+        self.unscale_all(&[grad], inv_scale, found_inf)
+    }
+
+    fn unscale_all(&self, grads: &[&Tensor], inv_scale: f64, found_inf: &mut bool) -> Result<()> {
+        // One flag for every tensor, zeroed once and read back once.
         let flag = self.status()? + 16;
         self.machine.zero(flag, 4).map_err(|e| self.err(e))?;
-        let n = grad.numel();
-        self.launch(
-            &format!("unscale_{sfx}"),
-            self.grid(n, BLOCK),
-            &mut [
-                Arg::Ptr(dense(grad, "unscale_")?),
-                scalar(grad.dtype(), inv_scale),
-                Arg::Ptr(flag),
-                Arg::I64(n as i64),
-            ],
-        )?;
+        for grad in grads {
+            let sfx = float("unscale_", grad.dtype())?;
+            let n = grad.numel();
+            self.launch(
+                &format!("unscale_{sfx}"),
+                self.grid(n, BLOCK),
+                &mut [
+                    Arg::Ptr(dense(grad, "unscale_")?),
+                    scalar(grad.dtype(), inv_scale),
+                    Arg::Ptr(flag),
+                    Arg::I64(n as i64),
+                ],
+            )?;
+        }
         let mut bytes = [0u8; 4];
         self.machine.download(flag, &mut bytes).map_err(|e| self.err(e))?;
         if i32::from_le_bytes(bytes) != 0 {
@@ -1233,7 +1267,7 @@ impl Backend for Cuda {
         if gw.is_some() || gb.is_some() {
             self.launch(
                 &format!("layer_norm_backward_wb_{sfx}"),
-                self.grid(d, BLOCK),
+                self.column_tiles(d.div_ceil(32)),
                 &mut [
                     Arg::Ptr(xp),
                     Arg::Ptr(mp),
@@ -1377,7 +1411,7 @@ impl Backend for Cuda {
             if glwp != 0 || glbp != 0 {
                 self.launch(
                     &format!("layer_norm_backward_wb_{sfx}"),
-                    self.grid(in_f, BLOCK),
+                    self.column_tiles(in_f.div_ceil(32)),
                     &mut [
                         Arg::Ptr(x_block),
                         Arg::Ptr(m_block),
@@ -1510,9 +1544,13 @@ impl Backend for Cuda {
         }
         let problem = attention_problem(q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
+        let (name, shape) = match tiled_head(pb, q.dtype()) {
+            Some(t) => (format!("attention_tiled_d{}_f32", t.head), self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows)),
+            None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
+        };
         self.launch(
-            &format!("attention_{sfx}"),
-            self.grid(pb.dims.bh * pb.dims.tq, BLOCK),
+            &name,
+            shape,
             &mut [
                 problem,
                 visible,
@@ -1552,6 +1590,19 @@ impl Backend for Cuda {
             args
         };
         // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
+        if let Some(t) = tiled_head(pb, grad.dtype()).filter(|_| gqp != 0) {
+            let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
+            let q_kernel = format!("attention_tiled_backward_q_d{}_f32", t.head);
+            self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
+            if gkp != 0 || gvp != 0 {
+                self.launch(
+                    &format!("attention_tiled_backward_kv_d{}_f32", t.head),
+                    self.tiles(pb.dims.bh, pb.dims.tk, t.key_rows),
+                    &mut common(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
+                )?;
+            }
+            return self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(1)]));
+        }
         if gqp != 0 {
             self.launch(&format!("attention_backward_d_{sfx}"), rows, &mut common(&[Arg::Ptr(gqp)]))?;
         }
@@ -1762,6 +1813,27 @@ fn addr_arg(a: &memfit_cpu::attention::AttnAddr) -> Arg {
 
 fn addr_words(a: &memfit_cpu::attention::AttnAddr) -> [u64; 4] {
     [a.offset as u64, a.batch_stride as u64, a.head_stride as u64, a.row_stride as u64]
+}
+
+/// The tile shape of attention.cu's tiled kernels for a head size (`ATTENTION_TILED`'s arguments).
+struct AttentionTiles {
+    /// Head sizes up to this (the kernels' `D`).
+    head: usize,
+    /// Query rows of a tile of the forward and of D and dq (`BR`).
+    query_rows: usize,
+    /// Key rows of a tile of dk and dv (`KC`).
+    key_rows: usize,
+}
+
+/// The tiled kernels that take this problem: f32 with head sizes up to 128; None for the per-row
+/// kernels.
+fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
+    let head = pb.dims.d.max(pb.dims.dv);
+    match (dtype, head) {
+        (DType::F32, 0..=64) => Some(AttentionTiles { head: 64, query_rows: 32, key_rows: 32 }),
+        (DType::F32, 65..=128) => Some(AttentionTiles { head: 128, query_rows: 16, key_rows: 16 }),
+        _ => None,
+    }
 }
 
 /// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes and the scale.

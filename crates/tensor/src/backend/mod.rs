@@ -43,6 +43,15 @@ macro_rules! backends {
         pub(crate) trait Backend: Send + Sync {
             $( $(#[$doc])* fn $name(&self $(, $arg: $ty)*) -> Result<()>; )*
 
+            /// `unscale` of each of `grads`, `found_inf` set when any held an inf or NaN. A GPU
+            /// reads its flag back once for all of them (one synchronisation, not one per tensor).
+            fn unscale_all(&self, grads: &[&Tensor], inv_scale: f64, found_inf: &mut bool) -> Result<()> {
+                for g in grads {
+                    self.unscale(g, inv_scale, found_inf)?;
+                }
+                Ok(())
+            }
+
             /// Takes the math library's workspace (`bytes` at device `address`, a block of the
             /// device's allocator held until it closes); only a GPU has one.
             fn use_library_workspace(&self, _address: u64, _bytes: u64) -> Result<()> {
@@ -370,11 +379,12 @@ backends! {
     fn softmax_backward(&self, out: &Tensor, grad: &Tensor, dim: usize, log: bool, gx: &Tensor);
 }
 
-/// What opening a device gives: where its segments come from, its kernels, and for a GPU the bytes
-/// its context took and the memory free after it.
+/// What opening a device gives: where its segments come from, its kernels, and for a GPU what it
+/// is, the bytes its context took and the memory free after it.
 pub(crate) struct Opened {
     pub segments: Box<dyn SegmentBackend>,
     pub kernels: Box<dyn Backend>,
+    pub description: Option<String>,
     pub context_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
 }
@@ -385,12 +395,17 @@ pub(crate) fn open(kind: DeviceKind) -> Result<Opened> {
         DeviceKind::Cpu => Opened {
             segments: Box::new(HostBackend::default()),
             kernels: Box::new(Cpu),
+            description: None,
             context_bytes: None,
             free_bytes: None,
         },
-        DeviceKind::Meta(_) => {
-            Opened { segments: Box::new(MetaBackend), kernels: Box::new(Meta), context_bytes: None, free_bytes: None }
-        }
+        DeviceKind::Meta(_) => Opened {
+            segments: Box::new(MetaBackend),
+            kernels: Box::new(Meta),
+            description: None,
+            context_bytes: None,
+            free_bytes: None,
+        },
         DeviceKind::Cuda(ordinal) => cuda::open(ordinal)?,
     })
 }

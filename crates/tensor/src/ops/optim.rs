@@ -107,16 +107,23 @@ pub fn adam_update(
     param.device().backend().adam_update(param, grad, exp_avg, exp_avg_sq, step)
 }
 
-/// Multiplies `grad` in place by `inv_scale` (cast to the gradient's dtype, as GradScaler's f32
-/// `inv_scale` tensor); returns true when any value is inf or NaN before or after the
-/// multiplication (GradScaler's unscale_ + found_inf). On `meta` nothing happens and it returns false.
-pub fn unscale_(grad: &Tensor, inv_scale: f64) -> Result<bool> {
-    if !grad.is_contiguous() {
-        return Err(Error::invalid(format!("unscale_: the gradient {:?} must be contiguous", grad.shape())));
+/// Multiplies each of `grads` in place by `inv_scale` (cast to the gradient's dtype, as GradScaler's
+/// f32 `inv_scale` tensor); returns true when any value of any of them is inf or NaN before or after
+/// the multiplication (GradScaler's unscale_ + found_inf). Every gradient is unscaled, and a GPU
+/// reports the flag once for all. On `meta` nothing happens and it returns false.
+pub fn unscale_(grads: &[&Tensor], inv_scale: f64) -> Result<bool> {
+    let Some(first) = grads.first() else { return Ok(false) };
+    for grad in grads {
+        if !grad.is_contiguous() {
+            return Err(Error::invalid(format!("unscale_: the gradient {:?} must be contiguous", grad.shape())));
+        }
+        if !grad.device().same(first.device()) {
+            return Err(Error::invalid("unscale_: the gradients must be on one device"));
+        }
+        super::check_computable("unscale_", grad.dtype())?;
     }
-    super::check_computable("unscale_", grad.dtype())?;
     let mut found_inf = false;
-    grad.device().backend().unscale(grad, inv_scale, &mut found_inf)?;
+    first.device().backend().unscale_all(grads, inv_scale, &mut found_inf)?;
     Ok(found_inf)
 }
 
@@ -285,7 +292,7 @@ mod tests {
         sgd_update(&p, &g, Some(&buf), true, 0.1, 0.9, 0.0, true, 0.01).unwrap();
         sgd_update(&ps, &gs, Some(&bufs), true, 0.1, 0.9, 0.0, true, 0.01).unwrap();
         assert_eq!(&p.to_vec::<f32>().unwrap()[..small], &ps.to_vec::<f32>().unwrap()[..]);
-        assert!(!unscale_(&g, 0.5).unwrap());
+        assert!(!unscale_(&[&g], 0.5).unwrap());
         assert_eq!(g.to_vec::<f32>().unwrap()[n - 1], grads[n - 1] * 0.5);
     }
 
@@ -293,18 +300,18 @@ mod tests {
     fn unscale_multiplies_and_reports_non_finite_values() {
         let d = Device::cpu();
         let g = Tensor::from_slice(&d, &[2.0f32, -4.0, 8.0], &[3], Category::Gradient).unwrap();
-        assert!(!unscale_(&g, 0.25).unwrap());
+        assert!(!unscale_(&[&g], 0.25).unwrap());
         assert_eq!(g.to_vec::<f32>().unwrap(), vec![0.5, -1.0, 2.0]);
         let g = Tensor::from_slice(&d, &[1.0f32, f32::INFINITY], &[2], Category::Gradient).unwrap();
-        assert!(unscale_(&g, 0.5).unwrap());
+        assert!(unscale_(&[&g], 0.5).unwrap());
         assert_eq!(g.to_vec::<f32>().unwrap(), vec![0.5, f32::INFINITY]);
         let g = Tensor::from_slice(&d, &[f64::NAN], &[1], Category::Gradient).unwrap();
-        assert!(unscale_(&g, 1.0).unwrap());
+        assert!(unscale_(&[&g], 1.0).unwrap());
         // A big tensor with one inf in a late chunk.
         let mut v = vec![1.0f32; 2 * PAR_CHUNK + 5];
         v[2 * PAR_CHUNK + 3] = f32::NEG_INFINITY;
         let g = Tensor::from_slice(&d, &v, &[v.len()], Category::Gradient).unwrap();
-        assert!(unscale_(&g, 0.5).unwrap());
+        assert!(unscale_(&[&g], 0.5).unwrap());
     }
 
     #[test]
@@ -317,7 +324,7 @@ mod tests {
         let before = d.stats();
         adam_update(&p, &g, &m, &v, 1, 1e-3, (0.9, 0.999), 1e-8, 0.0, false).unwrap();
         sgd_update(&p, &g, Some(&m), true, 0.1, 0.9, 0.0, false, 0.0).unwrap();
-        assert!(!unscale_(&g, 0.5).unwrap());
+        assert!(!unscale_(&[&g], 0.5).unwrap());
         assert_eq!(d.stats(), before, "no allocation");
         let wrong = Tensor::zeros(&d, &[5], crate::DType::F32, Category::Gradient).unwrap();
         assert!(adam_update(&p, &wrong, &m, &v, 1, 1e-3, (0.9, 0.999), 1e-8, 0.0, false).is_err());
@@ -337,6 +344,6 @@ mod tests {
         let wide = Tensor::from_slice(&d, &[0.0f64; 4], &[2, 2], Category::Gradient).unwrap();
         let view = wide.transpose(0, 1).unwrap();
         assert!(!view.is_contiguous());
-        assert!(unscale_(&view, 0.5).is_err(), "non-contiguous gradient");
+        assert!(unscale_(&[&view], 0.5).is_err(), "non-contiguous gradient");
     }
 }

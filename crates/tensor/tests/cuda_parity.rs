@@ -1,0 +1,124 @@
+//! The cuda backend's tiled and blocked kernels against the cpu's, in f32, on shapes that cross
+//! their tile edges: attention forward and backward (the tiled kernels for heads up to 64 and up to
+//! 128, causal, masked, cross-attention, more rows than a tile and a partial last tile), the column
+//! sums of a bias gradient and of `sum_dim`, and layer norm's weight and bias gradients over many
+//! rows. The golden suite's cases are small (one tile); these are not.
+//!
+//! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
+//! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
+//! nothing, visibly.
+
+use memfit_tensor::autograd::backward_with;
+use memfit_tensor::ops;
+use memfit_tensor::{Category, Device, DeviceConfig, DeviceKind, Result, Tensor};
+
+/// No test harness (it would hide the `skipped` line): each check panics on a mismatch.
+fn main() {
+    let cuda = match Device::new(DeviceConfig::new(DeviceKind::Cuda(0))) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("cuda_parity: skipped: no CUDA device ({e}); run with a GPU or MEMFIT_CUDA_EMULATOR=1");
+            return;
+        }
+    };
+    let attention = attention_matches_the_cpu_across_tiles(&cuda);
+    let sums = column_sums_and_layer_norm_gradients_match_the_cpu(&cuda);
+    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums);
+}
+
+/// Seeded values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Inputs on `device` that require gradients, from the same values on every device.
+fn inputs(device: &Device, shapes: &[&[usize]], seed: u64) -> Result<Vec<Tensor>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let v = values(shape.iter().product(), seed + i as u64);
+            Ok(Tensor::from_slice(device, &v, shape, Category::Input)?.set_requires_grad(true))
+        })
+        .collect()
+}
+
+/// `f`'s output and its inputs' gradients (upstream gradient seeded), as host vectors.
+fn run(device: &Device, shapes: &[&[usize]], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Result<Vec<Vec<f32>>> {
+    let x = inputs(device, shapes, 7)?;
+    let out = f(&x)?;
+    let upstream = Tensor::from_slice(device, &values(out.numel(), 99), out.shape(), Category::Input)?;
+    backward_with(&out, upstream)?;
+    let mut all = vec![out.to_vec::<f32>()?];
+    for t in &x {
+        all.push(t.grad().map(|g| g.to_vec::<f32>()).transpose()?.unwrap_or_default());
+    }
+    Ok(all)
+}
+
+/// Each of `f`'s results on cuda within `rtol` of the largest cpu value of that result.
+fn agree(cuda: &Device, what: &str, shapes: &[&[usize]], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) {
+    let want = run(&Device::cpu(), shapes, f).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+    let got = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what} on cuda: {e}"));
+    let names = ["output", "grad 0", "grad 1", "grad 2", "grad 3"];
+    for (k, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w.len(), g.len(), "{what}: {} sizes", names[k]);
+        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+        for (i, (a, b)) in w.iter().zip(g).enumerate() {
+            assert!(
+                (a - b).abs() <= 2e-5 * scale + 1e-5 * a.abs(),
+                "{what}: {} element {i}: cuda {b} vs cpu {a} (largest |value| {scale})",
+                names[k]
+            );
+        }
+    }
+}
+
+/// The cases checked.
+fn attention_matches_the_cpu_across_tiles(cuda: &Device) -> usize {
+    let mut cases = 0;
+    // [batch, heads, rows, head size]: 70 rows are two full tiles of 32 and a partial one; 5 rows
+    // fewer than a tile; heads 64 (the d64 kernels, at their edge), 100 and dv 72 (the d128 ones).
+    for (tq, tk, d, dv) in [(70, 70, 64, 64), (5, 5, 16, 16), (37, 70, 100, 72), (33, 17, 8, 40)] {
+        for causal in [false, true] {
+            let what = format!("attention tq {tq} tk {tk} d {d} dv {dv} causal {causal}");
+            agree(cuda, &what, &[&[2, 3, tq, d], &[2, 3, tk, d], &[2, 3, tk, dv]], &|x| {
+                ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], causal, None)
+            });
+            cases += 1;
+        }
+    }
+    // A mask broadcast over the batch and heads (True: hidden); query 3 sees no key at all.
+    let (tq, tk) = (40, 50);
+    let mask: Vec<bool> = (0..tq * tk).map(|i| i / tk == 3 || (i % tk != 0 && i % 7 == 0)).collect();
+    agree(cuda, "attention with a mask", &[&[2, 2, tq, 64], &[2, 2, tk, 64], &[2, 2, tk, 64]], &|x| {
+        let m = Tensor::from_slice(x[0].device(), &mask, &[tq, tk], Category::Input)?;
+        ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, Some(&m))
+    });
+    cases + 1
+}
+
+/// The cases checked.
+fn column_sums_and_layer_norm_gradients_match_the_cpu(cuda: &Device) -> usize {
+    // A bias gradient over 1000 rows of 70 columns (a partial tile of 32 columns).
+    agree(cuda, "linear", &[&[1000, 48], &[70, 48], &[70]], &|x| ops::linear(&x[0], &x[1], Some(&x[2])));
+    // Sums over a middle dim with inner > 1 (column tiles) and inner == 1 (rows).
+    agree(cuda, "sum over dim 1", &[&[3, 300, 45]], &|x| x[0].sum_dim(1, false));
+    agree(cuda, "sum over the last dim", &[&[7, 500]], &|x| x[0].sum_dim(-1, false));
+    // Layer norm's weight and bias gradients over 900 rows of 100 features.
+    agree(cuda, "layer norm", &[&[900, 100], &[100], &[100]], &|x| {
+        ops::layer_norm(&x[0], &[100], Some(&x[1]), Some(&x[2]), 1e-5)
+    });
+    agree(cuda, "layer norm + linear", &[&[600, 96], &[96], &[96], &[40, 96]], &|x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], None)
+    });
+    5
+}
