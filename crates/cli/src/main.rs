@@ -1044,7 +1044,12 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         println!();
     }
     if compare {
-        println!("ratio = memfit / PyTorch (below 1: memfit is faster or smaller); PyTorch's peak is its MemTracker estimate");
+        let peak = if report.device.starts_with("cuda") {
+            "its caching allocator's measured peak allocated"
+        } else {
+            "its MemTracker estimate"
+        };
+        println!("ratio = memfit / PyTorch (below 1: memfit is faster or smaller); PyTorch's peak is {peak}");
         if spread {
             println!("round ratios = the lowest and highest of the rounds' own step-time ratios (each round's pair ran back to back)");
         }

@@ -157,3 +157,20 @@ fn one_name_per_concept_with_the_old_ones_kept() {
         assert_eq!(names, ["mlp-b256"], "{args:?}");
     }
 }
+
+/// `generate` and `bench` compute, so meta is refused with what to use; without a GPU, cuda is one
+/// error naming the missing driver before any work (the tests' machines have none; with a GPU the
+/// commands run, checked by tools/gpu-check).
+#[test]
+fn generate_and_bench_take_a_computing_device() {
+    for cmd in [&["bench", "--model", "mlp"][..], &["generate", "--load", "x.safetensors", "--prompt", "a"][..]] {
+        let mut args = cmd.to_vec();
+        args.extend(["--device", "meta"]);
+        refused(&args, &["meta computes nothing", "use cpu or cuda"]);
+    }
+    if memfit_tensor::Device::probe(memfit_tensor::DeviceKind::Cuda(0)).is_err() {
+        refused(&["bench", "--model", "mlp", "--device", "cuda"], &["--device cuda"]);
+    } else {
+        println!("skipped: a GPU is present, so `bench --device cuda` runs instead of being refused");
+    }
+}
