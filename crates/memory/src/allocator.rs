@@ -14,6 +14,14 @@
 //!   (apart from the released cache). When nothing was cached there is nothing to retry with: the
 //!   request fails at once and `num_alloc_retries` does not change;
 //! - fault injection fails chosen requests before anything else happens (no retry, no release);
+//! - with expandable segments (`AllocatorConfig::expandable`, PyTorch's `expandable_segments:True`)
+//!   each pool is one segment in a reservation of address space that grows at its end: a request no
+//!   free block holds maps just the pages it lacks past the segment's free tail ([`PAGE_BYTES`] at a
+//!   time; a request of any size, 10 MiB and more too, joins the large pool's segment), and a release
+//!   unmaps the whole free pages at the end (a segment left empty is removed). Reserved bytes then
+//!   follow allocated bytes within a page per pool, where fixed segments keep each 20 MiB segment
+//!   whole while any block in it lives. Rounding, pools and best fit are the same; any remainder of
+//!   512 B or more is split off (a large block's remainder too: its pages were mapped for it);
 //! - a request whose rounded size or segment does not fit in `isize::MAX` (the most any allocation can
 //!   be) is an `OutOfMemory` without touching the cache; total reserved bytes are likewise kept at or
 //!   below `isize::MAX` even when the capacity is unlimited, so no statistic can overflow.
@@ -30,7 +38,7 @@
 //! increase monotonically and are never reused, which keeps every choice deterministic: the same
 //! sequence of calls gives the same events and statistics on every backend.
 
-use crate::backend::SegmentBackend;
+use crate::backend::{SegmentBackend, PAGE_BYTES};
 use crate::category::{Category, Phase};
 use crate::oom::OutOfMemory;
 use crate::stats::{MemoryStats, Stat};
@@ -54,6 +62,8 @@ const ROUND_LARGE: u64 = 2 << 20;
 const MAX_BYTES: u64 = isize::MAX as u64;
 /// Virtual address of the first segment; later segments follow at 2 MiB-aligned addresses.
 const FIRST_ADDRESS: u64 = 1 << 32;
+/// Address space an expandable segment reserves when the capacity is unlimited (and at most).
+const EXPANDABLE_SPAN: u64 = 1 << 40;
 
 /// Opaque handle to a live block, valid until passed to `free`. It names its allocator and carries the
 /// serial number of the allocation it was handed out for, so a stale handle (its block freed, the
@@ -99,11 +109,13 @@ pub struct AllocatorConfig {
     /// Events kept in the timeline (default 65,536).
     pub timeline_events: usize,
     pub fault: Option<FaultInjection>,
+    /// One growing segment per pool instead of fixed segments (see the module docs).
+    pub expandable: bool,
 }
 
 impl Default for AllocatorConfig {
     fn default() -> Self {
-        AllocatorConfig { capacity: None, timeline_events: 1 << 16, fault: None }
+        AllocatorConfig { capacity: None, timeline_events: 1 << 16, fault: None, expandable: false }
     }
 }
 
@@ -148,6 +160,8 @@ pub struct SegmentSnapshot {
     pub total_size: u64,
     /// `small` (2 MiB segments) or `large`.
     pub pool: &'static str,
+    /// One growing segment of its pool (`AllocatorConfig::expandable`); `total_size` is what is mapped.
+    pub expandable: bool,
     /// The blocks tiling the segment, by address.
     pub blocks: Vec<BlockSnapshot>,
 }
@@ -240,6 +254,8 @@ struct Segment {
     free_bytes: u64,
     /// The block at offset 0 (never merged away: merges keep the left block).
     first_block: u32,
+    /// An expandable segment's reserved address space (its `size` is what is mapped); 0 for a fixed one.
+    span: u64,
 }
 
 impl Segment {
@@ -274,8 +290,11 @@ pub(crate) fn segment_size_for(bytes: u64) -> Option<u64> {
 }
 
 /// Whether a free block with `remaining` bytes past the request is split (else handed out whole).
-fn should_split(pool: Pool, remaining: u64) -> bool {
+/// An expandable segment splits off any remainder: its pages were mapped for this request, and a
+/// remainder handed out with it would be memory nobody asked for.
+fn should_split(pool: Pool, expandable: bool, remaining: u64) -> bool {
     match pool {
+        _ if expandable => remaining >= MIN_BLOCK_SIZE,
         Pool::Small => remaining >= MIN_BLOCK_SIZE,
         Pool::Large => remaining > SMALL_SIZE,
     }
@@ -331,10 +350,17 @@ impl Allocator {
         };
         let index = match self.best_fit(pool, rounded) {
             Some(index) => index,
-            None => match self.new_segment(pool, segment_size, request) {
-                Ok(index) => index,
-                Err(()) => return Err(self.out_of_memory(rounded, request, false)),
-            },
+            None => {
+                let made = if self.config.expandable {
+                    self.grow(pool, rounded, request)
+                } else {
+                    self.new_segment(pool, segment_size, request)
+                };
+                match made {
+                    Ok(index) => index,
+                    Err(()) => return Err(self.out_of_memory(rounded, request, false)),
+                }
+            }
         };
         Ok(self.hand_out(index, rounded, bytes, request))
     }
@@ -511,7 +537,13 @@ impl Allocator {
                     Pool::Small => "small",
                     Pool::Large => "large",
                 };
-                SegmentSnapshot { address: segment.address, total_size: segment.size, pool, blocks }
+                SegmentSnapshot {
+                    address: segment.address,
+                    total_size: segment.size,
+                    pool,
+                    expandable: segment.span > 0,
+                    blocks,
+                }
             })
             .collect()
     }
@@ -701,7 +733,7 @@ impl Allocator {
         // Segments never overlap in the address space: the next one starts past this one, 2 MiB
         // aligned (sizes are bounded by isize::MAX, so this cannot overflow a u64 for 2^31 segments).
         self.next_address = address.saturating_add(size.next_multiple_of(SMALL_BUFFER));
-        self.segments.insert(id, Segment { base, address, size, pool, free_bytes: size, first_block: index });
+        self.segments.insert(id, Segment { base, address, size, pool, free_bytes: size, first_block: index, span: 0 });
         self.free_set(pool).insert((size, id, 0, index));
         self.stats.reserved_bytes.increase(size);
         self.stats.segment.increase(1);
@@ -723,8 +755,10 @@ impl Allocator {
     /// Returns every segment that is entirely one free block to the backend, in segment id order,
     /// recording a SegmentFree event attributed to the given owner. Returns how many were released.
     fn release_free_segments(&mut self, owner: Request) -> usize {
+        let expandable: Vec<u64> = self.segments.iter().filter(|(_, s)| s.span > 0).map(|(&id, _)| id).collect();
+        let shrunk = expandable.into_iter().filter(|&id| self.shrink(id, owner)).count();
         let releasable: Vec<u64> =
-            self.segments.iter().filter(|(_, s)| s.free_bytes == s.size).map(|(&id, _)| id).collect();
+            self.segments.iter().filter(|(_, s)| s.span == 0 && s.free_bytes == s.size).map(|(&id, _)| id).collect();
         for &id in &releasable {
             let segment = self.segments.remove(&id).expect("listed segment exists");
             let block = self.remove_free(segment.pool, segment.first_block);
@@ -734,7 +768,164 @@ impl Allocator {
             self.stats.segment.decrease(1);
             self.record(EventKind::SegmentFree, segment.size, segment.address, owner);
         }
-        releasable.len()
+        releasable.len() + shrunk
+    }
+
+    /// The last block of segment `id`.
+    fn last_block(&self, id: u64) -> u32 {
+        let mut index = self.segments[&id].first_block;
+        while let Some(next) = self.block(index).next {
+            index = next;
+        }
+        index
+    }
+
+    /// Maps the pages `pool`'s expandable segment lacks for a free block of `size` bytes at its end
+    /// (creating the segment on the first call), then returns the best fit, which that block now
+    /// holds. When the capacity or the backend refuses, releases the free pages at the ends of the
+    /// segments and, if that gave any back, tries once more.
+    fn grow(&mut self, pool: Pool, size: u64, request: Request) -> Result<u32, ()> {
+        let mut grown = self.try_grow(pool, size, request);
+        if grown.is_err() && self.release_free_segments(request) > 0 {
+            self.stats.num_alloc_retries += 1;
+            grown = self.try_grow(pool, size, request);
+        }
+        grown?;
+        Ok(self.best_fit(pool, size).expect("the grown segment ends in a free block that holds the request"))
+    }
+
+    fn try_grow(&mut self, pool: Pool, size: u64, request: Request) -> Result<(), ()> {
+        let existing = self.segments.iter().find(|(_, s)| s.pool == pool && s.span > 0).map(|(&id, _)| id);
+        let tail = existing.map(|id| self.last_block(id));
+        let tail_free = tail.map_or(0, |t| if self.block(t).allocated { 0 } else { self.block(t).size });
+        let pages = size.saturating_sub(tail_free).checked_next_multiple_of(PAGE_BYTES).ok_or(())?;
+        let limit = self.config.capacity.map_or(MAX_BYTES, |capacity| capacity.min(MAX_BYTES));
+        if self.stats.reserved_bytes.current.checked_add(pages).is_none_or(|total| total > limit) {
+            return Err(());
+        }
+        let Some(id) = existing else {
+            return self.create_expandable(pool, pages, request);
+        };
+        let segment = &self.segments[&id];
+        let (old_size, base, address, inactive_before) =
+            (segment.size, segment.base, segment.address, segment.inactive_split());
+        if old_size + pages > segment.span {
+            return Err(());
+        }
+        self.backend.map(base, usize::try_from(old_size).map_err(|_| ())?, usize::try_from(pages).map_err(|_| ())?)?;
+        let tail = tail.expect("an existing segment has blocks");
+        if self.block(tail).allocated {
+            let index = self.insert_block(Block {
+                segment: id,
+                offset: old_size,
+                size: pages,
+                allocated: false,
+                prev: Some(tail),
+                next: None,
+                owner: request,
+                requested: 0,
+                serial: 0,
+            });
+            self.block_mut(tail).next = Some(index);
+            self.free_set(pool).insert((pages, id, old_size, index));
+        } else {
+            let block = self.block(tail).clone();
+            self.free_set(pool).remove(&(block.size, id, block.offset, tail));
+            self.block_mut(tail).size += pages;
+            self.free_set(pool).insert((block.size + pages, id, block.offset, tail));
+        }
+        let segment = self.segments.get_mut(&id).expect("segment exists");
+        segment.size += pages;
+        segment.free_bytes += pages;
+        let inactive_after = segment.inactive_split();
+        self.adjust_inactive_split(inactive_before, inactive_after);
+        self.stats.reserved_bytes.increase(pages);
+        self.record(EventKind::SegmentMap, pages, address + old_size, request);
+        Ok(())
+    }
+
+    /// `pool`'s expandable segment, reserved and with its first `pages` mapped: one free block.
+    fn create_expandable(&mut self, pool: Pool, pages: u64, request: Request) -> Result<(), ()> {
+        let span =
+            self.config.capacity.map_or(EXPANDABLE_SPAN, |c| c.min(EXPANDABLE_SPAN)).next_multiple_of(PAGE_BYTES);
+        if pages > span {
+            return Err(());
+        }
+        let span_bytes = usize::try_from(span).map_err(|_| ())?;
+        let base = self.backend.reserve(span_bytes)?;
+        if self.backend.map(base, 0, usize::try_from(pages).map_err(|_| ())?).is_err() {
+            self.backend.release(base, span_bytes);
+            return Err(());
+        }
+        let id = self.next_segment_id;
+        self.next_segment_id += 1;
+        let index = self.insert_block(Block {
+            segment: id,
+            offset: 0,
+            size: pages,
+            allocated: false,
+            prev: None,
+            next: None,
+            owner: request,
+            requested: 0,
+            serial: 0,
+        });
+        let address = self.next_address;
+        self.next_address = address.saturating_add(span);
+        self.segments
+            .insert(id, Segment { base, address, size: pages, pool, free_bytes: pages, first_block: index, span });
+        self.free_set(pool).insert((pages, id, 0, index));
+        self.stats.reserved_bytes.increase(pages);
+        self.stats.segment.increase(1);
+        self.record(EventKind::SegmentMap, pages, address, request);
+        Ok(())
+    }
+
+    /// Unmaps the whole free pages at the end of expandable segment `id` (removing the segment when
+    /// nothing is left mapped); true when any page went back.
+    fn shrink(&mut self, id: u64, owner: Request) -> bool {
+        let tail = self.last_block(id);
+        let block = self.block(tail).clone();
+        if block.allocated {
+            return false;
+        }
+        let keep = block.offset.next_multiple_of(PAGE_BYTES) - block.offset;
+        if keep >= block.size {
+            return false;
+        }
+        let segment = &self.segments[&id];
+        let (pool, base, address, size, span, inactive_before) =
+            (segment.pool, segment.base, segment.address, segment.size, segment.span, segment.inactive_split());
+        let cut_from = block.offset + keep;
+        let cut = size - cut_from;
+        self.backend.unmap(base, cut_from as usize, cut as usize);
+        self.free_set(pool).remove(&(block.size, id, block.offset, tail));
+        if keep == 0 {
+            self.release_slot(tail);
+            match block.prev {
+                Some(prev) => self.block_mut(prev).next = None,
+                None => {
+                    // The segment held only this block: nothing is mapped any more.
+                    self.segments.remove(&id);
+                    self.backend.release(base, span as usize);
+                    self.stats.reserved_bytes.decrease(cut);
+                    self.stats.segment.decrease(1);
+                    self.record(EventKind::SegmentUnmap, cut, address + cut_from, owner);
+                    return true;
+                }
+            }
+        } else {
+            self.block_mut(tail).size = keep;
+            self.free_set(pool).insert((keep, id, block.offset, tail));
+        }
+        let segment = self.segments.get_mut(&id).expect("segment exists");
+        segment.size -= cut;
+        segment.free_bytes -= cut;
+        let inactive_after = segment.inactive_split();
+        self.adjust_inactive_split(inactive_before, inactive_after);
+        self.stats.reserved_bytes.decrease(cut);
+        self.record(EventKind::SegmentUnmap, cut, address + cut_from, owner);
+        true
     }
 
     /// Allocates `size` bytes from the free block `index` (splitting it when the policy says so)
@@ -743,11 +934,11 @@ impl Allocator {
         let block = self.block(index).clone();
         let segment = &self.segments[&block.segment];
         let (pool, base, inactive_before) = (segment.pool, segment.base, segment.inactive_split());
-        let address = segment.address + block.offset;
+        let (address, expandable) = (segment.address + block.offset, segment.span > 0);
         self.free_set(pool).remove(&(block.size, block.segment, block.offset, index));
 
         let remaining = block.size - size;
-        let size = if should_split(pool, remaining) {
+        let size = if should_split(pool, expandable, remaining) {
             let rest = self.insert_block(Block {
                 offset: block.offset + size,
                 size: remaining,
@@ -856,7 +1047,12 @@ impl Drop for Allocator {
     /// Returns every segment to the backend, live blocks included: their owner is gone.
     fn drop(&mut self) {
         for (_, segment) in std::mem::take(&mut self.segments) {
-            self.backend.free_segment(segment.base, segment.size as usize);
+            if segment.span > 0 {
+                self.backend.unmap(segment.base, 0, segment.size as usize);
+                self.backend.release(segment.base, segment.span as usize);
+            } else {
+                self.backend.free_segment(segment.base, segment.size as usize);
+            }
         }
     }
 }
@@ -885,6 +1081,80 @@ mod tests {
 
     fn meta(capacity: Option<u64>) -> Allocator {
         Allocator::new(Box::new(MetaBackend), AllocatorConfig { capacity, ..Default::default() })
+    }
+
+    fn expandable(capacity: Option<u64>, backend: Box<dyn SegmentBackend>) -> Allocator {
+        Allocator::new(backend, AllocatorConfig { capacity, expandable: true, ..Default::default() })
+    }
+
+    #[test]
+    fn an_expandable_segment_grows_by_the_pages_it_lacks_and_gives_back_its_free_tail() {
+        let mut a = expandable(None, Box::new(MetaBackend));
+        // 3 MiB: the large pool's segment is made with 4 MiB mapped; the 1 MiB rest is split off.
+        let x = a.allocate(3 * MIB, act()).unwrap();
+        assert_eq!((x.size, segment_sizes(&a)), (3 * MIB, vec![4 * MIB]));
+        // 12 MiB (own segment under the fixed policy) joins it: 1 MiB free tail + 12 MiB more mapped.
+        let y = a.allocate(12 * MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), vec![16 * MIB]);
+        assert_eq!(place(&a, &y), (place(&a, &x).0, 3 * MIB));
+        // A small request gets the small pool's own segment, a page.
+        let z = a.allocate(100 * KIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), vec![16 * MIB, 2 * MIB]);
+        ok(&a);
+        a.free(y.id).unwrap();
+        a.empty_cache();
+        // The free tail from 3 MiB: the page from 2 to 4 MiB keeps its free part, the rest is unmapped.
+        assert_eq!(segment_sizes(&a), vec![4 * MIB, 2 * MIB]);
+        ok(&a);
+        a.free(x.id).unwrap();
+        a.free(z.id).unwrap();
+        a.empty_cache();
+        assert!(segment_sizes(&a).is_empty());
+        assert_eq!((a.stats().reserved_bytes.current, a.stats().segment.current), (0, 0));
+        let kinds: Vec<EventKind> =
+            events(&a).iter().map(|e| e.0).filter(|k| *k != EventKind::Alloc && *k != EventKind::Free).collect();
+        use EventKind::{SegmentMap as M, SegmentUnmap as U};
+        assert_eq!(kinds, vec![M, M, M, U, U, U]);
+        ok(&a);
+    }
+
+    #[test]
+    fn an_expandable_growth_past_the_capacity_first_releases_the_other_pools_tail() {
+        let mut a = expandable(Some(8 * MIB), Box::new(MetaBackend));
+        let small = a.allocate(100 * KIB, act()).unwrap();
+        a.free(small.id).unwrap();
+        let big = a.allocate(5 * MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), vec![2 * MIB, 6 * MIB]);
+        // 7 MiB needs 6 MiB of pages past the 1 MiB free tail: 14 MiB in all, over 8 even after the
+        // small pool's free page went back (the one retry): refused.
+        assert!(a.allocate(7 * MIB, act()).is_err());
+        assert_eq!(segment_sizes(&a), vec![6 * MIB]);
+        assert_eq!(a.stats().num_alloc_retries, 1);
+        // 2 MiB fits now: the 1 MiB tail and one more page.
+        let more = a.allocate(2 * MIB, act()).unwrap();
+        assert_eq!(segment_sizes(&a), vec![8 * MIB]);
+        for x in [big, more] {
+            a.free(x.id).unwrap();
+        }
+        ok(&a);
+    }
+
+    #[test]
+    fn expandable_host_memory_is_usable_and_reads_zero_after_it_was_given_back() {
+        let mut a = expandable(None, Box::new(HostBackend::default()));
+        let x = a.allocate(3 * MIB, act()).unwrap();
+        let p = x.ptr.unwrap();
+        // SAFETY: the block is 3 MiB of mapped memory owned by this test.
+        unsafe { p.as_ptr().write_bytes(0xCD, (3 * MIB) as usize) };
+        a.free(x.id).unwrap();
+        a.empty_cache();
+        let y = a.allocate(3 * MIB, act()).unwrap();
+        assert_eq!(y.ptr, Some(p), "the same address, mapped again");
+        // SAFETY: as above; freshly mapped pages.
+        let bytes = unsafe { std::slice::from_raw_parts(y.ptr.unwrap().as_ptr(), (3 * MIB) as usize) };
+        assert!(bytes.iter().all(|&b| b == 0), "pages given back come back zero-filled");
+        a.free(y.id).unwrap();
+        ok(&a);
     }
 
     fn segment_sizes(a: &Allocator) -> Vec<u64> {

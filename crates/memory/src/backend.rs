@@ -11,6 +11,12 @@
 //!   could not provide the memory; the allocator treats it like a capacity failure (release cache, retry,
 //!   then OutOfMemory).
 //! - `free_segment(ptr, bytes)` returns a segment obtained from `alloc_segment` with the same size.
+//! - Expandable segments (`AllocatorConfig::expandable`): `reserve(bytes)` takes address space that
+//!   holds nothing yet (HostBackend: a map without access, which costs no memory), `map(base, offset,
+//!   bytes)` commits zero-filled pages inside it, `unmap` gives them back to the system, and
+//!   `release` returns the reservation. Offsets and sizes are multiples of [`PAGE_BYTES`]. A backend
+//!   without them (the default methods) refuses `reserve`, and the allocator then fails the request as
+//!   it fails a refused segment.
 
 use memmap2::MmapMut;
 use std::collections::BTreeMap;
@@ -30,13 +36,29 @@ pub const SEGMENT_ALIGN: usize = 512;
 /// when touched. Where huge pages are disabled (`never`) or unsupported, the advice does nothing.
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 
+/// The unit an expandable segment grows and shrinks by (a huge page; a GPU's mapping granularity).
+pub const PAGE_BYTES: u64 = 2 << 20;
+
+// `Err(())` carries no detail on purpose: every backend failure is handled the same way.
+#[allow(clippy::result_unit_err)]
 pub trait SegmentBackend: Send {
     /// True when memory is real (data can be read and written).
     fn holds_data(&self) -> bool;
-    // `Err(())` carries no detail on purpose: every backend failure is handled the same way.
-    #[allow(clippy::result_unit_err)]
     fn alloc_segment(&mut self, bytes: usize) -> Result<Option<NonNull<u8>>, ()>;
     fn free_segment(&mut self, ptr: Option<NonNull<u8>>, bytes: usize);
+
+    /// Reserves `bytes` of address space for an expandable segment, nothing mapped in it.
+    fn reserve(&mut self, _bytes: usize) -> Result<Option<NonNull<u8>>, ()> {
+        Err(())
+    }
+    /// Maps `bytes` of zero-filled memory at `offset` of a reservation.
+    fn map(&mut self, _base: Option<NonNull<u8>>, _offset: usize, _bytes: usize) -> Result<(), ()> {
+        Err(())
+    }
+    /// Gives back the pages at `offset` of a reservation (mapped by `map`).
+    fn unmap(&mut self, _base: Option<NonNull<u8>>, _offset: usize, _bytes: usize) {}
+    /// Returns a reservation of `bytes` (nothing mapped in it any more).
+    fn release(&mut self, _base: Option<NonNull<u8>>, _bytes: usize) {}
 }
 
 /// Real host memory: the `cpu` device. Each segment is an anonymous memory map, zero-filled by the
@@ -49,6 +71,29 @@ pub struct HostBackend {
     /// method, so it must not trust its arguments: it unmaps only a map it made, of the size given.
     /// Segments are few and large, so the lookup costs nothing that matters.
     segments: BTreeMap<usize, MmapMut>,
+    /// Reservations of expandable segments (base address -> bytes), checked likewise.
+    reservations: BTreeMap<usize, usize>,
+}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        for (&base, &bytes) in &self.reservations {
+            // SAFETY: our own reservations; the allocator that used them is gone.
+            #[cfg(unix)]
+            unsafe {
+                libc::munmap(base as *mut libc::c_void, bytes);
+            }
+        }
+    }
+}
+
+impl HostBackend {
+    /// The reservation `base` if it holds `offset..offset + bytes`, as its address.
+    fn reserved_range(&self, base: Option<NonNull<u8>>, offset: usize, bytes: usize) -> Option<usize> {
+        let base = base?.as_ptr() as usize;
+        let size = *self.reservations.get(&base)?;
+        (offset.checked_add(bytes)? <= size).then_some(base)
+    }
 }
 
 /// No memory at all: the `meta` device, for planning.
@@ -91,6 +136,79 @@ impl SegmentBackend for HostBackend {
         // Dropping the map unmaps it: the pages go back to the operating system.
         drop(map);
     }
+
+    #[cfg(unix)]
+    fn reserve(&mut self, bytes: usize) -> Result<Option<NonNull<u8>>, ()> {
+        if bytes == 0 || bytes > isize::MAX as usize {
+            return Err(());
+        }
+        // SAFETY: an anonymous private map at an address of the system's choosing, without access:
+        // it touches no existing memory, and nothing reads it until `map` gives pages access.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(())?;
+        self.reservations.insert(ptr.as_ptr() as usize, bytes);
+        Ok(Some(ptr))
+    }
+
+    #[cfg(unix)]
+    fn map(&mut self, base: Option<NonNull<u8>>, offset: usize, bytes: usize) -> Result<(), ()> {
+        let address = self.reserved_range(base, offset, bytes).ok_or(())? + offset;
+        // SAFETY: the range lies inside a reservation of ours (checked above) that holds no live data
+        // (the allocator maps a range only past the segment's end); its pages were never touched or
+        // were discarded by `unmap`, so they read as zeros.
+        let ok =
+            unsafe { libc::mprotect(address as *mut libc::c_void, bytes, libc::PROT_READ | libc::PROT_WRITE) } == 0;
+        #[cfg(target_os = "linux")]
+        if ok && bytes >= HUGE_PAGE_BYTES {
+            // SAFETY: advice on pages of our own reservation; refusal is harmless (see HUGE_PAGE_BYTES).
+            let _ = unsafe { libc::madvise(address as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+        }
+        if ok {
+            Ok(())
+        } else {
+            Err(())
+        }
+    }
+
+    #[cfg(unix)]
+    fn unmap(&mut self, base: Option<NonNull<u8>>, offset: usize, bytes: usize) {
+        let Some(base) = self.reserved_range(base, offset, bytes) else {
+            panic!("memfit-memory: HostBackend asked to unmap pages outside its reservations");
+        };
+        let address = (base + offset) as *mut libc::c_void;
+        // SAFETY: pages of our own reservation that hold no live block (the allocator unmaps only
+        // free pages at a segment's end). MADV_DONTNEED drops them (the next touch reads zeros) and
+        // PROT_NONE makes any stray access fault instead of reading stale memory.
+        unsafe {
+            libc::madvise(address, bytes, libc::MADV_DONTNEED);
+            libc::mprotect(address, bytes, libc::PROT_NONE);
+        }
+    }
+
+    #[cfg(unix)]
+    fn release(&mut self, base: Option<NonNull<u8>>, bytes: usize) {
+        let Some(base) = base.map(|b| b.as_ptr() as usize) else { return };
+        if self.reservations.get(&base) != Some(&bytes) {
+            panic!("memfit-memory: HostBackend asked to release a reservation it did not make");
+        }
+        self.reservations.remove(&base);
+        // SAFETY: a reservation of ours, of this size, with no live block left in it.
+        unsafe {
+            libc::munmap(base as *mut libc::c_void, bytes);
+        }
+    }
 }
 
 impl SegmentBackend for MetaBackend {
@@ -103,6 +221,14 @@ impl SegmentBackend for MetaBackend {
     }
 
     fn free_segment(&mut self, _ptr: Option<NonNull<u8>>, _bytes: usize) {}
+
+    fn reserve(&mut self, _bytes: usize) -> Result<Option<NonNull<u8>>, ()> {
+        Ok(None)
+    }
+
+    fn map(&mut self, _base: Option<NonNull<u8>>, _offset: usize, _bytes: usize) -> Result<(), ()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ pub use allocator::{
     Allocation, Allocator, AllocatorConfig, BlockId, BlockSnapshot, FaultInjection, InvalidBlock, LiveAllocation,
     MemoryState, Request, SegmentSnapshot,
 };
-pub use backend::{HostBackend, MetaBackend, SegmentBackend};
+pub use backend::{HostBackend, MetaBackend, SegmentBackend, PAGE_BYTES};
 pub use bytes::{format_bytes, parse_bytes};
 pub use category::{Category, Phase};
 pub use oom::OutOfMemory;

@@ -7,7 +7,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 /// What happened. Replaying Alloc, Free and Retag in order gives every live block and its category at
-/// each moment; SegmentAlloc and SegmentFree give the segments.
+/// each moment; SegmentAlloc and SegmentFree give the segments, SegmentMap and SegmentUnmap the
+/// growth of expandable ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
     /// A block was handed out (with its owner's category, op, phase and module).
@@ -19,6 +20,12 @@ pub enum EventKind {
     /// A fully free segment went back to the backend (attributed to the request that released the
     /// cache, or to `empty_cache`).
     SegmentFree,
+    /// Pages were mapped at the end of an expandable segment (`bytes` of them at `address`; the first
+    /// map of a pool also creates its segment), attributed to the request that needed them.
+    SegmentMap,
+    /// Free pages at the end of an expandable segment were given back (`bytes` at `address`; the last
+    /// ones also remove the segment), attributed as SegmentFree.
+    SegmentUnmap,
     /// A request failed (injected faults included); nothing was handed out.
     Oom,
     /// `Allocator::set_category` moved a live block to another category (only when it changed): autograd

@@ -4,7 +4,7 @@
 
 use memfit_memory::{
     Allocation, Allocator, AllocatorConfig, Category, Event, FaultInjection, HostBackend, MemoryStats, MetaBackend,
-    Phase, Request, SegmentBackend, Stat,
+    Phase, Request, SegmentBackend, Stat, PAGE_BYTES,
 };
 use proptest::prelude::*;
 
@@ -161,6 +161,23 @@ fn check_snapshot(allocator: &Allocator, live: &[Live]) -> Result<(), TestCaseEr
                 }
                 EventKind::SegmentAlloc => prop_assert!(segs.insert(e.address, e.bytes).is_none()),
                 EventKind::SegmentFree => prop_assert_eq!(segs.remove(&e.address), Some(e.bytes)),
+                // An expandable segment grows and shrinks at its end; its first map creates it.
+                EventKind::SegmentMap => match segs.iter_mut().find(|(&start, size)| start + **size == e.address) {
+                    Some((_, size)) => *size += e.bytes,
+                    None => prop_assert!(segs.insert(e.address, e.bytes).is_none()),
+                },
+                EventKind::SegmentUnmap => {
+                    let end = e.address + e.bytes;
+                    let start = segs.iter().find(|(&start, size)| start + **size == end).map(|(&start, _)| start);
+                    prop_assert!(start.is_some(), "an unmap ends a segment");
+                    let start = start.unwrap();
+                    let size = segs[&start] - e.bytes;
+                    if size == 0 {
+                        segs.remove(&start);
+                    } else {
+                        segs.insert(start, size);
+                    }
+                }
                 EventKind::Oom => {}
             }
             prop_assert_eq!(by_category.iter().sum::<u64>(), e.allocated);
@@ -239,7 +256,18 @@ fn run(
     fault: Option<FaultInjection>,
     ops: &[Op],
 ) -> Result<Run, TestCaseError> {
-    let mut allocator = Allocator::new(backend, AllocatorConfig { capacity, fault, ..Default::default() });
+    run_with(backend, capacity, fault, false, ops)
+}
+
+/// [`run`] with fixed or expandable segments.
+fn run_with(
+    backend: Box<dyn SegmentBackend>,
+    capacity: Option<u64>,
+    fault: Option<FaultInjection>,
+    expandable: bool,
+    ops: &[Op],
+) -> Result<Run, TestCaseError> {
+    let mut allocator = Allocator::new(backend, AllocatorConfig { capacity, fault, expandable, ..Default::default() });
     let mut live: Vec<Live> = Vec::new();
     let mut outcomes = Vec::new();
     let mut pattern = 0u8;
@@ -277,7 +305,10 @@ fn run(
                             // every fully free segment was released.
                             let reserved = after.reserved_bytes.current;
                             let cap = capacity.expect("host and meta runs only fail on the capacity");
-                            let segment = segment_size(oom.requested);
+                            // Fixed: a whole new segment; expandable: the pages past the free tail
+                            // (less than a page of it is left after the release).
+                            let segment =
+                                if expandable { oom.requested + PAGE_BYTES } else { segment_size(oom.requested) };
                             prop_assert!(reserved + segment > cap, "{} + {} fits {}", reserved, segment, cap);
                             let cached_whole =
                                 reserved - after.allocated_bytes.current - after.inactive_split_bytes.current;
@@ -348,6 +379,36 @@ proptest! {
         prop_assert_eq!(&host.outcomes, &meta.outcomes);
         prop_assert_eq!(&host.events, &meta.events);
         prop_assert_eq!(&host.stats, &meta.stats);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn expandable_host_random_sequences_keep_every_invariant(capacity in capacity(), ops in ops()) {
+        run_with(Box::new(HostBackend::default()), Some(capacity), None, true, &ops)?;
+    }
+
+    #[test]
+    fn expandable_meta_and_host_give_identical_timelines_and_stats(capacity in capacity(), ops in ops()) {
+        let host = run_with(Box::new(HostBackend::default()), Some(capacity), None, true, &ops)?;
+        let meta = run_with(Box::new(MetaBackend), Some(capacity), None, true, &ops)?;
+        prop_assert_eq!(&host.outcomes, &meta.outcomes);
+        prop_assert_eq!(&host.events, &meta.events);
+        prop_assert_eq!(&host.stats, &meta.stats);
+    }
+
+    /// Never more reserved than fixed segments would reserve for the same requests, as long as
+    /// nothing is freed (then neither has holes to reuse).
+    #[test]
+    fn expandable_reserves_at_most_what_fixed_does_while_nothing_is_freed(sizes in prop::collection::vec(size(), 1..40)) {
+        let ops: Vec<Op> = sizes.iter().map(|&bytes| Op::Alloc { bytes, category: 0 }).collect();
+        let fixed = run_with(Box::new(MetaBackend), None, None, false, &ops)?;
+        let grown = run_with(Box::new(MetaBackend), None, None, true, &ops)?;
+        prop_assert!(grown.stats.reserved_bytes.peak <= fixed.stats.reserved_bytes.peak);
+        // Its blocks are never larger: any remainder is split off.
+        prop_assert!(grown.stats.allocated_bytes.peak <= fixed.stats.allocated_bytes.peak);
     }
 }
 

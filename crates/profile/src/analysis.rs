@@ -198,7 +198,11 @@ impl Analysis {
                         step.retagged = Some((id, from, event.category));
                     }
                 }
-                EventKind::SegmentAlloc | EventKind::SegmentFree | EventKind::Oom => {}
+                EventKind::SegmentAlloc
+                | EventKind::SegmentFree
+                | EventKind::SegmentMap
+                | EventKind::SegmentUnmap
+                | EventKind::Oom => {}
             }
         }
 
@@ -336,7 +340,11 @@ fn live_before_window(recording: &Recording) -> Vec<Lifetime> {
                     lifetime.initial_known = false;
                 }
             }
-            EventKind::SegmentAlloc | EventKind::SegmentFree | EventKind::Oom => {}
+            EventKind::SegmentAlloc
+            | EventKind::SegmentFree
+            | EventKind::SegmentMap
+            | EventKind::SegmentUnmap
+            | EventKind::Oom => {}
         }
     }
     live.into_values().collect()

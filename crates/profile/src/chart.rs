@@ -449,6 +449,8 @@ fn event_label(recording: &Recording, event: &memfit_memory::Event) -> String {
         EventKind::Free => format!("free {bytes} from {}{place} ({})", event.op, event.category),
         EventKind::SegmentAlloc => format!("new segment {bytes} for {}{place}", event.op),
         EventKind::SegmentFree => format!("segment {bytes} released ({})", event.op),
+        EventKind::SegmentMap => format!("expandable segment grows by {bytes} for {}{place}", event.op),
+        EventKind::SegmentUnmap => format!("expandable segment gives back {bytes} ({})", event.op),
         EventKind::Oom => format!("OUT OF MEMORY asking {bytes} for {}{place} ({})", event.op, event.category),
         EventKind::Retag => format!("re-tag {bytes} from {}{place} as {}", event.op, event.category),
     }

@@ -136,7 +136,7 @@ impl Snapshot {
                     stream: 0,
                     segment_type: segment.pool,
                     segment_pool_id: (0, 0),
-                    is_expandable: false,
+                    is_expandable: segment.expandable,
                     frames: Vec::new(),
                     blocks: segment
                         .blocks
@@ -176,6 +176,9 @@ impl Snapshot {
                 }
                 EventKind::SegmentAlloc => trace.push(entry("segment_alloc")),
                 EventKind::SegmentFree => trace.push(entry("segment_free")),
+                // PyTorch's actions for expandable segments.
+                EventKind::SegmentMap => trace.push(entry("segment_map")),
+                EventKind::SegmentUnmap => trace.push(entry("segment_unmap")),
                 EventKind::Oom => {
                     // What the device could still give: the capacity not reserved (0 when unlimited:
                     // then the backend itself refused).

@@ -123,11 +123,24 @@ pub struct DeviceConfig {
     pub capacity: Option<u64>,
     pub fault: Option<FaultInjection>,
     pub timeline_events: usize,
+    /// Expandable segments: one growing segment per pool (see `memfit_memory`'s allocator).
+    pub expandable: bool,
 }
 
 impl DeviceConfig {
     pub fn new(kind: DeviceKind) -> Self {
-        DeviceConfig { kind, capacity: None, fault: None, timeline_events: AllocatorConfig::default().timeline_events }
+        DeviceConfig {
+            kind,
+            capacity: None,
+            fault: None,
+            timeline_events: AllocatorConfig::default().timeline_events,
+            expandable: false,
+        }
+    }
+
+    pub fn expandable(mut self, expandable: bool) -> Self {
+        self.expandable = expandable;
+        self
     }
 
     pub fn capacity(mut self, bytes: Option<u64>) -> Self {
@@ -211,11 +224,23 @@ impl Device {
     /// missing; nothing panics). The capacity is the config's, or for a GPU without one its free
     /// memory once the context exists.
     pub fn new(config: DeviceConfig) -> Result<Self> {
+        if config.expandable && config.kind.target() == Target::Cuda {
+            return Err(Error::device(format!(
+                "--device {}: expandable segments are not available on a GPU yet (they need CUDA's virtual memory \
+                 calls): use fixed segments there",
+                config.kind
+            )));
+        }
         let opened = crate::backend::open(config.kind)?;
         let capacity = config.capacity.or(opened.free_bytes);
         let mut allocator = Allocator::new(
             opened.segments,
-            AllocatorConfig { capacity, timeline_events: config.timeline_events, fault: config.fault },
+            AllocatorConfig {
+                capacity,
+                timeline_events: config.timeline_events,
+                fault: config.fault,
+                expandable: config.expandable,
+            },
         );
         let library_workspace = match config.kind.target() {
             Target::Cpu => None,
