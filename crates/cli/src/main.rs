@@ -12,7 +12,9 @@ use memfit_train::config::limits;
 use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
 use memfit_train::parallel::ParallelMode;
-use memfit_train::{CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Precision, Report, StepEvent, TrainConfig};
+use memfit_train::{
+    CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Precision, Report, Segments, StepEvent, TrainConfig,
+};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -153,6 +155,13 @@ struct RunArgs {
     /// --memory: the planner takes bf16 when it gives the fastest plan that fits).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
+    /// The allocator's segments: fixed (PyTorch's caching allocator: 2 MiB and 20 MiB segments, kept
+    /// whole while a block in them lives), expandable (one segment per pool that grows and shrinks a
+    /// 2 MiB page at a time, so reserved follows allocated: PyTorch's expandable_segments; cpu only
+    /// for now), or auto (with --memory: fixed when the plan fits them, else expandable). Neither
+    /// changes a number [default: auto with --memory, else fixed].
+    #[arg(long, value_parser = Segments::parse)]
+    segments: Option<Segments>,
 }
 
 impl RunArgs {
@@ -175,6 +184,7 @@ impl RunArgs {
             safety_margin: self.safety_margin,
             checkpoint: checkpoint_or_default(self.checkpoint, self.memory),
             precision: self.precision,
+            segments: Segments::or_default(self.segments, self.memory),
             ..TrainConfig::default()
         })
     }
@@ -287,6 +297,10 @@ struct PlanArgs {
     /// Storage of saved activations the plan assumes: fp32, bf16, fp16, or auto (bf16 weighed too).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
+    /// The allocator's segments the plan assumes: fixed, expandable (cpu only for now), or auto
+    /// (expandable when fixed ones do not fit) [default: auto with --memory, else fixed].
+    #[arg(long, value_parser = Segments::parse)]
+    segments: Option<Segments>,
     /// Plan for this many ranks (devices) too: which of data parallel, ZeRO-1 and (gpt) a pipeline
     /// fits, each rank's predicted peak and the predicted throughput, beside one device's plan.
     #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_RANKS))]
@@ -783,6 +797,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         precision: a.precision,
         parallel: None,
         target: a.device.target(),
+        segments: Segments::or_default(a.segments, a.memory).on(a.device.target()),
         evaluate: true,
     };
     let single = memfit_train::plan(&request);
@@ -844,6 +859,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             "larger_budget": plan.larger.map(|(m, b)| serde_json::json!({"micro_batch": m, "needs_bytes": b})),
             "checkpointed_segments": plan.checkpoint.segment_names(),
             "precision": plan.precision.name(),
+            "segments": plan.segments.name(),
             "predicted_step_time_ms": plan.predicted_step_ms,
             "candidates": plan.candidates.iter().map(|c| serde_json::json!({
                 "checkpointed_segments": c.checkpointed,

@@ -278,10 +278,22 @@ fn profiling_changes_no_allocation_and_an_oom_run_leaves_its_profile() {
     let _ = std::fs::remove_dir_all(&failed);
     let f = failed.to_str().unwrap();
     let out = memfit(
-        &["train", "--data", "embedded", "--model", "mlp", "--micro-batch", "16", "--memory", "40MiB"]
-            .into_iter()
-            .chain(["--max-steps", "1", "--profile-on-oom", f])
-            .collect::<Vec<_>>(),
+        &[
+            "train",
+            "--data",
+            "embedded",
+            "--model",
+            "mlp",
+            "--micro-batch",
+            "16",
+            "--memory",
+            "40MiB",
+            "--segments",
+            "fixed",
+        ]
+        .into_iter()
+        .chain(["--max-steps", "1", "--profile-on-oom", f])
+        .collect::<Vec<_>>(),
     );
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("memory profile of this run is in"), "{}", text(&out));

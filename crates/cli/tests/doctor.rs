@@ -31,7 +31,8 @@ const SMALL_GPT: [&str; 10] = ["--model", "gpt", "--layers", "2", "--d-model", "
 /// Requests `plan` refuses, each as the user typed it.
 fn refused_plans() -> Vec<Vec<&'static str>> {
     vec![
-        vec!["plan", "--model", "mlp", "--memory", "40MiB"],
+        // Fixed segments pinned: expandable ones (the default under a budget) fit 40MiB.
+        vec!["plan", "--model", "mlp", "--memory", "40MiB", "--segments", "fixed"],
         vec!["plan", "--model", "mlp", "--memory", "30MiB", "--batch-size", "256", "--optimizer", "sgd"],
         [&["plan"][..], &SMALL_GPT[..], &["--batch-size", "8", "--memory", "1MiB"]].concat(),
         // A fixed micro-batch and checkpointing: the doctor offers to let the planner choose.
@@ -111,7 +112,7 @@ fn every_remedy_plan_prints_runs_as_printed_and_fits_at_its_predicted_peak() {
 fn every_remedy_train_prints_runs_and_peaks_where_it_said() {
     let cache = temp("costs-train");
     let gpt = [&["train"][..], &SMALL_GPT[..], &["--batch-size", "8", "--memory", "1MiB"]].concat();
-    let mlp = vec!["train", "--model", "mlp", "--memory", "40MiB", "--data", "embedded"];
+    let mlp = vec!["train", "--model", "mlp", "--memory", "40MiB", "--segments", "fixed", "--data", "embedded"];
     for request in [gpt, mlp] {
         let asked = [&request[..], &["--device", "meta", "--max-steps", "3", "--no-eval"]].concat();
         let out = run(&asked, &cache);
@@ -152,11 +153,16 @@ fn a_budget_alone_plans_and_remedies_add_only_what_they_need() {
     let out = run(&["plan", "--model", "gpt", "--context", "1024", "--batch-size", "1", "--memory", "80MiB"], &cache);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("activation checkpointing: "), "{}", text(&out));
-    // mlp at 40MiB: the budget remedy does not add a micro-batch the user never asked for.
-    let out = run(&["train", "--model", "mlp", "--memory", "40MiB", "--device", "meta"], &cache);
+    // mlp at 40MiB in fixed segments: the budget remedy does not add a micro-batch the user never
+    // asked for.
+    let out = run(&["train", "--model", "mlp", "--memory", "40MiB", "--device", "meta", "--segments", "fixed"], &cache);
     let t = text(&out);
-    let command = t.lines().find_map(|l| l.strip_prefix("    memfit ")).unwrap_or_else(|| panic!("{t}"));
-    assert_eq!(command, "train --model mlp --device meta --memory 42MiB", "{t}");
+    let command = t
+        .lines()
+        .filter_map(|l| l.strip_prefix("    memfit "))
+        .find(|c| c.contains("--memory 42MiB"))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert_eq!(command, "train --model mlp --device meta --segments fixed --memory 42MiB", "{t}");
     assert!(t.contains("a budget of 42MiB: micro-batch 64 x 1 accumulation step = effective batch 64"), "{t}");
     // More memory never plans a slower step.
     let mut last = f64::INFINITY;

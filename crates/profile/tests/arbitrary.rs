@@ -88,7 +88,7 @@ fn recording() -> impl Strategy<Value = Recording> {
                             block
                         })
                         .collect();
-                    SegmentSnapshot { address, total_size: cursor - address, pool: "small", blocks }
+                    SegmentSnapshot { address, total_size: cursor - address, pool: "small", expandable: false, blocks }
                 })
                 .collect();
             let spans = spans

@@ -202,8 +202,8 @@ fn replay_trace(snapshot: &Value, start: (u64, u64)) -> (u64, u64, u64, u64, usi
                 assert_eq!(pending_free.take(), Some(int(get(entry, "addr"))), "completed right after requested");
                 allocated -= size;
             }
-            "segment_alloc" => reserved += size,
-            "segment_free" => reserved -= size,
+            "segment_alloc" | "segment_map" => reserved += size,
+            "segment_free" | "segment_unmap" => reserved -= size,
             "oom" => {
                 ooms += 1;
                 let _ = int(get(entry, "device_free"));
@@ -273,8 +273,8 @@ fn a_truncated_timeline_still_gives_a_consistent_snapshot_and_the_same_live_set(
         match event.kind {
             EventKind::Alloc => before_allocated -= event.bytes,
             EventKind::Free => before_allocated += event.bytes,
-            EventKind::SegmentAlloc => before_reserved -= event.bytes,
-            EventKind::SegmentFree => before_reserved += event.bytes,
+            EventKind::SegmentAlloc | EventKind::SegmentMap => before_reserved -= event.bytes,
+            EventKind::SegmentFree | EventKind::SegmentUnmap => before_reserved += event.bytes,
             EventKind::Oom | EventKind::Retag => {}
         }
     }
@@ -439,7 +439,11 @@ fn replayed_categories(recording: &Recording) -> Vec<[u64; Category::COUNT]> {
                 bytes[event.category.index()] += block.0;
                 block.1 = event.category;
             }
-            EventKind::SegmentAlloc | EventKind::SegmentFree | EventKind::Oom => {}
+            EventKind::SegmentAlloc
+            | EventKind::SegmentFree
+            | EventKind::SegmentMap
+            | EventKind::SegmentUnmap
+            | EventKind::Oom => {}
         }
         assert_eq!(bytes.iter().sum::<u64>(), event.allocated);
         series.push(bytes);

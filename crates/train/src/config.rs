@@ -114,6 +114,57 @@ impl OptimizerChoice {
     }
 }
 
+/// How the device's allocator reserves memory (`--segments`): PyTorch's caching allocator's fixed
+/// segments, or one expandable segment per pool whose reserved bytes follow the allocated ones
+/// (`memfit_memory`'s allocator docs). Neither changes a number; expandable is the cpu's only (a
+/// GPU's needs CUDA's virtual memory calls, not done yet).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Segments {
+    #[default]
+    Fixed,
+    Expandable,
+    /// The planner's choice under a budget: fixed segments when the plan fits them, else expandable.
+    Auto,
+}
+
+impl Segments {
+    pub fn parse(text: &str) -> Result<Segments, String> {
+        match text.trim() {
+            "fixed" => Ok(Segments::Fixed),
+            "expandable" => Ok(Segments::Expandable),
+            "auto" => Ok(Segments::Auto),
+            other => Err(format!("unknown segments {other:?}: give fixed, expandable or auto")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Segments::Fixed => "fixed",
+            Segments::Expandable => "expandable",
+            Segments::Auto => "auto",
+        }
+    }
+
+    /// Whether a device of this policy has expandable segments (`auto` unresolved: fixed).
+    pub fn expandable(self) -> bool {
+        self == Segments::Expandable
+    }
+
+    /// The policy as asked, or `auto` given (with a budget: weighed by the planner) or none (fixed).
+    pub fn or_default(given: Option<Segments>, memory: Option<u64>) -> Segments {
+        given.unwrap_or(if memory.is_some() { Segments::Auto } else { Segments::Fixed })
+    }
+
+    /// The policy the planner may weigh for `target`: a GPU's `auto` is fixed (its expandable
+    /// segments are still to do).
+    pub fn on(self, target: memfit_tensor::Target) -> Segments {
+        match (self, target) {
+            (Segments::Auto, memfit_tensor::Target::Cuda) => Segments::Fixed,
+            (s, _) => s,
+        }
+    }
+}
+
 /// The dtype activations are saved in for backward (`--precision`; Note [Half-precision storage] in
 /// `tensor/src/autograd.rs`). Arithmetic, parameters, gradients and optimizer state stay f32.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -286,6 +337,8 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointChoice,
     /// The dtype of saved activations (`--precision`).
     pub precision: Precision,
+    /// The allocator's segments (`--segments`).
+    pub segments: Segments,
     /// Write a training checkpoint (to resume from) every this many optimizer steps (`--save-every`).
     pub save_every: Option<usize>,
     /// Directory of the training checkpoints (`--save-dir`); also written on SIGINT/SIGTERM.
@@ -303,6 +356,13 @@ impl TrainConfig {
     /// with the flag's name; this guards library callers).
     pub fn check(&self) -> Result<(), crate::TrainError> {
         let bad = |m: String| Err(crate::TrainError::Invalid(m));
+        if self.segments == Segments::Expandable && self.device.target() == memfit_tensor::Target::Cuda {
+            return bad(format!(
+                "--segments expandable is not available on {} yet (a GPU's needs CUDA's virtual memory calls): use \
+                 --segments fixed or auto there",
+                self.device
+            ));
+        }
         let max_batch = limits::MAX_BATCH as usize;
         if !(1..=max_batch).contains(&self.batch_size) {
             return bad(format!("--batch-size {} is out of range: use 1 to {max_batch}", self.batch_size));
@@ -406,6 +466,7 @@ impl Default for TrainConfig {
         TrainConfig {
             checkpoint: CheckpointChoice::None,
             precision: Precision::Fp32,
+            segments: Segments::Fixed,
             model: ModelKind::SimpleCnn,
             gpt: GptConfig::default(),
             data: None,

@@ -62,7 +62,12 @@ pub fn plan_devices(
         let mut per_rank = Vec::new();
         let mut step_ms = None;
         if let Ok(p) = &plan {
-            let fixed = crate::planner::PlanRequest { checkpoint: p.checkpoint.clone(), precision: p.precision, ..r };
+            let fixed = crate::planner::PlanRequest {
+                checkpoint: p.checkpoint.clone(),
+                precision: p.precision,
+                segments: p.segments,
+                ..r
+            };
             for rank in 0..ranks {
                 let prediction = crate::planner::predict_rank(
                     &fixed,
@@ -143,6 +148,7 @@ fn plan_pipeline(
         calibration_ms: 0.0,
         costs: None,
         precision: req.precision,
+        segments: req.segments,
     };
     let units = memfit_nn::stage_units(&req.model).unwrap_or(0);
     let step_ms = costs.map(|c| pipeline_step_ms(req, &staged, c));

@@ -11,7 +11,7 @@
 //! or removed (`crates/cli/tests/doctor.rs` pastes every command of a grid of cases and checks each
 //! fits at its predicted peak).
 
-use crate::config::{CheckpointChoice, ParallelMode, Precision};
+use crate::config::{CheckpointChoice, ParallelMode, Precision, Segments};
 use crate::error::{Diagnosis, Remedy, TrainError};
 use crate::planner::{self, Plan, PlanRequest};
 
@@ -79,6 +79,12 @@ pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
             edits.push(Edit::Set("--checkpoint", "auto".into()));
         }
         add(&free, "let the planner choose the micro-batch and checkpointing".into(), edits, false)?;
+    }
+    // Expandable segments, when the user pinned fixed ones (a budget's default weighs them already).
+    if req.segments == Segments::Fixed && req.capacity.is_some() && req.target == memfit_tensor::Target::Cpu {
+        let grown = PlanRequest { segments: Segments::Expandable, ..req.clone() };
+        let edits = vec![Edit::Set("--segments", "expandable".into())];
+        add(&grown, "expandable segments (reserved follows allocated)".into(), edits, false)?;
     }
     // A budget that fits the run as asked.
     if needs > 0 {

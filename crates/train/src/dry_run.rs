@@ -48,6 +48,9 @@ pub struct PlanRequest {
     pub parallel: Option<(ParallelMode, usize)>,
     /// The machine the run is for: its dry runs imitate it (`meta:cuda` for a GPU run).
     pub target: memfit_tensor::Target,
+    /// The allocator's segments (`auto`: the planner tries fixed, then expandable; a dry run of an
+    /// unresolved `auto` uses fixed).
+    pub segments: crate::config::Segments,
     /// The run evaluates after training (`--no-eval`: false): the plan's prediction includes it.
     pub evaluate: bool,
 }
@@ -139,7 +142,9 @@ pub fn dry_run_on(
     build: impl FnOnce(Device) -> Result<Session, TrainError>,
 ) -> Result<Option<Prediction>, TrainError> {
     // A GPU target's device holds cuBLAS's workspace from the start: a capacity below it fits nothing.
-    let device = match Device::new(DeviceConfig::new(DeviceKind::Meta(req.target)).capacity(capacity)) {
+    let config =
+        DeviceConfig::new(DeviceKind::Meta(req.target)).capacity(capacity).expandable(req.segments.expandable());
+    let device = match Device::new(config) {
         Ok(d) => d,
         Err(e) if e.as_oom().is_some() => return Ok(None),
         Err(e) => return Err(e.into()),

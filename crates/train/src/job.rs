@@ -123,7 +123,17 @@ fn train_in_pool(
     let request = plan_request(cfg, &spec, batch_size, group.as_deref())?;
     let staged = plan_pipeline(cfg, &request, group.as_deref(), observer)?;
     let (micro, eval_micro, plan) = choose_micro_batches(cfg, &request, staged.as_ref(), observer)?;
-    let device = run_device(cfg)?;
+    // The plan's segments; with none (a fixed micro-batch that fits no plan runs on recovery), `auto`
+    // takes expandable ones: the fewest bytes reserved for the same blocks.
+    let segments = match (&plan, request.segments) {
+        (_, _) if staged.is_some() => staged.as_ref().map_or(request.segments, |s| s.segments),
+        (Some(p), _) => p.segments,
+        (None, crate::config::Segments::Auto) => crate::config::Segments::Expandable,
+        (None, s) => s,
+    };
+    // Every later prediction (the remedies' savings, a profile's) is of the run as it runs.
+    let request = PlanRequest { segments, ..request };
+    let device = run_device(cfg, segments)?;
     let mut session = build_session(cfg, &request, &device, group.as_ref(), staged.as_ref())?;
     let (checkpointed, precision, savings) =
         configure_session(&session, cfg, &request, plan.as_ref(), staged.is_some(), micro)?;
@@ -194,6 +204,7 @@ fn train_in_pool(
         profile_files,
         checkpointed,
         precision,
+        segments,
         skipped_steps: session.skipped_steps,
         host: crate::report::HostMemory {
             dataset_bytes: task.host_bytes(),
@@ -284,6 +295,7 @@ fn plan_request(
         // A pipeline's request is the whole model's: its stages are planned by `stages::plan_stages`.
         parallel: cfg.parallel.filter(|&m| m != ParallelMode::Pipeline).zip(group.map(|g| g.size())),
         target: cfg.device.target(),
+        segments: cfg.segments.on(cfg.device.target()),
         evaluate: cfg.evaluate,
     };
     match group {
@@ -392,9 +404,11 @@ fn with_profile(
     Ok((outcome, files))
 }
 
-/// The run's device: its capacity and fault injection, recording a timeline when a profile is asked.
-fn run_device(cfg: &TrainConfig) -> Result<Device, TrainError> {
-    let mut device_config = DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault);
+/// The run's device: its capacity, segments (the plan's) and fault injection, recording a timeline
+/// when a profile is asked.
+fn run_device(cfg: &TrainConfig, segments: crate::config::Segments) -> Result<Device, TrainError> {
+    let mut device_config =
+        DeviceConfig::new(cfg.device).capacity(cfg.memory).fault(cfg.fault).expandable(segments.expandable());
     let profiling = cfg.profile.is_some() || cfg.profile_on_oom.is_some();
     if profiling {
         device_config.timeline_events = crate::profile::PROFILE_TIMELINE_EVENTS;

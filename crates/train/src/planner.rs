@@ -7,7 +7,7 @@
 //! prediction is exact for a run of the same steps on `cpu` with at least that capacity, because the
 //! allocation sequence is the same (the invariant `meta == cpu`).
 
-use crate::config::{CheckpointChoice, Precision};
+use crate::config::{CheckpointChoice, Precision, Segments};
 pub use crate::dry_run::{
     dry_run, dry_run_rounds, predict, predict_rank, prediction_of, representative_window, search_limit, PlanRequest,
     Prediction, MAX_EVAL_MICRO, MAX_MICRO, PLAN_STEPS,
@@ -66,6 +66,8 @@ pub struct Plan {
     pub costs: Option<crate::cost::CostModel>,
     /// The precision the plan assumes (`auto` resolved).
     pub precision: Precision,
+    /// The allocator's segments the plan assumes (`auto` resolved).
+    pub segments: crate::config::Segments,
 }
 
 /// One configuration the planner weighed: which segments it checkpoints, the largest micro-batch
@@ -121,6 +123,21 @@ fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, Trai
 /// When nothing fits, [`TrainError::DoesNotFit`] says what the least of the run needs; the doctor's
 /// [`crate::doctor::plan`] adds the remedies.
 pub fn choose(req: &PlanRequest) -> Result<Plan, TrainError> {
+    // Expandable segments change no number and cost no time that the cost model sees: weighed by
+    // fit alone, they are taken when the plan does not fit fixed ones (so a plan that fits is the
+    // one it always was).
+    if req.segments == Segments::Auto {
+        let fixed = PlanRequest { segments: Segments::Fixed, ..req.clone() };
+        return match choose(&fixed) {
+            Err(TrainError::DoesNotFit(refused)) => {
+                match choose(&PlanRequest { segments: Segments::Expandable, ..req.clone() }) {
+                    Err(TrainError::DoesNotFit(_)) => Err(TrainError::DoesNotFit(refused)),
+                    result => result,
+                }
+            }
+            result => result,
+        };
+    }
     let (auto_checkpoint, auto_precision) =
         (req.checkpoint == CheckpointChoice::Auto, req.precision == Precision::Auto);
     if !auto_checkpoint && !auto_precision {
@@ -542,6 +559,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         calibration_ms: 0.0,
         costs: None,
         precision: req.precision,
+        segments: req.segments,
     })
 }
 

@@ -39,6 +39,8 @@ pub struct RunSummary {
     pub checkpointed: Vec<String>,
     /// The dtype saved activations were stored in (`auto` resolved).
     pub precision: crate::config::Precision,
+    /// The allocator's segments (`auto` resolved).
+    pub segments: crate::config::Segments,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
     pub skipped_steps: usize,
     /// Host memory outside the device's capacity.
@@ -116,6 +118,8 @@ pub struct Report {
     pub checkpointed_segments: Vec<String>,
     /// The dtype saved activations were stored in: fp32, bf16 or fp16.
     pub precision: String,
+    /// The allocator's segments: fixed or expandable.
+    pub segments: String,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
     pub skipped_steps: usize,
     pub eval_micro_batch: usize,
@@ -288,6 +292,7 @@ impl Report {
             planned: s.plan.is_some(),
             checkpointed_segments: s.checkpointed.clone(),
             precision: s.precision.name().to_string(),
+            segments: s.segments.name().to_string(),
             skipped_steps: s.skipped_steps,
             eval_micro_batch: s.eval_micro_batch,
             predicted_peak_allocated_bytes: s.plan.as_ref().map(|p| p.predicted.peak_allocated),
@@ -361,10 +366,11 @@ impl Report {
             s.push_str(&format!("  {:<16} {:>12}   reserved {}\n", "predicted", format_bytes(a), format_bytes(r)));
         }
         s.push_str(&format!(
-            "  fragmentation {:.1}% (reserved peak not in use at once); {} allocations, {} segments, {} cache retries\n",
+            "  fragmentation {:.1}% (reserved peak not in use at once); {} allocations, {} {}segments, {} cache retries\n",
             self.fragmentation * 100.0,
             self.num_allocations,
             self.num_segments,
+            if self.segments == "expandable" { "expandable " } else { "" },
             self.num_alloc_retries
         ));
         let end = match self.final_micro_batch == self.plan.micro_batch {
@@ -465,6 +471,12 @@ impl crate::planner::Plan {
                 "saved activations stored in {} (converted back to f32 when backward reads them)\n",
                 self.precision.name()
             ));
+        }
+        if self.segments.expandable() {
+            s.push_str(
+                "expandable segments: each pool one segment that grows and shrinks by 2 MiB pages, so reserved \
+                 follows allocated (no number changes)\n",
+            );
         }
         match self.evaluates {
             true => s.push_str(&format!(

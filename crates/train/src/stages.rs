@@ -26,6 +26,8 @@ pub struct StagePlan {
     pub per_stage: Vec<Prediction>,
     /// Each stage's share of the step's compute (what the cut balances).
     pub time_shares: Vec<f64>,
+    /// The allocator's segments every stage's device has (`auto` resolved).
+    pub segments: crate::config::Segments,
 }
 
 /// Every cut of `units` units into `n` non-empty contiguous ranges, at most `limit` of them.
@@ -98,6 +100,13 @@ pub fn plan_stages(
     n: usize,
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<StagePlan, TrainError> {
+    use crate::config::Segments;
+    // `auto` segments: fixed ones when a cut fits them, else expandable (as `planner::choose`).
+    if req.segments == Segments::Auto {
+        return plan_stages(&PlanRequest { segments: Segments::Fixed, ..req.clone() }, n, costs).or_else(|refused| {
+            plan_stages(&PlanRequest { segments: Segments::Expandable, ..req.clone() }, n, costs).map_err(|_| refused)
+        });
+    }
     let units = memfit_nn::stage_units(&req.model).ok_or_else(|| {
         TrainError::Invalid(format!(
             "--parallel pipeline: {} has no stages to cut; the gpt does (embeddings, blocks, head)",
@@ -189,7 +198,7 @@ pub fn plan_stages(
         );
     }
     let time_shares = time(&stages);
-    Ok(StagePlan { stages, micro_batch: micro, per_stage, time_shares })
+    Ok(StagePlan { stages, micro_batch: micro, per_stage, time_shares, segments: req.segments })
 }
 
 /// The names of a stage's units, for people: `tok+pos`, `blocks.0-1`, `head`.

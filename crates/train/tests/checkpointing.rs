@@ -68,6 +68,7 @@ fn request(spec: &ModelSpec, effective: usize, capacity: Option<u64>, checkpoint
         precision: Default::default(),
         parallel: None,
         target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
         evaluate: true,
     }
 }

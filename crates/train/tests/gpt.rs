@@ -132,6 +132,7 @@ fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
         precision: Default::default(),
         parallel: None,
         target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
         evaluate: true,
     }
 }

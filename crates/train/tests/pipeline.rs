@@ -90,6 +90,7 @@ fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
         precision: Default::default(),
         parallel: None,
         target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
         evaluate: true,
     };
     let whole = memfit_train::planner::predict(&request(None), 1, Some(1), None).unwrap().unwrap().peak_reserved;

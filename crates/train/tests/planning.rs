@@ -23,6 +23,7 @@ fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequ
         precision: Default::default(),
         parallel: None,
         target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
         evaluate: true,
     }
 }

@@ -154,6 +154,7 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
         precision,
         parallel: None,
         target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
         evaluate: true,
     };
     let need = |p| predict(&request(None, p), 64, Some(64), None).unwrap().unwrap().peak_reserved;

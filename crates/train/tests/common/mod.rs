@@ -94,6 +94,7 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
         precision: plan.precision,
         parallel: None,
         target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
         evaluate: true,
         capacity: Some(capacity),
         ..req.clone()
