@@ -125,15 +125,26 @@ fn train_in_pool(
     let (micro, eval_micro, plan) = choose_micro_batches(cfg, &request, staged.as_ref(), observer)?;
     // The plan's segments; with none (a fixed micro-batch that fits no plan runs on recovery), `auto`
     // takes expandable ones: the fewest bytes reserved for the same blocks.
-    let segments = match (&plan, request.segments) {
-        (_, _) if staged.is_some() => staged.as_ref().map_or(request.segments, |s| s.segments),
-        (Some(p), _) => p.segments,
-        (None, crate::config::Segments::Auto) => crate::config::Segments::Expandable,
-        (None, s) => s,
+    let segments = match (staged.as_ref(), &plan, request.segments) {
+        (Some(s), _, _) => s.segments,
+        (None, Some(p), _) => p.segments,
+        (None, None, crate::config::Segments::Auto) => crate::config::Segments::Expandable,
+        (None, None, s) => s,
     };
     // Every later prediction (the remedies' savings, a profile's) is of the run as it runs.
     let request = PlanRequest { segments, ..request };
     let device = run_device(cfg, segments)?;
+    if let (Some(memory), Some(free)) = (cfg.memory, device.free_at_open()) {
+        if memory > free {
+            observer.notice(&format!(
+                "note: --memory {} is more than the {} free on {}: past that, the GPU itself runs out of memory, \
+                 which recovery handles as any out-of-memory (smaller micro-batches)",
+                format_bytes(memory),
+                format_bytes(free),
+                device.describe()
+            ));
+        }
+    }
     let mut session = build_session(cfg, &request, &device, group.as_ref(), staged.as_ref())?;
     let (checkpointed, precision, savings) =
         configure_session(&session, cfg, &request, plan.as_ref(), staged.is_some(), micro)?;
@@ -415,17 +426,6 @@ fn run_device(cfg: &TrainConfig, segments: crate::config::Segments) -> Result<De
     }
     let device = Device::new(device_config)?;
     device.set_profiling(profiling);
-    if let (Some(memory), Some(free)) = (cfg.memory, device.free_at_open()) {
-        if memory > free {
-            eprintln!(
-                "note: --memory {} is more than the {} free on {}: past that, the GPU itself runs out of memory, \
-                 which recovery handles as any out-of-memory (smaller micro-batches)",
-                format_bytes(memory),
-                format_bytes(free),
-                device.describe()
-            );
-        }
-    }
     Ok(device)
 }
 
