@@ -103,11 +103,8 @@ fn plan_pipeline(
     ranks: usize,
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<DevicesPlan, TrainError> {
-    let single = crate::planner::PlanRequest {
-        parallel: None,
-        checkpoint: crate::config::CheckpointChoice::None,
-        ..req.clone()
-    };
+    let checkpoint = crate::stages::stage_checkpoint(&req.checkpoint);
+    let single = crate::planner::PlanRequest { parallel: None, checkpoint, ..req.clone() };
     let staged = match crate::stages::plan_stages(&single, ranks, costs) {
         Ok(s) => s,
         Err(TrainError::Invalid(why)) => {
@@ -142,7 +139,7 @@ fn plan_pipeline(
         larger: None,
         dry_runs: 0,
         planning_ms: 0.0,
-        checkpoint: crate::config::CheckpointChoice::None,
+        checkpoint: staged.checkpoint.clone(),
         candidates: Vec::new(),
         predicted_step_ms: None,
         calibration_ms: 0.0,

@@ -169,7 +169,8 @@ fn remedy(
 /// A GPT cut into two pipeline stages, each rank holding half of it.
 fn pipeline_remedy(req: &PlanRequest, costs: Option<&crate::cost::CostModel>) -> Result<Option<Remedy>, TrainError> {
     let Some(units) = memfit_nn::stage_units(&req.model) else { return Ok(None) };
-    let whole = PlanRequest { checkpoint: CheckpointChoice::None, ..req.clone() };
+    // As `plan --devices` plans it (`auto`: its stages re-run their blocks where nothing else fits).
+    let whole = PlanRequest { checkpoint: crate::stages::stage_checkpoint(&req.checkpoint), ..req.clone() };
     let staged = match crate::stages::plan_stages(&whole, 2, costs) {
         Ok(s) => s,
         Err(TrainError::Invalid(_) | TrainError::DoesNotFit(_)) => return Ok(None),

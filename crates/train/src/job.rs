@@ -147,7 +147,7 @@ fn train_in_pool(
     }
     let mut session = build_session(cfg, &request, &device, group.as_ref(), staged.as_ref())?;
     let (checkpointed, precision, savings) =
-        configure_session(&session, cfg, &request, plan.as_ref(), staged.is_some(), micro)?;
+        configure_session(&session, cfg, &request, plan.as_ref(), staged.as_ref(), micro)?;
     if let Some(ckpt) = &resumed {
         restore(ckpt, &mut session, micro, eval_micro)?;
     }
@@ -366,7 +366,8 @@ fn plan_pipeline(
         crate::cost::Costs::Given(c) => Some(c.clone()),
         _ => None,
     };
-    let staged = crate::stages::plan_stages(request, g.size(), costs.as_ref())?;
+    let request = PlanRequest { checkpoint: crate::stages::stage_checkpoint(&request.checkpoint), ..request.clone() };
+    let staged = crate::stages::plan_stages(&request, g.size(), costs.as_ref())?;
     observer.staged(&staged, &request.model);
     Ok(Some(staged))
 }
@@ -458,15 +459,16 @@ fn configure_session(
     cfg: &TrainConfig,
     request: &PlanRequest,
     plan: Option<&Plan>,
-    staged: bool,
+    stage_plan: Option<&crate::stages::StagePlan>,
     micro: usize,
 ) -> Result<(Vec<String>, crate::config::Precision, planner::Savings), TrainError> {
     use crate::config::{CheckpointChoice, Precision};
+    let staged = stage_plan.is_some();
     // `auto` is what the planner chose: for the planned micro-batch, or for a forced one under a
     // budget (then the fastest checkpointing with which it fits); none without a budget. A pipeline
-    // stage checkpoints all its blocks or none (`auto`: none).
+    // stage checkpoints all its blocks or none (`auto`: the stage plan's choice).
     let checkpoint = match (&cfg.checkpoint, plan, cfg.memory) {
-        (CheckpointChoice::Auto, _, _) if staged => CheckpointChoice::None,
+        (CheckpointChoice::Auto, _, _) if staged => stage_plan.map_or(CheckpointChoice::None, |s| s.checkpoint.clone()),
         (CheckpointChoice::All, _, _)
             if staged && session.model.checkpointing().is_none_or(|c| c.names().is_empty()) =>
         {

@@ -28,6 +28,8 @@ pub struct StagePlan {
     pub time_shares: Vec<f64>,
     /// The allocator's segments every stage's device has (`auto` resolved).
     pub segments: crate::config::Segments,
+    /// Whether each stage re-runs its blocks in backward: `none` or `all` (`auto` resolved).
+    pub checkpoint: crate::config::CheckpointChoice,
 }
 
 /// Every cut of `units` units into `n` non-empty contiguous ranges, at most `limit` of them.
@@ -91,6 +93,16 @@ pub fn predict_stage(
 /// The most cuts weighed (contiguous cuts of u units into n stages number C(u - 1, n - 1)).
 const MAX_CUTS: usize = 4096;
 
+/// What a stage can do of a `--checkpoint` choice: re-run all its blocks or none. `auto` weighs both
+/// ([`plan_stages`]), `all` is all, a list of segments (which a stage cannot follow) is none.
+pub fn stage_checkpoint(choice: &crate::config::CheckpointChoice) -> crate::config::CheckpointChoice {
+    use crate::config::CheckpointChoice;
+    match choice {
+        CheckpointChoice::Auto | CheckpointChoice::All => choice.clone(),
+        _ => CheckpointChoice::None,
+    }
+}
+
 /// Cuts `req`'s model into `n` stages (Note [Pipeline]): of the cuts whose every stage fits the budget
 /// at micro-batch 1, the one with the most even predicted times; then the micro-batch: `req.micro_batch`
 /// when fixed, else without a budget one round of micro-batches per window, else the largest that
@@ -100,8 +112,16 @@ pub fn plan_stages(
     n: usize,
     costs: Option<&crate::cost::CostModel>,
 ) -> Result<StagePlan, TrainError> {
-    use crate::config::Segments;
-    // `auto` segments: fixed ones when a cut fits them, else expandable (as `planner::choose`).
+    use crate::config::{CheckpointChoice, Segments};
+    // `auto` checkpointing: a stage re-runs all its blocks or none (Note [Pipeline]); none when a cut
+    // fits so, else all. Inside, `auto` segments: fixed ones when a cut fits them, else expandable
+    // (as `planner::choose`). So the order is the cheapest first: nothing, expandable segments (no
+    // time), checkpointing (recomputation), both.
+    if req.checkpoint == CheckpointChoice::Auto {
+        let with = |checkpoint| PlanRequest { checkpoint, ..req.clone() };
+        return plan_stages(&with(CheckpointChoice::None), n, costs)
+            .or_else(|refused| plan_stages(&with(CheckpointChoice::All), n, costs).map_err(|_| refused));
+    }
     if req.segments == Segments::Auto {
         return plan_stages(&PlanRequest { segments: Segments::Fixed, ..req.clone() }, n, costs).or_else(|refused| {
             plan_stages(&PlanRequest { segments: Segments::Expandable, ..req.clone() }, n, costs).map_err(|_| refused)
@@ -198,7 +218,14 @@ pub fn plan_stages(
         );
     }
     let time_shares = time(&stages);
-    Ok(StagePlan { stages, micro_batch: micro, per_stage, time_shares, segments: req.segments })
+    Ok(StagePlan {
+        stages,
+        micro_batch: micro,
+        per_stage,
+        time_shares,
+        segments: req.segments,
+        checkpoint: req.checkpoint.clone(),
+    })
 }
 
 /// The names of a stage's units, for people: `tok+pos`, `blocks.0-1`, `head`.

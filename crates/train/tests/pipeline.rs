@@ -110,3 +110,45 @@ fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
     assert!(err.to_string().contains("no cut of gpt into 2 stages fits"), "{err}");
     assert!(memfit_train::stages::plan_stages(&request(None), 7, None).is_err(), "6 units, 7 stages");
 }
+
+/// `auto` checkpointing and segments for a pipeline: a stage re-runs its blocks only where no cut fits
+/// without, and the plan says what it took; its peaks are below the budget either way.
+#[test]
+fn auto_stages_checkpoint_their_blocks_only_where_nothing_else_fits() {
+    use memfit_train::{CheckpointChoice, Segments};
+    let spec =
+        memfit_nn::ModelSpec::gpt(memfit_nn::GptConfig { vocab: 40, d_model: 64, heads: 2, layers: 4, max_t: 64 });
+    let request = |capacity, checkpoint, segments| PlanRequest {
+        model: spec.clone(),
+        optimizer: adamw(),
+        effective_batch: 16,
+        capacity,
+        safety_margin: 0.0,
+        seed: 1,
+        checkpoint,
+        costs: Default::default(),
+        micro_batch: Some(4),
+        precision: Default::default(),
+        parallel: None,
+        target: memfit_tensor::Target::Cpu,
+        segments,
+        evaluate: true,
+    };
+    let peak = |checkpoint| {
+        let plan = memfit_train::stages::plan_stages(&request(None, checkpoint, Segments::Fixed), 2, None).unwrap();
+        plan.per_stage.iter().map(|p| p.peak_reserved).max().unwrap()
+    };
+    let (plain, recomputed) = (peak(CheckpointChoice::None), peak(CheckpointChoice::All));
+    assert!(recomputed < plain, "checkpointing a stage's blocks saves memory: {recomputed} vs {plain}");
+    // Room for the plain stages: nothing is re-run.
+    let roomy =
+        memfit_train::stages::plan_stages(&request(Some(plain), CheckpointChoice::Auto, Segments::Auto), 2, None)
+            .unwrap();
+    assert_eq!((roomy.checkpoint.clone(), roomy.segments), (CheckpointChoice::None, Segments::Fixed));
+    // Room only for checkpointed stages: they re-run their blocks.
+    let tight =
+        memfit_train::stages::plan_stages(&request(Some(recomputed), CheckpointChoice::Auto, Segments::Fixed), 2, None)
+            .unwrap();
+    assert_eq!(tight.checkpoint, CheckpointChoice::All);
+    assert!(tight.per_stage.iter().all(|p| p.peak_reserved <= recomputed));
+}
