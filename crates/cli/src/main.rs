@@ -162,6 +162,11 @@ struct RunArgs {
     /// changes a number [default: auto with --memory, else fixed].
     #[arg(long, value_parser = Segments::parse)]
     segments: Option<Segments>,
+    /// How Adam's two moments are stored: fp32 (as PyTorch), bf16 (half their bytes) or int8
+    /// (8-bit block-wise with a dynamic map, as bitsandbytes' Adam8bit: a quarter; parameters under
+    /// 4096 values keep fp32). bf16 and int8 change the numbers (slightly) and are never chosen for you.
+    #[arg(long, default_value = "fp32", value_parser = memfit_nn::StateFormat::parse)]
+    optimizer_state: memfit_nn::StateFormat,
 }
 
 impl RunArgs {
@@ -185,6 +190,7 @@ impl RunArgs {
             checkpoint: checkpoint_or_default(self.checkpoint, self.memory),
             precision: self.precision,
             segments: Segments::or_default(self.segments, self.memory),
+            optimizer_state: self.optimizer_state,
             ..TrainConfig::default()
         })
     }
@@ -301,6 +307,9 @@ struct PlanArgs {
     /// (expandable when fixed ones do not fit) [default: auto with --memory, else fixed].
     #[arg(long, value_parser = Segments::parse)]
     segments: Option<Segments>,
+    /// How Adam's moments are stored in the plan: fp32, bf16 or int8 (these change the numbers).
+    #[arg(long, default_value = "fp32", value_parser = memfit_nn::StateFormat::parse)]
+    optimizer_state: memfit_nn::StateFormat,
     /// Plan for this many ranks (devices) too: which of data parallel, ZeRO-1 and (gpt) a pipeline
     /// fits, each rank's predicted peak and the predicted throughput, beside one device's plan.
     #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=limits::MAX_RANKS))]
@@ -785,7 +794,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
     let lr = a.lr.unwrap_or(default_lr(a.model));
     let request = PlanRequest {
         model: spec,
-        optimizer: a.optimizer.config(lr),
+        optimizer: a.optimizer.config(lr).with_state_format(a.optimizer_state),
         effective_batch: a.batch_size.map_or(default_batch(a.model), |b| b as usize),
         capacity: a.memory,
         safety_margin: a.safety_margin,

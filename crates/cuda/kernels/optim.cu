@@ -1,6 +1,30 @@
 // Optimizer steps in place, PyTorch's rules element by element (the cpu kernel's Note [Optimizer
 // arithmetic]: hyper-parameters derived in f64 on the host, cast to the parameter's dtype).
 
+// One Adam step's hyper-parameters as the host derives them (Python floats); each is cast to the
+// parameter's dtype where it is used, as the cpu kernel casts them.
+struct AdamArgs {
+    double decay;
+    i64 has_decay;
+    double l2;
+    i64 has_l2;
+    double lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+};
+
+// One element's Adam step: the parameter, its gradient and its two moments (in place).
+template <typename T>
+__device__ __forceinline__ void adam_element(const AdamArgs& a, T& p, T g, T& m, T& v) {
+    T param = p, gi = g, w = T(a.lerp_weight);
+    if (a.has_decay) param *= T(a.decay);
+    if (a.has_l2) gi += T(a.l2) * param;
+    T m_new = w < T(0.5) ? m + w * (gi - m) : gi - (gi - m) * (T(1) - w);
+    T v_new = v * T(a.beta2) + T(a.one_minus_beta2) * gi * gi;
+    T denom = sqrt(v_new) / T(a.bc2_sqrt) + T(a.eps);
+    p = param + T(a.neg_step_size) * m_new / denom;
+    m = m_new;
+    v = v_new;
+}
+
 #define OPTIM(T, SUF)                                                                                   \
     /* SGD: g' = g + wd p; buf = g' (first step) or m buf + (1 - d) g'; p -= lr (nesterov ? g' + m buf : buf). */ \
     extern "C" __global__ void sgd_##SUF(T* p, const T* g, T* buf, T wd, int has_wd, T momentum, T one_minus_dampening, int nesterov, int first, T neg_lr, i64 n) { \
@@ -15,19 +39,8 @@
         }                                                                                               \
     }                                                                                                   \
     /* Adam/AdamW: ATen's two-sided lerp for exp_avg, addcmul for exp_avg_sq, addcdiv for the step. */ \
-    extern "C" __global__ void adam_##SUF(T* p, const T* g, T* m, T* v, T decay, int has_decay, T l2, int has_l2, T lerp_weight, T beta2, T one_minus_beta2, T bc2_sqrt, T eps, T neg_step_size, i64 n) { \
-        GRID_STRIDE(i, n) {                                                                             \
-            T param = p[i], gi = g[i];                                                                  \
-            if (has_decay) param *= decay;                                                              \
-            if (has_l2) gi += l2 * param;                                                               \
-            T mi = m[i];                                                                                \
-            T m_new = lerp_weight < T(0.5) ? mi + lerp_weight * (gi - mi) : gi - (gi - mi) * (T(1) - lerp_weight); \
-            T v_new = v[i] * beta2 + one_minus_beta2 * gi * gi;                                         \
-            T denom = sqrt(v_new) / bc2_sqrt + eps;                                                     \
-            p[i] = param + neg_step_size * m_new / denom;                                               \
-            m[i] = m_new;                                                                               \
-            v[i] = v_new;                                                                               \
-        }                                                                                               \
+    extern "C" __global__ void adam_##SUF(T* p, const T* g, T* m, T* v, AdamArgs a, i64 n) {       \
+        GRID_STRIDE(i, n) adam_element<T>(a, p[i], g[i], m[i], v[i]);                                   \
     }                                                                                                   \
     /* grad *= inv_scale; *found_inf = 1 when a value is inf or NaN before or after. */                 \
     extern "C" __global__ void unscale_##SUF(T* g, T inv_scale, int* found_inf, i64 n) {                \
@@ -40,3 +53,84 @@
 
 OPTIM(float, f32)
 OPTIM(double, f64)
+
+// Compact moments of an f32 parameter (the cpu kernels' Note [Compact optimizer state]).
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+
+// Round to nearest even; a NaN stays a (quiet) NaN.
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+extern "C" __global__ void adam_bf16_state_f32(float* p, const float* g, unsigned short* m, unsigned short* v, AdamArgs a, i64 n) {
+    GRID_STRIDE(i, n) {
+        float mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+        adam_element<float>(a, p[i], g[i], mi, vi);
+        m[i] = f32_to_bf16(mi);
+        v[i] = f32_to_bf16(vi);
+    }
+}
+
+#define QUANT_BLOCK 2048
+#define QUANT_THREADS 256
+
+// The two dynamic maps, by value (signed for exp_avg, unsigned for exp_avg_sq).
+struct Maps {
+    float signed_map[256];
+    float unsigned_map[256];
+};
+
+// The code of x: the number of midpoints (between consecutive entries of its map, mids[255] +inf)
+// below x, i.e. the nearest entry, the lower one on a tie (the cpu kernel's Codebook).
+__device__ unsigned char quantize(const float* mids, float x) {
+    int base = 0;
+    for (int half = 128; half > 0; half >>= 1) base += (mids[base + half - 1] < x) ? half : 0;
+    return (unsigned char)base;
+}
+
+// One block of 256 threads per block of QUANT_BLOCK values: read through the absolute maxima
+// (exp_avg's, and of exp_avg_sq's square root), updated, the new maxima found, stored again.
+extern "C" __global__ void adam_8bit_f32(float* p, const float* g, unsigned char* mc, float* ma, unsigned char* vc, float* va,
+                                         AdamArgs a, Maps maps, i64 n) {
+    __shared__ float smap[256], umap[256], smid[256], umid[256], shared[QUANT_THREADS];
+    smap[threadIdx.x] = maps.signed_map[threadIdx.x];
+    umap[threadIdx.x] = maps.unsigned_map[threadIdx.x];
+    __syncthreads();
+    int t = threadIdx.x;
+    smid[t] = t < 255 ? (smap[t] + smap[t + 1]) * 0.5f : INFINITY;
+    umid[t] = t < 255 ? (umap[t] + umap[t + 1]) * 0.5f : INFINITY;
+    __syncthreads();
+    const int per = QUANT_BLOCK / QUANT_THREADS;
+    for (i64 b = blockIdx.x; b * QUANT_BLOCK < n; b += gridDim.x) {
+        float m_old = ma[b], v_old = va[b];
+        float mv[QUANT_BLOCK / QUANT_THREADS], vv[QUANT_BLOCK / QUANT_THREADS];
+        float m_max = 0.0f, v_max = 0.0f;
+        for (int j = 0; j < per; ++j) {
+            i64 i = b * QUANT_BLOCK + threadIdx.x + (i64)j * QUANT_THREADS;
+            if (i >= n) { mv[j] = 0.0f; vv[j] = 0.0f; continue; }
+            float mi = smap[mc[i]] * m_old, root = umap[vc[i]] * v_old, vi = root * root;
+            adam_element<float>(a, p[i], g[i], mi, vi);
+            mv[j] = mi;
+            vv[j] = sqrtf(vi);
+            m_max = fmaxf(m_max, fabsf(mi));
+            v_max = fmaxf(v_max, vv[j]);
+        }
+        m_max = block_max<float>(m_max, shared);
+        v_max = block_max<float>(v_max, shared);
+        float m_inv = m_max > 0.0f ? 1.0f / m_max : 0.0f, v_inv = v_max > 0.0f ? 1.0f / v_max : 0.0f;
+        for (int j = 0; j < per; ++j) {
+            i64 i = b * QUANT_BLOCK + threadIdx.x + (i64)j * QUANT_THREADS;
+            if (i >= n) continue;
+            mc[i] = quantize(smid, mv[j] * m_inv);
+            // A positive value keeps at least the smallest positive code (code 1 of the unsigned map).
+            unsigned char code = quantize(umid, vv[j] * v_inv);
+            vc[i] = (vv[j] > 0.0f && code < 1) ? 1 : code;
+        }
+        if (threadIdx.x == 0) { ma[b] = m_max; va[b] = v_max; }
+        __syncthreads();
+    }
+}

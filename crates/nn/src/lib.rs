@@ -12,4 +12,4 @@ pub mod optim;
 
 pub use checkpointing::Checkpointing;
 pub use models::{build_model, build_stage, stage_units, GptConfig, Model, ModelInput, ModelKind, ModelSpec};
-pub use optim::{Optimizer, OptimizerConfig};
+pub use optim::{Optimizer, OptimizerConfig, StateFormat};

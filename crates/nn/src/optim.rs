@@ -12,14 +12,51 @@
 //! call allocated and returns the error with every parameter, every existing state tensor and the
 //! step counts exactly as before, so a trainer can free memory and call `step` again.
 
-use memfit_tensor::ops::{adam_update, sgd_update};
+use memfit_tensor::ops::{adam_update, adam_update_8bit, sgd_update};
 use memfit_tensor::{Category, Error, Phase, Result, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {
     Sgd { lr: f64, momentum: f64, dampening: f64, nesterov: bool, weight_decay: f64 },
-    Adam { lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64 },
-    AdamW { lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64 },
+    Adam { lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64, state: StateFormat },
+    AdamW { lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64, state: StateFormat },
+}
+
+/// How Adam's moments are stored (`--optimizer-state`; Note [Compact optimizer state] in
+/// memfit-cpu). Anything but `Fp32` changes the numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StateFormat {
+    /// In the parameter's dtype, as PyTorch.
+    #[default]
+    Fp32,
+    /// bf16 moments of f32 parameters (half the bytes).
+    Bf16,
+    /// 8-bit block-wise moments of f32 parameters of at least [`MIN_8BIT`] values (a quarter of the
+    /// bytes); smaller ones keep f32 moments, as bitsandbytes does.
+    Int8,
+}
+
+/// Parameters smaller than this keep f32 moments under [`StateFormat::Int8`] (bitsandbytes'
+/// `min_8bit_size`): their state is small, and a block's maximum would be most of it.
+pub const MIN_8BIT: usize = 4096;
+
+impl StateFormat {
+    pub fn parse(text: &str) -> std::result::Result<StateFormat, String> {
+        match text.trim() {
+            "fp32" => Ok(StateFormat::Fp32),
+            "bf16" => Ok(StateFormat::Bf16),
+            "int8" => Ok(StateFormat::Int8),
+            other => Err(format!("unknown optimizer state {other:?}: give fp32, bf16 or int8")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StateFormat::Fp32 => "fp32",
+            StateFormat::Bf16 => "bf16",
+            StateFormat::Int8 => "int8",
+        }
+    }
 }
 
 impl OptimizerConfig {
@@ -30,12 +67,12 @@ impl OptimizerConfig {
 
     /// `torch.optim.Adam(lr)` defaults otherwise.
     pub fn adam(lr: f64) -> Self {
-        OptimizerConfig::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 }
+        OptimizerConfig::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, state: StateFormat::Fp32 }
     }
 
     /// `torch.optim.AdamW(lr)` defaults otherwise (weight_decay 0.01).
     pub fn adamw(lr: f64) -> Self {
-        OptimizerConfig::AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+        OptimizerConfig::AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, state: StateFormat::Fp32 }
     }
 
     pub fn lr(&self) -> f64 {
@@ -52,6 +89,22 @@ impl OptimizerConfig {
                 *lr = new
             }
         }
+    }
+
+    /// How Adam's moments are stored (`Fp32` for SGD).
+    pub fn state_format(&self) -> StateFormat {
+        match *self {
+            OptimizerConfig::Sgd { .. } => StateFormat::Fp32,
+            OptimizerConfig::Adam { state, .. } | OptimizerConfig::AdamW { state, .. } => state,
+        }
+    }
+
+    /// The same optimizer with its moments stored as `format` (Adam and AdamW; SGD is left as it is).
+    pub fn with_state_format(mut self, format: StateFormat) -> Self {
+        if let OptimizerConfig::Adam { state, .. } | OptimizerConfig::AdamW { state, .. } = &mut self {
+            *state = format;
+        }
+        self
     }
 
     /// Number of state tensors (each the size of its parameter) kept per parameter.
@@ -103,16 +156,47 @@ enum ParamState {
         steps: u64,
     },
     Adam {
-        exp_avg: Tensor,
-        exp_avg_sq: Tensor,
+        moments: Moments,
         steps: u64,
     },
+}
+
+/// Adam's two moments (Note [Compact optimizer state] in memfit-cpu).
+enum Moments {
+    /// Tensors of the parameter's shape: its dtype, or bf16.
+    Dense { exp_avg: Tensor, exp_avg_sq: Tensor },
+    /// 8-bit block-wise: u8 codes of the parameter's length and one f32 absolute maximum per block.
+    Quantized { m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor },
 }
 
 impl ParamState {
     fn steps(&self) -> u64 {
         match self {
             ParamState::Sgd { steps, .. } | ParamState::Adam { steps, .. } => *steps,
+        }
+    }
+
+    fn steps_mut(&mut self) -> &mut u64 {
+        match self {
+            ParamState::Sgd { steps, .. } | ParamState::Adam { steps, .. } => steps,
+        }
+    }
+
+    /// The state's tensors by the names checkpoints give them (PyTorch's for SGD and Adam; 8-bit
+    /// moments add `*_absmax`, their blocks' maxima).
+    fn tensors(&self) -> Vec<(&'static str, &Tensor)> {
+        match self {
+            ParamState::Sgd { momentum_buffer: Some(b), .. } => vec![("momentum_buffer", b)],
+            ParamState::Sgd { .. } => Vec::new(),
+            ParamState::Adam { moments: Moments::Dense { exp_avg, exp_avg_sq }, .. } => {
+                vec![("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+            }
+            ParamState::Adam { moments: Moments::Quantized { m_codes, m_absmax, v_codes, v_absmax }, .. } => vec![
+                ("exp_avg", m_codes),
+                ("exp_avg_absmax", m_absmax),
+                ("exp_avg_sq", v_codes),
+                ("exp_avg_sq_absmax", v_absmax),
+            ],
         }
     }
 }
@@ -140,14 +224,34 @@ impl Optimizer {
 
     /// Allocates the state of one parameter (Note [Optimizer state allocation]).
     fn allocate_state(&self, param: &Tensor) -> Result<ParamState> {
-        let zeros = || Tensor::zeros(param.device(), param.shape(), param.dtype(), Category::OptimizerState);
-        Ok(match self.config {
-            OptimizerConfig::Sgd { momentum, .. } => {
+        let state = |shape: &[usize], dtype| Tensor::zeros(param.device(), shape, dtype, Category::OptimizerState);
+        let zeros = || state(param.shape(), param.dtype());
+        let f32_param = param.dtype() == memfit_tensor::DType::F32;
+        Ok(match (self.config, self.config.state_format()) {
+            (OptimizerConfig::Sgd { momentum, .. }, _) => {
                 ParamState::Sgd { momentum_buffer: if momentum != 0.0 { Some(zeros()?) } else { None }, steps: 0 }
             }
-            OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => {
+            (_, StateFormat::Int8) if f32_param && param.numel() >= MIN_8BIT => {
+                let (n, blocks) = (param.numel(), param.numel().div_ceil(memfit_tensor::ops::QUANT_BLOCK));
+                let m_codes = state(&[n], memfit_tensor::DType::U8)?;
+                let m_absmax = state(&[blocks], memfit_tensor::DType::F32)?;
+                let v_codes = state(&[n], memfit_tensor::DType::U8)?;
+                let moments = Moments::Quantized {
+                    m_codes,
+                    m_absmax,
+                    v_codes,
+                    v_absmax: state(&[blocks], memfit_tensor::DType::F32)?,
+                };
+                ParamState::Adam { moments, steps: 0 }
+            }
+            (_, StateFormat::Bf16) if f32_param => {
+                let exp_avg = state(param.shape(), memfit_tensor::DType::BF16)?;
+                let exp_avg_sq = state(param.shape(), memfit_tensor::DType::BF16)?;
+                ParamState::Adam { moments: Moments::Dense { exp_avg, exp_avg_sq }, steps: 0 }
+            }
+            _ => {
                 let exp_avg = zeros()?;
-                ParamState::Adam { exp_avg, exp_avg_sq: zeros()?, steps: 0 }
+                ParamState::Adam { moments: Moments::Dense { exp_avg, exp_avg_sq: zeros()? }, steps: 0 }
             }
         })
     }
@@ -225,19 +329,30 @@ impl Optimizer {
                     *steps += 1;
                 }
                 (
-                    OptimizerConfig::Adam { lr, betas, eps, weight_decay },
-                    ParamState::Adam { exp_avg, exp_avg_sq, steps },
+                    OptimizerConfig::Adam { lr, betas, eps, weight_decay, .. }
+                    | OptimizerConfig::AdamW { lr, betas, eps, weight_decay, .. },
+                    ParamState::Adam { moments, steps },
                 ) => {
-                    adam_update(p, g, exp_avg, exp_avg_sq, *steps + 1, lr, betas, eps, weight_decay, false)
-                        .map_err(with_name)?;
-                    *steps += 1;
-                }
-                (
-                    OptimizerConfig::AdamW { lr, betas, eps, weight_decay },
-                    ParamState::Adam { exp_avg, exp_avg_sq, steps },
-                ) => {
-                    adam_update(p, g, exp_avg, exp_avg_sq, *steps + 1, lr, betas, eps, weight_decay, true)
-                        .map_err(with_name)?;
+                    let decoupled = matches!(self.config, OptimizerConfig::AdamW { .. });
+                    let t = *steps + 1;
+                    match moments {
+                        Moments::Dense { exp_avg, exp_avg_sq } => {
+                            adam_update(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay, decoupled)
+                        }
+                        Moments::Quantized { m_codes, m_absmax, v_codes, v_absmax } => adam_update_8bit(
+                            p,
+                            g,
+                            (m_codes, m_absmax),
+                            (v_codes, v_absmax),
+                            t,
+                            lr,
+                            betas,
+                            eps,
+                            weight_decay,
+                            decoupled,
+                        ),
+                    }
+                    .map_err(with_name)?;
                     *steps += 1;
                 }
                 _ => return Err(Error::invalid("internal: optimizer state does not match its configuration")),
@@ -271,15 +386,8 @@ impl Optimizer {
     pub fn state(&self) -> Vec<(String, &'static str, Tensor)> {
         let mut out = Vec::new();
         for ((name, _), s) in self.params.iter().zip(&self.state) {
-            match s {
-                Some(ParamState::Sgd { momentum_buffer: Some(b), .. }) => {
-                    out.push((name.clone(), "momentum_buffer", b.clone()))
-                }
-                Some(ParamState::Adam { exp_avg, exp_avg_sq, .. }) => {
-                    out.push((name.clone(), "exp_avg", exp_avg.clone()));
-                    out.push((name.clone(), "exp_avg_sq", exp_avg_sq.clone()));
-                }
-                _ => {}
+            for (kind, t) in s.iter().flat_map(ParamState::tensors) {
+                out.push((name.clone(), kind, t.clone()));
             }
         }
         out
@@ -335,34 +443,24 @@ impl Optimizer {
             }
             let param = &self.params[i].1;
             let mut state = self.allocate_state(param)?;
-            let kinds: &[&str] = match &state {
-                ParamState::Sgd { momentum_buffer: Some(_), .. } => &["momentum_buffer"],
-                ParamState::Sgd { .. } => &[],
-                ParamState::Adam { .. } => &["exp_avg", "exp_avg_sq"],
-            };
-            for kind in kinds {
+            for (kind, dst) in state.tensors() {
                 let src = find(name, kind)
                     .ok_or_else(|| Error::invalid(format!("optimizer state {name}.{kind} is missing")))?;
-                if src.shape() != param.shape() || src.dtype() != param.dtype() {
+                if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
                     return Err(Error::shape(format!(
-                        "optimizer state {name}.{kind} is {:?} {} but the parameter is {:?} {}",
+                        "optimizer state {name}.{kind} is {:?} {} but this optimizer keeps {:?} {} (the parameter is \
+                         {:?} {}; is --optimizer-state the one the checkpoint was written with?)",
                         src.shape(),
                         src.dtype(),
+                        dst.shape(),
+                        dst.dtype(),
                         param.shape(),
                         param.dtype()
                     )));
                 }
-                let dst = match (&state, *kind) {
-                    (ParamState::Sgd { momentum_buffer: Some(b), .. }, _) => b,
-                    (ParamState::Adam { exp_avg, .. }, "exp_avg") => exp_avg,
-                    (ParamState::Adam { exp_avg_sq, .. }, _) => exp_avg_sq,
-                    _ => return Err(Error::invalid("internal: optimizer state kind")),
-                };
                 dst.copy_from(src)?;
             }
-            match &mut state {
-                ParamState::Sgd { steps, .. } | ParamState::Adam { steps, .. } => *steps = *count,
-            }
+            *state.steps_mut() = *count;
             fresh[i] = Some(state);
         }
         self.state = fresh;
@@ -378,6 +476,56 @@ impl Optimizer {
 
 #[cfg(test)]
 mod tests {
+    /// Adam with bf16 and 8-bit moments: the state's bytes, updates close to f32 Adam's, and a
+    /// restored optimizer that continues bit for bit.
+    #[test]
+    fn compact_moments_keep_their_bytes_track_f32_adam_and_restore_exactly() {
+        let d = Device::cpu();
+        let n = 5000; // at least MIN_8BIT: three blocks of 8-bit state
+        let start: Vec<f32> = (0..n).map(|i| (i as f32 * 0.1).sin()).collect();
+        let grad_at = |step: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * 7 + step * 13) as f32 * 0.05).cos() * 10f32.powi(-((i % 5) as i32))).collect()
+        };
+        let make = |format: StateFormat| {
+            let p = leaf(&d, &start);
+            let opt =
+                Optimizer::new(vec![("w".into(), p.clone())], OptimizerConfig::adamw(1e-2).with_state_format(format));
+            (p, opt)
+        };
+        let take = |p: &Tensor, opt: &mut Optimizer, steps: std::ops::Range<usize>| {
+            for s in steps {
+                p.set_grad(Some(grad(&d, &grad_at(s))));
+                opt.step().unwrap();
+            }
+        };
+        let (reference, mut fp32) = make(StateFormat::Fp32);
+        take(&reference, &mut fp32, 0..5);
+        let want = reference.to_vec::<f32>().unwrap();
+        for (format, bytes) in [(StateFormat::Bf16, 2 * n * 2), (StateFormat::Int8, 2 * n + 2 * 3 * 4)] {
+            let (p, mut opt) = make(format);
+            take(&p, &mut opt, 0..3);
+            assert_eq!(opt.state_bytes(), bytes as u64, "{format:?}");
+            // A second optimizer restored from the first's state takes the same two steps.
+            let q = leaf(&d, &p.to_vec::<f32>().unwrap());
+            let mut restored =
+                Optimizer::new(vec![("w".into(), q.clone())], OptimizerConfig::adamw(1e-2).with_state_format(format));
+            let tensors: Vec<(String, String, Tensor)> =
+                opt.state().into_iter().map(|(p, k, t)| (p, k.to_string(), t)).collect();
+            restored.restore(opt.steps(), &opt.param_step_counts(), &tensors).unwrap();
+            take(&p, &mut opt, 3..5);
+            take(&q, &mut restored, 3..5);
+            let got = p.to_vec::<f32>().unwrap();
+            assert_eq!(got, q.to_vec::<f32>().unwrap(), "{format:?}: restored state continues bit for bit");
+            // Five steps of lr 1e-2 move each weight up to 5e-2; compact moments stay close to that.
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst > 0.0 && worst < 5e-3, "{format:?}: {worst}");
+            // A restore into an optimizer of another format is refused by name.
+            let mut other = Optimizer::new(vec![("w".into(), leaf(&d, &start))], OptimizerConfig::adamw(1e-2));
+            let err = other.restore(opt.steps(), &opt.param_step_counts(), &tensors).unwrap_err();
+            assert!(err.to_string().contains("--optimizer-state"), "{err}");
+        }
+    }
+
     use super::*;
     use memfit_tensor::memory::FaultInjection;
     use memfit_tensor::{DType, Device, DeviceConfig, DeviceKind};
@@ -501,7 +649,15 @@ mod tests {
     fn invalid_configurations_are_rejected() {
         let bad = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, nesterov: true, weight_decay: 0.0 };
         assert!(Optimizer::try_new(vec![], bad).is_err());
-        assert!(OptimizerConfig::Adam { lr: 0.1, betas: (1.0, 0.9), eps: 1e-8, weight_decay: 0.0 }.validate().is_err());
+        assert!(OptimizerConfig::Adam {
+            lr: 0.1,
+            betas: (1.0, 0.9),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            state: StateFormat::Fp32
+        }
+        .validate()
+        .is_err());
         assert!(OptimizerConfig::adam(-1.0).validate().is_err());
         assert!(OptimizerConfig::adamw(1e-3).validate().is_ok());
     }

@@ -794,10 +794,20 @@ fn optimizer_config(v: &Value) -> Res<OptimizerConfig> {
             nesterov: v.get("nesterov").and_then(Value::as_bool).unwrap_or(false),
             weight_decay: num("weight_decay", 0.0)?,
         },
-        "Adam" => OptimizerConfig::Adam { lr, betas, eps: num("eps", 1e-8)?, weight_decay: num("weight_decay", 0.0)? },
-        "AdamW" => {
-            OptimizerConfig::AdamW { lr, betas, eps: num("eps", 1e-8)?, weight_decay: num("weight_decay", 0.01)? }
-        }
+        "Adam" => OptimizerConfig::Adam {
+            lr,
+            betas,
+            eps: num("eps", 1e-8)?,
+            weight_decay: num("weight_decay", 0.0)?,
+            state: Default::default(),
+        },
+        "AdamW" => OptimizerConfig::AdamW {
+            lr,
+            betas,
+            eps: num("eps", 1e-8)?,
+            weight_decay: num("weight_decay", 0.01)?,
+            state: Default::default(),
+        },
         other => return Err(unsupported(format!("optimizer {other}"))),
     })
 }

@@ -147,7 +147,7 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &str) -> Result<Opti
 pub fn run_case(case: &BenchCase, kind: DeviceKind, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
     let spec = (case.spec)();
     let device = Device::new(DeviceConfig::new(kind))?;
-    let optimizer = OptimizerConfig::AdamW { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 };
+    let optimizer = OptimizerConfig::adamw(1e-3);
     let mut session = Session::new(device.clone(), &spec, optimizer, 0)?;
     // Two windows of data, reused across epochs: the data's size does not grow with the steps.
     let data = synthetic(&spec, case.batch * 2, 0);

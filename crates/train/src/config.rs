@@ -108,8 +108,8 @@ impl OptimizerChoice {
             OptimizerChoice::Sgd => {
                 OptimizerConfig::Sgd { lr, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 }
             }
-            OptimizerChoice::Adam => OptimizerConfig::Adam { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 },
-            OptimizerChoice::AdamW => OptimizerConfig::AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 },
+            OptimizerChoice::Adam => OptimizerConfig::adam(lr),
+            OptimizerChoice::AdamW => OptimizerConfig::adamw(lr),
         }
     }
 }
@@ -339,6 +339,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// The allocator's segments (`--segments`).
     pub segments: Segments,
+    /// How Adam's moments are stored (`--optimizer-state`; changes the numbers unless fp32).
+    pub optimizer_state: memfit_nn::StateFormat,
     /// Write a training checkpoint (to resume from) every this many optimizer steps (`--save-every`).
     pub save_every: Option<usize>,
     /// Directory of the training checkpoints (`--save-dir`); also written on SIGINT/SIGTERM.
@@ -467,6 +469,7 @@ impl Default for TrainConfig {
             checkpoint: CheckpointChoice::None,
             precision: Precision::Fp32,
             segments: Segments::Fixed,
+            optimizer_state: memfit_nn::StateFormat::Fp32,
             model: ModelKind::SimpleCnn,
             gpt: GptConfig::default(),
             data: None,

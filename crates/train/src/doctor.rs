@@ -100,6 +100,15 @@ pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
         let edits = vec![Edit::Set("--precision", "bf16".into())];
         add(&half, "saved activations in bf16".into(), edits, true)?;
     }
+    // Adam's moments in 8 bits (a quarter of their bytes).
+    if req.capacity.is_some() && req.optimizer.state_format() == memfit_nn::StateFormat::Fp32 {
+        if let memfit_nn::OptimizerConfig::Adam { .. } | memfit_nn::OptimizerConfig::AdamW { .. } = req.optimizer {
+            let compact =
+                PlanRequest { optimizer: req.optimizer.with_state_format(memfit_nn::StateFormat::Int8), ..req.clone() };
+            let edits = vec![Edit::Set("--optimizer-state", "int8".into())];
+            add(&compact, "Adam's moments in 8 bits, block-wise".into(), edits, true)?;
+        }
+    }
     // Two ranks, each with the budget (each needs a sample of every batch).
     if req.parallel.is_none() && req.capacity.is_some() && req.effective_batch >= 2 {
         let zero = PlanRequest { parallel: Some((ParallelMode::Zero1, 2)), ..req.clone() };

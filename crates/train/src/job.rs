@@ -294,7 +294,7 @@ fn plan_request(
 ) -> Result<PlanRequest, TrainError> {
     let request = PlanRequest {
         model: spec.clone(),
-        optimizer: cfg.optimizer.config(cfg.lr),
+        optimizer: cfg.optimizer.config(cfg.lr).with_state_format(cfg.optimizer_state),
         effective_batch: batch_size,
         capacity: cfg.memory,
         safety_margin: cfg.safety_margin,
@@ -720,7 +720,8 @@ fn check_model_flags(cfg: &TrainConfig) -> Result<(), TrainError> {
         memfit_nn::ModelKind::Gpt => ModelSpec::gpt(memfit_nn::GptConfig { vocab: 2, ..cfg.gpt }),
         kind => ModelSpec::image(kind, [1, 28, 28], memfit_data::NUM_CLASSES),
     };
-    Session::new(Device::meta(), &spec, cfg.optimizer.config(cfg.lr), cfg.seed)?.set_checkpointing(&cfg.checkpoint)?;
+    Session::new(Device::meta(), &spec, cfg.optimizer.config(cfg.lr).with_state_format(cfg.optimizer_state), cfg.seed)?
+        .set_checkpointing(&cfg.checkpoint)?;
     Ok(())
 }
 

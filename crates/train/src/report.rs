@@ -99,6 +99,8 @@ pub struct Report {
     pub context_bytes: Option<u64>,
     pub data: String,
     pub optimizer: String,
+    /// How Adam's moments were stored: fp32, bf16 or int8 (`--optimizer-state`).
+    pub optimizer_state: String,
     /// Learning rate.
     pub lr: f64,
     pub seed: u64,
@@ -276,6 +278,7 @@ impl Report {
             context_bytes: s.context_bytes,
             data: s.data_source.clone(),
             optimizer: s.config.optimizer.name().to_string(),
+            optimizer_state: s.config.optimizer_state.name().to_string(),
             lr: s.config.lr,
             seed: s.config.seed,
             threads: s.threads,

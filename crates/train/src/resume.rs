@@ -8,7 +8,8 @@
 //! - the parameters and buffers (batch-norm statistics): `step-K.model.safetensors`, PyTorch
 //!   `state_dict` names with the task's metadata (normalization, or the GPT's sizes and vocabulary),
 //!   the same file `--save` writes, so PyTorch and `--load` read it;
-//! - the optimizer's state (exp_avg, exp_avg_sq or momentum_buffer, named `{param}.{state}`):
+//! - the optimizer's state (exp_avg, exp_avg_sq or momentum_buffer, named `{param}.{state}`; 8-bit
+//!   moments as their u8 codes with `exp_avg_absmax`/`exp_avg_sq_absmax`):
 //!   `step-K.optimizer.safetensors`; its step counts in the JSON;
 //! - the position: the epoch and the windows done in it ([`Progress`]); the data order is a function
 //!   of the data seed and the epoch (`Samples::epoch_ids`), initialization of the seed only (and is
@@ -67,6 +68,9 @@ pub struct RunSpec {
     /// Absent in checkpoints written before `--precision` existed: fp32.
     #[serde(default = "fp32")]
     pub precision: String,
+    /// Absent in checkpoints written before `--optimizer-state` existed: fp32.
+    #[serde(default = "fp32")]
+    pub optimizer_state: String,
 }
 
 fn fp32() -> String {
@@ -94,6 +98,7 @@ impl RunSpec {
             data_seed: cfg.data_seed,
             checkpoint: cfg.checkpoint.as_flag(),
             precision: cfg.precision.name().to_string(),
+            optimizer_state: cfg.optimizer_state.name().to_string(),
         }
     }
 
@@ -118,6 +123,7 @@ impl RunSpec {
         cfg.data_seed = self.data_seed;
         cfg.checkpoint = CheckpointChoice::parse(&self.checkpoint).map_err(corrupt)?;
         cfg.precision = crate::config::Precision::parse(&self.precision).map_err(corrupt)?;
+        cfg.optimizer_state = memfit_nn::StateFormat::parse(&self.optimizer_state).map_err(corrupt)?;
         Ok(())
     }
 

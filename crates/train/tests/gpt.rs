@@ -61,7 +61,7 @@ fn the_golden_gpt_trains_through_the_task_path_like_pytorch() {
         shape: input.shape().to_vec(),
     };
     let spec = ModelSpec::gpt(GptConfig { vocab: 11, d_model: 16, heads: 2, layers: 2, max_t: 6 });
-    let adamw = OptimizerConfig::AdamW { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 };
+    let adamw = OptimizerConfig::adamw(1e-3);
     let mut session = Session::new(Device::cpu(), &spec, adamw, 0).unwrap();
     for (name, t) in session.model.parameters().into_iter().chain(session.model.buffers()) {
         t.copy_from(golden_tensor(&g, &format!("{case}/init/{name}"))).unwrap();

@@ -993,33 +993,79 @@ impl Backend for Cuda {
         exp_avg_sq: &Tensor,
         step: AdamStep,
     ) -> Result<()> {
-        let dt = param.dtype();
-        let sfx = float("adam_update", dt)?;
+        const NAME: &str = "adam_update";
+        let sfx = float(NAME, param.dtype())?;
         let n = param.numel();
-        // The cpu kernel's arithmetic (Note [Optimizer arithmetic]): Python floats, then the dtype.
-        let AdamStep { step, lr, betas: (beta1, beta2), eps, weight_decay, decoupled } = step;
-        let t = step as f64;
-        let (bc1, bc2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
-        let decay = weight_decay != 0.0 && decoupled;
-        let l2 = weight_decay != 0.0 && !decoupled;
         self.launch(
             &format!("adam_{sfx}"),
             self.grid(n, BLOCK),
             &mut [
-                Arg::Ptr(dense(param, "adam_update")?),
-                Arg::Ptr(dense(grad, "adam_update")?),
-                Arg::Ptr(dense(exp_avg, "adam_update")?),
-                Arg::Ptr(dense(exp_avg_sq, "adam_update")?),
-                scalar(dt, 1.0 - lr * weight_decay),
-                Arg::I32(decay as i32),
-                scalar(dt, weight_decay),
-                Arg::I32(l2 as i32),
-                scalar(dt, 1.0 - beta1),
-                scalar(dt, beta2),
-                scalar(dt, 1.0 - beta2),
-                scalar(dt, bc2.powf(0.5)),
-                scalar(dt, eps),
-                scalar(dt, -(lr / bc1)),
+                Arg::Ptr(dense(param, NAME)?),
+                Arg::Ptr(dense(grad, NAME)?),
+                Arg::Ptr(dense(exp_avg, NAME)?),
+                Arg::Ptr(dense(exp_avg_sq, NAME)?),
+                adam_args(step),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn adam_update_bf16_state(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        exp_avg: &Tensor,
+        exp_avg_sq: &Tensor,
+        step: AdamStep,
+    ) -> Result<()> {
+        const NAME: &str = "adam_update";
+        let n = param.numel();
+        self.launch(
+            "adam_bf16_state_f32",
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(param, NAME)?),
+                Arg::Ptr(dense(grad, NAME)?),
+                Arg::Ptr(dense(exp_avg, NAME)?),
+                Arg::Ptr(dense(exp_avg_sq, NAME)?),
+                adam_args(step),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn adam_update_8bit(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        m_codes: &Tensor,
+        m_absmax: &Tensor,
+        v_codes: &Tensor,
+        v_absmax: &Tensor,
+        step: AdamStep,
+    ) -> Result<()> {
+        const NAME: &str = "adam_update_8bit";
+        let n = param.numel();
+        let blocks = n.div_ceil(memfit_cpu::optim::QUANT_BLOCK);
+        // The kernels' `struct Maps`: the signed map, then the unsigned one, two f32 to a word.
+        let maps: Vec<u64> = [memfit_cpu::optim::dynamic_map(true), memfit_cpu::optim::dynamic_map(false)]
+            .iter()
+            .flat_map(|m| {
+                m.chunks(2).map(|w| u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32)).collect::<Vec<_>>()
+            })
+            .collect();
+        self.launch(
+            "adam_8bit_f32",
+            Launch { grid: blocks.clamp(1, self.machine.max_blocks() as usize) as u32, block: 256 },
+            &mut [
+                Arg::Ptr(dense(param, NAME)?),
+                Arg::Ptr(dense(grad, NAME)?),
+                Arg::Ptr(dense(m_codes, NAME)?),
+                Arg::Ptr(dense(m_absmax, NAME)?),
+                Arg::Ptr(dense(v_codes, NAME)?),
+                Arg::Ptr(dense(v_absmax, NAME)?),
+                adam_args(step),
+                Arg::Words(maps),
                 Arg::I64(n as i64),
             ],
         )
@@ -1813,6 +1859,28 @@ fn addr_arg(a: &memfit_cpu::attention::AttnAddr) -> Arg {
 
 fn addr_words(a: &memfit_cpu::attention::AttnAddr) -> [u64; 4] {
     [a.offset as u64, a.batch_stride as u64, a.head_stride as u64, a.row_stride as u64]
+}
+
+/// optim.cu's `struct AdamArgs`: the step's hyper-parameters as the cpu kernel derives them (Note
+/// [Optimizer arithmetic]: Python floats; the kernel casts each to the parameter's dtype).
+fn adam_args(step: AdamStep) -> Arg {
+    let AdamStep { step, lr, betas: (beta1, beta2), eps, weight_decay, decoupled } = step;
+    let t = step as f64;
+    let (bc1, bc2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+    let decay = weight_decay != 0.0 && decoupled;
+    let l2 = weight_decay != 0.0 && !decoupled;
+    Arg::Words(vec![
+        (1.0 - lr * weight_decay).to_bits(),
+        u64::from(decay),
+        weight_decay.to_bits(),
+        u64::from(l2),
+        (1.0 - beta1).to_bits(),
+        beta2.to_bits(),
+        (1.0 - beta2).to_bits(),
+        bc2.powf(0.5).to_bits(),
+        eps.to_bits(),
+        (-(lr / bc1)).to_bits(),
+    ])
 }
 
 /// The tile shape of attention.cu's tiled kernels for a head size (`ATTENTION_TILED`'s arguments).

@@ -201,6 +201,26 @@ backends! {
         exp_avg_sq: &Tensor,
         step: crate::ops::AdamStep,
     );
+    /// The same with f32 `param` and `grad` and bf16 moments (Note [Compact optimizer state]).
+    fn adam_update_bf16_state(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        exp_avg: &Tensor,
+        exp_avg_sq: &Tensor,
+        step: crate::ops::AdamStep,
+    );
+    /// The same with 8-bit block-wise moments: u8 codes and an f32 absolute maximum per block.
+    fn adam_update_8bit(
+        &self,
+        param: &Tensor,
+        grad: &Tensor,
+        m_codes: &Tensor,
+        m_absmax: &Tensor,
+        v_codes: &Tensor,
+        v_absmax: &Tensor,
+        step: crate::ops::AdamStep,
+    );
     /// `grad *= inv_scale` in place; sets `found_inf` when a value is inf or NaN before or after.
     fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool);
     // Seam B: matmul.

@@ -13,6 +13,9 @@
 use super::check_same;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::DType;
+/// Values per block of 8-bit optimizer state (one absolute maximum each).
+pub use memfit_cpu::optim::QUANT_BLOCK;
 pub(crate) use memfit_cpu::optim::{AdamStep, SgdStep};
 use std::sync::Arc;
 
@@ -102,9 +105,73 @@ pub fn adam_update(
     if step == 0 {
         return Err(Error::invalid("adam_update: steps are numbered from 1"));
     }
-    check_update("adam_update", param, grad, &[exp_avg, exp_avg_sq])?;
     let step = AdamStep { step, lr, betas, eps, weight_decay, decoupled };
+    // bf16 moments of an f32 parameter (Note [Compact optimizer state] in memfit-cpu).
+    if param.dtype() == DType::F32 && exp_avg.dtype() == DType::BF16 && exp_avg_sq.dtype() == DType::BF16 {
+        check_update("adam_update", param, grad, &[])?;
+        check_state("adam_update", param, &[(exp_avg, param.numel()), (exp_avg_sq, param.numel())])?;
+        return param.device().backend().adam_update_bf16_state(param, grad, exp_avg, exp_avg_sq, step);
+    }
+    check_update("adam_update", param, grad, &[exp_avg, exp_avg_sq])?;
     param.device().backend().adam_update(param, grad, exp_avg, exp_avg_sq, step)
+}
+
+/// Adam / AdamW as [`adam_update`] for an f32 parameter whose moments are 8-bit block-wise: u8
+/// `*_codes` of the parameter's length and f32 `*_absmax`, one per block of
+/// [`memfit_cpu::optim::QUANT_BLOCK`] values (Note [Compact optimizer state] in memfit-cpu). Zero
+/// codes and absolute maxima are zero moments.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_update_8bit(
+    param: &Tensor,
+    grad: &Tensor,
+    (m_codes, m_absmax): (&Tensor, &Tensor),
+    (v_codes, v_absmax): (&Tensor, &Tensor),
+    step: u64,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    decoupled: bool,
+) -> Result<()> {
+    let _op = param.device().op_scope("adam_update_8bit");
+    if step == 0 {
+        return Err(Error::invalid("adam_update_8bit: steps are numbered from 1"));
+    }
+    if param.dtype() != DType::F32 {
+        return Err(Error::dtype(format!("adam_update_8bit: the parameter must be f32, not {}", param.dtype())));
+    }
+    check_update("adam_update_8bit", param, grad, &[])?;
+    let (n, blocks) = (param.numel(), param.numel().div_ceil(memfit_cpu::optim::QUANT_BLOCK));
+    for (t, dtype) in [(m_codes, DType::U8), (v_codes, DType::U8), (m_absmax, DType::F32), (v_absmax, DType::F32)] {
+        if t.dtype() != dtype {
+            return Err(Error::dtype(format!(
+                "adam_update_8bit: codes are u8 and absolute maxima f32, got {}",
+                t.dtype()
+            )));
+        }
+    }
+    check_state("adam_update_8bit", param, &[(m_codes, n), (v_codes, n), (m_absmax, blocks), (v_absmax, blocks)])?;
+    let step = AdamStep { step, lr, betas, eps, weight_decay, decoupled };
+    param.device().backend().adam_update_8bit(param, grad, m_codes, m_absmax, v_codes, v_absmax, step)
+}
+
+/// Optimizer state of its own dtype beside `param`: on its device, contiguous, of the element counts
+/// given, sharing storage with nothing else given.
+fn check_state(op: &str, param: &Tensor, states: &[(&Tensor, usize)]) -> Result<()> {
+    for (i, (t, n)) in states.iter().enumerate() {
+        if !t.device().same(param.device()) {
+            return Err(Error::device(format!("{op}: tensors are on different devices")));
+        }
+        if t.numel() != *n || !t.is_contiguous() {
+            return Err(Error::shape(format!("{op}: a state tensor {:?} should be {n} contiguous values", t.shape())));
+        }
+        let shared = Arc::ptr_eq(t.storage(), param.storage())
+            || states[i + 1..].iter().any(|(o, _)| Arc::ptr_eq(t.storage(), o.storage()));
+        if shared {
+            return Err(Error::invalid(format!("{op}: parameter, gradient and state must not share storage")));
+        }
+    }
+    Ok(())
 }
 
 /// Multiplies each of `grads` in place by `inv_scale` (cast to the gradient's dtype, as GradScaler's

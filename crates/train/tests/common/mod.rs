@@ -9,7 +9,7 @@ use memfit_train::trainer::RunOutcome;
 use memfit_train::{RunOptions, Session};
 
 pub fn adamw() -> OptimizerConfig {
-    OptimizerConfig::AdamW { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+    OptimizerConfig::adamw(1e-3)
 }
 
 pub fn sgd() -> OptimizerConfig {
