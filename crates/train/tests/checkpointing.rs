@@ -260,6 +260,10 @@ fn the_doctor_lists_remedies_that_fit_when_applied() {
                 ("--checkpoint", Some(c)) => applied.checkpoint = CheckpointChoice::parse(c).unwrap(),
                 ("--micro-batch", None) => applied.micro_batch = None,
                 ("--precision", Some(p)) => applied.precision = memfit_train::Precision::parse(p).unwrap(),
+                ("--optimizer-state", Some(f)) => {
+                    applied.optimizer = applied.optimizer.with_state_format(memfit_nn::StateFormat::parse(f).unwrap())
+                }
+                ("--segments", Some(s)) => applied.segments = memfit_train::Segments::parse(s).unwrap(),
                 ("--parallel", Some("zero1")) => {
                     applied.parallel = Some((memfit_train::parallel::ParallelMode::Zero1, r.ranks))
                 }
