@@ -210,6 +210,14 @@ impl Cuda {
         Launch { grid: blocks as u32, block }
     }
 
+    /// An Adam kernel over dense (param, grad, exp_avg, exp_avg_sq), one thread per element.
+    fn adam_dense(&self, kernel: &str, tensors: [&Tensor; 4], step: AdamStep) -> Result<()> {
+        let n = tensors[0].numel();
+        let mut args = tensors.iter().map(|t| Ok(Arg::Ptr(dense(t, "adam_update")?))).collect::<Result<Vec<_>>>()?;
+        args.extend([adam_args(step), Arg::I64(n as i64)]);
+        self.launch(kernel, self.grid(n, BLOCK), &mut args)
+    }
+
     /// One block of [`WHOLE_BLOCK`] threads per tile of 32 columns of a column sum (`tiles` of them).
     fn column_tiles(&self, tiles: usize) -> Launch {
         Launch { grid: tiles.clamp(1, self.machine.max_blocks() as usize) as u32, block: WHOLE_BLOCK }
@@ -993,21 +1001,8 @@ impl Backend for Cuda {
         exp_avg_sq: &Tensor,
         step: AdamStep,
     ) -> Result<()> {
-        const NAME: &str = "adam_update";
-        let sfx = float(NAME, param.dtype())?;
-        let n = param.numel();
-        self.launch(
-            &format!("adam_{sfx}"),
-            self.grid(n, BLOCK),
-            &mut [
-                Arg::Ptr(dense(param, NAME)?),
-                Arg::Ptr(dense(grad, NAME)?),
-                Arg::Ptr(dense(exp_avg, NAME)?),
-                Arg::Ptr(dense(exp_avg_sq, NAME)?),
-                adam_args(step),
-                Arg::I64(n as i64),
-            ],
-        )
+        let sfx = float("adam_update", param.dtype())?;
+        self.adam_dense(&format!("adam_{sfx}"), [param, grad, exp_avg, exp_avg_sq], step)
     }
 
     fn adam_update_bf16_state(
@@ -1018,20 +1013,7 @@ impl Backend for Cuda {
         exp_avg_sq: &Tensor,
         step: AdamStep,
     ) -> Result<()> {
-        const NAME: &str = "adam_update";
-        let n = param.numel();
-        self.launch(
-            "adam_bf16_state_f32",
-            self.grid(n, BLOCK),
-            &mut [
-                Arg::Ptr(dense(param, NAME)?),
-                Arg::Ptr(dense(grad, NAME)?),
-                Arg::Ptr(dense(exp_avg, NAME)?),
-                Arg::Ptr(dense(exp_avg_sq, NAME)?),
-                adam_args(step),
-                Arg::I64(n as i64),
-            ],
-        )
+        self.adam_dense("adam_bf16_state_f32", [param, grad, exp_avg, exp_avg_sq], step)
     }
 
     fn adam_update_8bit(
