@@ -86,11 +86,16 @@ pub fn default_cache() -> Option<PathBuf> {
 
 /// What a cost model depends on besides the machine itself.
 fn cache_key(req: &PlanRequest) -> String {
+    // The kind of optimizer and how its state is stored (8-bit moments cost time), not its rates:
+    // they do not change the time. fp32 state adds nothing, so keys written before it still hold.
+    let kind = format!("{:?}", req.optimizer).split([' ', '{', '(']).next().unwrap_or_default().to_string();
+    let optimizer = match req.optimizer.state_format() {
+        memfit_nn::StateFormat::Fp32 => kind,
+        state => format!("{kind} state {}", state.name()),
+    };
     format!(
-        "costs v3 | {:?} | {} | isa {} | threads {} | memfit {}",
+        "costs v3 | {:?} | {optimizer} | isa {} | threads {} | memfit {}",
         req.model,
-        // The kind of optimizer, not its rates: they do not change the time.
-        format!("{:?}", req.optimizer).split([' ', '{', '(']).next().unwrap_or_default(),
         memfit_tensor::Isa::active(),
         rayon::current_num_threads(),
         env!("CARGO_PKG_VERSION")
