@@ -1039,6 +1039,7 @@ impl Allocator {
             by_category: self.current_by_category(),
             largest,
             injected,
+            expandable: self.config.expandable,
         }
     }
 }

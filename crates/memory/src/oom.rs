@@ -31,6 +31,8 @@ pub struct OutOfMemory {
     pub largest: Vec<LiveAllocation>,
     /// True when fault injection caused it.
     pub injected: bool,
+    /// The allocator had expandable segments (which grow by pages instead of taking new segments).
+    pub expandable: bool,
 }
 
 impl std::error::Error for OutOfMemory {}
@@ -60,7 +62,13 @@ impl fmt::Display for OutOfMemory {
         f.write_str(if self.injected { ". (injected fault)" } else { "." })?;
         // When the request itself is smaller than what is free, say why it still failed: memory is
         // reserved in whole segments.
-        if let (false, Some(_), Some(segment)) =
+        if !self.injected && self.capacity.is_some() && self.expandable && self.requested <= self.free {
+            f.write_str(
+                " No free block fits, and the pages its pool's expandable segment lacks for it (2 MiB at a time, \
+                 past the segment's free end) do not fit in what is free: free blocks inside a segment are not \
+                 at its end.",
+            )?;
+        } else if let (false, Some(_), Some(segment)) =
             (self.injected, self.capacity, crate::allocator::segment_size_for(self.requested))
         {
             if self.requested <= self.free && segment > self.free {
@@ -128,6 +136,7 @@ mod tests {
                 live(2 * MIB, Category::Activation, "add"),
             ],
             injected: false,
+            expandable: false,
         }
     }
 
@@ -172,6 +181,16 @@ mod tests {
         let text = oom.to_string();
         assert!(text.contains("new 2.00 MiB segment does not fit"), "{text}");
         assert!(!example().to_string().contains("segment"), "not said when the request itself is too big");
+    }
+
+    #[test]
+    fn with_expandable_segments_a_request_that_fits_what_is_free_says_why_it_failed_anyway() {
+        let oom = OutOfMemory { requested: MIB, free: 3 * MIB, expandable: true, ..example() };
+        let text = oom.to_string();
+        assert!(text.contains("expandable segment lacks"), "{text}");
+        assert!(!text.contains("new 2.00 MiB segment"), "no fixed-segment hint: {text}");
+        let too_big = OutOfMemory { expandable: true, ..example() }.to_string();
+        assert!(!too_big.contains("segment"), "not said when the request itself is too big: {too_big}");
     }
 
     /// Whether the "segment does not fit" hint is given for a request with `free` bytes free.
