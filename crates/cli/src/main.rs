@@ -783,6 +783,7 @@ fn run_with_progress(
 }
 
 fn plan(a: PlanArgs) -> Result<(), String> {
+    a.optimizer.check_state(a.optimizer_state)?;
     let spec = if a.model == ModelKind::Gpt {
         let config = a.gpt.config()?;
         let corpus = memfit_train::task::load_text(a.data.as_deref()).map_err(|e| e.to_string())?;

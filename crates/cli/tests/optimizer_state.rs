@@ -75,3 +75,17 @@ fn a_resumed_int8_run_ends_as_the_uninterrupted_one() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("--optimizer-state"), "{text}");
 }
+
+#[test]
+fn sgd_refuses_a_compact_state_it_does_not_have() {
+    for command in ["train", "plan"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args([command, "--model", "mlp", "--optimizer", "sgd", "--optimizer-state", "int8"])
+            .env("MEMFIT_CACHE_DIR", temp("costs"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command}: {text}");
+        assert!(text.contains("--optimizer adam or adamw"), "{command}: {text}");
+    }
+}

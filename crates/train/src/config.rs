@@ -102,6 +102,18 @@ impl OptimizerChoice {
         }
     }
 
+    /// Refuses an `--optimizer-state` this optimizer has no moments for (SGD's momentum stays fp32).
+    pub fn check_state(self, state: memfit_nn::StateFormat) -> Result<(), String> {
+        if self == OptimizerChoice::Sgd && state != memfit_nn::StateFormat::Fp32 {
+            return Err(format!(
+                "--optimizer-state {} stores Adam's moments: give it with --optimizer adam or adamw (sgd's momentum \
+                 stays fp32)",
+                state.name()
+            ));
+        }
+        Ok(())
+    }
+
     /// PyTorch's defaults, with SGD given momentum 0.9 (plain SGD trains these models slowly).
     pub fn config(self, lr: f64) -> OptimizerConfig {
         match self {
@@ -358,6 +370,7 @@ impl TrainConfig {
     /// with the flag's name; this guards library callers).
     pub fn check(&self) -> Result<(), crate::TrainError> {
         let bad = |m: String| Err(crate::TrainError::Invalid(m));
+        self.optimizer.check_state(self.optimizer_state).map_err(crate::TrainError::Invalid)?;
         if self.segments == Segments::Expandable && self.device.target() == memfit_tensor::Target::Cuda {
             return bad(format!(
                 "--segments expandable is not available on {} yet (a GPU's needs CUDA's virtual memory calls): use \
