@@ -157,9 +157,10 @@ struct RunArgs {
     precision: Precision,
     /// The allocator's segments: fixed (PyTorch's caching allocator: 2 MiB and 20 MiB segments, kept
     /// whole while a block in them lives), expandable (one segment per pool that grows and shrinks a
-    /// 2 MiB page at a time, so reserved follows allocated: PyTorch's expandable_segments; cpu only
-    /// for now), or auto (with --memory: fixed when the plan fits them, else expandable). Neither
-    /// changes a number [default: auto with --memory, else fixed].
+    /// 2 MiB page at a time, so reserved follows allocated: PyTorch's expandable_segments; on a GPU
+    /// through CUDA's virtual memory calls), or auto (with --memory: fixed when the plan fits them,
+    /// else expandable; a GPU keeps fixed ones unless asked). Neither changes a number [default:
+    /// auto with --memory, else fixed].
     #[arg(long, value_parser = Segments::parse)]
     segments: Option<Segments>,
     /// How Adam's two moments are stored: fp32 (as PyTorch), bf16 (half their bytes) or int8
@@ -303,7 +304,7 @@ struct PlanArgs {
     /// Storage of saved activations the plan assumes: fp32, bf16, fp16, or auto (bf16 weighed too).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
-    /// The allocator's segments the plan assumes: fixed, expandable (cpu only for now), or auto
+    /// The allocator's segments the plan assumes: fixed, expandable, or auto
     /// (expandable when fixed ones do not fit) [default: auto with --memory, else fixed].
     #[arg(long, value_parser = Segments::parse)]
     segments: Option<Segments>,

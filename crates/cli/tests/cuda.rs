@@ -117,10 +117,12 @@ fn emulated_report(args: &[&str], name: &str) -> Value {
 /// byte, the losses follow the cpu run's, and recovery from out-of-memory loses no sample.
 #[test]
 fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 5] = [
         ("mlp", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval"]),
         // 8-bit Adam state: its codes and blocks' maxima, allocated and predicted alike.
         ("mlp-int8", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval", "--optimizer-state", "int8"]),
+        // Expandable segments: device pages mapped and unmapped (the emulator's host pages).
+        ("mlp-expandable", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval", "--segments", "expandable"]),
         ("simplecnn", &["train", "--model", "simplecnn", "--max-steps", "2", "--no-eval"]),
         (
             "gpt",

@@ -40,6 +40,9 @@ pub struct Emulator {
     entries: Mutex<HashMap<String, Entry>>,
     /// Live allocations: address -> layout (so `free` frees only what `alloc` made).
     blocks: Mutex<HashMap<u64, Layout>>,
+    /// Expandable segments' address space: host reservations (the host backend's, which checks every
+    /// range against them), by base address and size.
+    reserved: Mutex<(memfit_memory::HostBackend, std::collections::BTreeMap<u64, usize>)>,
 }
 
 impl Emulator {
@@ -50,7 +53,12 @@ impl Emulator {
         // consequence (thread-local storage only).
         let library = unsafe { libloading::Library::new(&library_file) }
             .map_err(|e| crate::call_error(&format!("loading the CUDA emulator {}", library_file.display()), e))?;
-        Ok(Emulator { library, entries: Mutex::new(HashMap::new()), blocks: Mutex::new(HashMap::new()) })
+        Ok(Emulator {
+            library,
+            entries: Mutex::new(HashMap::new()),
+            blocks: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(Default::default()),
+        })
     }
 
     fn entry(&self, name: &str) -> Result<Entry, CudaError> {
@@ -78,7 +86,55 @@ fn unknown_kernel(name: &str) -> CudaError {
     CudaError::Call { what: format!("launching {name}"), detail: "no kernel of that name in memfit's sources".into() }
 }
 
+/// The reservation holding `address` (base and the offset into it).
+fn reservation_of(reservations: &std::collections::BTreeMap<u64, usize>, address: u64) -> Option<(u64, usize)> {
+    let (&base, &size) = reservations.range(..=address).next_back()?;
+    let offset = (address - base) as usize;
+    (offset < size).then_some((base, offset))
+}
+
+fn host_pointer(address: u64) -> Option<std::ptr::NonNull<u8>> {
+    std::ptr::NonNull::new(address as usize as *mut u8)
+}
+
 impl Machine for Emulator {
+    fn reserve(&self, bytes: usize) -> Result<u64, CudaError> {
+        use memfit_memory::SegmentBackend;
+        let mut guard = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        let (host, reservations) = &mut *guard;
+        let base =
+            host.reserve(bytes).ok().flatten().ok_or_else(|| crate::call_error("reserving address space", bytes))?;
+        reservations.insert(base.as_ptr() as usize as u64, bytes);
+        Ok(base.as_ptr() as usize as u64)
+    }
+
+    fn map(&self, address: u64, bytes: usize) -> Result<(), CudaError> {
+        use memfit_memory::SegmentBackend;
+        let mut guard = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        let (host, reservations) = &mut *guard;
+        let (base, offset) = reservation_of(reservations, address)
+            .ok_or_else(|| crate::call_error("mapping memory", "outside every reservation"))?;
+        host.map(host_pointer(base), offset, bytes).map_err(|_| crate::call_error("mapping memory", bytes))
+    }
+
+    fn unmap(&self, address: u64, bytes: usize) {
+        use memfit_memory::SegmentBackend;
+        let mut guard = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        let (host, reservations) = &mut *guard;
+        if let Some((base, offset)) = reservation_of(reservations, address) {
+            host.unmap(host_pointer(base), offset, bytes);
+        }
+    }
+
+    fn release(&self, address: u64, bytes: usize) {
+        use memfit_memory::SegmentBackend;
+        let mut guard = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        let (host, reservations) = &mut *guard;
+        if reservations.remove(&address).is_some() {
+            host.release(host_pointer(address), bytes);
+        }
+    }
+
     fn description(&self) -> String {
         "memfit's CUDA emulator (kernels run on the host)".to_string()
     }

@@ -19,6 +19,10 @@ pub struct Gpu {
     blas: Mutex<CudaBlas>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    ordinal: i32,
+    /// Expandable segments' pages: address -> the physical allocation mapped there (one per page,
+    /// so any run of pages can be unmapped alone).
+    pages: Mutex<std::collections::BTreeMap<u64, sys::CUmemGenericAllocationHandle>>,
     /// Blocks that fill every multiprocessor several times over (read once at open).
     max_blocks: u32,
     /// `name (sm_XY)`, as reports print it.
@@ -65,6 +69,8 @@ impl Gpu {
             blas: Mutex::new(blas),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            ordinal: ordinal as i32,
+            pages: Mutex::new(std::collections::BTreeMap::new()),
         })
     }
 
@@ -115,7 +121,119 @@ impl Gpu {
     }
 }
 
+impl Gpu {
+    /// Device memory of this GPU, as CUDA's virtual memory calls describe it.
+    fn page_properties(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct for which all zeros is valid (no handle types, no flags).
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = self.ordinal;
+        prop
+    }
+}
+
 impl Machine for Gpu {
+    fn reserve(&self, bytes: usize) -> Result<u64, CudaError> {
+        self.bind()?;
+        let prop = self.page_properties();
+        let mut granularity = 0usize;
+        // SAFETY: out-pointer to a local; the properties describe this device.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+        .result()
+        .map_err(|e| call_error("cuMemGetAllocationGranularity", e))?;
+        if granularity == 0 || crate::machine::PAGE % granularity != 0 {
+            return Err(call_error("expandable segments", format!("the GPU maps memory in units of {granularity} B")));
+        }
+        let mut address = 0;
+        // SAFETY: out-pointer to a local; reserving touches no memory.
+        unsafe { sys::cuMemAddressReserve(&mut address, bytes, 0, 0, 0) }
+            .result()
+            .map_err(|e| call_error("cuMemAddressReserve", e))?;
+        Ok(address)
+    }
+
+    fn map(&self, address: u64, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        let prop = self.page_properties();
+        let page = crate::machine::PAGE;
+        let mut mapped = Vec::new();
+        let result = (|| {
+            for at in (address..address + bytes as u64).step_by(page) {
+                let mut handle = 0;
+                // SAFETY: out-pointer to a local; then the page is mapped into our reservation at
+                // an address nothing is mapped at (the allocator maps only past a segment's end).
+                unsafe { sys::cuMemCreate(&mut handle, page, &prop, 0) }
+                    .result()
+                    .map_err(|e| call_error("cuMemCreate", e))?;
+                if let Err(e) = unsafe { sys::cuMemMap(at, page, 0, handle, 0) }.result() {
+                    // SAFETY: the handle just created, never mapped.
+                    let _ = unsafe { sys::cuMemRelease(handle) };
+                    return Err(call_error("cuMemMap", e));
+                }
+                mapped.push((at, handle));
+            }
+            // SAFETY: a plain C struct for which all zeros is valid; its fields are set next.
+            let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            access.location = prop.location;
+            access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            // SAFETY: the range is mapped (above); one descriptor.
+            unsafe { sys::cuMemSetAccess(address, bytes, &access, 1) }
+                .result()
+                .map_err(|e| call_error("cuMemSetAccess", e))?;
+            // SAFETY: the range is mapped and accessible; zero-filled as every segment is.
+            unsafe { result::memset_d8_sync(address, 0, bytes) }.map_err(|e| call_error("cuMemsetD8", e))
+        })();
+        match result {
+            Ok(()) => {
+                self.pages.lock().unwrap_or_else(|e| e.into_inner()).extend(mapped);
+                Ok(())
+            }
+            Err(e) => {
+                for (at, handle) in mapped {
+                    // SAFETY: pages this call mapped, unused.
+                    unsafe {
+                        let _ = sys::cuMemUnmap(at, page);
+                        let _ = sys::cuMemRelease(handle);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn unmap(&self, address: u64, bytes: usize) {
+        if self.bind().is_err() {
+            return;
+        }
+        // The pages' last users are kernels in flight on the stream: wait for them first.
+        let _ = self.stream.synchronize();
+        let mut pages = self.pages.lock().unwrap_or_else(|e| e.into_inner());
+        let gone: Vec<u64> = pages.range(address..address + bytes as u64).map(|(&a, _)| a).collect();
+        for at in gone {
+            if let Some(handle) = pages.remove(&at) {
+                // SAFETY: a page `map` mapped and nothing uses any more (the stream is idle).
+                unsafe {
+                    let _ = sys::cuMemUnmap(at, crate::machine::PAGE);
+                    let _ = sys::cuMemRelease(handle);
+                }
+            }
+        }
+    }
+
+    fn release(&self, address: u64, bytes: usize) {
+        if self.bind().is_ok() {
+            // SAFETY: a reservation of `reserve` with nothing mapped in it any more.
+            let _ = unsafe { sys::cuMemAddressFree(address, bytes) };
+        }
+    }
+
     fn description(&self) -> String {
         self.description.clone()
     }

@@ -137,4 +137,22 @@ pub trait Machine: Send + Sync {
     fn set_library_workspace(&self, address: u64, bytes: usize) -> Result<(), CudaError>;
     /// A strided batched product (cuBLAS's, in the workspace given).
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError>;
+
+    // Expandable segments (`memfit_memory`'s allocator): address space reserved once, device memory
+    // mapped into it and out again [`PAGE`] by [`PAGE`] (on a GPU, CUDA's virtual memory calls).
+    /// Reserves `bytes` of device address space; nothing is mapped in it.
+    fn reserve(&self, _bytes: usize) -> Result<u64, CudaError> {
+        Err(CudaError::Call { what: "reserving address space".into(), detail: "not supported here".into() })
+    }
+    /// Maps `bytes` (whole pages) of zero-filled device memory at `address`, inside a reservation.
+    fn map(&self, _address: u64, _bytes: usize) -> Result<(), CudaError> {
+        Err(CudaError::Call { what: "mapping memory".into(), detail: "not supported here".into() })
+    }
+    /// Unmaps the pages at `address` (after the work using them) and gives their memory back.
+    fn unmap(&self, _address: u64, _bytes: usize) {}
+    /// Returns a reservation (nothing mapped in it any more).
+    fn release(&self, _address: u64, _bytes: usize) {}
 }
+
+/// The unit expandable segments map (a GPU's usual mapping granularity, and the allocator's page).
+pub const PAGE: usize = memfit_memory::PAGE_BYTES as usize;

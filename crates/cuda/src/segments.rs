@@ -39,6 +39,28 @@ impl SegmentBackend for CudaSegments {
         Ok(NonNull::new(address as usize as *mut u8))
     }
 
+    fn reserve(&mut self, bytes: usize) -> Result<Option<NonNull<u8>>, ()> {
+        let address = self.machine.reserve(bytes).map_err(|_| ())?;
+        Ok(NonNull::new(address as usize as *mut u8))
+    }
+
+    fn map(&mut self, base: Option<NonNull<u8>>, offset: usize, bytes: usize) -> Result<(), ()> {
+        let base = Self::address(base).ok_or(())?;
+        self.machine.map(base + offset as u64, bytes).map_err(|_| ())
+    }
+
+    fn unmap(&mut self, base: Option<NonNull<u8>>, offset: usize, bytes: usize) {
+        if let Some(base) = Self::address(base) {
+            self.machine.unmap(base + offset as u64, bytes);
+        }
+    }
+
+    fn release(&mut self, base: Option<NonNull<u8>>, bytes: usize) {
+        if let Some(base) = Self::address(base) {
+            self.machine.release(base, bytes);
+        }
+    }
+
     fn free_segment(&mut self, ptr: Option<NonNull<u8>>, bytes: usize) {
         let Some(ptr) = ptr else { return };
         let address = ptr.as_ptr() as usize as u64;
@@ -49,6 +71,14 @@ impl SegmentBackend for CudaSegments {
         // The allocator frees a segment only when no block in it is allocated; the one stream
         // orders the free after the work that used it.
         self.machine.free(address);
+    }
+}
+
+/// Expandable segments: the machine's reservations and page mappings (addresses are device
+/// addresses, carried in the allocator's pointers as the fixed segments' are).
+impl CudaSegments {
+    fn address(base: Option<NonNull<u8>>) -> Option<u64> {
+        base.map(|b| b.as_ptr() as usize as u64)
     }
 }
 

@@ -224,13 +224,6 @@ impl Device {
     /// missing; nothing panics). The capacity is the config's, or for a GPU without one its free
     /// memory once the context exists.
     pub fn new(config: DeviceConfig) -> Result<Self> {
-        if config.expandable && config.kind.target() == Target::Cuda {
-            return Err(Error::device(format!(
-                "--device {}: expandable segments are not available on a GPU yet (they need CUDA's virtual memory \
-                 calls): use fixed segments there",
-                config.kind
-            )));
-        }
         let opened = crate::backend::open(config.kind)?;
         let capacity = config.capacity.or(opened.free_bytes);
         let mut allocator = Allocator::new(

@@ -128,8 +128,8 @@ impl OptimizerChoice {
 
 /// How the device's allocator reserves memory (`--segments`): PyTorch's caching allocator's fixed
 /// segments, or one expandable segment per pool whose reserved bytes follow the allocated ones
-/// (`memfit_memory`'s allocator docs). Neither changes a number; expandable is the cpu's only (a
-/// GPU's needs CUDA's virtual memory calls, not done yet).
+/// (`memfit_memory`'s allocator docs). Neither changes a number. On a GPU, expandable segments map
+/// device memory page by page with CUDA's virtual memory calls.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Segments {
     #[default]
@@ -168,7 +168,7 @@ impl Segments {
     }
 
     /// The policy the planner may weigh for `target`: a GPU's `auto` is fixed (its expandable
-    /// segments are still to do).
+    /// segments are tested on the emulated GPU only: they are there to be asked for, not chosen).
     pub fn on(self, target: memfit_tensor::Target) -> Segments {
         match (self, target) {
             (Segments::Auto, memfit_tensor::Target::Cuda) => Segments::Fixed,
@@ -371,13 +371,6 @@ impl TrainConfig {
     pub fn check(&self) -> Result<(), crate::TrainError> {
         let bad = |m: String| Err(crate::TrainError::Invalid(m));
         self.optimizer.check_state(self.optimizer_state).map_err(crate::TrainError::Invalid)?;
-        if self.segments == Segments::Expandable && self.device.target() == memfit_tensor::Target::Cuda {
-            return bad(format!(
-                "--segments expandable is not available on {} yet (a GPU's needs CUDA's virtual memory calls): use \
-                 --segments fixed or auto there",
-                self.device
-            ));
-        }
         let max_batch = limits::MAX_BATCH as usize;
         if !(1..=max_batch).contains(&self.batch_size) {
             return bad(format!("--batch-size {} is out of range: use 1 to {max_batch}", self.batch_size));
