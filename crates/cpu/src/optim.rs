@@ -202,25 +202,45 @@ impl<T: Float> Adam<T> {
     }
 }
 
-impl Adam<f32> {
-    /// The hyper-parameters of one step cast to f32 (Note [Optimizer arithmetic]).
-    fn of_step(step: AdamStep) -> Adam<f32> {
+impl<T: Float> Adam<T> {
+    /// The hyper-parameters of one step, derived in f64 (Python floats, as torch.optim computes
+    /// them) and cast to the parameter's dtype (Note [Optimizer arithmetic]).
+    fn of_step(step: AdamStep) -> Adam<T> {
         let AdamStep { step, lr, betas, eps, weight_decay, decoupled } = step;
         let (beta1, beta2) = betas;
-        // Python floats, as torch.optim computes them.
         let t = step as f64;
         let bias_correction1 = 1.0 - beta1.powf(t);
         let bias_correction2 = 1.0 - beta2.powf(t);
         Adam {
-            decay: (weight_decay != 0.0 && decoupled).then_some((1.0 - lr * weight_decay) as f32),
-            l2: (weight_decay != 0.0 && !decoupled).then_some(weight_decay as f32),
-            lerp_weight: (1.0 - beta1) as f32,
-            beta2: beta2 as f32,
-            one_minus_beta2: (1.0 - beta2) as f32,
-            bias_correction2_sqrt: bias_correction2.powf(0.5) as f32,
-            eps: eps as f32,
-            neg_step_size: (-(lr / bias_correction1)) as f32,
+            decay: (weight_decay != 0.0 && decoupled).then(|| T::of(1.0 - lr * weight_decay)),
+            l2: (weight_decay != 0.0 && !decoupled).then(|| T::of(weight_decay)),
+            lerp_weight: T::of(1.0 - beta1),
+            beta2: T::of(beta2),
+            one_minus_beta2: T::of(1.0 - beta2),
+            bias_correction2_sqrt: T::of(bias_correction2.powf(0.5)),
+            eps: T::of(eps),
+            neg_step_size: T::of(-(lr / bias_correction1)),
         }
+    }
+}
+
+/// `run` over matching chunks of a parameter, its gradient and its two moments: in parallel chunks
+/// of `PAR_CHUNK` for a large tensor (element-wise, so the result does not depend on the threads).
+fn over_chunks<P: Send, G: Sync, M: Send>(
+    p: &mut [P],
+    g: &[G],
+    m: &mut [M],
+    v: &mut [M],
+    run: impl Fn(&mut [P], &[G], &mut [M], &mut [M]) + Sync + Send,
+) {
+    if p.len() >= 2 * PAR_CHUNK {
+        p.par_chunks_mut(PAR_CHUNK)
+            .zip(g.par_chunks(PAR_CHUNK))
+            .zip(m.par_chunks_mut(PAR_CHUNK))
+            .zip(v.par_chunks_mut(PAR_CHUNK))
+            .for_each(|(((p, g), m), v)| run(p, g, m, v));
+    } else {
+        run(p, g, m, v);
     }
 }
 
@@ -344,8 +364,8 @@ impl Codebook {
     }
 }
 
-/// The codebooks of the two moments' maps (built once).
-fn codebooks() -> &'static (Codebook, Codebook) {
+/// The codebooks of the two moments' maps, exp_avg's (signed) and exp_avg_sq's (built once).
+pub fn codebooks() -> &'static (Codebook, Codebook) {
     static BOOKS: std::sync::OnceLock<(Codebook, Codebook)> = std::sync::OnceLock::new();
     BOOKS.get_or_init(|| (Codebook::new(dynamic_map(true)), Codebook::new(dynamic_map(false))))
 }
@@ -373,11 +393,11 @@ pub fn adam_update_bf16_state(
     step: AdamStep,
 ) -> Result<()> {
     use half::bf16;
-    let k = Adam::of_step(step);
+    let k = Adam::<f32>::of_step(step);
     let (p, g) = (param.slice_mut::<f32>()?, grad.slice::<f32>()?);
     let (m, v) = (exp_avg.slice_mut::<bf16>()?, exp_avg_sq.slice_mut::<bf16>()?);
     const PART: usize = 1024;
-    let run = |p: &mut [f32], g: &[f32], m: &mut [bf16], v: &mut [bf16]| {
+    over_chunks(p, g, m, v, |p, g, m, v| {
         let (mut m32, mut v32) = ([0.0f32; PART], [0.0f32; PART]);
         for (((p, g), m), v) in p.chunks_mut(PART).zip(g.chunks(PART)).zip(m.chunks_mut(PART)).zip(v.chunks_mut(PART)) {
             let n = p.len();
@@ -389,16 +409,7 @@ pub fn adam_update_bf16_state(
                 (m[i], v[i]) = (bf16::from_f32(m32[i]), bf16::from_f32(v32[i]));
             }
         }
-    };
-    if p.len() >= 2 * PAR_CHUNK {
-        p.par_chunks_mut(PAR_CHUNK)
-            .zip(g.par_chunks(PAR_CHUNK))
-            .zip(m.par_chunks_mut(PAR_CHUNK))
-            .zip(v.par_chunks_mut(PAR_CHUNK))
-            .for_each(|(((p, g), m), v)| run(p, g, m, v));
-    } else {
-        run(p, g, m, v);
-    }
+    });
     Ok(())
 }
 
@@ -414,7 +425,7 @@ pub fn adam_update_8bit(
     v_absmax: View<'_>,
     step: AdamStep,
 ) -> Result<()> {
-    let k = Adam::of_step(step);
+    let k = Adam::<f32>::of_step(step);
     let (signed, unsigned) = codebooks();
     let (p, g) = (param.slice_mut::<f32>()?, grad.slice::<f32>()?);
     let (mc, vc) = (m_codes.slice_mut::<u8>()?, v_codes.slice_mut::<u8>()?);
@@ -456,39 +467,11 @@ pub fn adam_update(
     exp_avg_sq: View<'_>,
     step: AdamStep,
 ) -> Result<()> {
-    let AdamStep { step, lr, betas, eps, weight_decay, decoupled } = step;
-    let (beta1, beta2) = betas;
-    // Python floats, as torch.optim computes them.
-    let t = step as f64;
-    let bias_correction1 = 1.0 - beta1.powf(t);
-    let bias_correction2 = 1.0 - beta2.powf(t);
-    let step_size = lr / bias_correction1;
-    let bias_correction2_sqrt = bias_correction2.powf(0.5);
     with_float!(param.dtype(), "adam_update", T => {
-        let k = Adam::<T> {
-            decay: (weight_decay != 0.0 && decoupled).then(|| T::of(1.0 - lr * weight_decay)),
-            l2: (weight_decay != 0.0 && !decoupled).then(|| T::of(weight_decay)),
-            lerp_weight: T::of(1.0 - beta1),
-            beta2: T::of(beta2),
-            one_minus_beta2: T::of(1.0 - beta2),
-            bias_correction2_sqrt: T::of(bias_correction2_sqrt),
-            eps: T::of(eps),
-            neg_step_size: T::of(-step_size),
-        };
-        let p = param.slice_mut::<T>()?;
-        let g = grad.slice::<T>()?;
-        let m = exp_avg.slice_mut::<T>()?;
-        let v = exp_avg_sq.slice_mut::<T>()?;
-        let run = |p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]| k.update_chunk(p, g, m, v);
-        if p.len() >= 2 * PAR_CHUNK {
-            p.par_chunks_mut(PAR_CHUNK)
-                .zip(g.par_chunks(PAR_CHUNK))
-                .zip(m.par_chunks_mut(PAR_CHUNK))
-                .zip(v.par_chunks_mut(PAR_CHUNK))
-                .for_each(|(((p, g), m), v)| run(p, g, m, v));
-        } else {
-            run(p, g, m, v);
-        }
+        let k = Adam::<T>::of_step(step);
+        let (p, g) = (param.slice_mut::<T>()?, grad.slice::<T>()?);
+        let (m, v) = (exp_avg.slice_mut::<T>()?, exp_avg_sq.slice_mut::<T>()?);
+        over_chunks(p, g, m, v, |p, g, m, v| k.update_chunk(p, g, m, v));
     });
     Ok(())
 }

@@ -715,7 +715,12 @@ impl Allocator {
             base = self.try_segment(size);
         }
         let base = base?;
+        Ok(self.add_segment(pool, base, size, 0, request))
+    }
 
+    /// Records a new segment of `size` bytes at `base` (an expandable one: `span` bytes of address
+    /// space, `size` of them mapped) as one free block of `pool`, and returns that block.
+    fn add_segment(&mut self, pool: Pool, base: Option<NonNull<u8>>, size: u64, span: u64, request: Request) -> u32 {
         let id = self.next_segment_id;
         self.next_segment_id += 1;
         let index = self.insert_block(Block {
@@ -730,15 +735,17 @@ impl Allocator {
             serial: 0,
         });
         let address = self.next_address;
-        // Segments never overlap in the address space: the next one starts past this one, 2 MiB
-        // aligned (sizes are bounded by isize::MAX, so this cannot overflow a u64 for 2^31 segments).
-        self.next_address = address.saturating_add(size.next_multiple_of(SMALL_BUFFER));
-        self.segments.insert(id, Segment { base, address, size, pool, free_bytes: size, first_block: index, span: 0 });
+        // Segments never overlap in the address space: the next one starts past this one (or its
+        // reservation), 2 MiB aligned (sizes are bounded by isize::MAX, so this cannot overflow a u64
+        // for 2^31 segments).
+        self.next_address = address.saturating_add(size.max(span).next_multiple_of(SMALL_BUFFER));
+        self.segments.insert(id, Segment { base, address, size, pool, free_bytes: size, first_block: index, span });
         self.free_set(pool).insert((size, id, 0, index));
         self.stats.reserved_bytes.increase(size);
         self.stats.segment.increase(1);
-        self.record(EventKind::SegmentAlloc, size, address, request);
-        Ok(index)
+        let kind = if span > 0 { EventKind::SegmentMap } else { EventKind::SegmentAlloc };
+        self.record(kind, size, address, request);
+        index
     }
 
     /// Asks the backend for a segment if the capacity (and the `isize::MAX` total) allows it.
@@ -857,27 +864,7 @@ impl Allocator {
             self.backend.release(base, span_bytes);
             return Err(());
         }
-        let id = self.next_segment_id;
-        self.next_segment_id += 1;
-        let index = self.insert_block(Block {
-            segment: id,
-            offset: 0,
-            size: pages,
-            allocated: false,
-            prev: None,
-            next: None,
-            owner: request,
-            requested: 0,
-            serial: 0,
-        });
-        let address = self.next_address;
-        self.next_address = address.saturating_add(span);
-        self.segments
-            .insert(id, Segment { base, address, size: pages, pool, free_bytes: pages, first_block: index, span });
-        self.free_set(pool).insert((pages, id, 0, index));
-        self.stats.reserved_bytes.increase(pages);
-        self.stats.segment.increase(1);
-        self.record(EventKind::SegmentMap, pages, address, request);
+        self.add_segment(pool, base, pages, span, request);
         Ok(())
     }
 

@@ -1030,7 +1030,8 @@ impl Backend for Cuda {
         let n = param.numel();
         let blocks = n.div_ceil(memfit_cpu::optim::QUANT_BLOCK);
         // The kernels' `struct Maps`: the signed map, then the unsigned one, two f32 to a word.
-        let maps: Vec<u64> = [memfit_cpu::optim::dynamic_map(true), memfit_cpu::optim::dynamic_map(false)]
+        let (signed, unsigned) = memfit_cpu::optim::codebooks();
+        let maps: Vec<u64> = [&signed.map, &unsigned.map]
             .iter()
             .flat_map(|m| {
                 m.chunks(2).map(|w| u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32)).collect::<Vec<_>>()
