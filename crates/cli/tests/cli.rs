@@ -532,7 +532,8 @@ fn peak_resident_memory_stays_within_the_cap_and_the_host_memory_the_report_name
         let host = &r["host"];
         let bytes = |key: &str| host[key].as_u64().unwrap_or_else(|| panic!("{name}: host.{key} in {host}"));
         let cap = r["capacity_bytes"].as_u64().unwrap();
-        let held = bytes("dataset_bytes") + bytes("timeline_bytes") + bytes("kernel_workspace_bytes");
+        let held =
+            bytes("dataset_bytes") + bytes("timeline_bytes") + bytes("kernel_workspace_bytes") + bytes("pinned_bytes");
         let (start, peak) = (bytes("rss_at_start_bytes"), bytes("peak_rss_bytes"));
         let bound = start + cap + held + SLACK;
         assert!(peak <= bound, "{name}: peak RSS {peak} > {bound} (start {start} + cap {cap} + host {held} + slack)");

@@ -162,6 +162,13 @@ pub fn max_all_backward(x: View<'_>, max: View<'_>, grad: View<'_>, out: View<'_
     Ok(())
 }
 
+/// How many elements of the int64 `a` and `b` are equal, into the int64 0-d `out`.
+pub fn count_equal(a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+    let equal = a.slice::<i64>()?.iter().zip(b.slice::<i64>()?).filter(|(a, b)| a == b).count();
+    out.slice_mut::<i64>()?[0] = equal as i64;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

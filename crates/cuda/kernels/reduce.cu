@@ -84,3 +84,12 @@
 
 REDUCE(float, f32)
 REDUCE(double, f64)
+
+/* How many of the n int64 values of a equal b's, into *out (one block; a prediction count). */
+extern "C" __global__ void count_equal_i64(const i64* a, const i64* b, i64 n, i64* out) {
+    __shared__ i64 shared[1024];
+    i64 count = 0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) count += a[i] == b[i] ? 1 : 0;
+    count = block_sum<i64>(count, shared);
+    if (threadIdx.x == 0) *out = count;
+}

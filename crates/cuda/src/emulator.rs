@@ -40,6 +40,8 @@ pub struct Emulator {
     entries: Mutex<HashMap<String, Entry>>,
     /// Live allocations: address -> layout (so `free` frees only what `alloc` made).
     blocks: Mutex<HashMap<u64, Layout>>,
+    /// Live "pinned" host allocations, likewise.
+    pinned: Mutex<HashMap<u64, Layout>>,
     /// Expandable segments' address space: host reservations (the host backend's, which checks every
     /// range against them), by base address and size.
     reserved: Mutex<(memfit_memory::HostBackend, std::collections::BTreeMap<u64, usize>)>,
@@ -57,6 +59,7 @@ impl Emulator {
             library,
             entries: Mutex::new(HashMap::new()),
             blocks: Mutex::new(HashMap::new()),
+            pinned: Mutex::new(HashMap::new()),
             reserved: Mutex::new(Default::default()),
         })
     }
@@ -91,6 +94,16 @@ fn reservation_of(reservations: &std::collections::BTreeMap<u64, usize>, address
     let (&base, &size) = reservations.range(..=address).next_back()?;
     let offset = (address - base) as usize;
     (offset < size).then_some((base, offset))
+}
+
+/// Pinned memory's layout: page-aligned, as `cuMemHostAlloc`'s is.
+fn pinned_layout(bytes: usize) -> Result<Layout, CudaError> {
+    let refused =
+        || CudaError::Call { what: format!("allocating {bytes} B of host memory"), detail: "invalid size".into() };
+    if bytes == 0 {
+        return Err(refused());
+    }
+    Layout::from_size_align(bytes, 4096).map_err(|_| refused())
 }
 
 fn host_pointer(address: u64) -> Option<std::ptr::NonNull<u8>> {
@@ -176,6 +189,52 @@ impl Machine for Emulator {
         Ok(())
     }
 
+    fn pinned_alloc(&self, bytes: usize) -> Result<u64, CudaError> {
+        let layout = pinned_layout(bytes)?;
+        // SAFETY: a layout of non-zero size (`pinned_layout` refuses 0).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(CudaError::Call {
+                what: format!("allocating {bytes} B of host memory"),
+                detail: "out of memory".into(),
+            });
+        }
+        self.pinned.lock().unwrap_or_else(|e| e.into_inner()).insert(ptr as u64, layout);
+        Ok(ptr as u64)
+    }
+
+    fn pinned_free(&self, host: u64) {
+        if let Some(layout) = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).remove(&host) {
+            // SAFETY: allocated by `pinned_alloc` with this layout, freed once (removed above).
+            unsafe { std::alloc::dealloc(host as *mut u8, layout) };
+        }
+    }
+
+    fn upload_async(&self, dst: u64, host: u64, bytes: usize) -> Result<(), CudaError> {
+        // The emulator's work is done when it returns, so every copy is complete at once.
+        // SAFETY: `host` is pinned memory of at least `bytes`, `dst` emulated device memory too.
+        unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn event_create(&self) -> Result<u64, CudaError> {
+        Ok(1)
+    }
+
+    fn event_record(&self, _: u64) -> Result<(), CudaError> {
+        Ok(())
+    }
+
+    fn event_done(&self, _: u64) -> Result<bool, CudaError> {
+        Ok(true)
+    }
+
+    fn event_wait(&self, _: u64) -> Result<(), CudaError> {
+        Ok(())
+    }
+
+    fn event_destroy(&self, _: u64) {}
+
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), CudaError> {
         // SAFETY: as `upload`.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -230,6 +289,10 @@ impl Drop for Emulator {
         let addresses: Vec<u64> = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
         for address in addresses {
             self.free(address);
+        }
+        let pinned: Vec<u64> = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        for host in pinned {
+            self.pinned_free(host);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! An open GPU: its context (the primary context of device `cuda:N`), what it is, how much memory
 //! the context (and cuBLAS's handle) took, and the [`Machine`] it is: memory, copies and launches on
 //! one stream (the context's default stream), kernels loaded from NVRTC's PTX on first use,
-//! products by cuBLAS.
+//! products by cuBLAS, uploads from pinned host memory with events.
 
 use crate::kernels::{compile_cached, source_of};
 use crate::libraries::{probe, Library};
@@ -276,6 +276,66 @@ impl Machine for Gpu {
         self.bind()?;
         // SAFETY: `dst` is device memory of at least `src.len()` bytes (the caller's contract).
         unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| call_error("cuMemcpyHtoD", e))
+    }
+
+    fn pinned_alloc(&self, bytes: usize) -> Result<u64, CudaError> {
+        self.bind()?;
+        // SAFETY: a plain page-locked host allocation; its bytes are written before any copy reads them.
+        unsafe { result::malloc_host(bytes, 0) }.map(|p| p as u64).map_err(|e| call_error("cuMemHostAlloc", e))
+    }
+
+    fn pinned_free(&self, host: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: an address of `pinned_alloc`, freed once, with no copy from it pending (the
+            // caller's contract).
+            let _ = unsafe { result::free_host(host as *mut std::ffi::c_void) };
+        }
+    }
+
+    fn upload_async(&self, dst: u64, host: u64, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: `host` is pinned memory of at least `bytes` that the caller leaves untouched until
+        // an event recorded after this copy is done; `dst` is device memory of at least `bytes`.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, host as *const std::ffi::c_void, bytes, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| call_error("cuMemcpyHtoDAsync", e))
+    }
+
+    fn event_create(&self) -> Result<u64, CudaError> {
+        self.bind()?;
+        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(|e| e as u64)
+            .map_err(|e| call_error("cuEventCreate", e))
+    }
+
+    fn event_record(&self, event: u64) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: an event of `event_create`, not destroyed (the caller's contract).
+        unsafe { result::event::record(event as sys::CUevent, self.stream.cu_stream()) }
+            .map_err(|e| call_error("cuEventRecord", e))
+    }
+
+    fn event_done(&self, event: u64) -> Result<bool, CudaError> {
+        self.bind()?;
+        // SAFETY: as `event_record`.
+        match unsafe { result::event::query(event as sys::CUevent) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(call_error("cuEventQuery", e)),
+        }
+    }
+
+    fn event_wait(&self, event: u64) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: as `event_record`.
+        unsafe { result::event::synchronize(event as sys::CUevent) }.map_err(|e| call_error("cuEventSynchronize", e))
+    }
+
+    fn event_destroy(&self, event: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: as `event_record`; destroyed once.
+            let _ = unsafe { result::event::destroy(event as sys::CUevent) };
+        }
     }
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), CudaError> {

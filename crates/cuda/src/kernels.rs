@@ -33,7 +33,11 @@ pub const SOURCES: [Source; 12] = [
     },
     Source { name: "dropout", text: include_str!("../kernels/dropout.cu"), kernels: &["dropout_"] },
     Source { name: "embedding", text: include_str!("../kernels/embedding.cu"), kernels: &["embedding_"] },
-    Source { name: "reduce", text: include_str!("../kernels/reduce.cu"), kernels: &["sum_", "max_dim_", "max_all_"] },
+    Source {
+        name: "reduce",
+        text: include_str!("../kernels/reduce.cu"),
+        kernels: &["sum_", "max_dim_", "max_all_", "count_equal_"],
+    },
     Source { name: "softmax", text: include_str!("../kernels/softmax.cu"), kernels: &["softmax_"] },
     Source {
         name: "loss",

@@ -5,7 +5,7 @@
 //! Everything is loaded dynamically (`cudarc` with `dynamic-loading`). `cudarc`'s loader panics
 //! when a library is missing, so [`probe`] looks for each library first and the caller gets a
 //! [`CudaError`] that names what is missing; no function here calls into a library [`probe`] has
-//! not found.
+//! not found. Batches go up through pinned host buffers without the host waiting ([`Staging`]).
 //!
 //! A GPU is a [`Machine`] (memory, copies, launches by kernel name, cuBLAS products): the real one
 //! ([`Gpu`]) or the [`Emulator`], which runs the same kernel sources on the host so CI tests every
@@ -21,12 +21,14 @@ pub mod libraries;
 pub mod machine;
 pub mod nvml;
 pub mod segments;
+pub mod staging;
 
 pub use emulator::Emulator;
 pub use gpu::Gpu;
 pub use libraries::{probe, Library};
 pub use machine::{Arg, Gemm, GemmType, Launch, Machine, Strided};
 pub use segments::CudaSegments;
+pub use staging::Staging;
 
 use std::fmt;
 

@@ -4,7 +4,10 @@
 //! compiled for the host), so every launcher the backend has runs in CI, where there is no GPU.
 //!
 //! Addresses are the device's (`u64`, as `CUdeviceptr`); on the emulator they are host addresses.
-//! All work goes to one stream in order; a copy to the host waits for the work before it.
+//! All work goes to one stream in order; a copy to the host waits for the work before it. Batches
+//! reach the device without the host waiting: written into pinned host memory and copied in stream
+//! order ([`Machine::upload_async`], see [`crate::Staging`]), with events telling the host when a
+//! pinned buffer may be written again.
 
 use crate::CudaError;
 use std::ffi::c_void;
@@ -124,6 +127,23 @@ pub trait Machine: Send + Sync {
     fn free(&self, address: u64);
     /// Copies host bytes to the device (in stream order).
     fn upload(&self, dst: u64, src: &[u8]) -> Result<(), CudaError>;
+    /// Page-locked host memory of `bytes` (the host address) that the device copies from without
+    /// the host waiting (`cuMemHostAlloc`); `Err` when the system has none left.
+    fn pinned_alloc(&self, bytes: usize) -> Result<u64, CudaError>;
+    /// Gives back memory of [`Machine::pinned_alloc`] (no copy from it may be pending).
+    fn pinned_free(&self, host: u64);
+    /// Copies `bytes` of pinned host memory at `host` to `dst` in stream order and returns at once:
+    /// the host memory must stay as it is until an event recorded after this call is done.
+    fn upload_async(&self, dst: u64, host: u64, bytes: usize) -> Result<(), CudaError>;
+    /// A new event (a mark in the stream, done once the work before it is).
+    fn event_create(&self) -> Result<u64, CudaError>;
+    /// Marks the stream's current end with `event`.
+    fn event_record(&self, event: u64) -> Result<(), CudaError>;
+    /// Whether the work before `event`'s mark is done (never waits).
+    fn event_done(&self, event: u64) -> Result<bool, CudaError>;
+    /// Waits on the host until the work before `event`'s mark is done.
+    fn event_wait(&self, event: u64) -> Result<(), CudaError>;
+    fn event_destroy(&self, event: u64);
     /// Copies device bytes to the host once all work before it is done.
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), CudaError>;
     /// Copies `bytes` between device addresses (in stream order).

@@ -365,7 +365,7 @@ fn fill_from_bytes(dst: &Tensor, bytes: &[u8]) -> Result<()> {
         return Err(Error::invalid(format!("{} bytes do not hold {:?} {}", bytes.len(), dst.shape(), dst.dtype())));
     }
     fn decode<T: Element, const N: usize>(dst: &Tensor, bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Result<()> {
-        dst.write_with::<T>(|values| {
+        dst.overwrite_with::<T>(|values| {
             for (v, chunk) in values.iter_mut().zip(bytes.chunks_exact(N)) {
                 *v = f(chunk.try_into().unwrap_or([0; N]));
             }

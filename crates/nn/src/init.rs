@@ -12,7 +12,7 @@
 //! - `nn.LayerNorm` / `nn.BatchNorm2d`: weight 1, bias 0; running_mean 0, running_var 1.
 //! - `nn.MultiheadAttention`: in_proj_weight `xavier_uniform_`, in_proj_bias and out_proj.bias 0.
 //!
-//! Values are written straight into the allocated tensor (`Tensor::write_with`); on `meta` only the
+//! Values are written straight into the allocated tensor (`Tensor::overwrite_with`); on `meta` only the
 //! identical allocation happens, so both devices see the same allocator events.
 
 use memfit_data::Rng;
@@ -88,7 +88,7 @@ impl Initializer {
     ) -> Result<Tensor> {
         let t = Tensor::empty(&self.device, shape, DType::F32, category, "init")?;
         let mut rng = self.rng(name);
-        t.write_with::<f32>(|values| values.iter_mut().for_each(|v| *v = draw(&mut rng)))?;
+        t.overwrite_with::<f32>(|values| values.iter_mut().for_each(|v| *v = draw(&mut rng)))?;
         Ok(t)
     }
 
@@ -151,7 +151,7 @@ impl Initializer {
     /// (key j > query i: attention not allowed).
     pub fn causal_mask(&self, t: usize) -> Result<Tensor> {
         let mask = Tensor::empty(&self.device, &[t, t], DType::Bool, Category::Other, "init")?;
-        mask.write_with::<bool>(|values| values.iter_mut().enumerate().for_each(|(k, v)| *v = k % t > k / t))?;
+        mask.overwrite_with::<bool>(|values| values.iter_mut().enumerate().for_each(|(k, v)| *v = k % t > k / t))?;
         Ok(mask)
     }
 }

@@ -318,6 +318,12 @@ impl Device {
         self.0.context_bytes
     }
 
+    /// Pinned host bytes a GPU holds for uploads now, and the most it held at once (0 elsewhere):
+    /// host memory, outside the capacity.
+    pub fn pinned_bytes(&self) -> (u64, u64) {
+        self.backend().pinned_bytes()
+    }
+
     /// A GPU's free memory when it opened (after its context was made); None on `cpu` and `meta`.
     pub fn free_at_open(&self) -> Option<u64> {
         self.0.free_at_open

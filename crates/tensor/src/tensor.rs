@@ -275,6 +275,40 @@ impl Tensor {
         Ok(())
     }
 
+    /// Overwrites every element of a contiguous tensor with what `fill` writes (it must write all of
+    /// them: on a GPU the slice it gets holds leftovers, not the tensor's values). For fresh data
+    /// from the host (a batch, positions, initial weights): on a GPU the values go through a pinned
+    /// buffer and are copied in stream order, so the host does not wait for the device (nothing is
+    /// read back, unlike [`Tensor::write_with`]). Does nothing on a device that holds no data.
+    pub fn overwrite_with<T: Element>(&self, fill: impl FnOnce(&mut [T])) -> Result<()> {
+        if !self.device().computes() {
+            return Ok(());
+        }
+        if self.device().host_readable() {
+            fill(self.slice_mut::<T>()?);
+            return Ok(());
+        }
+        self.check_dtype::<T>()?;
+        if !self.is_contiguous() {
+            return Err(Error::shape(format!("overwrite_with needs a contiguous tensor, not {:?}", self.layout())));
+        }
+        let mut fill = Some(fill);
+        let mut misaligned = false;
+        self.device().backend().upload_with(self, &mut |bytes: &mut [u8]| {
+            // SAFETY: `T` is a plain number type (no padding, every bit pattern the caller writes is
+            // its own), and `align_to_mut` only yields whole, aligned elements.
+            let (head, values, tail) = unsafe { bytes.align_to_mut::<T>() };
+            match fill.take() {
+                Some(f) if head.is_empty() && tail.is_empty() => f(values),
+                _ => misaligned = true,
+            }
+        })?;
+        if misaligned {
+            return Err(Error::device("internal error: an upload buffer is not aligned for its elements".to_string()));
+        }
+        Ok(())
+    }
+
     /// Copies the elements out in row-major order (any layout). Errors on meta.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         if self.device().computes() && !self.device().host_readable() {

@@ -875,3 +875,21 @@ fn gelu_linear_backward_scratch_holds_the_derivative_only_when_needed() {
     // 3 rows of 64 f64; the weight gradient [2, 64] is smaller.
     assert_eq!(scratch, Some(3 * 64 * 8));
 }
+
+/// `count_equal` counts equal int64 elements of any layout (a transposed view too) into a 0-d
+/// int64 tensor; other dtypes and shapes are refused, naming both.
+#[test]
+fn count_equal_counts_equal_elements_and_refuses_other_dtypes_or_shapes() {
+    let device = Device::cpu();
+    let a = Tensor::from_slice(&device, &[1i64, 2, 3, 4, 5, 6], &[2, 3], Category::Input).unwrap();
+    let b = Tensor::from_slice(&device, &[1i64, 0, 3, 4, 0, 6], &[2, 3], Category::Input).unwrap();
+    let c = a.count_equal(&b).unwrap();
+    assert_eq!((c.shape().to_vec(), c.dtype(), c.item().unwrap()), (vec![], DType::I64, 4.0));
+    let at =
+        Tensor::from_slice(&device, &[1i64, 4, 2, 5, 3, 6], &[3, 2], Category::Input).unwrap().transpose(0, 1).unwrap();
+    assert_eq!(at.count_equal(&a).unwrap().item().unwrap(), 6.0);
+    let f = Tensor::from_slice(&device, &[1f32; 6], &[2, 3], Category::Input).unwrap();
+    assert!(f.count_equal(&f).unwrap_err().to_string().contains("int64"));
+    let short = Tensor::from_slice(&device, &[1i64; 3], &[3], Category::Input).unwrap();
+    assert!(a.count_equal(&short).unwrap_err().to_string().contains("[3]"));
+}

@@ -3,7 +3,8 @@
 //! 128, causal, masked, cross-attention, more rows than a tile and a partial last tile), the column
 //! sums of a bias gradient and of `sum_dim`, layer norm's weight and bias gradients over many rows,
 //! and Adam with bf16 and 8-bit moments over several blocks. The golden suite's cases are small (one
-//! tile); these are not.
+//! tile); these are not. Also uploads without waiting: many batches of several sizes through the
+//! pinned buffers into blocks the kernels queued before them just used, counted on the device.
 //!
 //! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
 //! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
@@ -25,7 +26,8 @@ fn main() {
     let attention = attention_matches_the_cpu_across_tiles(&cuda);
     let sums = column_sums_and_layer_norm_gradients_match_the_cpu(&cuda);
     let states = compact_optimizer_states_match_the_cpu(&cuda);
-    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states);
+    let uploads = uploads_land_in_stream_order(&cuda);
+    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads);
 }
 
 /// Seeded values in [-1, 1).
@@ -164,4 +166,35 @@ fn compact_optimizer_states_match_the_cpu(cuda: &Device) -> usize {
         assert!(far == 0 && apart <= want_codes.len() / 100, "{format}: {apart} codes differ, {far} by more than one");
     }
     2
+}
+
+/// Batches go up through the pinned buffers without the host waiting (`overwrite_with`), each into a
+/// block the previous batch's kernels had just used and freed, while those kernels may still be
+/// queued: each batch's count of equal elements, counted on the device and read back only at the
+/// end, is the host's count. Sizes cross the buffers' smallest size and their number, so buffers are
+/// reused, grown and waited for. The cases checked.
+fn uploads_land_in_stream_order(cuda: &Device) -> usize {
+    let batches = 3 * memfit_cuda::staging::MAX_BUFFERS;
+    let size = |i: usize| 1000 + (i * 7919) % 40_000;
+    let a_of = |i: usize, k: usize| ((k * 31 + i * 17) % 13) as i64;
+    let b_of = |i: usize, k: usize| ((k * 7 + i) % 11) as i64;
+    let counts = (|| -> Result<Vec<Tensor>> {
+        let mut counts = Vec::new();
+        for i in 0..batches {
+            let n = size(i);
+            let a = Tensor::empty(cuda, &[n], DType::I64, Category::Input, "batch")?;
+            let b = Tensor::empty(cuda, &[n], DType::I64, Category::Input, "batch")?;
+            a.overwrite_with::<i64>(|v| v.iter_mut().enumerate().for_each(|(k, v)| *v = a_of(i, k)))?;
+            b.overwrite_with::<i64>(|v| v.iter_mut().enumerate().for_each(|(k, v)| *v = b_of(i, k)))?;
+            counts.push(a.count_equal(&b)?);
+        }
+        Ok(counts)
+    })()
+    .unwrap_or_else(|e| panic!("uploads on cuda: {e}"));
+    for (i, c) in counts.iter().enumerate() {
+        let want = (0..size(i)).filter(|&k| a_of(i, k) == b_of(i, k)).count();
+        let got = c.item().unwrap_or_else(|e| panic!("reading count {i}: {e}")) as usize;
+        assert_eq!(got, want, "upload {i} ({} values): {got} equal on cuda, {want} on the host", size(i));
+    }
+    1
 }

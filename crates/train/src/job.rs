@@ -226,6 +226,7 @@ fn train_in_pool(
             } else {
                 0
             },
+            pinned_bytes: device.pinned_bytes().1,
             rss_at_start_bytes: rss_at_start,
             peak_rss_bytes: memfit_tensor::memory::process::resident().map(|r| r.peak),
         },

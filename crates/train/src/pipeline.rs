@@ -22,7 +22,7 @@
 
 use crate::error::TrainError;
 use crate::samples::Samples;
-use crate::trainer::{argmax_classes, count_correct, loss, MicroResult, Peers, Session};
+use crate::trainer::{argmax_classes, loss, MicroResult, Peers, Session};
 use memfit_dist::{collective, Group};
 use memfit_tensor::{autograd, Category, DType, Device, Phase, Tensor};
 use std::ops::Range;
@@ -349,11 +349,13 @@ impl Pipeline {
         let l = loss(&output, &y)?;
         let predicted = argmax_classes(&output)?;
         drop(output);
+        // Counted on every device alike (meta allocates the count too).
+        let correct = predicted.count_equal(&y)?;
         if device.computes() {
             // Training sums per-sample means (the window's mean loss); evaluation per prediction.
             let mean = l.item()?;
             result.loss_sum += mean * if train { chunk.len() } else { y.numel() } as f64;
-            result.correct += count_correct(&predicted, &y)?;
+            result.correct += correct.item()? as usize;
         }
         result.predictions += y.numel();
         let weighted = if !train || chunk.len() == n { l } else { l.mul_scalar(chunk.len() as f64 / n as f64)? };

@@ -68,6 +68,9 @@ pub struct HostMemory {
     pub timeline_bytes: u64,
     /// The matrix-multiply packing buffers of every worker thread, at most.
     pub kernel_workspace_bytes: u64,
+    /// Pinned (page-locked) buffers batches went up to a GPU through, the most held at once (0
+    /// elsewhere).
+    pub pinned_bytes: u64,
     /// Resident before the job loaded anything (the program itself).
     pub rss_at_start_bytes: Option<u64>,
     /// The most ever resident (Linux `VmHWM`), at the end of the run.
@@ -77,7 +80,7 @@ pub struct HostMemory {
 impl HostMemory {
     /// What memfit holds on the host besides the device's segments.
     pub fn held_bytes(&self) -> u64 {
-        self.dataset_bytes + self.timeline_bytes + self.kernel_workspace_bytes
+        self.dataset_bytes + self.timeline_bytes + self.kernel_workspace_bytes + self.pinned_bytes
     }
 }
 
@@ -429,6 +432,9 @@ impl Report {
             format_bytes(h.timeline_bytes),
             format_bytes(h.kernel_workspace_bytes)
         ));
+        if h.pinned_bytes > 0 {
+            s.push_str(&format!(", pinned upload buffers {}", format_bytes(h.pinned_bytes)));
+        }
         if let (Some(start), Some(peak)) = (h.rss_at_start_bytes, h.peak_rss_bytes) {
             s.push_str(&format!("; process peak RSS {} ({} at start)", format_bytes(peak), format_bytes(start)));
         }

@@ -26,7 +26,7 @@
 use crate::error::TrainError;
 use crate::samples::Samples;
 use memfit_nn::{Model, Optimizer};
-use memfit_tensor::{autograd, ops, Category, Device, Phase, Tensor};
+use memfit_tensor::{autograd, ops, Category, DType, Device, Phase, Tensor};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -326,10 +326,103 @@ pub(crate) fn argmax_classes(logits: &Tensor) -> Result<Tensor, TrainError> {
     Ok(logits.max_dim(-1, false)?.1)
 }
 
-/// Counts the predictions equal to their targets (cpu only: reads both).
-pub(crate) fn count_correct(predicted: &Tensor, targets: &Tensor) -> Result<usize, TrainError> {
-    let (p, t) = (predicted.to_vec::<i64>()?, targets.to_vec::<i64>()?);
-    Ok(p.iter().zip(&t).filter(|(p, t)| p == t).count())
+/// How a micro-batch's loss counts in a sum: `loss * window / chunk * chunk` (training: the
+/// window's weight taken back off, times its samples; evaluation: times its predictions, `chunk`
+/// 1), and how many predictions it made.
+struct Weighing {
+    window: f64,
+    chunk: f64,
+    predictions: usize,
+}
+
+/// The scores of a window's micro-batches (or of an evaluation pass), summed in order. Each
+/// micro-batch writes its loss and its count of right predictions into the next slot of two small
+/// device tensors, made once before the first micro-batch (so a window's peak does not grow with
+/// its length); the host reads them when all [`Scores::HELD`] slots are full and at the end: one
+/// synchronisation a window on a GPU, not one a micro-batch.
+struct Scores {
+    /// f32 [HELD] and int64 [HELD].
+    losses: Tensor,
+    counts: Tensor,
+    /// The filled slots' weighings, in order.
+    filled: Vec<Weighing>,
+    total: MicroResult,
+}
+
+impl Scores {
+    const HELD: usize = 32;
+
+    /// The slots, made on `device`; with `recover`, a failure to allocate them (an injected fault,
+    /// a cache to release) is retried once after releasing the cache, counted in `recoveries`.
+    fn new(device: &Device, recover: bool, recoveries: &mut usize) -> Result<Self, TrainError> {
+        match Self::allocate(device) {
+            Err(e) if recover && e.as_oom().is_some() => {
+                device.empty_cache();
+                *recoveries += 1;
+                Self::allocate(device)
+            }
+            made => made,
+        }
+    }
+
+    fn allocate(device: &Device) -> Result<Self, TrainError> {
+        Ok(Scores {
+            losses: Tensor::empty(device, &[Self::HELD], DType::F32, Category::Other, "scores")?,
+            counts: Tensor::empty(device, &[Self::HELD], DType::I64, Category::Other, "scores")?,
+            filled: Vec::with_capacity(Self::HELD),
+            total: MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 },
+        })
+    }
+
+    /// Writes a micro-batch's count of right predictions (int64 0-d) into the next slot. A failed
+    /// attempt's slot is written again by the next one.
+    fn record_count(&self, correct: &Tensor) -> Result<(), TrainError> {
+        let slot = self.filled.len();
+        Ok(self.counts.narrow(0, slot, 1)?.copy_from(&correct.reshape(&[1])?)?)
+    }
+
+    /// Writes a micro-batch's loss (0-d) into the next slot.
+    fn record_loss(&self, loss: &Tensor) -> Result<(), TrainError> {
+        let slot = self.filled.len();
+        let loss = loss.detach();
+        let loss = if loss.dtype() == DType::F32 { loss } else { loss.to_dtype(DType::F32)? };
+        Ok(self.losses.narrow(0, slot, 1)?.copy_from(&loss.reshape(&[1])?)?)
+    }
+
+    /// Takes the slot written as the micro-batch's, weighed by `w`; reads them all once full.
+    fn commit(&mut self, w: Weighing) -> Result<(), TrainError> {
+        self.filled.push(w);
+        if self.filled.len() == Self::HELD {
+            self.read_filled()?;
+        }
+        Ok(())
+    }
+
+    /// Adds the filled slots to the total on the host, in order (f64). NaN loss and no right
+    /// predictions on a device that computes nothing.
+    fn read_filled(&mut self) -> Result<(), TrainError> {
+        if self.filled.is_empty() {
+            return Ok(());
+        }
+        let computes = self.losses.device().computes();
+        let (losses, counts) =
+            if computes { (self.losses.to_vec::<f32>()?, self.counts.to_vec::<i64>()?) } else { (vec![], vec![]) };
+        for (i, w) in self.filled.drain(..).enumerate() {
+            self.total.predictions += w.predictions;
+            if !computes {
+                self.total.loss_sum = f64::NAN;
+                continue;
+            }
+            self.total.loss_sum += f64::from(losses[i]) * w.window / w.chunk * w.chunk;
+            self.total.correct += counts[i] as usize;
+        }
+        Ok(())
+    }
+
+    fn read(mut self) -> Result<MicroResult, TrainError> {
+        self.read_filled()?;
+        Ok(self.total)
+    }
 }
 
 impl Session {
@@ -337,7 +430,13 @@ impl Session {
     /// running statistics in the forward pass, and the re-run after a recovery must not count the
     /// failed attempt's batch twice. The snapshot is allocator memory (category `other`, a few KiB)
     /// made inside the attempt, so it is planned and released like the rest.
-    fn micro_step(&self, samples: &dyn Samples, chunk: &[usize], window: usize) -> Result<MicroResult, TrainError> {
+    fn micro_step(
+        &self,
+        samples: &dyn Samples,
+        chunk: &[usize],
+        window: usize,
+        scores: &Scores,
+    ) -> Result<Weighing, TrainError> {
         let buffers = self.model.buffers();
         let mut snapshot = Vec::with_capacity(buffers.len());
         for (_, b) in &buffers {
@@ -345,7 +444,7 @@ impl Session {
             copy.copy_from(b)?;
             snapshot.push(copy);
         }
-        let result = self.forward_backward(samples, chunk, window);
+        let result = self.forward_backward(samples, chunk, window, scores);
         if result.is_err() {
             for ((_, b), copy) in buffers.iter().zip(&snapshot) {
                 b.copy_from(copy)?;
@@ -355,13 +454,15 @@ impl Session {
     }
 
     /// Forward and backward of one micro-batch, its loss weighted by `chunk / window`
-    /// (Note [Loss normalization]). Every tensor it makes is dropped when it returns.
+    /// (Note [Loss normalization]), its scores written into `scores`' next slot. Every tensor it
+    /// makes is dropped when it returns.
     fn forward_backward(
         &self,
         samples: &dyn Samples,
         chunk: &[usize],
         window: usize,
-    ) -> Result<MicroResult, TrainError> {
+        scores: &Scores,
+    ) -> Result<Weighing, TrainError> {
         let device = &self.device;
         let (x, y) = {
             let _p = device.enter_phase(Phase::Data);
@@ -379,16 +480,11 @@ impl Session {
         // Before backward: a failure here is still a failed attempt with nothing committed.
         let predicted = argmax_classes(&logits)?;
         drop(logits);
+        scores.record_count(&predicted.count_equal(&y)?)?;
+        drop(predicted);
+        scores.record_loss(&loss)?;
         autograd::backward(&loss)?;
-        if !device.computes() {
-            return Ok(MicroResult { loss_sum: f64::NAN, correct: 0, predictions: y.numel() });
-        }
-        let mean = loss.item()? * window as f64 / chunk.len() as f64;
-        Ok(MicroResult {
-            loss_sum: mean * chunk.len() as f64,
-            correct: count_correct(&predicted, &y)?,
-            predictions: y.numel(),
-        })
+        Ok(Weighing { window: window as f64, chunk: chunk.len() as f64, predictions: y.numel() })
     }
 
     /// Errors when a parameter holds NaN or infinity after `step` (a huge learning rate diverges in one
@@ -490,15 +586,13 @@ impl Session {
         used: &mut Vec<usize>,
     ) -> Result<(MicroResult, usize), TrainError> {
         let mut queue = MicroQueue::new(window, *micro);
-        let mut total = MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 };
         let mut recoveries = 0;
+        let mut scores = Scores::new(&self.device, recover, &mut recoveries)?;
         while let Some(chunk) = queue.next() {
             let before = self.allocated();
-            match self.micro_step(samples, chunk, n) {
-                Ok(r) => {
-                    total.loss_sum += r.loss_sum;
-                    total.correct += r.correct;
-                    total.predictions += r.predictions;
+            match self.micro_step(samples, chunk, n, &scores) {
+                Ok(weighing) => {
+                    scores.commit(weighing)?;
                     used.extend_from_slice(chunk);
                     queue.succeeded();
                 }
@@ -512,7 +606,7 @@ impl Session {
             }
         }
         *micro = queue.micro;
-        Ok((total, recoveries))
+        Ok((scores.read()?, recoveries))
     }
 
     /// With ranks: ZeRO-1's owners broadcast their updated parameters, and every gradient is freed.
@@ -558,26 +652,24 @@ impl Session {
         }
         let order = self.peers.as_ref().map_or(&all[..], |p| p.shard(&all));
         let mut queue = MicroQueue::new(order, eval_micro);
-        let (mut loss_sum, mut correct, mut predictions, mut recoveries) = (0.0, 0, 0, 0);
+        let mut recoveries = 0;
+        let mut scores = Scores::new(device, recover, &mut recoveries)?;
         while let Some(chunk) = queue.next() {
             let before = self.allocated();
-            let attempt = || -> Result<(f64, usize, usize), TrainError> {
+            let attempt = |scores: &Scores| -> Result<Weighing, TrainError> {
                 let (x, y) = samples.to_device(device, chunk)?;
                 let logits = self.model.forward(&x, false)?;
                 drop(x);
                 let loss = loss(&logits, &y)?;
                 let predicted = argmax_classes(&logits)?;
                 drop(logits);
-                if !device.computes() {
-                    return Ok((0.0, 0, y.numel()));
-                }
-                Ok((loss.item()? * y.numel() as f64, count_correct(&predicted, &y)?, y.numel()))
+                scores.record_count(&predicted.count_equal(&y)?)?;
+                scores.record_loss(&loss)?;
+                Ok(Weighing { window: y.numel() as f64, chunk: 1.0, predictions: y.numel() })
             };
-            match attempt() {
-                Ok((l, c, p)) => {
-                    loss_sum += l;
-                    correct += c;
-                    predictions += p;
+            match attempt(&scores) {
+                Ok(weighing) => {
+                    scores.commit(weighing)?;
                     queue.succeeded();
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
@@ -589,6 +681,7 @@ impl Session {
                 Err(e) => return Err(e),
             }
         }
+        let MicroResult { mut loss_sum, mut correct, mut predictions } = scores.read()?;
         if let Some(peers) = &self.peers {
             let mut sums = [loss_sum, correct as f64, predictions as f64, recoveries as f64];
             peers.sum(&mut sums);

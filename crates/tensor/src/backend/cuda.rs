@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::ops::{AdamStep, AttnProblem, Avg, Binary, ConvGeom, PoolGeom, SgdStep, Unary};
 use crate::tensor::Tensor;
 use crate::DType;
-use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Strided};
+use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Staging, Strided};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -50,7 +50,7 @@ pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
     Ok(super::Opened {
         description: Some(machine.description()),
         segments: Box::new(CudaSegments::new(machine.clone())),
-        kernels: Box::new(Cuda { machine, status: AtomicU64::new(0), ordinal }),
+        kernels: Box::new(Cuda { staging: Staging::new(machine.clone()), machine, status: AtomicU64::new(0), ordinal }),
         context_bytes,
         free_bytes: Some(free),
     })
@@ -68,6 +68,8 @@ pub(crate) struct Cuda {
     /// target was, `[2]` (as i32) unscale's found-inf flag.
     status: AtomicU64,
     ordinal: u32,
+    /// Pinned host buffers batches are uploaded through.
+    staging: Staging,
 }
 
 /// The dtype suffix of a float kernel (`f32` or `f64`), or an error naming the op.
@@ -411,6 +413,15 @@ impl Backend for Cuda {
 
     fn write_bytes(&self, t: &Tensor, bytes: &[u8]) -> Result<()> {
         self.machine.upload(dense(t, "a copy from the host")?, bytes).map_err(|e| self.err(e))
+    }
+
+    fn upload_with(&self, t: &Tensor, fill: &mut dyn FnMut(&mut [u8])) -> Result<()> {
+        let dst = dense(t, "a copy from the host")?;
+        self.staging.upload(dst, t.numel() * t.dtype().size(), fill).map_err(|e| self.err(e))
+    }
+
+    fn pinned_bytes(&self) -> (u64, u64) {
+        self.staging.pinned_bytes()
     }
 
     fn read_bytes(&self, t: &Tensor, bytes: &mut [u8]) -> Result<()> {
@@ -952,6 +963,19 @@ impl Backend for Cuda {
             &format!("max_all_{sfx}"),
             Launch { grid: 1, block: WHOLE_BLOCK },
             &mut [Arg::Ptr(dense(x, "max")?), Arg::I64(x.numel() as i64), Arg::Ptr(dense(out, "max")?)],
+        )
+    }
+
+    fn count_equal(&self, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        self.launch(
+            "count_equal_i64",
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [
+                Arg::Ptr(dense(a, "count_equal")?),
+                Arg::Ptr(dense(b, "count_equal")?),
+                Arg::I64(a.numel() as i64),
+                Arg::Ptr(dense(out, "count_equal")?),
+            ],
         )
     }
 

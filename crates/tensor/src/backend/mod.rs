@@ -52,6 +52,24 @@ macro_rules! backends {
                 Ok(())
             }
 
+            /// Overwrites every byte of the contiguous tensor `t` with what `fill` writes into the
+            /// buffer it is given (all of it; the buffer's old contents are undefined), without
+            /// reading `t` first. A GPU fills a pinned host buffer and copies it in stream order,
+            /// without waiting (`memfit_cuda::Staging`); the buffer is 8-byte aligned at least.
+            fn upload_with(&self, t: &Tensor, fill: &mut dyn FnMut(&mut [u8])) -> Result<()> {
+                let bytes = t.numel() * t.dtype().size();
+                let mut words = vec![0u64; bytes.div_ceil(8)];
+                // SAFETY: the byte view covers exactly the words' memory and outlives no borrow.
+                let buffer = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes) };
+                fill(buffer);
+                self.write_bytes(t, buffer)
+            }
+
+            /// Pinned host bytes the device holds for uploads now, and the most it held.
+            fn pinned_bytes(&self) -> (u64, u64) {
+                (0, 0)
+            }
+
             /// Takes the math library's workspace (`bytes` at device `address`, a block of the
             /// device's allocator held until it closes); only a GPU has one.
             fn use_library_workspace(&self, _address: u64, _bytes: u64) -> Result<()> {
@@ -188,6 +206,9 @@ backends! {
     fn max_all(&self, x: &Tensor, out: &Tensor);
     /// The 0-d `grad` shared among the elements of x equal to `max`, into the zeroed `out`.
     fn max_all_backward(&self, x: &Tensor, max: &Tensor, grad: &Tensor, out: &Tensor);
+    /// How many elements of the int64 tensors `a` and `b` (contiguous, same shape) are equal, into
+    /// the int64 0-d `out`.
+    fn count_equal(&self, a: &Tensor, b: &Tensor, out: &Tensor);
 
     // Seam A: optim.
     /// One SGD step in place on `param` (and `momentum_buffer`).

@@ -59,6 +59,26 @@ impl Tensor {
         self.reshape(&[-1])?.mean_dim(0, false)
     }
 
+    /// How many elements equal `other`'s (int64 tensors of one shape; no graph): an int64 0-d tensor,
+    /// counted on the device, so a GPU's predictions are scored without reading them back.
+    pub fn count_equal(&self, other: &Tensor) -> Result<Tensor> {
+        let _op = self.device().op_scope("count_equal");
+        super::check_same("count_equal", &[self, other])?;
+        if self.dtype() != DType::I64 || self.shape() != other.shape() {
+            return Err(Error::shape(format!(
+                "count_equal needs int64 tensors of one shape, not {:?} {} and {:?} {}",
+                self.shape(),
+                self.dtype(),
+                other.shape(),
+                other.dtype()
+            )));
+        }
+        let (a, b) = (self.contiguous()?, other.contiguous()?);
+        let out = super::output_any(&a, &[], DType::I64, "count_equal")?;
+        a.device().backend().count_equal(&a, &b, &out)?;
+        Ok(out)
+    }
+
     /// Max over `dim`: values and int64 indices (first index among ties; the gradient goes there only).
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         let _op = self.device().op_scope("max");
