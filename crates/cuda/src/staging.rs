@@ -1,7 +1,7 @@
 //! Uploads that do not stop the host: what PyTorch's `pin_memory=True, non_blocking=True` does.
 //!
-//! A [`Staging`] keeps a few pinned (page-locked) host buffers. An upload takes the buffer whose last
-//! copy is oldest, lets the caller write the values straight into it, and queues the copy to the
+//! A [`Staging`] keeps a few pinned (page-locked) host buffers. An upload takes a free one that fits
+//! best, lets the caller write the values straight into it, and queues the copy to the
 //! device in stream order (`cuMemcpyHtoDAsync`); an event recorded after the copy says when the
 //! buffer may be written again. So assembling a batch on the host overlaps the kernels still
 //! queued for the micro-batch before it, and nothing waits for the GPU to drain.
@@ -75,19 +75,23 @@ impl Staging {
         queued
     }
 
-    /// A buffer of at least `bytes` with no copy from it pending: the oldest one when its copy is
-    /// done (or when no more may be made), else a new one.
+    /// A buffer of at least `bytes` with no copy from it pending: of those whose copy is done, the
+    /// smallest large enough (else the largest, grown); with none done, a new one, or once
+    /// [`MAX_BUFFERS`] exist the one whose copy was queued first, waited for.
     fn take(&self, bytes: usize) -> Result<Buffer, CudaError> {
         let oldest = {
             let mut buffers = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
-            let reuse = match buffers.front() {
-                Some(b) => buffers.len() >= MAX_BUFFERS || self.machine.event_done(b.event)?,
-                None => false,
-            };
-            if reuse {
-                buffers.pop_front()
-            } else {
-                None
+            let mut done = Vec::new();
+            for (i, b) in buffers.iter().enumerate() {
+                if self.machine.event_done(b.event)? {
+                    done.push(i);
+                }
+            }
+            let fitting = done.iter().copied().filter(|&i| buffers[i].bytes >= bytes).min_by_key(|&i| buffers[i].bytes);
+            match fitting.or_else(|| done.iter().copied().max_by_key(|&i| buffers[i].bytes)) {
+                Some(i) => buffers.remove(i),
+                None if buffers.len() >= MAX_BUFFERS => buffers.pop_front(),
+                None => None,
             }
         };
         let mut buffer = match oldest {
@@ -250,7 +254,7 @@ mod tests {
     }
 
     /// While copies are in flight, each upload gets a buffer of its own (nothing waits) until
-    /// MAX_BUFFERS exist; then the oldest is waited for and reused. Each copy carries what its fill
+    /// MAX_BUFFERS exist; then the oldest is waited for and reused; free ones are taken best fit. Each copy carries what its fill
     /// wrote, and every buffer is freed with the staging.
     #[test]
     fn uploads_rotate_through_buffers_and_wait_only_when_all_are_in_flight() {
@@ -281,6 +285,12 @@ mod tests {
         let (now, peak) = staging.pinned_bytes();
         assert_eq!(now, ((MAX_BUFFERS - 1) * MIN_BUFFER_BYTES + 2 * MIN_BUFFER_BYTES) as u64);
         assert!(peak >= now);
+        // Best fit: a small upload takes a small buffer, so the large one is free for the next
+        // large upload, which grows nothing.
+        machine.finish();
+        staging.upload(400, 10, |b| b.fill(1)).unwrap();
+        staging.upload(500, MIN_BUFFER_BYTES + 1, |b| b.fill(2)).unwrap();
+        assert_eq!(staging.pinned_bytes().0, now, "no buffer grew");
         drop(staging);
         let s = machine.state.lock().unwrap();
         assert!(s.pinned.is_empty() && s.events.is_empty(), "every buffer and event given back");

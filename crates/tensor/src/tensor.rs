@@ -276,11 +276,22 @@ impl Tensor {
     }
 
     /// Overwrites every element of a contiguous tensor with what `fill` writes (it must write all of
-    /// them: on a GPU the slice it gets holds leftovers, not the tensor's values). For fresh data
-    /// from the host (a batch, positions, initial weights): on a GPU the values go through a pinned
-    /// buffer and are copied in stream order, so the host does not wait for the device (nothing is
-    /// read back, unlike [`Tensor::write_with`]). Does nothing on a device that holds no data.
+    /// them: on a GPU the slice it gets holds leftovers, not the tensor's values), without reading
+    /// the tensor back first (unlike [`Tensor::write_with`]). For values made once (initial
+    /// weights, a loaded checkpoint): on a GPU the copy is from ordinary memory and waits. Does
+    /// nothing on a device that holds no data.
     pub fn overwrite_with<T: Element>(&self, fill: impl FnOnce(&mut [T])) -> Result<()> {
+        self.overwrite(fill, false)
+    }
+
+    /// [`Tensor::overwrite_with`] for data that changes every step (a batch, positions): on a GPU
+    /// the values go through one of the device's pinned buffers and are copied in stream order, so
+    /// the host does not wait for the device.
+    pub fn overwrite_async_with<T: Element>(&self, fill: impl FnOnce(&mut [T])) -> Result<()> {
+        self.overwrite(fill, true)
+    }
+
+    fn overwrite<T: Element>(&self, fill: impl FnOnce(&mut [T]), staged: bool) -> Result<()> {
         if !self.device().computes() {
             return Ok(());
         }
@@ -294,7 +305,7 @@ impl Tensor {
         }
         let mut fill = Some(fill);
         let mut misaligned = false;
-        self.device().backend().upload_with(self, &mut |bytes: &mut [u8]| {
+        let mut write = |bytes: &mut [u8]| {
             // SAFETY: `T` is a plain number type (no padding, every bit pattern the caller writes is
             // its own), and `align_to_mut` only yields whole, aligned elements.
             let (head, values, tail) = unsafe { bytes.align_to_mut::<T>() };
@@ -302,7 +313,8 @@ impl Tensor {
                 Some(f) if head.is_empty() && tail.is_empty() => f(values),
                 _ => misaligned = true,
             }
-        })?;
+        };
+        self.device().backend().upload_with(self, &mut write, staged)?;
         if misaligned {
             return Err(Error::device("internal error: an upload buffer is not aligned for its elements".to_string()));
         }

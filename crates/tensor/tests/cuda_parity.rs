@@ -168,7 +168,7 @@ fn compact_optimizer_states_match_the_cpu(cuda: &Device) -> usize {
     2
 }
 
-/// Batches go up through the pinned buffers without the host waiting (`overwrite_with`), each into a
+/// Batches go up through the pinned buffers without the host waiting (`overwrite_async_with`), each into a
 /// block the previous batch's kernels had just used and freed, while those kernels may still be
 /// queued: each batch's count of equal elements, counted on the device and read back only at the
 /// end, is the host's count. Sizes cross the buffers' smallest size and their number, so buffers are
@@ -184,8 +184,8 @@ fn uploads_land_in_stream_order(cuda: &Device) -> usize {
             let n = size(i);
             let a = Tensor::empty(cuda, &[n], DType::I64, Category::Input, "batch")?;
             let b = Tensor::empty(cuda, &[n], DType::I64, Category::Input, "batch")?;
-            a.overwrite_with::<i64>(|v| v.iter_mut().enumerate().for_each(|(k, v)| *v = a_of(i, k)))?;
-            b.overwrite_with::<i64>(|v| v.iter_mut().enumerate().for_each(|(k, v)| *v = b_of(i, k)))?;
+            a.overwrite_async_with::<i64>(|v| v.iter_mut().enumerate().for_each(|(k, v)| *v = a_of(i, k)))?;
+            b.overwrite_async_with::<i64>(|v| v.iter_mut().enumerate().for_each(|(k, v)| *v = b_of(i, k)))?;
             counts.push(a.count_equal(&b)?);
         }
         Ok(counts)

@@ -1,7 +1,7 @@
 //! Sources of samples, for any task. A source names its samples by ids, says which ids an epoch
 //! uses (in order) and which an evaluation pass covers, and writes a micro-batch of ids straight into
 //! device tensors (inputs and int64 targets, category `input`): in place on the cpu, through a pinned
-//! buffer copied without waiting on a GPU (`Tensor::overwrite_with`); on `meta` only the allocation
+//! buffer copied without waiting on a GPU (`Tensor::overwrite_async_with`); on `meta` only the allocation
 //! happens.
 //!
 //! - [`SplitSamples`]: Fashion-MNIST images and labels (ids index the split, shuffled per epoch);
@@ -48,8 +48,8 @@ fn batch_tensors<X: memfit_tensor::Element>(
     let x = Tensor::empty(device, input_shape, X::DTYPE, Category::Input, "batch")?;
     let y = Tensor::empty(device, target_shape, DType::I64, Category::Input, "batch")?;
     let mut filled = Ok(());
-    x.overwrite_with::<X>(|xs| {
-        filled = y.overwrite_with::<i64>(|ys| {
+    x.overwrite_async_with::<X>(|xs| {
+        filled = y.overwrite_async_with::<i64>(|ys| {
             filled = fill(xs, ys);
         })
     })?;

@@ -162,7 +162,7 @@ impl Model for Gpt {
                 let t = idx.shape()[1];
                 let device = idx.device();
                 let positions = Tensor::empty(device, &[t], DType::I64, Category::Temporary, "arange")?;
-                positions.overwrite_with::<i64>(|p| p.iter_mut().zip(0..).for_each(|(p, i)| *p = i))?;
+                positions.overwrite_async_with::<i64>(|p| p.iter_mut().zip(0..).for_each(|(p, i)| *p = i))?;
                 tok.forward(idx)?.add(&pos.forward(&positions)?)?
             }
             _ => {

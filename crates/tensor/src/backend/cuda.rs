@@ -415,9 +415,13 @@ impl Backend for Cuda {
         self.machine.upload(dense(t, "a copy from the host")?, bytes).map_err(|e| self.err(e))
     }
 
-    fn upload_with(&self, t: &Tensor, fill: &mut dyn FnMut(&mut [u8])) -> Result<()> {
+    fn upload_with(&self, t: &Tensor, fill: &mut dyn FnMut(&mut [u8]), staged: bool) -> Result<()> {
         let dst = dense(t, "a copy from the host")?;
-        self.staging.upload(dst, t.numel() * t.dtype().size(), fill).map_err(|e| self.err(e))
+        let bytes = t.numel() * t.dtype().size();
+        if !staged {
+            return super::with_host_buffer(t, fill, |b| self.machine.upload(dst, b).map_err(|e| self.err(e)));
+        }
+        self.staging.upload(dst, bytes, fill).map_err(|e| self.err(e))
     }
 
     fn pinned_bytes(&self) -> (u64, u64) {

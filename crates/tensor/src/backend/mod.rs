@@ -54,15 +54,12 @@ macro_rules! backends {
 
             /// Overwrites every byte of the contiguous tensor `t` with what `fill` writes into the
             /// buffer it is given (all of it; the buffer's old contents are undefined), without
-            /// reading `t` first. A GPU fills a pinned host buffer and copies it in stream order,
-            /// without waiting (`memfit_cuda::Staging`); the buffer is 8-byte aligned at least.
-            fn upload_with(&self, t: &Tensor, fill: &mut dyn FnMut(&mut [u8])) -> Result<()> {
-                let bytes = t.numel() * t.dtype().size();
-                let mut words = vec![0u64; bytes.div_ceil(8)];
-                // SAFETY: the byte view covers exactly the words' memory and outlives no borrow.
-                let buffer = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes) };
-                fill(buffer);
-                self.write_bytes(t, buffer)
+            /// reading `t` first; the buffer is 8-byte aligned at least. With `staged` (data that
+            /// changes every step), a GPU fills one of its pinned host buffers and copies it in
+            /// stream order without waiting (`memfit_cuda::Staging`); otherwise the copy is from
+            /// ordinary memory and pins nothing.
+            fn upload_with(&self, t: &Tensor, fill: &mut dyn FnMut(&mut [u8]), _staged: bool) -> Result<()> {
+                with_host_buffer(t, fill, |bytes| self.write_bytes(t, bytes))
             }
 
             /// Pinned host bytes the device holds for uploads now, and the most it held.
@@ -93,6 +90,20 @@ macro_rules! backends {
 }
 
 use crate::ops::{Binary, Unary};
+
+/// Fills an ordinary host buffer of `t`'s bytes (8-byte aligned) with `fill` and hands it to `copy`.
+pub(crate) fn with_host_buffer(
+    t: &Tensor,
+    fill: &mut dyn FnMut(&mut [u8]),
+    copy: impl FnOnce(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let bytes = t.numel() * t.dtype().size();
+    let mut words = vec![0u64; bytes.div_ceil(8)];
+    // SAFETY: the byte view covers exactly the words' memory and lives no longer than they do.
+    let buffer = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes) };
+    fill(buffer);
+    copy(buffer)
+}
 
 backends! {
     // Data movement.
