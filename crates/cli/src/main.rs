@@ -330,7 +330,8 @@ struct BenchArgs {
     #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
     threads: Option<u64>,
     /// Only this model's case (repeatable): mlp, simplecnn, deepcnn, resnet, gpt, or a case by name
-    /// (mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32).
+    /// (mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32); gpt2 (gpt2-124m-b8: GPT-2 small,
+    /// for a GPU) runs only when named.
     #[arg(long = "model", visible_alias = "case")]
     cases: Vec<String>,
     /// Timed steps per case, from 1 to 10000.

@@ -43,7 +43,12 @@ fn check_indices(name: &str, ix: &[i64], rows: usize) -> Result<()> {
 /// `gw[indices[k], :] += grad[k, :]` over all k, into the zeroed `gw` [V, D] (grad contiguous).
 /// Errors on an index outside the table and on a gradient shorter than one row per index (the
 /// parallel scatter writes through a raw pointer).
-pub fn embedding_backward(indices: View<'_>, grad: View<'_>, gw: View<'_>) -> Result<()> {
+pub fn embedding_backward(
+    indices: View<'_>,
+    grad: View<'_>,
+    gw: View<'_>,
+    _gpu_workspace: Option<View<'_>>,
+) -> Result<()> {
     let (v, d) = (gw.shape()[0], gw.shape()[1]);
     if d == 0 {
         return Ok(());

@@ -43,7 +43,13 @@ fn row_lse<T: Float>(row: &[T]) -> (T, T) {
     (m, s.ln())
 }
 
-pub fn cross_entropy(logits: View<'_>, target: View<'_>, label_smoothing: f64, out: View<'_>) -> Result<()> {
+pub fn cross_entropy(
+    logits: View<'_>,
+    target: View<'_>,
+    label_smoothing: f64,
+    out: View<'_>,
+    _gpu_workspace: Option<View<'_>>,
+) -> Result<()> {
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
     let t = target.slice::<i64>()?;
     validate_targets("cross_entropy", t, c)?;

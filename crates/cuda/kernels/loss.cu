@@ -1,22 +1,36 @@
-// Losses, mean over rows, in one block of 1024 threads so the sum's order is fixed (no scratch
-// memory: a row's log-sum-exp is one thread's loop). A target outside [0, C) sets `*bad` to its
+// Losses, mean over rows summed in one block of 1024 threads so the sum's order is fixed. Cross-entropy
+// first writes each row's loss (a block per row: a GPT-2 row has 50,304 logits) into the op's
+// workspace of one value per row; nll and mse read one value per row and sum in the one block. A target outside [0, C) sets `*bad` to its
 // row + 1 instead of reading out of bounds; the host reads it at the step's synchronisation.
 
 #define LOSS(T, SUF)                                                                                    \
-    extern "C" __global__ void cross_entropy_##SUF(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* out, i64* bad) { \
-        __shared__ T shared[1024];                                                                      \
-        T acc = T(0);                                                                                   \
-        for (i64 r = threadIdx.x; r < n; r += blockDim.x) {                                             \
+    /* Each row's loss into rowloss[r], a block of 256 threads per row. */                         \
+    extern "C" __global__ void cross_entropy_rows_##SUF(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad) { \
+        __shared__ T shared[256];                                                                       \
+        for (i64 r = blockIdx.x; r < n; r += gridDim.x) {                                               \
             const T* row = logits + r * c;                                                              \
             i64 t = target[r];                                                                          \
-            if (t < 0 || t >= c) { atomicCAS((u64*)bad, 0ULL, (u64)(r + 1)); continue; }                \
-            T m = -INFINITY, s = T(0), total = T(0);                                                    \
-            for (i64 j = 0; j < c; ++j) m = fmax(m, row[j]);                                            \
-            for (i64 j = 0; j < c; ++j) { s += exp(row[j] - m); total += row[j]; }                      \
-            T lse = m + log(s);                                                                         \
+            if (t < 0 || t >= c) {                                                                      \
+                if (threadIdx.x == 0) { atomicCAS((u64*)bad, 0ULL, (u64)(r + 1)); rowloss[r] = T(0); }  \
+                continue;                                                                               \
+            }                                                                                           \
+            T m = -INFINITY;                                                                            \
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) m = fmax(m, row[j]);                      \
+            m = block_max<T>(m, shared);                                                                \
+            T s = T(0), total = T(0);                                                                   \
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) { s += exp(row[j] - m); total += row[j]; } \
+            s = block_sum<T>(s, shared);                                                                \
+            total = block_sum<T>(total, shared);                                                        \
             /* (1 - eps) * (lse - x_t) + eps * (lse - mean_j x_j) */                                     \
-            acc += (T(1) - smoothing) * (lse - row[t]) + smoothing * (lse - total / T(c));              \
+            T lse = m + log(s);                                                                         \
+            if (threadIdx.x == 0) rowloss[r] = (T(1) - smoothing) * (lse - row[t]) + smoothing * (lse - total / T(c)); \
         }                                                                                               \
+    }                                                                                                   \
+    /* The rows' mean, one block of 1024: thread i sums rows i, i + 1024, ..., then the block's tree. */ \
+    extern "C" __global__ void cross_entropy_mean_##SUF(const T* rowloss, i64 n, T* out) {              \
+        __shared__ T shared[1024];                                                                      \
+        T acc = T(0);                                                                                   \
+        for (i64 r = threadIdx.x; r < n; r += blockDim.x) acc += rowloss[r];                            \
         acc = block_sum<T>(acc, shared);                                                                \
         if (threadIdx.x == 0) *out = acc / T(n);                                                        \
     }                                                                                                   \

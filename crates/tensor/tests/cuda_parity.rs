@@ -4,7 +4,9 @@
 //! sums of a bias gradient and of `sum_dim`, layer norm's weight and bias gradients over many rows,
 //! and Adam with bf16 and 8-bit moments over several blocks. The golden suite's cases are small (one
 //! tile); these are not. Also uploads without waiting: many batches of several sizes through the
-//! pinned buffers into blocks the kernels queued before them just used, counted on the device.
+//! pinned buffers into blocks the kernels queued before them just used, counted on the device. And a
+//! GPT-2-sized vocabulary: the embedding's gradient (bit for bit: positions sorted by row, added in the
+//! cpu's order) and cross-entropy over 50,304 classes.
 //!
 //! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
 //! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
@@ -27,7 +29,8 @@ fn main() {
     let sums = column_sums_and_layer_norm_gradients_match_the_cpu(&cuda);
     let states = compact_optimizer_states_match_the_cpu(&cuda);
     let uploads = uploads_land_in_stream_order(&cuda);
-    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads);
+    let vocab = large_vocabularies_match_the_cpu(&cuda);
+    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads + vocab);
 }
 
 /// Seeded values in [-1, 1).
@@ -197,4 +200,32 @@ fn uploads_land_in_stream_order(cuda: &Device) -> usize {
         assert_eq!(got, want, "upload {i} ({} values): {got} equal on cuda, {want} on the host", size(i));
     }
     1
+}
+
+/// A GPT-2 vocabulary (50,304 rows): the embedding gradient with many positions naming the same rows
+/// (some rows named hundreds of times, most never) equals the cpu's bit for bit, since both add a row's
+/// gradients in position order; cross-entropy over 50,304 classes agrees. The cases checked.
+fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
+    const VOCAB: usize = 50_304;
+    let (positions, d) = (2048, 24);
+    let ids: Vec<i64> =
+        (0..positions as i64).map(|p| if p % 3 == 0 { (p * 7919) % VOCAB as i64 } else { p % 5 }).collect();
+    let grads = |device: &Device| -> Result<Vec<f32>> {
+        let table = Tensor::from_slice(device, &values(VOCAB * d, 5), &[VOCAB, d], Category::Parameter)?
+            .set_requires_grad(true);
+        let idx = Tensor::from_slice(device, &ids, &[positions], Category::Input)?;
+        let out = ops::embedding(&idx, &table)?;
+        backward_with(&out, Tensor::from_slice(device, &values(positions * d, 6), &[positions, d], Category::Input)?)?;
+        table.grad().expect("the table's gradient").to_vec::<f32>()
+    };
+    let (want, got) = (grads(&Device::cpu()).expect("embedding on cpu"), grads(cuda).expect("embedding on cuda"));
+    let differ = want.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    assert_eq!(differ, 0, "embedding backward: {differ} of {} gradient values differ from the cpu's bits", want.len());
+    let rows = 64;
+    let targets: Vec<i64> = (0..rows as i64).map(|r| (r * 4099) % VOCAB as i64).collect();
+    agree(cuda, "cross-entropy over 50,304 classes", &[&[rows, VOCAB]], &|x| {
+        let t = Tensor::from_slice(x[0].device(), &targets, &[rows], Category::Input)?;
+        ops::cross_entropy(&x[0], &t, 0.1)
+    });
+    2
 }

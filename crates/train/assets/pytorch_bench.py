@@ -77,6 +77,8 @@ CASES = {  # memfit's bench case name: (model, batch of inputs and targets)
     "simplecnn-b128": (SimpleCNN, lambda: (torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)))),
     "deepcnn-b64": (DeepCNN, lambda: (torch.randn(64, 3, 64, 64), torch.randint(0, 10, (64,)))),
     "gpt-b32": (GPT, lambda: (torch.randint(0, 96, (32, 128)), torch.randint(0, 96, (32, 128)))),
+    "gpt2-124m-b8": (lambda: GPT(vocab=50304, d=768, heads=12, layers=12, context=1024),
+                     lambda: (torch.randint(0, 50304, (8, 1024)), torch.randint(0, 50304, (8, 1024)))),
 }
 
 

@@ -24,16 +24,43 @@ pub struct BenchCase {
     pub name: &'static str,
     pub spec: fn() -> ModelSpec,
     pub batch: usize,
+    /// Run when no case is named; a case that needs a GPU's memory and speed runs only when named.
+    pub by_default: bool,
 }
 
+/// GPT-2 small (124M parameters: L12 d768 h12 T1024, GPT-2's vocabulary of 50,257 padded to 50,304).
+pub const GPT2_124M: GptConfig = GptConfig { vocab: 50_304, d_model: 768, heads: 12, layers: 12, max_t: 1024 };
+
 /// The cases of `shared/pytorch-reference/torch_models.py` (and resnet): the GPT is L4 d256 h4 T128
-/// with the reference's vocabulary of 96.
-pub const CASES: [BenchCase; 5] = [
-    BenchCase { name: "mlp-b256", spec: || ModelSpec::image(ModelKind::Mlp, [1, 28, 28], 10), batch: 256 },
-    BenchCase { name: "simplecnn-b128", spec: || ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10), batch: 128 },
-    BenchCase { name: "deepcnn-b64", spec: || ModelSpec::image(ModelKind::DeepCnn, [3, 64, 64], 10), batch: 64 },
-    BenchCase { name: "resnet-b64", spec: || ModelSpec::image(ModelKind::ResNet, [3, 32, 32], 10), batch: 64 },
-    BenchCase { name: "gpt-b32", spec: || ModelSpec::gpt(GptConfig::default()), batch: 32 },
+/// with the reference's vocabulary of 96; GPT-2 small at batch 8 (`torch_gpu_gpt.py`'s fp32 case),
+/// on a GPU, when named (`memfit bench gpt2 --device cuda`).
+pub const CASES: [BenchCase; 6] = [
+    BenchCase {
+        name: "mlp-b256",
+        spec: || ModelSpec::image(ModelKind::Mlp, [1, 28, 28], 10),
+        batch: 256,
+        by_default: true,
+    },
+    BenchCase {
+        name: "simplecnn-b128",
+        spec: || ModelSpec::image(ModelKind::SimpleCnn, [1, 28, 28], 10),
+        batch: 128,
+        by_default: true,
+    },
+    BenchCase {
+        name: "deepcnn-b64",
+        spec: || ModelSpec::image(ModelKind::DeepCnn, [3, 64, 64], 10),
+        batch: 64,
+        by_default: true,
+    },
+    BenchCase {
+        name: "resnet-b64",
+        spec: || ModelSpec::image(ModelKind::ResNet, [3, 32, 32], 10),
+        batch: 64,
+        by_default: true,
+    },
+    BenchCase { name: "gpt-b32", spec: || ModelSpec::gpt(GptConfig::default()), batch: 32, by_default: true },
+    BenchCase { name: "gpt2-124m-b8", spec: || ModelSpec::gpt(GPT2_124M), batch: 8, by_default: false },
 ];
 
 #[derive(Clone, Debug, Serialize)]
@@ -222,7 +249,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
         if !CASES.iter().any(|c| named(c, name)) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
             return Err(TrainError::Invalid(format!(
-                "unknown bench case {name:?}: expected a model (mlp, simplecnn, deepcnn, resnet, gpt) or a case: {}",
+                "unknown bench case {name:?}: expected a model (mlp, simplecnn, deepcnn, resnet, gpt, gpt2) or a case: {}",
                 names.join(", ")
             )));
         }
@@ -236,7 +263,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     let device = Device::new(DeviceConfig::new(cfg.device))?.describe();
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;
     let mut cases = Vec::new();
-    for case in CASES.iter().filter(|c| only.is_empty() || only.iter().any(|n| named(c, n))) {
+    let chosen = |c: &BenchCase| if only.is_empty() { c.by_default } else { only.iter().any(|n| named(c, n)) };
+    for case in CASES.iter().filter(|c| chosen(c)) {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
             ours.push(pool.install(|| run_case(case, cfg.device, cfg.warmup, cfg.steps))?);

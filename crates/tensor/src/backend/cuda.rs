@@ -810,17 +810,48 @@ impl Backend for Cuda {
         )
     }
 
-    fn embedding_backward(&self, indices: &Tensor, grad: &Tensor, gw: &Tensor) -> Result<()> {
+    fn embedding_backward(&self, indices: &Tensor, grad: &Tensor, gw: &Tensor, ws: Option<&Tensor>) -> Result<()> {
+        // Note [Embedding backward on a GPU] (embedding.cu): the positions sorted by row first.
         let sfx = float("embedding", grad.dtype())?;
-        let (rows, d) = (gw.shape()[0], gw.shape()[1]);
+        let (rows, d, count) = (gw.shape()[0], gw.shape()[1], indices.numel());
+        let ws =
+            ws.ok_or_else(|| Error::device("embedding_backward: no workspace for the cuda kernels".to_string()))?;
+        if ws.numel() < 2 * rows + 1 + count {
+            return Err(Error::device(format!("embedding_backward: a workspace of {} for {rows} rows", ws.numel())));
+        }
+        let (starts, idx) = (dense(ws, "embedding")?, dense(indices, "embedding")?);
+        let (cursor, slots) = (starts + 8 * (rows as u64 + 1), starts + 8 * (2 * rows as u64 + 1));
+        self.machine.zero(starts, 8 * (2 * rows + 1)).map_err(|e| self.err(e))?;
+        let (count, rows_arg) = (Arg::I64(count as i64), Arg::I64(rows as i64));
+        let positions = self.grid(indices.numel(), BLOCK);
+        self.launch(
+            "embedding_count",
+            positions,
+            &mut [Arg::Ptr(idx), count.clone(), rows_arg.clone(), Arg::Ptr(starts)],
+        )?;
+        self.launch(
+            "embedding_scan",
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [Arg::Ptr(starts), Arg::I64(rows as i64 + 1)],
+        )?;
+        self.launch(
+            "embedding_place",
+            positions,
+            &mut [Arg::Ptr(idx), count, rows_arg.clone(), Arg::Ptr(starts), Arg::Ptr(cursor), Arg::Ptr(slots)],
+        )?;
+        self.launch(
+            "embedding_sort",
+            self.grid(rows, BLOCK),
+            &mut [Arg::Ptr(starts), rows_arg.clone(), Arg::Ptr(slots)],
+        )?;
         self.launch(
             &format!("embedding_backward_{sfx}"),
             self.grid(rows * d, BLOCK),
             &mut [
-                Arg::Ptr(dense(indices, "embedding")?),
-                Arg::I64(indices.numel() as i64),
+                Arg::Ptr(starts),
+                Arg::Ptr(slots),
                 Arg::Ptr(dense(grad, "embedding")?),
-                Arg::I64(rows as i64),
+                rows_arg,
                 Arg::I64(d as i64),
                 Arg::Ptr(dense(gw, "embedding")?),
             ],
@@ -1676,21 +1707,38 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor) -> Result<()> {
+    fn cross_entropy(
+        &self,
+        logits: &Tensor,
+        target: &Tensor,
+        label_smoothing: f64,
+        out: &Tensor,
+        ws: Option<&Tensor>,
+    ) -> Result<()> {
         let sfx = float("cross_entropy", logits.dtype())?;
         let (n, c) = (logits.shape()[0], logits.shape()[1]);
+        let ws = ws.ok_or_else(|| Error::device("cross_entropy: no workspace for the cuda kernels".to_string()))?;
+        if ws.numel() < n || ws.dtype() != logits.dtype() {
+            return Err(Error::device(format!("cross_entropy: a workspace of {} for {n} rows", ws.numel())));
+        }
+        let rows = dense(ws, "cross_entropy")?;
         self.launch(
-            &format!("cross_entropy_{sfx}"),
-            Launch { grid: 1, block: WHOLE_BLOCK },
+            &format!("cross_entropy_rows_{sfx}"),
+            self.grid(n * BLOCK as usize, BLOCK),
             &mut [
                 Arg::Ptr(dense(logits, "cross_entropy")?),
                 Arg::Ptr(dense(target, "cross_entropy")?),
                 Arg::I64(n as i64),
                 Arg::I64(c as i64),
                 scalar(logits.dtype(), label_smoothing),
-                Arg::Ptr(dense(out, "cross_entropy")?),
+                Arg::Ptr(rows),
                 Arg::Ptr(self.status()? + 8),
             ],
+        )?;
+        self.launch(
+            &format!("cross_entropy_mean_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [Arg::Ptr(rows), Arg::I64(n as i64), Arg::Ptr(dense(out, "cross_entropy")?)],
         )
     }
 

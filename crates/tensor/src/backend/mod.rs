@@ -196,7 +196,7 @@ backends! {
     /// `out[k] = weight[indices[k]]`; errors on an index outside the table.
     fn embedding(&self, indices: &Tensor, weight: &Tensor, out: &Tensor);
     /// `gw[indices[k]] += grad[k]` into the zeroed `gw`.
-    fn embedding_backward(&self, indices: &Tensor, grad: &Tensor, gw: &Tensor);
+    fn embedding_backward(&self, indices: &Tensor, grad: &Tensor, gw: &Tensor, workspace: Option<&Tensor>);
 
     // Seam A: cast.
     /// `out = x` converted to `out`'s dtype (same shape, x contiguous).
@@ -412,7 +412,7 @@ backends! {
 
     // Seam B: loss.
     /// cross_entropy's mean loss into the scalar `out` (checks the targets' range).
-    fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor);
+    fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor, workspace: Option<&Tensor>);
     /// cross_entropy's logits gradient from the scalar `grad`.
     fn cross_entropy_backward(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, grad: &Tensor, gx: &Tensor);
     /// nll_loss's mean into the scalar `out` (log_probs may be strided; checks the targets' range).

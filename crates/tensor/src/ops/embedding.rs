@@ -44,7 +44,10 @@ impl Backward for EmbeddingBack {
         let grad = grad.contiguous()?;
         let d = grad.shape().last().copied().unwrap_or(1);
         let gw = zeros_output(&grad, &[self.rows, d], grad.dtype(), "embedding_backward")?;
-        grad.device().backend().embedding_backward(&self.indices, &grad, &gw)?;
+        // A GPU sorts the positions by the row they name (Note [Embedding backward on a GPU]).
+        let n = self.indices.numel();
+        let ws = super::gpu_workspace(&grad, 2 * self.rows + 1 + n, DType::I64, "embedding_backward")?;
+        grad.device().backend().embedding_backward(&self.indices, &grad, &gw, ws.as_ref())?;
         Ok(vec![Some(gw)])
     }
 }

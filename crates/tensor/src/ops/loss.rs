@@ -45,7 +45,10 @@ pub fn cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f64) -> 
     let logits = logits.contiguous()?;
     let target = target.contiguous()?;
     let out = output(&logits, &[], logits.dtype(), "cross_entropy")?;
-    logits.device().backend().cross_entropy(&logits, &target, label_smoothing, &out)?;
+    // A GPU computes each row's loss in a block of its own, then sums them in a fixed order.
+    let rows = logits.shape()[0];
+    let ws = super::gpu_workspace(&logits, rows, logits.dtype(), "cross_entropy")?;
+    logits.device().backend().cross_entropy(&logits, &target, label_smoothing, &out, ws.as_ref())?;
     if !needs_grad(&[&logits]) {
         return Ok(out);
     }

@@ -58,6 +58,15 @@ pub(crate) fn output_any(like: &Tensor, shape: &[usize], dtype: DType, op: &'sta
     Tensor::empty(like.device(), shape, dtype, Category::Temporary, op)
 }
 
+/// A workspace of `len` elements of `dtype` that only a GPU's kernels use (a GPU target's: `cuda` and
+/// `meta:cuda` allocate it alike); None on the cpu target.
+pub(crate) fn gpu_workspace(like: &Tensor, len: usize, dtype: DType, op: &'static str) -> Result<Option<Tensor>> {
+    if like.device().target() != crate::Target::Cuda {
+        return Ok(None);
+    }
+    output_any(like, &[len.max(1)], dtype, op).map(Some)
+}
+
 /// A zero-filled output.
 pub(crate) fn zeros_output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
     let t = output(like, shape, dtype, op)?;
