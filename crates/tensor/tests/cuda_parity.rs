@@ -6,7 +6,7 @@
 //! tile); these are not. Also uploads without waiting: many batches of several sizes through the
 //! pinned buffers into blocks the kernels queued before them just used, counted on the device. And a
 //! GPT-2-sized vocabulary: the embedding's gradient (bit for bit: positions sorted by row, added in the
-//! cpu's order) and cross-entropy over 50,304 classes.
+//! cpu's order), cross-entropy over 50,304 classes, and the head with its loss in chunks.
 //!
 //! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
 //! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
@@ -227,5 +227,11 @@ fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
         let t = Tensor::from_slice(x[0].device(), &targets, &[rows], Category::Input)?;
         ops::cross_entropy(&x[0], &t, 0.1)
     });
-    2
+    // The chunked head (Note [Chunked head]): 50 rows in chunks of 7, a partial last one.
+    let head_targets: Vec<i64> = (0..50).map(|r| (r * 37) % 300).collect();
+    agree(cuda, "linear + cross-entropy in chunks", &[&[50, 8], &[300, 8], &[300]], &|x| {
+        let t = Tensor::from_slice(x[0].device(), &head_targets, &[50], Category::Input)?;
+        Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.0, 7)?.0)
+    });
+    3
 }

@@ -425,7 +425,36 @@ impl Scores {
     }
 }
 
+/// What a forward pass leaves besides its loss: the logits, or (a model that fused its head with the
+/// loss) the predictions themselves.
+enum Outputs {
+    Logits(Tensor),
+    Predicted(Tensor),
+}
+
+impl Outputs {
+    /// Each prediction's argmax class (the logits are dropped once it is taken).
+    fn predicted(self) -> Result<Tensor, TrainError> {
+        match self {
+            Outputs::Logits(logits) => argmax_classes(&logits),
+            Outputs::Predicted(p) => Ok(p),
+        }
+    }
+}
+
 impl Session {
+    /// The model's mean loss on `x` against `y` and what it leaves to score: fused with its head where
+    /// the model does that (`Model::fused_loss`), else from its logits.
+    fn forward_loss(&self, x: &Tensor, y: &Tensor, train: bool) -> Result<(Tensor, Outputs), TrainError> {
+        if let Some(fused) = self.model.fused_loss(x, y, train) {
+            let (loss, predicted) = fused?;
+            return Ok((loss, Outputs::Predicted(predicted)));
+        }
+        let logits = self.model.forward(x, train)?;
+        let loss = loss(&logits, y)?;
+        Ok((loss, Outputs::Logits(logits)))
+    }
+
     /// One micro-batch, leaving the model's buffers as they were if it fails: batch norm updates its
     /// running statistics in the forward pass, and the re-run after a recovery must not count the
     /// failed attempt's batch twice. The snapshot is allocator memory (category `other`, a few KiB)
@@ -468,18 +497,16 @@ impl Session {
             let _p = device.enter_phase(Phase::Data);
             samples.to_device(device, chunk)?
         };
-        let (loss, logits) = {
+        let (loss, outputs) = {
             let _p = device.enter_phase(Phase::Forward);
-            let logits = self.model.forward(&x, true)?;
-            let loss = loss(&logits, &y)?;
+            let (loss, outputs) = self.forward_loss(&x, &y, true)?;
             let weight = chunk.len() as f64 / window as f64;
             let weighted = if chunk.len() == window { loss.clone() } else { loss.mul_scalar(weight)? };
-            (weighted, logits)
+            (weighted, outputs)
         };
         drop(x);
         // Before backward: a failure here is still a failed attempt with nothing committed.
-        let predicted = argmax_classes(&logits)?;
-        drop(logits);
+        let predicted = outputs.predicted()?;
         scores.record_count(&predicted.count_equal(&y)?)?;
         drop(predicted);
         scores.record_loss(&loss)?;
@@ -658,11 +685,9 @@ impl Session {
             let before = self.allocated();
             let attempt = |scores: &Scores| -> Result<Weighing, TrainError> {
                 let (x, y) = samples.to_device(device, chunk)?;
-                let logits = self.model.forward(&x, false)?;
+                let (loss, outputs) = self.forward_loss(&x, &y, false)?;
                 drop(x);
-                let loss = loss(&logits, &y)?;
-                let predicted = argmax_classes(&logits)?;
-                drop(logits);
+                let predicted = outputs.predicted()?;
                 scores.record_count(&predicted.count_equal(&y)?)?;
                 scores.record_loss(&loss)?;
                 Ok(Weighing { window: y.numel() as f64, chunk: 1.0, predictions: y.numel() })

@@ -272,3 +272,57 @@ fn a_saved_gpt_generates_the_same_text_for_a_seed() {
     let e = generate(&GenerateConfig { load: image, prompt: "Call".into(), ..bad }, &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("needs a gpt checkpoint"), "{e}");
 }
+
+/// A GPT whose logits for a micro-batch are more than one chunk (Note [Chunked head]): vocabulary
+/// 16,384, so a chunk is 1,024 rows and a micro-batch of 16 x 256 tokens takes four.
+fn wide_gpt() -> ModelSpec {
+    ModelSpec::gpt(GptConfig { vocab: 16_384, d_model: 16, heads: 2, layers: 1, max_t: 256 })
+}
+
+/// Its head and loss go chunk by chunk: the loss, the right predictions and every parameter's
+/// gradient are the unchunked ones (logits, then cross-entropy) up to the order of float additions;
+/// the step's peak is lower by about two logits tensors; and meta allocates what the cpu allocates.
+#[test]
+fn a_wide_vocabulary_takes_the_chunked_head_with_the_same_numbers_and_less_memory() {
+    use memfit_nn::build_model;
+    use memfit_train::samples::{Samples as _, SyntheticTokens};
+    let spec = wide_gpt();
+    let data = SyntheticTokens { len: 16, vocab: 16_384, context: 256, seed: 3 };
+    let ids: Vec<usize> = (0..16).collect();
+    let step = |kind: DeviceKind, fused: bool| {
+        let device = device(kind, None, None);
+        let model = build_model(&spec, &device, 5).unwrap();
+        let (x, y) = data.to_device(&device, &ids).unwrap();
+        let before = device.stats().allocated_bytes.current;
+        let (loss, predicted) = if fused {
+            model.fused_loss(&x, &y, true).expect("the chunked head applies").unwrap()
+        } else {
+            let logits = model.forward(&x, true).unwrap();
+            let loss = memfit_train::trainer::loss(&logits, &y).unwrap();
+            (loss, logits.detach().max_dim(-1, false).unwrap().1)
+        };
+        memfit_tensor::autograd::backward(&loss).unwrap();
+        let peak = device.stats().allocated_bytes.peak - before;
+        if !device.computes() {
+            return (0.0, 0.0, vec![], peak);
+        }
+        let right = predicted.count_equal(&y).unwrap().item().unwrap();
+        let grads: Vec<Vec<f64>> =
+            model.parameters().iter().map(|(_, p)| p.grad().unwrap().to_f64_vec().unwrap()).collect();
+        (loss.item().unwrap(), right, grads, peak)
+    };
+    let (loss, right, grads, peak) = step(DeviceKind::Cpu, true);
+    let (loss0, right0, grads0, peak0) = step(DeviceKind::Cpu, false);
+    assert!((loss - loss0).abs() <= 1e-6 * loss0.abs(), "loss {loss} chunked, {loss0} whole");
+    assert_eq!(right, right0, "right predictions");
+    for (k, (g, g0)) in grads.iter().zip(&grads0).enumerate() {
+        let scale = g0.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-6);
+        for (a, b) in g.iter().zip(g0) {
+            assert!((a - b).abs() <= 1e-4 * scale, "parameter {k}: gradient {a} chunked, {b} whole");
+        }
+    }
+    // Whole: the logits and their gradient (4,096 rows each); chunked: a chunk of each (1,024 rows).
+    let (logits, chunk) = ((16 * 256 * 16_384 * 4) as u64, (1024 * 16_384 * 4) as u64);
+    assert!(peak + 2 * (logits - chunk) <= peak0 + (8 << 20), "peak {peak} B chunked vs {peak0} B whole");
+    assert_eq!(step(DeviceKind::META, true).3, peak, "meta predicts the chunked step's peak");
+}

@@ -14,7 +14,7 @@ use super::{GptConfig, Model, ModelKind};
 use crate::checkpointing::Checkpointing;
 use crate::init::Initializer;
 use crate::layers::{Embedding, LayerNorm, Linear, Module, MultiheadAttention};
-use memfit_tensor::{Category, DType, Error, Result, Tensor};
+use memfit_tensor::{ops, Category, DType, Error, Result, Tensor};
 use std::sync::Arc;
 
 /// One pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
@@ -133,21 +133,9 @@ impl Gpt {
         Ok(())
     }
 
-    /// `mask[:t, :t]`, contiguous.
-    fn mask_for(&self, t: usize) -> Result<Tensor> {
-        if t == self.config.max_t {
-            return Ok(self.mask.clone());
-        }
-        self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?.contiguous()
-    }
-}
-
-impl Model for Gpt {
-    fn kind(&self) -> ModelKind {
-        ModelKind::Gpt
-    }
-
-    fn forward(&self, input: &Tensor, _train: bool) -> Result<Tensor> {
+    /// The embeddings (on the first stage) and the blocks: the residual stream [B, T, d] before the
+    /// final norm.
+    fn body(&self, input: &Tensor) -> Result<Tensor> {
         let mut x = match (&self.tok, &self.pos) {
             (Some(tok), Some(pos)) => {
                 let idx = input;
@@ -184,10 +172,55 @@ impl Model for Gpt {
             let (b, m) = (block.clone(), mask.clone());
             x = self.checkpointing.run(i, &x, || block.parameter_tensors(), move |x| b.forward(x, &m))?;
         }
+        Ok(x)
+    }
+
+    /// `mask[:t, :t]`, contiguous.
+    fn mask_for(&self, t: usize) -> Result<Tensor> {
+        if t == self.config.max_t {
+            return Ok(self.mask.clone());
+        }
+        self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?.contiguous()
+    }
+}
+
+impl Model for Gpt {
+    fn kind(&self) -> ModelKind {
+        ModelKind::Gpt
+    }
+
+    fn forward(&self, input: &Tensor, _train: bool) -> Result<Tensor> {
+        let x = self.body(input)?;
         match (&self.head, &self.ln) {
             (Some(head), Some(ln)) => head.forward_after_layer_norm(&x, ln),
             _ => Ok(x),
         }
+    }
+
+    /// With a vocabulary whose logits for this batch are more than one chunk: the final norm, then
+    /// the head and the loss chunk by chunk (`ops::linear_cross_entropy`).
+    fn fused_loss(&self, input: &Tensor, targets: &Tensor, _train: bool) -> Option<Result<(Tensor, Tensor)>> {
+        let (Some(head), Some(ln)) = (&self.head, &self.ln) else { return None };
+        let rows = targets.numel();
+        let chunk = ops::head_chunk_rows(self.config.vocab, DType::F32);
+        if rows <= chunk {
+            return None;
+        }
+        Some((|| {
+            let x = ln.forward(&self.body(input)?)?;
+            let d = self.config.d_model as isize;
+            let _module = x.device().enter_module("head");
+            let (loss, predicted) = ops::linear_cross_entropy(
+                &x.reshape(&[-1, d])?,
+                head.weight(),
+                head.bias(),
+                &targets.reshape(&[-1])?,
+                0.0,
+                chunk,
+            )?;
+            let shape: Vec<isize> = targets.shape().iter().map(|&s| s as isize).collect();
+            Ok((loss, predicted.reshape(&shape)?))
+        })())
     }
 
     fn parameters(&self) -> Vec<(String, Tensor)> {

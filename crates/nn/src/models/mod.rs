@@ -32,6 +32,13 @@ pub trait Model: Send {
     fn checkpointing(&self) -> Option<&Checkpointing> {
         None
     }
+    /// The mean cross-entropy of the logits for `x` against int64 `targets` and each prediction's
+    /// argmax class (int64, shaped like `targets`), when the model computes them with its output layer
+    /// so that its logits never exist whole (the GPT with a large vocabulary: Note [Chunked head] in
+    /// `memfit_tensor::ops::loss`); None: the caller takes them from [`Model::forward`]'s logits.
+    fn fused_loss(&self, _x: &Tensor, _targets: &Tensor, _train: bool) -> Option<Result<(Tensor, Tensor)>> {
+        None
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
