@@ -267,7 +267,7 @@ fn embedding_backward_refuses_short_gradients_and_indices_outside_the_table() {
     check(&Case {
         name: "embedding_backward",
         buffers: vec![(DType::I64, vec![n]), f32s(&[n, d]), f32s(&[v_rows, d])],
-        call: Box::new(move |v| kernels::embedding_backward(v[0], v[1], v[2])),
+        call: Box::new(move |v| kernels::embedding_backward(v[0], v[1], v[2], None)),
         // The weight gradient's shape is the table's: it cannot be short of itself.
         shortened: vec![(1, short(&[n, d]), "embedding_backward output gradient")],
     });
@@ -275,7 +275,7 @@ fn embedding_backward_refuses_short_gradients_and_indices_outside_the_table() {
         let buffers = vec![(DType::I64, vec![2]), f32s(&[2, 3]), f32s(&[v_rows, 3])];
         let got = with_views(&buffers, &|v| {
             v[0].slice_mut::<i64>()?.copy_from_slice(&[0, bad]);
-            kernels::embedding_backward(v[0], v[1], v[2])
+            kernels::embedding_backward(v[0], v[1], v[2], None)
         });
         match got {
             Err(Error::Invalid(m)) => {
