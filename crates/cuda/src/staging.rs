@@ -99,7 +99,8 @@ impl Staging {
             None => Buffer { host: 0, bytes: 0, event: self.machine.event_create()? },
         };
         if let Err(e) = self.machine.event_wait(buffer.event) {
-            self.drop_buffer(&mut buffer);
+            // As in `upload`: with no word on its copy, the buffer is left, never freed under it.
+            self.pinned.fetch_sub(buffer.bytes as u64, Ordering::Relaxed);
             return Err(e);
         }
         if buffer.bytes < bytes {

@@ -306,8 +306,13 @@ impl Tensor {
         let mut fill = Some(fill);
         let mut misaligned = false;
         let mut write = |bytes: &mut [u8]| {
-            // SAFETY: `T` is a plain number type (no padding, every bit pattern the caller writes is
-            // its own), and `align_to_mut` only yields whole, aligned elements.
+            if T::DTYPE == DType::Bool {
+                // A pinned buffer's leftovers may be any bytes, and only 0 and 1 are bools.
+                bytes.fill(0);
+            }
+            // SAFETY: `T` is a plain number type (no padding) for which every byte pattern in the
+            // buffer is a valid value (bool's were zeroed above), and `align_to_mut` only yields
+            // whole, aligned elements.
             let (head, values, tail) = unsafe { bytes.align_to_mut::<T>() };
             match fill.take() {
                 Some(f) if head.is_empty() && tail.is_empty() => f(values),
