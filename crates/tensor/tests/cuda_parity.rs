@@ -6,7 +6,8 @@
 //! tile); these are not. Also uploads without waiting: many batches of several sizes through the
 //! pinned buffers into blocks the kernels queued before them just used, counted on the device. And a
 //! GPT-2-sized vocabulary: the embedding's gradient (bit for bit: positions sorted by row, added in the
-//! cpu's order), cross-entropy over 50,304 classes, and the head with its loss in chunks.
+//! cpu's order), cross-entropy over 50,304 classes, and the head with its loss in chunks. And
+//! convolutions whose samples the GPU plan takes several lanes at a time, with a short last lane.
 //!
 //! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
 //! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
@@ -30,7 +31,8 @@ fn main() {
     let states = compact_optimizer_states_match_the_cpu(&cuda);
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
-    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads + vocab);
+    let convs = convolution_lanes_match_the_cpu(&cuda);
+    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads + vocab + convs);
 }
 
 /// Seeded values in [-1, 1).
@@ -232,6 +234,24 @@ fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
     agree(cuda, "linear + cross-entropy in chunks", &[&[50, 8], &[300, 8], &[300]], &|x| {
         let t = Tensor::from_slice(x[0].device(), &head_targets, &[50], Category::Input)?;
         Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.0, 7)?.0)
+    });
+    3
+}
+
+/// Convolutions on samples large enough that the GPU plan's 4 MiB workspace holds three lanes (five
+/// samples: lanes of two, two and one, so the second step serves two lanes), plain, grouped and 1x1:
+/// outputs and all three gradients agree with the cpu. The cases checked.
+fn convolution_lanes_match_the_cpu(cuda: &Device) -> usize {
+    use memfit_tensor::ops::Conv2dParams;
+    let padded = Conv2dParams { padding: [1, 1], ..Default::default() };
+    agree(cuda, "conv2d in lanes", &[&[5, 8, 64, 64], &[16, 8, 3, 3], &[16]], &|x| {
+        ops::conv2d(&x[0], &x[1], Some(&x[2]), padded)
+    });
+    agree(cuda, "grouped conv2d in lanes", &[&[5, 8, 64, 64], &[16, 4, 3, 3], &[16]], &|x| {
+        ops::conv2d(&x[0], &x[1], Some(&x[2]), Conv2dParams { groups: 2, ..padded })
+    });
+    agree(cuda, "1x1 conv2d over every sample at once", &[&[5, 8, 20, 20], &[6, 8, 1, 1], &[6]], &|x| {
+        ops::conv2d(&x[0], &x[1], Some(&x[2]), Conv2dParams::default())
     });
     3
 }

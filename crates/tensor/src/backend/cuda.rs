@@ -555,29 +555,47 @@ impl Backend for Cuda {
         let beta = if bias.is_some() { 1.0 } else { 0.0 };
         // Every group's weight rows [og, kg], one matrix a group.
         let w_g = Operand { address: wp, trans: false, ld: kg.max(1) };
-        for n in 0..g.n {
-            let out_n = op + (n * g.o * p) as u64 * size;
-            let x_n = xp + (n * g.c * hw) as u64 * size;
-            if g.direct {
-                let x_g = Operand { address: x_n, trans: false, ld: p.max(1) };
-                let gemm = product(dtype, (og, p, kg), w_g, x_g, out_n, (og * kg, cg * hw, og * p, groups), beta);
-                self.gemm(gemm)?;
-                continue;
+        if g.direct {
+            if groups == 1 {
+                // Every sample in one product: out_n [o, p] = W [o, c] x_n [c, p].
+                let x_all = Operand { address: xp, trans: false, ld: p.max(1) };
+                return self.gemm(product(dtype, (og, p, kg), w_g, x_all, op, (0, g.c * hw, g.o * p, g.n), beta));
             }
-            let col =
-                dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
+            for n in 0..g.n {
+                let x_g = Operand { address: xp + (n * g.c * hw) as u64 * size, trans: false, ld: p.max(1) };
+                let out_n = op + (n * g.o * p) as u64 * size;
+                self.gemm(product(dtype, (og, p, kg), w_g, x_g, out_n, (og * kg, cg * hw, og * p, groups), beta))?;
+            }
+            return Ok(());
+        }
+        let col = dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
+        // Step j takes sample j of every lane (Note [conv2d work plan]).
+        let per = g.per_lane.max(1);
+        for j in 0..per.min(g.n) {
+            let lanes = active_lanes(g, j);
+            let (x_j, out_j) = (xp + (j * g.c * hw) as u64 * size, op + (j * g.o * p) as u64 * size);
             for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
                 let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
-                let tp = (r1 - r0) * g.ow;
+                let (tp, tile) = ((r1 - r0) * g.ow, g.kc() * (r1 - r0) * g.ow);
                 self.launch(
                     &format!("im2col_{sfx}"),
-                    self.grid(g.kc() * tp, BLOCK),
-                    &mut [Arg::Ptr(x_n), conv_words(g, r0, r1), Arg::Ptr(col)],
+                    self.grid(lanes * tile, BLOCK),
+                    &mut [Arg::Ptr(x_j), conv_words(g, r0, r1, lanes, per * g.c * hw, tile), Arg::Ptr(col)],
                 )?;
-                let col_g = Operand { address: col, trans: false, ld: tp.max(1) };
-                let c = out_n + (r0 * g.ow) as u64 * size;
-                let gemm = product(dtype, (og, tp, kg), w_g, col_g, c, (og * kg, kg * tp, og * p, groups), beta);
-                self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
+                let c = out_j + (r0 * g.ow) as u64 * size;
+                if groups == 1 {
+                    // The lanes' tiles in one product: out [o, tp] = W [o, kc] col_l [kc, tp].
+                    let col_all = Operand { address: col, trans: false, ld: tp.max(1) };
+                    let gemm = product(dtype, (og, tp, kg), w_g, col_all, c, (0, tile, per * g.o * p, lanes), beta);
+                    self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
+                    continue;
+                }
+                for l in 0..lanes {
+                    let col_g = Operand { address: col + (l * tile) as u64 * size, trans: false, ld: tp.max(1) };
+                    let c_l = c + (l * per * g.o * p) as u64 * size;
+                    let gemm = product(dtype, (og, tp, kg), w_g, col_g, c_l, (og * kg, kg * tp, og * p, groups), beta);
+                    self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
+                }
             }
         }
         Ok(())
@@ -625,54 +643,82 @@ impl Backend for Cuda {
         }
         // W_g^T [kg, og] of every group (weight rows [og, kg]).
         let w_t = Operand { address: wp, trans: true, ld: kg.max(1) };
+        // The weight gradient is written by its first product and added onto by the rest.
         let mut first = true;
-        for n in 0..g.n {
-            let (x_n, g_n) = (xp + (n * g.c * hw) as u64 * size, gp + (n * g.o * p) as u64 * size);
-            if g.direct {
+        if g.direct {
+            for n in 0..g.n {
+                let (x_n, g_n) = (xp + (n * g.c * hw) as u64 * size, gp + (n * g.o * p) as u64 * size);
                 if dwp != 0 {
                     // dw_g [og, kg] (+)= grad_g [og, p] x_g^T [p, kg].
                     let a = Operand { address: g_n, trans: false, ld: p.max(1) };
                     let b = Operand { address: x_n, trans: true, ld: p.max(1) };
                     let beta = if first { 0.0 } else { 1.0 };
                     self.gemm(product(dtype, (og, kg, p), a, b, dwp, (og * p, cg * hw, og * kg, groups), beta))?;
+                    first = false;
                 }
-                if dxp != 0 {
+                if dxp != 0 && groups > 1 {
                     // dx_g [kg, p] = W_g^T [kg, og] grad_g [og, p].
                     let b = Operand { address: g_n, trans: false, ld: p.max(1) };
                     let c = dxp + (n * g.c * hw) as u64 * size;
                     self.gemm(product(dtype, (kg, p, og), w_t, b, c, (og * kg, og * p, cg * hw, groups), 0.0))?;
                 }
-                first = false;
-                continue;
             }
+            if dxp != 0 && groups == 1 && g.n > 0 {
+                // Every sample in one product: dx_n [c, p] = W^T [c, o] grad_n [o, p].
+                let b = Operand { address: gp, trans: false, ld: p.max(1) };
+                self.gemm(product(dtype, (kg, p, og), w_t, b, dxp, (0, g.o * p, g.c * hw, g.n), 0.0))?;
+            }
+        } else if dxp != 0 || dwp != 0 {
             let col =
                 dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
-            for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
-                let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
-                let tp = (r1 - r0) * g.ow;
-                let g_tile = Operand { address: g_n + (r0 * g.ow) as u64 * size, trans: false, ld: p.max(1) };
-                if dwp != 0 {
-                    self.launch(
-                        &format!("im2col_{sfx}"),
-                        self.grid(g.kc() * tp, BLOCK),
-                        &mut [Arg::Ptr(x_n), conv_words(g, r0, r1), Arg::Ptr(col)],
-                    )?;
-                    // dw_g [og, kg] (+)= grad tile [og, tp] col_g^T [tp, kg].
-                    let b = Operand { address: col, trans: true, ld: tp.max(1) };
-                    let beta = if first { 0.0 } else { 1.0 };
-                    self.gemm(product(dtype, (og, kg, tp), g_tile, b, dwp, (og * p, kg * tp, og * kg, groups), beta))?;
+            // Step j takes sample j of every lane (Note [conv2d work plan]).
+            let per = g.per_lane.max(1);
+            for j in 0..per.min(g.n) {
+                let lanes = active_lanes(g, j);
+                let (x_j, g_j) = (xp + (j * g.c * hw) as u64 * size, gp + (j * g.o * p) as u64 * size);
+                for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
+                    let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
+                    let (tp, tile) = ((r1 - r0) * g.ow, g.kc() * (r1 - r0) * g.ow);
+                    let words = conv_words(g, r0, r1, lanes, per * g.c * hw, tile);
+                    let g_tile = g_j + (r0 * g.ow) as u64 * size;
+                    let lane_grad = |l: usize| g_tile + (l * per * g.o * p) as u64 * size;
+                    if dwp != 0 {
+                        self.launch(
+                            &format!("im2col_{sfx}"),
+                            self.grid(lanes * tile, BLOCK),
+                            &mut [Arg::Ptr(x_j), words.clone(), Arg::Ptr(col)],
+                        )?;
+                        for l in 0..lanes {
+                            // dw_g [og, kg] (+)= grad tile [og, tp] col_g^T [tp, kg].
+                            let a = Operand { address: lane_grad(l), trans: false, ld: p.max(1) };
+                            let b = Operand { address: col + (l * tile) as u64 * size, trans: true, ld: tp.max(1) };
+                            let beta = if first { 0.0 } else { 1.0 };
+                            let strides = (og * p, kg * tp, og * kg, groups);
+                            self.gemm(product(dtype, (og, kg, tp), a, b, dwp, strides, beta))?;
+                            first = false;
+                        }
+                    }
+                    if dxp != 0 {
+                        // col_g [kg, tp] = W_g^T [kg, og] grad tile [og, tp], then added onto dx.
+                        if groups == 1 {
+                            let b = Operand { address: g_tile, trans: false, ld: p.max(1) };
+                            self.gemm(product(dtype, (kg, tp, og), w_t, b, col, (0, per * g.o * p, tile, lanes), 0.0))?;
+                        } else {
+                            for l in 0..lanes {
+                                let b = Operand { address: lane_grad(l), trans: false, ld: p.max(1) };
+                                let c = col + (l * tile) as u64 * size;
+                                let strides = (og * kg, og * p, kg * tp, groups);
+                                self.gemm(product(dtype, (kg, tp, og), w_t, b, c, strides, 0.0))?;
+                            }
+                        }
+                        let dx_j = dxp + (j * g.c * hw) as u64 * size;
+                        self.launch(
+                            &format!("col2im_{sfx}"),
+                            self.grid(lanes * g.c * hw, BLOCK),
+                            &mut [Arg::Ptr(col), words, Arg::Ptr(dx_j)],
+                        )?;
+                    }
                 }
-                if dxp != 0 {
-                    // col_g [kg, tp] = W_g^T [kg, og] grad tile [og, tp], then added onto dx.
-                    self.gemm(product(dtype, (kg, tp, og), w_t, g_tile, col, (og * kg, og * p, kg * tp, groups), 0.0))?;
-                    let dx_n = dxp + (n * g.c * hw) as u64 * size;
-                    self.launch(
-                        &format!("col2im_{sfx}"),
-                        self.grid(g.c * hw, BLOCK),
-                        &mut [Arg::Ptr(col), conv_words(g, r0, r1), Arg::Ptr(dx_n)],
-                    )?;
-                }
-                first = false;
             }
         }
         if dwp != 0 && g.n == 0 {
@@ -2013,9 +2059,20 @@ fn strided_words(s: Strided) -> Vec<u64> {
     words
 }
 
-/// The kernels' `struct Conv` (conv.cu) for output rows `r0..r1`.
-fn conv_words(g: &ConvGeom, r0: usize, r1: usize) -> Arg {
-    Arg::Words([g.c, g.h, g.w, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.ow, r0, r1].map(|v| v as u64).to_vec())
+/// The kernels' `struct Conv` (conv.cu) for output rows `r0..r1` of `lanes` samples, `x_lane`
+/// elements apart, whose tiles are `col_lane` apart.
+fn conv_words(g: &ConvGeom, r0: usize, r1: usize, lanes: usize, x_lane: usize, col_lane: usize) -> Arg {
+    let words = [g.c, g.h, g.w, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.ow, r0, r1, lanes, x_lane, col_lane];
+    Arg::Words(words.map(|v| v as u64).to_vec())
+}
+
+/// The lanes whose sample `j` exists (lane l's is sample `l * per_lane + j`; only the last lane can
+/// hold fewer), so step j of the GPU plan serves this many at once.
+fn active_lanes(g: &ConvGeom, j: usize) -> usize {
+    if j >= g.n {
+        return 0;
+    }
+    (g.n - j).div_ceil(g.per_lane.max(1)).min(g.lanes.max(1))
 }
 
 /// The kernels' `struct Pool` (pool.cu).

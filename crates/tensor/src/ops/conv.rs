@@ -15,10 +15,12 @@
 //! either. 1x1 convolutions with stride 1 and no padding use the input itself as the im2col matrix.
 //! Backward saves the input and the weight (not the im2col matrix) and recomputes im2col.
 //!
-//! On a GPU target (`cuda`, and `meta:cuda` predicting it) the plan is the GPU kernels': one lane
-//! (the GPU is parallel inside each product), tiles of im2col columns only, and no weight partials
-//! (cuBLAS adds each tile's product into the weight gradient itself, reading the output gradient
-//! transposed in place): [`limits_for`].
+//! On a GPU target (`cuda`, and `meta:cuda` predicting it) the plan is the GPU kernels': tiles of
+//! im2col columns only and no weight partials (cuBLAS adds each tile's product into the weight
+//! gradient itself, reading the output gradient transposed in place), and lanes that run together
+//! rather than apart: step j takes sample j of every lane, so one im2col launch fills all the lanes'
+//! tiles and one strided batched product serves them all (a launch per sample made the small
+//! convolutions launch-bound): [`limits_for`].
 //!
 //! This file plans (shapes, work plan, workspaces) and records autograd; the kernels that follow the
 //! plan are the backend's (`memfit-cpu`'s `conv.rs`).
@@ -60,9 +62,9 @@ struct Limits {
 const LIMITS: Limits =
     Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32, staged_weight_grad: true };
 
-/// The work plan's budgets on a GPU: one lane, nothing staged.
+/// The work plan's budgets on a GPU: lanes batched together, nothing staged.
 const CUDA_LIMITS: Limits =
-    Limits { tile_bytes: 4 << 20, workspace_bytes: 4 << 20, max_lanes: 1, staged_weight_grad: false };
+    Limits { tile_bytes: 4 << 20, workspace_bytes: 4 << 20, max_lanes: 256, staged_weight_grad: false };
 
 /// The work plan of the machine a device's allocations follow.
 fn limits_for(target: crate::Target) -> Limits {
@@ -134,7 +136,8 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
     let staged_rows = if limits.staged_weight_grad { o } else { 0 };
     let row_bytes = (if direct { 0 } else { kc }).saturating_add(staged_rows).saturating_mul(ow).saturating_mul(elem);
     let tile_rows = (limits.tile_bytes / row_bytes.max(1)).clamp(1, oh);
-    let weight_bytes = o.saturating_mul(cg * kh * kw).saturating_mul(elem);
+    // A lane's weight partial, where the plan stages the weight gradient.
+    let weight_bytes = if limits.staged_weight_grad { o.saturating_mul(cg * kh * kw).saturating_mul(elem) } else { 0 };
     let lane_bytes = row_bytes.saturating_mul(tile_rows).saturating_add(weight_bytes).max(1);
     let (lanes, per_lane) = if n == 0 {
         (0, 1)
@@ -483,10 +486,11 @@ mod tests {
         assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
     }
 
-    /// A GPU target plans one lane of im2col columns only: no transposed gradient tile and no weight
-    /// partials, in forward and backward, whatever the batch; a cpu target stages the weight gradient.
+    /// A GPU target plans im2col columns only: no transposed gradient tile and no weight partials, in
+    /// forward and backward, with as many lanes as the workspace holds (a lane of a large image's
+    /// rows, or a whole small sample each); a cpu target stages the weight gradient.
     #[test]
-    fn a_gpu_target_plans_one_lane_and_no_weight_partials() {
+    fn a_gpu_target_plans_lanes_of_columns_and_no_weight_partials() {
         let padded = Conv2dParams { padding: [1, 1], ..Default::default() };
         let g = geometry(&[64, 64, 64, 64], &[64, 64, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
         // A row of im2col columns alone: 576 * 64 * 4 = 147456 bytes; 4 MiB holds 28 rows.
@@ -502,10 +506,13 @@ mod tests {
             };
             (sizes("conv2d_im2col"), sizes("conv2d_weight_partials"))
         };
-        // Blocks are whole 512-byte units. Forward's tile and backward's: 27 columns x 36 positions.
+        // Blocks are whole 512-byte units. Forward's tiles and backward's: 27 columns x 36 positions,
+        // one per sample (both lanes at once).
         let block = |bytes: u64| bytes.div_ceil(512) * 512;
         let gpu = Device::new(crate::DeviceConfig::new(crate::DeviceKind::Meta(crate::Target::Cuda))).unwrap();
-        assert_eq!(ops(&gpu), (vec![block(27 * 36 * 8); 2], vec![]));
+        assert_eq!(ops(&gpu), (vec![block(2 * 27 * 36 * 8); 2], vec![]));
+        let small = geometry(&[128, 1, 28, 28], &[16, 1, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
+        assert_eq!((small.lanes, small.per_lane, small.tile_rows), (128, 1, 28), "simplecnn's batch in one step");
         let (cpu_tiles, cpu_partials) = ops(&Device::meta());
         assert_eq!(cpu_tiles[1], block(2 * (27 + 4) * 36 * 8), "two lanes, each with the gradient's tile");
         assert_eq!(cpu_partials, vec![block(2 * 4 * 27 * 8)]);
