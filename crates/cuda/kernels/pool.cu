@@ -2,7 +2,8 @@
 // max takes a strictly larger value or a NaN (PyTorch's rule) and saves the winning window
 // position (`width` bytes, little-endian) and optionally the flat input index; average windows
 // are fixed (with or without the padding counted) or adaptive. Forward: one thread per output;
-// backward: one thread per plane, outputs in order (deterministic, no atomics).
+// backward: one thread per input element, adding the outputs that read it in output order (the
+// order a plane's outputs were added in before: the same bits, no atomics, all elements at once).
 
 struct Pool {
     i64 planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
@@ -38,6 +39,14 @@ __device__ Window avg_window(const Pool& g, int kind, i64 oh, i64 ow) {
     return win;
 }
 
+// The output along one axis whose window's tap `i` reads input `in` (stride s, padding p, dilation
+// d, n outputs), or -1. Taps in descending order give outputs in ascending order.
+__device__ i64 tap_output(i64 in, i64 i, i64 s, i64 p, i64 d, i64 n) {
+    i64 t = in + p - i * d;
+    if (t < 0 || t % s != 0 || t / s >= n) return -1;
+    return t / s;
+}
+
 #define POOL(T, SUF)                                                                                    \
     extern "C" __global__ void max_pool2d_##SUF(const T* x, Pool g, T* out, i64* indices, unsigned char* positions, int width) { \
         GRID_STRIDE(e, g.planes * g.oh * g.ow) {                                                        \
@@ -67,20 +76,24 @@ __device__ Window avg_window(const Pool& g, int kind, i64 oh, i64 ow) {
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
+    /* One thread per input element gathers the outputs whose winner it was, in output order. */    \
     extern "C" __global__ void max_pool2d_backward_##SUF(const T* g_out, const unsigned char* positions, int width, Pool g, T* dx) { \
-        GRID_STRIDE(plane, g.planes) {                                                                  \
-            T* d = dx + plane * g.h * g.w;                                                              \
-            for (i64 k = 0; k < g.h * g.w; ++k) d[k] = T(0);                                            \
-            for (i64 oh = 0; oh < g.oh; ++oh)                                                           \
-                for (i64 ow = 0; ow < g.ow; ++ow) {                                                     \
+        GRID_STRIDE(k, g.planes * g.h * g.w) {                                                          \
+            i64 plane = k / (g.h * g.w), ih = (k / g.w) % g.h, iw = k % g.w;                            \
+            T acc = T(0);                                                                               \
+            for (i64 i = g.kh - 1; i >= 0; --i) {                                                       \
+                i64 oh = tap_output(ih, i, g.sh, g.ph, g.dh, g.oh);                                     \
+                if (oh < 0) continue;                                                                   \
+                for (i64 j = g.kw - 1; j >= 0; --j) {                                                   \
+                    i64 ow = tap_output(iw, j, g.sw, g.pw, g.dw, g.ow);                                 \
+                    if (ow < 0) continue;                                                               \
                     i64 e = (plane * g.oh + oh) * g.ow + ow;                                            \
                     unsigned at = 0;                                                                    \
                     for (int b = 0; b < width; ++b) at |= (unsigned)positions[e * width + b] << (8 * b); \
-                    if (at >= (unsigned)(g.kh * g.kw)) continue;                                        \
-                    i64 ih = oh * g.sh - g.ph + (at / g.kw) * g.dh;                                     \
-                    i64 iw = ow * g.sw - g.pw + (at % g.kw) * g.dw;                                     \
-                    if (ih >= 0 && iw >= 0 && ih < g.h && iw < g.w) d[ih * g.w + iw] += g_out[e];       \
+                    if (at == (unsigned)(i * g.kw + j)) acc += g_out[e];                                \
                 }                                                                                       \
+            }                                                                                           \
+            dx[k] = acc;                                                                                \
         }                                                                                               \
     }                                                                                                   \
     extern "C" __global__ void avg_pool2d_##SUF(const T* x, Pool g, int kind, T* out) {                \
@@ -94,18 +107,25 @@ __device__ Window avg_window(const Pool& g, int kind, i64 oh, i64 ow) {
             out[e] = (win.h0 < win.h1 && win.w0 < win.w1 && win.divisor > 0) ? sum / T(win.divisor) : T(0); \
         }                                                                                               \
     }                                                                                                   \
+    /* One thread per input element gathers its share of every window holding it, in output order. */ \
     extern "C" __global__ void avg_pool2d_backward_##SUF(const T* g_out, Pool g, int kind, T* dx) {    \
-        GRID_STRIDE(plane, g.planes) {                                                                  \
-            T* d = dx + plane * g.h * g.w;                                                              \
-            for (i64 k = 0; k < g.h * g.w; ++k) d[k] = T(0);                                            \
-            for (i64 oh = 0; oh < g.oh; ++oh)                                                           \
-                for (i64 ow = 0; ow < g.ow; ++ow) {                                                     \
+        GRID_STRIDE(k, g.planes * g.h * g.w) {                                                          \
+            i64 plane = k / (g.h * g.w), ih = (k / g.w) % g.h, iw = k % g.w;                            \
+            T acc = T(0);                                                                               \
+            /* Adaptive windows have no inverse: every output is asked; fixed ones by their taps. */    \
+            i64 rows = kind == 2 ? g.oh : g.kh, cols = kind == 2 ? g.ow : g.kw;                         \
+            for (i64 r = 0; r < rows; ++r) {                                                            \
+                i64 oh = kind == 2 ? r : tap_output(ih, g.kh - 1 - r, g.sh, g.ph, g.dh, g.oh);          \
+                if (oh < 0) continue;                                                                   \
+                for (i64 q = 0; q < cols; ++q) {                                                        \
+                    i64 ow = kind == 2 ? q : tap_output(iw, g.kw - 1 - q, g.sw, g.pw, g.dw, g.ow);      \
+                    if (ow < 0) continue;                                                               \
                     Window win = avg_window(g, kind, oh, ow);                                           \
-                    if (win.divisor == 0) continue;                                                     \
-                    T share = g_out[(plane * g.oh + oh) * g.ow + ow] / T(win.divisor);                  \
-                    for (i64 ih = win.h0; ih < win.h1; ++ih)                                            \
-                        for (i64 iw = win.w0; iw < win.w1; ++iw) d[ih * g.w + iw] += share;             \
+                    if (win.divisor == 0 || ih < win.h0 || ih >= win.h1 || iw < win.w0 || iw >= win.w1) continue; \
+                    acc += g_out[(plane * g.oh + oh) * g.ow + ow] / T(win.divisor);                     \
                 }                                                                                       \
+            }                                                                                           \
+            dx[k] = acc;                                                                                \
         }                                                                                               \
     }
 

@@ -7,7 +7,8 @@
 //! pinned buffers into blocks the kernels queued before them just used, counted on the device. And a
 //! GPT-2-sized vocabulary: the embedding's gradient (bit for bit: positions sorted by row, added in the
 //! cpu's order), cross-entropy over 50,304 classes, and the head with its loss in chunks. And
-//! convolutions whose samples the GPU plan takes several lanes at a time, with a short last lane.
+//! convolutions whose samples the GPU plan takes several lanes at a time, with a short last lane, and
+//! pooling gradients gathered per input element where windows overlap.
 //!
 //! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
 //! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
@@ -31,7 +32,7 @@ fn main() {
     let states = compact_optimizer_states_match_the_cpu(&cuda);
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
-    let convs = convolution_lanes_match_the_cpu(&cuda);
+    let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
     println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads + vocab + convs);
 }
 
@@ -254,4 +255,25 @@ fn convolution_lanes_match_the_cpu(cuda: &Device) -> usize {
         ops::conv2d(&x[0], &x[1], Some(&x[2]), Conv2dParams::default())
     });
     3
+}
+
+/// Pooling's gradients, gathered per input element: overlapping max windows (3x3, stride 2, padding
+/// 1, dilation 2 too, ceil mode), average windows with and without the padding counted, adaptive
+/// average windows that overlap (7 -> 5). The cases checked.
+fn pooling_gradients_match_the_cpu(cuda: &Device) -> usize {
+    use memfit_tensor::ops::Pool2dParams;
+    let p = |k: usize, s: usize, pad: usize, d: usize, ceil| Pool2dParams {
+        kernel: [k, k],
+        stride: [s, s],
+        padding: [pad, pad],
+        dilation: [d, d],
+        ceil_mode: ceil,
+    };
+    let shape: &[&[usize]] = &[&[3, 4, 13, 11]];
+    agree(cuda, "max pool, overlapping windows", shape, &|x| ops::max_pool2d(&x[0], p(3, 2, 1, 1, false)));
+    agree(cuda, "max pool, dilated, ceil mode", shape, &|x| ops::max_pool2d(&x[0], p(3, 2, 1, 2, true)));
+    agree(cuda, "avg pool counting padding", shape, &|x| ops::avg_pool2d(&x[0], p(3, 2, 1, 1, true), true));
+    agree(cuda, "avg pool without padding", shape, &|x| ops::avg_pool2d(&x[0], p(3, 2, 1, 1, false), false));
+    agree(cuda, "adaptive avg pool, overlapping", &[&[2, 3, 7, 7]], &|x| ops::adaptive_avg_pool2d(&x[0], [5, 5]));
+    5
 }

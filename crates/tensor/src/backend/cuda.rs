@@ -764,7 +764,7 @@ impl Backend for Cuda {
         let sfx = float(NAME, grad.dtype())?;
         self.launch(
             &format!("max_pool2d_backward_{sfx}"),
-            self.grid(g.planes, BLOCK),
+            self.grid(g.planes * g.h * g.w, BLOCK),
             &mut [
                 Arg::Ptr(dense(grad, NAME)?),
                 Arg::Ptr(dense(positions, NAME)?),
@@ -793,7 +793,7 @@ impl Backend for Cuda {
         let sfx = float(kind.name(), grad.dtype())?;
         self.launch(
             &format!("avg_pool2d_backward_{sfx}"),
-            self.grid(g.planes, BLOCK),
+            self.grid(g.planes * g.h * g.w, BLOCK),
             &mut [
                 Arg::Ptr(dense(grad, kind.name())?),
                 pool_words(g),
