@@ -7,6 +7,10 @@ __device__ void fill_t(T* out, i64 n, T value) {
 }
 extern "C" __global__ void fill_f32(float* out, i64 n, float value) { fill_t(out, n, value); }
 extern "C" __global__ void fill_f64(double* out, i64 n, double value) { fill_t(out, n, value); }
+// t[i] += 1 (a counter: batch norm's num_batches_tracked).
+extern "C" __global__ void count_up_i64(i64* t, i64 n) {
+    GRID_STRIDE(i, n) t[i] += 1;
+}
 
 // dst[k] = src[offset(k)] for elements of `bytes` bytes each (1, 2, 4 or 8).
 template <typename T>

@@ -25,7 +25,11 @@ pub struct Source {
 
 /// Every kernel source, by op family (the tensor crate's `ops/` files).
 pub const SOURCES: [Source; 12] = [
-    Source { name: "data", text: include_str!("../kernels/data.cu"), kernels: &["fill_", "gather_", "cast_"] },
+    Source {
+        name: "data",
+        text: include_str!("../kernels/data.cu"),
+        kernels: &["fill_", "gather_", "cast_", "count_up_"],
+    },
     Source {
         name: "elementwise",
         text: include_str!("../kernels/elementwise.cu"),

@@ -265,9 +265,9 @@ impl BatchNorm2d {
         Ok(y)
     }
 
-    /// `num_batches_tracked += 1`, in place (nothing to do on meta).
+    /// `num_batches_tracked += 1`, in place on the device (nothing to do on meta).
     fn count_batch(&self) -> Result<()> {
-        self.num_batches_tracked.write_with::<i64>(|n| n.iter_mut().for_each(|n| *n += 1))
+        self.num_batches_tracked.count_up()
     }
 
     pub fn prefix(&self) -> &str {

@@ -371,6 +371,20 @@ impl Tensor {
         Ok(self.to_f64_vec()?[0])
     }
 
+    /// Adds 1 to every element of a contiguous int64 tensor in place, on its device (a counter such
+    /// as batch norm's `num_batches_tracked`: a GPU's is not read back to be counted); never
+    /// recorded by autograd. Does nothing on meta.
+    pub fn count_up(&self) -> Result<()> {
+        if self.dtype() != DType::I64 || !self.is_contiguous() {
+            return Err(Error::dtype(format!(
+                "count_up needs a contiguous int64 tensor, not {:?} {}",
+                self.shape(),
+                self.dtype()
+            )));
+        }
+        self.device().backend().count_up(self)
+    }
+
     /// Overwrites this tensor's elements in place with `src`'s (same shape and dtype). For loading
     /// checkpoints and optimizer-style updates; never recorded by autograd.
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {

@@ -893,3 +893,15 @@ fn count_equal_counts_equal_elements_and_refuses_other_dtypes_or_shapes() {
     let short = Tensor::from_slice(&device, &[1i64; 3], &[3], Category::Input).unwrap();
     assert!(a.count_equal(&short).unwrap_err().to_string().contains("[3]"));
 }
+
+/// `count_up` adds one to every element of an int64 tensor in place and refuses other dtypes.
+#[test]
+fn count_up_adds_one_in_place_and_refuses_other_dtypes() {
+    let device = Device::cpu();
+    let t = Tensor::from_slice(&device, &[3i64, -1, 0], &[3], Category::Other).unwrap();
+    t.count_up().unwrap();
+    t.count_up().unwrap();
+    assert_eq!(t.to_vec::<i64>().unwrap(), vec![5, 1, 2]);
+    let f = Tensor::from_slice(&device, &[1f32], &[1], Category::Other).unwrap();
+    assert!(f.count_up().unwrap_err().to_string().contains("int64"));
+}

@@ -211,6 +211,10 @@ fn uploads_land_in_stream_order(cuda: &Device) -> usize {
 fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
     const VOCAB: usize = 50_304;
     let (positions, d) = (2048, 24);
+    // Batch norm's counter, counted on the device.
+    let counter = Tensor::from_slice(cuda, &[41i64, 0], &[2], Category::Other).expect("a counter on cuda");
+    (0..3).for_each(|_| counter.count_up().expect("count_up on cuda"));
+    assert_eq!(counter.to_vec::<i64>().expect("the counter"), vec![44, 3], "count_up on cuda");
     let ids: Vec<i64> =
         (0..positions as i64).map(|p| if p % 3 == 0 { (p * 7919) % VOCAB as i64 } else { p % 5 }).collect();
     let grads = |device: &Device| -> Result<Vec<f32>> {

@@ -411,6 +411,11 @@ impl Backend for Cuda {
         )
     }
 
+    fn count_up(&self, t: &Tensor) -> Result<()> {
+        let n = t.numel();
+        self.launch("count_up_i64", self.grid(n, BLOCK), &mut [Arg::Ptr(dense(t, "count_up")?), Arg::I64(n as i64)])
+    }
+
     fn write_bytes(&self, t: &Tensor, bytes: &[u8]) -> Result<()> {
         self.machine.upload(dense(t, "a copy from the host")?, bytes).map_err(|e| self.err(e))
     }

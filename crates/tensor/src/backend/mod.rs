@@ -118,6 +118,8 @@ backends! {
     fn read_bytes(&self, t: &Tensor, bytes: &mut [u8]);
     /// Copies `src`'s elements, in row-major order, into `dst` (same shape and dtype).
     fn copy(&self, dst: &Tensor, src: &Tensor);
+    /// Adds 1 to every element of the contiguous int64 tensor `t`, in place.
+    fn count_up(&self, t: &Tensor);
 
     // Element-wise.
     /// `out = op(x)` (x contiguous).
