@@ -6,6 +6,7 @@
 use crate::kernels::{compile_cached, source_of};
 use crate::libraries::{probe, Library};
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
+use crate::timing::{self, KernelTimes};
 use crate::{call_error, nvml, CudaError};
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
@@ -35,6 +36,8 @@ pub struct Gpu {
     /// Memory the context and cuBLAS's handle took: free memory before the context was created
     /// (NVML) less free memory after. None where NVML (`libnvidia-ml.so.1`) is not there to ask.
     pub context_bytes: Option<u64>,
+    /// Kernel times asked for (`MEMFIT_CUDA_KERNEL_TIMES`, `timing.rs`), written when the GPU closes.
+    timer: Option<KernelTimes>,
 }
 
 impl Gpu {
@@ -71,6 +74,7 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             ordinal: ordinal as i32,
             pages: Mutex::new(std::collections::BTreeMap::new()),
+            timer: timing::requested().map(|path| KernelTimes { path, marks: Mutex::new(Vec::new()) }),
         })
     }
 
@@ -122,6 +126,40 @@ impl Gpu {
 }
 
 impl Gpu {
+    /// Runs `work` (work queued on the stream), between two events when kernel times are asked for.
+    fn timed(
+        &self,
+        name: impl FnOnce() -> String,
+        work: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let Some(timer) = &self.timer else { return work() };
+        let (start, end) = (self.event_create()?, self.event_create()?);
+        self.event_record(start)?;
+        let done = work();
+        self.event_record(end)?;
+        timer.marks.lock().unwrap_or_else(|e| e.into_inner()).push((name(), start, end));
+        done
+    }
+
+    /// Writes the kernel times asked for (after the work is done); every event is destroyed.
+    fn write_kernel_times(&self) {
+        let Some(timer) = &self.timer else { return };
+        let _ = self.stream.synchronize();
+        let marks = std::mem::take(&mut *timer.marks.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut launches = Vec::with_capacity(marks.len());
+        for (name, start, end) in marks {
+            // SAFETY: two events of `timed`, recorded in order on the stream, whose work is done.
+            let ms = unsafe { result::event::elapsed(start as sys::CUevent, end as sys::CUevent) };
+            launches.push((name, ms.map(f64::from).unwrap_or(0.0)));
+            self.event_destroy(start);
+            self.event_destroy(end);
+        }
+        let text = timing::table(&timing::totals(launches));
+        if let Err(e) = std::fs::write(&timer.path, text) {
+            eprintln!("warning: {}: cannot write {}: {e}", timing::VARIABLE, timer.path.display());
+        }
+    }
+
     /// Device memory of this GPU, as CUDA's virtual memory calls describe it.
     fn page_properties(&self) -> sys::CUmemAllocationProp {
         // SAFETY: a plain C struct for which all zeros is valid (no handle types, no flags).
@@ -366,20 +404,25 @@ impl Machine for Gpu {
         let f = self.function(name)?;
         self.bind()?;
         let mut params: Vec<*mut std::ffi::c_void> = args.iter_mut().map(Arg::address).collect();
-        // SAFETY: the kernel's parameters are `args` in order (each launcher passes exactly the
-        // kernel's signature), each pointing at a value that lives through the call (the driver
-        // copies them at launch); addresses in them are live device memory.
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                (shape.grid, 1, 1),
-                (shape.block, 1, 1),
-                0,
-                self.stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| call_error(&format!("launching {name}"), e))
+        self.timed(
+            || name.to_string(),
+            || {
+                // SAFETY: the kernel's parameters are `args` in order (each launcher passes exactly
+                // the kernel's signature), each pointing at a value that lives through the call (the
+                // driver copies them at launch); addresses in them are live device memory.
+                unsafe {
+                    result::launch_kernel(
+                        f.cu_function(),
+                        (shape.grid, 1, 1),
+                        (shape.block, 1, 1),
+                        0,
+                        self.stream.cu_stream(),
+                        &mut params,
+                    )
+                }
+                .map_err(|e| call_error(&format!("launching {name}"), e))
+            },
+        )
     }
 
     fn set_library_workspace(&self, address: u64, bytes: usize) -> Result<(), CudaError> {
@@ -395,6 +438,17 @@ impl Machine for Gpu {
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        let name = || {
+            let batch = if g.batch > 1 { format!(" x{}", g.batch) } else { String::new() };
+            format!("cublas {:?} gemm m{} n{} k{}{batch}", g.dtype, g.m, g.n, g.k)
+        };
+        self.timed(name, || self.gemm_now(g))
+    }
+}
+
+impl Gpu {
+    /// cuBLAS's strided batched product of `g`, queued.
+    fn gemm_now(&self, g: &Gemm) -> Result<(), CudaError> {
         self.bind()?;
         let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
         let op = |t: bool| {
@@ -461,5 +515,11 @@ impl Machine for Gpu {
             }
         };
         status.map_err(|e| call_error("cublasGemmStridedBatched", e))
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        self.write_kernel_times();
     }
 }

@@ -22,6 +22,7 @@ pub mod machine;
 pub mod nvml;
 pub mod segments;
 pub mod staging;
+pub mod timing;
 
 pub use emulator::Emulator;
 pub use gpu::Gpu;
