@@ -133,7 +133,14 @@ impl Gpu {
         work: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
         let Some(timer) = &self.timer else { return work() };
-        let (start, end) = (self.event_create()?, self.event_create()?);
+        // Events that keep time (`event_create`'s do not: they only say when work is done).
+        let timing_event = || {
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map(|e| e as u64)
+                .map_err(|e| call_error("cuEventCreate", e))
+        };
+        self.bind()?;
+        let (start, end) = (timing_event()?, timing_event()?);
         self.event_record(start)?;
         let done = work();
         self.event_record(end)?;
