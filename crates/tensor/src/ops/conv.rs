@@ -62,9 +62,10 @@ struct Limits {
 const LIMITS: Limits =
     Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32, staged_weight_grad: true };
 
-/// The work plan's budgets on a GPU: lanes batched together, nothing staged.
+/// The work plan's budgets on a GPU: lanes batched together within 1 MiB (so batching small samples
+/// never asks for more than the small pool's blocks, or than one large sample's tile), nothing staged.
 const CUDA_LIMITS: Limits =
-    Limits { tile_bytes: 4 << 20, workspace_bytes: 4 << 20, max_lanes: 256, staged_weight_grad: false };
+    Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 256, staged_weight_grad: false };
 
 /// The work plan of the machine a device's allocations follow.
 fn limits_for(target: crate::Target) -> Limits {
@@ -512,7 +513,8 @@ mod tests {
         let gpu = Device::new(crate::DeviceConfig::new(crate::DeviceKind::Meta(crate::Target::Cuda))).unwrap();
         assert_eq!(ops(&gpu), (vec![block(2 * 27 * 36 * 8); 2], vec![]));
         let small = geometry(&[128, 1, 28, 28], &[16, 1, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
-        assert_eq!((small.lanes, small.per_lane, small.tile_rows), (128, 1, 28), "simplecnn's batch in one step");
+        // simplecnn's batch: 28,224 bytes a sample, so 1 MiB takes 37 lanes: 32 lanes of 4 samples.
+        assert_eq!((small.lanes, small.per_lane, small.tile_rows), (32, 4, 28), "simplecnn's batch in 4 steps");
         let (cpu_tiles, cpu_partials) = ops(&Device::meta());
         assert_eq!(cpu_tiles[1], block(2 * (27 + 4) * 36 * 8), "two lanes, each with the gradient's tile");
         assert_eq!(cpu_partials, vec![block(2 * 4 * 27 * 8)]);
