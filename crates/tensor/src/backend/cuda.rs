@@ -573,34 +573,28 @@ impl Backend for Cuda {
             }
             return Ok(());
         }
-        let col = dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
-        // Step j takes sample j of every lane (Note [conv2d work plan]).
+        let col = im2col_workspace(workspace)?;
         let per = g.per_lane.max(1);
-        for j in 0..per.min(g.n) {
-            let lanes = active_lanes(g, j);
+        for LaneStep { j, lanes, r0, r1, tp, tile } in lane_steps(g) {
             let (x_j, out_j) = (xp + (j * g.c * hw) as u64 * size, op + (j * g.o * p) as u64 * size);
-            for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
-                let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
-                let (tp, tile) = ((r1 - r0) * g.ow, g.kc() * (r1 - r0) * g.ow);
-                self.launch(
-                    &format!("im2col_{sfx}"),
-                    self.grid(lanes * tile, BLOCK),
-                    &mut [Arg::Ptr(x_j), conv_words(g, r0, r1, lanes, per * g.c * hw, tile), Arg::Ptr(col)],
-                )?;
-                let c = out_j + (r0 * g.ow) as u64 * size;
-                if groups == 1 {
-                    // The lanes' tiles in one product: out [o, tp] = W [o, kc] col_l [kc, tp].
-                    let col_all = Operand { address: col, trans: false, ld: tp.max(1) };
-                    let gemm = product(dtype, (og, tp, kg), w_g, col_all, c, (0, tile, per * g.o * p, lanes), beta);
-                    self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
-                    continue;
-                }
-                for l in 0..lanes {
-                    let col_g = Operand { address: col + (l * tile) as u64 * size, trans: false, ld: tp.max(1) };
-                    let c_l = c + (l * per * g.o * p) as u64 * size;
-                    let gemm = product(dtype, (og, tp, kg), w_g, col_g, c_l, (og * kg, kg * tp, og * p, groups), beta);
-                    self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
-                }
+            self.launch(
+                &format!("im2col_{sfx}"),
+                self.grid(lanes * tile, BLOCK),
+                &mut [Arg::Ptr(x_j), conv_words(g, r0, r1, lanes, per * g.c * hw, tile), Arg::Ptr(col)],
+            )?;
+            let c = out_j + (r0 * g.ow) as u64 * size;
+            if groups == 1 {
+                // The lanes' tiles in one product: out [o, tp] = W [o, kc] col_l [kc, tp].
+                let col_all = Operand { address: col, trans: false, ld: tp.max(1) };
+                let gemm = product(dtype, (og, tp, kg), w_g, col_all, c, (0, tile, per * g.o * p, lanes), beta);
+                self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
+                continue;
+            }
+            for l in 0..lanes {
+                let col_g = Operand { address: col + (l * tile) as u64 * size, trans: false, ld: tp.max(1) };
+                let c_l = c + (l * per * g.o * p) as u64 * size;
+                let gemm = product(dtype, (og, tp, kg), w_g, col_g, c_l, (og * kg, kg * tp, og * p, groups), beta);
+                self.gemm(Gemm { ldc: p.max(1), ..gemm })?;
             }
         }
         Ok(())
@@ -674,55 +668,48 @@ impl Backend for Cuda {
                 self.gemm(product(dtype, (kg, p, og), w_t, b, dxp, (0, g.o * p, g.c * hw, g.n), 0.0))?;
             }
         } else if dxp != 0 || dwp != 0 {
-            let col =
-                dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, NAME)?;
-            // Step j takes sample j of every lane (Note [conv2d work plan]).
+            let col = im2col_workspace(workspace)?;
             let per = g.per_lane.max(1);
-            for j in 0..per.min(g.n) {
-                let lanes = active_lanes(g, j);
+            for LaneStep { j, lanes, r0, r1, tp, tile } in lane_steps(g) {
                 let (x_j, g_j) = (xp + (j * g.c * hw) as u64 * size, gp + (j * g.o * p) as u64 * size);
-                for r0 in (0..g.oh).step_by(g.tile_rows.max(1)) {
-                    let r1 = (r0 + g.tile_rows.max(1)).min(g.oh);
-                    let (tp, tile) = ((r1 - r0) * g.ow, g.kc() * (r1 - r0) * g.ow);
-                    let words = conv_words(g, r0, r1, lanes, per * g.c * hw, tile);
-                    let g_tile = g_j + (r0 * g.ow) as u64 * size;
-                    let lane_grad = |l: usize| g_tile + (l * per * g.o * p) as u64 * size;
-                    if dwp != 0 {
-                        self.launch(
-                            &format!("im2col_{sfx}"),
-                            self.grid(lanes * tile, BLOCK),
-                            &mut [Arg::Ptr(x_j), words.clone(), Arg::Ptr(col)],
-                        )?;
+                let words = conv_words(g, r0, r1, lanes, per * g.c * hw, tile);
+                let g_tile = g_j + (r0 * g.ow) as u64 * size;
+                let lane_grad = |l: usize| g_tile + (l * per * g.o * p) as u64 * size;
+                if dwp != 0 {
+                    self.launch(
+                        &format!("im2col_{sfx}"),
+                        self.grid(lanes * tile, BLOCK),
+                        &mut [Arg::Ptr(x_j), words.clone(), Arg::Ptr(col)],
+                    )?;
+                    for l in 0..lanes {
+                        // dw_g [og, kg] (+)= grad tile [og, tp] col_g^T [tp, kg].
+                        let a = Operand { address: lane_grad(l), trans: false, ld: p.max(1) };
+                        let b = Operand { address: col + (l * tile) as u64 * size, trans: true, ld: tp.max(1) };
+                        let beta = if first { 0.0 } else { 1.0 };
+                        let strides = (og * p, kg * tp, og * kg, groups);
+                        self.gemm(product(dtype, (og, kg, tp), a, b, dwp, strides, beta))?;
+                        first = false;
+                    }
+                }
+                if dxp != 0 {
+                    // col_g [kg, tp] = W_g^T [kg, og] grad tile [og, tp], then added onto dx.
+                    if groups == 1 {
+                        let b = Operand { address: g_tile, trans: false, ld: p.max(1) };
+                        self.gemm(product(dtype, (kg, tp, og), w_t, b, col, (0, per * g.o * p, tile, lanes), 0.0))?;
+                    } else {
                         for l in 0..lanes {
-                            // dw_g [og, kg] (+)= grad tile [og, tp] col_g^T [tp, kg].
-                            let a = Operand { address: lane_grad(l), trans: false, ld: p.max(1) };
-                            let b = Operand { address: col + (l * tile) as u64 * size, trans: true, ld: tp.max(1) };
-                            let beta = if first { 0.0 } else { 1.0 };
-                            let strides = (og * p, kg * tp, og * kg, groups);
-                            self.gemm(product(dtype, (og, kg, tp), a, b, dwp, strides, beta))?;
-                            first = false;
+                            let b = Operand { address: lane_grad(l), trans: false, ld: p.max(1) };
+                            let c = col + (l * tile) as u64 * size;
+                            let strides = (og * kg, og * p, kg * tp, groups);
+                            self.gemm(product(dtype, (kg, tp, og), w_t, b, c, strides, 0.0))?;
                         }
                     }
-                    if dxp != 0 {
-                        // col_g [kg, tp] = W_g^T [kg, og] grad tile [og, tp], then added onto dx.
-                        if groups == 1 {
-                            let b = Operand { address: g_tile, trans: false, ld: p.max(1) };
-                            self.gemm(product(dtype, (kg, tp, og), w_t, b, col, (0, per * g.o * p, tile, lanes), 0.0))?;
-                        } else {
-                            for l in 0..lanes {
-                                let b = Operand { address: lane_grad(l), trans: false, ld: p.max(1) };
-                                let c = col + (l * tile) as u64 * size;
-                                let strides = (og * kg, og * p, kg * tp, groups);
-                                self.gemm(product(dtype, (kg, tp, og), w_t, b, c, strides, 0.0))?;
-                            }
-                        }
-                        let dx_j = dxp + (j * g.c * hw) as u64 * size;
-                        self.launch(
-                            &format!("col2im_{sfx}"),
-                            self.grid(lanes * g.c * hw, BLOCK),
-                            &mut [Arg::Ptr(col), words, Arg::Ptr(dx_j)],
-                        )?;
-                    }
+                    let dx_j = dxp + (j * g.c * hw) as u64 * size;
+                    self.launch(
+                        &format!("col2im_{sfx}"),
+                        self.grid(lanes * g.c * hw, BLOCK),
+                        &mut [Arg::Ptr(col), words, Arg::Ptr(dx_j)],
+                    )?;
                 }
             }
         }
@@ -2069,6 +2056,34 @@ fn strided_words(s: Strided) -> Vec<u64> {
 fn conv_words(g: &ConvGeom, r0: usize, r1: usize, lanes: usize, x_lane: usize, col_lane: usize) -> Arg {
     let words = [g.c, g.h, g.w, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.ow, r0, r1, lanes, x_lane, col_lane];
     Arg::Words(words.map(|v| v as u64).to_vec())
+}
+
+/// One step of the GPU's conv2d plan (Note [conv2d work plan]): sample `j` of the first `lanes`
+/// lanes, output rows `r0..r1` (`tp` positions; `tile` im2col elements a lane).
+struct LaneStep {
+    j: usize,
+    lanes: usize,
+    r0: usize,
+    r1: usize,
+    tp: usize,
+    tile: usize,
+}
+
+/// The plan's steps in order: each sample index of a lane, each tile of output rows.
+fn lane_steps(g: &ConvGeom) -> impl Iterator<Item = LaneStep> + '_ {
+    let rows = g.tile_rows.max(1);
+    (0..g.per_lane.max(1).min(g.n)).flat_map(move |j| {
+        (0..g.oh).step_by(rows).map(move |r0| {
+            let r1 = (r0 + rows).min(g.oh);
+            let tp = (r1 - r0) * g.ow;
+            LaneStep { j, lanes: active_lanes(g, j), r0, r1, tp, tile: g.kc() * tp }
+        })
+    })
+}
+
+/// The im2col workspace's address (a GPU's conv2d always gets one).
+fn im2col_workspace(workspace: Option<&Tensor>) -> Result<u64> {
+    dense(workspace.ok_or_else(|| Error::invalid("conv2d on cuda needs its im2col workspace"))?, "conv2d")
 }
 
 /// The lanes whose sample `j` exists (lane l's is sample `l * per_lane + j`; only the last lane can
