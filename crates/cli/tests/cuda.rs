@@ -160,6 +160,10 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
             assert_eq!(gpu[key], meta[key], "{name}: {key} on the emulated GPU and as meta:cuda predicts it");
         }
         let cpu = report(&[args, &["--device", "cpu"]].concat(), &format!("{name}-cpu.json"));
+        // Batches went up through pinned buffers (at least one of the smallest size); none on cpu.
+        let pinned = |r: &Value| r["host"]["pinned_bytes"].as_u64().unwrap();
+        assert!(pinned(&gpu) >= memfit_cuda::staging::MIN_BUFFER_BYTES as u64, "{name}: {}", gpu["host"]);
+        assert_eq!(pinned(&cpu), 0, "{name}");
         let loss = |r: &Value| r["final_train_loss"].as_f64().unwrap();
         assert!(
             (loss(&gpu) - loss(&cpu)).abs() <= 1e-4 * loss(&cpu).abs(),

@@ -74,7 +74,11 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             ordinal: ordinal as i32,
             pages: Mutex::new(std::collections::BTreeMap::new()),
-            timer: timing::requested().map(|path| KernelTimes { path, marks: Mutex::new(Vec::new()) }),
+            timer: timing::requested().map(|path| KernelTimes {
+                path,
+                marks: Mutex::new(Vec::new()),
+                read: Mutex::new(timing::Totals::default()),
+            }),
         })
     }
 
@@ -144,24 +148,36 @@ impl Gpu {
         self.event_record(start)?;
         let done = work();
         self.event_record(end)?;
-        timer.marks.lock().unwrap_or_else(|e| e.into_inner()).push((name(), start, end));
+        let pending = {
+            let mut marks = timer.marks.lock().unwrap_or_else(|e| e.into_inner());
+            marks.push((name(), start, end));
+            marks.len()
+        };
+        if pending >= timing::PENDING_MARKS {
+            self.read_kernel_times(timer);
+        }
         done
     }
 
-    /// Writes the kernel times asked for (after the work is done); every event is destroyed.
-    fn write_kernel_times(&self) {
-        let Some(timer) = &self.timer else { return };
+    /// Waits for the stream, then reads the pending launches' times and destroys their events.
+    fn read_kernel_times(&self, timer: &KernelTimes) {
         let _ = self.stream.synchronize();
         let marks = std::mem::take(&mut *timer.marks.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut launches = Vec::with_capacity(marks.len());
+        let mut read = timer.read.lock().unwrap_or_else(|e| e.into_inner());
         for (name, start, end) in marks {
             // SAFETY: two events of `timed`, recorded in order on the stream, whose work is done.
             let ms = unsafe { result::event::elapsed(start as sys::CUevent, end as sys::CUevent) };
-            launches.push((name, ms.map(f64::from).unwrap_or(0.0)));
+            read.add(name, ms.map(f64::from).unwrap_or(0.0));
             self.event_destroy(start);
             self.event_destroy(end);
         }
-        let text = timing::table(&timing::totals(launches));
+    }
+
+    /// Writes the kernel times asked for (after the work is done).
+    fn write_kernel_times(&self) {
+        let Some(timer) = &self.timer else { return };
+        self.read_kernel_times(timer);
+        let text = timing::table(&timer.read.lock().unwrap_or_else(|e| e.into_inner()).sorted());
         if let Err(e) = std::fs::write(&timer.path, text) {
             eprintln!("warning: {}: cannot write {}: {e}", timing::VARIABLE, timer.path.display());
         }

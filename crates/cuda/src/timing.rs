@@ -1,7 +1,9 @@
 //! Where a GPU step's time goes, without a profiler: with `MEMFIT_CUDA_KERNEL_TIMES=FILE`, every
 //! kernel launch and cuBLAS product is bracketed by two CUDA events, and when the GPU is closed the
 //! elapsed times are summed by kernel (products by their shape) and written to FILE as a table, the
-//! largest first. Two event records per launch are the cost; nothing is timed without the variable.
+//! largest first. Two event records per launch are the cost, and a wait for the stream every
+//! [`PENDING_MARKS`] launches, when their events are read and destroyed (so a long run holds a
+//! bounded number of events and a total per kernel); nothing is timed without the variable.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -15,10 +17,16 @@ pub fn requested() -> Option<PathBuf> {
     std::env::var_os(VARIABLE).filter(|v| !v.is_empty()).map(PathBuf::from)
 }
 
-/// Launches timed so far: each one's kernel and its start and end events (as addresses).
+/// Launches whose events are pending before they are read and destroyed (so a long run holds at
+/// most this many pairs of events).
+pub(crate) const PENDING_MARKS: usize = 4096;
+
+/// Launches timed so far: the pending ones with their start and end events (as addresses), and
+/// the totals of those already read.
 pub(crate) struct KernelTimes {
     pub path: PathBuf,
     pub marks: Mutex<Vec<(String, u64, u64)>>,
+    pub read: Mutex<Totals>,
 }
 
 /// One kernel's total: its name, how many launches, their summed milliseconds.
@@ -29,17 +37,30 @@ pub struct KernelTotal {
     pub ms: f64,
 }
 
-/// Sums launches by kernel, the largest total first (ties by name).
-pub fn totals(launches: impl IntoIterator<Item = (String, f64)>) -> Vec<KernelTotal> {
-    let mut by_name: HashMap<String, KernelTotal> = HashMap::new();
-    for (name, ms) in launches {
-        let t = by_name.entry(name.clone()).or_insert(KernelTotal { name, launches: 0, ms: 0.0 });
+/// Launch times summed by kernel as they are read.
+#[derive(Default)]
+pub struct Totals(HashMap<String, KernelTotal>);
+
+impl Totals {
+    pub fn add(&mut self, name: String, ms: f64) {
+        let t = self.0.entry(name.clone()).or_insert(KernelTotal { name, launches: 0, ms: 0.0 });
         t.launches += 1;
         t.ms += ms;
     }
-    let mut all: Vec<KernelTotal> = by_name.into_values().collect();
-    all.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.name.cmp(&b.name)));
-    all
+
+    /// The kernels, the largest total first (ties by name).
+    pub fn sorted(&self) -> Vec<KernelTotal> {
+        let mut all: Vec<KernelTotal> = self.0.values().cloned().collect();
+        all.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.name.cmp(&b.name)));
+        all
+    }
+}
+
+/// Sums launches by kernel, the largest total first (ties by name).
+pub fn totals(launches: impl IntoIterator<Item = (String, f64)>) -> Vec<KernelTotal> {
+    let mut t = Totals::default();
+    launches.into_iter().for_each(|(name, ms)| t.add(name, ms));
+    t.sorted()
 }
 
 /// The table written to the file: one line per kernel with its share of the whole.
