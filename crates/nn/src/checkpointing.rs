@@ -5,7 +5,7 @@
 //! backward (`memfit_tensor::autograd::checkpoint`); the rest of the model is untouched. Which
 //! segments to checkpoint is the caller's choice (the planner's); by default none is.
 
-use memfit_tensor::autograd::{checkpoint, Segment};
+use memfit_tensor::autograd::{checkpoint, Pass, Segment};
 use memfit_tensor::{Error, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -51,18 +51,19 @@ impl Checkpointing {
     }
 
     /// Runs segment `i` on `x`: checkpointed when its flag is set (then `params`, the tensors the
-    /// segment reads that may want gradients, get theirs through the checkpoint), else directly.
+    /// segment reads that may want gradients, get theirs through the checkpoint, and `f` is called
+    /// again in backward with [`Pass::Rerun`]), else directly.
     pub fn run(
         &self,
         i: usize,
         x: &Tensor,
         params: impl FnOnce() -> Vec<Tensor>,
-        f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+        f: impl Fn(&Tensor, Pass) -> Result<Tensor> + Send + Sync + 'static,
     ) -> Result<Tensor> {
         if !self.lock().get(i).copied().unwrap_or(false) {
-            return f(x);
+            return f(x, Pass::Forward);
         }
-        let segment: Segment = Arc::new(move |xs: &[Tensor]| f(&xs[0]));
+        let segment: Segment = Arc::new(move |xs: &[Tensor], pass| f(&xs[0], pass));
         checkpoint(&[x], &params(), segment)
     }
 }

@@ -76,6 +76,13 @@ impl Linear {
         ops::gelu_linear(x, &self.weight, self.bias.as_ref())
     }
 
+    /// [`Linear::forward_after_gelu`]'s graph and output bytes without the product
+    /// ([`ops::gelu_linear_graph`]): for a checkpointed segment's re-run that ends here.
+    pub fn graph_after_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        let _module = x.device().enter_module(&self.prefix);
+        ops::gelu_linear_graph(x, &self.weight, self.bias.as_ref())
+    }
+
     /// `self.forward(&norm.forward(x)?)` as one fused op ([`ops::layer_norm_linear`]): backward keeps
     /// `x` (and per-row statistics), not the normalized tensor as well.
     pub fn forward_after_layer_norm(&self, x: &Tensor, norm: &LayerNorm) -> Result<Tensor> {

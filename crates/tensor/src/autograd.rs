@@ -225,9 +225,22 @@ pub fn grad(outputs: &[Tensor], grad_outputs: &[Option<Tensor>], inputs: &[Tenso
     }
 }
 
-/// A segment of a forward pass that [`checkpoint`] can re-run: takes the segment's inputs, returns
-/// its output. It must compute the same thing each time it is called with the same values.
-pub type Segment = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
+/// A segment of a forward pass that [`checkpoint`] can re-run: takes the segment's inputs and which
+/// run this is, returns its output. It must compute the same thing each time it is called with the
+/// same values (on a [`Pass::Rerun`], the same graph and the same saved values).
+pub type Segment = Arc<dyn Fn(&[Tensor], Pass) -> Result<Tensor> + Send + Sync>;
+
+/// Which run of a checkpointed segment a [`Segment`] is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// The forward pass: the output's values go on to the rest of the model.
+    Forward,
+    /// The re-run in backward: only the output's graph is used (its gradient flows back through
+    /// it), never its values. An op at the segment's end whose backward needs none of its own output
+    /// may record its node and allocate its output without computing it (e.g.
+    /// [`crate::ops::gelu_linear_graph`]): the same bytes, less time.
+    Rerun,
+}
 
 /// Activation checkpointing (PyTorch's `torch.utils.checkpoint`, non-reentrant): runs `segment` on
 /// `inputs` keeping nothing for backward but the inputs themselves, and re-runs it in backward.
@@ -239,7 +252,8 @@ pub type Segment = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 /// its running statistics a second time), then [`grad`] takes the gradients of the inputs and
 /// parameters through that fresh graph without committing them: they flow into the outer pass like
 /// any op's input gradients, so the whole backward stays transactional (Note [Transactional
-/// backward]). The same kernels run on the same values, so the gradients equal the plain run's.
+/// backward]). The same kernels run on the same values, so the gradients equal the plain run's; the
+/// segment is told it is a [`Pass::Rerun`], so work whose result nothing reads may be skipped.
 /// On `meta` the re-run allocates exactly what cpu's does, so the checkpointed peak is predicted too.
 ///
 /// Without grad (or when nothing requires grad) the segment simply runs.
@@ -253,13 +267,13 @@ pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], segment: Segment) -> Re
     all.extend(params.iter());
     if !needs_grad(&all) {
         let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        return segment(&owned);
+        return segment(&owned, Pass::Forward);
     }
     let device = inputs[0].device().clone();
     let out = {
         let _no_grad = device.no_grad();
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
-        segment(&detached)?
+        segment(&detached, Pass::Forward)?
     };
     let back = CheckpointBack { inputs: inputs.iter().map(|t| save(t)).collect(), params: params.to_vec(), segment };
     Ok(record(out, "checkpoint", &all, back))
@@ -282,7 +296,7 @@ impl Backward for CheckpointBack {
         let out = {
             let _grad = device.enable_grad();
             let _recompute = device.recompute();
-            segment(&leaves)?
+            segment(&leaves, Pass::Rerun)?
         };
         // Gradients only for what the outer pass wants, in the node's input order.
         let wanted: Vec<usize> = (0..n + params.len()).filter(|&i| needs[i]).collect();

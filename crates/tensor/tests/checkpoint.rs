@@ -51,7 +51,7 @@ impl Net {
         for _ in 0..2 {
             h = if checkpointed {
                 let net = self.clone();
-                let segment: Segment = Arc::new(move |xs: &[Tensor]| net.block(&xs[0]));
+                let segment: Segment = Arc::new(move |xs: &[Tensor], _| net.block(&xs[0]));
                 checkpoint(&[&h], &self.params(), segment).unwrap()
             } else {
                 self.block(&h).unwrap()
@@ -113,7 +113,7 @@ fn the_re_run_is_marked_and_without_grad_the_segment_just_runs() {
     let runs = Arc::new(AtomicUsize::new(0));
     let recomputing = Arc::new(AtomicUsize::new(0));
     let (r, rc) = (runs.clone(), recomputing.clone());
-    let segment: Segment = Arc::new(move |xs: &[Tensor]| {
+    let segment: Segment = Arc::new(move |xs: &[Tensor], _| {
         r.fetch_add(1, Ordering::Relaxed);
         if xs[0].device().recomputing() {
             rc.fetch_add(1, Ordering::Relaxed);

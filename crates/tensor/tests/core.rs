@@ -179,7 +179,7 @@ fn a_checkpointed_segment_whose_output_needs_no_grad_gives_no_gradient() {
     let device = Device::cpu();
     let x = leaf(&device, &[1.0, 2.0]);
     let constant: autograd::Segment =
-        Arc::new(|inputs: &[Tensor]| Tensor::full(inputs[0].device(), &[2], 7.0, DType::F64, Category::Temporary));
+        Arc::new(|inputs: &[Tensor], _| Tensor::full(inputs[0].device(), &[2], 7.0, DType::F64, Category::Temporary));
     let out = autograd::checkpoint(&[&x], &[], constant).unwrap();
     assert!(!out.is_leaf(), "x requires grad: the checkpoint records a node");
     backward(&out.sum_all().unwrap()).unwrap();

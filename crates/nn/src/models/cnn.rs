@@ -79,7 +79,7 @@ impl Model for SimpleCnn {
     fn forward(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         check_image_input(self.kind(), self.input, x)?;
         let conv = self.conv1.clone();
-        let h = self.checkpointing.run(0, x, || tensors(&*self.conv1), move |x| conv_relu_pool(&conv, x))?;
+        let h = self.checkpointing.run(0, x, || tensors(&*self.conv1), move |x, _| conv_relu_pool(&conv, x))?;
         self.fc.forward(&h.flatten_from(1)?)
     }
 
@@ -139,7 +139,7 @@ impl Model for DeepCnn {
         let mut h = x.clone();
         for (i, conv) in self.convs.iter().enumerate() {
             let c = conv.clone();
-            h = self.checkpointing.run(i, &h, || tensors(&**conv), move |x| conv_relu_pool(&c, x))?;
+            h = self.checkpointing.run(i, &h, || tensors(&**conv), move |x, _| conv_relu_pool(&c, x))?;
         }
         self.fc.forward(&h.flatten_from(1)?)
     }

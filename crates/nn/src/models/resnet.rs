@@ -137,9 +137,9 @@ impl Model for ResNet {
             let params =
                 || stage.iter().flat_map(|b| b.modules()).flat_map(|m| m.parameters()).map(|(_, t)| t).collect();
             let stage = stage.clone();
-            h = self
-                .checkpointing
-                .run(i, &h, params, move |x| stage.iter().try_fold(x.clone(), |h, block| block.forward(&h, train)))?;
+            h = self.checkpointing.run(i, &h, params, move |x, _| {
+                stage.iter().try_fold(x.clone(), |h, block| block.forward(&h, train))
+            })?;
         }
         let pooled = ops::adaptive_avg_pool2d(&h, [1, 1])?;
         self.fc.forward(&pooled.flatten_from(1)?)

@@ -172,6 +172,19 @@ pub(crate) fn bias_grad(g2: &Tensor, wanted: bool, with_weight: bool, op: &'stat
 /// tensor. GELU values and derivatives are computed exactly as [`Tensor::gelu`] computes them; only
 /// the weight gradient's sum over rows is split by blocks.
 pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    gelu_linear_computed(x, weight, bias, true)
+}
+
+/// [`gelu_linear`]'s node and output without the product: the same checks, allocations and saved
+/// tensors, so the same graph and the same bytes, but the output's values are left as they are. Its
+/// backward needs only `x` and the weight, never the output; for a checkpointed segment's re-run
+/// ([`crate::autograd::Pass::Rerun`]) ending in this op, whose output values nobody reads (a
+/// transformer block's MLP: its second product is a third of the block's forward).
+pub fn gelu_linear_graph(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    gelu_linear_computed(x, weight, bias, false)
+}
+
+fn gelu_linear_computed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: bool) -> Result<Tensor> {
     let _op = x.device().op_scope("gelu_linear");
     let (out_f, in_f) = check_linear("gelu_linear", x, weight, bias)?;
     let x = x.contiguous()?;
@@ -182,7 +195,9 @@ pub fn gelu_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
     let block = rows.min(GELU_ROWS);
     let scratch = output(&x, &[block, gelu_scratch_stride(in_f, block)], x.dtype(), "gelu_linear")?;
     let b = contiguous_bias(bias)?;
-    x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
+    if compute {
+        x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
+    }
     drop(b);
     drop(scratch);
     let mut inputs = vec![&x, weight];
@@ -279,6 +294,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The graph-only variant allocates what gelu_linear allocates and gives the same gradients, but
+    /// leaves its output's bytes as the allocator handed them over.
+    #[test]
+    fn gelu_linear_graph_allocates_and_differentiates_as_gelu_linear_without_computing() {
+        let dev = Device::cpu();
+        let (rows, i, o) = (GELU_ROWS + 9, 16, 12);
+        let leaf = |n, salt, shape: &[usize]| t64(&dev, &values(n, salt), shape).set_requires_grad(true);
+        let x = leaf(rows * i, 1, &[rows, i]);
+        let (w, b) = (leaf(o * i, 2, &[o, i]), leaf(o, 3, &[o]));
+        let g = t64(&dev, &values(rows * o, 4), &[rows, o]);
+        let mut runs = Vec::new();
+        for graph_only in [false, true] {
+            // A freed block of the output's size holding 7s: the output is handed the same block.
+            drop(t64(&dev, &vec![7.0; rows * o], &[rows, o]));
+            let before = dev.allocator().timeline().events().count();
+            let y = if graph_only { gelu_linear_graph(&x, &w, Some(&b)) } else { gelu_linear(&x, &w, Some(&b)) };
+            let y = y.unwrap();
+            let allocs = allocations_since(&dev, before);
+            let values = y.to_f64_vec().unwrap();
+            backward_with(&y, g.clone()).unwrap();
+            let grads: Vec<Vec<f64>> =
+                [&x, &w, &b].iter().map(|t| t.take_grad().unwrap().to_f64_vec().unwrap()).collect();
+            runs.push((allocs, values, grads));
+        }
+        let ((allocs, computed, grads), (graph_allocs, untouched, graph_grads)) = (&runs[0], &runs[1]);
+        assert_eq!(allocs, graph_allocs, "the same allocations");
+        assert_eq!(grads, graph_grads, "the same gradients, bit for bit");
+        assert!(computed.iter().all(|&v| v != 7.0), "the fused op computes its output");
+        assert!(untouched.iter().all(|&v| v == 7.0), "the graph-only op leaves it as it was");
     }
 
     #[test]
