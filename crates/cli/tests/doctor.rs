@@ -33,7 +33,7 @@ fn refused_plans() -> Vec<Vec<&'static str>> {
     vec![
         // Fixed segments pinned: expandable ones (the default under a budget) fit 40MiB.
         vec!["plan", "--model", "mlp", "--memory", "40MiB", "--segments", "fixed"],
-        vec!["plan", "--model", "mlp", "--memory", "30MiB", "--batch-size", "256", "--optimizer", "sgd"],
+        vec!["plan", "--model", "mlp", "--memory", "20MiB", "--batch-size", "256", "--optimizer", "sgd"],
         [&["plan"][..], &SMALL_GPT[..], &["--batch-size", "8", "--memory", "1MiB"]].concat(),
         // A fixed micro-batch and checkpointing: the doctor offers to let the planner choose.
         [&["plan"][..], &SMALL_GPT[..], &["--batch-size", "16", "--memory", "2MiB", "--micro-batch", "16"]].concat(),
@@ -57,7 +57,7 @@ fn refused_plans() -> Vec<Vec<&'static str>> {
             "none",
         ],
         vec!["plan", "--model", "simplecnn", "--memory", "2MiB", "--micro-batch", "64", "--checkpoint", "none"],
-        vec!["plan", "--model", "deepcnn", "--memory", "6MiB", "--batch-size", "256", "--input", "3x64x64"],
+        vec!["plan", "--model", "deepcnn", "--memory", "5MiB", "--batch-size", "256", "--input", "3x64x64"],
     ]
 }
 

@@ -260,9 +260,9 @@ impl BatchNorm2d {
                 x.shape()
             )));
         }
-        // Re-running a checkpointed segment in backward normalizes with the same batch statistics
-        // but must not move the running statistics a second time.
-        let update = train && !x.device().recomputing();
+        // Re-running a checkpointed segment in backward, or replaying a micro-batch, normalizes with
+        // the same batch statistics but must not move the running statistics a second time.
+        let update = train && !x.device().buffers_frozen();
         let (mean, var) =
             if update || !train { (Some(&self.running_mean), Some(&self.running_var)) } else { (None, None) };
         let y = ops::batch_norm(x, mean, var, Some(&self.weight), Some(&self.bias), train, self.momentum, self.eps)?;

@@ -17,6 +17,16 @@
 //! fails midway (an out-of-memory), `.grad` is exactly as before the call, so a trainer can drop the
 //! attempt and re-run the same samples in smaller pieces without corrupting accumulated gradients.
 //!
+//! Note [Committing as complete]: accumulating a micro-batch into existing gradients, the
+//! transactional pass holds a second whole set of parameter gradients until its end (`.grad` and the
+//! pass's own). [`backward_as_complete`] instead commits each leaf's gradient the moment its last
+//! contribution of the pass has arrived (every edge into the leaf is counted before the pass runs),
+//! by the same move or in-place addition as the commit at the end, so `.grad` ends with the same bits
+//! while the pass holds at most the gradients still being summed. The price is the transaction: a
+//! pass that fails midway leaves `.grad` partly updated, so a caller that uses it must drop every
+//! gradient it holds and re-run everything they came from (the pipeline re-runs its whole window on
+//! any failure anyway: Note [Pipeline] in the train crate).
+//!
 //! Note [Gradient ownership]: a gradient flows as an owned `Tensor` value, and one value may reach
 //! several places (`add` hands the same gradient to both inputs; `x + x` sends it twice to one leaf).
 //! Writing over a gradient's memory (in-place backward, accumulation, committing into `.grad`) is
@@ -178,14 +188,33 @@ fn scalar_seed(out: &Tensor, what: &str) -> Result<Tensor> {
 /// Back-propagates `grad` (shaped like `out`) through the graph that produced `out`, then commits
 /// leaf gradients into `.grad` (Note [Transactional backward]).
 pub fn backward_with(out: &Tensor, grad: Tensor) -> Result<()> {
+    backward_into_leaves(out, grad, false)
+}
+
+/// [`backward_with`] (`grad` None: [`backward`]'s seed 1 of a scalar) committing each leaf's gradient
+/// into `.grad` as soon as it is complete, not at the end: the same `.grad` bits without a second set
+/// of gradients held by the pass, but not transactional (Note [Committing as complete]): after an
+/// error, `.grad` must be dropped.
+pub fn backward_as_complete(out: &Tensor, grad: Option<Tensor>) -> Result<()> {
+    let grad = match grad {
+        Some(g) => g,
+        None => scalar_seed(out, "backward")?,
+    };
+    backward_into_leaves(out, grad, true)
+}
+
+fn backward_into_leaves(out: &Tensor, grad: Tensor, as_complete: bool) -> Result<()> {
     let device = out.device().clone();
     let _phase = device.enter_phase(Phase::Backward);
     let _no_grad = device.no_grad();
-    let mut sink = Sink::AllLeaves(Vec::new());
+    let mut sink = Sink::AllLeaves { held: Vec::new(), as_complete, arrivals: 0 };
     propagate(vec![(out.clone(), grad)], &mut sink)?;
     match sink {
-        Sink::AllLeaves(leaf_grads) => commit(leaf_grads),
-        Sink::Inputs { .. } => unreachable!("backward_with collects leaves"),
+        Sink::AllLeaves { mut held, .. } => {
+            held.sort_by_key(|h| h.arrival);
+            commit(held.into_iter().filter_map(|h| Some((h.leaf, h.grad?))).collect())
+        }
+        Sink::Inputs { .. } => unreachable!("backward collects leaves"),
     }
 }
 
@@ -221,7 +250,7 @@ pub fn grad(outputs: &[Tensor], grad_outputs: &[Option<Tensor>], inputs: &[Tenso
     propagate(seeds, &mut sink)?;
     match sink {
         Sink::Inputs { grads, .. } => Ok(grads),
-        Sink::AllLeaves(_) => unreachable!("grad collects inputs"),
+        Sink::AllLeaves { .. } => unreachable!("grad collects inputs"),
     }
 }
 
@@ -318,32 +347,65 @@ impl Backward for CheckpointBack {
 
 /// Where the gradients that reach the graph's ends go.
 enum Sink {
-    /// Every leaf that requires grad, to commit into `.grad` (backward).
-    AllLeaves(Vec<(Tensor, Tensor)>),
+    /// Every leaf that requires grad, to commit into `.grad` (backward): at the end, or each as soon
+    /// as its last contribution arrived (`as_complete`, Note [Committing as complete]).
+    AllLeaves { held: Vec<Held>, as_complete: bool, arrivals: usize },
     /// Only these tensors' gradients, returned to the caller (grad).
     Inputs { inputs: Vec<Tensor>, grads: Vec<Option<Tensor>> },
 }
 
+/// A leaf's gradient so far in a backward pass, and how many of the pass's edges into the leaf have
+/// yet to deliver theirs.
+struct Held {
+    leaf: Tensor,
+    grad: Option<Tensor>,
+    remaining: usize,
+    /// When its first gradient arrived, in the pass's order (commits at the end go in this order).
+    arrival: usize,
+}
+
 impl Sink {
-    /// Adds `g` to the gradient of `leaf` when the sink wants it.
-    fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
-        let slot = match self {
+    /// Counts an edge of the pass into `leaf` (before the pass runs; backward only).
+    fn expect_leaf(&mut self, leaf: &Tensor) {
+        if let Sink::AllLeaves { held, .. } = self {
             // Models have tens of leaves: a linear search is cheaper than hashing handles.
-            Sink::AllLeaves(list) => match list.iter().position(|(l, _)| l.same(leaf)) {
-                Some(i) => &mut list[i].1,
-                None => {
-                    list.push((leaf.clone(), g));
-                    return Ok(());
+            match held.iter_mut().find(|h| h.leaf.same(leaf)) {
+                Some(h) => h.remaining += 1,
+                None => held.push(Held { leaf: leaf.clone(), grad: None, remaining: 1, arrival: usize::MAX }),
+            }
+        }
+    }
+
+    /// An edge into `leaf` delivered `g` (None: no gradient after all); adds it to the leaf's
+    /// gradient when the sink wants it, and commits the leaf when that was its last edge and the sink
+    /// commits as complete.
+    fn leaf(&mut self, leaf: &Tensor, g: Option<Tensor>) -> Result<()> {
+        match self {
+            Sink::AllLeaves { held, as_complete, arrivals } => {
+                let i = held.iter().position(|h| h.leaf.same(leaf)).ok_or_else(|| {
+                    Error::invalid("internal: a gradient reached a leaf the backward pass did not count")
+                })?;
+                if let Some(g) = g {
+                    if held[i].grad.is_none() {
+                        held[i].arrival = *arrivals;
+                        *arrivals += 1;
+                    }
+                    accumulate_leaf(&mut held[i].grad, g)?;
                 }
+                held[i].remaining = held[i].remaining.saturating_sub(1);
+                if *as_complete && held[i].remaining == 0 {
+                    let done = held.swap_remove(i);
+                    if let Some(grad) = done.grad {
+                        commit(vec![(done.leaf, grad)])?;
+                    }
+                }
+                Ok(())
+            }
+            Sink::Inputs { inputs, grads } => match (inputs.iter().position(|t| t.same(leaf)), g) {
+                (Some(i), Some(g)) => accumulate(&mut grads[i], g),
+                _ => Ok(()),
             },
-            Sink::Inputs { inputs, grads } => match inputs.iter().position(|t| t.same(leaf)) {
-                Some(i) => return accumulate(&mut grads[i], g),
-                None => return Ok(()),
-            },
-        };
-        let prev = std::mem::replace(slot, g.clone());
-        *slot = crate::ops::add_accumulate(prev, &g)?;
-        Ok(())
+        }
     }
 
     /// Records the gradient arriving at `node` when an input was produced by it (grad only).
@@ -361,17 +423,29 @@ impl Sink {
     /// Whether anything behind `edge` can reach the sink (for pruning in grad).
     fn wants_leaf(&self, leaf: &Tensor) -> bool {
         match self {
-            Sink::AllLeaves(_) => true,
+            Sink::AllLeaves { .. } => true,
             Sink::Inputs { inputs, .. } => inputs.iter().any(|t| t.same(leaf)),
         }
     }
 
     fn wants_node(&self, node: &Node) -> bool {
         match self {
-            Sink::AllLeaves(_) => false,
+            Sink::AllLeaves { .. } => false,
             Sink::Inputs { inputs, .. } => inputs.iter().any(|t| t.grad_fn().is_some_and(|n| n.id == node.id)),
         }
     }
+}
+
+/// Adds a leaf's next contribution `g` to what it has so far (the first is kept as it is).
+fn accumulate_leaf(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+    match slot {
+        None => *slot = Some(g),
+        Some(prev) => {
+            let prev = std::mem::replace(prev, g.clone());
+            *slot = Some(crate::ops::add_accumulate(prev, &g)?);
+        }
+    }
+    Ok(())
 }
 
 fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
@@ -393,7 +467,10 @@ fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
         }
         match out.grad_fn() {
             Some(node) => roots.push((node.clone(), g)),
-            None if out.requires_grad() => sink.leaf(&out, g)?,
+            None if out.requires_grad() => {
+                sink.expect_leaf(&out);
+                sink.leaf(&out, Some(g))?
+            }
             None => {
                 return Err(Error::invalid(
                     "backward through a tensor that does not require grad: was the forward pass run under \
@@ -417,15 +494,24 @@ fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
         }
     }
     while let Some(node) = stack.pop() {
+        if !useful[&node.id] {
+            continue;
+        }
         for edge in node.edges.iter().flatten() {
-            if let Edge::Node(next) = edge {
-                if !useful[&next.id] {
-                    continue;
+            match edge {
+                Edge::Node(next) => {
+                    if !useful[&next.id] {
+                        continue;
+                    }
+                    *dependencies.entry(next.id).or_insert(0) += 1;
+                    if seen.insert(next.id, ()).is_none() {
+                        stack.push(next.clone());
+                    }
                 }
-                *dependencies.entry(next.id).or_insert(0) += 1;
-                if seen.insert(next.id, ()).is_none() {
-                    stack.push(next.clone());
-                }
+                // Counted as the loop below will visit it: every edge of a useful node that the
+                // sink wants, whether a gradient comes through it or not.
+                Edge::Leaf(leaf) if sink.wants_leaf(leaf) => sink.expect_leaf(leaf),
+                Edge::Leaf(_) => {}
             }
         }
     }
@@ -491,11 +577,7 @@ fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
                         ready.push((next.id, ByAddress(next.clone())));
                     }
                 }
-                Some(Edge::Leaf(leaf)) if needed => {
-                    if let Some(g) = g {
-                        sink.leaf(leaf, g)?;
-                    }
-                }
+                Some(Edge::Leaf(leaf)) if needed => sink.leaf(leaf, g)?,
                 _ => {}
             }
         }

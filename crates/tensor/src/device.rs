@@ -170,6 +170,8 @@ struct DeviceInner {
     grad_enabled: AtomicBool,
     /// Depth of checkpointed segments being re-run (see [`Device::recompute`]).
     recomputing: AtomicU64,
+    /// Depth of micro-batches being replayed (see [`Device::replay`]).
+    replaying: AtomicU64,
     /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
     /// 0: none, 1: bf16, 2: f16 (read by every save, so an atomic rather than a lock).
     saved_dtype: std::sync::atomic::AtomicU8,
@@ -258,6 +260,7 @@ impl Device {
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
             recomputing: AtomicU64::new(0),
+            replaying: AtomicU64::new(0),
             saved_dtype: std::sync::atomic::AtomicU8::new(0),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
@@ -426,6 +429,13 @@ impl Device {
         self.0.recomputing.load(Ordering::Relaxed) > 0
     }
 
+    /// True while the model's buffers (batch norm's running statistics) must not move: a checkpointed
+    /// segment's re-run ([`Device::recomputing`]) or a replay of micro-batches whose forward already
+    /// moved them ([`Device::replay`]).
+    pub fn buffers_frozen(&self) -> bool {
+        self.recomputing() || self.0.replaying.load(Ordering::Relaxed) > 0
+    }
+
     /// Half-precision storage: f32 activations saved for backward are kept in `dtype` (bf16 or f16)
     /// and converted back when backward uses them ([`crate::autograd::save_compact`]); arithmetic
     /// stays f32. None (the default) keeps them as they are.
@@ -453,6 +463,15 @@ impl Device {
     pub fn recompute(&self) -> RecomputeGuard {
         self.0.recomputing.fetch_add(1, Ordering::Relaxed);
         RecomputeGuard { device: self.clone() }
+    }
+
+    /// Marks a replay until the guard drops (nests): micro-batches run again exactly as the first time
+    /// (to rebuild gradients a failed pass left partly updated, Note [Recovery] in the train crate),
+    /// except that their forward already moved the model's buffers, which stay as they are
+    /// ([`Device::buffers_frozen`]).
+    pub fn replay(&self) -> ReplayGuard {
+        self.0.replaying.fetch_add(1, Ordering::Relaxed);
+        ReplayGuard { device: self.clone() }
     }
 
     /// Enables graph recording until the guard drops, also inside a no-grad region (a backward pass
@@ -600,6 +619,17 @@ pub struct RecomputeGuard {
 impl Drop for RecomputeGuard {
     fn drop(&mut self) {
         self.device.0.recomputing.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Ends a replay when dropped.
+pub struct ReplayGuard {
+    device: Device,
+}
+
+impl Drop for ReplayGuard {
+    fn drop(&mut self) {
+        self.device.0.replaying.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -17,8 +17,8 @@ mod storage;
 mod tensor;
 
 pub use device::{
-    Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, Span, SpanKind,
-    Target,
+    Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, ReplayGuard,
+    Span, SpanKind, Target,
 };
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};

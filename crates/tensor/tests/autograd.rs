@@ -238,3 +238,79 @@ fn grad_runs_only_what_leads_to_its_inputs() {
     // The add passes its gradient on without allocating; the z branch (sum and tanh backward) must not run.
     assert_eq!(with_branch, only_x, "an unrelated branch ran");
 }
+
+/// A chain of products whose weights outweigh its activations (one row of 32), so that what a pass
+/// holds of the gradients decides its peak. Its leaves get their gradients at different moments: `w1`
+/// is used first and last (complete only at the end), `a` and `b` share one gradient (`a + b`), and
+/// `unused` is reached but gets no gradient (its node returns none). The loss of micro-batch `k`.
+fn network_loss(device: &Device, leaves: &[Tensor], k: usize) -> Tensor {
+    let [w1, w2, w3, a, b, unused] = leaves else { panic!("six leaves") };
+    let xv: Vec<f64> = (0..32).map(|i| ((i * 7 + k * 3) % 11) as f64 / 5.0 - 1.0).collect();
+    let x = Tensor::from_slice(device, &xv, &[1, 32], Category::Input).unwrap();
+    let linear = memfit_tensor::ops::linear;
+    let h = linear(&x, w1, None).unwrap().tanh().unwrap();
+    let h = linear(&h, w2, Some(&a.add(b).unwrap())).unwrap().tanh().unwrap();
+    let y = linear(&linear(&h, w3, None).unwrap(), w1, None).unwrap();
+    let zero = unused.detach().mul_scalar(0.0).unwrap().sum_all().unwrap();
+    y.mul(&y).unwrap().sum_all().unwrap().add(&zero).unwrap()
+}
+
+fn network(device: &Device) -> Vec<Tensor> {
+    let param = |shape: &[usize], salt: usize| {
+        let n = shape.iter().product::<usize>();
+        let v: Vec<f64> = (0..n).map(|i| ((i * 13 + salt) % 17) as f64 / 40.0 - 0.2).collect();
+        Tensor::from_slice(device, &v, shape, Category::Parameter).unwrap().set_requires_grad(true)
+    };
+    let w = |salt| param(&[32, 32], salt);
+    vec![w(1), w(2), w(3), param(&[32], 4), param(&[32], 5), param(&[32], 6)]
+}
+
+/// Accumulating three micro-batches, committing each leaf as soon as it is complete gives `.grad` the
+/// transactional pass's bits, holds less at the pass's peak, and allocates identically on meta.
+#[test]
+fn committing_as_complete_gives_the_same_gradients_with_a_lower_peak() {
+    let run = |device: &Device, as_complete: bool| {
+        let leaves = network(device);
+        let mut peaks = Vec::new();
+        for k in 0..3 {
+            let loss = network_loss(device, &leaves, k);
+            device.reset_peak_stats();
+            if as_complete {
+                autograd::backward_as_complete(&loss, None).unwrap();
+            } else {
+                backward(&loss).unwrap();
+            }
+            peaks.push(device.stats().allocated_bytes.peak);
+        }
+        let grads: Vec<Option<Vec<f64>>> =
+            leaves.iter().map(|l| l.grad().map(|g| if device.computes() { values(&g) } else { vec![] })).collect();
+        (grads, peaks)
+    };
+    let cpu = Device::cpu();
+    let (transactional, peaks_transactional) = run(&cpu, false);
+    let (as_complete, peaks_as_complete) = run(&cpu, true);
+    assert_eq!(as_complete, transactional, "the same .grad bits");
+    assert!(as_complete[5].is_none(), "a leaf that got no gradient gets none");
+    for k in 1..3 {
+        assert!(
+            peaks_as_complete[k] < peaks_transactional[k],
+            "accumulating, the pass holds less: {peaks_as_complete:?} vs {peaks_transactional:?}"
+        );
+    }
+    let meta = Device::meta();
+    assert_eq!(run(&meta, true).1, peaks_as_complete, "meta predicts it");
+}
+
+/// A scalar leaf as the output itself, and a leaf the output reaches twice (`x + x`): counted and
+/// committed once, with both contributions.
+#[test]
+fn committing_as_complete_counts_every_edge_into_a_leaf() {
+    let device = Device::cpu();
+    let x = leaf(&device, &[1.0, 2.0]);
+    autograd::backward_as_complete(&x.add(&x).unwrap().sum_all().unwrap(), None).unwrap();
+    autograd::backward_as_complete(&x.add(&x).unwrap().sum_all().unwrap(), None).unwrap();
+    assert_eq!(values(&x.grad().unwrap()), [4.0, 4.0]);
+    let s = leaf(&device, &[3.0]);
+    autograd::backward_as_complete(&s, None).unwrap();
+    assert_eq!(values(&s.grad().unwrap()), [1.0]);
+}

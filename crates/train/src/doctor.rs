@@ -12,6 +12,7 @@
 //! fits at its predicted peak).
 
 use crate::config::{CheckpointChoice, ParallelMode, Precision, Segments};
+use crate::dry_run::Prediction;
 use crate::error::{Diagnosis, Remedy, TrainError};
 use crate::planner::{self, Plan, PlanRequest};
 
@@ -45,22 +46,62 @@ fn least_of(req: &PlanRequest) -> PlanRequest {
     }
 }
 
-/// What `req` needs at the least: peak reserved of its smallest micro-batch (and an evaluation one
-/// when it evaluates), with no budget. Zero for a model without segments asked to checkpoint some.
-pub fn least_needs(req: &PlanRequest) -> Result<u64, TrainError> {
+/// What `req` needs at the least, with no budget: the peak reserved of its lightest micro-batch (and
+/// an evaluation one when it evaluates) and that micro-batch. The lightest is the user's, else
+/// micro-batch 1 or the whole batch in one (which holds no accumulated gradients beside a pass's own,
+/// and can be the lighter: Note [Lightest micro-batch] in `planner.rs`); with `auto` segments, the
+/// lighter of fixed and expandable ones. Zero for a model without segments asked to checkpoint some.
+pub fn least_needs(req: &PlanRequest) -> Result<(u64, usize), TrainError> {
     let mut least = least_of(req);
     if least.checkpoint == CheckpointChoice::All && planner::segment_names(req)?.is_empty() {
         // A model without segments re-runs nothing.
         least.checkpoint = CheckpointChoice::None;
     }
-    let micro = req.micro_batch.unwrap_or(1).min(req.rank_batch().max(1));
     let eval = req.evaluate.then_some(1);
-    Ok(planner::predict(&least, micro, eval, None)?.map_or(0, |p| p.peak_reserved))
+    let segments = match req.segments {
+        Segments::Auto => vec![Segments::Fixed, Segments::Expandable],
+        s => vec![s],
+    };
+    let mut best: Option<(u64, usize)> = None;
+    for micro in planner::lightest_candidates(req) {
+        for &segments in &segments {
+            let r = PlanRequest { segments, ..least.clone() };
+            if let Some(p) = planner::predict(&r, micro, eval, None)? {
+                let needs = least_budget(&r, micro, eval, &p)?;
+                if best.is_none_or(|(b, _)| needs < b) {
+                    best = Some((needs, micro));
+                }
+            }
+        }
+    }
+    Ok(best.unwrap_or((0, 1)))
+}
+
+/// The peak reserved of `r` at `micro` under the least budget it fits, `unbounded` being its run with
+/// none. Without a budget the allocator keeps what it freed; under one it releases its cache and
+/// tries again before failing, so it can fit in less than it reserves unbounded (deepcnn's 8 MiB
+/// unbounded fits 6 MiB). Searched in whole MiB (KiB below 1 MiB), as `--memory` is suggested.
+fn least_budget(r: &PlanRequest, micro: usize, eval: Option<usize>, unbounded: &Prediction) -> Result<u64, TrainError> {
+    let unit: u64 = if unbounded.peak_reserved >= 1 << 20 { 1 << 20 } else { 1 << 10 };
+    // Below the allocated peak nothing fits; the unbounded reserved peak does.
+    let (mut lo, mut hi) = (unbounded.peak_allocated.saturating_sub(1) / unit, unbounded.peak_reserved.div_ceil(unit));
+    let mut fitting = unbounded.peak_reserved;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match planner::predict(r, micro, eval, Some(mid * unit))? {
+            Some(p) => {
+                hi = mid;
+                fitting = p.peak_reserved;
+            }
+            None => lo = mid,
+        }
+    }
+    Ok(fitting)
 }
 
 /// The diagnosis of a request that does not fit (Note [One doctor]).
 pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
-    let needs = least_needs(req)?;
+    let (needs, lightest) = least_needs(req)?;
     let names = planner::segment_names(req)?;
     let costs = crate::calibration::model_for(req, &names).ok().map(|(c, _)| c);
     let mut remedies = Vec::new();
@@ -129,7 +170,12 @@ pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
                 .total_cmp(&b.predicted_step_time_ms.unwrap_or(f64::INFINITY)),
         )
     });
-    Ok(Diagnosis { problem: planner::problem(req, needs), capacity_bytes: req.capacity, needs_bytes: needs, remedies })
+    Ok(Diagnosis {
+        problem: planner::problem(req, needs, lightest),
+        capacity_bytes: req.capacity,
+        needs_bytes: needs,
+        remedies,
+    })
 }
 
 /// The remedy that applies `edits`, planned as `r`; None when it does not fit either.

@@ -671,7 +671,7 @@ fn advise(e: TrainError, request: &PlanRequest) -> TrainError {
 /// recovery could not help.
 fn advice_for_budget(request: &PlanRequest) -> String {
     let needs = match crate::doctor::least_needs(request) {
-        Ok(n) => n,
+        Ok((n, _)) => n,
         Err(e) => return format!("(the doctor could not look: {e})"),
     };
     let flag = planner::memory_flag(needs);

@@ -7,8 +7,12 @@
 //! forward through the stages (each stage receives the residual stream from the one before, runs its
 //! units, sends its output on), then every one backward in reverse (each stage receives the gradient of
 //! its output, back-propagates it, and sends the gradient of its input back). A stage so holds the
-//! activations of one round at most, whatever the window; gradients accumulate across rounds. The last stage computes the loss of each micro-batch weighted by its share of
-//! the window (Note [Loss normalization]), so the accumulated gradients are the single-process ones.
+//! activations of one round at most, whatever the window; gradients accumulate across rounds, each
+//! leaf's into `.grad` as soon as a backward pass has completed it (`autograd::backward_as_complete`,
+//! Note [Committing as complete]: no second set of gradients while accumulating, and no transaction
+//! needed, since a failure re-runs the whole window). The last stage computes the loss of each
+//! micro-batch weighted by its share of the window (Note [Loss normalization]), so the accumulated
+//! gradients are the single-process ones.
 //! Every message is a status followed, when it is good, by the tensor, and a stage that ran out of
 //! memory still takes part in every exchange (it receives and drops what it is sent, and sends failure
 //! statuses), so no stage ever waits for one that failed. After the window the stages agree whether any
@@ -285,11 +289,9 @@ impl Pipeline {
                 };
                 let mut sent = None;
                 if let (None, Some(f)) = (&failure, flight) {
-                    let step = match grad {
-                        Some(g) => autograd::backward_with(&f.output, g),
-                        None => autograd::backward(&f.output),
-                    };
-                    match step {
+                    // Each gradient goes into `.grad` as soon as it is complete: a failure drops
+                    // them all and re-runs the window anyway (Note [Pipeline]).
+                    match autograd::backward_as_complete(&f.output, grad) {
                         Ok(()) => sent = f.input.as_ref().and_then(|x| x.grad()),
                         Err(e) => failure = Some(survivable(e.into())?),
                     }

@@ -167,7 +167,7 @@ pub fn choose(req: &PlanRequest) -> Result<Plan, TrainError> {
     let best = weighed.fastest();
     let Some(best) = best else {
         let needs = weighed.candidates.iter().map(|c| c.peak_reserved).min().unwrap_or(0);
-        return Err(refusal(req, needs));
+        return Err(refusal(req, needs, 1));
     };
     let chosen =
         PlanRequest { checkpoint: weighed.choice(best), precision: weighed.candidates[best].precision, ..req.clone() };
@@ -480,13 +480,39 @@ pub(crate) fn with_margin(req: &PlanRequest, bytes: u64) -> u64 {
 /// it does not fit.
 type DryRun<'a> = dyn FnMut(usize, Option<usize>, Option<u64>) -> Result<Option<Prediction>, TrainError> + 'a;
 
+// Note [Lightest micro-batch]
+// A smaller micro-batch holds fewer activations, but once a window has more than one micro-batch its
+// later passes hold the window's gradients beside the gradients they make (each committed as soon as
+// it is complete, `autograd::backward_as_complete`, so at most a few at once: the largest weight's,
+// say). The whole batch in one micro-batch holds only its own. So when activations are small beside
+// the weights (mlp's 7 MiB of weights against its activations at batch 256), the whole batch is the
+// lightest micro-batch, not 1: the planner tries it when micro-batch 1 does not fit, and a refusal
+// names whichever of the two needs less.
+
+/// The micro-batches that can be a request's lightest (Note [Lightest micro-batch]): the user's, else
+/// 1 and, when larger (and plannable), the whole batch.
+pub(crate) fn lightest_candidates(req: &PlanRequest) -> Vec<usize> {
+    let whole = req.rank_batch().max(1);
+    match req.micro_batch {
+        Some(m) => vec![m.min(whole)],
+        None if whole > 1 && whole <= MAX_MICRO => vec![1, whole],
+        None => vec![1],
+    }
+}
+
 /// The training micro-batch of `req` under its budget: (largest that fits, accumulation steps, the
-/// micro-batch to run), or None when not even the first (1, or the user's) fits.
+/// micro-batch to run), or None when not even the first (1, or the user's) fits, nor the whole batch
+/// in one (Note [Lightest micro-batch]).
 fn fitting_micro(req: &PlanRequest, run: &mut DryRun) -> Result<Option<(usize, usize, usize)>, TrainError> {
     let budget = req.budget();
     let first = req.micro_batch.unwrap_or(1).min(req.rank_batch());
     if run(first, Some(first.min(MAX_EVAL_MICRO)), budget)?.is_none() {
-        return Ok(None);
+        let whole = req.rank_batch();
+        let lighter = req.micro_batch.is_none()
+            && lightest_candidates(req).contains(&whole)
+            && whole != first
+            && run(whole, Some(whole.min(MAX_EVAL_MICRO)), budget)?.is_some();
+        return Ok(lighter.then_some((whole, 1, whole)));
     }
     if req.micro_batch.is_some() {
         return Ok(Some((first, req.rank_batch().div_ceil(first), first)));
@@ -521,9 +547,16 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         predict(req, micro, eval, cap)
     };
     let Some((largest, accumulation_steps, micro)) = fitting_micro(req, &mut run)? else {
-        let first = req.micro_batch.unwrap_or(1).min(req.rank_batch());
-        let needs = run(first, Some(first.min(MAX_EVAL_MICRO)), None)?.map(|p| p.peak_reserved).unwrap_or(0);
-        return Err(refusal(req, needs));
+        let mut least: Option<(u64, usize)> = None;
+        for m in lightest_candidates(req) {
+            if let Some(p) = run(m, Some(m.min(MAX_EVAL_MICRO)), None)? {
+                if least.is_none_or(|(b, _)| p.peak_reserved < b) {
+                    least = Some((p.peak_reserved, m));
+                }
+            }
+        }
+        let (needs, lightest) = least.unwrap_or((0, 1));
+        return Err(refusal(req, needs, lightest));
     };
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
     let training = run(micro, None, budget)?.ok_or_else(not_fit)?;
@@ -565,9 +598,9 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
 
 /// The planner's refusal: the run does not fit, and what the least of it needs (`needs`, peak
 /// reserved). The doctor adds remedies ([`crate::doctor::plan`]).
-pub fn refusal(req: &PlanRequest, needs: u64) -> TrainError {
+pub fn refusal(req: &PlanRequest, needs: u64, lightest: usize) -> TrainError {
     TrainError::DoesNotFit(Box::new(Diagnosis {
-        problem: problem(req, needs),
+        problem: problem(req, needs, lightest),
         capacity_bytes: req.capacity,
         needs_bytes: needs,
         remedies: Vec::new(),
@@ -576,7 +609,7 @@ pub fn refusal(req: &PlanRequest, needs: u64) -> TrainError {
 
 /// "gpt does not fit in 40.00 MiB: even a micro-batch of 1 with every segment checkpointed needs 52.00
 /// MiB (peak reserved)."
-pub(crate) fn problem(req: &PlanRequest, needs: u64) -> String {
+pub(crate) fn problem(req: &PlanRequest, needs: u64, lightest: usize) -> String {
     let cap = req.capacity.map_or("unlimited memory".to_string(), format_bytes);
     let margin = match req.safety_margin > 0.0 {
         true => format!(" with a {:.0}% safety margin", req.safety_margin * 100.0),
@@ -584,6 +617,7 @@ pub(crate) fn problem(req: &PlanRequest, needs: u64) -> String {
     };
     let micro = match req.micro_batch {
         Some(m) => format!("micro-batch {m} as asked"),
+        None if lightest > 1 => format!("its lightest micro-batch, the whole batch of {lightest} in one,"),
         None => "a micro-batch of 1".to_string(),
     };
     let segments = segment_names(req).is_ok_and(|n| !n.is_empty());

@@ -22,6 +22,17 @@
 //! micro-batch sticks, and grows back after `grow_after` successful steps. Each sample of the window
 //! contributes exactly once to its update. A single sample that fails twice ends the run with the
 //! out-of-memory explanation.
+//!
+//! Accumulating, every micro-batch of a window after the first commits each gradient into `.grad` as
+//! soon as its backward has completed it (`autograd::backward_as_complete`), so that a pass never
+//! holds a second set of gradients beside the window's. Such a pass is not transactional: when it
+//! fails, `.grad` is partly updated, so every gradient is dropped and the micro-batches they held are
+//! replayed, at their sizes and in their order, before the failed one is tried again; the rest of
+//! that window commits at the end of each pass, as the first micro-batch does, so a window replays
+//! at most once however close together its failures come. A replay runs
+//! exactly as the first time except that the model's buffers stay as the first run left them
+//! (`Device::replay`: batch norm normalizes with the batch's own statistics, so its gradients do
+//! not depend on them). The window's update is the same bits as without the failure.
 
 use crate::error::TrainError;
 use crate::samples::Samples;
@@ -260,48 +271,80 @@ pub enum AfterStep {
 
 /// The micro-batches still to run over a list of samples, and what to do when one fails
 /// (Note [Recovery]): run it again at the same size once, then split it in two halves at the front
-/// of the queue; a single sample that fails twice ends the run.
+/// of the queue; a single sample that fails twice ends the run. Micro-batches that ran already can be
+/// sent round again ([`MicroQueue::replay`]), marked as replays.
 struct MicroQueue<'a> {
-    queue: VecDeque<&'a [usize]>,
+    /// Each chunk, and whether it is a replay.
+    queue: VecDeque<(&'a [usize], bool)>,
     /// The micro-batch size in force (shrinks when a split happens).
     micro: usize,
-    /// Whether the chunk at the head of the queue already failed once at its size.
-    retried: bool,
+    /// The chunk that already failed once at its size (the same samples: address and length).
+    retried: Option<&'a [usize]>,
 }
 
 impl<'a> MicroQueue<'a> {
     fn new(samples: &'a [usize], micro: usize) -> Self {
-        MicroQueue { queue: samples.chunks(micro.max(1)).collect(), micro: micro.max(1), retried: false }
+        let queue = samples.chunks(micro.max(1)).map(|c| (c, false)).collect();
+        MicroQueue { queue, micro: micro.max(1), retried: None }
     }
 
-    fn next(&mut self) -> Option<&'a [usize]> {
+    /// The next chunk, and whether it is a replay.
+    fn next(&mut self) -> Option<(&'a [usize], bool)> {
         self.queue.pop_front()
     }
 
-    fn succeeded(&mut self) {
-        self.retried = false;
+    fn is_retried(&self, chunk: &[usize]) -> bool {
+        self.retried.is_some_and(|r| std::ptr::eq(r, chunk))
     }
 
-    /// Requeues `chunk` after an out-of-memory `error`; returns the error when nothing is left to try.
-    fn failed(&mut self, chunk: &'a [usize], error: TrainError) -> Result<(), TrainError> {
-        if !self.retried {
+    fn succeeded(&mut self, chunk: &[usize]) {
+        if self.is_retried(chunk) {
+            self.retried = None;
+        }
+    }
+
+    /// Requeues `chunk` (a replay or not, and its halves alike) after an out-of-memory `error`;
+    /// returns the error when nothing is left to try.
+    fn failed(&mut self, chunk: &'a [usize], replay: bool, error: TrainError) -> Result<(), TrainError> {
+        if !self.is_retried(chunk) {
             // A transient failure (fragmentation that the released cache cures, an injected fault)
             // passes on a second try and must not shrink the micro-batch.
-            self.retried = true;
-            self.queue.push_front(chunk);
+            self.retried = Some(chunk);
+            self.queue.push_front((chunk, replay));
             return Ok(());
         }
         if chunk.len() == 1 {
             return Err(error);
         }
-        self.retried = false;
+        self.retried = None;
         let half = chunk.len().div_ceil(2);
         self.micro = self.micro.min(half);
         let (a, b) = chunk.split_at(half);
-        self.queue.push_front(b);
-        self.queue.push_front(a);
+        self.queue.push_front((b, replay));
+        self.queue.push_front((a, replay));
         Ok(())
     }
+
+    /// Puts `chunk` back at the front as it was, its failure not counted.
+    fn again(&mut self, chunk: &'a [usize], replay: bool) {
+        self.queue.push_front((chunk, replay));
+    }
+
+    /// Puts `chunks`, which ran already, back at the front in their order, as replays.
+    fn replay(&mut self, chunks: Vec<&'a [usize]>) {
+        for chunk in chunks.into_iter().rev() {
+            self.queue.push_front((chunk, true));
+        }
+    }
+}
+
+/// How a micro-batch runs: its backward commits each gradient as soon as it is complete (into
+/// gradients that earlier micro-batches of the window left), and it replays one that ran before
+/// (the model's buffers stay as they are).
+#[derive(Clone, Copy)]
+struct MicroPass {
+    as_complete: bool,
+    replay: bool,
 }
 
 /// What micro-batches (or a window of them) add up to: the loss and the right predictions.
@@ -389,6 +432,12 @@ impl Scores {
         Ok(self.losses.narrow(0, slot, 1)?.copy_from(&loss.reshape(&[1])?)?)
     }
 
+    /// Forgets every score so far (the micro-batches that made them run again).
+    fn restart(&mut self) {
+        self.filled.clear();
+        self.total = MicroResult { loss_sum: 0.0, correct: 0, predictions: 0 };
+    }
+
     /// Takes the slot written as the micro-batch's, weighed by `w`; reads them all once full.
     fn commit(&mut self, w: Weighing) -> Result<(), TrainError> {
         self.filled.push(w);
@@ -459,13 +508,17 @@ impl Session {
     /// running statistics in the forward pass, and the re-run after a recovery must not count the
     /// failed attempt's batch twice. The snapshot is allocator memory (category `other`, a few KiB)
     /// made inside the attempt, so it is planned and released like the rest.
+    ///
+    /// `pass` says how its backward commits gradients and whether it is a replay (buffers frozen).
     fn micro_step(
         &self,
         samples: &dyn Samples,
         chunk: &[usize],
         window: usize,
         scores: &Scores,
+        pass: MicroPass,
     ) -> Result<Weighing, TrainError> {
+        let _frozen = pass.replay.then(|| self.device.replay());
         let buffers = self.model.buffers();
         let mut snapshot = Vec::with_capacity(buffers.len());
         for (_, b) in &buffers {
@@ -473,7 +526,7 @@ impl Session {
             copy.copy_from(b)?;
             snapshot.push(copy);
         }
-        let result = self.forward_backward(samples, chunk, window, scores);
+        let result = self.forward_backward(samples, chunk, window, scores, pass.as_complete);
         if result.is_err() {
             for ((_, b), copy) in buffers.iter().zip(&snapshot) {
                 b.copy_from(copy)?;
@@ -491,6 +544,7 @@ impl Session {
         chunk: &[usize],
         window: usize,
         scores: &Scores,
+        as_complete: bool,
     ) -> Result<Weighing, TrainError> {
         let device = &self.device;
         let (x, y) = {
@@ -510,7 +564,11 @@ impl Session {
         scores.record_count(&predicted.count_equal(&y)?)?;
         drop(predicted);
         scores.record_loss(&loss)?;
-        autograd::backward(&loss)?;
+        if as_complete {
+            autograd::backward_as_complete(&loss, None)?;
+        } else {
+            autograd::backward(&loss)?;
+        }
         Ok(Weighing { window: window as f64, chunk: chunk.len() as f64, predictions: y.numel() })
     }
 
@@ -615,18 +673,47 @@ impl Session {
         let mut queue = MicroQueue::new(window, *micro);
         let mut recoveries = 0;
         let mut scores = Scores::new(&self.device, recover, &mut recoveries)?;
-        while let Some(chunk) = queue.next() {
+        // What the window holds before any gradient: the level a pass that committed as complete
+        // returns to when it fails.
+        let (start, used_at_start) = (self.allocated(), used.len());
+        // The chunks whose gradients `.grad` holds, in order (Note [Recovery]).
+        let mut held: Vec<&[usize]> = Vec::new();
+        // Whether the window replayed once already: the rest of it commits at the end of each pass,
+        // so that failures close together (injected every few requests) cannot replay it forever.
+        let mut replayed = false;
+        while let Some((chunk, replay)) = queue.next() {
             let before = self.allocated();
-            match self.micro_step(samples, chunk, n, &scores) {
+            // Into existing gradients, each is committed as soon as it is complete, so the pass
+            // never holds a second set (Note [Committing as complete] in memfit_tensor::autograd).
+            let pass = MicroPass { as_complete: !held.is_empty() && !replayed, replay };
+            match self.micro_step(samples, chunk, n, &scores, pass) {
                 Ok(weighing) => {
                     scores.commit(weighing)?;
                     used.extend_from_slice(chunk);
-                    queue.succeeded();
+                    queue.succeeded(chunk);
+                    held.push(chunk);
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
-                    self.check_released(before)?;
+                    if pass.as_complete {
+                        // `.grad` holds part of this pass: drop every gradient, and run again what
+                        // they held, scored afresh.
+                        self.optimizer.zero_grad();
+                        scores.restart();
+                        self.check_released(start)?;
+                    } else {
+                        self.check_released(before)?;
+                    }
                     self.device.empty_cache();
-                    queue.failed(chunk, e)?;
+                    if pass.as_complete {
+                        // Not a try at its size that counts: it runs next as a pass of its own kind,
+                        // after the replays (which an injected fault every few requests may also hit).
+                        queue.again(chunk, replay);
+                        queue.replay(std::mem::take(&mut held));
+                        used.truncate(used_at_start);
+                        replayed = true;
+                    } else {
+                        queue.failed(chunk, replay, e)?;
+                    }
                     recoveries += 1;
                 }
                 Err(e) => return Err(e),
@@ -681,7 +768,7 @@ impl Session {
         let mut queue = MicroQueue::new(order, eval_micro);
         let mut recoveries = 0;
         let mut scores = Scores::new(device, recover, &mut recoveries)?;
-        while let Some(chunk) = queue.next() {
+        while let Some((chunk, _)) = queue.next() {
             let before = self.allocated();
             let attempt = |scores: &Scores| -> Result<Weighing, TrainError> {
                 let (x, y) = samples.to_device(device, chunk)?;
@@ -695,12 +782,12 @@ impl Session {
             match attempt(&scores) {
                 Ok(weighing) => {
                     scores.commit(weighing)?;
-                    queue.succeeded();
+                    queue.succeeded(chunk);
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
                     self.check_released(before)?;
                     device.empty_cache();
-                    queue.failed(chunk, e)?;
+                    queue.failed(chunk, false, e)?;
                     recoveries += 1;
                 }
                 Err(e) => return Err(e),

@@ -76,7 +76,7 @@ fn a_one_stage_pipeline_trains_like_the_plain_loop_and_meta_predicts_it() {
 #[test]
 fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
     let spec =
-        memfit_nn::ModelSpec::gpt(memfit_nn::GptConfig { vocab: 40, d_model: 64, heads: 2, layers: 4, max_t: 32 });
+        memfit_nn::ModelSpec::gpt(memfit_nn::GptConfig { vocab: 40, d_model: 128, heads: 2, layers: 4, max_t: 32 });
     let request = |capacity| PlanRequest {
         model: spec.clone(),
         optimizer: adamw(),

@@ -164,3 +164,37 @@ fn batch_norm_statistics_are_not_counted_twice_after_a_recovery() {
         assert_params_close(&buffers(&s), &clean_buffers, 1e-6, &format!("buffers, fault at {k}"));
     }
 }
+
+/// Accumulating (two micro-batches a window), the second micro-batch commits each gradient into
+/// `.grad` as soon as it is complete, so a fault in its backward leaves `.grad` partly updated: the
+/// window's gradients are dropped and the micro-batches they held replayed, with batch norm's running
+/// statistics left as they are. A fault at every allocation: the same samples, and parameters and
+/// buffers bit for bit the clean run's, nothing leaked.
+#[test]
+fn a_fault_at_every_allocation_of_an_accumulating_run_replays_what_the_gradients_held() {
+    let spec = small_spec(ModelKind::ResNet);
+    let samples = data(&spec, 2 * 8);
+    let o = opts(8, 4, 2);
+    let buffers = |s: &Session| -> Vec<(String, Vec<f64>)> {
+        s.model.buffers().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect()
+    };
+    let clean_device = device(DeviceKind::Cpu, None, None);
+    let setup = {
+        drop(Session::new(clean_device.clone(), &spec, adamw(), 3).unwrap());
+        clean_device.stats().allocation.allocated
+    };
+    let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, adamw(), &samples, &o);
+    let clean_buffers = buffers(&clean_session);
+    let clean_stats = clean_session.device.stats();
+    let requests = clean_stats.allocation.allocated - setup;
+    for k in 1..=requests {
+        let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(setup + k)));
+        let (out, params, session) = run(dev, &spec, adamw(), &samples, &o);
+        let stats = session.device.stats();
+        assert_eq!(stats.num_injected_faults, 1, "fault at request {k}");
+        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "fault at request {k}: same samples");
+        assert!(params == clean_params, "fault at request {k}: the clean parameters, bit for bit");
+        assert!(buffers(&session) == clean_buffers, "fault at request {k}: running statistics moved once");
+        assert_eq!(stats.allocated_bytes.current, clean_stats.allocated_bytes.current, "fault at request {k}: leak");
+    }
+}
