@@ -1,0 +1,324 @@
+//! Reading a `torch.export` archive: the zip, the graph in `models/model.json`, the weights in
+//! `data/weights/`.
+//!
+//! Note [The pt2 archive] (as `torch.export.save` writes it, schema 8.x, torch 2.11-2.15): a zip, every
+//! entry stored under one top-level folder `<name>/`. `<name>/models/model.json` is the exported
+//! program: `schema_version` {major, minor}; `graph_module.graph` with `inputs` and `outputs` (values by
+//! name), `nodes` (each `target` such as `torch.ops.aten.linear.default`, `inputs` as
+//! `{name, arg: {as_tensor: {name}} | {as_int} | {as_ints} | {as_float} | {as_bool} | {as_none} ...}`,
+//! `outputs` as `{as_tensor: {name}}`) and `tensor_values` (each value's dtype and sizes: a size is
+//! `{as_int}` or, for a dynamic dimension, `{as_expr}`); `graph_module.signature.input_specs` says what
+//! each graph input is (`parameter` with its `parameter_name`, `buffer` with its `buffer_name`,
+//! `user_input`), `output_specs` which outputs are the user's. `<name>/data/weights/
+//! model_weights_config.json` maps each `state_dict` name to `path_name` (the file beside it, raw
+//! little-endian bytes) and `tensor_meta` (dtype code, sizes, strides). Dtype codes are the schema's
+//! `ScalarType`: 7 is float32. Only the major version is checked: minor versions add fields, which
+//! are ignored.
+
+use crate::{ImportError, Result};
+use serde_json::Value;
+use std::io::Read;
+use std::path::Path;
+
+/// The schema major version this reader knows.
+pub const SCHEMA_MAJOR: u64 = 8;
+
+/// The schema's dtype code of float32 (`ScalarType.FLOAT`).
+const FLOAT32: u64 = 7;
+
+/// An op's argument, as the graph gives it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Arg {
+    /// A graph value by name.
+    Tensor(String),
+    Int(i64),
+    Ints(Vec<i64>),
+    Float(f64),
+    Bool(bool),
+    None,
+    /// A kind this reader does not interpret (named, for the error if an op needs it).
+    Other(String),
+}
+
+/// One node of the graph: an op and its named arguments, and the values it defines.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// `torch.ops.aten.linear.default`, ...
+    pub target: String,
+    pub args: Vec<(String, Arg)>,
+    pub outputs: Vec<String>,
+}
+
+impl Node {
+    /// The argument named `name`, if given.
+    pub fn arg(&self, name: &str) -> Option<&Arg> {
+        self.args.iter().find(|(n, _)| n == name).map(|(_, a)| a)
+    }
+}
+
+/// What a graph input is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GraphInput {
+    /// A trainable weight: the graph value and its `state_dict` name.
+    Parameter { value: String, name: String },
+    /// A buffer (batch norm's running statistics, a mask): the graph value and its `state_dict` name.
+    Buffer { value: String, name: String },
+    /// The user's input.
+    User { value: String },
+}
+
+/// A weight of the archive: its `state_dict` name, shape and float32 values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Weight {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// An exported program: its graph, its inputs and outputs, and its weights.
+#[derive(Clone, Debug)]
+pub struct Archive {
+    /// The archive's top-level folder (the name it was saved under).
+    pub name: String,
+    pub inputs: Vec<GraphInput>,
+    pub nodes: Vec<Node>,
+    /// The user's outputs, by value name.
+    pub outputs: Vec<String>,
+    /// Each graph value's static sizes (None for a dynamic dimension, such as the batch).
+    pub sizes: Vec<(String, Vec<Option<usize>>)>,
+    pub weights: Vec<Weight>,
+}
+
+fn error(path: &Path, what: impl std::fmt::Display) -> ImportError {
+    ImportError(format!("{}: {what}", path.display()))
+}
+
+impl Archive {
+    /// Reads the archive at `path` (Note [The pt2 archive]). Every op is checked against the ops memfit
+    /// runs ([`crate::SUPPORTED_OPS`]) before a weight is read.
+    pub fn open(path: &Path) -> Result<Archive> {
+        let file = std::fs::File::open(path).map_err(|e| error(path, format!("cannot open: {e}")))?;
+        let mut zip = zip::ZipArchive::new(file).map_err(|e| {
+            error(path, format!("not a torch.export archive (a .pt2 file is a zip, written by torch.export.save): {e}"))
+        })?;
+        let model_json = (0..zip.len())
+            .filter_map(|i| zip.name_for_index(i).map(str::to_string))
+            .find(|n| n.ends_with("/models/model.json") && n.matches('/').count() == 2)
+            .ok_or_else(|| {
+                error(path, "no <name>/models/model.json: not a torch.export archive (torch.export.save)")
+            })?;
+        let name = model_json.split('/').next().unwrap_or_default().to_string();
+        let model: Value = serde_json::from_slice(&read_entry(&mut zip, path, &model_json)?)
+            .map_err(|e| error(path, format!("{model_json} is not JSON: {e}")))?;
+        check_schema(path, &model)?;
+        let graph = &model["graph_module"]["graph"];
+        let nodes = parse_nodes(path, graph)?;
+        for node in &nodes {
+            if !crate::SUPPORTED_OPS.contains(&node.target.as_str()) {
+                return Err(error(
+                    path,
+                    format!(
+                        "the graph calls {}, which memfit does not import yet (it imports {})",
+                        node.target,
+                        crate::SUPPORTED_OPS.join(", ")
+                    ),
+                ));
+            }
+        }
+        let inputs = parse_inputs(path, &model["graph_module"]["signature"])?;
+        let outputs = parse_outputs(path, &model["graph_module"]["signature"])?;
+        let sizes = parse_sizes(graph);
+        let config_name = format!("{name}/data/weights/model_weights_config.json");
+        let wanted: Vec<&str> = inputs
+            .iter()
+            .filter_map(|i| match i {
+                GraphInput::Parameter { name, .. } | GraphInput::Buffer { name, .. } => Some(name.as_str()),
+                GraphInput::User { .. } => None,
+            })
+            .collect();
+        let weights = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            let config: Value = serde_json::from_slice(&read_entry(&mut zip, path, &config_name)?)
+                .map_err(|e| error(path, format!("{config_name} is not JSON: {e}")))?;
+            let mut weights = Vec::with_capacity(wanted.len());
+            for w in wanted {
+                weights.push(read_weight(&mut zip, path, &name, &config["config"], w)?);
+            }
+            weights
+        };
+        Ok(Archive { name, inputs, nodes, outputs, sizes, weights })
+    }
+}
+
+fn read_entry(zip: &mut zip::ZipArchive<std::fs::File>, path: &Path, entry: &str) -> Result<Vec<u8>> {
+    let mut file = zip.by_name(entry).map_err(|e| error(path, format!("no {entry} in the archive: {e}")))?;
+    let mut bytes = Vec::with_capacity(file.size() as usize);
+    file.read_to_end(&mut bytes).map_err(|e| error(path, format!("cannot read {entry}: {e}")))?;
+    Ok(bytes)
+}
+
+fn check_schema(path: &Path, model: &Value) -> Result<()> {
+    let version = &model["schema_version"];
+    let (major, minor) = (version["major"].as_u64(), version["minor"].as_u64());
+    match major {
+        Some(SCHEMA_MAJOR) => Ok(()),
+        Some(m) => Err(error(
+            path,
+            format!(
+                "torch.export schema version {m}.{} is not one memfit reads (it reads {SCHEMA_MAJOR}.x, written by \
+                 torch 2.11-2.15): export it with such a torch",
+                minor.unwrap_or(0)
+            ),
+        )),
+        None => Err(error(path, "models/model.json has no schema_version: not a torch.export program")),
+    }
+}
+
+fn value_name(v: &Value) -> Option<String> {
+    v["as_tensor"]["name"].as_str().map(str::to_string)
+}
+
+fn parse_arg(arg: &Value) -> Arg {
+    let Some((kind, v)) = arg.as_object().and_then(|o| o.iter().next()) else { return Arg::Other("empty".into()) };
+    match kind.as_str() {
+        "as_tensor" => v["name"].as_str().map_or(Arg::Other(kind.clone()), |n| Arg::Tensor(n.into())),
+        "as_int" => v.as_i64().map_or(Arg::Other(kind.clone()), Arg::Int),
+        "as_ints" => v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
+            .map_or(Arg::Other(kind.clone()), Arg::Ints),
+        "as_float" => match v {
+            Value::Number(n) => n.as_f64().map_or(Arg::Other(kind.clone()), Arg::Float),
+            // Infinities and NaN are strings in the schema's JSON.
+            Value::String(s) => s.parse::<f64>().map_or(Arg::Other(kind.clone()), Arg::Float),
+            _ => Arg::Other(kind.clone()),
+        },
+        "as_bool" => v.as_bool().map_or(Arg::Other(kind.clone()), Arg::Bool),
+        "as_none" => Arg::None,
+        _ => Arg::Other(kind.clone()),
+    }
+}
+
+fn parse_nodes(path: &Path, graph: &Value) -> Result<Vec<Node>> {
+    let nodes = graph["nodes"].as_array().ok_or_else(|| error(path, "the graph has no nodes list"))?;
+    nodes
+        .iter()
+        .map(|n| {
+            let target = n["target"].as_str().ok_or_else(|| error(path, "a graph node without a target"))?;
+            let args = n["inputs"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|i| (i["name"].as_str().unwrap_or_default().to_string(), parse_arg(&i["arg"])))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let outputs =
+                n["outputs"].as_array().map(|o| o.iter().filter_map(value_name).collect()).unwrap_or_default();
+            Ok(Node { target: target.to_string(), args, outputs })
+        })
+        .collect()
+}
+
+fn parse_inputs(path: &Path, signature: &Value) -> Result<Vec<GraphInput>> {
+    let specs = signature["input_specs"].as_array().ok_or_else(|| error(path, "the signature has no input_specs"))?;
+    specs
+        .iter()
+        .map(|spec| {
+            if let Some(p) = spec.get("parameter") {
+                let value = p["arg"]["name"].as_str().unwrap_or_default().to_string();
+                let name = p["parameter_name"].as_str().unwrap_or_default().to_string();
+                return Ok(GraphInput::Parameter { value, name });
+            }
+            if let Some(b) = spec.get("buffer") {
+                let value = b["arg"]["name"].as_str().unwrap_or_default().to_string();
+                let name = b["buffer_name"].as_str().unwrap_or_default().to_string();
+                return Ok(GraphInput::Buffer { value, name });
+            }
+            if let Some(u) = spec.get("user_input") {
+                let value = value_name(&u["arg"])
+                    .ok_or_else(|| error(path, "a user input that is not a tensor (memfit takes one tensor input)"))?;
+                return Ok(GraphInput::User { value });
+            }
+            let kind = spec.as_object().and_then(|o| o.keys().next().cloned()).unwrap_or_default();
+            Err(error(path, format!("an input of kind {kind:?}, which memfit does not import yet")))
+        })
+        .collect()
+}
+
+fn parse_outputs(path: &Path, signature: &Value) -> Result<Vec<String>> {
+    let specs = signature["output_specs"].as_array().ok_or_else(|| error(path, "the signature has no output_specs"))?;
+    specs
+        .iter()
+        .map(|spec| match spec.get("user_output") {
+            Some(u) => value_name(&u["arg"]).ok_or_else(|| error(path, "a user output that is not a tensor")),
+            None => {
+                let kind = spec.as_object().and_then(|o| o.keys().next().cloned()).unwrap_or_default();
+                Err(error(
+                    path,
+                    format!("an output of kind {kind:?} (a buffer mutation?), which memfit does not import yet"),
+                ))
+            }
+        })
+        .collect()
+}
+
+fn parse_sizes(graph: &Value) -> Vec<(String, Vec<Option<usize>>)> {
+    let Some(values) = graph["tensor_values"].as_object() else { return Vec::new() };
+    values
+        .iter()
+        .map(|(name, meta)| {
+            let sizes = meta["sizes"]
+                .as_array()
+                .map(|s| s.iter().map(|d| d["as_int"].as_u64().map(|v| v as usize)).collect())
+                .unwrap_or_default();
+            (name.clone(), sizes)
+        })
+        .collect()
+}
+
+fn read_weight(
+    zip: &mut zip::ZipArchive<std::fs::File>,
+    path: &Path,
+    folder: &str,
+    config: &Value,
+    name: &str,
+) -> Result<Weight> {
+    let entry = &config[name];
+    let file = entry["path_name"]
+        .as_str()
+        .ok_or_else(|| error(path, format!("the weights config has no entry for {name}")))?;
+    let meta = &entry["tensor_meta"];
+    let dtype = meta["dtype"].as_u64().unwrap_or(u64::MAX);
+    if dtype != FLOAT32 {
+        return Err(error(
+            path,
+            format!(
+                "{name} has dtype code {dtype}; memfit imports float32 weights (code {FLOAT32}): export in float32"
+            ),
+        ));
+    }
+    let dims = |key: &str| -> Option<Vec<usize>> {
+        meta[key].as_array()?.iter().map(|d| d["as_int"].as_u64().map(|v| v as usize)).collect()
+    };
+    let shape = dims("sizes").ok_or_else(|| error(path, format!("{name}: sizes are not plain integers")))?;
+    let strides = dims("strides").ok_or_else(|| error(path, format!("{name}: strides are not plain integers")))?;
+    let mut expected = 1;
+    for (i, &d) in shape.iter().enumerate().rev() {
+        if d > 1 && strides[i] != expected {
+            return Err(error(path, format!("{name} is not contiguous (strides {strides:?} for sizes {shape:?})")));
+        }
+        expected *= d;
+    }
+    let numel: usize = shape.iter().product();
+    let bytes = read_entry(zip, path, &format!("{folder}/data/weights/{file}"))?;
+    if bytes.len() != numel * 4 {
+        return Err(error(
+            path,
+            format!("{name}: {} bytes for {numel} float32 values of shape {shape:?}: a corrupt archive", bytes.len()),
+        ));
+    }
+    let values = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    Ok(Weight { name: name.to_string(), shape, values })
+}

@@ -1,0 +1,93 @@
+//! What is wrong with an archive is an error that names it, before anything runs: not a zip, not an
+//! export, a schema version memfit does not read, an op it does not import, a corrupt weight.
+
+use memfit_import::Archive;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memfit-import-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// A copy of `source` with each entry passed through `edit` (name, bytes) -> bytes, stored.
+fn rewrite(source: &Path, target: &Path, edit: impl Fn(&str, Vec<u8>) -> Vec<u8>) {
+    let mut zip = zip::ZipArchive::new(std::fs::File::open(source).unwrap()).unwrap();
+    let mut out = zip::ZipWriter::new(std::fs::File::create(target).unwrap());
+    let options = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for i in 0..zip.len() {
+        let mut entry = zip.by_index(i).unwrap();
+        let name = entry.name().to_string();
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut bytes).unwrap();
+        out.start_file(name.as_str(), options).unwrap();
+        out.write_all(&edit(&name, bytes)).unwrap();
+    }
+    out.finish().unwrap();
+}
+
+fn error_of(path: &Path) -> String {
+    match Archive::open(path) {
+        Ok(_) => panic!("{} opened", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_file_that_is_not_an_archive_is_named() {
+    let path = temp("not-a-zip.pt2");
+    std::fs::write(&path, b"hello").unwrap();
+    let e = error_of(&path);
+    assert!(e.contains("not-a-zip.pt2") && e.contains("not a torch.export archive"), "{e}");
+    let e = error_of(&temp("missing.pt2"));
+    assert!(e.contains("missing.pt2") && e.contains("cannot open"), "{e}");
+}
+
+#[test]
+fn an_unknown_schema_major_version_is_refused_by_name() {
+    let path = temp("schema9.pt2");
+    rewrite(&fixture("tiny_mlp.pt2"), &path, |name, bytes| {
+        if name.ends_with("models/model.json") {
+            String::from_utf8(bytes).unwrap().replace("\"major\": 8", "\"major\": 9").into_bytes()
+        } else {
+            bytes
+        }
+    });
+    let e = error_of(&path);
+    assert!(e.contains("schema version 9.") && e.contains("reads 8.x"), "{e}");
+}
+
+#[test]
+fn an_op_memfit_does_not_import_is_named_with_those_it_does() {
+    let path = temp("unknown-op.pt2");
+    rewrite(&fixture("tiny_mlp.pt2"), &path, |name, bytes| {
+        if name.ends_with("models/model.json") {
+            String::from_utf8(bytes)
+                .unwrap()
+                .replace("torch.ops.aten.relu.default", "torch.ops.aten.mish.default")
+                .into_bytes()
+        } else {
+            bytes
+        }
+    });
+    let e = error_of(&path);
+    assert!(e.contains("torch.ops.aten.mish.default") && e.contains("torch.ops.aten.linear.default"), "{e}");
+}
+
+#[test]
+fn a_truncated_weight_is_a_corrupt_archive() {
+    let path = temp("short-weight.pt2");
+    rewrite(&fixture("tiny_mlp.pt2"), &path, |name, mut bytes| {
+        if name.ends_with("data/weights/weight_1") {
+            bytes.truncate(bytes.len() - 4);
+        }
+        bytes
+    });
+    let e = error_of(&path);
+    assert!(e.contains("1.bias") && e.contains("corrupt"), "{e}");
+}

@@ -1,0 +1,96 @@
+//! Imported programs compute what PyTorch computes: each fixture (`tests/fixtures/*.pt2`, exported by
+//! `tests/fixtures/make.py` with PyTorch's own logits, loss and gradients for one batch) is read, run on
+//! `cpu` and differentiated by memfit's autograd, and compared with PyTorch; on `meta` it allocates
+//! exactly what it does on `cpu`.
+
+use memfit_import::{Archive, Program};
+use memfit_tensor::{autograd, ops, Category, DType, Device, Tensor};
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * scale, "{what}[{i}]: memfit {g}, PyTorch {w}");
+    }
+}
+
+/// Forward, loss and backward of `name`'s batch on `device`; the allocator's statistics then, and the
+/// logits, loss and gradients by name.
+fn run(name: &str, device: &Device) -> (memfit_tensor::MemoryStats, Vec<f64>, f64, Vec<(String, Vec<f64>)>) {
+    let golden: Value =
+        serde_json::from_slice(&std::fs::read(fixture(&format!("{name}.golden.json"))).unwrap()).unwrap();
+    let archive = Archive::open(&fixture(&format!("{name}.pt2"))).unwrap();
+    let program = Program::new(archive, device).unwrap();
+    let shape: Vec<usize> =
+        golden["input"]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+    let x: Vec<f32> = floats(&golden["input"]["values"]).iter().map(|&v| v as f32).collect();
+    let x = Tensor::from_slice(device, &x, &shape, Category::Input).unwrap();
+    let y: Vec<i64> = golden["targets"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    let y = Tensor::from_slice(device, &y, &[y.len()], Category::Input).unwrap();
+    let logits = program.forward(&x).unwrap();
+    let loss = ops::cross_entropy(&logits, &y, 0.0).unwrap();
+    autograd::backward(&loss).unwrap();
+    let stats = device.stats();
+    if !device.computes() {
+        return (stats, vec![], 0.0, vec![]);
+    }
+    let grads =
+        program.parameters().iter().map(|(n, p)| (n.clone(), p.grad().unwrap().to_f64_vec().unwrap())).collect();
+    (stats, logits.to_f64_vec().unwrap(), loss.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()[0], grads)
+}
+
+fn check(name: &str) {
+    let golden: Value =
+        serde_json::from_slice(&std::fs::read(fixture(&format!("{name}.golden.json"))).unwrap()).unwrap();
+    let cpu = Device::cpu();
+    let (cpu_stats, logits, loss, grads) = run(name, &cpu);
+    assert_close(&logits, &floats(&golden["logits"]), 1e-5, &format!("{name} logits"));
+    assert_close(&[loss], &[golden["loss"].as_f64().unwrap()], 1e-5, &format!("{name} loss"));
+    let want = golden["grads"].as_object().unwrap();
+    assert_eq!(grads.len(), want.len(), "{name}: one gradient per PyTorch parameter");
+    for (n, g) in &grads {
+        let w = want.get(n).unwrap_or_else(|| panic!("{name}: PyTorch has no parameter {n}"));
+        assert_close(g, &floats(w), 1e-4, &format!("{name} grad {n}"));
+    }
+    let (meta_stats, ..) = run(name, &Device::meta());
+    assert_eq!(meta_stats, cpu_stats, "{name}: meta allocates what cpu does");
+}
+
+#[test]
+fn a_tiny_cnn_computes_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_cnn");
+}
+
+#[test]
+fn a_tiny_mlp_computes_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_mlp");
+}
+
+#[test]
+fn parameters_keep_their_state_dict_names_and_shapes() {
+    let archive = Archive::open(&fixture("tiny_cnn.pt2")).unwrap();
+    let program = Program::new(archive, &Device::cpu()).unwrap();
+    let names: Vec<(&str, Vec<usize>)> =
+        program.parameters().iter().map(|(n, t)| (n.as_str(), t.shape().to_vec())).collect();
+    assert_eq!(
+        names,
+        [
+            ("conv1.weight", vec![4, 1, 3, 3]),
+            ("conv1.bias", vec![4]),
+            ("conv2.weight", vec![8, 4, 3, 3]),
+            ("conv2.bias", vec![8]),
+            ("fc.weight", vec![10, 392]),
+            ("fc.bias", vec![10]),
+        ]
+    );
+}
