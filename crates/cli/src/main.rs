@@ -95,9 +95,10 @@ fn default_batch(model: ModelKind) -> usize {
 /// What to run and where: the flags `train` and `profile` share.
 #[derive(Args)]
 struct RunArgs {
-    /// mlp, simplecnn, deepcnn, resnet (Fashion-MNIST) or gpt (characters of a text).
+    /// mlp, simplecnn, deepcnn, resnet (Fashion-MNIST) or gpt (characters of a text); or a PyTorch image
+    /// classifier exported by torch.export.save, by the path of its .pt2 file.
     #[arg(long, default_value = "simplecnn", value_parser = parse_model)]
-    model: ModelKind,
+    model: ModelArg,
     /// Image models: folder with the four Fashion-MNIST IDX files (default: /usr/share/datasets/fashion-mnist
     /// when installed, else the subset shipped inside memfit). gpt: a UTF-8 text file, gzip or not (default:
     /// Moby Dick, shipped inside memfit). `embedded` forces the shipped data.
@@ -174,12 +175,13 @@ impl RunArgs {
     /// The configuration these flags describe (one epoch, no outputs; callers add theirs).
     fn config(self) -> Result<TrainConfig, String> {
         Ok(TrainConfig {
-            model: self.model,
+            model: self.model.kind,
+            model_file: self.model.file.clone(),
             gpt: self.gpt.config()?,
             data: self.data,
-            batch_size: self.batch_size.map_or(default_batch(self.model), |b| b as usize),
+            batch_size: self.batch_size.map_or(default_batch(self.model.kind), |b| b as usize),
             micro_batch: self.micro_batch.map(|m| m as usize),
-            lr: self.lr.unwrap_or(default_lr(self.model)),
+            lr: self.lr.unwrap_or(default_lr(self.model.kind)),
             optimizer: self.optimizer,
             memory: self.memory,
             device: self.device,
@@ -263,9 +265,9 @@ struct ProfileArgs {
 
 #[derive(Args)]
 struct PlanArgs {
-    /// The model to plan: mlp, simplecnn, deepcnn, resnet or gpt.
+    /// The model to plan: mlp, simplecnn, deepcnn, resnet or gpt, or a .pt2 file (torch.export.save).
     #[arg(long, value_parser = parse_model)]
-    model: ModelKind,
+    model: ModelArg,
     /// Memory budget, e.g. 64MiB or 80GiB (at most 1024TiB) [default: unlimited: the plan then says what the
     /// whole batch needs].
     #[arg(long, allow_negative_numbers = true, value_parser = parse_capacity)]
@@ -391,8 +393,35 @@ fn checkpoint_or_default(given: Option<CheckpointChoice>, memory: Option<u64>) -
     given.unwrap_or(if memory.is_some() { CheckpointChoice::Auto } else { CheckpointChoice::None })
 }
 
-fn parse_model(s: &str) -> Result<ModelKind, String> {
-    ModelKind::parse(s)
+/// `--model`: a zoo model by name, or a user's model by the path of its `torch.export` archive.
+#[derive(Clone, Debug)]
+struct ModelArg {
+    kind: ModelKind,
+    /// The archive of an imported model.
+    file: Option<PathBuf>,
+}
+
+impl ModelArg {
+    /// As people name it: the zoo's name or the archive's path.
+    fn name(&self) -> String {
+        match &self.file {
+            Some(path) => path.display().to_string(),
+            None => self.kind.name().to_string(),
+        }
+    }
+}
+
+fn parse_model(s: &str) -> Result<ModelArg, String> {
+    if s.ends_with(".pt2") {
+        let path = PathBuf::from(s);
+        if !path.is_file() {
+            return Err(format!("{s}: no such file (a model exported by torch.export.save)"));
+        }
+        return Ok(ModelArg { kind: ModelKind::Imported, file: Some(path) });
+    }
+    ModelKind::parse(s).map(|kind| ModelArg { kind, file: None }).map_err(|e| {
+        format!("{e}\n(or the path of a PyTorch model exported by torch.export.save: a .pt2 file)")
+    })
 }
 
 /// Batch and micro-batch sizes: 1 to [`limits::MAX_BATCH`].
@@ -550,7 +579,7 @@ fn main() -> ExitCode {
 struct Progress {
     bar: Option<ProgressBar>,
     last_line: usize,
-    model: &'static str,
+    model: String,
     /// The first stopping signal received (0: none), set by [`stop_on_signals`].
     signal: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -583,7 +612,7 @@ impl Observer for Progress {
     }
 
     fn planned(&mut self, plan: &Plan) {
-        eprint!("{}", plan.describe(self.model));
+        eprint!("{}", plan.describe(&self.model));
     }
 
     fn staged(&mut self, plan: &memfit_train::stages::StagePlan, spec: &ModelSpec) {
@@ -670,7 +699,7 @@ fn train(a: TrainArgs, given: &dyn Fn(&str) -> bool) -> Result<(), Failure> {
     if let Some(dir) = &a.resume {
         let checkpoint = memfit_train::resume::Checkpoint::latest(dir).map_err(|e| e.to_string())?;
         checkpoint.configure(&mut cfg, given).map_err(|e| e.to_string())?;
-        eprintln!("resuming {} at step {} from {}", cfg.model.name(), checkpoint.step, dir.display());
+        eprintln!("resuming {} at step {} from {}", cfg.model_name(), checkpoint.step, dir.display());
     }
     // Flags are refused before anything else, with or without MPI.
     cfg.check().map_err(|e| Failure::from(e.to_string()))?;
@@ -776,7 +805,7 @@ fn run_with_progress(
         eprintln!("note: the meta device holds no data: --save and --load are skipped");
     }
     let signal = stop_on_signals()?;
-    let mut progress = Progress { bar, last_line: 0, model: cfg.model.name(), signal };
+    let mut progress = Progress { bar, last_line: 0, model: cfg.model_name(), signal };
     let result = memfit_train::job::train_ranks(cfg, &mut progress, group);
     if let Some(bar) = &progress.bar {
         bar.finish_and_clear();
@@ -786,19 +815,22 @@ fn run_with_progress(
 
 fn plan(a: PlanArgs) -> Result<(), String> {
     a.optimizer.check_state(a.optimizer_state)?;
-    let spec = if a.model == ModelKind::Gpt {
-        let config = a.gpt.config()?;
-        let corpus = memfit_train::task::load_text(a.data.as_deref()).map_err(|e| e.to_string())?;
-        ModelSpec::gpt(GptConfig { vocab: corpus.vocab.len(), ..config })
-    } else {
-        ModelSpec::image(a.model, a.input, 10)
+    let spec = match (&a.model.file, a.model.kind) {
+        // An imported model's input and classes are its signature's.
+        (Some(path), _) => ModelSpec::exported(path)?,
+        (None, ModelKind::Gpt) => {
+            let config = a.gpt.config()?;
+            let corpus = memfit_train::task::load_text(a.data.as_deref()).map_err(|e| e.to_string())?;
+            ModelSpec::gpt(GptConfig { vocab: corpus.vocab.len(), ..config })
+        }
+        (None, kind) => ModelSpec::image(kind, a.input, 10),
     };
-    let (spec_context, spec_vocab) = (spec.gpt.max_t, spec.gpt.vocab);
-    let lr = a.lr.unwrap_or(default_lr(a.model));
+    let (spec_context, spec_vocab, spec_input) = (spec.gpt.max_t, spec.gpt.vocab, spec.input);
+    let lr = a.lr.unwrap_or(default_lr(a.model.kind));
     let request = PlanRequest {
         model: spec,
         optimizer: a.optimizer.config(lr).with_state_format(a.optimizer_state),
-        effective_batch: a.batch_size.map_or(default_batch(a.model), |b| b as usize),
+        effective_batch: a.batch_size.map_or(default_batch(a.model.kind), |b| b as usize),
         capacity: a.memory,
         safety_margin: a.safety_margin,
         checkpoint: checkpoint_or_default(a.checkpoint.clone(), a.memory),
@@ -846,10 +878,10 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         let p = &plan.predicted;
         let json = serde_json::json!({
             "model": a.model.name(),
-            "input": if a.model == ModelKind::Gpt {
+            "input": if a.model.kind == ModelKind::Gpt {
                 serde_json::json!({"context": spec_context, "vocab": spec_vocab})
             } else {
-                serde_json::json!(a.input)
+                serde_json::json!(spec_input)
             },
             "optimizer": a.optimizer.name(),
             "lr": lr,
@@ -890,10 +922,10 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         });
         println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
     } else {
-        let input = if a.model == ModelKind::Gpt {
+        let input = if a.model.kind == ModelKind::Gpt {
             format!("context {spec_context}, vocabulary {spec_vocab}")
         } else {
-            format!("{}x{}x{}", a.input[0], a.input[1], a.input[2])
+            format!("{}x{}x{}", spec_input[0], spec_input[1], spec_input[2])
         };
         print!("{}", plan.describe(&format!("{} ({input})", a.model.name())));
         if let Some((_, text)) = devices {

@@ -24,7 +24,9 @@ use std::path::Path;
 pub const SCHEMA_MAJOR: u64 = 8;
 
 /// The schema's dtype code of float32 (`ScalarType.FLOAT`).
-const FLOAT32: u64 = 7;
+pub const FLOAT32: u64 = 7;
+/// The schema's dtype code of int64 (`ScalarType.LONG`).
+pub const INT64: u64 = 5;
 
 /// An op's argument, as the graph gives it.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,9 +37,19 @@ pub enum Arg {
     Ints(Vec<i64>),
     Float(f64),
     Bool(bool),
+    Str(String),
+    /// Sizes, each a number or a symbol a `sym_size` node defined.
+    SymInts(Vec<SymInt>),
     None,
     /// A kind this reader does not interpret (named, for the error if an op needs it).
     Other(String),
+}
+
+/// A size in a graph: a number, or a symbol (a dimension known when the graph runs: the batch).
+#[derive(Clone, Debug, PartialEq)]
+pub enum SymInt {
+    Int(i64),
+    Name(String),
 }
 
 /// One node of the graph: an op and its named arguments, and the values it defines.
@@ -67,12 +79,29 @@ pub enum GraphInput {
     User { value: String },
 }
 
-/// A weight of the archive: its `state_dict` name, shape and float32 values.
+/// A weight of the archive: its `state_dict` name, shape and values (float32 parameters and buffers;
+/// int64 buffers such as batch norm's `num_batches_tracked`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Weight {
     pub name: String,
     pub shape: Vec<usize>,
-    pub values: Vec<f32>,
+    pub values: WeightValues,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum WeightValues {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+impl Weight {
+    /// How many values it holds.
+    pub fn numel(&self) -> usize {
+        match &self.values {
+            WeightValues::F32(v) => v.len(),
+            WeightValues::I64(v) => v.len(),
+        }
+    }
 }
 
 /// An exported program: its graph, its inputs and outputs, and its weights.
@@ -84,9 +113,36 @@ pub struct Archive {
     pub nodes: Vec<Node>,
     /// The user's outputs, by value name.
     pub outputs: Vec<String>,
-    /// Each graph value's static sizes (None for a dynamic dimension, such as the batch).
-    pub sizes: Vec<(String, Vec<Option<usize>>)>,
+    /// Each graph value's dtype and sizes.
+    pub values: Vec<ValueMeta>,
     pub weights: Vec<Weight>,
+}
+
+/// A graph value's dtype (the schema's code: [`FLOAT32`], [`INT64`]) and sizes (None for a dynamic
+/// dimension, such as the batch).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValueMeta {
+    pub name: String,
+    pub dtype: u64,
+    pub sizes: Vec<Option<usize>>,
+}
+
+impl Archive {
+    /// The value named `name`'s dtype and sizes.
+    pub fn value(&self, name: &str) -> Option<&ValueMeta> {
+        self.values.iter().find(|v| v.name == name)
+    }
+
+    /// The user's inputs, by value name.
+    pub fn user_inputs(&self) -> Vec<&str> {
+        self.inputs
+            .iter()
+            .filter_map(|i| match i {
+                GraphInput::User { value } => Some(value.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
 }
 
 fn error(path: &Path, what: impl std::fmt::Display) -> ImportError {
@@ -127,7 +183,7 @@ impl Archive {
         }
         let inputs = parse_inputs(path, &model["graph_module"]["signature"])?;
         let outputs = parse_outputs(path, &model["graph_module"]["signature"])?;
-        let sizes = parse_sizes(graph);
+        let values = parse_values(graph);
         let config_name = format!("{name}/data/weights/model_weights_config.json");
         let wanted: Vec<&str> = inputs
             .iter()
@@ -147,7 +203,7 @@ impl Archive {
             }
             weights
         };
-        Ok(Archive { name, inputs, nodes, outputs, sizes, weights })
+        Ok(Archive { name, inputs, nodes, outputs, values, weights })
     }
 }
 
@@ -179,6 +235,11 @@ fn value_name(v: &Value) -> Option<String> {
     v["as_tensor"]["name"].as_str().map(str::to_string)
 }
 
+/// A node output's name: a tensor's, or a symbolic integer's.
+fn output_name(v: &Value) -> Option<String> {
+    value_name(v).or_else(|| v["as_sym_int"]["as_name"].as_str().map(str::to_string))
+}
+
 fn parse_arg(arg: &Value) -> Arg {
     let Some((kind, v)) = arg.as_object().and_then(|o| o.iter().next()) else { return Arg::Other("empty".into()) };
     match kind.as_str() {
@@ -195,6 +256,19 @@ fn parse_arg(arg: &Value) -> Arg {
             _ => Arg::Other(kind.clone()),
         },
         "as_bool" => v.as_bool().map_or(Arg::Other(kind.clone()), Arg::Bool),
+        "as_string" => v.as_str().map_or(Arg::Other(kind.clone()), |s| Arg::Str(s.to_string())),
+        "as_sym_ints" => v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| match (d["as_int"].as_i64(), d["as_name"].as_str()) {
+                        (Some(i), _) => Some(SymInt::Int(i)),
+                        (None, Some(n)) => Some(SymInt::Name(n.to_string())),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+            })
+            .map_or(Arg::Other(kind.clone()), Arg::SymInts),
         "as_none" => Arg::None,
         _ => Arg::Other(kind.clone()),
     }
@@ -215,7 +289,7 @@ fn parse_nodes(path: &Path, graph: &Value) -> Result<Vec<Node>> {
                 })
                 .unwrap_or_default();
             let outputs =
-                n["outputs"].as_array().map(|o| o.iter().filter_map(value_name).collect()).unwrap_or_default();
+                n["outputs"].as_array().map(|o| o.iter().filter_map(output_name).collect()).unwrap_or_default();
             Ok(Node { target: target.to_string(), args, outputs })
         })
         .collect()
@@ -264,7 +338,7 @@ fn parse_outputs(path: &Path, signature: &Value) -> Result<Vec<String>> {
         .collect()
 }
 
-fn parse_sizes(graph: &Value) -> Vec<(String, Vec<Option<usize>>)> {
+fn parse_values(graph: &Value) -> Vec<ValueMeta> {
     let Some(values) = graph["tensor_values"].as_object() else { return Vec::new() };
     values
         .iter()
@@ -273,7 +347,7 @@ fn parse_sizes(graph: &Value) -> Vec<(String, Vec<Option<usize>>)> {
                 .as_array()
                 .map(|s| s.iter().map(|d| d["as_int"].as_u64().map(|v| v as usize)).collect())
                 .unwrap_or_default();
-            (name.clone(), sizes)
+            ValueMeta { name: name.clone(), dtype: meta["dtype"].as_u64().unwrap_or(u64::MAX), sizes }
         })
         .collect()
 }
@@ -291,11 +365,14 @@ fn read_weight(
         .ok_or_else(|| error(path, format!("the weights config has no entry for {name}")))?;
     let meta = &entry["tensor_meta"];
     let dtype = meta["dtype"].as_u64().unwrap_or(u64::MAX);
-    if dtype != FLOAT32 {
+    let is_param = entry["is_param"].as_bool().unwrap_or(true);
+    let imported = dtype == FLOAT32 || (dtype == INT64 && !is_param);
+    if !imported {
         return Err(error(
             path,
             format!(
-                "{name} has dtype code {dtype}; memfit imports float32 weights (code {FLOAT32}): export in float32"
+                "{name} has dtype code {dtype}; memfit imports float32 weights (code {FLOAT32}) and int64 buffers \
+                 (code {INT64}): export in float32"
             ),
         ));
     }
@@ -313,12 +390,23 @@ fn read_weight(
     }
     let numel: usize = shape.iter().product();
     let bytes = read_entry(zip, path, &format!("{folder}/data/weights/{file}"))?;
-    if bytes.len() != numel * 4 {
+    let size = if dtype == INT64 { 8 } else { 4 };
+    if bytes.len() != numel * size {
         return Err(error(
             path,
-            format!("{name}: {} bytes for {numel} float32 values of shape {shape:?}: a corrupt archive", bytes.len()),
+            format!(
+                "{name}: {} bytes for {numel} values of {size} bytes, shape {shape:?}: a corrupt archive",
+                bytes.len()
+            ),
         ));
     }
-    let values = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let values = match dtype {
+        INT64 => WeightValues::I64(
+            bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
+        ),
+        _ => WeightValues::F32(
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect(),
+        ),
+    };
     Ok(Weight { name: name.to_string(), shape, values })
 }

@@ -15,7 +15,7 @@
 mod archive;
 mod program;
 
-pub use archive::{Archive, Arg, GraphInput, Node, Weight};
+pub use archive::{Archive, Arg, GraphInput, Node, ValueMeta, Weight, FLOAT32, INT64};
 pub use program::{Program, SUPPORTED_OPS};
 
 /// An archive that cannot be read or run, with what is wrong and where.

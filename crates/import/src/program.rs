@@ -1,27 +1,54 @@
 //! An archive's graph run on a memfit device: its weights as memfit tensors (parameters require
 //! grad, under their `state_dict` names), and a forward pass that calls, node by node, the memfit op
 //! of the ATen op's meaning. Arguments follow ATen's schemas, defaults included (`max_pool2d`'s stride
-//! is its kernel when empty).
+//! is its kernel when empty); an argument memfit does not honour (a `div` rounding mode, an `alpha`
+//! other than 1) is refused when the program is made, naming the node.
+//!
+//! Training and evaluation: the graph was exported in training mode; [`Program::forward`]'s `train`
+//! chooses, as PyTorch's `model.train()`/`model.eval()` would, whether batch norm normalizes by the
+//! batch's statistics and moves its running ones (and counts `num_batches_tracked`), or uses them. A
+//! device whose buffers are frozen (a checkpointed segment's re-run, a replayed micro-batch) moves
+//! nothing.
 
-use crate::archive::{Archive, Arg, GraphInput, Node};
+use crate::archive::{Archive, Arg, GraphInput, Node, SymInt, WeightValues};
 use crate::{ImportError, Result};
 use memfit_tensor::ops::{self, Conv2dParams, Pool2dParams};
 use memfit_tensor::{Category, Device, Error, Tensor};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The ATen ops memfit runs, as the graph names them.
 pub const SUPPORTED_OPS: &[&str] = &[
+    "torch.ops.aten.adaptive_avg_pool2d.default",
+    "torch.ops.aten.add.Tensor",
+    "torch.ops.aten.add_.Tensor",
+    "torch.ops.aten.avg_pool2d.default",
+    "torch.ops.aten.batch_norm.default",
     "torch.ops.aten.conv2d.default",
+    "torch.ops.aten.div.Tensor",
+    "torch.ops.aten.exp.default",
     "torch.ops.aten.flatten.using_ints",
+    "torch.ops.aten.gelu.default",
     "torch.ops.aten.linear.default",
+    "torch.ops.aten.log.default",
     "torch.ops.aten.max_pool2d.default",
+    "torch.ops.aten.mul.Tensor",
+    "torch.ops.aten.neg.default",
     "torch.ops.aten.relu.default",
     "torch.ops.aten.relu_.default",
+    "torch.ops.aten.reshape.default",
+    "torch.ops.aten.sigmoid.default",
+    "torch.ops.aten.silu.default",
+    "torch.ops.aten.silu_.default",
+    "torch.ops.aten.sub.Tensor",
+    "torch.ops.aten.sym_size.int",
+    "torch.ops.aten.tanh.default",
+    "torch.ops.aten.view.default",
 ];
 
 /// An exported program on a device.
 pub struct Program {
-    archive: Archive,
+    archive: Arc<Archive>,
     /// Graph value -> its tensor, for every parameter and buffer.
     weights: Vec<(String, Tensor)>,
     /// `state_dict` name -> its tensor, parameters only, in the signature's order.
@@ -34,15 +61,8 @@ pub struct Program {
 impl Program {
     /// The archive's weights on `device` (parameters requiring grad, category `parameter`; buffers
     /// `other`). One user input and one user output, as memfit's tasks need.
-    pub fn new(archive: Archive, device: &Device) -> Result<Program> {
-        let user: Vec<&str> = archive
-            .inputs
-            .iter()
-            .filter_map(|i| match i {
-                GraphInput::User { value } => Some(value.as_str()),
-                _ => None,
-            })
-            .collect();
+    pub fn new(archive: Arc<Archive>, device: &Device) -> Result<Program> {
+        let user = archive.user_inputs();
         let [input] = user[..] else {
             return Err(ImportError(format!(
                 "{}: the program takes {} inputs; memfit feeds one (a batch of images or of token ids)",
@@ -71,7 +91,10 @@ impl Program {
                 .find(|w| &w.name == name)
                 .ok_or_else(|| ImportError(format!("{}: no weight {name} in the archive", archive.name)))?;
             let category = if trainable { Category::Parameter } else { Category::Other };
-            let t = Tensor::from_slice(device, &w.values, &w.shape, category)?;
+            let t = match &w.values {
+                WeightValues::F32(v) => Tensor::from_slice(device, v, &w.shape, category)?,
+                WeightValues::I64(v) => Tensor::from_slice(device, v, &w.shape, category)?,
+            };
             let t = if trainable { t.set_requires_grad(true) } else { t };
             weights.push((value.clone(), t.clone()));
             if trainable {
@@ -88,8 +111,19 @@ impl Program {
     /// Each node's arguments, checked before anything runs: an argument memfit does not honour is an
     /// error naming the node, not a silently different model.
     fn check_arguments(&self) -> Result<()> {
+        let name = &self.archive.name;
         for node in &self.archive.nodes {
-            describe(node).map_err(|e| ImportError(format!("{}: {e}", self.archive.name)))?;
+            let op = describe(node).map_err(|e| ImportError(format!("{name}: {e}")))?;
+            if let Op::CountUp { buffer } = op {
+                let counter = self.weights.iter().find(|(v, _)| v == buffer).map(|(_, t)| t);
+                if !counter.is_some_and(|t| t.dtype() == memfit_tensor::DType::I64) {
+                    return Err(ImportError(format!(
+                        "{name}: {} adds into {buffer} in place; memfit honours that only for an int64 buffer \
+                         counting by 1 (batch norm's num_batches_tracked)",
+                        node.target
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -109,25 +143,53 @@ impl Program {
         &self.archive
     }
 
-    /// The program's output for `x`, recorded for autograd like any memfit ops. Errors are memfit's
-    /// own (an out-of-memory stays one, so a trainer can recover from it).
-    pub fn forward(&self, x: &Tensor) -> memfit_tensor::Result<Tensor> {
+    /// The program's output for `x`, in training mode or not (see the module's documentation),
+    /// recorded for autograd like any memfit ops. Errors are memfit's own (an out-of-memory stays
+    /// one, so a trainer can recover from it).
+    pub fn forward(&self, x: &Tensor, train: bool) -> memfit_tensor::Result<Tensor> {
         let mut values: HashMap<&str, Tensor> = self.weights.iter().map(|(v, t)| (v.as_str(), t.clone())).collect();
         values.insert(self.input.as_str(), x.clone());
+        let mode = Mode { train, update: train && !x.device().buffers_frozen() };
+        // Symbolic sizes (`sym_size`: the batch), by name, as this pass's inputs give them.
+        let mut symbols: HashMap<&str, i64> = HashMap::new();
         for node in &self.archive.nodes {
             let op = describe(node).map_err(Error::invalid)?;
-            let out = op.run(&|name: &str| {
-                values
-                    .get(name)
-                    .cloned()
-                    .ok_or_else(|| Error::invalid(format!("the graph uses {name} before it is made")))
-            })?;
             let [name] = &node.outputs[..] else {
                 return Err(Error::invalid(format!(
                     "{} defines {} values; memfit expects one",
                     node.target,
                     node.outputs.len()
                 )));
+            };
+            let get = |name: &str| {
+                values
+                    .get(name)
+                    .cloned()
+                    .ok_or_else(|| Error::invalid(format!("the graph uses {name} before it is made")))
+            };
+            let out = match op {
+                Op::SymSize { input, dim } => {
+                    let t = get(input)?;
+                    let d = if dim < 0 { dim + t.rank() as i64 } else { dim };
+                    let size = usize::try_from(d).ok().and_then(|d| t.shape().get(d).copied()).ok_or_else(|| {
+                        Error::shape(format!("sym_size of dimension {dim} of a {:?} tensor", t.shape()))
+                    })?;
+                    symbols.insert(name.as_str(), size as i64);
+                    continue;
+                }
+                Op::Reshape { input, sizes } => {
+                    let shape = sizes
+                        .iter()
+                        .map(|s| match s {
+                            SymInt::Int(v) => Ok(*v as isize),
+                            SymInt::Name(n) => symbols.get(n.as_str()).map(|&v| v as isize).ok_or_else(|| {
+                                Error::invalid(format!("the graph uses the size {n} before it is known"))
+                            }),
+                        })
+                        .collect::<memfit_tensor::Result<Vec<isize>>>()?;
+                    get(input)?.contiguous()?.reshape(&shape)?
+                }
+                op => op.run(mode, &get)?,
             };
             // An in-place op (`relu_`) changes its input for every later use: memfit computes a new
             // tensor and has the input's name stand for it from here on.
@@ -144,36 +206,186 @@ impl Program {
     }
 }
 
+/// How a forward pass runs: training (batch statistics) or evaluation (running ones), and whether the
+/// buffers move.
+#[derive(Clone, Copy)]
+struct Mode {
+    train: bool,
+    update: bool,
+}
+
+/// One operand of an element-wise op: a graph value or a number.
+#[derive(Clone, Copy)]
+enum Operand<'a> {
+    Value(&'a str),
+    Number(f64),
+}
+
+#[derive(Clone, Copy)]
+enum Elementwise {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+#[derive(Clone, Copy)]
+enum UnaryOp {
+    Relu,
+    Tanh,
+    Sigmoid,
+    Exp,
+    Log,
+    Neg,
+    Gelu,
+    GeluTanh,
+    Silu,
+}
+
 /// A node as the memfit op it runs, its arguments read.
 enum Op<'a> {
-    Linear { input: &'a str, weight: &'a str, bias: Option<&'a str> },
-    Conv2d { input: &'a str, weight: &'a str, bias: Option<&'a str>, params: Conv2dParams },
-    MaxPool2d { input: &'a str, params: Pool2dParams },
-    Relu { input: &'a str },
-    Flatten { input: &'a str, start: i64, end: i64 },
+    Linear {
+        input: &'a str,
+        weight: &'a str,
+        bias: Option<&'a str>,
+    },
+    Conv2d {
+        input: &'a str,
+        weight: &'a str,
+        bias: Option<&'a str>,
+        params: Conv2dParams,
+    },
+    MaxPool2d {
+        input: &'a str,
+        params: Pool2dParams,
+    },
+    AvgPool2d {
+        input: &'a str,
+        params: Pool2dParams,
+        count_include_pad: bool,
+    },
+    AdaptiveAvgPool2d {
+        input: &'a str,
+        size: [usize; 2],
+    },
+    BatchNorm {
+        input: &'a str,
+        weight: Option<&'a str>,
+        bias: Option<&'a str>,
+        stats: Option<[&'a str; 2]>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    },
+    /// `buffer += 1` on an int64 buffer (batch norm's `num_batches_tracked`), in training only.
+    CountUp {
+        buffer: &'a str,
+    },
+    Unary {
+        input: &'a str,
+        op: UnaryOp,
+    },
+    Binary {
+        a: &'a str,
+        b: Operand<'a>,
+        op: Elementwise,
+    },
+    Flatten {
+        input: &'a str,
+        start: i64,
+        end: i64,
+    },
+    /// `view`/`reshape` to sizes, numbers or symbols (run by [`Program::forward`], which knows them).
+    Reshape {
+        input: &'a str,
+        sizes: &'a [SymInt],
+    },
+    /// `sym_size`: a dimension of a tensor as a symbol, for the sizes of later views.
+    SymSize {
+        input: &'a str,
+        dim: i64,
+    },
 }
 
 impl Op<'_> {
-    fn run(&self, get: &dyn Fn(&str) -> memfit_tensor::Result<Tensor>) -> memfit_tensor::Result<Tensor> {
-        match *self {
-            Op::Linear { input, weight, bias } => {
-                let bias = bias.map(get).transpose()?;
-                ops::linear(&get(input)?, &get(weight)?, bias.as_ref())
-            }
+    fn run(&self, mode: Mode, get: &dyn Fn(&str) -> memfit_tensor::Result<Tensor>) -> memfit_tensor::Result<Tensor> {
+        let optional = |name: Option<&str>| name.map(get).transpose();
+        match self {
+            Op::Linear { input, weight, bias } => ops::linear(&get(input)?, &get(weight)?, optional(*bias)?.as_ref()),
             Op::Conv2d { input, weight, bias, params } => {
-                let bias = bias.map(get).transpose()?;
-                ops::conv2d(&get(input)?, &get(weight)?, bias.as_ref(), params)
+                ops::conv2d(&get(input)?, &get(weight)?, optional(*bias)?.as_ref(), *params)
             }
-            Op::MaxPool2d { input, params } => ops::max_pool2d(&get(input)?, params),
-            Op::Relu { input } => get(input)?.relu(),
+            Op::MaxPool2d { input, params } => ops::max_pool2d(&get(input)?, *params),
+            Op::AvgPool2d { input, params, count_include_pad } => {
+                ops::avg_pool2d(&get(input)?, *params, *count_include_pad)
+            }
+            Op::AdaptiveAvgPool2d { input, size } => ops::adaptive_avg_pool2d(&get(input)?, *size),
+            Op::BatchNorm { input, weight, bias, stats, training, momentum, eps } => {
+                let (weight, bias) = (optional(*weight)?, optional(*bias)?);
+                let stats = stats.map(|[m, v]| Ok::<_, Error>([get(m)?, get(v)?])).transpose()?;
+                // Batch statistics when training (the running ones move only when the buffers may);
+                // the running ones otherwise, as `model.eval()` does.
+                let batch = *training && mode.train;
+                let running = match (&stats, batch) {
+                    (Some(s), false) => Some(s),
+                    (Some(s), true) if mode.update => Some(s),
+                    _ => None,
+                };
+                if !batch && running.is_none() {
+                    return Err(Error::invalid(
+                        "batch_norm in evaluation needs running statistics (track_running_stats)",
+                    ));
+                }
+                let (m, v) = (running.map(|s| &s[0]), running.map(|s| &s[1]));
+                ops::batch_norm(&get(input)?, m, v, weight.as_ref(), bias.as_ref(), batch, *momentum, *eps)
+            }
+            Op::CountUp { buffer } => {
+                let counter = get(buffer)?;
+                if mode.update {
+                    counter.count_up()?;
+                }
+                Ok(counter)
+            }
+            Op::Unary { input, op } => {
+                let x = get(input)?;
+                match op {
+                    UnaryOp::Relu => x.relu(),
+                    UnaryOp::Tanh => x.tanh(),
+                    UnaryOp::Sigmoid => x.sigmoid(),
+                    UnaryOp::Exp => x.exp(),
+                    UnaryOp::Log => x.log(),
+                    UnaryOp::Neg => x.neg(),
+                    UnaryOp::Gelu => x.gelu(),
+                    UnaryOp::GeluTanh => x.gelu_tanh(),
+                    UnaryOp::Silu => x.mul(&x.sigmoid()?),
+                }
+            }
+            Op::Binary { a, b, op } => {
+                let a = get(a)?;
+                match (b, op) {
+                    (Operand::Value(b), op) => {
+                        let b = get(b)?;
+                        match op {
+                            Elementwise::Add => a.add(&b),
+                            Elementwise::Sub => a.sub(&b),
+                            Elementwise::Mul => a.mul(&b),
+                            Elementwise::Div => a.div(&b),
+                        }
+                    }
+                    (Operand::Number(c), Elementwise::Add) => a.affine(1.0, *c),
+                    (Operand::Number(c), Elementwise::Sub) => a.affine(1.0, -c),
+                    (Operand::Number(c), Elementwise::Mul) => a.mul_scalar(*c),
+                    (Operand::Number(c), Elementwise::Div) => a.mul_scalar(1.0 / c),
+                }
+            }
             Op::Flatten { input, start, end } => {
                 let x = get(input)?;
                 let rank = x.rank() as i64;
-                let dim = |d: i64| if d < 0 { d + rank } else { d };
-                let (start, end) = (dim(start), dim(end));
                 if rank == 0 {
                     return x.reshape(&[1]);
                 }
+                let dim = |d: i64| if d < 0 { d + rank } else { d };
+                let (start, end) = (dim(*start), dim(*end));
                 if !(0 <= start && start <= end && end < rank) {
                     return Err(Error::shape(format!("flatten({start}, {end}) of a rank-{rank} tensor")));
                 }
@@ -183,6 +395,7 @@ impl Op<'_> {
                 out.extend(shape[end as usize + 1..].iter().map(|&d| d as isize));
                 x.reshape(&out)
             }
+            Op::SymSize { .. } | Op::Reshape { .. } => Err(Error::invalid("internal: sizes are the pass's to resolve")),
         }
     }
 }
@@ -210,6 +423,14 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             other => Err(format!("{target}: argument {name} should be an integer, got {other:?}")),
         }
     };
+    let float = |name: &str, default: f64| -> std::result::Result<f64, String> {
+        match node.arg(name) {
+            None => Ok(default),
+            Some(Arg::Float(v)) => Ok(*v),
+            Some(Arg::Int(v)) => Ok(*v as f64),
+            other => Err(format!("{target}: argument {name} should be a number, got {other:?}")),
+        }
+    };
     let bool_arg = |name: &str, default: bool| -> std::result::Result<bool, String> {
         match node.arg(name) {
             None => Ok(default),
@@ -233,6 +454,28 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             _ => Err(format!("{target}: {name} {values:?} has more than two values")),
         }
     };
+    let positive_kernel = |kernel: [usize; 2]| -> std::result::Result<[usize; 2], String> {
+        match kernel.contains(&0) {
+            true => Err(format!("{target}: kernel_size {kernel:?} must be positive")),
+            false => Ok(kernel),
+        }
+    };
+    let unary = |op| Ok::<_, String>(Op::Unary { input: tensor("self")?, op });
+    let binary = |op| -> std::result::Result<Op<'_>, String> {
+        let b = match node.arg("other") {
+            Some(Arg::Tensor(t)) => Operand::Value(t.as_str()),
+            Some(Arg::Float(v)) => Operand::Number(*v),
+            Some(Arg::Int(v)) => Operand::Number(*v as f64),
+            other => return Err(format!("{target}: argument other should be a tensor or a number, got {other:?}")),
+        };
+        if float("alpha", 1.0)? != 1.0 {
+            return Err(format!("{target}: alpha other than 1 is not imported"));
+        }
+        if !matches!(node.arg("rounding_mode"), None | Some(Arg::None)) {
+            return Err(format!("{target}: a rounding mode is not imported"));
+        }
+        Ok(Op::Binary { a: tensor("self")?, b, op })
+    };
     let op = match target {
         "torch.ops.aten.linear.default" => {
             Op::Linear { input: tensor("input")?, weight: tensor("weight")?, bias: optional_tensor("bias")? }
@@ -248,10 +491,7 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             Op::Conv2d { input: tensor("input")?, weight: tensor("weight")?, bias: optional_tensor("bias")?, params }
         }
         "torch.ops.aten.max_pool2d.default" => {
-            let kernel = pair("kernel_size", [0, 0])?;
-            if kernel.contains(&0) {
-                return Err(format!("{target}: kernel_size {kernel:?} must be positive"));
-            }
+            let kernel = positive_kernel(pair("kernel_size", [0, 0])?)?;
             let params = Pool2dParams {
                 kernel,
                 stride: pair("stride", kernel)?,
@@ -261,10 +501,82 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             };
             Op::MaxPool2d { input: tensor("self")?, params }
         }
-        "torch.ops.aten.relu.default" | "torch.ops.aten.relu_.default" => Op::Relu { input: tensor("self")? },
+        "torch.ops.aten.avg_pool2d.default" => {
+            let kernel = positive_kernel(pair("kernel_size", [0, 0])?)?;
+            if !matches!(node.arg("divisor_override"), None | Some(Arg::None)) {
+                return Err(format!("{target}: divisor_override is not imported"));
+            }
+            let params = Pool2dParams {
+                kernel,
+                stride: pair("stride", kernel)?,
+                padding: pair("padding", [0, 0])?,
+                dilation: [1, 1],
+                ceil_mode: bool_arg("ceil_mode", false)?,
+            };
+            Op::AvgPool2d { input: tensor("self")?, params, count_include_pad: bool_arg("count_include_pad", true)? }
+        }
+        "torch.ops.aten.adaptive_avg_pool2d.default" => {
+            let size = pair("output_size", [0, 0])?;
+            if size.contains(&0) {
+                return Err(format!("{target}: output_size {size:?} must be positive"));
+            }
+            Op::AdaptiveAvgPool2d { input: tensor("self")?, size }
+        }
+        "torch.ops.aten.batch_norm.default" => {
+            let (mean, var) = (optional_tensor("running_mean")?, optional_tensor("running_var")?);
+            let stats = match (mean, var) {
+                (Some(m), Some(v)) => Some([m, v]),
+                (None, None) => None,
+                _ => return Err(format!("{target}: a running mean without a running variance, or the reverse")),
+            };
+            Op::BatchNorm {
+                input: tensor("input")?,
+                weight: optional_tensor("weight")?,
+                bias: optional_tensor("bias")?,
+                stats,
+                training: bool_arg("training", true)?,
+                momentum: float("momentum", 0.1)?,
+                eps: float("eps", 1e-5)?,
+            }
+        }
+        "torch.ops.aten.add_.Tensor" => {
+            if node.arg("other") != Some(&Arg::Int(1)) || float("alpha", 1.0)? != 1.0 {
+                return Err(format!(
+                    "{target}: an in-place add is imported only as a counter's `+= 1` (batch norm's \
+                     num_batches_tracked)"
+                ));
+            }
+            Op::CountUp { buffer: tensor("self")? }
+        }
+        "torch.ops.aten.add.Tensor" => binary(Elementwise::Add)?,
+        "torch.ops.aten.sub.Tensor" => binary(Elementwise::Sub)?,
+        "torch.ops.aten.mul.Tensor" => binary(Elementwise::Mul)?,
+        "torch.ops.aten.div.Tensor" => binary(Elementwise::Div)?,
+        "torch.ops.aten.relu.default" | "torch.ops.aten.relu_.default" => unary(UnaryOp::Relu)?,
+        "torch.ops.aten.tanh.default" => unary(UnaryOp::Tanh)?,
+        "torch.ops.aten.sigmoid.default" => unary(UnaryOp::Sigmoid)?,
+        "torch.ops.aten.exp.default" => unary(UnaryOp::Exp)?,
+        "torch.ops.aten.log.default" => unary(UnaryOp::Log)?,
+        "torch.ops.aten.neg.default" => unary(UnaryOp::Neg)?,
+        "torch.ops.aten.silu.default" | "torch.ops.aten.silu_.default" => unary(UnaryOp::Silu)?,
+        "torch.ops.aten.gelu.default" => match node.arg("approximate") {
+            None => unary(UnaryOp::Gelu)?,
+            Some(Arg::Str(a)) if a == "none" => unary(UnaryOp::Gelu)?,
+            Some(Arg::Str(a)) if a == "tanh" => unary(UnaryOp::GeluTanh)?,
+            other => return Err(format!("{target}: approximate {other:?} is not \"none\" or \"tanh\"")),
+        },
         "torch.ops.aten.flatten.using_ints" => {
             Op::Flatten { input: tensor("self")?, start: int("start_dim", 0)?, end: int("end_dim", -1)? }
         }
+        "torch.ops.aten.view.default" | "torch.ops.aten.reshape.default" => {
+            let key = if target.contains("view") { "size" } else { "shape" };
+            let sizes = match node.arg(key) {
+                Some(Arg::SymInts(v)) => v.as_slice(),
+                other => return Err(format!("{target}: argument {key} should be sizes, got {other:?}")),
+            };
+            Op::Reshape { input: tensor("self")?, sizes }
+        }
+        "torch.ops.aten.sym_size.int" => Op::SymSize { input: tensor("self")?, dim: int("dim", 0)? },
         other => return Err(format!("the graph calls {other}, which memfit does not import yet")),
     };
     Ok(op)

@@ -30,14 +30,14 @@ fn run(name: &str, device: &Device) -> (memfit_tensor::MemoryStats, Vec<f64>, f6
     let golden: Value =
         serde_json::from_slice(&std::fs::read(fixture(&format!("{name}.golden.json"))).unwrap()).unwrap();
     let archive = Archive::open(&fixture(&format!("{name}.pt2"))).unwrap();
-    let program = Program::new(archive, device).unwrap();
+    let program = Program::new(std::sync::Arc::new(archive), device).unwrap();
     let shape: Vec<usize> =
         golden["input"]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
     let x: Vec<f32> = floats(&golden["input"]["values"]).iter().map(|&v| v as f32).collect();
     let x = Tensor::from_slice(device, &x, &shape, Category::Input).unwrap();
     let y: Vec<i64> = golden["targets"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
     let y = Tensor::from_slice(device, &y, &[y.len()], Category::Input).unwrap();
-    let logits = program.forward(&x).unwrap();
+    let logits = program.forward(&x, true).unwrap();
     let loss = ops::cross_entropy(&logits, &y, 0.0).unwrap();
     autograd::backward(&loss).unwrap();
     let stats = device.stats();
@@ -76,10 +76,43 @@ fn a_tiny_mlp_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_mlp");
 }
 
+/// Batch norm, a residual add, pooling, GELU in both forms, SiLU, tanh, arithmetic with numbers and a
+/// view of the symbolic batch: logits, loss, gradients, the running statistics the step moved (and
+/// num_batches_tracked counted), and the model in evaluation on a second batch.
+#[test]
+fn a_tiny_resnet_computes_pytorch_s_numbers_moves_its_buffers_and_evaluates() {
+    check("tiny_resnet");
+    let golden: Value = serde_json::from_slice(&std::fs::read(fixture("tiny_resnet.golden.json")).unwrap()).unwrap();
+    let device = Device::cpu();
+    let archive = Archive::open(&fixture("tiny_resnet.pt2")).unwrap();
+    let program = Program::new(std::sync::Arc::new(archive), &device).unwrap();
+    let batch = |values: &Value| {
+        let v: Vec<f32> = floats(values).iter().map(|&v| v as f32).collect();
+        let n = v.len() / (28 * 28);
+        Tensor::from_slice(&device, &v, &[n, 1, 28, 28], Category::Input).unwrap()
+    };
+    program.forward(&batch(&golden["input"]["values"]), true).unwrap();
+    let want = golden["buffers"].as_object().unwrap();
+    assert_eq!(program.buffers().len(), want.len());
+    for (name, b) in program.buffers() {
+        assert_close(&b.to_f64_vec().unwrap(), &floats(&want[name]), 1e-5, &format!("buffer {name}"));
+    }
+    let eval = program.forward(&batch(&golden["eval_input"]), false).unwrap();
+    assert_close(&eval.to_f64_vec().unwrap(), &floats(&golden["eval_logits"]), 1e-5, "eval logits");
+    // Frozen buffers (a re-run) do not move.
+    let before: Vec<Vec<f64>> = program.buffers().iter().map(|(_, b)| b.to_f64_vec().unwrap()).collect();
+    {
+        let _replay = device.replay();
+        program.forward(&batch(&golden["input"]["values"]), true).unwrap();
+    }
+    let after: Vec<Vec<f64>> = program.buffers().iter().map(|(_, b)| b.to_f64_vec().unwrap()).collect();
+    assert_eq!(before, after, "a replay moves no buffer");
+}
+
 #[test]
 fn parameters_keep_their_state_dict_names_and_shapes() {
     let archive = Archive::open(&fixture("tiny_cnn.pt2")).unwrap();
-    let program = Program::new(archive, &Device::cpu()).unwrap();
+    let program = Program::new(std::sync::Arc::new(archive), &Device::cpu()).unwrap();
     let names: Vec<(&str, Vec<usize>)> =
         program.parameters().iter().map(|(n, t)| (n.as_str(), t.shape().to_vec())).collect();
     assert_eq!(

@@ -11,5 +11,5 @@ pub mod models;
 pub mod optim;
 
 pub use checkpointing::Checkpointing;
-pub use models::{build_model, build_stage, stage_units, GptConfig, Model, ModelInput, ModelKind, ModelSpec};
+pub use models::{build_model, build_stage, stage_units, Exported, GptConfig, Model, ModelInput, ModelKind, ModelSpec};
 pub use optim::{Optimizer, OptimizerConfig, StateFormat};

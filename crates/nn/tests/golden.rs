@@ -982,7 +982,7 @@ fn model_for(case: &Case, device: &Device) -> Res<Box<dyn Model>> {
                 layers: n("n_layers")?,
                 max_t: n("max_T")?,
             };
-            ModelSpec { kind: ModelKind::Gpt, input: [1, 1, gpt.max_t], num_classes: gpt.vocab, gpt }
+            ModelSpec { kind: ModelKind::Gpt, input: [1, 1, gpt.max_t], num_classes: gpt.vocab, gpt, exported: None }
         }
         other => return Err(unsupported(format!("model {other}"))),
     };

@@ -20,7 +20,7 @@ fn tiny_gpt() -> GptConfig {
 }
 
 fn gpt_spec(config: GptConfig) -> ModelSpec {
-    ModelSpec { kind: ModelKind::Gpt, input: [0, 0, 0], num_classes: 0, gpt: config }
+    ModelSpec { kind: ModelKind::Gpt, input: [0, 0, 0], num_classes: 0, gpt: config, exported: None }
 }
 
 fn shapes(named: &[(String, Tensor)]) -> Vec<(String, Vec<usize>)> {

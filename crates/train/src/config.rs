@@ -303,6 +303,8 @@ impl CheckpointChoice {
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
     pub model: ModelKind,
+    /// The `torch.export` archive of an imported model (`model` is then [`ModelKind::Imported`]).
+    pub model_file: Option<PathBuf>,
     /// The GPT's sizes (its vocabulary comes from the text; ignored by image models).
     pub gpt: GptConfig,
     /// Image models: folder with the four Fashion-MNIST IDX files; None = system package or embedded
@@ -469,6 +471,16 @@ impl TrainConfig {
     }
 }
 
+impl TrainConfig {
+    /// The model as people name it and as `--model` takes it back: a zoo name or an archive's path.
+    pub fn model_name(&self) -> String {
+        match &self.model_file {
+            Some(path) if self.model == ModelKind::Imported => path.display().to_string(),
+            _ => self.model.name().to_string(),
+        }
+    }
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
@@ -477,6 +489,7 @@ impl Default for TrainConfig {
             segments: Segments::Fixed,
             optimizer_state: memfit_nn::StateFormat::Fp32,
             model: ModelKind::SimpleCnn,
+            model_file: None,
             gpt: GptConfig::default(),
             data: None,
             epochs: None,

@@ -265,7 +265,7 @@ impl Report {
         let reserved = st.reserved_bytes.current;
         let eval = s.outcome.eval.as_ref();
         Report {
-            model: s.config.model.name().to_string(),
+            model: s.config.model_name(),
             task: match s.spec.input_kind() {
                 ModelInput::Image { .. } => "image_classification",
                 ModelInput::Tokens { .. } => "next_character",

@@ -80,7 +80,7 @@ fn fp32() -> String {
 impl RunSpec {
     pub fn of(cfg: &TrainConfig) -> RunSpec {
         RunSpec {
-            model: cfg.model.name().to_string(),
+            model: cfg.model_name(),
             layers: cfg.gpt.layers,
             d_model: cfg.gpt.d_model,
             heads: cfg.gpt.heads,
@@ -105,7 +105,15 @@ impl RunSpec {
     /// Sets these settings in `cfg`.
     fn apply_to(&self, cfg: &mut TrainConfig) -> Result<(), TrainError> {
         let corrupt = |m: String| TrainError::Checkpoint(format!("the checkpoint's settings are invalid: {m}"));
-        cfg.model = ModelKind::parse(&self.model).map_err(corrupt)?;
+        match ModelKind::parse(&self.model) {
+            Ok(kind) => cfg.model = kind,
+            // An imported model is saved as its archive's path.
+            Err(_) if self.model.ends_with(".pt2") => {
+                cfg.model = ModelKind::Imported;
+                cfg.model_file = Some(self.model.clone().into());
+            }
+            Err(e) => return Err(corrupt(e)),
+        }
         cfg.gpt.layers = self.layers;
         cfg.gpt.d_model = self.d_model;
         cfg.gpt.heads = self.heads;

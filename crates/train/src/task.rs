@@ -31,6 +31,13 @@ pub struct Task {
     pub data: TaskData,
 }
 
+/// The model `cfg.model_file` holds (an imported model's spec), its archive read and checked.
+pub fn imported_spec(cfg: &TrainConfig) -> Result<ModelSpec, TrainError> {
+    let path =
+        cfg.model_file.as_deref().ok_or_else(|| TrainError::Invalid("an imported model needs its .pt2 file".into()))?;
+    ModelSpec::exported(path).map_err(TrainError::Invalid)
+}
+
 impl Task {
     /// Loads the data `cfg.model` learns from and sizes the model for it (image shape, vocabulary).
     pub fn load(cfg: &TrainConfig) -> Result<Task, TrainError> {
@@ -46,6 +53,23 @@ impl Task {
             dir => memfit_data::load_fashion_mnist(dir)?,
         };
         let input = [1, images.train.images.rows, images.train.images.cols];
+        if cfg.model == ModelKind::Imported {
+            let spec = imported_spec(cfg)?;
+            if spec.input != input || spec.num_classes < memfit_data::NUM_CLASSES {
+                return Err(TrainError::Invalid(format!(
+                    "{} takes images of {:?} (C, H, W) into {} classes; the data are {:?} images of {} classes                      (Fashion-MNIST): export the model for 1x{}x{} inputs and at least {} outputs",
+                    spec.name(),
+                    spec.input,
+                    spec.num_classes,
+                    input,
+                    memfit_data::NUM_CLASSES,
+                    input[1],
+                    input[2],
+                    memfit_data::NUM_CLASSES
+                )));
+            }
+            return Ok(Task { spec, data: TaskData::Images(images) });
+        }
         Ok(Task { spec: ModelSpec::image(cfg.model, input, memfit_data::NUM_CLASSES), data: TaskData::Images(images) })
     }
 

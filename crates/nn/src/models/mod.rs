@@ -5,6 +5,7 @@
 
 pub mod cnn;
 pub mod gpt;
+pub mod imported;
 pub mod mlp;
 pub mod resnet;
 
@@ -48,6 +49,8 @@ pub enum ModelKind {
     DeepCnn,
     ResNet,
     Gpt,
+    /// A user's PyTorch model, exported by `torch.export` ([`ModelSpec::exported`]).
+    Imported,
 }
 
 impl ModelKind {
@@ -61,6 +64,7 @@ impl ModelKind {
             ModelKind::DeepCnn => "deepcnn",
             ModelKind::ResNet => "resnet",
             ModelKind::Gpt => "gpt",
+            ModelKind::Imported => "imported",
         }
     }
 
@@ -74,12 +78,50 @@ impl ModelKind {
 }
 
 /// What to build. `input` is (C, H, W) for image models; GPT fields are used by `Gpt` only.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct ModelSpec {
     pub kind: ModelKind,
     pub input: [usize; 3],
     pub num_classes: usize,
     pub gpt: GptConfig,
+    /// The program of an imported model (kind [`ModelKind::Imported`]).
+    pub exported: Option<Exported>,
+}
+
+/// As derived, but `exported` only when there is one: cost models are cached under this text, and
+/// the zoo's keys stay what they were before imported models existed.
+impl std::fmt::Debug for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("ModelSpec");
+        d.field("kind", &self.kind).field("input", &self.input).field("num_classes", &self.num_classes);
+        d.field("gpt", &self.gpt);
+        if let Some(e) = &self.exported {
+            d.field("exported", e);
+        }
+        d.finish()
+    }
+}
+
+/// A `torch.export` archive a model is built from: its path and what was read from it once.
+#[derive(Clone)]
+pub struct Exported {
+    pub path: std::path::PathBuf,
+    pub archive: std::sync::Arc<memfit_import::Archive>,
+}
+
+/// Two specs of the same file are the same model (a spec is compared, not its weights).
+impl PartialEq for Exported {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path
+    }
+}
+
+/// The path and the program's size: what a cost model cached for it depends on.
+impl std::fmt::Debug for Exported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let weights: usize = self.archive.weights.iter().map(|w| w.numel()).sum();
+        write!(f, "Exported({}, {} nodes, {weights} weights)", self.path.display(), self.archive.nodes.len())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,12 +151,30 @@ pub enum ModelInput {
 impl ModelSpec {
     /// Image model for inputs of shape (C, H, W).
     pub fn image(kind: ModelKind, input: [usize; 3], num_classes: usize) -> Self {
-        ModelSpec { kind, input, num_classes, gpt: GptConfig::default() }
+        ModelSpec { kind, input, num_classes, gpt: GptConfig::default(), exported: None }
     }
 
     /// The GPT of `config`.
     pub fn gpt(config: GptConfig) -> Self {
-        ModelSpec { kind: ModelKind::Gpt, input: [0; 3], num_classes: 0, gpt: config }
+        ModelSpec { kind: ModelKind::Gpt, input: [0; 3], num_classes: 0, gpt: config, exported: None }
+    }
+
+    /// The model a `torch.export` archive holds, read from `path` (its ops checked), with its task
+    /// from its signature: a float32 input [N, C, H, W] and an output [N, K] is image classification
+    /// over K classes. Anything else is an error that says what memfit trains.
+    pub fn exported(path: &std::path::Path) -> std::result::Result<ModelSpec, String> {
+        let archive = memfit_import::Archive::open(path).map_err(|e| e.to_string())?;
+        let (input, classes) = imported::image_task(&archive).map_err(|e| format!("{}: {e}", path.display()))?;
+        let exported = Exported { path: path.to_path_buf(), archive: std::sync::Arc::new(archive) };
+        Ok(ModelSpec { exported: Some(exported), ..ModelSpec::image(ModelKind::Imported, input, classes) })
+    }
+
+    /// The model as people name it: the zoo's name, or an imported model's file.
+    pub fn name(&self) -> String {
+        match &self.exported {
+            Some(e) => e.path.display().to_string(),
+            None => self.kind.name().to_string(),
+        }
     }
 
     pub fn input_kind(&self) -> ModelInput {
@@ -171,6 +231,12 @@ pub fn build_model(spec: &ModelSpec, device: &Device, seed: u64) -> Result<Box<d
         ModelKind::DeepCnn => Box::new(DeepCnn::new(&init, spec.input, spec.num_classes)?),
         ModelKind::ResNet => Box::new(ResNet::new(&init, spec.input, spec.num_classes, resnet::DEFAULT_BLOCKS)?),
         ModelKind::Gpt => Box::new(Gpt::new(&init, spec.gpt)?),
+        ModelKind::Imported => {
+            let exported = spec.exported.as_ref().ok_or_else(|| {
+                Error::invalid("an imported model needs its torch.export archive (ModelSpec::exported)")
+            })?;
+            Box::new(imported::Imported::new(exported.archive.clone(), device)?)
+        }
     })
 }
 

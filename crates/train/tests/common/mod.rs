@@ -111,3 +111,24 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
     assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved);
     assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated);
 }
+
+/// A plan request for `model` at `effective` samples a step under `capacity`, with the planner's
+/// defaults (AdamW, seed 5, no margin, nothing fixed) on the cpu target.
+pub fn plan_request(model: ModelSpec, effective: usize, capacity: Option<u64>) -> memfit_train::planner::PlanRequest {
+    memfit_train::planner::PlanRequest {
+        model,
+        optimizer: adamw(),
+        effective_batch: effective,
+        capacity,
+        safety_margin: 0.0,
+        seed: 5,
+        checkpoint: Default::default(),
+        costs: Default::default(),
+        micro_batch: None,
+        precision: Default::default(),
+        parallel: None,
+        target: memfit_tensor::Target::Cpu,
+        segments: Default::default(),
+        evaluate: true,
+    }
+}

@@ -1,0 +1,109 @@
+//! `--model PATH.pt2`: a user's PyTorch model (exported by `torch.export.save`) planned, trained under a
+//! budget with recovery, reported and saved under its `state_dict` names; a missing file or a model
+//! that does not fit the data is a clear error with exit 1.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn memfit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit")).args(args).output().expect("the memfit binary runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memfit-cli-import-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn fixture(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../import/tests/fixtures").join(name);
+    path.to_str().unwrap().to_string()
+}
+
+#[test]
+fn an_exported_model_plans_trains_under_a_budget_recovers_and_saves_its_state_dict() {
+    let model = fixture("tiny_cnn.pt2");
+    let out = memfit(&["plan", "--model", &model, "--memory", "2MiB", "--batch-size", "256"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("tiny_cnn.pt2 (1x28x28) with a budget of 2.00 MiB"), "{}", text(&out));
+    let (report, saved) = (temp("tiny.json"), temp("tiny.safetensors"));
+    let args = [
+        "train",
+        "--model",
+        &model,
+        "--data",
+        "embedded",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "256",
+        "--memory",
+        "2MiB",
+        "--inject-oom",
+        "60",
+        "--report",
+        report.to_str().unwrap(),
+        "--save",
+        saved.to_str().unwrap(),
+    ];
+    let out = memfit(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["model"], model.as_str());
+    assert!(r["num_injected_faults"].as_u64().unwrap() > 0);
+    assert_eq!(r["oom_recoveries"], r["num_ooms"], "every out-of-memory recovered");
+    assert_eq!(r["samples_seen"], 3 * 256, "no sample lost");
+    assert_eq!(r["peak_allocated_bytes"], r["predicted_peak_allocated_bytes"]);
+    assert_eq!(r["peak_reserved_bytes"], r["predicted_peak_reserved_bytes"]);
+    assert!(r["val_accuracy"].as_f64().unwrap() > 0.1);
+    let bytes = std::fs::read(&saved).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    for name in ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc.weight", "fc.bias"] {
+        assert!(header.get(name).is_some(), "{name} saved: {header}");
+    }
+}
+
+#[test]
+fn a_missing_archive_and_a_model_that_does_not_fit_the_data_are_clear_errors() {
+    let out = memfit(&["train", "--model", "/nonexistent/model.pt2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("/nonexistent/model.pt2: no such file"), "{}", text(&out));
+    // The tiny MLP flattens its input itself, so it takes 1x28x28 like the data; an archive whose
+    // signature is not image classification is refused by the nn crate's test of the signature.
+    let out = memfit(&["train", "--model", &fixture("tiny_mlp.pt2"), "--data", "embedded", "--max-steps", "1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let not_an_archive = temp("not-an-archive.pt2");
+    std::fs::write(&not_an_archive, "hello").unwrap();
+    let out = memfit(&["plan", "--model", not_an_archive.to_str().unwrap(), "--memory", "8MiB"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("not a torch.export archive"), "{}", text(&out));
+}
+
+/// An interrupted run of an exported model resumes exactly: the same saved bytes as the run that was
+/// not interrupted (the checkpoint names the archive; batch norm's buffers and Adam's state come back).
+#[test]
+fn an_exported_model_resumes_exactly_and_profiles() {
+    let model = fixture("tiny_resnet.pt2");
+    let (whole, resumed, dir) = (temp("whole.safetensors"), temp("resumed.safetensors"), temp("resume-dir"));
+    let common = ["--model", model.as_str(), "--data", "embedded", "--batch-size", "16"];
+    let out = memfit(&[&["train"][..], &common, &["--max-steps", "6", "--save", whole.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    let first =
+        [&["train"][..], &common, &["--max-steps", "3", "--save-every", "3", "--save-dir", dir.to_str().unwrap()]];
+    let out = memfit(&first.concat());
+    assert!(out.status.success(), "{}", text(&out));
+    let out =
+        memfit(&["train", "--resume", dir.to_str().unwrap(), "--max-steps", "6", "--save", resumed.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::read(&whole).unwrap(), std::fs::read(&resumed).unwrap(), "the same bytes");
+    let profile = temp("profile");
+    let out = memfit(&[&["profile"][..], &common, &["--max-steps", "2", "--out", profile.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(profile.join("memory.html").is_file());
+}
