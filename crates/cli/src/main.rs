@@ -419,9 +419,9 @@ fn parse_model(s: &str) -> Result<ModelArg, String> {
         }
         return Ok(ModelArg { kind: ModelKind::Imported, file: Some(path) });
     }
-    ModelKind::parse(s).map(|kind| ModelArg { kind, file: None }).map_err(|e| {
-        format!("{e}\n(or the path of a PyTorch model exported by torch.export.save: a .pt2 file)")
-    })
+    ModelKind::parse(s)
+        .map(|kind| ModelArg { kind, file: None })
+        .map_err(|e| format!("{e}\n(or the path of a PyTorch model exported by torch.export.save: a .pt2 file)"))
 }
 
 /// Batch and micro-batch sizes: 1 to [`limits::MAX_BATCH`].

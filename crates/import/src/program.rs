@@ -114,12 +114,19 @@ impl Program {
         let name = &self.archive.name;
         for node in &self.archive.nodes {
             let op = describe(node).map_err(|e| ImportError(format!("{name}: {e}")))?;
-            if let Op::CountUp { buffer } = op {
-                let counter = self.weights.iter().find(|(v, _)| v == buffer).map(|(_, t)| t);
-                if !counter.is_some_and(|t| t.dtype() == memfit_tensor::DType::I64) {
+            // An in-place add into a buffer is a counter's `+= 1` (batch norm's num_batches_tracked);
+            // into an activation (a residual's `out += identity`), an add.
+            if let Op::AddInPlace { a, b } = op {
+                let buffer = self.weights.iter().find(|(v, _)| v == a).map(|(_, t)| t);
+                let counter = buffer.is_some_and(|t| t.dtype() == memfit_tensor::DType::I64);
+                let fits = match b {
+                    Operand::Number(c) => counter && c == 1.0,
+                    Operand::Value(_) => buffer.is_none(),
+                };
+                if !fits {
                     return Err(ImportError(format!(
-                        "{name}: {} adds into {buffer} in place; memfit honours that only for an int64 buffer \
-                         counting by 1 (batch norm's num_batches_tracked)",
+                        "{name}: {} adds into {a} in place; memfit honours that for an activation, or for an int64 \
+                         buffer counting by 1 (batch norm's num_batches_tracked)",
                         node.target
                     )));
                 }
@@ -191,9 +198,9 @@ impl Program {
                 }
                 op => op.run(mode, &get)?,
             };
-            // An in-place op (`relu_`) changes its input for every later use: memfit computes a new
-            // tensor and has the input's name stand for it from here on.
-            if node.target.ends_with("_.default") {
+            // An in-place op (`relu_`, `add_`) changes its input for every later use: memfit computes a
+            // new tensor and has the input's name stand for it from here on.
+            if in_place(&node.target) {
                 if let Some(Arg::Tensor(input)) = node.arg("self") {
                     values.insert(input.as_str(), out.clone());
                 }
@@ -204,6 +211,11 @@ impl Program {
             .remove(self.output.as_str())
             .ok_or_else(|| Error::invalid(format!("the graph never makes its output {}", self.output)))
     }
+}
+
+/// Whether `target` (`torch.ops.aten.relu_.default`) writes over its `self`: ATen's trailing `_`.
+fn in_place(target: &str) -> bool {
+    target.rsplit('.').nth(1).is_some_and(|op| op.ends_with('_'))
 }
 
 /// How a forward pass runs: training (batch statistics) or evaluation (running ones), and whether the
@@ -277,9 +289,11 @@ enum Op<'a> {
         momentum: f64,
         eps: f64,
     },
-    /// `buffer += 1` on an int64 buffer (batch norm's `num_batches_tracked`), in training only.
-    CountUp {
-        buffer: &'a str,
+    /// `a += b`: on an int64 buffer by 1, a counter (batch norm's `num_batches_tracked`, counted in
+    /// training only); on an activation, an add.
+    AddInPlace {
+        a: &'a str,
+        b: Operand<'a>,
     },
     Unary {
         input: &'a str,
@@ -339,12 +353,17 @@ impl Op<'_> {
                 let (m, v) = (running.map(|s| &s[0]), running.map(|s| &s[1]));
                 ops::batch_norm(&get(input)?, m, v, weight.as_ref(), bias.as_ref(), batch, *momentum, *eps)
             }
-            Op::CountUp { buffer } => {
-                let counter = get(buffer)?;
-                if mode.update {
-                    counter.count_up()?;
+            Op::AddInPlace { a, b } => {
+                let a = get(a)?;
+                match b {
+                    Operand::Value(b) => a.add(&get(b)?),
+                    Operand::Number(_) => {
+                        if mode.update {
+                            a.count_up()?;
+                        }
+                        Ok(a)
+                    }
                 }
-                Ok(counter)
             }
             Op::Unary { input, op } => {
                 let x = get(input)?;
@@ -539,15 +558,10 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
                 eps: float("eps", 1e-5)?,
             }
         }
-        "torch.ops.aten.add_.Tensor" => {
-            if node.arg("other") != Some(&Arg::Int(1)) || float("alpha", 1.0)? != 1.0 {
-                return Err(format!(
-                    "{target}: an in-place add is imported only as a counter's `+= 1` (batch norm's \
-                     num_batches_tracked)"
-                ));
-            }
-            Op::CountUp { buffer: tensor("self")? }
-        }
+        "torch.ops.aten.add_.Tensor" => match binary(Elementwise::Add)? {
+            Op::Binary { a, b, .. } => Op::AddInPlace { a, b },
+            _ => unreachable!("binary makes a Binary"),
+        },
         "torch.ops.aten.add.Tensor" => binary(Elementwise::Add)?,
         "torch.ops.aten.sub.Tensor" => binary(Elementwise::Sub)?,
         "torch.ops.aten.mul.Tensor" => binary(Elementwise::Mul)?,
