@@ -826,6 +826,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         (None, kind) => ModelSpec::image(kind, a.input, 10),
     };
     let (spec_context, spec_vocab, spec_input) = (spec.gpt.max_t, spec.gpt.vocab, spec.input);
+    let tokens = matches!(spec.input_kind(), memfit_nn::ModelInput::Tokens { .. });
     let lr = a.lr.unwrap_or(default_lr(a.model.kind));
     let request = PlanRequest {
         model: spec,
@@ -878,7 +879,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         let p = &plan.predicted;
         let json = serde_json::json!({
             "model": a.model.name(),
-            "input": if a.model.kind == ModelKind::Gpt {
+            "input": if tokens {
                 serde_json::json!({"context": spec_context, "vocab": spec_vocab})
             } else {
                 serde_json::json!(spec_input)
@@ -922,7 +923,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         });
         println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
     } else {
-        let input = if a.model.kind == ModelKind::Gpt {
+        let input = if tokens {
             format!("context {spec_context}, vocabulary {spec_vocab}")
         } else {
             format!("{}x{}x{}", spec_input[0], spec_input[1], spec_input[2])
@@ -997,7 +998,7 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
                 ));
                 text.push_str(&format!(
                     "    mpirun -np {n} memfit train --model {}{} --parallel {} --batch-size {} --memory {}\n",
-                    request.model.kind.name(),
+                    request.model.name(),
                     gpt_flags(request),
                     d.mode.name(),
                     request.effective_batch,

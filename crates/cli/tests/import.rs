@@ -107,3 +107,40 @@ fn an_exported_model_resumes_exactly_and_profiles() {
     assert!(out.status.success(), "{}", text(&out));
     assert!(profile.join("memory.html").is_file());
 }
+
+/// A next-token model exported from PyTorch (the reference GPT: int64 tokens [N, T] in, [N, T, V]
+/// out) trains on the text like memfit's own GPT: planned under a budget, recovering from injected
+/// faults with no window lost, at the predicted peak.
+#[test]
+fn an_exported_gpt_trains_on_text_under_a_budget() {
+    let model = fixture("tiny_gpt.pt2");
+    let out = memfit(&["plan", "--model", &model, "--memory", "4MiB", "--batch-size", "64"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("tiny_gpt.pt2 (context 8, vocabulary 96) with a budget of 4.00 MiB"), "{}", text(&out));
+    let report = temp("gpt.json");
+    let args = [
+        "train",
+        "--model",
+        &model,
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "64",
+        "--memory",
+        "2MiB",
+        "--inject-oom",
+        "400",
+        "--report",
+        report.to_str().unwrap(),
+    ];
+    let out = memfit(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["task"], "next_character", "{r}");
+    assert!(r["gpt"].is_null(), "an imported model's sizes are its graph's: {r}");
+    assert!(r["num_injected_faults"].as_u64().unwrap() > 0);
+    assert_eq!(r["oom_recoveries"], r["num_ooms"]);
+    assert_eq!(r["samples_seen"], 3 * 64);
+    assert_eq!(r["peak_allocated_bytes"], r["predicted_peak_allocated_bytes"]);
+    assert!(r["val_loss"].as_f64().unwrap() < 4.6, "below uniform over 96 tokens: {}", r["val_loss"]);
+}

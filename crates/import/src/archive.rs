@@ -27,6 +27,8 @@ pub const SCHEMA_MAJOR: u64 = 8;
 pub const FLOAT32: u64 = 7;
 /// The schema's dtype code of int64 (`ScalarType.LONG`).
 pub const INT64: u64 = 5;
+/// The schema's dtype code of bool (`ScalarType.BOOL`).
+pub const BOOL: u64 = 12;
 
 /// An op's argument, as the graph gives it.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,6 +42,10 @@ pub enum Arg {
     Str(String),
     /// Sizes, each a number or a symbol a `sym_size` node defined.
     SymInts(Vec<SymInt>),
+    /// A symbolic integer by name (a `sym_size` node's, or arithmetic on one).
+    Sym(String),
+    /// A dtype, by the schema's code.
+    ScalarType(u64),
     None,
     /// A kind this reader does not interpret (named, for the error if an op needs it).
     Other(String),
@@ -92,6 +98,7 @@ pub struct Weight {
 pub enum WeightValues {
     F32(Vec<f32>),
     I64(Vec<i64>),
+    Bool(Vec<bool>),
 }
 
 impl Weight {
@@ -100,6 +107,7 @@ impl Weight {
         match &self.values {
             WeightValues::F32(v) => v.len(),
             WeightValues::I64(v) => v.len(),
+            WeightValues::Bool(v) => v.len(),
         }
     }
 }
@@ -146,7 +154,7 @@ impl Archive {
 }
 
 fn error(path: &Path, what: impl std::fmt::Display) -> ImportError {
-    ImportError(format!("{}: {what}", path.display()))
+    ImportError::Archive(format!("{}: {what}", path.display()))
 }
 
 impl Archive {
@@ -256,7 +264,13 @@ fn parse_arg(arg: &Value) -> Arg {
             _ => Arg::Other(kind.clone()),
         },
         "as_bool" => v.as_bool().map_or(Arg::Other(kind.clone()), Arg::Bool),
+        "as_scalar_type" => v.as_u64().map_or(Arg::Other(kind.clone()), Arg::ScalarType),
         "as_string" => v.as_str().map_or(Arg::Other(kind.clone()), |s| Arg::Str(s.to_string())),
+        "as_sym_int" => match (v["as_int"].as_i64(), v["as_name"].as_str()) {
+            (Some(i), _) => Arg::Int(i),
+            (None, Some(n)) => Arg::Sym(n.to_string()),
+            _ => Arg::Other(kind.clone()),
+        },
         "as_sym_ints" => v
             .as_array()
             .and_then(|a| {
@@ -366,13 +380,13 @@ fn read_weight(
     let meta = &entry["tensor_meta"];
     let dtype = meta["dtype"].as_u64().unwrap_or(u64::MAX);
     let is_param = entry["is_param"].as_bool().unwrap_or(true);
-    let imported = dtype == FLOAT32 || (dtype == INT64 && !is_param);
+    let imported = dtype == FLOAT32 || ((dtype == INT64 || dtype == BOOL) && !is_param);
     if !imported {
         return Err(error(
             path,
             format!(
-                "{name} has dtype code {dtype}; memfit imports float32 weights (code {FLOAT32}) and int64 buffers \
-                 (code {INT64}): export in float32"
+                "{name} has dtype code {dtype}; memfit imports float32 weights (code {FLOAT32}) and int64 or bool \
+                 buffers (codes {INT64}, {BOOL}): export in float32"
             ),
         ));
     }
@@ -390,7 +404,11 @@ fn read_weight(
     }
     let numel: usize = shape.iter().product();
     let bytes = read_entry(zip, path, &format!("{folder}/data/weights/{file}"))?;
-    let size = if dtype == INT64 { 8 } else { 4 };
+    let size = match dtype {
+        INT64 => 8,
+        BOOL => 1,
+        _ => 4,
+    };
     if bytes.len() != numel * size {
         return Err(error(
             path,
@@ -401,6 +419,7 @@ fn read_weight(
         ));
     }
     let values = match dtype {
+        BOOL => WeightValues::Bool(bytes.iter().map(|&b| b != 0).collect()),
         INT64 => WeightValues::I64(
             bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
         ),

@@ -18,13 +18,20 @@ mod program;
 pub use archive::{Archive, Arg, GraphInput, Node, ValueMeta, Weight, FLOAT32, INT64};
 pub use program::{Program, SUPPORTED_OPS};
 
-/// An archive that cannot be read or run, with what is wrong and where.
+/// An archive that cannot be read or run, with what is wrong and where; or the device's own error
+/// while its weights are made (an out-of-memory stays one, so a planner can weigh it).
 #[derive(Debug)]
-pub struct ImportError(pub String);
+pub enum ImportError {
+    Archive(String),
+    Tensor(memfit_tensor::Error),
+}
 
 impl std::fmt::Display for ImportError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            ImportError::Archive(m) => f.write_str(m),
+            ImportError::Tensor(e) => write!(f, "{e}"),
+        }
     }
 }
 
@@ -32,7 +39,16 @@ impl std::error::Error for ImportError {}
 
 impl From<memfit_tensor::Error> for ImportError {
     fn from(e: memfit_tensor::Error) -> Self {
-        ImportError(e.to_string())
+        ImportError::Tensor(e)
+    }
+}
+
+impl From<ImportError> for memfit_tensor::Error {
+    fn from(e: ImportError) -> Self {
+        match e {
+            ImportError::Tensor(e) => e,
+            ImportError::Archive(m) => memfit_tensor::Error::invalid(m),
+        }
     }
 }
 

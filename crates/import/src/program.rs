@@ -13,13 +13,30 @@
 use crate::archive::{Archive, Arg, GraphInput, Node, SymInt, WeightValues};
 use crate::{ImportError, Result};
 use memfit_tensor::ops::{self, Conv2dParams, Pool2dParams};
-use memfit_tensor::{Category, Device, Error, Tensor};
+use memfit_tensor::{Category, DType, Device, Error, Tensor};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The ATen ops memfit runs, as the graph names them.
 pub const SUPPORTED_OPS: &[&str] = &[
+    "_operator.add",
+    "_operator.floordiv",
+    "_operator.mul",
     "torch.ops.aten.adaptive_avg_pool2d.default",
+    "torch.ops.aten.alias.default",
+    "torch.ops.aten.arange.default",
+    "torch.ops.aten.contiguous.default",
+    "torch.ops.aten.embedding.default",
+    "torch.ops.aten.layer_norm.default",
+    "torch.ops.aten.masked_fill_.Scalar",
+    "torch.ops.aten.permute.default",
+    "torch.ops.aten.scaled_dot_product_attention.default",
+    "torch.ops.aten.select.int",
+    "torch.ops.aten.squeeze.dim",
+    "torch.ops.aten.transpose.int",
+    "torch.ops.aten.unflatten.int",
+    "torch.ops.aten.unsqueeze.default",
+    "torch.ops.aten.zeros_like.default",
     "torch.ops.aten.add.Tensor",
     "torch.ops.aten.add_.Tensor",
     "torch.ops.aten.avg_pool2d.default",
@@ -64,14 +81,14 @@ impl Program {
     pub fn new(archive: Arc<Archive>, device: &Device) -> Result<Program> {
         let user = archive.user_inputs();
         let [input] = user[..] else {
-            return Err(ImportError(format!(
+            return Err(ImportError::Archive(format!(
                 "{}: the program takes {} inputs; memfit feeds one (a batch of images or of token ids)",
                 archive.name,
                 user.len()
             )));
         };
         let [output] = &archive.outputs[..] else {
-            return Err(ImportError(format!(
+            return Err(ImportError::Archive(format!(
                 "{}: the program returns {} outputs; memfit trains on one (the logits)",
                 archive.name,
                 archive.outputs.len()
@@ -85,15 +102,15 @@ impl Program {
                 GraphInput::Buffer { value, name } => (value, name, false),
                 GraphInput::User { .. } => continue,
             };
-            let w = archive
-                .weights
-                .iter()
-                .find(|w| &w.name == name)
-                .ok_or_else(|| ImportError(format!("{}: no weight {name} in the archive", archive.name)))?;
+            let w =
+                archive.weights.iter().find(|w| &w.name == name).ok_or_else(|| {
+                    ImportError::Archive(format!("{}: no weight {name} in the archive", archive.name))
+                })?;
             let category = if trainable { Category::Parameter } else { Category::Other };
             let t = match &w.values {
                 WeightValues::F32(v) => Tensor::from_slice(device, v, &w.shape, category)?,
                 WeightValues::I64(v) => Tensor::from_slice(device, v, &w.shape, category)?,
+                WeightValues::Bool(v) => Tensor::from_slice(device, v, &w.shape, category)?,
             };
             let t = if trainable { t.set_requires_grad(true) } else { t };
             weights.push((value.clone(), t.clone()));
@@ -113,7 +130,7 @@ impl Program {
     fn check_arguments(&self) -> Result<()> {
         let name = &self.archive.name;
         for node in &self.archive.nodes {
-            let op = describe(node).map_err(|e| ImportError(format!("{name}: {e}")))?;
+            let op = describe(node).map_err(|e| ImportError::Archive(format!("{name}: {e}")))?;
             // An in-place add into a buffer is a counter's `+= 1` (batch norm's num_batches_tracked);
             // into an activation (a residual's `out += identity`), an add.
             if let Op::AddInPlace { a, b } = op {
@@ -124,7 +141,7 @@ impl Program {
                     Operand::Value(_) => buffer.is_none(),
                 };
                 if !fits {
-                    return Err(ImportError(format!(
+                    return Err(ImportError::Archive(format!(
                         "{name}: {} adds into {a} in place; memfit honours that for an activation, or for an int64 \
                          buffer counting by 1 (batch norm's num_batches_tracked)",
                         node.target
@@ -159,6 +176,9 @@ impl Program {
         let mode = Mode { train, update: train && !x.device().buffers_frozen() };
         // Symbolic sizes (`sym_size`: the batch), by name, as this pass's inputs give them.
         let mut symbols: HashMap<&str, i64> = HashMap::new();
+        // Additive attention masks built from a boolean one (`zeros_like` then `masked_fill_(-inf)`,
+        // as `nn.MultiheadAttention` does): kept as the boolean mask memfit's attention takes.
+        let mut masks: HashMap<&str, Mask> = HashMap::new();
         for node in &self.archive.nodes {
             let op = describe(node).map_err(Error::invalid)?;
             let [name] = &node.outputs[..] else {
@@ -196,6 +216,80 @@ impl Program {
                         .collect::<memfit_tensor::Result<Vec<isize>>>()?;
                     get(input)?.contiguous()?.reshape(&shape)?
                 }
+                Op::SymArith { a, b, op } => {
+                    let value = |o: &SymOperand| match o {
+                        SymOperand::Int(v) => Ok(*v),
+                        SymOperand::Name(n) => symbols
+                            .get(n.as_str())
+                            .copied()
+                            .ok_or_else(|| Error::invalid(format!("the graph uses the size {n} before it is known"))),
+                    };
+                    let (a, b) = (value(&a)?, value(&b)?);
+                    let v = match op {
+                        SymOp::Mul => a.checked_mul(b),
+                        SymOp::Add => a.checked_add(b),
+                        SymOp::FloorDiv => (b != 0).then(|| a.div_euclid(b)),
+                    };
+                    let v = v.ok_or_else(|| Error::invalid(format!("{}: size arithmetic overflows", node.target)))?;
+                    symbols.insert(name.as_str(), v);
+                    continue;
+                }
+                Op::ZerosLike { input, dtype } => {
+                    let t = get(input)?;
+                    if t.dtype() == DType::Bool && dtype == Some(crate::FLOAT32) {
+                        masks.insert(name.as_str(), Mask::ZerosOf(t));
+                        continue;
+                    }
+                    let dtype = match dtype {
+                        None => t.dtype(),
+                        Some(crate::FLOAT32) => DType::F32,
+                        Some(code) => return Err(Error::dtype(format!("zeros_like to dtype code {code}"))),
+                    };
+                    Tensor::zeros(t.device(), t.shape(), dtype, Category::Temporary)?
+                }
+                Op::MaskedFill { input, mask, value } => {
+                    let template = match masks.get(input) {
+                        Some(Mask::ZerosOf(t)) if value == f64::NEG_INFINITY && t.same(&get(mask)?) => t.clone(),
+                        _ => {
+                            return Err(Error::invalid(format!(
+                                "{}: masked_fill_ is imported only to turn a boolean attention mask into an \
+                                 additive one (zeros_like, then -inf where the mask is True)",
+                                node.target
+                            )))
+                        }
+                    };
+                    masks.insert(input, Mask::Hidden(template.clone()));
+                    masks.insert(name.as_str(), Mask::Hidden(template));
+                    continue;
+                }
+                Op::Unsqueeze { input, dim } if masks.contains_key(input) => {
+                    let Some(Mask::Hidden(m)) = masks.get(input) else {
+                        return Err(Error::invalid(format!("{}: an unfinished attention mask", node.target)));
+                    };
+                    let d = if dim < 0 { dim + m.rank() as i64 + 1 } else { dim };
+                    let m = m.unsqueeze(usize::try_from(d).map_err(|_| Error::shape(format!("unsqueeze({dim})")))?)?;
+                    masks.insert(name.as_str(), Mask::Hidden(m));
+                    continue;
+                }
+                Op::Attention { q, k, v, mask, causal } => {
+                    let hidden = match mask {
+                        None => None,
+                        Some(m) => match masks.get(m) {
+                            Some(Mask::Hidden(h)) => Some(h.clone()),
+                            _ => {
+                                return Err(Error::invalid(format!(
+                                    "{}: an attention mask that is not a boolean one made additive is not imported",
+                                    node.target
+                                )))
+                            }
+                        },
+                    };
+                    ops::scaled_dot_product_attention(&get(q)?, &get(k)?, &get(v)?, causal, hidden.as_ref())?
+                }
+                Op::Arange { start, end, step } => {
+                    let values: Vec<i64> = (start..end).step_by(step as usize).collect();
+                    Tensor::from_slice(x.device(), &values, &[values.len()], Category::Input)?
+                }
                 op => op.run(mode, &get)?,
             };
             // An in-place op (`relu_`, `add_`) changes its input for every later use: memfit computes a
@@ -211,6 +305,28 @@ impl Program {
             .remove(self.output.as_str())
             .ok_or_else(|| Error::invalid(format!("the graph never makes its output {}", self.output)))
     }
+}
+
+/// What a boolean attention mask becomes on its way to being additive.
+enum Mask {
+    /// `zeros_like(mask, float)`: not yet filled.
+    ZerosOf(Tensor),
+    /// -inf where the boolean mask is True: memfit's attention takes the boolean mask itself (True:
+    /// not allowed).
+    Hidden(Tensor),
+}
+
+#[derive(Clone, Debug)]
+enum SymOperand {
+    Int(i64),
+    Name(String),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum SymOp {
+    Mul,
+    Add,
+    FloorDiv,
 }
 
 /// Whether `target` (`torch.ops.aten.relu_.default`) writes over its `self`: ATen's trailing `_`.
@@ -314,6 +430,75 @@ enum Op<'a> {
         input: &'a str,
         sizes: &'a [SymInt],
     },
+    /// Arithmetic on symbolic sizes (`_operator.mul`: heads times the batch, for a view).
+    SymArith {
+        a: SymOperand,
+        b: SymOperand,
+        op: SymOp,
+    },
+    ZerosLike {
+        input: &'a str,
+        dtype: Option<u64>,
+    },
+    MaskedFill {
+        input: &'a str,
+        mask: &'a str,
+        value: f64,
+    },
+    Unsqueeze {
+        input: &'a str,
+        dim: i64,
+    },
+    Squeeze {
+        input: &'a str,
+        dim: i64,
+    },
+    Transpose {
+        input: &'a str,
+        dims: [i64; 2],
+    },
+    Permute {
+        input: &'a str,
+        dims: Vec<i64>,
+    },
+    Select {
+        input: &'a str,
+        dim: i64,
+        index: i64,
+    },
+    Unflatten {
+        input: &'a str,
+        dim: i64,
+        sizes: Vec<i64>,
+    },
+    /// `contiguous` and `alias`: the same values.
+    Same {
+        input: &'a str,
+        contiguous: bool,
+    },
+    Embedding {
+        weight: &'a str,
+        indices: &'a str,
+    },
+    Arange {
+        start: i64,
+        end: i64,
+        step: i64,
+    },
+    LayerNorm {
+        input: &'a str,
+        shape: Vec<usize>,
+        weight: Option<&'a str>,
+        bias: Option<&'a str>,
+        eps: f64,
+    },
+    Attention {
+        q: &'a str,
+        k: &'a str,
+        v: &'a str,
+        mask: Option<&'a str>,
+        causal: bool,
+    },
     /// `sym_size`: a dimension of a tensor as a symbol, for the sizes of later views.
     SymSize {
         input: &'a str,
@@ -414,7 +599,65 @@ impl Op<'_> {
                 out.extend(shape[end as usize + 1..].iter().map(|&d| d as isize));
                 x.reshape(&out)
             }
-            Op::SymSize { .. } | Op::Reshape { .. } => Err(Error::invalid("internal: sizes are the pass's to resolve")),
+            Op::Unsqueeze { input, dim } => {
+                let x = get(input)?;
+                let d = if *dim < 0 { dim + x.rank() as i64 + 1 } else { *dim };
+                x.unsqueeze(usize::try_from(d).map_err(|_| Error::shape(format!("unsqueeze({dim})")))?)
+            }
+            Op::Squeeze { input, dim } => {
+                let x = get(input)?;
+                // PyTorch's squeeze of a dimension that is not 1 changes nothing.
+                let d = if *dim < 0 { dim + x.rank() as i64 } else { *dim };
+                match usize::try_from(d).ok().and_then(|d| x.shape().get(d)) {
+                    Some(1) => x.squeeze(*dim as isize),
+                    _ => Ok(x),
+                }
+            }
+            Op::Transpose { input, dims } => get(input)?.transpose(dims[0] as isize, dims[1] as isize),
+            Op::Permute { input, dims } => {
+                let x = get(input)?;
+                let rank = x.rank() as i64;
+                let dims: Vec<usize> = dims.iter().map(|&d| if d < 0 { d + rank } else { d } as usize).collect();
+                x.permute(&dims)
+            }
+            Op::Select { input, dim, index } => {
+                let x = get(input)?;
+                let d = if *dim < 0 { dim + x.rank() as i64 } else { *dim };
+                let size = usize::try_from(d).ok().and_then(|d| x.shape().get(d).copied()).unwrap_or(0) as i64;
+                let i = if *index < 0 { index + size } else { *index };
+                if !(0..size).contains(&i) {
+                    return Err(Error::shape(format!("select({dim}, {index}) of a {:?} tensor", x.shape())));
+                }
+                x.narrow(d as isize, i as usize, 1)?.squeeze(d as isize)
+            }
+            Op::Unflatten { input, dim, sizes } => {
+                let x = get(input)?;
+                let rank = x.rank() as i64;
+                let d = if *dim < 0 { dim + rank } else { *dim } as usize;
+                let mut shape: Vec<isize> = x.shape()[..d].iter().map(|&s| s as isize).collect();
+                shape.extend(sizes.iter().map(|&s| s as isize));
+                shape.extend(x.shape()[d + 1..].iter().map(|&s| s as isize));
+                x.contiguous()?.reshape(&shape)
+            }
+            Op::Same { input, contiguous } => {
+                let x = get(input)?;
+                if *contiguous {
+                    x.contiguous()
+                } else {
+                    Ok(x)
+                }
+            }
+            Op::Embedding { weight, indices } => ops::embedding(&get(indices)?, &get(weight)?),
+            Op::LayerNorm { input, shape, weight, bias, eps } => {
+                ops::layer_norm(&get(input)?, shape, optional(*weight)?.as_ref(), optional(*bias)?.as_ref(), *eps)
+            }
+            Op::SymSize { .. }
+            | Op::Reshape { .. }
+            | Op::SymArith { .. }
+            | Op::ZerosLike { .. }
+            | Op::MaskedFill { .. }
+            | Op::Attention { .. }
+            | Op::Arange { .. } => Err(Error::invalid("internal: sizes are the pass's to resolve")),
         }
     }
 }
@@ -589,6 +832,90 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
                 other => return Err(format!("{target}: argument {key} should be sizes, got {other:?}")),
             };
             Op::Reshape { input: tensor("self")?, sizes }
+        }
+        "_operator.mul" | "_operator.add" | "_operator.floordiv" => {
+            let operand = |name: &str| match node.arg(name) {
+                Some(Arg::Int(v)) => Ok(SymOperand::Int(*v)),
+                Some(Arg::Sym(n)) => Ok(SymOperand::Name(n.clone())),
+                other => Err(format!("{target}: argument {name} should be a size, got {other:?}")),
+            };
+            let op = match target {
+                "_operator.mul" => SymOp::Mul,
+                "_operator.add" => SymOp::Add,
+                _ => SymOp::FloorDiv,
+            };
+            Op::SymArith { a: operand("a")?, b: operand("b")?, op }
+        }
+        "torch.ops.aten.zeros_like.default" => {
+            let dtype = match node.arg("dtype") {
+                None | Some(Arg::None) => None,
+                Some(Arg::ScalarType(code)) => Some(*code),
+                other => return Err(format!("{target}: dtype {other:?}")),
+            };
+            Op::ZerosLike { input: tensor("self")?, dtype }
+        }
+        "torch.ops.aten.masked_fill_.Scalar" => {
+            Op::MaskedFill { input: tensor("self")?, mask: tensor("mask")?, value: float("value", 0.0)? }
+        }
+        "torch.ops.aten.unsqueeze.default" => Op::Unsqueeze { input: tensor("self")?, dim: int("dim", 0)? },
+        "torch.ops.aten.squeeze.dim" => Op::Squeeze { input: tensor("self")?, dim: int("dim", 0)? },
+        "torch.ops.aten.transpose.int" => {
+            Op::Transpose { input: tensor("self")?, dims: [int("dim0", 0)?, int("dim1", 1)?] }
+        }
+        "torch.ops.aten.permute.default" => match node.arg("dims") {
+            Some(Arg::Ints(d)) => Op::Permute { input: tensor("self")?, dims: d.clone() },
+            other => return Err(format!("{target}: dims {other:?}")),
+        },
+        "torch.ops.aten.select.int" => {
+            Op::Select { input: tensor("self")?, dim: int("dim", 0)?, index: int("index", 0)? }
+        }
+        "torch.ops.aten.unflatten.int" => match node.arg("sizes") {
+            Some(Arg::Ints(sizes)) if sizes.iter().all(|&s| s > 0) => {
+                Op::Unflatten { input: tensor("self")?, dim: int("dim", 0)?, sizes: sizes.clone() }
+            }
+            other => return Err(format!("{target}: sizes {other:?} (each a positive number)")),
+        },
+        "torch.ops.aten.contiguous.default" => Op::Same { input: tensor("self")?, contiguous: true },
+        "torch.ops.aten.alias.default" => Op::Same { input: tensor("self")?, contiguous: false },
+        "torch.ops.aten.embedding.default" => {
+            if int("padding_idx", -1)? != -1 || bool_arg("scale_grad_by_freq", false)? || bool_arg("sparse", false)? {
+                return Err(format!("{target}: padding_idx, scale_grad_by_freq and sparse are not imported"));
+            }
+            Op::Embedding { weight: tensor("weight")?, indices: tensor("indices")? }
+        }
+        "torch.ops.aten.arange.default" => {
+            if !matches!(node.arg("dtype"), None | Some(Arg::None) | Some(Arg::ScalarType(crate::INT64))) {
+                return Err(format!("{target}: an arange of another dtype than int64 is not imported"));
+            }
+            Op::Arange { start: 0, end: int("end", 0)?, step: 1 }
+        }
+        "torch.ops.aten.layer_norm.default" => {
+            let shape = match node.arg("normalized_shape") {
+                Some(Arg::Ints(v)) if v.iter().all(|&d| d > 0) => v.iter().map(|&d| d as usize).collect(),
+                other => return Err(format!("{target}: normalized_shape {other:?}")),
+            };
+            Op::LayerNorm {
+                input: tensor("input")?,
+                shape,
+                weight: optional_tensor("weight")?,
+                bias: optional_tensor("bias")?,
+                eps: float("eps", 1e-5)?,
+            }
+        }
+        "torch.ops.aten.scaled_dot_product_attention.default" => {
+            if float("dropout_p", 0.0)? != 0.0 {
+                return Err(format!("{target}: attention dropout is not imported"));
+            }
+            if !matches!(node.arg("scale"), None | Some(Arg::None)) {
+                return Err(format!("{target}: a scale other than 1/sqrt(head size) is not imported"));
+            }
+            Op::Attention {
+                q: tensor("query")?,
+                k: tensor("key")?,
+                v: tensor("value")?,
+                mask: optional_tensor("attn_mask")?,
+                causal: bool_arg("is_causal", false)?,
+            }
         }
         "torch.ops.aten.sym_size.int" => Op::SymSize { input: tensor("self")?, dim: int("dim", 0)? },
         other => return Err(format!("the graph calls {other}, which memfit does not import yet")),

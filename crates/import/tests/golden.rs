@@ -127,3 +127,40 @@ fn parameters_keep_their_state_dict_names_and_shapes() {
         ]
     );
 }
+
+/// The reference GPT (`torch_models.py`: token and position embeddings, `nn.MultiheadAttention` with
+/// its boolean causal mask, layer norms, GELU): memfit runs its export's views, selects, transposes,
+/// symbolic sizes and the mask made additive, with PyTorch's logits, loss and gradients.
+#[test]
+fn a_tiny_gpt_computes_pytorch_s_logits_loss_and_gradients() {
+    let golden: Value = serde_json::from_slice(&std::fs::read(fixture("tiny_gpt.golden.json")).unwrap()).unwrap();
+    let mut stats = Vec::new();
+    for device in [Device::cpu(), Device::meta()] {
+        let archive = Archive::open(&fixture("tiny_gpt.pt2")).unwrap();
+        let program = Program::new(std::sync::Arc::new(archive), &device).unwrap();
+        let ints = |v: &Value| -> Vec<i64> { v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect() };
+        let shape: Vec<usize> =
+            golden["tokens"]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+        let x = Tensor::from_slice(&device, &ints(&golden["tokens"]["values"]), &shape, Category::Input).unwrap();
+        let y = ints(&golden["targets"]);
+        let y = Tensor::from_slice(&device, &y, &[y.len()], Category::Input).unwrap();
+        let logits = program.forward(&x, true).unwrap();
+        let vocab = logits.shape()[2];
+        let loss = ops::cross_entropy(&logits.reshape(&[-1, vocab as isize]).unwrap(), &y, 0.0).unwrap();
+        autograd::backward(&loss).unwrap();
+        stats.push(device.stats());
+        if !device.computes() {
+            continue;
+        }
+        assert_close(&logits.to_f64_vec().unwrap(), &floats(&golden["logits"]), 1e-5, "gpt logits");
+        let loss = loss.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()[0];
+        assert_close(&[loss], &[golden["loss"].as_f64().unwrap()], 1e-5, "gpt loss");
+        let want = golden["grads"].as_object().unwrap();
+        assert_eq!(program.parameters().len(), want.len());
+        for (n, p) in program.parameters() {
+            assert_close(&p.grad().unwrap().to_f64_vec().unwrap(), &floats(&want[n]), 1e-4, &format!("gpt grad {n}"));
+        }
+    }
+    // The host reads above came after the statistics were taken.
+    assert_eq!(stats[0], stats[1], "meta allocates what cpu does");
+}

@@ -183,7 +183,7 @@ fn train_in_pool(
         resumed.as_ref(),
         observer,
     );
-    let title = format!("{}, batch {} (micro {micro}) on {}", spec.kind.name(), cfg.batch_size, cfg.device.name());
+    let title = format!("{}, batch {} (micro {micro}) on {}", spec.name(), cfg.batch_size, cfg.device.name());
     let (outcome, profile_files) = with_profile(cfg, lead, &device, &request, result, title)?;
     if let Some(stop) = interrupt {
         return Err(stop.error(cfg));
@@ -684,7 +684,7 @@ fn advice_for_budget(request: &PlanRequest) -> String {
             "memfit could not recover although the least of this run needs only {} (peak reserved), which fits: \
              run `memfit plan --model {} --memory {} --batch-size {}` to see a configuration that fits.",
             format_bytes(needs),
-            request.model.kind.name(),
+            request.model.name(),
             planner::memory_flag(request.capacity.unwrap_or(needs)),
             request.effective_batch
         ),

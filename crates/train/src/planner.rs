@@ -629,7 +629,7 @@ pub(crate) fn problem(req: &PlanRequest, needs: u64, lightest: usize) -> String 
     };
     format!(
         "{} does not fit in {cap}{margin}: even {micro}{checkpointing} needs {} (peak reserved).",
-        req.model.kind.name(),
+        req.model.name(),
         format_bytes(needs)
     )
 }

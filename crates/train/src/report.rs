@@ -90,7 +90,7 @@ pub struct Report {
     pub model: String,
     /// `image_classification` or `next_character` (a GPT on text).
     pub task: String,
-    /// The GPT's sizes and vocabulary size (null for image models).
+    /// The GPT's sizes and vocabulary size (null for image models and imported ones).
     pub gpt: Option<GptReport>,
     pub device: String,
     /// The device with its name where it has one (a GPU's, with its architecture).
@@ -271,7 +271,8 @@ impl Report {
                 ModelInput::Tokens { .. } => "next_character",
             }
             .to_string(),
-            gpt: matches!(s.spec.input_kind(), ModelInput::Tokens { .. }).then(|| {
+            // memfit's own GPT's sizes (an imported model's are its graph's, not these).
+            gpt: (s.spec.kind == memfit_nn::ModelKind::Gpt).then(|| {
                 let g = s.spec.gpt;
                 GptReport { layers: g.layers, d_model: g.d_model, heads: g.heads, context: g.max_t, vocab: g.vocab }
             }),

@@ -130,14 +130,14 @@ pub fn plan_stages(
     let units = memfit_nn::stage_units(&req.model).ok_or_else(|| {
         TrainError::Invalid(format!(
             "--parallel pipeline: {} has no stages to cut; the gpt does (embeddings, blocks, head)",
-            req.model.kind.name()
+            req.model.name()
         ))
     })?;
     if n < 2 || n > units {
         return Err(TrainError::Invalid(format!(
             "--parallel pipeline: the {} has {units} units to cut (embeddings, {} blocks, head), so 2 to {units} ranks, \
              not {n}",
-            req.model.kind.name(),
+            req.model.name(),
             units - 2
         )));
     }
@@ -182,7 +182,7 @@ pub fn plan_stages(
         return Err(TrainError::Invalid(format!(
             "--parallel pipeline: no cut of {} into {n} stages fits {} per rank at micro-batch {first} (the most even cut \
              needs {} per stage): use more ranks or a larger --memory",
-            req.model.kind.name(),
+            req.model.name(),
             budget.map_or("unlimited".into(), memfit_tensor::memory::format_bytes),
             needs.join(" / ")
         )));

@@ -42,6 +42,24 @@ impl Task {
     /// Loads the data `cfg.model` learns from and sizes the model for it (image shape, vocabulary).
     pub fn load(cfg: &TrainConfig) -> Result<Task, TrainError> {
         let data = cfg.data.as_deref();
+        if cfg.model == ModelKind::Imported {
+            let spec = imported_spec(cfg)?;
+            if let memfit_nn::ModelInput::Tokens { vocab, context } = spec.input_kind() {
+                let corpus = load_text(data)?;
+                if corpus.vocab.len() > vocab {
+                    return Err(TrainError::Invalid(format!(
+                        "{} predicts {vocab} tokens; the text has {} characters ({}): export the model with a \
+                         vocabulary of at least {}",
+                        spec.name(),
+                        corpus.vocab.len(),
+                        corpus.summary(),
+                        corpus.vocab.len()
+                    )));
+                }
+                corpus.check_context(context)?;
+                return Ok(Task { spec, data: TaskData::Text { corpus, context } });
+            }
+        }
         if cfg.model == ModelKind::Gpt {
             let corpus = load_text(data)?;
             let gpt = GptConfig { vocab: corpus.vocab.len(), ..cfg.gpt };
@@ -57,7 +75,8 @@ impl Task {
             let spec = imported_spec(cfg)?;
             if spec.input != input || spec.num_classes < memfit_data::NUM_CLASSES {
                 return Err(TrainError::Invalid(format!(
-                    "{} takes images of {:?} (C, H, W) into {} classes; the data are {:?} images of {} classes                      (Fashion-MNIST): export the model for 1x{}x{} inputs and at least {} outputs",
+                    "{} takes images of {:?} (C, H, W) into {} classes; the data are {:?} images of {} classes \
+                     (Fashion-MNIST): export the model for 1x{}x{} inputs and at least {} outputs",
                     spec.name(),
                     spec.input,
                     spec.num_classes,

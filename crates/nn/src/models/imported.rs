@@ -1,18 +1,26 @@
 //! A user's PyTorch model, exported by `torch.export` and run by `memfit-import`: a [`Model`] whose
 //! parameters and buffers keep their `state_dict` names and whose forward pass is the exported graph's
-//! ops, each the memfit op of its meaning. Its task comes from its signature ([`image_task`]).
+//! ops, each the memfit op of its meaning. Its task comes from its signature ([`task_of`]).
 
 use super::{Model, ModelKind};
-use memfit_import::{Archive, Program, FLOAT32};
-use memfit_tensor::{Device, Error, Result, Tensor};
+use memfit_import::{Archive, Program, FLOAT32, INT64};
+use memfit_tensor::{Device, Result, Tensor};
 use std::sync::Arc;
 
-/// The image-classification task of `archive`'s signature: one float32 input [N, C, H, W] (N the
-/// exported batch dimension) and one output [N, K]; the input (C, H, W) and K classes.
-pub fn image_task(archive: &Archive) -> std::result::Result<([usize; 3], usize), String> {
-    let supported = "memfit trains an exported image classifier: one float32 input [N, C, H, W] and one \
-                     output [N, K] (export with torch.export.export(model.train(), (x,), \
-                     dynamic_shapes=({0: Dim(\"batch\")},)))";
+/// What an exported program learns, from its signature.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Task {
+    /// A float32 input [N, C, H, W] and an output [N, K]: image classification.
+    Image { input: [usize; 3], classes: usize },
+    /// An int64 input [N, T] and an output [N, T, V]: next-token prediction over a vocabulary of V.
+    Tokens { context: usize, vocab: usize },
+}
+
+/// The task of `archive`'s signature: one input and one output, N the exported batch dimension.
+pub fn task_of(archive: &Archive) -> std::result::Result<Task, String> {
+    let supported = "memfit trains an exported image classifier (one float32 input [N, C, H, W], one output \
+                     [N, K]) or next-token predictor (one int64 input [N, T], one output [N, T, V]); export \
+                     with torch.export.export(model.train(), (x,), dynamic_shapes=({0: Dim(\"batch\")},))";
     let inputs = archive.user_inputs();
     let [input] = inputs[..] else {
         return Err(format!("the program takes {} inputs; {supported}", inputs.len()));
@@ -22,15 +30,18 @@ pub fn image_task(archive: &Archive) -> std::result::Result<([usize; 3], usize),
     };
     let meta = |name: &str| archive.value(name).ok_or_else(|| format!("the graph does not describe {name}"));
     let (x, y) = (meta(input)?, meta(output)?);
-    let image = match x.sizes[..] {
-        [_, Some(c), Some(h), Some(w)] if x.dtype == FLOAT32 && c * h * w > 0 => [c, h, w],
-        _ => return Err(format!("its input {input} has dtype code {} and sizes {:?}; {supported}", x.dtype, x.sizes)),
-    };
-    let classes = match y.sizes[..] {
-        [_, Some(k)] if k > 0 => k,
-        _ => return Err(format!("its output {output} has sizes {:?}; {supported}", y.sizes)),
-    };
-    Ok((image, classes))
+    match (x.dtype, &x.sizes[..], &y.sizes[..]) {
+        (FLOAT32, [_, Some(c), Some(h), Some(w)], [_, Some(k)]) if c * h * w > 0 && *k > 0 => {
+            Ok(Task::Image { input: [*c, *h, *w], classes: *k })
+        }
+        (INT64, [_, Some(t)], [_, Some(t2), Some(v)]) if t == t2 && *t > 0 && *v > 0 => {
+            Ok(Task::Tokens { context: *t, vocab: *v })
+        }
+        _ => Err(format!(
+            "its input {input} has dtype code {} and sizes {:?}, its output {output} sizes {:?}; {supported}",
+            x.dtype, x.sizes, y.sizes
+        )),
+    }
 }
 
 /// An exported program as a trainable model.
@@ -41,7 +52,7 @@ pub struct Imported {
 impl Imported {
     /// The program's weights on `device`.
     pub fn new(archive: Arc<Archive>, device: &Device) -> Result<Self> {
-        let program = Program::new(archive, device).map_err(|e| Error::invalid(e.to_string()))?;
+        let program = Program::new(archive, device)?;
         Ok(Imported { program })
     }
 }
@@ -69,7 +80,7 @@ impl Model for Imported {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use memfit_import::{GraphInput, ValueMeta, INT64};
+    use memfit_import::{GraphInput, ValueMeta};
 
     fn archive(input: ValueMeta, output: ValueMeta) -> Archive {
         Archive {
@@ -87,22 +98,25 @@ mod tests {
     }
 
     #[test]
-    fn an_image_classifier_s_signature_gives_its_input_and_classes() {
+    fn a_signature_gives_an_image_classifier_or_a_next_token_predictor() {
         let a =
             archive(value("x", FLOAT32, &[None, Some(3), Some(32), Some(32)]), value("y", FLOAT32, &[None, Some(7)]));
-        assert_eq!(image_task(&a), Ok(([3, 32, 32], 7)));
+        assert_eq!(task_of(&a), Ok(Task::Image { input: [3, 32, 32], classes: 7 }));
+        let a = archive(value("x", INT64, &[None, Some(16)]), value("y", FLOAT32, &[None, Some(16), Some(50)]));
+        assert_eq!(task_of(&a), Ok(Task::Tokens { context: 16, vocab: 50 }));
     }
 
     #[test]
     fn another_signature_is_refused_with_what_memfit_trains() {
-        let tokens = archive(value("x", INT64, &[None, Some(16)]), value("y", FLOAT32, &[None, Some(16), Some(50)]));
-        let e = image_task(&tokens).unwrap_err();
-        assert!(e.contains("its input x") && e.contains("float32 input [N, C, H, W]"), "{e}");
+        let float_tokens =
+            archive(value("x", FLOAT32, &[None, Some(16)]), value("y", FLOAT32, &[None, Some(16), Some(50)]));
+        let e = task_of(&float_tokens).unwrap_err();
+        assert!(e.contains("its input x") && e.contains("int64 input [N, T]"), "{e}");
         let images_to_maps = archive(
             value("x", FLOAT32, &[None, Some(1), Some(8), Some(8)]),
             value("y", FLOAT32, &[None, Some(2), Some(8)]),
         );
-        let e = image_task(&images_to_maps).unwrap_err();
-        assert!(e.contains("its output y"), "{e}");
+        let e = task_of(&images_to_maps).unwrap_err();
+        assert!(e.contains("its output y") && e.contains("float32 input [N, C, H, W]"), "{e}");
     }
 }

@@ -107,6 +107,8 @@ impl std::fmt::Debug for ModelSpec {
 pub struct Exported {
     pub path: std::path::PathBuf,
     pub archive: std::sync::Arc<memfit_import::Archive>,
+    /// What it learns, from its signature.
+    pub task: imported::Task,
 }
 
 /// Two specs of the same file are the same model (a spec is compared, not its weights).
@@ -160,13 +162,25 @@ impl ModelSpec {
     }
 
     /// The model a `torch.export` archive holds, read from `path` (its ops checked), with its task
-    /// from its signature: a float32 input [N, C, H, W] and an output [N, K] is image classification
-    /// over K classes. Anything else is an error that says what memfit trains.
+    /// from its signature ([`imported::task_of`]): image classification over K classes, or next-token
+    /// prediction over a vocabulary of V in a context of T. Anything else is an error that says what
+    /// memfit trains.
     pub fn exported(path: &std::path::Path) -> std::result::Result<ModelSpec, String> {
         let archive = memfit_import::Archive::open(path).map_err(|e| e.to_string())?;
-        let (input, classes) = imported::image_task(&archive).map_err(|e| format!("{}: {e}", path.display()))?;
-        let exported = Exported { path: path.to_path_buf(), archive: std::sync::Arc::new(archive) };
-        Ok(ModelSpec { exported: Some(exported), ..ModelSpec::image(ModelKind::Imported, input, classes) })
+        let task = imported::task_of(&archive).map_err(|e| format!("{}: {e}", path.display()))?;
+        let exported = Some(Exported { path: path.to_path_buf(), archive: std::sync::Arc::new(archive), task });
+        Ok(match task {
+            imported::Task::Image { input, classes } => {
+                ModelSpec { exported, ..ModelSpec::image(ModelKind::Imported, input, classes) }
+            }
+            imported::Task::Tokens { context, vocab } => ModelSpec {
+                kind: ModelKind::Imported,
+                input: [0; 3],
+                num_classes: 0,
+                gpt: GptConfig { vocab, max_t: context, ..GptConfig::default() },
+                exported,
+            },
+        })
     }
 
     /// The model as people name it: the zoo's name, or an imported model's file.
@@ -178,6 +192,9 @@ impl ModelSpec {
     }
 
     pub fn input_kind(&self) -> ModelInput {
+        if let Some(Exported { task: imported::Task::Tokens { context, vocab }, .. }) = &self.exported {
+            return ModelInput::Tokens { vocab: *vocab, context: *context };
+        }
         match self.kind {
             ModelKind::Gpt => ModelInput::Tokens { vocab: self.gpt.vocab, context: self.gpt.max_t },
             _ => ModelInput::Image { shape: self.input, classes: self.num_classes },
