@@ -73,6 +73,13 @@ pub struct Program {
     buffers: Vec<(String, Tensor)>,
     input: String,
     output: String,
+    /// For each node, the values it reads for the last time: a pass lets go of them right after it,
+    /// as PyTorch's eager execution does, so a value lives as long as its uses (and what autograd
+    /// saved of it), not the whole forward pass.
+    last_reads: Vec<Vec<String>>,
+    /// Nodes whose output only a `linear` reads, as its input, and that memfit runs fused into it
+    /// (Note [Fused pairs]).
+    fused: Vec<bool>,
 }
 
 impl Program {
@@ -120,7 +127,9 @@ impl Program {
                 buffers.push((name.clone(), t));
             }
         }
-        let program = Program { archive, weights, parameters, buffers, input, output };
+        let last_reads = last_reads(&archive, &weights, &output);
+        let fused = fused_producers(&archive, &output);
+        let program = Program { archive, weights, parameters, buffers, input, output, last_reads, fused };
         program.check_arguments()?;
         Ok(program)
     }
@@ -179,7 +188,9 @@ impl Program {
         // Additive attention masks built from a boolean one (`zeros_like` then `masked_fill_(-inf)`,
         // as `nn.MultiheadAttention` does): kept as the boolean mask memfit's attention takes.
         let mut masks: HashMap<&str, Mask> = HashMap::new();
-        for node in &self.archive.nodes {
+        // Outputs of fused producers, computed by the linear that reads them (Note [Fused pairs]).
+        let mut pending: HashMap<&str, &Node> = HashMap::new();
+        for (i, node) in self.archive.nodes.iter().enumerate() {
             let op = describe(node).map_err(Error::invalid)?;
             let [name] = &node.outputs[..] else {
                 return Err(Error::invalid(format!(
@@ -194,7 +205,24 @@ impl Program {
                     .cloned()
                     .ok_or_else(|| Error::invalid(format!("the graph uses {name} before it is made")))
             };
+            if self.fused[i] {
+                pending.insert(name.as_str(), node);
+                continue;
+            }
             let out = match op {
+                Op::Linear { input, weight, bias } if pending.contains_key(input) => {
+                    let producer = pending.remove(input).expect("checked above");
+                    let bias = bias.map(get).transpose()?;
+                    match describe(producer).map_err(Error::invalid)? {
+                        Op::Unary { input: x, op: UnaryOp::Gelu } => {
+                            ops::gelu_linear(&get(x)?, &get(weight)?, bias.as_ref())?
+                        }
+                        Op::LayerNorm { input: x, weight: Some(w), bias: Some(b), eps, .. } => {
+                            ops::layer_norm_linear(&get(x)?, &get(w)?, &get(b)?, eps, &get(weight)?, bias.as_ref())?
+                        }
+                        _ => return Err(Error::invalid("internal: a fused producer of another kind")),
+                    }
+                }
                 Op::SymSize { input, dim } => {
                     let t = get(input)?;
                     let d = if dim < 0 { dim + t.rank() as i64 } else { dim };
@@ -300,11 +328,75 @@ impl Program {
                 }
             }
             values.insert(name.as_str(), out);
+            for done in &self.last_reads[i] {
+                values.remove(done.as_str());
+                masks.remove(done.as_str());
+            }
         }
         values
             .remove(self.output.as_str())
             .ok_or_else(|| Error::invalid(format!("the graph never makes its output {}", self.output)))
     }
+}
+
+// Note [Fused pairs]
+// memfit's own GPT saves less for backward than PyTorch's eager modules by fusing a layer norm into
+// the product after it and GELU into the product after it (`ops::layer_norm_linear`,
+// `ops::gelu_linear`: backward keeps the norm's or GELU's input, not its output too; the values are
+// the unfused ops'). An imported graph gets the same where it has the same pattern: a `layer_norm`
+// over the last dimension with a weight and a bias, or an exact `gelu`, whose output nothing but one
+// `linear` reads, as its input. The producer is then not run on its own; the linear runs the pair.
+
+/// For each node, whether it is a producer memfit fuses into the `linear` after it (Note [Fused pairs]).
+fn fused_producers(archive: &Archive, output: &str) -> Vec<bool> {
+    let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, node) in archive.nodes.iter().enumerate() {
+        for (_, arg) in &node.args {
+            if let Arg::Tensor(name) = arg {
+                readers.entry(name.as_str()).or_default().push(i);
+            }
+        }
+    }
+    archive
+        .nodes
+        .iter()
+        .map(|node| {
+            let fusable = match describe(node) {
+                Ok(Op::Unary { op: UnaryOp::Gelu, .. }) => true,
+                Ok(Op::LayerNorm { shape, weight: Some(_), bias: Some(_), .. }) => shape.len() == 1,
+                _ => false,
+            };
+            let [out] = &node.outputs[..] else { return false };
+            let only_reader = match readers.get(out.as_str()).map(Vec::as_slice) {
+                Some([j]) => Some(&archive.nodes[*j]),
+                _ => None,
+            };
+            fusable
+                && out != output
+                && only_reader.is_some_and(|r| {
+                    r.target == "torch.ops.aten.linear.default" && r.arg("input") == Some(&Arg::Tensor(out.clone()))
+                })
+        })
+        .collect()
+}
+
+/// For each node of `archive`, the values (not weights, not the output) it is the last to read.
+fn last_reads(archive: &Archive, weights: &[(String, Tensor)], output: &str) -> Vec<Vec<String>> {
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for (i, node) in archive.nodes.iter().enumerate() {
+        for (_, arg) in &node.args {
+            if let Arg::Tensor(name) = arg {
+                last.insert(name.as_str(), i);
+            }
+        }
+    }
+    let mut out = vec![Vec::new(); archive.nodes.len()];
+    for (name, i) in last {
+        if name != output && !weights.iter().any(|(v, _)| v == name) {
+            out[i].push(name.to_string());
+        }
+    }
+    out
 }
 
 /// What a boolean attention mask becomes on its way to being additive.
