@@ -43,6 +43,8 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.batch_norm.default",
     "torch.ops.aten.conv2d.default",
     "torch.ops.aten.div.Tensor",
+    "torch.ops.aten.dropout.default",
+    "torch.ops.aten.dropout_.default",
     "torch.ops.aten.exp.default",
     "torch.ops.aten.flatten.using_ints",
     "torch.ops.aten.gelu.default",
@@ -313,6 +315,10 @@ impl Program {
                         },
                     };
                     ops::scaled_dot_product_attention(&get(q)?, &get(k)?, &get(v)?, causal, hidden.as_ref())?
+                }
+                Op::Dropout { input, p, train } => {
+                    let seed = x.device().random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    ops::dropout(&get(input)?, p, train && mode.train, seed)?
                 }
                 Op::Arange { start, end, step } => {
                     let values: Vec<i64> = (start..end).step_by(step as usize).collect();
@@ -591,6 +597,13 @@ enum Op<'a> {
         mask: Option<&'a str>,
         causal: bool,
     },
+    /// Dropout with probability `p`, in training only; its mask drawn from the device's seed for the
+    /// pass and the node (run by [`Program::forward`], which knows the node).
+    Dropout {
+        input: &'a str,
+        p: f64,
+        train: bool,
+    },
     /// `sym_size`: a dimension of a tensor as a symbol, for the sizes of later views.
     SymSize {
         input: &'a str,
@@ -749,6 +762,7 @@ impl Op<'_> {
             | Op::ZerosLike { .. }
             | Op::MaskedFill { .. }
             | Op::Attention { .. }
+            | Op::Dropout { .. }
             | Op::Arange { .. } => Err(Error::invalid("internal: sizes are the pass's to resolve")),
         }
     }
@@ -1008,6 +1022,15 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
                 mask: optional_tensor("attn_mask")?,
                 causal: bool_arg("is_causal", false)?,
             }
+        }
+        "torch.ops.aten.dropout.default" | "torch.ops.aten.dropout_.default" => {
+            let p = float("p", 0.5)?;
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("{target}: p {p} is not a probability"));
+            }
+            // `dropout` names its tensor `input`, the in-place `dropout_` `self`.
+            let input = tensor("input").or_else(|_| tensor("self"))?;
+            Op::Dropout { input, p, train: bool_arg("train", true)? }
         }
         "torch.ops.aten.sym_size.int" => Op::SymSize { input: tensor("self")?, dim: int("dim", 0)? },
         other => return Err(format!("the graph calls {other}, which memfit does not import yet")),

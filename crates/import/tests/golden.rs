@@ -201,3 +201,25 @@ fn a_forward_pass_frees_each_value_after_its_last_reader() {
     assert!(peak * 2 < total, "peak {peak} of {total} allocated: values were held");
     drop(out);
 }
+
+/// Dropout (both forms) in training zeroes about p of the values and scales the rest by 1/(1-p), with
+/// masks drawn from the device's seed for the pass: the same seed, the same output; another seed,
+/// other masks. In evaluation it is the identity.
+#[test]
+fn dropout_follows_the_pass_s_seed_in_training_and_is_the_identity_in_evaluation() {
+    let device = Device::cpu();
+    let program =
+        Program::new(std::sync::Arc::new(Archive::open(&fixture("tiny_dropout.pt2")).unwrap()), &device).unwrap();
+    let values: Vec<f32> = (0..64 * 784).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+    let x = Tensor::from_slice(&device, &values, &[64, 1, 28, 28], Category::Input).unwrap();
+    let _no_grad = device.no_grad();
+    let run = |seed: u64, train: bool| {
+        device.set_random_seed(seed);
+        program.forward(&x, train).unwrap().to_f64_vec().unwrap()
+    };
+    let (a, again, other) = (run(7, true), run(7, true), run(8, true));
+    assert_eq!(a, again, "the same seed draws the same masks");
+    assert_ne!(a, other, "another seed draws others");
+    assert_eq!(run(7, false), run(8, false), "no dropout in evaluation");
+    assert_ne!(run(7, false), a);
+}

@@ -172,6 +172,8 @@ struct DeviceInner {
     recomputing: AtomicU64,
     /// Depth of micro-batches being replayed (see [`Device::replay`]).
     replaying: AtomicU64,
+    /// The seed of the random draws of the pass in progress (see [`Device::set_random_seed`]).
+    random_seed: AtomicU64,
     /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
     /// 0: none, 1: bf16, 2: f16 (read by every save, so an atomic rather than a lock).
     saved_dtype: std::sync::atomic::AtomicU8,
@@ -261,6 +263,7 @@ impl Device {
             grad_enabled: AtomicBool::new(true),
             recomputing: AtomicU64::new(0),
             replaying: AtomicU64::new(0),
+            random_seed: AtomicU64::new(0),
             saved_dtype: std::sync::atomic::AtomicU8::new(0),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
@@ -463,6 +466,18 @@ impl Device {
     pub fn recompute(&self) -> RecomputeGuard {
         self.0.recomputing.fetch_add(1, Ordering::Relaxed);
         RecomputeGuard { device: self.clone() }
+    }
+
+    /// Sets the seed a pass's random draws (dropout masks of an imported model) derive from: a trainer
+    /// sets it from the micro-batch's samples, so running the same samples again (a retry, a replay, a
+    /// checkpointed segment's re-run) draws the same masks, and meta and cpu draw alike.
+    pub fn set_random_seed(&self, seed: u64) {
+        self.0.random_seed.store(seed, Ordering::Relaxed);
+    }
+
+    /// The seed set by [`Device::set_random_seed`] (0 until set).
+    pub fn random_seed(&self) -> u64 {
+        self.0.random_seed.load(Ordering::Relaxed)
     }
 
     /// Marks a replay until the guard drops (nests): micro-batches run again exactly as the first time

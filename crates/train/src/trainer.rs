@@ -547,6 +547,13 @@ impl Session {
         as_complete: bool,
     ) -> Result<Weighing, TrainError> {
         let device = &self.device;
+        // The micro-batch's random draws (an imported model's dropout) follow its samples, so the same
+        // samples run again (a retry, a replay) draw the same masks.
+        device.set_random_seed(
+            chunk
+                .iter()
+                .fold(0x9E37_79B9_7F4A_7C15u64, |h, &id| (h ^ id as u64).wrapping_mul(0x100_0000_01B3).rotate_left(29)),
+        );
         let (x, y) = {
             let _p = device.enter_phase(Phase::Data);
             samples.to_device(device, chunk)?

@@ -72,3 +72,25 @@ fn a_fault_at_every_allocation_of_an_exported_model_loses_no_sample() {
         assert!(buffers(&session) == buffers(&clean_session), "fault at request {k}: the clean buffers");
     }
 }
+
+/// With dropout, masks follow the micro-batch's samples: a fault at every allocation (retries at the
+/// same size, replays of a window's micro-batches) ends with the clean run's parameters, bit for bit.
+#[test]
+fn dropout_masks_follow_the_samples_so_recovery_is_exact() {
+    let spec = exported("tiny_dropout.pt2");
+    let samples = data(&spec, 2 * 8);
+    let o = opts(8, 4, 2);
+    let clean_device = device(DeviceKind::Cpu, None, None);
+    let setup = {
+        drop(Session::new(clean_device.clone(), &spec, adamw(), 3).unwrap());
+        clean_device.stats().allocation.allocated
+    };
+    let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, adamw(), &samples, &o);
+    let requests = clean_session.device.stats().allocation.allocated - setup;
+    for k in 1..=requests {
+        let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(setup + k)));
+        let (out, params, _) = run(dev, &spec, adamw(), &samples, &o);
+        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "fault at request {k}: same samples");
+        assert!(params == clean_params, "fault at request {k}: the clean parameters, bit for bit");
+    }
+}
