@@ -257,7 +257,7 @@ fn pipeline_makes_the_single_process_update_also_through_faults() {
 #[test]
 fn a_gpt_no_rank_can_hold_trains_with_the_pipeline_and_peaks_as_planned() {
     let dir = scratch("pipeline-fit");
-    let gpt = ["--model", "gpt", "--batch-size", "16", "--memory", "48MiB"];
+    let gpt = ["--model", "gpt", "--batch-size", "16", "--memory", "40MiB"];
     let plan = ok(&memfit_alone(&dir, &with(&["plan", "--json", "--devices", "2"], &gpt)));
     let plan: serde_json::Value = serde_json::from_str(&plan).unwrap();
     assert_eq!(plan["fits_one_device"], false, "{plan}");
@@ -292,7 +292,7 @@ fn a_gpt_no_rank_can_hold_trains_with_the_pipeline_and_peaks_as_planned() {
         let (m, p) = (&measured["parallel"]["per_rank"][rank], &pipeline["per_rank"][rank]);
         assert_eq!(m["peak_allocated_bytes"], p["predicted_peak_allocated_bytes"], "rank {rank}");
         assert_eq!(m["peak_reserved_bytes"], p["predicted_peak_reserved_bytes"], "rank {rank}");
-        assert!(m["peak_reserved_bytes"].as_u64().unwrap() <= 48 << 20);
+        assert!(m["peak_reserved_bytes"].as_u64().unwrap() <= 40 << 20);
         assert_eq!(m["stage"]["units"], pipeline["stages"][rank]);
     }
 }
