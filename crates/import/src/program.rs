@@ -41,6 +41,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.add_.Tensor",
     "torch.ops.aten.avg_pool2d.default",
     "torch.ops.aten.batch_norm.default",
+    "torch.ops.aten.bmm.default",
     "torch.ops.aten.conv2d.default",
     "torch.ops.aten.div.Tensor",
     "torch.ops.aten.dropout.default",
@@ -50,7 +51,10 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.gelu.default",
     "torch.ops.aten.linear.default",
     "torch.ops.aten.log.default",
+    "torch.ops.aten.log_softmax.int",
+    "torch.ops.aten.matmul.default",
     "torch.ops.aten.max_pool2d.default",
+    "torch.ops.aten.mean.dim",
     "torch.ops.aten.mul.Tensor",
     "torch.ops.aten.neg.default",
     "torch.ops.aten.relu.default",
@@ -59,7 +63,9 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.sigmoid.default",
     "torch.ops.aten.silu.default",
     "torch.ops.aten.silu_.default",
+    "torch.ops.aten.softmax.int",
     "torch.ops.aten.sub.Tensor",
+    "torch.ops.aten.sum.dim_IntList",
     "torch.ops.aten.sym_size.int",
     "torch.ops.aten.tanh.default",
     "torch.ops.aten.view.default",
@@ -597,6 +603,24 @@ enum Op<'a> {
         mask: Option<&'a str>,
         causal: bool,
     },
+    /// `softmax` or `log_softmax` over `dim`.
+    Softmax {
+        input: &'a str,
+        dim: i64,
+        log: bool,
+    },
+    /// The mean or sum over `dims` (all of them when empty).
+    Reduce {
+        input: &'a str,
+        dims: Vec<i64>,
+        keepdim: bool,
+        mean: bool,
+    },
+    /// `matmul`/`bmm` of operands of rank 2 or more (batch dims broadcast).
+    Matmul {
+        a: &'a str,
+        b: &'a str,
+    },
     /// Dropout with probability `p`, in training only; its mask drawn from the device's seed for the
     /// pass and the node (run by [`Program::forward`], which knows the node).
     Dropout {
@@ -752,6 +776,32 @@ impl Op<'_> {
                     Ok(x)
                 }
             }
+            Op::Softmax { input, dim, log } => {
+                let x = get(input)?;
+                match log {
+                    true => ops::log_softmax(&x, *dim as isize),
+                    false => ops::softmax(&x, *dim as isize),
+                }
+            }
+            Op::Reduce { input, dims, keepdim, mean } => {
+                let mut x = get(input)?;
+                let rank = x.rank() as i64;
+                let mut dims: Vec<i64> = match dims.is_empty() {
+                    true => (0..rank).collect(),
+                    false => dims.iter().map(|&d| if d < 0 { d + rank } else { d }).collect(),
+                };
+                // Highest first, so that the lower ones keep their places without keepdim.
+                dims.sort_unstable_by(|a, b| b.cmp(a));
+                dims.dedup();
+                for d in dims {
+                    x = match mean {
+                        true => x.mean_dim(d as isize, *keepdim)?,
+                        false => x.sum_dim(d as isize, *keepdim)?,
+                    };
+                }
+                Ok(x)
+            }
+            Op::Matmul { a, b } => get(a)?.matmul(&get(b)?),
             Op::Embedding { weight, indices } => ops::embedding(&get(indices)?, &get(weight)?),
             Op::LayerNorm { input, shape, weight, bias, eps } => {
                 ops::layer_norm(&get(input)?, shape, optional(*weight)?.as_ref(), optional(*bias)?.as_ref(), *eps)
@@ -1023,6 +1073,31 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
                 causal: bool_arg("is_causal", false)?,
             }
         }
+        "torch.ops.aten.softmax.int" | "torch.ops.aten.log_softmax.int" => {
+            if !matches!(node.arg("dtype"), None | Some(Arg::None)) {
+                return Err(format!("{target}: a dtype is not imported"));
+            }
+            Op::Softmax { input: tensor("self")?, dim: int("dim", -1)?, log: target.contains("log_softmax") }
+        }
+        "torch.ops.aten.mean.dim" | "torch.ops.aten.sum.dim_IntList" => {
+            if !matches!(node.arg("dtype"), None | Some(Arg::None)) {
+                return Err(format!("{target}: a dtype is not imported"));
+            }
+            let dims = match node.arg("dim") {
+                Some(Arg::Ints(d)) => d.clone(),
+                Some(Arg::Int(d)) => vec![*d],
+                None | Some(Arg::None) => Vec::new(),
+                other => return Err(format!("{target}: dim {other:?}")),
+            };
+            Op::Reduce {
+                input: tensor("self")?,
+                dims,
+                keepdim: bool_arg("keepdim", false)?,
+                mean: target.contains("mean"),
+            }
+        }
+        "torch.ops.aten.matmul.default" => Op::Matmul { a: tensor("self")?, b: tensor("other")? },
+        "torch.ops.aten.bmm.default" => Op::Matmul { a: tensor("self")?, b: tensor("mat2")? },
         "torch.ops.aten.dropout.default" | "torch.ops.aten.dropout_.default" => {
             let p = float("p", 0.5)?;
             if !(0.0..=1.0).contains(&p) {

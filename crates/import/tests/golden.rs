@@ -71,6 +71,12 @@ fn a_tiny_cnn_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_cnn");
 }
 
+/// Attention pooling: matmul, bmm, softmax, mean and sum over a dimension, log_softmax.
+#[test]
+fn attention_pooling_computes_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_attention_pool");
+}
+
 #[test]
 fn a_tiny_mlp_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_mlp");
