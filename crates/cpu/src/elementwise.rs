@@ -21,6 +21,8 @@ pub enum Unary {
     Exp,
     Log,
     Neg,
+    /// `min(max(x, 0), 6)` (PyTorch's `relu6`, `hardtanh(x, 0, 6)`).
+    Relu6,
 }
 
 impl Unary {
@@ -34,12 +36,13 @@ impl Unary {
             Unary::Exp => "exp",
             Unary::Log => "log",
             Unary::Neg => "neg",
+            Unary::Relu6 => "relu6",
         }
     }
 
     /// Whether backward needs the output (else the input, or nothing for neg).
     pub fn saves_output(self) -> bool {
-        matches!(self, Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp)
+        matches!(self, Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp | Unary::Relu6)
     }
 }
 
@@ -307,6 +310,20 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
         }),
         Unary::Log => par_map(src, dst, |x| x.ln()),
         Unary::Neg => par_map(src, dst, |x| -x),
+        Unary::Relu6 => {
+            let six = T::of(6.0);
+            par_map(src, dst, |x| {
+                if x > T::zero() {
+                    if x < six {
+                        x
+                    } else {
+                        six
+                    }
+                } else {
+                    T::zero()
+                }
+            })
+        }
     }
 }
 
@@ -341,6 +358,11 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
         Unary::Exp => apply_backward(s, grad, dst, |s, g| g * s),
         Unary::Log => apply_backward(s, grad, dst, |s, g| g / s),
         Unary::Neg => apply_backward(s, grad, dst, |_, g| -g),
+        // From the output: it lies strictly between 0 and 6 exactly where the input does.
+        Unary::Relu6 => {
+            let six = T::of(6.0);
+            apply_backward(s, grad, dst, |s, g| if s > T::zero() && s < six { g } else { T::zero() })
+        }
     }
 }
 

@@ -49,6 +49,11 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.exp.default",
     "torch.ops.aten.flatten.using_ints",
     "torch.ops.aten.gelu.default",
+    "torch.ops.aten.hardsigmoid.default",
+    "torch.ops.aten.hardswish.default",
+    "torch.ops.aten.hardswish_.default",
+    "torch.ops.aten.hardtanh.default",
+    "torch.ops.aten.hardtanh_.default",
     "torch.ops.aten.linear.default",
     "torch.ops.aten.log.default",
     "torch.ops.aten.log_softmax.int",
@@ -59,6 +64,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.neg.default",
     "torch.ops.aten.relu.default",
     "torch.ops.aten.relu_.default",
+    "torch.ops.aten.relu6.default",
     "torch.ops.aten.reshape.default",
     "torch.ops.aten.sigmoid.default",
     "torch.ops.aten.silu.default",
@@ -472,6 +478,12 @@ enum UnaryOp {
     Gelu,
     GeluTanh,
     Silu,
+    /// `min(max(x, 0), 6)`.
+    Relu6,
+    /// `relu6(x + 3) / 6`.
+    Hardsigmoid,
+    /// `x * relu6(x + 3) / 6`.
+    Hardswish,
 }
 
 /// A node as the memfit op it runs, its arguments read.
@@ -691,6 +703,9 @@ impl Op<'_> {
                     UnaryOp::Gelu => x.gelu(),
                     UnaryOp::GeluTanh => x.gelu_tanh(),
                     UnaryOp::Silu => x.mul(&x.sigmoid()?),
+                    UnaryOp::Relu6 => x.relu6(),
+                    UnaryOp::Hardsigmoid => x.affine(1.0, 3.0)?.relu6()?.mul_scalar(1.0 / 6.0),
+                    UnaryOp::Hardswish => x.mul(&x.affine(1.0, 3.0)?.relu6()?)?.mul_scalar(1.0 / 6.0),
                 }
             }
             Op::Binary { a, b, op } => {
@@ -972,6 +987,16 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
         "torch.ops.aten.log.default" => unary(UnaryOp::Log)?,
         "torch.ops.aten.neg.default" => unary(UnaryOp::Neg)?,
         "torch.ops.aten.silu.default" | "torch.ops.aten.silu_.default" => unary(UnaryOp::Silu)?,
+        "torch.ops.aten.relu6.default" => unary(UnaryOp::Relu6)?,
+        "torch.ops.aten.hardsigmoid.default" => unary(UnaryOp::Hardsigmoid)?,
+        "torch.ops.aten.hardswish.default" | "torch.ops.aten.hardswish_.default" => unary(UnaryOp::Hardswish)?,
+        "torch.ops.aten.hardtanh.default" | "torch.ops.aten.hardtanh_.default" => {
+            let (lo, hi) = (float("min_val", -1.0)?, float("max_val", 1.0)?);
+            if (lo, hi) != (0.0, 6.0) {
+                return Err(format!("{target}: hardtanh({lo}, {hi}) is imported as relu6 only, hardtanh(0, 6)"));
+            }
+            unary(UnaryOp::Relu6)?
+        }
         "torch.ops.aten.gelu.default" => match node.arg("approximate") {
             None => unary(UnaryOp::Gelu)?,
             Some(Arg::Str(a)) if a == "none" => unary(UnaryOp::Gelu)?,

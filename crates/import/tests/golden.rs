@@ -77,6 +77,13 @@ fn attention_pooling_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_attention_pool");
 }
 
+/// MobileNetV3's ops: depthwise convolution, hardswish (in place), ReLU6, squeeze-excitation with
+/// hardsigmoid.
+#[test]
+fn a_tiny_mobilenet_computes_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_mobile");
+}
+
 #[test]
 fn a_tiny_mlp_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_mlp");

@@ -33,7 +33,10 @@ fn main() {
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
-    println!("cuda_parity: {} cases agree with the cpu on cuda", attention + sums + states + uploads + vocab + convs);
+    // relu6 (an imported model's hardswish and hardsigmoid): values below 0, between, above 6.
+    agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
+    let total = attention + sums + states + uploads + vocab + convs + 1;
+    println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 
 /// Seeded values in [-1, 1).

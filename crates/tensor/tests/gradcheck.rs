@@ -179,6 +179,18 @@ fn gradcheck_unary() {
     gradcheck("exp", &[input(&shape, rng.vec(n, -2.0, 2.0))], |x| x[0].exp());
     gradcheck("log", &[input(&shape, rng.vec(n, 0.3, 3.0))], |x| x[0].log());
     gradcheck("neg", &[rand_input(&mut rng, &shape)], |x| x[0].neg());
+    // Below 0, between 0 and 6, above 6: away from both kinks.
+    let three_sides: Vec<f64> = rng
+        .vec(n, 0.1, 5.9)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| match i % 3 {
+            0 => x,
+            1 => -x,
+            _ => x + 6.2,
+        })
+        .collect();
+    gradcheck("relu6", &[input(&shape, three_sides)], |x| x[0].relu6());
     gradcheck("affine", &[rand_input(&mut rng, &shape)], |x| x[0].affine(-1.7, 0.3));
     gradcheck("mul_scalar", &[rand_input(&mut rng, &shape)], |x| x[0].mul_scalar(2.5));
 }

@@ -2127,6 +2127,7 @@ fn unary_code(op: Unary) -> i32 {
         Unary::Exp => 5,
         Unary::Log => 6,
         Unary::Neg => 7,
+        Unary::Relu6 => 8,
     }
 }
 

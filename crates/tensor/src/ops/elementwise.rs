@@ -68,6 +68,10 @@ impl Tensor {
     pub fn log(&self) -> Result<Tensor> {
         unary(self, Unary::Log)
     }
+    /// `min(max(x, 0), 6)`: PyTorch's `relu6`.
+    pub fn relu6(&self) -> Result<Tensor> {
+        unary(self, Unary::Relu6)
+    }
     pub fn neg(&self) -> Result<Tensor> {
         unary(self, Unary::Neg)
     }
