@@ -23,6 +23,10 @@ pub enum Unary {
     Neg,
     /// `min(max(x, 0), 6)` (PyTorch's `relu6`, `hardtanh(x, 0, 6)`).
     Relu6,
+    /// `min(max(x + 3, 0), 6) / 6` (PyTorch's `hardsigmoid`).
+    Hardsigmoid,
+    /// `x * min(max(x + 3, 0), 6) / 6` (PyTorch's `hardswish`).
+    Hardswish,
 }
 
 impl Unary {
@@ -37,6 +41,8 @@ impl Unary {
             Unary::Log => "log",
             Unary::Neg => "neg",
             Unary::Relu6 => "relu6",
+            Unary::Hardsigmoid => "hardsigmoid",
+            Unary::Hardswish => "hardswish",
         }
     }
 
@@ -291,6 +297,19 @@ pub(crate) fn gelu_erf_with_derivative<T: Float>(x: T) -> (T, T) {
     (y, cdf + x * pdf)
 }
 
+/// `t` clamped to [0, `six`] (NaN goes to 0, as memfit's relu sends it).
+fn clamp_0_6<T: Float>(t: T, six: T) -> T {
+    if t > T::zero() {
+        if t < six {
+            t
+        } else {
+            six
+        }
+    } else {
+        T::zero()
+    }
+}
+
 /// Runs the forward of `op` over `src` into `dst`. The match on the op is outside the element loop,
 /// so each loop is specialized (and ReLU's vectorizes).
 fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
@@ -323,6 +342,15 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
                     T::zero()
                 }
             })
+        }
+        // As PyTorch computes them: (x + 3) clamped to [0, 6], then / 6 (after the product for hardswish).
+        Unary::Hardsigmoid => {
+            let (three, six) = (T::of(3.0), T::of(6.0));
+            par_map(src, dst, move |x| clamp_0_6(x + three, six) / six)
+        }
+        Unary::Hardswish => {
+            let (three, six) = (T::of(3.0), T::of(6.0));
+            par_map(src, dst, move |x| x * clamp_0_6(x + three, six) / six)
         }
     }
 }
@@ -362,6 +390,23 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
         Unary::Relu6 => {
             let six = T::of(6.0);
             apply_backward(s, grad, dst, |s, g| if s > T::zero() && s < six { g } else { T::zero() })
+        }
+        // From the input, as PyTorch's hardsigmoid_backward and hardswish_backward.
+        Unary::Hardsigmoid => {
+            let (three, six) = (T::of(3.0), T::of(6.0));
+            apply_backward(s, grad, dst, move |x, g| if x > -three && x < three { g / six } else { T::zero() })
+        }
+        Unary::Hardswish => {
+            let (three, half) = (T::of(3.0), T::of(0.5));
+            apply_backward(s, grad, dst, move |x, g| {
+                if x < -three {
+                    T::zero()
+                } else if x <= three {
+                    g * (x / three + half)
+                } else {
+                    g
+                }
+            })
         }
     }
 }

@@ -1,6 +1,6 @@
 // Element-wise ops: unary (and their backward), affine, broadcasting binary, add_into.
 // Unary codes follow memfit's `Unary`: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 tanh, 4 sigmoid,
-// 5 exp, 6 log, 7 neg, 8 relu6. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
+// 5 exp, 6 log, 7 neg, 8 relu6, 9 hardsigmoid, 10 hardswish. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
 
 #define INV_SQRT2 0.70710678118654752440
 #define INV_SQRT_2PI 0.39894228040143267794
@@ -17,12 +17,20 @@ __device__ T unary_of(int op, T x) {
         case 5: return exp(x);
         case 6: return log(x);
         case 8: return x > T(0) ? (x < T(6) ? x : T(6)) : T(0);
+        case 9: {
+            T t = x + T(3);
+            return (t > T(0) ? (t < T(6) ? t : T(6)) : T(0)) / T(6);
+        }
+        case 10: {
+            T t = x + T(3);
+            return x * (t > T(0) ? (t < T(6) ? t : T(6)) : T(0)) / T(6);
+        }
         default: return -x;
     }
 }
 
 // The derivative's factor from the saved value `s` (the output for relu, tanh, sigmoid, exp, relu6; the
-// input for gelu, gelu_tanh, log; nothing for neg).
+// input for gelu, gelu_tanh, log, hardsigmoid, hardswish; nothing for neg).
 template <typename T>
 __device__ T unary_grad(int op, T s, T g) {
     switch (op) {
@@ -43,6 +51,8 @@ __device__ T unary_grad(int op, T s, T g) {
         case 5: return g * s;
         case 6: return g / s;
         case 8: return s > T(0) && s < T(6) ? g : T(0);
+        case 9: return s > T(-3) && s < T(3) ? g / T(6) : T(0);
+        case 10: return s < T(-3) ? T(0) : (s <= T(3) ? g * (s / T(3) + T(0.5)) : g);
         default: return -g;
     }
 }

@@ -480,9 +480,7 @@ enum UnaryOp {
     Silu,
     /// `min(max(x, 0), 6)`.
     Relu6,
-    /// `relu6(x + 3) / 6`.
     Hardsigmoid,
-    /// `x * relu6(x + 3) / 6`.
     Hardswish,
 }
 
@@ -704,8 +702,8 @@ impl Op<'_> {
                     UnaryOp::GeluTanh => x.gelu_tanh(),
                     UnaryOp::Silu => x.mul(&x.sigmoid()?),
                     UnaryOp::Relu6 => x.relu6(),
-                    UnaryOp::Hardsigmoid => x.affine(1.0, 3.0)?.relu6()?.mul_scalar(1.0 / 6.0),
-                    UnaryOp::Hardswish => x.mul(&x.affine(1.0, 3.0)?.relu6()?)?.mul_scalar(1.0 / 6.0),
+                    UnaryOp::Hardsigmoid => x.hardsigmoid(),
+                    UnaryOp::Hardswish => x.hardswish(),
                 }
             }
             Op::Binary { a, b, op } => {

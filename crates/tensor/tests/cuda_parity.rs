@@ -35,7 +35,9 @@ fn main() {
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
     // relu6 (an imported model's hardswish and hardsigmoid): values below 0, between, above 6.
     agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
-    let total = attention + sums + states + uploads + vocab + convs + 1;
+    agree(&cuda, "hardsigmoid", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardsigmoid());
+    agree(&cuda, "hardswish", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardswish());
+    let total = attention + sums + states + uploads + vocab + convs + 3;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 

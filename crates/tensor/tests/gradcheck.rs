@@ -191,6 +191,19 @@ fn gradcheck_unary() {
         })
         .collect();
     gradcheck("relu6", &[input(&shape, three_sides)], |x| x[0].relu6());
+    // Below -3, between, above 3: away from the kinks at -3 and 3.
+    let around_three: Vec<f64> = rng
+        .vec(n, -2.9, 2.9)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| match i % 3 {
+            0 => x,
+            1 => x - 6.0,
+            _ => x + 6.0,
+        })
+        .collect();
+    gradcheck("hardsigmoid", &[input(&shape, around_three.clone())], |x| x[0].hardsigmoid());
+    gradcheck("hardswish", &[input(&shape, around_three)], |x| x[0].hardswish());
     gradcheck("affine", &[rand_input(&mut rng, &shape)], |x| x[0].affine(-1.7, 0.3));
     gradcheck("mul_scalar", &[rand_input(&mut rng, &shape)], |x| x[0].mul_scalar(2.5));
 }

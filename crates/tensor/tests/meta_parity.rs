@@ -33,6 +33,8 @@ fn programs() -> Vec<(&'static str, Program)> {
         ("log", |d, t| z(d, &[4], t).log().map(drop)),
         ("neg", |d, t| z(d, &[4], t).neg().map(drop)),
         ("relu6", |d, t| z(d, &[4], t).relu6().map(drop)),
+        ("hardsigmoid", |d, t| z(d, &[4], t).hardsigmoid().map(drop)),
+        ("hardswish", |d, t| z(d, &[4], t).hardswish().map(drop)),
         ("affine", |d, t| z(d, &[4], t).affine(2.0, 1.0).map(drop)),
         ("mul_scalar", |d, t| z(d, &[4], t).mul_scalar(2.0).map(drop)),
         ("add", |d, t| z(d, &[2, 3], t).add(&z(d, &[3], t)).map(drop)),

@@ -2128,6 +2128,8 @@ fn unary_code(op: Unary) -> i32 {
         Unary::Log => 6,
         Unary::Neg => 7,
         Unary::Relu6 => 8,
+        Unary::Hardsigmoid => 9,
+        Unary::Hardswish => 10,
     }
 }
 

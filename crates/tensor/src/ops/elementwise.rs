@@ -72,6 +72,14 @@ impl Tensor {
     pub fn relu6(&self) -> Result<Tensor> {
         unary(self, Unary::Relu6)
     }
+    /// `min(max(x + 3, 0), 6) / 6`: PyTorch's `hardsigmoid`.
+    pub fn hardsigmoid(&self) -> Result<Tensor> {
+        unary(self, Unary::Hardsigmoid)
+    }
+    /// `x * min(max(x + 3, 0), 6) / 6`: PyTorch's `hardswish`.
+    pub fn hardswish(&self) -> Result<Tensor> {
+        unary(self, Unary::Hardswish)
+    }
     pub fn neg(&self) -> Result<Tensor> {
         unary(self, Unary::Neg)
     }
