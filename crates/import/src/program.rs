@@ -759,7 +759,11 @@ impl Op<'_> {
             Op::Permute { input, dims } => {
                 let x = get(input)?;
                 let rank = x.rank() as i64;
-                let dims: Vec<usize> = dims.iter().map(|&d| if d < 0 { d + rank } else { d } as usize).collect();
+                let dims = dims
+                    .iter()
+                    .map(|&d| usize::try_from(if d < 0 { d + rank } else { d }))
+                    .collect::<std::result::Result<Vec<usize>, _>>()
+                    .map_err(|_| Error::shape(format!("permute({dims:?}) of a rank-{rank} tensor")))?;
                 x.permute(&dims)
             }
             Op::Select { input, dim, index } => {
@@ -775,7 +779,11 @@ impl Op<'_> {
             Op::Unflatten { input, dim, sizes } => {
                 let x = get(input)?;
                 let rank = x.rank() as i64;
-                let d = if *dim < 0 { dim + rank } else { *dim } as usize;
+                let d = if *dim < 0 { dim + rank } else { *dim };
+                if !(0..rank).contains(&d) {
+                    return Err(Error::shape(format!("unflatten({dim}) of a rank-{rank} tensor")));
+                }
+                let d = d as usize;
                 let mut shape: Vec<isize> = x.shape()[..d].iter().map(|&s| s as isize).collect();
                 shape.extend(sizes.iter().map(|&s| s as isize));
                 shape.extend(x.shape()[d + 1..].iter().map(|&s| s as isize));
@@ -1066,7 +1074,12 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             if !matches!(node.arg("dtype"), None | Some(Arg::None) | Some(Arg::ScalarType(crate::INT64))) {
                 return Err(format!("{target}: an arange of another dtype than int64 is not imported"));
             }
-            Op::Arange { start: 0, end: int("end", 0)?, step: 1 }
+            let end = int("end", 0)?;
+            // A position table, not data: refused before the host makes a vector of absurd length.
+            if !(0..=1 << 24).contains(&end) {
+                return Err(format!("{target}: arange of {end} values (memfit imports up to 2^24)"));
+            }
+            Op::Arange { start: 0, end, step: 1 }
         }
         "torch.ops.aten.layer_norm.default" => {
             let shape = match node.arg("normalized_shape") {
