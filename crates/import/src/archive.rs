@@ -18,7 +18,7 @@
 use crate::{ImportError, Result};
 use serde_json::Value;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The schema major version this reader knows.
 pub const SCHEMA_MAJOR: u64 = 8;
@@ -85,36 +85,77 @@ pub enum GraphInput {
     User { value: String },
 }
 
-/// A weight of the archive: its `state_dict` name, shape and values (float32 parameters and buffers;
-/// int64 buffers such as batch norm's `num_batches_tracked`).
+/// A weight of the archive: its `state_dict` name, shape, dtype and the zip entry holding its bytes
+/// (little-endian). The bytes are read when a program is made on a device that computes
+/// ([`Archive::weight_reader`]), never kept on the host.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Weight {
     pub name: String,
     pub shape: Vec<usize>,
-    pub values: WeightValues,
+    pub dtype: WeightDtype,
+    pub entry: String,
 }
 
-#[derive(Clone, Debug, PartialEq)]
-pub enum WeightValues {
-    F32(Vec<f32>),
-    I64(Vec<i64>),
-    Bool(Vec<bool>),
+/// The dtypes a weight may have: float32 parameters and buffers; int64 and bool buffers (batch norm's
+/// `num_batches_tracked`, an attention mask).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    I64,
+    Bool,
+}
+
+impl WeightDtype {
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::I64 => 8,
+            WeightDtype::Bool => 1,
+        }
+    }
 }
 
 impl Weight {
     /// How many values it holds.
     pub fn numel(&self) -> usize {
-        match &self.values {
-            WeightValues::F32(v) => v.len(),
-            WeightValues::I64(v) => v.len(),
-            WeightValues::Bool(v) => v.len(),
+        self.shape.iter().product()
+    }
+}
+
+/// Reads weights' bytes from an archive, one at a time through one buffer.
+pub struct WeightReader {
+    zip: zip::ZipArchive<std::fs::File>,
+    path: PathBuf,
+    buffer: Vec<u8>,
+}
+
+impl WeightReader {
+    /// `weight`'s bytes, checked to be its size.
+    pub fn read(&mut self, weight: &Weight) -> Result<&[u8]> {
+        self.buffer.clear();
+        let mut file = self
+            .zip
+            .by_name(&weight.entry)
+            .map_err(|e| error(&self.path, format!("no {} in the archive: {e}", weight.entry)))?;
+        file.read_to_end(&mut self.buffer)
+            .map_err(|e| error(&self.path, format!("cannot read {}: {e}", weight.entry)))?;
+        let expected = weight.numel() * weight.dtype.size();
+        if self.buffer.len() != expected {
+            return Err(error(
+                &self.path,
+                format!("{}: {} bytes where {expected} were checked: the file changed", weight.name, self.buffer.len()),
+            ));
         }
+        Ok(&self.buffer)
     }
 }
 
 /// An exported program: its graph, its inputs and outputs, and its weights.
 #[derive(Clone, Debug)]
 pub struct Archive {
+    /// The file it was read from (its weights are read from it again).
+    pub path: PathBuf,
     /// The archive's top-level folder (the name it was saved under).
     pub name: String,
     pub inputs: Vec<GraphInput>,
@@ -211,13 +252,21 @@ impl Archive {
             }
             weights
         };
-        Ok(Archive { name, inputs, nodes, outputs, values, weights })
+        Ok(Archive { path: path.to_path_buf(), name, inputs, nodes, outputs, values, weights })
+    }
+
+    /// Opens the archive again to read its weights' bytes (see [`Weight`]).
+    pub fn weight_reader(&self) -> Result<WeightReader> {
+        let file = std::fs::File::open(&self.path).map_err(|e| error(&self.path, format!("cannot open: {e}")))?;
+        let zip = zip::ZipArchive::new(file).map_err(|e| error(&self.path, format!("no longer a zip: {e}")))?;
+        Ok(WeightReader { zip, path: self.path.clone(), buffer: Vec::new() })
     }
 }
 
 fn read_entry(zip: &mut zip::ZipArchive<std::fs::File>, path: &Path, entry: &str) -> Result<Vec<u8>> {
     let mut file = zip.by_name(entry).map_err(|e| error(path, format!("no {entry} in the archive: {e}")))?;
-    let mut bytes = Vec::with_capacity(file.size() as usize);
+    // Grown as the bytes come, not sized by what the entry claims.
+    let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).map_err(|e| error(path, format!("cannot read {entry}: {e}")))?;
     Ok(bytes)
 }
@@ -402,30 +451,23 @@ fn read_weight(
         }
         expected *= d;
     }
-    let numel: usize = shape.iter().product();
-    let bytes = read_entry(zip, path, &format!("{folder}/data/weights/{file}"))?;
-    let size = match dtype {
-        INT64 => 8,
-        BOOL => 1,
-        _ => 4,
+    let dtype = match dtype {
+        INT64 => WeightDtype::I64,
+        BOOL => WeightDtype::Bool,
+        _ => WeightDtype::F32,
     };
-    if bytes.len() != numel * size {
+    let numel: usize = shape.iter().product();
+    let entry_name = format!("{folder}/data/weights/{file}");
+    let stored =
+        zip.by_name(&entry_name).map_err(|e| error(path, format!("no {entry_name} in the archive: {e}")))?.size();
+    if stored != (numel * dtype.size()) as u64 {
         return Err(error(
             path,
             format!(
-                "{name}: {} bytes for {numel} values of {size} bytes, shape {shape:?}: a corrupt archive",
-                bytes.len()
+                "{name}: {stored} bytes for {numel} values of {} bytes, shape {shape:?}: a corrupt archive",
+                dtype.size()
             ),
         ));
     }
-    let values = match dtype {
-        BOOL => WeightValues::Bool(bytes.iter().map(|&b| b != 0).collect()),
-        INT64 => WeightValues::I64(
-            bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
-        ),
-        _ => WeightValues::F32(
-            bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect(),
-        ),
-    };
-    Ok(Weight { name: name.to_string(), shape, values })
+    Ok(Weight { name: name.to_string(), shape, dtype, entry: entry_name })
 }

@@ -10,7 +10,7 @@
 //! device whose buffers are frozen (a checkpointed segment's re-run, a replayed micro-batch) moves
 //! nothing.
 
-use crate::archive::{Archive, Arg, GraphInput, Node, SymInt, WeightValues};
+use crate::archive::{Archive, Arg, GraphInput, Node, SymInt, WeightDtype};
 use crate::{ImportError, Result};
 use memfit_tensor::ops::{self, Conv2dParams, Pool2dParams};
 use memfit_tensor::{Category, DType, Device, Error, Tensor};
@@ -91,9 +91,9 @@ pub struct Program {
     /// as PyTorch's eager execution does, so a value lives as long as its uses (and what autograd
     /// saved of it), not the whole forward pass.
     last_reads: Vec<Vec<String>>,
-    /// Nodes whose output only a `linear` reads, as its input, and that memfit runs fused into it
-    /// (Note [Fused pairs]).
-    fused: Vec<bool>,
+    /// For a node whose output only a `linear` reads, as its input, and that memfit runs fused into
+    /// it (Note [Fused pairs]): that linear's index.
+    fused: Vec<Option<usize>>,
 }
 
 impl Program {
@@ -117,6 +117,8 @@ impl Program {
         };
         let (input, output) = (input.to_string(), output.clone());
         let (mut weights, mut parameters, mut buffers) = (Vec::new(), Vec::new(), Vec::new());
+        // Weights' bytes only where they are computed with (meta allocates, as the device would).
+        let mut reader = if device.computes() { Some(archive.weight_reader()?) } else { None };
         for spec in &archive.inputs {
             let (value, name, trainable) = match spec {
                 GraphInput::Parameter { value, name } => (value, name, true),
@@ -128,11 +130,32 @@ impl Program {
                     ImportError::Archive(format!("{}: no weight {name} in the archive", archive.name))
                 })?;
             let category = if trainable { Category::Parameter } else { Category::Other };
-            let t = match &w.values {
-                WeightValues::F32(v) => Tensor::from_slice(device, v, &w.shape, category)?,
-                WeightValues::I64(v) => Tensor::from_slice(device, v, &w.shape, category)?,
-                WeightValues::Bool(v) => Tensor::from_slice(device, v, &w.shape, category)?,
+            let dtype = match w.dtype {
+                WeightDtype::F32 => DType::F32,
+                WeightDtype::I64 => DType::I64,
+                WeightDtype::Bool => DType::Bool,
             };
+            let t = Tensor::empty(device, &w.shape, dtype, category, "import")?;
+            if let Some(reader) = reader.as_mut() {
+                let bytes = reader.read(w)?;
+                match w.dtype {
+                    WeightDtype::F32 => t.overwrite_with::<f32>(|d| {
+                        for (v, b) in d.iter_mut().zip(bytes.chunks_exact(4)) {
+                            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        }
+                    })?,
+                    WeightDtype::I64 => t.overwrite_with::<i64>(|d| {
+                        for (v, b) in d.iter_mut().zip(bytes.chunks_exact(8)) {
+                            *v = i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                        }
+                    })?,
+                    WeightDtype::Bool => t.overwrite_with::<bool>(|d| {
+                        for (v, b) in d.iter_mut().zip(bytes) {
+                            *v = *b != 0;
+                        }
+                    })?,
+                }
+            }
             let t = if trainable { t.set_requires_grad(true) } else { t };
             weights.push((value.clone(), t.clone()));
             if trainable {
@@ -141,8 +164,8 @@ impl Program {
                 buffers.push((name.clone(), t));
             }
         }
-        let last_reads = last_reads(&archive, &weights, &output);
         let fused = fused_producers(&archive, &output);
+        let last_reads = last_reads(&archive, &weights, &output, &fused);
         let program = Program { archive, weights, parameters, buffers, input, output, last_reads, fused };
         program.check_arguments()?;
         Ok(program)
@@ -219,15 +242,15 @@ impl Program {
                     .cloned()
                     .ok_or_else(|| Error::invalid(format!("the graph uses {name} before it is made")))
             };
-            if self.fused[i] {
-                pending.insert(name.as_str(), node);
-                continue;
-            }
             let out = match op {
+                _ if self.fused[i].is_some() => {
+                    pending.insert(name.as_str(), node);
+                    None
+                }
                 Op::Linear { input, weight, bias } if pending.contains_key(input) => {
                     let producer = pending.remove(input).expect("checked above");
                     let bias = bias.map(get).transpose()?;
-                    match describe(producer).map_err(Error::invalid)? {
+                    Some(match describe(producer).map_err(Error::invalid)? {
                         Op::Unary { input: x, op: UnaryOp::Gelu } => {
                             ops::gelu_linear(&get(x)?, &get(weight)?, bias.as_ref())?
                         }
@@ -235,7 +258,7 @@ impl Program {
                             ops::layer_norm_linear(&get(x)?, &get(w)?, &get(b)?, eps, &get(weight)?, bias.as_ref())?
                         }
                         _ => return Err(Error::invalid("internal: a fused producer of another kind")),
-                    }
+                    })
                 }
                 Op::SymSize { input, dim } => {
                     let t = get(input)?;
@@ -244,7 +267,7 @@ impl Program {
                         Error::shape(format!("sym_size of dimension {dim} of a {:?} tensor", t.shape()))
                     })?;
                     symbols.insert(name.as_str(), size as i64);
-                    continue;
+                    None
                 }
                 Op::Reshape { input, sizes } => {
                     let shape = sizes
@@ -256,7 +279,7 @@ impl Program {
                             }),
                         })
                         .collect::<memfit_tensor::Result<Vec<isize>>>()?;
-                    get(input)?.contiguous()?.reshape(&shape)?
+                    Some(get(input)?.contiguous()?.reshape(&shape)?)
                 }
                 Op::SymArith { a, b, op } => {
                     let value = |o: &SymOperand| match o {
@@ -274,20 +297,21 @@ impl Program {
                     };
                     let v = v.ok_or_else(|| Error::invalid(format!("{}: size arithmetic overflows", node.target)))?;
                     symbols.insert(name.as_str(), v);
-                    continue;
+                    None
                 }
                 Op::ZerosLike { input, dtype } => {
                     let t = get(input)?;
                     if t.dtype() == DType::Bool && dtype == Some(crate::FLOAT32) {
                         masks.insert(name.as_str(), Mask::ZerosOf(t));
-                        continue;
+                        None
+                    } else {
+                        let dtype = match dtype {
+                            None => t.dtype(),
+                            Some(crate::FLOAT32) => DType::F32,
+                            Some(code) => return Err(Error::dtype(format!("zeros_like to dtype code {code}"))),
+                        };
+                        Some(Tensor::zeros(t.device(), t.shape(), dtype, Category::Temporary)?)
                     }
-                    let dtype = match dtype {
-                        None => t.dtype(),
-                        Some(crate::FLOAT32) => DType::F32,
-                        Some(code) => return Err(Error::dtype(format!("zeros_like to dtype code {code}"))),
-                    };
-                    Tensor::zeros(t.device(), t.shape(), dtype, Category::Temporary)?
                 }
                 Op::MaskedFill { input, mask, value } => {
                     let template = match masks.get(input) {
@@ -302,7 +326,7 @@ impl Program {
                     };
                     masks.insert(input, Mask::Hidden(template.clone()));
                     masks.insert(name.as_str(), Mask::Hidden(template));
-                    continue;
+                    None
                 }
                 Op::Unsqueeze { input, dim } if masks.contains_key(input) => {
                     let Some(Mask::Hidden(m)) = masks.get(input) else {
@@ -311,7 +335,7 @@ impl Program {
                     let d = if dim < 0 { dim + m.rank() as i64 + 1 } else { dim };
                     let m = m.unsqueeze(usize::try_from(d).map_err(|_| Error::shape(format!("unsqueeze({dim})")))?)?;
                     masks.insert(name.as_str(), Mask::Hidden(m));
-                    continue;
+                    None
                 }
                 Op::Attention { q, k, v, mask, causal } => {
                     let hidden = match mask {
@@ -326,26 +350,29 @@ impl Program {
                             }
                         },
                     };
-                    ops::scaled_dot_product_attention(&get(q)?, &get(k)?, &get(v)?, causal, hidden.as_ref())?
+                    Some(ops::scaled_dot_product_attention(&get(q)?, &get(k)?, &get(v)?, causal, hidden.as_ref())?)
                 }
                 Op::Dropout { input, p, train } => {
                     let seed = x.device().random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    ops::dropout(&get(input)?, p, train && mode.train, seed)?
+                    Some(ops::dropout(&get(input)?, p, train && mode.train, seed)?)
                 }
                 Op::Arange { start, end, step } => {
                     let values: Vec<i64> = (start..end).step_by(step as usize).collect();
-                    Tensor::from_slice(x.device(), &values, &[values.len()], Category::Input)?
+                    Some(Tensor::from_slice(x.device(), &values, &[values.len()], Category::Input)?)
                 }
-                op => op.run(mode, &get)?,
+                op => Some(op.run(mode, &get)?),
             };
-            // An in-place op (`relu_`, `add_`) changes its input for every later use: memfit computes a
-            // new tensor and has the input's name stand for it from here on.
-            if in_place(&node.target) {
-                if let Some(Arg::Tensor(input)) = node.arg("self") {
-                    values.insert(input.as_str(), out.clone());
+            // A value (None: a size, a mask on its way, a fused producer's, all kept apart).
+            if let Some(out) = out {
+                // An in-place op (`relu_`, `add_`) changes its input for every later use: memfit
+                // computes a new tensor and has the input's name stand for it from here on.
+                if in_place(&node.target) {
+                    if let Some(Arg::Tensor(input)) = node.arg("self") {
+                        values.insert(input.as_str(), out.clone());
+                    }
                 }
+                values.insert(name.as_str(), out);
             }
-            values.insert(name.as_str(), out);
             for done in &self.last_reads[i] {
                 values.remove(done.as_str());
                 masks.remove(done.as_str());
@@ -365,8 +392,8 @@ impl Program {
 // over the last dimension with a weight and a bias, or an exact `gelu`, whose output nothing but one
 // `linear` reads, as its input. The producer is then not run on its own; the linear runs the pair.
 
-/// For each node, whether it is a producer memfit fuses into the `linear` after it (Note [Fused pairs]).
-fn fused_producers(archive: &Archive, output: &str) -> Vec<bool> {
+/// For each node memfit fuses into the `linear` after it (Note [Fused pairs]), that linear's index.
+fn fused_producers(archive: &Archive, output: &str) -> Vec<Option<usize>> {
     let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
     for (i, node) in archive.nodes.iter().enumerate() {
         for (_, arg) in &node.args {
@@ -384,27 +411,37 @@ fn fused_producers(archive: &Archive, output: &str) -> Vec<bool> {
                 Ok(Op::LayerNorm { shape, weight: Some(_), bias: Some(_), .. }) => shape.len() == 1,
                 _ => false,
             };
-            let [out] = &node.outputs[..] else { return false };
+            let [out] = &node.outputs[..] else { return None };
             let only_reader = match readers.get(out.as_str()).map(Vec::as_slice) {
-                Some([j]) => Some(&archive.nodes[*j]),
+                Some(&[j]) => Some(j),
                 _ => None,
             };
-            fusable
-                && out != output
-                && only_reader.is_some_and(|r| {
-                    r.target == "torch.ops.aten.linear.default" && r.arg("input") == Some(&Arg::Tensor(out.clone()))
-                })
+            only_reader.filter(|&j| {
+                let r = &archive.nodes[j];
+                fusable
+                    && out != output
+                    && r.target == "torch.ops.aten.linear.default"
+                    && r.arg("input") == Some(&Arg::Tensor(out.clone()))
+            })
         })
         .collect()
 }
 
-/// For each node of `archive`, the values (not weights, not the output) it is the last to read.
-fn last_reads(archive: &Archive, weights: &[(String, Tensor)], output: &str) -> Vec<Vec<String>> {
+/// For each node of `archive`, the values (not weights, not the output) it is the last to read. A fused
+/// producer's reads happen at the linear that runs it (`fused`).
+fn last_reads(
+    archive: &Archive,
+    weights: &[(String, Tensor)],
+    output: &str,
+    fused: &[Option<usize>],
+) -> Vec<Vec<String>> {
     let mut last: HashMap<&str, usize> = HashMap::new();
     for (i, node) in archive.nodes.iter().enumerate() {
+        let at = fused[i].unwrap_or(i);
         for (_, arg) in &node.args {
             if let Arg::Tensor(name) = arg {
-                last.insert(name.as_str(), i);
+                let slot = last.entry(name.as_str()).or_insert(at);
+                *slot = (*slot).max(at);
             }
         }
     }

@@ -91,3 +91,20 @@ fn a_truncated_weight_is_a_corrupt_archive() {
     let e = error_of(&path);
     assert!(e.contains("1.bias") && e.contains("corrupt"), "{e}");
 }
+
+/// Weights are read from the file when a program is made on a device that computes, never kept on
+/// the host: with the file gone, meta still makes the program (it allocates only), and cpu says
+/// which file it could not read.
+#[test]
+fn weights_are_read_from_the_file_only_where_they_are_computed_with() {
+    let path = temp("gone.pt2");
+    std::fs::copy(fixture("tiny_cnn.pt2"), &path).unwrap();
+    let archive = std::sync::Arc::new(Archive::open(&path).unwrap());
+    std::fs::remove_file(&path).unwrap();
+    assert!(memfit_import::Program::new(archive.clone(), &memfit_tensor::Device::meta()).is_ok());
+    let e = match memfit_import::Program::new(archive, &memfit_tensor::Device::cpu()) {
+        Ok(_) => panic!("cpu made a program without the file"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("gone.pt2") && e.contains("cannot open"), "{e}");
+}

@@ -47,10 +47,10 @@ fn a_planned_exported_model_peaks_exactly_as_predicted() {
     assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved);
 }
 
-/// With batch norm (tiny_resnet): its running statistics move once per sample whatever the faults.
-#[test]
-fn a_fault_at_every_allocation_of_an_exported_model_loses_no_sample() {
-    let spec = exported("tiny_resnet.pt2");
+/// Trains `name` two steps of two micro-batches, clean and then with a fault at every `stride`-th
+/// allocation: the same samples, and parameters and buffers bit for bit the clean run's.
+fn every_fault_is_recovered_exactly(name: &str, stride: usize) {
+    let spec = exported(name);
     let buffers = |s: &Session| -> Vec<(String, Vec<f64>)> {
         s.model.buffers().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect()
     };
@@ -63,34 +63,25 @@ fn a_fault_at_every_allocation_of_an_exported_model_loses_no_sample() {
     };
     let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, adamw(), &samples, &o);
     let requests = clean_session.device.stats().allocation.allocated - setup;
-    for k in (1..=requests).step_by(3) {
+    for k in (1..=requests).step_by(stride) {
         let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(setup + k)));
         let (out, params, session) = run(dev, &spec, adamw(), &samples, &o);
-        assert_eq!(session.device.stats().num_injected_faults, 1, "fault at request {k}");
-        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "fault at request {k}: same samples");
-        assert!(params == clean_params, "fault at request {k}: the clean parameters, bit for bit");
-        assert!(buffers(&session) == buffers(&clean_session), "fault at request {k}: the clean buffers");
+        assert_eq!(session.device.stats().num_injected_faults, 1, "{name}: fault at request {k}");
+        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "{name}: fault at request {k}: same samples");
+        assert!(params == clean_params, "{name}: fault at request {k}: the clean parameters, bit for bit");
+        assert!(buffers(&session) == buffers(&clean_session), "{name}: fault at request {k}: the clean buffers");
     }
+}
+
+/// With batch norm (tiny_resnet): its running statistics move once per sample whatever the faults.
+#[test]
+fn a_fault_at_every_allocation_of_an_exported_model_loses_no_sample() {
+    every_fault_is_recovered_exactly("tiny_resnet.pt2", 3);
 }
 
 /// With dropout, masks follow the micro-batch's samples: a fault at every allocation (retries at the
 /// same size, replays of a window's micro-batches) ends with the clean run's parameters, bit for bit.
 #[test]
 fn dropout_masks_follow_the_samples_so_recovery_is_exact() {
-    let spec = exported("tiny_dropout.pt2");
-    let samples = data(&spec, 2 * 8);
-    let o = opts(8, 4, 2);
-    let clean_device = device(DeviceKind::Cpu, None, None);
-    let setup = {
-        drop(Session::new(clean_device.clone(), &spec, adamw(), 3).unwrap());
-        clean_device.stats().allocation.allocated
-    };
-    let (clean, clean_params, clean_session) = run(device(DeviceKind::Cpu, None, None), &spec, adamw(), &samples, &o);
-    let requests = clean_session.device.stats().allocation.allocated - setup;
-    for k in 1..=requests {
-        let dev = device(DeviceKind::Cpu, None, Some(FaultInjection::Nth(setup + k)));
-        let (out, params, _) = run(dev, &spec, adamw(), &samples, &o);
-        assert_eq!(sorted(&out.sample_log), sorted(&clean.sample_log), "fault at request {k}: same samples");
-        assert!(params == clean_params, "fault at request {k}: the clean parameters, bit for bit");
-    }
+    every_fault_is_recovered_exactly("tiny_dropout.pt2", 1);
 }

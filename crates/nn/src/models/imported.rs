@@ -84,6 +84,7 @@ mod tests {
 
     fn archive(input: ValueMeta, output: ValueMeta) -> Archive {
         Archive {
+            path: "m.pt2".into(),
             name: "m".into(),
             inputs: vec![GraphInput::User { value: input.name.clone() }],
             nodes: vec![],
