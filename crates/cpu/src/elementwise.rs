@@ -1,10 +1,10 @@
 //! CPU kernels of the element-wise ops (`ops/elementwise.rs`): unary activations and maths, affine,
-//! broadcast binary arithmetic and in-place accumulation, plus the slice helpers other CPU kernels
+//! clamping, broadcast binary arithmetic, comparisons and selection, and in-place accumulation, plus the slice helpers other CPU kernels
 //! share (parallel maps, and GELU/exp through `memfit-kernels`' vectorised math for f32).
 
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::layout::{broadcast_layout, for_each_offset_pair};
+use crate::layout::{broadcast_layout, for_each_offset_pair, for_each_offset_triple};
 use crate::view::View;
 use crate::with_float;
 use crate::PAR_CHUNK;
@@ -27,6 +27,12 @@ pub enum Unary {
     Hardsigmoid,
     /// `x * min(max(x + 3, 0), 6) / 6` (PyTorch's `hardswish`).
     Hardswish,
+    Sqrt,
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    Cos,
+    Sin,
+    Abs,
 }
 
 impl Unary {
@@ -43,12 +49,20 @@ impl Unary {
             Unary::Relu6 => "relu6",
             Unary::Hardsigmoid => "hardsigmoid",
             Unary::Hardswish => "hardswish",
+            Unary::Sqrt => "sqrt",
+            Unary::Rsqrt => "rsqrt",
+            Unary::Cos => "cos",
+            Unary::Sin => "sin",
+            Unary::Abs => "abs",
         }
     }
 
     /// Whether backward needs the output (else the input, or nothing for neg).
     pub fn saves_output(self) -> bool {
-        matches!(self, Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp | Unary::Relu6)
+        matches!(
+            self,
+            Unary::Relu | Unary::Tanh | Unary::Sigmoid | Unary::Exp | Unary::Relu6 | Unary::Sqrt | Unary::Rsqrt
+        )
     }
 }
 
@@ -352,6 +366,11 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
             let (three, six) = (T::of(3.0), T::of(6.0));
             par_map(src, dst, move |x| x * clamp_0_6(x + three, six) / six)
         }
+        Unary::Sqrt => par_map(src, dst, |x| x.sqrt()),
+        Unary::Rsqrt => par_map(src, dst, |x| one / x.sqrt()),
+        Unary::Cos => par_map(src, dst, |x| x.cos()),
+        Unary::Sin => par_map(src, dst, |x| x.sin()),
+        Unary::Abs => par_map(src, dst, |x| x.abs()),
     }
 }
 
@@ -408,6 +427,20 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
                 }
             })
         }
+        // As PyTorch's derivatives: sqrt and rsqrt from the output, the others from the input.
+        Unary::Sqrt => apply_backward(s, grad, dst, |y, g| g / (T::of(2.0) * y)),
+        Unary::Rsqrt => apply_backward(s, grad, dst, |y, g| T::of(-0.5) * g * (y * y * y)),
+        Unary::Cos => apply_backward(s, grad, dst, |x, g| g * -x.sin()),
+        Unary::Sin => apply_backward(s, grad, dst, |x, g| g * x.cos()),
+        Unary::Abs => apply_backward(s, grad, dst, |x, g| {
+            if x > T::zero() {
+                g
+            } else if x < T::zero() {
+                -g
+            } else {
+                T::zero()
+            }
+        }),
     }
 }
 
@@ -469,6 +502,104 @@ pub fn binary(op: Binary, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()>
                 dst[i] = apply(op, sa[oa], sb[ob]);
                 i += 1;
             });
+        }
+    });
+    Ok(())
+}
+
+/// A comparison of two numbers, giving a bool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compare {
+    Gt,
+    Lt,
+    Ge,
+    Le,
+    Eq,
+    Ne,
+}
+
+impl Compare {
+    pub fn name(self) -> &'static str {
+        match self {
+            Compare::Gt => "gt",
+            Compare::Lt => "lt",
+            Compare::Ge => "ge",
+            Compare::Le => "le",
+            Compare::Eq => "eq",
+            Compare::Ne => "ne",
+        }
+    }
+
+    #[inline(always)]
+    fn holds<T: Float>(self, a: T, b: T) -> bool {
+        match self {
+            Compare::Gt => a > b,
+            Compare::Lt => a < b,
+            Compare::Ge => a >= b,
+            Compare::Le => a <= b,
+            Compare::Eq => a == b,
+            Compare::Ne => a != b,
+        }
+    }
+}
+
+/// `out = op(a, b)` as bools over the broadcast shape of the contiguous bool `out`.
+pub fn compare(op: Compare, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+    let shape = out.shape();
+    let (la, lb) = (broadcast_layout(a.layout(), shape), broadcast_layout(b.layout(), shape));
+    let dst = out.slice_mut::<bool>()?;
+    with_float!(a.dtype(), op.name(), T => {
+        let (sa, sb) = (a.storage::<T>()?, b.storage::<T>()?);
+        let mut i = 0;
+        for_each_offset_pair(&la, &lb, |oa, ob| {
+            dst[i] = op.holds(sa[oa], sb[ob]);
+            i += 1;
+        });
+    });
+    Ok(())
+}
+
+/// `out = cond ? a : b` (PyTorch's `where`) over the broadcast shape of the contiguous `out`.
+pub fn select(cond: View<'_>, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+    let shape = out.shape();
+    let lc = broadcast_layout(cond.layout(), shape);
+    let (la, lb) = (broadcast_layout(a.layout(), shape), broadcast_layout(b.layout(), shape));
+    let c = cond.storage::<bool>()?;
+    with_float!(a.dtype(), "where", T => {
+        let (sa, sb) = (a.storage::<T>()?, b.storage::<T>()?);
+        let dst = out.slice_mut::<T>()?;
+        let mut i = 0;
+        for_each_offset_triple(&lc, &la, &lb, |oc, oa, ob| {
+            dst[i] = if c[oc] { sa[oa] } else { sb[ob] };
+            i += 1;
+        });
+    });
+    Ok(())
+}
+
+/// `out = min(max(x, lo), hi)` (x contiguous; NaN stays NaN, as PyTorch's clamp).
+pub fn clamp(x: View<'_>, lo: f64, hi: f64, out: View<'_>) -> Result<()> {
+    with_float!(x.dtype(), "clamp", T => {
+        let (lo, hi) = (T::of(lo), T::of(hi));
+        par_map(x.slice::<T>()?, out.slice_mut::<T>()?, move |v| if v < lo { lo } else if v > hi { hi } else { v });
+    });
+    Ok(())
+}
+
+/// `out = grad` where `x` lies inside [lo, hi] (`inclusive`: clamp's rule) or strictly inside
+/// (hardtanh's), else 0; `out` may be `grad` itself.
+pub fn clamp_backward(x: View<'_>, lo: f64, hi: f64, inclusive: bool, grad: View<'_>, out: View<'_>) -> Result<()> {
+    let in_place = out.same(grad);
+    with_float!(x.dtype(), "clamp_backward", T => {
+        let (lo, hi) = (T::of(lo), T::of(hi));
+        let pass = move |v: T, g: T| {
+            let inside = if inclusive { v >= lo && v <= hi } else { v > lo && v < hi };
+            if inside { g } else { T::of(0.0) }
+        };
+        let dst = out.slice_mut::<T>()?;
+        match in_place {
+            true => apply_backward(x.slice::<T>()?, None, dst, pass),
+            false => apply_backward(x.slice::<T>()?, Some(grad.slice::<T>()?), dst, pass),
         }
     });
     Ok(())

@@ -107,22 +107,34 @@ impl Layout {
 /// Calls `f(offset_a, offset_b)` for each element of two same-shaped layouts, in row-major order.
 /// (Broadcast operands are passed as expanded layouts with stride 0.)
 pub fn for_each_offset_pair(a: &Layout, b: &Layout, mut f: impl FnMut(usize, usize)) {
-    debug_assert_eq!(a.shape, b.shape);
-    let rank = a.rank();
-    if a.numel() == 0 {
+    for_each_offsets([a, b], |[oa, ob]| f(oa, ob));
+}
+
+/// Calls `f(offset_a, offset_b, offset_c)` for each element of three same-shaped layouts, in
+/// row-major order (broadcast operands as for [`for_each_offset_pair`]).
+pub fn for_each_offset_triple(a: &Layout, b: &Layout, c: &Layout, mut f: impl FnMut(usize, usize, usize)) {
+    for_each_offsets([a, b, c], |[oa, ob, oc]| f(oa, ob, oc));
+}
+
+/// Calls `f` with each element's offset in each of `N` same-shaped layouts, in row-major order.
+fn for_each_offsets<const N: usize>(layouts: [&Layout; N], mut f: impl FnMut([usize; N])) {
+    let first = layouts[0];
+    debug_assert!(layouts.iter().all(|l| l.shape == first.shape));
+    let rank = first.rank();
+    if first.numel() == 0 {
         return;
     }
+    let mut base = layouts.map(|l| l.offset);
     if rank == 0 {
-        f(a.offset, b.offset);
+        f(base);
         return;
     }
-    let inner = a.shape[rank - 1];
-    let (sa, sb) = (a.strides[rank - 1], b.strides[rank - 1]);
+    let inner = first.shape[rank - 1];
+    let step = layouts.map(|l| l.strides[rank - 1]);
     let mut index = vec![0usize; rank - 1];
-    let (mut base_a, mut base_b) = (a.offset, b.offset);
     loop {
         for i in 0..inner {
-            f(base_a + i * sa, base_b + i * sb);
+            f(std::array::from_fn(|k| base[k] + i * step[k]));
         }
         let mut d = rank - 1;
         loop {
@@ -131,13 +143,15 @@ pub fn for_each_offset_pair(a: &Layout, b: &Layout, mut f: impl FnMut(usize, usi
             }
             d -= 1;
             index[d] += 1;
-            base_a += a.strides[d];
-            base_b += b.strides[d];
-            if index[d] < a.shape[d] {
+            for (b, l) in base.iter_mut().zip(&layouts) {
+                *b += l.strides[d];
+            }
+            if index[d] < first.shape[d] {
                 break;
             }
-            base_a -= a.strides[d] * a.shape[d];
-            base_b -= b.strides[d] * b.shape[d];
+            for (b, l) in base.iter_mut().zip(&layouts) {
+                *b -= l.strides[d] * l.shape[d];
+            }
             index[d] = 0;
         }
     }

@@ -1,6 +1,8 @@
-// Element-wise ops: unary (and their backward), affine, broadcasting binary, add_into.
+// Element-wise ops: unary (and their backward), affine, clamp (and its backward), broadcasting binary,
+// comparisons (codes: 0 gt, 1 lt, 2 ge, 3 le, 4 eq, 5 ne) and selection, add_into.
 // Unary codes follow memfit's `Unary`: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 tanh, 4 sigmoid,
-// 5 exp, 6 log, 7 neg, 8 relu6, 9 hardsigmoid, 10 hardswish. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
+// 5 exp, 6 log, 7 neg, 8 relu6, 9 hardsigmoid, 10 hardswish, 11 sqrt, 12 rsqrt, 13 cos, 14 sin,
+// 15 abs. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
 
 #define INV_SQRT2 0.70710678118654752440
 #define INV_SQRT_2PI 0.39894228040143267794
@@ -25,12 +27,17 @@ __device__ T unary_of(int op, T x) {
             T t = x + T(3);
             return x * (t > T(0) ? (t < T(6) ? t : T(6)) : T(0)) / T(6);
         }
+        case 11: return sqrt(x);
+        case 12: return T(1) / sqrt(x);
+        case 13: return cos(x);
+        case 14: return sin(x);
+        case 15: return x < T(0) ? -x : x;
         default: return -x;
     }
 }
 
-// The derivative's factor from the saved value `s` (the output for relu, tanh, sigmoid, exp, relu6; the
-// input for gelu, gelu_tanh, log, hardsigmoid, hardswish; nothing for neg).
+// The derivative's factor from the saved value `s` (the output for relu, tanh, sigmoid, exp, relu6,
+// sqrt, rsqrt; the input for gelu, gelu_tanh, log, hardsigmoid, hardswish, cos, sin, abs; nothing for neg).
 template <typename T>
 __device__ T unary_grad(int op, T s, T g) {
     switch (op) {
@@ -53,6 +60,11 @@ __device__ T unary_grad(int op, T s, T g) {
         case 8: return s > T(0) && s < T(6) ? g : T(0);
         case 9: return s > T(-3) && s < T(3) ? g / T(6) : T(0);
         case 10: return s < T(-3) ? T(0) : (s <= T(3) ? g * (s / T(3) + T(0.5)) : g);
+        case 11: return g / (T(2) * s);
+        case 12: return T(-0.5) * g * (s * s * s);
+        case 13: return g * -sin(s);
+        case 14: return g * cos(s);
+        case 15: return s > T(0) ? g : (s < T(0) ? -g : T(0));
         default: return -g;
     }
 }
@@ -64,6 +76,18 @@ __device__ T binary_of(int op, T a, T b) {
         case 1: return a - b;
         case 2: return a * b;
         default: return a / b;
+    }
+}
+
+template <typename T>
+__device__ unsigned char compare_of(int op, T a, T b) {
+    switch (op) {
+        case 0: return a > b;
+        case 1: return a < b;
+        case 2: return a >= b;
+        case 3: return a <= b;
+        case 4: return a == b;
+        default: return a != b;
     }
 }
 
@@ -83,6 +107,27 @@ __device__ T binary_of(int op, T a, T b) {
     }                                                                                                  \
     extern "C" __global__ void add_into_##SUF(T* dst, const T* src, i64 n) {                          \
         GRID_STRIDE(i, n) dst[i] += src[i];                                                            \
+    }                                                                                                  \
+    /* dst and src as strided views of one shape; dst's elements are distinct (a window of a tensor). */ \
+    extern "C" __global__ void add_into_strided_##SUF(T* dst, Strided sd, const T* src, Strided ss, i64 n) { \
+        GRID_STRIDE(k, n) dst[strided_offset(sd, k)] += src[strided_offset(ss, k)];                   \
+    }                                                                                                  \
+    extern "C" __global__ void clamp_##SUF(const T* x, T lo, T hi, T* out, i64 n) {                   \
+        GRID_STRIDE(i, n) out[i] = x[i] < lo ? lo : (x[i] > hi ? hi : x[i]);                           \
+    }                                                                                                  \
+    /* out may be g itself: each element is read before it is written. */                              \
+    extern "C" __global__ void clamp_backward_##SUF(const T* x, T lo, T hi, int inclusive, const T* g, T* out, i64 n) { \
+        GRID_STRIDE(i, n) {                                                                            \
+            T v = x[i];                                                                                \
+            bool inside = inclusive ? (v >= lo && v <= hi) : (v > lo && v < hi);                       \
+            out[i] = inside ? g[i] : T(0);                                                             \
+        }                                                                                              \
+    }                                                                                                  \
+    extern "C" __global__ void compare_##SUF(int op, const T* a, Strided sa, const T* b, Strided sb, unsigned char* out, i64 n) { \
+        GRID_STRIDE(k, n) out[k] = compare_of<T>(op, a[strided_offset(sa, k)], b[strided_offset(sb, k)]); \
+    }                                                                                                  \
+    extern "C" __global__ void select_##SUF(const unsigned char* c, Strided sc, const T* a, Strided sa, const T* b, Strided sb, T* out, i64 n) { \
+        GRID_STRIDE(k, n) out[k] = c[strided_offset(sc, k)] ? a[strided_offset(sa, k)] : b[strided_offset(sb, k)]; \
     }
 
 FLOAT_KERNELS(float, f32)

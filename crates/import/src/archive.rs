@@ -5,8 +5,9 @@
 //! entry stored under one top-level folder `<name>/`. `<name>/models/model.json` is the exported
 //! program: `schema_version` {major, minor}; `graph_module.graph` with `inputs` and `outputs` (values by
 //! name), `nodes` (each `target` such as `torch.ops.aten.linear.default`, `inputs` as
-//! `{name, arg: {as_tensor: {name}} | {as_int} | {as_ints} | {as_float} | {as_bool} | {as_none} ...}`,
-//! `outputs` as `{as_tensor: {name}}`) and `tensor_values` (each value's dtype and sizes: a size is
+//! `{name, arg: {as_tensor: {name}} | {as_tensors: [{name}...]} | {as_int} | {as_ints} | {as_float} |
+//! {as_bool} | {as_none} ...}`, `outputs` as `{as_tensor: {name}}`, or one `{as_tensors: [...]}` for an
+//! op of several results such as `split`) and `tensor_values` (each value's dtype and sizes: a size is
 //! `{as_int}` or, for a dynamic dimension, `{as_expr}`); `graph_module.signature.input_specs` says what
 //! each graph input is (`parameter` with its `parameter_name`, `buffer` with its `buffer_name`,
 //! `user_input`), `output_specs` which outputs are the user's. `<name>/data/weights/
@@ -35,6 +36,8 @@ pub const BOOL: u64 = 12;
 pub enum Arg {
     /// A graph value by name.
     Tensor(String),
+    /// A list of graph values (`cat`'s `tensors`).
+    Tensors(Vec<String>),
     Int(i64),
     Ints(Vec<i64>),
     Float(f64),
@@ -65,12 +68,39 @@ pub struct Node {
     pub target: String,
     pub args: Vec<(String, Arg)>,
     pub outputs: Vec<String>,
+    /// The modules the node was called from, outermost first, by path (`encoder.layers.0.mlp`); the
+    /// root module is not listed. From the node's `nn_module_stack` metadata; empty when absent.
+    pub modules: Vec<String>,
+    /// Where in the user's Python source the node was called: the innermost frame of its
+    /// `stack_trace` (`model.py, line 12: x = self.fc(x)`), when the export recorded one.
+    pub source: Option<String>,
 }
 
 impl Node {
     /// The argument named `name`, if given.
     pub fn arg(&self, name: &str) -> Option<&Arg> {
         self.args.iter().find(|(n, _)| n == name).map(|(_, a)| a)
+    }
+
+    /// Where the node comes from, for a message: its module and source line, as far as known.
+    pub fn location(&self) -> String {
+        let module = self.modules.last().map_or("the model itself".to_string(), |m| format!("module {m}"));
+        match &self.source {
+            Some(source) => format!("{module}, {source}"),
+            None => module,
+        }
+    }
+
+    /// Every graph value the node reads, in its arguments' order (a list's values one by one).
+    pub fn reads(&self) -> impl Iterator<Item = &str> {
+        self.args
+            .iter()
+            .flat_map(|(_, arg)| match arg {
+                Arg::Tensor(t) => std::slice::from_ref(t),
+                Arg::Tensors(list) => list.as_slice(),
+                _ => &[],
+            })
+            .map(String::as_str)
     }
 }
 
@@ -223,8 +253,9 @@ impl Archive {
                 return Err(error(
                     path,
                     format!(
-                        "the graph calls {}, which memfit does not import yet (it imports {})",
+                        "the graph calls {} (from {}), which memfit does not import yet (it imports {})",
                         node.target,
+                        node.location(),
                         crate::SUPPORTED_OPS.join(", ")
                     ),
                 ));
@@ -292,15 +323,22 @@ fn value_name(v: &Value) -> Option<String> {
     v["as_tensor"]["name"].as_str().map(str::to_string)
 }
 
-/// A node output's name: a tensor's, or a symbolic integer's.
-fn output_name(v: &Value) -> Option<String> {
-    value_name(v).or_else(|| v["as_sym_int"]["as_name"].as_str().map(str::to_string))
+/// A node output's names: a tensor's, a symbolic integer's, or each of a list's (`split`'s pieces).
+fn output_names(v: &Value) -> Vec<String> {
+    if let Some(list) = v["as_tensors"].as_array() {
+        return list.iter().filter_map(|t| t["name"].as_str().map(str::to_string)).collect();
+    }
+    value_name(v).or_else(|| v["as_sym_int"]["as_name"].as_str().map(str::to_string)).into_iter().collect()
 }
 
 fn parse_arg(arg: &Value) -> Arg {
     let Some((kind, v)) = arg.as_object().and_then(|o| o.iter().next()) else { return Arg::Other("empty".into()) };
     match kind.as_str() {
         "as_tensor" => v["name"].as_str().map_or(Arg::Other(kind.clone()), |n| Arg::Tensor(n.into())),
+        "as_tensors" => v
+            .as_array()
+            .and_then(|a| a.iter().map(|t| t["name"].as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .map_or(Arg::Other(kind.clone()), Arg::Tensors),
         "as_int" => v.as_i64().map_or(Arg::Other(kind.clone()), Arg::Int),
         "as_ints" => v
             .as_array()
@@ -337,6 +375,21 @@ fn parse_arg(arg: &Value) -> Arg {
     }
 }
 
+/// `file.py, line N: code` of a Python stack trace's last frame (`File "/x/file.py", line N, in f` and
+/// the code on the line after).
+fn innermost_frame(trace: &str) -> Option<String> {
+    let start = trace.rfind("File \"")?;
+    let frame = &trace[start + 6..];
+    let (file, rest) = frame.split_once('"')?;
+    let line = rest.trim_start_matches(", line ").split(|c: char| !c.is_ascii_digit()).next()?;
+    let file = file.rsplit('/').next().unwrap_or(file);
+    let code = rest.split_once('\n').map(|(_, code)| code.trim()).filter(|c| !c.is_empty());
+    Some(match code {
+        Some(code) => format!("{file}, line {line}: {code}"),
+        None => format!("{file}, line {line}"),
+    })
+}
+
 fn parse_nodes(path: &Path, graph: &Value) -> Result<Vec<Node>> {
     let nodes = graph["nodes"].as_array().ok_or_else(|| error(path, "the graph has no nodes list"))?;
     nodes
@@ -352,8 +405,22 @@ fn parse_nodes(path: &Path, graph: &Value) -> Result<Vec<Node>> {
                 })
                 .unwrap_or_default();
             let outputs =
-                n["outputs"].as_array().map(|o| o.iter().filter_map(output_name).collect()).unwrap_or_default();
-            Ok(Node { target: target.to_string(), args, outputs })
+                n["outputs"].as_array().map(|o| o.iter().flat_map(output_names).collect()).unwrap_or_default();
+            let metadata = &n["metadata"];
+            // `key,path,class` per module, outermost first; the root's path is empty.
+            let modules = metadata["nn_module_stack"]
+                .as_str()
+                .map(|stack| {
+                    stack
+                        .split(';')
+                        .filter_map(|entry| entry.split(',').nth(1))
+                        .filter(|path| !path.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let source = metadata["stack_trace"].as_str().and_then(innermost_frame);
+            Ok(Node { target: target.to_string(), args, outputs, modules, source })
         })
         .collect()
 }

@@ -22,59 +22,100 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "_operator.add",
     "_operator.floordiv",
     "_operator.mul",
+    "torch.ops.aten.abs.default",
     "torch.ops.aten.adaptive_avg_pool2d.default",
-    "torch.ops.aten.alias.default",
-    "torch.ops.aten.arange.default",
-    "torch.ops.aten.contiguous.default",
-    "torch.ops.aten.embedding.default",
-    "torch.ops.aten.layer_norm.default",
-    "torch.ops.aten.masked_fill_.Scalar",
-    "torch.ops.aten.permute.default",
-    "torch.ops.aten.scaled_dot_product_attention.default",
-    "torch.ops.aten.select.int",
-    "torch.ops.aten.squeeze.dim",
-    "torch.ops.aten.transpose.int",
-    "torch.ops.aten.unflatten.int",
-    "torch.ops.aten.unsqueeze.default",
-    "torch.ops.aten.zeros_like.default",
     "torch.ops.aten.add.Tensor",
     "torch.ops.aten.add_.Tensor",
+    "torch.ops.aten.alias.default",
+    "torch.ops.aten.arange.default",
     "torch.ops.aten.avg_pool2d.default",
     "torch.ops.aten.batch_norm.default",
+    "torch.ops.aten.bernoulli_.float",
     "torch.ops.aten.bmm.default",
+    "torch.ops.aten.cat.default",
+    "torch.ops.aten.chunk.default",
+    "torch.ops.aten.clamp.default",
+    "torch.ops.aten.clamp_.default",
+    "torch.ops.aten.clamp_max.default",
+    "torch.ops.aten.clamp_min.default",
+    "torch.ops.aten.constant_pad_nd.default",
+    "torch.ops.aten.contiguous.default",
     "torch.ops.aten.conv2d.default",
+    "torch.ops.aten.cos.default",
     "torch.ops.aten.div.Tensor",
+    "torch.ops.aten.div_.Tensor",
     "torch.ops.aten.dropout.default",
     "torch.ops.aten.dropout_.default",
+    "torch.ops.aten.embedding.default",
+    "torch.ops.aten.empty.memory_format",
+    "torch.ops.aten.eq.Scalar",
+    "torch.ops.aten.eq.Tensor",
     "torch.ops.aten.exp.default",
+    "torch.ops.aten.expand.default",
     "torch.ops.aten.flatten.using_ints",
+    "torch.ops.aten.ge.Scalar",
+    "torch.ops.aten.ge.Tensor",
     "torch.ops.aten.gelu.default",
+    "torch.ops.aten.gt.Scalar",
+    "torch.ops.aten.gt.Tensor",
     "torch.ops.aten.hardsigmoid.default",
     "torch.ops.aten.hardswish.default",
     "torch.ops.aten.hardswish_.default",
     "torch.ops.aten.hardtanh.default",
     "torch.ops.aten.hardtanh_.default",
+    "torch.ops.aten.layer_norm.default",
+    "torch.ops.aten.le.Scalar",
+    "torch.ops.aten.le.Tensor",
     "torch.ops.aten.linear.default",
     "torch.ops.aten.log.default",
     "torch.ops.aten.log_softmax.int",
+    "torch.ops.aten.lt.Scalar",
+    "torch.ops.aten.lt.Tensor",
+    "torch.ops.aten.masked_fill.Scalar",
+    "torch.ops.aten.masked_fill_.Scalar",
     "torch.ops.aten.matmul.default",
     "torch.ops.aten.max_pool2d.default",
     "torch.ops.aten.mean.dim",
     "torch.ops.aten.mul.Tensor",
+    "torch.ops.aten.mul_.Tensor",
+    "torch.ops.aten.ne.Scalar",
+    "torch.ops.aten.ne.Tensor",
     "torch.ops.aten.neg.default",
+    "torch.ops.aten.pad.default",
+    "torch.ops.aten.permute.default",
+    "torch.ops.aten.pow.Tensor_Scalar",
     "torch.ops.aten.relu.default",
-    "torch.ops.aten.relu_.default",
     "torch.ops.aten.relu6.default",
+    "torch.ops.aten.relu_.default",
     "torch.ops.aten.reshape.default",
+    "torch.ops.aten.rsqrt.default",
+    "torch.ops.aten.scaled_dot_product_attention.default",
+    "torch.ops.aten.select.int",
     "torch.ops.aten.sigmoid.default",
     "torch.ops.aten.silu.default",
     "torch.ops.aten.silu_.default",
+    "torch.ops.aten.sin.default",
+    "torch.ops.aten.slice.Tensor",
     "torch.ops.aten.softmax.int",
+    "torch.ops.aten.split.Tensor",
+    "torch.ops.aten.split_with_sizes.default",
+    "torch.ops.aten.sqrt.default",
+    "torch.ops.aten.squeeze.dim",
+    "torch.ops.aten.stack.default",
     "torch.ops.aten.sub.Tensor",
+    "torch.ops.aten.sub_.Tensor",
     "torch.ops.aten.sum.dim_IntList",
     "torch.ops.aten.sym_size.int",
     "torch.ops.aten.tanh.default",
+    "torch.ops.aten.transpose.int",
+    "torch.ops.aten.unbind.int",
+    "torch.ops.aten.unflatten.int",
+    "torch.ops.aten.unsqueeze.default",
     "torch.ops.aten.view.default",
+    "torch.ops.aten.where.ScalarOther",
+    "torch.ops.aten.where.ScalarSelf",
+    "torch.ops.aten.where.self",
+    "torch.ops.aten.zeros_like.default",
 ];
 
 /// An exported program on a device.
@@ -176,7 +217,8 @@ impl Program {
     fn check_arguments(&self) -> Result<()> {
         let name = &self.archive.name;
         for node in &self.archive.nodes {
-            let op = describe(node).map_err(|e| ImportError::Archive(format!("{name}: {e}")))?;
+            let op =
+                describe(node).map_err(|e| ImportError::Archive(format!("{name}: {e} (from {})", node.location())))?;
             // An in-place add into a buffer is a counter's `+= 1` (batch norm's num_batches_tracked);
             // into an activation (a residual's `out += identity`), an add.
             if let Op::AddInPlace { a, b } = op {
@@ -227,15 +269,23 @@ impl Program {
         let mut masks: HashMap<&str, Mask> = HashMap::new();
         // Outputs of fused producers, computed by the linear that reads them (Note [Fused pairs]).
         let mut pending: HashMap<&str, &Node> = HashMap::new();
+        // Stochastic depth's noise on its way (`empty`, then `bernoulli_`), by name.
+        let mut blanks: HashMap<&str, Noise> = HashMap::new();
         for (i, node) in self.archive.nodes.iter().enumerate() {
             let op = describe(node).map_err(Error::invalid)?;
-            let [name] = &node.outputs[..] else {
-                return Err(Error::invalid(format!(
-                    "{} defines {} values; memfit expects one",
-                    node.target,
-                    node.outputs.len()
-                )));
+            // A split defines its pieces (`pieces`); every other node one value.
+            let name = match (&node.outputs[..], &op) {
+                (_, Op::Split { .. }) => "",
+                ([name], _) => name.as_str(),
+                (names, _) => {
+                    return Err(Error::invalid(format!(
+                        "{} defines {} values; memfit expects one",
+                        node.target,
+                        names.len()
+                    )))
+                }
             };
+            let mut pieces = Vec::new();
             let get = |name: &str| {
                 values
                     .get(name)
@@ -244,7 +294,7 @@ impl Program {
             };
             let out = match op {
                 _ if self.fused[i].is_some() => {
-                    pending.insert(name.as_str(), node);
+                    pending.insert(name, node);
                     None
                 }
                 Op::Linear { input, weight, bias } if pending.contains_key(input) => {
@@ -266,43 +316,122 @@ impl Program {
                     let size = usize::try_from(d).ok().and_then(|d| t.shape().get(d).copied()).ok_or_else(|| {
                         Error::shape(format!("sym_size of dimension {dim} of a {:?} tensor", t.shape()))
                     })?;
-                    symbols.insert(name.as_str(), size as i64);
+                    symbols.insert(name, size as i64);
                     None
                 }
-                Op::Reshape { input, sizes } => {
+                Op::Reshape { input, sizes } => Some(get(input)?.contiguous()?.reshape(&resolve(sizes, &symbols)?)?),
+                Op::Expand { input, sizes } => {
+                    let x = get(input)?;
+                    let sizes = resolve(sizes, &symbols)?;
+                    // -1 keeps the input's size, aligned from the right as broadcasting aligns.
+                    let lead = sizes
+                        .len()
+                        .checked_sub(x.rank())
+                        .ok_or_else(|| Error::shape(format!("expand of a {:?} tensor to {sizes:?}", x.shape())))?;
                     let shape = sizes
                         .iter()
-                        .map(|s| match s {
-                            SymInt::Int(v) => Ok(*v as isize),
-                            SymInt::Name(n) => symbols.get(n.as_str()).map(|&v| v as isize).ok_or_else(|| {
-                                Error::invalid(format!("the graph uses the size {n} before it is known"))
-                            }),
+                        .enumerate()
+                        .map(|(i, &s)| match s {
+                            -1 if i >= lead => Ok(x.shape()[i - lead]),
+                            s => usize::try_from(s).map_err(|_| Error::shape(format!("expand to {sizes:?}"))),
                         })
-                        .collect::<memfit_tensor::Result<Vec<isize>>>()?;
-                    Some(get(input)?.contiguous()?.reshape(&shape)?)
+                        .collect::<memfit_tensor::Result<Vec<usize>>>()?;
+                    Some(x.expand(&shape)?)
+                }
+                Op::Slice { input, dim, start, end, step } => {
+                    let x = get(input)?;
+                    let d = if dim < 0 { dim + x.rank() as i64 } else { dim };
+                    let size =
+                        usize::try_from(d).ok().and_then(|d| x.shape().get(d).copied()).ok_or_else(|| {
+                            Error::shape(format!("slice of dimension {dim} of a {:?} tensor", x.shape()))
+                        })? as i64;
+                    // Python's slice bounds: negative from the end, then clamped to the size.
+                    let bound = |o: &SymOperand| {
+                        let v = sym_value(o, &symbols)?;
+                        Ok::<_, Error>((if v < 0 { v.saturating_add(size) } else { v }).clamp(0, size) as usize)
+                    };
+                    Some(x.slice_step(d as isize, bound(&start)?, bound(&end)?, step)?)
+                }
+                Op::Empty { sizes } => {
+                    let shape = resolve(&sizes, &symbols)?
+                        .into_iter()
+                        .map(|d| usize::try_from(d).map_err(|_| Error::shape(format!("empty of size {d}"))))
+                        .collect::<memfit_tensor::Result<Vec<usize>>>()?;
+                    blanks.insert(name, Noise { shape, keep: None });
+                    None
+                }
+                Op::Bernoulli { input, p } => {
+                    let shape = match blanks.get(input) {
+                        Some(Noise { shape, keep: None }) => shape.clone(),
+                        _ => return Err(Error::invalid(format!("{}: {NOISE}", node.target))),
+                    };
+                    let noise = Noise { shape, keep: Some(p) };
+                    blanks.insert(input, noise.clone());
+                    blanks.insert(name, noise);
+                    None
+                }
+                Op::Binary { a, b: Operand::Number(c), op: Elementwise::Div } if blanks.contains_key(a) => {
+                    let shape = match blanks.get(a) {
+                        Some(Noise { shape, keep: Some(p) }) if *p == c => shape.clone(),
+                        _ => return Err(Error::invalid(format!("{}: {NOISE}", node.target))),
+                    };
+                    // A keep mask over the survival probability: dropout's values, by the pass's seed.
+                    let ones = Tensor::full(x.device(), &shape, 1.0, x.dtype(), Category::Temporary)?;
+                    let seed = x.device().random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    Some(ops::dropout(&ones, 1.0 - c, mode.train, seed)?)
+                }
+                Op::Split { input, dim, split } => {
+                    let x = get(input)?;
+                    let d = if dim < 0 { dim + x.rank() as i64 } else { dim };
+                    let size = usize::try_from(d).ok().and_then(|d| x.shape().get(d).copied()).ok_or_else(|| {
+                        Error::shape(format!("{} of dimension {dim} of a {:?} tensor", node.target, x.shape()))
+                    })?;
+                    let lengths = split.lengths(size).map_err(|e| Error::shape(format!("{}: {e}", node.target)))?;
+                    if lengths.len() != node.outputs.len() {
+                        return Err(Error::invalid(format!(
+                            "{} makes {} pieces but the graph names {}",
+                            node.target,
+                            lengths.len(),
+                            node.outputs.len()
+                        )));
+                    }
+                    let mut start = 0;
+                    for len in lengths {
+                        let piece = x.narrow(d as isize, start, len)?;
+                        // unbind's pieces lose the dimension.
+                        pieces.push(if matches!(split, Split::Each) { piece.squeeze(d as isize)? } else { piece });
+                        start += len;
+                    }
+                    None
+                }
+                Op::Cat { tensors, dim, stack } => {
+                    let list = tensors.iter().map(|t| get(t)).collect::<memfit_tensor::Result<Vec<_>>>()?;
+                    let rank = list.first().map_or(0, |t| t.rank() as i64) + stack as i64;
+                    let d = if dim < 0 { dim + rank } else { dim };
+                    let d = usize::try_from(d)
+                        .ok()
+                        .filter(|&d| (d as i64) < rank.max(1))
+                        .ok_or_else(|| Error::shape(format!("{} along dimension {dim}", node.target)))?;
+                    Some(match stack {
+                        true => ops::stack(&list, d)?,
+                        false => ops::cat(&list, d as isize)?,
+                    })
                 }
                 Op::SymArith { a, b, op } => {
-                    let value = |o: &SymOperand| match o {
-                        SymOperand::Int(v) => Ok(*v),
-                        SymOperand::Name(n) => symbols
-                            .get(n.as_str())
-                            .copied()
-                            .ok_or_else(|| Error::invalid(format!("the graph uses the size {n} before it is known"))),
-                    };
-                    let (a, b) = (value(&a)?, value(&b)?);
+                    let (a, b) = (sym_value(&a, &symbols)?, sym_value(&b, &symbols)?);
                     let v = match op {
                         SymOp::Mul => a.checked_mul(b),
                         SymOp::Add => a.checked_add(b),
                         SymOp::FloorDiv => (b != 0).then(|| a.div_euclid(b)),
                     };
                     let v = v.ok_or_else(|| Error::invalid(format!("{}: size arithmetic overflows", node.target)))?;
-                    symbols.insert(name.as_str(), v);
+                    symbols.insert(name, v);
                     None
                 }
                 Op::ZerosLike { input, dtype } => {
                     let t = get(input)?;
                     if t.dtype() == DType::Bool && dtype == Some(crate::FLOAT32) {
-                        masks.insert(name.as_str(), Mask::ZerosOf(t));
+                        masks.insert(name, Mask::ZerosOf(t));
                         None
                     } else {
                         let dtype = match dtype {
@@ -312,6 +441,11 @@ impl Program {
                         };
                         Some(Tensor::zeros(t.device(), t.shape(), dtype, Category::Temporary)?)
                     }
+                }
+                Op::MaskedFill { input, mask, value } if !masks.contains_key(input) => {
+                    let x = get(input)?;
+                    let fill = Tensor::scalar(x.device(), value, x.dtype(), Category::Temporary)?;
+                    Some(ops::where_(&get(mask)?, &fill, &x)?)
                 }
                 Op::MaskedFill { input, mask, value } => {
                     let template = match masks.get(input) {
@@ -325,7 +459,7 @@ impl Program {
                         }
                     };
                     masks.insert(input, Mask::Hidden(template.clone()));
-                    masks.insert(name.as_str(), Mask::Hidden(template));
+                    masks.insert(name, Mask::Hidden(template));
                     None
                 }
                 Op::Unsqueeze { input, dim } if masks.contains_key(input) => {
@@ -334,7 +468,7 @@ impl Program {
                     };
                     let d = if dim < 0 { dim + m.rank() as i64 + 1 } else { dim };
                     let m = m.unsqueeze(usize::try_from(d).map_err(|_| Error::shape(format!("unsqueeze({dim})")))?)?;
-                    masks.insert(name.as_str(), Mask::Hidden(m));
+                    masks.insert(name, Mask::Hidden(m));
                     None
                 }
                 Op::Attention { q, k, v, mask, causal } => {
@@ -362,6 +496,9 @@ impl Program {
                 }
                 op => Some(op.run(mode, &get)?),
             };
+            for (piece, t) in node.outputs.iter().zip(pieces) {
+                values.insert(piece.as_str(), t);
+            }
             // A value (None: a size, a mask on its way, a fused producer's, all kept apart).
             if let Some(out) = out {
                 // An in-place op (`relu_`, `add_`) changes its input for every later use: memfit
@@ -371,7 +508,7 @@ impl Program {
                         values.insert(input.as_str(), out.clone());
                     }
                 }
-                values.insert(name.as_str(), out);
+                values.insert(name, out);
             }
             for done in &self.last_reads[i] {
                 values.remove(done.as_str());
@@ -396,10 +533,8 @@ impl Program {
 fn fused_producers(archive: &Archive, output: &str) -> Vec<Option<usize>> {
     let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
     for (i, node) in archive.nodes.iter().enumerate() {
-        for (_, arg) in &node.args {
-            if let Arg::Tensor(name) = arg {
-                readers.entry(name.as_str()).or_default().push(i);
-            }
+        for name in node.reads() {
+            readers.entry(name).or_default().push(i);
         }
     }
     archive
@@ -438,11 +573,9 @@ fn last_reads(
     let mut last: HashMap<&str, usize> = HashMap::new();
     for (i, node) in archive.nodes.iter().enumerate() {
         let at = fused[i].unwrap_or(i);
-        for (_, arg) in &node.args {
-            if let Arg::Tensor(name) = arg {
-                let slot = last.entry(name.as_str()).or_insert(at);
-                *slot = (*slot).max(at);
-            }
+        for name in node.reads() {
+            let slot = last.entry(name).or_insert(at);
+            *slot = (*slot).max(at);
         }
     }
     let mut out = vec![Vec::new(); archive.nodes.len()];
@@ -453,6 +586,18 @@ fn last_reads(
     }
     out
 }
+
+/// Stochastic depth's noise before it is drawn: its shape, and the probability of keeping once
+/// `bernoulli_` has named it.
+#[derive(Clone)]
+struct Noise {
+    shape: Vec<usize>,
+    keep: Option<f64>,
+}
+
+/// Why an `empty`, `bernoulli_` or division of them is refused.
+const NOISE: &str = "empty, bernoulli_ and div_ are imported as stochastic depth's noise only: \
+                     empty(sizes).bernoulli_(p).div_(p)";
 
 /// What a boolean attention mask becomes on its way to being additive.
 enum Mask {
@@ -474,6 +619,72 @@ enum SymOp {
     Mul,
     Add,
     FloorDiv,
+}
+
+/// An element-wise operand as a tensor: a value, or a number as a 0-d tensor of `like`'s dtype.
+fn operand(
+    o: &Operand,
+    like: &Tensor,
+    get: &dyn Fn(&str) -> memfit_tensor::Result<Tensor>,
+) -> memfit_tensor::Result<Tensor> {
+    match o {
+        Operand::Value(v) => get(v),
+        Operand::Number(c) => Tensor::scalar(like.device(), *c, like.dtype(), Category::Temporary),
+    }
+}
+
+/// A size operand's value: a number, or a symbol the pass knows by now.
+fn sym_value(o: &SymOperand, symbols: &HashMap<&str, i64>) -> memfit_tensor::Result<i64> {
+    match o {
+        SymOperand::Int(v) => Ok(*v),
+        SymOperand::Name(n) => symbols
+            .get(n.as_str())
+            .copied()
+            .ok_or_else(|| Error::invalid(format!("the graph uses the size {n} before it is known"))),
+    }
+}
+
+/// Sizes as numbers, symbols replaced by what the pass knows of them.
+fn resolve(sizes: &[SymInt], symbols: &HashMap<&str, i64>) -> memfit_tensor::Result<Vec<isize>> {
+    sizes
+        .iter()
+        .map(|s| match s {
+            SymInt::Int(v) => Ok(*v as isize),
+            SymInt::Name(n) => sym_value(&SymOperand::Name(n.clone()), symbols).map(|v| v as isize),
+        })
+        .collect()
+}
+
+/// How a split cuts its dimension.
+#[derive(Clone, Debug)]
+enum Split {
+    /// `chunk`: this many pieces of the same length (the last shorter; fewer when they run out).
+    Chunks(usize),
+    /// `split`: pieces of this length (the last shorter).
+    Length(usize),
+    /// `split_with_sizes`: these lengths, adding up to the size.
+    Lengths(Vec<usize>),
+    /// `unbind`: every element its own piece.
+    Each,
+}
+
+impl Split {
+    /// The pieces' lengths for a dimension of `size`, as PyTorch cuts it.
+    fn lengths(&self, size: usize) -> std::result::Result<Vec<usize>, String> {
+        let of_length = |len: usize| {
+            if len == 0 {
+                return Err("pieces of length 0".to_string());
+            }
+            Ok((0..size.div_ceil(len)).map(|i| len.min(size - i * len)).collect())
+        };
+        match self {
+            Split::Chunks(n) => of_length(size.div_ceil((*n).max(1)).max(1)),
+            Split::Length(len) => of_length(*len),
+            Split::Each => Ok(vec![1; size]),
+            Split::Lengths(l) if l.iter().sum::<usize>() == size => Ok(l.clone()),
+            Split::Lengths(l) => Err(format!("lengths {l:?} do not add up to the size {size}")),
+        }
+    }
 }
 
 /// Whether `target` (`torch.ops.aten.relu_.default`) writes over its `self`: ATen's trailing `_`.
@@ -519,6 +730,11 @@ enum UnaryOp {
     Relu6,
     Hardsigmoid,
     Hardswish,
+    Sqrt,
+    Rsqrt,
+    Cos,
+    Sin,
+    Abs,
 }
 
 /// A node as the memfit op it runs, its arguments read.
@@ -580,6 +796,79 @@ enum Op<'a> {
     Reshape {
         input: &'a str,
         sizes: &'a [SymInt],
+    },
+    /// `clamp` (the gradient passes on the bounds) or `hardtanh` (strictly inside); a missing bound
+    /// is infinite.
+    Clamp {
+        input: &'a str,
+        lo: f64,
+        hi: f64,
+        hardtanh: bool,
+    },
+    /// `pow` by a number: the exponents whose op memfit has (2, 3, 1, 0.5, -0.5, -1).
+    Pow {
+        input: &'a str,
+        exponent: f64,
+    },
+    /// A comparison, giving a bool tensor.
+    Compare {
+        a: &'a str,
+        b: Operand<'a>,
+        op: ops::Compare,
+    },
+    /// `where(condition, a, b)`.
+    Where {
+        condition: &'a str,
+        a: Operand<'a>,
+        b: Operand<'a>,
+    },
+    /// `masked_fill(input, mask, value)`: `value` where the mask is True.
+    MaskedFillValue {
+        input: &'a str,
+        mask: &'a str,
+        value: f64,
+    },
+    /// Constant padding, `pad` as ATen lists it (last dimension first, before and after), negative
+    /// numbers crop.
+    Pad {
+        input: &'a str,
+        pad: Vec<i64>,
+        value: f64,
+    },
+    /// `empty(sizes)`: stochastic depth's noise to be (see [`Op::Bernoulli`]).
+    Empty {
+        sizes: Vec<SymInt>,
+    },
+    /// `bernoulli_(empty, p)`, to be divided by `p`: stochastic depth's noise (run as a dropout of
+    /// ones with the pass's seed, none in evaluation).
+    Bernoulli {
+        input: &'a str,
+        p: f64,
+    },
+    /// `expand` to sizes (-1 keeps a size), numbers or symbols.
+    Expand {
+        input: &'a str,
+        sizes: &'a [SymInt],
+    },
+    /// `x[start:end:step]` along `dim`; the bounds may be symbols.
+    Slice {
+        input: &'a str,
+        dim: i64,
+        start: SymOperand,
+        end: SymOperand,
+        step: usize,
+    },
+    /// `chunk`, `split`, `split_with_sizes`, `unbind`: views of the pieces, the node's several values.
+    Split {
+        input: &'a str,
+        dim: i64,
+        split: Split,
+    },
+    /// `cat` (or `stack`, along a new dimension) of a list of values.
+    Cat {
+        tensors: &'a [String],
+        dim: i64,
+        stack: bool,
     },
     /// Arithmetic on symbolic sizes (`_operator.mul`: heads times the batch, for a view).
     SymArith {
@@ -741,6 +1030,11 @@ impl Op<'_> {
                     UnaryOp::Relu6 => x.relu6(),
                     UnaryOp::Hardsigmoid => x.hardsigmoid(),
                     UnaryOp::Hardswish => x.hardswish(),
+                    UnaryOp::Sqrt => x.sqrt(),
+                    UnaryOp::Rsqrt => x.rsqrt(),
+                    UnaryOp::Cos => x.cos(),
+                    UnaryOp::Sin => x.sin(),
+                    UnaryOp::Abs => x.abs(),
                 }
             }
             Op::Binary { a, b, op } => {
@@ -860,12 +1154,51 @@ impl Op<'_> {
                 Ok(x)
             }
             Op::Matmul { a, b } => get(a)?.matmul(&get(b)?),
+            Op::Clamp { input, lo, hi, hardtanh } => match hardtanh {
+                true => get(input)?.hardtanh(*lo, *hi),
+                false => get(input)?.clamp(*lo, *hi),
+            },
+            Op::Pow { input, exponent } => {
+                let x = get(input)?;
+                match *exponent {
+                    1.0 => Ok(x),
+                    2.0 => x.mul(&x),
+                    3.0 => x.mul(&x)?.mul(&x),
+                    0.5 => x.sqrt(),
+                    -0.5 => x.rsqrt(),
+                    -1.0 => Tensor::scalar(x.device(), 1.0, x.dtype(), Category::Temporary)?.div(&x),
+                    e => Err(Error::invalid(format!("pow by {e} (memfit imports 2, 3, 1, 0.5, -0.5 and -1)"))),
+                }
+            }
+            Op::Compare { a, b, op } => {
+                let a = get(a)?;
+                a.compare(*op, &operand(b, &a, get)?)
+            }
+            Op::Where { condition, a, b } => {
+                let c = get(condition)?;
+                let like = match (a, b) {
+                    (Operand::Value(v), _) | (_, Operand::Value(v)) => get(v)?,
+                    _ => return Err(Error::invalid("where of two numbers is not imported")),
+                };
+                ops::where_(&c, &operand(a, &like, get)?, &operand(b, &like, get)?)
+            }
+            Op::MaskedFillValue { input, mask, value } => {
+                let x = get(input)?;
+                ops::where_(&get(mask)?, &Tensor::scalar(x.device(), *value, x.dtype(), Category::Temporary)?, &x)
+            }
+            Op::Pad { input, pad, value } => ops::pad(&get(input)?, pad, *value),
             Op::Embedding { weight, indices } => ops::embedding(&get(indices)?, &get(weight)?),
             Op::LayerNorm { input, shape, weight, bias, eps } => {
                 ops::layer_norm(&get(input)?, shape, optional(*weight)?.as_ref(), optional(*bias)?.as_ref(), *eps)
             }
             Op::SymSize { .. }
             | Op::Reshape { .. }
+            | Op::Expand { .. }
+            | Op::Slice { .. }
+            | Op::Split { .. }
+            | Op::Cat { .. }
+            | Op::Empty { .. }
+            | Op::Bernoulli { .. }
             | Op::SymArith { .. }
             | Op::ZerosLike { .. }
             | Op::MaskedFill { .. }
@@ -937,6 +1270,13 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
         }
     };
     let unary = |op| Ok::<_, String>(Op::Unary { input: tensor("self")?, op });
+    let number_or_value = |name: &str| match node.arg(name) {
+        Some(Arg::Tensor(t)) => Ok(Operand::Value(t.as_str())),
+        Some(Arg::Float(v)) => Ok(Operand::Number(*v)),
+        Some(Arg::Int(v)) => Ok(Operand::Number(*v as f64)),
+        Some(Arg::Bool(v)) => Ok(Operand::Number(*v as u8 as f64)),
+        other => Err(format!("{target}: argument {name} should be a tensor or a number, got {other:?}")),
+    };
     let binary = |op| -> std::result::Result<Op<'_>, String> {
         let b = match node.arg("other") {
             Some(Arg::Tensor(t)) => Operand::Value(t.as_str()),
@@ -1022,7 +1362,9 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
         "torch.ops.aten.add.Tensor" => binary(Elementwise::Add)?,
         "torch.ops.aten.sub.Tensor" => binary(Elementwise::Sub)?,
         "torch.ops.aten.mul.Tensor" => binary(Elementwise::Mul)?,
-        "torch.ops.aten.div.Tensor" => binary(Elementwise::Div)?,
+        "torch.ops.aten.div.Tensor" | "torch.ops.aten.div_.Tensor" => binary(Elementwise::Div)?,
+        "torch.ops.aten.mul_.Tensor" => binary(Elementwise::Mul)?,
+        "torch.ops.aten.sub_.Tensor" => binary(Elementwise::Sub)?,
         "torch.ops.aten.relu.default" | "torch.ops.aten.relu_.default" => unary(UnaryOp::Relu)?,
         "torch.ops.aten.tanh.default" => unary(UnaryOp::Tanh)?,
         "torch.ops.aten.sigmoid.default" => unary(UnaryOp::Sigmoid)?,
@@ -1035,10 +1377,98 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
         "torch.ops.aten.hardswish.default" | "torch.ops.aten.hardswish_.default" => unary(UnaryOp::Hardswish)?,
         "torch.ops.aten.hardtanh.default" | "torch.ops.aten.hardtanh_.default" => {
             let (lo, hi) = (float("min_val", -1.0)?, float("max_val", 1.0)?);
-            if (lo, hi) != (0.0, 6.0) {
-                return Err(format!("{target}: hardtanh({lo}, {hi}) is imported as relu6 only, hardtanh(0, 6)"));
+            match (lo, hi) {
+                // MobileNet's ReLU6 as hardtanh: memfit's relu6 (the same values and gradient).
+                (0.0, 6.0) => unary(UnaryOp::Relu6)?,
+                _ => Op::Clamp { input: tensor("self")?, lo, hi, hardtanh: true },
             }
-            unary(UnaryOp::Relu6)?
+        }
+        "torch.ops.aten.clamp.default" | "torch.ops.aten.clamp_.default" => {
+            let bound = |name: &str, default: f64| match node.arg(name) {
+                None | Some(Arg::None) => Ok(default),
+                _ => float(name, default),
+            };
+            let (lo, hi) = (bound("min", f64::NEG_INFINITY)?, bound("max", f64::INFINITY)?);
+            Op::Clamp { input: tensor("self")?, lo, hi, hardtanh: false }
+        }
+        "torch.ops.aten.clamp_min.default" => {
+            Op::Clamp { input: tensor("self")?, lo: float("min", 0.0)?, hi: f64::INFINITY, hardtanh: false }
+        }
+        "torch.ops.aten.clamp_max.default" => {
+            Op::Clamp { input: tensor("self")?, lo: f64::NEG_INFINITY, hi: float("max", 0.0)?, hardtanh: false }
+        }
+        "torch.ops.aten.sqrt.default" => unary(UnaryOp::Sqrt)?,
+        "torch.ops.aten.rsqrt.default" => unary(UnaryOp::Rsqrt)?,
+        "torch.ops.aten.cos.default" => unary(UnaryOp::Cos)?,
+        "torch.ops.aten.sin.default" => unary(UnaryOp::Sin)?,
+        "torch.ops.aten.abs.default" => unary(UnaryOp::Abs)?,
+        "torch.ops.aten.pow.Tensor_Scalar" => {
+            let exponent = float("exponent", 1.0)?;
+            if ![1.0, 2.0, 3.0, 0.5, -0.5, -1.0].contains(&exponent) {
+                return Err(format!("{target}: pow by {exponent} (memfit imports 2, 3, 1, 0.5, -0.5 and -1)"));
+            }
+            Op::Pow { input: tensor("self")?, exponent }
+        }
+        "torch.ops.aten.gt.Scalar"
+        | "torch.ops.aten.gt.Tensor"
+        | "torch.ops.aten.lt.Scalar"
+        | "torch.ops.aten.lt.Tensor"
+        | "torch.ops.aten.ge.Scalar"
+        | "torch.ops.aten.ge.Tensor"
+        | "torch.ops.aten.le.Scalar"
+        | "torch.ops.aten.le.Tensor"
+        | "torch.ops.aten.eq.Scalar"
+        | "torch.ops.aten.eq.Tensor"
+        | "torch.ops.aten.ne.Scalar"
+        | "torch.ops.aten.ne.Tensor" => {
+            let op = match &target[15..17] {
+                "gt" => ops::Compare::Gt,
+                "lt" => ops::Compare::Lt,
+                "ge" => ops::Compare::Ge,
+                "le" => ops::Compare::Le,
+                "eq" => ops::Compare::Eq,
+                _ => ops::Compare::Ne,
+            };
+            Op::Compare { a: tensor("self")?, b: number_or_value("other")?, op }
+        }
+        "torch.ops.aten.where.self" | "torch.ops.aten.where.ScalarOther" | "torch.ops.aten.where.ScalarSelf" => {
+            Op::Where { condition: tensor("condition")?, a: number_or_value("self")?, b: number_or_value("other")? }
+        }
+        "torch.ops.aten.masked_fill.Scalar" => {
+            Op::MaskedFillValue { input: tensor("self")?, mask: tensor("mask")?, value: float("value", 0.0)? }
+        }
+        "torch.ops.aten.pad.default" | "torch.ops.aten.constant_pad_nd.default" => {
+            if !matches!(node.arg("mode"), None | Some(Arg::Str(_)))
+                || matches!(node.arg("mode"), Some(Arg::Str(m)) if m != "constant")
+            {
+                return Err(format!("{target}: a mode other than constant is not imported"));
+            }
+            let pad = match node.arg("pad") {
+                Some(Arg::Ints(v)) if v.len() % 2 == 0 => v.clone(),
+                other => return Err(format!("{target}: pad {other:?} (pairs of numbers)")),
+            };
+            let value = match node.arg("value") {
+                None | Some(Arg::None) => 0.0,
+                _ => float("value", 0.0)?,
+            };
+            Op::Pad { input: tensor("self")?, pad, value }
+        }
+        "torch.ops.aten.empty.memory_format" => {
+            if !matches!(node.arg("dtype"), None | Some(Arg::None) | Some(Arg::ScalarType(crate::FLOAT32))) {
+                return Err(format!("{target}: {NOISE} (float32)"));
+            }
+            match node.arg("size") {
+                Some(Arg::SymInts(v)) => Op::Empty { sizes: v.clone() },
+                Some(Arg::Ints(v)) => Op::Empty { sizes: v.iter().map(|&d| SymInt::Int(d)).collect() },
+                other => return Err(format!("{target}: size {other:?}")),
+            }
+        }
+        "torch.ops.aten.bernoulli_.float" => {
+            let p = float("p", 0.5)?;
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("{target}: p {p} is not a probability"));
+            }
+            Op::Bernoulli { input: tensor("self")?, p }
         }
         "torch.ops.aten.gelu.default" => match node.arg("approximate") {
             None => unary(UnaryOp::Gelu)?,
@@ -1181,6 +1611,59 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             Op::Dropout { input, p, train: bool_arg("train", true)? }
         }
         "torch.ops.aten.sym_size.int" => Op::SymSize { input: tensor("self")?, dim: int("dim", 0)? },
+        "torch.ops.aten.expand.default" => match node.arg("size") {
+            Some(Arg::SymInts(v)) => Op::Expand { input: tensor("self")?, sizes: v.as_slice() },
+            other => return Err(format!("{target}: argument size should be sizes, got {other:?}")),
+        },
+        "torch.ops.aten.slice.Tensor" => {
+            let bound = |name: &str, default: i64| match node.arg(name) {
+                None | Some(Arg::None) => Ok(SymOperand::Int(default)),
+                Some(Arg::Int(v)) => Ok(SymOperand::Int(*v)),
+                Some(Arg::Sym(n)) => Ok(SymOperand::Name(n.clone())),
+                other => Err(format!("{target}: argument {name} should be a size, got {other:?}")),
+            };
+            let step = usize::try_from(int("step", 1)?)
+                .ok()
+                .filter(|&s| s > 0)
+                .ok_or_else(|| format!("{target}: step must be positive"))?;
+            Op::Slice {
+                input: tensor("self")?,
+                dim: int("dim", 0)?,
+                start: bound("start", 0)?,
+                end: bound("end", i64::MAX)?,
+                step,
+            }
+        }
+        "torch.ops.aten.chunk.default"
+        | "torch.ops.aten.split.Tensor"
+        | "torch.ops.aten.split_with_sizes.default"
+        | "torch.ops.aten.unbind.int" => {
+            let positive = |v: i64| usize::try_from(v).ok().filter(|&v| v > 0);
+            let split = match target {
+                "torch.ops.aten.chunk.default" => Split::Chunks(
+                    positive(int("chunks", 0)?).ok_or_else(|| format!("{target}: chunks must be positive"))?,
+                ),
+                "torch.ops.aten.split.Tensor" => Split::Length(
+                    positive(int("split_size", 0)?).ok_or_else(|| format!("{target}: split_size must be positive"))?,
+                ),
+                "torch.ops.aten.unbind.int" => Split::Each,
+                _ => match node.arg("split_sizes") {
+                    Some(Arg::Ints(v)) => Split::Lengths(
+                        v.iter()
+                            .map(|&l| usize::try_from(l).map_err(|_| format!("{target}: a negative length in {v:?}")))
+                            .collect::<std::result::Result<_, _>>()?,
+                    ),
+                    other => return Err(format!("{target}: split_sizes {other:?}")),
+                },
+            };
+            Op::Split { input: tensor("self")?, dim: int("dim", 0)?, split }
+        }
+        "torch.ops.aten.cat.default" | "torch.ops.aten.stack.default" => match node.arg("tensors") {
+            Some(Arg::Tensors(list)) if !list.is_empty() => {
+                Op::Cat { tensors: list.as_slice(), dim: int("dim", 0)?, stack: target.contains("stack") }
+            }
+            other => return Err(format!("{target}: tensors should be a list of values, got {other:?}")),
+        },
         other => return Err(format!("the graph calls {other}, which memfit does not import yet")),
     };
     Ok(op)

@@ -77,6 +77,8 @@ fn an_op_memfit_does_not_import_is_named_with_those_it_does() {
     });
     let e = error_of(&path);
     assert!(e.contains("torch.ops.aten.mish.default") && e.contains("torch.ops.aten.linear.default"), "{e}");
+    // Where the user's model calls it: the module and the source line.
+    assert!(e.contains("(from module 2, activation.py, line ") && e.contains("return F.relu(input"), "{e}");
 }
 
 #[test]

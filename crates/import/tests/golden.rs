@@ -1,10 +1,11 @@
 //! Imported programs compute what PyTorch computes: each fixture (`tests/fixtures/*.pt2`, exported by
 //! `tests/fixtures/make.py` with PyTorch's own logits, loss and gradients for one batch) is read, run on
-//! `cpu` and differentiated by memfit's autograd, and compared with PyTorch; on `meta` it allocates
-//! exactly what it does on `cpu`.
+//! `cpu` (or the device `MEMFIT_TEST_DEVICE` names: `cuda` on a GPU or on the emulator,
+//! `MEMFIT_CUDA_EMULATOR=1`) and differentiated by memfit's autograd, and compared with PyTorch; on
+//! `meta` (`meta:cuda` for a GPU) it allocates exactly what it does on the computing device.
 
 use memfit_import::{Archive, Program};
-use memfit_tensor::{autograd, ops, Category, DType, Device, Tensor};
+use memfit_tensor::{autograd, ops, Category, DType, Device, DeviceConfig, DeviceKind, Tensor};
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -49,11 +50,19 @@ fn run(name: &str, device: &Device) -> (memfit_tensor::MemoryStats, Vec<f64>, f6
     (stats, logits.to_f64_vec().unwrap(), loss.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()[0], grads)
 }
 
+/// The computing device the golden checks run on (`MEMFIT_TEST_DEVICE`, cpu by default) and the meta
+/// device that predicts it.
+fn devices() -> (Device, Device) {
+    let name = std::env::var("MEMFIT_TEST_DEVICE").unwrap_or_else(|_| "cpu".to_string());
+    let open = |name: &str| Device::new(DeviceConfig::new(DeviceKind::parse(name).unwrap())).unwrap();
+    (open(&name), open(if name.starts_with("cuda") { "meta:cuda" } else { "meta" }))
+}
+
 fn check(name: &str) {
     let golden: Value =
         serde_json::from_slice(&std::fs::read(fixture(&format!("{name}.golden.json"))).unwrap()).unwrap();
-    let cpu = Device::cpu();
-    let (cpu_stats, logits, loss, grads) = run(name, &cpu);
+    let (device, meta) = devices();
+    let (cpu_stats, logits, loss, grads) = run(name, &device);
     assert_close(&logits, &floats(&golden["logits"]), 1e-5, &format!("{name} logits"));
     assert_close(&[loss], &[golden["loss"].as_f64().unwrap()], 1e-5, &format!("{name} loss"));
     let want = golden["grads"].as_object().unwrap();
@@ -62,8 +71,8 @@ fn check(name: &str) {
         let w = want.get(n).unwrap_or_else(|| panic!("{name}: PyTorch has no parameter {n}"));
         assert_close(g, &floats(w), 1e-4, &format!("{name} grad {n}"));
     }
-    let (meta_stats, ..) = run(name, &Device::meta());
-    assert_eq!(meta_stats, cpu_stats, "{name}: meta allocates what cpu does");
+    let (meta_stats, ..) = run(name, &meta);
+    assert_eq!(meta_stats, cpu_stats, "{name}: meta allocates what {} does", device.kind());
 }
 
 #[test]
@@ -87,6 +96,62 @@ fn a_tiny_mobilenet_computes_pytorch_s_logits_loss_and_gradients() {
 #[test]
 fn a_tiny_mlp_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_mlp");
+}
+
+/// Users' everyday ops: chunk, split by size and by sizes, unbind, stack, cat, comparisons with where
+/// (values and numbers) and masked_fill, clamp with both bounds and one, hardtanh, pow, sqrt, rsqrt,
+/// cos, sin, abs, constant padding (a value, a crop), stepped and negative slices, expand, max pooling
+/// with ceil_mode.
+#[test]
+fn everyday_ops_compute_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_ops");
+}
+
+/// torchvision's VisionTransformer (narrow, for 28 x 28 images): a class token expanded and joined to
+/// the patches, nn.MultiheadAttention blocks, the class token's slice.
+#[test]
+fn a_tiny_vision_transformer_computes_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_vit");
+}
+
+/// torchvision's stochastic depth (row and batch modes): in evaluation the model is PyTorch's without
+/// it; in training each row (or the whole batch) is dropped or scaled by 1/(1-p), drawn from the pass's
+/// seed, and meta allocates what cpu does.
+#[test]
+fn stochastic_depth_draws_from_the_pass_s_seed_and_passes_through_in_evaluation() {
+    let golden: Value =
+        serde_json::from_slice(&std::fs::read(fixture("tiny_stochastic.golden.json")).unwrap()).unwrap();
+    let archive = std::sync::Arc::new(Archive::open(&fixture("tiny_stochastic.pt2")).unwrap());
+    let device = Device::cpu();
+    let program = Program::new(archive.clone(), &device).unwrap();
+    let values: Vec<f32> = floats(&golden["eval_input"]).iter().map(|&v| v as f32).collect();
+    let x = Tensor::from_slice(&device, &values, &[values.len() / 784, 1, 28, 28], Category::Input).unwrap();
+    let eval = program.forward(&x, false).unwrap().to_f64_vec().unwrap();
+    assert_close(&eval, &floats(&golden["eval_logits"]), 1e-5, "eval logits");
+    let big: Vec<f32> = (0..64 * 784).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+    let x = Tensor::from_slice(&device, &big, &[64, 1, 28, 28], Category::Input).unwrap();
+    let _no_grad = device.no_grad();
+    let run = |seed: u64, train: bool| {
+        device.set_random_seed(seed);
+        program.forward(&x, train).unwrap().to_f64_vec().unwrap()
+    };
+    let (a, again, other) = (run(3, true), run(3, true), run(4, true));
+    assert_eq!(a, again, "the same seed draws the same noise");
+    assert_ne!(a, other, "another seed draws other noise");
+    assert_eq!(run(3, false), run(4, false), "no noise in evaluation");
+    assert_ne!(run(3, false), a, "noise in training");
+    drop(_no_grad);
+    // Meta allocates what cpu does, in training.
+    let stats = |device: &Device| {
+        let program = Program::new(archive.clone(), device).unwrap();
+        let x = Tensor::zeros(device, &[64, 1, 28, 28], DType::F32, Category::Input).unwrap();
+        device.set_random_seed(3);
+        let logits = program.forward(&x, true).unwrap();
+        let y = Tensor::zeros(device, &[64], DType::I64, Category::Input).unwrap();
+        autograd::backward(&ops::cross_entropy(&logits, &y, 0.0).unwrap()).unwrap();
+        device.stats()
+    };
+    assert_eq!(stats(&Device::meta()), stats(&Device::cpu()));
 }
 
 /// Batch norm, a residual add, pooling, GELU in both forms, SiLU, tanh, arithmetic with numbers and a

@@ -37,7 +37,23 @@ fn main() {
     agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
     agree(&cuda, "hardsigmoid", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardsigmoid());
     agree(&cuda, "hardswish", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardswish());
-    let total = attention + sums + states + uploads + vocab + convs + 3;
+    // An imported model's maths: sqrt and rsqrt of positive values, cos, sin, abs, and a join of views.
+    agree(&cuda, "sqrt", &[&[1000]], &|x| x[0].affine(1.0, 1.5)?.sqrt());
+    agree(&cuda, "rsqrt", &[&[1000]], &|x| x[0].affine(1.0, 1.5)?.rsqrt());
+    agree(&cuda, "cos", &[&[1000]], &|x| x[0].mul_scalar(4.0)?.cos());
+    agree(&cuda, "sin", &[&[1000]], &|x| x[0].mul_scalar(4.0)?.sin());
+    agree(&cuda, "abs", &[&[1000]], &|x| x[0].abs());
+    agree(&cuda, "cat", &[&[6, 40], &[6, 8]], &|x| {
+        memfit_tensor::ops::cat(&[x[0].slice_step(1, 1, 40, 3)?, x[1].clone()], 1)?.mul(&x[0].narrow(1, 0, 21)?)
+    });
+    agree(&cuda, "clamp", &[&[1000]], &|x| x[0].clamp(-0.3, 0.6));
+    agree(&cuda, "hardtanh", &[&[1000]], &|x| x[0].hardtanh(-0.3, 0.6));
+    agree(&cuda, "where", &[&[40, 30], &[30]], &|x| {
+        let cond = x[0].detach().compare(memfit_tensor::ops::Compare::Ge, &x[1].detach())?;
+        memfit_tensor::ops::where_(&cond, &x[0], &x[1])
+    });
+    agree(&cuda, "pad", &[&[3, 7, 9]], &|x| memfit_tensor::ops::pad(&x[0], &[2, -1, -2, 3], 0.25)?.mul_scalar(3.0));
+    let total = attention + sums + states + uploads + vocab + convs + 13;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 

@@ -179,6 +179,25 @@ fn gradcheck_unary() {
     gradcheck("exp", &[input(&shape, rng.vec(n, -2.0, 2.0))], |x| x[0].exp());
     gradcheck("log", &[input(&shape, rng.vec(n, 0.3, 3.0))], |x| x[0].log());
     gradcheck("neg", &[rand_input(&mut rng, &shape)], |x| x[0].neg());
+    gradcheck("sqrt", &[input(&shape, rng.vec(n, 0.3, 3.0))], |x| x[0].sqrt());
+    gradcheck("rsqrt", &[input(&shape, rng.vec(n, 0.3, 3.0))], |x| x[0].rsqrt());
+    gradcheck("cos", &[input(&shape, rng.vec(n, -4.0, 4.0))], |x| x[0].cos());
+    gradcheck("sin", &[input(&shape, rng.vec(n, -4.0, 4.0))], |x| x[0].sin());
+    gradcheck("abs", &[input(&shape, rng.away_from_zero(n, 0.05, 1.5))], |x| x[0].abs());
+    // Below, inside and above [-0.5, 0.7], away from both bounds.
+    let bounded: Vec<f64> = rng
+        .vec(n, 0.05, 0.45)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| match i % 3 {
+            0 => x,
+            1 => -0.5 - x,
+            _ => 0.7 + x,
+        })
+        .collect();
+    gradcheck("clamp", &[input(&shape, bounded.clone())], |x| x[0].clamp(-0.5, 0.7));
+    gradcheck("clamp below only", &[input(&shape, bounded.clone())], |x| x[0].clamp(-0.5, f64::INFINITY));
+    gradcheck("hardtanh", &[input(&shape, bounded)], |x| x[0].hardtanh(-0.5, 0.7));
     // Below 0, between 0 and 6, above 6: away from both kinks.
     let three_sides: Vec<f64> = rng
         .vec(n, 0.1, 5.9)
@@ -659,6 +678,25 @@ fn gradcheck_views() {
     gradcheck("narrow", &[rand_input(&mut rng, &s)], |x| x[0].narrow(1, 1, 2));
     gradcheck("narrow twice", &[rand_input(&mut rng, &s)], |x| x[0].narrow(2, 1, 3)?.narrow(0, 1, 1));
     gradcheck("expand", &[rand_input(&mut rng, &[3, 1])], |x| x[0].expand(&[2, 3, 4]));
+    gradcheck("slice_step", &[rand_input(&mut rng, &[2, 7, 3])], |x| x[0].slice_step(1, 1, 7, 2));
+    gradcheck("slice_step past the end", &[rand_input(&mut rng, &s)], |x| x[0].slice_step(2, 1, 99, 3));
+    gradcheck("cat", &[rand_input(&mut rng, &[2, 1, 4]), rand_input(&mut rng, &s)], |x| {
+        memfit_tensor::ops::cat(&[x[0].clone(), x[1].clone(), x[0].clone()], 1)
+    });
+    gradcheck("cat of views", &[rand_input(&mut rng, &s)], |x| {
+        memfit_tensor::ops::cat(&[x[0].narrow(2, 0, 1)?, x[0].transpose(1, 2)?.narrow(1, 1, 2)?.transpose(1, 2)?], 2)
+    });
+    gradcheck("where", &[rand_input(&mut rng, &s), rand_input(&mut rng, &[3, 1])], |x| {
+        let cond = x[0].detach().compare(memfit_tensor::ops::Compare::Gt, &x[1].detach().mul_scalar(0.5)?)?;
+        memfit_tensor::ops::where_(&cond, &x[0], &x[1])
+    });
+    gradcheck("pad", &[rand_input(&mut rng, &s)], |x| memfit_tensor::ops::pad(&x[0], &[1, 2, 0, 1], 0.0));
+    gradcheck("pad with a value, cropping", &[rand_input(&mut rng, &s)], |x| {
+        memfit_tensor::ops::pad(&x[0], &[-1, 2, 1, -1, 1, 0], 0.5)
+    });
+    gradcheck("stack", &[rand_input(&mut rng, &s), rand_input(&mut rng, &s)], |x| {
+        memfit_tensor::ops::stack(&[x[0].clone(), x[1].clone()], 3)
+    });
     gradcheck("contiguous", &[rand_input(&mut rng, &s)], |x| x[0].permute(&[1, 2, 0])?.contiguous());
     gradcheck("flatten_from", &[rand_input(&mut rng, &s)], |x| x[0].flatten_from(1));
     gradcheck("unsqueeze/squeeze", &[rand_input(&mut rng, &s)], |x| x[0].unsqueeze(1)?.squeeze(1)?.unsqueeze(0));

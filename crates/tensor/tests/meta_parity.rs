@@ -35,6 +35,21 @@ fn programs() -> Vec<(&'static str, Program)> {
         ("relu6", |d, t| z(d, &[4], t).relu6().map(drop)),
         ("hardsigmoid", |d, t| z(d, &[4], t).hardsigmoid().map(drop)),
         ("hardswish", |d, t| z(d, &[4], t).hardswish().map(drop)),
+        ("sqrt", |d, t| z(d, &[4], t).sqrt().map(drop)),
+        ("rsqrt", |d, t| z(d, &[4], t).rsqrt().map(drop)),
+        ("cos", |d, t| z(d, &[4], t).cos().map(drop)),
+        ("sin", |d, t| z(d, &[4], t).sin().map(drop)),
+        ("abs", |d, t| z(d, &[4], t).abs().map(drop)),
+        ("clamp", |d, t| z(d, &[4], t).clamp(-1.0, 1.0).map(drop)),
+        ("hardtanh", |d, t| z(d, &[4], t).hardtanh(-1.0, 1.0).map(drop)),
+        ("compare", |d, t| z(d, &[2, 3], t).compare(memfit_tensor::ops::Compare::Lt, &z(d, &[3], t)).map(drop)),
+        ("where", |d, t| {
+            let cond = z(d, &[2, 3], t).compare(memfit_tensor::ops::Compare::Eq, &z(d, &[3], t))?;
+            memfit_tensor::ops::where_(&cond, &z(d, &[2, 3], t), &z(d, &[1], t)).map(drop)
+        }),
+        ("cat", |d, t| memfit_tensor::ops::cat(&[z(d, &[2, 3], t), z(d, &[2, 1], t)], 1).map(drop)),
+        ("pad", |d, t| memfit_tensor::ops::pad(&z(d, &[2, 5], t), &[1, -1, 2, 0], 1.5).map(drop)),
+        ("slice_step", |d, t| z(d, &[2, 5], t).slice_step(1, 0, 5, 2).map(drop)),
         ("affine", |d, t| z(d, &[4], t).affine(2.0, 1.0).map(drop)),
         ("mul_scalar", |d, t| z(d, &[4], t).mul_scalar(2.0).map(drop)),
         ("add", |d, t| z(d, &[2, 3], t).add(&z(d, &[3], t)).map(drop)),

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use memfit_cpu::attention::AttnProblem;
 use memfit_cpu::conv::ConvGeom;
-use memfit_cpu::elementwise::{Binary, Unary};
+use memfit_cpu::elementwise::{Binary, Compare, Unary};
 use memfit_cpu::optim::{AdamStep, SgdStep};
 use memfit_cpu::pool::{Avg, PoolGeom};
 use memfit_cpu::View;
@@ -47,7 +47,7 @@ macro_rules! as_is {
     };
 }
 
-as_is!(bool, f64, u64, usize, &'a [u8], &'a mut [u8], &'a mut bool, Unary, Binary, Avg, SgdStep, AdamStep);
+as_is!(bool, f64, u64, usize, &'a [u8], &'a mut [u8], &'a mut bool, Unary, Binary, Compare, Avg, SgdStep, AdamStep);
 as_is!(&'a ConvGeom, &'a PoolGeom, &'a AttnProblem);
 
 impl From<memfit_cpu::Error> for Error {

@@ -13,7 +13,7 @@
 use super::Backend;
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
-use crate::ops::{AdamStep, AttnProblem, Avg, Binary, ConvGeom, PoolGeom, SgdStep, Unary};
+use crate::ops::{AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep, Unary};
 use crate::tensor::Tensor;
 use crate::DType;
 use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Staging, Strided};
@@ -234,6 +234,28 @@ impl Cuda {
 
     fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<()> {
         self.machine.launch(name, shape, args).map_err(|e| self.err(e))
+    }
+
+    /// `kernel(code, a, b, out)` element by element over `out`'s shape, `a` and `b` read through
+    /// broadcasting strided views (the binary arithmetic and comparison kernels).
+    fn broadcast_pair(&self, kernel: &str, code: i32, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        let shape = out.shape();
+        let (pa, va) = strided(a, shape, &broadcast_strides(a, shape))?;
+        let (pb, vb) = strided(b, shape, &broadcast_strides(b, shape))?;
+        let n = out.numel();
+        self.launch(
+            kernel,
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::I32(code),
+                Arg::Ptr(pa),
+                Arg::View(va),
+                Arg::Ptr(pb),
+                Arg::View(vb),
+                Arg::Ptr(dense(out, kernel)?),
+                Arg::I64(n as i64),
+            ],
+        )
     }
 
     fn gemm(&self, g: Gemm) -> Result<()> {
@@ -498,21 +520,65 @@ impl Backend for Cuda {
     }
 
     fn binary(&self, op: Binary, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
-        let sfx = float(op.name(), a.dtype())?;
+        self.broadcast_pair(&format!("binary_{}", float(op.name(), a.dtype())?), binary_code(op), a, b, out)
+    }
+
+    fn compare(&self, op: Compare, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        self.broadcast_pair(&format!("compare_{}", float(op.name(), a.dtype())?), compare_code(op), a, b, out)
+    }
+
+    fn select(&self, cond: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("where", a.dtype())?;
         let shape = out.shape();
+        let (pc, vc) = strided(cond, shape, &broadcast_strides(cond, shape))?;
         let (pa, va) = strided(a, shape, &broadcast_strides(a, shape))?;
         let (pb, vb) = strided(b, shape, &broadcast_strides(b, shape))?;
         let n = out.numel();
         self.launch(
-            &format!("binary_{sfx}"),
+            &format!("select_{sfx}"),
             self.grid(n, BLOCK),
             &mut [
-                Arg::I32(binary_code(op)),
+                Arg::Ptr(pc),
+                Arg::View(vc),
                 Arg::Ptr(pa),
                 Arg::View(va),
                 Arg::Ptr(pb),
                 Arg::View(vb),
-                Arg::Ptr(dense(out, op.name())?),
+                Arg::Ptr(dense(out, "where")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn clamp(&self, x: &Tensor, lo: f64, hi: f64, out: &Tensor) -> Result<()> {
+        let sfx = float("clamp", x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("clamp_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "clamp")?),
+                scalar(x.dtype(), lo),
+                scalar(x.dtype(), hi),
+                Arg::Ptr(dense(out, "clamp")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn clamp_backward(&self, x: &Tensor, lo: f64, hi: f64, inclusive: bool, grad: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("clamp_backward", x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("clamp_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "clamp_backward")?),
+                scalar(x.dtype(), lo),
+                scalar(x.dtype(), hi),
+                Arg::I32(inclusive as i32),
+                Arg::Ptr(dense(grad, "clamp_backward")?),
+                Arg::Ptr(dense(out, "clamp_backward")?),
                 Arg::I64(n as i64),
             ],
         )
@@ -521,15 +587,26 @@ impl Backend for Cuda {
     fn add_into(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         let sfx = float("add_into", dst.dtype())?;
         let n = dst.numel();
-        if src.is_contiguous() {
+        if src.is_contiguous() && dst.is_contiguous() {
             return self.launch(
                 &format!("add_into_{sfx}"),
                 self.grid(n, BLOCK),
                 &mut [Arg::Ptr(dense(dst, "add_into")?), Arg::Ptr(addr(src)?), Arg::I64(n as i64)],
             );
         }
-        // dst = dst + src through the broadcasting kernel (it reads each element before writing it).
-        self.binary(Binary::Add, dst, src, dst)
+        if dst.is_contiguous() {
+            // dst = dst + src through the broadcasting kernel (it reads each element before writing it).
+            return self.binary(Binary::Add, dst, src, dst);
+        }
+        // A window of a larger tensor (a join's piece, a slice's gradient).
+        let shape = dst.shape();
+        let (pd, vd) = strided(dst, shape, dst.layout().strides())?;
+        let (ps, vs) = strided(src, shape, src.layout().strides())?;
+        self.launch(
+            &format!("add_into_strided_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [Arg::Ptr(pd), Arg::View(vd), Arg::Ptr(ps), Arg::View(vs), Arg::I64(n as i64)],
+        )
     }
 
     fn conv2d(
@@ -2130,6 +2207,23 @@ fn unary_code(op: Unary) -> i32 {
         Unary::Relu6 => 8,
         Unary::Hardsigmoid => 9,
         Unary::Hardswish => 10,
+        Unary::Sqrt => 11,
+        Unary::Rsqrt => 12,
+        Unary::Cos => 13,
+        Unary::Sin => 14,
+        Unary::Abs => 15,
+    }
+}
+
+/// The kernels' code of a comparison (`elementwise.cu`).
+fn compare_code(op: Compare) -> i32 {
+    match op {
+        Compare::Gt => 0,
+        Compare::Lt => 1,
+        Compare::Ge => 2,
+        Compare::Le => 3,
+        Compare::Eq => 4,
+        Compare::Ne => 5,
     }
 }
 

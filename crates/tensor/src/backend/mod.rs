@@ -89,7 +89,7 @@ macro_rules! backends {
     };
 }
 
-use crate::ops::{Binary, Unary};
+use crate::ops::{Binary, Compare, Unary};
 
 /// Fills an ordinary host buffer of `t`'s bytes (8-byte aligned) with `fill` and hands it to `copy`.
 pub(crate) fn with_host_buffer(
@@ -133,6 +133,15 @@ backends! {
     fn binary(&self, op: Binary, a: &Tensor, b: &Tensor, out: &Tensor);
     /// `dst += src` in place (same shape).
     fn add_into(&self, dst: &Tensor, src: &Tensor);
+    /// `out = op(a, b)` as bools over the broadcast shape of the contiguous bool `out`.
+    fn compare(&self, op: Compare, a: &Tensor, b: &Tensor, out: &Tensor);
+    /// `out = cond ? a : b` over the broadcast shape of `out` (cond bool).
+    fn select(&self, cond: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor);
+    /// `out = min(max(x, lo), hi)` (x contiguous).
+    fn clamp(&self, x: &Tensor, lo: f64, hi: f64, out: &Tensor);
+    /// `out = grad` where `x` is inside [lo, hi] (`inclusive`) or (lo, hi), else 0; `out` may be
+    /// `grad` itself.
+    fn clamp_backward(&self, x: &Tensor, lo: f64, hi: f64, inclusive: bool, grad: &Tensor, out: &Tensor);
 
     // Seam A: conv.
     /// 2-D convolution by the op's work plan `g`: `out = conv2d(x, weight) (+ bias)` (all

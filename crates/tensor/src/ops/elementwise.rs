@@ -1,5 +1,6 @@
-//! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, exp, log, neg, scalar
-//! affine), binary arithmetic with broadcasting (add, sub, mul, div), and in-place accumulation:
+//! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, exp, log, neg, sqrt,
+//! rsqrt, cos, sin, abs, scalar affine, clamp), binary arithmetic with broadcasting (add, sub, mul, div),
+//! comparisons and `where`, and in-place accumulation:
 //! shapes, outputs and autograd. The kernels are the backend's (`memfit-cpu`'s `elementwise.rs`).
 
 use super::{check_same, output};
@@ -83,6 +84,44 @@ impl Tensor {
     pub fn neg(&self) -> Result<Tensor> {
         unary(self, Unary::Neg)
     }
+    pub fn sqrt(&self) -> Result<Tensor> {
+        unary(self, Unary::Sqrt)
+    }
+    /// `1 / sqrt(x)`.
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        unary(self, Unary::Rsqrt)
+    }
+    pub fn cos(&self) -> Result<Tensor> {
+        unary(self, Unary::Cos)
+    }
+    pub fn sin(&self) -> Result<Tensor> {
+        unary(self, Unary::Sin)
+    }
+    pub fn abs(&self) -> Result<Tensor> {
+        unary(self, Unary::Abs)
+    }
+
+    /// `min(max(x, lo), hi)` (PyTorch's `clamp`; a bound may be infinite). The gradient passes where
+    /// `lo <= x <= hi`.
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
+        clamp(self, lo, hi, true)
+    }
+    /// The same values as [`Tensor::clamp`]; the gradient passes where `lo < x < hi` (PyTorch's
+    /// `hardtanh`).
+    pub fn hardtanh(&self, lo: f64, hi: f64) -> Result<Tensor> {
+        clamp(self, lo, hi, false)
+    }
+
+    /// `op(self, other)` elementwise over the broadcast shape: a bool tensor (not differentiable).
+    pub fn compare(&self, op: Compare, other: &Tensor) -> Result<Tensor> {
+        check_same(op.name(), &[self, other])?;
+        super::check_computable(op.name(), self.dtype())?;
+        let _op = self.device().op_scope(op.name());
+        let shape = broadcast_shapes(self.shape(), other.shape())?;
+        let out = super::output_any(self, &shape, crate::DType::Bool, op.name())?;
+        self.device().backend().compare(op, self, other, &out)?;
+        Ok(out)
+    }
 
     /// `self * scale + shift` with plain numbers.
     pub fn affine(&self, scale: f64, shift: f64) -> Result<Tensor> {
@@ -108,6 +147,88 @@ impl Tensor {
     }
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
         binary(self, other, Binary::Div)
+    }
+}
+
+/// `min(max(x, lo), hi)`; the gradient passes where `x` is inside [lo, hi] (`inclusive`, clamp's
+/// rule) or strictly inside (hardtanh's), as PyTorch's.
+fn clamp(x: &Tensor, lo: f64, hi: f64, inclusive: bool) -> Result<Tensor> {
+    let name = if inclusive { "clamp" } else { "hardtanh" };
+    let _op = x.device().op_scope(name);
+    let x = x.contiguous()?;
+    let out = output(&x, x.shape(), x.dtype(), name)?;
+    x.device().backend().clamp(&x, lo, hi, &out)?;
+    Ok(if needs_grad(&[&x]) {
+        let saved = save_compact(&x)?;
+        record(out, name, &[&x], ClampBack { lo, hi, inclusive, saved })
+    } else {
+        out
+    })
+}
+
+struct ClampBack {
+    lo: f64,
+    hi: f64,
+    inclusive: bool,
+    saved: Compact,
+}
+impl Backward for ClampBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let grad = grad.into_contiguous()?;
+        let x = self.saved.into_tensor()?;
+        // Over the incoming gradient when nobody else holds it, as a unary op's backward.
+        let out = if grad.owns_storage() {
+            grad.clone()
+        } else {
+            output(&grad, grad.shape(), grad.dtype(), "clamp_backward")?
+        };
+        grad.device().backend().clamp_backward(&x, self.lo, self.hi, self.inclusive, &grad, &out)?;
+        Ok(vec![Some(out)])
+    }
+}
+
+/// `cond ? a : b` elementwise over the broadcast shape of the three (PyTorch's `torch.where`);
+/// `cond` is a bool tensor, `a` and `b` share a float dtype.
+pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    check_same("where", &[a, b])?;
+    if !cond.device().same(a.device()) || cond.dtype() != crate::DType::Bool {
+        return Err(Error::dtype(format!(
+            "where: the condition is {} (a bool tensor on the values' device)",
+            cond.dtype()
+        )));
+    }
+    let _op = a.device().op_scope("where");
+    let shape = broadcast_shapes(&broadcast_shapes(cond.shape(), a.shape())?, b.shape())?;
+    let out = output(a, &shape, a.dtype(), "where")?;
+    a.device().backend().select(cond, a, b, &out)?;
+    Ok(if needs_grad(&[a, b]) {
+        let back = WhereBack { cond: cond.clone(), a_shape: a.shape().to_vec(), b_shape: b.shape().to_vec() };
+        record(out, "where", &[a, b], back)
+    } else {
+        out
+    })
+}
+
+struct WhereBack {
+    cond: Tensor,
+    a_shape: Vec<usize>,
+    b_shape: Vec<usize>,
+}
+impl Backward for WhereBack {
+    fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let zero = Tensor::scalar(grad.device(), 0.0, grad.dtype(), crate::Category::Temporary)?;
+        let mut grads = Vec::with_capacity(2);
+        for (k, shape) in [(0, &self.a_shape), (1, &self.b_shape)] {
+            grads.push(if needs[k] {
+                let (a, b) = if k == 0 { (&grad, &zero) } else { (&zero, &grad) };
+                let g = output(&grad, grad.shape(), grad.dtype(), "where_backward")?;
+                grad.device().backend().select(&self.cond, a, b, &g)?;
+                Some(sum_to_shape(&g, shape)?)
+            } else {
+                None
+            });
+        }
+        Ok(grads)
     }
 }
 
@@ -190,6 +311,7 @@ impl Backward for BinaryBack {
 }
 
 use super::sum_to_shape;
+pub use memfit_cpu::elementwise::Compare;
 pub(crate) use memfit_cpu::elementwise::{Binary, Unary};
 
 /// `dst += src` in place (same shape; any layouts). Not recorded by autograd.

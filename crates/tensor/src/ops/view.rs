@@ -1,6 +1,7 @@
-//! Views (reshape, permute, transpose, narrow, expand, squeeze/unsqueeze, flatten) and contiguous copies.
-//! A view shares storage; its backward maps the gradient back to the input's shape. The copies and
-//! accumulations are the backend's data-movement and element-wise kernels (`copy`, `add_into`).
+//! Views (reshape, permute, transpose, narrow and stepped slices, expand, squeeze/unsqueeze, flatten),
+//! contiguous copies, concatenation and constant padding. A view shares storage; its backward maps the gradient back to
+//! the input's shape. The copies and accumulations are the backend's data-movement and element-wise
+//! kernels (`copy`, `add_into`).
 
 use super::output_any;
 use crate::autograd::{needs_grad, record, Backward};
@@ -116,12 +117,30 @@ impl Tensor {
         if start.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::shape(format!("narrow: {start} + {len} elements out of range for size {size}")));
         }
+        self.stepped(d, start, len, 1)
+    }
+
+    /// Elements `start, start + step, ...` below `end` of `dim` (PyTorch's `x[start:end:step]`; `end`
+    /// past the size means to the end, as Python's slices do). A view.
+    pub fn slice_step(&self, dim: isize, start: usize, end: usize, step: usize) -> Result<Tensor> {
+        let d = resolve_dim(dim, self.rank())?;
+        if step == 0 {
+            return Err(Error::shape("slice: step must be positive"));
+        }
+        let (start, end) = (start.min(self.shape()[d]), end.min(self.shape()[d]));
+        self.stepped(d, start, end.saturating_sub(start).div_ceil(step), step)
+    }
+
+    /// `len` elements of `dim` from `start`, `step` apart (checked by the callers to lie inside).
+    fn stepped(&self, d: usize, start: usize, len: usize, step: usize) -> Result<Tensor> {
         let l = self.layout();
         let mut shape = l.shape().to_vec();
         shape[d] = len;
-        let view = self.with_layout(Layout::new(shape, l.strides().to_vec(), l.offset() + start * l.strides()[d]));
+        let mut strides = l.strides().to_vec();
+        strides[d] *= step;
+        let view = self.with_layout(Layout::new(shape, strides, l.offset() + start * l.strides()[d]));
         Ok(if needs_grad(&[self]) {
-            record(view, "narrow", &[self], NarrowBack { shape: self.shape().to_vec(), dim: d, start })
+            record(view, "narrow", &[self], NarrowBack { shape: self.shape().to_vec(), dim: d, start, step })
         } else {
             view
         })
@@ -210,12 +229,13 @@ struct NarrowBack {
     shape: Vec<usize>,
     dim: usize,
     start: usize,
+    step: usize,
 }
 impl Backward for NarrowBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let full = super::zeros_output(&grad, &self.shape, grad.dtype(), "narrow_backward")?;
         // A view of the zeros (no allocation, on any device) takes the gradient.
-        let window = full.narrow(self.dim as isize, self.start, grad.shape()[self.dim])?;
+        let window = full.stepped(self.dim, self.start, grad.shape()[self.dim], self.step)?;
         super::add_into(&window, &grad)?;
         Ok(vec![Some(full)])
     }
@@ -227,5 +247,125 @@ struct ExpandBack {
 impl Backward for ExpandBack {
     fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
         Ok(vec![Some(super::sum_to_shape(&grad, &self.shape)?)])
+    }
+}
+
+/// `tensors` joined along `dim` (PyTorch's `torch.cat`): the same shape but for `dim`, which adds up.
+/// The output is zeroed and each piece added into its window (the backend's strided `add_into`); the
+/// gradient of each piece is its window of the output's gradient, a view.
+pub fn cat(tensors: &[Tensor], dim: isize) -> Result<Tensor> {
+    let [first, ..] = tensors else {
+        return Err(Error::shape("cat: no tensors to join"));
+    };
+    let refs: Vec<&Tensor> = tensors.iter().collect();
+    super::check_same("cat", &refs)?;
+    let d = resolve_dim(dim, first.rank())?;
+    let mut shape = first.shape().to_vec();
+    shape[d] = 0;
+    for t in tensors {
+        let same_rest = t.rank() == first.rank()
+            && t.shape().iter().zip(first.shape()).enumerate().all(|(i, (a, b))| i == d || a == b);
+        if !same_rest {
+            return Err(Error::shape(format!("cat: {:?} and {:?} differ outside dim {d}", first.shape(), t.shape())));
+        }
+        shape[d] += t.shape()[d];
+    }
+    checked_numel(&shape)?;
+    let _op = first.device().op_scope("cat");
+    let out = super::zeros_output(first, &shape, first.dtype(), "cat")?;
+    let mut start = 0;
+    for t in tensors {
+        let len = t.shape()[d];
+        super::add_into(&out.stepped(d, start, len, 1)?, t)?;
+        start += len;
+    }
+    Ok(if needs_grad(&refs) {
+        record(out, "cat", &refs, CatBack { dim: d, sizes: tensors.iter().map(|t| t.shape()[d]).collect() })
+    } else {
+        out
+    })
+}
+
+/// `tensors` joined along a new dimension `dim` (PyTorch's `torch.stack`).
+pub fn stack(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+    let unsqueezed = tensors.iter().map(|t| t.unsqueeze(dim)).collect::<Result<Vec<_>>>()?;
+    cat(&unsqueezed, dim as isize)
+}
+
+struct CatBack {
+    dim: usize,
+    sizes: Vec<usize>,
+}
+impl Backward for CatBack {
+    fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let mut start = 0;
+        let mut grads = Vec::with_capacity(self.sizes.len());
+        for (&len, &need) in self.sizes.iter().zip(needs) {
+            grads.push(if need { Some(grad.stepped(self.dim, start, len, 1)?) } else { None });
+            start += len;
+        }
+        Ok(grads)
+    }
+}
+
+/// Constant padding (PyTorch's `F.pad(x, pad, value=value)`): `pad` lists, from the last dimension
+/// backwards, the elements to add before and after; a negative number crops. The output is filled
+/// with `value` and `x` lands in its window (exactly: `-value` is added there first, then `x`); the
+/// gradient is the output gradient's window, a view.
+pub fn pad(x: &Tensor, pad: &[i64], value: f64) -> Result<Tensor> {
+    if pad.len() % 2 != 0 || pad.len() / 2 > x.rank() {
+        return Err(Error::shape(format!("pad: {pad:?} is not pairs for at most {} dims", x.rank())));
+    }
+    let rank = x.rank();
+    // Crops first (differentiable narrows), then the padding of what is left.
+    let mut src = x.clone();
+    let mut before = vec![0usize; rank];
+    let mut shape = x.shape().to_vec();
+    for (k, pair) in pad.chunks_exact(2).enumerate() {
+        let d = rank - 1 - k;
+        let (lo, hi) = (pair[0], pair[1]);
+        let size = src.shape()[d] as i64;
+        let (cut_lo, cut_hi) = ((-lo).max(0), (-hi).max(0));
+        if cut_lo + cut_hi > size {
+            return Err(Error::shape(format!("pad: {pad:?} crops more than the {size} elements of dim {d}")));
+        }
+        if cut_lo + cut_hi > 0 {
+            src = src.narrow(d as isize, cut_lo as usize, (size - cut_lo - cut_hi) as usize)?;
+        }
+        before[d] = lo.max(0) as usize;
+        shape[d] = (size - cut_lo - cut_hi + lo.max(0) + hi.max(0)) as usize;
+    }
+    checked_numel(&shape)?;
+    let _op = x.device().op_scope("pad");
+    let out = super::output(&src, &shape, src.dtype(), "pad")?;
+    out.device().backend().fill(&out, value)?;
+    let mut window = out.clone();
+    for (d, &start) in before.iter().enumerate() {
+        window = window.stepped(d, start, src.shape()[d], 1)?;
+    }
+    if value != 0.0 {
+        let cancel = super::output(&src, src.shape(), src.dtype(), "pad")?;
+        out.device().backend().fill(&cancel, -value)?;
+        super::add_into(&window, &cancel)?;
+    }
+    super::add_into(&window, &src)?;
+    Ok(if needs_grad(&[&src]) {
+        record(out, "pad", &[&src], PadBack { before, shape: src.shape().to_vec() })
+    } else {
+        out
+    })
+}
+
+struct PadBack {
+    before: Vec<usize>,
+    shape: Vec<usize>,
+}
+impl Backward for PadBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let mut window = grad;
+        for (d, (&start, &len)) in self.before.iter().zip(&self.shape).enumerate() {
+            window = window.stepped(d, start, len, 1)?;
+        }
+        Ok(vec![Some(window)])
     }
 }
