@@ -91,6 +91,24 @@ impl Node {
         }
     }
 
+    /// Every symbolic size the node reads (a view's sizes, arithmetic's operands).
+    pub fn size_reads(&self) -> impl Iterator<Item = &str> {
+        self.args.iter().flat_map(|(_, arg)| {
+            let names: Vec<&str> = match arg {
+                Arg::Sym(n) => vec![n.as_str()],
+                Arg::SymInts(list) => list
+                    .iter()
+                    .filter_map(|s| match s {
+                        SymInt::Name(n) => Some(n.as_str()),
+                        SymInt::Int(_) => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            names
+        })
+    }
+
     /// Every graph value the node reads, in its arguments' order (a list's values one by one).
     pub fn reads(&self) -> impl Iterator<Item = &str> {
         self.args

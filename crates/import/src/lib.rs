@@ -7,13 +7,15 @@
 //! memfit's autograd differentiates it, its allocator accounts every byte, and `meta` predicts it.
 //!
 //! What it knows of the archive format is in `archive.rs` (Note [The pt2 archive]); which ATen ops it
-//! runs, with which arguments, is `program.rs`'s table. An op, an argument or a dtype it does not know
+//! runs, with which arguments, is `program.rs`'s table; which parts of a graph can run with activation
+//! checkpointing is `segments.rs`'s (Note [Imported segments]). An op, an argument or a dtype it does not know
 //! is an error that names it, raised when the archive is opened, before any weight is read.
 //!
 //! Knows nothing of training: the train crate makes a model of a [`Program`].
 
 mod archive;
 mod program;
+mod segments;
 
 pub use archive::{Archive, Arg, GraphInput, Node, ValueMeta, Weight, FLOAT32, INT64};
 pub use program::{Program, SUPPORTED_OPS};

@@ -11,6 +11,7 @@
 //! nothing.
 
 use crate::archive::{Archive, Arg, GraphInput, Node, SymInt, WeightDtype};
+use crate::segments::in_place;
 use crate::{ImportError, Result};
 use memfit_tensor::ops::{self, Conv2dParams, Pool2dParams};
 use memfit_tensor::{Category, DType, Device, Error, Tensor};
@@ -120,14 +121,22 @@ pub const SUPPORTED_OPS: &[&str] = &[
 
 /// An exported program on a device.
 pub struct Program {
-    archive: Arc<Archive>,
-    /// Graph value -> its tensor, for every parameter and buffer.
-    weights: Vec<(String, Tensor)>,
+    graph: Arc<Graph>,
     /// `state_dict` name -> its tensor, parameters only, in the signature's order.
     parameters: Vec<(String, Tensor)>,
     buffers: Vec<(String, Tensor)>,
     input: String,
     output: String,
+    /// The parts that can run checkpointed (Note [Imported segments]), in graph order.
+    segments: Vec<crate::segments::Segment>,
+}
+
+/// What a pass over the graph reads: the archive, the weights, and what was worked out of the graph
+/// once. Shared with the re-runs of checkpointed segments.
+struct Graph {
+    archive: Arc<Archive>,
+    /// Graph value -> its tensor, for every parameter and buffer.
+    weights: Vec<(String, Tensor)>,
     /// For each node, the values it reads for the last time: a pass lets go of them right after it,
     /// as PyTorch's eager execution does, so a value lives as long as its uses (and what autograd
     /// saved of it), not the whole forward pass.
@@ -135,6 +144,33 @@ pub struct Program {
     /// For a node whose output only a `linear` reads, as its input, and that memfit runs fused into
     /// it (Note [Fused pairs]): that linear's index.
     fused: Vec<Option<usize>>,
+}
+
+/// What a pass holds between nodes, by graph name.
+struct PassState<'g> {
+    values: HashMap<&'g str, Tensor>,
+    /// Symbolic sizes (`sym_size`: the batch), as this pass's inputs give them.
+    symbols: HashMap<&'g str, i64>,
+    /// Additive attention masks built from a boolean one (`zeros_like` then `masked_fill_(-inf)`, as
+    /// `nn.MultiheadAttention` does): kept as the boolean mask memfit's attention takes.
+    masks: HashMap<&'g str, Mask>,
+    /// Outputs of fused producers, computed by the linear that reads them (Note [Fused pairs]).
+    pending: HashMap<&'g str, &'g Node>,
+    /// Stochastic depth's noise on its way (`empty`, then `bernoulli_`).
+    blanks: HashMap<&'g str, Noise>,
+}
+
+impl<'g> PassState<'g> {
+    /// The graph's weights and nothing else.
+    fn new(graph: &'g Graph) -> Self {
+        PassState {
+            values: graph.weights.iter().map(|(v, t)| (v.as_str(), t.clone())).collect(),
+            symbols: HashMap::new(),
+            masks: HashMap::new(),
+            pending: HashMap::new(),
+            blanks: HashMap::new(),
+        }
+    }
 }
 
 impl Program {
@@ -207,7 +243,9 @@ impl Program {
         }
         let fused = fused_producers(&archive, &output);
         let last_reads = last_reads(&archive, &weights, &output, &fused);
-        let program = Program { archive, weights, parameters, buffers, input, output, last_reads, fused };
+        let segments = crate::segments::find(&archive, &weights, &output, &fused);
+        let graph = Arc::new(Graph { archive, weights, last_reads, fused });
+        let program = Program { graph, parameters, buffers, input, output, segments };
         program.check_arguments()?;
         Ok(program)
     }
@@ -215,14 +253,14 @@ impl Program {
     /// Each node's arguments, checked before anything runs: an argument memfit does not honour is an
     /// error naming the node, not a silently different model.
     fn check_arguments(&self) -> Result<()> {
-        let name = &self.archive.name;
-        for node in &self.archive.nodes {
+        let name = &self.graph.archive.name;
+        for node in &self.graph.archive.nodes {
             let op =
                 describe(node).map_err(|e| ImportError::Archive(format!("{name}: {e} (from {})", node.location())))?;
             // An in-place add into a buffer is a counter's `+= 1` (batch norm's num_batches_tracked);
             // into an activation (a residual's `out += identity`), an add.
             if let Op::AddInPlace { a, b } = op {
-                let buffer = self.weights.iter().find(|(v, _)| v == a).map(|(_, t)| t);
+                let buffer = self.graph.weights.iter().find(|(v, _)| v == a).map(|(_, t)| t);
                 let counter = buffer.is_some_and(|t| t.dtype() == memfit_tensor::DType::I64);
                 let fits = match b {
                     Operand::Number(c) => counter && c == 1.0,
@@ -252,26 +290,135 @@ impl Program {
 
     /// The archive this program runs.
     pub fn archive(&self) -> &Archive {
-        &self.archive
+        &self.graph.archive
+    }
+
+    /// The names of the parts that can run checkpointed (module paths such as `layer1`,
+    /// `features.3`, `encoder.layers.encoder_layer_0`), in forward order (Note [Imported segments]).
+    pub fn segments(&self) -> Vec<String> {
+        self.segments.iter().map(|s| s.name.clone()).collect()
     }
 
     /// The program's output for `x`, in training mode or not (see the module's documentation),
     /// recorded for autograd like any memfit ops. Errors are memfit's own (an out-of-memory stays
     /// one, so a trainer can recover from it).
     pub fn forward(&self, x: &Tensor, train: bool) -> memfit_tensor::Result<Tensor> {
-        let mut values: HashMap<&str, Tensor> = self.weights.iter().map(|(v, t)| (v.as_str(), t.clone())).collect();
-        values.insert(self.input.as_str(), x.clone());
-        let mode = Mode { train, update: train && !x.device().buffers_frozen() };
-        // Symbolic sizes (`sym_size`: the batch), by name, as this pass's inputs give them.
-        let mut symbols: HashMap<&str, i64> = HashMap::new();
-        // Additive attention masks built from a boolean one (`zeros_like` then `masked_fill_(-inf)`,
-        // as `nn.MultiheadAttention` does): kept as the boolean mask memfit's attention takes.
-        let mut masks: HashMap<&str, Mask> = HashMap::new();
-        // Outputs of fused producers, computed by the linear that reads them (Note [Fused pairs]).
-        let mut pending: HashMap<&str, &Node> = HashMap::new();
-        // Stochastic depth's noise on its way (`empty`, then `bernoulli_`), by name.
-        let mut blanks: HashMap<&str, Noise> = HashMap::new();
-        for (i, node) in self.archive.nodes.iter().enumerate() {
+        self.forward_checkpointed(x, train, &[])
+    }
+
+    /// [`Program::forward`] with the segments whose flag in `checkpointed` is set (one per
+    /// [`Program::segments`]; missing flags are unset) run checkpointed: only their input is kept
+    /// for backward, and they run again there. The same numbers, less memory.
+    pub fn forward_checkpointed(
+        &self,
+        x: &Tensor,
+        train: bool,
+        checkpointed: &[bool],
+    ) -> memfit_tensor::Result<Tensor> {
+        let graph = &self.graph;
+        let mut state = PassState::new(graph);
+        state.values.insert(self.input.as_str(), x.clone());
+        let mut i = 0;
+        while i < graph.archive.nodes.len() {
+            let segment = self
+                .segments
+                .iter()
+                .enumerate()
+                .find(|(k, s)| s.nodes.start == i && checkpointed.get(*k) == Some(&true));
+            match segment {
+                Some((_, segment)) => {
+                    let (out, sizes) = self.run_checkpointed(segment, &state, train)?;
+                    for done in graph.last_reads[segment.nodes.clone()].iter().flatten() {
+                        state.values.remove(done.as_str());
+                        state.masks.remove(done.as_str());
+                    }
+                    state.values.insert(segment.output.as_str(), out);
+                    for (name, v) in segment.exports.iter().zip(sizes) {
+                        if let Some(v) = v {
+                            state.symbols.insert(name.as_str(), v);
+                        }
+                    }
+                    i = segment.nodes.end;
+                }
+                None => {
+                    graph.run(&mut state, i..i + 1, x.device(), train)?;
+                    i += 1;
+                }
+            }
+        }
+        state
+            .values
+            .remove(self.output.as_str())
+            .ok_or_else(|| Error::invalid(format!("the graph never makes its output {}", self.output)))
+    }
+
+    /// `segment` run checkpointed from `state` (its input, and what it carries in from before it):
+    /// its output, and the sizes it makes for what comes after it.
+    fn run_checkpointed(
+        &self,
+        segment: &crate::segments::Segment,
+        state: &PassState<'_>,
+        train: bool,
+    ) -> memfit_tensor::Result<(Tensor, Vec<Option<i64>>)> {
+        let input = state.values.get(segment.input.as_str()).cloned().ok_or_else(|| {
+            Error::invalid(format!("segment {}: its input {} is not made yet", segment.name, segment.input))
+        })?;
+        let symbols: Vec<(String, i64)> =
+            segment.captured.iter().filter_map(|n| state.symbols.get(n.as_str()).map(|&v| (n.clone(), v))).collect();
+        let masks: Vec<(String, Mask)> = segment
+            .captured
+            .iter()
+            .filter_map(|n| state.masks.get(n.as_str()).map(|m| (n.clone(), m.clone())))
+            .collect();
+        let constants: Vec<(String, Tensor)> = segment
+            .captured
+            .iter()
+            .filter_map(|n| state.values.get(n.as_str()).map(|t| (n.clone(), t.clone())))
+            .collect();
+        // The sizes the segment makes for what comes after it, from its forward run.
+        let exported = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let params: Vec<Tensor> = segment
+            .weights
+            .iter()
+            .filter_map(|n| state.values.get(n.as_str()))
+            .filter(|t| t.requires_grad())
+            .cloned()
+            .collect();
+        let (graph, spec, sizes) = (self.graph.clone(), segment.clone(), exported.clone());
+        let run = move |xs: &[Tensor], _: memfit_tensor::autograd::Pass| {
+            let device = xs[0].device();
+            let mut state = PassState::new(&graph);
+            state.values.insert(spec.input.as_str(), xs[0].clone());
+            state.values.extend(constants.iter().map(|(n, t)| (n.as_str(), t.clone())));
+            state.symbols.extend(symbols.iter().map(|(n, v)| (n.as_str(), *v)));
+            state.masks.extend(masks.iter().map(|(n, m)| (n.as_str(), m.clone())));
+            graph.run(&mut state, spec.nodes.clone(), device, train)?;
+            let made: Vec<Option<i64>> = spec.exports.iter().map(|n| state.symbols.get(n.as_str()).copied()).collect();
+            *sizes.lock().unwrap_or_else(|e| e.into_inner()) = made;
+            state
+                .values
+                .remove(spec.output.as_str())
+                .ok_or_else(|| Error::invalid(format!("segment {} never makes its output {}", spec.name, spec.output)))
+        };
+        let out = memfit_tensor::autograd::checkpoint(&[&input], &params, Arc::new(run))?;
+        let made = std::mem::take(&mut *exported.lock().unwrap_or_else(|e| e.into_inner()));
+        Ok((out, made))
+    }
+}
+
+impl Graph {
+    /// Runs `nodes` of the graph over `state`, on `device`, in training mode or not.
+    fn run<'g>(
+        &'g self,
+        state: &mut PassState<'g>,
+        nodes: std::ops::Range<usize>,
+        device: &memfit_tensor::Device,
+        train: bool,
+    ) -> memfit_tensor::Result<()> {
+        let mode = Mode { train, update: train && !device.buffers_frozen() };
+        let PassState { values, symbols, masks, pending, blanks } = state;
+        for i in nodes {
+            let node = &self.archive.nodes[i];
             let op = describe(node).map_err(Error::invalid)?;
             // A split defines its pieces (`pieces`); every other node one value.
             let name = match (&node.outputs[..], &op) {
@@ -376,8 +523,8 @@ impl Program {
                         _ => return Err(Error::invalid(format!("{}: {NOISE}", node.target))),
                     };
                     // A keep mask over the survival probability: dropout's values, by the pass's seed.
-                    let ones = Tensor::full(x.device(), &shape, 1.0, x.dtype(), Category::Temporary)?;
-                    let seed = x.device().random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    let ones = Tensor::full(device, &shape, 1.0, DType::F32, Category::Temporary)?;
+                    let seed = device.random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     Some(ops::dropout(&ones, 1.0 - c, mode.train, seed)?)
                 }
                 Op::Split { input, dim, split } => {
@@ -444,7 +591,7 @@ impl Program {
                 }
                 Op::MaskedFill { input, mask, value } if !masks.contains_key(input) => {
                     let x = get(input)?;
-                    let fill = Tensor::scalar(x.device(), value, x.dtype(), Category::Temporary)?;
+                    let fill = Tensor::scalar(device, value, x.dtype(), Category::Temporary)?;
                     Some(ops::where_(&get(mask)?, &fill, &x)?)
                 }
                 Op::MaskedFill { input, mask, value } => {
@@ -487,12 +634,12 @@ impl Program {
                     Some(ops::scaled_dot_product_attention(&get(q)?, &get(k)?, &get(v)?, causal, hidden.as_ref())?)
                 }
                 Op::Dropout { input, p, train } => {
-                    let seed = x.device().random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    let seed = device.random_seed() ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     Some(ops::dropout(&get(input)?, p, train && mode.train, seed)?)
                 }
                 Op::Arange { start, end, step } => {
                     let values: Vec<i64> = (start..end).step_by(step as usize).collect();
-                    Some(Tensor::from_slice(x.device(), &values, &[values.len()], Category::Input)?)
+                    Some(Tensor::from_slice(device, &values, &[values.len()], Category::Input)?)
                 }
                 op => Some(op.run(mode, &get)?),
             };
@@ -515,9 +662,7 @@ impl Program {
                 masks.remove(done.as_str());
             }
         }
-        values
-            .remove(self.output.as_str())
-            .ok_or_else(|| Error::invalid(format!("the graph never makes its output {}", self.output)))
+        Ok(())
     }
 }
 
@@ -600,6 +745,7 @@ const NOISE: &str = "empty, bernoulli_ and div_ are imported as stochastic depth
                      empty(sizes).bernoulli_(p).div_(p)";
 
 /// What a boolean attention mask becomes on its way to being additive.
+#[derive(Clone)]
 enum Mask {
     /// `zeros_like(mask, float)`: not yet filled.
     ZerosOf(Tensor),
@@ -685,11 +831,6 @@ impl Split {
             Split::Lengths(l) => Err(format!("lengths {l:?} do not add up to the size {size}")),
         }
     }
-}
-
-/// Whether `target` (`torch.ops.aten.relu_.default`) writes over its `self`: ATen's trailing `_`.
-fn in_place(target: &str) -> bool {
-    target.rsplit('.').nth(1).is_some_and(|op| op.ends_with('_'))
 }
 
 /// How a forward pass runs: training (batch statistics) or evaluation (running ones), and whether the

@@ -28,6 +28,15 @@ fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
 /// Forward, loss and backward of `name`'s batch on `device`; the allocator's statistics then, and the
 /// logits, loss and gradients by name.
 fn run(name: &str, device: &Device) -> (memfit_tensor::MemoryStats, Vec<f64>, f64, Vec<(String, Vec<f64>)>) {
+    run_checkpointed(name, device, &[])
+}
+
+/// [`run`] with the segments flagged in `checkpointed` run checkpointed.
+fn run_checkpointed(
+    name: &str,
+    device: &Device,
+    checkpointed: &[bool],
+) -> (memfit_tensor::MemoryStats, Vec<f64>, f64, Vec<(String, Vec<f64>)>) {
     let golden: Value =
         serde_json::from_slice(&std::fs::read(fixture(&format!("{name}.golden.json"))).unwrap()).unwrap();
     let archive = Archive::open(&fixture(&format!("{name}.pt2"))).unwrap();
@@ -38,7 +47,7 @@ fn run(name: &str, device: &Device) -> (memfit_tensor::MemoryStats, Vec<f64>, f6
     let x = Tensor::from_slice(device, &x, &shape, Category::Input).unwrap();
     let y: Vec<i64> = golden["targets"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
     let y = Tensor::from_slice(device, &y, &[y.len()], Category::Input).unwrap();
-    let logits = program.forward(&x, true).unwrap();
+    let logits = program.forward_checkpointed(&x, true, checkpointed).unwrap();
     let loss = ops::cross_entropy(&logits, &y, 0.0).unwrap();
     autograd::backward(&loss).unwrap();
     let stats = device.stats();
@@ -96,6 +105,42 @@ fn a_tiny_mobilenet_computes_pytorch_s_logits_loss_and_gradients() {
 #[test]
 fn a_tiny_mlp_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_mlp");
+}
+
+/// Checkpointed segments (Note [Imported segments]: module paths, a container of most of the graph
+/// replaced by its children) give the same numbers bit for bit, and meta predicts them; a transformer
+/// with every segment checkpointed keeps less for backward than with none.
+#[test]
+fn checkpointed_segments_give_the_same_numbers_and_meta_predicts_them() {
+    let expected: [(&str, &[&str]); 4] = [
+        (
+            "tiny_vit",
+            &["conv_proj", "encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1", "encoder.ln", "heads"],
+        ),
+        ("tiny_gpt", &["tok", "pos", "blocks.0", "blocks.1"]),
+        ("tiny_resnet", &["conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "fc1", "fc2"]),
+        ("tiny_mobile", &["stem", "bn0", "dw", "bn1", "se1", "se2", "fc"]),
+    ];
+    for (name, segments) in expected {
+        let archive = std::sync::Arc::new(Archive::open(&fixture(&format!("{name}.pt2"))).unwrap());
+        let program = Program::new(archive, &Device::meta()).unwrap();
+        assert_eq!(program.segments(), segments, "{name}'s segments");
+        if name == "tiny_gpt" {
+            continue; // its golden batch is tokens: checked below
+        }
+        let (plain, logits, loss, grads) = run(name, &Device::cpu());
+        let all = vec![true; segments.len()];
+        let (stats, logits_c, loss_c, grads_c) = run_checkpointed(name, &Device::cpu(), &all);
+        assert_eq!((logits, loss, grads), (logits_c, loss_c, grads_c), "{name}: checkpointing changes no bit");
+        let (meta, ..) = run_checkpointed(name, &Device::meta(), &all);
+        assert_eq!(meta, stats, "{name}: meta predicts the checkpointed run");
+        // Blocks of many ops keep less for backward; a segment of one op (a convolution) keeps its
+        // input anyway.
+        if name == "tiny_vit" {
+            let (with, without) = (stats.allocated_bytes.peak, plain.allocated_bytes.peak);
+            assert!(with < without, "{name}: peak {with} checkpointed vs {without}");
+        }
+    }
 }
 
 /// Users' everyday ops: chunk, split by size and by sizes, unbind, stack, cat, comparisons with where
@@ -212,35 +257,45 @@ fn parameters_keep_their_state_dict_names_and_shapes() {
 #[test]
 fn a_tiny_gpt_computes_pytorch_s_logits_loss_and_gradients() {
     let golden: Value = serde_json::from_slice(&std::fs::read(fixture("tiny_gpt.golden.json")).unwrap()).unwrap();
-    let mut stats = Vec::new();
-    for device in [Device::cpu(), Device::meta()] {
-        let archive = Archive::open(&fixture("tiny_gpt.pt2")).unwrap();
-        let program = Program::new(std::sync::Arc::new(archive), &device).unwrap();
-        let ints = |v: &Value| -> Vec<i64> { v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect() };
-        let shape: Vec<usize> =
-            golden["tokens"]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-        let x = Tensor::from_slice(&device, &ints(&golden["tokens"]["values"]), &shape, Category::Input).unwrap();
-        let y = ints(&golden["targets"]);
-        let y = Tensor::from_slice(&device, &y, &[y.len()], Category::Input).unwrap();
-        let logits = program.forward(&x, true).unwrap();
-        let vocab = logits.shape()[2];
-        let loss = ops::cross_entropy(&logits.reshape(&[-1, vocab as isize]).unwrap(), &y, 0.0).unwrap();
-        autograd::backward(&loss).unwrap();
-        stats.push(device.stats());
-        if !device.computes() {
-            continue;
+    // Plain, then every segment checkpointed (the blocks carry in the causal mask and the sizes
+    // blocks.0 makes): PyTorch's numbers both times, the same bits, meta exact.
+    let mut runs: Vec<Vec<Vec<f64>>> = Vec::new();
+    for checkpointed in [vec![], vec![true; 4]] {
+        let mut stats = Vec::new();
+        for device in [Device::cpu(), Device::meta()] {
+            let archive = Archive::open(&fixture("tiny_gpt.pt2")).unwrap();
+            let program = Program::new(std::sync::Arc::new(archive), &device).unwrap();
+            let ints = |v: &Value| -> Vec<i64> { v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect() };
+            let shape: Vec<usize> =
+                golden["tokens"]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            let x = Tensor::from_slice(&device, &ints(&golden["tokens"]["values"]), &shape, Category::Input).unwrap();
+            let y = ints(&golden["targets"]);
+            let y = Tensor::from_slice(&device, &y, &[y.len()], Category::Input).unwrap();
+            let logits = program.forward_checkpointed(&x, true, &checkpointed).unwrap();
+            let vocab = logits.shape()[2];
+            let loss = ops::cross_entropy(&logits.reshape(&[-1, vocab as isize]).unwrap(), &y, 0.0).unwrap();
+            autograd::backward(&loss).unwrap();
+            stats.push(device.stats());
+            if !device.computes() {
+                continue;
+            }
+            assert_close(&logits.to_f64_vec().unwrap(), &floats(&golden["logits"]), 1e-5, "gpt logits");
+            let loss = loss.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()[0];
+            assert_close(&[loss], &[golden["loss"].as_f64().unwrap()], 1e-5, "gpt loss");
+            let want = golden["grads"].as_object().unwrap();
+            assert_eq!(program.parameters().len(), want.len());
+            let mut grads = Vec::new();
+            for (n, p) in program.parameters() {
+                let g = p.grad().unwrap().to_f64_vec().unwrap();
+                assert_close(&g, &floats(&want[n]), 1e-4, &format!("gpt grad {n}"));
+                grads.push(g);
+            }
+            runs.push(grads);
         }
-        assert_close(&logits.to_f64_vec().unwrap(), &floats(&golden["logits"]), 1e-5, "gpt logits");
-        let loss = loss.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()[0];
-        assert_close(&[loss], &[golden["loss"].as_f64().unwrap()], 1e-5, "gpt loss");
-        let want = golden["grads"].as_object().unwrap();
-        assert_eq!(program.parameters().len(), want.len());
-        for (n, p) in program.parameters() {
-            assert_close(&p.grad().unwrap().to_f64_vec().unwrap(), &floats(&want[n]), 1e-4, &format!("gpt grad {n}"));
-        }
+        // The host reads above came after the statistics were taken.
+        assert_eq!(stats[0], stats[1], "meta allocates what cpu does ({checkpointed:?})");
     }
-    // The host reads above came after the statistics were taken.
-    assert_eq!(stats[0], stats[1], "meta allocates what cpu does");
+    assert_eq!(runs[0], runs[1], "checkpointing changes no bit");
 }
 
 /// The GPT's layer norms and GELU whose only reader is a product run fused into it (Note [Fused

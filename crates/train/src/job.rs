@@ -719,6 +719,7 @@ fn check_model_flags(cfg: &TrainConfig) -> Result<(), TrainError> {
     }
     let spec = match cfg.model {
         memfit_nn::ModelKind::Gpt => ModelSpec::gpt(memfit_nn::GptConfig { vocab: 2, ..cfg.gpt }),
+        memfit_nn::ModelKind::Imported => crate::task::imported_spec(cfg)?,
         kind => ModelSpec::image(kind, [1, 28, 28], memfit_data::NUM_CLASSES),
     };
     Session::new(Device::meta(), &spec, cfg.optimizer.config(cfg.lr).with_state_format(cfg.optimizer_state), cfg.seed)?

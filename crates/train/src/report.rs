@@ -553,19 +553,25 @@ impl crate::planner::Plan {
                      times are nominal: one unit a sample, a re-run forward a third of a step):\n"
             }
         });
-        s.push_str(&format!(
-            "    {:<9} {:<32} {:>14} {:>14} {:>12}\n",
-            "storage", "checkpointed", "micro-batch", "peak reserved", "step time"
-        ));
         let chosen = self.checkpoint.segment_names();
         let segments = self.candidates.iter().map(|c| c.checkpointed.len()).max().unwrap_or(0);
-        for c in &self.candidates {
-            let names = match c.checkpointed.len() {
+        let labels: Vec<String> = self
+            .candidates
+            .iter()
+            .map(|c| match c.checkpointed.len() {
                 0 => "none".to_string(),
                 k if k == segments && chosen == ["all"] || k == segments && segments > 3 => "all".to_string(),
                 k if k > 3 => format!("{k} of {segments}: {}, ...", c.checkpointed[..2].join(",")),
                 _ => c.checkpointed.join(","),
-            };
+            })
+            .collect();
+        // Wide enough for the longest (an imported model's module paths are long).
+        let width = labels.iter().map(String::len).max().unwrap_or(0).max(32);
+        s.push_str(&format!(
+            "    {:<9} {:<width$} {:>14} {:>14} {:>12}\n",
+            "storage", "checkpointed", "micro-batch", "peak reserved", "step time"
+        ));
+        for (c, names) in self.candidates.iter().zip(labels) {
             let is_chosen = c.fits()
                 && c.precision == self.precision
                 && c.micro_batch == self.micro_batch
@@ -580,7 +586,7 @@ impl crate::planner::Plan {
                 true => format!("{:.1} units", c.step_ms),
             };
             s.push_str(&format!(
-                "  {} {:<9} {:<32} {:>14} {:>14} {:>12}\n",
+                "  {} {:<9} {:<width$} {:>14} {:>14} {:>12}\n",
                 if is_chosen { "*" } else { " " },
                 c.precision.name(),
                 names,

@@ -123,7 +123,10 @@ impl Session {
     }
 
     pub fn set_checkpointing(&self, choice: &crate::config::CheckpointChoice) -> Result<Vec<String>, TrainError> {
-        let name = self.model.kind().name();
+        let name = match self.model.kind() {
+            memfit_nn::ModelKind::Imported => "the imported model",
+            kind => kind.name(),
+        };
         let Some(segments) = self.model.checkpointing() else {
             return match choice {
                 crate::config::CheckpointChoice::None | crate::config::CheckpointChoice::Auto => Ok(Vec::new()),

@@ -3,6 +3,7 @@
 //! ops, each the memfit op of its meaning. Its task comes from its signature ([`task_of`]).
 
 use super::{Model, ModelKind};
+use crate::checkpointing::Checkpointing;
 use memfit_import::{Archive, Program, FLOAT32, INT64};
 use memfit_tensor::{Device, Result, Tensor};
 use std::sync::Arc;
@@ -44,16 +45,19 @@ pub fn task_of(archive: &Archive) -> std::result::Result<Task, String> {
     }
 }
 
-/// An exported program as a trainable model.
+/// An exported program as a trainable model; its checkpointable segments are the program's
+/// (module paths, Note [Imported segments] in `memfit-import`).
 pub struct Imported {
     program: Program,
+    checkpointing: Checkpointing,
 }
 
 impl Imported {
     /// The program's weights on `device`.
     pub fn new(archive: Arc<Archive>, device: &Device) -> Result<Self> {
         let program = Program::new(archive, device)?;
-        Ok(Imported { program })
+        let checkpointing = Checkpointing::new(program.segments());
+        Ok(Imported { program, checkpointing })
     }
 }
 
@@ -65,7 +69,7 @@ impl Model for Imported {
     /// Batch norm by the batch's statistics (moving the running ones) when `train`, else by the
     /// running ones, as PyTorch's `model.train()` and `model.eval()`.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        self.program.forward(x, train)
+        self.program.forward_checkpointed(x, train, &self.checkpointing.get())
     }
 
     fn parameters(&self) -> Vec<(String, Tensor)> {
@@ -74,6 +78,10 @@ impl Model for Imported {
 
     fn buffers(&self) -> Vec<(String, Tensor)> {
         self.program.buffers().to_vec()
+    }
+
+    fn checkpointing(&self) -> Option<&Checkpointing> {
+        Some(&self.checkpointing)
     }
 }
 
