@@ -76,16 +76,16 @@ impl GptArgs {
 
 /// Defaults that depend on the task: image models train at lr 3e-3 in batches of 64, the GPT at
 /// lr 1e-3 in batches of 32 (the PyTorch reference's setting). `train`, `profile` and `plan` share them.
-fn default_lr(model: ModelKind) -> f64 {
-    if model == ModelKind::Gpt {
+fn default_lr(model: &ModelArg) -> f64 {
+    if model.learns_text() {
         1e-3
     } else {
         3e-3
     }
 }
 
-fn default_batch(model: ModelKind) -> usize {
-    if model == ModelKind::Gpt {
+fn default_batch(model: &ModelArg) -> usize {
+    if model.learns_text() {
         32
     } else {
         64
@@ -96,7 +96,7 @@ fn default_batch(model: ModelKind) -> usize {
 #[derive(Args)]
 struct RunArgs {
     /// mlp, simplecnn, deepcnn, resnet (Fashion-MNIST) or gpt (characters of a text); or a PyTorch image
-    /// classifier exported by torch.export.save, by the path of its .pt2 file.
+    /// classifier or next-token predictor exported by torch.export.save, by the path of its .pt2 file.
     #[arg(long, default_value = "simplecnn", value_parser = parse_model)]
     model: ModelArg,
     /// Image models: folder with the four Fashion-MNIST IDX files (default: /usr/share/datasets/fashion-mnist
@@ -106,7 +106,8 @@ struct RunArgs {
     data: Option<PathBuf>,
     #[command(flatten)]
     gpt: GptArgs,
-    /// Effective batch: samples (images or text windows) per optimizer step [default: 64; gpt 32].
+    /// Effective batch: samples (images or text windows) per optimizer step [default: 64; gpt and an
+    /// imported next-token predictor 32].
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     batch_size: Option<u64>,
     /// Force the micro-batch (gradient accumulation makes up the effective batch); evaluation uses it too,
@@ -114,7 +115,7 @@ struct RunArgs {
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     micro_batch: Option<u64>,
     /// Learning rate, finite and above 0 [default: 3e-3, which reaches 88-89% validation accuracy in one
-    /// epoch of simplecnn on the full set; gpt 1e-3].
+    /// epoch of simplecnn on the full set; gpt and an imported next-token predictor 1e-3].
     #[arg(long, allow_hyphen_values = true, value_parser = parse_lr)]
     lr: Option<f64>,
     /// sgd (momentum 0.9), adam or adamw.
@@ -179,9 +180,9 @@ impl RunArgs {
             model_file: self.model.file.clone(),
             gpt: self.gpt.config()?,
             data: self.data,
-            batch_size: self.batch_size.map_or(default_batch(self.model.kind), |b| b as usize),
+            batch_size: self.batch_size.map_or(default_batch(&self.model), |b| b as usize),
             micro_batch: self.micro_batch.map(|m| m as usize),
-            lr: self.lr.unwrap_or(default_lr(self.model.kind)),
+            lr: self.lr.unwrap_or(default_lr(&self.model)),
             optimizer: self.optimizer,
             memory: self.memory,
             device: self.device,
@@ -286,7 +287,8 @@ struct PlanArgs {
     /// sgd (momentum 0.9), adam or adamw.
     #[arg(long, default_value = "adamw", value_parser = OptimizerChoice::parse)]
     optimizer: OptimizerChoice,
-    /// Learning rate, finite and above 0 (memory does not depend on it) [default: train's, 3e-3; gpt 1e-3].
+    /// Learning rate, finite and above 0 (memory does not depend on it) [default: train's, 3e-3; gpt and
+    /// an imported next-token predictor 1e-3].
     #[arg(long, allow_hyphen_values = true, value_parser = parse_lr)]
     lr: Option<f64>,
     /// Fraction of the budget the plan keeps free, from 0 to 0.5.
@@ -399,9 +401,17 @@ struct ModelArg {
     kind: ModelKind,
     /// The archive of an imported model.
     file: Option<PathBuf>,
+    /// An imported next-token predictor (its defaults are the GPT's); an archive that cannot be read
+    /// is not one here, and is reported where it is opened.
+    text: bool,
 }
 
 impl ModelArg {
+    /// Whether the model learns a text (the GPT, or an imported next-token predictor).
+    fn learns_text(&self) -> bool {
+        self.kind == ModelKind::Gpt || self.text
+    }
+
     /// As people name it: the zoo's name or the archive's path.
     fn name(&self) -> String {
         match &self.file {
@@ -417,10 +427,12 @@ fn parse_model(s: &str) -> Result<ModelArg, String> {
         if !path.is_file() {
             return Err(format!("{s}: no such file (a model exported by torch.export.save)"));
         }
-        return Ok(ModelArg { kind: ModelKind::Imported, file: Some(path) });
+        let text = memfit_nn::ModelSpec::exported(&path)
+            .is_ok_and(|spec| matches!(spec.input_kind(), memfit_nn::ModelInput::Tokens { .. }));
+        return Ok(ModelArg { kind: ModelKind::Imported, file: Some(path), text });
     }
     ModelKind::parse(s)
-        .map(|kind| ModelArg { kind, file: None })
+        .map(|kind| ModelArg { kind, file: None, text: false })
         .map_err(|e| format!("{e}\n(or the path of a PyTorch model exported by torch.export.save: a .pt2 file)"))
 }
 
@@ -827,11 +839,11 @@ fn plan(a: PlanArgs) -> Result<(), String> {
     };
     let (spec_context, spec_vocab, spec_input) = (spec.gpt.max_t, spec.gpt.vocab, spec.input);
     let tokens = matches!(spec.input_kind(), memfit_nn::ModelInput::Tokens { .. });
-    let lr = a.lr.unwrap_or(default_lr(a.model.kind));
+    let lr = a.lr.unwrap_or(default_lr(&a.model));
     let request = PlanRequest {
         model: spec,
         optimizer: a.optimizer.config(lr).with_state_format(a.optimizer_state),
-        effective_batch: a.batch_size.map_or(default_batch(a.model.kind), |b| b as usize),
+        effective_batch: a.batch_size.map_or(default_batch(&a.model), |b| b as usize),
         capacity: a.memory,
         safety_margin: a.safety_margin,
         checkpoint: checkpoint_or_default(a.checkpoint.clone(), a.memory),
