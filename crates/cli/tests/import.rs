@@ -164,6 +164,8 @@ fn an_exported_gpt_trains_on_text_under_a_budget() {
         "3",
         "--batch-size",
         "64",
+        "--lr",
+        "3e-3",
         "--memory",
         "2MiB",
         "--inject-oom",
@@ -181,4 +183,10 @@ fn an_exported_gpt_trains_on_text_under_a_budget() {
     assert_eq!(r["samples_seen"], 3 * 64);
     assert_eq!(r["peak_allocated_bytes"], r["predicted_peak_allocated_bytes"]);
     assert!(r["val_loss"].as_f64().unwrap() < 4.6, "below uniform over 96 tokens: {}", r["val_loss"]);
+    // A next-token predictor's defaults are the GPT's: 32 windows a step at lr 1e-3.
+    let out =
+        memfit(&["train", "--model", &model, "--max-steps", "1", "--no-eval", "--report", report.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!((r["samples_seen"].as_u64(), r["lr"].as_f64()), (Some(32), Some(1e-3)), "{r}");
 }
