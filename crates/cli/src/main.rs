@@ -335,9 +335,13 @@ struct BenchArgs {
     threads: Option<u64>,
     /// Only this model's case (repeatable): mlp, simplecnn, deepcnn, resnet, gpt, or a case by name
     /// (mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32); gpt2 (gpt2-124m-b8: GPT-2 small,
-    /// for a GPU) runs only when named.
+    /// for a GPU) runs only when named; or a model exported by torch.export.save, by the path of its
+    /// .pt2 file (synthetic data of its shapes; PyTorch runs the same archive).
     #[arg(long = "model", visible_alias = "case")]
     cases: Vec<String>,
+    /// The batch of an exported model's case [default: 64 images; 32 text windows].
+    #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
+    batch_size: Option<u64>,
     /// Timed steps per case, from 1 to 10000.
     #[arg(long, allow_negative_numbers = true, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BENCH_STEPS))]
     steps: u64,
@@ -1059,6 +1063,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         device: a.device,
         threads,
         only: &a.cases,
+        batch: a.batch_size.map(|b| b as usize),
         warmup,
         steps,
         rounds: a.rounds as usize,
@@ -1081,7 +1086,9 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     let compare = report.pytorch_version.is_some();
     // With several rounds, the spread of the rounds' own ratios (the host's noise) after the ratio.
     let spread = compare && report.rounds > 1;
-    print!("{:<16} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
+    // Wide enough for an archive's path.
+    let width = report.cases.iter().map(|c| c.name.len()).max().unwrap_or(0).max(16);
+    print!("{:<width$} {:>10} {:>16} {:>16}", "case", "median ms", "peak allocated", "peak reserved");
     if compare {
         print!(" {:>12} {:>8}", "PyTorch ms", "ratio");
         if spread {
@@ -1092,7 +1099,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     println!();
     for c in &report.cases {
         print!(
-            "{:<16} {:>10.2} {:>16} {:>16}",
+            "{:<width$} {:>10.2} {:>16} {:>16}",
             c.name,
             c.median_ms,
             format_bytes(c.peak_allocated_bytes),

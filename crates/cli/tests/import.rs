@@ -107,6 +107,27 @@ fn an_exported_model_checkpoints_its_modules_with_the_same_numbers() {
     );
 }
 
+/// `bench` runs an exported model's step on synthetic data of its shapes, at the batch given; an
+/// archive that cannot be read is named before anything is measured.
+#[test]
+fn an_exported_model_is_benched_at_the_batch_given() {
+    let model = fixture("tiny_vit.pt2");
+    let out = memfit(&["bench", "--model", &model, "--batch-size", "16", "--steps", "2", "--warmup", "1", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let case = &r["cases"][0];
+    assert_eq!(case["name"], model.as_str());
+    assert!(case["median_ms"].as_f64().unwrap() > 0.0 && case["peak_allocated_bytes"].as_u64().unwrap() > 0);
+    // 16 images: less than the default 64's peak.
+    let out = memfit(&["bench", "--model", &model, "--steps", "1", "--warmup", "0", "--json"]);
+    let default: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(default["cases"][0]["peak_allocated_bytes"].as_u64() > case["peak_allocated_bytes"].as_u64());
+    let missing = temp("missing.pt2");
+    let out = memfit(&["bench", "--model", missing.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("missing.pt2"), "{}", text(&out));
+}
+
 #[test]
 fn a_missing_archive_and_a_model_that_does_not_fit_the_data_are_clear_errors() {
     let out = memfit(&["train", "--model", "/nonexistent/model.pt2"]);

@@ -7,6 +7,7 @@ arguments and reads one JSON object from stdout.
 
 Usage: python pytorch_bench.py CASE WARMUP STEPS THREADS [DEVICE]   (DEVICE: cpu, or cuda:N)
 """
+import contextlib
 import json, statistics, sys, time
 
 import torch
@@ -113,14 +114,15 @@ def step_times(make_model, make_batch, warmup, steps, device):
     return times, peak
 
 
-def steady_peak_bytes(make_model, make_batch):
-    """MemTracker's peak of a steady-state step (optimizer state present), or None if unavailable."""
+def steady_peak_bytes(make_model, make_batch, fake=True):
+    """MemTracker's peak of a steady-state step (optimizer state present), or None if unavailable; on
+    fake tensors (no memory, no arithmetic) unless `fake` is False."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError:
         return None
-    with FakeTensorMode():
+    with FakeTensorMode() if fake else contextlib.nullcontext():
         model = make_model()
         x, y = make_batch()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -137,9 +139,36 @@ def steady_peak_bytes(make_model, make_batch):
     return int(sum(v for per_device in peak.values() for k, v in per_device.items() if str(k).endswith("Total")))
 
 
+def steady_peak_or_none(make_model, make_batch):
+    """`steady_peak_bytes`; an exported program's module, which loads only with real tensors, is
+    tracked on real ones; None where MemTracker cannot follow the model."""
+    for fake in (True, False):
+        try:
+            return steady_peak_bytes(make_model, make_batch, fake)
+        except Exception:
+            continue
+    return None
+
+
+def exported_case(args):
+    """A model exported by torch.export.save: PATH BATCH, then `image C H W CLASSES` or `tokens T VOCAB`
+    (the shapes memfit read from its signature). The program's module runs as exported (training mode)."""
+    path, batch, task = args[0], int(args[1]), args[2]
+    sizes = [int(a) for a in args[3:]]
+    if task == "image":
+        c, h, w, classes = sizes
+        make_batch = lambda: (torch.randn(batch, c, h, w), torch.randint(0, classes, (batch,)))
+    else:
+        context, vocab = sizes
+        make_batch = lambda: (torch.randint(0, vocab, (batch, context)), torch.randint(0, vocab, (batch, context)))
+    return (lambda: torch.export.load(path).module()), make_batch
+
+
 def main():
     case, warmup, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     device = torch.device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
+    if case == "pt2":
+        CASES[case] = exported_case(sys.argv[6:])
     if case not in CASES:
         print(json.dumps({"case": case, "error": "no PyTorch reference for this case"}))
         return
@@ -150,7 +179,7 @@ def main():
     print(json.dumps({
         "case": case,
         "median_ms": statistics.median(times),
-        "peak_bytes": measured_peak if measured_peak is not None else steady_peak_bytes(make_model, make_batch),
+        "peak_bytes": measured_peak if measured_peak is not None else steady_peak_or_none(make_model, make_batch),
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
     }))

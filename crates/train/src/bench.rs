@@ -1,4 +1,5 @@
-//! `memfit bench`: per model, the median AdamW training-step time after warm-up and a steady-state
+//! `memfit bench`: per model (the zoo's cases, or a user's model exported by `torch.export.save`, at
+//! a batch the user gives), the median AdamW training-step time after warm-up and a steady-state
 //! step's peak allocated and reserved bytes, on synthetic data, on the cpu or a GPU; with a PyTorch
 //! interpreter, the same step of the same model in PyTorch on the same device, run right after each
 //! case (`assets/pytorch_bench.py`, embedded), so every ratio comes from one run on one machine. With several rounds, memfit and PyTorch take
@@ -127,8 +128,34 @@ pub fn pytorch_version(python: &Path) -> Result<String, TrainError> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// What one measured case runs: its name, model and batch, and how PyTorch names it (a zoo case's
+/// name; for an archive `pt2 PATH BATCH` and its task's shapes).
+struct Planned {
+    name: String,
+    spec: ModelSpec,
+    batch: usize,
+    pytorch_case: Vec<String>,
+}
+
+/// The case of an exported model: its archive's path as the name, `batch` samples of synthetic data
+/// of the export's shapes; PyTorch runs the same archive (`torch.export.load`).
+fn archive_case(path: &Path, batch: usize) -> Result<Planned, TrainError> {
+    let spec = ModelSpec::exported(path).map_err(TrainError::Invalid)?;
+    let mut pytorch_case = vec!["pt2".to_string(), path.display().to_string(), batch.to_string()];
+    pytorch_case.extend(match spec.input_kind() {
+        memfit_nn::ModelInput::Image { shape, classes } => {
+            vec!["image".into(), shape[0].to_string(), shape[1].to_string(), shape[2].to_string(), classes.to_string()]
+        }
+        memfit_nn::ModelInput::Tokens { context, vocab } => {
+            vec!["tokens".into(), context.to_string(), vocab.to_string()]
+        }
+    });
+    Ok(Planned { name: path.display().to_string(), spec, batch, pytorch_case })
+}
+
 /// Runs one case in PyTorch; `None` when PyTorch has no reference for it.
-fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &str) -> Result<Option<PytorchCase>, TrainError> {
+fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &[String]) -> Result<Option<PytorchCase>, TrainError> {
+    let name = case.join(" ");
     let (warmup, steps, threads) = (cfg.warmup, cfg.steps, cfg.threads);
     // PyTorch's name of the device.
     let device = match cfg.device {
@@ -136,10 +163,11 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &str) -> Result<Opti
         _ => "cpu".to_string(),
     };
     let fail =
-        |what: String| TrainError::Invalid(format!("--compare-pytorch {}: case {case}: {what}", python.display()));
+        |what: String| TrainError::Invalid(format!("--compare-pytorch {}: case {name}: {what}", python.display()));
     let mut child = Command::new(python)
         .arg("-")
-        .args([case.to_string(), warmup.to_string(), steps.to_string(), threads.to_string(), device])
+        .args([case[0].clone(), warmup.to_string(), steps.to_string(), threads.to_string(), device])
+        .args(&case[1..])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -172,12 +200,17 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &str) -> Result<Opti
 /// Measures one case on `kind`: `warmup` steps, then `steps` timed steps; the peaks are those of
 /// the timed (steady-state, optimizer state present) steps.
 pub fn run_case(case: &BenchCase, kind: DeviceKind, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
-    let spec = (case.spec)();
+    let planned = Planned { name: case.name.to_string(), spec: (case.spec)(), batch: case.batch, pytorch_case: vec![] };
+    measure(&planned, kind, warmup, steps)
+}
+
+fn measure(case: &Planned, kind: DeviceKind, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
+    let spec = &case.spec;
     let device = Device::new(DeviceConfig::new(kind))?;
     let optimizer = OptimizerConfig::adamw(1e-3);
-    let mut session = Session::new(device.clone(), &spec, optimizer, 0)?;
+    let mut session = Session::new(device.clone(), spec, optimizer, 0)?;
     // Two windows of data, reused across epochs: the data's size does not grow with the steps.
-    let data = synthetic(&spec, case.batch * 2, 0);
+    let data = synthetic(spec, case.batch * 2, 0);
     let opts = |n: usize| RunOptions {
         effective_batch: case.batch,
         micro_batch: case.batch,
@@ -191,12 +224,12 @@ pub fn run_case(case: &BenchCase, kind: DeviceKind, warmup: usize, steps: usize)
     };
     session.run(data.as_ref(), None, &opts(warmup), &mut |_| {})?;
     device.reset_peak_stats();
-    let timed = synthetic(&spec, case.batch * 2, 1);
+    let timed = synthetic(spec, case.batch * 2, 1);
     let outcome = session.run(timed.as_ref(), None, &opts(steps), &mut |_| {})?;
     let stats = device.stats();
     let median_ms = median(&outcome.step_times_ms);
     Ok(CaseResult {
-        name: case.name.to_string(),
+        name: case.name.clone(),
         median_ms,
         round_ms: vec![median_ms],
         peak_allocated_bytes: stats.allocated_bytes.peak,
@@ -218,8 +251,11 @@ pub struct BenchConfig<'a> {
     pub device: DeviceKind,
     /// The cpu's worker threads (PyTorch gets as many).
     pub threads: usize,
-    /// The cases, by case or model name (all when empty).
+    /// The cases, by case or model name, or the path of a model exported by `torch.export.save` (a
+    /// `.pt2` file); the zoo's default cases when empty.
     pub only: &'a [String],
+    /// The batch of an exported model's case (None: 64 images or 32 text windows).
+    pub batch: Option<usize>,
     pub warmup: usize,
     pub steps: usize,
     /// Rounds per case: memfit and PyTorch alternate.
@@ -245,11 +281,13 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     let named = |c: &BenchCase, name: &str| {
         c.name.eq_ignore_ascii_case(name) || c.name.split('-').next().is_some_and(|m| m.eq_ignore_ascii_case(name))
     };
+    let archive = |name: &str| name.ends_with(".pt2");
     for name in only {
-        if !CASES.iter().any(|c| named(c, name)) {
+        if !archive(name) && !CASES.iter().any(|c| named(c, name)) {
             let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
             return Err(TrainError::Invalid(format!(
-                "unknown bench case {name:?}: expected a model (mlp, simplecnn, deepcnn, resnet, gpt, gpt2) or a case: {}",
+                "unknown bench case {name:?}: expected a model (mlp, simplecnn, deepcnn, resnet, gpt, gpt2), a case ({}) \
+                 or a model exported by torch.export.save (a .pt2 file)",
                 names.join(", ")
             )));
         }
@@ -262,14 +300,28 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     Device::probe(cfg.device)?;
     let device = Device::new(DeviceConfig::new(cfg.device))?.describe();
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;
-    let mut cases = Vec::new();
+    // The archives are read (and refused with their reason) before anything is measured.
+    let mut planned: Vec<Planned> = Vec::new();
     let chosen = |c: &BenchCase| if only.is_empty() { c.by_default } else { only.iter().any(|n| named(c, n)) };
     for case in CASES.iter().filter(|c| chosen(c)) {
+        let pytorch_case = vec![case.name.to_string()];
+        planned.push(Planned { name: case.name.to_string(), spec: (case.spec)(), batch: case.batch, pytorch_case });
+    }
+    for path in only.iter().filter(|n| archive(n)) {
+        let text = |p: &Planned| matches!(p.spec.input_kind(), memfit_nn::ModelInput::Tokens { .. });
+        let mut case = archive_case(Path::new(path), cfg.batch.unwrap_or(64))?;
+        if cfg.batch.is_none() && text(&case) {
+            case = archive_case(Path::new(path), 32)?;
+        }
+        planned.push(case);
+    }
+    let mut cases = Vec::new();
+    for case in &planned {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
-            ours.push(pool.install(|| run_case(case, cfg.device, cfg.warmup, cfg.steps))?);
+            ours.push(pool.install(|| measure(case, cfg.device, cfg.warmup, cfg.steps))?);
             if let Some(python) = pytorch {
-                theirs.push(run_pytorch_case(cfg, python, case.name)?);
+                theirs.push(run_pytorch_case(cfg, python, &case.pytorch_case)?);
             }
         }
         let round_ms: Vec<f64> = ours.iter().map(|r| r.median_ms).collect();
