@@ -367,7 +367,12 @@ struct BenchArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// A GPT checkpoint saved by `memfit train --model gpt --save PATH`.
+    /// A next-token predictor exported by torch.export.save (its .pt2 file), whose weights --load
+    /// holds (default: memfit's GPT, sized by the checkpoint).
+    #[arg(long, value_parser = parse_archive)]
+    model: Option<PathBuf>,
+    /// A GPT checkpoint saved by `memfit train --model gpt --save PATH` (or by `memfit train --model
+    /// PATH.pt2 --save PATH` with --model PATH.pt2).
     #[arg(long)]
     load: PathBuf,
     /// The text to continue (characters of the training text only).
@@ -422,6 +427,14 @@ impl ModelArg {
             Some(path) => path.display().to_string(),
             None => self.kind.name().to_string(),
         }
+    }
+}
+
+/// The path of a `.pt2` archive that exists.
+fn parse_archive(s: &str) -> Result<PathBuf, String> {
+    match parse_model(s)? {
+        ModelArg { file: Some(path), .. } => Ok(path),
+        _ => Err(format!("{s}: give the path of a model exported by torch.export.save (a .pt2 file)")),
     }
 }
 
@@ -1139,6 +1152,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
 
 fn generate(a: GenerateArgs) -> Result<(), String> {
     let cfg = GenerateConfig {
+        model: a.model,
         load: a.load,
         prompt: a.prompt,
         tokens: a.tokens as usize,
@@ -1165,16 +1179,11 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         print!("{}", cfg.prompt);
     }
     println!();
-    let m = g.model;
     eprintln!(
-        "generated {} characters in {:.0} ms with gpt L{} d{} h{} T{} (vocabulary {}); memory: peak allocated {}, reserved {}",
+        "generated {} characters in {:.0} ms with {}; memory: peak allocated {}, reserved {}",
         g.text.chars().count(),
         g.ms,
-        m.layers,
-        m.d_model,
-        m.heads,
-        m.max_t,
-        m.vocab,
+        g.model,
         format_bytes(g.stats.allocated_bytes.peak),
         format_bytes(g.stats.reserved_bytes.peak)
     );

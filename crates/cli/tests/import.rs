@@ -128,6 +128,54 @@ fn an_exported_model_is_benched_at_the_batch_given() {
     assert!(text(&out).contains("missing.pt2"), "{}", text(&out));
 }
 
+/// An imported next-token predictor's saved weights continue a prompt with `generate --model`: the
+/// same seed the same text; the file alone names what is missing; a model that is not causal cannot
+/// continue a prompt shorter than its context, and says so.
+#[test]
+fn an_exported_gpt_generates_text_and_a_bidirectional_one_is_refused() {
+    let model = fixture("tiny_gpt.pt2");
+    let saved = temp("gpt-gen.safetensors");
+    let out = memfit(&["train", "--model", &model, "--max-steps", "5", "--no-eval", "--save", saved.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let generate = |model: Option<&str>, prompt: &str| {
+        let mut args = vec!["generate", "--load", saved.to_str().unwrap(), "--prompt", prompt, "--tokens", "20"];
+        if let Some(m) = model {
+            args.extend_from_slice(&["--model", m]);
+        }
+        memfit(&args)
+    };
+    let (a, b) = (generate(Some(&model), "Call me"), generate(Some(&model), "Call me"));
+    assert!(a.status.success(), "{}", text(&a));
+    let story = String::from_utf8_lossy(&a.stdout).to_string();
+    assert!(story.starts_with("Call me") && story.trim_end().chars().count() >= 7 + 1, "{story:?}");
+    assert_eq!(a.stdout, b.stdout, "the same seed, the same text");
+    assert!(text(&a).contains("tiny_gpt.pt2"), "{}", text(&a));
+    // A prompt longer than the context of 8: its last 8 characters.
+    let long = generate(Some(&model), "It was the best of times");
+    assert!(long.status.success(), "{}", text(&long));
+    let alone = generate(None, "Call me");
+    assert_eq!(alone.status.code(), Some(1));
+    assert!(text(&alone).contains("give its archive too, with --model PATH.pt2"), "{}", text(&alone));
+    let bidirectional = fixture("tiny_bidirectional.pt2");
+    let saved_b = temp("bi.safetensors");
+    let out = memfit(&[
+        "train",
+        "--model",
+        &bidirectional,
+        "--max-steps",
+        "1",
+        "--no-eval",
+        "--save",
+        saved_b.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = memfit(&["generate", "--model", &bidirectional, "--load", saved_b.to_str().unwrap(), "--prompt", "Call"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("not causal") && text(&out).contains("context of 8"), "{}", text(&out));
+    let full = ["generate", "--model", &bidirectional, "--load", saved_b.to_str().unwrap(), "--prompt", "Call me "];
+    assert!(memfit(&full).status.success(), "a full window needs no fill");
+}
+
 #[test]
 fn a_missing_archive_and_a_model_that_does_not_fit_the_data_are_clear_errors() {
     let out = memfit(&["train", "--model", "/nonexistent/model.pt2"]);

@@ -146,7 +146,10 @@ impl Task {
             out.push((NORMALIZATION_KEYS[2].to_string(), n.std.to_string()));
         }
         if let Some(vocab) = self.vocab() {
-            out = self.spec.gpt.to_metadata();
+            // memfit's GPT carries its sizes; an imported model's are its archive's.
+            if self.spec.kind != ModelKind::Imported {
+                out = self.spec.gpt.to_metadata();
+            }
             out.push((memfit_nn::models::VOCAB_KEY.to_string(), vocab.as_string()));
         }
         out

@@ -227,6 +227,7 @@ fn a_saved_gpt_generates_the_same_text_for_a_seed() {
     assert_eq!(summary.outcome.steps, 3);
     let gen = |seed: u64, temperature: f64| {
         let g = GenerateConfig {
+            model: None,
             load: ckpt.clone(),
             prompt: "Call me".into(),
             tokens: 60,
@@ -248,6 +249,7 @@ fn a_saved_gpt_generates_the_same_text_for_a_seed() {
     assert_eq!(gen(1, 0.0), gen(2, 0.0), "temperature 0 is greedy");
     // Characters the model never saw, and checkpoints that are not GPTs, are refused clearly.
     let bad = GenerateConfig {
+        model: None,
         load: ckpt.clone(),
         prompt: "Caf\u{e9}".into(),
         tokens: 5,
