@@ -176,6 +176,52 @@ fn an_exported_gpt_generates_text_and_a_bidirectional_one_is_refused() {
     assert!(memfit(&full).status.success(), "a full window needs no fill");
 }
 
+/// Batch norm over a 1 x 1 map takes no micro-batch of one sample (PyTorch refuses it): the planner
+/// never plans one (recovery never halves below it: `trainer.rs`'s unit test), and a micro-batch,
+/// batch or epoch that would leave one is refused before any work, with what does.
+#[test]
+fn batch_norm_over_one_value_per_channel_never_gets_a_micro_batch_of_one() {
+    let model = fixture("tiny_pooled_bn.pt2");
+    let report = temp("pooled.json");
+    let out = memfit(&[
+        "train",
+        "--model",
+        &model,
+        "--batch-size",
+        "64",
+        "--memory",
+        "2MiB",
+        "--inject-oom",
+        "60",
+        "--max-steps",
+        "3",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert!(r["num_injected_faults"].as_u64().unwrap() > 0);
+    assert_eq!(r["oom_recoveries"], r["num_ooms"]);
+    assert_eq!(r["samples_seen"], 3 * 64);
+    assert_eq!(r["peak_allocated_bytes"], r["predicted_peak_allocated_bytes"]);
+    let refused = |args: &[&str], says: &str| {
+        let mut all = vec!["train", "--model", &model, "--max-steps", "1"];
+        all.extend_from_slice(args);
+        let out = memfit(&all);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(text(&out).contains("needs at least 2 samples") && text(&out).contains(says), "{}", text(&out));
+    };
+    refused(&["--micro-batch", "1"], "--micro-batch 1 is fewer");
+    refused(
+        &["--batch-size", "9", "--micro-batch", "4"],
+        "leaves a micro-batch of 1 of the batch of 9 (--micro-batch 3 does)",
+    );
+    refused(&["--batch-size", "1"], "give a --batch-size of at least 2");
+    refused(&["--batch-size", "7999"], "leave a last step of 1 in batches of 7999");
+    let out = memfit(&["plan", "--model", &model, "--memory", "100KiB", "--batch-size", "64"]);
+    assert!(text(&out).contains("even a micro-batch of 2"), "{}", text(&out));
+}
+
 #[test]
 fn a_missing_archive_and_a_model_that_does_not_fit_the_data_are_clear_errors() {
     let out = memfit(&["train", "--model", "/nonexistent/model.pt2"]);

@@ -18,7 +18,7 @@ mod program;
 mod segments;
 
 pub use archive::{Archive, Arg, GraphInput, Node, ValueMeta, Weight, FLOAT32, INT64};
-pub use program::{Program, SUPPORTED_OPS};
+pub use program::{smallest_batch, Program, SUPPORTED_OPS};
 
 /// An archive that cannot be read or run, with what is wrong and where; or the device's own error
 /// while its weights are made (an out-of-memory stays one, so a planner can weigh it).

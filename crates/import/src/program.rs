@@ -666,6 +666,24 @@ impl Graph {
     }
 }
 
+/// The fewest samples a training pass of `archive`'s graph can take: 2 where batch norm in training
+/// normalizes a single value per channel per sample (a 1 x 1 map, or a [N, C] input), whose batch
+/// variance one sample leaves undefined (PyTorch refuses it: "expected more than 1 value per
+/// channel"); else 1.
+pub fn smallest_batch(archive: &Archive) -> usize {
+    let single = archive.nodes.iter().any(|node| match describe(node) {
+        Ok(Op::BatchNorm { input, training: true, .. }) => {
+            archive.value(input).is_some_and(|v| v.sizes.len() >= 2 && v.sizes[2..].iter().all(|d| *d == Some(1)))
+        }
+        _ => false,
+    });
+    if single {
+        2
+    } else {
+        1
+    }
+}
+
 // Note [Fused pairs]
 // memfit's own GPT saves less for backward than PyTorch's eager modules by fusing a layer norm into
 // the product after it and GELU into the product after it (`ops::layer_norm_linear`,

@@ -143,6 +143,17 @@ fn checkpointed_segments_give_the_same_numbers_and_meta_predicts_them() {
     }
 }
 
+/// Batch norm in training over one value per channel per sample (a 1 x 1 map) needs two samples; over
+/// larger maps one will do.
+#[test]
+fn the_smallest_training_batch_is_two_where_batch_norm_sees_one_value_per_channel() {
+    let smallest = |name: &str| memfit_import::smallest_batch(&Archive::open(&fixture(name)).unwrap());
+    assert_eq!(smallest("tiny_pooled_bn.pt2"), 2);
+    assert_eq!(smallest("tiny_resnet.pt2"), 1);
+    assert_eq!(smallest("tiny_mobile.pt2"), 1);
+    assert_eq!(smallest("tiny_gpt.pt2"), 1);
+}
+
 /// Users' everyday ops: chunk, split by size and by sizes, unbind, stack, cat, comparisons with where
 /// (values and numbers) and masked_fill, clamp with both bounds and one, hardtanh, pow, sqrt, rsqrt,
 /// cos, sin, abs, constant padding (a value, a crop), stepped and negative slices, expand, max pooling

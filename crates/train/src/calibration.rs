@@ -58,7 +58,8 @@ pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<(CostModel, b
     }
     let fp32 =
         PlanRequest { checkpoint: CheckpointChoice::None, precision: crate::config::Precision::Fp32, ..req.clone() };
-    let one = crate::dry_run::predict(&fp32, 1, None, None)?.map_or(u64::MAX, |p| p.peak_reserved);
+    let smallest = req.model.smallest_micro_batch();
+    let one = crate::dry_run::predict(&fp32, smallest, None, None)?.map_or(u64::MAX, |p| p.peak_reserved);
     if one > MAX_CALIBRATION_BYTES {
         return Ok((CostModel::nominal(segments), false));
     }
@@ -105,9 +106,11 @@ fn cache_key(req: &PlanRequest) -> String {
 /// Times real training steps on `cpu` (see the module documentation).
 pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, TrainError> {
     let start = Instant::now();
-    let effective = req.effective_batch.clamp(1, MAX_CALIBRATION_MICRO);
+    // From the smallest micro-batch the model takes (1, or 2 for batch norm over one value per channel).
+    let smallest = req.model.smallest_micro_batch();
+    let effective = req.effective_batch.clamp(smallest, MAX_CALIBRATION_MICRO.max(smallest));
     let (mut micro, mut plain_ms) = (Vec::new(), Vec::new());
-    let mut m = 1;
+    let mut m = smallest;
     let optimizer_ms = loop {
         let measured = time_steps(req, m, &CheckpointChoice::None)?;
         micro.push(m);
@@ -179,10 +182,12 @@ fn per_sample_envelope(micro: &[usize], plain_ms: &mut [f64]) {
 /// 90% of the one-sample step (a sample is never free); the optimizer alone when the window of two
 /// was not measurably slower than the window of one (noise).
 fn fixed_step_ms(req: &PlanRequest, one_sample_ms: f64, optimizer_ms: f64) -> Result<f64, TrainError> {
-    if req.effective_batch < 2 {
+    // One-sample micro-batches, or the smallest the model takes (the first calibration measured).
+    let smallest = req.model.smallest_micro_batch();
+    if req.effective_batch < 2 * smallest {
         return Ok(optimizer_ms);
     }
-    let two = time_windows(req, 1, 2, &CheckpointChoice::None, None)?.step_ms;
+    let two = time_windows(req, smallest, 2, &CheckpointChoice::None, None)?.step_ms;
     if two <= one_sample_ms * 1.05 {
         return Ok(optimizer_ms);
     }

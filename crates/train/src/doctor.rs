@@ -74,7 +74,7 @@ pub fn least_needs(req: &PlanRequest) -> Result<(u64, usize), TrainError> {
             }
         }
     }
-    Ok(best.unwrap_or((0, 1)))
+    Ok(best.unwrap_or((0, planner::lightest_candidates(req)[0])))
 }
 
 /// The peak reserved of `r` at `micro` under the least budget it fits, `unbounded` being its run with

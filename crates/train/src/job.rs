@@ -122,6 +122,8 @@ fn train_in_pool(
     let spec = task.spec.clone();
     let request = plan_request(cfg, &spec, batch_size, group.as_deref())?;
     let staged = plan_pipeline(cfg, &request, group.as_deref(), observer)?;
+    planner::check_smallest(&request)?;
+    check_last_window(&spec, train_samples.len(), batch_size)?;
     let (micro, eval_micro, plan) = choose_micro_batches(cfg, &request, staged.as_ref(), observer)?;
     // The plan's segments; with none (a fixed micro-batch that fits no plan runs on recovery), `auto`
     // takes expandable ones: the fewest bytes reserved for the same blocks.
@@ -314,6 +316,22 @@ fn plan_request(
         Some(g) => shared_costs(request, g, cfg.parallel == Some(ParallelMode::Pipeline)),
         None => Ok(request),
     }
+}
+
+/// Errors when an epoch's last window (what the data leaves after whole batches) is smaller than the
+/// model takes in training (`ModelSpec::smallest_micro_batch`): PyTorch would fail on it too.
+fn check_last_window(spec: &ModelSpec, samples: usize, batch: usize) -> Result<(), TrainError> {
+    let smallest = spec.smallest_micro_batch();
+    let last = samples % batch.max(1);
+    if last == 0 || last >= smallest {
+        return Ok(());
+    }
+    Err(TrainError::Invalid(format!(
+        "{}: its batch norm sees one value per channel per sample, so every step needs at least {smallest} \
+         samples, but the {samples} training samples leave a last step of {last} in batches of {batch}: give \
+         another --batch-size",
+        spec.name()
+    )))
 }
 
 /// The training and evaluation micro-batches and the plan: a pipeline's, planned under a budget

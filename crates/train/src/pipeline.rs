@@ -172,6 +172,7 @@ impl Session {
             optimizer,
             skipped_steps: 0,
             peers: Some(Box::new(Pipeline { group, stages, stream })),
+            smallest_micro_batch: spec.smallest_micro_batch(),
         })
     }
 }

@@ -101,12 +101,16 @@ impl Candidate {
     }
 }
 
-/// Largest value in `1..=high` for which `fits` holds, assuming it holds for 1 and is monotone.
-fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, TrainError>) -> Result<usize, TrainError> {
+/// Largest value in `low..=high` for which `fits` holds, assuming it holds for `low` and is monotone.
+fn largest_fitting(
+    low: usize,
+    high: usize,
+    mut fits: impl FnMut(usize) -> Result<bool, TrainError>,
+) -> Result<usize, TrainError> {
     if fits(high)? {
         return Ok(high);
     }
-    let (mut lo, mut hi) = (1, high); // fits(lo), !fits(hi)
+    let (mut lo, mut hi) = (low, high); // fits(lo), !fits(hi)
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         if fits(mid)? {
@@ -123,6 +127,7 @@ fn largest_fitting(high: usize, mut fits: impl FnMut(usize) -> Result<bool, Trai
 /// When nothing fits, [`TrainError::DoesNotFit`] says what the least of the run needs; the doctor's
 /// [`crate::doctor::plan`] adds the remedies.
 pub fn choose(req: &PlanRequest) -> Result<Plan, TrainError> {
+    check_smallest(req)?;
     // Expandable segments change no number and cost no time that the cost model sees: weighed by
     // fit alone, they are taken when the plan does not fit fixed ones (so a plan that fits is the
     // one it always was).
@@ -167,7 +172,7 @@ pub fn choose(req: &PlanRequest) -> Result<Plan, TrainError> {
     let best = weighed.fastest();
     let Some(best) = best else {
         let needs = weighed.candidates.iter().map(|c| c.peak_reserved).min().unwrap_or(0);
-        return Err(refusal(req, needs, 1));
+        return Err(refusal(req, needs, req.model.smallest_micro_batch()));
     };
     let chosen =
         PlanRequest { checkpoint: weighed.choice(best), precision: weighed.candidates[best].precision, ..req.clone() };
@@ -262,7 +267,7 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
     let ranked: Vec<String> = if req.checkpoint == CheckpointChoice::Auto {
         let training_peak = |r: &PlanRequest, dry_runs: &mut usize| -> Result<u64, TrainError> {
             *dry_runs += 1;
-            Ok(predict(r, 1, None, None)?.map_or(u64::MAX, |p| p.peak_allocated))
+            Ok(predict(r, lightest_candidates(r)[0], None, None)?.map_or(u64::MAX, |p| p.peak_allocated))
         };
         let base = training_peak(&with(CheckpointChoice::None), &mut dry_runs)?;
         let mut scored = Vec::new();
@@ -307,7 +312,8 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
             let time = |m: usize| costs.step_ms_in(req.rank_batch(), m, checkpointed, half);
             let fitting = match fitting_micro(&r, &mut run)? {
                 Some((largest, _, balanced)) => {
-                    let mut options = balanced_micro_batches(r.rank_batch(), largest, r.micro_batch);
+                    let mut options =
+                        balanced_micro_batches(r.rank_batch(), largest, r.micro_batch, r.model.smallest_micro_batch());
                     // Fastest first; ties (to a nanosecond): the larger micro-batch (fewer accumulation steps).
                     options.sort_by_key(|&m| ((time(m) * 1e6).round() as i64, std::cmp::Reverse(m)));
                     let mut found = None;
@@ -321,7 +327,7 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
                 }
                 None => None,
             };
-            let m = fitting.map_or(micro.unwrap_or(1), |(m, _, _)| m);
+            let m = fitting.map_or(micro.unwrap_or(req.model.smallest_micro_batch()), |(m, _, _)| m);
             let step_ms = time(m);
             candidates.push(match fitting {
                 Some((m, largest, peak)) => Candidate {
@@ -356,7 +362,8 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
 /// The micro-batches worth timing for `effective` samples when at most `largest` fit: one for each
 /// number of accumulation steps from the fewest up, each as even as that count allows (`ceil(effective
 /// / k)`), largest first; only `fixed` when the user fixed one. About 2 sqrt(effective) of them.
-fn balanced_micro_batches(effective: usize, largest: usize, fixed: Option<usize>) -> Vec<usize> {
+/// Micro-batches whose every chunk holds at least `smallest` samples (the last one too) are kept.
+fn balanced_micro_batches(effective: usize, largest: usize, fixed: Option<usize>, smallest: usize) -> Vec<usize> {
     if let Some(m) = fixed {
         return vec![m.min(effective.max(1))];
     }
@@ -365,14 +372,64 @@ fn balanced_micro_batches(effective: usize, largest: usize, fixed: Option<usize>
     let mut k = effective.div_ceil(largest.clamp(1, effective));
     while k <= effective {
         let m = effective.div_ceil(k);
-        out.push(m);
-        if m == 1 {
+        if splits_into(effective, m, smallest) {
+            out.push(m);
+        }
+        if m <= smallest.max(1) {
             break;
         }
         // The next count that gives a smaller micro-batch.
         k = effective.div_ceil(m - 1);
     }
     out
+}
+
+/// Whether `samples` in micro-batches of `micro` (the last one what is left) give every micro-batch at
+/// least `smallest` samples.
+pub fn splits_into(samples: usize, micro: usize, smallest: usize) -> bool {
+    let micro = micro.clamp(1, samples.max(1));
+    let last = samples - (samples.div_ceil(micro).max(1) - 1) * micro;
+    micro >= smallest && last >= smallest
+}
+
+/// The largest micro-batch up to `micro` that splits `samples` into micro-batches of at least
+/// `smallest` (`micro` itself when the model takes any); None when none does.
+fn splitting_micro(samples: usize, micro: usize, smallest: usize) -> Option<usize> {
+    (smallest..=micro.min(samples)).rev().find(|&m| splits_into(samples, m, smallest))
+}
+
+/// Errors before any planning when the request's batch cannot be cut into micro-batches the model
+/// takes: a model whose batch norm sees one value per channel per sample trains on at least 2 samples
+/// at once (`ModelSpec::smallest_micro_batch`), so a batch of 1, a micro-batch of 1, or one that
+/// leaves a last micro-batch of 1 would fail as PyTorch does.
+pub fn check_smallest(req: &PlanRequest) -> Result<(), TrainError> {
+    let smallest = req.model.smallest_micro_batch();
+    if smallest <= 1 {
+        return Ok(());
+    }
+    let why = format!(
+        "{}: its batch norm sees one value per channel per sample, so every micro-batch needs at least {smallest} \
+         samples (as in PyTorch)",
+        req.model.name()
+    );
+    let batch = req.rank_batch();
+    if batch < smallest {
+        return Err(TrainError::Invalid(format!("{why}: give a --batch-size of at least {smallest}")));
+    }
+    if let Some(m) = req.micro_batch {
+        if m < smallest {
+            return Err(TrainError::Invalid(format!("{why}: --micro-batch {m} is fewer")));
+        }
+        if !splits_into(batch, m, smallest) {
+            let hint =
+                splitting_micro(batch, m, smallest).map_or(String::new(), |ok| format!(" (--micro-batch {ok} does)"));
+            return Err(TrainError::Invalid(format!(
+                "{why}: --micro-batch {m} leaves a micro-batch of {} of the batch of {batch}{hint}",
+                batch - (batch.div_ceil(m.max(1)) - 1) * m.max(1)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// How many of `n` ranked segments the candidates checkpoint: every count up to 8 segments, then
@@ -493,10 +550,13 @@ type DryRun<'a> = dyn FnMut(usize, Option<usize>, Option<u64>) -> Result<Option<
 /// 1 and, when larger (and plannable), the whole batch.
 pub(crate) fn lightest_candidates(req: &PlanRequest) -> Vec<usize> {
     let whole = req.rank_batch().max(1);
+    // The smallest micro-batch the model takes that splits the batch (Note [Lightest micro-batch]).
+    let smallest = req.model.smallest_micro_batch();
+    let least = (smallest..whole).find(|&m| splits_into(whole, m, smallest)).unwrap_or(whole);
     match req.micro_batch {
         Some(m) => vec![m.min(whole)],
-        None if whole > 1 && whole <= MAX_MICRO => vec![1, whole],
-        None => vec![1],
+        None if whole > least && whole <= MAX_MICRO => vec![least, whole],
+        None => vec![least],
     }
 }
 
@@ -505,7 +565,8 @@ pub(crate) fn lightest_candidates(req: &PlanRequest) -> Vec<usize> {
 /// in one (Note [Lightest micro-batch]).
 fn fitting_micro(req: &PlanRequest, run: &mut DryRun) -> Result<Option<(usize, usize, usize)>, TrainError> {
     let budget = req.budget();
-    let first = req.micro_batch.unwrap_or(1).min(req.rank_batch());
+    let smallest = req.model.smallest_micro_batch();
+    let first = req.micro_batch.unwrap_or(lightest_candidates(req)[0]).min(req.rank_batch());
     if run(first, Some(first.min(MAX_EVAL_MICRO)), budget)?.is_none() {
         let whole = req.rank_batch();
         let lighter = req.micro_batch.is_none()
@@ -518,11 +579,15 @@ fn fitting_micro(req: &PlanRequest, run: &mut DryRun) -> Result<Option<(usize, u
         return Ok(Some((first, req.rank_batch().div_ceil(first), first)));
     }
     let high = search_limit(&req.model, req.rank_batch().min(MAX_MICRO), budget);
-    let largest = largest_fitting(high, |m| Ok(run(m, Some(1), budget)?.is_some()))?;
+    let largest = largest_fitting(first, high.max(first), |m| Ok(run(m, Some(1), budget)?.is_some()))?;
+    // A micro-batch that splits the batch into parts the model takes (all, but for batch norm over
+    // one value per channel: none of 1).
+    let largest = splitting_micro(req.rank_batch(), largest, smallest).unwrap_or(first);
     // Balance the micro-batches: as many accumulation steps as the largest fitting micro-batch needs,
     // but equal parts (188 + 68 becomes 128 + 128): as fast, and lighter.
     let accumulation_steps = req.rank_batch().div_ceil(largest);
     let balanced = req.rank_batch().div_ceil(accumulation_steps);
+    let balanced = if splits_into(req.rank_batch(), balanced, smallest) { balanced } else { largest };
     // Lighter in bytes allocated, but the reserved peak is not monotone in the micro-batch (segment
     // reuse): keep the balanced parts only when they fit too.
     let micro = if balanced == largest || run(balanced, Some(1), budget)?.is_some() { balanced } else { largest };
@@ -555,7 +620,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
                 }
             }
         }
-        let (needs, lightest) = least.unwrap_or((0, 1));
+        let (needs, lightest) = least.unwrap_or((0, lightest_candidates(req)[0]));
         return Err(refusal(req, needs, lightest));
     };
     let not_fit = || TrainError::Invalid("internal error: the chosen plan did not fit on a second dry run".into());
@@ -617,8 +682,10 @@ pub(crate) fn problem(req: &PlanRequest, needs: u64, lightest: usize) -> String 
     };
     let micro = match req.micro_batch {
         Some(m) => format!("micro-batch {m} as asked"),
-        None if lightest > 1 => format!("its lightest micro-batch, the whole batch of {lightest} in one,"),
-        None => "a micro-batch of 1".to_string(),
+        None if lightest > 1 && lightest == req.rank_batch() => {
+            format!("its lightest micro-batch, the whole batch of {lightest} in one,")
+        }
+        None => format!("a micro-batch of {lightest}"),
     };
     let segments = segment_names(req).is_ok_and(|n| !n.is_empty());
     let checkpointing = match &req.checkpoint {
@@ -648,7 +715,7 @@ fn eval_micro_within(
         Ok(run(micro, Some(e), budget)?.is_some_and(|p| p.peak_reserved <= training.peak_reserved))
     };
     match within(1)? {
-        true => largest_fitting(high, within),
+        true => largest_fitting(1, high, within),
         false => Ok(1),
     }
 }
@@ -679,13 +746,24 @@ mod tests {
 
     #[test]
     fn micro_batches_are_one_per_accumulation_count_each_as_even_as_it_allows() {
-        assert_eq!(balanced_micro_batches(64, 64, None), [64, 32, 22, 16, 13, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1]);
-        assert_eq!(balanced_micro_batches(64, 20, None)[..3], [16, 13, 11]);
-        assert_eq!(balanced_micro_batches(10, 100, None), [10, 5, 4, 3, 2, 1]);
-        assert_eq!(balanced_micro_batches(1, 1, None), [1]);
-        assert_eq!(balanced_micro_batches(64, 64, Some(8)), [8]);
-        let many = balanced_micro_batches(1 << 30, 1 << 16, None);
+        assert_eq!(balanced_micro_batches(64, 64, None, 1), [64, 32, 22, 16, 13, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(balanced_micro_batches(64, 20, None, 1)[..3], [16, 13, 11]);
+        assert_eq!(balanced_micro_batches(10, 100, None, 1), [10, 5, 4, 3, 2, 1]);
+        // A model that takes no micro-batch of 1: 3 would leave one (3 + 3 + 3 + 1).
+        assert_eq!(balanced_micro_batches(10, 100, None, 2), [10, 5, 4, 2]);
+        assert_eq!(balanced_micro_batches(1, 1, None, 1), [1]);
+        assert_eq!(balanced_micro_batches(64, 64, Some(8), 1), [8]);
+        let many = balanced_micro_batches(1 << 30, 1 << 16, None, 1);
         assert!(many.len() < 70_000 && many[0] == 1 << 16 && many.windows(2).all(|w| w[0] > w[1]));
+    }
+
+    #[test]
+    fn a_split_keeps_every_micro_batch_at_the_smallest_the_model_takes() {
+        assert!(splits_into(10, 4, 2) && !splits_into(10, 3, 2) && splits_into(10, 3, 1));
+        assert!(!splits_into(9, 2, 2) && splits_into(9, 3, 2) && !splits_into(1, 1, 2));
+        assert_eq!(splitting_micro(9, 4, 2), Some(3));
+        assert_eq!(splitting_micro(512, 170, 2), Some(170));
+        assert_eq!(splitting_micro(1, 1, 2), None);
     }
 
     #[test]

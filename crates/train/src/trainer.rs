@@ -51,6 +51,9 @@ pub struct Session {
     /// The processes this session trains with, if any: ranks that share every window
     /// (`parallel::Ranks`) or the other stages of a pipeline (`pipeline::Pipeline`).
     pub peers: Option<Box<dyn Peers>>,
+    /// The fewest samples a training micro-batch can hold (`ModelSpec::smallest_micro_batch`):
+    /// recovery never splits below it.
+    pub smallest_micro_batch: usize,
 }
 
 /// What a session does differently as one of several processes that train one model: one of ranks
@@ -150,7 +153,8 @@ impl Session {
         let _phase = device.enter_phase(Phase::Setup);
         let model = memfit_nn::build_model(spec, &device, seed)?;
         let optimizer = Optimizer::new(model.parameters(), optimizer);
-        Ok(Session { device, model, optimizer, skipped_steps: 0, peers: None })
+        let smallest_micro_batch = spec.smallest_micro_batch();
+        Ok(Session { device, model, optimizer, skipped_steps: 0, peers: None, smallest_micro_batch })
     }
 
     pub(crate) fn allocated(&self) -> u64 {
@@ -274,8 +278,9 @@ pub enum AfterStep {
 
 /// The micro-batches still to run over a list of samples, and what to do when one fails
 /// (Note [Recovery]): run it again at the same size once, then split it in two halves at the front
-/// of the queue; a single sample that fails twice ends the run. Micro-batches that ran already can be
-/// sent round again ([`MicroQueue::replay`]), marked as replays.
+/// of the queue; a chunk that fails twice and cannot be halved (a single sample, or fewer than twice
+/// the model's smallest micro-batch) ends the run. Micro-batches that ran already can be sent round
+/// again ([`MicroQueue::replay`]), marked as replays.
 struct MicroQueue<'a> {
     /// Each chunk, and whether it is a replay.
     queue: VecDeque<(&'a [usize], bool)>,
@@ -283,12 +288,14 @@ struct MicroQueue<'a> {
     micro: usize,
     /// The chunk that already failed once at its size (the same samples: address and length).
     retried: Option<&'a [usize]>,
+    /// No half is smaller than this (batch norm over one value per channel needs 2 samples).
+    smallest: usize,
 }
 
 impl<'a> MicroQueue<'a> {
-    fn new(samples: &'a [usize], micro: usize) -> Self {
+    fn new(samples: &'a [usize], micro: usize, smallest: usize) -> Self {
         let queue = samples.chunks(micro.max(1)).map(|c| (c, false)).collect();
-        MicroQueue { queue, micro: micro.max(1), retried: None }
+        MicroQueue { queue, micro: micro.max(1), retried: None, smallest: smallest.max(1) }
     }
 
     /// The next chunk, and whether it is a replay.
@@ -316,7 +323,7 @@ impl<'a> MicroQueue<'a> {
             self.queue.push_front((chunk, replay));
             return Ok(());
         }
-        if chunk.len() == 1 {
+        if chunk.len() < 2 * self.smallest {
             return Err(error);
         }
         self.retried = None;
@@ -680,7 +687,7 @@ impl Session {
         recover: bool,
         used: &mut Vec<usize>,
     ) -> Result<(MicroResult, usize), TrainError> {
-        let mut queue = MicroQueue::new(window, *micro);
+        let mut queue = MicroQueue::new(window, *micro, self.smallest_micro_batch);
         let mut recoveries = 0;
         let mut scores = Scores::new(&self.device, recover, &mut recoveries)?;
         // What the window holds before any gradient: the level a pass that committed as complete
@@ -775,7 +782,8 @@ impl Session {
             });
         }
         let order = self.peers.as_ref().map_or(&all[..], |p| p.shard(&all));
-        let mut queue = MicroQueue::new(order, eval_micro);
+        // Evaluation normalizes by the running statistics: any micro-batch will do.
+        let mut queue = MicroQueue::new(order, eval_micro, 1);
         let mut recoveries = 0;
         let mut scores = Scores::new(device, recover, &mut recoveries)?;
         while let Some((chunk, _)) = queue.next() {
@@ -1003,5 +1011,44 @@ pub fn median(values: &[f64]) -> f64 {
         v[mid]
     } else {
         (v[mid - 1] + v[mid]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MicroQueue;
+    use crate::error::TrainError;
+
+    fn oom() -> TrainError {
+        TrainError::Invalid("out of memory".into())
+    }
+
+    /// A chunk that fails twice is halved, never below the model's smallest micro-batch: with 2,
+    /// four samples become two and two, and three samples (one half would be 1) end the run.
+    #[test]
+    fn recovery_halves_a_chunk_but_never_below_the_smallest_micro_batch() {
+        let samples: Vec<usize> = (0..7).collect();
+        let mut queue = MicroQueue::new(&samples, 4, 2);
+        let (first, _) = queue.next().unwrap();
+        assert_eq!(first, &[0, 1, 2, 3]);
+        queue.failed(first, false, oom()).unwrap(); // once: retried as it is
+        let (again, _) = queue.next().unwrap();
+        assert_eq!(again, first);
+        queue.failed(again, false, oom()).unwrap(); // twice: halved
+        assert_eq!(queue.next().unwrap().0, &[0, 1]);
+        assert_eq!(queue.next().unwrap().0, &[2, 3]);
+        let (three, _) = queue.next().unwrap();
+        assert_eq!(three, &[4, 5, 6]);
+        queue.failed(three, false, oom()).unwrap();
+        let (three, _) = queue.next().unwrap();
+        assert!(queue.failed(three, false, oom()).is_err(), "3 samples cannot be halved into parts of 2");
+        // A model that takes one sample halves them.
+        let mut any = MicroQueue::new(&samples[4..], 3, 1);
+        let (three, _) = any.next().unwrap();
+        any.failed(three, false, oom()).unwrap();
+        let (three, _) = any.next().unwrap();
+        any.failed(three, false, oom()).unwrap();
+        assert_eq!(any.next().unwrap().0, &[4, 5]);
+        assert_eq!(any.next().unwrap().0, &[6]);
     }
 }

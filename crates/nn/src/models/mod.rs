@@ -109,6 +109,8 @@ pub struct Exported {
     pub archive: std::sync::Arc<memfit_import::Archive>,
     /// What it learns, from its signature.
     pub task: imported::Task,
+    /// The fewest samples a training micro-batch can hold (`memfit_import::smallest_batch`).
+    pub smallest_batch: usize,
 }
 
 /// Two specs of the same file are the same model (a spec is compared, not its weights).
@@ -168,7 +170,9 @@ impl ModelSpec {
     pub fn exported(path: &std::path::Path) -> std::result::Result<ModelSpec, String> {
         let archive = memfit_import::Archive::open(path).map_err(|e| e.to_string())?;
         let task = imported::task_of(&archive).map_err(|e| format!("{}: {e}", path.display()))?;
-        let exported = Some(Exported { path: path.to_path_buf(), archive: std::sync::Arc::new(archive), task });
+        let smallest_batch = memfit_import::smallest_batch(&archive);
+        let archive = std::sync::Arc::new(archive);
+        let exported = Some(Exported { path: path.to_path_buf(), archive, task, smallest_batch });
         Ok(match task {
             imported::Task::Image { input, classes } => {
                 ModelSpec { exported, ..ModelSpec::image(ModelKind::Imported, input, classes) }
@@ -189,6 +193,12 @@ impl ModelSpec {
             Some(e) => e.path.display().to_string(),
             None => self.kind.name().to_string(),
         }
+    }
+
+    /// The fewest samples a training micro-batch can hold: 1, or 2 for an imported model whose batch
+    /// norm sees one value per channel per sample (`memfit_import::smallest_batch`).
+    pub fn smallest_micro_batch(&self) -> usize {
+        self.exported.as_ref().map_or(1, |e| e.smallest_batch)
     }
 
     pub fn input_kind(&self) -> ModelInput {
