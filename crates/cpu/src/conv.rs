@@ -38,6 +38,9 @@ pub struct ConvGeom {
     pub lanes: usize,
     /// Samples per lane (the last lane may have fewer).
     pub per_lane: usize,
+    /// Whole samples per im2col tile, side by side (Note [Batched columns] in `ops/conv.rs`); 1: a
+    /// tile is `tile_rows` output rows of one sample.
+    pub batch: usize,
 }
 
 impl ConvGeom {
@@ -61,17 +64,31 @@ impl ConvGeom {
     pub fn p(&self) -> usize {
         self.oh * self.ow
     }
+    /// Columns of one im2col tile: `tile_rows` output rows of a sample, or `batch` whole samples.
+    pub fn tile_cols(&self) -> usize {
+        self.tile_rows * self.ow * self.batch.max(1)
+    }
     /// Elements of one lane's im2col tile.
     pub fn col_len(&self) -> usize {
         if self.direct {
             0
         } else {
-            self.kc() * self.tile_rows * self.ow
+            self.kc() * self.tile_cols()
         }
     }
-    /// Elements of one lane's transposed output-gradient tile `[rows*OW, O]` (weight gradient only).
+    /// Elements of one lane's transposed output-gradient tile `[columns, O]` (the weight gradient's;
+    /// with batched samples the input gradient reads it too).
     pub fn gt_len(&self) -> usize {
-        self.o * self.tile_rows * self.ow
+        self.o * self.tile_cols()
+    }
+    /// Elements of one lane's output tile `[O, columns]` (batched samples only: their outputs are
+    /// scattered from it).
+    pub fn out_len(&self) -> usize {
+        if self.batch > 1 {
+            self.o * self.tile_cols()
+        } else {
+            0
+        }
     }
     pub fn weight_len(&self) -> usize {
         self.o * self.kg()
@@ -107,8 +124,12 @@ pub fn conv2d(
         };
         let out = out.slice_mut::<T>()?;
         check_len("conv2d output", out.len(), g.n * g.o * g.p())?;
-        check_len("conv2d im2col workspace", ws.as_ref().map_or(0, |s| s.len()), g.lanes * g.col_len())?;
-        forward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out, ws);
+        let lane_len = g.col_len() + g.out_len();
+        check_len("conv2d im2col workspace", ws.as_ref().map_or(0, |s| s.len()), g.lanes * lane_len)?;
+        match g.batch > 1 {
+            true => forward_batched::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out, ws),
+            false => forward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out, ws),
+        }
     });
     Ok(())
 }
@@ -151,12 +172,15 @@ pub fn conv2d_backward(
             if dxs.is_some() {
                 check_len("conv2d input gradient", len(&dxs), g.n * g.c * g.hw())?;
             }
-            let gt_len = if dws.is_some() { g.gt_len() } else { 0 };
+            let gt_len = if dws.is_some() || g.batch > 1 { g.gt_len() } else { 0 };
             check_len("conv2d im2col workspace", len(&wss), g.lanes * (g.col_len() + gt_len))?;
             if dws.is_some() {
                 check_len("conv2d weight-gradient partials", len(&ps), g.lanes * g.weight_len())?;
             }
-            backward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss);
+            match g.batch > 1 {
+                true => backward_batched::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss),
+                false => backward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss),
+            }
         }
         if let Some(db) = db {
             bias_grad::<T>(g, gout, db.slice_mut::<T>()?);
@@ -186,13 +210,30 @@ fn valid_range(off: usize, pad: usize, stride: usize, size: usize, out: usize) -
 /// Writes the im2col tile of output rows `r0..r1` of one sample: `col[(c, ki, kj), (oh, ow)]` =
 /// `x[c, oh*sh + ki*dh - ph, ow*sw + kj*dw - pw]` (0 in the padding).
 fn im2col<T: Float>(g: &ConvGeom, xn: &[T], r0: usize, r1: usize, col: &mut [T], parallel: bool) {
+    let tp = (r1 - r0) * g.ow;
+    im2col_into(g, xn, r0, r1, col, tp, 0, parallel);
+}
+
+/// [`im2col`] into columns `c0..c0 + (r1-r0)*OW` of a tile whose rows are `rs` long (samples side by
+/// side: Note [Batched columns] in `ops/conv.rs`).
+#[allow(clippy::too_many_arguments)]
+fn im2col_into<T: Float>(
+    g: &ConvGeom,
+    xn: &[T],
+    r0: usize,
+    r1: usize,
+    col: &mut [T],
+    rs: usize,
+    c0: usize,
+    parallel: bool,
+) {
     let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
-    let per_channel = g.kh * g.kw * tp;
+    let per_channel = g.kh * g.kw * rs;
     let channel = |(ci, dst): (usize, &mut [T])| {
         let plane = &xn[ci * hw..(ci + 1) * hw];
         for ki in 0..g.kh {
             for kj in 0..g.kw {
-                let row = &mut dst[(ki * g.kw + kj) * tp..][..tp];
+                let row = &mut dst[(ki * g.kw + kj) * rs + c0..][..tp];
                 let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
                 for (t, orow) in (r0..r1).enumerate() {
                     let seg = &mut row[t * ow..(t + 1) * ow];
@@ -227,15 +268,31 @@ fn im2col<T: Float>(g: &ConvGeom, xn: &[T], r0: usize, r1: usize, col: &mut [T],
 
 /// Adds an im2col-shaped tile (output rows `r0..r1`) back onto the input positions it was read from.
 fn col2im<T: Float>(g: &ConvGeom, col: &[T], r0: usize, r1: usize, dxn: &mut [T], parallel: bool) {
+    let tp = (r1 - r0) * g.ow;
+    col2im_from(g, col, r0, r1, dxn, tp, 0, parallel);
+}
+
+/// [`col2im`] from columns `c0..` of a tile whose rows are `rs` long.
+#[allow(clippy::too_many_arguments)]
+fn col2im_from<T: Float>(
+    g: &ConvGeom,
+    col: &[T],
+    r0: usize,
+    r1: usize,
+    dxn: &mut [T],
+    rs: usize,
+    c0: usize,
+    parallel: bool,
+) {
     let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
     if hw == 0 {
         return;
     }
-    let per_channel = g.kh * g.kw * tp;
+    let per_channel = g.kh * g.kw * rs;
     let channel = |(plane, src): (&mut [T], &[T])| {
         for ki in 0..g.kh {
             for kj in 0..g.kw {
-                let row = &src[(ki * g.kw + kj) * tp..][..tp];
+                let row = &src[(ki * g.kw + kj) * rs + c0..][..tp];
                 let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
                 if lo == hi {
                     continue;
@@ -467,31 +524,188 @@ fn backward_kernel<T: Float>(
         }
     });
     if let Some(dw) = dw {
-        match pp {
-            Some(pp) if g.lanes > 0 => {
-                // SAFETY: the partials workspace holds lanes * wlen elements, no longer written.
-                let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, g.lanes * wlen) };
-                // dW[gi*og + oo, kk] = sum over lanes (in lane order) of part[gi][kk, oo].
-                let row = |(oc, d): (usize, &mut [T])| {
-                    let (gi, oo) = (oc / og.max(1), oc % og.max(1));
-                    d.fill(T::zero());
-                    for part in parts.chunks_exact(wlen) {
-                        let block = &part[gi * kg * og..(gi + 1) * kg * og];
-                        for (kk, v) in d.iter_mut().enumerate() {
-                            *v += block[kk * og + oo];
-                        }
-                    }
+        sum_partials(g, pp, dw);
+    }
+}
+
+/// The chunks of `batch` samples (the last may have fewer) of one lane's samples.
+fn sample_chunks(g: &ConvGeom, lane: usize) -> impl Iterator<Item = Range<usize>> {
+    let samples = g.samples(lane);
+    let step = g.batch.max(1);
+    (samples.start..samples.end).step_by(step).map(move |n0| n0..(n0 + step).min(samples.end))
+}
+
+/// Forward with whole samples side by side in a tile (Note [Batched columns] in `ops/conv.rs`): per
+/// chunk of samples, one im2col tile `[kc, b*P]`, one product per group into the lane's output tile
+/// `[O, b*P]`, then each sample's columns (and the bias) into its output.
+fn forward_batched<T: Float>(g: &ConvGeom, x: &[T], w: &[T], bias: Option<&[T]>, out: &mut [T], ws: Option<&mut [T]>) {
+    let (chw, p, col_len, out_len) = (g.c * g.hw(), g.p(), g.col_len(), g.out_len());
+    let (og, kg, cols) = (g.og(), g.kg(), g.tile_cols());
+    let lane_len = col_len + out_len;
+    let outp = SendPtr(out.as_mut_ptr());
+    let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
+    run_lanes(g.lanes, |lane, threads| {
+        let (outp, wsp) = (outp, wsp);
+        // SAFETY: the workspace holds `lanes * lane_len` elements; lane `lane` alone uses its slice.
+        let lane_ws = unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * lane_len), lane_len) };
+        let (col, tile) = lane_ws.split_at_mut(col_len);
+        for chunk in sample_chunks(g, lane) {
+            let b = chunk.len();
+            for (s, n) in chunk.clone().enumerate() {
+                im2col_into(g, &x[n * chw..(n + 1) * chw], 0, g.oh, col, cols, s * p, threads > 1);
+            }
+            for gi in 0..g.groups {
+                // SAFETY: the tile's [og, b*P] block (row stride `cols`) of group gi; the operands are
+                // the group's weight rows and im2col rows, in bounds, not aliasing it.
+                unsafe {
+                    gemm_into::<T>(
+                        og,
+                        b * p,
+                        kg,
+                        tile.as_mut_ptr().add(gi * og * cols),
+                        cols as isize,
+                        false,
+                        Mat { ptr: w.as_ptr().add(gi * og * kg), rs: kg as isize, cs: 1 },
+                        Mat { ptr: col.as_ptr().add(gi * kg * cols), rs: cols as isize, cs: 1 },
+                        threads,
+                    )
                 };
-                if kg > 0 {
-                    if wlen * g.lanes >= 1 << 15 {
-                        dw.par_chunks_mut(kg).enumerate().for_each(row);
-                    } else {
-                        dw.chunks_mut(kg).enumerate().for_each(row);
+            }
+            for (s, n) in chunk.enumerate() {
+                // SAFETY: sample n's output block lies inside `out` and is written by this lane only.
+                let on = unsafe { std::slice::from_raw_parts_mut(outp.0.add(n * g.o * p), g.o * p) };
+                for (oc, dst) in on.chunks_exact_mut(p.max(1)).enumerate().take(g.o) {
+                    let src = &tile[oc * cols + s * p..][..p];
+                    match bias {
+                        // The bias first, then the product, as the unbatched kernel adds them.
+                        Some(bias) => dst.iter_mut().zip(src).for_each(|(d, &v)| *d = bias[oc] + v),
+                        None => dst.copy_from_slice(src),
                     }
                 }
             }
-            _ => dw.fill(T::zero()),
         }
+    });
+}
+
+/// Backward with whole samples side by side in a tile (Note [Batched columns]): per chunk, the
+/// output gradient transposed into the lane's `[b*P, O]` tile serves both products: the weight
+/// gradient's partial `[kg, og] += col [kg, b*P] @ gt [b*P, og]` and the input gradient's im2col
+/// tile `col [kg, b*P] = W^T [kg, og] @ gt^T [og, b*P]`, whose columns go back to each sample.
+#[allow(clippy::too_many_arguments)]
+fn backward_batched<T: Float>(
+    g: &ConvGeom,
+    x: &[T],
+    w: &[T],
+    gout: &[T],
+    dx: Option<&mut [T]>,
+    dw: Option<&mut [T]>,
+    partials: Option<&mut [T]>,
+    ws: Option<&mut [T]>,
+) {
+    let (chw, p, col_len, wlen) = (g.c * g.hw(), g.p(), g.col_len(), g.weight_len());
+    let (og, kg, cols) = (g.og(), g.kg(), g.tile_cols());
+    let lane_len = col_len + g.gt_len();
+    let dxp = dx.map(|d| SendPtr(d.as_mut_ptr()));
+    let pp = match (&dw, partials) {
+        (Some(_), Some(parts)) => Some(SendPtr(parts.as_mut_ptr())),
+        _ => None,
+    };
+    let wsp = SendPtr(ws.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()));
+    run_lanes(g.lanes, |lane, threads| {
+        let (dxp, pp, wsp) = (dxp, pp, wsp);
+        // SAFETY: the workspace holds `lanes * lane_len` elements; lane `lane` alone uses its slice.
+        let lane_ws = unsafe { std::slice::from_raw_parts_mut(wsp.0.add(lane * lane_len), lane_len) };
+        let (col, gt) = lane_ws.split_at_mut(col_len);
+        // SAFETY: the partials workspace holds `lanes * wlen` elements when the weight gradient is needed.
+        let part = pp.map(|pp| unsafe { pp.0.add(lane * wlen) });
+        let mut first = true;
+        for chunk in sample_chunks(g, lane) {
+            let b = chunk.len();
+            for (s, n) in chunk.clone().enumerate() {
+                let gn = &gout[n * g.o * p..(n + 1) * g.o * p];
+                transpose_tile(gn, g.o, p, 0, p, &mut gt[s * p * g.o..]);
+            }
+            if let Some(part) = part {
+                for (s, n) in chunk.clone().enumerate() {
+                    im2col_into(g, &x[n * chw..(n + 1) * chw], 0, g.oh, col, cols, s * p, threads > 1);
+                }
+                for gi in 0..g.groups {
+                    // SAFETY: `part` holds this lane's accumulator; operands are in bounds and do not
+                    // alias it.
+                    unsafe {
+                        gemm_into::<T>(
+                            kg,
+                            og,
+                            b * p,
+                            part.add(gi * kg * og),
+                            og as isize,
+                            !first,
+                            Mat { ptr: col.as_ptr().add(gi * kg * cols), rs: cols as isize, cs: 1 },
+                            Mat { ptr: gt.as_ptr().add(gi * og), rs: g.o as isize, cs: 1 },
+                            threads,
+                        )
+                    };
+                }
+                first = false;
+            }
+            if let Some(dxp) = dxp {
+                for gi in 0..g.groups {
+                    // SAFETY: the tile's [kg, b*P] block of group gi; operands in bounds, not aliasing it.
+                    unsafe {
+                        gemm_into::<T>(
+                            kg,
+                            b * p,
+                            og,
+                            col.as_mut_ptr().add(gi * kg * cols),
+                            cols as isize,
+                            false,
+                            Mat { ptr: w.as_ptr().add(gi * og * kg), rs: 1, cs: kg as isize },
+                            Mat { ptr: gt.as_ptr().add(gi * og), rs: 1, cs: g.o as isize },
+                            threads,
+                        )
+                    };
+                }
+                for (s, n) in chunk.enumerate() {
+                    // SAFETY: sample n's input-gradient block lies inside dx and is written by this lane only.
+                    let dxn = unsafe { std::slice::from_raw_parts_mut(dxp.0.add(n * chw), chw) };
+                    dxn.fill(T::zero());
+                    col2im_from(g, col, 0, g.oh, dxn, cols, s * p, threads > 1);
+                }
+            }
+        }
+    });
+    if let Some(dw) = dw {
+        sum_partials(g, pp, dw);
+    }
+}
+
+/// The weight gradient: the lanes' transposed partials added in lane order (zero without lanes).
+fn sum_partials<T: Float>(g: &ConvGeom, pp: Option<SendPtr<T>>, dw: &mut [T]) {
+    let (og, kg, wlen) = (g.og(), g.kg(), g.weight_len());
+    match pp {
+        Some(pp) if g.lanes > 0 => {
+            // SAFETY: the partials workspace holds lanes * wlen elements, no longer written.
+            let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, g.lanes * wlen) };
+            // dW[gi*og + oo, kk] = sum over lanes (in lane order) of part[gi][kk, oo].
+            let row = |(oc, d): (usize, &mut [T])| {
+                let (gi, oo) = (oc / og.max(1), oc % og.max(1));
+                d.fill(T::zero());
+                for part in parts.chunks_exact(wlen) {
+                    let block = &part[gi * kg * og..(gi + 1) * kg * og];
+                    for (kk, v) in d.iter_mut().enumerate() {
+                        *v += block[kk * og + oo];
+                    }
+                }
+            };
+            if kg > 0 {
+                if wlen * g.lanes >= 1 << 15 {
+                    dw.par_chunks_mut(kg).enumerate().for_each(row);
+                } else {
+                    dw.chunks_mut(kg).enumerate().for_each(row);
+                }
+            }
+        }
+        _ => dw.fill(T::zero()),
     }
 }
 

@@ -22,6 +22,16 @@
 //! tiles and one strided batched product serves them all (a launch per sample made the small
 //! convolutions launch-bound): [`limits_for`].
 //!
+//! Note [Batched columns]: a sample's product `W [O, C*kh*kw] @ im2col [C*kh*kw, OH*OW]` is skinny
+//! when the output has few positions (resnet18's last stages at 28 x 28: 4 and 1): each sample reads
+//! the whole weight (9.4 MB for a 512-channel 3x3) for a handful of columns, and the step is bound by
+//! memory. On the cpu, samples of fewer than `batch_columns` positions are then laid side by side in a
+//! tile (`batch` whole samples, at least `batch_columns` columns, within the tile's bytes): one product
+//! serves them all, through an output tile `[O, batch*OH*OW]` whose columns are scattered to the
+//! samples (bias added there), and in backward the output gradient transposed to `[batch*OH*OW, O]`
+//! serves both gradients' products. Such a convolution is never `direct` (the input is not its own
+//! im2col matrix across samples). The plan depends on the shapes only, as every other choice here.
+//!
 //! This file plans (shapes, work plan, workspaces) and records autograd; the kernels that follow the
 //! plan are the backend's (`memfit-cpu`'s `conv.rs`).
 
@@ -57,15 +67,28 @@ struct Limits {
     /// The weight gradient goes through a transposed output-gradient tile per lane and per-lane
     /// partials (the cpu kernels); without, the product accumulates into it directly (cuBLAS).
     staged_weight_grad: bool,
+    /// Samples of fewer output positions than this go side by side in a tile, this many columns
+    /// at least (Note [Batched columns]); 0: never.
+    batch_columns: usize,
 }
 
-const LIMITS: Limits =
-    Limits { tile_bytes: 4 << 20, workspace_bytes: 8 << 20, max_lanes: 32, staged_weight_grad: true };
+const LIMITS: Limits = Limits {
+    tile_bytes: 4 << 20,
+    workspace_bytes: 8 << 20,
+    max_lanes: 32,
+    staged_weight_grad: true,
+    batch_columns: 256,
+};
 
 /// The work plan's budgets on a GPU: lanes batched together within 1 MiB (so batching small samples
 /// never asks for more than the small pool's blocks, or than one large sample's tile), nothing staged.
-const CUDA_LIMITS: Limits =
-    Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 256, staged_weight_grad: false };
+const CUDA_LIMITS: Limits = Limits {
+    tile_bytes: 4 << 20,
+    workspace_bytes: 1 << 20,
+    max_lanes: 256,
+    staged_weight_grad: false,
+    batch_columns: 0,
+};
 
 /// The work plan of the machine a device's allocations follow.
 fn limits_for(target: crate::Target) -> Limits {
@@ -130,23 +153,37 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
             )))
         }
     };
-    let direct = kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0];
+    let mut direct = kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0];
     let kc = c.saturating_mul(kh * kw);
     // One output row of a lane's tiles: its im2col columns (none when direct) and its transposed
-    // output-gradient row.
+    // output-gradient row (or, batched, the output tile's).
     let staged_rows = if limits.staged_weight_grad { o } else { 0 };
-    let row_bytes = (if direct { 0 } else { kc }).saturating_add(staged_rows).saturating_mul(ow).saturating_mul(elem);
-    let tile_rows = (limits.tile_bytes / row_bytes.max(1)).clamp(1, oh);
+    let row_bytes = |direct: bool| {
+        (if direct { 0 } else { kc }).saturating_add(staged_rows).saturating_mul(ow).saturating_mul(elem)
+    };
+    let tile_rows = (limits.tile_bytes / row_bytes(direct).max(1)).clamp(1, oh);
+    // Small outputs: whole samples side by side (Note [Batched columns]), within the tile's bytes.
+    let positions = oh.saturating_mul(ow);
+    let mut batch = 1;
+    if limits.batch_columns > positions && tile_rows == oh && n > 1 && positions > 0 {
+        let sample_bytes = row_bytes(false).saturating_mul(oh).max(1);
+        batch = limits.batch_columns.div_ceil(positions).min(n).min((limits.tile_bytes / sample_bytes).max(1));
+        direct &= batch == 1;
+    }
     // A lane's weight partial, where the plan stages the weight gradient.
     let weight_bytes = if limits.staged_weight_grad { o.saturating_mul(cg * kh * kw).saturating_mul(elem) } else { 0 };
-    let lane_bytes = row_bytes.saturating_mul(tile_rows).saturating_add(weight_bytes).max(1);
+    let lane_bytes =
+        row_bytes(direct).saturating_mul(tile_rows).saturating_mul(batch).saturating_add(weight_bytes).max(1);
     let (lanes, per_lane) = if n == 0 {
         (0, 1)
     } else {
-        let want = (limits.workspace_bytes / lane_bytes).clamp(1, limits.max_lanes.max(1)).min(n);
+        // Lanes of at least a tile's samples each: batching is what makes small outputs fast.
+        let want = (limits.workspace_bytes / lane_bytes).clamp(1, limits.max_lanes.max(1)).min(n.div_ceil(batch));
         let per_lane = n.div_ceil(want);
         (n.div_ceil(per_lane), per_lane)
     };
+    let batch = batch.min(per_lane);
+    let direct = direct && batch == 1;
     Ok(ConvGeom {
         n,
         c,
@@ -168,6 +205,7 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
         tile_rows,
         lanes,
         per_lane,
+        batch,
     })
 }
 
@@ -216,7 +254,7 @@ fn conv2d_with(
     let weight = weight.contiguous()?;
     let bias = bias.map(|b| b.contiguous()).transpose()?;
     let out = output(&x, &[g.n, g.o, g.oh, g.ow], x.dtype(), "conv2d")?;
-    let ws = workspace(&x, g.lanes * g.col_len(), "conv2d_im2col")?;
+    let ws = workspace(&x, g.lanes * (g.col_len() + g.out_len()), "conv2d_im2col")?;
     x.device().backend().conv2d(&g, &x, &weight, bias.as_ref(), &out, ws.as_ref())?;
     drop(ws);
     let mut inputs = vec![&x, &weight];
@@ -260,9 +298,10 @@ impl Backward for Conv2dBack {
         let dx = if need_x { Some(output(&grad, x.shape(), x.dtype(), "conv2d_backward")?) } else { None };
         let dw = if need_w { Some(output(&grad, weight.shape(), x.dtype(), "conv2d_backward")?) } else { None };
         let db = if need_b { Some(output(&grad, &[g.o], x.dtype(), "conv2d_backward")?) } else { None };
-        // Per lane: an im2col tile, and for the weight gradient a transposed output-gradient tile.
+        // Per lane: an im2col tile, and for the weight gradient (and batched samples' input gradient)
+        // a transposed output-gradient tile.
         let staged = need_w && self.limits.staged_weight_grad;
-        let lane_len = if staged { g.col_len() + g.gt_len() } else { g.col_len() };
+        let lane_len = if staged || g.batch > 1 { g.col_len() + g.gt_len() } else { g.col_len() };
         let ws = if need_x || need_w { workspace(&grad, g.lanes * lane_len, "conv2d_im2col")? } else { None };
         let partials =
             if staged { workspace(&grad, g.lanes * g.weight_len(), "conv2d_weight_partials")? } else { None };
@@ -415,10 +454,18 @@ mod tests {
     }
 
     /// Work plans exercised besides the default: one lane with one output row per tile (threaded
-    /// GEMM and im2col), several lanes with weight partials and multi-tile samples.
-    const SMALL: [Limits; 2] = [
-        Limits { tile_bytes: 1, workspace_bytes: 1, max_lanes: 32, staged_weight_grad: true },
-        Limits { tile_bytes: 200, workspace_bytes: 1 << 20, max_lanes: 2, staged_weight_grad: true },
+    /// GEMM and im2col), several lanes with weight partials and multi-tile samples, and two lanes of
+    /// whole samples side by side (Note [Batched columns]) on every case.
+    const SMALL: [Limits; 3] = [
+        Limits { tile_bytes: 1, workspace_bytes: 1, max_lanes: 32, staged_weight_grad: true, batch_columns: 0 },
+        Limits { tile_bytes: 200, workspace_bytes: 1 << 20, max_lanes: 2, staged_weight_grad: true, batch_columns: 0 },
+        Limits {
+            tile_bytes: 1 << 20,
+            workspace_bytes: 1 << 20,
+            max_lanes: 2,
+            staged_weight_grad: true,
+            batch_columns: 1 << 16,
+        },
     ];
 
     #[test]
@@ -432,7 +479,7 @@ mod tests {
             let x = leaf(&dev, &xv, &xs, false);
             let w = leaf(&dev, &wv, &ws, false);
             let b = leaf(&dev, &bv, &[ws[0]], false);
-            for limits in [LIMITS, SMALL[0], SMALL[1]] {
+            for limits in [LIMITS, SMALL[0], SMALL[1], SMALL[2]] {
                 let out = conv2d_with(&x, &w, bias.then_some(&b), p, limits).unwrap();
                 assert_close(&out.to_f64_vec().unwrap(), &want, 1e-12, &format!("case {i} {limits:?}"));
                 // f32 too.
@@ -453,6 +500,25 @@ mod tests {
                 assert_close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("f32 case {i} {limits:?}"));
             }
         }
+    }
+
+    /// Samples of few output positions go side by side (Note [Batched columns]): resnet18's last
+    /// stage at 28 x 28 (1 x 1 outputs, 512 channels) puts 64 samples in one tile, one lane, and is
+    /// not direct (nor a 1x1 of 2 x 2 outputs); 7 x 7 outputs go 6 to a tile; outputs of 256
+    /// positions or more, and a GPU target, keep one sample a tile.
+    #[test]
+    fn small_outputs_put_whole_samples_side_by_side() {
+        let padded = Conv2dParams { padding: [1, 1], ..Default::default() };
+        let g = geometry(&[64, 512, 1, 1], &[512, 512, 3, 3], &padded, 4, LIMITS).unwrap();
+        assert_eq!((g.batch, g.lanes, g.tile_cols(), g.direct), (64, 1, 64, false), "{g:?}");
+        let one = geometry(&[64, 256, 2, 2], &[512, 256, 1, 1], &Conv2dParams::default(), 4, LIMITS).unwrap();
+        assert_eq!((one.batch, one.lanes, one.direct), (64, 1, false), "{one:?}");
+        let seven = geometry(&[64, 64, 7, 7], &[64, 64, 3, 3], &padded, 4, LIMITS).unwrap();
+        assert_eq!((seven.batch, seven.tile_cols()), (6, 6 * 49), "{seven:?}");
+        let g = geometry(&[64, 16, 16, 16], &[16, 16, 3, 3], &padded, 4, LIMITS).unwrap();
+        assert_eq!(g.batch, 1);
+        let g = geometry(&[64, 512, 1, 1], &[512, 512, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
+        assert_eq!(g.batch, 1);
     }
 
     #[test]
@@ -482,7 +548,13 @@ mod tests {
         assert_eq!(g.tile_rows, 25);
         // C 16, O 256, 8x8: a tile is all 8 rows, (144 + 256) * 8 * 4 * 8 = 102400 bytes, and the
         // weight 256 * 144 * 4 = 147456; 1 MiB holds 4 such lanes, so 12 samples go 3 to a lane.
-        let limits = Limits { tile_bytes: 4 << 20, workspace_bytes: 1 << 20, max_lanes: 32, staged_weight_grad: true };
+        let limits = Limits {
+            tile_bytes: 4 << 20,
+            workspace_bytes: 1 << 20,
+            max_lanes: 32,
+            staged_weight_grad: true,
+            batch_columns: 0,
+        };
         let g = geometry(&[12, 16, 8, 8], &[256, 16, 3, 3], &padded, 4, limits).unwrap();
         assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
     }
@@ -515,9 +587,11 @@ mod tests {
         let small = geometry(&[128, 1, 28, 28], &[16, 1, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
         // simplecnn's batch: 28,224 bytes a sample, so 1 MiB takes 37 lanes: 32 lanes of 4 samples.
         assert_eq!((small.lanes, small.per_lane, small.tile_rows), (32, 4, 28), "simplecnn's batch in 4 steps");
+        // The cpu puts both samples (36 positions each) side by side in one lane (Note [Batched
+        // columns]): forward's im2col and output tiles, backward's im2col and gradient tiles.
         let (cpu_tiles, cpu_partials) = ops(&Device::meta());
-        assert_eq!(cpu_tiles[1], block(2 * (27 + 4) * 36 * 8), "two lanes, each with the gradient's tile");
-        assert_eq!(cpu_partials, vec![block(2 * 4 * 27 * 8)]);
+        assert_eq!(cpu_tiles, vec![block((27 + 4) * 72 * 8); 2], "one lane of both samples");
+        assert_eq!(cpu_partials, vec![block(4 * 27 * 8)]);
     }
 
     /// Backward allocates only the gradients asked for: none for a bias that needs none.
@@ -570,7 +644,7 @@ mod tests {
             if bias {
                 inputs.push((values(30 + i as u64, ws[0]), vec![ws[0]]));
             }
-            for limits in [LIMITS, SMALL[0], SMALL[1]] {
+            for limits in [LIMITS, SMALL[0], SMALL[1], SMALL[2]] {
                 gradcheck(&inputs, |t| conv2d_with(&t[0], &t[1], t.get(2), p, limits));
             }
         }
@@ -598,7 +672,7 @@ mod tests {
 
     #[test]
     fn meta_allocates_what_cpu_allocates() {
-        for limits in [LIMITS, SMALL[0], SMALL[1]] {
+        for limits in [LIMITS, SMALL[0], SMALL[1], SMALL[2]] {
             for input_grad in [false, true] {
                 let cpu = program(&Device::cpu(), limits, input_grad);
                 let meta = program(&Device::meta(), limits, input_grad);
