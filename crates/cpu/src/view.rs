@@ -146,12 +146,43 @@ impl<'a> View<'a> {
             dst.copy_from_slice(&bytes[start..start + dst.len()]);
             return Ok(());
         }
-        let mut chunks = dst.chunks_exact_mut(size);
-        self.layout.for_each_offset(|o| {
-            if let Some(chunk) = chunks.next() {
-                chunk.copy_from_slice(&bytes[o * size..(o + 1) * size]);
+        // Row by row (a row: the innermost dimension), rows in parallel when there is much to copy;
+        // a row whose elements are adjacent is one memcpy (a transposed view of the outer dims: the
+        // attention's head splits and their gradients).
+        let (shape, strides) = (self.layout.shape(), self.layout.strides());
+        let rank = shape.len();
+        let (inner, inner_stride) = (shape[rank - 1], strides[rank - 1]);
+        let row_bytes = inner * size;
+        if row_bytes == 0 {
+            return Ok(());
+        }
+        let offset = self.layout.offset();
+        // Element offset of the first element of row `r` (rows in row-major order).
+        let row_start = |mut r: usize| {
+            let mut o = offset;
+            for d in (0..rank - 1).rev() {
+                o += (r % shape[d]) * strides[d];
+                r /= shape[d];
             }
-        });
+            o
+        };
+        let copy_row = |(r, out): (usize, &mut [u8])| {
+            let start = row_start(r);
+            if inner_stride == 1 {
+                out.copy_from_slice(&bytes[start * size..start * size + row_bytes]);
+            } else {
+                for (i, chunk) in out.chunks_exact_mut(size).enumerate() {
+                    let o = (start + i * inner_stride) * size;
+                    chunk.copy_from_slice(&bytes[o..o + size]);
+                }
+            }
+        };
+        if dst.len() >= 1 << 20 {
+            use rayon::prelude::*;
+            dst.par_chunks_mut(row_bytes).enumerate().for_each(copy_row);
+        } else {
+            dst.chunks_mut(row_bytes).enumerate().for_each(copy_row);
+        }
         Ok(())
     }
 }
@@ -165,6 +196,32 @@ mod tests {
         // SAFETY: `data` outlives the view, is aligned for f32 and holds every element the test
         // layouts address; nothing else borrows it meanwhile.
         unsafe { View::new(data.as_mut_ptr() as *mut u8, std::mem::size_of_val(data), DType::F32, layout) }
+    }
+
+    /// Strided copies, row by row (adjacent rows in one copy, rows in parallel when large), give
+    /// the elements in row-major order through the layout: transposes, broadcasts, an offset, rank 0.
+    #[test]
+    fn strided_copies_follow_the_layout_element_by_element() {
+        let mut data: Vec<f32> = (0..400_000).map(|i| i as f32).collect();
+        let layouts = [
+            Layout::new(vec![3, 4], vec![1, 3], 0),
+            Layout::new(vec![2, 3, 4], vec![12, 1, 3], 5),
+            Layout::new(vec![2, 3, 4], vec![4, 8, 1], 1),
+            Layout::new(vec![5, 7], vec![0, 1], 2),
+            Layout::new(vec![6, 1, 3], vec![3, 9, 0], 0),
+            Layout::new(vec![], vec![], 7),
+            // Over 1 MiB: the parallel path, adjacent rows and strided ones.
+            Layout::new(vec![64, 32, 128], vec![128, 8192, 1], 0),
+            Layout::new(vec![64, 128, 32], vec![4096, 1, 128], 3),
+        ];
+        for layout in &layouts {
+            let v = view(&mut data, layout);
+            let mut want = Vec::new();
+            layout.for_each_offset(|o| want.push((o as f32).to_ne_bytes()));
+            let mut got = vec![0u8; layout.numel() * 4];
+            v.copy_into_bytes(&mut got).unwrap();
+            assert_eq!(got, want.concat(), "{layout:?}");
+        }
     }
 
     #[test]
