@@ -323,8 +323,9 @@ pub fn pad(x: &Tensor, pad: &[i64], value: f64) -> Result<Tensor> {
     let mut shape = x.shape().to_vec();
     for (k, pair) in pad.chunks_exact(2).enumerate() {
         let d = rank - 1 - k;
-        let (lo, hi) = (pair[0], pair[1]);
-        let size = src.shape()[d] as i64;
+        // In i128: no sum of two i64 overflows it.
+        let (lo, hi) = (pair[0] as i128, pair[1] as i128);
+        let size = src.shape()[d] as i128;
         let (cut_lo, cut_hi) = ((-lo).max(0), (-hi).max(0));
         if cut_lo + cut_hi > size {
             return Err(Error::shape(format!("pad: {pad:?} crops more than the {size} elements of dim {d}")));
@@ -332,8 +333,12 @@ pub fn pad(x: &Tensor, pad: &[i64], value: f64) -> Result<Tensor> {
         if cut_lo + cut_hi > 0 {
             src = src.narrow(d as isize, cut_lo as usize, (size - cut_lo - cut_hi) as usize)?;
         }
-        before[d] = lo.max(0) as usize;
-        shape[d] = (size - cut_lo - cut_hi + lo.max(0) + hi.max(0)) as usize;
+        let padded = size - cut_lo - cut_hi + lo.max(0) + hi.max(0);
+        let (Ok(start), Ok(padded)) = (usize::try_from(lo.max(0)), usize::try_from(padded)) else {
+            return Err(Error::shape(format!("pad: {pad:?} makes dim {d} too large")));
+        };
+        before[d] = start;
+        shape[d] = padded;
     }
     checked_numel(&shape)?;
     let _op = x.device().op_scope("pad");
