@@ -9,8 +9,25 @@ pub fn fill_zeros(t: View<'_>) -> Result<()> {
     Ok(())
 }
 
+/// Sets every element of `t` (any layout: a view of a larger tensor is written where it lies) to
+/// `value`.
 pub fn fill(t: View<'_>, value: f64) -> Result<()> {
-    with_float!(t.dtype(), "full", T => t.slice_mut::<T>()?.fill(<T as crate::dtype::Float>::of(value)));
+    if t.is_contiguous() {
+        with_float!(t.dtype(), "full", T => t.slice_mut::<T>()?.fill(<T as crate::dtype::Float>::of(value)));
+        return Ok(());
+    }
+    with_float!(t.dtype(), "fill_", T => {
+        let v = <T as crate::dtype::Float>::of(value);
+        let base = t.storage_ptr() as *mut T;
+        let len = t.storage::<T>()?.len();
+        t.layout().for_each_offset(|o| {
+            if o < len {
+                // SAFETY: `o` is an element offset of the view inside its storage (checked), which
+                // the kernel updates exclusively (module docs).
+                unsafe { *base.add(o) = v };
+            }
+        });
+    });
     Ok(())
 }
 

@@ -7,6 +7,13 @@ __device__ void fill_t(T* out, i64 n, T value) {
 }
 extern "C" __global__ void fill_f32(float* out, i64 n, float value) { fill_t(out, n, value); }
 extern "C" __global__ void fill_f64(double* out, i64 n, double value) { fill_t(out, n, value); }
+// A strided view of a larger tensor, written where it lies (its elements are distinct).
+template <typename T>
+__device__ void fill_strided_t(T* base, Strided v, i64 n, T value) {
+    GRID_STRIDE(k, n) base[strided_offset(v, k)] = value;
+}
+extern "C" __global__ void fill_strided_f32(float* base, Strided v, i64 n, float value) { fill_strided_t(base, v, n, value); }
+extern "C" __global__ void fill_strided_f64(double* base, Strided v, i64 n, double value) { fill_strided_t(base, v, n, value); }
 // t[i] += 1 (a counter: batch norm's num_batches_tracked).
 extern "C" __global__ void count_up_i64(i64* t, i64 n) {
     GRID_STRIDE(i, n) t[i] += 1;

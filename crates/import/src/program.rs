@@ -53,6 +53,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.eq.Tensor",
     "torch.ops.aten.exp.default",
     "torch.ops.aten.expand.default",
+    "torch.ops.aten.fill_.Scalar",
     "torch.ops.aten.flatten.using_ints",
     "torch.ops.aten.ge.Scalar",
     "torch.ops.aten.ge.Tensor",
@@ -64,6 +65,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.hardswish_.default",
     "torch.ops.aten.hardtanh.default",
     "torch.ops.aten.hardtanh_.default",
+    "torch.ops.aten.index.Tensor",
     "torch.ops.aten.layer_norm.default",
     "torch.ops.aten.le.Scalar",
     "torch.ops.aten.le.Tensor",
@@ -82,6 +84,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.ne.Scalar",
     "torch.ops.aten.ne.Tensor",
     "torch.ops.aten.neg.default",
+    "torch.ops.aten.new_zeros.default",
     "torch.ops.aten.pad.default",
     "torch.ops.aten.permute.default",
     "torch.ops.aten.pow.Tensor_Scalar",
@@ -89,6 +92,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "torch.ops.aten.relu6.default",
     "torch.ops.aten.relu_.default",
     "torch.ops.aten.reshape.default",
+    "torch.ops.aten.roll.default",
     "torch.ops.aten.rsqrt.default",
     "torch.ops.aten.scaled_dot_product_attention.default",
     "torch.ops.aten.select.int",
@@ -466,7 +470,7 @@ impl Graph {
                     symbols.insert(name, size as i64);
                     None
                 }
-                Op::Reshape { input, sizes } => Some(get(input)?.contiguous()?.reshape(&resolve(sizes, &symbols)?)?),
+                Op::Reshape { input, sizes } => Some(get(input)?.contiguous()?.reshape(&resolve(&sizes, &symbols)?)?),
                 Op::Expand { input, sizes } => {
                     let x = get(input)?;
                     let sizes = resolve(sizes, &symbols)?;
@@ -954,7 +958,7 @@ enum Op<'a> {
     /// `view`/`reshape` to sizes, numbers or symbols (run by [`Program::forward`], which knows them).
     Reshape {
         input: &'a str,
-        sizes: &'a [SymInt],
+        sizes: Vec<SymInt>,
     },
     /// `clamp` (the gradient passes on the bounds) or `hardtanh` (strictly inside); a missing bound
     /// is infinite.
@@ -1003,6 +1007,28 @@ enum Op<'a> {
     Bernoulli {
         input: &'a str,
         p: f64,
+    },
+    /// `new_zeros(self, size)`: zeros of `self`'s dtype (a mask a model builds).
+    NewZeros {
+        input: &'a str,
+        sizes: Vec<i64>,
+    },
+    /// `fill_(self, value)`: in place, where `self` lies (a view writes into its base).
+    Fill {
+        input: &'a str,
+        value: f64,
+    },
+    /// `roll(self, shifts, dims)`: cyclic shifts, one per dimension.
+    Roll {
+        input: &'a str,
+        shifts: Vec<i64>,
+        dims: Vec<i64>,
+    },
+    /// `self[index]` with one int64 index tensor on the first dimension (a table's rows: Swin's
+    /// relative position bias), as an embedding lookup.
+    IndexRows {
+        table: &'a str,
+        index: &'a str,
     },
     /// `expand` to sizes (-1 keeps a size), numbers or symbols.
     Expand {
@@ -1346,6 +1372,27 @@ impl Op<'_> {
                 ops::where_(&get(mask)?, &Tensor::scalar(x.device(), *value, x.dtype(), Category::Temporary)?, &x)
             }
             Op::Pad { input, pad, value } => ops::pad(&get(input)?, pad, *value),
+            Op::NewZeros { input, sizes } => {
+                let like = get(input)?;
+                let shape = sizes
+                    .iter()
+                    .map(|&d| usize::try_from(d).map_err(|_| Error::shape(format!("new_zeros of size {sizes:?}"))))
+                    .collect::<memfit_tensor::Result<Vec<usize>>>()?;
+                Tensor::zeros(like.device(), &shape, like.dtype(), Category::Temporary)
+            }
+            Op::Fill { input, value } => {
+                let t = get(input)?;
+                t.fill_(*value)?;
+                Ok(t)
+            }
+            Op::Roll { input, shifts, dims } => {
+                let mut x = get(input)?;
+                for (&shift, &dim) in shifts.iter().zip(dims) {
+                    x = ops::roll(&x, shift, dim as isize)?;
+                }
+                Ok(x)
+            }
+            Op::IndexRows { table, index } => ops::embedding(&get(index)?, &get(table)?),
             Op::Embedding { weight, indices } => ops::embedding(&get(indices)?, &get(weight)?),
             Op::LayerNorm { input, shape, weight, bias, eps } => {
                 ops::layer_norm(&get(input)?, shape, optional(*weight)?.as_ref(), optional(*bias)?.as_ref(), *eps)
@@ -1641,7 +1688,8 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
         "torch.ops.aten.view.default" | "torch.ops.aten.reshape.default" => {
             let key = if target.contains("view") { "size" } else { "shape" };
             let sizes = match node.arg(key) {
-                Some(Arg::SymInts(v)) => v.as_slice(),
+                Some(Arg::SymInts(v)) => v.clone(),
+                Some(Arg::Ints(v)) => v.iter().map(|&d| SymInt::Int(d)).collect(),
                 other => return Err(format!("{target}: argument {key} should be sizes, got {other:?}")),
             };
             Op::Reshape { input: tensor("self")?, sizes }
@@ -1770,6 +1818,36 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             Op::Dropout { input, p, train: bool_arg("train", true)? }
         }
         "torch.ops.aten.sym_size.int" => Op::SymSize { input: tensor("self")?, dim: int("dim", 0)? },
+        "torch.ops.aten.new_zeros.default" => {
+            if !matches!(node.arg("dtype"), None | Some(Arg::None)) {
+                return Err(format!("{target}: a dtype of its own is not imported"));
+            }
+            match node.arg("size") {
+                Some(Arg::Ints(v)) => Op::NewZeros { input: tensor("self")?, sizes: v.clone() },
+                other => return Err(format!("{target}: size {other:?}")),
+            }
+        }
+        "torch.ops.aten.fill_.Scalar" => Op::Fill { input: tensor("self")?, value: float("value", 0.0)? },
+        "torch.ops.aten.roll.default" => match (node.arg("shifts"), node.arg("dims")) {
+            (Some(Arg::Ints(shifts)), Some(Arg::Ints(dims))) if shifts.len() == dims.len() && !dims.is_empty() => {
+                Op::Roll { input: tensor("self")?, shifts: shifts.clone(), dims: dims.clone() }
+            }
+            other => {
+                return Err(format!(
+                    "{target}: shifts and dims {other:?} (a roll of the flattened tensor is not imported)"
+                ))
+            }
+        },
+        "torch.ops.aten.index.Tensor" => match node.arg("indices") {
+            Some(Arg::Tensors(list)) if list.len() == 1 => {
+                Op::IndexRows { table: tensor("self")?, index: list[0].as_str() }
+            }
+            other => {
+                return Err(format!(
+                    "{target}: indices {other:?} (memfit imports one int64 index tensor on the first dimension)"
+                ))
+            }
+        },
         "torch.ops.aten.expand.default" => match node.arg("size") {
             Some(Arg::SymInts(v)) => Op::Expand { input: tensor("self")?, sizes: v.as_slice() },
             other => return Err(format!("{target}: argument size should be sizes, got {other:?}")),

@@ -19,8 +19,16 @@ fn config() -> Config {
     Config { cases, rng_seed: RngSeed::Fixed(env("MEMFIT_FUZZ_SEED").unwrap_or(0x5eed)), ..Config::default() }
 }
 
-const FIXTURES: [&str; 7] =
-    ["tiny_ops", "tiny_vit", "tiny_gpt", "tiny_resnet", "tiny_mobile", "tiny_stochastic", "tiny_attention_pool"];
+const FIXTURES: [&str; 8] = [
+    "tiny_ops",
+    "tiny_vit",
+    "tiny_swin",
+    "tiny_gpt",
+    "tiny_resnet",
+    "tiny_mobile",
+    "tiny_stochastic",
+    "tiny_attention_pool",
+];
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(format!("{name}.pt2"))

@@ -170,6 +170,14 @@ fn a_tiny_vision_transformer_computes_pytorch_s_logits_loss_and_gradients() {
     check("tiny_vit");
 }
 
+/// torchvision's SwinTransformer (narrow, for 28 x 28 images): shifted windows (roll, padding), the
+/// attention mask it builds in place (new_zeros, fill_ on slices), the relative position bias (index),
+/// patch merging.
+#[test]
+fn a_tiny_swin_transformer_computes_pytorch_s_logits_loss_and_gradients() {
+    check("tiny_swin");
+}
+
 /// torchvision's stochastic depth (row and batch modes): in evaluation the model is PyTorch's without
 /// it; in training each row (or the whole batch) is dropped or scaled by 1/(1-p), drawn from the pass's
 /// seed, and meta allocates what cpu does.

@@ -118,6 +118,16 @@ impl Tensor {
         Tensor::full(device, &[], value, dtype, category)
     }
 
+    /// Sets every element to `value`, in place: a view writes into the tensor it views (PyTorch's
+    /// `fill_`, as a model builds a constant mask). Not for a tensor autograd tracks.
+    pub fn fill_(&self, value: f64) -> Result<()> {
+        crate::ops::check_computable("fill_", self.dtype())?;
+        if self.requires_grad() || self.grad_fn().is_some() {
+            return Err(crate::Error::invalid("fill_: the tensor takes part in autograd; fill_ writes constants only"));
+        }
+        self.device().backend().fill(self, value)
+    }
+
     pub fn device(&self) -> &Device {
         self.0.storage.device()
     }

@@ -53,7 +53,14 @@ fn main() {
         memfit_tensor::ops::where_(&cond, &x[0], &x[1])
     });
     agree(&cuda, "pad", &[&[3, 7, 9]], &|x| memfit_tensor::ops::pad(&x[0], &[2, -1, -2, 3], 0.25)?.mul_scalar(3.0));
-    let total = attention + sums + states + uploads + vocab + convs + 13;
+    // A mask built in place: fills of windows of a zeroed tensor (Swin's), then read whole.
+    agree(&cuda, "fill_ of views", &[&[12, 10]], &|x| {
+        let mask = Tensor::zeros(x[0].device(), &[12, 10], x[0].dtype(), memfit_tensor::Category::Temporary)?;
+        mask.narrow(0, 2, 5)?.narrow(1, 3, 4)?.fill_(1.5)?;
+        mask.slice_step(1, 0, 10, 3)?.fill_(-2.0)?;
+        x[0].mul(&mask)
+    });
+    let total = attention + sums + states + uploads + vocab + convs + 14;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 

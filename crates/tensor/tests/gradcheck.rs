@@ -694,6 +694,9 @@ fn gradcheck_views() {
     gradcheck("pad with a value, cropping", &[rand_input(&mut rng, &s)], |x| {
         memfit_tensor::ops::pad(&x[0], &[-1, 2, 1, -1, 1, 0], 0.5)
     });
+    gradcheck("roll", &[rand_input(&mut rng, &s)], |x| {
+        memfit_tensor::ops::roll(&memfit_tensor::ops::roll(&x[0], -1, 2)?, 5, 1)
+    });
     gradcheck("stack", &[rand_input(&mut rng, &s), rand_input(&mut rng, &s)], |x| {
         memfit_tensor::ops::stack(&[x[0].clone(), x[1].clone()], 3)
     });

@@ -48,6 +48,8 @@ fn programs() -> Vec<(&'static str, Program)> {
             memfit_tensor::ops::where_(&cond, &z(d, &[2, 3], t), &z(d, &[1], t)).map(drop)
         }),
         ("cat", |d, t| memfit_tensor::ops::cat(&[z(d, &[2, 3], t), z(d, &[2, 1], t)], 1).map(drop)),
+        ("roll", |d, t| memfit_tensor::ops::roll(&z(d, &[3, 4], t), 1, 1).map(drop)),
+        ("fill_ of a view", |d, t| z(d, &[3, 4], t).narrow(1, 1, 2)?.fill_(2.0)),
         ("pad", |d, t| memfit_tensor::ops::pad(&z(d, &[2, 5], t), &[1, -1, 2, 0], 1.5).map(drop)),
         ("slice_step", |d, t| z(d, &[2, 5], t).slice_step(1, 0, 5, 2).map(drop)),
         ("affine", |d, t| z(d, &[4], t).affine(2.0, 1.0).map(drop)),

@@ -426,6 +426,14 @@ impl Backend for Cuda {
     fn fill(&self, t: &Tensor, value: f64) -> Result<()> {
         let sfx = float("full", t.dtype())?;
         let n = t.numel();
+        if !t.is_contiguous() {
+            let (base, view) = strided(t, t.shape(), t.layout().strides())?;
+            return self.launch(
+                &format!("fill_strided_{sfx}"),
+                self.grid(n, BLOCK),
+                &mut [Arg::Ptr(base), Arg::View(view), Arg::I64(n as i64), scalar(t.dtype(), value)],
+            );
+        }
         self.launch(
             &format!("fill_{sfx}"),
             self.grid(n, BLOCK),

@@ -31,7 +31,7 @@ pub use optim::*;
 pub use pool::*;
 pub use reduce::*;
 pub use softmax::*;
-pub use view::{cat, pad, stack};
+pub use view::{cat, pad, roll, stack};
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

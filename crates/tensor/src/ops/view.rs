@@ -1,5 +1,5 @@
 //! Views (reshape, permute, transpose, narrow and stepped slices, expand, squeeze/unsqueeze, flatten),
-//! contiguous copies, concatenation and constant padding. A view shares storage; its backward maps the gradient back to
+//! contiguous copies, concatenation, rolls and constant padding. A view shares storage; its backward maps the gradient back to
 //! the input's shape. The copies and accumulations are the backend's data-movement and element-wise
 //! kernels (`copy`, `add_into`).
 
@@ -284,6 +284,18 @@ pub fn cat(tensors: &[Tensor], dim: isize) -> Result<Tensor> {
     } else {
         out
     })
+}
+
+/// `x` shifted cyclically by `shift` along `dim` (PyTorch's `torch.roll` of one dimension): the last
+/// `shift` elements come first. A join of two windows, so its gradient is theirs.
+pub fn roll(x: &Tensor, shift: i64, dim: isize) -> Result<Tensor> {
+    let d = resolve_dim(dim, x.rank())?;
+    let n = x.shape()[d];
+    let s = if n == 0 { 0 } else { shift.rem_euclid(n as i64) as usize };
+    if s == 0 {
+        return Ok(x.clone());
+    }
+    cat(&[x.narrow(d as isize, n - s, s)?, x.narrow(d as isize, 0, n - s)?], d as isize)
 }
 
 /// `tensors` joined along a new dimension `dim` (PyTorch's `torch.stack`).
