@@ -9,8 +9,13 @@ use memfit_tensor::{autograd, ops, Category, DType, Device, DeviceConfig, Device
 use serde_json::Value;
 use std::path::PathBuf;
 
+/// A fixture: in `MEMFIT_IMPORT_FIXTURES` when set (a copied test binary, `tools/gpu-check`), else
+/// beside this file.
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    match std::env::var_os("MEMFIT_IMPORT_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name),
+    }
 }
 
 fn floats(v: &Value) -> Vec<f64> {
