@@ -458,6 +458,25 @@ impl Graph {
                         Op::LayerNorm { input: x, weight: Some(w), bias: Some(b), eps, .. } => {
                             ops::layer_norm_linear(&get(x)?, &get(w)?, &get(b)?, eps, &get(weight)?, bias.as_ref())?
                         }
+                        // A layer norm read through a transpose: the pair runs first, the transpose after.
+                        Op::Transpose { input: normed, dims } => {
+                            let norm =
+                                pending.remove(normed).ok_or_else(|| Error::invalid("internal: a lone transpose"))?;
+                            let Op::LayerNorm { input: x, weight: Some(w), bias: Some(b), eps, .. } =
+                                describe(norm).map_err(Error::invalid)?
+                            else {
+                                return Err(Error::invalid("internal: a transposed producer of another kind"));
+                            };
+                            let y = ops::layer_norm_linear(
+                                &get(x)?,
+                                &get(w)?,
+                                &get(b)?,
+                                eps,
+                                &get(weight)?,
+                                bias.as_ref(),
+                            )?;
+                            y.transpose(dims[0] as isize, dims[1] as isize)?
+                        }
                         _ => return Err(Error::invalid("internal: a fused producer of another kind")),
                     })
                 }
@@ -704,7 +723,34 @@ fn fused_producers(archive: &Archive, output: &str) -> Vec<Option<usize>> {
             readers.entry(name).or_default().push(i);
         }
     }
-    archive
+    let only_reader = |node: &Node| -> Option<usize> {
+        let [out] = &node.outputs[..] else { return None };
+        match readers.get(out.as_str()).map(Vec::as_slice) {
+            Some(&[j]) if out != output => Some(j),
+            _ => None,
+        }
+    };
+    // `j` is a linear that takes `node`'s output as its input.
+    let linear_of = |node: &Node, j: usize| {
+        let r = &archive.nodes[j];
+        r.target == "torch.ops.aten.linear.default"
+            && r.arg("input") == node.outputs.first().cloned().map(Arg::Tensor).as_ref()
+    };
+    // A transpose of two dimensions other than the last, read only by a linear as its input: the
+    // product commutes with it (the layer norm under it runs fused, the transpose after).
+    let transposed_into_linear = |j: usize| -> Option<usize> {
+        let t = &archive.nodes[j];
+        let keeps_last = match describe(t) {
+            Ok(Op::Transpose { dims: [a, b], .. }) => {
+                let rank = t.outputs.first().and_then(|o| archive.value(o)).map_or(0, |v| v.sizes.len()) as i64;
+                let last = |d: i64| d == -1 || d == rank - 1;
+                rank > 0 && !last(a) && !last(b)
+            }
+            _ => false,
+        };
+        only_reader(t).filter(|&k| keeps_last && linear_of(t, k))
+    };
+    let mut fused: Vec<Option<usize>> = archive
         .nodes
         .iter()
         .map(|node| {
@@ -713,20 +759,20 @@ fn fused_producers(archive: &Archive, output: &str) -> Vec<Option<usize>> {
                 Ok(Op::LayerNorm { shape, weight: Some(_), bias: Some(_), .. }) => shape.len() == 1,
                 _ => false,
             };
-            let [out] = &node.outputs[..] else { return None };
-            let only_reader = match readers.get(out.as_str()).map(Vec::as_slice) {
-                Some(&[j]) => Some(j),
-                _ => None,
-            };
-            only_reader.filter(|&j| {
-                let r = &archive.nodes[j];
-                fusable
-                    && out != output
-                    && r.target == "torch.ops.aten.linear.default"
-                    && r.arg("input") == Some(&Arg::Tensor(out.clone()))
-            })
+            only_reader(node).filter(|&j| fusable && linear_of(node, j))
         })
-        .collect()
+        .collect();
+    // nn.MultiheadAttention's layer norm: read through a transpose (batch_first) by the in-projection.
+    for (i, node) in archive.nodes.iter().enumerate() {
+        let is_norm = matches!(describe(node), Ok(Op::LayerNorm { ref shape, weight: Some(_), bias: Some(_), .. }) if shape.len() == 1);
+        if let Some(j) = only_reader(node).filter(|_| is_norm && fused[i].is_none()) {
+            if let Some(k) = transposed_into_linear(j) {
+                fused[i] = Some(k);
+                fused[j] = Some(k);
+            }
+        }
+    }
+    fused
 }
 
 /// For each node of `archive`, the values (not weights, not the output) it is the last to read. A fused
