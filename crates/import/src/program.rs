@@ -713,7 +713,10 @@ pub fn smallest_batch(archive: &Archive) -> usize {
 // `ops::gelu_linear`: backward keeps the norm's or GELU's input, not its output too; the values are
 // the unfused ops'). An imported graph gets the same where it has the same pattern: a `layer_norm`
 // over the last dimension with a weight and a bias, or an exact `gelu`, whose output nothing but one
-// `linear` reads, as its input. The producer is then not run on its own; the linear runs the pair.
+// `linear` reads, as its input; or such a layer norm read by a linear through a transpose of two
+// dimensions other than the last (`nn.MultiheadAttention` with batch_first: the product commutes with
+// it, so the pair runs and the transpose follows). The producer is then not run on its own; the
+// linear runs the pair.
 
 /// For each node memfit fuses into the `linear` after it (Note [Fused pairs]), that linear's index.
 fn fused_producers(archive: &Archive, output: &str) -> Vec<Option<usize>> {
