@@ -95,7 +95,7 @@ fn an_exported_model_checkpoints_its_modules_with_the_same_numbers() {
     assert_eq!(r["peak_allocated_bytes"], r["predicted_peak_allocated_bytes"]);
     assert!(r["peak_allocated_bytes"].as_u64() < plain["peak_allocated_bytes"].as_u64(), "{r} vs {plain}");
     assert!(weights == plain_weights, "checkpointing and recovery change no bit of the saved weights");
-    let out = memfit(&["plan", "--model", &model, "--batch-size", "64", "--memory", "2MiB"]);
+    let out = memfit(&["plan", "--model", &model, "--batch-size", "256", "--memory", "2MiB"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("encoder.layers.encoder_layer_0"), "{}", text(&out));
     let out = memfit(&["train", "--model", &model, "--checkpoint", "layers.0"]);
