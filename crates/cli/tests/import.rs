@@ -98,6 +98,28 @@ fn an_exported_model_checkpoints_its_modules_with_the_same_numbers() {
     let out = memfit(&["plan", "--model", &model, "--batch-size", "256", "--memory", "2MiB"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("encoder.layers.encoder_layer_0"), "{}", text(&out));
+    // bf16 storage of the saved activations, planned and measured alike.
+    let report = temp("vit-bf16.json");
+    let out = memfit(&[
+        "train",
+        "--model",
+        &model,
+        "--precision",
+        "bf16",
+        "--batch-size",
+        "256",
+        "--memory",
+        "2MiB",
+        "--max-steps",
+        "2",
+        "--no-eval",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["precision"], "bf16", "{r}");
+    assert_eq!(r["peak_allocated_bytes"], r["predicted_peak_allocated_bytes"]);
     let out = memfit(&["train", "--model", &model, "--checkpoint", "layers.0"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(

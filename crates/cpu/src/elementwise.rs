@@ -605,6 +605,32 @@ pub fn clamp_backward(x: View<'_>, lo: f64, hi: f64, inclusive: bool, grad: View
     Ok(())
 }
 
+/// `out = x ^ exponent` (x contiguous), as PyTorch's `pow(x, scalar)`.
+pub fn pow_scalar(x: View<'_>, exponent: f64, out: View<'_>) -> Result<()> {
+    with_float!(x.dtype(), "pow", T => {
+        let e = T::of(exponent);
+        par_map(x.slice::<T>()?, out.slice_mut::<T>()?, move |v| v.powf(e));
+    });
+    Ok(())
+}
+
+/// `out = grad * exponent * x ^ (exponent - 1)` (0 for exponent 0), as PyTorch's pow backward;
+/// `out` may be `grad` itself.
+pub fn pow_scalar_backward(x: View<'_>, exponent: f64, grad: View<'_>, out: View<'_>) -> Result<()> {
+    let in_place = out.same(grad);
+    with_float!(x.dtype(), "pow_backward", T => {
+        let (e, e1) = (T::of(exponent), T::of(exponent - 1.0));
+        let zero = exponent == 0.0;
+        let f = move |v: T, g: T| if zero { T::of(0.0) } else { g * e * v.powf(e1) };
+        let dst = out.slice_mut::<T>()?;
+        match in_place {
+            true => apply_backward(x.slice::<T>()?, None, dst, f),
+            false => apply_backward(x.slice::<T>()?, Some(grad.slice::<T>()?), dst, f),
+        }
+    });
+    Ok(())
+}
+
 pub fn add_into(dst: View<'_>, src: View<'_>) -> Result<()> {
     with_float!(dst.dtype(), "add_into", T => {
         if dst.is_contiguous() && src.is_contiguous() {

@@ -1,4 +1,5 @@
-// Element-wise ops: unary (and their backward), affine, clamp (and its backward), broadcasting binary,
+// Element-wise ops: unary (and their backward), affine, pow by a number and clamp (and their
+// backward), broadcasting binary,
 // comparisons (codes: 0 gt, 1 lt, 2 ge, 3 le, 4 eq, 5 ne) and selection, add_into.
 // Unary codes follow memfit's `Unary`: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 tanh, 4 sigmoid,
 // 5 exp, 6 log, 7 neg, 8 relu6, 9 hardsigmoid, 10 hardswish, 11 sqrt, 12 rsqrt, 13 cos, 14 sin,
@@ -111,6 +112,13 @@ __device__ unsigned char compare_of(int op, T a, T b) {
     /* dst and src as strided views of one shape; dst's elements are distinct (a window of a tensor). */ \
     extern "C" __global__ void add_into_strided_##SUF(T* dst, Strided sd, const T* src, Strided ss, i64 n) { \
         GRID_STRIDE(k, n) dst[strided_offset(sd, k)] += src[strided_offset(ss, k)];                   \
+    }                                                                                                  \
+    extern "C" __global__ void pow_scalar_##SUF(const T* x, T e, T* out, i64 n) {                    \
+        GRID_STRIDE(i, n) out[i] = pow(x[i], e);                                                       \
+    }                                                                                                  \
+    /* out may be g itself: each element is read before it is written. */                              \
+    extern "C" __global__ void pow_scalar_backward_##SUF(const T* x, T e, const T* g, T* out, i64 n) { \
+        GRID_STRIDE(i, n) out[i] = e == T(0) ? T(0) : g[i] * e * pow(x[i], e - T(1));                   \
     }                                                                                                  \
     extern "C" __global__ void clamp_##SUF(const T* x, T lo, T hi, T* out, i64 n) {                   \
         GRID_STRIDE(i, n) out[i] = x[i] < lo ? lo : (x[i] > hi ? hi : x[i]);                           \

@@ -33,7 +33,7 @@ pub const SOURCES: [Source; 12] = [
     Source {
         name: "elementwise",
         text: include_str!("../kernels/elementwise.cu"),
-        kernels: &["unary_", "affine_", "binary_", "add_into_", "clamp_", "compare_", "select_"],
+        kernels: &["unary_", "affine_", "binary_", "add_into_", "pow_scalar_", "clamp_", "compare_", "select_"],
     },
     Source { name: "dropout", text: include_str!("../kernels/dropout.cu"), kernels: &["dropout_"] },
     Source { name: "embedding", text: include_str!("../kernels/embedding.cu"), kernels: &["embedding_"] },

@@ -1017,7 +1017,8 @@ enum Op<'a> {
         hi: f64,
         hardtanh: bool,
     },
-    /// `pow` by a number: the exponents whose op memfit has (2, 3, 1, 0.5, -0.5, -1).
+    /// `pow` by a number: 2, 3, 1, 0.5, -0.5 and -1 as the products, roots and quotient PyTorch
+    /// computes them by; any other by memfit's pow.
     Pow {
         input: &'a str,
         exponent: f64,
@@ -1401,7 +1402,7 @@ impl Op<'_> {
                     0.5 => x.sqrt(),
                     -0.5 => x.rsqrt(),
                     -1.0 => Tensor::scalar(x.device(), 1.0, x.dtype(), Category::Temporary)?.div(&x),
-                    e => Err(Error::invalid(format!("pow by {e} (memfit imports 2, 3, 1, 0.5, -0.5 and -1)"))),
+                    e => x.pow_scalar(e),
                 }
             }
             Op::Compare { a, b, op } => {
@@ -1659,8 +1660,8 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
         "torch.ops.aten.abs.default" => unary(UnaryOp::Abs)?,
         "torch.ops.aten.pow.Tensor_Scalar" => {
             let exponent = float("exponent", 1.0)?;
-            if ![1.0, 2.0, 3.0, 0.5, -0.5, -1.0].contains(&exponent) {
-                return Err(format!("{target}: pow by {exponent} (memfit imports 2, 3, 1, 0.5, -0.5 and -1)"));
+            if !exponent.is_finite() {
+                return Err(format!("{target}: pow by {exponent} (a finite exponent)"));
             }
             Op::Pow { input: tensor("self")?, exponent }
         }

@@ -46,6 +46,7 @@ fn main() {
     agree(&cuda, "cat", &[&[6, 40], &[6, 8]], &|x| {
         memfit_tensor::ops::cat(&[x[0].slice_step(1, 1, 40, 3)?, x[1].clone()], 1)?.mul(&x[0].narrow(1, 0, 21)?)
     });
+    agree(&cuda, "pow", &[&[1000]], &|x| x[0].affine(1.0, 1.5)?.pow_scalar(2.5));
     agree(&cuda, "clamp", &[&[1000]], &|x| x[0].clamp(-0.3, 0.6));
     agree(&cuda, "hardtanh", &[&[1000]], &|x| x[0].hardtanh(-0.3, 0.6));
     agree(&cuda, "where", &[&[40, 30], &[30]], &|x| {
@@ -60,7 +61,7 @@ fn main() {
         mask.slice_step(1, 0, 10, 3)?.fill_(-2.0)?;
         x[0].mul(&mask)
     });
-    let total = attention + sums + states + uploads + vocab + convs + 14;
+    let total = attention + sums + states + uploads + vocab + convs + 15;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 

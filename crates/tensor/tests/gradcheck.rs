@@ -184,6 +184,8 @@ fn gradcheck_unary() {
     gradcheck("cos", &[input(&shape, rng.vec(n, -4.0, 4.0))], |x| x[0].cos());
     gradcheck("sin", &[input(&shape, rng.vec(n, -4.0, 4.0))], |x| x[0].sin());
     gradcheck("abs", &[input(&shape, rng.away_from_zero(n, 0.05, 1.5))], |x| x[0].abs());
+    gradcheck("pow 1.7", &[input(&shape, rng.vec(n, 0.3, 3.0))], |x| x[0].pow_scalar(1.7));
+    gradcheck("pow 4", &[input(&shape, rng.vec(n, -2.0, 2.0))], |x| x[0].pow_scalar(4.0));
     // Below, inside and above [-0.5, 0.7], away from both bounds.
     let bounded: Vec<f64> = rng
         .vec(n, 0.05, 0.45)

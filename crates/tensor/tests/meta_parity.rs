@@ -40,6 +40,7 @@ fn programs() -> Vec<(&'static str, Program)> {
         ("cos", |d, t| z(d, &[4], t).cos().map(drop)),
         ("sin", |d, t| z(d, &[4], t).sin().map(drop)),
         ("abs", |d, t| z(d, &[4], t).abs().map(drop)),
+        ("pow", |d, t| z(d, &[4], t).pow_scalar(1.5).map(drop)),
         ("clamp", |d, t| z(d, &[4], t).clamp(-1.0, 1.0).map(drop)),
         ("hardtanh", |d, t| z(d, &[4], t).hardtanh(-1.0, 1.0).map(drop)),
         ("compare", |d, t| z(d, &[2, 3], t).compare(memfit_tensor::ops::Compare::Lt, &z(d, &[3], t)).map(drop)),

@@ -558,6 +558,37 @@ impl Backend for Cuda {
         )
     }
 
+    fn pow_scalar(&self, x: &Tensor, exponent: f64, out: &Tensor) -> Result<()> {
+        let sfx = float("pow", x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("pow_scalar_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "pow")?),
+                scalar(x.dtype(), exponent),
+                Arg::Ptr(dense(out, "pow")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn pow_scalar_backward(&self, x: &Tensor, exponent: f64, grad: &Tensor, out: &Tensor) -> Result<()> {
+        let sfx = float("pow_backward", x.dtype())?;
+        let n = x.numel();
+        self.launch(
+            &format!("pow_scalar_backward_{sfx}"),
+            self.grid(n, BLOCK),
+            &mut [
+                Arg::Ptr(dense(x, "pow_backward")?),
+                scalar(x.dtype(), exponent),
+                Arg::Ptr(dense(grad, "pow_backward")?),
+                Arg::Ptr(dense(out, "pow_backward")?),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
     fn clamp(&self, x: &Tensor, lo: f64, hi: f64, out: &Tensor) -> Result<()> {
         let sfx = float("clamp", x.dtype())?;
         let n = x.numel();

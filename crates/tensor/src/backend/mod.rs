@@ -137,6 +137,10 @@ backends! {
     fn compare(&self, op: Compare, a: &Tensor, b: &Tensor, out: &Tensor);
     /// `out = cond ? a : b` over the broadcast shape of `out` (cond bool).
     fn select(&self, cond: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor);
+    /// `out = x ^ exponent` (x contiguous).
+    fn pow_scalar(&self, x: &Tensor, exponent: f64, out: &Tensor);
+    /// `out = grad * exponent * x ^ (exponent - 1)`; `out` may be `grad` itself.
+    fn pow_scalar_backward(&self, x: &Tensor, exponent: f64, grad: &Tensor, out: &Tensor);
     /// `out = min(max(x, lo), hi)` (x contiguous).
     fn clamp(&self, x: &Tensor, lo: f64, hi: f64, out: &Tensor);
     /// `out = grad` where `x` is inside [lo, hi] (`inclusive`) or (lo, hi), else 0; `out` may be

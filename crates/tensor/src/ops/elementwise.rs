@@ -1,5 +1,5 @@
 //! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, exp, log, neg, sqrt,
-//! rsqrt, cos, sin, abs, scalar affine, clamp), binary arithmetic with broadcasting (add, sub, mul, div),
+//! rsqrt, cos, sin, abs, scalar affine, pow by a number, clamp), binary arithmetic with broadcasting (add, sub, mul, div),
 //! comparisons and `where`, and in-place accumulation:
 //! shapes, outputs and autograd. The kernels are the backend's (`memfit-cpu`'s `elementwise.rs`).
 
@@ -101,6 +101,12 @@ impl Tensor {
         unary(self, Unary::Abs)
     }
 
+    /// `x ^ exponent` (PyTorch's `pow(x, scalar)`: NaN for a negative base and a fractional
+    /// exponent, as PyTorch gives).
+    pub fn pow_scalar(&self, exponent: f64) -> Result<Tensor> {
+        pow_scalar(self, exponent)
+    }
+
     /// `min(max(x, lo), hi)` (PyTorch's `clamp`; a bound may be infinite). The gradient passes where
     /// `lo <= x <= hi`.
     pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
@@ -164,6 +170,35 @@ fn clamp(x: &Tensor, lo: f64, hi: f64, inclusive: bool) -> Result<Tensor> {
     } else {
         out
     })
+}
+
+/// `x ^ exponent` elementwise (PyTorch's `pow(x, scalar)`); the gradient `exponent * x ^ (exponent - 1)`.
+fn pow_scalar(x: &Tensor, exponent: f64) -> Result<Tensor> {
+    let _op = x.device().op_scope("pow");
+    let x = x.contiguous()?;
+    let out = output(&x, x.shape(), x.dtype(), "pow")?;
+    x.device().backend().pow_scalar(&x, exponent, &out)?;
+    Ok(if needs_grad(&[&x]) {
+        let saved = save_compact(&x)?;
+        record(out, "pow", &[&x], PowBack { exponent, saved })
+    } else {
+        out
+    })
+}
+
+struct PowBack {
+    exponent: f64,
+    saved: Compact,
+}
+impl Backward for PowBack {
+    fn backward(self: Box<Self>, grad: Tensor, _: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let grad = grad.into_contiguous()?;
+        let x = self.saved.into_tensor()?;
+        let out =
+            if grad.owns_storage() { grad.clone() } else { output(&grad, grad.shape(), grad.dtype(), "pow_backward")? };
+        grad.device().backend().pow_scalar_backward(&x, self.exponent, &grad, &out)?;
+        Ok(vec![Some(out)])
+    }
 }
 
 struct ClampBack {
