@@ -850,6 +850,86 @@ fn operand(
     }
 }
 
+/// How `pad` fills what it adds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum PadMode {
+    /// A number.
+    Constant,
+    /// The elements mirrored about the edge, the edge itself not repeated.
+    Reflect,
+    /// The edge element repeated.
+    Replicate,
+    /// The other end's elements, as if the dimension wrapped around.
+    Circular,
+}
+
+/// Padding made of `x`'s own elements (`mode` not constant), as PyTorch's `F.pad`: each padded
+/// dimension (the last first) becomes a join of windows of `x`, so the gradient is theirs. Refused,
+/// as PyTorch does, for a negative amount, and for reflection or wrapping by more than the
+/// dimension holds.
+fn pad_from_edges(x: &Tensor, pad: &[i64], mode: PadMode) -> memfit_tensor::Result<Tensor> {
+    if pad.len() % 2 != 0 || pad.len() / 2 > x.rank() {
+        return Err(Error::shape(format!("pad: {pad:?} is not pairs for at most {} dims", x.rank())));
+    }
+    let mut out = x.clone();
+    for (k, pair) in pad.chunks_exact(2).enumerate() {
+        let d = x.rank() - 1 - k;
+        let n = out.shape()[d];
+        let (lo, hi) = match (usize::try_from(pair[0]), usize::try_from(pair[1])) {
+            (Ok(lo), Ok(hi)) => (lo, hi),
+            _ => return Err(Error::shape(format!("pad {mode:?}: {pad:?} has a negative amount"))),
+        };
+        let limit = match mode {
+            PadMode::Reflect => n.saturating_sub(1),
+            PadMode::Circular => n,
+            PadMode::Replicate | PadMode::Constant => usize::MAX,
+        };
+        if n == 0 || lo > limit || hi > limit {
+            return Err(Error::shape(format!("pad {mode:?}: {pad:?} is more than dim {d}'s {n} elements allow")));
+        }
+        let at = |i: usize, len: usize| out.narrow(d as isize, i, len);
+        let repeated = |i: usize, times: usize| -> memfit_tensor::Result<Tensor> {
+            let mut shape = out.shape().to_vec();
+            shape[d] = times;
+            at(i, 1)?.expand(&shape)
+        };
+        let mut pieces = Vec::new();
+        match mode {
+            PadMode::Reflect => {
+                for i in (1..=lo).rev() {
+                    pieces.push(at(i, 1)?);
+                }
+                pieces.push(out.clone());
+                for i in 1..=hi {
+                    pieces.push(at(n - 1 - i, 1)?);
+                }
+            }
+            PadMode::Replicate => {
+                if lo > 0 {
+                    pieces.push(repeated(0, lo)?);
+                }
+                pieces.push(out.clone());
+                if hi > 0 {
+                    pieces.push(repeated(n - 1, hi)?);
+                }
+            }
+            PadMode::Circular | PadMode::Constant => {
+                if lo > 0 {
+                    pieces.push(at(n - lo, lo)?);
+                }
+                pieces.push(out.clone());
+                if hi > 0 {
+                    pieces.push(at(0, hi)?);
+                }
+            }
+        }
+        if pieces.len() > 1 {
+            out = ops::cat(&pieces, d as isize)?;
+        }
+    }
+    Ok(out)
+}
+
 /// A size operand's value: a number, or a symbol the pass knows by now.
 fn sym_value(o: &SymOperand, symbols: &HashMap<&str, i64>) -> memfit_tensor::Result<i64> {
     match o {
@@ -1041,12 +1121,13 @@ enum Op<'a> {
         mask: &'a str,
         value: f64,
     },
-    /// Constant padding, `pad` as ATen lists it (last dimension first, before and after), negative
-    /// numbers crop.
+    /// Padding, `pad` as ATen lists it (last dimension first, before and after): constant (negative
+    /// numbers crop), or made of the input's own elements (`PadMode`).
     Pad {
         input: &'a str,
         pad: Vec<i64>,
         value: f64,
+        mode: PadMode,
     },
     /// `empty(sizes)`: stochastic depth's noise to be (see [`Op::Bernoulli`]).
     Empty {
@@ -1421,7 +1502,8 @@ impl Op<'_> {
                 let x = get(input)?;
                 ops::where_(&get(mask)?, &Tensor::scalar(x.device(), *value, x.dtype(), Category::Temporary)?, &x)
             }
-            Op::Pad { input, pad, value } => ops::pad(&get(input)?, pad, *value),
+            Op::Pad { input, pad, value, mode: PadMode::Constant } => ops::pad(&get(input)?, pad, *value),
+            Op::Pad { input, pad, mode, .. } => pad_from_edges(&get(input)?, pad, *mode),
             Op::NewZeros { input, sizes } => {
                 let like = get(input)?;
                 let shape = sizes
@@ -1694,11 +1776,19 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
             Op::MaskedFillValue { input: tensor("self")?, mask: tensor("mask")?, value: float("value", 0.0)? }
         }
         "torch.ops.aten.pad.default" | "torch.ops.aten.constant_pad_nd.default" => {
-            if !matches!(node.arg("mode"), None | Some(Arg::Str(_)))
-                || matches!(node.arg("mode"), Some(Arg::Str(m)) if m != "constant")
-            {
-                return Err(format!("{target}: a mode other than constant is not imported"));
-            }
+            let mode = match node.arg("mode") {
+                None => PadMode::Constant,
+                Some(Arg::Str(m)) => match m.as_str() {
+                    "constant" => PadMode::Constant,
+                    "reflect" => PadMode::Reflect,
+                    "replicate" => PadMode::Replicate,
+                    "circular" => PadMode::Circular,
+                    other => {
+                        return Err(format!("{target}: mode {other:?} (constant, reflect, replicate or circular)"))
+                    }
+                },
+                other => return Err(format!("{target}: mode {other:?}")),
+            };
             let pad = match node.arg("pad") {
                 Some(Arg::Ints(v)) if v.len() % 2 == 0 => v.clone(),
                 other => return Err(format!("{target}: pad {other:?} (pairs of numbers)")),
@@ -1707,7 +1797,7 @@ fn describe(node: &Node) -> std::result::Result<Op<'_>, String> {
                 None | Some(Arg::None) => 0.0,
                 _ => float("value", 0.0)?,
             };
-            Op::Pad { input: tensor("self")?, pad, value }
+            Op::Pad { input: tensor("self")?, pad, value, mode }
         }
         "torch.ops.aten.empty.memory_format" => {
             if !matches!(node.arg("dtype"), None | Some(Arg::None) | Some(Arg::ScalarType(crate::FLOAT32))) {
