@@ -55,22 +55,7 @@ fn checkpointed_training_ends_with_the_plain_parameters_bit_for_bit() {
 }
 
 fn request(spec: &ModelSpec, effective: usize, capacity: Option<u64>, checkpoint: CheckpointChoice) -> PlanRequest {
-    PlanRequest {
-        model: spec.clone(),
-        optimizer: adamw(),
-        effective_batch: effective,
-        capacity,
-        safety_margin: 0.0,
-        seed: 5,
-        checkpoint,
-        costs: Default::default(),
-        micro_batch: None,
-        precision: Default::default(),
-        parallel: None,
-        target: memfit_tensor::Target::Cpu,
-        segments: Default::default(),
-        evaluate: true,
-    }
+    PlanRequest { checkpoint, ..plan_request(spec.clone(), effective, capacity) }
 }
 
 #[test]

@@ -118,23 +118,9 @@ fn meta_and_cpu_allocate_identically_for_gpt_steps() {
 }
 
 fn gpt_request(effective: usize, capacity: Option<u64>) -> PlanRequest {
-    PlanRequest {
-        // Large enough that a batch needs several 2 MiB segments, so budgets can force accumulation.
-        model: ModelSpec::gpt(GptConfig { vocab: 40, d_model: 32, heads: 2, layers: 2, max_t: 32 }),
-        optimizer: adamw(),
-        effective_batch: effective,
-        capacity,
-        safety_margin: 0.0,
-        seed: 5,
-        checkpoint: Default::default(),
-        costs: Default::default(),
-        micro_batch: None,
-        precision: Default::default(),
-        parallel: None,
-        target: memfit_tensor::Target::Cpu,
-        segments: Default::default(),
-        evaluate: true,
-    }
+    // Large enough that a batch needs several 2 MiB segments, so budgets can force accumulation.
+    let model = ModelSpec::gpt(GptConfig { vocab: 40, d_model: 32, heads: 2, layers: 2, max_t: 32 });
+    plan_request(model, effective, capacity)
 }
 
 #[test]

@@ -78,20 +78,9 @@ fn the_planner_cuts_where_every_stage_fits_a_budget_the_whole_model_does_not() {
     let spec =
         memfit_nn::ModelSpec::gpt(memfit_nn::GptConfig { vocab: 40, d_model: 128, heads: 2, layers: 4, max_t: 32 });
     let request = |capacity| PlanRequest {
-        model: spec.clone(),
-        optimizer: adamw(),
-        effective_batch: 16,
-        capacity,
-        safety_margin: 0.0,
         seed: 1,
         checkpoint: memfit_train::CheckpointChoice::None,
-        costs: Default::default(),
-        micro_batch: None,
-        precision: Default::default(),
-        parallel: None,
-        target: memfit_tensor::Target::Cpu,
-        segments: Default::default(),
-        evaluate: true,
+        ..plan_request(spec.clone(), 16, capacity)
     };
     let whole = memfit_train::planner::predict(&request(None), 1, Some(1), None).unwrap().unwrap().peak_reserved;
     let budget = whole * 3 / 4;

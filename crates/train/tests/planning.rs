@@ -10,22 +10,7 @@ use memfit_train::planner::{dry_run, predict, PlanRequest};
 use memfit_train::{Session, TrainError};
 
 fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequest {
-    PlanRequest {
-        model: ModelSpec::image(kind, [1, 28, 28], 10),
-        optimizer: adamw(),
-        effective_batch: effective,
-        capacity,
-        safety_margin: 0.0,
-        seed: 5,
-        checkpoint: Default::default(),
-        costs: Default::default(),
-        micro_batch: None,
-        precision: Default::default(),
-        parallel: None,
-        target: memfit_tensor::Target::Cpu,
-        segments: Default::default(),
-        evaluate: true,
-    }
+    plan_request(ModelSpec::image(kind, [1, 28, 28], 10), effective, capacity)
 }
 
 #[test]
