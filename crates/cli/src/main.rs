@@ -146,8 +146,9 @@ struct RunArgs {
     safety_margin: f64,
     /// Activation checkpointing: none, all, auto (with --memory: the planner weighs segments against the
     /// micro-batch they allow by predicted step time and takes the fastest plan that fits), or segment
-    /// names separated by commas (gpt: blocks.0,
-    /// blocks.1, ...; resnet: layer1..layer3; deepcnn: c1..c3; simplecnn: conv1). A checkpointed
+    /// names separated by commas (gpt: blocks.0, blocks.1, ...; resnet: layer1..layer3; deepcnn:
+    /// c1..c3; simplecnn: conv1; an imported model: its module paths, such as layer1 or
+    /// encoder.layers.encoder_layer_0, which an unknown name's error lists). A checkpointed
     /// segment keeps only its input for backward and runs its forward again there: less memory, more
     /// time, the same numbers [default: auto with --memory, else none].
     #[arg(long, value_parser = CheckpointChoice::parse)]

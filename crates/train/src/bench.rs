@@ -137,10 +137,13 @@ struct Planned {
     pytorch_case: Vec<String>,
 }
 
-/// The case of an exported model: its archive's path as the name, `batch` samples of synthetic data
-/// of the export's shapes; PyTorch runs the same archive (`torch.export.load`).
-fn archive_case(path: &Path, batch: usize) -> Result<Planned, TrainError> {
+/// The case of an exported model: its archive's path as the name, `batch` samples (None: 64 images
+/// or 32 text windows) of synthetic data of the export's shapes; PyTorch runs the same archive
+/// (`torch.export.load`).
+fn archive_case(path: &Path, batch: Option<usize>) -> Result<Planned, TrainError> {
     let spec = ModelSpec::exported(path).map_err(TrainError::Invalid)?;
+    let text = matches!(spec.input_kind(), memfit_nn::ModelInput::Tokens { .. });
+    let batch = batch.unwrap_or(if text { 32 } else { 64 });
     let mut pytorch_case = vec!["pt2".to_string(), path.display().to_string(), batch.to_string()];
     pytorch_case.extend(match spec.input_kind() {
         memfit_nn::ModelInput::Image { shape, classes } => {
@@ -308,12 +311,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
         planned.push(Planned { name: case.name.to_string(), spec: (case.spec)(), batch: case.batch, pytorch_case });
     }
     for path in only.iter().filter(|n| archive(n)) {
-        let text = |p: &Planned| matches!(p.spec.input_kind(), memfit_nn::ModelInput::Tokens { .. });
-        let mut case = archive_case(Path::new(path), cfg.batch.unwrap_or(64))?;
-        if cfg.batch.is_none() && text(&case) {
-            case = archive_case(Path::new(path), 32)?;
-        }
-        planned.push(case);
+        planned.push(archive_case(Path::new(path), cfg.batch)?);
     }
     let mut cases = Vec::new();
     for case in &planned {
