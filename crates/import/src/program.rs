@@ -278,8 +278,51 @@ impl Program {
                     )));
                 }
             }
+            // `fill_` writes where its view lies, into the tensor it views: honoured for a constant the
+            // graph builds (views of a `new_zeros`, as Swin's attention mask), never for a value a
+            // backward may have saved.
+            if let Op::Fill { input, .. } = op {
+                if !self.views_new_zeros(input) {
+                    return Err(ImportError::Archive(format!(
+                        "{name}: {} writes into {input} in place; memfit honours that only for views of a new_zeros \
+                         (a constant mask the graph builds) (from {})",
+                        node.target,
+                        node.location()
+                    )));
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Whether `value` is a `new_zeros` output or a view of one (through slices, selections, views
+    /// and the like).
+    fn views_new_zeros(&self, value: &str) -> bool {
+        const VIEWS: [&str; 9] = [
+            "torch.ops.aten.slice.Tensor",
+            "torch.ops.aten.select.int",
+            "torch.ops.aten.view.default",
+            "torch.ops.aten.unsqueeze.default",
+            "torch.ops.aten.squeeze.dim",
+            "torch.ops.aten.transpose.int",
+            "torch.ops.aten.permute.default",
+            "torch.ops.aten.alias.default",
+            "torch.ops.aten.expand.default",
+        ];
+        let nodes = &self.graph.archive.nodes;
+        let mut current = value.to_string();
+        // A graph is acyclic: at most one step per node.
+        for _ in 0..=nodes.len() {
+            let Some(node) = nodes.iter().find(|n| n.outputs.iter().any(|o| *o == current)) else { return false };
+            if node.target == "torch.ops.aten.new_zeros.default" {
+                return true;
+            }
+            match (VIEWS.contains(&node.target.as_str()), node.reads().next()) {
+                (true, Some(source)) => current = source.to_string(),
+                _ => return false,
+            }
+        }
+        false
     }
 
     /// Trainable weights under their `state_dict` names.

@@ -110,3 +110,30 @@ fn weights_are_read_from_the_file_only_where_they_are_computed_with() {
     };
     assert!(e.contains("gone.pt2") && e.contains("cannot open"), "{e}");
 }
+
+/// `fill_` into a value a backward may have saved would change it behind autograd's back: only views
+/// of a `new_zeros` (a mask the graph builds) may be filled.
+#[test]
+fn fill_into_an_activation_is_refused_by_name() {
+    let path = temp("fill-activation.pt2");
+    rewrite(&fixture("tiny_swin.pt2"), &path, |name, bytes| {
+        if !name.ends_with("models/model.json") {
+            return bytes;
+        }
+        // The first fill_ made to write into the patch embedding's output instead of the mask.
+        let mut model: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        let nodes = model["graph_module"]["graph"]["nodes"].as_array_mut().unwrap();
+        let conv = nodes.iter().find(|n| n["target"] == "torch.ops.aten.conv2d.default").unwrap()["outputs"][0]
+            ["as_tensor"]["name"]
+            .clone();
+        let fill = nodes.iter_mut().find(|n| n["target"] == "torch.ops.aten.fill_.Scalar").unwrap();
+        fill["inputs"][0]["arg"]["as_tensor"]["name"] = conv;
+        serde_json::to_vec(&model).unwrap()
+    });
+    let archive = std::sync::Arc::new(Archive::open(&path).unwrap());
+    let e = match memfit_import::Program::new(archive, &memfit_tensor::Device::meta()) {
+        Ok(_) => panic!("a fill_ into an activation was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("fill_.Scalar writes into conv2d in place") && e.contains("new_zeros"), "{e}");
+}
