@@ -13,7 +13,7 @@ use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
 use memfit_train::parallel::ParallelMode;
 use memfit_train::{
-    CheckpointChoice, OptimizerChoice, Plan, PlanRequest, Precision, Report, Segments, StepEvent, TrainConfig,
+    CheckpointChoice, OptimizerChoice, OptimizerStep, Plan, PlanRequest, Precision, Report, Segments, StepEvent, TrainConfig,
 };
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -166,6 +166,14 @@ struct RunArgs {
     /// auto with --memory, else fixed].
     #[arg(long, value_parser = Segments::parse)]
     segments: Option<Segments>,
+    /// Where the optimizer steps: after (the window's backward, as PyTorch's loop), in-backward (a
+    /// window of one micro-batch updates each parameter as soon as its gradient is complete and frees
+    /// that gradient, so the gradients never all exist at once: PyTorch's post-accumulate-grad
+    /// hook), or auto (with --memory: after when the plan fits so, else in-backward). Neither changes
+    /// a number; in-backward cannot run with --parallel or fp16 storage [default: auto with --memory,
+    /// else after].
+    #[arg(long, value_parser = OptimizerStep::parse)]
+    optimizer_step: Option<OptimizerStep>,
     /// How Adam's two moments are stored: fp32 (as PyTorch), bf16 (half their bytes) or int8
     /// (8-bit block-wise with a dynamic map, as bitsandbytes' Adam8bit: a quarter; parameters under
     /// 4096 values keep fp32). bf16 and int8 change the numbers (slightly) and are never chosen for you.
@@ -195,6 +203,7 @@ impl RunArgs {
             checkpoint: checkpoint_or_default(self.checkpoint, self.memory),
             precision: self.precision,
             segments: Segments::or_default(self.segments, self.memory),
+            optimizer_step: OptimizerStep::or_default(self.optimizer_step, self.memory),
             optimizer_state: self.optimizer_state,
             ..TrainConfig::default()
         })
@@ -313,6 +322,11 @@ struct PlanArgs {
     /// (expandable when fixed ones do not fit) [default: auto with --memory, else fixed].
     #[arg(long, value_parser = Segments::parse)]
     segments: Option<Segments>,
+    /// Where the optimizer steps in the plan: after backward, in-backward (a window of one
+    /// micro-batch), or auto (in-backward when after does not fit) [default: auto with --memory,
+    /// else after].
+    #[arg(long, value_parser = OptimizerStep::parse)]
+    optimizer_step: Option<OptimizerStep>,
     /// How Adam's moments are stored in the plan: fp32, bf16 or int8 (these change the numbers).
     #[arg(long, default_value = "fp32", value_parser = memfit_nn::StateFormat::parse)]
     optimizer_state: memfit_nn::StateFormat,
@@ -874,6 +888,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         target: a.device.target(),
         segments: Segments::or_default(a.segments, a.memory).on(a.device.target()),
         evaluate: true,
+        optimizer_step: OptimizerStep::or_default(a.optimizer_step, a.memory),
     };
     let single = memfit_train::plan(&request);
     let devices = match a.devices.filter(|&n| n > 1) {
@@ -935,6 +950,7 @@ fn plan(a: PlanArgs) -> Result<(), String> {
             "checkpointed_segments": plan.checkpoint.segment_names(),
             "precision": plan.precision.name(),
             "segments": plan.segments.name(),
+            "optimizer_step": plan.optimizer_step.name(),
             "predicted_step_time_ms": plan.predicted_step_ms,
             "candidates": plan.candidates.iter().map(|c| serde_json::json!({
                 "checkpointed_segments": c.checkpointed,

@@ -213,6 +213,10 @@ pub struct Allocator {
     id: u32,
     /// Allocations handed out so far (the serial of the last one).
     handed_out: u64,
+    /// Requests are served from memory already held (see [`Allocator::set_held_only`]).
+    held_only: bool,
+    /// Requests that needed new memory while `held_only` was set.
+    beyond_held: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -324,6 +328,8 @@ impl Allocator {
             requests: 0,
             id: NEXT_ALLOCATOR.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             handed_out: 0,
+            held_only: false,
+            beyond_held: 0,
         }
     }
 
@@ -340,7 +346,7 @@ impl Allocator {
     #[allow(clippy::result_large_err)]
     pub fn allocate(&mut self, bytes: u64, request: Request) -> Result<Allocation, OutOfMemory> {
         self.requests += 1;
-        if self.fault_fires() {
+        if !self.held_only && self.fault_fires() {
             let rounded = plan(bytes).map_or(bytes, |(rounded, _, _)| rounded);
             return Err(self.out_of_memory(rounded, request, true));
         }
@@ -351,6 +357,7 @@ impl Allocator {
         let index = match self.best_fit(pool, rounded) {
             Some(index) => index,
             None => {
+                self.beyond_held += u64::from(self.held_only);
                 let made = if self.config.expandable {
                     self.grow(pool, rounded, request)
                 } else {
@@ -440,6 +447,51 @@ impl Allocator {
     /// The category a live block is accounted under.
     pub fn category_of(&self, id: BlockId) -> Result<Category, InvalidBlock> {
         Ok(self.live_block(id)?.owner.category)
+    }
+
+    /// Declares that, until called again with false, every request is served from memory the
+    /// allocator already holds (its caller proved it: Note [Step in backward] in the train crate).
+    /// Such a request cannot be refused, so fault injection, which stands for a refusal, skips it;
+    /// one that needs new memory after all is served as usual and counted in
+    /// [`Allocator::requests_beyond_held`], for the caller to report as the error it is.
+    pub fn set_held_only(&mut self, on: bool) {
+        self.held_only = on;
+    }
+
+    /// Requests that needed new memory while [`Allocator::set_held_only`] was set (0 when the
+    /// caller's proof holds).
+    pub fn requests_beyond_held(&self) -> u64 {
+        self.beyond_held
+    }
+
+    /// A digest of everything a request's placement depends on: per pool, its segments in order
+    /// (their sizes and reserved spans) and their blocks (offset, size, taken or free). Two equal
+    /// digests mean the same sequence of requests is served in the same places with the same new
+    /// memory (none, when a run of it left the digest unchanged). Segment ids and addresses are left
+    /// out: only their order decides, and a segment re-made after a release gets a new id.
+    pub fn layout_digest(&self) -> u64 {
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut mix = |v: u64| {
+            for byte in v.to_le_bytes() {
+                hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for pool in [Pool::Small, Pool::Large] {
+            for segment in self.segments.values().filter(|s| s.pool == pool) {
+                mix(u64::MAX);
+                mix(segment.size);
+                mix(segment.span);
+                let mut index = Some(segment.first_block);
+                while let Some(i) = index {
+                    let block = self.block(i);
+                    mix(block.offset);
+                    mix(block.size << 1 | u64::from(block.allocated));
+                    index = block.next;
+                }
+            }
+        }
+        mix(self.config.capacity.unwrap_or(u64::MAX));
+        hash
     }
 
     /// Releases every fully free cached segment back to the backend.

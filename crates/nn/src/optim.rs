@@ -201,6 +201,26 @@ impl ParamState {
     }
 }
 
+/// What a caller can get wrong about a gradient: its device, layout, shape or dtype.
+fn check_gradient(name: &str, p: &Tensor, g: &Tensor, device: &memfit_tensor::Device) -> Result<()> {
+    if !g.device().same(p.device()) || !p.device().same(device) {
+        return Err(Error::device(format!("optimizer: {name} and its gradient must be on one device")));
+    }
+    if !p.is_contiguous() || !g.is_contiguous() {
+        return Err(Error::invalid(format!("optimizer: {name} and its gradient must be contiguous to be updated in place")));
+    }
+    if g.shape() != p.shape() || g.dtype() != p.dtype() {
+        return Err(Error::shape(format!(
+            "optimizer: gradient of {name} is {:?} {} but the parameter is {:?} {}",
+            g.shape(),
+            g.dtype(),
+            p.shape(),
+            p.dtype()
+        )));
+    }
+    Ok(())
+}
+
 pub struct Optimizer {
     params: Vec<(String, Tensor)>,
     config: OptimizerConfig,
@@ -272,93 +292,119 @@ impl Optimizer {
         // parameter unchanged.
         for ((name, p), g) in self.params.iter().zip(&grads) {
             if let Some(g) = g {
-                if !g.device().same(p.device()) || !p.device().same(&device) {
-                    return Err(Error::device(format!("optimizer: {name} and its gradient must be on one device")));
-                }
-                if !p.is_contiguous() || !g.is_contiguous() {
-                    return Err(Error::invalid(format!(
-                        "optimizer: {name} and its gradient must be contiguous to be updated in place"
-                    )));
-                }
-                if g.shape() != p.shape() || g.dtype() != p.dtype() {
-                    return Err(Error::shape(format!(
-                        "optimizer: gradient of {name} is {:?} {} but the parameter is {:?} {}",
-                        g.shape(),
-                        g.dtype(),
-                        p.shape(),
-                        p.dtype()
-                    )));
-                }
+                check_gradient(name, p, g, &device)?;
             }
         }
         // Phase 1: allocate all missing state; commit only if every allocation succeeded.
+        let wanted: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        self.allocate_missing(&wanted)?;
+        // Phase 2: update.
+        for (i, g) in grads.iter().enumerate() {
+            if let Some(g) = g {
+                self.update(i, g)?;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// Allocates the state of every parameter `wanted` marks that has none yet; all of it or, on an
+    /// out-of-memory, none.
+    fn allocate_missing(&mut self, wanted: &[bool]) -> Result<()> {
         let mut fresh: Vec<(usize, ParamState)> = Vec::new();
-        for (i, ((_, p), g)) in self.params.iter().zip(&grads).enumerate() {
-            if g.is_some() && self.state[i].is_none() {
+        for (i, (_, p)) in self.params.iter().enumerate() {
+            if wanted[i] && self.state[i].is_none() {
                 fresh.push((i, self.allocate_state(p)?));
             }
         }
         for (i, s) in fresh {
             self.state[i] = Some(s);
         }
-        // Phase 2: update.
-        for (i, ((name, p), g)) in self.params.iter().zip(&grads).enumerate() {
-            let Some(g) = g else { continue };
-            let state = self.state[i].as_mut().ok_or_else(|| Error::invalid("internal: optimizer state missing"))?;
-            let with_name = |e: Error| match e {
-                Error::OutOfMemory(_) => e,
-                other => Error::invalid(format!("optimizer step on {name}: {other}")),
-            };
-            match (self.config, state) {
-                (
-                    OptimizerConfig::Sgd { lr, momentum, dampening, nesterov, weight_decay },
-                    ParamState::Sgd { momentum_buffer, steps },
-                ) => {
-                    sgd_update(
+        Ok(())
+    }
+
+    /// Before a step inside backward ([`Optimizer::step_one`]): allocates the state of every
+    /// parameter that requires grad and has none yet (all or none, as [`Optimizer::step`] does), so
+    /// that the updates made as gradients complete allocate nothing. PyTorch's optimizer makes a
+    /// parameter's state at its first update; made here, it is the same zeros a little earlier.
+    pub fn prepare_step_in_backward(&mut self) -> Result<()> {
+        self.config.validate()?;
+        let wanted: Vec<bool> = self.params.iter().map(|(_, p)| p.requires_grad()).collect();
+        self.allocate_missing(&wanted)
+    }
+
+    /// Updates the one parameter `param` (a handle on one of the optimizer's) from its complete
+    /// gradient `grad`, exactly as [`Optimizer::step`] would: the step inside backward, made as each
+    /// gradient completes (Note [Step in backward] in the train crate). Its state must exist
+    /// ([`Optimizer::prepare_step_in_backward`]); nothing is allocated. Call
+    /// [`Optimizer::finish_step_in_backward`] once the pass is over.
+    pub fn step_one(&mut self, param: &Tensor, grad: &Tensor) -> Result<()> {
+        let i = self.params.iter().position(|(_, p)| p.same(param)).ok_or_else(|| {
+            Error::invalid("optimizer: a gradient was handed over for a tensor that is not one of its parameters")
+        })?;
+        let (name, p) = &self.params[i];
+        check_gradient(name, p, grad, p.device())?;
+        if self.state[i].is_none() {
+            return Err(Error::invalid(format!(
+                "optimizer: {name} has no state to update in backward (prepare_step_in_backward first)"
+            )));
+        }
+        let _phase = p.device().enter_phase(Phase::Optimizer);
+        let _no_grad = p.device().no_grad();
+        self.update(i, grad)
+    }
+
+    /// Counts the step whose parameters [`Optimizer::step_one`] updated.
+    pub fn finish_step_in_backward(&mut self) {
+        self.steps += 1;
+    }
+
+    /// Updates parameter `i` from `g` with its (existing) state.
+    fn update(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        let (name, p) = &self.params[i];
+        let state = self.state[i].as_mut().ok_or_else(|| Error::invalid("internal: optimizer state missing"))?;
+        let with_name = |e: Error| match e {
+            Error::OutOfMemory(_) => e,
+            other => Error::invalid(format!("optimizer step on {name}: {other}")),
+        };
+        match (self.config, state) {
+            (
+                OptimizerConfig::Sgd { lr, momentum, dampening, nesterov, weight_decay },
+                ParamState::Sgd { momentum_buffer, steps },
+            ) => {
+                sgd_update(p, g, momentum_buffer.as_ref(), *steps == 0, lr, momentum, dampening, nesterov, weight_decay)
+                    .map_err(with_name)?;
+                *steps += 1;
+            }
+            (
+                OptimizerConfig::Adam { lr, betas, eps, weight_decay, .. }
+                | OptimizerConfig::AdamW { lr, betas, eps, weight_decay, .. },
+                ParamState::Adam { moments, steps },
+            ) => {
+                let decoupled = matches!(self.config, OptimizerConfig::AdamW { .. });
+                let t = *steps + 1;
+                match moments {
+                    Moments::Dense { exp_avg, exp_avg_sq } => {
+                        adam_update(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay, decoupled)
+                    }
+                    Moments::Quantized { m_codes, m_absmax, v_codes, v_absmax } => adam_update_8bit(
                         p,
                         g,
-                        momentum_buffer.as_ref(),
-                        *steps == 0,
+                        (m_codes, m_absmax),
+                        (v_codes, v_absmax),
+                        t,
                         lr,
-                        momentum,
-                        dampening,
-                        nesterov,
+                        betas,
+                        eps,
                         weight_decay,
-                    )
-                    .map_err(with_name)?;
-                    *steps += 1;
+                        decoupled,
+                    ),
                 }
-                (
-                    OptimizerConfig::Adam { lr, betas, eps, weight_decay, .. }
-                    | OptimizerConfig::AdamW { lr, betas, eps, weight_decay, .. },
-                    ParamState::Adam { moments, steps },
-                ) => {
-                    let decoupled = matches!(self.config, OptimizerConfig::AdamW { .. });
-                    let t = *steps + 1;
-                    match moments {
-                        Moments::Dense { exp_avg, exp_avg_sq } => {
-                            adam_update(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay, decoupled)
-                        }
-                        Moments::Quantized { m_codes, m_absmax, v_codes, v_absmax } => adam_update_8bit(
-                            p,
-                            g,
-                            (m_codes, m_absmax),
-                            (v_codes, v_absmax),
-                            t,
-                            lr,
-                            betas,
-                            eps,
-                            weight_decay,
-                            decoupled,
-                        ),
-                    }
-                    .map_err(with_name)?;
-                    *steps += 1;
-                }
-                _ => return Err(Error::invalid("internal: optimizer state does not match its configuration")),
+                .map_err(with_name)?;
+                *steps += 1;
             }
+            _ => return Err(Error::invalid("internal: optimizer state does not match its configuration")),
         }
-        self.steps += 1;
         Ok(())
     }
 

@@ -188,7 +188,7 @@ fn scalar_seed(out: &Tensor, what: &str) -> Result<Tensor> {
 /// Back-propagates `grad` (shaped like `out`) through the graph that produced `out`, then commits
 /// leaf gradients into `.grad` (Note [Transactional backward]).
 pub fn backward_with(out: &Tensor, grad: Tensor) -> Result<()> {
-    backward_into_leaves(out, grad, false)
+    backward_into_leaves(out, grad, Completion::AtEnd)
 }
 
 /// [`backward_with`] (`grad` None: [`backward`]'s seed 1 of a scalar) committing each leaf's gradient
@@ -200,14 +200,25 @@ pub fn backward_as_complete(out: &Tensor, grad: Option<Tensor>) -> Result<()> {
         Some(g) => g,
         None => scalar_seed(out, "backward")?,
     };
-    backward_into_leaves(out, grad, true)
+    backward_into_leaves(out, grad, Completion::Commit)
 }
 
-fn backward_into_leaves(out: &Tensor, grad: Tensor, as_complete: bool) -> Result<()> {
+/// Back-propagates from a scalar `loss`, handing each leaf's gradient to `on_complete` the moment
+/// its last contribution of the pass has arrived (counted as [`backward_as_complete`] counts them),
+/// instead of committing it: `.grad` is never touched, and the gradient is dropped when
+/// `on_complete` returns. The optimizer step inside backward is built on it (Note [Step in
+/// backward] in the train crate). A leaf no gradient reached is not handed over. Not
+/// transactional: what `on_complete` did before an error stays done.
+pub fn backward_handing_over(loss: &Tensor, on_complete: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>) -> Result<()> {
+    let seed = scalar_seed(loss, "backward")?;
+    backward_into_leaves(loss, seed, Completion::Hand(on_complete))
+}
+
+fn backward_into_leaves(out: &Tensor, grad: Tensor, completion: Completion<'_>) -> Result<()> {
     let device = out.device().clone();
     let _phase = device.enter_phase(Phase::Backward);
     let _no_grad = device.no_grad();
-    let mut sink = Sink::AllLeaves { held: Vec::new(), as_complete, arrivals: 0 };
+    let mut sink = Sink::AllLeaves { held: Vec::new(), completion, arrivals: 0 };
     propagate(vec![(out.clone(), grad)], &mut sink)?;
     match sink {
         Sink::AllLeaves { mut held, .. } => {
@@ -216,6 +227,17 @@ fn backward_into_leaves(out: &Tensor, grad: Tensor, as_complete: bool) -> Result
         }
         Sink::Inputs { .. } => unreachable!("backward collects leaves"),
     }
+}
+
+/// When a backward pass lets go of a leaf's gradient.
+enum Completion<'a> {
+    /// Commits every gradient into `.grad` when the whole pass succeeded (Note [Transactional
+    /// backward]).
+    AtEnd,
+    /// Commits each into `.grad` as soon as it is complete (Note [Committing as complete]).
+    Commit,
+    /// Hands each to the caller as soon as it is complete ([`backward_handing_over`]).
+    Hand(&'a mut dyn FnMut(&Tensor, Tensor) -> Result<()>),
 }
 
 /// The gradients of `outputs` (seeded with `grad_outputs`, one per output; None = 1 for a scalar)
@@ -346,10 +368,10 @@ impl Backward for CheckpointBack {
 }
 
 /// Where the gradients that reach the graph's ends go.
-enum Sink {
-    /// Every leaf that requires grad, to commit into `.grad` (backward): at the end, or each as soon
-    /// as its last contribution arrived (`as_complete`, Note [Committing as complete]).
-    AllLeaves { held: Vec<Held>, as_complete: bool, arrivals: usize },
+enum Sink<'a> {
+    /// Every leaf that requires grad, to commit into `.grad` (backward) or hand over: at the end, or
+    /// each as soon as its last contribution arrived (`completion`, Note [Committing as complete]).
+    AllLeaves { held: Vec<Held>, completion: Completion<'a>, arrivals: usize },
     /// Only these tensors' gradients, returned to the caller (grad).
     Inputs { inputs: Vec<Tensor>, grads: Vec<Option<Tensor>> },
 }
@@ -364,7 +386,7 @@ struct Held {
     arrival: usize,
 }
 
-impl Sink {
+impl Sink<'_> {
     /// Counts an edge of the pass into `leaf` (before the pass runs; backward only).
     fn expect_leaf(&mut self, leaf: &Tensor) {
         if let Sink::AllLeaves { held, .. } = self {
@@ -381,7 +403,7 @@ impl Sink {
     /// commits as complete.
     fn leaf(&mut self, leaf: &Tensor, g: Option<Tensor>) -> Result<()> {
         match self {
-            Sink::AllLeaves { held, as_complete, arrivals } => {
+            Sink::AllLeaves { held, completion, arrivals } => {
                 let i = held.iter().position(|h| h.leaf.same(leaf)).ok_or_else(|| {
                     Error::invalid("internal: a gradient reached a leaf the backward pass did not count")
                 })?;
@@ -393,10 +415,21 @@ impl Sink {
                     accumulate_leaf(&mut held[i].grad, g)?;
                 }
                 held[i].remaining = held[i].remaining.saturating_sub(1);
-                if *as_complete && held[i].remaining == 0 {
-                    let done = held.swap_remove(i);
-                    if let Some(grad) = done.grad {
-                        commit(vec![(done.leaf, grad)])?;
+                if held[i].remaining == 0 {
+                    match completion {
+                        Completion::AtEnd => {}
+                        Completion::Commit => {
+                            let done = held.swap_remove(i);
+                            if let Some(grad) = done.grad {
+                                commit(vec![(done.leaf, grad)])?;
+                            }
+                        }
+                        Completion::Hand(on_complete) => {
+                            let done = held.swap_remove(i);
+                            if let Some(grad) = done.grad {
+                                on_complete(&done.leaf, grad)?;
+                            }
+                        }
                     }
                 }
                 Ok(())
@@ -459,7 +492,7 @@ fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
 /// Runs the graph behind `seeds` (output, its gradient) newest node first, handing what reaches its
 /// ends to `sink`. Gradients are owned values: a node's backward may reuse the memory of the gradient
 /// it is given only when no other handle can see it (Note [Gradient ownership]).
-fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
+fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink<'_>) -> Result<()> {
     let mut roots = Vec::new();
     for (out, g) in seeds {
         if g.shape() != out.shape() {
@@ -587,7 +620,7 @@ fn propagate(seeds: Vec<(Tensor, Tensor)>, sink: &mut Sink) -> Result<()> {
 
 /// Marks, for every node reachable from `root`, whether it leads to something `sink` wants.
 /// Iterative post-order, so deep graphs cannot overflow the stack.
-fn mark_useful(root: &Arc<Node>, sink: &Sink, useful: &mut HashMap<u64, bool>) {
+fn mark_useful(root: &Arc<Node>, sink: &Sink<'_>, useful: &mut HashMap<u64, bool>) {
     if useful.contains_key(&root.id) {
         return;
     }

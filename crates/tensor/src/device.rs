@@ -172,6 +172,8 @@ struct DeviceInner {
     recomputing: AtomicU64,
     /// Depth of micro-batches being replayed (see [`Device::replay`]).
     replaying: AtomicU64,
+    /// Depth of rehearsals (see [`Device::rehearse`]).
+    rehearsing: AtomicU64,
     /// The seed of the random draws of the pass in progress (see [`Device::set_random_seed`]).
     random_seed: AtomicU64,
     /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
@@ -263,6 +265,7 @@ impl Device {
             grad_enabled: AtomicBool::new(true),
             recomputing: AtomicU64::new(0),
             replaying: AtomicU64::new(0),
+            rehearsing: AtomicU64::new(0),
             random_seed: AtomicU64::new(0),
             saved_dtype: std::sync::atomic::AtomicU8::new(0),
             next_id: AtomicU64::new(1),
@@ -298,6 +301,9 @@ impl Device {
 
     /// The kernels this device runs (`crate::backend`: the one place an op's code is chosen).
     pub(crate) fn backend(&self) -> &dyn crate::backend::Backend {
+        if self.rehearsing() {
+            return &crate::backend::Meta;
+        }
         self.0.backend.as_ref()
     }
 
@@ -308,7 +314,7 @@ impl Device {
 
     /// True when kernels run (and data exists) on this device.
     pub fn computes(&self) -> bool {
-        self.0.kind.computes()
+        self.0.kind.computes() && !self.rehearsing()
     }
 
     /// True when the host reads and writes this device's memory in place; a GPU's tensors are copied
@@ -375,6 +381,38 @@ impl Device {
     /// Returns every fully free cached segment to the system.
     pub fn empty_cache(&self) {
         self.allocator().empty_cache()
+    }
+
+    /// Runs what follows as `meta` would until the guard drops (nests): every allocation is made
+    /// on this device's allocator, as the real run would make it, but no kernel runs, nothing is
+    /// copied and [`Device::computes`] is false. A rehearsal finds, before anything irreversible
+    /// happens, whether a pass's requests are all served from memory the allocator already holds
+    /// (Note [Step in backward] in the train crate). Nothing a rehearsal computes may be read.
+    pub fn rehearse(&self) -> RehearsalGuard {
+        self.0.rehearsing.fetch_add(1, Ordering::Relaxed);
+        RehearsalGuard { device: self.clone() }
+    }
+
+    /// True during a rehearsal ([`Device::rehearse`]).
+    pub fn rehearsing(&self) -> bool {
+        self.0.rehearsing.load(Ordering::Relaxed) > 0
+    }
+
+    /// A digest of the allocator's segments and blocks: what decides where requests go and whether
+    /// they need new memory (`Allocator::layout_digest`).
+    pub fn layout_digest(&self) -> u64 {
+        self.allocator().layout_digest()
+    }
+
+    /// Serves every request from memory already held until called with false (the caller proved
+    /// it; `Allocator::set_held_only`): injected faults skip such requests.
+    pub fn set_held_only(&self, on: bool) {
+        self.allocator().set_held_only(on)
+    }
+
+    /// Requests that needed new memory while [`Device::set_held_only`] was set.
+    pub fn requests_beyond_held(&self) -> u64 {
+        self.allocator().requests_beyond_held()
     }
 
     /// Makes chosen future allocations fail (for testing out-of-memory recovery); None stops it.
@@ -559,7 +597,7 @@ impl Device {
     }
 
     fn start_span(&self, name: &'static str, kind: SpanKind) -> Option<Span> {
-        if !self.0.profiling.load(Ordering::Relaxed) {
+        if !self.0.profiling.load(Ordering::Relaxed) || self.rehearsing() {
             return None;
         }
         let start_ns = self.allocator().timeline().now_ns();
@@ -640,6 +678,17 @@ impl Drop for RecomputeGuard {
 /// Ends a replay when dropped.
 pub struct ReplayGuard {
     device: Device,
+}
+
+/// Ends a rehearsal on drop (see [`Device::rehearse`]).
+pub struct RehearsalGuard {
+    device: Device,
+}
+
+impl Drop for RehearsalGuard {
+    fn drop(&mut self) {
+        self.device.0.rehearsing.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Drop for ReplayGuard {

@@ -17,7 +17,8 @@ mod storage;
 mod tensor;
 
 pub use device::{
-    Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, ReplayGuard,
+    Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, RehearsalGuard,
+    ReplayGuard,
     Span, SpanKind, Target,
 };
 pub use dtype::{DType, Element, Float};

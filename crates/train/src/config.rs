@@ -177,6 +177,43 @@ impl Segments {
     }
 }
 
+/// Where the optimizer steps (`--optimizer-step`): after the window's backward (PyTorch's usual
+/// loop), or inside it, each parameter as soon as its gradient is complete and that gradient freed
+/// (PyTorch's post-accumulate-grad hook; Note [Step in backward] in `trainer.rs`), for a window of
+/// one micro-batch. The same bits either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OptimizerStep {
+    #[default]
+    After,
+    InBackward,
+    /// The planner's choice under a budget: after backward when the plan fits so, else inside it.
+    Auto,
+}
+
+impl OptimizerStep {
+    pub fn parse(text: &str) -> Result<OptimizerStep, String> {
+        match text.trim() {
+            "after" => Ok(OptimizerStep::After),
+            "in-backward" => Ok(OptimizerStep::InBackward),
+            "auto" => Ok(OptimizerStep::Auto),
+            other => Err(format!("unknown optimizer step {other:?}: give after, in-backward or auto")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerStep::After => "after",
+            OptimizerStep::InBackward => "in-backward",
+            OptimizerStep::Auto => "auto",
+        }
+    }
+
+    /// The placement as asked, or `auto` given a budget (weighed by the planner), else after.
+    pub fn or_default(given: Option<OptimizerStep>, memory: Option<u64>) -> OptimizerStep {
+        given.unwrap_or(if memory.is_some() { OptimizerStep::Auto } else { OptimizerStep::After })
+    }
+}
+
 /// The dtype activations are saved in for backward (`--precision`; Note [Half-precision storage] in
 /// `tensor/src/autograd.rs`). Arithmetic, parameters, gradients and optimizer state stay f32.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -353,6 +390,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// The allocator's segments (`--segments`).
     pub segments: Segments,
+    /// Where the optimizer steps (`--optimizer-step`).
+    pub optimizer_step: OptimizerStep,
     /// How Adam's moments are stored (`--optimizer-state`; changes the numbers unless fp32).
     pub optimizer_state: memfit_nn::StateFormat,
     /// Write a training checkpoint (to resume from) every this many optimizer steps (`--save-every`).
@@ -422,6 +461,23 @@ impl TrainConfig {
                 mode.name()
             ));
         }
+        if self.optimizer_step == OptimizerStep::InBackward {
+            if let Some(mode) = self.parallel {
+                return bad(format!(
+                    "--optimizer-step in-backward is not available with --parallel {}: the ranks sum every gradient \
+                     before any update; use --optimizer-step after",
+                    mode.name()
+                ));
+            }
+            if self.precision == Precision::Fp16 {
+                return bad(
+                    "--optimizer-step in-backward is not available with --precision fp16: a window whose gradients \
+                     overflowed is skipped whole, which needs them all first; use bf16 storage or --optimizer-step \
+                     after"
+                        .into(),
+                );
+            }
+        }
         if self.parallel == Some(ParallelMode::Pipeline) && matches!(self.checkpoint, CheckpointChoice::Segments(_)) {
             return bad(
                 "--checkpoint with segment names is not available with --parallel pipeline: give all, none or \
@@ -487,6 +543,7 @@ impl Default for TrainConfig {
             checkpoint: CheckpointChoice::None,
             precision: Precision::Fp32,
             segments: Segments::Fixed,
+            optimizer_step: OptimizerStep::After,
             optimizer_state: memfit_nn::StateFormat::Fp32,
             model: ModelKind::SimpleCnn,
             model_file: None,

@@ -146,6 +146,7 @@ fn plan_pipeline(
         costs: None,
         precision: req.precision,
         segments: req.segments,
+        optimizer_step: crate::config::OptimizerStep::After,
     };
     let units = memfit_nn::stage_units(&req.model).unwrap_or(0);
     let step_ms = costs.map(|c| pipeline_step_ms(req, &staged, c));

@@ -53,6 +53,9 @@ pub struct PlanRequest {
     pub segments: crate::config::Segments,
     /// The run evaluates after training (`--no-eval`: false): the plan's prediction includes it.
     pub evaluate: bool,
+    /// Where the optimizer steps (`auto`: the planner tries after backward, then inside it; a dry
+    /// run of an unresolved `auto` steps after).
+    pub optimizer_step: crate::config::OptimizerStep,
 }
 
 impl PlanRequest {
@@ -63,6 +66,13 @@ impl PlanRequest {
             Some((_, size)) => memfit_dist::partition::shard(self.effective_batch, 0, size).len(),
             None => self.effective_batch,
         }
+    }
+
+    /// Whether the optimizer can step inside backward in this run (Note [Step in backward]): not
+    /// with ranks, which sum gradients first, nor with fp16 storage, which skips a window whose
+    /// gradients overflowed.
+    pub fn steps_in_backward_allowed(&self) -> bool {
+        self.parallel.is_none() && self.precision != crate::config::Precision::Fp16
     }
 
     /// The capacity the plan must fit in: the budget less the margin.
@@ -156,6 +166,13 @@ pub fn dry_run_on(
     };
     session.set_checkpointing(&req.checkpoint)?;
     session.set_precision(req.precision)?;
+    // The doctor's remedies with ranks keep the request's placement, which ranks cannot take (a
+    // run refuses that pairing before any work): they step after backward.
+    let step = match req.steps_in_backward_allowed() {
+        true => req.optimizer_step,
+        false => crate::config::OptimizerStep::After,
+    };
+    session.set_optimizer_step(step)?;
     let (train, val, opts) = program;
     let val: Option<&dyn Samples> = if evaluate { Some(val.as_ref()) } else { None };
     match session.run(train.as_ref(), val, &opts, &mut |_| {}) {

@@ -133,8 +133,14 @@ fn train_in_pool(
         (None, None, crate::config::Segments::Auto) => crate::config::Segments::Expandable,
         (None, None, s) => s,
     };
+    // The plan's placement of the optimizer step; without a plan, `auto` steps after backward.
+    let optimizer_step = match (&plan, request.optimizer_step) {
+        (Some(p), _) => p.optimizer_step,
+        (None, crate::config::OptimizerStep::Auto) => crate::config::OptimizerStep::After,
+        (None, s) => s,
+    };
     // Every later prediction (the remedies' savings, a profile's) is of the run as it runs.
-    let request = PlanRequest { segments, ..request };
+    let request = PlanRequest { segments, optimizer_step, ..request };
     let device = run_device(cfg, segments)?;
     if let (Some(memory), Some(free)) = (cfg.memory, device.free_at_open()) {
         if memory > free {
@@ -150,6 +156,7 @@ fn train_in_pool(
     let mut session = build_session(cfg, &request, &device, group.as_ref(), staged.as_ref())?;
     let (checkpointed, precision, savings) =
         configure_session(&session, cfg, &request, plan.as_ref(), staged.as_ref(), micro)?;
+    session.set_optimizer_step(optimizer_step)?;
     if let Some(ckpt) = &resumed {
         restore(ckpt, &mut session, micro, eval_micro)?;
     }
@@ -218,6 +225,7 @@ fn train_in_pool(
         checkpointed,
         precision,
         segments,
+        optimizer_step,
         skipped_steps: session.skipped_steps,
         host: crate::report::HostMemory {
             dataset_bytes: task.host_bytes(),
@@ -311,7 +319,14 @@ fn plan_request(
         target: cfg.device.target(),
         segments: cfg.segments.on(cfg.device.target()),
         evaluate: cfg.evaluate,
+        optimizer_step: cfg.optimizer_step,
     };
+    // Ranks and fp16 storage need every gradient before any update: `auto` steps after backward.
+    let optimizer_step = match request.optimizer_step {
+        crate::config::OptimizerStep::Auto if !request.steps_in_backward_allowed() => crate::config::OptimizerStep::After,
+        s => s,
+    };
+    let request = PlanRequest { optimizer_step, ..request };
     match group {
         Some(g) => shared_costs(request, g, cfg.parallel == Some(ParallelMode::Pipeline)),
         None => Ok(request),

@@ -40,7 +40,7 @@ pub mod stages;
 pub mod task;
 pub mod trainer;
 
-pub use config::{CheckpointChoice, OptimizerChoice, Precision, Segments, TrainConfig};
+pub use config::{CheckpointChoice, OptimizerChoice, OptimizerStep, Precision, Segments, TrainConfig};
 pub use doctor::plan;
 pub use error::TrainError;
 pub use error::{Diagnosis, Remedy};

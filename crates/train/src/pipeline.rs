@@ -173,6 +173,8 @@ impl Session {
             skipped_steps: 0,
             peers: Some(Box::new(Pipeline { group, stages, stream })),
             smallest_micro_batch: spec.smallest_micro_batch(),
+            step_in_backward: false,
+            proven: None,
         })
     }
 }

@@ -7,7 +7,7 @@
 //! prediction is exact for a run of the same steps on `cpu` with at least that capacity, because the
 //! allocation sequence is the same (the invariant `meta == cpu`).
 
-use crate::config::{CheckpointChoice, Precision, Segments};
+use crate::config::{CheckpointChoice, OptimizerStep, Precision, Segments};
 pub use crate::dry_run::{
     dry_run, dry_run_rounds, predict, predict_rank, prediction_of, representative_window, search_limit, PlanRequest,
     Prediction, MAX_EVAL_MICRO, MAX_MICRO, PLAN_STEPS,
@@ -68,6 +68,8 @@ pub struct Plan {
     pub precision: Precision,
     /// The allocator's segments the plan assumes (`auto` resolved).
     pub segments: crate::config::Segments,
+    /// Where the optimizer steps in the plan (`auto` resolved).
+    pub optimizer_step: OptimizerStep,
 }
 
 /// One configuration the planner weighed: which segments it checkpoints, the largest micro-batch
@@ -128,6 +130,20 @@ fn largest_fitting(
 /// [`crate::doctor::plan`] adds the remedies.
 pub fn choose(req: &PlanRequest) -> Result<Plan, TrainError> {
     check_smallest(req)?;
+    // The step inside backward changes no number and costs no time the cost model sees; weighed
+    // by fit alone, like expandable segments, it is taken when the plan does not fit otherwise.
+    if req.optimizer_step == OptimizerStep::Auto {
+        let after = PlanRequest { optimizer_step: OptimizerStep::After, ..req.clone() };
+        return match choose(&after) {
+            Err(TrainError::DoesNotFit(refused)) if req.steps_in_backward_allowed() => {
+                match choose(&PlanRequest { optimizer_step: OptimizerStep::InBackward, ..req.clone() }) {
+                    Err(TrainError::DoesNotFit(_)) => Err(TrainError::DoesNotFit(refused)),
+                    result => result,
+                }
+            }
+            result => result,
+        };
+    }
     // Expandable segments change no number and cost no time that the cost model sees: weighed by
     // fit alone, they are taken when the plan does not fit fixed ones (so a plan that fits is the
     // one it always was).
@@ -658,6 +674,7 @@ fn plan_fixed(req: &PlanRequest) -> Result<Plan, TrainError> {
         costs: None,
         precision: req.precision,
         segments: req.segments,
+        optimizer_step: req.optimizer_step,
     })
 }
 

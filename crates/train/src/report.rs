@@ -41,6 +41,8 @@ pub struct RunSummary {
     pub precision: crate::config::Precision,
     /// The allocator's segments (`auto` resolved).
     pub segments: crate::config::Segments,
+    /// Where the optimizer stepped (`auto` resolved).
+    pub optimizer_step: crate::config::OptimizerStep,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
     pub skipped_steps: usize,
     /// Host memory outside the device's capacity.
@@ -125,6 +127,8 @@ pub struct Report {
     pub precision: String,
     /// The allocator's segments: fixed or expandable.
     pub segments: String,
+    /// Where the optimizer stepped: after backward, or in-backward (a window of one micro-batch).
+    pub optimizer_step: String,
     /// Optimizer steps skipped because a gradient overflowed (fp16 storage).
     pub skipped_steps: usize,
     pub eval_micro_batch: usize,
@@ -300,6 +304,7 @@ impl Report {
             checkpointed_segments: s.checkpointed.clone(),
             precision: s.precision.name().to_string(),
             segments: s.segments.name().to_string(),
+            optimizer_step: s.optimizer_step.name().to_string(),
             skipped_steps: s.skipped_steps,
             eval_micro_batch: s.eval_micro_batch,
             predicted_peak_allocated_bytes: s.plan.as_ref().map(|p| p.predicted.peak_allocated),
@@ -486,6 +491,12 @@ impl crate::planner::Plan {
             s.push_str(
                 "expandable segments: each pool one segment that grows and shrinks by 2 MiB pages, so reserved \
                  follows allocated (no number changes)\n",
+            );
+        }
+        if self.optimizer_step == crate::config::OptimizerStep::InBackward {
+            s.push_str(
+                "optimizer step inside backward: each parameter updated as soon as its gradient is complete, and \
+                 the gradient freed (no number changes)\n",
             );
         }
         match self.evaluates {

@@ -54,6 +54,12 @@ pub struct Session {
     /// The fewest samples a training micro-batch can hold (`ModelSpec::smallest_micro_batch`):
     /// recovery never splits below it.
     pub smallest_micro_batch: usize,
+    /// A window of one micro-batch is updated inside its backward ([`Session::set_optimizer_step`],
+    /// Note [Step in backward]).
+    pub(crate) step_in_backward: bool,
+    /// (layout digest, micro-batch) from which a rehearsal proved a step in backward needs no new
+    /// memory (Note [Step in backward]).
+    pub(crate) proven: Option<(u64, usize)>,
 }
 
 /// What a session does differently as one of several processes that train one model: one of ranks
@@ -114,6 +120,34 @@ impl Session {
         Ok(self.device.set_saved_dtype(precision.saved_dtype())?)
     }
 
+    /// Where the optimizer steps: after the window's backward, or inside it (Note [Step in
+    /// backward]) whenever a window is one micro-batch. Refused, naming why, where gradients must all
+    /// exist before any update: ranks sum them first, and fp16 storage skips a window whose
+    /// gradients overflowed. Call after [`Session::set_precision`].
+    pub fn set_optimizer_step(&mut self, step: crate::config::OptimizerStep) -> Result<(), TrainError> {
+        let inside = step == crate::config::OptimizerStep::InBackward;
+        if inside {
+            if let Some(why) = self.step_in_backward_refused() {
+                return Err(TrainError::Invalid(format!(
+                    "--optimizer-step in-backward: {why}; use --optimizer-step after"
+                )));
+            }
+        }
+        self.step_in_backward = inside;
+        Ok(())
+    }
+
+    /// Why this session cannot step inside backward, if it cannot.
+    fn step_in_backward_refused(&self) -> Option<&'static str> {
+        if self.peers.is_some() {
+            return Some("with ranks or pipeline stages, gradients are summed across processes before any update");
+        }
+        if self.device.saved_dtype() == Some(DType::F16) {
+            return Some("fp16 storage skips a window whose gradients overflowed, which needs them all first");
+        }
+        None
+    }
+
     /// With fp16 storage, a window whose gradients hold an inf or NaN (an activation overflowed in
     /// f16) is not applied, as `GradScaler` skips such steps; gradients stay f32, so no loss scale is
     /// needed to keep them from underflowing. True when the step must be skipped.
@@ -154,7 +188,16 @@ impl Session {
         let model = memfit_nn::build_model(spec, &device, seed)?;
         let optimizer = Optimizer::new(model.parameters(), optimizer);
         let smallest_micro_batch = spec.smallest_micro_batch();
-        Ok(Session { device, model, optimizer, skipped_steps: 0, peers: None, smallest_micro_batch })
+        Ok(Session {
+            device,
+            model,
+            optimizer,
+            skipped_steps: 0,
+            peers: None,
+            smallest_micro_batch,
+            step_in_backward: false,
+            proven: None,
+        })
     }
 
     pub(crate) fn allocated(&self) -> u64 {
@@ -357,6 +400,14 @@ struct MicroPass {
     replay: bool,
 }
 
+/// What a backward hands each complete gradient to, in a step inside backward (Note [Step in
+/// backward]).
+type HandOver<'a> = &'a mut dyn FnMut(&Tensor, Tensor) -> memfit_tensor::Result<()>;
+
+/// Rehearsals a step inside backward may take to reach a layout it leaves as it found it (Note
+/// [Step in backward]): the first makes the segments the pass needs, the second finds them.
+const MAX_REHEARSALS: usize = 4;
+
 /// What micro-batches (or a window of them) add up to: the loss and the right predictions.
 pub struct MicroResult {
     /// Mean loss over the micro-batch's predictions, times its samples.
@@ -527,6 +578,7 @@ impl Session {
         window: usize,
         scores: &Scores,
         pass: MicroPass,
+        hand_over: Option<HandOver<'_>>,
     ) -> Result<Weighing, TrainError> {
         let _frozen = pass.replay.then(|| self.device.replay());
         let buffers = self.model.buffers();
@@ -536,7 +588,7 @@ impl Session {
             copy.copy_from(b)?;
             snapshot.push(copy);
         }
-        let result = self.forward_backward(samples, chunk, window, scores, pass.as_complete);
+        let result = self.forward_backward(samples, chunk, window, scores, pass.as_complete, hand_over);
         if result.is_err() {
             for ((_, b), copy) in buffers.iter().zip(&snapshot) {
                 b.copy_from(copy)?;
@@ -555,6 +607,7 @@ impl Session {
         window: usize,
         scores: &Scores,
         as_complete: bool,
+        hand_over: Option<HandOver<'_>>,
     ) -> Result<Weighing, TrainError> {
         let device = &self.device;
         // The micro-batch's random draws (an imported model's dropout) follow its samples, so the same
@@ -581,10 +634,10 @@ impl Session {
         scores.record_count(&predicted.count_equal(&y)?)?;
         drop(predicted);
         scores.record_loss(&loss)?;
-        if as_complete {
-            autograd::backward_as_complete(&loss, None)?;
-        } else {
-            autograd::backward(&loss)?;
+        match hand_over {
+            Some(hand_over) => autograd::backward_handing_over(&loss, hand_over)?,
+            None if as_complete => autograd::backward_as_complete(&loss, None)?,
+            None => autograd::backward(&loss)?,
         }
         Ok(Weighing { window: window as f64, chunk: chunk.len() as f64, predictions: y.numel() })
     }
@@ -638,13 +691,19 @@ impl Session {
         used: &mut Vec<usize>,
     ) -> Result<(MicroResult, usize), TrainError> {
         let crossing = self.peers.as_ref().and_then(|p| p.run_window(self, samples, window, micro, recover, true));
-        let (total, mut recoveries) = match crossing {
+        let (total, mut recoveries, stepped) = match crossing {
             Some(done) => {
                 used.extend_from_slice(window);
-                done?
+                let (total, recoveries) = done?;
+                (total, recoveries, false)
             }
             None => self.accumulate(samples, window, n, micro, recover, used)?,
         };
+        if stepped {
+            // Updated inside its backward (Note [Step in backward]): no gradient is left.
+            self.finish_step()?;
+            return Ok((total, recoveries));
+        }
         {
             let _p = self.device.enter_phase(Phase::Optimizer);
             if let Some(peers) = &self.peers {
@@ -677,7 +736,8 @@ impl Session {
     }
 
     /// The micro-batches of one window (this rank's shard of `n` samples), accumulating gradients, with
-    /// recovery (Note [Recovery]).
+    /// recovery (Note [Recovery]). Also says whether the window was updated inside its backward
+    /// (Note [Step in backward]): then no gradient is left for an optimizer step.
     fn accumulate(
         &mut self,
         samples: &dyn Samples,
@@ -686,10 +746,24 @@ impl Session {
         micro: &mut usize,
         recover: bool,
         used: &mut Vec<usize>,
-    ) -> Result<(MicroResult, usize), TrainError> {
+    ) -> Result<(MicroResult, usize, bool), TrainError> {
         let mut queue = MicroQueue::new(window, *micro, self.smallest_micro_batch);
         let mut recoveries = 0;
         let mut scores = Scores::new(&self.device, recover, &mut recoveries)?;
+        // A window of one micro-batch steps inside its backward: its state is made first, all of it
+        // or none (a failure is retried once after releasing the cache, as the step after is).
+        let in_backward = self.step_in_backward && window.len() <= *micro;
+        if in_backward {
+            if let Err(e) = self.optimizer.prepare_step_in_backward() {
+                if !(recover && e.is_oom()) {
+                    return Err(e.into());
+                }
+                self.device.empty_cache();
+                recoveries += 1;
+                self.optimizer.prepare_step_in_backward()?;
+            }
+        }
+        let mut stepped = false;
         // What the window holds before any gradient: the level a pass that committed as complete
         // returns to when it fails.
         let (start, used_at_start) = (self.allocated(), used.len());
@@ -703,12 +777,20 @@ impl Session {
             // Into existing gradients, each is committed as soon as it is complete, so the pass
             // never holds a second set (Note [Committing as complete] in memfit_tensor::autograd).
             let pass = MicroPass { as_complete: !held.is_empty() && !replayed, replay };
-            match self.micro_step(samples, chunk, n, &scores, pass) {
+            // The whole window in one pass: it steps inside its backward (a part of it, after a
+            // failure split it, accumulates and steps after).
+            let whole = in_backward && held.is_empty() && !replay && chunk.len() == window.len();
+            let attempt = match whole {
+                true => self.micro_step_in_backward(samples, chunk, n, &scores),
+                false => self.micro_step(samples, chunk, n, &scores, pass, None),
+            };
+            match attempt {
                 Ok(weighing) => {
                     scores.commit(weighing)?;
                     used.extend_from_slice(chunk);
                     queue.succeeded(chunk);
                     held.push(chunk);
+                    stepped = whole;
                 }
                 Err(e) if recover && e.as_oom().is_some() => {
                     if pass.as_complete {
@@ -737,7 +819,95 @@ impl Session {
             }
         }
         *micro = queue.micro;
-        Ok((scores.read()?, recoveries))
+        Ok((scores.read()?, recoveries, stepped))
+    }
+
+    /// A window of one micro-batch whose parameters are updated inside its backward, each as soon
+    /// as its gradient is complete (Note [Step in backward]). Rehearsals first prove that the pass
+    /// needs no memory the allocator does not hold; until the first update, a failure is an ordinary
+    /// failed attempt (an out-of-memory, recovered as Note [Recovery] says); after it, none can
+    /// happen, and one that did anyway would be an error of memfit's, reported as such.
+    fn micro_step_in_backward(
+        &mut self,
+        samples: &dyn Samples,
+        chunk: &[usize],
+        window: usize,
+        scores: &Scores,
+    ) -> Result<Weighing, TrainError> {
+        let pass = MicroPass { as_complete: false, replay: false };
+        self.prove_held(samples, chunk, window, scores)?;
+        let device = self.device.clone();
+        // The optimizer is taken out for the pass, so that the backward can update through it while
+        // the session runs the model.
+        let placeholder = Optimizer::new(Vec::new(), self.optimizer.config());
+        let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
+        let beyond_before = device.requests_beyond_held();
+        let mut updated = 0usize;
+        let result = {
+            let mut hand_over = |param: &Tensor, grad: Tensor| -> memfit_tensor::Result<()> {
+                // The first update is the point of no return: from here every request is served
+                // from memory the rehearsal proved the allocator holds.
+                device.set_held_only(true);
+                updated += 1;
+                optimizer.step_one(param, &grad.contiguous()?)
+            };
+            self.micro_step(samples, chunk, window, scores, pass, Some(&mut hand_over))
+        };
+        device.set_held_only(false);
+        let beyond = device.requests_beyond_held() - beyond_before;
+        if updated > 0 {
+            optimizer.finish_step_in_backward();
+        }
+        self.optimizer = optimizer;
+        match result {
+            Err(e) if updated > 0 => Err(TrainError::Invalid(format!(
+                "internal error: the step inside backward failed after updating {updated} parameters, so this \
+                 window cannot be run again ({e}); run with --optimizer-step after"
+            ))),
+            _ if beyond > 0 => Err(TrainError::Invalid(format!(
+                "internal error: the step inside backward made {beyond} requests for new memory after its first \
+                 update, which its rehearsal said it would not; run with --optimizer-step after"
+            ))),
+            result => result,
+        }
+    }
+
+    /// Rehearses a window of one micro-batch stepping inside its backward (`Device::rehearse`: the
+    /// same requests, no kernel) until a rehearsal leaves the allocator's layout as it found it, so
+    /// that the real pass, from that layout, makes exactly the same requests in the same places and
+    /// needs no new memory (Note [Step in backward]). A layout already proven for this micro-batch
+    /// needs no rehearsal. An out-of-memory here changed nothing and is recovered as any other.
+    fn prove_held(
+        &mut self,
+        samples: &dyn Samples,
+        chunk: &[usize],
+        window: usize,
+        scores: &Scores,
+    ) -> Result<(), TrainError> {
+        let pass = MicroPass { as_complete: false, replay: false };
+        for _ in 0..MAX_REHEARSALS {
+            let digest = self.device.layout_digest();
+            if self.proven == Some((digest, chunk.len())) {
+                return Ok(());
+            }
+            {
+                let _rehearsal = self.device.rehearse();
+                let mut hand_over = |_: &Tensor, grad: Tensor| grad.contiguous().map(drop);
+                self.micro_step(samples, chunk, window, scores, pass, Some(&mut hand_over))?;
+            }
+            if self.device.layout_digest() == digest {
+                self.proven = Some((digest, chunk.len()));
+            }
+        }
+        match self.proven == Some((self.device.layout_digest(), chunk.len())) {
+            true => Ok(()),
+            false => Err(TrainError::Invalid(format!(
+                "the step inside backward found no memory layout that a micro-batch of {} leaves as it found \
+                 it after {MAX_REHEARSALS} rehearsals, so it cannot be sure the pass needs no new memory after its \
+                 first update; run with --optimizer-step after",
+                chunk.len()
+            ))),
+        }
     }
 
     /// With ranks: ZeRO-1's owners broadcast their updated parameters, and every gradient is freed.

@@ -156,6 +156,7 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
         target: memfit_tensor::Target::Cpu,
         segments: Default::default(),
         evaluate: true,
+        optimizer_step: Default::default(),
     };
     let need = |p| predict(&request(None, p), 64, Some(64), None).unwrap().unwrap().peak_reserved;
     let (fp32, bf16) = (need(Precision::Fp32), need(Precision::Bf16));

@@ -96,6 +96,7 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
         target: memfit_tensor::Target::Cpu,
         segments: Default::default(),
         evaluate: true,
+        optimizer_step: plan.optimizer_step,
         capacity: Some(capacity),
         ..req.clone()
     };
@@ -103,6 +104,7 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
     let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
     session.set_checkpointing(&fixed.checkpoint).unwrap();
     session.set_precision(fixed.precision).unwrap();
+    session.set_optimizer_step(fixed.optimizer_step).unwrap();
     let (train, val, mut o) = memfit_train::planner::dry_run(&fixed, plan.micro_batch, plan.eval_micro_batch);
     o.recover = true;
     let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
@@ -130,5 +132,6 @@ pub fn plan_request(model: ModelSpec, effective: usize, capacity: Option<u64>) -
         target: memfit_tensor::Target::Cpu,
         segments: Default::default(),
         evaluate: true,
+        optimizer_step: Default::default(),
     }
 }
