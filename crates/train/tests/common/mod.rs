@@ -85,7 +85,8 @@ pub fn sorted(log: &[Vec<usize>]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// Runs `plan`'s configuration (its segments, precision and micro-batches, as a dry run's program)
+/// Runs `plan`'s configuration (its segments, precision, optimizer step and micro-batches, as a dry
+/// run's program)
 /// on `cpu` with `capacity` and recovery on: it must never run out of memory and must peak exactly
 /// where meta predicted (invariant 8).
 pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_train::Plan, capacity: u64) {
@@ -94,13 +95,15 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
         precision: plan.precision,
         parallel: None,
         target: memfit_tensor::Target::Cpu,
-        segments: Default::default(),
+        segments: plan.segments,
         evaluate: true,
         optimizer_step: plan.optimizer_step,
         capacity: Some(capacity),
         ..req.clone()
     };
-    let dev = device(DeviceKind::Cpu, Some(capacity), None);
+    let dev =
+        Device::new(DeviceConfig::new(DeviceKind::Cpu).capacity(Some(capacity)).expandable(plan.segments.expandable()))
+            .unwrap();
     let mut session = Session::new(dev.clone(), &fixed.model, fixed.optimizer, fixed.seed).unwrap();
     session.set_checkpointing(&fixed.checkpoint).unwrap();
     session.set_precision(fixed.precision).unwrap();
