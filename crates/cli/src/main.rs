@@ -13,7 +13,8 @@ use memfit_train::generate::GenerateConfig;
 use memfit_train::job::Observer;
 use memfit_train::parallel::ParallelMode;
 use memfit_train::{
-    CheckpointChoice, OptimizerChoice, OptimizerStep, Plan, PlanRequest, Precision, Report, Segments, StepEvent, TrainConfig,
+    CheckpointChoice, OptimizerChoice, OptimizerStep, Plan, PlanRequest, Precision, Report, Segments, StepEvent,
+    TrainConfig,
 };
 use std::io::IsTerminal;
 use std::path::PathBuf;

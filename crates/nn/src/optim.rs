@@ -207,7 +207,9 @@ fn check_gradient(name: &str, p: &Tensor, g: &Tensor, device: &memfit_tensor::De
         return Err(Error::device(format!("optimizer: {name} and its gradient must be on one device")));
     }
     if !p.is_contiguous() || !g.is_contiguous() {
-        return Err(Error::invalid(format!("optimizer: {name} and its gradient must be contiguous to be updated in place")));
+        return Err(Error::invalid(format!(
+            "optimizer: {name} and its gradient must be contiguous to be updated in place"
+        )));
     }
     if g.shape() != p.shape() || g.dtype() != p.dtype() {
         return Err(Error::shape(format!(
@@ -372,8 +374,18 @@ impl Optimizer {
                 OptimizerConfig::Sgd { lr, momentum, dampening, nesterov, weight_decay },
                 ParamState::Sgd { momentum_buffer, steps },
             ) => {
-                sgd_update(p, g, momentum_buffer.as_ref(), *steps == 0, lr, momentum, dampening, nesterov, weight_decay)
-                    .map_err(with_name)?;
+                sgd_update(
+                    p,
+                    g,
+                    momentum_buffer.as_ref(),
+                    *steps == 0,
+                    lr,
+                    momentum,
+                    dampening,
+                    nesterov,
+                    weight_decay,
+                )
+                .map_err(with_name)?;
                 *steps += 1;
             }
             (

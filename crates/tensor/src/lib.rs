@@ -18,8 +18,7 @@ mod tensor;
 
 pub use device::{
     Device, DeviceConfig, DeviceKind, GradModeGuard, ModuleGuard, OpGuard, PhaseGuard, RecomputeGuard, RehearsalGuard,
-    ReplayGuard,
-    Span, SpanKind, Target,
+    ReplayGuard, Span, SpanKind, Target,
 };
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};

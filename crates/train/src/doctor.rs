@@ -11,7 +11,7 @@
 //! or removed (`crates/cli/tests/doctor.rs` pastes every command of a grid of cases and checks each
 //! fits at its predicted peak).
 
-use crate::config::{CheckpointChoice, ParallelMode, Precision, Segments};
+use crate::config::{CheckpointChoice, OptimizerStep, ParallelMode, Precision, Segments};
 use crate::dry_run::Prediction;
 use crate::error::{Diagnosis, Remedy, TrainError};
 use crate::planner::{self, Plan, PlanRequest};
@@ -50,7 +50,8 @@ fn least_of(req: &PlanRequest) -> PlanRequest {
 /// an evaluation one when it evaluates) and that micro-batch. The lightest is the user's, else
 /// micro-batch 1 or the whole batch in one (which holds no accumulated gradients beside a pass's own,
 /// and can be the lighter: Note [Lightest micro-batch] in `planner.rs`); with `auto` segments, the
-/// lighter of fixed and expandable ones. Zero for a model without segments asked to checkpoint some.
+/// lighter of fixed and expandable ones, and with an `auto` optimizer step, of stepping after and
+/// inside backward. Zero for a model without segments asked to checkpoint some.
 pub fn least_needs(req: &PlanRequest) -> Result<(u64, usize), TrainError> {
     let mut least = least_of(req);
     if least.checkpoint == CheckpointChoice::All && planner::segment_names(req)?.is_empty() {
@@ -62,10 +63,15 @@ pub fn least_needs(req: &PlanRequest) -> Result<(u64, usize), TrainError> {
         Segments::Auto => vec![Segments::Fixed, Segments::Expandable],
         s => vec![s],
     };
+    let steps = match req.optimizer_step {
+        OptimizerStep::Auto if req.steps_in_backward_allowed() => vec![OptimizerStep::After, OptimizerStep::InBackward],
+        OptimizerStep::Auto => vec![OptimizerStep::After],
+        s => vec![s],
+    };
     let mut best: Option<(u64, usize)> = None;
     for micro in planner::lightest_candidates(req) {
-        for &segments in &segments {
-            let r = PlanRequest { segments, ..least.clone() };
+        for (&segments, &optimizer_step) in segments.iter().flat_map(|s| steps.iter().map(move |o| (s, o))) {
+            let r = PlanRequest { segments, optimizer_step, ..least.clone() };
             if let Some(p) = planner::predict(&r, micro, eval, None)? {
                 let needs = least_budget(&r, micro, eval, &p)?;
                 if best.is_none_or(|(b, _)| needs < b) {
@@ -126,6 +132,18 @@ pub fn diagnose(req: &PlanRequest) -> Result<Diagnosis, TrainError> {
         let grown = PlanRequest { segments: Segments::Expandable, ..req.clone() };
         let edits = vec![Edit::Set("--segments", "expandable".into())];
         add(&grown, "expandable segments (reserved follows allocated)".into(), edits, false)?;
+    }
+    // The optimizer step inside backward, when the user pinned it after (a budget's default weighs it
+    // already): it changes no number, and helps where a window is one micro-batch.
+    if req.optimizer_step == OptimizerStep::After && req.capacity.is_some() && req.steps_in_backward_allowed() {
+        let inside = PlanRequest { optimizer_step: OptimizerStep::InBackward, ..req.clone() };
+        let edits = vec![Edit::Set("--optimizer-step", "in-backward".into())];
+        add(
+            &inside,
+            "the optimizer step inside backward (the gradients never all exist at once)".into(),
+            edits,
+            false,
+        )?;
     }
     // A budget that fits the run as asked.
     if needs > 0 {

@@ -323,7 +323,9 @@ fn plan_request(
     };
     // Ranks and fp16 storage need every gradient before any update: `auto` steps after backward.
     let optimizer_step = match request.optimizer_step {
-        crate::config::OptimizerStep::Auto if !request.steps_in_backward_allowed() => crate::config::OptimizerStep::After,
+        crate::config::OptimizerStep::Auto if !request.steps_in_backward_allowed() => {
+            crate::config::OptimizerStep::After
+        }
         s => s,
     };
     let request = PlanRequest { optimizer_step, ..request };

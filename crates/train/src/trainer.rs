@@ -33,6 +33,29 @@
 //! exactly as the first time except that the model's buffers stay as the first run left them
 //! (`Device::replay`: batch norm normalizes with the batch's own statistics, so its gradients do
 //! not depend on them). The window's update is the same bits as without the failure.
+//!
+//! Note [Step in backward]: with `--optimizer-step in-backward`, a window of one micro-batch updates
+//! each parameter the moment its gradient is complete (`autograd::backward_handing_over`, then
+//! `Optimizer::step_one`: the same kernel on the same gradient as the step after backward, so the
+//! same bits) and frees that gradient, so the gradients never all exist at once: PyTorch's
+//! post-accumulate-grad-hook recipe. The optimizer's state is made before the pass. A parameter is
+//! handed over only when every node that reads it has run its backward, so nothing reads a
+//! parameter after its update. A window split in parts (by the plan or by recovery) accumulates and
+//! steps after backward as usual; ranks (which sum gradients first) and fp16 storage (which skips a
+//! window whose gradients overflowed) cannot step inside backward and are refused by name.
+//!
+//! An update cannot be undone, so the first one is a point of no return: recovery may drop and re-run
+//! an attempt before it, never after. Before the pass, the window is rehearsed
+//! (`Device::rehearse`: the same code and requests on the same allocator, no kernel) until a
+//! rehearsal leaves the allocator's layout (`Device::layout_digest`: segments and blocks) as it found
+//! it. The allocator is deterministic, so the real pass from that layout makes the same requests in
+//! the same places and needs no new memory at all: nothing it asks for can be refused. From its first
+//! update it runs `Device::set_held_only` (an injected fault, which stands for a refusal, skips such
+//! requests; one that needed new memory anyway would end the run as memfit's error, and none ever
+//! does: `train/tests/step_in_backward.rs` injects a fault at every request). A failure in a
+//! rehearsal or before the first update is an ordinary failed attempt. A layout proven for a
+//! micro-batch is remembered, so only the first step from it rehearses (usually twice: the first
+//! rehearsal makes the segments, the second finds them); meta rehearses alike and predicts it all.
 
 use crate::error::TrainError;
 use crate::samples::Samples;

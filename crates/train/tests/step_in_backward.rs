@@ -125,7 +125,11 @@ fn a_fault_at_every_allocation_is_recovered_before_the_first_update_and_cannot_h
             }
             assert_eq!(stats.allocated_bytes.current, clean_stats.allocated_bytes.current, "nothing leaked");
         }
-        assert!(recovered > 0 && held > 0, "{}: {recovered} faults recovered, {held} after a first update", spec.name());
+        assert!(
+            recovered > 0 && held > 0,
+            "{}: {recovered} faults recovered, {held} after a first update",
+            spec.name()
+        );
     }
 }
 
@@ -146,11 +150,8 @@ fn where_gradients_must_all_exist_the_step_inside_backward_is_refused_by_name() 
     };
     let err = ranks.check().unwrap_err().to_string();
     assert!(err.contains("--parallel data") && err.contains("--optimizer-step after"), "{err}");
-    let half = TrainConfig {
-        optimizer_step: OptimizerStep::InBackward,
-        precision: Precision::Fp16,
-        ..TrainConfig::default()
-    };
+    let half =
+        TrainConfig { optimizer_step: OptimizerStep::InBackward, precision: Precision::Fp16, ..TrainConfig::default() };
     assert!(matches!(half.check(), Err(TrainError::Invalid(m)) if m.contains("fp16")));
 }
 
