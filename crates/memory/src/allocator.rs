@@ -215,8 +215,11 @@ pub struct Allocator {
     handed_out: u64,
     /// Requests are served from memory already held (see [`Allocator::set_held_only`]).
     held_only: bool,
-    /// Requests that needed new memory while `held_only` was set.
-    beyond_held: u64,
+    /// A request that needs new memory never releases the cache first (see
+    /// [`Allocator::set_keep_cache`]).
+    keep_cache: bool,
+    /// Requests no free block held, so that they needed new memory (or failed), so far.
+    new_memory_requests: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,7 +332,8 @@ impl Allocator {
             id: NEXT_ALLOCATOR.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             handed_out: 0,
             held_only: false,
-            beyond_held: 0,
+            keep_cache: false,
+            new_memory_requests: 0,
         }
     }
 
@@ -357,7 +361,7 @@ impl Allocator {
         let index = match self.best_fit(pool, rounded) {
             Some(index) => index,
             None => {
-                self.beyond_held += u64::from(self.held_only);
+                self.new_memory_requests += 1;
                 let made = if self.config.expandable {
                     self.grow(pool, rounded, request)
                 } else {
@@ -451,17 +455,22 @@ impl Allocator {
 
     /// Declares that, until called again with false, every request is served from memory the
     /// allocator already holds (its caller proved it: Note [Step in backward] in the train crate).
-    /// Such a request cannot be refused, so fault injection, which stands for a refusal, skips it;
-    /// one that needs new memory after all is served as usual and counted in
-    /// [`Allocator::requests_beyond_held`], for the caller to report as the error it is.
+    /// Such a request cannot be refused, so fault injection, which stands for a refusal, skips it.
     pub fn set_held_only(&mut self, on: bool) {
         self.held_only = on;
     }
 
-    /// Requests that needed new memory while [`Allocator::set_held_only`] was set (0 when the
-    /// caller's proof holds).
-    pub fn requests_beyond_held(&self) -> u64 {
-        self.beyond_held
+    /// Until called again with false, a request that no free block holds fails when the capacity or
+    /// the backend refuses new memory, without first releasing the cache and retrying: a rehearsal
+    /// (Note [Step in backward] in the train crate) must not pass by re-making segments mid-pass,
+    /// which the pass it proves could not afford after its first update.
+    pub fn set_keep_cache(&mut self, on: bool) {
+        self.keep_cache = on;
+    }
+
+    /// Requests so far that no free block held, so that they asked for new memory (granted or not).
+    pub fn requests_for_new_memory(&self) -> u64 {
+        self.new_memory_requests
     }
 
     /// A digest of everything a request's placement depends on: per pool, its segments in order
@@ -762,7 +771,7 @@ impl Allocator {
     /// anything, tries once more.
     fn new_segment(&mut self, pool: Pool, size: u64, request: Request) -> Result<u32, ()> {
         let mut base = self.try_segment(size);
-        if base.is_err() && self.release_free_segments(request) > 0 {
+        if base.is_err() && !self.keep_cache && self.release_free_segments(request) > 0 {
             self.stats.num_alloc_retries += 1;
             base = self.try_segment(size);
         }
@@ -845,7 +854,7 @@ impl Allocator {
     /// segments and, if that gave any back, tries once more.
     fn grow(&mut self, pool: Pool, size: u64, request: Request) -> Result<u32, ()> {
         let mut grown = self.try_grow(pool, size, request);
-        if grown.is_err() && self.release_free_segments(request) > 0 {
+        if grown.is_err() && !self.keep_cache && self.release_free_segments(request) > 0 {
             self.stats.num_alloc_retries += 1;
             grown = self.try_grow(pool, size, request);
         }

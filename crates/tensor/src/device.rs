@@ -410,9 +410,15 @@ impl Device {
         self.allocator().set_held_only(on)
     }
 
-    /// Requests that needed new memory while [`Device::set_held_only`] was set.
-    pub fn requests_beyond_held(&self) -> u64 {
-        self.allocator().requests_beyond_held()
+    /// Until called with false, a request that needs new memory the budget does not allow fails
+    /// without releasing the cache first (`Allocator::set_keep_cache`).
+    pub fn set_keep_cache(&self, on: bool) {
+        self.allocator().set_keep_cache(on)
+    }
+
+    /// Requests so far that no free block held (`Allocator::requests_for_new_memory`).
+    pub fn requests_for_new_memory(&self) -> u64 {
+        self.allocator().requests_for_new_memory()
     }
 
     /// Makes chosen future allocations fail (for testing out-of-memory recovery); None stops it.

@@ -47,13 +47,15 @@
 //! An update cannot be undone, so the first one is a point of no return: recovery may drop and re-run
 //! an attempt before it, never after. Before the pass, the window is rehearsed
 //! (`Device::rehearse`: the same code and requests on the same allocator, no kernel) until a
-//! rehearsal leaves the allocator's layout (`Device::layout_digest`: segments and blocks) as it found
-//! it. The allocator is deterministic, so the real pass from that layout makes the same requests in
-//! the same places and needs no new memory at all: nothing it asks for can be refused. From its first
+//! rehearsal needs no new memory at all (every request served by a free block; it may not release
+//! the cache to make room either: `Device::set_keep_cache`). The allocator is deterministic, so the
+//! real pass from that layout (`Device::layout_digest`: segments and blocks) makes the same requests
+//! in the same places and needs no new memory: nothing it asks for can be refused. From its first
 //! update it runs `Device::set_held_only` (an injected fault, which stands for a refusal, skips such
-//! requests; one that needed new memory anyway would end the run as memfit's error, and none ever
+//! requests; a pass that needed new memory anyway would end the run as memfit's error, and none ever
 //! does: `train/tests/step_in_backward.rs` injects a fault at every request). A failure in a
-//! rehearsal or before the first update is an ordinary failed attempt. A layout proven for a
+//! rehearsal (a budget too tight to hold the pass without releasing the cache is an out-of-memory
+//! there) or before the first update is an ordinary failed attempt. A layout proven for a
 //! micro-batch is remembered, so only the first step from it rehearses (usually twice: the first
 //! rehearsal makes the segments, the second finds them); meta rehearses alike and predicts it all.
 
@@ -427,8 +429,8 @@ struct MicroPass {
 /// backward]).
 type HandOver<'a> = &'a mut dyn FnMut(&Tensor, Tensor) -> memfit_tensor::Result<()>;
 
-/// Rehearsals a step inside backward may take to reach a layout it leaves as it found it (Note
-/// [Step in backward]): the first makes the segments the pass needs, the second finds them.
+/// Rehearsals a step inside backward may take to reach a layout from which it needs no new memory
+/// (Note [Step in backward]): the first makes the segments the pass needs, the second finds them.
 const MAX_REHEARSALS: usize = 4;
 
 /// What micro-batches (or a window of them) add up to: the loss and the right predictions.
@@ -864,7 +866,7 @@ impl Session {
         // the session runs the model.
         let placeholder = Optimizer::new(Vec::new(), self.optimizer.config());
         let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
-        let beyond_before = device.requests_beyond_held();
+        let new_memory_before = device.requests_for_new_memory();
         let mut updated = 0usize;
         let result = {
             let mut hand_over = |param: &Tensor, grad: Tensor| -> memfit_tensor::Result<()> {
@@ -877,7 +879,7 @@ impl Session {
             self.micro_step(samples, chunk, window, scores, pass, Some(&mut hand_over))
         };
         device.set_held_only(false);
-        let beyond = device.requests_beyond_held() - beyond_before;
+        let beyond = device.requests_for_new_memory() - new_memory_before;
         if updated > 0 {
             optimizer.finish_step_in_backward();
         }
@@ -888,18 +890,20 @@ impl Session {
                  window cannot be run again ({e}); run with --optimizer-step after"
             ))),
             _ if beyond > 0 => Err(TrainError::Invalid(format!(
-                "internal error: the step inside backward made {beyond} requests for new memory after its first \
-                 update, which its rehearsal said it would not; run with --optimizer-step after"
+                "internal error: the step inside backward made {beyond} requests for new memory, which its \
+                 rehearsal said it would not; run with --optimizer-step after"
             ))),
             result => result,
         }
     }
 
     /// Rehearses a window of one micro-batch stepping inside its backward (`Device::rehearse`: the
-    /// same requests, no kernel) until a rehearsal leaves the allocator's layout as it found it, so
-    /// that the real pass, from that layout, makes exactly the same requests in the same places and
-    /// needs no new memory (Note [Step in backward]). A layout already proven for this micro-batch
-    /// needs no rehearsal. An out-of-memory here changed nothing and is recovered as any other.
+    /// same requests, no kernel) until a rehearsal needs no new memory at all: the real pass, from the
+    /// same layout, then makes exactly the same requests in the same places, all served from memory
+    /// held (Note [Step in backward]). A rehearsal never releases the cache to make room (that would
+    /// be new memory too), so a budget too tight for the pass fails it as an out-of-memory, which
+    /// changed nothing and is recovered (or planned) as any other. A layout already proven for this
+    /// micro-batch needs no rehearsal.
     fn prove_held(
         &mut self,
         samples: &dyn Samples,
@@ -913,24 +917,26 @@ impl Session {
             if self.proven == Some((digest, chunk.len())) {
                 return Ok(());
             }
-            {
+            let before = self.device.requests_for_new_memory();
+            let rehearsed = {
                 let _rehearsal = self.device.rehearse();
+                self.device.set_keep_cache(true);
                 let mut hand_over = |_: &Tensor, grad: Tensor| grad.contiguous().map(drop);
-                self.micro_step(samples, chunk, window, scores, pass, Some(&mut hand_over))?;
-            }
-            if self.device.layout_digest() == digest {
+                let rehearsed = self.micro_step(samples, chunk, window, scores, pass, Some(&mut hand_over));
+                self.device.set_keep_cache(false);
+                rehearsed
+            };
+            rehearsed?;
+            if self.device.requests_for_new_memory() == before {
                 self.proven = Some((digest, chunk.len()));
+                return Ok(());
             }
         }
-        match self.proven == Some((self.device.layout_digest(), chunk.len())) {
-            true => Ok(()),
-            false => Err(TrainError::Invalid(format!(
-                "the step inside backward found no memory layout that a micro-batch of {} leaves as it found \
-                 it after {MAX_REHEARSALS} rehearsals, so it cannot be sure the pass needs no new memory after its \
-                 first update; run with --optimizer-step after",
-                chunk.len()
-            ))),
-        }
+        Err(TrainError::Invalid(format!(
+            "the step inside backward still asked for new memory after {MAX_REHEARSALS} rehearsals of a micro-batch \
+             of {}, so it cannot be sure its pass needs none after the first update; run with --optimizer-step after",
+            chunk.len()
+        )))
     }
 
     /// With ranks: ZeRO-1's owners broadcast their updated parameters, and every gradient is freed.

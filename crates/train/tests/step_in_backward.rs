@@ -8,7 +8,7 @@ use memfit_nn::{ModelKind, ModelSpec, OptimizerConfig};
 use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::{DeviceKind, MemoryStats};
 use memfit_train::samples::Samples;
-use memfit_train::{OptimizerStep, Precision, RunOptions, Session, TrainConfig, TrainError};
+use memfit_train::{CheckpointChoice, OptimizerStep, Precision, RunOptions, Session, TrainConfig, TrainError};
 
 /// The parameters and the optimizer's state after `o` with the optimizer step placed `step`, and the
 /// device's statistics.
@@ -185,4 +185,61 @@ fn the_planner_steps_inside_backward_when_after_does_not_fit_and_the_plan_holds(
     // With room for both, the plan is the one it always was.
     let roomy = memfit_train::planner::PlanRequest { capacity: Some(after.predicted.peak_reserved), ..req };
     assert_eq!(memfit_train::planner::choose(&roomy).unwrap().optimizer_step, OptimizerStep::After);
+}
+
+#[test]
+fn under_any_budget_a_plan_stepping_inside_backward_holds_exactly_on_cpu() {
+    // Tight budgets squeeze the rehearsals (they may not release the cache to make room): every budget
+    // either does not fit or plans a run that peaks as predicted, never an internal error.
+    let gpt = ModelSpec::gpt(memfit_nn::GptConfig { vocab: 11, d_model: 64, heads: 2, layers: 3, max_t: 64 });
+    let mlp = ModelSpec::image(ModelKind::Mlp, [1, 28, 28], 10);
+    for (spec, checkpoint) in [(mlp, CheckpointChoice::None), (gpt, CheckpointChoice::All)] {
+        let base = memfit_train::planner::PlanRequest {
+            micro_batch: Some(2),
+            checkpoint,
+            segments: memfit_train::Segments::Auto,
+            optimizer_step: OptimizerStep::InBackward,
+            ..plan_request(spec.clone(), 2, None)
+        };
+        let unbounded = memfit_train::planner::choose(&base).unwrap().predicted.peak_reserved;
+        let (mut fitted, mut refused) = (0, 0);
+        for mib in (1..=unbounded.div_ceil(1 << 20)).rev() {
+            let capacity = mib << 20;
+            let req = memfit_train::planner::PlanRequest { capacity: Some(capacity), ..base.clone() };
+            match memfit_train::planner::choose(&req) {
+                Ok(plan) => {
+                    assert_eq!(plan.optimizer_step, OptimizerStep::InBackward);
+                    assert_plan_holds_on_cpu(&req, &plan, capacity);
+                    fitted += 1;
+                }
+                Err(TrainError::DoesNotFit(_)) => refused += 1,
+                Err(e) => panic!("{} at {mib} MiB: {e}", spec.name()),
+            }
+        }
+        assert!(fitted > 0 && refused > 0, "{}: {fitted} budgets fit, {refused} refused", spec.name());
+    }
+}
+
+#[test]
+fn a_budget_far_below_the_whole_batch_is_refused_not_an_internal_error() {
+    // A 2-block GPT at 24 MiB: the doctor bisects the least budget of its whole batch of 32 stepping
+    // inside backward, whose rehearsals run out of memory under most of those budgets (releasing the
+    // cache to go on would be new memory the pass could not have after its first update). Caught the
+    // proof "a rehearsal left the layout as it found it", which such a release and re-making passes.
+    let spec = ModelSpec::gpt(memfit_nn::GptConfig { layers: 2, ..memfit_nn::GptConfig::default() });
+    let req = memfit_train::planner::PlanRequest {
+        capacity: Some(24 << 20),
+        checkpoint: CheckpointChoice::Auto,
+        segments: memfit_train::Segments::Auto,
+        optimizer_step: OptimizerStep::Auto,
+        costs: memfit_train::cost::Costs::Given(memfit_train::cost::CostModel::nominal(&[
+            "blocks.0".into(),
+            "blocks.1".into(),
+        ])),
+        ..plan_request(spec, 32, None)
+    };
+    match memfit_train::plan(&req) {
+        Err(TrainError::DoesNotFit(d)) => assert!(d.needs_bytes > 24 << 20),
+        other => panic!("expected a refusal, got {:?}", other.map(|p| p.micro_batch)),
+    }
 }
