@@ -1722,6 +1722,79 @@ mod tests {
     }
 
     #[test]
+    fn held_only_requests_skip_injected_faults_and_new_memory_is_counted() {
+        let mut a = meta(None);
+        assert_eq!(a.requests_for_new_memory(), 0);
+        let first = a.allocate(KIB, act()).unwrap();
+        assert_eq!(a.requests_for_new_memory(), 1, "the first request makes a segment");
+        a.free(first.id).unwrap();
+        let again = a.allocate(KIB, act()).unwrap();
+        assert_eq!(a.requests_for_new_memory(), 1, "a cached block is no new memory");
+        // Request 3 would fail, but it is declared served from memory held.
+        a.set_fault_injection(Some(FaultInjection::Nth(3)));
+        a.set_held_only(true);
+        let held = a.allocate(KIB, act()).unwrap();
+        a.set_held_only(false);
+        assert_eq!(a.stats().num_injected_faults, 0);
+        // Requests still count while held: 4 fails when asked for.
+        a.set_fault_injection(Some(FaultInjection::Nth(4)));
+        assert!(a.allocate(KIB, act()).unwrap_err().injected);
+        assert_eq!(a.requests_for_new_memory(), 1, "an injected fault asks for nothing");
+        a.allocate(3 * MIB, act()).unwrap();
+        assert_eq!(a.requests_for_new_memory(), 2, "a large block needs a segment of its own pool");
+        for b in [again, held] {
+            a.free(b.id).unwrap();
+        }
+        ok(&a);
+    }
+
+    #[test]
+    fn keeping_the_cache_fails_a_request_the_cache_could_have_made_room_for() {
+        let mut a = meta(Some(22 * MIB));
+        let big = a.allocate(2 * MIB, act()).unwrap();
+        a.free(big.id).unwrap();
+        // 20 MiB cached in a free segment; 21 MiB needs a segment of its own: 42 MiB > 22 MiB.
+        a.set_keep_cache(true);
+        let before = a.stats().clone();
+        assert!(!a.allocate(21 * MIB, act()).unwrap_err().injected);
+        assert_eq!(a.stats().reserved_bytes.current, before.reserved_bytes.current, "nothing released");
+        assert_eq!(a.stats().num_alloc_retries, 0);
+        a.set_keep_cache(false);
+        a.allocate(21 * MIB, act()).unwrap();
+        assert_eq!(a.stats().num_alloc_retries, 1, "released the cache, then fitted");
+        ok(&a);
+    }
+
+    #[test]
+    fn the_layout_digest_follows_placement_not_ids_or_addresses() {
+        let mut a = meta(None);
+        let empty = a.layout_digest();
+        let kept = a.allocate(KIB, act()).unwrap();
+        let one = a.layout_digest();
+        assert_ne!(one, empty);
+        let t = a.allocate(4 * KIB, act()).unwrap();
+        assert_ne!(a.layout_digest(), one, "a block taken changes it");
+        a.free(t.id).unwrap();
+        assert_eq!(a.layout_digest(), one, "freed and coalesced: as before");
+        let large = a.allocate(3 * MIB, act()).unwrap();
+        a.free(large.id).unwrap();
+        let cached = a.layout_digest();
+        assert_ne!(cached, one, "a cached segment is part of the layout");
+        a.empty_cache();
+        assert_eq!(a.layout_digest(), one, "released: as before");
+        let large = a.allocate(3 * MIB, act()).unwrap();
+        a.free(large.id).unwrap();
+        assert_eq!(a.layout_digest(), cached, "a segment made again under a new id: the same layout");
+        let mut b = host(None);
+        let kept_b = b.allocate(KIB, act()).unwrap();
+        assert_eq!(b.layout_digest(), one, "the same calls on another backend: the same digest");
+        for (x, id) in [(&mut a, kept.id), (&mut b, kept_b.id)] {
+            x.free(id).unwrap();
+            ok(x);
+        }
+    }
+
+    #[test]
     fn injected_faults_fail_only_the_chosen_requests() {
         let mut a = meta(None);
         a.set_fault_injection(Some(FaultInjection::Nth(2)));
