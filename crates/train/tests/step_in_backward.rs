@@ -69,6 +69,25 @@ fn every_optimizer_updates_the_same_bits_inside_backward_as_after_it_with_a_lowe
 }
 
 #[test]
+fn with_every_block_checkpointed_the_step_inside_backward_keeps_the_bits() {
+    // A checkpointed block's parameters complete when its re-run's backward is over.
+    let spec = tiny_gpt(11);
+    let samples = memfit_train::samples::synthetic(&spec, 3 * 8, 11);
+    let run = |step| {
+        let mut session = Session::new(device(DeviceKind::Cpu, None, None), &spec, adamw(), 3).unwrap();
+        session.set_checkpointing(&CheckpointChoice::All).unwrap();
+        session.set_optimizer_step(step).unwrap();
+        session.run(samples.as_ref(), None, &opts(8, 8, 3), &mut |_| {}).unwrap();
+        let params: Vec<Vec<f64>> =
+            session.model.parameters().into_iter().map(|(_, t)| t.to_f64_vec().unwrap()).collect();
+        (params, session.device.stats().allocated_bytes.peak)
+    };
+    let ((after, after_peak), (inside, inside_peak)) = (run(OptimizerStep::After), run(OptimizerStep::InBackward));
+    assert_eq!(inside, after);
+    assert!(inside_peak < after_peak, "{inside_peak} vs {after_peak}");
+}
+
+#[test]
 fn a_window_of_several_micro_batches_steps_after_backward_as_before() {
     let spec = small_spec(ModelKind::Mlp);
     let samples = data(&spec, 3 * 8);
