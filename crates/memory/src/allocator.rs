@@ -486,6 +486,7 @@ impl Allocator {
             }
         };
         for pool in [Pool::Small, Pool::Large] {
+            mix(pool as u64);
             for segment in self.segments.values().filter(|s| s.pool == pool) {
                 mix(u64::MAX);
                 mix(segment.size);
@@ -1749,6 +1750,19 @@ mod tests {
     }
 
     #[test]
+    fn an_expandable_segment_grows_to_the_capacity_exactly_and_retries_only_after_releasing() {
+        let mut a = expandable(Some(4 * MIB), Box::new(MetaBackend));
+        let first = a.allocate(2 * MIB, act()).unwrap();
+        let full = a.allocate(2 * MIB, act()).unwrap();
+        assert_eq!(a.stats().reserved_bytes.current, 4 * MIB, "grown to the capacity, not past it");
+        assert!(!a.allocate(2 * MIB, act()).unwrap_err().injected);
+        assert_eq!(a.stats().num_alloc_retries, 0, "nothing was free to release: no retry");
+        a.free(full.id).unwrap();
+        a.free(first.id).unwrap();
+        ok(&a);
+    }
+
+    #[test]
     fn keeping_the_cache_fails_a_request_the_cache_could_have_made_room_for() {
         let mut a = meta(Some(22 * MIB));
         let big = a.allocate(2 * MIB, act()).unwrap();
@@ -1785,6 +1799,22 @@ mod tests {
         let large = a.allocate(3 * MIB, act()).unwrap();
         a.free(large.id).unwrap();
         assert_eq!(a.layout_digest(), cached, "a segment made again under a new id: the same layout");
+        // Only whether a block is taken: [taken][taken][free] against [free][taken][free].
+        let (x, y) = (a.allocate(KIB, act()).unwrap(), a.allocate(KIB, act()).unwrap());
+        let both = a.layout_digest();
+        a.free(x.id).unwrap();
+        assert_ne!(a.layout_digest(), both, "a block freed in place changes it");
+        a.free(y.id).unwrap();
+        // Every different layout a digest of its own: blocks of 64 sizes taken one by one.
+        let mut seen = std::collections::HashSet::new();
+        let mut taken = Vec::new();
+        for i in 1..=64 {
+            taken.push(a.allocate(i * 512, act()).unwrap());
+            assert!(seen.insert(a.layout_digest()), "layout {i} collides");
+        }
+        for t in taken {
+            a.free(t.id).unwrap();
+        }
         let mut b = host(None);
         let kept_b = b.allocate(KIB, act()).unwrap();
         assert_eq!(b.layout_digest(), one, "the same calls on another backend: the same digest");
