@@ -314,3 +314,43 @@ fn committing_as_complete_counts_every_edge_into_a_leaf() {
     autograd::backward_as_complete(&s, None).unwrap();
     assert_eq!(values(&s.grad().unwrap()), [1.0]);
 }
+
+#[test]
+fn handing_over_gives_each_leaf_its_complete_gradient_once_and_leaves_grad_alone() {
+    let device = Device::cpu();
+    let (xv, yv) = ([0.5, -0.3, 1.2], [2.0, 0.25, -1.5]);
+    // x is read twice (its gradient completes only after both), y once, z by nothing that leads to the
+    // loss (no gradient reaches it: it is never handed over).
+    let loss_of = |x: &Tensor, y: &Tensor, z: &Tensor| {
+        let _unused = z.mul(z).unwrap();
+        x.mul(y).unwrap().add(&x.relu().unwrap()).unwrap().sum_all().unwrap()
+    };
+    let (x, y, z) = (leaf(&device, &xv), leaf(&device, &yv), leaf(&device, &[1.0]));
+    backward(&loss_of(&x, &y, &z)).unwrap();
+    let (want_x, want_y) = (values(&x.grad().unwrap()), values(&y.grad().unwrap()));
+
+    let (x, y, z) = (leaf(&device, &xv), leaf(&device, &yv), leaf(&device, &[1.0]));
+    let mut handed: Vec<(String, Vec<f64>)> = Vec::new();
+    autograd::backward_handing_over(&loss_of(&x, &y, &z), &mut |leaf, g| {
+        let name = if leaf.same(&x) {
+            "x"
+        } else if leaf.same(&y) {
+            "y"
+        } else {
+            "other"
+        };
+        handed.push((name.to_string(), values(&g)));
+        Ok(())
+    })
+    .unwrap();
+    handed.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(handed, vec![("x".to_string(), want_x), ("y".to_string(), want_y)]);
+    assert!(x.grad().is_none() && y.grad().is_none() && z.grad().is_none(), ".grad untouched");
+
+    // An error from the receiver ends the pass with it.
+    let x = leaf(&device, &xv);
+    let err = autograd::backward_handing_over(&x.relu().unwrap().sum_all().unwrap(), &mut |_, _| {
+        Err(memfit_tensor::Error::invalid("refused"))
+    });
+    assert!(err.unwrap_err().to_string().contains("refused"));
+}
