@@ -119,8 +119,13 @@ fn emulated_report(args: &[&str], name: &str) -> Value {
 /// byte, the losses follow the cpu run's, and recovery from out-of-memory loses no sample.
 #[test]
 fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
-    let cases: [(&str, &[&str]); 5] = [
+    let cases: [(&str, &[&str]); 6] = [
         ("mlp", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval"]),
+        // The optimizer step inside backward: rehearsed on the GPU's allocator, no kernel launched.
+        (
+            "mlp-in-backward",
+            &["train", "--model", "mlp", "--max-steps", "3", "--no-eval", "--optimizer-step", "in-backward"],
+        ),
         // 8-bit Adam state: its codes and blocks' maxima, allocated and predicted alike.
         ("mlp-int8", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval", "--optimizer-state", "int8"]),
         // Expandable segments: device pages mapped and unmapped (the emulator's host pages).
@@ -146,8 +151,10 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
             ],
         ),
     ];
+    let mut losses = std::collections::BTreeMap::new();
     for (name, args) in cases {
         let gpu = emulated_report(args, &format!("{name}-cuda.json"));
+        losses.insert(name, gpu["final_train_loss"].clone());
         assert_eq!(gpu["device"], "cuda", "{name}");
         let meta = report(&[args, &["--device", "meta:cuda"]].concat(), &format!("{name}-meta-cuda.json"));
         for key in [
@@ -172,6 +179,7 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
             loss(&cpu)
         );
     }
+    assert_eq!(losses["mlp-in-backward"], losses["mlp"], "the step inside backward: the same bits on the GPU");
     // Injected out-of-memory errors: the failed attempts are dropped and the same samples re-run.
     let args = ["train", "--model", "mlp", "--max-steps", "3", "--no-eval"];
     let plain = emulated_report(&args, "plain.json");
