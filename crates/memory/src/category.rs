@@ -69,6 +69,9 @@ pub enum Phase {
     Backward,
     Optimizer,
     Eval,
+    /// A pass rehearsed before it runs (the optimizer step inside backward's proof that it needs no
+    /// new memory: Note [Step in backward] in the train crate): allocated, not computed.
+    Rehearsal,
 }
 
 impl Phase {
@@ -80,6 +83,7 @@ impl Phase {
             Phase::Backward => "backward",
             Phase::Optimizer => "optimizer",
             Phase::Eval => "eval",
+            Phase::Rehearsal => "rehearsal",
         }
     }
 }
@@ -115,6 +119,7 @@ mod tests {
             (Phase::Backward, "backward"),
             (Phase::Optimizer, "optimizer"),
             (Phase::Eval, "eval"),
+            (Phase::Rehearsal, "rehearsal"),
         ];
         for (phase, name) in phases {
             assert_eq!(phase.name(), name);

@@ -45,8 +45,8 @@ pub(crate) const STACK: [Category; Category::COUNT] = [
     Category::Other,
 ];
 
-pub(crate) const PHASES: [Phase; 6] =
-    [Phase::Setup, Phase::Data, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Eval];
+pub(crate) const PHASES: [Phase; 7] =
+    [Phase::Setup, Phase::Data, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Eval, Phase::Rehearsal];
 
 /// Each category's colour (Tableau 10), the same in the chart, the legend and the tables.
 pub(crate) fn category_color(category: Category) -> RGBColor {
@@ -71,6 +71,7 @@ pub(crate) fn phase_color(phase: Phase) -> RGBColor {
         Phase::Backward => RGBColor(0xfd, 0xec, 0xdc),
         Phase::Optimizer => RGBColor(0xf3, 0xe5, 0xf5),
         Phase::Eval => RGBColor(0xff, 0xf8, 0xd6),
+        Phase::Rehearsal => RGBColor(0xf5, 0xf5, 0xf5),
     }
 }
 

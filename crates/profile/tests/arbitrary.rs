@@ -19,7 +19,8 @@ const KINDS: [EventKind; 6] = [
     EventKind::Oom,
     EventKind::Retag,
 ];
-const PHASES: [Phase; 6] = [Phase::Setup, Phase::Data, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Eval];
+const PHASES: [Phase; 7] =
+    [Phase::Setup, Phase::Data, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Eval, Phase::Rehearsal];
 
 fn event() -> impl Strategy<Value = (Event, u64)> {
     (

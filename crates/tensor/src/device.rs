@@ -448,7 +448,12 @@ impl Device {
         Ok(Storage::new(self.clone(), allocation))
     }
 
+    /// The phase allocations are tagged with: the one entered, or [`Phase::Rehearsal`] during a
+    /// rehearsal ([`Device::rehearse`]), so that a profile tells a rehearsed pass from the real one.
     pub fn phase(&self) -> Phase {
+        if self.rehearsing() {
+            return Phase::Rehearsal;
+        }
         *self.0.phase.lock().unwrap_or_else(|e| e.into_inner())
     }
 

@@ -1,7 +1,8 @@
 //! `Device::rehearse`: inside a rehearsal a device allocates exactly what it would, but runs no
 //! kernel, copies nothing, says it does not compute and records no op spans.
 
-use memfit_tensor::{Category, DType, Device, Tensor};
+use memfit_tensor::memory::EventKind;
+use memfit_tensor::{Category, DType, Device, Phase, Tensor};
 
 #[test]
 fn a_rehearsal_allocates_as_the_run_would_and_computes_nothing() {
@@ -30,6 +31,23 @@ fn a_rehearsal_allocates_as_the_run_would_and_computes_nothing() {
     }
     assert!(device.computes() && !device.rehearsing());
     assert_eq!(out.to_f64_vec().unwrap(), [0.0, 0.0, 0.0], "no kernel ran, nothing was written");
+}
+
+#[test]
+fn a_rehearsal_tags_its_allocations_with_its_own_phase() {
+    let device = Device::cpu();
+    let x = Tensor::from_slice(&device, &[1.0f64, -2.0], &[2], Category::Input).unwrap();
+    let _forward = device.enter_phase(Phase::Forward);
+    {
+        let _rehearsal = device.rehearse();
+        assert_eq!(device.phase(), Phase::Rehearsal);
+        x.relu().unwrap();
+    }
+    assert_eq!(device.phase(), Phase::Forward, "the phase entered comes back");
+    x.relu().unwrap();
+    let phases: Vec<Phase> =
+        device.timeline_events().iter().filter(|e| e.kind == EventKind::Alloc).map(|e| e.phase).collect();
+    assert_eq!(phases[phases.len() - 2..], [Phase::Rehearsal, Phase::Forward]);
 }
 
 #[test]
