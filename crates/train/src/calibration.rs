@@ -8,8 +8,9 @@
 //! for short ones (a run's report gives its median too); a larger micro-batch never costs more per
 //! sample than a smaller one measured (a slower one is noise). A model whose micro-batch-1 step would need
 //! more than 1 GiB is not run on this host: it gets [`CostModel::nominal`]. A model is cached per model,
-//! optimizer, instruction set, thread count and memfit version (`costs.json` in `MEMFIT_CACHE_DIR`,
-//! else `~/.cache/memfit`), so calibration is paid once; the run's report gives the prediction's error.
+//! optimizer, instruction set, thread count and build of memfit (`costs.json` in `MEMFIT_CACHE_DIR`,
+//! else `~/.cache/memfit`), so calibration is paid once per build; the run's report gives the
+//! prediction's error.
 
 use crate::config::CheckpointChoice;
 use crate::cost::{CostModel, Costs};
@@ -53,7 +54,8 @@ pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<(CostModel, b
         .and_then(|p| std::fs::read_to_string(p).ok())
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or_default();
-    if let Some(model) = cache.get(&key) {
+    let (built, pinned) = (format!("{key} | build {}", build_id()), format!("{key} | pinned"));
+    if let Some(model) = cache.get(&built).or_else(|| cache.get(&pinned)) {
         return Ok((model.clone(), false));
     }
     let fp32 =
@@ -65,7 +67,9 @@ pub fn model_for(req: &PlanRequest, segments: &[String]) -> Result<(CostModel, b
     }
     let model = calibrate(req, segments)?;
     if let Some(path) = path {
-        cache.insert(key, model.clone());
+        // Other builds' times of this model are stale: the kernels they timed are gone.
+        cache.retain(|k, _| k != &key && !k.starts_with(&format!("{key} | build ")));
+        cache.insert(built, model.clone());
         // A cache that cannot be written costs a calibration next time, nothing else.
         if let Some(dir) = path.parent() {
             let _ = std::fs::create_dir_all(dir);
@@ -85,7 +89,25 @@ pub fn default_cache() -> Option<PathBuf> {
     Some(dir.join("costs.json"))
 }
 
-/// What a cost model depends on besides the machine itself.
+/// This binary, as the cost cache tells builds apart: its size and modification time. memfit's
+/// version does not change when its kernels do, so times a rebuilt (or upgraded) binary would
+/// reuse could be another build's. A cache entry is read only by the build that measured it, or
+/// when a person pinned it (its key ends in `| pinned`, as the README's fixture does).
+fn build_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        let meta = std::env::current_exe().and_then(std::fs::metadata);
+        match meta {
+            Ok(m) => {
+                let modified = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+                format!("{} B {} ns", m.len(), modified.map_or(0, |d| d.as_nanos()))
+            }
+            Err(_) => "unknown".to_string(),
+        }
+    })
+}
+
+/// What a cost model depends on besides the machine itself (and the build: [`build_id`]).
 fn cache_key(req: &PlanRequest) -> String {
     // The kind of optimizer and how its state is stored (8-bit moments cost time), not its rates:
     // they do not change the time. fp32 state adds nothing, so keys written before it still hold.

@@ -294,3 +294,35 @@ fn calibration_measures_this_machine_and_is_cached() {
     let third = memfit_train::calibration::model_for(&other, &names).unwrap();
     assert_eq!(third, (first, false), "the seed does not change the key");
 }
+
+#[test]
+fn a_cost_cache_entry_of_another_build_is_measured_again_and_a_pinned_one_is_read() {
+    let spec = small_spec(memfit_nn::ModelKind::SimpleCnn);
+    let names = vec!["conv1".to_string()];
+    let dir = std::env::temp_dir().join(format!("memfit-costs-builds-{}", std::process::id()));
+    let path = dir.join("costs.json");
+    let _ = std::fs::remove_dir_all(&dir);
+    let req = PlanRequest { costs: Costs::Cached(path.clone()), ..plan_request(spec, 8, None) };
+    let (measured, fresh) = memfit_train::calibration::model_for(&req, &names).unwrap();
+    assert!(fresh);
+    let cache: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let (key, _) = cache.iter().next().unwrap();
+    let base = key.split(" | build ").next().unwrap().to_string();
+    assert!(key.len() > base.len(), "the entry names its build: {key}");
+    // The same entry under another build's name (an older binary's) is not read, and is replaced.
+    let mut model = serde_json::to_value(&measured).unwrap();
+    model["optimizer_ms"] = serde_json::json!(123456.0);
+    let other = serde_json::json!({ format!("{base} | build 1 B 2 ns"): model.clone() });
+    std::fs::write(&path, other.to_string()).unwrap();
+    let (again, fresh) = memfit_train::calibration::model_for(&req, &names).unwrap();
+    assert!(fresh && again.optimizer_ms != 123456.0, "measured again");
+    let kept: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(kept.len(), 1, "the other build's entry is gone: {:?}", kept.keys());
+    // A pinned entry is read by every build.
+    let pinned = serde_json::json!({ format!("{base} | pinned"): model });
+    std::fs::write(&path, pinned.to_string()).unwrap();
+    let (read, fresh) = memfit_train::calibration::model_for(&req, &names).unwrap();
+    assert!(!fresh && read.optimizer_ms == 123456.0, "the pinned entry");
+}
