@@ -6,8 +6,14 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// memfit with a cost cache of this test process's own (never the user's `~/.cache/memfit`, whose
+/// entries would decide the plans).
 fn memfit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memfit")).args(args).output().expect("the memfit binary runs")
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(args)
+        .env("MEMFIT_CACHE_DIR", temp("costs"))
+        .output()
+        .expect("the memfit binary runs")
 }
 
 fn text(o: &Output) -> String {
