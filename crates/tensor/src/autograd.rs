@@ -399,8 +399,8 @@ impl Sink<'_> {
     }
 
     /// An edge into `leaf` delivered `g` (None: no gradient after all); adds it to the leaf's
-    /// gradient when the sink wants it, and commits the leaf when that was its last edge and the sink
-    /// commits as complete.
+    /// gradient when the sink wants it, and, when that was its last edge, commits the leaf or hands
+    /// it over if the sink lets go of each gradient as soon as it is complete (`completion`).
     fn leaf(&mut self, leaf: &Tensor, g: Option<Tensor>) -> Result<()> {
         match self {
             Sink::AllLeaves { held, completion, arrivals } => {
@@ -415,21 +415,12 @@ impl Sink<'_> {
                     accumulate_leaf(&mut held[i].grad, g)?;
                 }
                 held[i].remaining = held[i].remaining.saturating_sub(1);
-                if held[i].remaining == 0 {
-                    match completion {
-                        Completion::AtEnd => {}
-                        Completion::Commit => {
-                            let done = held.swap_remove(i);
-                            if let Some(grad) = done.grad {
-                                commit(vec![(done.leaf, grad)])?;
-                            }
-                        }
-                        Completion::Hand(on_complete) => {
-                            let done = held.swap_remove(i);
-                            if let Some(grad) = done.grad {
-                                on_complete(&done.leaf, grad)?;
-                            }
-                        }
+                if held[i].remaining == 0 && !matches!(completion, Completion::AtEnd) {
+                    let done = held.swap_remove(i);
+                    match (done.grad, completion) {
+                        (Some(grad), Completion::Hand(on_complete)) => on_complete(&done.leaf, grad)?,
+                        (Some(grad), _) => commit(vec![(done.leaf, grad)])?,
+                        (None, _) => {}
                     }
                 }
                 Ok(())

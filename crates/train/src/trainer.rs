@@ -880,7 +880,8 @@ impl Session {
         };
         device.set_held_only(false);
         let beyond = device.requests_for_new_memory() - new_memory_before;
-        if updated > 0 {
+        if result.is_ok() {
+            // Counted as `Optimizer::step` counts a step, with or without gradients.
             optimizer.finish_step_in_backward();
         }
         self.optimizer = optimizer;
