@@ -59,6 +59,41 @@
             indices[k] = best;                                                                          \
         }                                                                                               \
     }                                                                                                   \
+    /* The same with inner == 1: a block of 256 threads per contiguous row of `size` values (a     \
+       GPT-2 head's row has 50,304). Thread t scans s = t, t + 256, ... in order, then the block    \
+       merges the (value, index) pairs in a fixed tree; the merge keeps the first index of the max, \
+       or of the first NaN, whatever the order, so the result is the per-column kernel's. */       \
+    extern "C" __global__ void max_dim_rows_##SUF(const T* x, i64 outer, i64 size, T* values, i64* indices) { \
+        __shared__ T vals[256];                                                                         \
+        __shared__ i64 idxs[256];                                                                       \
+        for (i64 o = blockIdx.x; o < outer; o += gridDim.x) {                                           \
+            const T* row = x + o * size;                                                                \
+            T m = T(0);                                                                                 \
+            i64 best = -1;                                                                              \
+            for (i64 s = threadIdx.x; s < size && !(best >= 0 && m != m); s += blockDim.x) {            \
+                T v = row[s];                                                                           \
+                if (best < 0 || v > m || v != v) { m = v; best = s; }                                   \
+            }                                                                                           \
+            vals[threadIdx.x] = m;                                                                      \
+            idxs[threadIdx.x] = best;                                                                   \
+            __syncthreads();                                                                            \
+            for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {                                         \
+                if (threadIdx.x < h) {                                                                  \
+                    T a = vals[threadIdx.x], b = vals[threadIdx.x + h];                                 \
+                    i64 ia = idxs[threadIdx.x], ib = idxs[threadIdx.x + h];                             \
+                    bool an = a != a, bn = b != b, take_b;                                              \
+                    if (ib < 0) take_b = false;                                                         \
+                    else if (ia < 0) take_b = true;                                                     \
+                    else if (an || bn) take_b = bn && (!an || ib < ia);                                 \
+                    else take_b = b > a || (b == a && ib < ia);                                         \
+                    if (take_b) { vals[threadIdx.x] = b; idxs[threadIdx.x] = ib; }                      \
+                }                                                                                       \
+                __syncthreads();                                                                        \
+            }                                                                                           \
+            if (threadIdx.x == 0) { values[o] = vals[0]; indices[o] = idxs[0]; }                        \
+            __syncthreads();                                                                            \
+        }                                                                                               \
+    }                                                                                                   \
     extern "C" __global__ void max_dim_backward_##SUF(const T* g, const i64* idx, i64 outer, i64 size, i64 inner, T* out) { \
         GRID_STRIDE(k, outer * inner) {                                                                 \
             i64 o = k / inner, i = k % inner;                                                           \

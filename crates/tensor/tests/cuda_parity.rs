@@ -269,7 +269,46 @@ fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
         let t = Tensor::from_slice(x[0].device(), &head_targets, &[50], Category::Input)?;
         Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.0, 7)?.0)
     });
-    3
+    3 + maxima_over_long_rows_match_the_cpu(cuda)
+}
+
+/// The largest value of each row and its first index (the head's prediction), a block per row on
+/// the GPU: rows of 50,304 with ties (the first one wins), a NaN (it wins, at its first place), a row
+/// of -inf, rows shorter than the block; then the same over columns (inner > 1) for contrast. The
+/// cases checked.
+fn maxima_over_long_rows_match_the_cpu(cuda: &Device) -> usize {
+    let mut cases = 0;
+    for (rows, cols) in [(6, 50_304), (9, 3), (4, 257)] {
+        let mut v = values(rows * cols, 11);
+        // Row 0: a tie between a late and an early place (the early one wins); row 1: a NaN after
+        // the max and another later; row 2: all -inf.
+        let (late, early) = (cols - 1, cols / 3);
+        v[late] = 7.0;
+        v[early] = 7.0;
+        v[cols + cols / 2] = f32::NAN;
+        v[cols + cols - 1] = f32::NAN;
+        v[2 * cols..3 * cols].fill(f32::NEG_INFINITY);
+        for inner in [false, true] {
+            let got = |device: &Device| -> Result<(Vec<u32>, Vec<i64>)> {
+                let x = Tensor::from_slice(device, &v, &[rows, cols], Category::Input)?;
+                let (m, i) =
+                    if inner { x.transpose(0, 1)?.contiguous()?.max_dim(0, false)? } else { x.max_dim(1, false)? };
+                Ok((m.to_vec::<f32>()?.iter().map(|f| f.to_bits()).collect(), i.to_vec::<i64>()?))
+            };
+            let want = got(&Device::cpu()).expect("max_dim on cpu");
+            let have = got(cuda).expect("max_dim on cuda");
+            assert_eq!(
+                have,
+                want,
+                "max over {} of [{rows}, {cols}]: cuda's values and indices",
+                if inner { "columns" } else { "rows" }
+            );
+            assert_eq!(want.1[0], early as i64, "the first of two equal maxima wins");
+            assert_eq!(want.1[1], (cols / 2) as i64, "the first NaN wins");
+            cases += 1;
+        }
+    }
+    cases
 }
 
 /// Convolutions on samples large enough that the GPU plan's 1 MiB of lanes holds three (five samples

@@ -1108,6 +1108,21 @@ impl Backend for Cuda {
         if size == 0 {
             return Ok(());
         }
+        if inner == 1 {
+            // A block per row: one thread walking a row of 50,304 logits took 8 ms on an H100.
+            let shape = Launch { grid: outer.clamp(1, self.machine.max_blocks() as usize) as u32, block: BLOCK };
+            return self.launch(
+                &format!("max_dim_rows_{sfx}"),
+                shape,
+                &mut [
+                    Arg::Ptr(dense(x, "max")?),
+                    Arg::I64(outer as i64),
+                    Arg::I64(size as i64),
+                    Arg::Ptr(dense(values, "max")?),
+                    Arg::Ptr(dense(indices, "max")?),
+                ],
+            );
+        }
         self.launch(
             &format!("max_dim_{sfx}"),
             self.grid(outer * inner, BLOCK),
