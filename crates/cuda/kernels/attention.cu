@@ -149,12 +149,17 @@ ATTENTION(float, f32)
 ATTENTION(double, f64)
 
 // ----- Tiled, f32 ---------------------------------------------------------------------------------
-// Shared tiles are [rows][D + 1] (the pad keeps the rows of a tile in different banks); a thread's
-// results are the columns lane, lane + 32, ... (< D) of the rows warp, warp + 4, ... of its block's
-// tile. Rows past the end and columns past the head size are staged as zeros and never written.
+// A block of 128 threads stages tiles in shared memory as [rows][D + 1] (the pad puts the rows of a
+// tile in different banks) and multiplies them register-blocked: thread t owns the rows
+// (t / TX) * TM + i (i < TM) and the columns t % TX + TX * j (j < TN) of a product's tile, so each
+// step of a contraction loads TM + TN values for TM * TN multiply-adds (one value per multiply-add
+// before). The TX threads that share a row merge its max and sum through shared memory in a fixed
+// order, so a run repeats bit for bit. Rows past the end and columns past the head size are staged
+// as zeros and never written.
 
 #define TILE_THREADS 128
-#define TILE_WARPS (TILE_THREADS / 32)
+#define TX 8
+#define TY (TILE_THREADS / TX)
 
 // Rows r0 .. r0 + ROWS of a matrix (`rows` of them, `cols` values each, row r at m + r * stride)
 // into `sh`.
@@ -166,102 +171,134 @@ __device__ void stage_rows(float* sh, const float* m, i64 stride, i64 r0, i64 ro
     }
 }
 
-template <int D>
-__device__ __forceinline__ float tile_dot(const float* a, const float* b, i64 n) {
-    float s = 0.0f;
-    for (i64 c = 0; c < n; ++c) s += a[c] * b[c];
-    return s;
+template <int TM, int TN>
+__device__ __forceinline__ void zero_tile(float (&t)[TM][TN]) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) t[i][j] = 0.0f;
 }
 
-// The forward of one tile of BR query rows: out and lse of rows r0 .. r0 + BR of matrix i.
+// acc[i][j] += sum over k < K of A(m_i, k) B(k, n_j) for the thread's rows m_i = (t / TX) * TM + i
+// and columns n_j = t % TX + TX * j; A(m, k) is at a[m * am + k * ak], B(k, n) at b[k * bk + n * bn],
+// both in shared memory.
+template <int TM, int TN, int K>
+__device__ __forceinline__ void tile_product(float (&acc)[TM][TN], const float* a, int am, int ak, const float* b, int bk, int bn) {
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+#pragma unroll 8
+    for (int k = 0; k < K; ++k) {
+        float x[TM], y[TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) x[i] = a[(ty * TM + i) * am + k * ak];
+#pragma unroll
+        for (int j = 0; j < TN; ++j) y[j] = b[k * bk + (tx + TX * j) * bn];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) acc[i][j] += x[i] * y[j];
+    }
+}
+
+// v[i], the thread's partial of row (t / TX) * TM + i, becomes the max (or the sum) of the row's TX
+// partials, taken in the order t % TX = 0, 1, ... through `red` ([TY * TM][TX]), the same value in
+// every thread of the row. Both ends are barriers.
+template <int TM, bool MAX>
+__device__ __forceinline__ void merge_rows(float (&v)[TM], float* red) {
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+#pragma unroll
+    for (int i = 0; i < TM; ++i) red[(ty * TM + i) * TX + tx] = v[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const float* row = red + (ty * TM + i) * TX;
+        float r = row[0];
+        for (int t = 1; t < TX; ++t) r = MAX ? fmaxf(r, row[t]) : r + row[t];
+        v[i] = r;
+    }
+    __syncthreads();
+}
+
+// The forward of one tile of BR query rows: out and lse of rows r0 .. r0 + BR of matrix i, key
+// tiles of BC rows at a time, with the online softmax.
 template <int D, int BR, int BC>
 __device__ void attention_tile(const Problem<float>& p, const Visible& vis, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
-    __shared__ float qs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], s[BR * (BC + 1)];
-    __shared__ float m_row[BR], l_row[BR], alpha_row[BR];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float acc[BR / TILE_WARPS][D / 32];
-    for (int k = 0; k < BR / TILE_WARPS; ++k)
-        for (int u = 0; u < D / 32; ++u) acc[k][u] = 0.0f;
+    constexpr int TM = BR / TY, TN = BC / TX, TO = D / TX;
+    __shared__ float qs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], ps[BR * (BC + 1)], red[BR * TX];
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    float o[TM][TO], m[TM], l[TM];
+    zero_tile(o);
+    for (int a = 0; a < TM; ++a) { m[a] = -INFINITY; l[a] = 0.0f; }
     stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
-    if (threadIdx.x < BR) { m_row[threadIdx.x] = -INFINITY; l_row[threadIdx.x] = 0.0f; }
     i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
         stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
         stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
         __syncthreads();
-        for (int e = threadIdx.x; e < BR * BC; e += TILE_THREADS) {
-            int a = e / BC, b = e % BC;
-            i64 r = r0 + a, j = j0 + b;
-            bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
-            s[a * (BC + 1) + b] = seen ? p.scale * tile_dot<D>(qs + a * (D + 1), ks + b * (D + 1), p.d) : -INFINITY;
+        float s[TM][TN], top[TM], sum[TM];
+        zero_tile(s);
+        tile_product<TM, TN, D>(s, qs, D + 1, 1, ks, 1, D + 1);
+        for (int a = 0; a < TM; ++a) {
+            i64 r = r0 + ty * TM + a;
+            top[a] = -INFINITY;
+            for (int b = 0; b < TN; ++b) {
+                i64 j = j0 + tx + TX * b;
+                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                s[a][b] = seen ? p.scale * s[a][b] : -INFINITY;
+                top[a] = fmaxf(top[a], s[a][b]);
+            }
         }
-        __syncthreads();
-        if (threadIdx.x < BR) {
-            int a = threadIdx.x;
-            float* row = s + a * (BC + 1);
-            float m = m_row[a];
-            for (int b = 0; b < BC; ++b) m = fmaxf(m, row[b]);
-            float alpha = 1.0f, sum = 0.0f;
-            if (m != -INFINITY) {
-                alpha = expf(m_row[a] - m);
-                for (int b = 0; b < BC; ++b) { row[b] = expf(row[b] - m); sum += row[b]; }
-                m_row[a] = m;
+        merge_rows<TM, true>(top, red);
+        for (int a = 0; a < TM; ++a) {
+            float mnew = fmaxf(m[a], top[a]), alpha = 1.0f;
+            sum[a] = 0.0f;
+            if (mnew != -INFINITY) {
+                alpha = expf(m[a] - mnew);
+                for (int b = 0; b < TN; ++b) { s[a][b] = expf(s[a][b] - mnew); sum[a] += s[a][b]; }
+                m[a] = mnew;
             } else {
-                for (int b = 0; b < BC; ++b) row[b] = 0.0f;
+                for (int b = 0; b < TN; ++b) s[a][b] = 0.0f;
             }
-            l_row[a] = l_row[a] * alpha + sum;
-            alpha_row[a] = alpha;
+            l[a] *= alpha;
+            for (int c = 0; c < TO; ++c) o[a][c] *= alpha;
+            for (int b = 0; b < TN; ++b) ps[(ty * TM + a) * (BC + 1) + tx + TX * b] = s[a][b];
         }
-        __syncthreads();
-        for (int k = 0; k < BR / TILE_WARPS; ++k) {
-            int a = warp + TILE_WARPS * k;
-            const float* pr = s + a * (BC + 1);
-            for (int u = 0; u < D / 32; ++u) {
-                int c = lane + 32 * u;
-                float o = acc[k][u] * alpha_row[a];
-                for (int b = 0; b < BC; ++b) o += pr[b] * vs[b * (D + 1) + c];
-                acc[k][u] = o;
-            }
-        }
+        merge_rows<TM, false>(sum, red);
+        for (int a = 0; a < TM; ++a) l[a] += sum[a];
+        tile_product<TM, TO, BC>(o, ps, BC + 1, 1, vs, D + 1, 1);
     }
-    __syncthreads();
-    for (int k = 0; k < BR / TILE_WARPS; ++k) {
-        int a = warp + TILE_WARPS * k;
-        i64 r = r0 + a;
+    for (int a = 0; a < TM; ++a) {
+        i64 r = r0 + ty * TM + a;
         if (r >= p.tq) continue;
-        float l = l_row[a];
-        float* o = out + matrix(ao, i, p.heads) + r * ao.row;
-        for (int u = 0; u < D / 32; ++u) {
-            int c = lane + 32 * u;
-            if (c < p.dv) o[c] = l > 0.0f ? acc[k][u] / l : 0.0f;
+        float* row = out + matrix(ao, i, p.heads) + r * ao.row;
+        for (int c = 0; c < TO; ++c) {
+            int col = tx + TX * c;
+            if (col < p.dv) row[col] = l[a] > 0.0f ? o[a][c] / l[a] : 0.0f;
         }
-    }
-    if (lse && threadIdx.x < BR && r0 + threadIdx.x < p.tq) {
-        int a = threadIdx.x;
-        lse[i * p.tq + r0 + a] = l_row[a] > 0.0f ? m_row[a] + logf(l_row[a]) : -INFINITY;
+        if (lse && tx == 0) lse[i * p.tq + r] = l[a] > 0.0f ? m[a] + logf(l[a]) : -INFINITY;
     }
     __syncthreads();
 }
 
-// The backward over one tile of BR query rows. pass 0: D of each row (sum over keys of P dP) into
-// the first element of its dq row; pass 1: dq of each row, its D read from there first.
+// The backward over one tile of BR query rows, key tiles of BC rows at a time. pass 0: D of each
+// row (sum over keys of P dP) into the first element of its dq row; pass 1: dq of each row, its D
+// read from there first.
 template <int D, int BR, int BC>
 __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible& vis, const float* g, const Addr& ag, const float* lse,
                                           float* gq, int pass, i64 i, i64 r0) {
-    __shared__ float qs[BR * (D + 1)], gs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], s[BR * (BC + 1)];
-    __shared__ float l_row[BR], d_row[BR];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float acc[BR / TILE_WARPS][D / 32];
-    for (int k = 0; k < BR / TILE_WARPS; ++k)
-        for (int u = 0; u < D / 32; ++u) acc[k][u] = 0.0f;
+    constexpr int TM = BR / TY, TN = BC / TX, TO = D / TX;
+    __shared__ float qs[BR * (D + 1)], gs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], dss[BR * (BC + 1)], red[BR * TX];
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    float acc[TM][TO], lr[TM], dr[TM], part[TM];
+    zero_tile(acc);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
     stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
     stage_rows<D, BR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
-    if (threadIdx.x < BR) {
-        i64 r = r0 + threadIdx.x;
-        l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
-        d_row[threadIdx.x] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
+    for (int a = 0; a < TM; ++a) {
+        i64 r = r0 + ty * TM + a;
+        lr[a] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
+        dr[a] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
+        part[a] = 0.0f;
     }
     i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
@@ -269,127 +306,120 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
         stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
         stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
         __syncthreads();
-        for (int e = threadIdx.x; e < BR * BC; e += TILE_THREADS) {
-            int a = e / BC, b = e % BC;
-            i64 r = r0 + a, j = j0 + b;
-            float v = 0.0f;
-            if (r < p.tq && j < p.tk && !vis.hidden(i, r, j)) {
-                float prob = expf(p.scale * tile_dot<D>(qs + a * (D + 1), ks + b * (D + 1), p.d) - l_row[a]);
-                float dp = tile_dot<D>(gs + a * (D + 1), vs + b * (D + 1), p.dv);
-                v = pass == 0 ? prob * dp : prob * (dp - d_row[a]) * p.scale;
+        float s[TM][TN], dp[TM][TN];
+        zero_tile(s);
+        zero_tile(dp);
+        tile_product<TM, TN, D>(s, qs, D + 1, 1, ks, 1, D + 1);
+        tile_product<TM, TN, D>(dp, gs, D + 1, 1, vs, 1, D + 1);
+        for (int a = 0; a < TM; ++a) {
+            i64 r = r0 + ty * TM + a;
+            for (int b = 0; b < TN; ++b) {
+                i64 j = j0 + tx + TX * b;
+                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                float prob = seen ? expf(p.scale * s[a][b] - lr[a]) : 0.0f;
+                if (pass == 0) part[a] += prob * dp[a][b];
+                else dss[(ty * TM + a) * (BC + 1) + tx + TX * b] = prob * (dp[a][b] - dr[a]) * p.scale;
             }
-            s[a * (BC + 1) + b] = v;
         }
-        __syncthreads();
-        if (pass == 0) {
-            if (threadIdx.x < BR)
-                for (int b = 0; b < BC; ++b) d_row[threadIdx.x] += s[threadIdx.x * (BC + 1) + b];
-        } else {
-            for (int k = 0; k < BR / TILE_WARPS; ++k) {
-                int a = warp + TILE_WARPS * k;
-                const float* dsr = s + a * (BC + 1);
-                for (int u = 0; u < D / 32; ++u) {
-                    int c = lane + 32 * u;
-                    float x = acc[k][u];
-                    for (int b = 0; b < BC; ++b) x += dsr[b] * ks[b * (D + 1) + c];
-                    acc[k][u] = x;
-                }
-            }
+        if (pass == 1) {
+            __syncthreads();
+            tile_product<TM, TO, BC>(acc, dss, BC + 1, 1, ks, D + 1, 1);
         }
     }
-    __syncthreads();
     if (pass == 0) {
-        if (threadIdx.x < BR && r0 + threadIdx.x < p.tq) gq0[(r0 + threadIdx.x) * p.aq.row] = d_row[threadIdx.x];
+        merge_rows<TM, false>(part, red);
+        for (int a = 0; a < TM; ++a) {
+            i64 r = r0 + ty * TM + a;
+            if (tx == 0 && r < p.tq) gq0[r * p.aq.row] = part[a];
+        }
     } else {
-        for (int k = 0; k < BR / TILE_WARPS; ++k) {
-            i64 r = r0 + warp + TILE_WARPS * k;
+        for (int a = 0; a < TM; ++a) {
+            i64 r = r0 + ty * TM + a;
             if (r >= p.tq) continue;
-            for (int u = 0; u < D / 32; ++u) {
-                int c = lane + 32 * u;
-                if (c < p.d) gq0[r * p.aq.row + c] = acc[k][u];
+            for (int c = 0; c < TO; ++c) {
+                int col = tx + TX * c;
+                if (col < p.d) gq0[r * p.aq.row + col] = acc[a][c];
             }
         }
     }
     __syncthreads();
 }
 
-// dk and dv of one tile of BC key rows, from every query row that sees them (D from dq's rows).
-template <int D, int BR, int BC>
+// dk and dv of one tile of KC key rows, from every query row that sees them, KR query rows at a
+// time (D from dq's rows).
+template <int D, int KR, int KC>
 __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visible& vis, const float* g, const Addr& ag, const float* lse,
                                            const float* gq, float* gk, float* gv, i64 i, i64 j0) {
-    __shared__ float ks[BC * (D + 1)], vs[BC * (D + 1)], qs[BR * (D + 1)], gs[BR * (D + 1)];
-    __shared__ float ps[BR * (BC + 1)], ds[BR * (BC + 1)], l_row[BR], d_row[BR];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float dk[BC / TILE_WARPS][D / 32], dv[BC / TILE_WARPS][D / 32];
-    for (int k = 0; k < BC / TILE_WARPS; ++k)
-        for (int u = 0; u < D / 32; ++u) { dk[k][u] = 0.0f; dv[k][u] = 0.0f; }
+    constexpr int TM = KR / TY, TN = KC / TX, UM = KC / TY, TO = D / TX;
+    __shared__ float ks[KC * (D + 1)], vs[KC * (D + 1)], qs[KR * (D + 1)], gs[KR * (D + 1)];
+    __shared__ float ps[KR * (KC + 1)], dss[KR * (KC + 1)], l_row[KR], d_row[KR];
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    float dk[UM][TO], dv[UM][TO];
+    zero_tile(dk);
+    zero_tile(dv);
     const float* gq0 = gq + matrix(p.aq, i, p.heads);
-    stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
-    stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
-    i64 rstart = vis.causal ? (j0 / BR) * BR : 0;
-    for (i64 r0 = rstart; r0 < p.tq; r0 += BR) {
+    stage_rows<D, KC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+    stage_rows<D, KC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+    i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
+    for (i64 r0 = rstart; r0 < p.tq; r0 += KR) {
         __syncthreads();
-        stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
-        stage_rows<D, BR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
-        if (threadIdx.x < BR) {
+        stage_rows<D, KR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+        stage_rows<D, KR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
+        if (threadIdx.x < KR) {
             i64 r = r0 + threadIdx.x;
             l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
             d_row[threadIdx.x] = r < p.tq ? gq0[r * p.aq.row] : 0.0f;
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < BR * BC; e += TILE_THREADS) {
-            int a = e / BC, b = e % BC;
-            i64 r = r0 + a, j = j0 + b;
-            float prob = 0.0f, dsv = 0.0f;
-            if (r < p.tq && j < p.tk && !vis.hidden(i, r, j)) {
-                prob = expf(p.scale * tile_dot<D>(qs + a * (D + 1), ks + b * (D + 1), p.d) - l_row[a]);
-                float dp = tile_dot<D>(gs + a * (D + 1), vs + b * (D + 1), p.dv);
-                dsv = prob * (dp - d_row[a]) * p.scale;
+        float s[TM][TN], dp[TM][TN];
+        zero_tile(s);
+        zero_tile(dp);
+        tile_product<TM, TN, D>(s, qs, D + 1, 1, ks, 1, D + 1);
+        tile_product<TM, TN, D>(dp, gs, D + 1, 1, vs, 1, D + 1);
+        for (int a = 0; a < TM; ++a) {
+            int row = ty * TM + a;
+            i64 r = r0 + row;
+            for (int b = 0; b < TN; ++b) {
+                int col = tx + TX * b;
+                i64 j = j0 + col;
+                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                float prob = seen ? expf(p.scale * s[a][b] - l_row[row]) : 0.0f;
+                ps[row * (KC + 1) + col] = prob;
+                dss[row * (KC + 1) + col] = seen ? prob * (dp[a][b] - d_row[row]) * p.scale : 0.0f;
             }
-            ps[a * (BC + 1) + b] = prob;
-            ds[a * (BC + 1) + b] = dsv;
         }
         __syncthreads();
-        for (int k = 0; k < BC / TILE_WARPS; ++k) {
-            int b = warp + TILE_WARPS * k;
-            for (int u = 0; u < D / 32; ++u) {
-                int c = lane + 32 * u;
-                float xv = dv[k][u], xk = dk[k][u];
-                for (int a = 0; a < BR; ++a) {
-                    xv += ps[a * (BC + 1) + b] * gs[a * (D + 1) + c];
-                    xk += ds[a * (BC + 1) + b] * qs[a * (D + 1) + c];
-                }
-                dv[k][u] = xv;
-                dk[k][u] = xk;
-            }
-        }
+        // dv += P^T dO and dk += dS^T Q: A(key b, query a) is ps[a * (KC + 1) + b].
+        tile_product<UM, TO, KR>(dv, ps, 1, KC + 1, gs, D + 1, 1);
+        tile_product<UM, TO, KR>(dk, dss, 1, KC + 1, qs, D + 1, 1);
     }
-    __syncthreads();
-    for (int k = 0; k < BC / TILE_WARPS; ++k) {
-        i64 j = j0 + warp + TILE_WARPS * k;
+    for (int a = 0; a < UM; ++a) {
+        i64 j = j0 + ty * UM + a;
         if (j >= p.tk) continue;
-        for (int u = 0; u < D / 32; ++u) {
-            int c = lane + 32 * u;
-            if (gk && c < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + c] = dk[k][u];
-            if (gv && c < p.dv) gv[matrix(p.av, i, p.heads) + j * p.av.row + c] = dv[k][u];
+        for (int c = 0; c < TO; ++c) {
+            int col = tx + TX * c;
+            if (gk && col < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + col] = dk[a][c];
+            if (gv && col < p.dv) gv[matrix(p.av, i, p.heads) + j * p.av.row + col] = dv[a][c];
         }
     }
     __syncthreads();
 }
 
 // The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs, so a block's
-// threads always agree on their tile (the barriers inside need that). Query tiles of BR rows meet
-// key tiles of BC rows (forward, D and dq); key tiles of KC rows meet query tiles of KR (dk, dv).
-#define ATTENTION_TILED(D, BR, BC, KC, KR)                                                                      \
+// threads always agree on their tile (the barriers inside need that). The forward's query tiles of
+// FR rows meet key tiles of FC rows; D and dq's query tiles of QR rows meet key tiles of QC; dk and
+// dv's key tiles of KC rows meet query tiles of KR. Row counts are multiples of TY, column counts of
+// TX; each tile set fits the 48 KiB of static shared memory.
+#define ATTENTION_TILED(D, FR, FC, QR, QC, KC, KR)                                                      \
     extern "C" __global__ void attention_tiled_d##D##_f32(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
-        i64 tiles = (p.tq + BR - 1) / BR;                                                               \
+        i64 tiles = (p.tq + FR - 1) / FR;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_tile<D, BR, BC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * BR);                \
+            attention_tile<D, FR, FC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * FR);                \
     }                                                                                                   \
     extern "C" __global__ void attention_tiled_backward_q_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
-        i64 tiles = (p.tq + BR - 1) / BR;                                                               \
+        i64 tiles = (p.tq + QR - 1) / QR;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_backward_q_tile<D, BR, BC>(p, vis, g, ag, lse, gq, pass, t / tiles, (t % tiles) * BR); \
+            attention_backward_q_tile<D, QR, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, (t % tiles) * QR); \
     }                                                                                                   \
     extern "C" __global__ void attention_tiled_backward_kv_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
         i64 tiles = (p.tk + KC - 1) / KC;                                                               \
@@ -397,5 +427,5 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
             attention_backward_kv_tile<D, KR, KC>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, (t % tiles) * KC); \
     }
 
-ATTENTION_TILED(64, 32, 16, 32, 16)
-ATTENTION_TILED(128, 16, 16, 16, 16)
+ATTENTION_TILED(64, 64, 32, 32, 32, 32, 32)
+ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)

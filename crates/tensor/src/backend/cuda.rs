@@ -1802,7 +1802,7 @@ impl Backend for Cuda {
         let problem = attention_problem(q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
         let (name, shape) = match tiled_head(pb, q.dtype()) {
-            Some(t) => (format!("attention_tiled_d{}_f32", t.head), self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows)),
+            Some(t) => (format!("attention_tiled_d{}_f32", t.head), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
             None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
         };
         self.launch(
@@ -2115,7 +2115,9 @@ fn adam_args(step: AdamStep) -> Arg {
 struct AttentionTiles {
     /// Head sizes up to this (the kernels' `D`).
     head: usize,
-    /// Query rows of a tile of the forward and of D and dq (`BR`).
+    /// Query rows of a tile of the forward (`FR`).
+    forward_rows: usize,
+    /// Query rows of a tile of D and dq (`QR`).
     query_rows: usize,
     /// Key rows of a tile of dk and dv (`KC`).
     key_rows: usize,
@@ -2126,8 +2128,8 @@ struct AttentionTiles {
 fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
     let head = pb.dims.d.max(pb.dims.dv);
     match (dtype, head) {
-        (DType::F32, 0..=64) => Some(AttentionTiles { head: 64, query_rows: 32, key_rows: 32 }),
-        (DType::F32, 65..=128) => Some(AttentionTiles { head: 128, query_rows: 16, key_rows: 16 }),
+        (DType::F32, 0..=64) => Some(AttentionTiles { head: 64, forward_rows: 64, query_rows: 32, key_rows: 32 }),
+        (DType::F32, 65..=128) => Some(AttentionTiles { head: 128, forward_rows: 32, query_rows: 16, key_rows: 16 }),
         _ => None,
     }
 }
