@@ -2,6 +2,7 @@
 //! their tile edges: attention forward and backward (the tiled kernels for heads up to 64 and up to
 //! 128, causal, masked, cross-attention, more rows than a tile and a partial last tile), the column
 //! sums of a bias gradient and of `sum_dim`, layer norm's weight and bias gradients over many rows,
+//! the fused layer-norm-linear and GELU-linear over more rows than a GPU block,
 //! and Adam with bf16 and 8-bit moments over several blocks. The golden suite's cases are small (one
 //! tile); these are not. Also uploads without waiting: many batches of several sizes through the
 //! pinned buffers into blocks the kernels queued before them just used, counted on the device. And a
@@ -159,7 +160,16 @@ fn column_sums_and_layer_norm_gradients_match_the_cpu(cuda: &Device) -> usize {
     agree(cuda, "layer norm + linear", &[&[600, 96], &[96], &[96], &[40, 96]], &|x| {
         ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], None)
     });
-    5
+    // The fused ops past a GPU block of 4,096 rows (a full block and a partial one), with biases: the
+    // weight gradients summed over blocks.
+    let rows = 4096 + 37;
+    agree(cuda, "layer norm + linear over two GPU blocks", &[&[rows, 24], &[24], &[24], &[20, 24], &[20]], &|x| {
+        ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+    });
+    agree(cuda, "GELU + linear over two GPU blocks", &[&[rows, 24], &[20, 24], &[20]], &|x| {
+        ops::gelu_linear(&x[0].mul_scalar(2.0)?, &x[1], Some(&x[2]))
+    });
+    7
 }
 
 /// A parameter of 5000 values (three blocks of 8-bit state) after three AdamW steps with moments

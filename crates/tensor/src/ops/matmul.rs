@@ -166,7 +166,7 @@ pub(crate) fn bias_grad(g2: &Tensor, wanted: bool, with_weight: bool, op: &'stat
 /// Unfused, autograd keeps both GELU's input (for GELU's backward) and its output (for the linear's);
 /// this op saves only `x` and the weight, and recomputes GELU in backward (from the same one erf per
 /// element that an unfused backward spends on GELU's derivative). Forward and backward work in blocks
-/// of `GELU_ROWS` rows through an allocator scratch of one block (two in a backward that cannot write
+/// of `GELU_ROWS` rows (on a GPU, `GPU_FUSED_ROWS`) through an allocator scratch of one block (two in a backward that cannot write
 /// over `x`), so GELU's output never exists whole. Backward writes the input gradient over the saved
 /// `x` when nobody else can see it (Note [Gradient ownership] in `autograd.rs`), else into a new
 /// tensor. GELU values and derivatives are computed exactly as [`Tensor::gelu`] computes them; only
@@ -184,6 +184,15 @@ pub fn gelu_linear_graph(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> 
     gelu_linear_computed(x, weight, bias, false)
 }
 
+/// The row stride of GELU-linear's scratch: padded for the cpu's GEMM (`gelu_scratch_stride`), dense
+/// on a GPU (cuBLAS reads it in place; the cuda backend counts a block's rows from its size).
+fn scratch_stride(like: &Tensor, in_f: usize, block: usize) -> usize {
+    match like.device().target() {
+        crate::Target::Cpu => gelu_scratch_stride(in_f, block),
+        crate::Target::Cuda => in_f,
+    }
+}
+
 fn gelu_linear_computed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: bool) -> Result<Tensor> {
     let _op = x.device().op_scope("gelu_linear");
     let (out_f, in_f) = check_linear("gelu_linear", x, weight, bias)?;
@@ -192,8 +201,8 @@ fn gelu_linear_computed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, comp
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("rank >= 1") = out_f;
     let out = output(&x, &shape, x.dtype(), "gelu_linear")?;
-    let block = rows.min(GELU_ROWS);
-    let scratch = output(&x, &[block, gelu_scratch_stride(in_f, block)], x.dtype(), "gelu_linear")?;
+    let block = rows.min(super::fused_block_rows(&x, GELU_ROWS));
+    let scratch = output(&x, &[block, scratch_stride(&x, in_f, block)], x.dtype(), "gelu_linear")?;
     let b = contiguous_bias(bias)?;
     if compute {
         x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
@@ -233,9 +242,9 @@ impl Backward for GeluLinearBack {
         // GELU output and derivative come from one erf per element (as in an unfused backward): the
         // derivative goes over x's block when in place, else into a second half of the scratch.
         let both = needs[0] && needs[1];
-        let block = rows.min(GELU_ROWS);
+        let block = rows.min(super::fused_block_rows(&grad, GELU_ROWS));
         let scratch_rows = if both && !in_place { 2 * block } else { block };
-        let scratch = output(&grad, &[scratch_rows, gelu_scratch_stride(in_f, block)], grad.dtype(), NAME)?;
+        let scratch = output(&grad, &[scratch_rows, scratch_stride(&grad, in_f, block)], grad.dtype(), NAME)?;
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
         let gb_target = gb.as_ref().filter(|_| gw.is_some());

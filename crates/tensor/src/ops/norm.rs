@@ -130,8 +130,9 @@ impl Backward for LayerNormBack {
 ///
 /// Unfused, autograd keeps both the normalization's input (for its backward) and its output (for the
 /// linear's); this op saves only `x`, the per-row mean and rstd and the weights, and recomputes the
-/// normalized rows in backward. Forward and backward work in blocks of `LN_ROWS` rows through one
-/// allocator scratch of LN_ROWS x in, so the normalized tensor never exists whole. Backward writes the
+/// normalized rows in backward. Forward and backward work in blocks of `LN_ROWS` rows (on a GPU,
+/// `GPU_FUSED_ROWS`) through one allocator scratch of a block x in, so the normalized tensor never
+/// exists whole. Backward writes the
 /// input gradient over the saved `x` when nobody else can see it (Note [Gradient ownership] in
 /// `autograd.rs`), else into a new tensor. Normalized values and the input gradient are computed
 /// exactly as [`layer_norm`] computes them; the linear weight gradient's sum over rows is split by
@@ -175,7 +176,7 @@ pub fn layer_norm_linear(
     } else {
         None
     };
-    let scratch = output(&x, &[rows.min(LN_ROWS), in_f], x.dtype(), NAME)?;
+    let scratch = output(&x, &[rows.min(super::fused_block_rows(&x, LN_ROWS)), in_f], x.dtype(), NAME)?;
     let b = contiguous_bias(bias)?;
     let (mean, rstd) = (stats.as_ref().map(|s| &s.0), stats.as_ref().map(|s| &s.1));
     x.device().backend().layer_norm_linear(&x, &ln_w, &ln_b, eps, weight, b.as_ref(), &scratch, &out, mean, rstd)?;
@@ -225,7 +226,7 @@ impl Backward for LayerNormLinearBack {
         let want_gb = has_bias && needs[4];
         let gb = bias_grad(&g2, want_gb || (need_w && (need_lw || need_lb)), gw.is_some(), NAME)?;
         // Everything is allocated before x may be overwritten.
-        let scratch = output(&grad, &[rows.min(LN_ROWS), d], grad.dtype(), NAME)?;
+        let scratch = output(&grad, &[rows.min(super::fused_block_rows(&grad, LN_ROWS)), d], grad.dtype(), NAME)?;
         let sums = if need_lw || need_lb { Some(super::output_any(&grad, &[2, d], DType::F64, NAME)?) } else { None };
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
