@@ -81,7 +81,7 @@ impl<T> MatRef<T> {
     ///
     /// # Safety
     /// The element must be inside the operand's allocation.
-    unsafe fn at(self, row: usize, col: usize) -> Self {
+    pub(crate) unsafe fn at(self, row: usize, col: usize) -> Self {
         MatRef { ptr: self.ptr.offset(row as isize * self.rs + col as isize * self.cs), ..self }
     }
 }
@@ -98,7 +98,7 @@ impl<T> MatMut<T> {
     ///
     /// # Safety
     /// The element must be inside the output's allocation.
-    unsafe fn at(self, row: usize, col: usize) -> Self {
+    pub(crate) unsafe fn at(self, row: usize, col: usize) -> Self {
         MatMut { ptr: self.ptr.offset(row as isize * self.rs + col as isize), ..self }
     }
 }
@@ -154,7 +154,7 @@ pub trait GemmScalar:
 impl GemmScalar for f32 {}
 impl GemmScalar for f64 {}
 
-mod sealed {
+pub(crate) mod sealed {
     use super::{Isa, MicroKernel};
     pub trait Sealed: Sized {
         /// The micro-kernel for `isa` (a level without a kernel of its own for this type uses
@@ -256,7 +256,7 @@ impl<T> Start<T> {
     ///
     /// # Safety
     /// The column must be inside the bias row.
-    unsafe fn at_col(self, col: usize) -> Self {
+    pub(crate) unsafe fn at_col(self, col: usize) -> Self {
         match self {
             Start::Bias(b) => Start::Bias(b.add(col)),
             other => other,
@@ -265,7 +265,7 @@ impl<T> Start<T> {
 
     /// The start of depth block `pc`: the first block starts from this, the later ones add to what
     /// the earlier ones wrote.
-    fn for_block(self, pc: usize) -> Self {
+    pub(crate) fn for_block(self, pc: usize) -> Self {
         if pc > 0 {
             Start::Accumulate
         } else {
@@ -935,7 +935,7 @@ unsafe fn write_tile<T: GemmScalar>(
 /// keep the panel's written lines in L1. With `sums`, adds each line's elements to its sum, in
 /// depth order (while the step is in L1, for contiguous lines).
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack<T: GemmScalar>(
+pub(crate) unsafe fn pack<T: GemmScalar>(
     kernel: MicroKernel<T>,
     src: *const T,
     ls: isize,
