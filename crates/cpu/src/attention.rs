@@ -8,7 +8,7 @@
 //! visible one).
 
 use super::elementwise::{exp_in_place, lane_dot, lane_sum, LANES};
-use super::gemm::{gemm_into, prepare_b_in, prepared_b_len, prepared_part_into, Mat, SendPtr};
+use super::gemm::{gemm_into, prepare_b_in, prepared_b_len, prepared_part_into, Mat, Products, SendPtr};
 use crate::dtype::Element;
 use crate::dtype::Float;
 use crate::error::{check_len, Error, Result};
@@ -79,6 +79,8 @@ pub struct AttnProblem {
     pub causal: bool,
     /// The mask's broadcast target, [batch..., Tq, Tk].
     pub full: Vec<usize>,
+    /// How the two products compute (the device's setting).
+    pub products: Products,
 }
 
 impl AttnProblem {
@@ -341,7 +343,14 @@ fn write_ptr<T: Element>(t: View<'_>) -> Result<(SendPtr<T>, usize)> {
 /// Forward: writes the output and, when `p.lse` is non-null, the per-row log-sum-exp. The pointers
 /// must cover every matrix of `dims` as laid out by `lay` (lse: [bh, tq] contiguous), and the output
 /// and lse must not overlap the inputs (the callers pass fresh tensors).
-fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayouts, scale: f64, vis: &Visibility<'_>) {
+fn forward_kernel<T: Float + Element>(
+    p: Ptrs<T>,
+    dims: AttnDims,
+    lay: AttnLayouts,
+    scale: f64,
+    vis: &Visibility<'_>,
+    products: Products,
+) {
     let AttnDims { bh, heads, tq, tk, d, dv } = dims;
     let scale = T::of(scale);
     let isa = Isa::active();
@@ -362,14 +371,14 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
             let (s, packs) = scratch.split_at_mut(lens[0]);
             let (kt_buf, v_buf) = packs.split_at_mut(lens[1]);
             let kt = Mat { ptr: ki, rs: 1, cs: lay.k.row_stride as isize };
-            let kt = prepare_b_in(d, tk, kt, kt_buf, threads);
+            let kt = prepare_b_in(d, tk, kt, kt_buf, threads, products);
             let vm = Mat { ptr: vi, rs: lay.v.row_stride as isize, cs: 1 };
-            let vm = prepare_b_in(tk, dv, vm, v_buf, threads);
+            let vm = prepare_b_in(tk, dv, vm, v_buf, threads, products);
             for r0 in (0..tq).step_by(DP_ROWS) {
                 let rows = DP_ROWS.min(tq - r0);
                 let kend = vis.key_end(base, r0, rows, tk);
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: lay.q.row_stride as isize, cs: 1 };
-                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
+                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads, products);
                 let mut maxima = [T::zero(); DP_ROWS];
                 for (r, m) in maxima[..rows].iter_mut().enumerate() {
                     let row = &mut s[r * kend..(r + 1) * kend];
@@ -385,7 +394,7 @@ fn forward_kernel<T: Float + Element>(p: Ptrs<T>, dims: AttnDims, lay: AttnLayou
                 }
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
                 let dst = oi.add(r0 * lay.out.row_stride);
-                prepared_part_into(&vm, rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, threads);
+                prepared_part_into(&vm, rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, threads, products);
             }
         }
     });
@@ -411,6 +420,7 @@ fn backward_kernel<T: Float + Element>(
     lay: AttnLayouts,
     scale: f64,
     vis: &Visibility<'_>,
+    products: Products,
 ) {
     let AttnDims { bh, heads, tq, tk, d, dv } = dims;
     let scale = T::of(scale);
@@ -455,16 +465,16 @@ fn backward_kernel<T: Float + Element>(
             let (dp, rest) = rest.split_at_mut(lens[1]);
             let (kt_buf, rest) = rest.split_at_mut(lens[2]);
             let (vt_buf, k_buf) = rest.split_at_mut(lens[3]);
-            let kt = prepare_b_in(d, tk, Mat { ptr: ki, rs: 1, cs: krs }, kt_buf, threads);
-            let vt = prepare_b_in(dv, tk, Mat { ptr: vi, rs: 1, cs: vrs }, vt_buf, threads);
-            let km = prepare_b_in(tk, d, Mat { ptr: ki, rs: krs, cs: 1 }, k_buf, threads);
+            let kt = prepare_b_in(d, tk, Mat { ptr: ki, rs: 1, cs: krs }, kt_buf, threads, products);
+            let vt = prepare_b_in(dv, tk, Mat { ptr: vi, rs: 1, cs: vrs }, vt_buf, threads, products);
+            let km = prepare_b_in(tk, d, Mat { ptr: ki, rs: krs, cs: 1 }, k_buf, threads, products);
             for r0 in (0..tq).step_by(DP_ROWS) {
                 let rows = DP_ROWS.min(tq - r0);
                 let kend = vis.key_end(base, r0, rows, tk);
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: qrs, cs: 1 };
                 let gob = Mat { ptr: goi.add(r0 * lay.out.row_stride), rs: ors, cs: 1 };
                 // P = exp(S - lse), recomputed exactly as forward scaled and masked it.
-                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
+                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads, products);
                 for r in 0..rows {
                     let l = *lse.add(r0 + r);
                     let row = &mut s[r * kend..(r + 1) * kend];
@@ -481,7 +491,7 @@ fn backward_kernel<T: Float + Element>(
                 let seen = touched.min(kend);
                 let add_or_write = |dst: *mut T, rs: isize, a: Mat<T>, b: Mat<T>, cols: usize| {
                     if seen > 0 {
-                        gemm_into::<T>(seen, cols, rows, dst, rs, true, a, b, threads);
+                        gemm_into::<T>(seen, cols, rows, dst, rs, true, a, b, threads, products);
                     }
                     if kend > seen {
                         let a = Mat { ptr: a.ptr.offset(seen as isize * a.rs), ..a };
@@ -495,6 +505,7 @@ fn backward_kernel<T: Float + Element>(
                             a,
                             b,
                             threads,
+                            products,
                         );
                     }
                 };
@@ -507,7 +518,7 @@ fn backward_kernel<T: Float + Element>(
                     continue;
                 }
                 // dP = dO v^T; dS = P * (dP - rowsum(P * dP)) * scale, over P.
-                prepared_part_into(&vt, rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, threads);
+                prepared_part_into(&vt, rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, threads, products);
                 for r in 0..rows {
                     let prow = &mut s[r * kend..(r + 1) * kend];
                     let dprow = &dp[r * kend..(r + 1) * kend];
@@ -515,7 +526,18 @@ fn backward_kernel<T: Float + Element>(
                 }
                 if let Some(gqi) = gqi {
                     // dQ rows = dS k[:kend]
-                    prepared_part_into(&km, rows, d, kend, gqi.add(r0 * lay.q.row_stride), qrs, false, pm, threads);
+                    prepared_part_into(
+                        &km,
+                        rows,
+                        d,
+                        kend,
+                        gqi.add(r0 * lay.q.row_stride),
+                        qrs,
+                        false,
+                        pm,
+                        threads,
+                        products,
+                    );
                 }
                 if let Some(gki) = gki {
                     // dK[:kend] += dS^T q rows
@@ -575,7 +597,7 @@ pub fn attention(
         let lse = lse.map_or(SendPtr(std::ptr::null_mut()), |(p, _)| p);
         let p = Ptrs::<T> { q, k, v, o, lse };
         // The tensors are contiguous and hold what the layouts address (checked); out and lse are fresh.
-        forward_kernel::<T>(p, pb.dims, pb.lay, pb.scale, &vis)
+        forward_kernel::<T>(p, pb.dims, pb.lay, pb.scale, &vis, pb.products)
     });
     Ok(())
 }
@@ -609,7 +631,7 @@ pub fn attention_backward(
         // The saved tensors and the gradients are contiguous and hold what the layouts address
         // (checked); the gradients are fresh, and the packed gradient's q, k and v parts are
         // disjoint column ranges.
-        backward_kernel::<T>(p, g, pb.dims, pb.lay, pb.scale, &vis)
+        backward_kernel::<T>(p, g, pb.dims, pb.lay, pb.scale, &vis, pb.products)
     });
     Ok(())
 }
@@ -701,7 +723,7 @@ mod tests {
             out: AttnAddr::stack(tq, d),
         };
         let dims = AttnDims { bh, heads: 1, tq, tk, d, dv: d };
-        let pb = AttnProblem { dims, lay, scale: 0.5, causal: false, full: vec![bh, tq, tk] };
+        let pb = AttnProblem { dims, lay, scale: 0.5, causal: false, full: vec![bh, tq, tk], products: Products::F32 };
         let (lq, lk, lm, ll) = (
             Layout::contiguous(&[bh, tq, d]),
             Layout::contiguous(&[bh, tk, d]),

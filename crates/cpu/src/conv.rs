@@ -3,7 +3,7 @@
 //! bias gradient. The work plan (lanes, tiles, workspace sizes) is the op's [`ConvGeom`]; these
 //! kernels only follow it (Note [conv2d work plan] in `ops/conv.rs`).
 
-use super::gemm::{gemm_into, Mat, SendPtr};
+use super::gemm::{gemm_into, Mat, Products, SendPtr};
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
 use crate::view::View;
@@ -41,6 +41,8 @@ pub struct ConvGeom {
     /// Whole samples per im2col tile, side by side (Note [Batched columns] in `ops/conv.rs`); 1: a
     /// tile is `tile_rows` output rows of one sample.
     pub batch: usize,
+    /// How the products compute (the device's setting).
+    pub products: Products,
 }
 
 impl ConvGeom {
@@ -411,6 +413,7 @@ fn forward_kernel<T: Float>(g: &ConvGeom, x: &[T], w: &[T], bias: Option<&[T]>, 
                             Mat { ptr: w.as_ptr().add(gi * og * kg), rs: kg as isize, cs: 1 },
                             Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
                             threads,
+                            g.products,
                         )
                     };
                 }
@@ -486,6 +489,7 @@ fn backward_kernel<T: Float>(
                                 Mat { ptr: src.add(gi * kg * src_rs), rs: src_rs as isize, cs: 1 },
                                 Mat { ptr: gt.as_ptr().add(gi * og), rs: g.o as isize, cs: 1 },
                                 threads,
+                                g.products,
                             )
                         };
                     }
@@ -513,6 +517,7 @@ fn backward_kernel<T: Float>(
                                 Mat { ptr: w.as_ptr().add(gi * og * kg), rs: 1, cs: kg as isize },
                                 Mat { ptr: gn.as_ptr().add(gi * og * p + r0 * g.ow), rs: p as isize, cs: 1 },
                                 threads,
+                                g.products,
                             )
                         };
                     }
@@ -568,6 +573,7 @@ fn forward_batched<T: Float>(g: &ConvGeom, x: &[T], w: &[T], bias: Option<&[T]>,
                         Mat { ptr: w.as_ptr().add(gi * og * kg), rs: kg as isize, cs: 1 },
                         Mat { ptr: col.as_ptr().add(gi * kg * cols), rs: cols as isize, cs: 1 },
                         threads,
+                        g.products,
                     )
                 };
             }
@@ -643,6 +649,7 @@ fn backward_batched<T: Float>(
                             Mat { ptr: col.as_ptr().add(gi * kg * cols), rs: cols as isize, cs: 1 },
                             Mat { ptr: gt.as_ptr().add(gi * og), rs: g.o as isize, cs: 1 },
                             threads,
+                            g.products,
                         )
                     };
                 }
@@ -662,6 +669,7 @@ fn backward_batched<T: Float>(
                             Mat { ptr: w.as_ptr().add(gi * og * kg), rs: 1, cs: kg as isize },
                             Mat { ptr: gt.as_ptr().add(gi * og), rs: 1, cs: g.o as isize },
                             threads,
+                            g.products,
                         )
                     };
                 }

@@ -1,8 +1,13 @@
 //! The CPU kernels' one door to GEMM: `memfit-kernels`' packed products for the process's
-//! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share.
+//! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share. Each
+//! door takes the device's [`Products`]: a bf16 product of f32 operands goes to
+//! `memfit_kernels::gemm_bf16` (Note [bf16 products] there) at the level the instruction set gives;
+//! f64 operands always multiply in f64.
 
 use crate::dtype::Float;
 use memfit_kernels::gemm::{gemm, gemm_row_blocks, gemm_with_row_sums, MatMut, Start};
+pub use memfit_kernels::gemm_bf16::Products;
+use memfit_kernels::gemm_bf16::{gemm_bf16, Bf16Level};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
@@ -32,6 +37,36 @@ impl<T> SendPtr<T> {
     }
 }
 
+/// Whether a product of `T` operands under `products` is a bf16 one (f32 operands only).
+fn is_bf16<T: Float>(products: Products) -> bool {
+    products == Products::Bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+}
+
+/// The bf16 product `C[m x n] (+)= A @ B` of f32 operands given as `T` (checked by [`is_bf16`]).
+///
+/// # Safety
+/// As [`gemm_into`]; `T` is f32.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<T>,
+    start: Start<T>,
+    a: Mat<T>,
+    b: Mat<T>,
+    threads: usize,
+) {
+    let f = |x: Mat<T>| Mat { ptr: x.ptr as *const f32, rs: x.rs, cs: x.cs };
+    let start = match start {
+        Start::Zero => Start::Zero,
+        Start::Accumulate => Start::Accumulate,
+        Start::Bias(row) => Start::Bias(row as *const f32),
+    };
+    let c = MatMut { ptr: c.ptr as *mut f32, rs: c.rs };
+    gemm_bf16(Bf16Level::active(), m, n, k, c, start, f(a), f(b), threads);
+}
+
 /// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
 /// `accumulate` adds to dst instead of overwriting it. Runs `memfit-kernels`' GEMM for the
 /// process's instruction set on up to `threads` threads.
@@ -49,8 +84,9 @@ pub(crate) unsafe fn gemm_into<T: Float>(
     a: Mat<T>,
     b: Mat<T>,
     threads: usize,
+    products: Products,
 ) {
-    gemm_summing_into(m, n, k, dst, dst_rs, accumulate, a, b, threads, None)
+    gemm_summing_into(m, n, k, dst, dst_rs, accumulate, a, b, threads, None, products)
 }
 
 /// As [`gemm_into`], and, when `row_sums` is given, adds each row of `a` to its sum there (`m`
@@ -71,8 +107,22 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
     b: Mat<T>,
     threads: usize,
     row_sums: Option<*mut T>,
+    products: Products,
 ) {
     let (isa, c, start) = (memfit_kernels::Isa::active(), MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
+    if is_bf16::<T>(products) {
+        // The sums are of A as it is (a bias gradient stays f32), each row's elements in order.
+        if let Some(sums) = row_sums {
+            for i in 0..m {
+                let mut acc = *sums.add(i);
+                for t in 0..k {
+                    acc = acc + *a.ptr.offset(i as isize * a.rs + t as isize * a.cs);
+                }
+                *sums.add(i) = acc;
+            }
+        }
+        return bf16_into(m, n, k, c, start, a, b, threads);
+    }
     match row_sums {
         Some(sums) => gemm_with_row_sums(isa, m, n, k, c, start, a, b, threads, sums),
         None => gemm(isa, m, n, k, c, start, a, b, threads),
@@ -95,9 +145,13 @@ pub(crate) unsafe fn gemm_bias_into<T: Float>(
     a: Mat<T>,
     b: Mat<T>,
     threads: usize,
+    products: Products,
 ) {
-    let start = bias.map_or(Start::Zero, Start::Bias);
-    gemm(memfit_kernels::Isa::active(), m, n, k, MatMut { ptr: dst, rs: dst_rs }, start, a, b, threads);
+    let (start, c) = (bias.map_or(Start::Zero, Start::Bias), MatMut { ptr: dst, rs: dst_rs });
+    if is_bf16::<T>(products) {
+        return bf16_into(m, n, k, c, start, a, b, threads);
+    }
+    gemm(memfit_kernels::Isa::active(), m, n, k, c, start, a, b, threads);
 }
 
 /// As [`gemm_bias_into`], with `a` given `block_rows` rows at a time by `a_block(r0, rows)` (which
@@ -115,12 +169,21 @@ pub(crate) unsafe fn gemm_row_blocks_into<T: Float>(
     dst_rs: isize,
     bias: Option<*const T>,
     block_rows: usize,
-    a_block: impl FnMut(usize, usize) -> Mat<T>,
+    mut a_block: impl FnMut(usize, usize) -> Mat<T>,
     b: Mat<T>,
+    products: Products,
 ) {
     let c = MatMut { ptr: dst, rs: dst_rs };
     let threads = rayon::current_num_threads();
     let start = bias.map_or(Start::Zero, Start::Bias);
+    if is_bf16::<T>(products) {
+        for r0 in (0..m).step_by(block_rows.max(1)) {
+            let rows = block_rows.max(1).min(m - r0);
+            let block = MatMut { ptr: dst.offset(r0 as isize * dst_rs), rs: dst_rs };
+            bf16_into(rows, n, k, block, start, a_block(r0, rows), b, threads);
+        }
+        return;
+    }
     gemm_row_blocks(memfit_kernels::Isa::active(), m, n, k, c, start, block_rows, a_block, b, threads);
 }
 
@@ -135,9 +198,15 @@ pub(crate) unsafe fn with_prepared_b<T: Float, R>(
     k: usize,
     n: usize,
     b: Mat<T>,
+    products: Products,
     f: impl FnOnce(&PreparedB<T>) -> R,
 ) -> R {
-    memfit_kernels::gemm::with_prepared_b(memfit_kernels::Isa::active(), k, n, b, rayon::current_num_threads(), f)
+    let isa = memfit_kernels::Isa::active();
+    if is_bf16::<T>(products) {
+        // A bf16 product packs its operands itself.
+        return f(&PreparedB::unprepared(isa, k, n, b));
+    }
+    memfit_kernels::gemm::with_prepared_b(isa, k, n, b, rayon::current_num_threads(), f)
 }
 
 /// `dst[m x n] (+)= a[m x k] @ b` with a prepared `b`; otherwise as [`gemm_into`].
@@ -152,8 +221,14 @@ pub(crate) unsafe fn prepared_gemm_into<T: Float>(
     accumulate: bool,
     a: Mat<T>,
     threads: usize,
+    products: Products,
 ) {
-    b.gemm(m, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
+    let (c, start) = (MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
+    if is_bf16::<T>(products) {
+        let (bm, k, n) = b.operand();
+        return bf16_into(m, n, k, c, start, a, bm, threads);
+    }
+    b.gemm(m, c, start, a, threads);
 }
 
 /// The most elements attention (or any kernel) gives one operand it prepares in a buffer of its own
@@ -185,8 +260,13 @@ pub(crate) unsafe fn prepare_b_in<T: Float>(
     b: Mat<T>,
     buf: &mut [T],
     threads: usize,
+    products: Products,
 ) -> PreparedB<T> {
-    PreparedB::prepare_into(memfit_kernels::Isa::active(), k, n, b, buf.as_mut_ptr(), buf.len(), threads)
+    let isa = memfit_kernels::Isa::active();
+    if is_bf16::<T>(products) {
+        return PreparedB::unprepared(isa, k, n, b);
+    }
+    PreparedB::prepare_into(isa, k, n, b, buf.as_mut_ptr(), buf.len(), threads)
 }
 
 /// `dst[m x n] (+)= a[m x k] @ b[..k, ..n]` with the first `k` rows and `n` columns of a prepared
@@ -205,8 +285,13 @@ pub(crate) unsafe fn prepared_part_into<T: Float>(
     accumulate: bool,
     a: Mat<T>,
     threads: usize,
+    products: Products,
 ) {
-    b.gemm_part(m, n, k, MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate), a, threads);
+    let (c, start) = (MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
+    if is_bf16::<T>(products) {
+        return bf16_into(m, n, k, c, start, a, b.operand().0, threads);
+    }
+    b.gemm_part(m, n, k, c, start, a, threads);
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use super::elementwise::{
 };
 use super::gemm::{
     gemm_bias_into, gemm_into, gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat,
-    PreparedB, SendPtr, GEMM_PARALLEL_WORK,
+    PreparedB, Products, SendPtr, GEMM_PARALLEL_WORK,
 };
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
@@ -52,7 +52,7 @@ fn batch_offsets(l: &Layout) -> Vec<usize> {
 }
 
 /// `out = a @ b` over the last two dims, the batch dims of `a` and `b` broadcast to `out`'s.
-pub fn matmul(a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+pub fn matmul(a: View<'_>, b: View<'_>, out: View<'_>, products: Products) -> Result<()> {
     let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
     let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
     let batch = &out.shape()[..ro - 2];
@@ -74,7 +74,7 @@ pub fn matmul(a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
             // SAFETY: batch i writes its own m x n block of the fresh output; operands are in bounds.
             unsafe {
                 gemm_into::<T>(m, n, k, d.0.add(i * m * n), n as isize, false,
-                    mat_of(pa.0 as *const T, &la, oa[i]), mat_of(pb.0 as *const T, &lb, ob[i]), threads)
+                    mat_of(pa.0 as *const T, &la, oa[i]), mat_of(pb.0 as *const T, &lb, ob[i]), threads, products)
             }
         };
         if oa.len() > 1 && m * n * k < GEMM_PARALLEL_WORK {
@@ -108,7 +108,7 @@ pub(crate) fn bias_row<T: Float + crate::dtype::Element>(
 }
 
 /// `out = x W^T + b` (x contiguous [rows, in], bias contiguous).
-pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'_>) -> Result<()> {
+pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'_>, products: Products) -> Result<()> {
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
     let rows = x.numel() / in_f.max(1);
     with_float!(x.dtype(), "linear", T => {
@@ -119,7 +119,7 @@ pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'
         let wt = weight_mat::<T>(weight, true)?;
         let xs = Mat { ptr: x.slice::<T>()?.as_ptr(), rs: in_f as isize, cs: 1 };
         // SAFETY: fresh output of rows x out_f; operands valid for their layouts.
-        unsafe { gemm_bias_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias, xs, wt, rayon::current_num_threads()) };
+        unsafe { gemm_bias_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias, xs, wt, rayon::current_num_threads(), products) };
     });
     Ok(())
 }
@@ -127,7 +127,13 @@ pub fn linear(x: View<'_>, weight: View<'_>, bias: Option<View<'_>>, out: View<'
 /// A linear layer's weight gradient `gw = grad^T x` ([out, in], from `grad` [rows, out] and `x`
 /// [rows, in]) and, when given, its bias gradient `gb` (the column sums of `grad`, added up as the
 /// product reads `grad`: no pass of their own).
-pub fn linear_weight_grad(grad: View<'_>, x: View<'_>, gw: View<'_>, gb: Option<View<'_>>) -> Result<()> {
+pub fn linear_weight_grad(
+    grad: View<'_>,
+    x: View<'_>,
+    gw: View<'_>,
+    gb: Option<View<'_>>,
+    products: Products,
+) -> Result<()> {
     const NAME: &str = "linear_weight_grad";
     let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
     // The rows are x's; the output gradient must have as many.
@@ -141,7 +147,7 @@ pub fn linear_weight_grad(grad: View<'_>, x: View<'_>, gw: View<'_>, gb: Option<
         let xm = Mat { ptr: xs.as_ptr(), rs: in_f as isize, cs: 1 };
         // SAFETY: the gradients are fresh tensors of the checked lengths; the operands are in bounds.
         unsafe {
-            gemm_summing_into::<T>(out_f, in_f, rows, dst.as_mut_ptr(), in_f as isize, false, g_t, xm, rayon::current_num_threads(), gbp)
+            gemm_summing_into::<T>(out_f, in_f, rows, dst.as_mut_ptr(), in_f as isize, false, g_t, xm, rayon::current_num_threads(), gbp, products)
         };
     });
     Ok(())
@@ -176,6 +182,7 @@ pub fn gelu_linear(
     bias: Option<View<'_>>,
     scratch: View<'_>,
     out: View<'_>,
+    products: Products,
 ) -> Result<()> {
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
     let rows = x.numel() / in_f.max(1);
@@ -202,7 +209,7 @@ pub fn gelu_linear(
         // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
         unsafe {
             gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias,
-                GELU_ROWS, gelu_rows, wt)
+                GELU_ROWS, gelu_rows, wt, products)
         };
     });
     Ok(())
@@ -220,6 +227,7 @@ pub fn gelu_linear_backward(
     gw: Option<View<'_>>,
     gb: Option<View<'_>>,
     scratch: View<'_>,
+    products: Products,
 ) -> Result<()> {
     const NAME: &str = "gelu_linear_backward";
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
@@ -299,8 +307,8 @@ pub fn gelu_linear_backward(
                                     gelu_with_derivative_slice(sc_row(r), d);
                                 }
                             });
-                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
-                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
+                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp, products);
+                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads, products);
                             each_row(&|r| {
                                 let g = sc_row(r);
                                 if in_place {
@@ -316,11 +324,11 @@ pub fn gelu_linear_backward(
                         if let Some(gwp) = gwp {
                             // dW (+)= g_block^T gelu(x_block)
                             each_row(&|r| gelu_slice(x_row(r), sc_row(r)));
-                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp);
+                            gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp, products);
                         }
                         if let (Some(gxs), Some(w_prep)) = (gxs, w_prep) {
                             // dx = (g_block W) * gelu'(x_block)
-                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
+                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads, products);
                             each_row(&|r| {
                                 if in_place {
                                     gelu_backward_over_input(sc_row(r), x_row(r));
@@ -334,7 +342,7 @@ pub fn gelu_linear_backward(
             };
             if gxs.is_some() {
                 // SAFETY: W is a parameter, unchanged during this call.
-                unsafe { with_prepared_b(out_f, in_f, w, |w_prep| blocks(Some(w_prep))) };
+                unsafe { with_prepared_b(out_f, in_f, w, products, |w_prep| blocks(Some(w_prep))) };
             } else {
                 blocks(None);
             }

@@ -6,7 +6,7 @@
 
 use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
 use super::gemm::{
-    gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, SendPtr,
+    gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, Products, SendPtr,
 };
 use super::matmul::{bias_grad_ptr, bias_row, weight_mat};
 use crate::dtype::Float;
@@ -323,6 +323,7 @@ pub fn layer_norm_linear(
     out: View<'_>,
     mean: Option<View<'_>>,
     rstd: Option<View<'_>>,
+    products: Products,
 ) -> Result<()> {
     const NAME: &str = "layer_norm_linear";
     let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
@@ -356,7 +357,7 @@ pub fn layer_norm_linear(
         // SAFETY: the fresh output holds rows x out; the scratch, a separate tensor, holds a block.
         unsafe {
             gemm_row_blocks_into::<T>(rows, out_f, in_f, dst.as_mut_ptr(), out_f as isize, bias,
-                LN_ROWS, normalized_rows, wt)
+                LN_ROWS, normalized_rows, wt, products)
         };
     });
     Ok(())
@@ -384,6 +385,7 @@ pub fn layer_norm_linear_backward(
     gb: Option<View<'_>>,
     scratch: View<'_>,
     sums: Option<View<'_>>,
+    products: Products,
 ) -> Result<()> {
     const NAME: &str = "layer_norm_linear_backward";
     let (out_f, d) = (weight.shape()[0], weight.shape()[1]);
@@ -425,8 +427,9 @@ pub fn layer_norm_linear_backward(
             check_len("layer_norm_linear_backward column sums", a.len(), 2 * d)?;
             a.fill(0.0);
         }
+        // Not for a bf16 product: its operand is the affine's output y, rounded, not xhat.
         let from_product = match (gwp, gbp) {
-            (Some(gwp), Some(gbp)) if acc.is_some() => Some((gwp, gbp)),
+            (Some(gwp), Some(gbp)) if acc.is_some() && products == Products::F32 => Some((gwp, gbp)),
             _ => None,
         };
         let sc = scratch.slice_mut::<T>()?;
@@ -454,12 +457,12 @@ pub fn layer_norm_linear_backward(
                     let g_t = Mat { ptr: g_ptr, rs: 1, cs: out_f as isize };
                     let y = Mat { ptr: block.as_ptr(), rs: d as isize, cs: 1 };
                     // SAFETY: the weight gradient is a fresh [out, d] tensor; operands are in bounds.
-                    unsafe { gemm_summing_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads, gbp) };
+                    unsafe { gemm_summing_into::<T>(out_f, d, n, gwp, d as isize, r0 > 0, g_t, y, threads, gbp, products) };
                 }
                 let Some(w_prep) = w_prep else { continue };
                 // gy = g W, the gradient of the normalized rows, over the scratch.
                 // SAFETY: the scratch block is n x d and separate from the operands.
-                unsafe { prepared_gemm_into::<T>(w_prep, n, block.as_mut_ptr(), d as isize, false, g_block, threads) };
+                unsafe { prepared_gemm_into::<T>(w_prep, n, block.as_mut_ptr(), d as isize, false, g_block, threads, products) };
                 let gy: &[T] = block;
                 if let (Some(acc), None) = (&mut acc, from_product) {
                     // Column blocks: each task sums its columns over the block's rows, in row order.
@@ -500,7 +503,7 @@ pub fn layer_norm_linear_backward(
         };
         if need_gy {
             // SAFETY: W is a parameter, unchanged during this call.
-            unsafe { with_prepared_b(out_f, d, w_mat, |w_prep| blocks(Some(w_prep))) };
+            unsafe { with_prepared_b(out_f, d, w_mat, products, |w_prep| blocks(Some(w_prep))) };
         } else {
             blocks(None);
         }

@@ -5,6 +5,7 @@
 
 use memfit_cpu::attention::{AttnAddr, AttnDims, AttnLayouts, AttnProblem};
 use memfit_cpu::dtype::DType;
+use memfit_cpu::gemm::Products::F32;
 use memfit_cpu::kernels;
 use memfit_cpu::layout::Layout;
 use memfit_cpu::pool::{Avg, PoolGeom};
@@ -130,7 +131,19 @@ fn layer_norm_linear_refuses_short_outputs_scratch_and_statistics() {
             f32s(&[ROWS]),
         ],
         call: Box::new(|v| {
-            kernels::layer_norm_linear(v[0], v[1], v[2], 1e-5, v[3], Some(v[4]), v[5], v[6], Some(v[7]), Some(v[8]))
+            kernels::layer_norm_linear(
+                v[0],
+                v[1],
+                v[2],
+                1e-5,
+                v[3],
+                Some(v[4]),
+                v[5],
+                v[6],
+                Some(v[7]),
+                Some(v[8]),
+                F32,
+            )
         }),
         shortened: vec![
             (5, short(&[ROWS, D]), "layer_norm_linear scratch"),
@@ -178,6 +191,7 @@ fn layer_norm_linear_backward_refuses_short_operands_and_gradients() {
                 Some(v[13]),
                 v[11],
                 Some(v[12]),
+                F32,
             )
         }),
         shortened: vec![
@@ -197,13 +211,13 @@ fn linear_and_matmul_refuse_short_outputs() {
     check(&Case {
         name: "linear",
         buffers: vec![f32s(&[ROWS, D]), f32s(&[OUT, D]), f32s(&[OUT]), f32s(&[ROWS, OUT])],
-        call: Box::new(|v| kernels::linear(v[0], v[1], Some(v[2]), v[3])),
+        call: Box::new(|v| kernels::linear(v[0], v[1], Some(v[2]), v[3], F32)),
         shortened: vec![(3, short(&[ROWS, OUT]), "linear output")],
     });
     check(&Case {
         name: "matmul",
         buffers: vec![f32s(&[ROWS, D]), f32s(&[D, OUT]), f32s(&[ROWS, OUT])],
-        call: Box::new(|v| kernels::matmul(v[0], v[1], v[2])),
+        call: Box::new(|v| kernels::matmul(v[0], v[1], v[2], F32)),
         // The output's rank names the batch dims: keep it.
         shortened: vec![(2, vec![ROWS * OUT - 1, 1], "matmul output")],
     });
@@ -215,7 +229,7 @@ fn linear_weight_grad_refuses_short_operands_and_gradients() {
         name: "linear_weight_grad",
         // grad, x (whose rows are the problem's), gw, gb
         buffers: vec![f32s(&[ROWS, OUT]), f32s(&[ROWS, D]), f32s(&[OUT, D]), f32s(&[OUT])],
-        call: Box::new(|v| kernels::linear_weight_grad(v[0], v[1], v[2], Some(v[3]))),
+        call: Box::new(|v| kernels::linear_weight_grad(v[0], v[1], v[2], Some(v[3]), F32)),
         shortened: vec![
             (0, vec![ROWS * OUT - 1, 1], "linear_weight_grad output gradient"),
             (3, short(&[OUT]), "linear_weight_grad bias gradient"),
@@ -229,7 +243,7 @@ fn gelu_linear_refuses_short_buffers_forward_and_backward() {
     check(&Case {
         name: "gelu_linear",
         buffers: vec![f32s(&[ROWS, D]), f32s(&[OUT, D]), f32s(&[OUT]), f32s(&[ROWS, stride]), f32s(&[ROWS, OUT])],
-        call: Box::new(|v| kernels::gelu_linear(v[0], v[1], Some(v[2]), v[3], v[4])),
+        call: Box::new(|v| kernels::gelu_linear(v[0], v[1], Some(v[2]), v[3], v[4], F32)),
         shortened: vec![
             (3, short(&[ROWS, stride]), "gelu_linear scratch"),
             (4, short(&[ROWS, OUT]), "gelu_linear output"),
@@ -247,7 +261,9 @@ fn gelu_linear_refuses_short_buffers_forward_and_backward() {
             f32s(&[2 * ROWS, stride]),
             f32s(&[OUT]),
         ],
-        call: Box::new(|v| kernels::gelu_linear_backward(v[0], v[1], v[2], Some(v[3]), Some(v[4]), Some(v[6]), v[5])),
+        call: Box::new(|v| {
+            kernels::gelu_linear_backward(v[0], v[1], v[2], Some(v[3]), Some(v[4]), Some(v[6]), v[5], F32)
+        }),
         shortened: vec![
             (0, short(&[ROWS, D]), "gelu_linear_backward input"),
             (2, vec![ROWS * OUT - 1, 1], "gelu_linear_backward output gradient"),
@@ -296,6 +312,7 @@ fn attention_problem(bh: usize, heads: usize) -> AttnProblem {
         scale: 0.5,
         causal: true,
         full: vec![bh, t, t],
+        products: F32,
     }
 }
 
@@ -355,6 +372,7 @@ fn packed_problem(t: usize, dh: usize) -> AttnProblem {
         scale: 0.5,
         causal: true,
         full: vec![1, 2, t, t],
+        products: F32,
     }
 }
 

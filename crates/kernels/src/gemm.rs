@@ -490,6 +490,17 @@ impl<T: GemmScalar> PreparedB<T> {
         PreparedB { packed: Some(dst as *const T), ..plain }
     }
 
+    /// B as it is, for products that pack it themselves (a bf16 product's: Note [bf16 products] in
+    /// `gemm_bf16`).
+    pub fn unprepared(isa: Isa, k: usize, n: usize, b: MatRef<T>) -> Self {
+        PreparedB { isa, kernel: <T as sealed::Sealed>::micro_kernel(isa), k, n, b, packed: None }
+    }
+
+    /// The operand as given, and its rows and columns.
+    pub fn operand(&self) -> (MatRef<T>, usize, usize) {
+        (self.b, self.k, self.n)
+    }
+
     /// `C[m x n] (+)= A[m x k] @ B` on up to `threads` threads; as [`gemm`] with this B.
     ///
     /// # Safety

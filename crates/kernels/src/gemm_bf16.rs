@@ -32,6 +32,25 @@ use crate::Isa;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
+/// How a product computes (the device's setting, `--precision`): in f32, or as a bf16 product
+/// (Note [bf16 products]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Products {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl Products {
+    /// The name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Products::F32 => "fp32",
+            Products::Bf16 => "bf16",
+        }
+    }
+}
+
 /// Rows and columns of the AVX512-BF16 tile (its packs hold pair words).
 const PAIR_MR: usize = 12;
 const PAIR_NR: usize = 32;

@@ -179,6 +179,8 @@ struct DeviceInner {
     /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
     /// 0: none, 1: bf16, 2: f16 (read by every save, so an atomic rather than a lock).
     saved_dtype: std::sync::atomic::AtomicU8,
+    /// Whether matrix products compute as bf16 products (see [`Device::set_products`]).
+    bf16_products: AtomicBool,
     next_id: AtomicU64,
     modules: Mutex<Modules>,
     profiling: AtomicBool,
@@ -268,6 +270,7 @@ impl Device {
             rehearsing: AtomicU64::new(0),
             random_seed: AtomicU64::new(0),
             saved_dtype: std::sync::atomic::AtomicU8::new(0),
+            bf16_products: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
             profiling: AtomicBool::new(false),
@@ -508,6 +511,27 @@ impl Device {
             1 => Some(crate::DType::BF16),
             2 => Some(crate::DType::F16),
             _ => None,
+        }
+    }
+
+    /// How matrix products compute (linear, matmul, convolution, attention's two products, the fused
+    /// ops' products): in f32, or as bf16 products of f32 operands (Note [bf16 products] in
+    /// `memfit-kernels`' `gemm_bf16`), `--precision bf16`'s arithmetic. Element-wise ops, reductions,
+    /// parameters, gradients and optimizer state stay f32 either way; nothing allocates differently.
+    /// Returns what the device will compute: a GPU target has no bf16 products yet and keeps f32
+    /// (its `--precision bf16` stores activations in bf16 only; the report says so).
+    pub fn set_products(&self, products: crate::Products) -> crate::Products {
+        let products = if self.target() == crate::Target::Cuda { crate::Products::F32 } else { products };
+        self.0.bf16_products.store(products == crate::Products::Bf16, Ordering::Relaxed);
+        products
+    }
+
+    /// How matrix products compute on this device.
+    pub fn products(&self) -> crate::Products {
+        if self.0.bf16_products.load(Ordering::Relaxed) {
+            crate::Products::Bf16
+        } else {
+            crate::Products::F32
         }
     }
 

@@ -23,6 +23,7 @@ pub use device::{
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};
 pub use layout::Layout;
+pub use memfit_kernels::gemm_bf16::{Bf16Level, Products};
 pub use memfit_kernels::Isa;
 pub use memfit_memory as memory;
 pub use memfit_memory::{Category, MemoryStats, OutOfMemory, Phase};

@@ -214,8 +214,9 @@ impl OptimizerStep {
     }
 }
 
-/// The dtype activations are saved in for backward (`--precision`; Note [Half-precision storage] in
-/// `tensor/src/autograd.rs`). Arithmetic, parameters, gradients and optimizer state stay f32.
+/// `--precision`: the dtype activations are saved in for backward (Note [Half-precision storage] in
+/// `tensor/src/autograd.rs`) and, for bf16, how matrix products compute (bf16 operands, f32
+/// accumulation: PyTorch autocast's split). Parameters, gradients and optimizer state stay f32.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
     /// Activations saved as computed (the default: numerics never change).
@@ -246,6 +247,15 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
             Precision::Auto => "auto",
+        }
+    }
+
+    /// How matrix products compute under this precision: bf16 products for bf16 (Note [bf16
+    /// products] in `memfit-kernels`), else f32 (fp16 storage keeps f32 products).
+    pub fn products(self) -> memfit_tensor::Products {
+        match self {
+            Precision::Bf16 => memfit_tensor::Products::Bf16,
+            Precision::Fp32 | Precision::Fp16 | Precision::Auto => memfit_tensor::Products::F32,
         }
     }
 

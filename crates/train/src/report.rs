@@ -39,6 +39,8 @@ pub struct RunSummary {
     pub checkpointed: Vec<String>,
     /// The dtype saved activations were stored in (`auto` resolved).
     pub precision: crate::config::Precision,
+    /// How matrix products computed ([`products_label`]).
+    pub products: String,
     /// The allocator's segments (`auto` resolved).
     pub segments: crate::config::Segments,
     /// Where the optimizer stepped (`auto` resolved).
@@ -125,6 +127,9 @@ pub struct Report {
     pub checkpointed_segments: Vec<String>,
     /// The dtype saved activations were stored in: fp32, bf16 or fp16.
     pub precision: String,
+    /// How matrix products computed: `fp32`, or `bf16 (LEVEL)` with the kernel level (bf16
+    /// operands, f32 accumulation: Note [bf16 products] in `memfit-kernels`).
+    pub products: String,
     /// The allocator's segments: fixed or expandable.
     pub segments: String,
     /// Where the optimizer stepped: after backward, or in-backward (a window of one micro-batch).
@@ -303,6 +308,7 @@ impl Report {
             planned: s.plan.is_some(),
             checkpointed_segments: s.checkpointed.clone(),
             precision: s.precision.name().to_string(),
+            products: s.products.clone(),
             segments: s.segments.name().to_string(),
             optimizer_step: s.optimizer_step.name().to_string(),
             skipped_steps: s.skipped_steps,
@@ -487,6 +493,11 @@ impl crate::planner::Plan {
                 self.precision.name()
             ));
         }
+        if self.precision == crate::config::Precision::Bf16 {
+            s.push_str(
+                "matrix products: bf16 operands, f32 accumulation (on a cpu; a GPU keeps f32 products for now)\n",
+            );
+        }
         if self.segments.expandable() {
             s.push_str(
                 "expandable segments: each pool one segment that grows and shrinks by 2 MiB pages, so reserved \
@@ -670,5 +681,20 @@ pub fn curves(summary: &crate::RunSummary) -> memfit_profile::Curves {
         peak_reserved: summary.stats.reserved_bytes.peak,
         // The budget's line (a GPU's whole free memory would flatten every curve).
         capacity: summary.config.memory,
+    }
+}
+
+/// How a device computes matrix products, for reports: `fp32`, or `bf16 (LEVEL)` with the kernel
+/// level on the cpu; a GPU keeps f32 products under `--precision bf16` for now, and says so.
+pub fn products_label(device: &memfit_tensor::Device, precision: crate::config::Precision) -> String {
+    match device.products() {
+        memfit_tensor::Products::Bf16 => {
+            format!("bf16 ({}): bf16 operands, f32 accumulation", memfit_tensor::Bf16Level::active().name())
+        }
+        memfit_tensor::Products::F32 if precision == crate::config::Precision::Bf16 => {
+            "fp32 (bf16 products are not built for a GPU yet: activations are stored in bf16, products stay f32)"
+                .to_string()
+        }
+        memfit_tensor::Products::F32 => "fp32".to_string(),
     }
 }

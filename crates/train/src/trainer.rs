@@ -140,9 +140,12 @@ pub trait Peers: Send + Sync {
 impl Session {
     /// Applies `choice` to the model's segments; returns the names of those that now run
     /// checkpointed.
-    /// Stores saved activations in `precision`'s dtype (resolved: `auto` is the planner's to decide).
-    pub fn set_precision(&self, precision: crate::config::Precision) -> Result<(), TrainError> {
-        Ok(self.device.set_saved_dtype(precision.saved_dtype())?)
+    /// Stores saved activations in `precision`'s dtype and, for bf16, makes matrix products bf16
+    /// products (resolved: `auto` is the planner's to decide). Returns how products compute on this
+    /// device (f32 on a GPU for now).
+    pub fn set_precision(&self, precision: crate::config::Precision) -> Result<memfit_tensor::Products, TrainError> {
+        self.device.set_saved_dtype(precision.saved_dtype())?;
+        Ok(self.device.set_products(precision.products()))
     }
 
     /// Where the optimizer steps: after the window's backward, or inside it (Note [Step in

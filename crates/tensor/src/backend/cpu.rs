@@ -48,7 +48,7 @@ macro_rules! as_is {
 }
 
 as_is!(bool, f64, u64, usize, &'a [u8], &'a mut [u8], &'a mut bool, Unary, Binary, Compare, Avg, SgdStep, AdamStep);
-as_is!(&'a ConvGeom, &'a PoolGeom, &'a AttnProblem);
+as_is!(&'a ConvGeom, &'a PoolGeom, &'a AttnProblem, memfit_cpu::gemm::Products);
 
 impl From<memfit_cpu::Error> for Error {
     fn from(e: memfit_cpu::Error) -> Self {

@@ -15,7 +15,7 @@ use crate::device::DeviceKind;
 use crate::error::{Error, Result};
 use crate::ops::{AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep, Unary};
 use crate::tensor::Tensor;
-use crate::DType;
+use crate::{DType, Products};
 use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Staging, Strided};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -1312,7 +1312,7 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor, _products: Products) -> Result<()> {
         let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
         let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
         let batch_shape = &out.shape()[..ro - 2];
@@ -1357,7 +1357,14 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
+    fn linear(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        out: &Tensor,
+        _products: Products,
+    ) -> Result<()> {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = x.numel() / in_f.max(1);
         let dst = dense(out, "linear")?;
@@ -1367,7 +1374,14 @@ impl Backend for Cuda {
         self.times_weight_t(dense(x, "linear")?, rows, weight, dst, if bias.is_some() { 1.0 } else { 0.0 }, "linear")
     }
 
-    fn linear_weight_grad(&self, grad: &Tensor, x: &Tensor, gw: &Tensor, gb: Option<&Tensor>) -> Result<()> {
+    fn linear_weight_grad(
+        &self,
+        grad: &Tensor,
+        x: &Tensor,
+        gw: &Tensor,
+        gb: Option<&Tensor>,
+        _products: Products,
+    ) -> Result<()> {
         const NAME: &str = "linear_weight_grad";
         let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
         let rows = x.numel() / in_f.max(1);
@@ -1386,6 +1400,7 @@ impl Backend for Cuda {
         bias: Option<&Tensor>,
         scratch: &Tensor,
         out: &Tensor,
+        _products: Products,
     ) -> Result<()> {
         const NAME: &str = "gelu_linear";
         let sfx = float(NAME, x.dtype())?;
@@ -1431,6 +1446,7 @@ impl Backend for Cuda {
         gw: Option<&Tensor>,
         gb: Option<&Tensor>,
         scratch: &Tensor,
+        _products: Products,
     ) -> Result<()> {
         const NAME: &str = "gelu_linear_backward";
         let sfx = float(NAME, grad.dtype())?;
@@ -1569,6 +1585,7 @@ impl Backend for Cuda {
         out: &Tensor,
         mean: Option<&Tensor>,
         rstd: Option<&Tensor>,
+        _products: Products,
     ) -> Result<()> {
         const NAME: &str = "layer_norm_linear";
         let sfx = float(NAME, x.dtype())?;
@@ -1623,6 +1640,7 @@ impl Backend for Cuda {
         gb: Option<&Tensor>,
         scratch: &Tensor,
         _sums: Option<&Tensor>,
+        _products: Products,
     ) -> Result<()> {
         const NAME: &str = "layer_norm_linear_backward";
         let sfx = float(NAME, grad.dtype())?;

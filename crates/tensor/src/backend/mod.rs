@@ -90,6 +90,7 @@ macro_rules! backends {
 }
 
 use crate::ops::{Binary, Compare, Unary};
+use crate::Products;
 
 /// Fills an ordinary host buffer of `t`'s bytes (8-byte aligned) with `fill` and hands it to `copy`.
 pub(crate) fn with_host_buffer(
@@ -272,14 +273,22 @@ backends! {
     fn unscale(&self, grad: &Tensor, inv_scale: f64, found_inf: &mut bool);
     // Seam B: matmul.
     /// `out = a @ b` over the last two dims, the batch dims of `a` and `b` broadcast to `out`'s.
-    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor);
+    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor, products: Products);
     /// `out = x W^T + b` (x contiguous [.., in], weight [out, in], bias contiguous [out]).
-    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor);
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, out: &Tensor, products: Products);
     /// A linear layer's weight gradient `gw = grad^T x` (grad [rows, out], x [rows, in]) and, when
     /// given, its bias gradient `gb` (grad's column sums), from one pass over `grad`.
-    fn linear_weight_grad(&self, grad: &Tensor, x: &Tensor, gw: &Tensor, gb: Option<&Tensor>);
+    fn linear_weight_grad(&self, grad: &Tensor, x: &Tensor, gw: &Tensor, gb: Option<&Tensor>, products: Products);
     /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through the op's `scratch`.
-    fn gelu_linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, scratch: &Tensor, out: &Tensor);
+    fn gelu_linear(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        scratch: &Tensor,
+        out: &Tensor,
+        products: Products,
+    );
     /// gelu_linear's input gradient into `gx` (`x` itself when in place), weight gradient into `gw`
     /// and, with it, bias gradient into `gb`, each when given, from `grad` [rows, out], block by
     /// block through `scratch`.
@@ -293,6 +302,7 @@ backends! {
         gw: Option<&Tensor>,
         gb: Option<&Tensor>,
         scratch: &Tensor,
+        products: Products,
     );
 
     // Seam B: norm.
@@ -339,6 +349,7 @@ backends! {
         out: &Tensor,
         mean: Option<&Tensor>,
         rstd: Option<&Tensor>,
+        products: Products,
     );
     /// layer_norm_linear's gradients (each when given; `gx` is `x` itself when in place; the linear
     /// bias gradient `gb` only with the weight gradient `gw`) from `grad` [rows, out], block by
@@ -361,6 +372,7 @@ backends! {
         gb: Option<&Tensor>,
         scratch: &Tensor,
         sums: Option<&Tensor>,
+        products: Products,
     );
     /// `out = batch_norm(x)` over channel dim 1 (batch statistics, updating the running ones when
     /// given, in training; the running ones in eval); the statistics used into `mean` and `rstd`

@@ -98,7 +98,7 @@ pub fn scaled_dot_product_attention(
         v: AttnAddr::stack(tk, dv),
         out: AttnAddr::stack(tq, dv),
     };
-    let pb = AttnProblem { dims, lay, scale: 1.0 / (d as f64).sqrt(), causal, full };
+    let pb = AttnProblem { dims, lay, scale: 1.0 / (d as f64).sqrt(), causal, full, products: super::products_of(q) };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let mut out_shape = batch.to_vec();
     out_shape.extend([tq, dv]);
@@ -151,7 +151,8 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
         out: AttnAddr { offset: 0, batch_stride: t * e, head_stride: dh, row_stride: e },
     };
     let dims = AttnDims { bh: b * heads, heads, tq: t, tk: t, d: dh, dv: dh };
-    let pb = AttnProblem { dims, lay, scale: 1.0 / (dh as f64).sqrt(), causal, full };
+    let pb =
+        AttnProblem { dims, lay, scale: 1.0 / (dh as f64).sqrt(), causal, full, products: super::products_of(qkv) };
     let qkv = qkv.contiguous()?;
     let out = output(&qkv, &[b, t, e], qkv.dtype(), NAME)?;
     let grad = needs_grad(&[&qkv]);

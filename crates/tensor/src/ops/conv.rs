@@ -206,6 +206,7 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
         lanes,
         per_lane,
         batch,
+        products: crate::Products::F32,
     })
 }
 
@@ -239,7 +240,10 @@ fn conv2d_with(
     all.extend(bias);
     check_same("conv2d", &all)?;
     super::check_computable("conv2d", x.dtype())?;
-    let g = geometry(x.shape(), weight.shape(), &params, x.dtype().size(), limits)?;
+    let g = ConvGeom {
+        products: super::products_of(x),
+        ..geometry(x.shape(), weight.shape(), &params, x.dtype().size(), limits)?
+    };
     if let Some(b) = bias {
         if b.shape() != [g.o] {
             return Err(Error::shape(format!(
@@ -278,7 +282,10 @@ impl Backward for Conv2dBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let x = &self.x.restore()?;
         let weight = &self.weight;
-        let g = geometry(x.shape(), weight.shape(), &self.params, x.dtype().size(), self.limits)?;
+        let g = ConvGeom {
+            products: super::products_of(&x),
+            ..geometry(x.shape(), weight.shape(), &self.params, x.dtype().size(), self.limits)?
+        };
         if grad.shape() != [g.n, g.o, g.oh, g.ow] || grad.dtype() != x.dtype() {
             return Err(Error::shape(format!(
                 "conv2d backward: gradient {:?} {} does not match the output [{}, {}, {}, {}] {}",

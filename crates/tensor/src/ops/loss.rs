@@ -150,7 +150,7 @@ pub fn linear_cross_entropy(
         let rows = chunk.min(n - start);
         let (xc, tc) = (x.narrow(0, start, rows)?, target.narrow(0, start, rows)?);
         let logits = output(&x, &[rows, v], dtype, "linear_cross_entropy")?;
-        backend.linear(&xc, weight, bias_c.as_ref(), &logits)?;
+        backend.linear(&xc, weight, bias_c.as_ref(), &logits, super::products_of(&xc))?;
         let best = output(&x, &[rows], dtype, "linear_cross_entropy")?;
         backend.max_dim(&logits, rows, v, 1, &best, &predicted.narrow(0, start, rows)?)?;
         drop(best);
@@ -170,10 +170,10 @@ pub fn linear_cross_entropy(
         let glogits = output(&x, &[rows, v], dtype, "linear_cross_entropy")?;
         backend.cross_entropy_backward(&logits, &tc, label_smoothing, &upstream, &glogits)?;
         drop((logits, upstream));
-        backend.matmul(&glogits, weight, &gx.narrow(0, start, rows)?)?;
+        backend.matmul(&glogits, weight, &gx.narrow(0, start, rows)?, super::products_of(&glogits))?;
         let gw_part = output(&x, &[v, d], dtype, "linear_cross_entropy")?;
         let gb_part = gb.as_ref().map(|_| output(&x, &[v], dtype, "linear_cross_entropy")).transpose()?;
-        backend.linear_weight_grad(&glogits, &xc, &gw_part, gb_part.as_ref())?;
+        backend.linear_weight_grad(&glogits, &xc, &gw_part, gb_part.as_ref(), super::products_of(&glogits))?;
         drop(glogits);
         backend.add_into(gw, &gw_part)?;
         if let (Some(gb), Some(part)) = (&gb, &gb_part) {

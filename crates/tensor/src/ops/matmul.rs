@@ -29,7 +29,7 @@ fn matmul_kernel(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let mut shape = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2])?;
     shape.extend([m, n]);
     let out = output(a, &shape, a.dtype(), "matmul")?;
-    a.device().backend().matmul(a, b, &out)?;
+    a.device().backend().matmul(a, b, &out, super::products_of(a))?;
     Ok(out)
 }
 
@@ -107,7 +107,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     *shape.last_mut().expect("rank >= 1") = out_f;
     let out = output(&x, &shape, x.dtype(), "linear")?;
     let b = contiguous_bias(bias)?;
-    x.device().backend().linear(&x, weight, b.as_ref(), &out)?;
+    x.device().backend().linear(&x, weight, b.as_ref(), &out, super::products_of(&x))?;
     drop(b);
     let mut inputs = vec![&x, weight];
     inputs.extend(bias);
@@ -139,7 +139,7 @@ impl Backward for LinearBack {
         let gb = bias_grad(&g2, self.has_bias && needs[2], gw.is_some(), "linear_backward")?;
         if let Some(gw) = &gw {
             let x2 = self.x.restore()?.reshape(&[-1, in_f as isize])?.contiguous()?;
-            g2.device().backend().linear_weight_grad(&g2, &x2, gw, gb.as_ref())?;
+            g2.device().backend().linear_weight_grad(&g2, &x2, gw, gb.as_ref(), super::products_of(&g2))?;
         }
         let mut grads = vec![gx, gw];
         if self.has_bias {
@@ -205,7 +205,7 @@ fn gelu_linear_computed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, comp
     let scratch = output(&x, &[block, scratch_stride(&x, in_f, block)], x.dtype(), "gelu_linear")?;
     let b = contiguous_bias(bias)?;
     if compute {
-        x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out)?;
+        x.device().backend().gelu_linear(&x, weight, b.as_ref(), &scratch, &out, super::products_of(&x))?;
     }
     drop(b);
     drop(scratch);
@@ -248,7 +248,16 @@ impl Backward for GeluLinearBack {
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
         let gb_target = gb.as_ref().filter(|_| gw.is_some());
-        grad.device().backend().gelu_linear_backward(&x, &weight, &g2, gx_target, gw.as_ref(), gb_target, &scratch)?;
+        grad.device().backend().gelu_linear_backward(
+            &x,
+            &weight,
+            &g2,
+            gx_target,
+            gw.as_ref(),
+            gb_target,
+            &scratch,
+            super::products_of(&x),
+        )?;
         drop(scratch);
         let gx = if in_place {
             // x now holds its gradient: a temporary again, no longer an activation.

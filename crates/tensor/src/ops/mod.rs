@@ -83,6 +83,11 @@ pub(crate) fn fused_block_rows(like: &Tensor, cpu_rows: usize) -> usize {
 /// block of 4,096 costs GPT-2's GELU-linear 48 MiB of scratch (96 in a backward beside its input).
 pub(crate) const GPU_FUSED_ROWS: usize = 4096;
 
+/// How `t`'s device computes matrix products ([`crate::Device::products`]).
+pub(crate) fn products_of(t: &Tensor) -> crate::Products {
+    t.device().products()
+}
+
 /// A zero-filled output.
 pub(crate) fn zeros_output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
     let t = output(like, shape, dtype, op)?;

@@ -179,7 +179,19 @@ pub fn layer_norm_linear(
     let scratch = output(&x, &[rows.min(super::fused_block_rows(&x, LN_ROWS)), in_f], x.dtype(), NAME)?;
     let b = contiguous_bias(bias)?;
     let (mean, rstd) = (stats.as_ref().map(|s| &s.0), stats.as_ref().map(|s| &s.1));
-    x.device().backend().layer_norm_linear(&x, &ln_w, &ln_b, eps, weight, b.as_ref(), &scratch, &out, mean, rstd)?;
+    x.device().backend().layer_norm_linear(
+        &x,
+        &ln_w,
+        &ln_b,
+        eps,
+        weight,
+        b.as_ref(),
+        &scratch,
+        &out,
+        mean,
+        rstd,
+        super::products_of(&x),
+    )?;
     drop(b);
     drop(scratch);
     let Some((mean, rstd)) = stats else { return Ok(out) };
@@ -245,6 +257,7 @@ impl Backward for LayerNormLinearBack {
             gb.as_ref().filter(|_| gw.is_some()),
             &scratch,
             sums.as_ref(),
+            super::products_of(&x),
         )?;
         drop((scratch, sums));
         let gx = if in_place {
