@@ -154,9 +154,11 @@ struct RunArgs {
     /// time, the same numbers [default: auto with --memory, else none].
     #[arg(long, value_parser = CheckpointChoice::parse)]
     checkpoint: Option<CheckpointChoice>,
-    /// Storage of the activations saved for backward: fp32 (as computed), bf16 or fp16 (about half their
-    /// bytes, arithmetic still f32; fp16 skips a step whose gradients overflow), or auto (with
-    /// --memory: the planner takes bf16 when it gives the fastest plan that fits).
+    /// Precision: fp32; bf16 (saved activations in bf16, about half their bytes, and matrix products
+    /// on bf16 operands with f32 accumulation, on the cpu's AVX512-BF16 where it has it; a GPU keeps
+    /// f32 products for now); fp16 (saved activations in fp16, a step whose gradients overflow is
+    /// skipped; products f32); or auto (with --memory: the planner takes bf16 when it gives the
+    /// fastest plan that fits).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
     /// The allocator's segments: fixed (PyTorch's caching allocator: 2 MiB and 20 MiB segments, kept
@@ -316,7 +318,8 @@ struct PlanArgs {
     /// Keep this micro-batch (samples per forward/backward) and fit the rest around it.
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     micro_batch: Option<u64>,
-    /// Storage of saved activations the plan assumes: fp32, bf16, fp16, or auto (bf16 weighed too).
+    /// Precision the plan assumes (saved activations' storage; bf16 also multiplies in bf16): fp32,
+    /// bf16, fp16, or auto (bf16 weighed too).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
     /// The allocator's segments the plan assumes: fixed, expandable, or auto

@@ -378,7 +378,7 @@ fn forward_kernel<T: Float + Element>(
                 let rows = DP_ROWS.min(tq - r0);
                 let kend = vis.key_end(base, r0, rows, tk);
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: lay.q.row_stride as isize, cs: 1 };
-                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads, products);
+                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
                 let mut maxima = [T::zero(); DP_ROWS];
                 for (r, m) in maxima[..rows].iter_mut().enumerate() {
                     let row = &mut s[r * kend..(r + 1) * kend];
@@ -394,7 +394,7 @@ fn forward_kernel<T: Float + Element>(
                 }
                 let pm = Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 };
                 let dst = oi.add(r0 * lay.out.row_stride);
-                prepared_part_into(&vm, rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, threads, products);
+                prepared_part_into(&vm, rows, dv, kend, dst, lay.out.row_stride as isize, false, pm, threads);
             }
         }
     });
@@ -474,7 +474,7 @@ fn backward_kernel<T: Float + Element>(
                 let qb = Mat { ptr: qi.add(r0 * lay.q.row_stride), rs: qrs, cs: 1 };
                 let gob = Mat { ptr: goi.add(r0 * lay.out.row_stride), rs: ors, cs: 1 };
                 // P = exp(S - lse), recomputed exactly as forward scaled and masked it.
-                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads, products);
+                prepared_part_into(&kt, rows, kend, d, s.as_mut_ptr(), kend as isize, false, qb, threads);
                 for r in 0..rows {
                     let l = *lse.add(r0 + r);
                     let row = &mut s[r * kend..(r + 1) * kend];
@@ -518,7 +518,7 @@ fn backward_kernel<T: Float + Element>(
                     continue;
                 }
                 // dP = dO v^T; dS = P * (dP - rowsum(P * dP)) * scale, over P.
-                prepared_part_into(&vt, rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, threads, products);
+                prepared_part_into(&vt, rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, threads);
                 for r in 0..rows {
                     let prow = &mut s[r * kend..(r + 1) * kend];
                     let dprow = &dp[r * kend..(r + 1) * kend];
@@ -526,18 +526,7 @@ fn backward_kernel<T: Float + Element>(
                 }
                 if let Some(gqi) = gqi {
                     // dQ rows = dS k[:kend]
-                    prepared_part_into(
-                        &km,
-                        rows,
-                        d,
-                        kend,
-                        gqi.add(r0 * lay.q.row_stride),
-                        qrs,
-                        false,
-                        pm,
-                        threads,
-                        products,
-                    );
+                    prepared_part_into(&km, rows, d, kend, gqi.add(r0 * lay.q.row_stride), qrs, false, pm, threads);
                 }
                 if let Some(gki) = gki {
                     // dK[:kend] += dS^T q rows

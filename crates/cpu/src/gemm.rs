@@ -7,12 +7,17 @@
 use crate::dtype::Float;
 use memfit_kernels::gemm::{gemm, gemm_row_blocks, gemm_with_row_sums, MatMut, Start};
 pub use memfit_kernels::gemm_bf16::Products;
-use memfit_kernels::gemm_bf16::{gemm_bf16, Bf16Level};
+use memfit_kernels::gemm_bf16::{gemm_bf16, with_prepared_bf16, Bf16Level, PreparedBf16};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
-/// A right operand prepared once for several products (the kernels crate's).
-pub(crate) use memfit_kernels::gemm::PreparedB;
+use memfit_kernels::gemm::PreparedB;
+
+/// A right operand prepared once for several products: for the f32 GEMM, or for bf16 products.
+pub(crate) enum Prepared<T> {
+    F32(PreparedB<T>),
+    Bf16(PreparedBf16),
+}
 /// Work (m*n*k) below which a product runs on one thread.
 pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
 
@@ -113,12 +118,19 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
     if is_bf16::<T>(products) {
         // The sums are of A as it is (a bias gradient stays f32), each row's elements in order.
         if let Some(sums) = row_sums {
-            for i in 0..m {
-                let mut acc = *sums.add(i);
+            let sums = std::slice::from_raw_parts_mut(sums, m);
+            // Along A's contiguous direction; each sum still takes its row's elements in order.
+            if a.rs == 1 {
                 for t in 0..k {
-                    acc = acc + *a.ptr.offset(i as isize * a.rs + t as isize * a.cs);
+                    let col = std::slice::from_raw_parts(a.ptr.offset(t as isize * a.cs), m);
+                    sums.iter_mut().zip(col).for_each(|(s, &v)| *s = *s + v);
                 }
-                *sums.add(i) = acc;
+            } else {
+                for (i, s) in sums.iter_mut().enumerate() {
+                    for t in 0..k {
+                        *s = *s + *a.ptr.offset(i as isize * a.rs + t as isize * a.cs);
+                    }
+                }
             }
         }
         return bf16_into(m, n, k, c, start, a, b, threads);
@@ -199,14 +211,14 @@ pub(crate) unsafe fn with_prepared_b<T: Float, R>(
     n: usize,
     b: Mat<T>,
     products: Products,
-    f: impl FnOnce(&PreparedB<T>) -> R,
+    f: impl FnOnce(&Prepared<T>) -> R,
 ) -> R {
-    let isa = memfit_kernels::Isa::active();
     if is_bf16::<T>(products) {
-        // A bf16 product packs its operands itself.
-        return f(&PreparedB::unprepared(isa, k, n, b));
+        let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
+        return with_prepared_bf16(Bf16Level::active(), k, n, b, |p| f(&Prepared::Bf16(*p)));
     }
-    memfit_kernels::gemm::with_prepared_b(isa, k, n, b, rayon::current_num_threads(), f)
+    let isa = memfit_kernels::Isa::active();
+    memfit_kernels::gemm::with_prepared_b(isa, k, n, b, rayon::current_num_threads(), |p| f(&Prepared::F32(*p)))
 }
 
 /// `dst[m x n] (+)= a[m x k] @ b` with a prepared `b`; otherwise as [`gemm_into`].
@@ -214,21 +226,29 @@ pub(crate) unsafe fn with_prepared_b<T: Float, R>(
 /// # Safety
 /// As [`gemm_into`].
 pub(crate) unsafe fn prepared_gemm_into<T: Float>(
-    b: &PreparedB<T>,
+    b: &Prepared<T>,
     m: usize,
     dst: *mut T,
     dst_rs: isize,
     accumulate: bool,
     a: Mat<T>,
     threads: usize,
-    products: Products,
 ) {
-    let (c, start) = (MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
-    if is_bf16::<T>(products) {
-        let (bm, k, n) = b.operand();
-        return bf16_into(m, n, k, c, start, a, bm, threads);
+    let (k, n) = b.dims();
+    prepared_part_into(b, m, n, k, dst, dst_rs, accumulate, a, threads)
+}
+
+impl<T: Float> Prepared<T> {
+    /// The operand's rows and columns.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        match self {
+            Prepared::F32(p) => {
+                let (_, k, n) = p.operand();
+                (k, n)
+            }
+            Prepared::Bf16(p) => p.dims(),
+        }
     }
-    b.gemm(m, c, start, a, threads);
 }
 
 /// The most elements attention (or any kernel) gives one operand it prepares in a buffer of its own
@@ -239,7 +259,7 @@ pub(crate) const PREPARED_B_MAX_ELEMS: usize = 1 << 16;
 /// Elements of the buffer [`prepare_b_in`] packs a `k x n` operand into: enough for any instruction
 /// set, or none past [`PREPARED_B_MAX_ELEMS`] (the operand is then multiplied as it is).
 pub(crate) fn prepared_b_len(k: usize, n: usize) -> usize {
-    let need = memfit_kernels::gemm::prepared_b_capacity(k, n);
+    let need = memfit_kernels::gemm::prepared_b_capacity(k, n).max(PreparedBf16::capacity(k, n));
     if need <= PREPARED_B_MAX_ELEMS {
         need
     } else {
@@ -261,12 +281,22 @@ pub(crate) unsafe fn prepare_b_in<T: Float>(
     buf: &mut [T],
     threads: usize,
     products: Products,
-) -> PreparedB<T> {
-    let isa = memfit_kernels::Isa::active();
+) -> Prepared<T> {
     if is_bf16::<T>(products) {
-        return PreparedB::unprepared(isa, k, n, b);
+        // f32 elements and pair words are both 4 bytes.
+        let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
+        let words = buf.len() * std::mem::size_of::<T>() / 4;
+        return Prepared::Bf16(PreparedBf16::prepare_into(
+            Bf16Level::active(),
+            k,
+            n,
+            b,
+            buf.as_mut_ptr() as *mut u32,
+            words,
+        ));
     }
-    PreparedB::prepare_into(isa, k, n, b, buf.as_mut_ptr(), buf.len(), threads)
+    let isa = memfit_kernels::Isa::active();
+    Prepared::F32(PreparedB::prepare_into(isa, k, n, b, buf.as_mut_ptr(), buf.len(), threads))
 }
 
 /// `dst[m x n] (+)= a[m x k] @ b[..k, ..n]` with the first `k` rows and `n` columns of a prepared
@@ -276,7 +306,7 @@ pub(crate) unsafe fn prepare_b_in<T: Float>(
 /// As [`gemm_into`]; `n` and `k` at most `b`'s.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn prepared_part_into<T: Float>(
-    b: &PreparedB<T>,
+    b: &Prepared<T>,
     m: usize,
     n: usize,
     k: usize,
@@ -285,13 +315,17 @@ pub(crate) unsafe fn prepared_part_into<T: Float>(
     accumulate: bool,
     a: Mat<T>,
     threads: usize,
-    products: Products,
 ) {
     let (c, start) = (MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
-    if is_bf16::<T>(products) {
-        return bf16_into(m, n, k, c, start, a, b.operand().0, threads);
+    match b {
+        Prepared::F32(b) => b.gemm_part(m, n, k, c, start, a, threads),
+        Prepared::Bf16(b) => {
+            // Only f32 operands are prepared for bf16 products (`is_bf16`).
+            let a = Mat { ptr: a.ptr as *const f32, rs: a.rs, cs: a.cs };
+            let c = MatMut { ptr: c.ptr as *mut f32, rs: c.rs };
+            b.gemm_part(m, n, k, c, Start::adding(accumulate), a, threads)
+        }
     }
-    b.gemm_part(m, n, k, c, start, a, threads);
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use super::elementwise::{
 };
 use super::gemm::{
     gemm_bias_into, gemm_into, gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat,
-    PreparedB, Products, SendPtr, GEMM_PARALLEL_WORK,
+    Prepared, Products, SendPtr, GEMM_PARALLEL_WORK,
 };
 use crate::dtype::Float;
 use crate::error::{check_len, Result};
@@ -273,7 +273,7 @@ pub fn gelu_linear_backward(
             let threads = rayon::current_num_threads();
             // The blocks, with W prepared once for all their dx products (given exactly when dx is
             // wanted).
-            let blocks = |w_prep: Option<&PreparedB<T>>| {
+            let blocks = |w_prep: Option<&Prepared<T>>| {
                 for r0 in (0..rows).step_by(GELU_ROWS) {
                     let n = GELU_ROWS.min(rows - r0);
                     // Row r of the block: of the scratch (`stride` apart), of x, of the derivative
@@ -308,7 +308,7 @@ pub fn gelu_linear_backward(
                                 }
                             });
                             gemm_summing_into::<T>(out_f, in_f, n, gwp, in_f as isize, r0 > 0, g_t, y, threads, gbp, products);
-                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads, products);
+                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
                                 let g = sc_row(r);
                                 if in_place {
@@ -328,7 +328,7 @@ pub fn gelu_linear_backward(
                         }
                         if let (Some(gxs), Some(w_prep)) = (gxs, w_prep) {
                             // dx = (g_block W) * gelu'(x_block)
-                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads, products);
+                            prepared_gemm_into::<T>(w_prep, n, scp.0, stride as isize, false, g_rows, threads);
                             each_row(&|r| {
                                 if in_place {
                                     gelu_backward_over_input(sc_row(r), x_row(r));

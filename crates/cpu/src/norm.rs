@@ -6,7 +6,7 @@
 
 use super::elementwise::{combine_lanes, for_row_groups, lane_sum, LANES};
 use super::gemm::{
-    gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat, PreparedB, Products, SendPtr,
+    gemm_row_blocks_into, gemm_summing_into, prepared_gemm_into, with_prepared_b, Mat, Prepared, Products, SendPtr,
 };
 use super::matmul::{bias_grad_ptr, bias_row, weight_mat};
 use crate::dtype::Float;
@@ -438,7 +438,7 @@ pub fn layer_norm_linear_backward(
         let isa = Isa::active();
         let threads = rayon::current_num_threads();
         // The blocks, with W prepared once for all their gy products when they are wanted.
-        let mut blocks = |w_prep: Option<&PreparedB<T>>| {
+        let mut blocks = |w_prep: Option<&Prepared<T>>| {
             for r0 in (0..rows).step_by(LN_ROWS) {
                 let n = LN_ROWS.min(rows - r0);
                 let g_ptr = gs[r0 * out_f..].as_ptr();
@@ -462,7 +462,7 @@ pub fn layer_norm_linear_backward(
                 let Some(w_prep) = w_prep else { continue };
                 // gy = g W, the gradient of the normalized rows, over the scratch.
                 // SAFETY: the scratch block is n x d and separate from the operands.
-                unsafe { prepared_gemm_into::<T>(w_prep, n, block.as_mut_ptr(), d as isize, false, g_block, threads, products) };
+                unsafe { prepared_gemm_into::<T>(w_prep, n, block.as_mut_ptr(), d as isize, false, g_block, threads) };
                 let gy: &[T] = block;
                 if let (Some(acc), None) = (&mut acc, from_product) {
                     // Column blocks: each task sums its columns over the block's rows, in row order.

@@ -1,9 +1,10 @@
 //! GFLOP/s of memfit's GEMM for the products of the bench cases, per instruction set:
 //! `cargo run --release -p memfit-kernels --example gemm_bench [threads]`. The same cases as
 //! `tools/torch_gemm.py` (`--isa NAME` runs one level only, `--case TEXT` the cases whose name
-//! contains TEXT).
+//! contains TEXT; `--bf16`: the bf16 product at each of its levels this CPU has instead).
 
 use memfit_kernels::gemm::{gemm, MatMut, MatRef, Start};
+use memfit_kernels::gemm_bf16::{gemm_bf16, Bf16Level};
 use memfit_kernels::Isa;
 use std::time::Instant;
 
@@ -31,8 +32,11 @@ fn main() {
     let mut threads = 2;
     let mut only = None;
     let mut case = String::new();
+    let mut bf16 = false;
     while let Some(a) = args.next() {
-        if a == "--isa" {
+        if a == "--bf16" {
+            bf16 = true;
+        } else if a == "--isa" {
             only = args.next().and_then(|n| Isa::parse(&n));
         } else if a == "--case" {
             case = args.next().unwrap_or_default();
@@ -41,7 +45,13 @@ fn main() {
         }
     }
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-    for isa in Isa::supported().into_iter().filter(|i| only.is_none_or(|o| o == *i)) {
+    // (name, the f32 level, the bf16 level) of each level to run.
+    let levels: Vec<(&str, Isa, Option<Bf16Level>)> = if bf16 {
+        Bf16Level::supported().into_iter().map(|l| (l.name(), Isa::Portable, Some(l))).collect()
+    } else {
+        Isa::supported().into_iter().filter(|i| only.is_none_or(|o| o == *i)).map(|i| (i.name(), i, None)).collect()
+    };
+    for (level, isa, bf16_level) in levels {
         for &(name, m, n, k, lay) in CASES.iter().filter(|c| c.0.contains(&case)) {
             let a = vec![0.5f32; m * k];
             let b = vec![0.25f32; k * n];
@@ -50,17 +60,15 @@ fn main() {
             let (brs, bcs) = if lay == "NT" { (1, k) } else { (n, 1) };
             // SAFETY: the buffers hold exactly the shapes and strides passed.
             let run = |c: &mut Vec<f32>| unsafe {
-                gemm(
-                    isa,
-                    m,
-                    n,
-                    k,
+                let (cm, am) = (
                     MatMut { ptr: c.as_mut_ptr(), rs: n as isize },
-                    Start::Zero,
                     MatRef { ptr: a.as_ptr(), rs: ars as isize, cs: acs as isize },
-                    MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
-                    threads,
-                )
+                );
+                let bm = MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize };
+                match bf16_level {
+                    Some(l) => gemm_bf16(l, m, n, k, cm, Start::Zero, am, bm, threads),
+                    None => gemm(isa, m, n, k, cm, Start::Zero, am, bm, threads),
+                }
             };
             let mut times = pool.install(|| {
                 for _ in 0..3 {
@@ -84,7 +92,7 @@ fn main() {
             assert_eq!(c[0], 0.125 * k as f32);
             times.sort_by(f64::total_cmp);
             let t = times[times.len() / 2];
-            println!("{isa:8} {name:22} {m:5} {n:5} {k:5} {lay} {:7.1} GFLOP/s", 2.0 * (m * n * k) as f64 / t / 1e9);
+            println!("{level:11} {name:22} {m:5} {n:5} {k:5} {lay} {:7.1} GFLOP/s", 2.0 * (m * n * k) as f64 / t / 1e9);
         }
     }
 }

@@ -426,6 +426,7 @@ pub unsafe fn gemm_row_blocks<T: GemmScalar>(
 /// left operands (the row blocks of a fused op, forward or backward): packed whole into this
 /// thread's B workspace when the kernels pack a B like it and it fits there, else left as it is
 /// (read in place, or packed block by block per product, as [`gemm`] does).
+#[derive(Clone, Copy)]
 pub struct PreparedB<T> {
     isa: Isa,
     kernel: MicroKernel<T>,
@@ -488,12 +489,6 @@ impl<T: GemmScalar> PreparedB<T> {
         }
         pack_whole(kernel, threads.max(1), k, n, b, dst);
         PreparedB { packed: Some(dst as *const T), ..plain }
-    }
-
-    /// B as it is, for products that pack it themselves (a bf16 product's: Note [bf16 products] in
-    /// `gemm_bf16`).
-    pub fn unprepared(isa: Isa, k: usize, n: usize, b: MatRef<T>) -> Self {
-        PreparedB { isa, kernel: <T as sealed::Sealed>::micro_kernel(isa), k, n, b, packed: None }
     }
 
     /// The operand as given, and its rows and columns.

@@ -186,6 +186,21 @@ impl Kernel {
         2 * pairs * width + PANEL_PAD
     }
 
+    /// Words of a `k x n` operand packed whole (blocks of [`NC`] columns and [`KC`] steps, each in
+    /// whole panels).
+    fn words(self, k: usize, n: usize) -> usize {
+        let nr = self.tile().1;
+        (0..n)
+            .step_by(NC)
+            .map(|jc| {
+                (0..k)
+                    .step_by(KC)
+                    .map(|pc| NC.min(n - jc).div_ceil(nr) * self.panel_words(KC.min(k - pc).div_ceil(2), nr))
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
     /// `C[mr x nr] = start + A_panel · B_panel` over `pairs` step pairs.
     ///
     /// # Safety
@@ -203,9 +218,8 @@ impl Kernel {
     }
 
     /// Packs `lines` lines of `depth` steps (step s of line i at `src + i * line_stride + s *
-    /// step_stride`) into panels of `width` lines, zero past the block's edges: each panel first as
-    /// the f32 GEMM packs it (`gemm::pack`, transposing contiguous lines in registers), then rounded
-    /// in place, into pair words or with each pair's steps swapped.
+    /// step_stride`) into panels of `width` lines, rounded, zero past the block's edges, in one pass
+    /// that reads whichever direction is contiguous in order (the panel being written stays in L1).
     ///
     /// # Safety
     /// The block's elements must be valid; `out` holds `lines.div_ceil(width)` panels of
@@ -222,37 +236,60 @@ impl Kernel {
         out: *mut u32,
     ) {
         let pairs = depth.div_ceil(2);
-        // The f32 packing of the same tile (its transposing path where the level has one).
-        let f32_kernel = match self {
-            Kernel::Pairs => <f32 as crate::gemm::sealed::Sealed>::micro_kernel(Isa::Avx512),
-            Kernel::Steps(mk) => mk,
-        };
+        let pairs_kernel = matches!(self, Kernel::Pairs);
+        // Where step s of line w goes in a panel: a pair word's half, or a step with each pair's odd
+        // step first.
+        let steps_at = |s: usize, w: usize| (s ^ 1) * width + w;
         for panel in 0..lines.div_ceil(width) {
             let dst = out.add(panel * self.panel_words(pairs, width));
             let first = src.offset((panel * width) as isize * line_stride);
             let n = width.min(lines - panel * width);
-            crate::gemm::pack(f32_kernel, first, line_stride, step_stride, n, depth, width, dst as *mut f32, None);
-            if depth % 2 == 1 {
-                std::ptr::write_bytes(dst.add(depth * width), 0, width);
+            if n < width || depth % 2 == 1 {
+                std::ptr::write_bytes(dst, 0, self.panel_words(pairs, width) - PANEL_PAD);
             }
-            for p in 0..pairs {
-                let (even, odd) = (dst.add(2 * p * width), dst.add((2 * p + 1) * width));
-                match self {
-                    Kernel::Steps(_) => {
-                        for w in 0..width {
-                            let (e, o) = (*even.add(w), *odd.add(w));
-                            *even.add(w) = round_bits(o);
-                            *odd.add(w) = round_bits(e);
+            #[cfg(target_arch = "x86_64")]
+            if avx512_pack::usable(line_stride, step_stride) {
+                avx512_pack::panel(pairs_kernel, first, line_stride, step_stride, n, depth, width, dst);
+                continue;
+            }
+            let at =
+                |w: usize, s: usize| (*first.offset(w as isize * line_stride + s as isize * step_stride)).to_bits();
+            if line_stride == 1 && step_stride != 1 {
+                // The lines of a step are adjacent (a row-major B): step by step, or pair by pair.
+                for p in 0..pairs {
+                    let odd = 2 * p + 1 < depth;
+                    if pairs_kernel {
+                        let d = dst.add(p * width);
+                        for w in 0..n {
+                            let hi = if odd { round_bits(at(w, 2 * p + 1)) } else { 0 };
+                            *d.add(w) = round_bits(at(w, 2 * p)) >> 16 | hi;
+                        }
+                    } else {
+                        let (de, dodd) = (dst.add(steps_at(2 * p, 0)), dst.add(steps_at(2 * p + 1, 0)));
+                        for w in 0..n {
+                            *de.add(w) = round_bits(at(w, 2 * p));
+                            if odd {
+                                *dodd.add(w) = round_bits(at(w, 2 * p + 1));
+                            }
                         }
                     }
-                    Kernel::Pairs => {
-                        // Word p of a line lands at or before what it is made of: read a step pair,
-                        // then write its words.
-                        let mut words = [0u32; PAIR_NR];
-                        for (w, word) in words.iter_mut().enumerate().take(width) {
-                            *word = round_bits(*even.add(w)) >> 16 | (round_bits(*odd.add(w)) & 0xFFFF_0000);
+                }
+            } else {
+                // Line by line along its steps (a row-major A, a transposed B).
+                for w in 0..n {
+                    let line = first.offset(w as isize * line_stride);
+                    let get = |s: usize| (*line.offset(s as isize * step_stride)).to_bits();
+                    if pairs_kernel {
+                        for p in 0..depth / 2 {
+                            *dst.add(p * width + w) = round_bits(get(2 * p)) >> 16 | round_bits(get(2 * p + 1));
                         }
-                        std::ptr::copy_nonoverlapping(words.as_ptr(), dst.add(p * width), width);
+                        if depth % 2 == 1 {
+                            *dst.add((depth / 2) * width + w) = round_bits(get(depth - 1)) >> 16;
+                        }
+                    } else {
+                        for s in 0..depth {
+                            *dst.add(steps_at(s, w)) = round_bits(get(s));
+                        }
                     }
                 }
             }
@@ -345,6 +382,125 @@ mod avx512bf16 {
     }
 }
 
+/// The packs' loops on AVX-512 (with VL's scatters), for operands contiguous along their lines or
+/// along their steps: the same words as the plain loops of [`Kernel::pack`].
+#[cfg(target_arch = "x86_64")]
+mod avx512_pack {
+    use std::arch::x86_64::*;
+
+    /// Whether this CPU and these strides take the vector loops.
+    pub(super) fn usable(line_stride: isize, step_stride: isize) -> bool {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        (line_stride == 1 || step_stride == 1)
+            && *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl"))
+    }
+
+    /// [`super::round_bits`] on 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn round(x: __m512i) -> __m512i {
+        let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        let magnitude = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let rounded = _mm512_and_si512(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), high);
+        let quiet = _mm512_and_si512(_mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000)), high);
+        let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        let denormal = _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7F80_0000));
+        _mm512_mask_blend_epi32(denormal, r, _mm512_and_si512(r, _mm512_set1_epi32(0x8000_0000u32 as i32)))
+    }
+
+    /// The first `n` (at most 16) lanes.
+    fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
+
+    /// One panel of `n` lines (of `width`) and `depth` steps into `dst`, already zeroed where the
+    /// block ends.
+    ///
+    /// # Safety
+    /// As [`super::Kernel::pack`] for the panel; the CPU has AVX-512F and VL.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(super) unsafe fn panel(
+        pairs_kernel: bool,
+        src: *const f32,
+        line_stride: isize,
+        step_stride: isize,
+        n: usize,
+        depth: usize,
+        width: usize,
+        dst: *mut u32,
+    ) {
+        let pairs = depth.div_ceil(2);
+        if line_stride == 1 {
+            // A step's lines are adjacent: 16 lines at a time, contiguous in and out.
+            for p in 0..pairs {
+                let even = src.offset((2 * p) as isize * step_stride) as *const i32;
+                let odd = (2 * p + 1 < depth).then(|| src.offset((2 * p + 1) as isize * step_stride) as *const i32);
+                for w0 in (0..n).step_by(16) {
+                    let m = lanes(n - w0);
+                    let e = round(_mm512_maskz_loadu_epi32(m, even.add(w0)));
+                    let o = match odd {
+                        Some(o) => round(_mm512_maskz_loadu_epi32(m, o.add(w0))),
+                        None => _mm512_setzero_si512(),
+                    };
+                    if pairs_kernel {
+                        let word = _mm512_or_si512(_mm512_srli_epi32::<16>(e), o);
+                        _mm512_mask_storeu_epi32(dst.add(p * width + w0) as *mut i32, m, word);
+                    } else {
+                        // Each pair's odd step first.
+                        _mm512_mask_storeu_epi32(dst.add(2 * p * width + w0) as *mut i32, m, o);
+                        _mm512_mask_storeu_epi32(dst.add((2 * p + 1) * width + w0) as *mut i32, m, e);
+                    }
+                }
+            }
+            return;
+        }
+        // A line's steps are adjacent: 16 steps at a time, scattered to their places in the panel.
+        let w = width as i32;
+        let pair_index = _mm256_setr_epi32(0, w, 2 * w, 3 * w, 4 * w, 5 * w, 6 * w, 7 * w);
+        let step_index = _mm512_setr_epi32(
+            w,
+            0,
+            3 * w,
+            2 * w,
+            5 * w,
+            4 * w,
+            7 * w,
+            6 * w,
+            9 * w,
+            8 * w,
+            11 * w,
+            10 * w,
+            13 * w,
+            12 * w,
+            15 * w,
+            14 * w,
+        );
+        for l in 0..n {
+            let line = src.offset(l as isize * line_stride) as *const i32;
+            for s0 in (0..depth).step_by(16) {
+                let m = lanes(depth - s0);
+                let r = round(_mm512_maskz_loadu_epi32(m, line.add(s0)));
+                if pairs_kernel {
+                    // 16 steps are 8 pair words: the high halves side by side.
+                    let words = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(r));
+                    let pm = ((1u32 << (depth - s0).div_ceil(2).min(8)) - 1) as __mmask8;
+                    _mm256_mask_i32scatter_epi32::<4>(dst.add((s0 / 2) * width + l) as *mut i32, pm, pair_index, words);
+                } else {
+                    _mm512_mask_i32scatter_epi32::<4>(dst.add(s0 * width + l) as *mut i32, m, step_index, r);
+                }
+            }
+        }
+    }
+}
+
 thread_local! {
     /// This thread's pack buffers (words), taken while a product uses one and put back after.
     static PACKS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
@@ -373,8 +529,9 @@ impl<T> Shared<T> {
     }
 }
 
-/// Multiplies one packed A block (`mc` rows) by the packed B block (`nc` columns), `pairs` pairs
-/// deep, into C's block at `c`, the tiles of B's panels `panels` only.
+/// Multiplies one packed A block (`mc` rows) by the packed B block (`nc` columns, panels
+/// `b_panel_words` apart), `pairs` pairs deep, into C's block at `c`, the tiles of B's panels
+/// `panels` only.
 ///
 /// # Safety
 /// As [`gemm_bf16`] for the block.
@@ -385,6 +542,7 @@ unsafe fn multiply_block(
     a_pack: *const u32,
     mc: usize,
     b_pack: *const u32,
+    b_panel_words: usize,
     nc: usize,
     panels: std::ops::Range<usize>,
     c: MatMut<f32>,
@@ -396,7 +554,7 @@ unsafe fn multiply_block(
         for jr in panels.clone() {
             let cols = nr.min(nc - jr * nr);
             let a = a_pack.add(ir * kernel.panel_words(pairs, mr));
-            let b = b_pack.add(jr * kernel.panel_words(pairs, nr));
+            let b = b_pack.add(jr * b_panel_words);
             let dst = c.at(ir * mr, jr * nr).ptr;
             let st = start.at_col(jr * nr);
             if rows == mr && cols == nr {
@@ -429,6 +587,33 @@ pub unsafe fn gemm_bf16(
     b: MatRef<f32>,
     threads: usize,
 ) {
+    product(Kernel::of(level), m, n, k, c, start, a, Source::Pack(b), threads)
+}
+
+/// Where a product's B blocks come from: packed as the product goes, or prepared whole.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Pack(MatRef<f32>),
+    Prepared(&'a PreparedBf16),
+}
+
+/// The driver: blocks of [`NC`] columns and [`KC`] steps of B, each multiplied by A's blocks of
+/// [`MC`] rows (packed per product).
+///
+/// # Safety
+/// As [`gemm_bf16`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    kernel: Kernel,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: MatMut<f32>,
+    start: Start<f32>,
+    a: MatRef<f32>,
+    b: Source<'_>,
+    threads: usize,
+) {
     if m == 0 || n == 0 {
         return;
     }
@@ -436,20 +621,12 @@ pub unsafe fn gemm_bf16(
         let zeros = [0f32; MAX_TILE];
         for i0 in (0..m).step_by(PAIR_MR) {
             for j0 in (0..n).step_by(PAIR_NR) {
-                store(
-                    &zeros,
-                    PAIR_NR,
-                    PAIR_MR.min(m - i0),
-                    PAIR_NR.min(n - j0),
-                    c.at(i0, j0).ptr,
-                    c.rs,
-                    start.at_col(j0),
-                );
+                let (rows, cols) = (PAIR_MR.min(m - i0), PAIR_NR.min(n - j0));
+                store(&zeros, PAIR_NR, rows, cols, c.at(i0, j0).ptr, c.rs, start.at_col(j0));
             }
         }
         return;
     }
-    let kernel = Kernel::of(level);
     let (mr, nr) = kernel.tile();
     let parallel = threads > 1 && m * n * k >= crate::gemm::PARALLEL_WORK;
     for jc in (0..n).step_by(NC) {
@@ -459,15 +636,16 @@ pub unsafe fn gemm_bf16(
             let kc = KC.min(k - pc);
             let pairs = kc.div_ceil(2);
             let st = start.at_col(jc).for_block(pc);
-            with_pack(panels * kernel.panel_words(pairs, nr), |b_pack| {
-                // B's lines are its columns, A's its rows.
-                kernel.pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, nr, b_pack);
-                let (b_shared, blocks) = (Shared(b_pack), m.div_ceil(MC));
+            let body = |b_pack: *const u32, b_panel_words: usize| {
+                let (b_shared, blocks) = (Shared(b_pack as *mut u32), m.div_ceil(MC));
                 let run = |ib: usize, cols: std::ops::Range<usize>| {
                     let (ic, mc) = (ib * MC, MC.min(m - ib * MC));
                     with_pack(mc.div_ceil(mr) * kernel.panel_words(pairs, mr), |a_pack| {
+                        // A's lines are its rows (packed to this product's depth: a prepared B's
+                        // steps past it meet zeros).
                         kernel.pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, a_pack);
-                        multiply_block(kernel, pairs, a_pack, mc, b_shared.get(), nc, cols, c.at(ic, jc), st);
+                        let b = b_shared.get();
+                        multiply_block(kernel, pairs, a_pack, mc, b, b_panel_words, nc, cols, c.at(ic, jc), st);
                     });
                 };
                 if parallel && blocks >= threads {
@@ -483,8 +661,135 @@ pub unsafe fn gemm_bf16(
                 } else {
                     (0..blocks).for_each(|ib| run(ib, 0..panels));
                 }
-            });
+            };
+            match b {
+                Source::Pack(b) => with_pack(panels * kernel.panel_words(pairs, nr), |b_pack| {
+                    // B's lines are its columns.
+                    kernel.pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, nr, b_pack);
+                    body(b_pack, kernel.panel_words(pairs, nr))
+                }),
+                Source::Prepared(p) => body(p.block(jc, pc), p.panel_words(pc)),
+            }
         }
+    }
+}
+
+/// Runs `f` with `b` (`k x n`) prepared for several bf16 products, packed whole into one of this
+/// thread's buffers when it fits one block of [`NC`] columns and [`KC`] steps (as the f32 GEMM's
+/// `with_prepared_b`), else as it is.
+///
+/// # Safety
+/// B must be valid for its shape and strides, and unchanged until `f` returns.
+pub unsafe fn with_prepared_bf16<R>(
+    level: Bf16Level,
+    k: usize,
+    n: usize,
+    b: MatRef<f32>,
+    f: impl FnOnce(&PreparedBf16) -> R,
+) -> R {
+    let words = PreparedBf16::capacity(KC, NC);
+    with_pack(words, |buf| f(&PreparedBf16::prepare_into(level, k, n, b, buf, words)))
+}
+
+/// A right operand packed once for several bf16 products that each use its first rows and
+/// columns (attention's keys up to a block's last visible one; a fused op's weight for all its row
+/// blocks), when it fits the caller's buffer; else packed by each product. A part's depth is cut by
+/// A's packed zeros: the prepared steps past it are multiplied by zero (finite operands, as
+/// attention's keys and a weight are).
+#[derive(Clone, Copy)]
+pub struct PreparedBf16 {
+    kernel: Kernel,
+    k: usize,
+    n: usize,
+    b: MatRef<f32>,
+    packed: Option<*const u32>,
+}
+
+// SAFETY: the packed buffer and B are only read, by parallel regions, while the caller keeps them.
+unsafe impl Send for PreparedBf16 {}
+unsafe impl Sync for PreparedBf16 {}
+
+impl PreparedBf16 {
+    /// Words a buffer needs to hold a `k x n` operand prepared on any level.
+    pub fn capacity(k: usize, n: usize) -> usize {
+        Bf16Level::ALL.iter().map(|&l| Kernel::of(l).words(k, n)).max().unwrap_or(0)
+    }
+
+    /// `b` (`k x n`) packed into `buf` (`len` words) when it fits, else kept as it is.
+    ///
+    /// # Safety
+    /// B must be valid for its shape and strides; it and the buffer must stay unchanged while the
+    /// result is used.
+    pub unsafe fn prepare_into(
+        level: Bf16Level,
+        k: usize,
+        n: usize,
+        b: MatRef<f32>,
+        buf: *mut u32,
+        len: usize,
+    ) -> Self {
+        let kernel = Kernel::of(level);
+        let mut prepared = PreparedBf16 { kernel, k, n, b, packed: None };
+        if k == 0 || n == 0 || kernel.words(k, n) > len {
+            return prepared;
+        }
+        let nr = kernel.tile().1;
+        for jc in (0..n).step_by(NC) {
+            for pc in (0..k).step_by(KC) {
+                let dst = buf.add(prepared.offset(jc, pc));
+                kernel.pack(b.at(pc, jc).ptr, b.cs, b.rs, NC.min(n - jc), KC.min(k - pc), nr, dst);
+            }
+        }
+        prepared.packed = Some(buf);
+        prepared
+    }
+
+    /// Words from one packed panel to the next in the blocks of depth `pc`.
+    fn panel_words(&self, pc: usize) -> usize {
+        self.kernel.panel_words(KC.min(self.k - pc).div_ceil(2), self.kernel.tile().1)
+    }
+
+    /// Where the block of columns `jc` and depth `pc` starts in the packed buffer (blocks by
+    /// columns, then depth; each whole panels of the full operand).
+    fn offset(&self, jc: usize, pc: usize) -> usize {
+        let nr = self.kernel.tile().1;
+        let block = |j: usize, p: usize| NC.min(self.n - j).div_ceil(nr) * self.panel_words(p);
+        let before: usize =
+            (0..jc).step_by(NC).map(|j| (0..self.k).step_by(KC).map(|p| block(j, p)).sum::<usize>()).sum();
+        before + (0..pc).step_by(KC).map(|p| block(jc, p)).sum::<usize>()
+    }
+
+    /// The packed block of columns `jc` and depth `pc`.
+    fn block(&self, jc: usize, pc: usize) -> *const u32 {
+        let base = self.packed.expect("a prepared operand's blocks");
+        // SAFETY: the offset is inside the buffer the operand was packed into.
+        unsafe { base.add(self.offset(jc, pc)) }
+    }
+
+    /// `C[m x n] (+)= A[m x k] @ B[..k, ..n]` as a bf16 product, with the first `n` columns and `k`
+    /// rows of this B.
+    ///
+    /// # Safety
+    /// As [`gemm_bf16`]; `n` and `k` at most this B's.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_part(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        c: MatMut<f32>,
+        start: Start<f32>,
+        a: MatRef<f32>,
+        threads: usize,
+    ) {
+        debug_assert!(n <= self.n && k <= self.k, "a part of B inside B");
+        let source = if self.packed.is_some() { Source::Prepared(self) } else { Source::Pack(self.b) };
+        product(self.kernel, m, n, k, c, start, a, source, threads)
+    }
+
+    /// Its rows and columns.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.k, self.n)
     }
 }
 
@@ -673,6 +978,64 @@ mod tests {
             "the operands were not rounded: {far_from_f32} of {} differ from f32's",
             m * n
         );
+    }
+
+    /// A prepared operand's parts (first rows and columns, odd depths among them, across depth and
+    /// column blocks) give the bits of the product with the part as its own operand; and an operand
+    /// too large for the buffer is multiplied as it is.
+    #[test]
+    fn prepared_parts_compute_the_products_of_the_parts() {
+        let (k, n) = (KC + 70, NC + 45);
+        let b = values(k * n, 21, 1.0);
+        let bm = MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 };
+        for level in Bf16Level::supported() {
+            let mut buf = vec![0u32; PreparedBf16::capacity(k, n)];
+            // SAFETY: the operand is `b`, the buffer holds the capacity.
+            let prepared = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), buf.len()) };
+            let too_small = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), 10) };
+            for &(m, pn, pk) in &[(5, n, k), (13, 33, 7), (30, NC + 1, KC + 3), (1, 1, 1), (12, 70, 64)] {
+                let a = values(m * pk, 22 + pk as u64, 1.0);
+                let am = MatRef { ptr: a.as_ptr(), rs: pk as isize, cs: 1 };
+                let mut want = vec![0f32; m * pn];
+                let mut got = vec![1f32; m * pn];
+                let mut plain = vec![2f32; m * pn];
+                // SAFETY: row-major operands and outputs of these shapes; the part is inside B.
+                unsafe {
+                    gemm_bf16(
+                        level,
+                        m,
+                        pn,
+                        pk,
+                        MatMut { ptr: want.as_mut_ptr(), rs: pn as isize },
+                        Start::Zero,
+                        am,
+                        bm,
+                        2,
+                    );
+                    prepared.gemm_part(
+                        m,
+                        pn,
+                        pk,
+                        MatMut { ptr: got.as_mut_ptr(), rs: pn as isize },
+                        Start::Zero,
+                        am,
+                        2,
+                    );
+                    too_small.gemm_part(
+                        m,
+                        pn,
+                        pk,
+                        MatMut { ptr: plain.as_mut_ptr(), rs: pn as isize },
+                        Start::Zero,
+                        am,
+                        1,
+                    );
+                }
+                let same = |x: &[f32]| want.iter().zip(x).all(|(w, g)| w.to_bits() == g.to_bits());
+                assert!(same(&got), "{} prepared part m {m} n {pn} k {pk}", level.name());
+                assert!(same(&plain), "{} unprepared part m {m} n {pn} k {pk}", level.name());
+            }
+        }
     }
 
     #[test]
