@@ -376,6 +376,10 @@ struct BenchArgs {
     /// after memfit's, and print the ratios.
     #[arg(long, value_name = "PYTHON")]
     compare_pytorch: Option<PathBuf>,
+    /// fp32, or bf16 (memfit's --precision bf16: bf16 storage and products; PyTorch's bf16 autocast
+    /// with --compare-pytorch), or fp16 (storage; PyTorch fp32).
+    #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
+    precision: Precision,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -1022,8 +1026,7 @@ fn devices_plan(request: &PlanRequest, n: usize, single: Option<&Plan>) -> Resul
             CheckpointChoice::All => names.clone(),
             c => c.segment_names(),
         };
-        let step =
-            costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision != Precision::Fp32);
+        let step = costs.step_ms_in(request.effective_batch, p.micro_batch, &checkpointed, p.precision);
         text.push_str(&format!(
             "  one device:         step {step:.1}{unit} ({:.0} samples/{per})\n",
             batch / step * 1e3
@@ -1102,6 +1105,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         steps,
         rounds: a.rounds as usize,
         pytorch: a.compare_pytorch.as_deref(),
+        precision: a.precision,
     })
     .map_err(|e| e.to_string())?;
     if a.json {
@@ -1109,13 +1113,20 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         return Ok(());
     }
     println!(
-        "memfit bench: AdamW training step on {}, {threads} thread{}, median of {} steps{}, {} kernels{}",
+        "memfit bench: AdamW training step on {}, {threads} thread{}, median of {} steps{}, {} kernels{}{}",
         report.device,
         if threads == 1 { "" } else { "s" },
         a.steps,
         if a.rounds > 1 { format!(" (median of {} alternating rounds)", a.rounds) } else { String::new() },
         report.isa,
-        report.pytorch_version.as_ref().map_or(String::new(), |v| format!(", vs PyTorch {v} in the same run"))
+        match a.precision {
+            Precision::Fp32 => String::new(),
+            _ => format!(", precision {} (products: {})", report.precision, report.products),
+        },
+        report.pytorch_version.as_ref().map_or(String::new(), |v| {
+            let autocast = if a.precision == Precision::Bf16 { " with bf16 autocast" } else { "" };
+            format!(", vs PyTorch {v}{autocast} in the same run")
+        })
     );
     let compare = report.pytorch_version.is_some();
     // With several rounds, the spread of the rounds' own ratios (the host's noise) after the ratio.

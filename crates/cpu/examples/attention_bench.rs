@@ -36,7 +36,14 @@ fn main() {
     let out_addr = AttnAddr { offset: 0, batch_stride: t * e, head_stride: dh, row_stride: e };
     let lay = AttnLayouts { q: part(0), k: part(1), v: part(2), out: out_addr };
     let dims = AttnDims { bh: b * heads, heads, tq: t, tk: t, d: dh, dv: dh };
-    let pb = AttnProblem { dims, lay, scale: 1.0 / (dh as f64).sqrt(), causal: true, full: vec![b, heads, t, t] };
+    let pb = AttnProblem {
+        dims,
+        lay,
+        scale: 1.0 / (dh as f64).sqrt(),
+        causal: true,
+        full: vec![b, heads, t, t],
+        products: memfit_cpu::gemm::Products::F32,
+    };
     let (l_qkv, l_out, l_lse) =
         (Layout::contiguous(&[b, t, 3 * e]), Layout::contiguous(&[b, t, e]), Layout::contiguous(&[b * heads, t]));
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");

@@ -77,6 +77,7 @@ fn gelu() -> f64 {
                 Some(gw),
                 Some(gb),
                 view(&mut scratch, DType::F32, &ls),
+                memfit_cpu::gemm::Products::F32,
             )
             .expect("gelu_linear_backward");
         },
@@ -128,6 +129,7 @@ fn layer_norm(outf: usize) -> f64 {
                 gb,
                 scratch,
                 Some(sums),
+                memfit_cpu::gemm::Products::F32,
             )
             .expect("layer_norm_linear_backward");
         },

@@ -6,9 +6,10 @@ allocator's measured peak (`torch.cuda.max_memory_allocated`). memfit runs this 
 arguments and reads one JSON object from stdout.
 
 Usage: python pytorch_bench.py CASE WARMUP STEPS THREADS [DEVICE]   (DEVICE: cpu, or cuda:N)
+With MEMFIT_BENCH_AUTOCAST=bf16 the forward runs under bf16 autocast (memfit's --precision bf16).
 """
 import contextlib
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 
 import torch
 import torch.nn as nn
@@ -93,9 +94,12 @@ def step_times(make_model, make_batch, warmup, steps, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = (t.to(device) for t in make_batch())
 
+    autocast = os.environ.get("MEMFIT_BENCH_AUTOCAST") == "bf16"
+
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model, x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         # memfit reads each step's loss back (its progress line): the same synchronisation here.

@@ -103,6 +103,10 @@ pub struct BenchReport {
     pub rounds: usize,
     /// The instruction set memfit's kernels ran with.
     pub isa: String,
+    /// The precision the cases ran in (`fp32`, `bf16`, `fp16`), and how memfit's matrix products
+    /// computed (`crate::report::products_label`).
+    pub precision: String,
+    pub products: String,
     /// The PyTorch version compared against, when one was.
     pub pytorch_version: Option<String>,
     pub cases: Vec<CaseResult>,
@@ -171,6 +175,8 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &[String]) -> Result
         .arg("-")
         .args([case[0].clone(), warmup.to_string(), steps.to_string(), threads.to_string(), device])
         .args(&case[1..])
+        // bf16: PyTorch's autocast; fp16 storage has no PyTorch counterpart, so it runs fp32.
+        .env("MEMFIT_BENCH_AUTOCAST", if cfg.precision == crate::config::Precision::Bf16 { "bf16" } else { "" })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -204,14 +210,21 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &[String]) -> Result
 /// the timed (steady-state, optimizer state present) steps.
 pub fn run_case(case: &BenchCase, kind: DeviceKind, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
     let planned = Planned { name: case.name.to_string(), spec: (case.spec)(), batch: case.batch, pytorch_case: vec![] };
-    measure(&planned, kind, warmup, steps)
+    measure(&planned, kind, warmup, steps, crate::config::Precision::Fp32)
 }
 
-fn measure(case: &Planned, kind: DeviceKind, warmup: usize, steps: usize) -> Result<CaseResult, TrainError> {
+fn measure(
+    case: &Planned,
+    kind: DeviceKind,
+    warmup: usize,
+    steps: usize,
+    precision: crate::config::Precision,
+) -> Result<CaseResult, TrainError> {
     let spec = &case.spec;
     let device = Device::new(DeviceConfig::new(kind))?;
     let optimizer = OptimizerConfig::adamw(1e-3);
     let mut session = Session::new(device.clone(), spec, optimizer, 0)?;
+    session.set_precision(precision)?;
     // Two windows of data, reused across epochs: the data's size does not grow with the steps.
     let data = synthetic(spec, case.batch * 2, 0);
     let opts = |n: usize| RunOptions {
@@ -265,6 +278,8 @@ pub struct BenchConfig<'a> {
     pub rounds: usize,
     /// A Python interpreter with PyTorch, to run each case there too.
     pub pytorch: Option<&'a Path>,
+    /// fp32 or bf16 (memfit's `--precision bf16`; PyTorch's bf16 autocast); `auto` is refused.
+    pub precision: crate::config::Precision,
 }
 
 /// Runs the cases (all when `only` is empty) on a pool of `threads` threads, each `rounds` times;
@@ -279,6 +294,11 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     }
     if rounds == 0 {
         return Err(TrainError::Invalid("bench: --rounds must be at least 1".into()));
+    }
+    if cfg.precision == crate::config::Precision::Auto {
+        return Err(TrainError::Invalid(
+            "bench: --precision auto is the planner's choice under a budget; give fp32, bf16 or fp16".into(),
+        ));
     }
     // A case is named by itself (`gpt-b32`) or by its model (`gpt`, as `--model` elsewhere), any case.
     let named = |c: &BenchCase, name: &str| {
@@ -317,7 +337,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     for case in &planned {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
-            ours.push(pool.install(|| measure(case, cfg.device, cfg.warmup, cfg.steps))?);
+            ours.push(pool.install(|| measure(case, cfg.device, cfg.warmup, cfg.steps, cfg.precision))?);
             if let Some(python) = pytorch {
                 theirs.push(run_pytorch_case(cfg, python, &case.pytorch_case)?);
             }
@@ -334,7 +354,19 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
         }
         cases.push(result);
     }
-    Ok(BenchReport { device, threads, rounds, isa: memfit_tensor::Isa::active().to_string(), pytorch_version, cases })
+    let probe = Device::new(DeviceConfig::new(cfg.device))?;
+    probe.set_products(cfg.precision.products());
+    let products = crate::report::products_label(&probe, cfg.precision);
+    Ok(BenchReport {
+        device,
+        threads,
+        rounds,
+        isa: memfit_tensor::Isa::active().to_string(),
+        precision: cfg.precision.name().to_string(),
+        products,
+        pytorch_version,
+        cases,
+    })
 }
 
 #[cfg(test)]

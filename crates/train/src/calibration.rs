@@ -1,7 +1,7 @@
 //! Calibration: the cost model of one model on this machine ([`crate::cost::CostModel`]), measured.
 //! [`calibrate`] times a few real training steps on `cpu` (synthetic data, no cap) at micro-batches 1,
-//! 2, 4, 8, ... until a step gets long, times the largest again with every segment checkpointed and
-//! again with bf16 storage, times one micro-batch of threads + 1 samples (Note [Samples in rounds]) and
+//! 2, 4, 8, ... until a step gets long, times the largest again with every segment checkpointed,
+//! with fp16 storage and in bf16 (storage and products), times one micro-batch of threads + 1 samples (Note [Samples in rounds]) and
 //! a window of two one-sample micro-batches (the step's fixed work, counted once a step),
 //! profiles which share of the forward each segment takes (in a step of its own: recording spans costs
 //! time), and times the optimizer update alone. Each time is the median of at least five steps, more
@@ -12,6 +12,7 @@
 //! else `~/.cache/memfit`), so calibration is paid once per build; the run's report gives the
 //! prediction's error.
 
+use crate::config::Precision;
 use crate::config::CheckpointChoice;
 use crate::cost::{CostModel, Costs};
 use crate::dry_run::PlanRequest;
@@ -159,8 +160,12 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         true => 0.0,
         false => extra(time_steps(req, largest, &CheckpointChoice::All)?.step_ms),
     };
-    let half = time_steps_in(req, largest, &CheckpointChoice::None, Some(memfit_tensor::DType::BF16))?;
+    // Half storage alone (fp16's conversions), and bf16 precision (its storage and products, which
+    // may well be faster than f32's: not clamped at zero).
+    let half = time_steps_in(req, largest, &CheckpointChoice::None, Precision::Fp16)?;
     let half_overhead = extra(half.step_ms);
+    let bf16 = time_steps_in(req, largest, &CheckpointChoice::None, Precision::Bf16)?;
+    let bf16_overhead = if plain > 0.0 { ((bf16.step_ms - optimizer_ms) / plain - 1.0).max(-0.9) } else { 0.0 };
     let total: f64 = profile.values().sum();
     let shares = segments
         .iter()
@@ -178,6 +183,7 @@ pub fn calibrate(req: &PlanRequest, segments: &[String]) -> Result<CostModel, Tr
         recompute,
         optimizer_ms,
         half_overhead,
+        bf16_overhead: Some(bf16_overhead),
         segments: shares,
         calibration_ms: start.elapsed().as_secs_f64() * 1e3,
         nominal: false,
@@ -209,7 +215,7 @@ fn fixed_step_ms(req: &PlanRequest, one_sample_ms: f64, optimizer_ms: f64) -> Re
     if req.effective_batch < 2 * smallest {
         return Ok(optimizer_ms);
     }
-    let two = time_windows(req, smallest, 2, &CheckpointChoice::None, None)?.step_ms;
+    let two = time_windows(req, smallest, 2, &CheckpointChoice::None, Precision::Fp32)?.step_ms;
     if two <= one_sample_ms * 1.05 {
         return Ok(optimizer_ms);
     }
@@ -260,7 +266,7 @@ struct Measured {
 /// runs being planned do not pay), then the optimizer update alone (on zero gradients: its arithmetic
 /// does not depend on the values).
 fn time_steps(req: &PlanRequest, micro: usize, checkpoint: &CheckpointChoice) -> Result<Measured, TrainError> {
-    time_steps_in(req, micro, checkpoint, None)
+    time_steps_in(req, micro, checkpoint, Precision::Fp32)
 }
 
 /// A session of `req`'s model on `cpu` and the options of `steps` one-micro-batch steps of `micro`.
@@ -268,10 +274,10 @@ fn timing_session(
     req: &PlanRequest,
     micro: usize,
     checkpoint: &CheckpointChoice,
-    saved: Option<memfit_tensor::DType>,
+    precision: Precision,
     steps: usize,
 ) -> Result<(Session, Box<dyn crate::samples::Samples>, RunOptions), TrainError> {
-    timing_windows(req, micro, 1, checkpoint, saved, steps)
+    timing_windows(req, micro, 1, checkpoint, precision, steps)
 }
 
 /// [`timing_session`] with windows of `parts` micro-batches of `micro`.
@@ -280,13 +286,13 @@ fn timing_windows(
     micro: usize,
     parts: usize,
     checkpoint: &CheckpointChoice,
-    saved: Option<memfit_tensor::DType>,
+    precision: Precision,
     steps: usize,
 ) -> Result<(Session, Box<dyn crate::samples::Samples>, RunOptions), TrainError> {
     let device = Device::cpu();
     let session = Session::new(device.clone(), &req.model, req.optimizer, req.seed)?;
     session.set_checkpointing(checkpoint)?;
-    device.set_saved_dtype(saved)?;
+    session.set_precision(precision)?;
     let train = synthetic(&req.model, steps * micro * parts, req.seed);
     let opts = RunOptions {
         effective_batch: micro * parts,
@@ -302,14 +308,14 @@ fn timing_windows(
     Ok((session, train, opts))
 }
 
-/// [`time_steps`] with saved activations in `saved` (None: as computed).
+/// [`time_steps`] in `precision` (saved activations' storage, and bf16's products).
 fn time_steps_in(
     req: &PlanRequest,
     micro: usize,
     checkpoint: &CheckpointChoice,
-    saved: Option<memfit_tensor::DType>,
+    precision: Precision,
 ) -> Result<Measured, TrainError> {
-    time_windows(req, micro, 1, checkpoint, saved)
+    time_windows(req, micro, 1, checkpoint, precision)
 }
 
 /// [`time_steps_in`] for windows of `parts` micro-batches of `micro`.
@@ -318,9 +324,9 @@ fn time_windows(
     micro: usize,
     parts: usize,
     checkpoint: &CheckpointChoice,
-    saved: Option<memfit_tensor::DType>,
+    precision: Precision,
 ) -> Result<Measured, TrainError> {
-    let (mut session, train, opts) = timing_windows(req, micro, parts, checkpoint, saved, TIMED_STEPS + 1)?;
+    let (mut session, train, opts) = timing_windows(req, micro, parts, checkpoint, precision, TIMED_STEPS + 1)?;
     let outcome = session.run(train.as_ref(), None, &opts, &mut |_| {})?;
     let mut times = outcome.step_times_ms.get(1..).unwrap_or(&[]).to_vec();
     // Short steps are noisy: time more of them, up to MIN_TIMED_MS in all.
@@ -351,7 +357,7 @@ fn segment_forward_ms(
     if segments.is_empty() {
         return Ok(BTreeMap::new());
     }
-    let (mut session, train, opts) = timing_session(req, micro, &CheckpointChoice::None, None, 2)?;
+    let (mut session, train, opts) = timing_session(req, micro, &CheckpointChoice::None, Precision::Fp32, 2)?;
     let device = session.device.clone();
     let mut steps = 0;
     session.run(train.as_ref(), None, &opts, &mut |_| {

@@ -1,16 +1,18 @@
 //! The time side of planning: a [`CostModel`] predicts the step time of any micro-batch, checkpointed
 //! set and storage precision of one model on this machine, from times `calibration.rs` measured:
 //!
-//! step = optimizer + (1 + half) * sum over the window's micro-batches m of
+//! step = optimizer + (1 + precision) * sum over the window's micro-batches m of
 //!        plain(m) * (1 + recompute * sum over checkpointed segments s of share(s))
 //!
 //! where `plain` interpolates the measured forward-and-backward times linearly between the measured
 //! micro-batches (beyond them keeping the largest one's time per sample; a micro-batch counted as the
 //! next multiple of [`CostModel::sample_rounds`], Note [Samples in rounds]), `recompute` is the
-//! measured extra time of checkpointing every segment as a fraction of `plain`, and `half` the measured
-//! extra time of half-precision storage (0 in f32). A model too large to time on this host gets
+//! measured extra time of checkpointing every segment as a fraction of `plain`, and `precision` the
+//! measured extra time of half-precision storage (fp16), or of bf16 storage and products (bf16:
+//! negative where bf16 products are faster), 0 in f32. A model too large to time on this host gets
 //! [`CostModel::nominal`], said so wherever its times are shown.
 
+use crate::config::Precision;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -38,9 +40,14 @@ pub struct CostModel {
     pub recompute: f64,
     /// The optimizer update and the step's other fixed work (ms).
     pub optimizer_ms: f64,
-    /// The extra time of storing saved activations in half precision (conversions), as a fraction
-    /// of the plain time.
+    /// The extra time of storing saved activations in half precision (conversions; fp16), as a
+    /// fraction of the plain time.
     pub half_overhead: f64,
+    /// The extra time of bf16 precision (bf16 storage and bf16 products), as a fraction of the plain
+    /// time: negative where bf16 products are faster than f32's. Absent from models calibrated
+    /// before bf16 products: taken as `half_overhead` then.
+    #[serde(default)]
+    pub bf16_overhead: Option<f64>,
     /// Each segment's share of the recomputation (its share of the forward), summing to 1.
     pub segments: BTreeMap<String, f64>,
     /// How long calibration took (ms).
@@ -66,6 +73,7 @@ impl CostModel {
             recompute: 1.0 / 3.0,
             optimizer_ms: 0.0,
             half_overhead: 0.03,
+            bf16_overhead: None,
             segments: segments.iter().map(|s| (s.clone(), 1.0 / segments.len() as f64)).collect(),
             calibration_ms: 0.0,
             nominal: true,
@@ -88,13 +96,15 @@ impl CostModel {
         self.optimizer_ms + (parts - 1) as f64 * self.micro_ms(micro, checkpointed) + self.micro_ms(last, checkpointed)
     }
 
-    /// [`CostModel::step_ms`] with saved activations in half precision when `half`.
-    pub fn step_ms_in(&self, effective: usize, micro: usize, checkpointed: &[String], half: bool) -> f64 {
+    /// [`CostModel::step_ms`] in `precision` (`auto` unresolved: as f32).
+    pub fn step_ms_in(&self, effective: usize, micro: usize, checkpointed: &[String], precision: Precision) -> f64 {
         let step = self.step_ms(effective, micro, checkpointed);
-        match half {
-            true => self.optimizer_ms + (step - self.optimizer_ms) * (1.0 + self.half_overhead),
-            false => step,
-        }
+        let extra = match precision {
+            Precision::Fp16 => self.half_overhead,
+            Precision::Bf16 => self.bf16_overhead.unwrap_or(self.half_overhead),
+            Precision::Fp32 | Precision::Auto => return step,
+        };
+        self.optimizer_ms + (step - self.optimizer_ms) * (1.0 + extra)
     }
 
     /// A predicted step time for people ([`describe_step`]).
@@ -151,6 +161,7 @@ mod tests {
             plain_ms: vec![2.0, 5.0, 17.0],
             recompute: 0.4,
             half_overhead: 0.1,
+            bf16_overhead: None,
             optimizer_ms: 1.0,
             segments: [("a".to_string(), 0.25), ("b".to_string(), 0.75)].into_iter().collect(),
             calibration_ms: 0.0,
@@ -203,6 +214,6 @@ mod tests {
         assert!(c.nominal);
         assert_eq!(c.step_ms(8, 4, &[]), 8.0);
         assert!((c.step_ms(8, 4, &names) - 8.0 * 4.0 / 3.0).abs() < 1e-12);
-        assert!((c.step_ms_in(8, 4, &[], true) - 8.0 * 1.03).abs() < 1e-12);
+        assert!((c.step_ms_in(8, 4, &[], Precision::Bf16) - 8.0 * 1.03).abs() < 1e-12);
     }
 }

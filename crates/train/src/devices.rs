@@ -86,8 +86,7 @@ pub fn plan_devices(
                     crate::config::CheckpointChoice::All => all_segments.clone(),
                     ref c => c.segment_names(),
                 };
-                let half = p.precision != crate::config::Precision::Fp32;
-                c.step_ms_in(local, p.micro_batch, &names, half) + communication_ms(mode, p)
+                c.step_ms_in(local, p.micro_batch, &names, p.precision) + communication_ms(mode, p)
             });
         }
         out.push(DevicesPlan { mode, ranks, plan, per_rank, step_ms, stages: Vec::new() });

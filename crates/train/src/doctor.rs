@@ -217,8 +217,7 @@ fn remedy(
                 CheckpointChoice::All => names.to_vec(),
                 other => other.segment_names(),
             };
-            let half = p.precision.saved_dtype().is_some();
-            let mut t = c.step_ms_in(r.rank_batch(), p.micro_batch, &checkpointed, half);
+            let mut t = c.step_ms_in(r.rank_batch(), p.micro_batch, &checkpointed, p.precision);
             if let Some((mode, _)) = r.parallel {
                 t += crate::devices::communication_ms(mode, &p);
             }

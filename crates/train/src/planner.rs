@@ -324,8 +324,7 @@ pub fn weigh(req: &PlanRequest, names: &[String]) -> Result<Weighed, TrainError>
             };
             // Each candidate's training micro-batch: the fastest of those that fit (Note [Choosing
             // segments]); only the chosen candidate gets a whole plan.
-            let half = precision.saved_dtype().is_some();
-            let time = |m: usize| costs.step_ms_in(req.rank_batch(), m, checkpointed, half);
+            let time = |m: usize| costs.step_ms_in(req.rank_batch(), m, checkpointed, precision);
             let fitting = match fitting_micro(&r, &mut run)? {
                 Some((largest, _, balanced)) => {
                     let mut options =

@@ -187,6 +187,7 @@ fn given_costs(segments: usize) -> Costs {
         recompute: 0.35,
         optimizer_ms: 2.0,
         half_overhead: 0.1,
+        bf16_overhead: None,
         segments: (0..segments).map(|i| (format!("blocks.{i}"), 1.0 / segments as f64)).collect(),
         calibration_ms: 0.0,
         nominal: false,

@@ -131,6 +131,7 @@ fn costs() -> Costs {
         recompute: 0.35,
         optimizer_ms: 2.0,
         half_overhead: 0.1,
+        bf16_overhead: None,
         segments: (0..2).map(|i| (format!("blocks.{i}"), 0.5)).collect(),
         calibration_ms: 0.0,
         nominal: false,
