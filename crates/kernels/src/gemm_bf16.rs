@@ -155,8 +155,16 @@ enum Kernel {
     Pairs,
     /// Rounded values as f32, one step at a time with each pair's odd step first, so that the f32
     /// GEMM's tile, adding the steps in order (an exact product then one rounding, fused or not),
-    /// computes the definition.
-    Steps(MicroKernel<f32>),
+    /// computes the definition. With the loops the level packs with.
+    Steps(MicroKernel<f32>, Loops),
+}
+
+/// Which vector loops a level's packs use (the plain ones on any CPU).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Loops {
+    Avx512,
+    Avx2,
+    Plain,
 }
 
 impl Kernel {
@@ -169,14 +177,29 @@ impl Kernel {
             Bf16Level::Portable => Isa::Portable,
         };
         // The f32 GEMM's kernel for the level (its portable one where the CPU lacks the level).
-        Kernel::Steps(<f32 as crate::gemm::sealed::Sealed>::micro_kernel(isa))
+        let loops = match isa {
+            _ if !isa.is_supported() => Loops::Plain,
+            Isa::Avx512 => Loops::Avx512,
+            Isa::Avx2Fma => Loops::Avx2,
+            Isa::Portable => Loops::Plain,
+        };
+        Kernel::Steps(<f32 as crate::gemm::sealed::Sealed>::micro_kernel(isa), loops)
+    }
+
+    /// The loops the packs use: the level's own (a forced lower level packs as that level's CPU
+    /// would).
+    fn loops(self) -> Loops {
+        match self {
+            Kernel::Pairs => Loops::Avx512,
+            Kernel::Steps(_, loops) => loops,
+        }
     }
 
     /// The tile's rows and columns.
     fn tile(self) -> (usize, usize) {
         match self {
             Kernel::Pairs => (PAIR_MR, PAIR_NR),
-            Kernel::Steps(mk) => (mk.mr, mk.nr),
+            Kernel::Steps(mk, _) => (mk.mr, mk.nr),
         }
     }
 
@@ -211,7 +234,7 @@ impl Kernel {
             Kernel::Pairs => avx512bf16::kernel_checked(pairs, a, b, c, rs_c, start),
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Pairs => unreachable!("AVX512-BF16 is an x86-64 level"),
-            Kernel::Steps(mk) => {
+            Kernel::Steps(mk, _) => {
                 (mk.run)(2 * pairs, a as *const f32, mk.mr as isize, b as *const f32, mk.nr as isize, c, rs_c, start)
             }
         }
@@ -248,8 +271,13 @@ impl Kernel {
                 std::ptr::write_bytes(dst, 0, self.panel_words(pairs, width) - PANEL_PAD);
             }
             #[cfg(target_arch = "x86_64")]
-            if avx512_pack::usable(line_stride, step_stride) {
+            if self.loops() == Loops::Avx512 && avx512_pack::usable(line_stride, step_stride) {
                 avx512_pack::panel(pairs_kernel, first, line_stride, step_stride, n, depth, width, dst);
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if self.loops() == Loops::Avx2 && !pairs_kernel && (line_stride == 1 || step_stride == 1) {
+                avx2_pack::steps_panel(first, line_stride, step_stride, n, depth, width, dst);
                 continue;
             }
             let at =
@@ -496,6 +524,82 @@ mod avx512_pack {
                 } else {
                     _mm512_mask_i32scatter_epi32::<4>(dst.add(s0 * width + l) as *mut i32, m, step_index, r);
                 }
+            }
+        }
+    }
+}
+
+/// The AVX2 level's packs (rounded values, each pair's odd step first), for operands contiguous
+/// along their lines or along their steps: 8 values rounded at a time; the same words as the plain
+/// loops of [`Kernel::pack`].
+#[cfg(target_arch = "x86_64")]
+mod avx2_pack {
+    use super::round_bits;
+    use std::arch::x86_64::*;
+
+    /// [`super::round_bits`] on 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn round(x: __m256i) -> __m256i {
+        let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        // The magnitude is at most 0x7FFF_FFFF: a signed comparison is the unsigned one.
+        let nan =
+            _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF)), _mm256_set1_epi32(0x7F80_0000));
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+        let rounded = _mm256_and_si256(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), high);
+        let quiet = _mm256_and_si256(_mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000)), high);
+        let r = _mm256_blendv_epi8(rounded, quiet, nan);
+        let denormal = _mm256_cmpeq_epi32(_mm256_and_si256(r, _mm256_set1_epi32(0x7F80_0000)), _mm256_setzero_si256());
+        _mm256_blendv_epi8(r, _mm256_and_si256(r, _mm256_set1_epi32(0x8000_0000u32 as i32)), denormal)
+    }
+
+    /// One panel of `n` lines (of `width`) and `depth` steps into `dst`, already zeroed where the
+    /// block ends.
+    ///
+    /// # Safety
+    /// As [`super::Kernel::pack`] for the panel; the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn steps_panel(
+        src: *const f32,
+        line_stride: isize,
+        step_stride: isize,
+        n: usize,
+        depth: usize,
+        width: usize,
+        dst: *mut u32,
+    ) {
+        let at = |w: usize, s: usize| (*src.offset(w as isize * line_stride + s as isize * step_stride)).to_bits();
+        if line_stride == 1 {
+            // A step's lines are adjacent: 8 at a time, contiguous in and out.
+            for s in 0..depth {
+                let (from, to) = (src.offset(s as isize * step_stride) as *const __m256i, dst.add((s ^ 1) * width));
+                let whole = n - n % 8;
+                for w0 in (0..whole).step_by(8) {
+                    let r = round(_mm256_loadu_si256((from as *const u32).add(w0) as *const __m256i));
+                    _mm256_storeu_si256(to.add(w0) as *mut __m256i, r);
+                }
+                for w in whole..n {
+                    *to.add(w) = round_bits(at(w, s));
+                }
+            }
+            return;
+        }
+        // A line's steps are adjacent: 8 rounded at a time, then dealt out to their places.
+        let whole = depth - depth % 8;
+        for w in 0..n {
+            let line = src.offset(w as isize * line_stride) as *const u32;
+            let mut out = [0u32; 8];
+            for s0 in (0..whole).step_by(8) {
+                _mm256_storeu_si256(
+                    out.as_mut_ptr() as *mut __m256i,
+                    round(_mm256_loadu_si256(line.add(s0) as *const __m256i)),
+                );
+                for (j, &v) in out.iter().enumerate() {
+                    *dst.add(((s0 + j) ^ 1) * width + w) = v;
+                }
+            }
+            for s in whole..depth {
+                *dst.add((s ^ 1) * width + w) = round_bits(at(w, s));
             }
         }
     }

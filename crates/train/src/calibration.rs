@@ -12,8 +12,8 @@
 //! else `~/.cache/memfit`), so calibration is paid once per build; the run's report gives the
 //! prediction's error.
 
-use crate::config::Precision;
 use crate::config::CheckpointChoice;
+use crate::config::Precision;
 use crate::cost::{CostModel, Costs};
 use crate::dry_run::PlanRequest;
 use crate::error::TrainError;
