@@ -123,12 +123,12 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
             if a.rs == 1 {
                 for t in 0..k {
                     let col = std::slice::from_raw_parts(a.ptr.offset(t as isize * a.cs), m);
-                    sums.iter_mut().zip(col).for_each(|(s, &v)| *s = *s + v);
+                    sums.iter_mut().zip(col).for_each(|(s, &v)| *s += v);
                 }
             } else {
                 for (i, s) in sums.iter_mut().enumerate() {
                     for t in 0..k {
-                        *s = *s + *a.ptr.offset(i as isize * a.rs + t as isize * a.cs);
+                        *s += *a.ptr.offset(i as isize * a.rs + t as isize * a.cs);
                     }
                 }
             }
@@ -285,7 +285,7 @@ pub(crate) unsafe fn prepare_b_in<T: Float>(
     if is_bf16::<T>(products) {
         // f32 elements and pair words are both 4 bytes.
         let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
-        let words = buf.len() * std::mem::size_of::<T>() / 4;
+        let words = std::mem::size_of_val(buf) / 4;
         return Prepared::Bf16(PreparedBf16::prepare_into(
             Bf16Level::active(),
             k,

@@ -219,6 +219,7 @@ pub fn gelu_linear(
 /// itself when the op decided to write it in place), the weight gradient into `gw` and, with it, the
 /// bias gradient into `gb` (summed as the weight-gradient product reads `grad`), each when present. `scratch` holds min(rows, GELU_ROWS) rows of in, twice that when both gradients are
 /// wanted and `gx` is not `x`.
+#[allow(clippy::too_many_arguments)]
 pub fn gelu_linear_backward(
     x: View<'_>,
     weight: View<'_>,

@@ -181,9 +181,9 @@ impl sealed::Sealed for f64 {
 
 thread_local! {
     /// This thread's A blocks (f64 elements so either scalar fits), one per product running on it.
-    static A_PACK: RefCell<Vec<Vec<f64>>> = const { RefCell::new(Vec::new()) };
+    pub(crate) static A_PACK: RefCell<Vec<Vec<f64>>> = const { RefCell::new(Vec::new()) };
     /// The B blocks of the products this thread runs or leads.
-    static B_PACK: RefCell<Vec<Vec<f64>>> = const { RefCell::new(Vec::new()) };
+    pub(crate) static B_PACK: RefCell<Vec<Vec<f64>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Elements of a packed A block and of a packed B block.
@@ -197,7 +197,7 @@ const B_PACK_ELEMS: usize = NC * KC + NC / MIN_NR * PANEL_PAD;
 /// it back. A product that starts on this thread while another one holds a buffer (a rayon task
 /// stolen while waiting) takes a second buffer, kept for the next time: the pool grows to the
 /// deepest such nesting once and is reused after, never per product.
-fn with_pack<T, R>(
+pub(crate) fn with_pack<T, R>(
     pool: &'static std::thread::LocalKey<RefCell<Vec<Vec<f64>>>>,
     elems: usize,
     f: impl FnOnce(*mut T) -> R,
@@ -214,13 +214,13 @@ fn with_pack<T, R>(
 
 /// A packed buffer shared by the threads of one product (each writes or reads its own panels).
 #[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
+pub(crate) struct Shared<T>(pub(crate) *mut T);
 // SAFETY: threads write disjoint panels of the buffer, and read it only after the join that ends
 // the writes.
 unsafe impl<T> Send for Shared<T> {}
 unsafe impl<T> Sync for Shared<T> {}
 impl<T> Shared<T> {
-    fn get(self) -> *mut T {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }

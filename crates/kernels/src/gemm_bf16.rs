@@ -27,10 +27,9 @@
 //! rounding, whether fused or not) and so computes the definition. The packs live in each thread's
 //! reused buffers, as the f32 GEMM's do.
 
-use crate::gemm::{MatMut, MatRef, MicroKernel, Start, KC, MC, NC};
+use crate::gemm::{with_pack, MatMut, MatRef, MicroKernel, Shared, Start, A_PACK, B_PACK, KC, MC, NC};
 use crate::Isa;
 use rayon::prelude::*;
-use std::cell::RefCell;
 
 /// How a product computes (the device's setting, `--precision`): in f32, or as a bf16 product
 /// (Note [bf16 products]).
@@ -605,34 +604,6 @@ mod avx2_pack {
     }
 }
 
-thread_local! {
-    /// This thread's pack buffers (words), taken while a product uses one and put back after.
-    static PACKS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Runs `f` on one of this thread's pack buffers of at least `words` words.
-fn with_pack<R>(words: usize, f: impl FnOnce(*mut u32) -> R) -> R {
-    let mut buf = PACKS.with(|p| p.borrow_mut().pop()).unwrap_or_default();
-    if buf.len() < words {
-        buf.resize(words, 0);
-    }
-    let result = f(buf.as_mut_ptr());
-    PACKS.with(|p| p.borrow_mut().push(buf));
-    result
-}
-
-/// A pointer shared by the tasks of one product, each using its own part.
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: tasks read the shared B pack only after it is written, and write disjoint tiles of C.
-unsafe impl<T> Send for Shared<T> {}
-unsafe impl<T> Sync for Shared<T> {}
-impl<T> Shared<T> {
-    fn get(self) -> *mut T {
-        self.0
-    }
-}
-
 /// Multiplies one packed A block (`mc` rows) by the packed B block (`nc` columns, panels
 /// `b_panel_words` apart), `pairs` pairs deep, into C's block at `c`, the tiles of B's panels
 /// `panels` only.
@@ -744,7 +715,7 @@ unsafe fn product(
                 let (b_shared, blocks) = (Shared(b_pack as *mut u32), m.div_ceil(MC));
                 let run = |ib: usize, cols: std::ops::Range<usize>| {
                     let (ic, mc) = (ib * MC, MC.min(m - ib * MC));
-                    with_pack(mc.div_ceil(mr) * kernel.panel_words(pairs, mr), |a_pack| {
+                    with_pack(&A_PACK, mc.div_ceil(mr) * kernel.panel_words(pairs, mr), |a_pack: *mut u32| {
                         // A's lines are its rows (packed to this product's depth: a prepared B's
                         // steps past it meet zeros).
                         kernel.pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, a_pack);
@@ -767,7 +738,7 @@ unsafe fn product(
                 }
             };
             match b {
-                Source::Pack(b) => with_pack(panels * kernel.panel_words(pairs, nr), |b_pack| {
+                Source::Pack(b) => with_pack(&B_PACK, panels * kernel.panel_words(pairs, nr), |b_pack: *mut u32| {
                     // B's lines are its columns.
                     kernel.pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, nr, b_pack);
                     body(b_pack, kernel.panel_words(pairs, nr))
@@ -792,7 +763,7 @@ pub unsafe fn with_prepared_bf16<R>(
     f: impl FnOnce(&PreparedBf16) -> R,
 ) -> R {
     let words = PreparedBf16::capacity(KC, NC);
-    with_pack(words, |buf| f(&PreparedBf16::prepare_into(level, k, n, b, buf, words)))
+    with_pack(&B_PACK, words, |buf: *mut u32| f(&PreparedBf16::prepare_into(level, k, n, b, buf, words)))
 }
 
 /// A right operand packed once for several bf16 products that each use its first rows and

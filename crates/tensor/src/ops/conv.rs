@@ -283,7 +283,7 @@ impl Backward for Conv2dBack {
         let x = &self.x.restore()?;
         let weight = &self.weight;
         let g = ConvGeom {
-            products: super::products_of(&x),
+            products: super::products_of(x),
             ..geometry(x.shape(), weight.shape(), &self.params, x.dtype().size(), self.limits)?
         };
         if grad.shape() != [g.n, g.o, g.oh, g.ow] || grad.dtype() != x.dtype() {
