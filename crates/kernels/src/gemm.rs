@@ -55,7 +55,7 @@ const MIN_NR: usize = 8;
 /// at one depth step, one per panel, all fall in the same L1 set and evict each other (measured on
 /// the pack alone: AVX2's 16-wide B panels 17 → 48 GB/s with 64 bytes of padding, AVX-512's 32-wide
 /// 43 → 74, the 6- and 12-row A panels +19% and +28%; the GPT step on the AVX2 path -10 to -30 ms).
-const PANEL_PAD: usize = 16;
+pub(crate) const PANEL_PAD: usize = 16;
 
 /// Elements from one packed panel of `width` lines and `depth` steps to the next.
 fn panel_stride(depth: usize, width: usize) -> usize {

@@ -15,9 +15,9 @@
 //!   or onto a bias row (`Start`), the first block from the start and the later ones onto C.
 //!
 //! The levels ([`Bf16Level`]) differ only in how many of these additions one instruction makes, so
-//! they agree bit for bit while no sum falls below f32's smallest normal (1.2e-38), which the
-//! AVX512-BF16 instruction flushes to zero and the other levels keep (the tests pin each level
-//! against the portable one). What is rounded is PyTorch autocast's split: matrix products take
+//! they agree bit for bit while no product or sum falls below f32's smallest normal (1.2e-38),
+//! which the AVX512-BF16 instruction flushes to zero and the other levels keep (the tests pin each
+//! level against the definition). What is rounded is PyTorch autocast's split: matrix products take
 //! bfloat16 operands and accumulate in f32; everything else stays f32.
 //!
 //! Both operands are always packed, rounded. AVX512-BF16's packs hold pair words (a step pair's two
@@ -27,7 +27,7 @@
 //! rounding, whether fused or not) and so computes the definition. The packs live in each thread's
 //! reused buffers, as the f32 GEMM's do.
 
-use crate::gemm::{with_pack, MatMut, MatRef, MicroKernel, Shared, Start, A_PACK, B_PACK, KC, MC, NC};
+use crate::gemm::{with_pack, MatMut, MatRef, MicroKernel, Shared, Start, A_PACK, B_PACK, KC, MC, NC, PANEL_PAD};
 use crate::Isa;
 use rayon::prelude::*;
 
@@ -55,9 +55,6 @@ const PAIR_MR: usize = 12;
 const PAIR_NR: usize = 32;
 /// The largest tile of any level (an edge tile is computed whole on the stack).
 const MAX_TILE: usize = 12 * 32;
-/// Words between one packed panel's end and the next one's start (the f32 GEMM's `PANEL_PAD`: keeps
-/// a pack's writes at one depth step out of one L1 set).
-const PANEL_PAD: usize = 16;
 
 /// A level of the bf16 product, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
