@@ -939,6 +939,9 @@ mod tests {
         assert_eq!(round_bf16(1.0 + 1.0 / 256.0 + 1.0 / 65536.0), 1.0 + 1.0 / 128.0);
         assert_eq!(round_bf16(-2.5), -2.5);
         assert!(round_bf16(f32::NAN).is_nan());
+        // A signalling NaN comes back quiet, its low half dropped.
+        assert_eq!(to_bf16(f32::from_bits(0x7F80_0001)), 0x7FC0);
+        assert_eq!(round_bf16(f32::from_bits(0xFF81_2345)).to_bits(), 0xFFC1_0000);
         assert_eq!(round_bf16(f32::INFINITY), f32::INFINITY);
         assert_eq!(round_bf16(f32::MAX), f32::INFINITY);
         assert_eq!(round_bf16(f32::NEG_INFINITY), f32::NEG_INFINITY);
@@ -1009,6 +1012,29 @@ mod tests {
         );
     }
 
+    /// Operands strided in both directions (a sub-matrix of every other row and column) take the
+    /// plain packing loops and still compute the definition's bits.
+    #[test]
+    fn operands_strided_both_ways_compute_the_definitions_bits() {
+        let (m, n, k) = (19, 37, 23);
+        let a = values(4 * m * k, 31, 1.0);
+        let b = values(4 * k * n, 32, 1.0);
+        // A(i, t) = a[i * 4k + 2t], B(t, j) = b[t * 4n + 2j].
+        let (ast, bst) = ((4 * k, 2), (4 * n, 2));
+        for level in Bf16Level::supported() {
+            let mut want = vec![0f32; m * n];
+            reference(m, n, k, &a, ast, &b, bst, &mut want, "zero", &[]);
+            let mut got = vec![0f32; m * n];
+            let am = MatRef { ptr: a.as_ptr(), rs: (4 * k) as isize, cs: 2 };
+            let bm = MatRef { ptr: b.as_ptr(), rs: (4 * n) as isize, cs: 2 };
+            // SAFETY: the strided operands stay inside `a` and `b`.
+            unsafe {
+                gemm_bf16(level, m, n, k, MatMut { ptr: got.as_mut_ptr(), rs: n as isize }, Start::Zero, am, bm, 1)
+            };
+            assert!(want.iter().zip(&got).all(|(w, g)| w.to_bits() == g.to_bits()), "{}", level.name());
+        }
+    }
+
     /// The definition is a product of bfloat16 operands: within f32 accumulation's error of the
     /// exact (f64) product of the rounded operands, and far from the f32 product when operands
     /// carry bits bfloat16 drops.
@@ -1065,6 +1091,23 @@ mod tests {
             // SAFETY: the operand is `b`, the buffer holds the capacity.
             let prepared = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), buf.len()) };
             let too_small = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), 10) };
+            assert!(prepared.packed.is_some() && too_small.packed.is_none(), "{}", level.name());
+            assert_eq!(prepared.dims(), (k, n));
+            // The blocks lie one after another inside the buffer, in order.
+            let starts: Vec<usize> = (0..n)
+                .step_by(NC)
+                .flat_map(|jc| (0..k).step_by(KC).map(move |pc| (jc, pc)))
+                .map(|(j, p)| prepared.offset(j, p))
+                .collect();
+            assert!(starts.windows(2).all(|w| w[0] < w[1]) && starts[0] == 0, "{}: {starts:?}", level.name());
+            assert!(*starts.last().unwrap() < buf.len(), "{}: {starts:?}", level.name());
+            // The level's own size is exactly enough.
+            let words = Kernel::of(level).words(k, n);
+            let exact = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words) };
+            let short = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words - 1) };
+            assert!(exact.packed.is_some() && short.packed.is_none(), "{}: {words} words", level.name());
+            let panels = n.div_ceil(Kernel::of(level).tile().1);
+            assert!(words < (k + 2) * panels * 32 + 4 * panels * PANEL_PAD, "{}: {words} words", level.name());
             for &(m, pn, pk) in &[(5, n, k), (13, 33, 7), (30, NC + 1, KC + 3), (1, 1, 1), (12, 70, 64)] {
                 let a = values(m * pk, 22 + pk as u64, 1.0);
                 let am = MatRef { ptr: a.as_ptr(), rs: pk as isize, cs: 1 };
@@ -1108,6 +1151,14 @@ mod tests {
                 assert!(same(&plain), "{} unprepared part m {m} n {pn} k {pk}", level.name());
             }
         }
+    }
+
+    #[test]
+    fn names_are_the_reports_and_memfit_isas() {
+        assert_eq!([Products::F32.name(), Products::Bf16.name()], ["fp32", "bf16"]);
+        let names: Vec<&str> = Bf16Level::ALL.iter().map(|l| l.name()).collect();
+        assert_eq!(names, ["avx512_bf16", "avx512", "avx2", "portable"]);
+        assert_eq!(Products::default(), Products::F32);
     }
 
     #[test]
