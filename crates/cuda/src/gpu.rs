@@ -489,6 +489,29 @@ impl Gpu {
         // dimensions describe (the launcher's contract); alpha and beta are host values.
         let status = unsafe {
             match g.dtype {
+                // An experiment for the next GPU session (issue 32): GPT-2's QKV product (m 2304,
+                // n 4096, k 768, beta 1) ran at 9.5 TFLOP/s through the strided-batched entry with a
+                // batch of 1, the MLP's at 45; PyTorch calls cublasSgemm. `tools/gpu-check-run`
+                // times both; the default stays the measured one until then.
+                GemmType::F32 if batch == 1 && plain_sgemm() => {
+                    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
+                    cudarc::cublas::result::sgemm(
+                        *blas.handle(),
+                        op(g.transa),
+                        op(g.transb),
+                        m,
+                        n,
+                        k,
+                        &alpha,
+                        g.a as *const f32,
+                        lda,
+                        g.b as *const f32,
+                        ldb,
+                        &beta,
+                        g.c as *mut f32,
+                        ldc,
+                    )
+                }
                 GemmType::F32 => {
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
                     cudarc::cublas::result::sgemm_strided_batched(
@@ -539,6 +562,13 @@ impl Gpu {
         };
         status.map_err(|e| call_error("cublasGemmStridedBatched", e))
     }
+}
+
+/// `MEMFIT_CUBLAS_SGEMM=1`: single f32 products through cublasSgemm instead of the strided-batched
+/// entry (read once).
+fn plain_sgemm() -> bool {
+    static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PLAIN.get_or_init(|| std::env::var_os("MEMFIT_CUBLAS_SGEMM").is_some_and(|v| v == "1"))
 }
 
 impl Drop for Gpu {
