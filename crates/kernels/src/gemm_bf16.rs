@@ -27,7 +27,7 @@
 //! rounding, whether fused or not) and so computes the definition. The packs live in each thread's
 //! reused buffers, as the f32 GEMM's do.
 
-use crate::gemm::{with_pack, MatMut, MatRef, MicroKernel, Shared, Start, A_PACK, B_PACK, KC, MC, NC, PANEL_PAD};
+use crate::gemm::{with_pack, MatMut, MatRef, MicroKernel, Shared, Start, A_PACK, B_PACK, KC, MC, PANEL_PAD};
 use crate::Isa;
 use rayon::prelude::*;
 
@@ -49,6 +49,11 @@ impl Products {
         }
     }
 }
+
+/// Columns of B packed at once: twice the f32 GEMM's `NC`, so that a product of up to 1,024 columns
+/// (the GPT's) packs and rounds its left operand once; a block of them takes the bytes of the f32
+/// GEMM's B block (4-byte words against its 8-byte pool elements).
+const NC: usize = 1024;
 
 /// Rows and columns of the AVX512-BF16 tile (its packs hold pair words).
 const PAIR_MR: usize = 12;
