@@ -1108,7 +1108,10 @@ mod tests {
             assert!(*starts.last().unwrap() < buf.len(), "{}: {starts:?}", level.name());
             // The level's own size is exactly enough.
             let words = Kernel::of(level).words(k, n);
+            assert!(words <= buf.len());
+            // SAFETY: the operand is `b`; the buffer holds at least `words` words.
             let exact = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words) };
+            // SAFETY: as above.
             let short = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words - 1) };
             assert!(exact.packed.is_some() && short.packed.is_none(), "{}: {words} words", level.name());
             let panels = n.div_ceil(Kernel::of(level).tile().1);
