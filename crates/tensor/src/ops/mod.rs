@@ -78,9 +78,10 @@ pub(crate) fn fused_block_rows(like: &Tensor, cpu_rows: usize) -> usize {
     }
 }
 
-/// A GPU's rows per fused block: cuBLAS ran GPT-2's products on blocks of 1,024 rows at 11-36
-/// TFLOP/s on an H100 (the QKV shape, 2304 x 768, slowest), against 42 for 8,192 rows at once; a
-/// block of 4,096 costs GPT-2's GELU-linear 48 MiB of scratch (96 in a backward beside its input).
+/// A GPU's rows per fused block: cuBLAS ran GPT-2's MLP products on blocks of 1,024 rows at 33-36
+/// TFLOP/s on an H100, on blocks of 4,096 at 42-47 (the QKV product is slow at either size, for a
+/// reason of its own: `gpu.rs`); a block of 4,096 costs GPT-2's GELU-linear 48 MiB of scratch (96 in
+/// a backward beside its input).
 pub(crate) const GPU_FUSED_ROWS: usize = 4096;
 
 /// How `t`'s device computes matrix products ([`crate::Device::products`]).
