@@ -349,6 +349,43 @@ fn fake_python(name: &str, result: &str, exit: i32) -> PathBuf {
     path
 }
 
+/// `--precision bf16` end to end: a run's report says its products were bf16 ones at a kernel level
+/// (and they change the numbers), a GPU target's that they stayed f32; bench runs in bf16, names it,
+/// and asks PyTorch for its bf16 autocast (the fake interpreter answers 3.5 ms under it, 5 without);
+/// `auto`, the planner's choice, is refused there.
+#[test]
+fn bf16_precision_reports_its_products_and_bench_asks_pytorch_for_autocast() {
+    let base = ["train", "--model", "mlp", "--batch-size", "32", "--max-steps", "2", "--no-eval"];
+    let fp32 = report(&base, "fp32-products.json");
+    let bf16 = report(&[&base[..], &["--precision", "bf16"]].concat(), "bf16-products.json");
+    assert_eq!(fp32["products"], "fp32");
+    assert_eq!(bf16["precision"], "bf16");
+    assert!(bf16["products"].as_str().unwrap().starts_with("bf16 ("), "{bf16}");
+    assert_ne!(bf16["final_train_loss"], fp32["final_train_loss"], "bf16 products change the numbers");
+    let gpu = report(&[&base[..], &["--precision", "bf16", "--device", "meta:cuda"]].concat(), "bf16-gpu.json");
+    assert!(gpu["products"].as_str().unwrap().starts_with("fp32 (bf16 products are not built"), "{gpu}");
+    let python = fake_python(
+        "fake-python-autocast",
+        r#"{"case": "{case}", "median_ms": ${MEMFIT_BENCH_AUTOCAST:+3.}5, "peak_bytes": 1048576}"#,
+        0,
+    );
+    let bench = ["bench", "--case", "mlp-b256", "--steps", "1", "--warmup", "0", "--threads", "1", "--json"];
+    let run = |extra: &[&str]| {
+        let out = memfit(&[&bench[..], &["--compare-pytorch", python.to_str().unwrap()], extra].concat());
+        assert!(out.status.success(), "{}", text(&out));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let (plain, half) = (run(&[]), run(&["--precision", "bf16"]));
+    assert_eq!((plain["precision"].as_str(), plain["products"].as_str()), (Some("fp32"), Some("fp32")));
+    assert_eq!(plain["cases"][0]["pytorch"]["median_ms"], 5.0);
+    assert_eq!(half["precision"], "bf16");
+    assert!(half["products"].as_str().unwrap().starts_with("bf16 ("), "{half}");
+    assert_eq!(half["cases"][0]["pytorch"]["median_ms"], 3.5);
+    let out = memfit(&["bench", "--case", "mlp-b256", "--precision", "auto"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("--precision auto"), "{}", text(&out));
+}
+
 #[test]
 fn bench_runs_pytorch_after_each_case_and_prints_the_ratios() {
     let python = fake_python("fake-python-ok", r#"{"case": "{case}", "median_ms": 2.5, "peak_bytes": 1048576}"#, 0);

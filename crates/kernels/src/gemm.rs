@@ -190,8 +190,8 @@ thread_local! {
 /// (A block of at most `MC` rows, or `NC` columns, of at most `KC` steps, in whole panels (the block
 /// sizes are multiples of every tile side), each padded: the most panels on the level with the
 /// narrowest.)
-const A_PACK_ELEMS: usize = MC * KC + MC / MIN_MR * PANEL_PAD;
-const B_PACK_ELEMS: usize = NC * KC + NC / MIN_NR * PANEL_PAD;
+pub(crate) const A_PACK_ELEMS: usize = MC * KC + MC / MIN_MR * PANEL_PAD;
+pub(crate) const B_PACK_ELEMS: usize = NC * KC + NC / MIN_NR * PANEL_PAD;
 
 /// Runs `f` on one of this thread's buffers from `pool`, grown to `elems` elements of `T`, and puts
 /// it back. A product that starts on this thread while another one holds a buffer (a rayon task

@@ -1161,6 +1161,22 @@ mod tests {
         }
     }
 
+    /// A bf16 product's packs fit the bytes of the f32 GEMM's pool buffers they share, on every
+    /// level, so the per-thread workspace keeps its bound (`WORKSPACE_BYTES_PER_THREAD`).
+    #[test]
+    fn packs_fit_the_f32_gemms_workspace() {
+        use crate::gemm::{A_PACK_ELEMS, B_PACK_ELEMS};
+        for level in Bf16Level::ALL {
+            let kernel = Kernel::of(level);
+            let (mr, nr) = kernel.tile();
+            let (a_words, b_words) = (MC.div_ceil(mr) * kernel.panel_words(KC / 2, mr), kernel.words(KC, NC));
+            assert!(a_words * 4 <= A_PACK_ELEMS * 8, "{}: A {a_words} words", level.name());
+            assert!(b_words * 4 <= B_PACK_ELEMS * 8, "{}: B {b_words} words", level.name());
+            assert!(b_words <= PreparedBf16::capacity(KC, NC));
+        }
+        assert!(PreparedBf16::capacity(KC, NC) * 4 <= B_PACK_ELEMS * 8);
+    }
+
     #[test]
     fn names_are_the_reports_and_memfit_isas() {
         assert_eq!([Products::F32.name(), Products::Bf16.name()], ["fp32", "bf16"]);

@@ -322,7 +322,12 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
         .map_err(|e| TrainError::Invalid(format!("cannot start {threads} worker threads: {e}")))?;
     // The device first (a missing GPU is named before PyTorch is asked anything), then PyTorch.
     Device::probe(cfg.device)?;
-    let device = Device::new(DeviceConfig::new(cfg.device))?.describe();
+    let opened = Device::new(DeviceConfig::new(cfg.device))?;
+    let device = opened.describe();
+    // How the cases' products compute on this device (each case's own device is set the same way).
+    opened.set_products(cfg.precision.products());
+    let products = crate::report::products_label(&opened, cfg.precision);
+    drop(opened);
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;
     // The archives are read (and refused with their reason) before anything is measured.
     let mut planned: Vec<Planned> = Vec::new();
@@ -355,9 +360,6 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
         }
         cases.push(result);
     }
-    let probe = Device::new(DeviceConfig::new(cfg.device))?;
-    probe.set_products(cfg.precision.products());
-    let products = crate::report::products_label(&probe, cfg.precision);
     Ok(BenchReport {
         device,
         threads,

@@ -216,4 +216,23 @@ mod tests {
         assert!((c.step_ms(8, 4, &names) - 8.0 * 4.0 / 3.0).abs() < 1e-12);
         assert!((c.step_ms_in(8, 4, &[], Precision::Bf16) - 8.0 * 1.03).abs() < 1e-12);
     }
+
+    /// fp16 pays its storage's conversions; bf16 its own measured factor, a saving when negative
+    /// (its products are faster), or fp16's where a model calibrated before bf16 products has none;
+    /// the optimizer's fixed work is never scaled.
+    #[test]
+    fn each_precision_scales_the_micro_batches_by_its_own_factor() {
+        let mut c = model();
+        c.half_overhead = 0.1;
+        c.bf16_overhead = Some(-0.2);
+        let plain = c.step_ms(16, 4, &[]);
+        let scaled = |f: f64| c.optimizer_ms + (plain - c.optimizer_ms) * (1.0 + f);
+        assert_eq!(c.step_ms_in(16, 4, &[], Precision::Fp32), plain);
+        assert_eq!(c.step_ms_in(16, 4, &[], Precision::Auto), plain);
+        assert!((c.step_ms_in(16, 4, &[], Precision::Fp16) - scaled(0.1)).abs() < 1e-12);
+        assert!((c.step_ms_in(16, 4, &[], Precision::Bf16) - scaled(-0.2)).abs() < 1e-12);
+        assert!(c.step_ms_in(16, 4, &[], Precision::Bf16) < plain);
+        c.bf16_overhead = None;
+        assert!((c.step_ms_in(16, 4, &[], Precision::Bf16) - scaled(0.1)).abs() < 1e-12);
+    }
 }

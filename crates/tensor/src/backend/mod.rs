@@ -279,7 +279,8 @@ backends! {
     /// A linear layer's weight gradient `gw = grad^T x` (grad [rows, out], x [rows, in]) and, when
     /// given, its bias gradient `gb` (grad's column sums), from one pass over `grad`.
     fn linear_weight_grad(&self, grad: &Tensor, x: &Tensor, gw: &Tensor, gb: Option<&Tensor>, products: Products);
-    /// `out = gelu(x) W^T + b`, `GELU_ROWS` rows at a time through the op's `scratch`.
+    /// `out = gelu(x) W^T + b`, a block of rows at a time through the op's `scratch` (as many rows as it
+    /// holds: `GELU_ROWS` on the cpu, `GPU_FUSED_ROWS` on a GPU).
     fn gelu_linear(
         &self,
         x: &Tensor,
@@ -334,7 +335,8 @@ backends! {
         gw: Option<&Tensor>,
         gb: Option<&Tensor>,
     );
-    /// `out = linear(layer_norm(x))`, `LN_ROWS` rows at a time through the op's `scratch`; the
+    /// `out = linear(layer_norm(x))`, a block of rows at a time through the op's `scratch` (as many rows
+    /// as it holds: `LN_ROWS` on the cpu, `GPU_FUSED_ROWS` on a GPU); the
     /// per-row mean and rstd into `mean` and `rstd` when given.
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_linear(
