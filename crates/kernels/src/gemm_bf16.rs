@@ -1168,7 +1168,7 @@ mod tests {
         use crate::gemm::{A_PACK_ELEMS, B_PACK_ELEMS};
         for level in Bf16Level::ALL {
             let kernel = Kernel::of(level);
-            let (mr, nr) = kernel.tile();
+            let mr = kernel.tile().0;
             let (a_words, b_words) = (MC.div_ceil(mr) * kernel.panel_words(KC / 2, mr), kernel.words(KC, NC));
             assert!(a_words * 4 <= A_PACK_ELEMS * 8, "{}: A {a_words} words", level.name());
             assert!(b_words * 4 <= B_PACK_ELEMS * 8, "{}: B {b_words} words", level.name());
