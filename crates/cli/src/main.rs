@@ -353,8 +353,8 @@ struct BenchArgs {
     #[arg(long, allow_negative_numbers = true, value_parser = threads_parser())]
     threads: Option<u64>,
     /// Only this model's case (repeatable): mlp, simplecnn, deepcnn, resnet, gpt, or a case by name
-    /// (mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32); gpt2 (gpt2-124m-b8: GPT-2 small,
-    /// for a GPU) runs only when named; or a model exported by torch.export.save, by the path of its
+    /// (mlp-b256, simplecnn-b128, deepcnn-b64, resnet-b64, gpt-b32); gpt2 (gpt2-124m-b8 and
+    /// gpt2-124m-b16: GPT-2 small, for a GPU) runs only when named; or a model exported by torch.export.save, by the path of its
     /// .pt2 file (synthetic data of its shapes; PyTorch runs the same archive).
     #[arg(long = "model", visible_alias = "case")]
     cases: Vec<String>,

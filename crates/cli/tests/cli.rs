@@ -350,7 +350,7 @@ fn fake_python(name: &str, result: &str, exit: i32) -> PathBuf {
 }
 
 /// `--precision bf16` end to end: a run's report says its products were bf16 ones at a kernel level
-/// (and they change the numbers), a GPU target's that they stayed f32; bench runs in bf16, names it,
+/// (and they change the numbers), a GPU target's that they ran on tensor cores; bench runs in bf16, names it,
 /// and asks PyTorch for its bf16 autocast (the fake interpreter answers 3.5 ms under it, 5 without);
 /// `auto`, the planner's choice, is refused there.
 #[test]
@@ -363,7 +363,7 @@ fn bf16_precision_reports_its_products_and_bench_asks_pytorch_for_autocast() {
     assert!(bf16["products"].as_str().unwrap().starts_with("bf16 ("), "{bf16}");
     assert_ne!(bf16["final_train_loss"], fp32["final_train_loss"], "bf16 products change the numbers");
     let gpu = report(&[&base[..], &["--precision", "bf16", "--device", "meta:cuda"]].concat(), "bf16-gpu.json");
-    assert!(gpu["products"].as_str().unwrap().starts_with("fp32 (bf16 products are not built"), "{gpu}");
+    assert!(gpu["products"].as_str().unwrap().starts_with("bf16 (tensor cores)"), "{gpu}");
     let python = fake_python(
         "fake-python-autocast",
         r#"{"case": "{case}", "median_ms": ${MEMFIT_BENCH_AUTOCAST:+3.}5, "peak_bytes": 1048576}"#,

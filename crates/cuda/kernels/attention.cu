@@ -12,6 +12,11 @@
 // hidden from query r when causal and j > r, or when the mask's byte is non-zero (the mask seen
 // through `mview`, its batch dims broadcast, then `mrow` and `mcol` strides). A fully hidden row
 // gives a zero output and a log-sum-exp of -inf. lse is [bh, tq] contiguous.
+//
+// With bf16 products (f32 only; Note [bf16 products] in memfit-kernels, the cpu's split), the
+// operands of the six products (q, k, v, the output's gradient, the probabilities P and the scores'
+// gradient dS) are read rounded to bfloat16 and the products add in f32; the softmax, its sums, D
+// and the log-sum-exp stay f32.
 
 struct Addr {
     i64 offset, batch, head, row;
@@ -32,6 +37,10 @@ struct Visible {
     }
 };
 
+// A product's operand under bf16 products (f64 has none).
+__device__ __forceinline__ float product_operand(float x) { return bf16_operand(x); }
+__device__ __forceinline__ double product_operand(double x) { return x; }
+
 // The operands and sizes every kernel takes.
 template <typename T>
 struct Problem {
@@ -40,16 +49,20 @@ struct Problem {
     const T* v;
     Addr aq, ak, av;
     i64 bh, heads, tq, tk, d, dv;
+    i64 bf16;  // non-zero: bf16 products (f32 only)
     T scale;
+    // x as an operand of a product reads it.
+    __device__ T in(T x) const { return bf16 ? product_operand(x) : x; }
     __device__ const T* qrow(i64 i, i64 r) const { return q + matrix(aq, i, heads) + r * aq.row; }
     __device__ const T* krow(i64 i, i64 j) const { return k + matrix(ak, i, heads) + j * ak.row; }
     __device__ const T* vrow(i64 i, i64 j) const { return v + matrix(av, i, heads) + j * av.row; }
 };
 
+// The product of rows a and b, each element as the problem's products read it.
 template <typename T>
-__device__ T dot(const T* a, const T* b, i64 n) {
+__device__ T dot(const Problem<T>& p, const T* a, const T* b, i64 n) {
     T s = T(0);
-    for (i64 c = 0; c < n; ++c) s += a[c] * b[c];
+    for (i64 c = 0; c < n; ++c) s += p.in(a[c]) * p.in(b[c]);
     return s;
 }
 
@@ -62,14 +75,14 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
     T l = lse[i * p.tq + r], acc = T(0);
     for (i64 j = 0; j < p.tk; ++j) {
         if (vis.hidden(i, r, j)) continue;
-        T prob = exp(p.scale * dot<T>(qr, p.krow(i, j), p.d) - l);
-        acc += prob * dot<T>(gr, p.vrow(i, j), p.dv);
+        T prob = exp(p.scale * dot<T>(p, qr, p.krow(i, j), p.d) - l);
+        acc += prob * dot<T>(p, gr, p.vrow(i, j), p.dv);
     }
     return acc;
 }
 
 #define ATTENTION(T, SUF)                                                                               \
-    extern "C" __global__ void attention_##SUF(Problem<T> p, Visible vis, T* out, Addr ao, T* lse) {   \
+    extern "C" __global__ void attention_##SUF(Problem<T> p, Visible vis, T* out, Addr ao, T* lse) {    \
         GRID_STRIDE(row, p.bh * p.tq) {                                                                 \
             i64 i = row / p.tq, r = row % p.tq;                                                         \
             const T* qr = p.qrow(i, r);                                                                 \
@@ -78,7 +91,7 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
             T m = -INFINITY, l = T(0);                                                                  \
             for (i64 j = 0; j < p.tk; ++j) {                                                            \
                 if (vis.hidden(i, r, j)) continue;                                                      \
-                T s = p.scale * dot<T>(qr, p.krow(i, j), p.d);                                          \
+                T s = p.scale * dot<T>(p, qr, p.krow(i, j), p.d);                                       \
                 if (s > m) {                                                                            \
                     T alpha = exp(m - s);                                                               \
                     for (i64 c = 0; c < p.dv; ++c) o[c] *= alpha;                                       \
@@ -88,21 +101,21 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
                 T e = exp(s - m);                                                                       \
                 l += e;                                                                                 \
                 const T* vj = p.vrow(i, j);                                                             \
-                for (i64 c = 0; c < p.dv; ++c) o[c] += e * vj[c];                                       \
+                for (i64 c = 0; c < p.dv; ++c) o[c] += p.in(e) * p.in(vj[c]);                           \
             }                                                                                           \
             if (l > T(0))                                                                               \
                 for (i64 c = 0; c < p.dv; ++c) o[c] /= l;                                               \
             if (lse) lse[row] = l > T(0) ? m + log(l) : -INFINITY;                                      \
         }                                                                                               \
     }                                                                                                   \
-    /* D of every query row into the first element of its dq row (read back by the next kernels). */  \
+    /* D of every query row into the first element of its dq row (read back by the next kernels). */    \
     extern "C" __global__ void attention_backward_d_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, T* gq) { \
         GRID_STRIDE(row, p.bh * p.tq) {                                                                 \
             i64 i = row / p.tq, r = row % p.tq;                                                         \
-            gq[matrix(p.aq, i, p.heads) + r * p.aq.row] = row_d<T>(p, vis, g, ag, lse, i, r);            \
+            gq[matrix(p.aq, i, p.heads) + r * p.aq.row] = row_d<T>(p, vis, g, ag, lse, i, r);           \
         }                                                                                               \
     }                                                                                                   \
-    /* dk and dv of every key row, each when given; D from dq's rows, or computed (no dq). */        \
+    /* dk and dv of every key row, each when given; D from dq's rows, or computed (no dq). */           \
     extern "C" __global__ void attention_backward_kv_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, const T* gq, T* gk, T* gv) { \
         GRID_STRIDE(key, p.bh * p.tk) {                                                                 \
             i64 i = key / p.tk, j = key % p.tk;                                                         \
@@ -116,17 +129,17 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
                 if (vis.hidden(i, r, j)) continue;                                                      \
                 const T* qr = p.qrow(i, r);                                                             \
                 const T* gr = g + matrix(ag, i, p.heads) + r * ag.row;                                  \
-                T prob = exp(p.scale * dot<T>(qr, kj, p.d) - lse[i * p.tq + r]);                         \
-                if (dvr) for (i64 c = 0; c < p.dv; ++c) dvr[c] += prob * gr[c];                         \
+                T prob = exp(p.scale * dot<T>(p, qr, kj, p.d) - lse[i * p.tq + r]);                     \
+                if (dvr) for (i64 c = 0; c < p.dv; ++c) dvr[c] += p.in(prob) * p.in(gr[c]);             \
                 if (dk) {                                                                               \
                     T dd = gq ? gq[matrix(p.aq, i, p.heads) + r * p.aq.row] : row_d<T>(p, vis, g, ag, lse, i, r); \
-                    T ds = prob * (dot<T>(gr, vj, p.dv) - dd) * p.scale;                                \
-                    for (i64 c = 0; c < p.d; ++c) dk[c] += ds * qr[c];                                  \
+                    T ds = prob * (dot<T>(p, gr, vj, p.dv) - dd) * p.scale;                             \
+                    for (i64 c = 0; c < p.d; ++c) dk[c] += p.in(ds) * p.in(qr[c]);                      \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
-    /* dq of every query row, its D read from the row's first element before the row is written. */  \
+    /* dq of every query row, its D read from the row's first element before the row is written. */     \
     extern "C" __global__ void attention_backward_q_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, T* gq) { \
         GRID_STRIDE(row, p.bh * p.tq) {                                                                 \
             i64 i = row / p.tq, r = row % p.tq;                                                         \
@@ -138,9 +151,9 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
             for (i64 j = 0; j < p.tk; ++j) {                                                            \
                 if (vis.hidden(i, r, j)) continue;                                                      \
                 const T* kj = p.krow(i, j);                                                             \
-                T prob = exp(p.scale * dot<T>(qr, kj, p.d) - l);                                        \
-                T ds = prob * (dot<T>(gr, p.vrow(i, j), p.dv) - dd) * p.scale;                          \
-                for (i64 c = 0; c < p.d; ++c) dq[c] += ds * kj[c];                                      \
+                T prob = exp(p.scale * dot<T>(p, qr, kj, p.d) - l);                                     \
+                T ds = prob * (dot<T>(p, gr, p.vrow(i, j), p.dv) - dd) * p.scale;                       \
+                for (i64 c = 0; c < p.d; ++c) dq[c] += p.in(ds) * p.in(kj[c]);                          \
             }                                                                                           \
         }                                                                                               \
     }
@@ -162,12 +175,12 @@ ATTENTION(double, f64)
 #define TY (TILE_THREADS / TX)
 
 // Rows r0 .. r0 + ROWS of a matrix (`rows` of them, `cols` values each, row r at m + r * stride)
-// into `sh`.
+// into `sh`, as the problem's products read them (every staged tile is a product's operand).
 template <int D, int ROWS>
-__device__ void stage_rows(float* sh, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
+__device__ void stage_rows(const Problem<float>& p, float* sh, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
     for (int e = threadIdx.x; e < ROWS * D; e += TILE_THREADS) {
         int a = e / D, c = e % D;
-        sh[a * (D + 1) + c] = (r0 + a < rows && c < cols) ? m[(r0 + a) * stride + c] : 0.0f;
+        sh[a * (D + 1) + c] = (r0 + a < rows && c < cols) ? p.in(m[(r0 + a) * stride + c]) : 0.0f;
     }
 }
 
@@ -228,12 +241,12 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
     float o[TM][TO], m[TM], l[TM];
     zero_tile(o);
     for (int a = 0; a < TM; ++a) { m[a] = -INFINITY; l[a] = 0.0f; }
-    stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+    stage_rows<D, BR>(p, qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
     i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
-        stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
-        stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        stage_rows<D, BC>(p, ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+        stage_rows<D, BC>(p, vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
         __syncthreads();
         float s[TM][TN], top[TM], sum[TM];
         zero_tile(s);
@@ -261,7 +274,7 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
             }
             l[a] *= alpha;
             for (int c = 0; c < TO; ++c) o[a][c] *= alpha;
-            for (int b = 0; b < TN; ++b) ps[(ty * TM + a) * (BC + 1) + tx + TX * b] = s[a][b];
+            for (int b = 0; b < TN; ++b) ps[(ty * TM + a) * (BC + 1) + tx + TX * b] = p.in(s[a][b]);
         }
         merge_rows<TM, false>(sum, red);
         for (int a = 0; a < TM; ++a) l[a] += sum[a];
@@ -292,8 +305,8 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
     float acc[TM][TO], lr[TM], dr[TM], part[TM];
     zero_tile(acc);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
-    stage_rows<D, BR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
-    stage_rows<D, BR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
+    stage_rows<D, BR>(p, qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+    stage_rows<D, BR>(p, gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
     for (int a = 0; a < TM; ++a) {
         i64 r = r0 + ty * TM + a;
         lr[a] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
@@ -303,8 +316,8 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
     i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
-        stage_rows<D, BC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
-        stage_rows<D, BC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        stage_rows<D, BC>(p, ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+        stage_rows<D, BC>(p, vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
         __syncthreads();
         float s[TM][TN], dp[TM][TN];
         zero_tile(s);
@@ -318,7 +331,7 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
                 bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
                 float prob = seen ? expf(p.scale * s[a][b] - lr[a]) : 0.0f;
                 if (pass == 0) part[a] += prob * dp[a][b];
-                else dss[(ty * TM + a) * (BC + 1) + tx + TX * b] = prob * (dp[a][b] - dr[a]) * p.scale;
+                else dss[(ty * TM + a) * (BC + 1) + tx + TX * b] = p.in(prob * (dp[a][b] - dr[a]) * p.scale);
             }
         }
         if (pass == 1) {
@@ -358,13 +371,13 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
     zero_tile(dk);
     zero_tile(dv);
     const float* gq0 = gq + matrix(p.aq, i, p.heads);
-    stage_rows<D, KC>(ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
-    stage_rows<D, KC>(vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+    stage_rows<D, KC>(p, ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+    stage_rows<D, KC>(p, vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
     i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
     for (i64 r0 = rstart; r0 < p.tq; r0 += KR) {
         __syncthreads();
-        stage_rows<D, KR>(qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
-        stage_rows<D, KR>(gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
+        stage_rows<D, KR>(p, qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
+        stage_rows<D, KR>(p, gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
         if (threadIdx.x < KR) {
             i64 r = r0 + threadIdx.x;
             l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
@@ -384,8 +397,8 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
                 i64 j = j0 + col;
                 bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
                 float prob = seen ? expf(p.scale * s[a][b] - l_row[row]) : 0.0f;
-                ps[row * (KC + 1) + col] = prob;
-                dss[row * (KC + 1) + col] = seen ? prob * (dp[a][b] - d_row[row]) * p.scale : 0.0f;
+                ps[row * (KC + 1) + col] = p.in(prob);
+                dss[row * (KC + 1) + col] = seen ? p.in(prob * (dp[a][b] - d_row[row]) * p.scale) : 0.0f;
             }
         }
         __syncthreads();
@@ -414,7 +427,7 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
     extern "C" __global__ void attention_tiled_d##D##_f32(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
         i64 tiles = (p.tq + FR - 1) / FR;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_tile<D, FR, FC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * FR);                \
+            attention_tile<D, FR, FC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * FR);               \
     }                                                                                                   \
     extern "C" __global__ void attention_tiled_backward_q_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
         i64 tiles = (p.tq + QR - 1) / QR;                                                               \

@@ -30,6 +30,22 @@ __device__ __forceinline__ i64 strided_offset(const Strided& s, i64 k) {
     return off;
 }
 
+// Casts between f32 and bfloat16 bits, rounding to nearest even as PyTorch's `.to()` (a NaN stays
+// a quiet NaN).
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((unsigned int)h << 16); }
+
+// An operand element as a bf16 product reads it (Note [bf16 products] in memfit-kernels): rounded
+// to bfloat16, to nearest even, and a denormal result read as a zero of its sign.
+__device__ __forceinline__ float bf16_operand(float x) {
+    unsigned int r = (unsigned int)f32_to_bf16(x) << 16;
+    return __uint_as_float((r & 0x7f800000u) == 0 ? r & 0x80000000u : r);
+}
+
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // Sum of `v` over the block (blockDim.x a power of two, at most 1024) into every thread's return,

@@ -29,13 +29,8 @@ extern "C" __global__ void gather_b2(unsigned short* d, const unsigned short* s,
 extern "C" __global__ void gather_b4(unsigned int* d, const unsigned int* s, Strided v, i64 n) { gather_t(d, s, v, n); }
 extern "C" __global__ void gather_b8(u64* d, const u64* s, Strided v, i64 n) { gather_t(d, s, v, n); }
 
-// Casts between the float dtypes, rounding to nearest even as PyTorch's `.to()` (NaN stays NaN).
-__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((unsigned int)h << 16); }
+// Casts between the float dtypes, rounding to nearest even as PyTorch's `.to()` (NaN stays NaN;
+// bfloat16's in common.cuh).
 #ifdef MEMFIT_EMULATOR
 __device__ __forceinline__ unsigned short f32_to_f16(float x) {
     _Float16 h = (_Float16)x;

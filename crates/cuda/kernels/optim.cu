@@ -54,17 +54,8 @@ __device__ __forceinline__ void adam_element(const AdamArgs& a, T& p, T g, T& m,
 OPTIM(float, f32)
 OPTIM(double, f64)
 
-// Compact moments of an f32 parameter (the cpu kernels' Note [Compact optimizer state]).
-
-__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
-
-// Round to nearest even; a NaN stays a (quiet) NaN.
-__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
-    unsigned u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
+// Compact moments of an f32 parameter (the cpu kernels' Note [Compact optimizer state]; the
+// bfloat16 casts are common.cuh's).
 
 extern "C" __global__ void adam_bf16_state_f32(float* p, const float* g, unsigned short* m, unsigned short* v, AdamArgs a, i64 n) {
     GRID_STRIDE(i, n) {

@@ -8,7 +8,8 @@
 //! `emulator/emulator.h` in front (threads as fibers, barriers as switches), into one shared
 //! library cached next to the PTX (`<cache>/emulator/<hash>.so`) and loaded with `libloading`.
 //! Memory is host memory (an address is a host address); products are plain loops that follow
-//! cuBLAS's column-major definition to the letter.
+//! cuBLAS's column-major definition to the letter (a bf16 product's operands rounded as Note [bf16
+//! products] in `memfit-kernels` defines).
 
 use crate::kernels::{cache_dir, fnv1a, source_of, SOURCES};
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
@@ -277,8 +278,9 @@ impl Machine for Emulator {
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         match g.dtype {
-            GemmType::F32 => gemm_host::<f32>(g),
-            GemmType::F64 => gemm_host::<f64>(g),
+            GemmType::F32 => gemm_host::<f32>(g, |v| v),
+            GemmType::F32Bf16 => gemm_host::<f32>(g, memfit_kernels::gemm_bf16::round_bf16),
+            GemmType::F64 => gemm_host::<f64>(g, |v| v),
         }
         Ok(())
     }
@@ -317,8 +319,9 @@ impl Float for f64 {
     }
 }
 
-/// cuBLAS's strided batched GEMM by its definition (column-major).
-fn gemm_host<T: Float>(g: &Gemm) {
+/// cuBLAS's strided batched GEMM by its definition (column-major), each operand element read
+/// through `read` (a bf16 product's rounding, or as it is).
+fn gemm_host<T: Float>(g: &Gemm, read: impl Fn(T) -> T) {
     let (alpha, beta) = (T::of(g.alpha), T::of(g.beta));
     for batch in 0..g.batch {
         let a = (g.a as *const T).wrapping_add(batch * g.stride_a);
@@ -331,7 +334,7 @@ fn gemm_host<T: Float>(g: &Gemm) {
                     let ai = if g.transa { l + i * g.lda } else { i + l * g.lda };
                     let bi = if g.transb { j + l * g.ldb } else { l + j * g.ldb };
                     // SAFETY: the product's operands lie inside emulated memory (the caller's contract).
-                    acc = acc + unsafe { *a.add(ai) * *b.add(bi) };
+                    acc = acc + unsafe { read(*a.add(ai)) * read(*b.add(bi)) };
                 }
                 // SAFETY: as above.
                 unsafe {

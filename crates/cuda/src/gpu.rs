@@ -535,6 +535,37 @@ impl Gpu {
                         batch,
                     )
                 }
+                // f32 operands rounded to bfloat16 as the tensor cores load them, products added in
+                // f32 (`cuda_parity` checks the rounding on operands whose sums are exact).
+                GemmType::F32Bf16 => {
+                    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
+                    let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+                    cudarc::cublas::result::gemm_strided_batched_ex(
+                        *blas.handle(),
+                        op(g.transa),
+                        op(g.transb),
+                        m,
+                        n,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        g.a as *const std::ffi::c_void,
+                        f32_type,
+                        lda,
+                        sa,
+                        g.b as *const std::ffi::c_void,
+                        f32_type,
+                        ldb,
+                        sb,
+                        (&beta as *const f32).cast(),
+                        g.c as *mut std::ffi::c_void,
+                        f32_type,
+                        ldc,
+                        sc,
+                        batch,
+                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
                 GemmType::F64 => {
                     let (alpha, beta) = (g.alpha, g.beta);
                     cudarc::cublas::result::dgemm_strided_batched(

@@ -80,11 +80,26 @@ pub struct Launch {
     pub block: u32,
 }
 
-/// A float type cuBLAS multiplies.
+/// A float type cuBLAS multiplies, and how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmType {
     F32,
+    /// f32 in memory, multiplied as a bf16 product (Note [bf16 products] in `memfit-kernels`):
+    /// each operand element rounded to bfloat16, to nearest even, the products accumulated in f32.
+    /// On a GPU, cuBLAS's `CUBLAS_COMPUTE_32F_FAST_16BF` (tensor cores, converting as they load,
+    /// adding in their own order); the emulator rounds as the definition says and adds in order.
+    F32Bf16,
     F64,
+}
+
+impl GemmType {
+    /// Bytes of one element in memory.
+    pub fn size(self) -> usize {
+        match self {
+            GemmType::F32 | GemmType::F32Bf16 => 4,
+            GemmType::F64 => 8,
+        }
+    }
 }
 
 /// `C = alpha op(A) op(B) + beta C` for `batch` matrices, column-major as cuBLAS's

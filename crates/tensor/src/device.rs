@@ -518,12 +518,9 @@ impl Device {
     /// ops' products): in f32, or as bf16 products of f32 operands (Note [bf16 products] in
     /// `memfit-kernels`' `gemm_bf16`), `--precision bf16`'s arithmetic. Element-wise ops, reductions,
     /// parameters, gradients and optimizer state stay f32 either way; nothing allocates differently.
-    /// Returns what the device will compute: a GPU target has no bf16 products yet and keeps f32
-    /// (its `--precision bf16` stores activations in bf16 only; the report says so).
-    pub fn set_products(&self, products: crate::Products) -> crate::Products {
-        let products = if self.target() == crate::Target::Cuda { crate::Products::F32 } else { products };
+    /// Every device computes both (the cpu's kernels, cuBLAS's tensor cores on a GPU).
+    pub fn set_products(&self, products: crate::Products) {
         self.0.bf16_products.store(products == crate::Products::Bf16, Ordering::Relaxed);
-        products
     }
 
     /// How matrix products compute on this device.

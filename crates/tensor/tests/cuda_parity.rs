@@ -9,7 +9,8 @@
 //! GPT-2-sized vocabulary: the embedding's gradient (bit for bit: positions sorted by row, added in the
 //! cpu's order), cross-entropy over 50,304 classes, and the head with its loss in chunks. And
 //! convolutions whose samples the GPU plan takes several lanes at a time, with a short last lane, and
-//! pooling gradients gathered per input element where windows overlap.
+//! pooling gradients gathered per input element where windows overlap. And bf16 products (`--precision
+//! bf16`): every product op against the cpu's, and the rounding itself bit for bit.
 //!
 //! Runs on `cuda:0`: a GPU, or the emulator (`MEMFIT_CUDA_EMULATOR=1`, how CI runs it through
 //! `tools/cuda-emulator-tests`). Without either it prints `skipped: no CUDA device` and checks
@@ -34,6 +35,7 @@ fn main() {
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
+    let bf16 = bf16_products_match_the_cpu(&cuda);
     // relu6 (an imported model's hardswish and hardsigmoid): values below 0, between, above 6.
     agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
     agree(&cuda, "hardsigmoid", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardsigmoid());
@@ -62,7 +64,7 @@ fn main() {
         mask.slice_step(1, 0, 10, 3)?.fill_(-2.0)?;
         x[0].mul(&mask)
     });
-    let total = attention + sums + states + uploads + vocab + convs + 15;
+    let total = attention + sums + states + uploads + vocab + convs + bf16 + 15;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 
@@ -104,17 +106,31 @@ fn run(device: &Device, shapes: &[&[usize]], f: &dyn Fn(&[Tensor]) -> Result<Ten
     Ok(all)
 }
 
-/// Each of `f`'s results on cuda within `rtol` of the largest cpu value of that result.
+/// Each of `f`'s results on cuda within 2e-5 of the largest cpu value of that result (and 1e-5 of
+/// its own).
 fn agree(cuda: &Device, what: &str, shapes: &[&[usize]], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) {
-    let want = run(&Device::cpu(), shapes, f).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+    agree_within(cuda, &Device::cpu(), (2e-5, 1e-5), what, shapes, f);
+}
+
+/// Each of `f`'s results on cuda within `scaled` of the largest value of that result on `cpu` plus
+/// `relative` of its own value.
+fn agree_within(
+    cuda: &Device,
+    cpu: &Device,
+    (scaled, relative): (f32, f32),
+    what: &str,
+    shapes: &[&[usize]],
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) {
+    let want = run(cpu, shapes, f).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
     let got = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what} on cuda: {e}"));
-    let names = ["output", "grad 0", "grad 1", "grad 2", "grad 3"];
+    let names = ["output", "grad 0", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5"];
     for (k, (w, g)) in want.iter().zip(&got).enumerate() {
         assert_eq!(w.len(), g.len(), "{what}: {} sizes", names[k]);
         let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
         for (i, (a, b)) in w.iter().zip(g).enumerate() {
             assert!(
-                (a - b).abs() <= 2e-5 * scale + 1e-5 * a.abs(),
+                (a - b).abs() <= scaled * scale + relative * a.abs(),
                 "{what}: {} element {i}: cuda {b} vs cpu {a} (largest |value| {scale})",
                 names[k]
             );
@@ -358,4 +374,82 @@ fn pooling_gradients_match_the_cpu(cuda: &Device) -> usize {
     agree(cuda, "avg pool without padding", shape, &|x| ops::avg_pool2d(&x[0], p(3, 2, 1, 1, false), false));
     agree(cuda, "adaptive avg pool, overlapping", &[&[2, 3, 7, 7]], &|x| ops::adaptive_avg_pool2d(&x[0], [5, 5]));
     5
+}
+
+/// bf16 products (Note [bf16 products] in `memfit-kernels`) on cuda against the cpu's: every product
+/// op, forward and backward, within what a different order of f32 additions gives (attention's
+/// forward: within bfloat16's rounding, below); and, bit for bit, products whose rounded operands are
+/// integers of 8 bits, so every sum is exact in any order and the only difference left would be the
+/// rounding itself (to nearest: n - 0.3 reads as n, where truncating, as a converter might, gives
+/// n - 1 for a positive n). The cases checked.
+fn bf16_products_match_the_cpu(cuda: &Device) -> usize {
+    use memfit_tensor::Products;
+    let cpu = Device::cpu();
+    cpu.set_products(Products::Bf16);
+    cuda.set_products(Products::Bf16);
+    let mut cases = 0;
+    let conv = ops::Conv2dParams { padding: [1, 1], ..Default::default() };
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 7] = [
+        ("bf16 linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
+        ("bf16 batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
+        ("bf16 conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
+        ("bf16 attention d64 (tiled)", vec![&[2, 3, 70, 64], &[2, 3, 70, 64], &[2, 3, 70, 64]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        ("bf16 attention d160 (per row)", vec![&[1, 2, 9, 160], &[1, 2, 11, 160], &[1, 2, 11, 160]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)
+        }),
+        ("bf16 layer_norm_linear", vec![&[50, 24], &[24], &[24], &[30, 24], &[30]], &|x| {
+            ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+        }),
+        ("bf16 gelu_linear", vec![&[50, 24], &[30, 24], &[30]], &|x| ops::gelu_linear(&x[0], &x[1], Some(&x[2]))),
+    ];
+    for (what, shapes, f) in &product_ops {
+        let want = run(&cpu, shapes, *f).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+        let got = run(cuda, shapes, *f).unwrap_or_else(|e| panic!("{what} on cuda: {e}"));
+        let plain = run(&Device::cpu(), shapes, *f).unwrap_or_else(|e| panic!("{what} in f32 on cpu: {e}"));
+        for (k, ((w, g), p)) in want.iter().zip(&got).zip(&plain).enumerate() {
+            let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+            let gap = |a: &[f32]| a.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+            // Attention's forward rounds P before it is normalized on a GPU (online softmax), after
+            // on the cpu: the two differ by bfloat16's rounding, no more than f32 products do.
+            let forward_attention = k == 0 && what.contains("attention");
+            let limit = if forward_attention { gap(p) } else { 1e-6 };
+            assert!(gap(g) <= limit, "{what} result {k}: cuda's bf16 products {} from the cpu's", gap(g));
+            let bias = k + 1 == want.len() && !what.contains("matmul") && !what.contains("attention");
+            assert!(bias || gap(p) > 1e-4, "{what} result {k}: bf16 products round (f32 within {})", gap(p));
+        }
+        cases += 1;
+    }
+    // Exact cases: operands n - 0.3 for n of 8 bits (either sign, |n| in 128..=255) read as n.
+    let integers = |count: usize, seed: u64| -> Vec<f32> {
+        values(count, seed).iter().map(|v| (128.0 + (v.abs() * 127.0).floor()).copysign(*v)).collect()
+    };
+    let operands = |count: usize, seed: u64| -> Vec<f32> {
+        integers(count, seed).iter().map(|n| n - 0.3f32.copysign(*n)).collect()
+    };
+    let exact = |device: &Device| -> Result<Vec<Vec<u32>>> {
+        let x = Tensor::from_slice(device, &operands(40 * 32, 3), &[40, 32], Category::Input)?.set_requires_grad(true);
+        let w = Tensor::from_slice(device, &operands(24 * 32, 4), &[24, 32], Category::Input)?.set_requires_grad(true);
+        let y = ops::linear(&x, &w, None)?;
+        backward_with(&y, Tensor::from_slice(device, &operands(40 * 24, 5), &[40, 24], Category::Input)?)?;
+        let a = Tensor::from_slice(device, &operands(2 * 9 * 32, 6), &[2, 9, 32], Category::Input)?;
+        let b = Tensor::from_slice(device, &operands(2 * 32 * 7, 7), &[2, 32, 7], Category::Input)?;
+        let grads = [x.grad(), w.grad()].map(|g| g.expect("a gradient"));
+        [y, grads[0].clone(), grads[1].clone(), a.matmul(&b)?]
+            .iter()
+            .map(|t| Ok(t.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect()))
+            .collect()
+    };
+    let (want, got) =
+        (exact(&cpu).expect("exact bf16 products on cpu"), exact(cuda).expect("exact bf16 products on cuda"));
+    // The first output is the sum of the integers' products (rounding to nearest: n - 0.3 -> n).
+    let (xn, wn) = (integers(40 * 32, 3), integers(24 * 32, 4));
+    let first: f32 = xn[..32].iter().zip(&wn[..32]).map(|(a, b)| a * b).sum();
+    assert_eq!(f32::from_bits(want[0][0]), first, "the cpu's bf16 product of rounded operands");
+    for (k, name) in ["linear", "its input's gradient", "its weight's gradient", "batched matmul"].iter().enumerate() {
+        assert_eq!(got[k], want[k], "bf16 products of operands that round to 8-bit integers, {name}: cuda's bits");
+    }
+    cuda.set_products(Products::F32);
+    cases + 2
 }

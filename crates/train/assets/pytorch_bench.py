@@ -81,6 +81,8 @@ CASES = {  # memfit's bench case name: (model, batch of inputs and targets)
     "gpt-b32": (GPT, lambda: (torch.randint(0, 96, (32, 128)), torch.randint(0, 96, (32, 128)))),
     "gpt2-124m-b8": (lambda: GPT(vocab=50304, d=768, heads=12, layers=12, context=1024),
                      lambda: (torch.randint(0, 50304, (8, 1024)), torch.randint(0, 50304, (8, 1024)))),
+    "gpt2-124m-b16": (lambda: GPT(vocab=50304, d=768, heads=12, layers=12, context=1024),
+                      lambda: (torch.randint(0, 50304, (16, 1024)), torch.randint(0, 50304, (16, 1024)))),
 }
 
 

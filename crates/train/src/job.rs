@@ -224,7 +224,7 @@ fn train_in_pool(
         profile_files,
         checkpointed,
         precision,
-        products: crate::report::products_label(&device, precision),
+        products: crate::report::products_label(&device),
         segments,
         optimizer_step,
         skipped_steps: session.skipped_steps,

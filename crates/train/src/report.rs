@@ -495,7 +495,7 @@ impl crate::planner::Plan {
         }
         if self.precision == crate::config::Precision::Bf16 {
             s.push_str(
-                "matrix products: bf16 operands, f32 accumulation (on a cpu; a GPU keeps f32 products for now)\n",
+                "matrix products: bf16 operands, f32 accumulation (the cpu's bf16 kernels, a GPU's tensor cores)\n",
             );
         }
         if self.segments.expandable() {
@@ -684,17 +684,15 @@ pub fn curves(summary: &crate::RunSummary) -> memfit_profile::Curves {
     }
 }
 
-/// How a device computes matrix products, for reports: `fp32`, or `bf16 (LEVEL)` with the kernel
-/// level on the cpu; a GPU keeps f32 products under `--precision bf16` for now, and says so.
-pub fn products_label(device: &memfit_tensor::Device, precision: crate::config::Precision) -> String {
+/// How a device computes matrix products, for reports: `fp32`, or `bf16 (WHERE)`: the kernel level
+/// on the cpu, cuBLAS's tensor cores on a GPU target.
+pub fn products_label(device: &memfit_tensor::Device) -> String {
+    let level = match device.target() {
+        memfit_tensor::Target::Cuda => "tensor cores".to_string(),
+        _ => memfit_tensor::Bf16Level::active().name().to_string(),
+    };
     match device.products() {
-        memfit_tensor::Products::Bf16 => {
-            format!("bf16 ({}): bf16 operands, f32 accumulation", memfit_tensor::Bf16Level::active().name())
-        }
-        memfit_tensor::Products::F32 if precision == crate::config::Precision::Bf16 => {
-            "fp32 (bf16 products are not built for a GPU yet: activations are stored in bf16, products stay f32)"
-                .to_string()
-        }
+        memfit_tensor::Products::Bf16 => format!("bf16 ({level}): bf16 operands, f32 accumulation"),
         memfit_tensor::Products::F32 => "fp32".to_string(),
     }
 }

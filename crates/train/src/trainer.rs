@@ -138,14 +138,12 @@ pub trait Peers: Send + Sync {
 }
 
 impl Session {
-    /// Applies `choice` to the model's segments; returns the names of those that now run
-    /// checkpointed.
     /// Stores saved activations in `precision`'s dtype and, for bf16, makes matrix products bf16
-    /// products (resolved: `auto` is the planner's to decide). Returns how products compute on this
-    /// device (f32 on a GPU for now).
-    pub fn set_precision(&self, precision: crate::config::Precision) -> Result<memfit_tensor::Products, TrainError> {
+    /// products, on every device (resolved: `auto` is the planner's to decide).
+    pub fn set_precision(&self, precision: crate::config::Precision) -> Result<(), TrainError> {
         self.device.set_saved_dtype(precision.saved_dtype())?;
-        Ok(self.device.set_products(precision.products()))
+        self.device.set_products(precision.products());
+        Ok(())
     }
 
     /// Where the optimizer steps: after the window's backward, or inside it (Note [Step in
@@ -187,6 +185,8 @@ impl Session {
         Ok(memfit_tensor::ops::unscale_(&grads.iter().collect::<Vec<_>>(), 1.0)?)
     }
 
+    /// Applies `choice` to the model's segments; returns the names of those that now run
+    /// checkpointed.
     pub fn set_checkpointing(&self, choice: &crate::config::CheckpointChoice) -> Result<Vec<String>, TrainError> {
         let name = match self.model.kind() {
             memfit_nn::ModelKind::Imported => "the imported model",

@@ -183,8 +183,11 @@ fn product(
     }
 }
 
-fn gemm_type(op: &str, dtype: DType) -> Result<GemmType> {
+/// How cuBLAS multiplies `dtype` for a device computing `products` (bf16 products of f32 only, as
+/// on the cpu).
+fn gemm_type(op: &str, dtype: DType, products: Products) -> Result<GemmType> {
     match dtype {
+        DType::F32 if products == Products::Bf16 => Ok(GemmType::F32Bf16),
         DType::F32 => Ok(GemmType::F32),
         DType::F64 => Ok(GemmType::F64),
         other => Err(Error::dtype(format!("{op} on cuda supports f32 and f64, not {other}"))),
@@ -265,7 +268,7 @@ impl Cuda {
         if g.k == 0 {
             // cuBLAS leaves C to beta * C; a product over nothing is zero.
             return if g.beta == 0.0 {
-                let size = if g.dtype == GemmType::F32 { 4 } else { 8 };
+                let size = g.dtype.size();
                 for i in 0..g.batch {
                     let c = g.c + (i * g.stride_c * size) as u64;
                     for col in 0..g.n {
@@ -374,22 +377,34 @@ impl Cuda {
     }
 
     /// `out[rows, out_f] (+)= x[rows, in_f] W^T` for a weight `[out_f, in_f]` of any unit-stride layout.
-    fn times_weight_t(&self, x: u64, rows: usize, weight: &Tensor, out: u64, beta: f64, op: &str) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn times_weight_t(
+        &self,
+        x: u64,
+        rows: usize,
+        weight: &Tensor,
+        out: u64,
+        beta: f64,
+        products: Products,
+        op: &str,
+    ) -> Result<()> {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let ws = weight.layout().strides();
         let a = Operand { address: x, trans: false, ld: in_f.max(1) };
         // W^T is [in_f, out_f] with strides (ws[1], ws[0]).
         let b = operand(weight, addr(weight)?, in_f, out_f, ws[1], ws[0], op)?;
-        self.gemm(product(gemm_type(op, weight.dtype())?, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta))
+        let kind = gemm_type(op, weight.dtype(), products)?;
+        self.gemm(product(kind, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta))
     }
 
     /// `out[rows, in_f] = g[rows, out_f] W` for a weight `[out_f, in_f]`.
-    fn times_weight(&self, g: u64, rows: usize, weight: &Tensor, out: u64, op: &str) -> Result<()> {
+    fn times_weight(&self, g: u64, rows: usize, weight: &Tensor, out: u64, products: Products, op: &str) -> Result<()> {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let ws = weight.layout().strides();
         let a = Operand { address: g, trans: false, ld: out_f.max(1) };
         let b = operand(weight, addr(weight)?, out_f, in_f, ws[0], ws[1], op)?;
-        self.gemm(product(gemm_type(op, weight.dtype())?, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0))
+        let kind = gemm_type(op, weight.dtype(), products)?;
+        self.gemm(product(kind, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0))
     }
 
     /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense).
@@ -403,10 +418,12 @@ impl Cuda {
         in_f: usize,
         gw: u64,
         beta: f64,
+        products: Products,
     ) -> Result<()> {
         let a = Operand { address: g, trans: true, ld: out_f.max(1) };
         let b = Operand { address: x, trans: false, ld: in_f.max(1) };
-        self.gemm(product(gemm_type("a weight gradient", dtype)?, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta))
+        let kind = gemm_type("a weight gradient", dtype, products)?;
+        self.gemm(product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta))
     }
 }
 
@@ -659,7 +676,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         const NAME: &str = "conv2d";
         let sfx = float(NAME, x.dtype())?;
-        let dtype = gemm_type(NAME, x.dtype())?;
+        let dtype = gemm_type(NAME, x.dtype(), g.products)?;
         let size = x.dtype().size() as u64;
         let (xp, wp, op) = (dense(x, NAME)?, dense(weight, NAME)?, dense(out, NAME)?);
         let (p, hw, og, kg, cg, groups) = (g.oh * g.ow, g.h * g.w, g.og(), g.kg(), g.cg(), g.groups);
@@ -730,7 +747,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         const NAME: &str = "conv2d_backward";
         let sfx = float(NAME, grad.dtype())?;
-        let dtype = gemm_type(NAME, grad.dtype())?;
+        let dtype = gemm_type(NAME, grad.dtype(), g.products)?;
         let size = grad.dtype().size() as u64;
         let (xp, wp, gp) = (dense(x, NAME)?, dense(weight, NAME)?, dense(grad, NAME)?);
         let (dxp, dwp) = (dense_opt(dx, NAME)?, dense_opt(dw, NAME)?);
@@ -1312,11 +1329,11 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor, _products: Products) -> Result<()> {
+    fn matmul(&self, a: &Tensor, b: &Tensor, out: &Tensor, products: Products) -> Result<()> {
         let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
         let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
         let batch_shape = &out.shape()[..ro - 2];
-        let dtype = gemm_type("matmul", a.dtype())?;
+        let dtype = gemm_type("matmul", a.dtype(), products)?;
         let mut sa = batch_shape.to_vec();
         sa.extend([m, k]);
         let mut sb = batch_shape.to_vec();
@@ -1363,7 +1380,7 @@ impl Backend for Cuda {
         weight: &Tensor,
         bias: Option<&Tensor>,
         out: &Tensor,
-        _products: Products,
+        products: Products,
     ) -> Result<()> {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = x.numel() / in_f.max(1);
@@ -1371,7 +1388,8 @@ impl Backend for Cuda {
         if let Some(bias) = bias {
             self.broadcast_rows(bias, rows, out_f, dst)?;
         }
-        self.times_weight_t(dense(x, "linear")?, rows, weight, dst, if bias.is_some() { 1.0 } else { 0.0 }, "linear")
+        let beta = if bias.is_some() { 1.0 } else { 0.0 };
+        self.times_weight_t(dense(x, "linear")?, rows, weight, dst, beta, products, "linear")
     }
 
     fn linear_weight_grad(
@@ -1380,13 +1398,13 @@ impl Backend for Cuda {
         x: &Tensor,
         gw: &Tensor,
         gb: Option<&Tensor>,
-        _products: Products,
+        products: Products,
     ) -> Result<()> {
         const NAME: &str = "linear_weight_grad";
         let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
         let rows = x.numel() / in_f.max(1);
         let g = dense(grad, NAME)?;
-        self.weight_grad(grad.dtype(), g, dense(x, NAME)?, rows, out_f, in_f, dense(gw, NAME)?, 0.0)?;
+        self.weight_grad(grad.dtype(), g, dense(x, NAME)?, rows, out_f, in_f, dense(gw, NAME)?, 0.0, products)?;
         if let Some(gb) = gb {
             self.column_sums(float(NAME, grad.dtype())?, g, rows, out_f, dense(gb, NAME)?)?;
         }
@@ -1400,7 +1418,7 @@ impl Backend for Cuda {
         bias: Option<&Tensor>,
         scratch: &Tensor,
         out: &Tensor,
-        _products: Products,
+        products: Products,
     ) -> Result<()> {
         const NAME: &str = "gelu_linear";
         let sfx = float(NAME, x.dtype())?;
@@ -1431,6 +1449,7 @@ impl Backend for Cuda {
                 weight,
                 dst + (r0 * out_f) as u64 * size,
                 if bias.is_some() { 1.0 } else { 0.0 },
+                products,
                 NAME,
             )?;
         }
@@ -1446,7 +1465,7 @@ impl Backend for Cuda {
         gw: Option<&Tensor>,
         gb: Option<&Tensor>,
         scratch: &Tensor,
-        _products: Products,
+        products: Products,
     ) -> Result<()> {
         const NAME: &str = "gelu_linear_backward";
         let sfx = float(NAME, grad.dtype())?;
@@ -1475,10 +1494,11 @@ impl Backend for Cuda {
                         Arg::I64(count as i64),
                     ],
                 )?;
-                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, if i == 0 { 0.0 } else { 1.0 })?;
+                let beta = if i == 0 { 0.0 } else { 1.0 };
+                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, beta, products)?;
             }
             if gxp != 0 {
-                self.times_weight(g_block, n, weight, sc, NAME)?;
+                self.times_weight(g_block, n, weight, sc, products, NAME)?;
                 self.launch(
                     &format!("unary_backward_{sfx}"),
                     self.grid(count, BLOCK),
@@ -1585,7 +1605,7 @@ impl Backend for Cuda {
         out: &Tensor,
         mean: Option<&Tensor>,
         rstd: Option<&Tensor>,
-        _products: Products,
+        products: Products,
     ) -> Result<()> {
         const NAME: &str = "layer_norm_linear";
         let sfx = float(NAME, x.dtype())?;
@@ -1618,6 +1638,7 @@ impl Backend for Cuda {
                 weight,
                 dst + (r0 * out_f) as u64 * size,
                 if bias.is_some() { 1.0 } else { 0.0 },
+                products,
                 NAME,
             )?;
         }
@@ -1640,7 +1661,7 @@ impl Backend for Cuda {
         gb: Option<&Tensor>,
         scratch: &Tensor,
         _sums: Option<&Tensor>,
-        _products: Products,
+        products: Products,
     ) -> Result<()> {
         const NAME: &str = "layer_norm_linear_backward";
         let sfx = float(NAME, grad.dtype())?;
@@ -1676,13 +1697,14 @@ impl Backend for Cuda {
                         Arg::Ptr(sc),
                     ],
                 )?;
-                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, if i == 0 { 0.0 } else { 1.0 })?;
+                let beta = if i == 0 { 0.0 } else { 1.0 };
+                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, beta, products)?;
             }
             if gxp == 0 && glwp == 0 && glbp == 0 {
                 continue;
             }
             // dy = grad W: the layer norm's output gradient.
-            self.times_weight(g_block, n, weight, sc, NAME)?;
+            self.times_weight(g_block, n, weight, sc, products, NAME)?;
             if glwp != 0 || glbp != 0 {
                 self.launch(
                     &format!("layer_norm_backward_wb_{sfx}"),
@@ -2152,7 +2174,8 @@ fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
     }
 }
 
-/// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes and the scale.
+/// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes, whether the products are
+/// bf16 products, and the scale.
 fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &str) -> Result<Arg> {
     let d = pb.dims;
     let mut words = vec![dense(q, op)?, dense(k, op)?, dense(v, op)?];
@@ -2160,6 +2183,7 @@ fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &
         words.extend(addr_words(a));
     }
     words.extend([d.bh, d.heads, d.tq, d.tk, d.d, d.dv].map(|n| n as u64));
+    words.push(u64::from(pb.products == Products::Bf16 && q.dtype() == DType::F32));
     words.push(match q.dtype() {
         DType::F32 => u64::from((pb.scale as f32).to_bits()),
         _ => pb.scale.to_bits(),
