@@ -37,7 +37,7 @@ use std::cell::RefCell;
 mod avx2;
 mod avx512;
 mod portable;
-mod transpose;
+pub(crate) mod transpose;
 
 /// Depth of one packed block (elements of K).
 pub const KC: usize = 512;

@@ -536,6 +536,7 @@ mod avx512_pack {
 #[cfg(target_arch = "x86_64")]
 mod avx2_pack {
     use super::round_bits;
+    use crate::gemm::transpose::transpose8;
     use std::arch::x86_64::*;
 
     /// [`super::round_bits`] on 8 lanes.
@@ -571,36 +572,56 @@ mod avx2_pack {
     ) {
         let at = |w: usize, s: usize| (*src.offset(w as isize * line_stride + s as isize * step_stride)).to_bits();
         if line_stride == 1 {
-            // A step's lines are adjacent: 8 at a time, contiguous in and out.
+            // A step's lines are adjacent: 8 at a time, contiguous in and out, the last fewer than 8
+            // (all of an A panel's 6) through a mask, which neither reads nor writes the others.
+            let whole = n - n % 8;
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((n % 8) as i32), lanes);
             for s in 0..depth {
-                let (from, to) = (src.offset(s as isize * step_stride) as *const __m256i, dst.add((s ^ 1) * width));
-                let whole = n - n % 8;
+                let (from, to) =
+                    (src.offset(s as isize * step_stride) as *const i32, dst.add((s ^ 1) * width) as *mut i32);
                 for w0 in (0..whole).step_by(8) {
-                    let r = round(_mm256_loadu_si256((from as *const u32).add(w0) as *const __m256i));
+                    let r = round(_mm256_loadu_si256(from.add(w0) as *const __m256i));
                     _mm256_storeu_si256(to.add(w0) as *mut __m256i, r);
                 }
-                for w in whole..n {
-                    *to.add(w) = round_bits(at(w, s));
+                if whole < n {
+                    let r = round(_mm256_maskload_epi32(from.add(whole), tail));
+                    _mm256_maskstore_epi32(to.add(whole), tail, r);
                 }
             }
             return;
         }
-        // A line's steps are adjacent: 8 rounded at a time, then dealt out to their places.
+        // A line's steps are adjacent: 8 steps of 8 lines rounded, turned in registers, and stored
+        // as 8 steps of 8 lines, in the order of their places; the last steps one by one. Lines
+        // past the panel's are zeros: a panel of at most 8 lines (A's 6) stores all 8 lanes, the
+        // zeros landing on the next place's first lanes before that place is stored (or on what is
+        // zero anyway: an odd depth's last step, the panel's pad); a wider one stores through a mask.
         let whole = depth - depth % 8;
-        for w in 0..n {
-            let line = src.offset(w as isize * line_stride) as *const u32;
-            let mut out = [0u32; 8];
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for w0 in (0..n).step_by(8) {
+            let count = 8.min(n - w0);
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count as i32), lanes);
+            let whole_stores = width <= 8 || w0 + 8 <= width;
             for s0 in (0..whole).step_by(8) {
-                _mm256_storeu_si256(
-                    out.as_mut_ptr() as *mut __m256i,
-                    round(_mm256_loadu_si256(line.add(s0) as *const __m256i)),
-                );
-                for (j, &v) in out.iter().enumerate() {
-                    *dst.add(((s0 + j) ^ 1) * width + w) = v;
+                let mut rows = [_mm256_setzero_ps(); 8];
+                for (i, row) in rows.iter_mut().enumerate().take(count) {
+                    let line = src.offset((w0 + i) as isize * line_stride).add(s0) as *const __m256i;
+                    *row = _mm256_castsi256_ps(round(_mm256_loadu_si256(line)));
+                }
+                let steps = transpose8(rows);
+                for place in 0..8 {
+                    let (to, step) = (dst.add((s0 + place) * width + w0) as *mut i32, steps[place ^ 1]);
+                    if whole_stores {
+                        _mm256_storeu_si256(to as *mut __m256i, _mm256_castps_si256(step));
+                    } else {
+                        _mm256_maskstore_epi32(to, mask, _mm256_castps_si256(step));
+                    }
                 }
             }
-            for s in whole..depth {
-                *dst.add((s ^ 1) * width + w) = round_bits(at(w, s));
+            for w in w0..w0 + count {
+                for s in whole..depth {
+                    *dst.add((s ^ 1) * width + w) = round_bits(at(w, s));
+                }
             }
         }
     }
@@ -706,6 +727,14 @@ unsafe fn product(
     }
     let (mr, nr) = kernel.tile();
     let parallel = threads > 1 && m * n * k >= crate::gemm::PARALLEL_WORK;
+    // A's blocks of rows: at most MC, as many as the threads (or a multiple) when A has the tiles,
+    // and of even sizes, so no thread waits on another's larger block.
+    let mut blocks = m.div_ceil(MC);
+    if parallel && m.div_ceil(mr) >= threads {
+        blocks = blocks.next_multiple_of(threads);
+    }
+    let block_rows = m.div_ceil(mr).div_ceil(blocks) * mr;
+    let blocks = m.div_ceil(block_rows);
     for jc in (0..n).step_by(NC) {
         let nc = NC.min(n - jc);
         let panels = nc.div_ceil(nr);
@@ -714,9 +743,9 @@ unsafe fn product(
             let pairs = kc.div_ceil(2);
             let st = start.at_col(jc).for_block(pc);
             let body = |b_pack: *const u32, b_panel_words: usize| {
-                let (b_shared, blocks) = (Shared(b_pack as *mut u32), m.div_ceil(MC));
+                let b_shared = Shared(b_pack as *mut u32);
                 let run = |ib: usize, cols: std::ops::Range<usize>| {
-                    let (ic, mc) = (ib * MC, MC.min(m - ib * MC));
+                    let (ic, mc) = (ib * block_rows, block_rows.min(m - ib * block_rows));
                     with_pack(&A_PACK, mc.div_ceil(mr) * kernel.panel_words(pairs, mr), |a_pack: *mut u32| {
                         // A's lines are its rows (packed to this product's depth: a prepared B's
                         // steps past it meet zeros).
@@ -741,8 +770,17 @@ unsafe fn product(
             };
             match b {
                 Source::Pack(b) => with_pack(&B_PACK, panels * kernel.panel_words(pairs, nr), |b_pack: *mut u32| {
-                    // B's lines are its columns.
-                    kernel.pack(b.at(pc, jc).ptr, b.cs, b.rs, nc, kc, nr, b_pack);
+                    // B's lines are its columns; its panels are shared out among the threads.
+                    let parts = if parallel { threads.min(panels) } else { 1 };
+                    let (from, to) = (Shared(b.at(pc, jc).ptr as *mut f32), Shared(b_pack));
+                    (0..parts).into_par_iter().for_each(|p| {
+                        let (first, last) = (panels * p / parts, panels * (p + 1) / parts);
+                        let lines = nc.min(last * nr) - first * nr;
+                        let src = from.get().offset((first * nr) as isize * b.cs);
+                        let dst = to.get().add(first * kernel.panel_words(pairs, nr));
+                        // SAFETY: part p packs panels first..last only, from B's columns of them.
+                        unsafe { kernel.pack(src, b.cs, b.rs, lines, kc, nr, dst) };
+                    });
                     body(b_pack, kernel.panel_words(pairs, nr))
                 }),
                 Source::Prepared(p) => body(p.block(jc, pc), p.panel_words(pc)),
@@ -960,7 +998,8 @@ mod tests {
     /// column-major, C overwritten, accumulated into and started from a bias, on one thread and two.
     #[test]
     fn every_level_computes_the_definitions_bits() {
-        let shapes = [(1, 1, 1), (12, 32, 2), (13, 33, 3), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
+        let shapes =
+            [(1, 1, 1), (12, 32, 2), (13, 33, 3), (9, 20, 21), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
         let mut checked = 0;
         for level in Bf16Level::supported() {
             for &(m, n, k) in &shapes {

@@ -22,6 +22,40 @@ pub(crate) unsafe fn pack_lines_checked(
     pack_lines(src, ls, len, depth, panel, stride, out)
 }
 
+/// The 8 x 8 transpose in AVX registers: lane i of result j is lane j of row i.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn transpose8(r: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn pack_lines(src: *const f32, ls: isize, len: usize, depth: usize, panel: usize, stride: usize, out: *mut f32) {
@@ -35,32 +69,7 @@ unsafe fn pack_lines(src: *const f32, ls: isize, len: usize, depth: usize, panel
             let row = |i: usize| src.offset((l0 + i) as isize * ls);
             for d0 in (0..full_depth).step_by(8) {
                 let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(row(i).add(d0)));
-                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-                let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-                let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-                let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-                let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-                let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-                let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-                let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-                let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-                let cols = [
-                    _mm256_permute2f128_ps::<0x20>(s0, s4),
-                    _mm256_permute2f128_ps::<0x20>(s1, s5),
-                    _mm256_permute2f128_ps::<0x20>(s2, s6),
-                    _mm256_permute2f128_ps::<0x20>(s3, s7),
-                    _mm256_permute2f128_ps::<0x31>(s0, s4),
-                    _mm256_permute2f128_ps::<0x31>(s1, s5),
-                    _mm256_permute2f128_ps::<0x31>(s2, s6),
-                    _mm256_permute2f128_ps::<0x31>(s3, s7),
-                ];
+                let cols = transpose8(r);
                 for (j, col) in cols.into_iter().enumerate() {
                     _mm256_storeu_ps(dst.add((d0 + j) * panel + l0), col);
                 }
