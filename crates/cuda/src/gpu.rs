@@ -536,7 +536,33 @@ impl Gpu {
                     )
                 }
                 // f32 operands rounded to bfloat16 as the tensor cores load them, products added in
-                // f32 (`cuda_parity` checks the rounding on operands whose sums are exact).
+                // f32 (`cuda_parity` checks the rounding on operands whose sums are exact); a single
+                // product through cublasGemmEx under the experiment above.
+                GemmType::F32Bf16 if batch == 1 && plain_sgemm() => {
+                    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
+                    let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+                    cudarc::cublas::result::gemm_ex(
+                        *blas.handle(),
+                        op(g.transa),
+                        op(g.transb),
+                        m,
+                        n,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        g.a as *const std::ffi::c_void,
+                        f32_type,
+                        lda,
+                        g.b as *const std::ffi::c_void,
+                        f32_type,
+                        ldb,
+                        (&beta as *const f32).cast(),
+                        g.c as *mut std::ffi::c_void,
+                        f32_type,
+                        ldc,
+                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
                 GemmType::F32Bf16 => {
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
                     let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
@@ -595,8 +621,8 @@ impl Gpu {
     }
 }
 
-/// `MEMFIT_CUBLAS_SGEMM=1`: single f32 products through cublasSgemm instead of the strided-batched
-/// entry (read once).
+/// `MEMFIT_CUBLAS_SGEMM=1`: single f32 products through cublasSgemm (bf16 ones through
+/// cublasGemmEx) instead of the strided-batched entries (read once).
 fn plain_sgemm() -> bool {
     static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PLAIN.get_or_init(|| std::env::var_os("MEMFIT_CUBLAS_SGEMM").is_some_and(|v| v == "1"))
