@@ -408,6 +408,7 @@ impl Cuda {
     }
 
     /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense).
+    #[allow(clippy::too_many_arguments)]
     fn weight_grad(
         &self,
         dtype: DType,
