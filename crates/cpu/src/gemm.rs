@@ -7,7 +7,7 @@
 use crate::dtype::Float;
 use memfit_kernels::gemm::{gemm, gemm_row_blocks, gemm_with_row_sums, MatMut, Start};
 pub use memfit_kernels::gemm_bf16::Products;
-use memfit_kernels::gemm_bf16::{gemm_bf16, with_prepared_bf16, Bf16Level, PreparedBf16};
+use memfit_kernels::gemm_bf16::{gemm_rounded, with_prepared_rounded, Bf16Level, PreparedRounded};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
@@ -16,7 +16,7 @@ use memfit_kernels::gemm::PreparedB;
 /// A right operand prepared once for several products: for the f32 GEMM, or for bf16 products.
 pub(crate) enum Prepared<T> {
     F32(PreparedB<T>),
-    Bf16(PreparedBf16),
+    Bf16(PreparedRounded),
 }
 /// Work (m*n*k) below which a product runs on one thread.
 pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
@@ -69,7 +69,7 @@ unsafe fn bf16_into<T: Float>(
         Start::Bias(row) => Start::Bias(row as *const f32),
     };
     let c = MatMut { ptr: c.ptr as *mut f32, rs: c.rs };
-    gemm_bf16(Bf16Level::active(), m, n, k, c, start, f(a), f(b), threads);
+    gemm_rounded(Bf16Level::active(), m, n, k, c, start, f(a), f(b), threads);
 }
 
 /// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
@@ -215,7 +215,7 @@ pub(crate) unsafe fn with_prepared_b<T: Float, R>(
 ) -> R {
     if is_bf16::<T>(products) {
         let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
-        return with_prepared_bf16(Bf16Level::active(), k, n, b, |p| f(&Prepared::Bf16(*p)));
+        return with_prepared_rounded(Bf16Level::active(), k, n, b, |p| f(&Prepared::Bf16(*p)));
     }
     let isa = memfit_kernels::Isa::active();
     memfit_kernels::gemm::with_prepared_b(isa, k, n, b, rayon::current_num_threads(), |p| f(&Prepared::F32(*p)))
@@ -259,7 +259,7 @@ pub(crate) const PREPARED_B_MAX_ELEMS: usize = 1 << 16;
 /// Elements of the buffer [`prepare_b_in`] packs a `k x n` operand into: enough for any instruction
 /// set, or none past [`PREPARED_B_MAX_ELEMS`] (the operand is then multiplied as it is).
 pub(crate) fn prepared_b_len(k: usize, n: usize) -> usize {
-    let need = memfit_kernels::gemm::prepared_b_capacity(k, n).max(PreparedBf16::capacity(k, n));
+    let need = memfit_kernels::gemm::prepared_b_capacity(k, n).max(PreparedRounded::capacity(k, n));
     if need <= PREPARED_B_MAX_ELEMS {
         need
     } else {
@@ -286,7 +286,7 @@ pub(crate) unsafe fn prepare_b_in<T: Float>(
         // f32 elements and pair words are both 4 bytes.
         let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
         let words = std::mem::size_of_val(buf) / 4;
-        return Prepared::Bf16(PreparedBf16::prepare_into(
+        return Prepared::Bf16(PreparedRounded::prepare_into(
             Bf16Level::active(),
             k,
             n,

@@ -4,7 +4,7 @@
 //! contains TEXT; `--bf16`: the bf16 product at each of its levels this CPU has instead).
 
 use memfit_kernels::gemm::{gemm, MatMut, MatRef, Start};
-use memfit_kernels::gemm_bf16::{gemm_bf16, Bf16Level};
+use memfit_kernels::gemm_bf16::{gemm_rounded, Bf16Level};
 use memfit_kernels::Isa;
 use std::time::Instant;
 
@@ -66,7 +66,7 @@ fn main() {
                 );
                 let bm = MatRef { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize };
                 match bf16_level {
-                    Some(l) => gemm_bf16(l, m, n, k, cm, Start::Zero, am, bm, threads),
+                    Some(l) => gemm_rounded(l, m, n, k, cm, Start::Zero, am, bm, threads),
                     None => gemm(isa, m, n, k, cm, Start::Zero, am, bm, threads),
                 }
             };

@@ -1,6 +1,7 @@
 //! `C (+)= A @ B` as a bfloat16 product (Note [bf16 products]): both operands rounded to bfloat16,
 //! the products accumulated in f32, in the order AVX512-BF16's `vdpbf16ps` takes them, so every
-//! level computes the same bits.
+//! level computes the same bits; or as an fp16 product (Note [fp16 products]), the same with
+//! binary16 and the steps in order.
 //!
 //! Note [bf16 products]
 //! A bf16 product of `A[m x k]` and `B[k x n]` (f32 in memory) is defined as:
@@ -13,6 +14,13 @@
 //!   an odd depth's last pair has a zero second step;
 //! - a block's sums are then added to C as the f32 GEMM adds a tile: onto zero, onto C's values,
 //!   or onto a bias row (`Start`), the first block from the start and the later ones onto C.
+//!
+//! Note [fp16 products]
+//! An fp16 product (`--precision fp16`'s) is defined the same way with binary16 for bfloat16
+//! ([`round_f16`]: to nearest even, overflow to infinity, subnormals kept; a product of two
+//! binary16 values is exact in f32 too) and the steps of a block added in order, one after another
+//! (no pairs: no CPU instruction multiplies binary16 pairs into f32 here). Every instruction set's
+//! f32 tile adds them so (`Rounded::f16`), on packs of the rounded values.
 //!
 //! The levels ([`Bf16Level`]) differ only in how many of these additions one instruction makes, so
 //! they agree bit for bit while no product or sum falls below f32's smallest normal (1.2e-38),
@@ -38,6 +46,8 @@ pub enum Products {
     #[default]
     F32,
     Bf16,
+    /// fp16 products (Note [fp16 products]).
+    F16,
 }
 
 impl Products {
@@ -46,6 +56,7 @@ impl Products {
         match self {
             Products::F32 => "fp32",
             Products::Bf16 => "bf16",
+            Products::F16 => "fp16",
         }
     }
 }
@@ -149,6 +160,57 @@ pub fn round_bf16(x: f32) -> f32 {
     from_bf16(to_bf16(x))
 }
 
+/// `x` rounded to binary16 (to nearest, ties to even), as an f32: what an fp16 product reads for it
+/// (Note [fp16 products]). A NaN stays a quiet NaN with the payload binary16 keeps, a magnitude of
+/// 65,520 or more becomes an infinity, and binary16's subnormals (multiples of 2^-24) are kept:
+/// F16C's `vcvtps2ph` and back, bit for bit.
+pub fn round_f16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let (sign, magnitude) = (bits & 0x8000_0000, bits & 0x7FFF_FFFF);
+    if magnitude > 0x7F80_0000 {
+        return f32::from_bits((bits | 0x0040_0000) & 0xFFFF_E000);
+    }
+    let a = f32::from_bits(magnitude);
+    let r = if a >= 65520.0 {
+        f32::INFINITY
+    } else if a < 1.0 / 16384.0 {
+        // Below binary16's smallest normal (2^-14): a multiple of 2^-24 (both scalings exact).
+        (a * 16_777_216.0).round_ties_even() / 16_777_216.0
+    } else {
+        // Ten bits of mantissa kept of f32's 23.
+        f32::from_bits((magnitude + 0x0FFF + ((magnitude >> 13) & 1)) & !0x1FFF)
+    };
+    f32::from_bits(r.to_bits() | sign)
+}
+
+/// How a rounded product computes: a level of the bf16 product, or fp16 products on an instruction
+/// set's f32 tile.
+#[derive(Clone, Copy)]
+pub struct Rounded(Kernel);
+
+impl Rounded {
+    /// fp16 products with `isa`'s f32 tile.
+    pub fn f16(isa: Isa) -> Rounded {
+        Rounded(Kernel::f16(isa))
+    }
+
+    /// How the device setting `products` computes on this CPU (its active instruction set); None
+    /// for f32 products.
+    pub fn active(products: Products) -> Option<Rounded> {
+        match products {
+            Products::F32 => None,
+            Products::Bf16 => Some(Bf16Level::active().into()),
+            Products::F16 => Some(Rounded::f16(Isa::active())),
+        }
+    }
+}
+
+impl From<Bf16Level> for Rounded {
+    fn from(level: Bf16Level) -> Rounded {
+        Rounded(Kernel::of(level))
+    }
+}
+
 /// How a level's packs hold the operands, and its micro-kernel.
 #[derive(Clone, Copy)]
 enum Kernel {
@@ -157,7 +219,16 @@ enum Kernel {
     /// Rounded values as f32, one step at a time with each pair's odd step first, so that the f32
     /// GEMM's tile, adding the steps in order (an exact product then one rounding, fused or not),
     /// computes the definition. With the loops the level packs with.
-    Steps(MicroKernel<f32>, Loops),
+    Steps(MicroKernel<f32>, Loops, Rounding),
+}
+
+/// What a Steps level's packs round to, and in which order they lay the steps.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rounding {
+    /// bfloat16, each pair's odd step first (Note [bf16 products]).
+    Bf16,
+    /// binary16, the steps in order (Note [fp16 products]).
+    F16,
 }
 
 /// Which vector loops a level's packs use (the plain ones on any CPU).
@@ -184,7 +255,35 @@ impl Kernel {
             Isa::Avx2Fma => Loops::Avx2,
             Isa::Portable => Loops::Plain,
         };
-        Kernel::Steps(<f32 as crate::gemm::sealed::Sealed>::micro_kernel(isa), loops)
+        Kernel::Steps(<f32 as crate::gemm::sealed::Sealed>::micro_kernel(isa), loops, Rounding::Bf16)
+    }
+
+    /// fp16 products on `isa`'s f32 tile (the portable one where the CPU lacks it), packed with
+    /// AVX2's loops and F16C's conversions where the CPU has both.
+    fn f16(isa: Isa) -> Kernel {
+        let isa = if isa.is_supported() { isa } else { Isa::Portable };
+        #[cfg(target_arch = "x86_64")]
+        let vector = Isa::Avx2Fma.is_supported() && std::arch::is_x86_feature_detected!("f16c");
+        #[cfg(not(target_arch = "x86_64"))]
+        let vector = false;
+        let loops = if vector && isa != Isa::Portable { Loops::Avx2 } else { Loops::Plain };
+        Kernel::Steps(<f32 as crate::gemm::sealed::Sealed>::micro_kernel(isa), loops, Rounding::F16)
+    }
+
+    /// What the packs round to (the pair kernel's: bfloat16).
+    fn rounding(self) -> Rounding {
+        match self {
+            Kernel::Pairs => Rounding::Bf16,
+            Kernel::Steps(.., rounding) => rounding,
+        }
+    }
+
+    /// `bits` of an f32 rounded as this kernel's operands are.
+    fn round(self, bits: u32) -> u32 {
+        match self.rounding() {
+            Rounding::Bf16 => round_bits(bits),
+            Rounding::F16 => round_f16(f32::from_bits(bits)).to_bits(),
+        }
     }
 
     /// The loops the packs use: the level's own (a forced lower level packs as that level's CPU
@@ -192,7 +291,7 @@ impl Kernel {
     fn loops(self) -> Loops {
         match self {
             Kernel::Pairs => Loops::Avx512,
-            Kernel::Steps(_, loops) => loops,
+            Kernel::Steps(_, loops, _) => loops,
         }
     }
 
@@ -200,7 +299,7 @@ impl Kernel {
     fn tile(self) -> (usize, usize) {
         match self {
             Kernel::Pairs => (PAIR_MR, PAIR_NR),
-            Kernel::Steps(mk, _) => (mk.mr, mk.nr),
+            Kernel::Steps(mk, ..) => (mk.mr, mk.nr),
         }
     }
 
@@ -235,7 +334,7 @@ impl Kernel {
             Kernel::Pairs => avx512bf16::kernel_checked(pairs, a, b, c, rs_c, start),
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Pairs => unreachable!("AVX512-BF16 is an x86-64 level"),
-            Kernel::Steps(mk, _) => {
+            Kernel::Steps(mk, ..) => {
                 (mk.run)(2 * pairs, a as *const f32, mk.mr as isize, b as *const f32, mk.nr as isize, c, rs_c, start)
             }
         }
@@ -261,9 +360,11 @@ impl Kernel {
     ) {
         let pairs = depth.div_ceil(2);
         let pairs_kernel = matches!(self, Kernel::Pairs);
-        // Where step s of line w goes in a panel: a pair word's half, or a step with each pair's odd
-        // step first.
-        let steps_at = |s: usize, w: usize| (s ^ 1) * width + w;
+        let f16 = self.rounding() == Rounding::F16;
+        // Where step s of line w goes in a panel: a pair word's half, or a step (bf16: each pair's
+        // odd step first).
+        let swap = usize::from(!f16);
+        let steps_at = |s: usize, w: usize| (s ^ swap) * width + w;
         for panel in 0..lines.div_ceil(width) {
             let dst = out.add(panel * self.panel_words(pairs, width));
             let first = src.offset((panel * width) as isize * line_stride);
@@ -272,13 +373,17 @@ impl Kernel {
                 std::ptr::write_bytes(dst, 0, self.panel_words(pairs, width) - PANEL_PAD);
             }
             #[cfg(target_arch = "x86_64")]
-            if self.loops() == Loops::Avx512 && avx512_pack::usable(line_stride, step_stride) {
+            if self.loops() == Loops::Avx512 && !f16 && avx512_pack::usable(line_stride, step_stride) {
                 avx512_pack::panel(pairs_kernel, first, line_stride, step_stride, n, depth, width, dst);
                 continue;
             }
             #[cfg(target_arch = "x86_64")]
             if self.loops() == Loops::Avx2 && !pairs_kernel && (line_stride == 1 || step_stride == 1) {
-                avx2_pack::steps_panel(first, line_stride, step_stride, n, depth, width, dst);
+                if f16 {
+                    avx2_pack::f16_panel(first, line_stride, step_stride, n, depth, width, dst);
+                } else {
+                    avx2_pack::steps_panel(first, line_stride, step_stride, n, depth, width, dst);
+                }
                 continue;
             }
             let at =
@@ -296,9 +401,9 @@ impl Kernel {
                     } else {
                         let (de, dodd) = (dst.add(steps_at(2 * p, 0)), dst.add(steps_at(2 * p + 1, 0)));
                         for w in 0..n {
-                            *de.add(w) = round_bits(at(w, 2 * p));
+                            *de.add(w) = self.round(at(w, 2 * p));
                             if odd {
-                                *dodd.add(w) = round_bits(at(w, 2 * p + 1));
+                                *dodd.add(w) = self.round(at(w, 2 * p + 1));
                             }
                         }
                     }
@@ -317,7 +422,7 @@ impl Kernel {
                         }
                     } else {
                         for s in 0..depth {
-                            *dst.add(steps_at(s, w)) = round_bits(get(s));
+                            *dst.add(steps_at(s, w)) = self.round(get(s));
                         }
                     }
                 }
@@ -555,8 +660,15 @@ mod avx2_pack {
         _mm256_blendv_epi8(r, _mm256_and_si256(r, _mm256_set1_epi32(0x8000_0000u32 as i32)), denormal)
     }
 
+    /// [`super::round_f16`] on 8 lanes (F16C's conversions, to nearest even both ways).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn round_f16(x: __m256i) -> __m256i {
+        _mm256_castps_si256(_mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_castsi256_ps(x))))
+    }
+
     /// One panel of `n` lines (of `width`) and `depth` steps into `dst`, already zeroed where the
-    /// block ends.
+    /// block ends, rounded to bfloat16 and each pair's odd step first.
     ///
     /// # Safety
     /// As [`super::Kernel::pack`] for the panel; the CPU has AVX2.
@@ -570,6 +682,44 @@ mod avx2_pack {
         width: usize,
         dst: *mut u32,
     ) {
+        panel(src, line_stride, step_stride, n, depth, width, dst, |x| round(x), round_bits, 1)
+    }
+
+    /// [`steps_panel`] rounded to binary16, the steps in order.
+    ///
+    /// # Safety
+    /// As [`steps_panel`]; the CPU has F16C too.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f16_panel(
+        src: *const f32,
+        line_stride: isize,
+        step_stride: isize,
+        n: usize,
+        depth: usize,
+        width: usize,
+        dst: *mut u32,
+    ) {
+        let scalar = |bits: u32| super::round_f16(f32::from_bits(bits)).to_bits();
+        panel(src, line_stride, step_stride, n, depth, width, dst, |x| round_f16(x), scalar, 0)
+    }
+
+    /// The panel loops of both, inlined into each: `vector` and `scalar` round, step s goes to the
+    /// place `s ^ swap`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn panel(
+        src: *const f32,
+        line_stride: isize,
+        step_stride: isize,
+        n: usize,
+        depth: usize,
+        width: usize,
+        dst: *mut u32,
+        vector: impl Fn(__m256i) -> __m256i,
+        scalar: impl Fn(u32) -> u32,
+        swap: usize,
+    ) {
+        let round = vector;
         let at = |w: usize, s: usize| (*src.offset(w as isize * line_stride + s as isize * step_stride)).to_bits();
         if line_stride == 1 {
             // A step's lines are adjacent: 8 at a time, contiguous in and out, the last fewer than 8
@@ -579,7 +729,7 @@ mod avx2_pack {
             let tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((n % 8) as i32), lanes);
             for s in 0..depth {
                 let (from, to) =
-                    (src.offset(s as isize * step_stride) as *const i32, dst.add((s ^ 1) * width) as *mut i32);
+                    (src.offset(s as isize * step_stride) as *const i32, dst.add((s ^ swap) * width) as *mut i32);
                 for w0 in (0..whole).step_by(8) {
                     let r = round(_mm256_loadu_si256(from.add(w0) as *const __m256i));
                     _mm256_storeu_si256(to.add(w0) as *mut __m256i, r);
@@ -610,7 +760,7 @@ mod avx2_pack {
                 }
                 let steps = transpose8(rows);
                 for place in 0..8 {
-                    let (to, step) = (dst.add((s0 + place) * width + w0) as *mut i32, steps[place ^ 1]);
+                    let (to, step) = (dst.add((s0 + place) * width + w0) as *mut i32, steps[place ^ swap]);
                     if whole_stores {
                         _mm256_storeu_si256(to as *mut __m256i, _mm256_castps_si256(step));
                     } else {
@@ -620,7 +770,7 @@ mod avx2_pack {
             }
             for w in w0..w0 + count {
                 for s in whole..depth {
-                    *dst.add((s ^ 1) * width + w) = round_bits(at(w, s));
+                    *dst.add((s ^ swap) * width + w) = scalar(at(w, s));
                 }
             }
         }
@@ -674,8 +824,8 @@ unsafe fn multiply_block(
 /// # Safety
 /// The operands must be valid for their shapes and strides, and C must not overlap A or B.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_bf16(
-    level: Bf16Level,
+pub unsafe fn gemm_rounded(
+    level: impl Into<Rounded>,
     m: usize,
     n: usize,
     k: usize,
@@ -685,14 +835,14 @@ pub unsafe fn gemm_bf16(
     b: MatRef<f32>,
     threads: usize,
 ) {
-    product(Kernel::of(level), m, n, k, c, start, a, Source::Pack(b), threads)
+    product(level.into().0, m, n, k, c, start, a, Source::Pack(b), threads)
 }
 
 /// Where a product's B blocks come from: packed as the product goes, or prepared whole.
 #[derive(Clone, Copy)]
 enum Source<'a> {
     Pack(MatRef<f32>),
-    Prepared(&'a PreparedBf16),
+    Prepared(&'a PreparedRounded),
 }
 
 /// The driver: blocks of [`NC`] columns and [`KC`] steps of B, each multiplied by A's blocks of
@@ -795,15 +945,15 @@ unsafe fn product(
 ///
 /// # Safety
 /// B must be valid for its shape and strides, and unchanged until `f` returns.
-pub unsafe fn with_prepared_bf16<R>(
-    level: Bf16Level,
+pub unsafe fn with_prepared_rounded<R>(
+    level: impl Into<Rounded>,
     k: usize,
     n: usize,
     b: MatRef<f32>,
-    f: impl FnOnce(&PreparedBf16) -> R,
+    f: impl FnOnce(&PreparedRounded) -> R,
 ) -> R {
-    let words = PreparedBf16::capacity(KC, NC);
-    with_pack(&B_PACK, words, |buf: *mut u32| f(&PreparedBf16::prepare_into(level, k, n, b, buf, words)))
+    let words = PreparedRounded::capacity(KC, NC);
+    with_pack(&B_PACK, words, |buf: *mut u32| f(&PreparedRounded::prepare_into(level, k, n, b, buf, words)))
 }
 
 /// A right operand packed once for several bf16 products that each use its first rows and
@@ -812,7 +962,7 @@ pub unsafe fn with_prepared_bf16<R>(
 /// A's packed zeros: the prepared steps past it are multiplied by zero (finite operands, as
 /// attention's keys and a weight are).
 #[derive(Clone, Copy)]
-pub struct PreparedBf16 {
+pub struct PreparedRounded {
     kernel: Kernel,
     k: usize,
     n: usize,
@@ -821,10 +971,10 @@ pub struct PreparedBf16 {
 }
 
 // SAFETY: the packed buffer and B are only read, by parallel regions, while the caller keeps them.
-unsafe impl Send for PreparedBf16 {}
-unsafe impl Sync for PreparedBf16 {}
+unsafe impl Send for PreparedRounded {}
+unsafe impl Sync for PreparedRounded {}
 
-impl PreparedBf16 {
+impl PreparedRounded {
     /// Words a buffer needs to hold a `k x n` operand prepared on any level.
     pub fn capacity(k: usize, n: usize) -> usize {
         Bf16Level::ALL.iter().map(|&l| Kernel::of(l).words(k, n)).max().unwrap_or(0)
@@ -836,15 +986,15 @@ impl PreparedBf16 {
     /// B must be valid for its shape and strides; it and the buffer must stay unchanged while the
     /// result is used.
     pub unsafe fn prepare_into(
-        level: Bf16Level,
+        level: impl Into<Rounded>,
         k: usize,
         n: usize,
         b: MatRef<f32>,
         buf: *mut u32,
         len: usize,
     ) -> Self {
-        let kernel = Kernel::of(level);
-        let mut prepared = PreparedBf16 { kernel, k, n, b, packed: None };
+        let kernel = level.into().0;
+        let mut prepared = PreparedRounded { kernel, k, n, b, packed: None };
         if k == 0 || n == 0 || kernel.words(k, n) > len {
             return prepared;
         }
@@ -932,6 +1082,24 @@ mod tests {
         n: usize,
         k: usize,
         a: &[f32],
+        ast: (usize, usize),
+        b: &[f32],
+        bst: (usize, usize),
+        c: &mut [f32],
+        start: &str,
+        bias: &[f32],
+    ) {
+        reference_of(Rounding::Bf16, m, n, k, a, ast, b, bst, c, start, bias)
+    }
+
+    /// The definition of Note [bf16 products], or of Note [fp16 products], element by element.
+    #[allow(clippy::too_many_arguments)]
+    fn reference_of(
+        rounding: Rounding,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
         (ars, acs): (usize, usize),
         b: &[f32],
         (brs, bcs): (usize, usize),
@@ -945,16 +1113,21 @@ mod tests {
                 for (blk, k0) in (0..k).step_by(KC).enumerate() {
                     let kc = KC.min(k - k0);
                     let mut acc = 0f32;
-                    for p in 0..kc.div_ceil(2) {
-                        let s = |t: usize| {
-                            if t < kc {
-                                round_bf16(a[i * ars + (k0 + t) * acs]) * round_bf16(b[(k0 + t) * brs + j * bcs])
-                            } else {
-                                0.0
-                            }
-                        };
-                        acc += s(2 * p + 1);
-                        acc += s(2 * p);
+                    let round = if rounding == Rounding::F16 { round_f16 } else { round_bf16 };
+                    let s = |t: usize| {
+                        if t < kc {
+                            round(a[i * ars + (k0 + t) * acs]) * round(b[(k0 + t) * brs + j * bcs])
+                        } else {
+                            0.0
+                        }
+                    };
+                    if rounding == Rounding::F16 {
+                        (0..kc).for_each(|t| acc += s(t));
+                    } else {
+                        for p in 0..kc.div_ceil(2) {
+                            acc += s(2 * p + 1);
+                            acc += s(2 * p);
+                        }
                     }
                     out = match (blk, start) {
                         (0, "zero") => acc,
@@ -972,6 +1145,87 @@ mod tests {
                 c[i * n + j] = out;
             }
         }
+    }
+
+    /// binary16's rounding: ties to even, overflow at 65,520, subnormals kept and rounded, NaN
+    /// quiet; and F16C's conversions give the same bits over many values where the CPU has them.
+    #[test]
+    fn fp16_rounding_is_to_nearest_even_with_subnormals_and_overflow() {
+        let ulp = 1.0 / 1024.0;
+        assert_eq!(round_f16(1.0 + ulp / 2.0), 1.0, "a tie goes to the even one");
+        assert_eq!(round_f16(1.0 + 1.5 * ulp), 1.0 + 2.0 * ulp, "a tie goes to the even one");
+        assert_eq!(round_f16(1.0 + 0.6 * ulp), 1.0 + ulp);
+        assert_eq!(round_f16(-3.0 - 0.4 * 2.0 * ulp), -3.0);
+        assert_eq!(round_f16(65519.0), 65504.0, "below the overflow threshold: binary16's largest");
+        assert_eq!(round_f16(65520.0), f32::INFINITY, "from 65,520 up: an infinity");
+        assert_eq!(round_f16(-1e6), f32::NEG_INFINITY);
+        let q = 1.0 / 16_777_216.0; // binary16's smallest subnormal, 2^-24
+        assert_eq!(round_f16(0.5 * q), 0.0, "a tie between 0 and 2^-24 goes to 0");
+        assert_eq!(round_f16(1.5 * q), 2.0 * q, "a tie between 2^-24 and 2^-23 goes to 2^-23");
+        assert_eq!(round_f16(-7.3 * q), -7.0 * q);
+        assert_eq!(round_f16(1e-30).to_bits(), 0, "too small: zero");
+        assert_eq!(round_f16(-1e-30).to_bits(), 0x8000_0000, "a zero of its sign");
+        assert!(round_f16(f32::NAN).is_nan());
+        assert_eq!(round_f16(f32::from_bits(0x7F80_0001)).to_bits(), 0x7FC0_0000, "a quiet NaN");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx2") {
+            let mut bits = 0x1234_5678u32;
+            for _ in 0..200_000 {
+                bits ^= bits << 13;
+                bits ^= bits >> 17;
+                bits ^= bits << 5;
+                let x = f32::from_bits(bits);
+                // SAFETY: the CPU has F16C (checked above).
+                let hw = unsafe { f16c_round(x) };
+                assert_eq!(round_f16(x).to_bits(), hw.to_bits(), "{x:e} ({bits:#x})");
+            }
+        }
+    }
+
+    /// F16C's conversion to binary16 and back.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "f16c")]
+    unsafe fn f16c_round(x: f32) -> f32 {
+        use std::arch::x86_64::*;
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x))))
+    }
+
+    /// fp16 products on every instruction set's tile compute the definition's bits, for both
+    /// operands' layouts, every start, one thread and two.
+    #[test]
+    fn every_isa_computes_the_fp16_definitions_bits() {
+        let shapes = [(1, 1, 1), (13, 33, 3), (9, 20, 21), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
+        for isa in Isa::supported() {
+            for &(m, n, k) in &shapes {
+                for (case, (a_major, b_major)) in [(true, true), (false, false), (true, false)].into_iter().enumerate()
+                {
+                    for start in ["zero", "accumulate", "bias"] {
+                        let a = values(m * k, 1 + case as u64, 2.0);
+                        let b = values(k * n, 9, 3.0);
+                        let (bias, before) = (values(n, 4, 1.0), values(m * n, 5, 1.0));
+                        let (ast, ars) = if a_major { ((k, 1), k as isize) } else { ((1, m), 1) };
+                        let (bst, brs) = if b_major { ((n, 1), n as isize) } else { ((1, k), 1) };
+                        let mut want = before.clone();
+                        reference_of(Rounding::F16, m, n, k, &a, ast, &b, bst, &mut want, start, &bias);
+                        let mut got = before.clone();
+                        let st = match start {
+                            "zero" => Start::Zero,
+                            "accumulate" => Start::Accumulate,
+                            _ => Start::Bias(bias.as_ptr()),
+                        };
+                        let am = MatRef { ptr: a.as_ptr(), rs: ars, cs: if a_major { 1 } else { m as isize } };
+                        let bm = MatRef { ptr: b.as_ptr(), rs: brs, cs: if b_major { 1 } else { k as isize } };
+                        let c = MatMut { ptr: got.as_mut_ptr(), rs: n as isize };
+                        // SAFETY: the operands are the vectors above with these shapes and strides.
+                        unsafe { gemm_rounded(Rounded::f16(isa), m, n, k, c, st, am, bm, 1 + case % 2) };
+                        let differ = want.iter().zip(&got).filter(|(w, g)| w.to_bits() != g.to_bits()).count();
+                        assert_eq!(differ, 0, "{} m {m} n {n} k {k} case {case} {start}: {differ} differ", isa.name());
+                    }
+                }
+            }
+        }
+        let rounded = values(64, 3, 2.0).iter().map(|&v| round_f16(v)).collect::<Vec<_>>();
+        assert!(rounded.iter().zip(values(64, 3, 2.0)).any(|(r, v)| *r != v), "the operands carry bits binary16 drops");
     }
 
     #[test]
@@ -1025,7 +1279,7 @@ mod tests {
                         let bm = MatRef { ptr: b.as_ptr(), rs: brs, cs: if b_major { 1 } else { k as isize } };
                         // SAFETY: the operands are the vectors above with these shapes and strides.
                         unsafe {
-                            gemm_bf16(
+                            gemm_rounded(
                                 level,
                                 m,
                                 n,
@@ -1073,7 +1327,7 @@ mod tests {
             let bm = MatRef { ptr: b.as_ptr(), rs: (4 * n) as isize, cs: 2 };
             // SAFETY: the strided operands stay inside `a` and `b`.
             unsafe {
-                gemm_bf16(level, m, n, k, MatMut { ptr: got.as_mut_ptr(), rs: n as isize }, Start::Zero, am, bm, 1)
+                gemm_rounded(level, m, n, k, MatMut { ptr: got.as_mut_ptr(), rs: n as isize }, Start::Zero, am, bm, 1)
             };
             assert!(want.iter().zip(&got).all(|(w, g)| w.to_bits() == g.to_bits()), "{}", level.name());
         }
@@ -1090,7 +1344,7 @@ mod tests {
         let mut got = vec![0f32; m * n];
         // SAFETY: row-major operands of these shapes.
         unsafe {
-            gemm_bf16(
+            gemm_rounded(
                 Bf16Level::Portable,
                 m,
                 n,
@@ -1131,10 +1385,10 @@ mod tests {
         let b = values(k * n, 21, 1.0);
         let bm = MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 };
         for level in Bf16Level::supported() {
-            let mut buf = vec![0u32; PreparedBf16::capacity(k, n)];
+            let mut buf = vec![0u32; PreparedRounded::capacity(k, n)];
             // SAFETY: the operand is `b`, the buffer holds the capacity.
-            let prepared = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), buf.len()) };
-            let too_small = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), 10) };
+            let prepared = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), buf.len()) };
+            let too_small = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), 10) };
             assert!(prepared.packed.is_some() && too_small.packed.is_none(), "{}", level.name());
             assert_eq!(prepared.dims(), (k, n));
             // The blocks lie one after another inside the buffer, in order.
@@ -1149,9 +1403,9 @@ mod tests {
             let words = Kernel::of(level).words(k, n);
             assert!(words <= buf.len());
             // SAFETY: the operand is `b`; the buffer holds at least `words` words.
-            let exact = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words) };
+            let exact = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words) };
             // SAFETY: as above.
-            let short = unsafe { PreparedBf16::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words - 1) };
+            let short = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words - 1) };
             assert!(exact.packed.is_some() && short.packed.is_none(), "{}: {words} words", level.name());
             let panels = n.div_ceil(Kernel::of(level).tile().1);
             assert!(words < (k + 2) * panels * 32 + 4 * panels * PANEL_PAD, "{}: {words} words", level.name());
@@ -1163,7 +1417,7 @@ mod tests {
                 let mut plain = vec![2f32; m * pn];
                 // SAFETY: row-major operands and outputs of these shapes; the part is inside B.
                 unsafe {
-                    gemm_bf16(
+                    gemm_rounded(
                         level,
                         m,
                         pn,
@@ -1211,9 +1465,9 @@ mod tests {
             let (a_words, b_words) = (MC.div_ceil(mr) * kernel.panel_words(KC / 2, mr), kernel.words(KC, NC));
             assert!(a_words * 4 <= A_PACK_ELEMS * 8, "{}: A {a_words} words", level.name());
             assert!(b_words * 4 <= B_PACK_ELEMS * 8, "{}: B {b_words} words", level.name());
-            assert!(b_words <= PreparedBf16::capacity(KC, NC));
+            assert!(b_words <= PreparedRounded::capacity(KC, NC));
         }
-        assert!(PreparedBf16::capacity(KC, NC) * 4 <= B_PACK_ELEMS * 8);
+        assert!(PreparedRounded::capacity(KC, NC) * 4 <= B_PACK_ELEMS * 8);
     }
 
     #[test]
