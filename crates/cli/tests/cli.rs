@@ -362,6 +362,8 @@ fn bf16_precision_reports_its_products_and_bench_asks_pytorch_for_autocast() {
     assert_eq!(bf16["precision"], "bf16");
     assert!(bf16["products"].as_str().unwrap().starts_with("bf16 ("), "{bf16}");
     assert_ne!(bf16["final_train_loss"], fp32["final_train_loss"], "bf16 products change the numbers");
+    let fp16 = report(&[&base[..], &["--precision", "fp16"]].concat(), "fp16-products.json");
+    assert!(fp16["products"].as_str().unwrap().starts_with("fp16 ("), "{fp16}");
     let gpu = report(&[&base[..], &["--precision", "bf16", "--device", "meta:cuda"]].concat(), "bf16-gpu.json");
     assert!(gpu["products"].as_str().unwrap().starts_with("bf16 (tensor cores)"), "{gpu}");
     let python = fake_python(

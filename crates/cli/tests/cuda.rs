@@ -115,7 +115,7 @@ fn emulated_report(args: &[&str], name: &str) -> Value {
 }
 
 /// Every launcher and kernel of the cuda backend runs here, on the emulated GPU: the three model
-/// families train (the GPT also with `--precision bf16`), `meta:cuda` predicts each run's peaks (allocated, reserved, by category) to the
+/// families train (the GPT also with `--precision bf16` and `fp16`), `meta:cuda` predicts each run's peaks (allocated, reserved, by category) to the
 /// byte, the losses follow the cpu run's, and recovery from out-of-memory loses no sample.
 #[test]
 fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
@@ -136,7 +136,8 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
         "--no-eval",
     ];
     let gpt_bf16 = [&GPT[..], &["--precision", "bf16"]].concat();
-    let cases: [(&str, &[&str]); 7] = [
+    let gpt_fp16 = [&GPT[..], &["--precision", "fp16"]].concat();
+    let cases: [(&str, &[&str]); 8] = [
         ("mlp", &["train", "--model", "mlp", "--max-steps", "3", "--no-eval"]),
         // The optimizer step inside backward: rehearsed on the GPU's allocator, no kernel launched.
         (
@@ -151,6 +152,8 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
         ("gpt", &GPT),
         // bf16 products (cuBLAS's tensor-core mode, the attention kernels' rounding) and bf16 storage.
         ("gpt-bf16", &gpt_bf16),
+        // fp16 products (cuBLAS's fp16 tensor-core mode) and storage, GradScaler's loss scale.
+        ("gpt-fp16", &gpt_fp16),
     ];
     let mut losses = std::collections::BTreeMap::new();
     for (name, args) in cases {
@@ -182,6 +185,7 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     }
     assert_eq!(losses["mlp-in-backward"], losses["mlp"], "the step inside backward: the same bits on the GPU");
     assert_ne!(losses["gpt-bf16"], losses["gpt"], "bf16 products change the GPU's numbers");
+    assert_ne!(losses["gpt-fp16"], losses["gpt"], "fp16 products change the GPU's numbers");
     // Injected out-of-memory errors: the failed attempts are dropped and the same samples re-run.
     let args = ["train", "--model", "mlp", "--max-steps", "3", "--no-eval"];
     let plain = emulated_report(&args, "plain.json");

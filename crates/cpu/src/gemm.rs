@@ -1,22 +1,23 @@
 //! The CPU kernels' one door to GEMM: `memfit-kernels`' packed products for the process's
 //! instruction set, on strided operands, plus the raw-pointer wrapper parallel kernels share. Each
-//! door takes the device's [`Products`]: a bf16 product of f32 operands goes to
-//! `memfit_kernels::gemm_bf16` (Note [bf16 products] there) at the level the instruction set gives;
-//! f64 operands always multiply in f64.
+//! door takes the device's [`Products`]: a bf16 or fp16 product of f32 operands goes to
+//! `memfit_kernels::gemm_bf16` (Notes [bf16 products] and [fp16 products] there) at the level the
+//! instruction set gives; f64 operands always multiply in f64.
 
 use crate::dtype::Float;
 use memfit_kernels::gemm::{gemm, gemm_row_blocks, gemm_with_row_sums, MatMut, Start};
 pub use memfit_kernels::gemm_bf16::Products;
-use memfit_kernels::gemm_bf16::{gemm_rounded, with_prepared_rounded, Bf16Level, PreparedRounded};
+use memfit_kernels::gemm_bf16::{gemm_rounded, with_prepared_rounded, PreparedRounded, Rounded};
 
 /// A strided matrix operand (the kernels crate's; one home for the idea).
 pub(crate) use memfit_kernels::gemm::MatRef as Mat;
 use memfit_kernels::gemm::PreparedB;
 
-/// A right operand prepared once for several products: for the f32 GEMM, or for bf16 products.
+/// A right operand prepared once for several products: for the f32 GEMM, or for rounded (bf16,
+/// fp16) products.
 pub(crate) enum Prepared<T> {
     F32(PreparedB<T>),
-    Bf16(PreparedRounded),
+    Rounded(PreparedRounded),
 }
 /// Work (m*n*k) below which a product runs on one thread.
 pub(crate) use memfit_kernels::gemm::PARALLEL_WORK as GEMM_PARALLEL_WORK;
@@ -42,17 +43,19 @@ impl<T> SendPtr<T> {
     }
 }
 
-/// Whether a product of `T` operands under `products` is a bf16 one (f32 operands only).
-fn is_bf16<T: Float>(products: Products) -> bool {
-    products == Products::Bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+/// How a product of `T` operands under `products` rounds them (bf16 or fp16 products, of f32
+/// operands only): None for an f32 product.
+fn rounded<T: Float>(products: Products) -> Option<Rounded> {
+    Rounded::active(products).filter(|_| std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
 }
 
-/// The bf16 product `C[m x n] (+)= A @ B` of f32 operands given as `T` (checked by [`is_bf16`]).
+/// The rounded product `C[m x n] (+)= A @ B` of f32 operands given as `T` (checked by [`rounded`]).
 ///
 /// # Safety
 /// As [`gemm_into`]; `T` is f32.
 #[allow(clippy::too_many_arguments)]
-unsafe fn bf16_into<T: Float>(
+unsafe fn rounded_into<T: Float>(
+    level: Rounded,
     m: usize,
     n: usize,
     k: usize,
@@ -69,7 +72,7 @@ unsafe fn bf16_into<T: Float>(
         Start::Bias(row) => Start::Bias(row as *const f32),
     };
     let c = MatMut { ptr: c.ptr as *mut f32, rs: c.rs };
-    gemm_rounded(Bf16Level::active(), m, n, k, c, start, f(a), f(b), threads);
+    gemm_rounded(level, m, n, k, c, start, f(a), f(b), threads);
 }
 
 /// `dst[m x n] (+)= a[m x k] @ b[k x n]`; `dst` row stride `dst_rs`, column stride 1.
@@ -115,7 +118,7 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
     products: Products,
 ) {
     let (isa, c, start) = (memfit_kernels::Isa::active(), MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
-    if is_bf16::<T>(products) {
+    if let Some(level) = rounded::<T>(products) {
         // The sums are of A as it is (a bias gradient stays f32), each row's elements in order.
         if let Some(sums) = row_sums {
             let sums = std::slice::from_raw_parts_mut(sums, m);
@@ -133,7 +136,7 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
                 }
             }
         }
-        return bf16_into(m, n, k, c, start, a, b, threads);
+        return rounded_into(level, m, n, k, c, start, a, b, threads);
     }
     match row_sums {
         Some(sums) => gemm_with_row_sums(isa, m, n, k, c, start, a, b, threads, sums),
@@ -160,8 +163,8 @@ pub(crate) unsafe fn gemm_bias_into<T: Float>(
     products: Products,
 ) {
     let (start, c) = (bias.map_or(Start::Zero, Start::Bias), MatMut { ptr: dst, rs: dst_rs });
-    if is_bf16::<T>(products) {
-        return bf16_into(m, n, k, c, start, a, b, threads);
+    if let Some(level) = rounded::<T>(products) {
+        return rounded_into(level, m, n, k, c, start, a, b, threads);
     }
     gemm(memfit_kernels::Isa::active(), m, n, k, c, start, a, b, threads);
 }
@@ -188,11 +191,11 @@ pub(crate) unsafe fn gemm_row_blocks_into<T: Float>(
     let c = MatMut { ptr: dst, rs: dst_rs };
     let threads = rayon::current_num_threads();
     let start = bias.map_or(Start::Zero, Start::Bias);
-    if is_bf16::<T>(products) {
+    if let Some(level) = rounded::<T>(products) {
         for r0 in (0..m).step_by(block_rows.max(1)) {
             let rows = block_rows.max(1).min(m - r0);
             let block = MatMut { ptr: dst.offset(r0 as isize * dst_rs), rs: dst_rs };
-            bf16_into(rows, n, k, block, start, a_block(r0, rows), b, threads);
+            rounded_into(level, rows, n, k, block, start, a_block(r0, rows), b, threads);
         }
         return;
     }
@@ -213,9 +216,9 @@ pub(crate) unsafe fn with_prepared_b<T: Float, R>(
     products: Products,
     f: impl FnOnce(&Prepared<T>) -> R,
 ) -> R {
-    if is_bf16::<T>(products) {
+    if let Some(level) = rounded::<T>(products) {
         let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
-        return with_prepared_rounded(Bf16Level::active(), k, n, b, |p| f(&Prepared::Bf16(*p)));
+        return with_prepared_rounded(level, k, n, b, |p| f(&Prepared::Rounded(*p)));
     }
     let isa = memfit_kernels::Isa::active();
     memfit_kernels::gemm::with_prepared_b(isa, k, n, b, rayon::current_num_threads(), |p| f(&Prepared::F32(*p)))
@@ -246,7 +249,7 @@ impl<T: Float> Prepared<T> {
                 let (_, k, n) = p.operand();
                 (k, n)
             }
-            Prepared::Bf16(p) => p.dims(),
+            Prepared::Rounded(p) => p.dims(),
         }
     }
 }
@@ -282,18 +285,11 @@ pub(crate) unsafe fn prepare_b_in<T: Float>(
     threads: usize,
     products: Products,
 ) -> Prepared<T> {
-    if is_bf16::<T>(products) {
+    if let Some(level) = rounded::<T>(products) {
         // f32 elements and pair words are both 4 bytes.
         let b = Mat { ptr: b.ptr as *const f32, rs: b.rs, cs: b.cs };
         let words = std::mem::size_of_val(buf) / 4;
-        return Prepared::Bf16(PreparedRounded::prepare_into(
-            Bf16Level::active(),
-            k,
-            n,
-            b,
-            buf.as_mut_ptr() as *mut u32,
-            words,
-        ));
+        return Prepared::Rounded(PreparedRounded::prepare_into(level, k, n, b, buf.as_mut_ptr() as *mut u32, words));
     }
     let isa = memfit_kernels::Isa::active();
     Prepared::F32(PreparedB::prepare_into(isa, k, n, b, buf.as_mut_ptr(), buf.len(), threads))
@@ -319,8 +315,8 @@ pub(crate) unsafe fn prepared_part_into<T: Float>(
     let (c, start) = (MatMut { ptr: dst, rs: dst_rs }, Start::adding(accumulate));
     match b {
         Prepared::F32(b) => b.gemm_part(m, n, k, c, start, a, threads),
-        Prepared::Bf16(b) => {
-            // Only f32 operands are prepared for bf16 products (`is_bf16`).
+        Prepared::Rounded(b) => {
+            // Only f32 operands are prepared for rounded products (`rounded`).
             let a = Mat { ptr: a.ptr as *const f32, rs: a.rs, cs: a.cs };
             let c = MatMut { ptr: c.ptr as *mut f32, rs: c.rs };
             b.gemm_part(m, n, k, c, Start::adding(accumulate), a, threads)

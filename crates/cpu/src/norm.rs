@@ -427,7 +427,7 @@ pub fn layer_norm_linear_backward(
             check_len("layer_norm_linear_backward column sums", a.len(), 2 * d)?;
             a.fill(0.0);
         }
-        // Not for a bf16 product: its operand is the affine's output y, rounded, not xhat.
+        // Not for a rounded (bf16, fp16) product: its operand is the affine's output y, rounded, not xhat.
         let from_product = match (gwp, gbp) {
             (Some(gwp), Some(gbp)) if acc.is_some() && products == Products::F32 => Some((gwp, gbp)),
             _ => None,

@@ -13,10 +13,10 @@
 // through `mview`, its batch dims broadcast, then `mrow` and `mcol` strides). A fully hidden row
 // gives a zero output and a log-sum-exp of -inf. lse is [bh, tq] contiguous.
 //
-// With bf16 products (f32 only; Note [bf16 products] in memfit-kernels, the cpu's split), the
-// operands of the six products (q, k, v, the output's gradient, the probabilities P and the scores'
-// gradient dS) are read rounded to bfloat16 and the products add in f32; the softmax, its sums, D
-// and the log-sum-exp stay f32.
+// With bf16 or fp16 products (f32 only; Notes [bf16 products] and [fp16 products] in
+// memfit-kernels, the cpu's split), the operands of the six products (q, k, v, the output's
+// gradient, the probabilities P and the scores' gradient dS) are read rounded to bfloat16 or
+// binary16 and the products add in f32; the softmax, its sums, D and the log-sum-exp stay f32.
 
 struct Addr {
     i64 offset, batch, head, row;
@@ -37,9 +37,9 @@ struct Visible {
     }
 };
 
-// A product's operand under bf16 products (f64 has none).
-__device__ __forceinline__ float product_operand(float x) { return bf16_operand(x); }
-__device__ __forceinline__ double product_operand(double x) { return x; }
+// A product's operand under rounded products, 1: bf16, 2: fp16 (f64 has none).
+__device__ __forceinline__ float product_operand(float x, i64 rounding) { return rounding == 1 ? bf16_operand(x) : f16_operand(x); }
+__device__ __forceinline__ double product_operand(double x, i64) { return x; }
 
 // The operands and sizes every kernel takes.
 template <typename T>
@@ -49,10 +49,10 @@ struct Problem {
     const T* v;
     Addr aq, ak, av;
     i64 bh, heads, tq, tk, d, dv;
-    i64 bf16;  // non-zero: bf16 products (f32 only)
+    i64 rounding;  // 0: f32 products, 1: bf16, 2: fp16 (f32 only)
     T scale;
     // x as an operand of a product reads it.
-    __device__ T in(T x) const { return bf16 ? product_operand(x) : x; }
+    __device__ T in(T x) const { return rounding ? product_operand(x, rounding) : x; }
     __device__ const T* qrow(i64 i, i64 r) const { return q + matrix(aq, i, heads) + r * aq.row; }
     __device__ const T* krow(i64 i, i64 j) const { return k + matrix(ak, i, heads) + j * ak.row; }
     __device__ const T* vrow(i64 i, i64 j) const { return v + matrix(av, i, heads) + j * av.row; }

@@ -46,6 +46,19 @@ __device__ __forceinline__ float bf16_operand(float x) {
     return __uint_as_float((r & 0x7f800000u) == 0 ? r & 0x80000000u : r);
 }
 
+// An operand element as an fp16 product reads it (Note [fp16 products] in memfit-kernels): rounded
+// to binary16, to nearest even, overflowing to infinity from 65,520, subnormals kept; a NaN stays
+// a quiet NaN with the payload binary16 keeps (as the cpu's round_f16, F16C's bits).
+__device__ __forceinline__ float f16_operand(float x) {
+    unsigned int u = __float_as_uint(x), sign = u & 0x80000000u, m = u & 0x7fffffffu;
+    if (m > 0x7f800000u) return __uint_as_float((u | 0x00400000u) & 0xffffe000u);
+    float a = __uint_as_float(m), r;
+    if (a >= 65520.0f) r = INFINITY;
+    else if (a < 1.0f / 16384.0f) r = rintf(a * 16777216.0f) / 16777216.0f;
+    else r = __uint_as_float((m + 0x0fffu + ((m >> 13) & 1u)) & ~0x1fffu);
+    return __uint_as_float(__float_as_uint(r) | sign);
+}
+
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // Sum of `v` over the block (blockDim.x a power of two, at most 1024) into every thread's return,

@@ -8,8 +8,8 @@
 //! `emulator/emulator.h` in front (threads as fibers, barriers as switches), into one shared
 //! library cached next to the PTX (`<cache>/emulator/<hash>.so`) and loaded with `libloading`.
 //! Memory is host memory (an address is a host address); products are plain loops that follow
-//! cuBLAS's column-major definition to the letter (a bf16 product's operands rounded as Note [bf16
-//! products] in `memfit-kernels` defines).
+//! cuBLAS's column-major definition to the letter (a bf16 or fp16 product's operands rounded as
+//! Notes [bf16 products] and [fp16 products] in `memfit-kernels` define).
 
 use crate::kernels::{cache_dir, fnv1a, source_of, SOURCES};
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
@@ -280,6 +280,7 @@ impl Machine for Emulator {
         match g.dtype {
             GemmType::F32 => gemm_host::<f32>(g, |v| v),
             GemmType::F32Bf16 => gemm_host::<f32>(g, memfit_kernels::gemm_bf16::round_bf16),
+            GemmType::F32F16 => gemm_host::<f32>(g, memfit_kernels::gemm_bf16::round_f16),
             GemmType::F64 => gemm_host::<f64>(g, |v| v),
         }
         Ok(())

@@ -535,10 +535,10 @@ impl Gpu {
                         batch,
                     )
                 }
-                // f32 operands rounded to bfloat16 as the tensor cores load them, products added in
-                // f32 (`cuda_parity` checks the rounding on operands whose sums are exact); a single
-                // product through cublasGemmEx under the experiment above.
-                GemmType::F32Bf16 if batch == 1 && plain_sgemm() => {
+                // f32 operands rounded to bfloat16 (binary16) as the tensor cores load them, products
+                // added in f32 (`cuda_parity` checks the rounding on operands whose sums are exact);
+                // a single product through cublasGemmEx under the experiment above.
+                GemmType::F32Bf16 | GemmType::F32F16 if batch == 1 && plain_sgemm() => {
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
                     let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
                     cudarc::cublas::result::gemm_ex(
@@ -559,11 +559,11 @@ impl Gpu {
                         g.c as *mut std::ffi::c_void,
                         f32_type,
                         ldc,
-                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                        rounded_compute(g.dtype),
                         blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                     )
                 }
-                GemmType::F32Bf16 => {
+                GemmType::F32Bf16 | GemmType::F32F16 => {
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
                     let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
                     cudarc::cublas::result::gemm_strided_batched_ex(
@@ -588,7 +588,7 @@ impl Gpu {
                         ldc,
                         sc,
                         batch,
-                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                        rounded_compute(g.dtype),
                         blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                     )
                 }
@@ -618,6 +618,14 @@ impl Gpu {
             }
         };
         status.map_err(|e| call_error("cublasGemmStridedBatched", e))
+    }
+}
+
+/// cuBLAS's compute type for a rounded product: tensor cores converting f32 operands as they load.
+fn rounded_compute(dtype: GemmType) -> blas_sys::cublasComputeType_t {
+    match dtype {
+        GemmType::F32F16 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
+        _ => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
     }
 }
 

@@ -89,6 +89,10 @@ pub enum GemmType {
     /// On a GPU, cuBLAS's `CUBLAS_COMPUTE_32F_FAST_16BF` (tensor cores, converting as they load,
     /// adding in their own order); the emulator rounds as the definition says and adds in order.
     F32Bf16,
+    /// f32 in memory, multiplied as an fp16 product (Note [fp16 products] in `memfit-kernels`): each
+    /// operand element rounded to binary16, the products accumulated in f32. On a GPU, cuBLAS's
+    /// `CUBLAS_COMPUTE_32F_FAST_16F`.
+    F32F16,
     F64,
 }
 
@@ -96,7 +100,7 @@ impl GemmType {
     /// Bytes of one element in memory.
     pub fn size(self) -> usize {
         match self {
-            GemmType::F32 | GemmType::F32Bf16 => 4,
+            GemmType::F32 | GemmType::F32Bf16 | GemmType::F32F16 => 4,
             GemmType::F64 => 8,
         }
     }

@@ -179,8 +179,8 @@ struct DeviceInner {
     /// The dtype activations are saved in for backward (see [`Device::set_saved_dtype`]).
     /// 0: none, 1: bf16, 2: f16 (read by every save, so an atomic rather than a lock).
     saved_dtype: std::sync::atomic::AtomicU8,
-    /// Whether matrix products compute as bf16 products (see [`Device::set_products`]).
-    bf16_products: AtomicBool,
+    /// How matrix products compute, 0: f32, 1: bf16, 2: fp16 (see [`Device::set_products`]).
+    products: std::sync::atomic::AtomicU8,
     next_id: AtomicU64,
     modules: Mutex<Modules>,
     profiling: AtomicBool,
@@ -270,7 +270,7 @@ impl Device {
             rehearsing: AtomicU64::new(0),
             random_seed: AtomicU64::new(0),
             saved_dtype: std::sync::atomic::AtomicU8::new(0),
-            bf16_products: AtomicBool::new(false),
+            products: std::sync::atomic::AtomicU8::new(0),
             next_id: AtomicU64::new(1),
             modules: Mutex::new(Modules { names: vec![String::new()], ids: HashMap::new(), current: 0 }),
             profiling: AtomicBool::new(false),
@@ -520,15 +520,20 @@ impl Device {
     /// parameters, gradients and optimizer state stay f32 either way; nothing allocates differently.
     /// Every device computes both (the cpu's kernels, cuBLAS's tensor cores on a GPU).
     pub fn set_products(&self, products: crate::Products) {
-        self.0.bf16_products.store(products == crate::Products::Bf16, Ordering::Relaxed);
+        let code = match products {
+            crate::Products::F32 => 0,
+            crate::Products::Bf16 => 1,
+            crate::Products::F16 => 2,
+        };
+        self.0.products.store(code, Ordering::Relaxed);
     }
 
     /// How matrix products compute on this device.
     pub fn products(&self) -> crate::Products {
-        if self.0.bf16_products.load(Ordering::Relaxed) {
-            crate::Products::Bf16
-        } else {
-            crate::Products::F32
+        match self.0.products.load(Ordering::Relaxed) {
+            1 => crate::Products::Bf16,
+            2 => crate::Products::F16,
+            _ => crate::Products::F32,
         }
     }
 

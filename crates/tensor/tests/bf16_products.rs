@@ -1,6 +1,6 @@
-//! A device's bf16 products (`Device::set_products`, `--precision bf16`'s arithmetic; Note [bf16
-//! products] in `memfit-kernels`): every product op of the cpu backend multiplies operands rounded
-//! to bfloat16, forward and backward; nothing allocates differently, so meta still predicts the
+//! A device's bf16 and fp16 products (`Device::set_products`, `--precision bf16`'s and `fp16`'s
+//! arithmetic; Notes [bf16 products] and [fp16 products] in `memfit-kernels`): every product op of
+//! the cpu backend multiplies operands rounded to bfloat16 (binary16), forward and backward; nothing allocates differently, so meta still predicts the
 //! device to the byte. (The cuda backend's bf16 products: `cuda_parity`.)
 
 use memfit_tensor::autograd::backward_with;
@@ -69,11 +69,18 @@ fn product_ops() -> Vec<Op> {
 }
 
 /// Forward and backward of every product op change under bf16 products by bfloat16's rounding
-/// (about 2^-8 of the values, never more than a few times that), and not otherwise.
+/// (about 2^-8 of the values, never more than a few times that), under fp16 products by binary16's
+/// (2^-11, eight times less), and not otherwise.
 #[test]
-fn every_product_op_multiplies_in_bf16_forward_and_backward() {
+fn every_product_op_multiplies_in_bf16_or_fp16_forward_and_backward() {
+    for (products, (least, most)) in [(Products::Bf16, (1e-5, 4e-2)), (Products::F16, (2e-6, 5e-3))] {
+        rounded_products_change_every_op(products, least, most);
+    }
+}
+
+fn rounded_products_change_every_op(products: Products, least: f32, most: f32) {
     let (f32_device, bf16_device) = (Device::cpu(), Device::cpu());
-    bf16_device.set_products(Products::Bf16);
+    bf16_device.set_products(products);
     assert_eq!(f32_device.products(), Products::F32, "f32 products are the default");
     for (name, shapes, f) in product_ops() {
         let want = run(&f32_device, &shapes, false, &f);
@@ -86,7 +93,7 @@ fn every_product_op_multiplies_in_bf16_forward_and_backward() {
             if Some(k) == bias {
                 assert_eq!(w, g, "{name}: the bias gradient is no product");
             } else {
-                assert!(d > 1e-5 && d < 4e-2, "{name} result {k}: bf16 products differ from f32 by {d}");
+                assert!(d > least && d < most, "{name} result {k}: {products:?} products differ from f32 by {d}");
             }
         }
     }
@@ -105,8 +112,8 @@ fn on_bfloat16_operands_the_forward_agrees_with_f32_products() {
     }
 }
 
-/// bf16 products allocate exactly what f32 products allocate, so meta (which computes nothing)
-/// predicts a bf16 run to the byte.
+/// bf16 and fp16 products allocate exactly what f32 products allocate, so meta (which computes
+/// nothing) predicts such a run to the byte.
 #[test]
 fn bf16_products_allocate_as_f32_products() {
     let stats = |products: Products| {
@@ -118,6 +125,7 @@ fn bf16_products_allocate_as_f32_products() {
         (d.stats(), d.timeline_events())
     };
     assert_eq!(stats(Products::Bf16), stats(Products::F32));
+    assert_eq!(stats(Products::F16), stats(Products::F32));
 }
 
 /// The setting holds on every device kind, a GPU target's included (meta:cuda predicts cuda).
@@ -125,9 +133,9 @@ fn bf16_products_allocate_as_f32_products() {
 fn every_device_takes_the_setting() {
     for kind in [DeviceKind::Meta(Target::Cuda), DeviceKind::META, DeviceKind::Cpu] {
         let device = Device::new(DeviceConfig::new(kind)).unwrap();
-        device.set_products(Products::Bf16);
-        assert_eq!(device.products(), Products::Bf16, "{kind:?}");
-        device.set_products(Products::F32);
-        assert_eq!(device.products(), Products::F32, "{kind:?}");
+        for products in [Products::Bf16, Products::F16, Products::F32] {
+            device.set_products(products);
+            assert_eq!(device.products(), products, "{kind:?}");
+        }
     }
 }

@@ -250,12 +250,13 @@ impl Precision {
         }
     }
 
-    /// How matrix products compute under this precision: bf16 products for bf16 (Note [bf16
-    /// products] in `memfit-kernels`), else f32 (fp16 storage keeps f32 products).
+    /// How matrix products compute under this precision: bf16 products for bf16, fp16 products for
+    /// fp16 (Notes [bf16 products] and [fp16 products] in `memfit-kernels`), else f32.
     pub fn products(self) -> memfit_tensor::Products {
         match self {
             Precision::Bf16 => memfit_tensor::Products::Bf16,
-            Precision::Fp32 | Precision::Fp16 | Precision::Auto => memfit_tensor::Products::F32,
+            Precision::Fp16 => memfit_tensor::Products::F16,
+            Precision::Fp32 | Precision::Auto => memfit_tensor::Products::F32,
         }
     }
 

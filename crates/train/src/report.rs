@@ -493,10 +493,11 @@ impl crate::planner::Plan {
                 self.precision.name()
             ));
         }
-        if self.precision == crate::config::Precision::Bf16 {
-            s.push_str(
-                "matrix products: bf16 operands, f32 accumulation (the cpu's bf16 kernels, a GPU's tensor cores)\n",
-            );
+        if self.precision.products() != memfit_tensor::Products::F32 {
+            s.push_str(&format!(
+                "matrix products: {} operands, f32 accumulation (the cpu's rounding kernels, a GPU's tensor cores)\n",
+                self.precision.name()
+            ));
         }
         if self.segments.expandable() {
             s.push_str(
@@ -684,15 +685,18 @@ pub fn curves(summary: &crate::RunSummary) -> memfit_profile::Curves {
     }
 }
 
-/// How a device computes matrix products, for reports: `fp32`, or `bf16 (WHERE)`: the kernel level
-/// on the cpu, cuBLAS's tensor cores on a GPU target.
+/// How a device computes matrix products, for reports: `fp32`, or `bf16 (WHERE)` or `fp16 (WHERE)`:
+/// the kernel level on the cpu, cuBLAS's tensor cores on a GPU target.
 pub fn products_label(device: &memfit_tensor::Device) -> String {
-    let level = match device.target() {
-        memfit_tensor::Target::Cuda => "tensor cores".to_string(),
-        _ => memfit_tensor::Bf16Level::active().name().to_string(),
-    };
+    let gpu = device.target() == memfit_tensor::Target::Cuda;
+    let level = |cpu: &str| if gpu { "tensor cores".to_string() } else { cpu.to_string() };
     match device.products() {
-        memfit_tensor::Products::Bf16 => format!("bf16 ({level}): bf16 operands, f32 accumulation"),
+        memfit_tensor::Products::Bf16 => {
+            format!("bf16 ({}): bf16 operands, f32 accumulation", level(memfit_tensor::Bf16Level::active().name()))
+        }
+        memfit_tensor::Products::F16 => {
+            format!("fp16 ({}): fp16 operands, f32 accumulation", level(memfit_kernels::Isa::active().name()))
+        }
         memfit_tensor::Products::F32 => "fp32".to_string(),
     }
 }

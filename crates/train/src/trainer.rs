@@ -1061,6 +1061,7 @@ impl Session {
         let start = Instant::now();
         let mut used = Vec::with_capacity(if opts.record_samples { window.len() } else { 0 });
         let local = self.peers.as_ref().map_or(window, |peers| peers.shard(window));
+        let skipped_before = self.skipped_steps;
         let (mut result, mut recoveries) =
             self.train_window(train, local, window.len(), &mut p.micro, opts.recover, &mut used)?;
         if let Some(peers) = &self.peers {
@@ -1083,7 +1084,10 @@ impl Session {
         p.oom_recoveries += recoveries;
         let computes = self.device.computes();
         let loss = computes.then(|| result.loss_sum / window.len() as f64);
-        if let Some(l) = loss.filter(|l| !l.is_finite()) {
+        // A step fp16 skipped for overflow (GradScaler's rule) may have overflowed in the forward
+        // already, with fp16 products: its loss is no divergence, the next step's scale is smaller.
+        let overflow_skipped = self.skipped_steps > skipped_before;
+        if let Some(l) = loss.filter(|l| !l.is_finite() && !overflow_skipped) {
             return Err(TrainError::NotFinite(format!(
                 "the training loss at step {} is {l}: training diverged and stopped (nothing is saved); \
                  try a smaller --lr",

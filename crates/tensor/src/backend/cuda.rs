@@ -183,11 +183,12 @@ fn product(
     }
 }
 
-/// How cuBLAS multiplies `dtype` for a device computing `products` (bf16 products of f32 only, as
-/// on the cpu).
+/// How cuBLAS multiplies `dtype` for a device computing `products` (bf16 and fp16 products of f32
+/// only, as on the cpu).
 fn gemm_type(op: &str, dtype: DType, products: Products) -> Result<GemmType> {
     match dtype {
         DType::F32 if products == Products::Bf16 => Ok(GemmType::F32Bf16),
+        DType::F32 if products == Products::F16 => Ok(GemmType::F32F16),
         DType::F32 => Ok(GemmType::F32),
         DType::F64 => Ok(GemmType::F64),
         other => Err(Error::dtype(format!("{op} on cuda supports f32 and f64, not {other}"))),
@@ -2175,8 +2176,8 @@ fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
     }
 }
 
-/// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes, whether the products are
-/// bf16 products, and the scale.
+/// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes, how the products round
+/// their operands, and the scale.
 fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &str) -> Result<Arg> {
     let d = pb.dims;
     let mut words = vec![dense(q, op)?, dense(k, op)?, dense(v, op)?];
@@ -2184,7 +2185,12 @@ fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &
         words.extend(addr_words(a));
     }
     words.extend([d.bh, d.heads, d.tq, d.tk, d.d, d.dv].map(|n| n as u64));
-    words.push(u64::from(pb.products == Products::Bf16 && q.dtype() == DType::F32));
+    words.push(match pb.products {
+        _ if q.dtype() != DType::F32 => 0,
+        Products::F32 => 0,
+        Products::Bf16 => 1,
+        Products::F16 => 2,
+    });
     words.push(match q.dtype() {
         DType::F32 => u64::from((pb.scale as f32).to_bits()),
         _ => pb.scale.to_bits(),
