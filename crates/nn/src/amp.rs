@@ -121,6 +121,18 @@ impl GradScaler {
         Ok(found_inf)
     }
 
+    /// Replaces this iteration's check by `found_inf`, the one every rank agreed on (a rank whose
+    /// own gradients were finite still skips when another's overflowed). Errors before `unscale`.
+    pub fn agree(&mut self, found_inf: bool) -> Result<()> {
+        match self.found_inf {
+            Some(_) => {
+                self.found_inf = Some(found_inf);
+                Ok(())
+            }
+            None => Err(Error::invalid("GradScaler: agree() before unscale()")),
+        }
+    }
+
     /// Unscales the optimizer's gradients unless `unscale` already did, then takes the optimizer step
     /// unless a gradient held inf/NaN. Returns whether the step was taken.
     pub fn step(&mut self, optimizer: &mut Optimizer) -> Result<bool> {
@@ -227,6 +239,22 @@ mod tests {
         assert_eq!(p.to_vec::<f32>().unwrap(), vec![-3.0], "the gradient was unscaled once, not twice");
         scaler.update().unwrap();
         assert!(scaler.update().is_err(), "no check recorded since the last update");
+    }
+
+    /// Ranks agree on a skip: a rank whose own gradients were finite backs off as the one that
+    /// overflowed, and agreeing before any check is refused.
+    #[test]
+    fn an_agreed_overflow_backs_off_a_finite_rank() {
+        let d = Device::cpu();
+        let p = Tensor::from_slice(&d, &[1.0f32], &[1], Category::Parameter).unwrap().set_requires_grad(true);
+        autograd::backward(&p.mul_scalar(2.0).unwrap().sum_all().unwrap()).unwrap();
+        let mut scaler = GradScaler::new(config(1024.0, 2)).unwrap();
+        assert!(scaler.agree(true).is_err(), "agree before unscale");
+        assert!(!scaler.unscale(&[("p".into(), p.clone())]).unwrap(), "finite here");
+        scaler.agree(true).unwrap();
+        assert_eq!(scaler.found_inf(), Some(true));
+        scaler.update().unwrap();
+        assert_eq!((scaler.scale(), scaler.growth_tracker()), (512.0, 0));
     }
 
     #[test]

@@ -489,6 +489,13 @@ impl TrainConfig {
                 );
             }
         }
+        if self.parallel == Some(ParallelMode::Pipeline) && self.precision == Precision::Fp16 {
+            return bad(
+                "--precision fp16 is not available with --parallel pipeline: its loss scale is not carried from the \
+                 last stage's loss to the others yet; use --precision bf16 (no loss scale needed)"
+                    .into(),
+            );
+        }
         if self.parallel == Some(ParallelMode::Pipeline) && matches!(self.checkpoint, CheckpointChoice::Segments(_)) {
             return bad(
                 "--checkpoint with segment names is not available with --parallel pipeline: give all, none or \

@@ -175,6 +175,7 @@ impl Session {
             smallest_micro_batch: spec.smallest_micro_batch(),
             step_in_backward: false,
             proven: None,
+            scaler: std::sync::Mutex::new(None),
         })
     }
 }

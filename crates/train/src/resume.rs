@@ -201,6 +201,10 @@ pub struct State {
     /// The optimizer's step count and each parameter's.
     pub optimizer_steps: u64,
     pub param_steps: Vec<(String, u64)>,
+    /// fp16's loss scale and its count of clean steps (absent in the other precisions, and in
+    /// checkpoints written before fp16 scaled its loss).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<(f64, u32)>,
     /// Samples in a training epoch (a check that the data is the same).
     pub train_samples: usize,
     /// The task's metadata (as in the weights file): model kind, normalization, or GPT sizes and vocabulary.
@@ -403,7 +407,7 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Loads the weights and the optimizer state into `session`.
+    /// Loads the weights, the optimizer state and fp16's loss scale into `session`.
     pub fn restore(&self, session: &mut Session) -> Result<(), TrainError> {
         let ckpt = |e: memfit_tensor::Error| TrainError::Checkpoint(e.to_string());
         memfit_nn::checkpoint::load(self.file("model"), session.model.as_ref()).map_err(ckpt)?;
@@ -422,7 +426,11 @@ impl Checkpoint {
         session
             .optimizer
             .restore(self.state.optimizer_steps, &self.state.param_steps, &tensors)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", self.file("optimizer").display())))
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", self.file("optimizer").display())))?;
+        match self.state.loss_scale {
+            Some((scale, growth)) => session.restore_loss_scale(scale, growth),
+            None => Ok(()),
+        }
     }
 }
 
@@ -514,6 +522,7 @@ pub fn write(
         checkpointed_segments: template.checkpointed_segments.clone(),
         optimizer_steps: session.optimizer.steps(),
         param_steps: session.optimizer.param_step_counts(),
+        loss_scale: session.loss_scale(),
         train_samples: template.train_samples,
         metadata: template.metadata.clone(),
         files: vec![

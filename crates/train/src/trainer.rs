@@ -85,6 +85,9 @@ pub struct Session {
     /// (layout digest, micro-batch) from which a rehearsal proved a step in backward needs no new
     /// memory (Note [Step in backward]).
     pub(crate) proven: Option<(u64, usize)>,
+    /// fp16's dynamic loss scale (GradScaler's rules: from 65536, halved on an overflow, which
+    /// skips the step, doubled after 2000 clean steps); None in the other precisions.
+    pub(crate) scaler: std::sync::Mutex<Option<memfit_nn::amp::GradScaler>>,
 }
 
 /// What a session does differently as one of several processes that train one model: one of ranks
@@ -143,7 +146,26 @@ impl Session {
     pub fn set_precision(&self, precision: crate::config::Precision) -> Result<(), TrainError> {
         self.device.set_saved_dtype(precision.saved_dtype())?;
         self.device.set_products(precision.products());
+        let scaler = match precision {
+            crate::config::Precision::Fp16 => Some(memfit_nn::amp::GradScaler::new(Default::default())?),
+            _ => None,
+        };
+        *self.scaler.lock().unwrap_or_else(|e| e.into_inner()) = scaler;
         Ok(())
+    }
+
+    /// fp16's loss scale now and its count of clean steps towards the next growth (None in the
+    /// other precisions): what a training checkpoint keeps.
+    pub fn loss_scale(&self) -> Option<(f64, u32)> {
+        self.scaler.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| (s.scale(), s.growth_tracker()))
+    }
+
+    /// Restores a checkpoint's loss scale (resume).
+    pub fn restore_loss_scale(&self, scale: f64, growth_tracker: u32) -> Result<(), TrainError> {
+        match self.scaler.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Some(s) => Ok(s.restore(scale, growth_tracker)?),
+            None => Err(TrainError::Checkpoint("a loss scale saved for a run that is not fp16".into())),
+        }
     }
 
     /// Where the optimizer steps: after the window's backward, or inside it (Note [Step in
@@ -174,15 +196,32 @@ impl Session {
         None
     }
 
-    /// With fp16 storage, a window whose gradients hold an inf or NaN (an activation overflowed in
-    /// f16) is not applied, as `GradScaler` skips such steps; gradients stay f32, so no loss scale is
-    /// needed to keep them from underflowing. True when the step must be skipped.
+    /// In fp16, the loss was scaled before backward (fp16 products would lose small gradients):
+    /// the gradients are divided by the scale, and a window whose gradients hold an inf or NaN (the
+    /// scale, or an activation, overflowed binary16) is not applied, as `GradScaler` skips such
+    /// steps. True when the step must be skipped; [`Session::update_loss_scale`] follows.
     fn gradients_overflowed(&self) -> Result<bool, TrainError> {
-        if self.device.saved_dtype() != Some(memfit_tensor::DType::F16) || !self.device.computes() {
-            return Ok(false);
+        let mut scaler = self.scaler.lock().unwrap_or_else(|e| e.into_inner());
+        match scaler.as_mut() {
+            Some(scaler) if self.device.computes() => Ok(scaler.unscale(&self.model.parameters())?),
+            _ => Ok(false),
         }
-        let grads: Vec<Tensor> = self.model.parameters().into_iter().filter_map(|(_, p)| p.grad()).collect();
-        Ok(memfit_tensor::ops::unscale_(&grads.iter().collect::<Vec<_>>(), 1.0)?)
+    }
+
+    /// The window's outcome for the loss scale: `overflowed` as every rank agreed.
+    fn update_loss_scale(&self, overflowed: bool) -> Result<(), TrainError> {
+        let mut scaler = self.scaler.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(scaler) = scaler.as_mut().filter(|_| self.device.computes()) {
+            scaler.agree(overflowed)?;
+            scaler.update()?;
+        }
+        Ok(())
+    }
+
+    /// The scale fp16's backward starts from (None in the other precisions; meta multiplies too,
+    /// so it allocates the scaled loss as the device does).
+    fn backward_scale(&self) -> Option<f64> {
+        self.scaler.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| s.scale())
     }
 
     /// Applies `choice` to the model's segments; returns the names of those that now run
@@ -225,6 +264,7 @@ impl Session {
             smallest_micro_batch,
             step_in_backward: false,
             proven: None,
+            scaler: std::sync::Mutex::new(None),
         })
     }
 
@@ -662,6 +702,12 @@ impl Session {
         scores.record_count(&predicted.count_equal(&y)?)?;
         drop(predicted);
         scores.record_loss(&loss)?;
+        // fp16: backward from the loss times the scale (the gradients are divided by it before the
+        // step); the same allocation on meta.
+        let loss = match self.backward_scale() {
+            Some(scale) => loss.mul_scalar(scale)?,
+            None => loss,
+        };
         match hand_over {
             Some(hand_over) => autograd::backward_handing_over(&loss, hand_over)?,
             None if as_complete => autograd::backward_as_complete(&loss, None)?,
@@ -741,6 +787,7 @@ impl Session {
             if let Some(peers) = &self.peers {
                 overflowed = peers.overflowed(overflowed);
             }
+            self.update_loss_scale(overflowed)?;
             if overflowed {
                 self.skipped_steps += 1;
                 self.optimizer.zero_grad();

@@ -125,6 +125,25 @@ fn an_image_model_with_accumulation_resumes_bit_identically_after_steps_1_2_and_
     check_resume_is_exact("simplecnn", image_config(), &[1, 2, 5], &dir);
 }
 
+/// fp16 (its products, storage and loss scale): the checkpoint keeps the loss scale and its count
+/// of clean steps, and the resumed run ends as the uninterrupted one.
+#[test]
+fn fp16_resumes_bit_identically_with_its_loss_scale() {
+    let dir = scratch("fp16");
+    let cfg = TrainConfig { precision: memfit_train::Precision::Fp16, ..image_config() };
+    check_resume_is_exact("simplecnn fp16", cfg.clone(), &[2, 5], &dir);
+    for k in [2, 5] {
+        // The newest checkpoint there is the resumed run's last, after all 6 steps.
+        let state = Checkpoint::latest(&dir.join(format!("ckpt-{k}"))).unwrap().state;
+        let (scale, clean) = state.loss_scale.expect("an fp16 checkpoint keeps its loss scale");
+        // 65536 halved once per skipped step, the clean steps since the last halving counted.
+        assert!(clean <= 6, "scale {scale}, {clean} clean steps");
+        assert_eq!(scale * 2f64.powi(6 - clean as i32), 65536.0, "scale {scale} after {clean} clean steps of 6");
+    }
+    let fp32 = Checkpoint::latest(&scratch("image").join("ckpt-2")).map(|c| c.state.loss_scale);
+    assert!(!matches!(fp32, Ok(Some(_))), "fp32 keeps no loss scale");
+}
+
 #[test]
 fn a_tiny_gpt_resumes_bit_identically_across_an_epoch_boundary() {
     let dir = scratch("gpt");
