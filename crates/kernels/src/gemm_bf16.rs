@@ -1159,6 +1159,7 @@ mod tests {
         assert_eq!(round_f16(65519.0), 65504.0, "below the overflow threshold: binary16's largest");
         assert_eq!(round_f16(65520.0), f32::INFINITY, "from 65,520 up: an infinity");
         assert_eq!(round_f16(-1e6), f32::NEG_INFINITY);
+        assert_eq!(round_f16(f32::INFINITY), f32::INFINITY, "an infinity stays");
         let q = 1.0 / 16_777_216.0; // binary16's smallest subnormal, 2^-24
         assert_eq!(round_f16(0.5 * q), 0.0, "a tie between 0 and 2^-24 goes to 0");
         assert_eq!(round_f16(1.5 * q), 2.0 * q, "a tie between 2^-24 and 2^-23 goes to 2^-23");
@@ -1188,6 +1189,23 @@ mod tests {
     unsafe fn f16c_round(x: f32) -> f32 {
         use std::arch::x86_64::*;
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x))))
+    }
+
+    /// The device setting's rounded products: none for f32, a bf16 level, fp16 on this CPU's tile.
+    #[test]
+    fn the_settings_products_round_as_they_say() {
+        assert!(Rounded::active(Products::F32).is_none());
+        let (a, b) = (values(12 * 8, 1, 2.0), values(8 * 16, 2, 2.0));
+        for products in [Products::Bf16, Products::F16] {
+            let level = Rounded::active(products).expect("a rounded product");
+            let rounding = if products == Products::F16 { Rounding::F16 } else { Rounding::Bf16 };
+            let (mut want, mut got) = (vec![0f32; 12 * 16], vec![0f32; 12 * 16]);
+            reference_of(rounding, 12, 16, 8, &a, (8, 1), &b, (16, 1), &mut want, "zero", &[]);
+            let (am, bm) = (MatRef { ptr: a.as_ptr(), rs: 8, cs: 1 }, MatRef { ptr: b.as_ptr(), rs: 16, cs: 1 });
+            // SAFETY: the operands are the vectors above with these shapes and strides.
+            unsafe { gemm_rounded(level, 12, 16, 8, MatMut { ptr: got.as_mut_ptr(), rs: 16 }, Start::Zero, am, bm, 1) };
+            assert_eq!(want, got, "{products:?}");
+        }
     }
 
     /// fp16 products on every instruction set's tile compute the definition's bits, for both
