@@ -155,10 +155,11 @@ struct RunArgs {
     #[arg(long, value_parser = CheckpointChoice::parse)]
     checkpoint: Option<CheckpointChoice>,
     /// Precision: fp32; bf16 (saved activations in bf16, about half their bytes, and matrix products
-    /// on bf16 operands with f32 accumulation, on the cpu's AVX512-BF16 where it has it; a GPU keeps
-    /// f32 products for now); fp16 (saved activations in fp16, a step whose gradients overflow is
-    /// skipped; products f32); or auto (with --memory: the planner takes bf16 when it gives the
-    /// fastest plan that fits).
+    /// on bf16 operands with f32 accumulation: the cpu's AVX512-BF16 where it has it, a GPU's tensor
+    /// cores); fp16 (the same with fp16, and the loss scaled as GradScaler does: a step whose
+    /// gradients overflow is skipped and the scale halved; on a cpu slower than fp32, for a GPU's
+    /// numbers); or auto (with --memory: the planner takes bf16 when it gives the fastest plan that
+    /// fits).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
     /// The allocator's segments: fixed (PyTorch's caching allocator: 2 MiB and 20 MiB segments, kept
@@ -318,8 +319,8 @@ struct PlanArgs {
     /// Keep this micro-batch (samples per forward/backward) and fit the rest around it.
     #[arg(long, allow_negative_numbers = true, value_parser = batch_parser())]
     micro_batch: Option<u64>,
-    /// Precision the plan assumes (saved activations' storage; bf16 also multiplies in bf16): fp32,
-    /// bf16, fp16, or auto (bf16 weighed too).
+    /// Precision the plan assumes (saved activations' storage; bf16 and fp16 also multiply in it):
+    /// fp32, bf16, fp16, or auto (bf16 weighed too).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
     /// The allocator's segments the plan assumes: fixed, expandable, or auto
@@ -377,7 +378,8 @@ struct BenchArgs {
     #[arg(long, value_name = "PYTHON")]
     compare_pytorch: Option<PathBuf>,
     /// fp32, or bf16 (memfit's --precision bf16: bf16 storage and products; PyTorch's bf16 autocast
-    /// with --compare-pytorch), or fp16 (storage; PyTorch fp32).
+    /// with --compare-pytorch), or fp16 (memfit's fp16 storage, products and loss scale; PyTorch in
+    /// fp32).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
     /// Print the report as JSON.

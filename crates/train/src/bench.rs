@@ -280,8 +280,8 @@ pub struct BenchConfig<'a> {
     pub rounds: usize,
     /// A Python interpreter with PyTorch, to run each case there too.
     pub pytorch: Option<&'a Path>,
-    /// fp32, bf16 (memfit's `--precision bf16`; PyTorch's bf16 autocast) or fp16 (storage; PyTorch
-    /// runs fp32); `auto` is refused.
+    /// fp32, bf16 (memfit's `--precision bf16`; PyTorch's bf16 autocast) or fp16 (memfit's storage,
+    /// products and loss scale; PyTorch runs fp32); `auto` is refused.
     pub precision: crate::config::Precision,
 }
 
