@@ -378,8 +378,8 @@ struct BenchArgs {
     #[arg(long, value_name = "PYTHON")]
     compare_pytorch: Option<PathBuf>,
     /// fp32, or bf16 (memfit's --precision bf16: bf16 storage and products; PyTorch's bf16 autocast
-    /// with --compare-pytorch), or fp16 (memfit's fp16 storage, products and loss scale; PyTorch in
-    /// fp32).
+    /// with --compare-pytorch), or fp16 (memfit's fp16 storage, products and loss scale; PyTorch's
+    /// fp16 autocast with GradScaler).
     #[arg(long, default_value = "fp32", value_parser = Precision::parse)]
     precision: Precision,
     /// Print the report as JSON.

@@ -383,6 +383,9 @@ fn bf16_precision_reports_its_products_and_bench_asks_pytorch_for_autocast() {
     assert_eq!(half["precision"], "bf16");
     assert!(half["products"].as_str().unwrap().starts_with("bf16 ("), "{half}");
     assert_eq!(half["cases"][0]["pytorch"]["median_ms"], 3.5);
+    let fp16 = run(&["--precision", "fp16"]);
+    assert!(fp16["products"].as_str().unwrap().starts_with("fp16 ("), "{fp16}");
+    assert_eq!(fp16["cases"][0]["pytorch"]["median_ms"], 3.5, "PyTorch under its fp16 autocast");
     let out = memfit(&["bench", "--case", "mlp-b256", "--precision", "auto"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("--precision auto"), "{}", text(&out));

@@ -96,14 +96,18 @@ def step_times(make_model, make_batch, warmup, steps, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = (t.to(device) for t in make_batch())
 
-    autocast = os.environ.get("MEMFIT_BENCH_AUTOCAST") == "bf16"
+    # memfit's --precision: bf16 autocast, or fp16 autocast with GradScaler (its loss scale).
+    mode = os.environ.get("MEMFIT_BENCH_AUTOCAST", "")
+    dtype = torch.float16 if mode == "fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=dtype, enabled=mode in ("bf16", "fp16")):
             loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         # memfit reads each step's loss back (its progress line): the same synchronisation here.
         return loss.item()
 

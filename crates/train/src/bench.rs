@@ -178,7 +178,14 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &[String]) -> Result
         .args([case[0].clone(), warmup.to_string(), steps.to_string(), threads.to_string(), device])
         .args(&case[1..])
         // bf16: PyTorch's autocast; fp16 storage has no PyTorch counterpart, so it runs fp32.
-        .env("MEMFIT_BENCH_AUTOCAST", if cfg.precision == crate::config::Precision::Bf16 { "bf16" } else { "" })
+        .env(
+            "MEMFIT_BENCH_AUTOCAST",
+            match cfg.precision {
+                crate::config::Precision::Bf16 => "bf16",
+                crate::config::Precision::Fp16 => "fp16",
+                _ => "",
+            },
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -281,7 +288,7 @@ pub struct BenchConfig<'a> {
     /// A Python interpreter with PyTorch, to run each case there too.
     pub pytorch: Option<&'a Path>,
     /// fp32, bf16 (memfit's `--precision bf16`; PyTorch's bf16 autocast) or fp16 (memfit's storage,
-    /// products and loss scale; PyTorch runs fp32); `auto` is refused.
+    /// products and loss scale; PyTorch's fp16 autocast with GradScaler); `auto` is refused.
     pub precision: crate::config::Precision,
 }
 
