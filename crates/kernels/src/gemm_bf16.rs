@@ -1208,39 +1208,12 @@ mod tests {
         }
     }
 
-    /// fp16 products on every instruction set's tile compute the definition's bits, for both
-    /// operands' layouts, every start, one thread and two.
+    /// fp16 products on every instruction set's tile compute the definition's bits (the cases of
+    /// [`definition_cases`]).
     #[test]
     fn every_isa_computes_the_fp16_definitions_bits() {
-        let shapes = [(1, 1, 1), (13, 33, 3), (9, 20, 21), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
         for isa in Isa::supported() {
-            for &(m, n, k) in &shapes {
-                for (case, (a_major, b_major)) in [(true, true), (false, false), (true, false)].into_iter().enumerate()
-                {
-                    for start in ["zero", "accumulate", "bias"] {
-                        let a = values(m * k, 1 + case as u64, 2.0);
-                        let b = values(k * n, 9, 3.0);
-                        let (bias, before) = (values(n, 4, 1.0), values(m * n, 5, 1.0));
-                        let (ast, ars) = if a_major { ((k, 1), k as isize) } else { ((1, m), 1) };
-                        let (bst, brs) = if b_major { ((n, 1), n as isize) } else { ((1, k), 1) };
-                        let mut want = before.clone();
-                        reference_of(Rounding::F16, m, n, k, &a, ast, &b, bst, &mut want, start, &bias);
-                        let mut got = before.clone();
-                        let st = match start {
-                            "zero" => Start::Zero,
-                            "accumulate" => Start::Accumulate,
-                            _ => Start::Bias(bias.as_ptr()),
-                        };
-                        let am = MatRef { ptr: a.as_ptr(), rs: ars, cs: if a_major { 1 } else { m as isize } };
-                        let bm = MatRef { ptr: b.as_ptr(), rs: brs, cs: if b_major { 1 } else { k as isize } };
-                        let c = MatMut { ptr: got.as_mut_ptr(), rs: n as isize };
-                        // SAFETY: the operands are the vectors above with these shapes and strides.
-                        unsafe { gemm_rounded(Rounded::f16(isa), m, n, k, c, st, am, bm, 1 + case % 2) };
-                        let differ = want.iter().zip(&got).filter(|(w, g)| w.to_bits() != g.to_bits()).count();
-                        assert_eq!(differ, 0, "{} m {m} n {n} k {k} case {case} {start}: {differ} differ", isa.name());
-                    }
-                }
-            }
+            definition_cases(Rounded::f16(isa), Rounding::F16, isa.name());
         }
         let rounded = values(64, 3, 2.0).iter().map(|&v| round_f16(v)).collect::<Vec<_>>();
         assert!(rounded.iter().zip(values(64, 3, 2.0)).any(|(r, v)| *r != v), "the operands carry bits binary16 drops");
@@ -1265,67 +1238,61 @@ mod tests {
         assert_eq!(round_bf16(f32::MIN_POSITIVE), f32::MIN_POSITIVE);
     }
 
-    /// Every supported level computes the definition's bits: shapes across the tile, block and
-    /// depth edges (odd depths, more than one depth block, partial tiles), operands row- and
-    /// column-major, C overwritten, accumulated into and started from a bias, on one thread and two.
+    /// Every supported level computes the definition's bits (the cases of [`definition_cases`]).
     #[test]
     fn every_level_computes_the_definitions_bits() {
-        let shapes =
-            [(1, 1, 1), (12, 32, 2), (13, 33, 3), (9, 20, 21), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
         let mut checked = 0;
         for level in Bf16Level::supported() {
-            for &(m, n, k) in &shapes {
-                for (case, (a_major, b_major)) in [(true, true), (false, false), (true, false)].into_iter().enumerate()
-                {
-                    for start in ["zero", "accumulate", "bias"] {
-                        let threads = 1 + case % 2;
-                        let a = values(m * k, 1 + case as u64, 2.0);
-                        let b = values(k * n, 9, 3.0);
-                        let bias = values(n, 4, 1.0);
-                        let before = values(m * n, 5, 1.0);
-                        let (ast, ars) = if a_major { ((k, 1), k as isize) } else { ((1, m), 1) };
-                        let (bst, brs) = if b_major { ((n, 1), n as isize) } else { ((1, k), 1) };
-                        let mut want = before.clone();
-                        reference(m, n, k, &a, ast, &b, bst, &mut want, start, &bias);
-                        let mut got = before.clone();
-                        let st = match start {
-                            "zero" => Start::Zero,
-                            "accumulate" => Start::Accumulate,
-                            _ => Start::Bias(bias.as_ptr()),
-                        };
-                        let am = MatRef { ptr: a.as_ptr(), rs: ars, cs: if a_major { 1 } else { m as isize } };
-                        let bm = MatRef { ptr: b.as_ptr(), rs: brs, cs: if b_major { 1 } else { k as isize } };
-                        // SAFETY: the operands are the vectors above with these shapes and strides.
-                        unsafe {
-                            gemm_rounded(
-                                level,
-                                m,
-                                n,
-                                k,
-                                MatMut { ptr: got.as_mut_ptr(), rs: n as isize },
-                                st,
-                                am,
-                                bm,
-                                threads,
-                            )
-                        };
-                        let differ = want.iter().zip(&got).filter(|(w, g)| w.to_bits() != g.to_bits()).count();
-                        assert_eq!(
-                            differ, 0,
-                            "{} m {m} n {n} k {k} a row-major {a_major} b row-major {b_major} {start}: {differ} of {} differ",
-                            level.name(),
-                            want.len()
-                        );
-                        checked += 1;
-                    }
-                }
-            }
+            checked += definition_cases(level.into(), Rounding::Bf16, level.name());
         }
         let skipped: Vec<&str> = Bf16Level::ALL.iter().filter(|l| !l.is_supported()).map(|l| l.name()).collect();
         println!(
             "bf16 products: {checked} cases on {:?}; skipped (not on this CPU): {skipped:?}",
             Bf16Level::supported()
         );
+    }
+
+    /// `level` against the definition `rounding` names, bit for bit: shapes across the tile, block
+    /// and depth edges (odd depths, a partial 8-step block, more than one depth block, partial
+    /// tiles), operands row- and column-major, C overwritten, accumulated into and started from a
+    /// bias, on one thread and two. The cases checked.
+    fn definition_cases(level: Rounded, rounding: Rounding, name: &str) -> usize {
+        let shapes =
+            [(1, 1, 1), (12, 32, 2), (13, 33, 3), (9, 20, 21), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
+        let mut checked = 0;
+        for &(m, n, k) in &shapes {
+            for (case, (a_major, b_major)) in [(true, true), (false, false), (true, false)].into_iter().enumerate() {
+                for start in ["zero", "accumulate", "bias"] {
+                    let a = values(m * k, 1 + case as u64, 2.0);
+                    let b = values(k * n, 9, 3.0);
+                    let (bias, before) = (values(n, 4, 1.0), values(m * n, 5, 1.0));
+                    let (ast, ars) = if a_major { ((k, 1), k as isize) } else { ((1, m), 1) };
+                    let (bst, brs) = if b_major { ((n, 1), n as isize) } else { ((1, k), 1) };
+                    let mut want = before.clone();
+                    reference_of(rounding, m, n, k, &a, ast, &b, bst, &mut want, start, &bias);
+                    let mut got = before.clone();
+                    let st = match start {
+                        "zero" => Start::Zero,
+                        "accumulate" => Start::Accumulate,
+                        _ => Start::Bias(bias.as_ptr()),
+                    };
+                    let am = MatRef { ptr: a.as_ptr(), rs: ars, cs: if a_major { 1 } else { m as isize } };
+                    let bm = MatRef { ptr: b.as_ptr(), rs: brs, cs: if b_major { 1 } else { k as isize } };
+                    let c = MatMut { ptr: got.as_mut_ptr(), rs: n as isize };
+                    // SAFETY: the operands are the vectors above with these shapes and strides.
+                    unsafe { gemm_rounded(level, m, n, k, c, st, am, bm, 1 + case % 2) };
+                    let differ = want.iter().zip(&got).filter(|(w, g)| w.to_bits() != g.to_bits()).count();
+                    assert_eq!(
+                        differ,
+                        0,
+                        "{name} m {m} n {n} k {k} a row-major {a_major} b row-major {b_major} {start}: {differ} of {} differ",
+                        want.len()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        checked
     }
 
     /// Operands strided in both directions (a sub-matrix of every other row and column) take the

@@ -35,7 +35,7 @@ fn main() {
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
-    let bf16 = rounded_products_match_the_cpu(&cuda);
+    let rounded = rounded_products_match_the_cpu(&cuda);
     // relu6 (an imported model's hardswish and hardsigmoid): values below 0, between, above 6.
     agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
     agree(&cuda, "hardsigmoid", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardsigmoid());
@@ -64,7 +64,7 @@ fn main() {
         mask.slice_step(1, 0, 10, 3)?.fill_(-2.0)?;
         x[0].mul(&mask)
     });
-    let total = attention + sums + states + uploads + vocab + convs + bf16 + 15;
+    let total = attention + sums + states + uploads + vocab + convs + rounded + 15;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 
