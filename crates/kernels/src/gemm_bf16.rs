@@ -1,6 +1,7 @@
 //! `C (+)= A @ B` as a bfloat16 product (Note [bf16 products]): both operands rounded to bfloat16,
 //! the products accumulated in f32, in the order AVX512-BF16's `vdpbf16ps` takes them, so every
-//! level computes the same bits; or as an fp16 product (Note [fp16 products]), the same with
+//! level but AMX computes the same bits (AMX: the same up to the order of additions, Note [AMX
+//! order] in `amx.rs`); or as an fp16 product (Note [fp16 products]), the same with
 //! binary16 and the steps in order.
 //!
 //! Note [bf16 products]
@@ -25,12 +26,14 @@
 //! The levels ([`Bf16Level`]) differ only in how many of these additions one instruction makes, so
 //! they agree bit for bit while no product or sum falls below f32's smallest normal (1.2e-38),
 //! which the AVX512-BF16 instruction flushes to zero and the other levels keep (the tests pin each
-//! level against the definition). What is rounded is PyTorch autocast's split: matrix products take
+//! level against the definition). The exception is AMX, whose tile unit adds a block's products
+//! in its own order (Note [AMX order]): the same rounded operands, blocks and starts, other last
+//! bits. What is rounded is PyTorch autocast's split: matrix products take
 //! bfloat16 operands and accumulate in f32; everything else stays f32.
 //!
 //! Both operands are always packed, rounded. AVX512-BF16's packs hold pair words (a step pair's two
 //! bfloat16, the even step in the low half: half the bytes of an f32 pack) for its own 12 x 32
-//! tile; the other levels' packs hold the rounded values as f32, each pair's odd step first, for the
+//! tile (AMX's too, A's laid out by lines for its tiles); the other levels' packs hold the rounded values as f32, each pair's odd step first, for the
 //! f32 GEMM's tile of the same level, which adds the steps in order (an exact product, then one
 //! rounding, whether fused or not) and so computes the definition. The packs live in each thread's
 //! reused buffers, as the f32 GEMM's do.
@@ -38,6 +41,9 @@
 use crate::gemm::{with_pack, MatMut, MatRef, MicroKernel, Shared, Start, A_PACK, B_PACK, KC, MC, PANEL_PAD};
 use crate::Isa;
 use rayon::prelude::*;
+
+mod amx;
+pub use amx::AMX_ENV;
 
 /// How a product computes (the device's setting, `--precision`): in f32, or as a bf16 product
 /// (Note [bf16 products]).
@@ -69,12 +75,16 @@ const NC: usize = 1024;
 /// Rows and columns of the AVX512-BF16 tile (its packs hold pair words).
 const PAIR_MR: usize = 12;
 const PAIR_NR: usize = 32;
-/// The largest tile of any level (an edge tile is computed whole on the stack).
-const MAX_TILE: usize = 12 * 32;
+/// The largest tile of any level (an edge tile is computed whole on the stack): AMX's.
+const MAX_TILE: usize = amx::MR * amx::NR;
 
 /// A level of the bf16 product, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Bf16Level {
+    /// AMX-BF16's `tdpbf16ps` (Intel Xeon since Sapphire Rapids) on 16 x 16 tiles of pair words: a
+    /// 32 x 32 block of C per 4 instructions, in the tile unit's order of additions (Note [AMX
+    /// order]); used once the process has checked its tiles.
+    Amx,
     /// AVX512-BF16's `vdpbf16ps` (Intel since Cooper Lake, AMD since Zen 4) on packs of bfloat16
     /// pairs: two products per lane per instruction.
     Avx512Bf16,
@@ -88,11 +98,13 @@ pub enum Bf16Level {
 
 impl Bf16Level {
     /// Every level, best first.
-    pub const ALL: [Bf16Level; 4] = [Bf16Level::Avx512Bf16, Bf16Level::Avx512, Bf16Level::Avx2, Bf16Level::Portable];
+    pub const ALL: [Bf16Level; 5] =
+        [Bf16Level::Amx, Bf16Level::Avx512Bf16, Bf16Level::Avx512, Bf16Level::Avx2, Bf16Level::Portable];
 
     /// The name reports use.
     pub fn name(self) -> &'static str {
         match self {
+            Bf16Level::Amx => "amx",
             Bf16Level::Avx512Bf16 => "avx512_bf16",
             Bf16Level::Avx512 => "avx512",
             Bf16Level::Avx2 => "avx2",
@@ -103,6 +115,7 @@ impl Bf16Level {
     /// Whether this CPU can run the level.
     pub fn is_supported(self) -> bool {
         match self {
+            Bf16Level::Amx => amx::hardware().is_ok(),
             #[cfg(target_arch = "x86_64")]
             Bf16Level::Avx512Bf16 => Isa::Avx512.is_supported() && std::arch::is_x86_feature_detected!("avx512bf16"),
             #[cfg(not(target_arch = "x86_64"))]
@@ -118,10 +131,20 @@ impl Bf16Level {
         Bf16Level::ALL.into_iter().filter(|l| l.is_supported()).collect()
     }
 
-    /// The level for an instruction set (`MEMFIT_ISA` forces one): AVX512-BF16 under AVX-512 when
-    /// the CPU has it.
+    /// Why this CPU or process does not run the level (None where it does).
+    pub fn unsupported_reason(self) -> Option<&'static str> {
+        match self {
+            Bf16Level::Amx => amx::hardware().err(),
+            _ if self.is_supported() => None,
+            _ => Some("this CPU lacks its instructions"),
+        }
+    }
+
+    /// The level for an instruction set (`MEMFIT_ISA` forces one): under AVX-512, AMX when the
+    /// process may use it (`MEMFIT_AMX=0` says no), else AVX512-BF16 when the CPU has it.
     pub fn for_isa(isa: Isa) -> Bf16Level {
         let want = match isa {
+            Isa::Avx512 if Bf16Level::Amx.is_supported() => Bf16Level::Amx,
             Isa::Avx512 if Bf16Level::Avx512Bf16.is_supported() => Bf16Level::Avx512Bf16,
             Isa::Avx512 => Bf16Level::Avx512,
             Isa::Avx2Fma => Bf16Level::Avx2,
@@ -216,6 +239,8 @@ impl From<Bf16Level> for Rounded {
 enum Kernel {
     /// Pair words (a step pair's two bfloat16, the even step low), `vdpbf16ps`.
     Pairs,
+    /// Pair words in AMX's packs, `tdpbf16ps` on a unit (Note [AMX order]).
+    Amx(amx::Unit),
     /// Rounded values as f32, one step at a time with each pair's odd step first, so that the f32
     /// GEMM's tile, adding the steps in order (an exact product then one rounding, fused or not),
     /// computes the definition. With the loops the level packs with.
@@ -242,9 +267,10 @@ enum Loops {
 impl Kernel {
     fn of(level: Bf16Level) -> Kernel {
         let isa = match level {
+            Bf16Level::Amx if level.is_supported() => return Kernel::Amx(amx::Unit::Hardware),
             #[cfg(target_arch = "x86_64")]
-            Bf16Level::Avx512Bf16 if level.is_supported() => return Kernel::Pairs,
-            Bf16Level::Avx512Bf16 | Bf16Level::Avx512 => Isa::Avx512,
+            Bf16Level::Avx512Bf16 | Bf16Level::Amx if Bf16Level::Avx512Bf16.is_supported() => return Kernel::Pairs,
+            Bf16Level::Amx | Bf16Level::Avx512Bf16 | Bf16Level::Avx512 => Isa::Avx512,
             Bf16Level::Avx2 => Isa::Avx2Fma,
             Bf16Level::Portable => Isa::Portable,
         };
@@ -273,7 +299,7 @@ impl Kernel {
     /// What the packs round to (the pair kernel's: bfloat16).
     fn rounding(self) -> Rounding {
         match self {
-            Kernel::Pairs => Rounding::Bf16,
+            Kernel::Pairs | Kernel::Amx(_) => Rounding::Bf16,
             Kernel::Steps(.., rounding) => rounding,
         }
     }
@@ -290,7 +316,7 @@ impl Kernel {
     /// would).
     fn loops(self) -> Loops {
         match self {
-            Kernel::Pairs => Loops::Avx512,
+            Kernel::Pairs | Kernel::Amx(_) => Loops::Avx512,
             Kernel::Steps(_, loops, _) => loops,
         }
     }
@@ -299,14 +325,26 @@ impl Kernel {
     fn tile(self) -> (usize, usize) {
         match self {
             Kernel::Pairs => (PAIR_MR, PAIR_NR),
+            Kernel::Amx(_) => (amx::MR, amx::NR),
             Kernel::Steps(mk, ..) => (mk.mr, mk.nr),
         }
     }
 
+    /// Step pairs a packed panel holds for `pairs` (AMX's padded to whole tiles with zeros).
+    fn panel_pairs(self, pairs: usize) -> usize {
+        match self {
+            Kernel::Amx(_) => amx::padded(pairs),
+            _ => pairs,
+        }
+    }
+
     /// Words of one packed panel of `width` lines over `pairs` step pairs: room for the panel as
-    /// f32 (which a pair-word panel is packed from, in place, into its first half), padded.
+    /// f32 (two words a pair; AMX's one, its pair words), padded.
     fn panel_words(self, pairs: usize, width: usize) -> usize {
-        2 * pairs * width + PANEL_PAD
+        match self {
+            Kernel::Amx(_) => self.panel_pairs(pairs) * width + PANEL_PAD,
+            _ => 2 * pairs * width + PANEL_PAD,
+        }
     }
 
     /// Words of a `k x n` operand packed whole (blocks of [`NC`] columns and [`KC`] steps, each in
@@ -334,6 +372,7 @@ impl Kernel {
             Kernel::Pairs => avx512bf16::kernel_checked(pairs, a, b, c, rs_c, start),
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Pairs => unreachable!("AVX512-BF16 is an x86-64 level"),
+            Kernel::Amx(unit) => amx::run(unit, pairs, a, b, c, rs_c, start),
             Kernel::Steps(mk, ..) => {
                 (mk.run)(2 * pairs, a as *const f32, mk.mr as isize, b as *const f32, mk.nr as isize, c, rs_c, start)
             }
@@ -341,8 +380,9 @@ impl Kernel {
     }
 
     /// Packs `lines` lines of `depth` steps (step s of line i at `src + i * line_stride + s *
-    /// step_stride`) into panels of `width` lines, rounded, zero past the block's edges, in one pass
-    /// that reads whichever direction is contiguous in order (the panel being written stays in L1).
+    /// step_stride`) into panels of `width` lines of `operand`, rounded, zero past the block's
+    /// edges, in one pass that reads whichever direction is contiguous in order (the panel being
+    /// written stays in L1).
     ///
     /// # Safety
     /// The block's elements must be valid; `out` holds `lines.div_ceil(width)` panels of
@@ -350,6 +390,7 @@ impl Kernel {
     #[allow(clippy::too_many_arguments)]
     unsafe fn pack(
         self,
+        operand: Operand,
         src: *const f32,
         line_stride: isize,
         step_stride: isize,
@@ -359,7 +400,7 @@ impl Kernel {
         out: *mut u32,
     ) {
         let pairs = depth.div_ceil(2);
-        let pairs_kernel = matches!(self, Kernel::Pairs);
+        let pairs_kernel = matches!(self, Kernel::Pairs | Kernel::Amx(_));
         let f16 = self.rounding() == Rounding::F16;
         // Where step s of line w goes in a panel: a pair word's half, or a step (bf16: each pair's
         // odd step first).
@@ -369,8 +410,12 @@ impl Kernel {
             let dst = out.add(panel * self.panel_words(pairs, width));
             let first = src.offset((panel * width) as isize * line_stride);
             let n = width.min(lines - panel * width);
-            if n < width || depth % 2 == 1 {
+            if n < width || depth % 2 == 1 || self.panel_pairs(pairs) != pairs {
                 std::ptr::write_bytes(dst, 0, self.panel_words(pairs, width) - PANEL_PAD);
+            }
+            if matches!(self, Kernel::Amx(_)) && operand == Operand::A {
+                amx::pack_lines(first, line_stride, step_stride, n, depth, dst);
+                continue;
             }
             #[cfg(target_arch = "x86_64")]
             if self.loops() == Loops::Avx512 && !f16 && avx512_pack::usable(line_stride, step_stride) {
@@ -429,6 +474,13 @@ impl Kernel {
             }
         }
     }
+}
+
+/// Which operand a pack is of (AMX lays A's panels out by lines, B's by pairs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Operand {
+    A,
+    B,
 }
 
 /// The bits of the f32 `bits` rounded to bfloat16 ([`to_bf16`]) in the high half, without branches
@@ -630,6 +682,55 @@ mod avx512_pack {
                 } else {
                     _mm512_mask_i32scatter_epi32::<4>(dst.add(s0 * width + l) as *mut i32, m, step_index, r);
                 }
+            }
+        }
+    }
+    /// An AMX A panel (`amx::pack_lines`): line w's pair p at `w * stride + p`, pair words, for
+    /// `lines` lines of `depth` steps contiguous along their lines or their steps.
+    ///
+    /// # Safety
+    /// As `amx::pack_lines`; the CPU has AVX-512F and VL; one of the strides is 1.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(super) unsafe fn lines_panel(
+        src: *const f32,
+        line_stride: isize,
+        step_stride: isize,
+        lines: usize,
+        depth: usize,
+        stride: usize,
+        dst: *mut u32,
+    ) {
+        if step_stride == 1 {
+            // A line's steps are adjacent: 16 steps are 8 pair words, stored side by side.
+            for w in 0..lines {
+                let line = src.offset(w as isize * line_stride) as *const i32;
+                for s0 in (0..depth).step_by(16) {
+                    let r = round(_mm512_maskz_loadu_epi32(lanes(depth - s0), line.add(s0)));
+                    let words = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(r));
+                    let pm = ((1u32 << (depth - s0).div_ceil(2).min(8)) - 1) as __mmask8;
+                    _mm256_mask_storeu_epi32(dst.add(w * stride + s0 / 2) as *mut i32, pm, words);
+                }
+            }
+            return;
+        }
+        // A step's lines are adjacent: 16 lines' pair words at a time, scattered a line apart.
+        let s = stride as i32;
+        let index = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(s),
+        );
+        for p in 0..depth.div_ceil(2) {
+            let even = src.offset((2 * p) as isize * step_stride) as *const i32;
+            let odd = (2 * p + 1 < depth).then(|| src.offset((2 * p + 1) as isize * step_stride) as *const i32);
+            for w0 in (0..lines).step_by(16) {
+                let m = lanes(lines - w0);
+                let e = round(_mm512_maskz_loadu_epi32(m, even.add(w0)));
+                let o = match odd {
+                    Some(o) => round(_mm512_maskz_loadu_epi32(m, o.add(w0))),
+                    None => _mm512_setzero_si512(),
+                };
+                let word = _mm512_or_si512(_mm512_srli_epi32::<16>(e), o);
+                _mm512_mask_i32scatter_epi32::<4>(dst.add(w0 * stride + p) as *mut i32, m, index, word);
             }
         }
     }
@@ -899,7 +1000,7 @@ unsafe fn product(
                     with_pack(&A_PACK, mc.div_ceil(mr) * kernel.panel_words(pairs, mr), |a_pack: *mut u32| {
                         // A's lines are its rows (packed to this product's depth: a prepared B's
                         // steps past it meet zeros).
-                        kernel.pack(a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, a_pack);
+                        kernel.pack(Operand::A, a.at(ic, pc).ptr, a.rs, a.cs, mc, kc, mr, a_pack);
                         let b = b_shared.get();
                         multiply_block(kernel, pairs, a_pack, mc, b, b_panel_words, nc, cols, c.at(ic, jc), st);
                     });
@@ -929,7 +1030,7 @@ unsafe fn product(
                         let src = from.get().offset((first * nr) as isize * b.cs);
                         let dst = to.get().add(first * kernel.panel_words(pairs, nr));
                         // SAFETY: part p packs panels first..last only, from B's columns of them.
-                        unsafe { kernel.pack(src, b.cs, b.rs, lines, kc, nr, dst) };
+                        unsafe { kernel.pack(Operand::B, src, b.cs, b.rs, lines, kc, nr, dst) };
                     });
                     body(b_pack, kernel.panel_words(pairs, nr))
                 }),
@@ -977,7 +1078,8 @@ unsafe impl Sync for PreparedRounded {}
 impl PreparedRounded {
     /// Words a buffer needs to hold a `k x n` operand prepared on any level.
     pub fn capacity(k: usize, n: usize) -> usize {
-        Bf16Level::ALL.iter().map(|&l| Kernel::of(l).words(k, n)).max().unwrap_or(0)
+        let kernels = Bf16Level::ALL.map(Kernel::of).into_iter().chain([Kernel::Amx(amx::Unit::Model)]);
+        kernels.map(|kernel| kernel.words(k, n)).max().unwrap_or(0)
     }
 
     /// `b` (`k x n`) packed into `buf` (`len` words) when it fits, else kept as it is.
@@ -1002,7 +1104,7 @@ impl PreparedRounded {
         for jc in (0..n).step_by(NC) {
             for pc in (0..k).step_by(KC) {
                 let dst = buf.add(prepared.offset(jc, pc));
-                kernel.pack(b.at(pc, jc).ptr, b.cs, b.rs, NC.min(n - jc), KC.min(k - pc), nr, dst);
+                kernel.pack(Operand::B, b.at(pc, jc).ptr, b.cs, b.rs, NC.min(n - jc), KC.min(k - pc), nr, dst);
             }
         }
         prepared.packed = Some(buf);
@@ -1075,27 +1177,33 @@ mod tests {
             .collect()
     }
 
-    /// The definition of Note [bf16 products], element by element.
-    #[allow(clippy::too_many_arguments)]
-    fn reference(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        ast: (usize, usize),
-        b: &[f32],
-        bst: (usize, usize),
-        c: &mut [f32],
-        start: &str,
-        bias: &[f32],
-    ) {
-        reference_of(Rounding::Bf16, m, n, k, a, ast, b, bst, c, start, bias)
+    /// Which definition a reference computes.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Definition {
+        /// Note [bf16 products].
+        Bf16,
+        /// Note [fp16 products].
+        F16,
+        /// Note [bf16 products] in the tile unit's order (Note [AMX order]).
+        Amx,
     }
 
-    /// The definition of Note [bf16 products], or of Note [fp16 products], element by element.
+    impl Definition {
+        /// What a level computes.
+        fn of(kernel: Kernel) -> Definition {
+            match kernel {
+                Kernel::Amx(_) => Definition::Amx,
+                _ if kernel.rounding() == Rounding::F16 => Definition::F16,
+                _ => Definition::Bf16,
+            }
+        }
+    }
+
+    /// The definition of Note [bf16 products], of Note [fp16 products], or of Note [AMX order],
+    /// element by element.
     #[allow(clippy::too_many_arguments)]
     fn reference_of(
-        rounding: Rounding,
+        definition: Definition,
         m: usize,
         n: usize,
         k: usize,
@@ -1113,7 +1221,7 @@ mod tests {
                 for (blk, k0) in (0..k).step_by(KC).enumerate() {
                     let kc = KC.min(k - k0);
                     let mut acc = 0f32;
-                    let round = if rounding == Rounding::F16 { round_f16 } else { round_bf16 };
+                    let round = if definition == Definition::F16 { round_f16 } else { round_bf16 };
                     let s = |t: usize| {
                         if t < kc {
                             round(a[i * ars + (k0 + t) * acs]) * round(b[(k0 + t) * brs + j * bcs])
@@ -1121,12 +1229,25 @@ mod tests {
                             0.0
                         }
                     };
-                    if rounding == Rounding::F16 {
-                        (0..kc).for_each(|t| acc += s(t));
-                    } else {
-                        for p in 0..kc.div_ceil(2) {
-                            acc += s(2 * p + 1);
-                            acc += s(2 * p);
+                    match definition {
+                        Definition::F16 => (0..kc).for_each(|t| acc += s(t)),
+                        Definition::Bf16 => {
+                            for p in 0..kc.div_ceil(2) {
+                                acc += s(2 * p + 1);
+                                acc += s(2 * p);
+                            }
+                        }
+                        Definition::Amx => {
+                            // Per 16 pairs: the even steps' and the odd steps' sums apart, then
+                            // the two added, and that to the accumulator.
+                            for chunk in (0..amx::padded(kc.div_ceil(2))).step_by(amx::TILE_PAIRS) {
+                                let (mut even, mut odd) = (0f32, 0f32);
+                                for p in chunk..chunk + amx::TILE_PAIRS {
+                                    even += s(2 * p);
+                                    odd += s(2 * p + 1);
+                                }
+                                acc += even + odd;
+                            }
                         }
                     }
                     out = match (blk, start) {
@@ -1198,13 +1319,14 @@ mod tests {
         let (a, b) = (values(12 * 8, 1, 2.0), values(8 * 16, 2, 2.0));
         for products in [Products::Bf16, Products::F16] {
             let level = Rounded::active(products).expect("a rounded product");
-            let rounding = if products == Products::F16 { Rounding::F16 } else { Rounding::Bf16 };
+            let want_f16 = products == Products::F16;
+            assert_eq!(level.0.rounding() == Rounding::F16, want_f16, "{products:?}");
             let (mut want, mut got) = (vec![0f32; 12 * 16], vec![0f32; 12 * 16]);
-            reference_of(rounding, 12, 16, 8, &a, (8, 1), &b, (16, 1), &mut want, "zero", &[]);
+            reference_of(Definition::of(level.0), 12, 16, 8, &a, (8, 1), &b, (16, 1), &mut want, "zero", &[]);
             let (am, bm) = (MatRef { ptr: a.as_ptr(), rs: 8, cs: 1 }, MatRef { ptr: b.as_ptr(), rs: 16, cs: 1 });
             // SAFETY: the operands are the vectors above with these shapes and strides.
             unsafe { gemm_rounded(level, 12, 16, 8, MatMut { ptr: got.as_mut_ptr(), rs: 16 }, Start::Zero, am, bm, 1) };
-            assert_eq!(want, got, "{products:?}");
+            agree(level.0, &want, &got, &scale(12, 16, 8, &a, &b), &format!("{products:?}"));
         }
     }
 
@@ -1213,7 +1335,7 @@ mod tests {
     #[test]
     fn every_isa_computes_the_fp16_definitions_bits() {
         for isa in Isa::supported() {
-            definition_cases(Rounded::f16(isa), Rounding::F16, isa.name());
+            definition_cases(Rounded::f16(isa), isa.name());
         }
         let rounded = values(64, 3, 2.0).iter().map(|&v| round_f16(v)).collect::<Vec<_>>();
         assert!(rounded.iter().zip(values(64, 3, 2.0)).any(|(r, v)| *r != v), "the operands carry bits binary16 drops");
@@ -1238,28 +1360,109 @@ mod tests {
         assert_eq!(round_bf16(f32::MIN_POSITIVE), f32::MIN_POSITIVE);
     }
 
-    /// Every supported level computes the definition's bits (the cases of [`definition_cases`]).
+    /// Every supported level computes the definition's bits (the cases of [`definition_cases`]);
+    /// AMX's hardware its order's within the order of additions, its differing bits counted.
     #[test]
     fn every_level_computes_the_definitions_bits() {
-        let mut checked = 0;
+        let (mut checked, mut differ) = (0, 0);
         for level in Bf16Level::supported() {
-            checked += definition_cases(level.into(), Rounding::Bf16, level.name());
+            let (c, d) = definition_cases(level.into(), level.name());
+            (checked, differ) = (checked + c, differ + d);
         }
-        let skipped: Vec<&str> = Bf16Level::ALL.iter().filter(|l| !l.is_supported()).map(|l| l.name()).collect();
+        let skipped: Vec<String> = Bf16Level::ALL
+            .iter()
+            .filter_map(|l| l.unsupported_reason().map(|why| format!("{} ({why})", l.name())))
+            .collect();
         println!(
-            "bf16 products: {checked} cases on {:?}; skipped (not on this CPU): {skipped:?}",
+            "bf16 products: {checked} cases on {:?} ({differ} results of AMX's tiles differ from the model's bits); \
+             skipped: {skipped:?}",
             Bf16Level::supported()
         );
     }
 
-    /// `level` against the definition `rounding` names, bit for bit: shapes across the tile, block
-    /// and depth edges (odd depths, a partial 8-step block, more than one depth block, partial
-    /// tiles), operands row- and column-major, C overwritten, accumulated into and started from a
-    /// bias, on one thread and two. The cases checked.
-    fn definition_cases(level: Rounded, rounding: Rounding, name: &str) -> usize {
-        let shapes =
-            [(1, 1, 1), (12, 32, 2), (13, 33, 3), (9, 20, 21), (25, 70, 517), (200, 40, 64), (7, 530, 1030), (3, 5, 0)];
-        let mut checked = 0;
+    /// The AMX level's packs, tiles and edges on the tile unit's model, on every CPU: the bits of
+    /// the definition in Note [AMX order]'s order.
+    #[test]
+    fn the_amx_model_computes_the_amx_orders_bits() {
+        let (checked, _) = definition_cases(Rounded(Kernel::Amx(amx::Unit::Model)), "amx model");
+        assert!(checked > 0);
+    }
+
+    /// AMX's order is not the other levels': the same operands give other bits somewhere, so the
+    /// AMX reference is not the bf16 one.
+    #[test]
+    fn the_amx_order_differs_from_the_pairs_order() {
+        let (m, n, k) = (4, 40, 300);
+        let (a, b) = (values(m * k, 7, 1.0), values(k * n, 8, 1.0));
+        let (mut pairs, mut tiles) = (vec![0f32; m * n], vec![0f32; m * n]);
+        reference_of(Definition::Bf16, m, n, k, &a, (k, 1), &b, (n, 1), &mut pairs, "zero", &[]);
+        reference_of(Definition::Amx, m, n, k, &a, (k, 1), &b, (n, 1), &mut tiles, "zero", &[]);
+        let differ = pairs.iter().zip(&tiles).filter(|(p, t)| p.to_bits() != t.to_bits()).count();
+        assert!(differ > 0, "the two orders gave the same bits everywhere");
+        assert!(pairs.iter().zip(&tiles).all(|(p, t)| (p - t).abs() <= 1e-5 * (1.0 + p.abs())));
+    }
+
+    /// For each result, the sum of its products' magnitudes (row-major `a` and `b`): what the order
+    /// of f32 additions can move it by, scaled.
+    fn scale(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
+        let mut s = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                s[i * n + j] = (0..k).map(|t| (a[i * k + t] * b[t * n + j]).abs()).sum();
+            }
+        }
+        s
+    }
+
+    /// `got` is `want` bit for bit, or on AMX's hardware (whose order of additions is the SDM's
+    /// word, not checked here: Note [AMX order]) within the order of additions (`scale`); the
+    /// results that differ in bits.
+    fn agree(kernel: Kernel, want: &[f32], got: &[f32], scale: &[f32], what: &str) -> usize {
+        let differ = want.iter().zip(got).filter(|(w, g)| w.to_bits() != g.to_bits()).count();
+        if kernel_is_hardware_amx(kernel) {
+            for (i, ((w, g), s)) in want.iter().zip(got).zip(scale).enumerate() {
+                assert!((w - g).abs() <= 1e-5 * (s + w.abs()), "{what}: result {i}: {g} against {w}");
+            }
+        } else {
+            assert_eq!(differ, 0, "{what}: {differ} of {} differ", want.len());
+        }
+        differ
+    }
+
+    /// Every supported level's kernel, and the AMX model's, with their names.
+    fn kernels() -> Vec<(Rounded, String)> {
+        let levels = Bf16Level::supported().into_iter().map(|l| (l.into(), l.name().to_string()));
+        levels.chain([(Rounded(Kernel::Amx(amx::Unit::Model)), "amx model".to_string())]).collect()
+    }
+
+    /// The magnitudes of a `rows x cols` operand of strides `(rs, cs)` in `x`, row-major.
+    fn strided_abs(x: &[f32], rows: usize, cols: usize, (rs, cs): (usize, usize)) -> Vec<f32> {
+        (0..rows * cols).map(|e| x[(e / cols) * rs + (e % cols) * cs].abs()).collect()
+    }
+
+    fn kernel_is_hardware_amx(kernel: Kernel) -> bool {
+        matches!(kernel, Kernel::Amx(amx::Unit::Hardware))
+    }
+
+    /// `level` against its definition ([`Definition::of`]), bit for bit (AMX's hardware: [`agree`]):
+    /// shapes across the tile, block and depth edges (odd depths, a partial 8-step block, more than
+    /// one depth block, partial tiles), operands row- and column-major, C overwritten, accumulated
+    /// into and started from a bias, on one thread and two. The cases checked, and the results that
+    /// differ in bits.
+    fn definition_cases(level: Rounded, name: &str) -> (usize, usize) {
+        let definition = Definition::of(level.0);
+        let shapes = [
+            (1, 1, 1),
+            (12, 32, 2),
+            (13, 33, 3),
+            (9, 20, 21),
+            (25, 70, 517),
+            (200, 40, 64),
+            (64, 64, 600),
+            (7, 530, 1030),
+            (3, 5, 0),
+        ];
+        let (mut checked, mut differ) = (0, 0);
         for &(m, n, k) in &shapes {
             for (case, (a_major, b_major)) in [(true, true), (false, false), (true, false)].into_iter().enumerate() {
                 for start in ["zero", "accumulate", "bias"] {
@@ -1269,7 +1472,7 @@ mod tests {
                     let (ast, ars) = if a_major { ((k, 1), k as isize) } else { ((1, m), 1) };
                     let (bst, brs) = if b_major { ((n, 1), n as isize) } else { ((1, k), 1) };
                     let mut want = before.clone();
-                    reference_of(rounding, m, n, k, &a, ast, &b, bst, &mut want, start, &bias);
+                    reference_of(definition, m, n, k, &a, ast, &b, bst, &mut want, start, &bias);
                     let mut got = before.clone();
                     let st = match start {
                         "zero" => Start::Zero,
@@ -1281,18 +1484,16 @@ mod tests {
                     let c = MatMut { ptr: got.as_mut_ptr(), rs: n as isize };
                     // SAFETY: the operands are the vectors above with these shapes and strides.
                     unsafe { gemm_rounded(level, m, n, k, c, st, am, bm, 1 + case % 2) };
-                    let differ = want.iter().zip(&got).filter(|(w, g)| w.to_bits() != g.to_bits()).count();
-                    assert_eq!(
-                        differ,
-                        0,
-                        "{name} m {m} n {n} k {k} a row-major {a_major} b row-major {b_major} {start}: {differ} of {} differ",
-                        want.len()
-                    );
+                    // The magnitudes, row-major, with C's start.
+                    let mut sums = scale(m, n, k, &strided_abs(&a, m, k, ast), &strided_abs(&b, k, n, bst));
+                    sums.iter_mut().zip(&before).enumerate().for_each(|(x, (s, c))| *s += c.abs() + bias[x % n].abs());
+                    let what = format!("{name} m {m} n {n} k {k} a row-major {a_major} b row-major {b_major} {start}");
+                    differ += agree(level.0, &want, &got, &sums, &what);
                     checked += 1;
                 }
             }
         }
-        checked
+        (checked, differ)
     }
 
     /// Operands strided in both directions (a sub-matrix of every other row and column) take the
@@ -1304,9 +1505,9 @@ mod tests {
         let b = values(4 * k * n, 32, 1.0);
         // A(i, t) = a[i * 4k + 2t], B(t, j) = b[t * 4n + 2j].
         let (ast, bst) = ((4 * k, 2), (4 * n, 2));
-        for level in Bf16Level::supported() {
+        for (level, name) in kernels() {
             let mut want = vec![0f32; m * n];
-            reference(m, n, k, &a, ast, &b, bst, &mut want, "zero", &[]);
+            reference_of(Definition::of(level.0), m, n, k, &a, ast, &b, bst, &mut want, "zero", &[]);
             let mut got = vec![0f32; m * n];
             let am = MatRef { ptr: a.as_ptr(), rs: (4 * k) as isize, cs: 2 };
             let bm = MatRef { ptr: b.as_ptr(), rs: (4 * n) as isize, cs: 2 };
@@ -1314,7 +1515,8 @@ mod tests {
             unsafe {
                 gemm_rounded(level, m, n, k, MatMut { ptr: got.as_mut_ptr(), rs: n as isize }, Start::Zero, am, bm, 1)
             };
-            assert!(want.iter().zip(&got).all(|(w, g)| w.to_bits() == g.to_bits()), "{}", level.name());
+            let (abs_a, abs_b) = (strided_abs(&a, m, k, ast), strided_abs(&b, k, n, bst));
+            agree(level.0, &want, &got, &scale(m, n, k, &abs_a, &abs_b), &name);
         }
     }
 
@@ -1369,12 +1571,12 @@ mod tests {
         let (k, n) = (KC + 70, NC + 45);
         let b = values(k * n, 21, 1.0);
         let bm = MatRef { ptr: b.as_ptr(), rs: n as isize, cs: 1 };
-        for level in Bf16Level::supported() {
+        for (level, name) in kernels() {
             let mut buf = vec![0u32; PreparedRounded::capacity(k, n)];
             // SAFETY: the operand is `b`, the buffer holds the capacity.
             let prepared = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), buf.len()) };
             let too_small = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), 10) };
-            assert!(prepared.packed.is_some() && too_small.packed.is_none(), "{}", level.name());
+            assert!(prepared.packed.is_some() && too_small.packed.is_none(), "{}", name);
             assert_eq!(prepared.dims(), (k, n));
             // The blocks lie one after another inside the buffer, in order.
             let starts: Vec<usize> = (0..n)
@@ -1382,18 +1584,18 @@ mod tests {
                 .flat_map(|jc| (0..k).step_by(KC).map(move |pc| (jc, pc)))
                 .map(|(j, p)| prepared.offset(j, p))
                 .collect();
-            assert!(starts.windows(2).all(|w| w[0] < w[1]) && starts[0] == 0, "{}: {starts:?}", level.name());
-            assert!(*starts.last().unwrap() < buf.len(), "{}: {starts:?}", level.name());
+            assert!(starts.windows(2).all(|w| w[0] < w[1]) && starts[0] == 0, "{}: {starts:?}", name);
+            assert!(*starts.last().unwrap() < buf.len(), "{}: {starts:?}", name);
             // The level's own size is exactly enough.
-            let words = Kernel::of(level).words(k, n);
+            let words = level.0.words(k, n);
             assert!(words <= buf.len());
             // SAFETY: the operand is `b`; the buffer holds at least `words` words.
             let exact = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words) };
             // SAFETY: as above.
             let short = unsafe { PreparedRounded::prepare_into(level, k, n, bm, buf.as_mut_ptr(), words - 1) };
-            assert!(exact.packed.is_some() && short.packed.is_none(), "{}: {words} words", level.name());
-            let panels = n.div_ceil(Kernel::of(level).tile().1);
-            assert!(words < (k + 2) * panels * 32 + 4 * panels * PANEL_PAD, "{}: {words} words", level.name());
+            assert!(exact.packed.is_some() && short.packed.is_none(), "{}: {words} words", name);
+            let panels = n.div_ceil(level.0.tile().1);
+            assert!(words < (k + 2) * panels * 32 + 4 * panels * PANEL_PAD, "{}: {words} words", name);
             for &(m, pn, pk) in &[(5, n, k), (13, 33, 7), (30, NC + 1, KC + 3), (1, 1, 1), (12, 70, 64)] {
                 let a = values(m * pk, 22 + pk as u64, 1.0);
                 let am = MatRef { ptr: a.as_ptr(), rs: pk as isize, cs: 1 };
@@ -1433,8 +1635,8 @@ mod tests {
                     );
                 }
                 let same = |x: &[f32]| want.iter().zip(x).all(|(w, g)| w.to_bits() == g.to_bits());
-                assert!(same(&got), "{} prepared part m {m} n {pn} k {pk}", level.name());
-                assert!(same(&plain), "{} unprepared part m {m} n {pn} k {pk}", level.name());
+                assert!(same(&got), "{} prepared part m {m} n {pn} k {pk}", name);
+                assert!(same(&plain), "{} unprepared part m {m} n {pn} k {pk}", name);
             }
         }
     }
@@ -1444,12 +1646,12 @@ mod tests {
     #[test]
     fn packs_fit_the_f32_gemms_workspace() {
         use crate::gemm::{A_PACK_ELEMS, B_PACK_ELEMS};
-        for level in Bf16Level::ALL {
-            let kernel = Kernel::of(level);
+        let kernels = Bf16Level::ALL.map(|l| (Kernel::of(l), l.name())).into_iter();
+        for (kernel, name) in kernels.chain([(Kernel::Amx(amx::Unit::Model), "amx")]) {
             let mr = kernel.tile().0;
             let (a_words, b_words) = (MC.div_ceil(mr) * kernel.panel_words(KC / 2, mr), kernel.words(KC, NC));
-            assert!(a_words * 4 <= A_PACK_ELEMS * 8, "{}: A {a_words} words", level.name());
-            assert!(b_words * 4 <= B_PACK_ELEMS * 8, "{}: B {b_words} words", level.name());
+            assert!(a_words * 4 <= A_PACK_ELEMS * 8, "{name}: A {a_words} words");
+            assert!(b_words * 4 <= B_PACK_ELEMS * 8, "{name}: B {b_words} words");
             assert!(b_words <= PreparedRounded::capacity(KC, NC));
         }
         assert!(PreparedRounded::capacity(KC, NC) * 4 <= B_PACK_ELEMS * 8);
@@ -1459,7 +1661,7 @@ mod tests {
     fn names_are_the_reports_and_memfit_isas() {
         assert_eq!([Products::F32.name(), Products::Bf16.name()], ["fp32", "bf16"]);
         let names: Vec<&str> = Bf16Level::ALL.iter().map(|l| l.name()).collect();
-        assert_eq!(names, ["avx512_bf16", "avx512", "avx2", "portable"]);
+        assert_eq!(names, ["amx", "avx512_bf16", "avx512", "avx2", "portable"]);
         assert_eq!(Products::default(), Products::F32);
     }
 
@@ -1470,7 +1672,10 @@ mod tests {
             assert_eq!(Bf16Level::for_isa(Isa::Avx2Fma), Bf16Level::Avx2);
         }
         if Isa::Avx512.is_supported() {
-            let want = if Bf16Level::Avx512Bf16.is_supported() { Bf16Level::Avx512Bf16 } else { Bf16Level::Avx2 };
+            let want = [Bf16Level::Amx, Bf16Level::Avx512Bf16, Bf16Level::Avx512]
+                .into_iter()
+                .find(|l| l.is_supported())
+                .expect("AVX-512F runs the avx512 level");
             assert_eq!(Bf16Level::for_isa(Isa::Avx512), want);
         }
         assert_eq!(Bf16Level::supported().last(), Some(&Bf16Level::Portable));
