@@ -112,8 +112,21 @@ mod tests {
     #[test]
     fn bf16_casts_give_the_half_crates_bits_on_every_level() {
         let mut bits = vec![
-            0u32, 0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0x7F80_0001, 0xFFC0_1234, 0x7FFF_FFFF, 0x0000_0001,
-            0x0000_8000, 0x0001_8000, 0x3F80_8000, 0x3F81_8000, 0x7F7F_FFFF, 0x7F7F_8000, 0x807F_FFFF,
+            0u32,
+            0x8000_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F80_0001,
+            0xFFC0_1234,
+            0x7FFF_FFFF,
+            0x0000_0001,
+            0x0000_8000,
+            0x0001_8000,
+            0x3F80_8000,
+            0x3F81_8000,
+            0x7F7F_FFFF,
+            0x7F7F_8000,
+            0x807F_FFFF,
         ];
         let mut state = 0x9E37_79B9u32;
         bits.extend((0..100_000).map(|_| {

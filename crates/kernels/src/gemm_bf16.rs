@@ -406,24 +406,51 @@ impl Kernel {
         // odd step first).
         let swap = usize::from(!f16);
         let steps_at = |s: usize, w: usize| (s ^ swap) * width + w;
-        for panel in 0..lines.div_ceil(width) {
-            let dst = out.add(panel * self.panel_words(pairs, width));
-            let first = src.offset((panel * width) as isize * line_stride);
+        let panel_words = self.panel_words(pairs, width);
+        let zero_where_needed = |panel: usize| {
             let n = width.min(lines - panel * width);
             if n < width || depth % 2 == 1 || self.panel_pairs(pairs) != pairs {
-                std::ptr::write_bytes(dst, 0, self.panel_words(pairs, width) - PANEL_PAD);
+                std::ptr::write_bytes(out.add(panel * panel_words), 0, panel_words - PANEL_PAD);
             }
-            if matches!(self, Kernel::Amx(_)) && operand == Operand::A {
+        };
+        let line_packs = matches!(self, Kernel::Amx(_)) && operand == Operand::A;
+        #[cfg(target_arch = "x86_64")]
+        if line_stride == 1 && !line_packs {
+            // A step's lines are adjacent: every panel's lines of a step (or a pair) one after
+            // another, so that B's rows and a transposed A's are read in order, once.
+            let wide = self.loops() == Loops::Avx512 && !f16 && avx512_pack::usable(line_stride, step_stride);
+            if wide || (self.loops() == Loops::Avx2 && !pairs_kernel) {
+                (0..lines.div_ceil(width)).for_each(|panel| zero_where_needed(panel));
+                if wide {
+                    avx512_pack::adjacent(pairs_kernel, src, step_stride, lines, depth, width, panel_words, out);
+                } else if f16 {
+                    avx2_pack::f16_adjacent(src, step_stride, lines, depth, width, panel_words, out);
+                } else {
+                    avx2_pack::steps_adjacent(src, step_stride, lines, depth, width, panel_words, out);
+                }
+                return;
+            }
+        }
+        for panel in 0..lines.div_ceil(width) {
+            let dst = out.add(panel * panel_words);
+            let first = src.offset((panel * width) as isize * line_stride);
+            let n = width.min(lines - panel * width);
+            zero_where_needed(panel);
+            if line_packs {
                 amx::pack_lines(first, line_stride, step_stride, n, depth, dst);
                 continue;
             }
             #[cfg(target_arch = "x86_64")]
-            if self.loops() == Loops::Avx512 && !f16 && avx512_pack::usable(line_stride, step_stride) {
-                avx512_pack::panel(pairs_kernel, first, line_stride, step_stride, n, depth, width, dst);
+            if self.loops() == Loops::Avx512
+                && !f16
+                && step_stride == 1
+                && avx512_pack::usable(line_stride, step_stride)
+            {
+                avx512_pack::panel(pairs_kernel, first, line_stride, n, depth, width, dst);
                 continue;
             }
             #[cfg(target_arch = "x86_64")]
-            if self.loops() == Loops::Avx2 && !pairs_kernel && (line_stride == 1 || step_stride == 1) {
+            if self.loops() == Loops::Avx2 && !pairs_kernel && step_stride == 1 {
                 if f16 {
                     avx2_pack::f16_panel(first, line_stride, step_stride, n, depth, width, dst);
                 } else {
@@ -606,48 +633,66 @@ mod avx512_pack {
         }
     }
 
-    /// One panel of `n` lines (of `width`) and `depth` steps into `dst`, already zeroed where the
-    /// block ends.
+    /// Every panel (of `width` lines, `panel_words` apart) of `lines` lines and `depth` steps, a
+    /// step's lines adjacent (`step_stride` apart), pair by pair: each pair's lines read in order,
+    /// 16 at a time. The panels are already zeroed where the block ends.
     ///
     /// # Safety
-    /// As [`super::Kernel::pack`] for the panel; the CPU has AVX-512F and VL.
+    /// As [`super::Kernel::pack`] with a line stride of 1; the CPU has AVX-512F and VL.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(super) unsafe fn adjacent(
+        pairs_kernel: bool,
+        src: *const f32,
+        step_stride: isize,
+        lines: usize,
+        depth: usize,
+        width: usize,
+        panel_words: usize,
+        dst: *mut u32,
+    ) {
+        for p in 0..depth.div_ceil(2) {
+            let even = src.offset((2 * p) as isize * step_stride) as *const i32;
+            let odd = (2 * p + 1 < depth).then(|| src.offset((2 * p + 1) as isize * step_stride) as *const i32);
+            for l0 in (0..lines).step_by(width) {
+                let (count, out) = (width.min(lines - l0), dst.add(l0 / width * panel_words));
+                for w0 in (0..count).step_by(16) {
+                    let m = lanes(count - w0);
+                    let e = round(_mm512_maskz_loadu_epi32(m, even.add(l0 + w0)));
+                    let o = match odd {
+                        Some(o) => round(_mm512_maskz_loadu_epi32(m, o.add(l0 + w0))),
+                        None => _mm512_setzero_si512(),
+                    };
+                    if pairs_kernel {
+                        let word = _mm512_or_si512(_mm512_srli_epi32::<16>(e), o);
+                        _mm512_mask_storeu_epi32(out.add(p * width + w0) as *mut i32, m, word);
+                    } else {
+                        // Each pair's odd step first.
+                        _mm512_mask_storeu_epi32(out.add(2 * p * width + w0) as *mut i32, m, o);
+                        _mm512_mask_storeu_epi32(out.add((2 * p + 1) * width + w0) as *mut i32, m, e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One panel of `n` lines (of `width`) and `depth` steps into `dst`, a line's steps adjacent,
+    /// already zeroed where the block ends.
+    ///
+    /// # Safety
+    /// As [`super::Kernel::pack`] for the panel, with a step stride of 1; the CPU has AVX-512F and
+    /// VL.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512vl")]
     pub(super) unsafe fn panel(
         pairs_kernel: bool,
         src: *const f32,
         line_stride: isize,
-        step_stride: isize,
         n: usize,
         depth: usize,
         width: usize,
         dst: *mut u32,
     ) {
-        let pairs = depth.div_ceil(2);
-        if line_stride == 1 {
-            // A step's lines are adjacent: 16 lines at a time, contiguous in and out.
-            for p in 0..pairs {
-                let even = src.offset((2 * p) as isize * step_stride) as *const i32;
-                let odd = (2 * p + 1 < depth).then(|| src.offset((2 * p + 1) as isize * step_stride) as *const i32);
-                for w0 in (0..n).step_by(16) {
-                    let m = lanes(n - w0);
-                    let e = round(_mm512_maskz_loadu_epi32(m, even.add(w0)));
-                    let o = match odd {
-                        Some(o) => round(_mm512_maskz_loadu_epi32(m, o.add(w0))),
-                        None => _mm512_setzero_si512(),
-                    };
-                    if pairs_kernel {
-                        let word = _mm512_or_si512(_mm512_srli_epi32::<16>(e), o);
-                        _mm512_mask_storeu_epi32(dst.add(p * width + w0) as *mut i32, m, word);
-                    } else {
-                        // Each pair's odd step first.
-                        _mm512_mask_storeu_epi32(dst.add(2 * p * width + w0) as *mut i32, m, o);
-                        _mm512_mask_storeu_epi32(dst.add((2 * p + 1) * width + w0) as *mut i32, m, e);
-                    }
-                }
-            }
-            return;
-        }
         // A line's steps are adjacent: 16 steps at a time, scattered to their places in the panel.
         let w = width as i32;
         let pair_index = _mm256_setr_epi32(0, w, 2 * w, 3 * w, 4 * w, 5 * w, 6 * w, 7 * w);
@@ -804,6 +849,89 @@ mod avx2_pack {
         panel(src, line_stride, step_stride, n, depth, width, dst, |x| round_f16(x), scalar, 0)
     }
 
+    /// Every panel (of `width` lines, `panel_words` apart) of `lines` lines and `depth` steps, a
+    /// step's lines adjacent (`step_stride` apart), rounded to bfloat16, each pair's odd step first.
+    ///
+    /// # Safety
+    /// As [`super::Kernel::pack`] with a line stride of 1; the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn steps_adjacent(
+        src: *const f32,
+        step_stride: isize,
+        lines: usize,
+        depth: usize,
+        width: usize,
+        panel_words: usize,
+        dst: *mut u32,
+    ) {
+        adjacent(src, step_stride, lines, depth, width, panel_words, dst, |x| round(x), 1)
+    }
+
+    /// [`steps_adjacent`] rounded to binary16, the steps in order.
+    ///
+    /// # Safety
+    /// As [`steps_adjacent`]; the CPU has F16C too.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f16_adjacent(
+        src: *const f32,
+        step_stride: isize,
+        lines: usize,
+        depth: usize,
+        width: usize,
+        panel_words: usize,
+        dst: *mut u32,
+    ) {
+        adjacent(src, step_stride, lines, depth, width, panel_words, dst, |x| round_f16(x), 0)
+    }
+
+    /// The loops of both, inlined into each: place by place (step `place ^ swap`, a zero step past
+    /// the depth), every panel's lines of the step in order, 8 at a time. A panel narrower than 8
+    /// lines (A's 6) stores all 8 lanes: the 2 past it land on the next place's first lanes, which
+    /// the next place's store then writes (the last place's on the panel's pad); lines past the
+    /// operand's are read as zeros.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn adjacent(
+        src: *const f32,
+        step_stride: isize,
+        lines: usize,
+        depth: usize,
+        width: usize,
+        panel_words: usize,
+        dst: *mut u32,
+        round: impl Fn(__m256i) -> __m256i,
+        swap: usize,
+    ) {
+        let places = if swap == 1 { depth.next_multiple_of(2) } else { depth };
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let first = |count: usize| _mm256_cmpgt_epi32(_mm256_set1_epi32(count as i32), lane);
+        for place in 0..places {
+            let step = place ^ swap;
+            // (Not read past the depth.)
+            let from = src.wrapping_offset(step as isize * step_stride) as *const i32;
+            for l0 in (0..lines).step_by(width) {
+                let count = width.min(lines - l0);
+                let to = dst.add(l0 / width * panel_words + place * width) as *mut i32;
+                for w0 in (0..count).step_by(8) {
+                    // The lines this vector reads: up to 8, inside the operand.
+                    let read = 8.min(lines - l0 - w0);
+                    let x = if step >= depth {
+                        _mm256_setzero_si256()
+                    } else if read == 8 {
+                        round(_mm256_loadu_si256(from.add(l0 + w0) as *const __m256i))
+                    } else {
+                        round(_mm256_maskload_epi32(from.add(l0 + w0), first(read)))
+                    };
+                    if width < 8 || w0 + 8 <= width {
+                        _mm256_storeu_si256(to.add(w0) as *mut __m256i, x);
+                    } else {
+                        _mm256_maskstore_epi32(to.add(w0), first(count - w0), x);
+                    }
+                }
+            }
+        }
+    }
+
     /// The panel loops of both, inlined into each: `vector` and `scalar` round, step s goes to the
     /// place `s ^ swap`.
     #[inline(always)]
@@ -822,26 +950,6 @@ mod avx2_pack {
     ) {
         let round = vector;
         let at = |w: usize, s: usize| (*src.offset(w as isize * line_stride + s as isize * step_stride)).to_bits();
-        if line_stride == 1 {
-            // A step's lines are adjacent: 8 at a time, contiguous in and out, the last fewer than 8
-            // (all of an A panel's 6) through a mask, which neither reads nor writes the others.
-            let whole = n - n % 8;
-            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            let tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((n % 8) as i32), lanes);
-            for s in 0..depth {
-                let (from, to) =
-                    (src.offset(s as isize * step_stride) as *const i32, dst.add((s ^ swap) * width) as *mut i32);
-                for w0 in (0..whole).step_by(8) {
-                    let r = round(_mm256_loadu_si256(from.add(w0) as *const __m256i));
-                    _mm256_storeu_si256(to.add(w0) as *mut __m256i, r);
-                }
-                if whole < n {
-                    let r = round(_mm256_maskload_epi32(from.add(whole), tail));
-                    _mm256_maskstore_epi32(to.add(whole), tail, r);
-                }
-            }
-            return;
-        }
         // A line's steps are adjacent: 8 steps of 8 lines rounded, turned in registers, and stored
         // as 8 steps of 8 lines, in the order of their places; the last steps one by one. Lines
         // past the panel's are zeros: a panel of at most 8 lines (A's 6) stores all 8 lanes, the
