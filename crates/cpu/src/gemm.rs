@@ -125,8 +125,7 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
             // Along A's contiguous direction; each sum still takes its row's elements in order.
             if a.rs == 1 {
                 for t in 0..k {
-                    let col = std::slice::from_raw_parts(a.ptr.offset(t as isize * a.cs), m);
-                    sums.iter_mut().zip(col).for_each(|(s, &v)| *s += v);
+                    add_into(isa, sums, std::slice::from_raw_parts(a.ptr.offset(t as isize * a.cs), m));
                 }
             } else {
                 for (i, s) in sums.iter_mut().enumerate() {
@@ -141,6 +140,13 @@ pub(crate) unsafe fn gemm_summing_into<T: Float>(
     match row_sums {
         Some(sums) => gemm_with_row_sums(isa, m, n, k, c, start, a, b, threads, sums),
         None => gemm(isa, m, n, k, c, start, a, b, threads),
+    }
+}
+
+memfit_kernels::multiversion! {
+    /// `sums += values`, element by element.
+    fn add_into<T: Float>(sums: &mut [T], values: &[T]) {
+        sums.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
     }
 }
 

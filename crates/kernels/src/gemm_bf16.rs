@@ -1017,10 +1017,12 @@ unsafe fn multiply_block(
             if rows == mr && cols == nr {
                 kernel.run(pairs, a, b, dst, c.rs, st);
             } else {
-                // An edge tile: the kernel writes a whole tile on the stack, the corner goes to C.
-                let mut tile = [0f32; MAX_TILE];
-                kernel.run(pairs, a, b, tile.as_mut_ptr(), nr as isize, Start::Zero);
-                store(&tile, nr, rows, cols, dst, c.rs, st);
+                // An edge tile: the kernel writes a whole tile on the stack (not zeroed first: it
+                // writes all of it), the corner goes to C.
+                let mut tile = std::mem::MaybeUninit::<[f32; MAX_TILE]>::uninit();
+                let at = tile.as_mut_ptr() as *mut f32;
+                kernel.run(pairs, a, b, at, nr as isize, Start::Zero);
+                store(std::slice::from_raw_parts(at, mr * nr), nr, rows, cols, dst, c.rs, st);
             }
         }
     }
