@@ -43,7 +43,7 @@ enum Command {
     Profile(ProfileArgs),
 }
 
-/// The GPT's sizes (its vocabulary is the text's distinct characters).
+/// The GPT's sizes (its vocabulary is the text's distinct characters, or `--vocab`).
 #[derive(Args)]
 struct GptArgs {
     /// GPT: transformer blocks.
@@ -58,6 +58,11 @@ struct GptArgs {
     /// GPT: context length in characters (samples are windows of context + 1 characters).
     #[arg(long, allow_negative_numbers = true, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
     context: u32,
+    /// GPT: the model's vocabulary, at least the text's characters; the tokens past them are never
+    /// seen, as GPT-2's padding to 50304 (sizes the embedding, the head and the logits) [default:
+    /// the text's characters]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
+    vocab: Option<u32>,
 }
 
 impl GptArgs {
@@ -192,6 +197,7 @@ impl RunArgs {
             model: self.model.kind,
             model_file: self.model.file.clone(),
             gpt: self.gpt.config()?,
+            vocab: self.gpt.vocab.map(|v| v as usize),
             data: self.data,
             batch_size: self.batch_size.map_or(default_batch(&self.model), |b| b as usize),
             micro_batch: self.micro_batch.map(|m| m as usize),
@@ -875,7 +881,8 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         (None, ModelKind::Gpt) => {
             let config = a.gpt.config()?;
             let corpus = memfit_train::task::load_text(a.data.as_deref()).map_err(|e| e.to_string())?;
-            ModelSpec::gpt(GptConfig { vocab: corpus.vocab.len(), ..config })
+            let vocab = corpus.model_vocab(a.gpt.vocab.map(|v| v as usize)).map_err(|e| e.to_string())?;
+            ModelSpec::gpt(GptConfig { vocab, ..config })
         }
         (None, kind) => ModelSpec::image(kind, a.input, 10),
     };

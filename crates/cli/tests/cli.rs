@@ -200,6 +200,39 @@ fn gpt_trains_on_text_predicts_on_meta_and_generates() {
     assert!(out.stdout.is_empty(), "nothing is printed before the prompt is checked");
 }
 
+/// `--vocab` pads the GPT's vocabulary past the text's characters (GPT-2's 50,304): the model, its
+/// prediction on meta, its plan and its checkpoint have that size; generation draws only the text's
+/// characters; a resume must name the same size; a size under the text's is refused.
+#[test]
+fn gpt_vocabulary_pads_past_the_texts_characters() {
+    let ckpt = temp("gpt-vocab.safetensors");
+    let c = ckpt.to_str().unwrap();
+    let args = [&["train"][..], &TINY_GPT, &["--max-steps", "2", "--batch-size", "4", "--vocab", "200"]].concat();
+    let cpu = report(&[&args[..], &["--save", c]].concat(), "gpt-vocab-cpu.json");
+    let meta = report(&[&args[..], &["--device", "meta"]].concat(), "gpt-vocab-meta.json");
+    let plain =
+        report(&[&["train"][..], &TINY_GPT, &["--max-steps", "2", "--batch-size", "4"]].concat(), "gpt-83.json");
+    assert_eq!(cpu["gpt"]["vocab"], 200);
+    assert_eq!(cpu["peak_allocated_bytes"], meta["peak_allocated_bytes"], "meta predicts the padded model");
+    let param = |r: &Value| r["peak_by_category"]["parameter"].as_u64().unwrap();
+    // Embedding and head (weight and bias): 16 + 16 + 1 floats per token, each tensor's bytes
+    // rounded up to the allocator's 512.
+    let bytes = |tokens: u64| 2 * (tokens * 16 * 4).next_multiple_of(512) + (tokens * 4).next_multiple_of(512);
+    assert_eq!(param(&cpu) - param(&plain), bytes(200) - bytes(83), "the parameters of 117 more tokens");
+    let plan = memfit(&[&["plan"][..], &TINY_GPT, &["--vocab", "200", "--batch-size", "4", "--json"]].concat());
+    assert!(plan.status.success(), "{}", text(&plan));
+    assert!(text(&plan).contains("\"vocab\": 200") || text(&plan).contains("\"vocab\":200"), "{}", text(&plan));
+    let out = memfit(&["generate", "--load", c, "--prompt", "Call me", "--tokens", "60", "--temperature", "5"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("Call me"), "{}", text(&out));
+    let resumed = memfit(&[&["train"][..], &TINY_GPT, &["--max-steps", "1", "--load", c]].concat());
+    assert_eq!(resumed.status.code(), Some(1), "{}", text(&resumed));
+    assert!(text(&resumed).contains("give --vocab 200"), "{}", text(&resumed));
+    let small = memfit(&[&["train"][..], &TINY_GPT, &["--vocab", "50"]].concat());
+    assert_eq!(small.status.code(), Some(1), "{}", text(&small));
+    assert!(text(&small).contains("--vocab 50 is smaller than the 83 characters"), "{}", text(&small));
+}
+
 #[test]
 fn bad_text_and_gpt_sizes_are_named() {
     let run = |content: &[u8], name: &str| {

@@ -60,6 +60,8 @@ pub enum DataError {
     TextTooShort { name: String, train: usize, val: usize, context: usize },
     /// A context (window length) of 0 characters was asked for.
     ZeroContext,
+    /// A model vocabulary smaller than the text's characters was asked for.
+    VocabTooSmall { name: String, requested: usize, chars: usize },
     /// A character to encode is not in the model's vocabulary; `position`
     /// counts characters (not bytes) from 0.
     UnknownChar { ch: char, position: usize, vocab_len: usize },
@@ -172,6 +174,11 @@ impl fmt::Display for DataError {
             DataError::ZeroContext => {
                 write!(f, "--context 0: a character-level model needs a context of at least 1 character")
             }
+            DataError::VocabTooSmall { name, requested, chars } => write!(
+                f,
+                "--vocab {requested} is smaller than the {chars} characters of {name}: give --vocab {chars} or more, \
+                 or leave it out (the model then predicts exactly the text's characters)"
+            ),
             DataError::UnknownChar { ch, position, vocab_len } => write!(
                 f,
                 "character {} at position {position} is not in the model's vocabulary of {vocab_len} characters; \

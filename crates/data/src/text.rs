@@ -141,6 +141,20 @@ impl TextCorpus {
         Ok(())
     }
 
+    /// The vocabulary of a model of this text: `requested` (the text's characters, then tokens it
+    /// never has, as GPT-2 pads its vocabulary to 50,304) when given, else the text's characters;
+    /// an error naming both when `requested` is smaller.
+    pub fn model_vocab(&self, requested: Option<usize>) -> Result<usize, DataError> {
+        let chars = self.vocab.len();
+        match requested {
+            Some(requested) if requested < chars => {
+                Err(DataError::VocabTooSmall { name: self.source.clone(), requested, chars })
+            }
+            Some(requested) => Ok(requested),
+            None => Ok(chars),
+        }
+    }
+
     /// Windows per training epoch: `train.len() / (context + 1)`, as many as
     /// fit side by side (random windows overlap, so this is a convention).
     pub fn windows_per_epoch(&self, context: usize) -> usize {

@@ -353,8 +353,11 @@ pub struct TrainConfig {
     pub model: ModelKind,
     /// The `torch.export` archive of an imported model (`model` is then [`ModelKind::Imported`]).
     pub model_file: Option<PathBuf>,
-    /// The GPT's sizes (its vocabulary comes from the text; ignored by image models).
+    /// The GPT's sizes (its vocabulary comes from the text and `vocab`; ignored by image models).
     pub gpt: GptConfig,
+    /// GPT: the model's vocabulary, the text's characters and unused tokens after them (GPT-2's
+    /// 50,304, say); None: the text's characters.
+    pub vocab: Option<usize>,
     /// Image models: folder with the four Fashion-MNIST IDX files; None = system package or embedded
     /// subset. GPT: a UTF-8 text file; None = Moby Dick shipped inside memfit. `embedded` forces the
     /// shipped data.
@@ -566,6 +569,7 @@ impl Default for TrainConfig {
             model: ModelKind::SimpleCnn,
             model_file: None,
             gpt: GptConfig::default(),
+            vocab: None,
             data: None,
             epochs: None,
             max_steps: None,

@@ -150,7 +150,8 @@ pub fn generate(cfg: &GenerateConfig, on_text: &mut (dyn FnMut(&str) + Send)) ->
         for _ in 0..cfg.tokens {
             let window = &tokens[tokens.len().saturating_sub(context)..];
             let last = last_logits(window, 0)?;
-            let next = sample(&last, cfg.temperature, &mut rng);
+            // Only the text's characters: a model's vocabulary may be padded past them (`--vocab`).
+            let next = sample(&last[..vocab.len()], cfg.temperature, &mut rng);
             tokens.push(next as i64);
             let c = vocab.decode(&[next]);
             on_text(&c);

@@ -770,6 +770,17 @@ fn check_vocab(path: &std::path::Path, task: &Task) -> Result<(), TrainError> {
     let metadata = memfit_nn::checkpoint::read_metadata(path)
         .map_err(|e| TrainError::Checkpoint(e.to_string()))?
         .unwrap_or_default();
+    let size = match metadata.get(memfit_nn::models::VOCAB_SIZE_KEY) {
+        Some(size) if task.spec.kind == memfit_nn::ModelKind::Gpt => size.parse().ok(),
+        _ => None,
+    };
+    if let Some(size) = size.filter(|&size: &usize| size != task.spec.gpt.vocab) {
+        return Err(TrainError::Checkpoint(format!(
+            "checkpoint {} is of a model with a vocabulary of {size} tokens; this run's has {}: give --vocab {size}",
+            path.display(),
+            task.spec.gpt.vocab
+        )));
+    }
     match metadata.get(memfit_nn::models::VOCAB_KEY) {
         Some(saved) if *saved == vocab.as_string() => Ok(()),
         Some(saved) => Err(TrainError::Checkpoint(format!(

@@ -62,7 +62,7 @@ impl Task {
         }
         if cfg.model == ModelKind::Gpt {
             let corpus = load_text(data)?;
-            let gpt = GptConfig { vocab: corpus.vocab.len(), ..cfg.gpt };
+            let gpt = GptConfig { vocab: corpus.model_vocab(cfg.vocab)?, ..cfg.gpt };
             corpus.check_context(gpt.max_t)?;
             return Ok(Task { spec: ModelSpec::gpt(gpt), data: TaskData::Text { corpus, context: gpt.max_t } });
         }

@@ -219,6 +219,9 @@ const GPT_KEYS: [&str; 4] = ["memfit.gpt.layers", "memfit.gpt.d_model", "memfit.
 pub const MODEL_KEY: &str = "memfit.model";
 /// The metadata key of a character vocabulary (the characters in token-id order).
 pub const VOCAB_KEY: &str = "memfit.vocab";
+/// The metadata key of a GPT's vocabulary size (more than its text's characters with `--vocab`);
+/// absent from older checkpoints, whose size is the characters' count.
+pub const VOCAB_SIZE_KEY: &str = "memfit.gpt.vocab_size";
 
 impl GptConfig {
     /// The sizes as checkpoint metadata (the vocabulary is stored by whoever knows its characters).
@@ -227,11 +230,22 @@ impl GptConfig {
         let mut out: Vec<(String, String)> =
             GPT_KEYS.iter().zip(values).map(|(k, v)| (k.to_string(), v.to_string())).collect();
         out.push((MODEL_KEY.to_string(), ModelKind::Gpt.name().to_string()));
+        out.push((VOCAB_SIZE_KEY.to_string(), self.vocab.to_string()));
         out
     }
 
-    /// Reads the sizes back from checkpoint metadata, with `vocab` given; errors name the missing key.
-    pub fn from_metadata(metadata: &std::collections::HashMap<String, String>, vocab: usize) -> Result<GptConfig> {
+    /// Reads the sizes back from checkpoint metadata, for a text of `chars` characters (the
+    /// vocabulary when the metadata gives no larger size); errors name the missing or wrong key.
+    pub fn from_metadata(metadata: &std::collections::HashMap<String, String>, chars: usize) -> Result<GptConfig> {
+        let vocab = match metadata.get(VOCAB_SIZE_KEY) {
+            None => chars,
+            Some(text) => text.parse().ok().filter(|&n: &usize| n >= chars).ok_or_else(|| {
+                Error::invalid(format!(
+                    "the checkpoint's {VOCAB_SIZE_KEY:?} entry {text:?} is not a vocabulary of at least its text's \
+                     {chars} characters"
+                ))
+            })?,
+        };
         let mut values = [0usize; 4];
         for (v, key) in values.iter_mut().zip(GPT_KEYS) {
             let text = metadata.get(key).ok_or_else(|| {
@@ -318,4 +332,25 @@ fn check_image_input(kind: ModelKind, input: [usize; 3], x: &Tensor) -> Result<(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GPT's sizes come back from its checkpoint metadata, its vocabulary size too (the text's
+    /// characters when an older checkpoint has none); a size under the characters' is refused.
+    #[test]
+    fn gpt_sizes_round_trip_through_checkpoint_metadata() {
+        let config = GptConfig { vocab: 50_304, d_model: 48, heads: 3, layers: 2, max_t: 64 };
+        let mut metadata: std::collections::HashMap<String, String> = config.to_metadata().into_iter().collect();
+        assert_eq!(GptConfig::from_metadata(&metadata, 83).unwrap(), config);
+        metadata.remove(VOCAB_SIZE_KEY);
+        assert_eq!(GptConfig::from_metadata(&metadata, 83).unwrap(), GptConfig { vocab: 83, ..config });
+        metadata.insert(VOCAB_SIZE_KEY.into(), "82".into());
+        let err = GptConfig::from_metadata(&metadata, 83).unwrap_err().to_string();
+        assert!(err.contains("\"82\"") && err.contains("83 characters"), "{err}");
+        metadata.insert(VOCAB_SIZE_KEY.into(), "83".into());
+        assert_eq!(GptConfig::from_metadata(&metadata, 83).unwrap().vocab, 83);
+    }
 }
