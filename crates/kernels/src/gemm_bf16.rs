@@ -420,7 +420,7 @@ impl Kernel {
             // another, so that B's rows and a transposed A's are read in order, once.
             let wide = self.loops() == Loops::Avx512 && !f16 && avx512_pack::usable(line_stride, step_stride);
             if wide || (self.loops() == Loops::Avx2 && !pairs_kernel) {
-                (0..lines.div_ceil(width)).for_each(|panel| zero_where_needed(panel));
+                (0..lines.div_ceil(width)).for_each(&zero_where_needed);
                 if wide {
                     avx512_pack::adjacent(pairs_kernel, src, step_stride, lines, depth, width, panel_words, out);
                 } else if f16 {
@@ -730,6 +730,7 @@ mod avx512_pack {
             }
         }
     }
+
     /// An AMX A panel (`amx::pack_lines`): line w's pair p at `w * stride + p`, pair words, for
     /// `lines` lines of `depth` steps contiguous along their lines or their steps.
     ///
