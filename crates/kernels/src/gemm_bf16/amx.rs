@@ -138,7 +138,36 @@ unsafe fn block<U: TileUnit>(
     } else {
         let mut sums = [0f32; MR * NR];
         unit.finish(sums.as_mut_ptr(), NR * 4);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            add_start(&sums, c, rs_c, start);
+            return;
+        }
         super::store(&sums, NR, MR, NR, c, rs_c, start);
+    }
+}
+
+/// `C = sums + start` for a whole 32 x 32 block, 16 values at a time: what [`super::store`] does
+/// (the sum first, then what C starts from), without its scalar loop, which would take as long as
+/// the block's products.
+///
+/// # Safety
+/// C's 32 rows of 32 values (and a bias row's 32) must be valid; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_start(sums: &[f32; MR * NR], c: *mut f32, rs_c: isize, start: Start<f32>) {
+    use std::arch::x86_64::*;
+    for i in 0..MR {
+        let row = c.offset(i as isize * rs_c);
+        for j in (0..NR).step_by(16) {
+            let sum = _mm512_loadu_ps(sums.as_ptr().add(i * NR + j));
+            let v = match start {
+                Start::Zero => sum,
+                Start::Accumulate => _mm512_add_ps(sum, _mm512_loadu_ps(row.add(j))),
+                Start::Bias(b) => _mm512_add_ps(sum, _mm512_loadu_ps(b.add(j))),
+            };
+            _mm512_storeu_ps(row.add(j), v);
+        }
     }
 }
 
