@@ -383,6 +383,10 @@ struct BenchArgs {
     /// after memfit's, and print the ratios.
     #[arg(long, value_name = "PYTHON")]
     compare_pytorch: Option<PathBuf>,
+    /// With --compare-pytorch: also run each case with PyTorch's model under `torch.compile` (its
+    /// compilation in the warm-up steps, at least two of them), and print that ratio too.
+    #[arg(long, requires = "compare_pytorch")]
+    compare_compiled: bool,
     /// fp32, or bf16 (memfit's --precision bf16: bf16 storage and products; PyTorch's bf16 autocast
     /// with --compare-pytorch), or fp16 (memfit's fp16 storage, products and loss scale; PyTorch's
     /// fp16 autocast with GradScaler).
@@ -1114,6 +1118,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         steps,
         rounds: a.rounds as usize,
         pytorch: a.compare_pytorch.as_deref(),
+        pytorch_compiled: a.compare_compiled,
         precision: a.precision,
     })
     .map_err(|e| e.to_string())?;
@@ -1138,6 +1143,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         })
     );
     let compare = report.pytorch_version.is_some();
+    let compiled = a.compare_compiled && compare;
     // With several rounds, the spread of the rounds' own ratios (the host's noise) after the ratio.
     let spread = compare && report.rounds > 1;
     // Wide enough for an archive's path.
@@ -1149,6 +1155,12 @@ fn bench(a: BenchArgs) -> Result<(), String> {
             print!(" {:>13}", "round ratios");
         }
         print!(" {:>14} {:>8}", "PyTorch peak", "ratio");
+        if compiled {
+            print!(" {:>12} {:>8}", "compiled ms", "ratio");
+            if spread {
+                print!(" {:>13}", "round ratios");
+            }
+        }
     }
     println!();
     for c in &report.cases {
@@ -1166,14 +1178,29 @@ fn bench(a: BenchArgs) -> Result<(), String> {
                     p.peak_bytes.map_or("".to_string(), |b| format!("{:.2}", c.peak_allocated_bytes as f64 / b as f64));
                 print!(" {:>12.2} {:>8.2}", p.median_ms, c.median_ms / p.median_ms);
                 if spread {
-                    let lo = c.round_ratios.iter().copied().fold(f64::INFINITY, f64::min);
-                    let hi = c.round_ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    print!(" {:>13}", format!("{lo:.2}-{hi:.2}"));
+                    print!(" {:>13}", ratio_spread(&c.round_ratios));
                 }
                 print!(" {:>14} {:>8}", peak, peak_ratio);
             }
-            None if compare => print!(" {:>12}", "n/a"),
+            None if compare => {
+                print!(" {:>12}", "n/a");
+                if compiled {
+                    // Blank PyTorch columns, so the compiled ones stay under their heading.
+                    print!(" {:>8}{} {:>14} {:>8}", "", " ".repeat(14 * usize::from(spread)), "", "");
+                }
+            }
             None => {}
+        }
+        if compiled {
+            match &c.pytorch_compiled {
+                Some(p) => {
+                    print!(" {:>12.2} {:>8.2}", p.median_ms, c.median_ms / p.median_ms);
+                    if spread {
+                        print!(" {:>13}", ratio_spread(&c.compiled_round_ratios));
+                    }
+                }
+                None => print!(" {:>12}", "n/a"),
+            }
         }
         println!();
     }
@@ -1184,11 +1211,21 @@ fn bench(a: BenchArgs) -> Result<(), String> {
             "its MemTracker estimate"
         };
         println!("ratio = memfit / PyTorch (below 1: memfit is faster or smaller); PyTorch's peak is {peak}");
+        if compiled {
+            println!("compiled = PyTorch's model under torch.compile (its optimizer step eager), compiled in the warm-up steps");
+        }
         if spread {
             println!("round ratios = the lowest and highest of the rounds' own step-time ratios (each round's pair ran back to back)");
         }
     }
     Ok(())
+}
+
+/// The lowest and highest of the rounds' ratios, as `0.81-0.93`.
+fn ratio_spread(ratios: &[f64]) -> String {
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{lo:.2}-{hi:.2}")
 }
 
 fn generate(a: GenerateArgs) -> Result<(), String> {

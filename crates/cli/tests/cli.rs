@@ -419,6 +419,39 @@ fn bf16_precision_reports_its_products_and_bench_asks_pytorch_for_autocast() {
     let fp16 = run(&["--precision", "fp16"]);
     assert!(fp16["products"].as_str().unwrap().starts_with("fp16 ("), "{fp16}");
     assert_eq!(fp16["cases"][0]["pytorch"]["median_ms"], 3.5, "PyTorch under its fp16 autocast");
+    assert!(plain["cases"][0]["pytorch_compiled"].is_null(), "compiled only when asked");
+    // --compare-compiled: each round runs PyTorch again under torch.compile (the fake answers 2.5
+    // then), a ratio and its round ratios of its own.
+    let compiled = fake_python(
+        "fake-python-compiled",
+        r#"{"case": "{case}", "median_ms": ${MEMFIT_BENCH_COMPILE:+2.}5, "peak_bytes": 1048576}"#,
+        0,
+    );
+    let out = memfit(
+        &[&bench[..], &["--rounds", "2", "--compare-pytorch", compiled.to_str().unwrap(), "--compare-compiled"]]
+            .concat(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let both: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let case = &both["cases"][0];
+    assert_eq!(
+        (case["pytorch"]["median_ms"].as_f64(), case["pytorch_compiled"]["median_ms"].as_f64()),
+        (Some(5.0), Some(2.5))
+    );
+    let ms = case["median_ms"].as_f64().unwrap();
+    let ratios = case["compiled_round_ratios"].as_array().unwrap();
+    assert_eq!(ratios.len(), 2, "{case}");
+    let rounds = case["round_ms"].as_array().unwrap();
+    for (r, m) in ratios.iter().zip(rounds) {
+        assert!((r.as_f64().unwrap() - m.as_f64().unwrap() / 2.5).abs() < 1e-9, "{case}");
+    }
+    assert!(ms > 0.0);
+    let table =
+        memfit(&[&bench[..9], &["--compare-pytorch", compiled.to_str().unwrap(), "--compare-compiled"]].concat());
+    assert!(text(&table).contains("compiled ms") && text(&table).contains("torch.compile"), "{}", text(&table));
+    let alone = memfit(&["bench", "--case", "mlp-b256", "--compare-compiled"]);
+    assert_eq!(alone.status.code(), Some(1), "--compare-compiled needs --compare-pytorch: {}", text(&alone));
+    assert!(text(&alone).contains("--compare-pytorch <PYTHON>"), "{}", text(&alone));
     let out = memfit(&["bench", "--case", "mlp-b256", "--precision", "auto"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("--precision auto"), "{}", text(&out));

@@ -7,6 +7,8 @@ arguments and reads one JSON object from stdout.
 
 Usage: python pytorch_bench.py CASE WARMUP STEPS THREADS [DEVICE]   (DEVICE: cpu, or cuda:N)
 With MEMFIT_BENCH_AUTOCAST=bf16 the forward runs under bf16 autocast (memfit's --precision bf16).
+With MEMFIT_BENCH_COMPILE=1 the model runs under torch.compile (the optimizer step eager), compiled in
+the warm-up steps (at least two).
 """
 import contextlib
 import json, os, statistics, sys, time
@@ -95,6 +97,10 @@ def step_times(make_model, make_batch, warmup, steps, device):
     model = make_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = (t.to(device) for t in make_batch())
+    compiled = os.environ.get("MEMFIT_BENCH_COMPILE") == "1"
+    forward = torch.compile(model) if compiled else model
+    if compiled:
+        warmup = max(warmup, 2)
 
     # memfit's --precision: bf16 autocast, or fp16 autocast with GradScaler (its loss scale).
     mode = os.environ.get("MEMFIT_BENCH_AUTOCAST", "")
@@ -104,7 +110,7 @@ def step_times(make_model, make_batch, warmup, steps, device):
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=mode in ("bf16", "fp16")):
-            loss = loss_of(model, x, y)
+            loss = loss_of(forward, x, y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

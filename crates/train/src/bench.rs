@@ -82,6 +82,11 @@ pub struct CaseResult {
     /// two sides take turns, so a round's pair ran close together, and the spread shows how much
     /// of the case's ratio is the host's noise.
     pub round_ratios: Vec<f64>,
+    /// The same step with PyTorch's model under `torch.compile`, when asked for
+    /// (`--compare-compiled`).
+    pub pytorch_compiled: Option<PytorchCase>,
+    /// Each round's memfit / compiled PyTorch ratio, as `round_ratios`.
+    pub compiled_round_ratios: Vec<f64>,
 }
 
 /// One case measured in PyTorch by `assets/pytorch_bench.py`.
@@ -162,9 +167,15 @@ fn archive_case(path: &Path, batch: Option<usize>) -> Result<Planned, TrainError
     Ok(Planned { name: path.display().to_string(), spec, batch, pytorch_case })
 }
 
-/// Runs one case in PyTorch; `None` when PyTorch has no reference for it.
-fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &[String]) -> Result<Option<PytorchCase>, TrainError> {
-    let name = case.join(" ");
+/// Runs one case in PyTorch (its model under `torch.compile` when `compiled`); `None` when
+/// PyTorch has no reference for it.
+fn run_pytorch_case(
+    cfg: &BenchConfig,
+    python: &Path,
+    case: &[String],
+    compiled: bool,
+) -> Result<Option<PytorchCase>, TrainError> {
+    let name = case.join(" ") + if compiled { " (torch.compile)" } else { "" };
     let (warmup, steps, threads) = (cfg.warmup, cfg.steps, cfg.threads);
     // PyTorch's name of the device.
     let device = match cfg.device {
@@ -186,6 +197,7 @@ fn run_pytorch_case(cfg: &BenchConfig, python: &Path, case: &[String]) -> Result
                 _ => "",
             },
         )
+        .env("MEMFIT_BENCH_COMPILE", if compiled { "1" } else { "" })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -262,6 +274,8 @@ fn measure(
         steps,
         pytorch: None,
         round_ratios: Vec::new(),
+        pytorch_compiled: None,
+        compiled_round_ratios: Vec::new(),
     })
 }
 
@@ -287,6 +301,8 @@ pub struct BenchConfig<'a> {
     pub rounds: usize,
     /// A Python interpreter with PyTorch, to run each case there too.
     pub pytorch: Option<&'a Path>,
+    /// With `pytorch`: each case in PyTorch under `torch.compile` too.
+    pub pytorch_compiled: bool,
     /// fp32, bf16 (memfit's `--precision bf16`; PyTorch's bf16 autocast) or fp16 (memfit's storage,
     /// products and loss scale; PyTorch's fp16 autocast with GradScaler); `auto` is refused.
     pub precision: crate::config::Precision,
@@ -350,11 +366,14 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     }
     let mut cases = Vec::new();
     for case in &planned {
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let (mut ours, mut theirs, mut compiled) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
             ours.push(pool.install(|| measure(case, cfg.device, cfg.warmup, cfg.steps, cfg.precision))?);
             if let Some(python) = pytorch {
-                theirs.push(run_pytorch_case(cfg, python, &case.pytorch_case)?);
+                theirs.push(run_pytorch_case(cfg, python, &case.pytorch_case, false)?);
+                if cfg.pytorch_compiled {
+                    compiled.push(run_pytorch_case(cfg, python, &case.pytorch_case, true)?);
+                }
             }
         }
         let round_ms: Vec<f64> = ours.iter().map(|r| r.median_ms).collect();
@@ -366,6 +385,12 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
             let round_ms: Vec<f64> = theirs.iter().flatten().map(|p| p.median_ms).collect();
             result.round_ratios = round_ratios(&result.round_ms, &round_ms);
             result.pytorch = Some(PytorchCase { median_ms: median(&round_ms), round_ms, peak_bytes: last.peak_bytes });
+        }
+        if let Some(last) = compiled.iter().flatten().last() {
+            let round_ms: Vec<f64> = compiled.iter().flatten().map(|p| p.median_ms).collect();
+            result.compiled_round_ratios = round_ratios(&result.round_ms, &round_ms);
+            let peak_bytes = last.peak_bytes;
+            result.pytorch_compiled = Some(PytorchCase { median_ms: median(&round_ms), round_ms, peak_bytes });
         }
         cases.push(result);
     }
