@@ -14,14 +14,7 @@ use rayon::prelude::*;
 
 /// `dst[i] = f(src[i])` across dtypes, in parallel for large tensors.
 fn map_into<S: Element, D: Element>(x: View<'_>, out: View<'_>, f: impl Fn(S) -> D + Sync + Send) -> Result<()> {
-    let (src, dst) = (x.slice::<S>()?, out.slice_mut::<D>()?);
-    let run = |(d, s): (&mut [D], &[S])| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s));
-    if dst.len() >= 2 * PAR_CHUNK {
-        dst.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(run);
-    } else {
-        run((dst, src));
-    }
-    Ok(())
+    map_chunks(x, out, |_, s: &[S], d: &mut [D]| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s)))
 }
 
 /// `dst = convert(src)` chunk by chunk, in parallel for large tensors (a loop per instruction set).
