@@ -4,9 +4,12 @@
 //
 // A launch runs its blocks one after another; the threads of a block are fibers (ucontext) on the
 // calling OS thread, switched at `__syncthreads()`, so block-shared memory and barriers behave as on
-// a GPU. Fibers never preempt each other, which makes every atomic trivially atomic. What it does not
-// imitate: warps (the kernels use none of their intrinsics), float rounding of the GPU's math library,
-// and races between threads (a kernel that races would pass here and fail there).
+// a GPU. Fibers never preempt each other, which makes every atomic trivially atomic. A warp's
+// collectives (`__shfl_xor_sync`, the tensor cores' `mma` through `memfit_emu::mma`) meet at a warp
+// barrier: each lane leaves its operands in the block's lane slots, the warp's 32 lanes switch out
+// until all have arrived, then each reads what it needs. What it does not imitate: float rounding
+// of the GPU's math library, the tensor cores' order of additions, and races between threads (a
+// kernel that races would pass here and fail there).
 
 #pragma once
 #include <cmath>
@@ -68,7 +71,9 @@ namespace memfit_emu {
 constexpr size_t STACK_BYTES = 128 << 10;
 constexpr unsigned MAX_THREADS = 1024;
 
-enum State { READY, AT_BARRIER, DONE };
+enum State { READY, AT_BARRIER, AT_WARP, DONE };
+
+constexpr unsigned WARP = 32;
 
 struct Fiber {
     ucontext_t context;
@@ -100,10 +105,130 @@ inline void fiber_main() {
     l->current->state = DONE;  // returns to uc_link, the scheduler
 }
 
-inline void barrier() {
+// Switches out until the barrier `at` (a block's or a warp's) opens.
+inline void wait(State at) {
     Launch* l = running;
-    l->current->state = AT_BARRIER;
+    l->current->state = at;
     swapcontext(&l->current->context, &l->scheduler);
+}
+
+inline void barrier() { wait(AT_BARRIER); }
+
+// What a lane leaves for the rest of its warp at a collective.
+struct LaneSlot {
+    uint32_t a[4], b[2];
+    uint64_t word;
+};
+inline thread_local LaneSlot lane_slots[MAX_THREADS];
+
+// Thread t's slot, and the slot of lane `lane` of t's warp.
+inline LaneSlot& own_slot() { return lane_slots[threadIdx.x]; }
+inline const LaneSlot& lane_slot(unsigned lane) { return lane_slots[(threadIdx.x & ~(WARP - 1)) | lane]; }
+
+// `__shfl_xor_sync` over the whole warp: v from lane (own lane ^ mask).
+template <typename T>
+inline T shfl_xor(T v, int mask) {
+    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
+    own_slot().word = 0;
+    std::memcpy(&own_slot().word, &v, sizeof(T));
+    wait(AT_WARP);
+    T r;
+    std::memcpy(&r, &lane_slot((threadIdx.x ^ unsigned(mask)) & (WARP - 1)).word, sizeof(T));
+    wait(AT_WARP);  // every lane has read before any lane's next collective writes
+    return r;
+}
+
+// binary16 bits as a float (exactly).
+inline float f16_value(uint32_t h) {
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0x1f) bits = sign | 0x7f800000u | (m << 13);
+    else if (e != 0) bits = sign | ((e + 112) << 23) | (m << 13);
+    else {
+        float v = std::ldexp(float(m), -24);
+        std::memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Element `half` (0: low 16 bits) of a fragment register, as a float: KIND 1 bfloat16, 2 binary16.
+template <int KIND>
+inline float element(uint32_t reg, unsigned half) {
+    uint32_t h = (reg >> (16 * half)) & 0xffffu;
+    if (KIND == 2) return f16_value(h);
+    uint32_t bits = h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` over the warp: d (the lane's four elements of
+// the 16 x 8 accumulator) += A (16 x 16) B (16 x 8), each lane holding the PTX ISA's fragments:
+// lane = 4 g + t holds A(g + 8 (r & 1), 2 t + 8 (r >> 1) + h) in half h of a[r], B(2 t + 8 r + h, g)
+// in half h of b[r], and D(g + 8 (i >> 1), 2 t + (i & 1)) in d[i]. Each sum runs over k in order in
+// f32 (the tensor cores' own order is theirs: results agree up to the order of additions).
+template <int KIND>
+inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    LaneSlot& own = own_slot();
+    for (int r = 0; r < 4; ++r) own.a[r] = a[r];
+    for (int r = 0; r < 2; ++r) own.b[r] = b[r];
+    wait(AT_WARP);
+    const unsigned lane = threadIdx.x & (WARP - 1), g = lane / 4, t = lane % 4;
+    for (unsigned i = 0; i < 4; ++i) {
+        unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float sum = 0.0f;
+        for (unsigned k = 0; k < 16; ++k) {
+            const LaneSlot& from_a = lane_slot(4 * (row % 8) + (k % 8) / 2);
+            const LaneSlot& from_b = lane_slot(4 * col + (k % 8) / 2);
+            float x = element<KIND>(from_a.a[(row / 8) + 2 * (k / 8)], k % 2);
+            float y = element<KIND>(from_b.b[k / 8], k % 2);
+            sum += x * y;
+        }
+        d[i] += sum;
+    }
+    wait(AT_WARP);
+}
+
+// Runs one block's fibers to their ends: every ready fiber runs to its next barrier; a warp whose
+// live lanes all wait at a warp barrier goes on; when nothing else can, a block barrier that every
+// live fiber waits at opens. False when the block deadlocks (fibers waiting at barriers that can
+// never open: a barrier in divergent code, which a GPU would hang on too).
+inline bool run_block(Launch& l, Fiber* fibers, unsigned block) {
+    for (;;) {
+        bool moved = false;
+        for (unsigned t = 0; t < block; ++t) {
+            Fiber& f = fibers[t];
+            if (f.state != READY) continue;
+            threadIdx = {t, 0, 0};
+            l.current = &f;
+            swapcontext(&l.scheduler, &f.context);
+            moved = true;
+        }
+        for (unsigned w = 0; w < block; w += WARP) {
+            unsigned end = w + WARP < block ? w + WARP : block, waiting = 0, alive = 0;
+            for (unsigned t = w; t < end; ++t) {
+                alive += fibers[t].state != DONE;
+                waiting += fibers[t].state == AT_WARP;
+            }
+            if (waiting > 0 && waiting == alive) {
+                for (unsigned t = w; t < end; ++t)
+                    if (fibers[t].state == AT_WARP) fibers[t].state = READY;
+                moved = true;
+            }
+        }
+        if (moved) continue;
+        unsigned at_barrier = 0, alive = 0;
+        for (unsigned t = 0; t < block; ++t) {
+            alive += fibers[t].state != DONE;
+            at_barrier += fibers[t].state == AT_BARRIER;
+        }
+        if (alive == 0) return true;
+        if (at_barrier != alive) return false;
+        for (unsigned t = 0; t < block; ++t)
+            if (fibers[t].state == AT_BARRIER) fibers[t].state = READY;
+    }
 }
 
 // Runs `body(params)` as a grid of `grid` blocks of `block` threads. Returns 0, or -1 when the
@@ -130,19 +255,9 @@ inline int launch(unsigned grid, unsigned block, void (*body)(void**), void** pa
             makecontext(&f.context, fiber_main, 0);
             f.state = READY;
         }
-        // Round after round: every live thread runs to its next barrier (or its end).
-        bool live = true;
-        while (live) {
-            live = false;
-            for (unsigned t = 0; t < block; ++t) {
-                Fiber& f = fibers[t];
-                if (f.state == DONE) continue;
-                threadIdx = {t, 0, 0};
-                l.current = &f;
-                f.state = READY;
-                swapcontext(&l.scheduler, &f.context);
-                if (f.state != DONE) live = true;
-            }
+        if (!run_block(l, fibers, block)) {
+            running = outer;
+            return -1;
         }
     }
     running = outer;
@@ -164,6 +279,8 @@ inline void call(void (*f)(A...), void** params) {
 }  // namespace memfit_emu
 
 inline void __syncthreads() { memfit_emu::barrier(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { memfit_emu::wait(memfit_emu::AT_WARP); }
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return memfit_emu::shfl_xor(v, mask); }
 
 // Generates the entry point memfit's emulator calls for kernel NAME.
 #define MEMFIT_EMULATED(NAME)                                                                          \

@@ -442,3 +442,347 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
 
 ATTENTION_TILED(64, 64, 32, 32, 32, 32, 32)
 ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
+
+// ----- Tensor cores: bf16 and fp16 products -------------------------------------------------------
+// With rounded products (rounding 1: bf16, 2: fp16; the kernels' KIND) and head sizes up to 128, the
+// six products run on the tensor cores (`mma_16816`, f32 accumulation), in FlashAttention-2's
+// scheme (Dao, 2023): a block of MMA_WARPS warps takes MMA_ROWS rows (query rows for the forward, D
+// and dq; key rows for dk and dv), each warp 16 of them, its own side's operands in registers, and
+// walks the other side's tiles, staged in shared memory as operand bits (rounded once, as the
+// products read them). Every staged tile is stored as B(k, n) = tile[n][k], rows n of words that
+// each hold the pair k, k + 1, so one loader serves every product: K and V by rows, K, V, Q and the
+// output's gradient by columns where the product walks keys or queries. A row's max and sum are
+// taken over its quad of lanes with two shuffles, the same value in all four, so a run repeats bit
+// for bit (no atomics). What they compute is the tiled kernels' (above), in another order of f32
+// additions: P is rounded before it is normalized, D comes from pass 0, dq from pass 1.
+
+#define MMA_WARPS 4
+#define MMA_ROWS (16 * MMA_WARPS)
+
+// Rows r0 .. r0 + R of a matrix (`rows` of them, `cols` values each, row r at m + r * stride) as
+// operand bits into `sh`: by rows (row a's pair c / 2 at sh[a * ld + c / 2]) or, BY_COLS, by columns
+// (column c's pair a / 2 at sh[c * ld + a / 2]); C columns in all, zeros past the matrix.
+template <int KIND, int R, int C, bool BY_COLS>
+__device__ void stage_bits(unsigned* sh, int ld, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
+    auto at = [&](i64 a, i64 c) { return (r0 + a < rows && c < cols) ? m[(r0 + a) * stride + c] : 0.0f; };
+    for (int e = threadIdx.x; e < R * C / 2; e += TILE_THREADS) {
+        if (BY_COLS) {
+            int c = e % C, a = 2 * (e / C);
+            sh[c * ld + a / 2] = operand_pair<KIND>(at(a, c), at(a + 1, c));
+        } else {
+            int a = e / (C / 2), c = 2 * (e % (C / 2));
+            sh[a * ld + c / 2] = operand_pair<KIND>(at(a, c), at(a, c + 1));
+        }
+    }
+}
+
+// The A fragment of rows r0 .. r0 + 16 and columns k0 .. k0 + 16 of a matrix in memory (as
+// stage_bits reads it).
+template <int KIND>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const float* m, i64 stride, i64 r0, i64 rows, int k0, i64 cols) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    auto at = [&](i64 r, i64 c) { return (r < rows && c < cols) ? m[r * stride + c] : 0.0f; };
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        i64 r = r0 + g + 8 * (q & 1), c = k0 + 2 * t + 8 * (q >> 1);
+        a[q] = operand_pair<KIND>(at(r, c), at(r, c + 1));
+    }
+}
+
+// The B fragment B(k0 .. k0 + 16, n0 .. n0 + 8) of a staged tile.
+__device__ __forceinline__ void load_b(unsigned (&b)[2], const unsigned* sh, int ld, int n0, int k0) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const unsigned* row = sh + (n0 + g) * ld + k0 / 2 + t;
+    b[0] = row[0];
+    b[1] = row[4];
+}
+
+// The A fragment of columns 16 kk .. 16 kk + 16 of a 16-row accumulator s (its n-tiles 2 kk and
+// 2 kk + 1), as operand bits: the accumulator's layout is the A fragment's, two tiles wide.
+template <int KIND, int N>
+__device__ __forceinline__ void accumulator_a(unsigned (&a)[4], const float (&s)[N][4], int kk) {
+    a[0] = operand_pair<KIND>(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = operand_pair<KIND>(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = operand_pair<KIND>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = operand_pair<KIND>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&s)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+}
+
+// s = A B: A, 16 rows by KD chunks of 16 columns in fragments; B(k, n) a staged tile's, NS n-tiles.
+template <int KIND, int NS, int KD>
+__device__ __forceinline__ void product(float (&s)[NS][4], const unsigned (&a)[KD][4], const unsigned* sh, int ld) {
+    zero_acc(s);
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            unsigned b[2];
+            load_b(b, sh, ld, 8 * n, 16 * kk);
+            mma_16816<KIND>(s[n], a[kk], b);
+        }
+}
+
+// acc += S B: S an accumulator of 16 rows by 8 NS columns, read as operands; B(k, n) a staged
+// tile's, NO n-tiles.
+template <int KIND, int NS, int NO>
+__device__ __forceinline__ void accumulate(float (&acc)[NO][4], const float (&s)[NS][4], const unsigned* sh, int ld) {
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; ++kk) {
+        unsigned a[4];
+        accumulator_a<KIND>(a, s, kk);
+#pragma unroll
+        for (int c = 0; c < NO; ++c) {
+            unsigned b[2];
+            load_b(b, sh, ld, 8 * c, 16 * kk);
+            mma_16816<KIND>(acc[c], a, b);
+        }
+    }
+}
+
+// v becomes the max (or the sum) of the four lanes of its quad, the same in all four.
+template <bool MAX>
+__device__ __forceinline__ float quad(float v) {
+    for (int m = 1; m <= 2; m *= 2) {
+        float o = __shfl_xor_sync(0xffffffffu, v, m);
+        v = MAX ? fmaxf(v, o) : v + o;
+    }
+    return v;
+}
+
+// The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
+template <int KIND, int D, int BC>
+__device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
+    constexpr int LK = D / 2 + 4, LV = BC / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
+    __shared__ unsigned ks[BC * LK], vt[D * LV];
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const i64 rw = r0 + 16 * (threadIdx.x / 32);
+    unsigned qa[KD][4];
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) load_a<KIND>(qa[kk], p.q + matrix(p.aq, i, p.heads), p.aq.row, rw, p.tq, 16 * kk, p.d);
+    float o[NO][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    zero_acc(o);
+    i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
+    for (i64 j0 = 0; j0 < kend; j0 += BC) {
+        __syncthreads();
+        stage_bits<KIND, BC, D, false>(ks, LK, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
+        stage_bits<KIND, BC, D, true>(vt, LV, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        __syncthreads();
+        float s[NS][4], top[2] = {-INFINITY, -INFINITY};
+        product<KIND>(s, qa, ks, LK);
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                i64 r = rw + g + 8 * (e >> 1), j = j0 + 8 * n + 2 * t + (e & 1);
+                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                s[n][e] = seen ? p.scale * s[n][e] : -INFINITY;
+                top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mnew = fmaxf(m[h], quad<true>(top[h]));
+            alpha[h] = mnew == -INFINITY ? 1.0f : expf(m[h] - mnew);
+            m[h] = mnew;
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float mh = m[e >> 1];
+                s[n][e] = mh == -INFINITY ? 0.0f : expf(s[n][e] - mh);
+                l[e >> 1] += s[n][e];
+            }
+#pragma unroll
+        for (int c = 0; c < NO; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[c][e] *= alpha[e >> 1];
+        accumulate<KIND>(o, s, vt, LV);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] = quad<false>(l[h]);
+        i64 r = rw + g + 8 * h;
+        if (r >= p.tq) continue;
+        float* row = out + matrix(ao, i, p.heads) + r * ao.row;
+#pragma unroll
+        for (int c = 0; c < NO; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int col = 8 * c + 2 * t + e;
+                if (col < p.dv) row[col] = l[h] > 0.0f ? o[c][2 * h + e] / l[h] : 0.0f;
+            }
+        if (lse && t == 0) lse[i * p.tq + r] = l[h] > 0.0f ? m[h] + logf(l[h]) : -INFINITY;
+    }
+    __syncthreads();
+}
+
+// The backward over MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows. pass 0: D of each
+// row (sum over keys of P dP) into the first element of its dq row; pass 1: dq of each row, its D
+// read from there first.
+template <int KIND, int D, int BC>
+__device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const float* go, const Addr& ag, const float* lse,
+                                              float* gq, int pass, i64 i, i64 r0) {
+    constexpr int LK = D / 2 + 4, LT = BC / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
+    __shared__ unsigned ks[BC * LK], vs[BC * LK], kt[D * LT];
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const i64 rw = r0 + 16 * (threadIdx.x / 32);
+    float* gq0 = gq + matrix(p.aq, i, p.heads);
+    unsigned qa[KD][4], ga[KD][4];
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+        load_a<KIND>(qa[kk], p.q + matrix(p.aq, i, p.heads), p.aq.row, rw, p.tq, 16 * kk, p.d);
+        load_a<KIND>(ga[kk], go + matrix(ag, i, p.heads), ag.row, rw, p.tq, 16 * kk, p.dv);
+    }
+    float acc[NO][4], lr[2], dr[2], part[2] = {0.0f, 0.0f};
+    zero_acc(acc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        i64 r = rw + g + 8 * h;
+        lr[h] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
+        dr[h] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
+    }
+    i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
+    for (i64 j0 = 0; j0 < kend; j0 += BC) {
+        __syncthreads();
+        const float* k0 = p.k + matrix(p.ak, i, p.heads);
+        stage_bits<KIND, BC, D, false>(ks, LK, k0, p.ak.row, j0, p.tk, p.d);
+        stage_bits<KIND, BC, D, false>(vs, LK, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        if (pass == 1) stage_bits<KIND, BC, D, true>(kt, LT, k0, p.ak.row, j0, p.tk, p.d);
+        __syncthreads();
+        float s[NS][4], dp[NS][4];
+        product<KIND>(s, qa, ks, LK);
+        product<KIND>(dp, ga, vs, LK);
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int h = e >> 1;
+                i64 r = rw + g + 8 * h, j = j0 + 8 * n + 2 * t + (e & 1);
+                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                float prob = seen ? expf(p.scale * s[n][e] - lr[h]) : 0.0f;
+                if (pass == 0) part[h] += prob * dp[n][e];
+                else s[n][e] = prob * (dp[n][e] - dr[h]) * p.scale;
+            }
+        if (pass == 1) accumulate<KIND>(acc, s, kt, LT);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        i64 r = rw + g + 8 * h;
+        float d = quad<false>(part[h]);
+        if (r >= p.tq) continue;
+        if (pass == 0) {
+            if (t == 0) gq0[r * p.aq.row] = d;
+            continue;
+        }
+#pragma unroll
+        for (int c = 0; c < NO; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int col = 8 * c + 2 * t + e;
+                if (col < p.d) gq0[r * p.aq.row + col] = acc[c][2 * h + e];
+            }
+    }
+    __syncthreads();
+}
+
+// dk and dv of MMA_ROWS key rows from j0 of matrix i, from every query row that sees them, query
+// tiles of KR rows (D from dq's rows).
+template <int KIND, int D, int KR>
+__device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const float* go, const Addr& ag, const float* lse,
+                                               const float* gq, float* gk, float* gv, i64 i, i64 j0) {
+    constexpr int LQ = D / 2 + 4, LT = KR / 2 + 4, KD = D / 16, NS = KR / 8, NO = D / 8;
+    __shared__ unsigned qs[KR * LQ], gs[KR * LQ], qt[D * LT], gt[D * LT];
+    __shared__ float l_row[KR], d_row[KR];
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const i64 jw = j0 + 16 * (threadIdx.x / 32);
+    const float *q0 = p.q + matrix(p.aq, i, p.heads), *g0 = go + matrix(ag, i, p.heads), *gq0 = gq + matrix(p.aq, i, p.heads);
+    unsigned ka[KD][4], va[KD][4];
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+        load_a<KIND>(ka[kk], p.k + matrix(p.ak, i, p.heads), p.ak.row, jw, p.tk, 16 * kk, p.d);
+        load_a<KIND>(va[kk], p.v + matrix(p.av, i, p.heads), p.av.row, jw, p.tk, 16 * kk, p.dv);
+    }
+    float dk[NO][4], dv[NO][4];
+    zero_acc(dk);
+    zero_acc(dv);
+    i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
+    for (i64 r0 = rstart; r0 < p.tq; r0 += KR) {
+        __syncthreads();
+        stage_bits<KIND, KR, D, false>(qs, LQ, q0, p.aq.row, r0, p.tq, p.d);
+        stage_bits<KIND, KR, D, false>(gs, LQ, g0, ag.row, r0, p.tq, p.dv);
+        stage_bits<KIND, KR, D, true>(qt, LT, q0, p.aq.row, r0, p.tq, p.d);
+        stage_bits<KIND, KR, D, true>(gt, LT, g0, ag.row, r0, p.tq, p.dv);
+        if (threadIdx.x < KR) {
+            i64 r = r0 + threadIdx.x;
+            l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
+            d_row[threadIdx.x] = r < p.tq ? gq0[r * p.aq.row] : 0.0f;
+        }
+        __syncthreads();
+        // The transposed scores S^T = K Q^T and dP^T = V dO^T: this warp's keys by the tile's queries.
+        float st[NS][4], dpt[NS][4];
+        product<KIND>(st, ka, qs, LQ);
+        product<KIND>(dpt, va, gs, LQ);
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int c = 8 * n + 2 * t + (e & 1);
+                i64 j = jw + g + 8 * (e >> 1), r = r0 + c;
+                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                float prob = seen ? expf(p.scale * st[n][e] - l_row[c]) : 0.0f;
+                dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * p.scale : 0.0f;
+                st[n][e] = prob;
+            }
+        // dv += P^T dO and dk += dS^T Q.
+        accumulate<KIND>(dv, st, gt, LT);
+        accumulate<KIND>(dk, dpt, qt, LT);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        i64 j = jw + g + 8 * h;
+        if (j >= p.tk) continue;
+#pragma unroll
+        for (int c = 0; c < NO; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int col = 8 * c + 2 * t + e;
+                if (gk && col < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + col] = dk[c][2 * h + e];
+                if (gv && col < p.dv) gv[matrix(p.av, i, p.heads) + j * p.av.row + col] = dv[c][2 * h + e];
+            }
+    }
+    __syncthreads();
+}
+
+// The entry points for head sizes up to D with KIND's operands (SUF): blocks walk the (matrix, tile)
+// pairs of MMA_ROWS rows. The forward meets key tiles of FC rows, D and dq key tiles of QC, dk and dv
+// query tiles of KR; each tile set fits the 48 KiB of static shared memory.
+#define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR)                                                         \
+    extern "C" __global__ void attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
+        i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_mma_tile<KIND, D, FC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * MMA_ROWS);   \
+    }                                                                                                   \
+    extern "C" __global__ void attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
+        i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, (t % tiles) * MMA_ROWS); \
+    }                                                                                                   \
+    extern "C" __global__ void attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
+        i64 tiles = (p.tk + MMA_ROWS - 1) / MMA_ROWS;                                                   \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, (t % tiles) * MMA_ROWS); \
+    }
+
+ATTENTION_MMA(1, bf16, 64, 64, 64, 64)
+ATTENTION_MMA(1, bf16, 128, 64, 32, 32)
+ATTENTION_MMA(2, f16, 64, 64, 64, 64)
+ATTENTION_MMA(2, f16, 128, 64, 32, 32)

@@ -59,6 +59,44 @@ __device__ __forceinline__ float f16_operand(float x) {
     return __uint_as_float(__float_as_uint(r) | sign);
 }
 
+// An operand element's bits as the tensor cores read them: KIND 1, bf16_operand's bfloat16; KIND 2,
+// f16_operand's binary16 (its value is one exactly, so the bits follow from the float's).
+__device__ __forceinline__ unsigned f16_operand_bits(float x) {
+    unsigned u = __float_as_uint(f16_operand(x)), sign = (u >> 16) & 0x8000u, m = u & 0x7fffffffu;
+    if (m >= 0x7f800000u) return sign | 0x7c00u | ((m >> 13) & 0x3ffu);  // infinity; NaN keeps its payload
+    if (m >= 0x38800000u) return sign | (((m >> 23) - 112u) << 10) | ((m >> 13) & 0x3ffu);  // from 2^-14
+    return sign | (unsigned)(__uint_as_float(m) * 16777216.0f);  // a subnormal: a multiple of 2^-24
+}
+template <int KIND>
+__device__ __forceinline__ unsigned operand_bits(float x) {
+    return KIND == 1 ? __float_as_uint(bf16_operand(x)) >> 16 : f16_operand_bits(x);
+}
+// Two operand elements in one fragment register (lo in the low half, as the tensor cores pair them).
+template <int KIND>
+__device__ __forceinline__ unsigned operand_pair(float lo, float hi) {
+    return operand_bits<KIND>(lo) | (operand_bits<KIND>(hi) << 16);
+}
+
+// d += A B on the tensor cores: `mma.sync.aligned.m16n8k16.row.col` with f32 accumulation, bf16
+// (KIND 1) or fp16 (KIND 2) operands, each lane holding the PTX ISA's fragments (lane 4 g + t: a[r]
+// holds A(g + 8 (r & 1), 2 t + 8 (r >> 1) + {0, 1}), b[r] holds B(2 t + 8 r + {0, 1}, g), d[i] is
+// D(g + 8 (i >> 1), 2 t + (i & 1))). The emulator runs a model of it (emulator.h).
+template <int KIND>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#ifdef MEMFIT_EMULATOR
+    memfit_emu::mma<KIND>(d, a, b);
+#else
+    if (KIND == 1)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // Sum of `v` over the block (blockDim.x a power of two, at most 1024) into every thread's return,

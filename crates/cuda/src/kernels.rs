@@ -72,14 +72,19 @@ pub const MIN_CAPABILITY: (i32, i32) = (8, 0);
 
 /// NVRTC's name of a virtual architecture, `compute_90` for capability (9, 0).
 pub fn arch_name(capability: (i32, i32)) -> Option<&'static str> {
+    architectures(capability).map(|(virtual_arch, _)| virtual_arch)
+}
+
+/// The virtual and the real architecture of a capability: `("compute_90", "sm_90")` for (9, 0).
+fn architectures(capability: (i32, i32)) -> Option<(&'static str, &'static str)> {
     Some(match capability {
-        (8, 0) => "compute_80",
-        (8, 6) => "compute_86",
-        (8, 7) => "compute_87",
-        (8, 9) => "compute_89",
-        (9, 0) => "compute_90",
-        (10, 0) => "compute_100",
-        (12, 0) => "compute_120",
+        (8, 0) => ("compute_80", "sm_80"),
+        (8, 6) => ("compute_86", "sm_86"),
+        (8, 7) => ("compute_87", "sm_87"),
+        (8, 9) => ("compute_89", "sm_89"),
+        (9, 0) => ("compute_90", "sm_90"),
+        (10, 0) => ("compute_100", "sm_100"),
+        (12, 0) => ("compute_120", "sm_120"),
         _ => return None,
     })
 }
@@ -87,8 +92,19 @@ pub fn arch_name(capability: (i32, i32)) -> Option<&'static str> {
 /// Compiles `source` for `capability` to PTX (no cache). Errors name a missing NVRTC, an
 /// architecture memfit does not know, or the kernel with NVRTC's log.
 pub fn compile(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
+    compile_for(source, capability, false)
+}
+
+/// Compiles `source` for `capability`'s real architecture: NVRTC then also assembles the PTX into
+/// the GPU's code (ptxas inside NVRTC), so inline PTX (the tensor cores' `mma`) is checked as the
+/// driver will check it, on a machine without a GPU. The PTX, or `compile`'s errors.
+pub fn assemble(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
+    compile_for(source, capability, true)
+}
+
+fn compile_for(source: &Source, capability: (i32, i32), real: bool) -> Result<Ptx, CudaError> {
     probe(&[Library::Nvrtc])?;
-    let arch = arch_name(capability).ok_or_else(|| CudaError::Call {
+    let (virtual_arch, real_arch) = architectures(capability).ok_or_else(|| CudaError::Call {
         what: format!("compiling {} for sm_{}{}", source.name, capability.0, capability.1),
         detail: format!(
             "memfit knows compute capabilities 8.0, 8.6, 8.7, 8.9, 9.0, 10.0 and 12.0 (at least {}.{})",
@@ -96,7 +112,7 @@ pub fn compile(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError
         ),
     })?;
     let options = CompileOptions {
-        arch: Some(arch),
+        arch: Some(if real { real_arch } else { virtual_arch }),
         name: Some(format!("{}.cu", source.name)),
         // No include path: the sources need no header (the GPU machine may have none).
         options: vec!["--std=c++17".into()],

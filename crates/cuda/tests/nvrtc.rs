@@ -1,10 +1,12 @@
-//! Every kernel source compiles with NVRTC for sm_80 and sm_90, on any machine that has NVRTC (no
+//! Every kernel source compiles with NVRTC for sm_80 and sm_90, to PTX and assembled for the real
+//! architecture (ptxas inside NVRTC: the inline PTX of the tensor cores' `mma` is checked too), on
+//! any machine that has NVRTC (no
 //! GPU needed: `.ci/run` installs PyPI's `nvidia-cuda-nvrtc` and puts it on `LD_LIBRARY_PATH`).
 //! Without NVRTC it says so on its own line, `skipped: ...`, rather than passing silently (this
 //! test has no harness, so what it prints is not captured). `MEMFIT_REQUIRE_NVRTC=1` turns the
 //! skip into a failure (CI sets it once it installed NVRTC).
 
-use memfit_cuda::kernels::{compile, nvrtc_version, SOURCES};
+use memfit_cuda::kernels::{assemble, compile, nvrtc_version, SOURCES};
 use memfit_cuda::Library;
 
 fn main() {
@@ -22,14 +24,26 @@ fn main() {
     let mut failures = 0;
     for capability in [(8, 0), (9, 0)] {
         for source in &SOURCES {
-            match compile(source, capability) {
-                Ok(ptx) => assert!(ptx.to_src().contains(".entry"), "{}: PTX without kernels", source.name),
-                Err(e) => {
-                    eprintln!("nvrtc: {} for sm_{}{}: {e}", source.name, capability.0, capability.1);
-                    failures += 1;
+            for (how, result) in [("PTX", compile(source, capability)), ("assembled", assemble(source, capability))] {
+                match result {
+                    Ok(ptx) => assert!(ptx.to_src().contains(".entry"), "{}: PTX without kernels", source.name),
+                    Err(e) => {
+                        eprintln!("nvrtc: {} for sm_{}{} ({how}): {e}", source.name, capability.0, capability.1);
+                        failures += 1;
+                    }
                 }
             }
         }
+    }
+    // Inline PTX the assembler refuses fails to assemble (the PTX check alone passes it through).
+    let bad_asm = memfit_cuda::kernels::Source {
+        name: "bad_asm",
+        text: "extern \"C\" __global__ void k(float* x) { asm volatile(\"mma.sync.aligned.m16n8k17.row.col.f32.bf16.bf16.f32 {%0}, {%0}, {%0}, {%0};\" : \"+f\"(x[0])); }",
+        kernels: &["k"],
+    };
+    match assemble(&bad_asm, (9, 0)) {
+        Err(memfit_cuda::CudaError::Compile { log, .. }) => assert!(log.contains("m16n8k17"), "{log}"),
+        other => panic!("unknown inline PTX assembled or failed otherwise: {:?}", other.map(|_| ())),
     }
     // A broken source is an error with NVRTC's log, not a panic.
     let broken = memfit_cuda::kernels::Source {
@@ -59,7 +73,7 @@ fn main() {
         std::process::exit(1);
     }
     println!(
-        "nvrtc: {} kernel sources compiled for sm_80 and sm_90 with NVRTC {}.{}",
+        "nvrtc: {} kernel sources compiled and assembled for sm_80 and sm_90 with NVRTC {}.{}",
         SOURCES.len(),
         version.0,
         version.1

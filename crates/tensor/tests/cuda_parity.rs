@@ -400,11 +400,27 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
     cuda.set_products(products);
     let mut cases = 0;
     let conv = ops::Conv2dParams { padding: [1, 1], ..Default::default() };
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 7] = [
+    const TQ: usize = 40;
+    const TK: usize = 50;
+    let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 10] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
-        ("attention d64 (tiled)", vec![&[2, 3, 70, 64], &[2, 3, 70, 64], &[2, 3, 70, 64]], &|x| {
+        // The tensor cores' kernels: two tiles of 64 rows, the second partial; cross-attention with
+        // heads 100 and 72 (the d128 kernels) over more keys than queries; a mask that hides a
+        // whole row; heads of 8 and 40 (padded to 64), fewer keys than queries.
+        ("attention d64 (tensor cores)", vec![&[2, 3, 70, 64], &[2, 3, 70, 64], &[2, 3, 70, 64]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        ("attention d100 dv72 (tensor cores)", vec![&[1, 2, 37, 100], &[1, 2, 70, 100], &[1, 2, 70, 72]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)
+        }),
+        ("attention masked (tensor cores)", vec![&[2, 2, TQ, 64], &[2, 2, TK, 64], &[2, 2, TK, 64]], &|x| {
+            let m = Tensor::from_slice(x[0].device(), &mask, &[TQ, TK], Category::Input)?;
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, Some(&m))
+        }),
+        ("attention d8 dv40 causal (tensor cores)", vec![&[1, 3, 33, 8], &[1, 3, 17, 8], &[1, 3, 17, 40]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
         }),
         ("attention d160 (per row)", vec![&[1, 2, 9, 160], &[1, 2, 11, 160], &[1, 2, 11, 160]], &|x| {
@@ -424,13 +440,31 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
             let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
             let gap = |a: &[f32]| a.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
             // Attention's forward rounds P before it is normalized on a GPU (online softmax), after
-            // on the cpu: the two differ by the rounding, no more than f32 products do. Elsewhere
+            // on the cpu: two roundings of different values, each as far from the exact result as
+            // f32 products are, so within twice that of each other. Elsewhere
             // the order of additions; under fp16 (8 times finer) an intermediate it moved lands on
             // the other side of a rounding more often (still a tenth of the rounding's own effect).
+            // Attention's gradients on the tensor cores add their products in another order than
+            // the cpu's, so now and then a rounded intermediate (a P or dS element) lands on the
+            // other side of its rounding and moves the row or column it feeds: at most 2% of the
+            // elements beyond the order of additions, and those within half the rounding's effect
+            // (a wrong fragment or tile would move nearly all of them, by the values themselves).
             let forward_attention = k == 0 && what.contains("attention");
             let order = if products == memfit_tensor::Products::F16 { 1e-5 } else { 1e-6 };
-            let limit = if forward_attention { gap(p) } else { order };
-            assert!(gap(g) <= limit, "{what} result {k}: cuda's {} from the cpu's", gap(g));
+            let beyond = g.iter().zip(w).filter(|(x, y)| (*x - *y).abs() > order * scale).count();
+            let limit = if forward_attention {
+                2.0 * gap(p)
+            } else if what.contains("tensor cores") && beyond * 50 <= g.len() {
+                order.max(gap(p) / 2.0)
+            } else {
+                order
+            };
+            assert!(
+                gap(g) <= limit,
+                "{what} result {k}: cuda's {} from the cpu's ({beyond} of {} beyond {order})",
+                gap(g),
+                g.len()
+            );
             let bias = k + 1 == want.len() && !what.contains("matmul") && !what.contains("attention");
             assert!(bias || gap(p) > 1e-5, "{what} result {k}: the products round (f32 within {})", gap(p));
         }

@@ -1844,7 +1844,7 @@ impl Backend for Cuda {
         let problem = attention_problem(q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
         let (name, shape) = match tiled_head(pb, q.dtype()) {
-            Some(t) => (format!("attention_tiled_d{}_f32", t.head), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
+            Some(t) => (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
             None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
         };
         self.launch(
@@ -1891,11 +1891,11 @@ impl Backend for Cuda {
         // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
         if let Some(t) = tiled_head(pb, grad.dtype()).filter(|_| gqp != 0) {
             let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
-            let q_kernel = format!("attention_tiled_backward_q_d{}_f32", t.head);
+            let q_kernel = t.kernel("backward_q_");
             self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
             if gkp != 0 || gvp != 0 {
                 self.launch(
-                    &format!("attention_tiled_backward_kv_d{}_f32", t.head),
+                    &t.kernel("backward_kv_"),
                     self.tiles(pb.dims.bh, pb.dims.tk, t.key_rows),
                     &mut common(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
                 )?;
@@ -2153,27 +2153,61 @@ fn adam_args(step: AdamStep) -> Arg {
     ])
 }
 
-/// The tile shape of attention.cu's tiled kernels for a head size (`ATTENTION_TILED`'s arguments).
+/// The tile shape of attention.cu's tiled kernels for a head size (`ATTENTION_TILED`'s or
+/// `ATTENTION_MMA`'s arguments).
 struct AttentionTiles {
+    /// The kernels: `tiled` (f32 products) or `mma` (the tensor cores').
+    kind: &'static str,
     /// Head sizes up to this (the kernels' `D`).
     head: usize,
-    /// Query rows of a tile of the forward (`FR`).
+    /// The operands the products read: `f32`, `bf16` or `f16`.
+    operands: &'static str,
+    /// Query rows of a tile of the forward (`FR`; MMA_ROWS).
     forward_rows: usize,
-    /// Query rows of a tile of D and dq (`QR`).
+    /// Query rows of a tile of D and dq (`QR`; MMA_ROWS).
     query_rows: usize,
-    /// Key rows of a tile of dk and dv (`KC`).
+    /// Key rows of a tile of dk and dv (`KC`; MMA_ROWS).
     key_rows: usize,
 }
 
-/// The tiled kernels that take this problem: f32 with head sizes up to 128; None for the per-row
-/// kernels.
-fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
-    let head = pb.dims.d.max(pb.dims.dv);
-    match (dtype, head) {
-        (DType::F32, 0..=64) => Some(AttentionTiles { head: 64, forward_rows: 64, query_rows: 32, key_rows: 32 }),
-        (DType::F32, 65..=128) => Some(AttentionTiles { head: 128, forward_rows: 32, query_rows: 16, key_rows: 16 }),
-        _ => None,
+impl AttentionTiles {
+    /// The name of the kernel `step` ("", "backward_q_" or "backward_kv_").
+    fn kernel(&self, step: &str) -> String {
+        format!("attention_{}_{step}d{}_{}", self.kind, self.head, self.operands)
     }
+}
+
+/// The tiled kernels that take this problem: f32 with head sizes up to 128, on the tensor cores
+/// when the products round their operands to bf16 or fp16; None for the per-row kernels.
+fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
+    /// attention.cu's MMA_ROWS: the rows of a block of the tensor-core kernels.
+    const MMA_ROWS: usize = 64;
+    let head = match pb.dims.d.max(pb.dims.dv) {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => return None,
+    };
+    if dtype != DType::F32 {
+        return None;
+    }
+    let mma = |operands| AttentionTiles {
+        kind: "mma",
+        head,
+        operands,
+        forward_rows: MMA_ROWS,
+        query_rows: MMA_ROWS,
+        key_rows: MMA_ROWS,
+    };
+    Some(match (pb.products, head) {
+        (Products::Bf16, _) => mma("bf16"),
+        (Products::F16, _) => mma("f16"),
+        (Products::F32, 64) => {
+            AttentionTiles { kind: "tiled", head, operands: "f32", forward_rows: 64, query_rows: 32, key_rows: 32 }
+        }
+        (Products::F32, _) => {
+            AttentionTiles { kind: "tiled", head, operands: "f32", forward_rows: 32, query_rows: 16, key_rows: 16 }
+        }
+    })
 }
 
 /// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes, how the products round
