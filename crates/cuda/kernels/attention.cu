@@ -786,3 +786,27 @@ ATTENTION_MMA(1, bf16, 64, 64, 64, 64)
 ATTENTION_MMA(1, bf16, 128, 64, 32, 32)
 ATTENTION_MMA(2, f16, 64, 64, 64, 64)
 ATTENTION_MMA(2, f16, 128, 64, 32, 32)
+
+// The tensor cores' check, run once before the kernels above are used: one warp multiplies
+// A(r, k) = (3 r + 5 k) % 7 - 3 by B(k, n) = (2 k + 3 n) % 5 - 2 (small integers: every sum exact in
+// any order) through mma_16816, each lane building its fragments as the kernels do, and writes
+// lane l's d[i] to out[4 l + i]; the host compares them with the product (`mma_check_error` in the
+// cuda backend), so fragments laid out otherwise than this GPU's fail there, not in training.
+template <int KIND>
+__device__ void mma_check(float* out) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    auto a_at = [](int r, int k) { return float((3 * r + 5 * k) % 7 - 3); };
+    auto b_at = [](int k, int n) { return float((2 * k + 3 * n) % 5 - 2); };
+    unsigned a[4], b[2];
+    for (int q = 0; q < 4; ++q) {
+        int r = g + 8 * (q & 1), k = 2 * t + 8 * (q >> 1);
+        a[q] = operand_pair<KIND>(a_at(r, k), a_at(r, k + 1));
+    }
+    for (int q = 0; q < 2; ++q) b[q] = operand_pair<KIND>(b_at(2 * t + 8 * q, g), b_at(2 * t + 8 * q + 1, g));
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_16816<KIND>(d, a, b);
+    for (int i = 0; i < 4; ++i) out[4 * lane + i] = d[i];
+}
+
+extern "C" __global__ void attention_mma_check_bf16(float* out) { mma_check<1>(out); }
+extern "C" __global__ void attention_mma_check_f16(float* out) { mma_check<2>(out); }

@@ -18,7 +18,7 @@ use crate::tensor::Tensor;
 use crate::{DType, Products};
 use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Staging, Strided};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Threads a block for element-wise kernels and one-block-per-row kernels (their shared arrays
 /// hold 256 values); reductions over a whole tensor in one block use [`WHOLE_BLOCK`].
@@ -50,7 +50,14 @@ pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
     Ok(super::Opened {
         description: Some(machine.description()),
         segments: Box::new(CudaSegments::new(machine.clone())),
-        kernels: Box::new(Cuda { staging: Staging::new(machine.clone()), machine, status: AtomicU64::new(0), ordinal }),
+        kernels: Box::new(Cuda {
+            staging: Staging::new(machine.clone()),
+            machine,
+            status: AtomicU64::new(0),
+            workspace: AtomicU64::new(0),
+            tensor_cores: Default::default(),
+            ordinal,
+        }),
         context_bytes,
         free_bytes: Some(free),
     })
@@ -67,6 +74,11 @@ pub(crate) struct Cuda {
     /// `[0]` an embedding position + 1 whose index was out of range, `[1]` a loss row + 1 whose
     /// target was, `[2]` (as i32) unscale's found-inf flag.
     status: AtomicU64,
+    /// Device address of the library workspace's first byte (set with `status`).
+    workspace: AtomicU64,
+    /// The tensor cores' check for bf16 (0) and fp16 (1) operands: run once, before the first
+    /// attention on them; true when the GPU's `mma` gave the product (attention.cu's `mma_check`).
+    tensor_cores: [OnceLock<bool>; 2],
     ordinal: u32,
     /// Pinned host buffers batches are uploaded through.
     staging: Staging,
@@ -291,6 +303,53 @@ impl Cuda {
         }
     }
 
+    /// The kernels for this attention problem: `tiled_head`'s, the tensor cores' only when their
+    /// check passed on this device (else the CUDA cores' tiled kernels, which round the same
+    /// operands).
+    fn attention_tiles(&self, pb: &AttnProblem, dtype: DType) -> Result<Option<AttentionTiles>> {
+        let head = pb.dims.d.max(pb.dims.dv);
+        let Some(tiles) = tiled_head(head, dtype, pb.products) else { return Ok(None) };
+        if tiles.kind != "mma" || self.tensor_cores_work(tiles.operands)? {
+            return Ok(Some(tiles));
+        }
+        Ok(tiled_head(head, dtype, Products::F32))
+    }
+
+    /// Runs the tensor cores' check for `operands` ("bf16" or "f16") once (a warp's product into the
+    /// library workspace's first 512 bytes, read back) and says whether it passed; a failure is
+    /// said once on stderr, or is an error with `MEMFIT_REQUIRE_TENSOR_CORES=1` (the tests' setting:
+    /// a fallback would leave the tensor cores' kernels untested).
+    fn tensor_cores_work(&self, operands: &str) -> Result<bool> {
+        let cell = &self.tensor_cores[usize::from(operands == "f16")];
+        if let Some(&works) = cell.get() {
+            return Ok(works);
+        }
+        self.status()?;
+        let out = self.workspace.load(Ordering::Relaxed);
+        let kernel = format!("attention_mma_check_{operands}");
+        self.launch(&kernel, Launch { grid: 1, block: 32 }, &mut [Arg::Ptr(out)])?;
+        let mut bytes = [0u8; 4 * MMA_CHECK_VALUES];
+        self.machine.download(out, &mut bytes).map_err(|e| self.err(e))?;
+        let values: Vec<f32> =
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
+        let failure = mma_check_error(&values);
+        if let Some(why) =
+            failure.as_ref().filter(|_| std::env::var_os("MEMFIT_REQUIRE_TENSOR_CORES").is_some_and(|v| v == "1"))
+        {
+            return Err(Error::device(format!(
+                "--device {}: the tensor cores' check failed ({why}) and MEMFIT_REQUIRE_TENSOR_CORES=1",
+                DeviceKind::Cuda(self.ordinal)
+            )));
+        }
+        if let Some(why) = &failure {
+            eprintln!(
+                "memfit: warning: --device {}: the tensor cores' check failed ({why}); attention's {operands} products run on the CUDA cores instead",
+                DeviceKind::Cuda(self.ordinal)
+            );
+        }
+        Ok(*cell.get_or_init(|| failure.is_none()))
+    }
+
     /// Reads and clears the status word; an error for an out-of-range index or target flagged
     /// since the last read.
     fn check_status(&self) -> Result<()> {
@@ -435,6 +494,7 @@ impl Backend for Cuda {
         self.machine.set_library_workspace(address, (bytes - STATUS_BYTES) as usize).map_err(|e| self.err(e))?;
         self.machine.zero(status, STATUS_BYTES as usize).map_err(|e| self.err(e))?;
         self.status.store(status, Ordering::Relaxed);
+        self.workspace.store(address, Ordering::Relaxed);
         Ok(())
     }
 
@@ -1843,7 +1903,7 @@ impl Backend for Cuda {
         }
         let problem = attention_problem(q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
-        let (name, shape) = match tiled_head(pb, q.dtype()) {
+        let (name, shape) = match self.attention_tiles(pb, q.dtype())? {
             Some(t) => (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
             None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
         };
@@ -1889,7 +1949,7 @@ impl Backend for Cuda {
             args
         };
         // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
-        if let Some(t) = tiled_head(pb, grad.dtype()).filter(|_| gqp != 0) {
+        if let Some(t) = self.attention_tiles(pb, grad.dtype())?.filter(|_| gqp != 0) {
             let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
             let q_kernel = t.kernel("backward_q_");
             self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
@@ -2177,12 +2237,12 @@ impl AttentionTiles {
     }
 }
 
-/// The tiled kernels that take this problem: f32 with head sizes up to 128, on the tensor cores
-/// when the products round their operands to bf16 or fp16; None for the per-row kernels.
-fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
+/// The tiled kernels for heads of `head` values: f32 with head sizes up to 128, on the tensor cores
+/// when `products` round their operands to bf16 or fp16; None for the per-row kernels.
+fn tiled_head(head: usize, dtype: DType, products: Products) -> Option<AttentionTiles> {
     /// attention.cu's MMA_ROWS: the rows of a block of the tensor-core kernels.
     const MMA_ROWS: usize = 64;
-    let head = match pb.dims.d.max(pb.dims.dv) {
+    let head = match head {
         0..=64 => 64,
         65..=128 => 128,
         _ => return None,
@@ -2198,7 +2258,7 @@ fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
         query_rows: MMA_ROWS,
         key_rows: MMA_ROWS,
     };
-    Some(match (pb.products, head) {
+    Some(match (products, head) {
         (Products::Bf16, _) => mma("bf16"),
         (Products::F16, _) => mma("f16"),
         (Products::F32, 64) => {
@@ -2207,6 +2267,26 @@ fn tiled_head(pb: &AttnProblem, dtype: DType) -> Option<AttentionTiles> {
         (Products::F32, _) => {
             AttentionTiles { kind: "tiled", head, operands: "f32", forward_rows: 32, query_rows: 16, key_rows: 16 }
         }
+    })
+}
+
+/// The values attention.cu's `mma_check` writes: 4 per lane of a warp.
+const MMA_CHECK_VALUES: usize = 128;
+
+/// What is wrong with `mma_check`'s values (lane l's d[i] at 4 l + i), or None when they are the
+/// product A B of its two integer matrices, each at the place the PTX ISA gives the lane's
+/// accumulator elements: D(l / 4 + 8 (i >> 1), 2 (l % 4) + (i & 1)).
+fn mma_check_error(values: &[f32]) -> Option<String> {
+    let a = |r: i64, k: i64| ((3 * r + 5 * k) % 7 - 3) as f32;
+    let b = |k: i64, n: i64| ((2 * k + 3 * n) % 5 - 2) as f32;
+    if values.len() != MMA_CHECK_VALUES {
+        return Some(format!("{} values, not {MMA_CHECK_VALUES}", values.len()));
+    }
+    values.iter().enumerate().find_map(|(at, &got)| {
+        let (lane, i) = ((at / 4) as i64, at as i64 % 4);
+        let (row, col) = (lane / 4 + 8 * (i >> 1), 2 * (lane % 4) + (i & 1));
+        let want: f32 = (0..16).map(|k| a(row, k) * b(k, col)).sum();
+        (got != want).then(|| format!("D({row}, {col}) = {got}, not {want}"))
     })
 }
 
@@ -2379,6 +2459,25 @@ fn binary_code(op: Binary) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tensor_cores_check_wants_the_product_at_the_ptx_places() {
+        // The product of mma_check's matrices at the places the PTX ISA gives lane l's d[i].
+        let product = |row: i64, col: i64| -> f32 {
+            (0..16).map(|k| (((3 * row + 5 * k) % 7 - 3) * ((2 * k + 3 * col) % 5 - 2)) as f32).sum()
+        };
+        let place =
+            |at: usize| ((at / 16) as i64 + 8 * ((at % 4) as i64 >> 1), 2 * ((at / 4) % 4) as i64 + (at % 2) as i64);
+        let right: Vec<f32> = (0..MMA_CHECK_VALUES).map(|at| product(place(at).0, place(at).1)).collect();
+        assert_eq!(mma_check_error(&right), None);
+        let mut one_off = right.clone();
+        one_off[77] += 1.0;
+        assert!(mma_check_error(&one_off).unwrap().contains("D(4, 7) = "), "{:?}", mma_check_error(&one_off));
+        // The accumulator's rows and columns swapped (a layout this GPU does not have) fail.
+        let swapped: Vec<f32> = (0..MMA_CHECK_VALUES).map(|at| product(place(at).1, place(at).0)).collect();
+        assert!(mma_check_error(&swapped).is_some());
+        assert_eq!(mma_check_error(&right[..4]), Some("4 values, not 128".into()));
+    }
 
     #[test]
     fn operands_read_row_major_matrices_as_cublas_needs_them() {
