@@ -54,6 +54,33 @@ __device__ __forceinline__ void adam_element(const AdamArgs& a, T& p, T g, T& m,
 OPTIM(float, f32)
 OPTIM(double, f64)
 
+// Adam over up to ADAM_LIST f32 tensors in one launch (the optimizer's step, a launch per tensor
+// before): tensor t holds the elements start[t] .. start[t + 1] of the list's walk; each element's
+// step is adam_f32's. Passed by value (2 KiB of the launch's 4 KiB of arguments).
+#define ADAM_LIST 48
+struct AdamList {
+    i64 count;
+    i64 start[ADAM_LIST + 1];
+    float* p[ADAM_LIST];
+    const float* g[ADAM_LIST];
+    float* m[ADAM_LIST];
+    float* v[ADAM_LIST];
+};
+
+extern "C" __global__ void adam_list_f32(AdamList list, AdamArgs a) {
+    GRID_STRIDE(e, list.start[list.count]) {
+        // The last tensor whose walk starts at or before e (empty tensors start where the next does).
+        int lo = 0, hi = (int)list.count - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (list.start[mid] <= e) lo = mid;
+            else hi = mid - 1;
+        }
+        i64 j = e - list.start[lo];
+        adam_element<float>(a, list.p[lo][j], list.g[lo][j], list.m[lo][j], list.v[lo][j]);
+    }
+}
+
 // Compact moments of an f32 parameter (the cpu kernels' Note [Compact optimizer state]; the
 // bfloat16 casts are common.cuh's).
 

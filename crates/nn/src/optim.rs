@@ -12,7 +12,7 @@
 //! call allocated and returns the error with every parameter, every existing state tensor and the
 //! step counts exactly as before, so a trainer can free memory and call `step` again.
 
-use memfit_tensor::ops::{adam_update, adam_update_8bit, sgd_update};
+use memfit_tensor::ops::{adam_update, adam_update_8bit, adam_update_all, sgd_update};
 use memfit_tensor::{Category, Error, Phase, Result, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -300,13 +300,65 @@ impl Optimizer {
         // Phase 1: allocate all missing state; commit only if every allocation succeeded.
         let wanted: Vec<bool> = grads.iter().map(Option::is_some).collect();
         self.allocate_missing(&wanted)?;
-        // Phase 2: update.
+        // Phase 2: update. Adam's dense moments in the parameter's dtype go together, a group per
+        // step count (`adam_update_all`: on a GPU a few launches instead of one per parameter);
+        // the rest one by one. The same bits either way: every update is element-wise.
+        let mut groups: std::collections::BTreeMap<u64, Vec<usize>> = Default::default();
         for (i, g) in grads.iter().enumerate() {
-            if let Some(g) = g {
-                self.update(i, g)?;
+            let Some(g) = g else { continue };
+            match self.adam_group_steps(i) {
+                Some(steps) => groups.entry(steps).or_default().push(i),
+                None => self.update(i, g)?,
             }
         }
+        for (steps, members) in groups {
+            self.update_group(steps, &members, &grads)?;
+        }
         self.steps += 1;
+        Ok(())
+    }
+
+    /// The steps taken by parameter `i` when it can be updated in a group (Adam or AdamW whose
+    /// moments are dense in the parameter's dtype); None otherwise.
+    fn adam_group_steps(&self, i: usize) -> Option<u64> {
+        let (OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. }) = self.config else { return None };
+        match self.state[i].as_ref()? {
+            ParamState::Adam { moments: Moments::Dense { exp_avg, .. }, steps }
+                if exp_avg.dtype() == self.params[i].1.dtype() =>
+            {
+                Some(*steps)
+            }
+            _ => None,
+        }
+    }
+
+    /// One Adam step of the parameters `members` (each `adam_group_steps` gave `steps`) from their
+    /// gradients in `grads`.
+    fn update_group(&mut self, steps: u64, members: &[usize], grads: &[Option<Tensor>]) -> Result<()> {
+        let (OptimizerConfig::Adam { lr, betas, eps, weight_decay, .. }
+        | OptimizerConfig::AdamW { lr, betas, eps, weight_decay, .. }) = self.config
+        else {
+            return Err(Error::invalid("internal: a group update needs Adam"));
+        };
+        let decoupled = matches!(self.config, OptimizerConfig::AdamW { .. });
+        let mut group = Vec::with_capacity(members.len());
+        for &i in members {
+            let (Some(ParamState::Adam { moments: Moments::Dense { exp_avg, exp_avg_sq }, .. }), Some(g)) =
+                (self.state[i].as_ref(), grads[i].as_ref())
+            else {
+                return Err(Error::invalid("internal: a group member without dense Adam state or gradient"));
+            };
+            group.push([&self.params[i].1, g, exp_avg, exp_avg_sq]);
+        }
+        adam_update_all(&group, steps + 1, lr, betas, eps, weight_decay, decoupled).map_err(|e| match e {
+            Error::OutOfMemory(_) => e,
+            other => Error::invalid(format!("optimizer step on {} parameters: {other}", members.len())),
+        })?;
+        for &i in members {
+            if let Some(ParamState::Adam { steps, .. }) = self.state[i].as_mut() {
+                *steps += 1;
+            }
+        }
         Ok(())
     }
 

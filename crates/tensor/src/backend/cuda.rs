@@ -1300,6 +1300,41 @@ impl Backend for Cuda {
         )
     }
 
+    fn adam_update_all(&self, group: &[[&Tensor; 4]], step: AdamStep) -> Result<()> {
+        /// optim.cu's ADAM_LIST: the tensors of one `adam_list_f32` launch.
+        const ADAM_LIST: usize = 48;
+        let (lists, singles): (Vec<&[&Tensor; 4]>, Vec<&[&Tensor; 4]>) =
+            group.iter().partition(|tensors| tensors.iter().all(|t| t.dtype() == DType::F32));
+        for [param, grad, exp_avg, exp_avg_sq] in singles {
+            self.adam_update(param, grad, exp_avg, exp_avg_sq, step)?;
+        }
+        for list in lists.chunks(ADAM_LIST) {
+            // struct AdamList: the count, the walk's starts, then the four pointer arrays.
+            let mut words = vec![list.len() as u64];
+            let mut start = 0u64;
+            words.push(0);
+            for tensors in list {
+                start += tensors[0].numel() as u64;
+                words.push(start);
+            }
+            words.resize(2 + ADAM_LIST, 0);
+            for k in 0..4 {
+                for tensors in list {
+                    words.push(dense(tensors[k], "adam_update")?);
+                }
+                words.resize(2 + ADAM_LIST + (k + 1) * ADAM_LIST, 0);
+            }
+            if start > 0 {
+                self.launch(
+                    "adam_list_f32",
+                    self.grid(start as usize, BLOCK),
+                    &mut [Arg::Words(words), adam_args(step)],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
     fn adam_update(
         &self,
         param: &Tensor,

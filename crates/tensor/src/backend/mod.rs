@@ -52,6 +52,16 @@ macro_rules! backends {
                 Ok(())
             }
 
+            /// `adam_update` of each `[param, grad, exp_avg, exp_avg_sq]` of `group` (dense moments of
+            /// the parameter's dtype), all at `step`. A GPU updates many tensors in one launch (the
+            /// optimizer's step is otherwise a launch per parameter); the bits are `adam_update`'s.
+            fn adam_update_all(&self, group: &[[&Tensor; 4]], step: crate::ops::AdamStep) -> Result<()> {
+                for [param, grad, exp_avg, exp_avg_sq] in group {
+                    self.adam_update(param, grad, exp_avg, exp_avg_sq, step)?;
+                }
+                Ok(())
+            }
+
             /// Overwrites every byte of the contiguous tensor `t` with what `fill` writes into the
             /// buffer it is given (all of it; the buffer's old contents are undefined), without
             /// reading `t` first; the buffer is 8-byte aligned at least. With `staged` (data that

@@ -116,6 +116,35 @@ pub fn adam_update(
     param.device().backend().adam_update(param, grad, exp_avg, exp_avg_sq, step)
 }
 
+/// [`adam_update`] of every `[param, grad, exp_avg, exp_avg_sq]` of `group` at one `step`, each
+/// with dense moments of its parameter's dtype: the same bits, and on a GPU a launch for many
+/// tensors instead of one each. Every tensor is checked before any is updated, so an error leaves
+/// them all unchanged.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_update_all(
+    group: &[[&Tensor; 4]],
+    step: u64,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    decoupled: bool,
+) -> Result<()> {
+    let Some([first, ..]) = group.first() else { return Ok(()) };
+    let _op = first.device().op_scope("adam_update");
+    if step == 0 {
+        return Err(Error::invalid("adam_update: steps are numbered from 1"));
+    }
+    for [param, grad, exp_avg, exp_avg_sq] in group {
+        if !param.device().same(first.device()) {
+            return Err(Error::device("adam_update: the tensors of one step are on different devices".to_string()));
+        }
+        check_update("adam_update", param, grad, &[exp_avg, exp_avg_sq])?;
+    }
+    let step = AdamStep { step, lr, betas, eps, weight_decay, decoupled };
+    first.device().backend().adam_update_all(group, step)
+}
+
 /// Adam / AdamW as [`adam_update`] for an f32 parameter whose moments are 8-bit block-wise: u8
 /// `*_codes` of the parameter's length and f32 `*_absmax`, one per block of
 /// [`memfit_cpu::optim::QUANT_BLOCK`] values (Note [Compact optimizer state] in memfit-cpu). Zero
