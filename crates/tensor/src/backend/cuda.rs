@@ -305,11 +305,15 @@ impl Cuda {
 
     /// The kernels for this attention problem: `tiled_head`'s, the tensor cores' only when their
     /// check passed on this device (else the CUDA cores' tiled kernels, which round the same
-    /// operands).
+    /// operands) and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not ask for the CUDA cores' (to time
+    /// one against the other).
     fn attention_tiles(&self, pb: &AttnProblem, dtype: DType) -> Result<Option<AttentionTiles>> {
+        static CUDA_CORES: OnceLock<bool> = OnceLock::new();
+        let cuda_cores =
+            *CUDA_CORES.get_or_init(|| std::env::var_os("MEMFIT_CUDA_ATTENTION").is_some_and(|v| v == "cuda-cores"));
         let head = pb.dims.d.max(pb.dims.dv);
         let Some(tiles) = tiled_head(head, dtype, pb.products) else { return Ok(None) };
-        if tiles.kind != "mma" || self.tensor_cores_work(tiles.operands)? {
+        if tiles.kind != "mma" || (!cuda_cores && self.tensor_cores_work(tiles.operands)?) {
             return Ok(Some(tiles));
         }
         Ok(tiled_head(head, dtype, Products::F32))
