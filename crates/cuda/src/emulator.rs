@@ -276,7 +276,14 @@ impl Machine for Emulator {
         Ok(())
     }
 
+    fn fuses_bias(&self) -> bool {
+        true
+    }
+
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || g.dtype == GemmType::F64) {
+            return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32"));
+        }
         match g.dtype {
             GemmType::F32 => gemm_host::<f32>(g, |v| v),
             GemmType::F32Bf16 => gemm_host::<f32>(g, memfit_kernels::gemm_bf16::round_bf16),
@@ -337,10 +344,16 @@ fn gemm_host<T: Float>(g: &Gemm, read: impl Fn(T) -> T) {
                     // SAFETY: the product's operands lie inside emulated memory (the caller's contract).
                     acc = acc + unsafe { read(*a.add(ai)) * read(*b.add(bi)) };
                 }
-                // SAFETY: as above.
+                // SAFETY: as above; a bias holds m values (the caller's contract).
                 unsafe {
                     let out = c.add(i + j * g.ldc);
-                    *out = if g.beta == 0.0 { alpha * acc } else { alpha * acc + beta * *out };
+                    *out = if g.bias != 0 {
+                        alpha * acc + *(g.bias as *const T).add(i)
+                    } else if g.beta == 0.0 {
+                        alpha * acc
+                    } else {
+                        alpha * acc + beta * *out
+                    };
                 }
             }
         }

@@ -5,6 +5,7 @@
 
 use crate::kernels::{compile_cached, source_of};
 use crate::libraries::{probe, Library};
+use crate::lt::Lt;
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
 use crate::timing::{self, KernelTimes};
 use crate::{call_error, nvml, CudaError};
@@ -12,6 +13,10 @@ use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+/// The library workspace's first bytes, where cuBLASLt's check puts its operands (`Gpu::checked_lt`);
+/// products with a bias get the rest as their workspace.
+const LT_CHECK_BYTES: usize = 4096;
 
 /// One GPU with its context made current on the opening thread.
 pub struct Gpu {
@@ -38,6 +43,11 @@ pub struct Gpu {
     pub context_bytes: Option<u64>,
     /// Kernel times asked for (`MEMFIT_CUDA_KERNEL_TIMES`, `timing.rs`), written when the GPU closes.
     timer: Option<KernelTimes>,
+    /// The library workspace (address, bytes), once the device set it.
+    workspace: Mutex<(u64, usize)>,
+    /// cuBLASLt for products with a bias (`lt.rs`): opened and checked on the first ask, None
+    /// where it is missing or its check failed.
+    lt: std::sync::OnceLock<Option<Lt>>,
 }
 
 impl Gpu {
@@ -79,6 +89,8 @@ impl Gpu {
                 marks: Mutex::new(Vec::new()),
                 read: Mutex::new(timing::Totals::default()),
             }),
+            workspace: Mutex::new((0, 0)),
+            lt: std::sync::OnceLock::new(),
         })
     }
 
@@ -457,19 +469,119 @@ impl Machine for Gpu {
         if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(call_error("cublasSetWorkspace", status));
         }
+        *self.workspace.lock().unwrap_or_else(|e| e.into_inner()) = (address, bytes);
         Ok(())
+    }
+
+    fn fuses_bias(&self) -> bool {
+        self.lt.get_or_init(|| self.checked_lt()).is_some()
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         let name = || {
             let batch = if g.batch > 1 { format!(" x{}", g.batch) } else { String::new() };
-            format!("cublas {:?} gemm m{} n{} k{}{batch}", g.dtype, g.m, g.n, g.k)
+            let bias = if g.bias != 0 { " +bias (cublasLt)" } else { "" };
+            format!("cublas {:?} gemm m{} n{} k{}{batch}{bias}", g.dtype, g.m, g.n, g.k)
         };
+        if g.bias != 0 {
+            return self.timed(name, || self.gemm_with_bias(g));
+        }
         self.timed(name, || self.gemm_now(g))
     }
 }
 
 impl Gpu {
+    /// cuBLASLt's product of `g` with its bias, queued on the workspace's bytes past the check's.
+    fn gemm_with_bias(&self, g: &Gemm) -> Result<(), CudaError> {
+        let Some(Some(lt)) = self.lt.get() else {
+            return Err(call_error("cuBLASLt", "a product with a bias on a GPU whose fuses_bias is false"));
+        };
+        self.bind()?;
+        let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        // Serialised with cuBLAS's calls: both use the workspace, on the one stream.
+        let _blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the operands and bias are device memory of this context as `g` describes (the
+        // caller's contract); the workspace is the library's, held while the device is open.
+        unsafe {
+            lt.matmul(
+                g,
+                address + LT_CHECK_BYTES as u64,
+                bytes.saturating_sub(LT_CHECK_BYTES),
+                self.stream.cu_stream() as *mut std::ffi::c_void,
+            )
+        }
+    }
+
+    /// cuBLASLt opened and checked (`lt::check_values`, both ways A is stored: the product with its
+    /// bias, read back, equal to the host's); None, said on stderr when the check ran and failed,
+    /// where it is missing, the workspace is not set, or the check fails.
+    fn checked_lt(&self) -> Option<Lt> {
+        let lt = Lt::open().ok()?;
+        let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        if address == 0 || bytes < 2 * LT_CHECK_BYTES {
+            return None;
+        }
+        let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let run = |transa: bool| -> Result<Option<String>, CudaError> {
+            let [a, b, bias, want] = crate::lt::check_values(transa);
+            let (pa, pb, pbias, pc) = (address, address + 1024, address + 1536, address + 2048);
+            self.upload(pa, &floats(&a))?;
+            self.upload(pb, &floats(&b))?;
+            self.upload(pbias, &floats(&bias))?;
+            let g = Gemm {
+                dtype: GemmType::F32,
+                transa,
+                transb: false,
+                m: 16,
+                n: 8,
+                k: 16,
+                alpha: 1.0,
+                a: pa,
+                lda: 16,
+                stride_a: 0,
+                b: pb,
+                ldb: 16,
+                stride_b: 0,
+                beta: 0.0,
+                c: pc,
+                ldc: 16,
+                stride_c: 0,
+                batch: 1,
+                bias: pbias,
+            };
+            self.bind()?;
+            // SAFETY: the check's operands lie in the workspace's first LT_CHECK_BYTES, the
+            // product's workspace after them.
+            unsafe {
+                lt.matmul(
+                    &g,
+                    address + LT_CHECK_BYTES as u64,
+                    bytes - LT_CHECK_BYTES,
+                    self.stream.cu_stream() as *mut _,
+                )
+            }?;
+            let mut got = vec![0u8; 4 * want.len()];
+            self.download(pc, &mut got)?;
+            let got: Vec<f32> =
+                got.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+            Ok(got
+                .iter()
+                .zip(&want)
+                .position(|(g, w)| g != w)
+                .map(|i| format!("element {i} of a product with transa {transa} is {}, not {}", got[i], want[i])))
+        };
+        for transa in [true, false] {
+            let why = match run(transa) {
+                Ok(None) => continue,
+                Ok(Some(wrong)) => wrong,
+                Err(e) => e.to_string(),
+            };
+            eprintln!("memfit: warning: cuda:{}: cuBLASLt's bias epilogue failed its check ({why}); biases are added as before", self.ordinal);
+            return None;
+        }
+        Some(lt)
+    }
+
     /// cuBLAS's strided batched product of `g`, queued.
     fn gemm_now(&self, g: &Gemm) -> Result<(), CudaError> {
         self.bind()?;

@@ -18,6 +18,7 @@ pub mod emulator;
 pub mod gpu;
 pub mod kernels;
 pub mod libraries;
+pub mod lt;
 pub mod machine;
 pub mod nvml;
 pub mod segments;

@@ -130,12 +130,21 @@ pub struct Gemm {
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
+    /// 0, or the device address of `m` f32 values added to every column of C as the product writes
+    /// it (`bias[i]` to row i; a linear layer's bias): only with beta 0 and a batch of 1, on a
+    /// machine whose [`Machine::fuses_bias`] is true.
+    pub bias: u64,
 }
 
 /// A GPU as the backend uses it (see the module's docs).
 pub trait Machine: Send + Sync {
     /// `name (sm_XY)` or the emulator's name, for messages and reports.
     fn description(&self) -> String;
+    /// Whether [`Machine::gemm`] takes a [`Gemm::bias`] (cuBLASLt's epilogue on a GPU, checked there
+    /// once against the host; the emulator's definition). The library workspace must be set first.
+    fn fuses_bias(&self) -> bool {
+        false
+    }
     /// The most blocks a launch needs to fill this machine (grid-stride kernels loop beyond).
     fn max_blocks(&self) -> u32;
     /// Device memory free now.

@@ -77,10 +77,51 @@ fn gemm_follows_cublas_column_major_definition() {
         ldc: 2,
         stride_c: 0,
         batch: 1,
+        bias: 0,
     };
     m.gemm(&g).unwrap();
     assert_eq!(download_f32(&m, c, 4), [58.0, 64.0, 139.0, 154.0]);
     // beta = 1 accumulates; transposed A.
     m.gemm(&Gemm { beta: 1.0, ..g }).unwrap();
     assert_eq!(download_f32(&m, c, 4), [116.0, 128.0, 278.0, 308.0]);
+    // A bias epilogue: bias[i] added to row i of every column (beta 0).
+    let bias = upload_f32(&m, &[0.5, -1.0]);
+    m.gemm(&Gemm { bias, ..g }).unwrap();
+    assert_eq!(download_f32(&m, c, 4), [58.5, 63.0, 139.5, 153.0]);
+    assert!(m.gemm(&Gemm { bias, beta: 1.0, ..g }).is_err(), "a bias with beta 1 is refused");
+}
+
+#[test]
+fn lt_check_values_pass_through_the_emulated_bias_product() {
+    // The check `Gpu::fuses_bias` runs on a GPU, here through the emulator's definition.
+    let m = Emulator::open().unwrap();
+    for transa in [true, false] {
+        let [a, b, bias, want] = memfit_cuda::lt::check_values(transa);
+        let (a, b, bias) = (upload_f32(&m, &a), upload_f32(&m, &b), upload_f32(&m, &bias));
+        let c = upload_f32(&m, &[f32::NAN; 128]);
+        let lda = 16;
+        let g = Gemm {
+            dtype: GemmType::F32,
+            transa,
+            transb: false,
+            m: 16,
+            n: 8,
+            k: 16,
+            alpha: 1.0,
+            a,
+            lda,
+            stride_a: 0,
+            b,
+            ldb: 16,
+            stride_b: 0,
+            beta: 0.0,
+            c,
+            ldc: 16,
+            stride_c: 0,
+            batch: 1,
+            bias,
+        };
+        m.gemm(&g).unwrap();
+        assert_eq!(download_f32(&m, c, 128), want, "transa {transa}");
+    }
 }

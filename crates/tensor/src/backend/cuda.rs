@@ -192,6 +192,7 @@ fn product(
         ldc: n.max(1),
         stride_c,
         batch,
+        bias: 0,
     }
 }
 
@@ -397,6 +398,25 @@ impl Cuda {
         )
     }
 
+    /// How a product of `rows` rows into `out` gets `bias` (`cols` values): `(address, 0.0)` for the
+    /// product's epilogue (an f32 contiguous bias on a machine that fuses one, unless
+    /// `MEMFIT_CUDA_BIAS_EPILOGUE=0`), else broadcast into `out` now and `(0, 1.0)`, the product
+    /// adding onto it; `(0, 0.0)` without a bias. The same sum either way (the product plus the bias,
+    /// rounded once).
+    fn bias_for_product(&self, bias: Option<&Tensor>, rows: usize, cols: usize, out: u64) -> Result<(u64, f64)> {
+        static BROADCAST: OnceLock<bool> = OnceLock::new();
+        let broadcast =
+            *BROADCAST.get_or_init(|| std::env::var_os("MEMFIT_CUDA_BIAS_EPILOGUE").is_some_and(|v| v == "0"));
+        let Some(bias) = bias else { return Ok((0, 0.0)) };
+        let fusable =
+            bias.dtype() == DType::F32 && bias.layout().strides().first().is_none_or(|&s| s == 1 || cols <= 1);
+        if fusable && !broadcast && self.machine.fuses_bias() {
+            return Ok((addr(bias)?, 0.0));
+        }
+        self.broadcast_rows(bias, rows, cols, out)?;
+        Ok((0, 1.0))
+    }
+
     /// `out[r, :] = bias` for every row (before a product adds onto it).
     fn broadcast_rows(&self, bias: &Tensor, rows: usize, cols: usize, out: u64) -> Result<()> {
         let (base, view) = strided(bias, &[rows, cols], &[0, bias.layout().strides()[0]])?;
@@ -448,7 +468,7 @@ impl Cuda {
         rows: usize,
         weight: &Tensor,
         out: u64,
-        beta: f64,
+        (bias, beta): (u64, f64),
         products: Products,
         op: &str,
     ) -> Result<()> {
@@ -458,7 +478,7 @@ impl Cuda {
         // W^T is [in_f, out_f] with strides (ws[1], ws[0]).
         let b = operand(weight, addr(weight)?, in_f, out_f, ws[1], ws[0], op)?;
         let kind = gemm_type(op, weight.dtype(), products)?;
-        self.gemm(product(kind, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta))
+        self.gemm(Gemm { bias, ..product(kind, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta) })
     }
 
     /// `out[rows, in_f] = g[rows, out_f] W` for a weight `[out_f, in_f]`.
@@ -1486,11 +1506,8 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = x.numel() / in_f.max(1);
         let dst = dense(out, "linear")?;
-        if let Some(bias) = bias {
-            self.broadcast_rows(bias, rows, out_f, dst)?;
-        }
-        let beta = if bias.is_some() { 1.0 } else { 0.0 };
-        self.times_weight_t(dense(x, "linear")?, rows, weight, dst, beta, products, "linear")
+        let bias = self.bias_for_product(bias, rows, out_f, dst)?;
+        self.times_weight_t(dense(x, "linear")?, rows, weight, dst, bias, products, "linear")
     }
 
     fn linear_weight_grad(
@@ -1527,9 +1544,7 @@ impl Backend for Cuda {
         let rows = x.numel() / in_f.max(1);
         let size = x.dtype().size() as u64;
         let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
-        if let Some(bias) = bias {
-            self.broadcast_rows(bias, rows, out_f, dst)?;
-        }
+        let bias = self.bias_for_product(bias, rows, out_f, dst)?;
         let block = (scratch.numel() / in_f.max(1)).max(1);
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
@@ -1544,15 +1559,7 @@ impl Backend for Cuda {
                     Arg::I64(count as i64),
                 ],
             )?;
-            self.times_weight_t(
-                sc,
-                n,
-                weight,
-                dst + (r0 * out_f) as u64 * size,
-                if bias.is_some() { 1.0 } else { 0.0 },
-                products,
-                NAME,
-            )?;
+            self.times_weight_t(sc, n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
         }
         Ok(())
     }
@@ -1716,9 +1723,7 @@ impl Backend for Cuda {
         let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
         let (lw, lb) = (dense(ln_weight, NAME)?, dense(ln_bias, NAME)?);
         let (mp, rp) = (dense_opt(mean, NAME)?, dense_opt(rstd, NAME)?);
-        if let Some(bias) = bias {
-            self.broadcast_rows(bias, rows, out_f, dst)?;
-        }
+        let bias = self.bias_for_product(bias, rows, out_f, dst)?;
         let block = (scratch.numel() / in_f.max(1)).max(1);
         let at = |p: u64, r: usize| if p == 0 { 0 } else { p + r as u64 * size };
         for r0 in (0..rows).step_by(block) {
@@ -1733,15 +1738,7 @@ impl Backend for Cuda {
                 sc,
                 (at(mp, r0), at(rp, r0)),
             )?;
-            self.times_weight_t(
-                sc,
-                n,
-                weight,
-                dst + (r0 * out_f) as u64 * size,
-                if bias.is_some() { 1.0 } else { 0.0 },
-                products,
-                NAME,
-            )?;
+            self.times_weight_t(sc, n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
         }
         Ok(())
     }

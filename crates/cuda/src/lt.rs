@@ -1,0 +1,239 @@
+//! cuBLASLt's products with a bias epilogue ([`Gemm::bias`]): a linear layer's bias added as the
+//! product writes C, instead of broadcast into C by a kernel and read back by the product (beta 1),
+//! two passes over the output that the epilogue saves. Opened on first use where `libcublasLt.so.13`
+//! is present (cuBLAS needs it, so it is where cuBLAS is) and checked once on the GPU against the
+//! host ([`check_values`]); where either fails the backend broadcasts the bias as before.
+
+use crate::machine::{Gemm, GemmType};
+use crate::{call_error, CudaError};
+use cudarc::cublaslt::sys as lt;
+use std::ffi::c_void;
+
+/// A cuBLASLt handle.
+pub(crate) struct Lt {
+    handle: lt::cublasLtHandle_t,
+}
+
+// SAFETY: the handle is used under the GPU's lock on its one stream (`Gpu::lt`), never concurrently.
+unsafe impl Send for Lt {}
+// SAFETY: as above.
+unsafe impl Sync for Lt {}
+
+fn ok(what: &str, status: lt::cublasStatus_t) -> Result<(), CudaError> {
+    if status == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(call_error(what, status))
+    }
+}
+
+/// The descriptors of one product, destroyed when dropped.
+struct Descriptors {
+    matmul: lt::cublasLtMatmulDesc_t,
+    layouts: Vec<lt::cublasLtMatrixLayout_t>,
+    preference: lt::cublasLtMatmulPreference_t,
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: each was created by cuBLASLt (or is null, which its destroy calls accept).
+        unsafe {
+            for &l in &self.layouts {
+                lt::cublasLtMatrixLayoutDestroy(l);
+            }
+            lt::cublasLtMatmulDescDestroy(self.matmul);
+            lt::cublasLtMatmulPreferenceDestroy(self.preference);
+        }
+    }
+}
+
+impl Lt {
+    /// A handle, or why there is none (the library missing, or its creation failing).
+    pub(crate) fn open() -> Result<Lt, CudaError> {
+        // SAFETY: only tries to load the library.
+        if !unsafe { lt::is_culib_present() } {
+            return Err(call_error("cuBLASLt", "libcublasLt.so.13 not found"));
+        }
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: the library is loadable (above); the call writes the handle.
+        ok("cublasLtCreate", unsafe { lt::cublasLtCreate(&mut handle) })?;
+        Ok(Lt { handle })
+    }
+
+    /// Queues `g` (one product, beta 0, `g.bias` set) on `stream`: C = alpha op(A) op(B) + bias,
+    /// `bias[i]` added to row i of every column, with `workspace_bytes` of workspace.
+    ///
+    /// # Safety
+    /// The operands, the bias and the workspace are device memory of the handle's context holding
+    /// what `g` describes; `stream` is that context's.
+    pub(crate) unsafe fn matmul(
+        &self,
+        g: &Gemm,
+        workspace: u64,
+        workspace_bytes: usize,
+        stream: *mut c_void,
+    ) -> Result<(), CudaError> {
+        let compute = match g.dtype {
+            GemmType::F32 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            GemmType::F32Bf16 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+            GemmType::F32F16 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
+            GemmType::F64 => return Err(call_error("cuBLASLt", "a bias epilogue is for f32 products")),
+        };
+        let f32_type = lt::cudaDataType_t::CUDA_R_32F;
+        let mut d = Descriptors { matmul: std::ptr::null_mut(), layouts: Vec::new(), preference: std::ptr::null_mut() };
+        ok("cublasLtMatmulDescCreate", lt::cublasLtMatmulDescCreate(&mut d.matmul, compute, f32_type))?;
+        let op = |t: bool| {
+            if t {
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let set = |attr, value: *const c_void, size: usize| {
+            ok("cublasLtMatmulDescSetAttribute", lt::cublasLtMatmulDescSetAttribute(d.matmul, attr, value, size))
+        };
+        use lt::cublasLtMatmulDescAttributes_t as A;
+        let (ta, tb) = (op(g.transa), op(g.transb));
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            (&ta as *const cudarc::cublas::sys::cublasOperation_t).cast(),
+            std::mem::size_of_val(&ta),
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSB,
+            (&tb as *const cudarc::cublas::sys::cublasOperation_t).cast(),
+            std::mem::size_of_val(&tb),
+        )?;
+        let epilogue = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+        set(
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            (&epilogue as *const lt::cublasLtEpilogue_t).cast(),
+            std::mem::size_of_val(&epilogue),
+        )?;
+        let bias = g.bias as *const c_void;
+        set(
+            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            (&bias as *const *const c_void).cast(),
+            std::mem::size_of_val(&bias),
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+            (&f32_type as *const lt::cudaDataType_t).cast(),
+            std::mem::size_of_val(&f32_type),
+        )?;
+        // The stored matrices: A is k x m when transposed, else m x k (column-major), B likewise.
+        let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
+        for (rows, cols, ld) in [(a_rows, a_cols, g.lda), (b_rows, b_cols, g.ldb), (g.m, g.n, g.ldc)] {
+            let mut layout = std::ptr::null_mut();
+            ok(
+                "cublasLtMatrixLayoutCreate",
+                lt::cublasLtMatrixLayoutCreate(&mut layout, f32_type, rows as u64, cols as u64, ld as i64),
+            )?;
+            d.layouts.push(layout);
+        }
+        ok("cublasLtMatmulPreferenceCreate", lt::cublasLtMatmulPreferenceCreate(&mut d.preference))?;
+        let bytes = workspace_bytes as u64;
+        ok(
+            "cublasLtMatmulPreferenceSetAttribute",
+            lt::cublasLtMatmulPreferenceSetAttribute(
+                d.preference,
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&bytes as *const u64).cast(),
+                std::mem::size_of_val(&bytes),
+            ),
+        )?;
+        let (la, lb, lc) = (d.layouts[0], d.layouts[1], d.layouts[2]);
+        let mut found: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+        let mut count = 0;
+        ok(
+            "cublasLtMatmulAlgoGetHeuristic",
+            lt::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                d.matmul,
+                la,
+                lb,
+                lc,
+                lc,
+                d.preference,
+                1,
+                &mut found,
+                &mut count,
+            ),
+        )?;
+        if count < 1 {
+            return Err(call_error("cuBLASLt", "no algorithm for a product with a bias epilogue"));
+        }
+        let (alpha, beta) = (g.alpha as f32, 0.0f32);
+        ok(
+            "cublasLtMatmul",
+            lt::cublasLtMatmul(
+                self.handle,
+                d.matmul,
+                (&alpha as *const f32).cast(),
+                g.a as *const c_void,
+                la,
+                g.b as *const c_void,
+                lb,
+                (&beta as *const f32).cast(),
+                g.c as *const c_void,
+                lc,
+                g.c as *mut c_void,
+                lc,
+                &found.algo,
+                workspace as *mut c_void,
+                workspace_bytes,
+                stream.cast(),
+            ),
+        )
+    }
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        // SAFETY: the handle is ours and no longer used.
+        unsafe {
+            lt::cublasLtDestroy(self.handle);
+        }
+    }
+}
+
+/// The check's product: m 16, n 8, k 16, small integers (every sum exact in any order), A read
+/// transposed (as a linear layer's weight is) or not; bias[i] = i - 8. Returns the operands A (as
+/// stored), B, the bias and the product with the bias, column-major.
+pub fn check_values(transa: bool) -> [Vec<f32>; 4] {
+    let (m, n, k) = (16, 8, 16);
+    let a = |i: usize, l: usize| ((3 * i + 5 * l) % 7) as f32 - 3.0;
+    let b = |l: usize, j: usize| ((2 * l + 3 * j) % 5) as f32 - 2.0;
+    let stored_a: Vec<f32> = if transa {
+        (0..m).flat_map(|i| (0..k).map(move |l| a(i, l))).collect() // k x m, column i holds row i of A
+    } else {
+        (0..k).flat_map(|l| (0..m).map(move |i| a(i, l))).collect()
+    };
+    let stored_b: Vec<f32> = (0..n).flat_map(|j| (0..k).map(move |l| b(l, j))).collect();
+    let bias: Vec<f32> = (0..m).map(|i| i as f32 - 8.0).collect();
+    let c: Vec<f32> = (0..n)
+        .flat_map(|j| (0..m).map(move |i| (0..k).map(|l| a(i, l) * b(l, j)).sum::<f32>() + i as f32 - 8.0))
+        .collect();
+    [stored_a, stored_b, bias, c]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_check_product_is_the_definition_either_way_a_is_stored() {
+        let [a_t, b, bias, c] = check_values(true);
+        let [a_n, _, _, c_n] = check_values(false);
+        assert_eq!(c, c_n);
+        // Element (i, l) of A: at l + i * k transposed, i + l * m not.
+        for (i, l) in [(0, 0), (3, 7), (15, 15), (9, 2)] {
+            assert_eq!(a_t[l + i * 16], a_n[i + l * 16]);
+        }
+        // C(2, 5) by hand.
+        let want: f32 = (0..16).map(|l| a_n[2 + l * 16] * b[l + 5 * 16]).sum::<f32>() + bias[2];
+        assert_eq!(c[2 + 5 * 16], want);
+        assert_eq!(bias[0], -8.0);
+    }
+}
