@@ -528,27 +528,7 @@ impl Gpu {
             self.upload(pa, &floats(&a))?;
             self.upload(pb, &floats(&b))?;
             self.upload(pbias, &floats(&bias))?;
-            let g = Gemm {
-                dtype: GemmType::F32,
-                transa,
-                transb: false,
-                m: 16,
-                n: 8,
-                k: 16,
-                alpha: 1.0,
-                a: pa,
-                lda: 16,
-                stride_a: 0,
-                b: pb,
-                ldb: 16,
-                stride_b: 0,
-                beta: 0.0,
-                c: pc,
-                ldc: 16,
-                stride_c: 0,
-                batch: 1,
-                bias: pbias,
-            };
+            let g = crate::lt::check_gemm(transa, pa, pb, pbias, pc);
             self.bind()?;
             // SAFETY: the check's operands lie in the workspace's first LT_CHECK_BYTES, the
             // product's workspace after them.

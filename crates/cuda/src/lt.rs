@@ -198,6 +198,31 @@ impl Drop for Lt {
     }
 }
 
+/// The check's product (below) as a [`Gemm`] of f32 at those device addresses.
+pub fn check_gemm(transa: bool, a: u64, b: u64, bias: u64, c: u64) -> Gemm {
+    Gemm {
+        dtype: GemmType::F32,
+        transa,
+        transb: false,
+        m: 16,
+        n: 8,
+        k: 16,
+        alpha: 1.0,
+        a,
+        lda: 16,
+        stride_a: 0,
+        b,
+        ldb: 16,
+        stride_b: 0,
+        beta: 0.0,
+        c,
+        ldc: 16,
+        stride_c: 0,
+        batch: 1,
+        bias,
+    }
+}
+
 /// The check's product: m 16, n 8, k 16, small integers (every sum exact in any order), A read
 /// transposed (as a linear layer's weight is) or not; bias[i] = i - 8. Returns the operands A (as
 /// stored), B, the bias and the product with the bias, column-major.

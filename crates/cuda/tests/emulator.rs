@@ -99,28 +99,7 @@ fn lt_check_values_pass_through_the_emulated_bias_product() {
         let [a, b, bias, want] = memfit_cuda::lt::check_values(transa);
         let (a, b, bias) = (upload_f32(&m, &a), upload_f32(&m, &b), upload_f32(&m, &bias));
         let c = upload_f32(&m, &[f32::NAN; 128]);
-        let lda = 16;
-        let g = Gemm {
-            dtype: GemmType::F32,
-            transa,
-            transb: false,
-            m: 16,
-            n: 8,
-            k: 16,
-            alpha: 1.0,
-            a,
-            lda,
-            stride_a: 0,
-            b,
-            ldb: 16,
-            stride_b: 0,
-            beta: 0.0,
-            c,
-            ldc: 16,
-            stride_c: 0,
-            batch: 1,
-            bias,
-        };
+        let g = memfit_cuda::lt::check_gemm(transa, a, b, bias, c);
         m.gemm(&g).unwrap();
         assert_eq!(download_f32(&m, c, 128), want, "transa {transa}");
     }
