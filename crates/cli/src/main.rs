@@ -1204,6 +1204,9 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         }
         println!();
     }
+    for c in report.cases.iter().filter(|c| !c.kernels_used.is_empty()) {
+        println!("{}: kernels: {}", c.name, c.kernels_used.join("; "));
+    }
     if compare {
         let peak = if report.device.starts_with("cuda") {
             "its caching allocator's measured peak allocated"

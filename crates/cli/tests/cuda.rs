@@ -155,10 +155,11 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
         // fp16 products (cuBLAS's fp16 tensor-core mode) and storage, GradScaler's loss scale.
         ("gpt-fp16", &gpt_fp16),
     ];
-    let mut losses = std::collections::BTreeMap::new();
+    let (mut losses, mut kernels) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
     for (name, args) in cases {
         let gpu = emulated_report(args, &format!("{name}-cuda.json"));
         losses.insert(name, gpu["final_train_loss"].clone());
+        kernels.insert(name, gpu["kernels_used"].clone());
         assert_eq!(gpu["device"], "cuda", "{name}");
         let meta = report(&[args, &["--device", "meta:cuda"]].concat(), &format!("{name}-meta-cuda.json"));
         for key in [
@@ -185,6 +186,14 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     }
     assert_eq!(losses["mlp-in-backward"], losses["mlp"], "the step inside backward: the same bits on the GPU");
     assert_ne!(losses["gpt-bf16"], losses["gpt"], "bf16 products change the GPU's numbers");
+    // Which kernels ran, as the report says: attention on the tensor cores only with rounded
+    // products, biases in the product's epilogue (the emulator fuses them as cuBLASLt does).
+    let used = |name: &str| {
+        kernels[name].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>()
+    };
+    assert_eq!(used("gpt-bf16"), ["attention: tensor cores", "bias: in the product's epilogue (cuBLASLt)"]);
+    assert_eq!(used("gpt-fp16"), used("gpt-bf16"));
+    assert_eq!(used("gpt"), ["attention: CUDA cores, tiled", "bias: in the product's epilogue (cuBLASLt)"]);
     assert_ne!(losses["gpt-fp16"], losses["gpt"], "fp16 products change the GPU's numbers");
     // Injected out-of-memory errors: the failed attempts are dropped and the same samples re-run.
     let args = ["train", "--model", "mlp", "--max-steps", "3", "--no-eval"];

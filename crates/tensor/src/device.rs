@@ -303,6 +303,13 @@ impl Device {
     }
 
     /// The kernels this device runs (`crate::backend`: the one place an op's code is chosen).
+    /// Which of its alternative kernels the device ran so far (a GPU's attention on the tensor
+    /// cores or the CUDA cores, its biases in a product's epilogue or broadcast first), as reports
+    /// name them; empty for cpu and meta.
+    pub fn kernels_used(&self) -> Vec<String> {
+        self.backend().kernels_used()
+    }
+
     pub(crate) fn backend(&self) -> &dyn crate::backend::Backend {
         if self.rehearsing() {
             return &crate::backend::Meta;

@@ -87,6 +87,9 @@ pub struct CaseResult {
     pub pytorch_compiled: Option<PytorchCase>,
     /// Each round's memfit / compiled PyTorch ratio, as `round_ratios`.
     pub compiled_round_ratios: Vec<f64>,
+    /// Which of a GPU's alternative kernels the case ran (`Device::kernels_used`; empty on cpu).
+    #[serde(default)]
+    pub kernels_used: Vec<String>,
 }
 
 /// One case measured in PyTorch by `assets/pytorch_bench.py`.
@@ -276,6 +279,7 @@ fn measure(
         round_ratios: Vec::new(),
         pytorch_compiled: None,
         compiled_round_ratios: Vec::new(),
+        kernels_used: device.kernels_used(),
     })
 }
 

@@ -225,6 +225,7 @@ fn train_in_pool(
         checkpointed,
         precision,
         products: crate::report::products_label(&device),
+        kernels_used: device.kernels_used(),
         segments,
         optimizer_step,
         skipped_steps: session.skipped_steps,

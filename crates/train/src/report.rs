@@ -41,6 +41,8 @@ pub struct RunSummary {
     pub precision: crate::config::Precision,
     /// How matrix products computed ([`products_label`]).
     pub products: String,
+    /// Which of a GPU's alternative kernels ran (`Device::kernels_used`): attention's and biases'.
+    pub kernels_used: Vec<String>,
     /// The allocator's segments (`auto` resolved).
     pub segments: crate::config::Segments,
     /// Where the optimizer stepped (`auto` resolved).
@@ -130,6 +132,10 @@ pub struct Report {
     /// How matrix products computed: `fp32`, or `bf16 (LEVEL)` with the kernel level (bf16
     /// operands, f32 accumulation: Note [bf16 products] in `memfit-kernels`).
     pub products: String,
+    /// Which of a GPU's alternative kernels ran: attention on the tensor cores or the CUDA cores,
+    /// biases in the product's epilogue or broadcast first (empty on cpu and meta).
+    #[serde(default)]
+    pub kernels_used: Vec<String>,
     /// The allocator's segments: fixed or expandable.
     pub segments: String,
     /// Where the optimizer stepped: after backward, or in-backward (a window of one micro-batch).
@@ -309,6 +315,7 @@ impl Report {
             checkpointed_segments: s.checkpointed.clone(),
             precision: s.precision.name().to_string(),
             products: s.products.clone(),
+            kernels_used: s.kernels_used.clone(),
             segments: s.segments.name().to_string(),
             optimizer_step: s.optimizer_step.name().to_string(),
             skipped_steps: s.skipped_steps,

@@ -56,6 +56,7 @@ pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
             status: AtomicU64::new(0),
             workspace: AtomicU64::new(0),
             tensor_cores: Default::default(),
+            used: Default::default(),
             ordinal,
         }),
         context_bytes,
@@ -79,6 +80,8 @@ pub(crate) struct Cuda {
     /// The tensor cores' check for bf16 (0) and fp16 (1) operands: run once, before the first
     /// attention on them; true when the GPU's `mma` gave the product (attention.cu's `mma_check`).
     tensor_cores: [OnceLock<bool>; 2],
+    /// The alternative kernels run so far (`Backend::kernels_used`).
+    used: std::sync::Mutex<std::collections::BTreeSet<&'static str>>,
     ordinal: u32,
     /// Pinned host buffers batches are uploaded through.
     staging: Staging,
@@ -304,6 +307,27 @@ impl Cuda {
         }
     }
 
+    /// [`Cuda::attention_tiles`], and under `MEMFIT_REQUIRE_TENSOR_CORES=1` an error when a problem
+    /// the tensor cores take (f32 tensors, bf16 or fp16 products, heads up to 128) would run on
+    /// other kernels (which compute the same: only this says the tensor cores were left out).
+    fn attention_kernels(&self, pb: &AttnProblem, dtype: DType) -> Result<Option<AttentionTiles>> {
+        let chosen = self.attention_tiles(pb, dtype)?;
+        self.ran(match &chosen {
+            Some(t) if t.kind == "mma" => "attention: tensor cores",
+            Some(_) => "attention: CUDA cores, tiled",
+            None => "attention: CUDA cores, a row per thread",
+        });
+        let theirs = dtype == DType::F32 && pb.products != Products::F32 && pb.dims.d.max(pb.dims.dv) <= 128;
+        if theirs && tensor_cores_required() && chosen.as_ref().is_none_or(|t| t.kind != "mma") {
+            return Err(Error::device(format!(
+                "--device {}: attention's {:?} products ran off the tensor cores and MEMFIT_REQUIRE_TENSOR_CORES=1",
+                DeviceKind::Cuda(self.ordinal),
+                pb.products
+            )));
+        }
+        Ok(chosen)
+    }
+
     /// The kernels for this attention problem: `tiled_head`'s, the tensor cores' only when their
     /// check passed on this device (else the CUDA cores' tiled kernels, which round the same
     /// operands) and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not ask for the CUDA cores' (to time
@@ -338,9 +362,7 @@ impl Cuda {
         let values: Vec<f32> =
             bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
         let failure = mma_check_error(&values);
-        if let Some(why) =
-            failure.as_ref().filter(|_| std::env::var_os("MEMFIT_REQUIRE_TENSOR_CORES").is_some_and(|v| v == "1"))
-        {
+        if let Some(why) = failure.as_ref().filter(|_| tensor_cores_required()) {
             return Err(Error::device(format!(
                 "--device {}: the tensor cores' check failed ({why}) and MEMFIT_REQUIRE_TENSOR_CORES=1",
                 DeviceKind::Cuda(self.ordinal)
@@ -411,10 +433,17 @@ impl Cuda {
         let fusable =
             bias.dtype() == DType::F32 && bias.layout().strides().first().is_none_or(|&s| s == 1 || cols <= 1);
         if fusable && !broadcast && self.machine.fuses_bias() {
+            self.ran("bias: in the product's epilogue (cuBLASLt)");
             return Ok((addr(bias)?, 0.0));
         }
+        self.ran("bias: broadcast before the product");
         self.broadcast_rows(bias, rows, cols, out)?;
         Ok((0, 1.0))
+    }
+
+    /// Records that the alternative `what` ran (`Backend::kernels_used`).
+    fn ran(&self, what: &'static str) {
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).insert(what);
     }
 
     /// `out[r, :] = bias` for every row (before a product adds onto it).
@@ -513,6 +542,10 @@ impl Cuda {
 }
 
 impl Backend for Cuda {
+    fn kernels_used(&self) -> Vec<String> {
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.to_string()).collect()
+    }
+
     fn use_library_workspace(&self, address: u64, bytes: u64) -> Result<()> {
         let status = address + bytes - STATUS_BYTES;
         self.machine.set_library_workspace(address, (bytes - STATUS_BYTES) as usize).map_err(|e| self.err(e))?;
@@ -1939,7 +1972,7 @@ impl Backend for Cuda {
         }
         let problem = attention_problem(q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
-        let (name, shape) = match self.attention_tiles(pb, q.dtype())? {
+        let (name, shape) = match self.attention_kernels(pb, q.dtype())? {
             Some(t) => (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
             None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
         };
@@ -1985,7 +2018,7 @@ impl Backend for Cuda {
             args
         };
         // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
-        if let Some(t) = self.attention_tiles(pb, grad.dtype())?.filter(|_| gqp != 0) {
+        if let Some(t) = self.attention_kernels(pb, grad.dtype())?.filter(|_| gqp != 0) {
             let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
             let q_kernel = t.kernel("backward_q_");
             self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
@@ -2304,6 +2337,12 @@ fn tiled_head(head: usize, dtype: DType, products: Products) -> Option<Attention
             AttentionTiles { kind: "tiled", head, operands: "f32", forward_rows: 32, query_rows: 16, key_rows: 16 }
         }
     })
+}
+
+/// `MEMFIT_REQUIRE_TENSOR_CORES=1` (the tests' setting): attention that the tensor cores should
+/// take and does not, for a failed check or any other reason, is an error.
+fn tensor_cores_required() -> bool {
+    std::env::var_os("MEMFIT_REQUIRE_TENSOR_CORES").is_some_and(|v| v == "1")
 }
 
 /// The values attention.cu's `mma_check` writes: 4 per lane of a warp.

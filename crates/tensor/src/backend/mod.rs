@@ -77,6 +77,12 @@ macro_rules! backends {
                 (0, 0)
             }
 
+            /// Which of its alternative kernels the device ran so far, as reports name them
+            /// (`attention: tensor cores`, `bias: cuBLASLt epilogue`, ...); a GPU's only.
+            fn kernels_used(&self) -> Vec<String> {
+                Vec::new()
+            }
+
             /// Takes the math library's workspace (`bytes` at device `address`, a block of the
             /// device's allocator held until it closes); only a GPU has one.
             fn use_library_workspace(&self, _address: u64, _bytes: u64) -> Result<()> {
