@@ -30,12 +30,26 @@ fn main() {
         }
     };
     let attention = attention_matches_the_cpu_across_tiles(&cuda);
+    // What ran, as the device records it: f32 attention on the CUDA cores' tiled kernels; biases in
+    // the product's epilogue, or broadcast first under MEMFIT_CUDA_BIAS_EPILOGUE=0.
+    let used = cuda.kernels_used();
+    assert!(used.iter().any(|k| k == "attention: CUDA cores, tiled"), "{used:?}");
+    assert!(!used.iter().any(|k| k == "attention: tensor cores"), "f32 attention on the tensor cores: {used:?}");
     let sums = column_sums_and_layer_norm_gradients_match_the_cpu(&cuda);
     let states = compact_optimizer_states_match_the_cpu(&cuda) + grouped_adam_is_adam_tensor_by_tensor(&cuda);
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
     let rounded = rounded_products_match_the_cpu(&cuda);
+    // Rounded attention on the tensor cores (heads up to 128), the d160 case a row per thread.
+    let used = cuda.kernels_used();
+    for kernels in ["attention: tensor cores", "attention: CUDA cores, a row per thread"] {
+        assert!(used.iter().any(|k| k == kernels), "{kernels} did not run: {used:?}");
+    }
+    let broadcast = std::env::var_os("MEMFIT_CUDA_BIAS_EPILOGUE").is_some_and(|v| v == "0");
+    let bias =
+        if broadcast { "bias: broadcast before the product" } else { "bias: in the product's epilogue (cuBLASLt)" };
+    assert!(used.iter().any(|k| k == bias), "{bias} did not run: {used:?}");
     // relu6 (an imported model's hardswish and hardsigmoid): values below 0, between, above 6.
     agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
     agree(&cuda, "hardsigmoid", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardsigmoid());
