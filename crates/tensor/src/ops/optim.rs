@@ -135,11 +135,19 @@ pub fn adam_update_all(
     if step == 0 {
         return Err(Error::invalid("adam_update: steps are numbered from 1"));
     }
+    // A parameter twice in one group would be updated twice at once (one launch on a GPU).
+    let mut seen = std::collections::HashSet::new();
     for [param, grad, exp_avg, exp_avg_sq] in group {
         if !param.device().same(first.device()) {
             return Err(Error::device("adam_update: the tensors of one step are on different devices".to_string()));
         }
         check_update("adam_update", param, grad, &[exp_avg, exp_avg_sq])?;
+        if !seen.insert((Arc::as_ptr(param.storage()), param.layout().offset())) {
+            return Err(Error::invalid(format!(
+                "adam_update: a parameter {:?} appears twice in one step",
+                param.shape()
+            )));
+        }
     }
     let step = AdamStep { step, lr, betas, eps, weight_decay, decoupled };
     first.device().backend().adam_update_all(group, step)
@@ -251,6 +259,36 @@ mod tests {
                 (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn adam_on_a_group_is_adam_on_each_and_checks_all_before_any() {
+        let d = Device::cpu();
+        let sizes = [3, 0, 7];
+        let make = |seed: u64| sizes.iter().map(|&n| t64(&d, &values(n, seed + n as u64))).collect::<Vec<_>>();
+        let (p1, p2, g) = (make(1), make(1), make(2));
+        let zeros = || sizes.iter().map(|&n| t64(&d, &vec![0.0; n])).collect::<Vec<_>>();
+        let (m1, v1, m2, v2) = (zeros(), zeros(), zeros(), zeros());
+        let group: Vec<[&Tensor; 4]> = (0..3).map(|i| [&p1[i], &g[i], &m1[i], &v1[i]]).collect();
+        for step in 1..=2 {
+            adam_update_all(&group, step, 0.1, (0.9, 0.99), 1e-8, 0.01, true).unwrap();
+            for i in 0..3 {
+                adam_update(&p2[i], &g[i], &m2[i], &v2[i], step, 0.1, (0.9, 0.99), 1e-8, 0.01, true).unwrap();
+            }
+        }
+        for (a, b) in p1.iter().chain(&m1).chain(&v1).zip(p2.iter().chain(&m2).chain(&v2)) {
+            assert_eq!(a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap());
+        }
+        assert!(adam_update_all(&[], 1, 0.1, (0.9, 0.99), 1e-8, 0.0, true).is_ok());
+        assert!(adam_update_all(&group, 0, 0.1, (0.9, 0.99), 1e-8, 0.0, true).is_err());
+        // The same parameter twice, or a state of another shape: refused before anything changes.
+        let before = p1[0].to_vec::<f64>().unwrap();
+        let twice = [group[0], group[0]];
+        let e = adam_update_all(&twice, 3, 0.1, (0.9, 0.99), 1e-8, 0.0, true).unwrap_err();
+        assert!(e.to_string().contains("appears twice"), "{e}");
+        let wrong = [group[0], [&p1[2], &g[2], &m1[0], &v1[2]]];
+        assert!(adam_update_all(&wrong, 3, 0.1, (0.9, 0.99), 1e-8, 0.0, true).is_err());
+        assert_eq!(p1[0].to_vec::<f64>().unwrap(), before);
     }
 
     #[test]
