@@ -1,4 +1,4 @@
-// Scaled dot-product attention, forward and backward, in two forms; both repeat bit for bit (fixed
+// Scaled dot-product attention, forward and backward, in three forms; all repeat bit for bit (fixed
 // orders, no atomics) and need no scratch memory (O(T) memory, as the cpu path: only the per-row
 // log-sum-exp is saved).
 // - Tiled (f32, head sizes up to 128; below): a block of 128 threads takes a tile of query rows (the
@@ -6,6 +6,8 @@
 //   shared memory a tile at a time and keeps its own results in registers, with the online softmax
 //   of FlashAttention (Dao, 2022). A causal block stops at (or starts from) the diagonal.
 // - Per row (f64, larger heads): one thread per query or key row walking its row in order.
+// - Tensor cores (bf16 and fp16 products of f32 tensors, heads up to 128; at the end): the tiled
+//   scheme with `mma.sync`, a warp per 16 rows, checked once per device by `mma_check`.
 //
 // Matrix i = b * heads + h of an operand starts at offset + b * batch + h * head (elements), its
 // rows `row` apart, columns contiguous (Addr); a gradient is laid out as its input. Key j is
