@@ -491,25 +491,45 @@ impl Machine for Gpu {
 }
 
 impl Gpu {
-    /// cuBLASLt's product of `g` with its bias, queued on the workspace's bytes past the check's.
+    /// `g` with its bias: cuBLASLt's product, queued on the workspace's bytes past the check's; should
+    /// cuBLASLt refuse this shape (said once), the bias broadcast into C and cuBLAS's product added
+    /// onto it, as the backend does without the epilogue.
     fn gemm_with_bias(&self, g: &Gemm) -> Result<(), CudaError> {
         let Some(Some(lt)) = self.lt.get() else {
             return Err(call_error("cuBLASLt", "a product with a bias on a GPU whose fuses_bias is false"));
         };
-        self.bind()?;
-        let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        // Serialised with cuBLAS's calls: both use the workspace, on the one stream.
-        let _blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the operands and bias are device memory of this context as `g` describes (the
-        // caller's contract); the workspace is the library's, held while the device is open.
-        unsafe {
-            lt.matmul(
-                g,
-                address + LT_CHECK_BYTES as u64,
-                bytes.saturating_sub(LT_CHECK_BYTES),
-                self.stream.cu_stream() as *mut std::ffi::c_void,
-            )
-        }
+        let fused = {
+            self.bind()?;
+            let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+            // Serialised with cuBLAS's calls: both use the workspace, on the one stream.
+            let _blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the operands and bias are device memory of this context as `g` describes (the
+            // caller's contract); the workspace is the library's, held while the device is open.
+            unsafe {
+                lt.matmul(
+                    g,
+                    address + LT_CHECK_BYTES as u64,
+                    bytes.saturating_sub(LT_CHECK_BYTES),
+                    self.stream.cu_stream() as *mut std::ffi::c_void,
+                )
+            }
+        };
+        let Err(refused) = fused else { return Ok(()) };
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            eprintln!("memfit: warning: cuBLASLt refused a product with a bias ({refused}); such products broadcast the bias first");
+        });
+        // C (dense, m x n column-major) = the bias in every column: element k of C is bias[k % m].
+        let view = crate::machine::Strided::new(&[g.n, g.m], &[0, 1], 0).filter(|_| g.ldc == g.m && g.batch == 1);
+        let Some(view) = view else { return Err(refused) };
+        let count = g.m * g.n;
+        let blocks = count.div_ceil(256).clamp(1, self.max_blocks as usize) as u32;
+        self.launch(
+            "gather_b4",
+            Launch { grid: blocks, block: 256 },
+            &mut [Arg::Ptr(g.c), Arg::Ptr(g.bias), Arg::View(view), Arg::I64(count as i64)],
+        )?;
+        self.gemm_now(&Gemm { bias: 0, beta: 1.0, ..*g })
     }
 
     /// cuBLASLt opened and checked (`lt::check_values`, both ways A is stored: the product with its
