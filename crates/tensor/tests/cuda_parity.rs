@@ -70,6 +70,11 @@ fn main() {
         let cond = x[0].detach().compare(memfit_tensor::ops::Compare::Ge, &x[1].detach())?;
         memfit_tensor::ops::where_(&cond, &x[0], &x[1])
     });
+    // A bias that is a strided view (every other element of a longer vector): not fused into the
+    // product's epilogue, which reads a bias's values side by side.
+    agree(&cuda, "linear with a strided bias", &[&[9, 12], &[7, 12], &[14]], &|x| {
+        ops::linear(&x[0], &x[1], Some(&x[2].slice_step(0, 0, 14, 2)?))
+    });
     agree(&cuda, "pad", &[&[3, 7, 9]], &|x| memfit_tensor::ops::pad(&x[0], &[2, -1, -2, 3], 0.25)?.mul_scalar(3.0));
     // A mask built in place: fills of windows of a zeroed tensor (Swin's), then read whole.
     agree(&cuda, "fill_ of views", &[&[12, 10]], &|x| {
@@ -78,7 +83,7 @@ fn main() {
         mask.slice_step(1, 0, 10, 3)?.fill_(-2.0)?;
         x[0].mul(&mask)
     });
-    let total = attention + sums + states + uploads + vocab + convs + rounded + 15;
+    let total = attention + sums + states + uploads + vocab + convs + rounded + 16;
     println!("cuda_parity: {total} cases agree with the cpu on cuda");
 }
 
