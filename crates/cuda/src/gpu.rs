@@ -20,6 +20,9 @@ const LT_CHECK_BYTES: usize = 4096;
 
 /// One GPU with its context made current on the opening thread.
 pub struct Gpu {
+    /// cuBLASLt for products with a bias (`lt.rs`): opened and checked on the first ask, None
+    /// where it is missing or its check failed. First, so its handle goes before the context.
+    lt: std::sync::OnceLock<Option<Lt>>,
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: Mutex<CudaBlas>,
@@ -45,9 +48,6 @@ pub struct Gpu {
     timer: Option<KernelTimes>,
     /// The library workspace (address, bytes), once the device set it.
     workspace: Mutex<(u64, usize)>,
-    /// cuBLASLt for products with a bias (`lt.rs`): opened and checked on the first ask, None
-    /// where it is missing or its check failed.
-    lt: std::sync::OnceLock<Option<Lt>>,
 }
 
 impl Gpu {
