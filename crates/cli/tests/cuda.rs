@@ -187,11 +187,12 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     assert_eq!(losses["mlp-in-backward"], losses["mlp"], "the step inside backward: the same bits on the GPU");
     assert_ne!(losses["gpt-bf16"], losses["gpt"], "bf16 products change the GPU's numbers");
     // Which kernels ran, as the report says: attention on the tensor cores only with rounded
-    // products, biases in the product's epilogue (the emulator fuses them as cuBLASLt does).
+    // products; f32 products' biases in the product's epilogue (the emulator fuses them as cuBLASLt
+    // does), rounded products' broadcast first.
     let used = |name: &str| {
         kernels[name].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>()
     };
-    assert_eq!(used("gpt-bf16"), ["attention: tensor cores", "bias: in the product's epilogue (cuBLASLt)"]);
+    assert_eq!(used("gpt-bf16"), ["attention: tensor cores", "bias: broadcast before the product"]);
     assert_eq!(used("gpt-fp16"), used("gpt-bf16"));
     assert_eq!(used("gpt"), ["attention: CUDA cores, tiled", "bias: in the product's epilogue (cuBLASLt)"]);
     assert_ne!(losses["gpt-fp16"], losses["gpt"], "fp16 products change the GPU's numbers");

@@ -177,12 +177,26 @@ ATTENTION(double, f64)
 #define TY (TILE_THREADS / TX)
 
 // Rows r0 .. r0 + ROWS of a matrix (`rows` of them, `cols` values each, row r at m + r * stride)
-// into `sh`, as the problem's products read them (every staged tile is a product's operand).
+// into `sh`, as the problem's products read them (every staged tile is a product's operand). A
+// thread loads STAGE_BATCH values before it stores any: a store to shared memory between two loads
+// would make each load wait for the one before (the compiler cannot tell a generic pointer from
+// shared memory), one memory latency per value.
+#define STAGE_BATCH 16
 template <int D, int ROWS>
 __device__ void stage_rows(const Problem<float>& p, float* sh, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
-    for (int e = threadIdx.x; e < ROWS * D; e += TILE_THREADS) {
-        int a = e / D, c = e % D;
-        sh[a * (D + 1) + c] = (r0 + a < rows && c < cols) ? p.in(m[(r0 + a) * stride + c]) : 0.0f;
+    static_assert(ROWS * D % (TILE_THREADS * STAGE_BATCH) == 0, "a tile is whole batches");
+    for (int e0 = threadIdx.x; e0 < ROWS * D; e0 += TILE_THREADS * STAGE_BATCH) {
+        float x[STAGE_BATCH];
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            int e = e0 + b * TILE_THREADS, a = e / D, c = e % D;
+            x[b] = (r0 + a < rows && c < cols) ? m[(r0 + a) * stride + c] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            int e = e0 + b * TILE_THREADS;
+            sh[(e / D) * (D + 1) + e % D] = p.in(x[b]);
+        }
     }
 }
 
@@ -242,6 +256,7 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
     float o[TM][TO], m[TM], l[TM];
     zero_tile(o);
+#pragma unroll
     for (int a = 0; a < TM; ++a) { m[a] = -INFINITY; l[a] = 0.0f; }
     stage_rows<D, BR>(p, qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
     i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
@@ -253,9 +268,11 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
         float s[TM][TN], top[TM], sum[TM];
         zero_tile(s);
         tile_product<TM, TN, D>(s, qs, D + 1, 1, ks, 1, D + 1);
+#pragma unroll
         for (int a = 0; a < TM; ++a) {
             i64 r = r0 + ty * TM + a;
             top[a] = -INFINITY;
+#pragma unroll
             for (int b = 0; b < TN; ++b) {
                 i64 j = j0 + tx + TX * b;
                 bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
@@ -264,28 +281,36 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
             }
         }
         merge_rows<TM, true>(top, red);
+#pragma unroll
         for (int a = 0; a < TM; ++a) {
             float mnew = fmaxf(m[a], top[a]), alpha = 1.0f;
             sum[a] = 0.0f;
             if (mnew != -INFINITY) {
                 alpha = expf(m[a] - mnew);
+#pragma unroll
                 for (int b = 0; b < TN; ++b) { s[a][b] = expf(s[a][b] - mnew); sum[a] += s[a][b]; }
                 m[a] = mnew;
             } else {
+#pragma unroll
                 for (int b = 0; b < TN; ++b) s[a][b] = 0.0f;
             }
             l[a] *= alpha;
+#pragma unroll
             for (int c = 0; c < TO; ++c) o[a][c] *= alpha;
+#pragma unroll
             for (int b = 0; b < TN; ++b) ps[(ty * TM + a) * (BC + 1) + tx + TX * b] = p.in(s[a][b]);
         }
         merge_rows<TM, false>(sum, red);
+#pragma unroll
         for (int a = 0; a < TM; ++a) l[a] += sum[a];
         tile_product<TM, TO, BC>(o, ps, BC + 1, 1, vs, D + 1, 1);
     }
+#pragma unroll
     for (int a = 0; a < TM; ++a) {
         i64 r = r0 + ty * TM + a;
         if (r >= p.tq) continue;
         float* row = out + matrix(ao, i, p.heads) + r * ao.row;
+#pragma unroll
         for (int c = 0; c < TO; ++c) {
             int col = tx + TX * c;
             if (col < p.dv) row[col] = l[a] > 0.0f ? o[a][c] / l[a] : 0.0f;
@@ -309,6 +334,7 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
     float* gq0 = gq + matrix(p.aq, i, p.heads);
     stage_rows<D, BR>(p, qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
     stage_rows<D, BR>(p, gs, g + matrix(ag, i, p.heads), ag.row, r0, p.tq, p.dv);
+#pragma unroll
     for (int a = 0; a < TM; ++a) {
         i64 r = r0 + ty * TM + a;
         lr[a] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
@@ -326,8 +352,10 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
         zero_tile(dp);
         tile_product<TM, TN, D>(s, qs, D + 1, 1, ks, 1, D + 1);
         tile_product<TM, TN, D>(dp, gs, D + 1, 1, vs, 1, D + 1);
+#pragma unroll
         for (int a = 0; a < TM; ++a) {
             i64 r = r0 + ty * TM + a;
+#pragma unroll
             for (int b = 0; b < TN; ++b) {
                 i64 j = j0 + tx + TX * b;
                 bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
@@ -343,14 +371,17 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
     }
     if (pass == 0) {
         merge_rows<TM, false>(part, red);
+#pragma unroll
         for (int a = 0; a < TM; ++a) {
             i64 r = r0 + ty * TM + a;
             if (tx == 0 && r < p.tq) gq0[r * p.aq.row] = part[a];
         }
     } else {
+#pragma unroll
         for (int a = 0; a < TM; ++a) {
             i64 r = r0 + ty * TM + a;
             if (r >= p.tq) continue;
+#pragma unroll
             for (int c = 0; c < TO; ++c) {
                 int col = tx + TX * c;
                 if (col < p.d) gq0[r * p.aq.row + col] = acc[a][c];
@@ -391,9 +422,11 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
         zero_tile(dp);
         tile_product<TM, TN, D>(s, qs, D + 1, 1, ks, 1, D + 1);
         tile_product<TM, TN, D>(dp, gs, D + 1, 1, vs, 1, D + 1);
+#pragma unroll
         for (int a = 0; a < TM; ++a) {
             int row = ty * TM + a;
             i64 r = r0 + row;
+#pragma unroll
             for (int b = 0; b < TN; ++b) {
                 int col = tx + TX * b;
                 i64 j = j0 + col;
@@ -408,9 +441,11 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
         tile_product<UM, TO, KR>(dv, ps, 1, KC + 1, gs, D + 1, 1);
         tile_product<UM, TO, KR>(dk, dss, 1, KC + 1, qs, D + 1, 1);
     }
+#pragma unroll
     for (int a = 0; a < UM; ++a) {
         i64 j = j0 + ty * UM + a;
         if (j >= p.tk) continue;
+#pragma unroll
         for (int c = 0; c < TO; ++c) {
             int col = tx + TX * c;
             if (gk && col < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + col] = dk[a][c];
@@ -420,7 +455,17 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
     __syncthreads();
 }
 
-// The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs, so a block's
+// The tile of launch task t (tiles of `tiles` rows' worth each, matrix t / tiles): the tiles of a
+// matrix in order, or, where later tiles see more of the other side (query tiles under a causal
+// mask, LATE), the heaviest first. Blocks start in the order of their index, so the work that
+// comes last is the lightest and the GPU's multiprocessors finish together.
+__device__ __forceinline__ i64 task_tile(i64 t, i64 tiles, bool late) {
+    i64 k = t % tiles;
+    return late ? tiles - 1 - k : k;
+}
+
+// The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs (in task_tile's
+// order), so a block's
 // threads always agree on their tile (the barriers inside need that). The forward's query tiles of
 // FR rows meet key tiles of FC rows; D and dq's query tiles of QR rows meet key tiles of QC; dk and
 // dv's key tiles of KC rows meet query tiles of KR. Row counts are multiples of TY, column counts of
@@ -429,17 +474,17 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
     extern "C" __global__ void attention_tiled_d##D##_f32(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
         i64 tiles = (p.tq + FR - 1) / FR;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_tile<D, FR, FC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * FR);               \
+            attention_tile<D, FR, FC>(p, vis, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * FR); \
     }                                                                                                   \
     extern "C" __global__ void attention_tiled_backward_q_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
         i64 tiles = (p.tq + QR - 1) / QR;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_backward_q_tile<D, QR, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, (t % tiles) * QR); \
+            attention_backward_q_tile<D, QR, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * QR); \
     }                                                                                                   \
     extern "C" __global__ void attention_tiled_backward_kv_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
         i64 tiles = (p.tk + KC - 1) / KC;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_backward_kv_tile<D, KR, KC>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, (t % tiles) * KC); \
+            attention_backward_kv_tile<D, KR, KC>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * KC); \
     }
 
 ATTENTION_TILED(64, 64, 32, 32, 32, 32, 32)
@@ -466,14 +511,25 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // (column c's pair a / 2 at sh[c * ld + a / 2]); C columns in all, zeros past the matrix.
 template <int KIND, int R, int C, bool BY_COLS>
 __device__ void stage_bits(unsigned* sh, int ld, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
+    static_assert(R * C / 2 % (TILE_THREADS * STAGE_BATCH) == 0, "a tile is whole batches");
     auto at = [&](i64 a, i64 c) { return (r0 + a < rows && c < cols) ? m[(r0 + a) * stride + c] : 0.0f; };
-    for (int e = threadIdx.x; e < R * C / 2; e += TILE_THREADS) {
-        if (BY_COLS) {
-            int c = e % C, a = 2 * (e / C);
-            sh[c * ld + a / 2] = operand_pair<KIND>(at(a, c), at(a + 1, c));
-        } else {
-            int a = e / (C / 2), c = 2 * (e % (C / 2));
-            sh[a * ld + c / 2] = operand_pair<KIND>(at(a, c), at(a, c + 1));
+    // Pair e: by rows, row e / (C / 2) and columns 2 (e % (C / 2)) + 0, 1; by columns, column e % C
+    // and rows 2 (e / C) + 0, 1. All of a batch's values are loaded before any is stored (as
+    // stage_rows).
+    for (int e0 = threadIdx.x; e0 < R * C / 2; e0 += TILE_THREADS * STAGE_BATCH) {
+        float x[STAGE_BATCH][2];
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            int e = e0 + b * TILE_THREADS;
+            int a = BY_COLS ? 2 * (e / C) : e / (C / 2), c = BY_COLS ? e % C : 2 * (e % (C / 2));
+            x[b][0] = at(a, c);
+            x[b][1] = BY_COLS ? at(a + 1, c) : at(a, c + 1);
+        }
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            int e = e0 + b * TILE_THREADS;
+            int at_word = BY_COLS ? (e % C) * ld + e / C : (e / (C / 2)) * ld + e % (C / 2);
+            sh[at_word] = operand_pair<KIND>(x[b][0], x[b][1]);
         }
     }
 }
@@ -765,23 +821,23 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
 }
 
 // The entry points for head sizes up to D with KIND's operands (SUF): blocks walk the (matrix, tile)
-// pairs of MMA_ROWS rows. The forward meets key tiles of FC rows, D and dq key tiles of QC, dk and dv
+// pairs of MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, D and dq key tiles of QC, dk and dv
 // query tiles of KR; each tile set fits the 48 KiB of static shared memory.
 #define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR)                                                         \
     extern "C" __global__ void attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_tile<KIND, D, FC>(p, vis, out, ao, lse, t / tiles, (t % tiles) * MMA_ROWS);   \
+            attention_mma_tile<KIND, D, FC>(p, vis, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
     extern "C" __global__ void attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, (t % tiles) * MMA_ROWS); \
+            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
     extern "C" __global__ void attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
         i64 tiles = (p.tk + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, (t % tiles) * MMA_ROWS); \
+            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
     }
 
 ATTENTION_MMA(1, bf16, 64, 64, 64, 64)

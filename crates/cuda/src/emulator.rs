@@ -6,7 +6,7 @@
 //!
 //! The sources are compiled by the host's C++ compiler (`$CXX`, else `g++`) with
 //! `emulator/emulator.h` in front (threads as fibers, barriers as switches), into one shared
-//! library cached next to the PTX (`<cache>/emulator/<hash>.so`) and loaded with `libloading`.
+//! library cached next to the machine code (`<cache>/emulator/<hash>.so`) and loaded with `libloading`.
 //! Memory is host memory (an address is a host address); products are plain loops that follow
 //! cuBLAS's column-major definition to the letter (a bf16 or fp16 product's operands rounded as
 //! Notes [bf16 products] and [fp16 products] in `memfit-kernels` define).
@@ -276,12 +276,12 @@ impl Machine for Emulator {
         Ok(())
     }
 
-    fn fuses_bias(&self) -> bool {
-        true
+    fn fuses_bias(&self, dtype: GemmType) -> bool {
+        dtype == GemmType::F32
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
-        if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || g.dtype == GemmType::F64) {
+        if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || g.dtype != GemmType::F32) {
             return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32"));
         }
         match g.dtype {

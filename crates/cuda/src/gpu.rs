@@ -3,7 +3,7 @@
 //! one stream (the context's default stream), kernels loaded from NVRTC's PTX on first use,
 //! products by cuBLAS, uploads from pinned host memory with events.
 
-use crate::kernels::{compile_cached, source_of};
+use crate::kernels::{assemble_cached, forget_cached, source_of};
 use crate::libraries::{probe, Library};
 use crate::lt::Lt;
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
@@ -11,6 +11,7 @@ use crate::timing::{self, KernelTimes};
 use crate::{call_error, nvml, CudaError};
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -110,7 +111,7 @@ impl Gpu {
         self.context.bind_to_thread().map_err(|e| call_error("making the CUDA context current", e))
     }
 
-    /// Kernel `name`, its module loaded (compiled or from the PTX cache) on first use.
+    /// Kernel `name`, its module loaded (assembled, or from the cache of machine code) on first use.
     fn function(&self, name: &str) -> Result<CudaFunction, CudaError> {
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = functions.get(name) {
@@ -125,11 +126,18 @@ impl Gpu {
             match modules.get(source.name) {
                 Some(m) => m.clone(),
                 None => {
-                    let ptx = compile_cached(source, self.capability)?;
-                    let module = self
-                        .context
-                        .load_module(ptx)
-                        .map_err(|e| call_error(&format!("loading the kernels of {}.cu", source.name), e))?;
+                    let load = || -> Result<Arc<CudaModule>, CudaError> {
+                        let cubin = assemble_cached(source, self.capability)?;
+                        self.context
+                            .load_module(Ptx::from_binary(cubin))
+                            .map_err(|e| call_error(&format!("loading the kernels of {}.cu", source.name), e))
+                    };
+                    // Machine code the driver refuses (a cache file damaged, or written by a
+                    // different NVRTC of the same version) is assembled again, once.
+                    let module = load().or_else(|_| {
+                        forget_cached(source, self.capability);
+                        load()
+                    })?;
                     modules.insert(source.name, module.clone());
                     module
                 }
@@ -316,6 +324,11 @@ impl Machine for Gpu {
         self.max_blocks
     }
 
+    fn max_grid(&self) -> u32 {
+        // CUDA's limit on a grid's x dimension.
+        i32::MAX as u32
+    }
+
     fn free_bytes(&self) -> Result<u64, CudaError> {
         self.bind()?;
         let (free, _) = self.context.mem_get_info().map_err(|e| call_error("cuMemGetInfo", e))?;
@@ -473,8 +486,8 @@ impl Machine for Gpu {
         Ok(())
     }
 
-    fn fuses_bias(&self) -> bool {
-        self.lt.get_or_init(|| self.checked_lt()).is_some()
+    fn fuses_bias(&self, dtype: GemmType) -> bool {
+        dtype == GemmType::F32 && self.lt.get_or_init(|| self.checked_lt()).is_some()
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {

@@ -1,10 +1,14 @@
 //! memfit's CUDA C kernels: their sources (`crates/cuda/kernels/*.cu`, each compiled with
-//! `common.cuh` in front), compiled by NVRTC for the GPU's architecture on first use and cached on
-//! disk, so a second run loads PTX instead of compiling.
+//! `common.cuh` in front), compiled by NVRTC for the GPU's architecture and assembled into its
+//! machine code (a cubin) on first use, and cached on disk, so a later run loads machine code
+//! instead of compiling. (Before, the cache held PTX, and every new machine's driver spent about a
+//! minute and a half assembling the attention kernels' PTX at load, measured on an H100.)
 //!
-//! The cache key is everything that changes the PTX: the source's hash, the architecture and
-//! NVRTC's version. The folder is `$MEMFIT_CACHE_DIR/cuda`, else `$XDG_CACHE_HOME/memfit/cuda`,
-//! else `~/.cache/memfit/cuda`; a cache that cannot be written only costs a compile next time.
+//! The cache key is everything that changes the machine code: the source's hash, the architecture
+//! and NVRTC's version. The folder is `$MEMFIT_CACHE_DIR/cuda`, else `$XDG_CACHE_HOME/memfit/cuda`,
+//! else `~/.cache/memfit/cuda`; a cache that cannot be written only costs a compile next time, and
+//! a cached file that is not machine code is compiled again. `tools/gpu-check prepare` fills a
+//! cache on a machine without a GPU (`examples/assemble.rs`).
 
 use crate::libraries::{probe, Library};
 use crate::{call_error, CudaError};
@@ -92,27 +96,9 @@ fn architectures(capability: (i32, i32)) -> Option<(&'static str, &'static str)>
 /// Compiles `source` for `capability` to PTX (no cache). Errors name a missing NVRTC, an
 /// architecture memfit does not know, or the kernel with NVRTC's log.
 pub fn compile(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
-    compile_for(source, capability, false)
-}
-
-/// Compiles `source` for `capability`'s real architecture: NVRTC then also assembles the PTX into
-/// the GPU's code (ptxas inside NVRTC), so inline PTX (the tensor cores' `mma`) is checked as the
-/// driver will check it, on a machine without a GPU. The PTX, or `compile`'s errors.
-pub fn assemble(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
-    compile_for(source, capability, true)
-}
-
-fn compile_for(source: &Source, capability: (i32, i32), real: bool) -> Result<Ptx, CudaError> {
-    probe(&[Library::Nvrtc])?;
-    let (virtual_arch, real_arch) = architectures(capability).ok_or_else(|| CudaError::Call {
-        what: format!("compiling {} for sm_{}{}", source.name, capability.0, capability.1),
-        detail: format!(
-            "memfit knows compute capabilities 8.0, 8.6, 8.7, 8.9, 9.0, 10.0 and 12.0 (at least {}.{})",
-            MIN_CAPABILITY.0, MIN_CAPABILITY.1
-        ),
-    })?;
+    let (virtual_arch, _) = known(source, capability)?;
     let options = CompileOptions {
-        arch: Some(if real { real_arch } else { virtual_arch }),
+        arch: Some(virtual_arch),
         name: Some(format!("{}.cu", source.name)),
         // No include path: the sources need no header (the GPU machine may have none).
         options: vec!["--std=c++17".into()],
@@ -123,6 +109,56 @@ fn compile_for(source: &Source, capability: (i32, i32), real: bool) -> Result<Pt
             CudaError::Compile { kernel: source.name.to_string(), log: log.to_string_lossy().into_owned() }
         }
         other => call_error(&format!("NVRTC on {}", source.name), other),
+    })
+}
+
+/// Compiles `source` for `capability`'s real architecture and assembles it (ptxas inside NVRTC):
+/// the GPU's machine code, a cubin, which the driver loads without compiling anything. Inline PTX
+/// (the tensor cores' `mma`) is checked here as the GPU would check it, on a machine without a
+/// GPU. Errors as [`compile`]'s.
+pub fn assemble(source: &Source, capability: (i32, i32)) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    let (_, real_arch) = known(source, capability)?;
+    let nvrtc = |what: &str, e: result::NvrtcError| call_error(&format!("{what} on {}", source.name), e);
+    let text = std::ffi::CString::new(source.program()).map_err(|e| call_error("NVRTC", e))?;
+    let name = std::ffi::CString::new(format!("{}.cu", source.name)).map_err(|e| call_error("NVRTC", e))?;
+    let program = result::create_program(&text, Some(&name)).map_err(|e| nvrtc("nvrtcCreateProgram", e))?;
+    let options = [format!("--gpu-architecture={real_arch}"), "--std=c++17".to_string()];
+    // SAFETY: `program` is live until destroyed below; each call writes within the sizes NVRTC gave.
+    unsafe {
+        let assembled = match result::compile_program(program, &options) {
+            Err(_) => {
+                let log = result::get_program_log(program).unwrap_or_default();
+                let log = std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+                Err(CudaError::Compile { kernel: source.name.to_string(), log })
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(|e| nvrtc("nvrtcGetCUBINSize", e)).and_then(
+                    |()| {
+                        let mut cubin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast())
+                            .result()
+                            .map_err(|e| nvrtc("nvrtcGetCUBIN", e))?;
+                        Ok(cubin)
+                    },
+                )
+            }
+        };
+        let _ = result::destroy_program(program);
+        assembled
+    }
+}
+
+/// `capability`'s virtual and real architectures, with NVRTC present; or why not.
+fn known(source: &Source, capability: (i32, i32)) -> Result<(&'static str, &'static str), CudaError> {
+    probe(&[Library::Nvrtc])?;
+    architectures(capability).ok_or_else(|| CudaError::Call {
+        what: format!("compiling {} for sm_{}{}", source.name, capability.0, capability.1),
+        detail: format!(
+            "memfit knows compute capabilities 8.0, 8.6, 8.7, 8.9, 9.0, 10.0 and 12.0 (at least {}.{})",
+            MIN_CAPABILITY.0, MIN_CAPABILITY.1
+        ),
     })
 }
 
@@ -147,36 +183,49 @@ pub fn cache_dir() -> Option<PathBuf> {
     Some(base.join("cuda"))
 }
 
-/// The file a source's PTX is cached in for `capability` and NVRTC `version`.
+/// The file a source's machine code is cached in for `capability` and NVRTC `version`.
 pub fn cache_file(dir: &std::path::Path, source: &Source, capability: (i32, i32), version: (i32, i32)) -> PathBuf {
     let hash = fnv1a(source.program().as_bytes());
     dir.join(format!(
-        "{}-{hash:016x}-sm{}{}-nvrtc{}.{}.ptx",
+        "{}-{hash:016x}-sm{}{}-nvrtc{}.{}.cubin",
         source.name, capability.0, capability.1, version.0, version.1
     ))
 }
 
-/// [`compile`] through the disk cache: the cached PTX when there is one, else a compile whose PTX
-/// is written for next time (atomically: a temporary file renamed into place).
-pub fn compile_cached(source: &Source, capability: (i32, i32)) -> Result<Ptx, CudaError> {
+/// [`assemble`] through the disk cache: the cached machine code when there is some (an ELF file,
+/// as a cubin is), else an assembly whose cubin is written for next time (atomically: a temporary
+/// file renamed into place).
+pub fn assemble_cached(source: &Source, capability: (i32, i32)) -> Result<Vec<u8>, CudaError> {
     let version = nvrtc_version()?;
-    let file = cache_dir().map(|dir| cache_file(&dir, source, capability, version));
-    if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
-        return Ok(Ptx::from_src(text));
+    let file = cache_file_for(source, capability, version);
+    if let Some(cubin) = file.as_ref().and_then(|f| std::fs::read(f).ok()).filter(|c| c.starts_with(b"\x7fELF")) {
+        return Ok(cubin);
     }
-    let ptx = compile(source, capability)?;
+    let cubin = assemble(source, capability)?;
     if let Some(file) = file {
-        let _ = write_cache(&file, &ptx.to_src());
+        let _ = write_cache(&file, &cubin);
     }
-    Ok(ptx)
+    Ok(cubin)
 }
 
-fn write_cache(file: &std::path::Path, text: &str) -> std::io::Result<()> {
+/// Forgets `source`'s cached machine code (one the driver refused to load), so the next
+/// [`assemble_cached`] assembles it again.
+pub fn forget_cached(source: &Source, capability: (i32, i32)) {
+    if let Some(file) = nvrtc_version().ok().and_then(|v| cache_file_for(source, capability, v)) {
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+fn cache_file_for(source: &Source, capability: (i32, i32), version: (i32, i32)) -> Option<PathBuf> {
+    cache_dir().map(|dir| cache_file(&dir, source, capability, version))
+}
+
+fn write_cache(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = file.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let temporary = file.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&temporary, text)?;
+    std::fs::write(&temporary, bytes)?;
     std::fs::rename(&temporary, file)
 }
 

@@ -73,12 +73,11 @@ impl Lt {
         workspace_bytes: usize,
         stream: *mut c_void,
     ) -> Result<(), CudaError> {
-        let compute = match g.dtype {
-            GemmType::F32 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            GemmType::F32Bf16 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
-            GemmType::F32F16 => lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
-            GemmType::F64 => return Err(call_error("cuBLASLt", "a bias epilogue is for f32 products")),
-        };
+        // f32 products only (`Machine::fuses_bias` says why not bf16 or fp16 ones).
+        if g.dtype != GemmType::F32 {
+            return Err(call_error("cuBLASLt", "a bias epilogue is for f32 products"));
+        }
+        let compute = lt::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let f32_type = lt::cudaDataType_t::CUDA_R_32F;
         let mut d = Descriptors { matmul: std::ptr::null_mut(), layouts: Vec::new(), preference: std::ptr::null_mut() };
         ok("cublasLtMatmulDescCreate", lt::cublasLtMatmulDescCreate(&mut d.matmul, compute, f32_type))?;

@@ -140,13 +140,24 @@ pub struct Gemm {
 pub trait Machine: Send + Sync {
     /// `name (sm_XY)` or the emulator's name, for messages and reports.
     fn description(&self) -> String;
-    /// Whether [`Machine::gemm`] takes a [`Gemm::bias`] (cuBLASLt's epilogue on a GPU, checked there
-    /// once against the host; the emulator's definition). The library workspace must be set first.
-    fn fuses_bias(&self) -> bool {
+    /// Whether [`Machine::gemm`] takes a [`Gemm::bias`] on a product of this type: f32 products only
+    /// (cuBLASLt's epilogue on a GPU, checked there once against the host; the emulator's
+    /// definition). Not bf16 or fp16 products: cuBLASLt takes `COMPUTE_32F_FAST_16BF` as leave to
+    /// choose, and on an H100 it chose kernels that do not round the operands as Note [bf16
+    /// products] says (seen on the GPU: every element of a bf16 linear off the definition by up to
+    /// 0.2% of the largest), where cuBLAS's GemmEx rounds them. The library workspace must be set
+    /// first.
+    fn fuses_bias(&self, _dtype: GemmType) -> bool {
         false
     }
     /// The most blocks a launch needs to fill this machine (grid-stride kernels loop beyond).
     fn max_blocks(&self) -> u32;
+    /// The most blocks a launch of tiles whose work differs (attention's, under a causal mask) may
+    /// have: on a GPU one per tile, so that the block scheduler hands the next tile to whichever
+    /// multiprocessor is free (a grid of `max_blocks` that loops would give each block a fixed share).
+    fn max_grid(&self) -> u32 {
+        self.max_blocks()
+    }
     /// Device memory free now.
     fn free_bytes(&self) -> Result<u64, CudaError>;
     /// `bytes` of zero-filled device memory; `Err` when the device has none left.

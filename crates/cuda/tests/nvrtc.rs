@@ -9,6 +9,11 @@
 use memfit_cuda::kernels::{assemble, compile, nvrtc_version, SOURCES};
 use memfit_cuda::Library;
 
+/// Whether `bytes` holds `part`.
+fn contains(bytes: &[u8], part: &[u8]) -> bool {
+    bytes.windows(part.len()).any(|w| w == part)
+}
+
 fn main() {
     let required = std::env::var_os("MEMFIT_REQUIRE_NVRTC").is_some_and(|v| v == "1");
     if !Library::Nvrtc.present() {
@@ -24,9 +29,18 @@ fn main() {
     let mut failures = 0;
     for capability in [(8, 0), (9, 0)] {
         for source in &SOURCES {
-            for (how, result) in [("PTX", compile(source, capability)), ("assembled", assemble(source, capability))] {
+            let results = [
+                ("PTX", compile(source, capability).map(|ptx| ptx.to_src().contains(".entry"))),
+                // A cubin is an ELF file that names its kernels (the first prefix, at least).
+                (
+                    "assembled",
+                    assemble(source, capability)
+                        .map(|c| c.starts_with(b"\x7fELF") && contains(&c, source.kernels[0].as_bytes())),
+                ),
+            ];
+            for (how, result) in results {
                 match result {
-                    Ok(ptx) => assert!(ptx.to_src().contains(".entry"), "{}: PTX without kernels", source.name),
+                    Ok(kernels) => assert!(kernels, "{}: {how} without kernels", source.name),
                     Err(e) => {
                         eprintln!("nvrtc: {} for sm_{}{} ({how}): {e}", source.name, capability.0, capability.1);
                         failures += 1;
@@ -58,15 +72,26 @@ fn main() {
         }
         other => panic!("a broken kernel compiled or failed otherwise: {:?}", other.map(|_| ())),
     }
-    // The disk cache: the first call writes the PTX under $MEMFIT_CACHE_DIR, the second reads it back.
+    // The disk cache: the first call writes the machine code under $MEMFIT_CACHE_DIR, the second
+    // reads it back; a file that is not machine code is assembled again and replaced.
     let dir = std::env::temp_dir().join(format!("memfit-nvrtc-cache-{}", std::process::id()));
     std::env::set_var("MEMFIT_CACHE_DIR", &dir);
-    let first = memfit_cuda::kernels::compile_cached(&SOURCES[0], (9, 0)).expect("compiles").to_src();
+    let first = memfit_cuda::kernels::assemble_cached(&SOURCES[0], (9, 0)).expect("assembles");
     let file = memfit_cuda::kernels::cache_file(&dir.join("cuda"), &SOURCES[0], (9, 0), version);
-    assert_eq!(std::fs::read_to_string(&file).expect("the PTX was cached"), first);
-    std::fs::write(&file, format!("{first}\n// from the cache")).unwrap();
-    let second = memfit_cuda::kernels::compile_cached(&SOURCES[0], (9, 0)).unwrap().to_src();
-    assert!(second.ends_with("// from the cache"), "the second call read the cache");
+    assert_eq!(std::fs::read(&file).expect("the cubin was cached"), first);
+    let mut marked = first.clone();
+    marked.extend_from_slice(b"from the cache");
+    std::fs::write(&file, &marked).unwrap();
+    assert_eq!(memfit_cuda::kernels::assemble_cached(&SOURCES[0], (9, 0)).unwrap(), marked, "read from the cache");
+    std::fs::write(&file, b"not a cubin").unwrap();
+    assert_eq!(
+        memfit_cuda::kernels::assemble_cached(&SOURCES[0], (9, 0)).unwrap(),
+        first,
+        "a damaged file is replaced"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), first);
+    memfit_cuda::kernels::forget_cached(&SOURCES[0], (9, 0));
+    assert!(!file.exists(), "forgotten");
     let _ = std::fs::remove_dir_all(&dir);
     if failures > 0 {
         eprintln!("nvrtc: {failures} compilations failed");

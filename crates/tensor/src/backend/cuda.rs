@@ -246,9 +246,9 @@ impl Cuda {
     }
 
     /// One block of [`TILE_THREADS`] per tile of `rows` rows of each of `matrices` matrices (blocks
-    /// beyond the device's useful count walk the rest).
+    /// beyond the machine's `max_grid` walk the rest).
     fn tiles(&self, matrices: usize, n: usize, rows: usize) -> Launch {
-        let blocks = (matrices * n.div_ceil(rows)).clamp(1, self.machine.max_blocks() as usize);
+        let blocks = (matrices * n.div_ceil(rows)).clamp(1, self.machine.max_grid() as usize);
         Launch { grid: blocks as u32, block: TILE_THREADS }
     }
 
@@ -421,18 +421,25 @@ impl Cuda {
     }
 
     /// How a product of `rows` rows into `out` gets `bias` (`cols` values): `(address, 0.0)` for the
-    /// product's epilogue (an f32 contiguous bias on a machine that fuses one, unless
-    /// `MEMFIT_CUDA_BIAS_EPILOGUE=0`), else broadcast into `out` now and `(0, 1.0)`, the product
+    /// product's epilogue (an f32 contiguous bias, on a machine that fuses one into a product of
+    /// `kind`, unless `MEMFIT_CUDA_BIAS_EPILOGUE=0`), else broadcast into `out` now and `(0, 1.0)`, the product
     /// adding onto it; `(0, 0.0)` without a bias. The same sum either way (the product plus the bias,
     /// rounded once).
-    fn bias_for_product(&self, bias: Option<&Tensor>, rows: usize, cols: usize, out: u64) -> Result<(u64, f64)> {
+    fn bias_for_product(
+        &self,
+        bias: Option<&Tensor>,
+        kind: GemmType,
+        rows: usize,
+        cols: usize,
+        out: u64,
+    ) -> Result<(u64, f64)> {
         static BROADCAST: OnceLock<bool> = OnceLock::new();
         let broadcast =
             *BROADCAST.get_or_init(|| std::env::var_os("MEMFIT_CUDA_BIAS_EPILOGUE").is_some_and(|v| v == "0"));
         let Some(bias) = bias else { return Ok((0, 0.0)) };
         let fusable =
             bias.dtype() == DType::F32 && bias.layout().strides().first().is_none_or(|&s| s == 1 || cols <= 1);
-        if fusable && !broadcast && self.machine.fuses_bias() {
+        if fusable && !broadcast && self.machine.fuses_bias(kind) {
             self.ran("bias: in the product's epilogue (cuBLASLt)");
             return Ok((addr(bias)?, 0.0));
         }
@@ -1539,7 +1546,7 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = x.numel() / in_f.max(1);
         let dst = dense(out, "linear")?;
-        let bias = self.bias_for_product(bias, rows, out_f, dst)?;
+        let bias = self.bias_for_product(bias, gemm_type("linear", weight.dtype(), products)?, rows, out_f, dst)?;
         self.times_weight_t(dense(x, "linear")?, rows, weight, dst, bias, products, "linear")
     }
 
@@ -1577,7 +1584,7 @@ impl Backend for Cuda {
         let rows = x.numel() / in_f.max(1);
         let size = x.dtype().size() as u64;
         let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
-        let bias = self.bias_for_product(bias, rows, out_f, dst)?;
+        let bias = self.bias_for_product(bias, gemm_type(NAME, weight.dtype(), products)?, rows, out_f, dst)?;
         let block = (scratch.numel() / in_f.max(1)).max(1);
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
@@ -1756,7 +1763,7 @@ impl Backend for Cuda {
         let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
         let (lw, lb) = (dense(ln_weight, NAME)?, dense(ln_bias, NAME)?);
         let (mp, rp) = (dense_opt(mean, NAME)?, dense_opt(rstd, NAME)?);
-        let bias = self.bias_for_product(bias, rows, out_f, dst)?;
+        let bias = self.bias_for_product(bias, gemm_type(NAME, weight.dtype(), products)?, rows, out_f, dst)?;
         let block = (scratch.numel() / in_f.max(1)).max(1);
         let at = |p: u64, r: usize| if p == 0 { 0 } else { p + r as u64 * size };
         for r0 in (0..rows).step_by(block) {
