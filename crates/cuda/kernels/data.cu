@@ -60,5 +60,23 @@ extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, i64 
 extern "C" __global__ void cast_bf16_f32(const unsigned short* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = bf16_to_f32(x[i]); }
 extern "C" __global__ void cast_f32_f16(const float* x, unsigned short* y, i64 n) { GRID_STRIDE(i, n) y[i] = f32_to_f16(x[i]); }
 extern "C" __global__ void cast_f16_f32(const unsigned short* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = f16_to_f32(x[i]); }
+// Rounds `batch` column-major f32 matrices of rows x cols (leading dimension ld, matrix i at
+// x + i * stride) to a product's operand bits (KIND 1: bfloat16, 2: binary16, as every product
+// reads them: Notes [bf16 products] and [fp16 products], common.cuh's operand_bits), packed: matrix
+// i's element (r, c) at y[i * rows * cols + r + c * rows] (memfit_cuda::rounded).
+template <int KIND>
+__device__ void round_operands(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
+    const i64 size = rows * cols;
+    GRID_STRIDE(e, size * batch) {
+        i64 i = e / size, rc = e - i * size, c = rc / rows, r = rc - c * rows;
+        y[e] = (unsigned short)operand_bits<KIND>(x[i * stride + r + c * ld]);
+    }
+}
+extern "C" __global__ void round_operands_bf16(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
+    round_operands<1>(x, rows, cols, ld, stride, batch, y);
+}
+extern "C" __global__ void round_operands_f16(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
+    round_operands<2>(x, rows, cols, ld, stride, batch, y);
+}
 extern "C" __global__ void cast_f32_f64(const float* x, double* y, i64 n) { GRID_STRIDE(i, n) y[i] = (double)x[i]; }
 extern "C" __global__ void cast_f64_f32(const double* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = (float)x[i]; }

@@ -660,37 +660,16 @@ impl Gpu {
                         batch,
                     )
                 }
-                // f32 operands rounded to bfloat16 (binary16) as the tensor cores load them, products
-                // added in f32 (`cuda_parity` checks the rounding on operands whose sums are exact);
-                // a single product through cublasGemmEx under the experiment above.
-                GemmType::F32Bf16 | GemmType::F32F16 if batch == 1 && plain_sgemm() => {
+                // Operands rounded already (crate::rounded): 16-bit A and B, f32 C, f32 accumulation,
+                // which cuBLAS runs on the tensor cores.
+                GemmType::Bf16 | GemmType::F16 => {
                     let (alpha, beta) = (g.alpha as f32, g.beta as f32);
                     let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
-                    cudarc::cublas::result::gemm_ex(
-                        *blas.handle(),
-                        op(g.transa),
-                        op(g.transb),
-                        m,
-                        n,
-                        k,
-                        (&alpha as *const f32).cast(),
-                        g.a as *const std::ffi::c_void,
-                        f32_type,
-                        lda,
-                        g.b as *const std::ffi::c_void,
-                        f32_type,
-                        ldb,
-                        (&beta as *const f32).cast(),
-                        g.c as *mut std::ffi::c_void,
-                        f32_type,
-                        ldc,
-                        rounded_compute(g.dtype),
-                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
-                GemmType::F32Bf16 | GemmType::F32F16 => {
-                    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
-                    let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+                    let operand_type = if g.dtype == GemmType::Bf16 {
+                        blas_sys::cudaDataType::CUDA_R_16BF
+                    } else {
+                        blas_sys::cudaDataType::CUDA_R_16F
+                    };
                     cudarc::cublas::result::gemm_strided_batched_ex(
                         *blas.handle(),
                         op(g.transa),
@@ -700,11 +679,11 @@ impl Gpu {
                         k,
                         (&alpha as *const f32).cast(),
                         g.a as *const std::ffi::c_void,
-                        f32_type,
+                        operand_type,
                         lda,
                         sa,
                         g.b as *const std::ffi::c_void,
-                        f32_type,
+                        operand_type,
                         ldb,
                         sb,
                         (&beta as *const f32).cast(),
@@ -713,9 +692,12 @@ impl Gpu {
                         ldc,
                         sc,
                         batch,
-                        rounded_compute(g.dtype),
+                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                         blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                     )
+                }
+                GemmType::F32Bf16 | GemmType::F32F16 => {
+                    return Err(call_error("cuBLAS", "an f32 product with rounded operands goes through the backend's rounding workspace (memfit_cuda::rounded)"));
                 }
                 GemmType::F64 => {
                     let (alpha, beta) = (g.alpha, g.beta);
@@ -746,16 +728,8 @@ impl Gpu {
     }
 }
 
-/// cuBLAS's compute type for a rounded product: tensor cores converting f32 operands as they load.
-fn rounded_compute(dtype: GemmType) -> blas_sys::cublasComputeType_t {
-    match dtype {
-        GemmType::F32F16 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
-        _ => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
-    }
-}
-
-/// `MEMFIT_CUBLAS_SGEMM=1`: single f32 products through cublasSgemm (bf16 ones through
-/// cublasGemmEx) instead of the strided-batched entries (read once).
+/// `MEMFIT_CUBLAS_SGEMM=1`: single f32 products through cublasSgemm instead of the strided-batched
+/// entry (read once).
 fn plain_sgemm() -> bool {
     static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PLAIN.get_or_init(|| std::env::var_os("MEMFIT_CUBLAS_SGEMM").is_some_and(|v| v == "1"))

@@ -21,6 +21,7 @@ pub mod libraries;
 pub mod lt;
 pub mod machine;
 pub mod nvml;
+pub mod rounded;
 pub mod segments;
 pub mod staging;
 pub mod timing;
@@ -39,6 +40,12 @@ use std::fmt;
 /// it is counted, and `meta:cuda` allocates it too. PyTorch's default before Hopper is 8 MiB and a
 /// bit; single-precision products do not need more.
 pub const LIBRARY_WORKSPACE_BYTES: u64 = 8 << 20;
+
+/// Bytes of the workspace bf16 and fp16 products round their operands into ([`rounded`]): allocated
+/// by the device from memfit's allocator when its products become rounded (`Device::set_products`),
+/// so it is counted, and `meta:cuda` allocates it too. 32 Mi two-byte elements: GPT-2's products
+/// whole, its 50,304-word head's weight in two pieces.
+pub const ROUNDING_WORKSPACE_BYTES: u64 = 64 << 20;
 
 /// What stops a GPU from being used, in words a user can act on.
 #[derive(Clone, Debug, PartialEq, Eq)]

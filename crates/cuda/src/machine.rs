@@ -86,21 +86,26 @@ pub enum GemmType {
     F32,
     /// f32 in memory, multiplied as a bf16 product (Note [bf16 products] in `memfit-kernels`):
     /// each operand element rounded to bfloat16, to nearest even, the products accumulated in f32.
-    /// On a GPU, cuBLAS's `CUBLAS_COMPUTE_32F_FAST_16BF` (tensor cores, converting as they load,
-    /// adding in their own order); the emulator rounds as the definition says and adds in order.
+    /// The backend computes it as [`crate::rounded`] says (its operands rounded into a workspace,
+    /// then a [`GemmType::Bf16`] product); machines take only the latter.
     F32Bf16,
     /// f32 in memory, multiplied as an fp16 product (Note [fp16 products] in `memfit-kernels`): each
-    /// operand element rounded to binary16, the products accumulated in f32. On a GPU, cuBLAS's
-    /// `CUBLAS_COMPUTE_32F_FAST_16F`.
+    /// operand element rounded to binary16, the products accumulated in f32. As `F32Bf16`, through
+    /// [`GemmType::F16`].
     F32F16,
+    /// A and B bfloat16 in memory (rounded already), C f32, the products accumulated in f32:
+    /// cuBLAS's GemmEx with 16-bit operands and `CUBLAS_COMPUTE_32F`, on the tensor cores.
+    Bf16,
+    /// A and B binary16 in memory, C f32, as `Bf16`.
+    F16,
     F64,
 }
 
 impl GemmType {
-    /// Bytes of one element in memory.
+    /// Bytes of one element of C in memory.
     pub fn size(self) -> usize {
         match self {
-            GemmType::F32 | GemmType::F32Bf16 | GemmType::F32F16 => 4,
+            GemmType::F32 | GemmType::F32Bf16 | GemmType::F32F16 | GemmType::Bf16 | GemmType::F16 => 4,
             GemmType::F64 => 8,
         }
     }

@@ -165,6 +165,9 @@ struct DeviceInner {
     /// The math library's workspace on a GPU target (cuBLAS's, [`memfit_cuda::LIBRARY_WORKSPACE_BYTES`]):
     /// allocated when the device opens, freed when it closes, so it is counted like any block.
     library_workspace: Option<Allocation>,
+    /// The workspace a GPU target's rounded products round their operands into (see
+    /// [`Device::set_products`]): held while its products are bf16 or fp16.
+    rounding_workspace: Mutex<Option<Allocation>>,
     allocator: Mutex<Allocator>,
     phase: Mutex<Phase>,
     grad_enabled: AtomicBool,
@@ -189,9 +192,10 @@ struct DeviceInner {
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
-        if let Some(block) = self.library_workspace.take() {
-            let allocator = self.allocator.get_mut().unwrap_or_else(|e| e.into_inner());
-            // The block is this allocator's and freed only here; a failure cannot happen.
+        let rounding = self.rounding_workspace.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let allocator = self.allocator.get_mut().unwrap_or_else(|e| e.into_inner());
+        for block in [self.library_workspace.take(), rounding].into_iter().flatten() {
+            // The blocks are this allocator's and freed only here; a failure cannot happen.
             let _ = allocator.free(block.id);
         }
     }
@@ -262,6 +266,7 @@ impl Device {
             context_bytes: opened.context_bytes,
             free_at_open: opened.free_bytes,
             library_workspace,
+            rounding_workspace: Mutex::new(None),
             allocator: Mutex::new(allocator),
             phase: Mutex::new(Phase::Setup),
             grad_enabled: AtomicBool::new(true),
@@ -524,15 +529,47 @@ impl Device {
     /// How matrix products compute (linear, matmul, convolution, attention's two products, the fused
     /// ops' products): in f32, or as bf16 products of f32 operands (Note [bf16 products] in
     /// `memfit-kernels`' `gemm_bf16`), `--precision bf16`'s arithmetic. Element-wise ops, reductions,
-    /// parameters, gradients and optimizer state stay f32 either way; nothing allocates differently.
-    /// Every device computes both (the cpu's kernels, cuBLAS's tensor cores on a GPU).
-    pub fn set_products(&self, products: crate::Products) {
+    /// parameters, gradients and optimizer state stay f32 either way. Every device computes both
+    /// (the cpu's kernels; on a GPU target, cuBLAS's tensor cores on operands rounded into a
+    /// workspace of [`memfit_cuda::ROUNDING_WORKSPACE_BYTES`], allocated here while the products are
+    /// rounded, on `meta:cuda` too, and given back when they are f32 again); an error when that
+    /// workspace does not fit.
+    pub fn set_products(&self, products: crate::Products) -> Result<()> {
         let code = match products {
             crate::Products::F32 => 0,
             crate::Products::Bf16 => 1,
             crate::Products::F16 => 2,
         };
+        if self.0.kind.target() == Target::Cuda {
+            let mut held = self.0.rounding_workspace.lock().unwrap_or_else(|e| e.into_inner());
+            let rounded = products != crate::Products::F32;
+            if rounded && held.is_none() {
+                let request = Request {
+                    category: Category::Other,
+                    op: "rounding_workspace",
+                    phase: self.phase(),
+                    module: self.module(),
+                };
+                let block = self.allocator().allocate(memfit_cuda::ROUNDING_WORKSPACE_BYTES, request)?;
+                if let Some(ptr) = block.ptr {
+                    let taken =
+                        self.0.backend.use_rounding_workspace(Some((ptr.as_ptr() as usize as u64, block.requested)));
+                    if let Err(e) = taken {
+                        let _ = self.allocator().free(block.id);
+                        return Err(e);
+                    }
+                }
+                *held = Some(block);
+            } else if !rounded {
+                if let Some(block) = held.take() {
+                    self.0.backend.use_rounding_workspace(None)?;
+                    // The block is this allocator's and freed only here; a failure cannot happen.
+                    let _ = self.allocator().free(block.id);
+                }
+            }
+        }
         self.0.products.store(code, Ordering::Relaxed);
+        Ok(())
     }
 
     /// How matrix products compute on this device.

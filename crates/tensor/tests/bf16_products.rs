@@ -80,7 +80,7 @@ fn every_product_op_multiplies_in_bf16_or_fp16_forward_and_backward() {
 
 fn rounded_products_change_every_op(products: Products, least: f32, most: f32) {
     let (f32_device, bf16_device) = (Device::cpu(), Device::cpu());
-    bf16_device.set_products(products);
+    bf16_device.set_products(products).unwrap();
     assert_eq!(f32_device.products(), Products::F32, "f32 products are the default");
     for (name, shapes, f) in product_ops() {
         let want = run(&f32_device, &shapes, false, &f);
@@ -104,7 +104,7 @@ fn rounded_products_change_every_op(products: Products, least: f32, most: f32) {
 #[test]
 fn on_bfloat16_operands_the_forward_agrees_with_f32_products() {
     let (f32_device, bf16_device) = (Device::cpu(), Device::cpu());
-    bf16_device.set_products(Products::Bf16);
+    bf16_device.set_products(Products::Bf16).unwrap();
     for (name, shapes, f) in product_ops().into_iter().filter(|(n, ..)| ["linear", "matmul", "conv2d"].contains(n)) {
         let (want, got) = (run(&f32_device, &shapes, true, &f), run(&bf16_device, &shapes, true, &f));
         let d = gap(&want[0], &got[0]);
@@ -118,7 +118,7 @@ fn on_bfloat16_operands_the_forward_agrees_with_f32_products() {
 fn bf16_products_allocate_as_f32_products() {
     let stats = |products: Products| {
         let d = Device::cpu();
-        d.set_products(products);
+        d.set_products(products).unwrap();
         for (_, shapes, f) in product_ops() {
             run(&d, &shapes, false, &f);
         }
@@ -134,7 +134,7 @@ fn every_device_takes_the_setting() {
     for kind in [DeviceKind::Meta(Target::Cuda), DeviceKind::META, DeviceKind::Cpu] {
         let device = Device::new(DeviceConfig::new(kind)).unwrap();
         for products in [Products::Bf16, Products::F16, Products::F32] {
-            device.set_products(products);
+            device.set_products(products).unwrap();
             assert_eq!(device.products(), products, "{kind:?}");
         }
     }

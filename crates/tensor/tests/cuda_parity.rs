@@ -465,8 +465,8 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
 /// Every product op under `products` on cuda against the cpu's (above). The cases checked.
 fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -> usize {
     let cpu = Device::cpu();
-    cpu.set_products(products);
-    cuda.set_products(products);
+    cpu.set_products(products).unwrap();
+    cuda.set_products(products).unwrap();
     let mut cases = 0;
     let conv = ops::Conv2dParams { padding: [1, 1], ..Default::default() };
     const TQ: usize = 40;
@@ -539,7 +539,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
         }
         cases += 1;
     }
-    cuda.set_products(memfit_tensor::Products::F32);
+    cuda.set_products(memfit_tensor::Products::F32).unwrap();
     cases
 }
 
@@ -548,8 +548,8 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
 /// the definition's rounding). The cases checked.
 fn two_step_products_are_the_cpus_bits(cuda: &Device, products: memfit_tensor::Products) -> usize {
     let cpu = Device::cpu();
-    cpu.set_products(products);
-    cuda.set_products(products);
+    cpu.set_products(products).unwrap();
+    cuda.set_products(products).unwrap();
     let results = |device: &Device| -> Result<Vec<Vec<u32>>> {
         let mut all = Vec::new();
         for depth in [1, 2] {
@@ -565,7 +565,7 @@ fn two_step_products_are_the_cpus_bits(cuda: &Device, products: memfit_tensor::P
     };
     let want = results(&cpu).expect("products of depth 1 and 2 on cpu");
     let got = results(cuda).expect("products of depth 1 and 2 on cuda");
-    cuda.set_products(memfit_tensor::Products::F32);
+    cuda.set_products(memfit_tensor::Products::F32).unwrap();
     assert_eq!(got, want, "{products:?} products of depth 1 and 2: cuda's bits against the cpu's");
     want.len()
 }
@@ -574,8 +574,8 @@ fn two_step_products_are_the_cpus_bits(cuda: &Device, products: memfit_tensor::P
 fn exact_bf16_sums_are_the_cpus_bits(cuda: &Device) -> usize {
     use memfit_tensor::Products;
     let cpu = Device::cpu();
-    cpu.set_products(Products::Bf16);
-    cuda.set_products(Products::Bf16);
+    cpu.set_products(Products::Bf16).unwrap();
+    cuda.set_products(Products::Bf16).unwrap();
     // Exact cases: operands n - 0.3 for n of 8 bits (either sign, |n| in 128..=255) read as n.
     let integers = |count: usize, seed: u64| -> Vec<f32> {
         values(count, seed).iter().map(|v| (128.0 + (v.abs() * 127.0).floor()).copysign(*v)).collect()
@@ -605,6 +605,6 @@ fn exact_bf16_sums_are_the_cpus_bits(cuda: &Device) -> usize {
     for (k, name) in ["linear", "its input's gradient", "its weight's gradient", "batched matmul"].iter().enumerate() {
         assert_eq!(got[k], want[k], "bf16 products of operands that round to 8-bit integers, {name}: cuda's bits");
     }
-    cuda.set_products(Products::F32);
+    cuda.set_products(Products::F32).unwrap();
     2
 }

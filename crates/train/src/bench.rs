@@ -354,7 +354,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, TrainError> {
     let opened = Device::new(DeviceConfig::new(cfg.device))?;
     let device = opened.describe();
     // How the cases' products compute on this device (each case's own device is set the same way).
-    opened.set_products(cfg.precision.products());
+    opened.set_products(cfg.precision.products())?;
     let products = crate::report::products_label(&opened);
     drop(opened);
     let pytorch_version = pytorch.map(pytorch_version).transpose()?;

@@ -145,7 +145,7 @@ impl Session {
     /// products, on every device (resolved: `auto` is the planner's to decide).
     pub fn set_precision(&self, precision: crate::config::Precision) -> Result<(), TrainError> {
         self.device.set_saved_dtype(precision.saved_dtype())?;
-        self.device.set_products(precision.products());
+        self.device.set_products(precision.products())?;
         let scaler = match precision {
             crate::config::Precision::Fp16 => Some(memfit_nn::amp::GradScaler::new(Default::default())?),
             _ => None,

@@ -55,6 +55,7 @@ pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
             machine,
             status: AtomicU64::new(0),
             workspace: AtomicU64::new(0),
+            rounding: Default::default(),
             tensor_cores: Default::default(),
             used: Default::default(),
             ordinal,
@@ -77,6 +78,9 @@ pub(crate) struct Cuda {
     status: AtomicU64,
     /// Device address of the library workspace's first byte (set with `status`).
     workspace: AtomicU64,
+    /// The workspace rounded products round their operands into (`memfit_cuda::rounded`): address
+    /// and bytes, while the device's products are rounded (`Backend::use_rounding_workspace`).
+    rounding: std::sync::Mutex<Option<(u64, usize)>>,
     /// The tensor cores' check for bf16 (0) and fp16 (1) operands: run once, before the first
     /// attention on them; true when the GPU's `mma` gave the product (attention.cu's `mma_check`).
     tensor_cores: [OnceLock<bool>; 2],
@@ -297,7 +301,48 @@ impl Cuda {
                 Ok(())
             };
         }
+        if matches!(g.dtype, GemmType::F32Bf16 | GemmType::F32F16) {
+            return self.rounded_gemm(&g);
+        }
         self.machine.gemm(&g).map_err(|e| self.err(e))
+    }
+
+    /// A bf16 or fp16 product of f32 operands: `memfit_cuda::rounded`'s steps, its operands rounded
+    /// by `round_operands_*` into the rounding workspace, then multiplied by the machine as 16-bit
+    /// operands with f32 accumulation.
+    fn rounded_gemm(&self, g: &Gemm) -> Result<()> {
+        let workspace = *self.rounding.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((address, bytes)) = workspace else {
+            return Err(Error::invalid(format!(
+                "a {:?} product on {} needs the rounding workspace the device allocates when its products \
+                 become rounded (Device::set_products)",
+                g.dtype,
+                DeviceKind::Cuda(self.ordinal)
+            )));
+        };
+        let steps = memfit_cuda::rounded::rounded_steps(g, address, bytes / 2).ok_or_else(|| {
+            Error::invalid(format!("a {:?} product with a bias, or a rounding workspace of {bytes} B", g.dtype))
+        })?;
+        let kernel = if g.dtype == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
+        for step in steps {
+            match step {
+                memfit_cuda::rounded::RoundedStep::Round(o) => self.launch(
+                    kernel,
+                    self.grid(o.rows * o.cols * o.batch, BLOCK),
+                    &mut [
+                        Arg::Ptr(o.src),
+                        Arg::I64(o.rows as i64),
+                        Arg::I64(o.cols as i64),
+                        Arg::I64(o.ld as i64),
+                        Arg::I64(o.stride as i64),
+                        Arg::I64(o.batch as i64),
+                        Arg::Ptr(o.dst),
+                    ],
+                )?,
+                memfit_cuda::rounded::RoundedStep::Product(p) => self.machine.gemm(&p).map_err(|e| self.err(e))?,
+            }
+        }
+        Ok(())
     }
 
     fn status(&self) -> Result<u64> {
@@ -551,6 +596,11 @@ impl Cuda {
 impl Backend for Cuda {
     fn kernels_used(&self) -> Vec<String> {
         self.used.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.to_string()).collect()
+    }
+
+    fn use_rounding_workspace(&self, workspace: Option<(u64, u64)>) -> Result<()> {
+        *self.rounding.lock().unwrap_or_else(|e| e.into_inner()) = workspace.map(|(a, b)| (a, b as usize));
+        Ok(())
     }
 
     fn use_library_workspace(&self, address: u64, bytes: u64) -> Result<()> {

@@ -88,6 +88,13 @@ macro_rules! backends {
             fn use_library_workspace(&self, _address: u64, _bytes: u64) -> Result<()> {
                 Ok(())
             }
+
+            /// Takes (or, with None, gives back) the workspace a GPU's bf16 and fp16 products round
+            /// their operands into (`memfit_cuda::rounded`: address and bytes, a block of the
+            /// device's allocator held while its products are rounded); only a GPU has one.
+            fn use_rounding_workspace(&self, _workspace: Option<(u64, u64)>) -> Result<()> {
+                Ok(())
+            }
         }
 
         /// The `meta` backend: allocation happens in the ops; nothing is computed.

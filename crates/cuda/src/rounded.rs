@@ -1,0 +1,339 @@
+//! Rounded products on a GPU: a bf16 (fp16) product of f32 tensors (Notes [bf16 products] and
+//! [fp16 products] in `memfit-kernels`) as cuBLAS can be made to compute it exactly. cuBLAS's
+//! `CUBLAS_COMPUTE_32F_FAST_16BF` on f32 operands is leave to convert, not a promise: on an H100 it
+//! chose f32 kernels for small products and for some of GPT-2's (every element of a bf16 linear
+//! layer off the definition, and at f32 speed). So the operands are rounded by memfit's own kernel
+//! (`round_operands_*` in `data.cu`, the definition's rounding) into a workspace of fixed size, and
+//! cuBLAS multiplies the 16-bit copies with f32 accumulation ([`GemmType::Bf16`]), which only the
+//! tensor cores do.
+//!
+//! [`rounded_steps`] cuts a product into pieces whose two rounded operands fit the workspace: whole
+//! matrices of a batch where they fit, else blocks of C with k in chunks (each later chunk adding
+//! onto C with beta 1). The backend runs the steps in order (`memfit-tensor`'s cuda backend), on a
+//! GPU and on the emulator alike.
+
+use crate::machine::{Gemm, GemmType};
+
+/// `batch` column-major f32 matrices of `rows` x `cols` (leading dimension `ld`, matrix i at
+/// `src + 4 i stride`) to round into the workspace at `dst`, packed (leading dimension `rows`,
+/// matrix i at `dst + 2 i rows cols`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoundOperand {
+    pub src: u64,
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+    pub stride: usize,
+    pub batch: usize,
+    pub dst: u64,
+}
+
+/// One step of a rounded product, in order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RoundedStep {
+    Round(RoundOperand),
+    /// A product of rounded copies (`GemmType::Bf16` or `F16`).
+    Product(Gemm),
+}
+
+/// The steps that compute `g` (a [`GemmType::F32Bf16`] or [`GemmType::F32F16`] product, no bias)
+/// through a workspace of `capacity` two-byte elements at `workspace`; None when `g` is not such a
+/// product or the workspace holds less than one element of each operand.
+pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<RoundedStep>> {
+    let kind = match g.dtype {
+        GemmType::F32Bf16 => GemmType::Bf16,
+        GemmType::F32F16 => GemmType::F16,
+        _ => return None,
+    };
+    if g.bias != 0 || capacity < 2 {
+        return None;
+    }
+    let mut steps = Vec::new();
+    let (m, n, k) = (g.m, g.n, g.k);
+    if m == 0 || n == 0 || k == 0 || g.batch == 0 {
+        return Some(steps);
+    }
+    // Op(A)'s block rows i0.., columns l0.. as stored (k x m when transposed), likewise op(B)'s
+    // block rows l0.., columns j0.. (n x k when transposed): (address, rows, cols).
+    let block_a = |i0: usize, mc: usize, l0: usize, kc: usize, matrix: usize| {
+        let base = g.a + 4 * (matrix * g.stride_a) as u64;
+        if g.transa {
+            (base + 4 * (l0 + i0 * g.lda) as u64, kc, mc)
+        } else {
+            (base + 4 * (i0 + l0 * g.lda) as u64, mc, kc)
+        }
+    };
+    let block_b = |l0: usize, kc: usize, j0: usize, nc: usize, matrix: usize| {
+        let base = g.b + 4 * (matrix * g.stride_b) as u64;
+        if g.transb {
+            (base + 4 * (j0 + l0 * g.ldb) as u64, nc, kc)
+        } else {
+            (base + 4 * (l0 + j0 * g.ldb) as u64, kc, nc)
+        }
+    };
+    let per_matrix = m * k + k * n;
+    if per_matrix <= capacity {
+        // Whole matrices, as many of the batch at a time as fit.
+        let count = (capacity / per_matrix).min(g.batch);
+        for b0 in (0..g.batch).step_by(count) {
+            let nb = count.min(g.batch - b0);
+            let (sa, ra, ca) = block_a(0, m, 0, k, b0);
+            let (sb, rb, cb) = block_b(0, k, 0, n, b0);
+            let dst_b = workspace + 2 * (nb * m * k) as u64;
+            steps.push(RoundedStep::Round(RoundOperand {
+                src: sa,
+                rows: ra,
+                cols: ca,
+                ld: g.lda,
+                stride: g.stride_a,
+                batch: nb,
+                dst: workspace,
+            }));
+            steps.push(RoundedStep::Round(RoundOperand {
+                src: sb,
+                rows: rb,
+                cols: cb,
+                ld: g.ldb,
+                stride: g.stride_b,
+                batch: nb,
+                dst: dst_b,
+            }));
+            steps.push(RoundedStep::Product(Gemm {
+                dtype: kind,
+                a: workspace,
+                lda: ra,
+                stride_a: m * k,
+                b: dst_b,
+                ldb: rb,
+                stride_b: k * n,
+                c: g.c + 4 * (b0 * g.stride_c) as u64,
+                batch: nb,
+                ..*g
+            }));
+        }
+        return Some(steps);
+    }
+    // One matrix at a time, in blocks: k in chunks of kc, A's block at most half the workspace.
+    let kc = k.min(capacity / 2);
+    let mc = m.min((capacity / 2) / kc).max(1);
+    let nc = n.min((capacity - mc * kc) / kc).max(1);
+    for matrix in 0..g.batch {
+        for i0 in (0..m).step_by(mc) {
+            let mb = mc.min(m - i0);
+            for l0 in (0..k).step_by(kc) {
+                let kb = kc.min(k - l0);
+                let (sa, ra, ca) = block_a(i0, mb, l0, kb, matrix);
+                steps.push(RoundedStep::Round(RoundOperand {
+                    src: sa,
+                    rows: ra,
+                    cols: ca,
+                    ld: g.lda,
+                    stride: 0,
+                    batch: 1,
+                    dst: workspace,
+                }));
+                let dst_b = workspace + 2 * (mb * kb) as u64;
+                for j0 in (0..n).step_by(nc) {
+                    let nb = nc.min(n - j0);
+                    let (sb, rb, cb) = block_b(l0, kb, j0, nb, matrix);
+                    steps.push(RoundedStep::Round(RoundOperand {
+                        src: sb,
+                        rows: rb,
+                        cols: cb,
+                        ld: g.ldb,
+                        stride: 0,
+                        batch: 1,
+                        dst: dst_b,
+                    }));
+                    steps.push(RoundedStep::Product(Gemm {
+                        dtype: kind,
+                        m: mb,
+                        n: nb,
+                        k: kb,
+                        a: workspace,
+                        lda: ra,
+                        stride_a: 0,
+                        b: dst_b,
+                        ldb: rb,
+                        stride_b: 0,
+                        // C's block (i0, j0); k's later chunks add onto the first.
+                        beta: if l0 == 0 { g.beta } else { 1.0 },
+                        c: g.c + 4 * (matrix * g.stride_c + i0 + j0 * g.ldc) as u64,
+                        stride_c: 0,
+                        batch: 1,
+                        ..*g
+                    }));
+                }
+            }
+        }
+    }
+    Some(steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rounds to bf16 bits as the kernel does (to nearest even; no denormals or overflow here).
+    fn bits(x: f32) -> u16 {
+        let u = x.to_bits();
+        ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
+    }
+
+    /// Runs `steps` on host memory: addresses are host pointers.
+    fn run(steps: &[RoundedStep]) {
+        for step in steps {
+            match *step {
+                RoundedStep::Round(o) => {
+                    for i in 0..o.batch {
+                        for c in 0..o.cols {
+                            for r in 0..o.rows {
+                                // SAFETY: the test's buffers hold what the steps address.
+                                unsafe {
+                                    let v = *(o.src as *const f32).add(i * o.stride + r + c * o.ld);
+                                    *(o.dst as *mut u16).add(i * o.rows * o.cols + r + c * o.rows) = bits(v);
+                                }
+                            }
+                        }
+                    }
+                }
+                RoundedStep::Product(g) => {
+                    assert_eq!(g.dtype, GemmType::Bf16);
+                    let value = |p: u64, i: usize| {
+                        // SAFETY: as above.
+                        f32::from_bits(u32::from(unsafe { *(p as *const u16).add(i) }) << 16)
+                    };
+                    for b in 0..g.batch {
+                        for j in 0..g.n {
+                            for i in 0..g.m {
+                                let mut acc = 0.0f64;
+                                for l in 0..g.k {
+                                    let ai = if g.transa { l + i * g.lda } else { i + l * g.lda };
+                                    let bi = if g.transb { j + l * g.ldb } else { l + j * g.ldb };
+                                    acc += f64::from(value(g.a, b * g.stride_a + ai) * value(g.b, b * g.stride_b + bi));
+                                }
+                                // SAFETY: as above.
+                                unsafe {
+                                    let out = (g.c as *mut f32).add(b * g.stride_c + i + j * g.ldc);
+                                    *out = (g.alpha * acc + g.beta * f64::from(*out)) as f32;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The rounded product of `g`'s shape computed directly, against the steps through a workspace
+    /// of `capacity` elements, for A and B stored either way; C starts non-zero (beta 0.5).
+    fn check(m: usize, n: usize, k: usize, batch: usize, capacity: usize) {
+        for (transa, transb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (lda, ldb, ldc) = (if transa { k + 1 } else { m + 2 }, if transb { n + 3 } else { k }, m + 1);
+            let (sa, sb, sc) = (lda * if transa { m } else { k } + 5, ldb * if transb { k } else { n }, ldc * n + 2);
+            // Quarters from -8 to 8.5: bf16 holds them exactly and every sum here is exact in f32, so
+            // any order of additions (k in chunks) gives the same bits.
+            let value = |i: usize, seed: usize| ((i * 7 + seed * 13) % 67) as f32 / 4.0 - 8.0;
+            let a: Vec<f32> = (0..sa * batch).map(|i| value(i, 1)).collect();
+            let b: Vec<f32> = (0..sb * batch).map(|i| value(i, 2)).collect();
+            let c0: Vec<f32> = (0..sc * batch).map(|i| value(i, 3)).collect();
+            let g = |c: &mut Vec<f32>| Gemm {
+                dtype: GemmType::F32Bf16,
+                transa,
+                transb,
+                m,
+                n,
+                k,
+                alpha: 2.0,
+                a: a.as_ptr() as u64,
+                lda,
+                stride_a: sa,
+                b: b.as_ptr() as u64,
+                ldb,
+                stride_b: sb,
+                beta: 0.5,
+                c: c.as_mut_ptr() as u64,
+                ldc,
+                stride_c: sc,
+                batch,
+                bias: 0,
+            };
+            // Directly: every operand rounded, the sum in f64.
+            let mut want = c0.clone();
+            let direct = g(&mut want);
+            let round = |x: f32| f32::from_bits(u32::from(bits(x)) << 16);
+            for bi in 0..batch {
+                for j in 0..n {
+                    for i in 0..m {
+                        let acc: f64 = (0..k)
+                            .map(|l| {
+                                let ai = if transa { l + i * lda } else { i + l * lda };
+                                let bj = if transb { j + l * ldb } else { l + j * ldb };
+                                f64::from(round(a[bi * sa + ai]) * round(b[bi * sb + bj]))
+                            })
+                            .sum();
+                        let out = &mut want[bi * sc + i + j * ldc];
+                        *out = (direct.alpha * acc + direct.beta * f64::from(*out)) as f32;
+                    }
+                }
+            }
+            let mut got = c0.clone();
+            let mut workspace = vec![0u16; capacity];
+            let steps =
+                rounded_steps(&g(&mut got), workspace.as_mut_ptr() as u64, capacity).expect("a rounded product");
+            run(&steps);
+            assert_eq!(
+                got, want,
+                "m {m} n {n} k {k} batch {batch} transa {transa} transb {transb} capacity {capacity}"
+            );
+            // Nothing outside C changed: the padding between columns and matrices kept its values.
+            for (i, (x, y)) in got.iter().zip(&c0).enumerate() {
+                let (r, col) = ((i % sc) % ldc, (i % sc) / ldc);
+                if r >= m || col >= n {
+                    assert_eq!(x, y, "C's padding at {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rounded_product_in_pieces_is_the_product_of_the_rounded_operands() {
+        check(5, 4, 3, 1, 1000); // whole
+        check(5, 4, 3, 3, 1000); // a whole batch
+        check(5, 4, 3, 3, 40); // two matrices at a time
+        check(5, 4, 3, 3, 35); // one matrix at a time (5 x 3 + 3 x 4 = 27)
+        check(7, 6, 5, 2, 20); // blocks of C, k in chunks of 5 (A's half: 10 elements, 2 rows)
+        check(7, 6, 9, 1, 12); // k in chunks of 6, then 3, each later chunk adding onto C
+        check(3, 8, 4, 1, 2); // one element of each: 1 x 1 blocks, k one at a time
+    }
+
+    #[test]
+    fn only_unbiased_rounded_products_are_cut() {
+        let g = Gemm {
+            dtype: GemmType::F32,
+            transa: false,
+            transb: false,
+            m: 2,
+            n: 2,
+            k: 2,
+            alpha: 1.0,
+            a: 0,
+            lda: 2,
+            stride_a: 0,
+            b: 0,
+            ldb: 2,
+            stride_b: 0,
+            beta: 0.0,
+            c: 0,
+            ldc: 2,
+            stride_c: 0,
+            batch: 1,
+            bias: 0,
+        };
+        assert_eq!(rounded_steps(&g, 0, 100), None);
+        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g }, 0, 100), None);
+        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, 0, 1), None);
+        let steps = rounded_steps(&Gemm { dtype: GemmType::F32F16, ..g }, 64, 100).unwrap();
+        assert!(matches!(steps[2], RoundedStep::Product(p) if p.dtype == GemmType::F16 && p.a == 64 && p.b == 64 + 8));
+    }
+}
