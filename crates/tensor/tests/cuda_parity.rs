@@ -544,8 +544,11 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
 }
 
 /// Products of depth 1 and 2 under `products`: each output one rounded product or the sum of two,
-/// exact or rounded once whatever the order, so cuda's bits are the cpu's (cuBLAS's conversion is
-/// the definition's rounding). The cases checked.
+/// exact or rounded once whatever the order, so cuda's bits are the cpu's (the operands' rounding is
+/// the definition's). Except one thing the definition leaves to the hardware: an H100's fp16 tensor
+/// cores add two products rounding toward zero, not to nearest (seen 2026-11-27: 76 of 1,086 sums
+/// one unit in the last place smaller in magnitude, every single product exact, bf16's sums exact),
+/// so under fp16 a sum of two may be one unit short. The cases checked.
 fn two_step_products_are_the_cpus_bits(cuda: &Device, products: memfit_tensor::Products) -> usize {
     let cpu = Device::cpu();
     cpu.set_products(products).unwrap();
@@ -566,7 +569,16 @@ fn two_step_products_are_the_cpus_bits(cuda: &Device, products: memfit_tensor::P
     let want = results(&cpu).expect("products of depth 1 and 2 on cpu");
     let got = results(cuda).expect("products of depth 1 and 2 on cuda");
     cuda.set_products(memfit_tensor::Products::F32).unwrap();
-    assert_eq!(got, want, "{products:?} products of depth 1 and 2: cuda's bits against the cpu's");
+    let fp16 = products == memfit_tensor::Products::F16;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        // Results 0 and 1 are of depth 1, 2 and 3 of depth 2.
+        let short = |(x, y): (&u32, &u32)| fp16 && i >= 2 && y.checked_sub(1) == Some(*x);
+        assert!(
+            g.len() == w.len() && g.iter().zip(w).all(|p| p.0 == p.1 || short(p)),
+            "{products:?} products of depth {}: cuda's bits against the cpu's\n{g:?}\n{w:?}",
+            1 + i / 2
+        );
+    }
     want.len()
 }
 
