@@ -37,6 +37,14 @@ struct Visible {
         if (causal && j > r) return true;
         return mask && mask[strided_offset(mview, i) + r * mrow + j * mcol] != 0;
     }
+    // As hidden, with matrix i's mask rows found once (`rows_of(i)`): the strided offset is a loop
+    // of divisions, which inlined into every element of an unrolled tile made the tiled kernels'
+    // code several times larger than the instruction cache.
+    __device__ const unsigned char* rows_of(i64 i) const { return mask ? mask + strided_offset(mview, i) : nullptr; }
+    __device__ bool hidden_in(const unsigned char* rows, i64 r, i64 j) const {
+        if (causal && j > r) return true;
+        return rows && rows[r * mrow + j * mcol] != 0;
+    }
 };
 
 // A product's operand under rounded products, 1: bf16, 2: fp16 (f64 has none).
@@ -181,7 +189,7 @@ ATTENTION(double, f64)
 // thread loads STAGE_BATCH values before it stores any: a store to shared memory between two loads
 // would make each load wait for the one before (the compiler cannot tell a generic pointer from
 // shared memory), one memory latency per value.
-#define STAGE_BATCH 16
+#define STAGE_BATCH 8
 template <int D, int ROWS>
 __device__ void stage_rows(const Problem<float>& p, float* sh, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
     static_assert(ROWS * D % (TILE_THREADS * STAGE_BATCH) == 0, "a tile is whole batches");
@@ -254,6 +262,7 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
     constexpr int TM = BR / TY, TN = BC / TX, TO = D / TX;
     __shared__ float qs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], ps[BR * (BC + 1)], red[BR * TX];
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    const unsigned char* masked = vis.rows_of(i);
     float o[TM][TO], m[TM], l[TM];
     zero_tile(o);
 #pragma unroll
@@ -275,7 +284,7 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
 #pragma unroll
             for (int b = 0; b < TN; ++b) {
                 i64 j = j0 + tx + TX * b;
-                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                bool seen = r < p.tq && j < p.tk && !vis.hidden_in(masked, r, j);
                 s[a][b] = seen ? p.scale * s[a][b] : -INFINITY;
                 top[a] = fmaxf(top[a], s[a][b]);
             }
@@ -329,6 +338,7 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
     constexpr int TM = BR / TY, TN = BC / TX, TO = D / TX;
     __shared__ float qs[BR * (D + 1)], gs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], dss[BR * (BC + 1)], red[BR * TX];
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    const unsigned char* masked = vis.rows_of(i);
     float acc[TM][TO], lr[TM], dr[TM], part[TM];
     zero_tile(acc);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
@@ -358,7 +368,7 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
 #pragma unroll
             for (int b = 0; b < TN; ++b) {
                 i64 j = j0 + tx + TX * b;
-                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                bool seen = r < p.tq && j < p.tk && !vis.hidden_in(masked, r, j);
                 float prob = seen ? expf(p.scale * s[a][b] - lr[a]) : 0.0f;
                 if (pass == 0) part[a] += prob * dp[a][b];
                 else dss[(ty * TM + a) * (BC + 1) + tx + TX * b] = p.in(prob * (dp[a][b] - dr[a]) * p.scale);
@@ -400,6 +410,7 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
     __shared__ float ks[KC * (D + 1)], vs[KC * (D + 1)], qs[KR * (D + 1)], gs[KR * (D + 1)];
     __shared__ float ps[KR * (KC + 1)], dss[KR * (KC + 1)], l_row[KR], d_row[KR];
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    const unsigned char* masked = vis.rows_of(i);
     float dk[UM][TO], dv[UM][TO];
     zero_tile(dk);
     zero_tile(dv);
@@ -430,7 +441,7 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
             for (int b = 0; b < TN; ++b) {
                 int col = tx + TX * b;
                 i64 j = j0 + col;
-                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                bool seen = r < p.tq && j < p.tk && !vis.hidden_in(masked, r, j);
                 float prob = seen ? expf(p.scale * s[a][b] - l_row[row]) : 0.0f;
                 ps[row * (KC + 1) + col] = p.in(prob);
                 dss[row * (KC + 1) + col] = seen ? p.in(prob * (dp[a][b] - d_row[row]) * p.scale) : 0.0f;
@@ -511,25 +522,32 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // (column c's pair a / 2 at sh[c * ld + a / 2]); C columns in all, zeros past the matrix.
 template <int KIND, int R, int C, bool BY_COLS>
 __device__ void stage_bits(unsigned* sh, int ld, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
-    static_assert(R * C / 2 % (TILE_THREADS * STAGE_BATCH) == 0, "a tile is whole batches");
-    auto at = [&](i64 a, i64 c) { return (r0 + a < rows && c < cols) ? m[(r0 + a) * stride + c] : 0.0f; };
-    // Pair e: by rows, row e / (C / 2) and columns 2 (e % (C / 2)) + 0, 1; by columns, column e % C
-    // and rows 2 (e / C) + 0, 1. All of a batch's values are loaded before any is stored (as
-    // stage_rows).
-    for (int e0 = threadIdx.x; e0 < R * C / 2; e0 += TILE_THREADS * STAGE_BATCH) {
+    // A thread keeps one column (a pair of columns by rows) and walks rows STEP apart, its loads a
+    // pointer step apart; limits are ints taken once. All of a batch's values are loaded before any
+    // is stored (as stage_rows).
+    constexpr int PER_ROW = BY_COLS ? C : C / 2, STEP = (BY_COLS ? 2 : 1) * (TILE_THREADS / PER_ROW),
+                  N = R * C / 2 / TILE_THREADS;
+    static_assert(TILE_THREADS % PER_ROW == 0 && N % STAGE_BATCH == 0, "a tile is whole batches of whole rows");
+    const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), ncols = (int)min((i64)C, cols);
+    const int tid = threadIdx.x, c = BY_COLS ? tid % C : 2 * (tid % (C / 2));
+    const int a0 = (BY_COLS ? 2 : 1) * (tid / PER_ROW);
+    const float* p = m + (r0 + a0) * stride + c;
+    // The second value of a pair: the next row by columns, the next column by rows.
+    const i64 next = BY_COLS ? stride : 1;
+    const bool col_in = c < ncols, next_in = BY_COLS ? col_in : c + 1 < ncols;
+    for (int b0 = 0; b0 < N; b0 += STAGE_BATCH) {
         float x[STAGE_BATCH][2];
 #pragma unroll
         for (int b = 0; b < STAGE_BATCH; ++b) {
-            int e = e0 + b * TILE_THREADS;
-            int a = BY_COLS ? 2 * (e / C) : e / (C / 2), c = BY_COLS ? e % C : 2 * (e % (C / 2));
-            x[b][0] = at(a, c);
-            x[b][1] = BY_COLS ? at(a + 1, c) : at(a, c + 1);
+            const int a = a0 + (b0 + b) * STEP;
+            const float* q = p + (i64)(b0 + b) * STEP * stride;
+            x[b][0] = (a < rows_left && col_in) ? q[0] : 0.0f;
+            x[b][1] = ((BY_COLS ? a + 1 : a) < rows_left && next_in) ? q[next] : 0.0f;
         }
 #pragma unroll
         for (int b = 0; b < STAGE_BATCH; ++b) {
-            int e = e0 + b * TILE_THREADS;
-            int at_word = BY_COLS ? (e % C) * ld + e / C : (e / (C / 2)) * ld + e % (C / 2);
-            sh[at_word] = operand_pair<KIND>(x[b][0], x[b][1]);
+            const int a = a0 + (b0 + b) * STEP;
+            sh[BY_COLS ? c * ld + a / 2 : a * ld + c / 2] = operand_pair<KIND>(x[b][0], x[b][1]);
         }
     }
 }
@@ -614,6 +632,16 @@ __device__ __forceinline__ float quad(float v) {
     return v;
 }
 
+// The keys of a key tile from j0 that query row r sees before any mask, j0 + c for c < the limit:
+// none past the queries, none past the keys, and under a causal mask none past r. Computed once a
+// row and a tile, so an element's test is one compare (and the mask's byte, where there is one).
+__device__ __forceinline__ int keys_seen(const Problem<float>& p, const Visible& vis, i64 r, i64 j0, int width) {
+    if (r >= p.tq) return 0;
+    i64 limit = min((i64)width, p.tk - j0);
+    if (vis.causal) limit = min(limit, r - j0 + 1);
+    return (int)max(limit, (i64)0);
+}
+
 // The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
 template <int KIND, int D, int BC>
 __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
@@ -626,6 +654,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     for (int kk = 0; kk < KD; ++kk) load_a<KIND>(qa[kk], p.q + matrix(p.aq, i, p.heads), p.aq.row, rw, p.tq, 16 * kk, p.d);
     float o[NO][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     zero_acc(o);
+    const unsigned char* masked = vis.rows_of(i);
     i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
@@ -634,12 +663,13 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         __syncthreads();
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks, LK);
+        const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                i64 r = rw + g + 8 * (e >> 1), j = j0 + 8 * n + 2 * t + (e & 1);
-                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                const int c = 8 * n + 2 * t + (e & 1);
+                bool seen = c < limit[e >> 1] && !(masked && masked[(rw + g + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]);
                 s[n][e] = seen ? p.scale * s[n][e] : -INFINITY;
                 top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
             }
@@ -702,6 +732,7 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     }
     float acc[NO][4], lr[2], dr[2], part[2] = {0.0f, 0.0f};
     zero_acc(acc);
+    const unsigned char* masked = vis.rows_of(i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         i64 r = rw + g + 8 * h;
@@ -719,13 +750,13 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         float s[NS][4], dp[NS][4];
         product<KIND>(s, qa, ks, LK);
         product<KIND>(dp, ga, vs, LK);
+        const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                int h = e >> 1;
-                i64 r = rw + g + 8 * h, j = j0 + 8 * n + 2 * t + (e & 1);
-                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
+                bool seen = c < limit[h] && !(masked && masked[(rw + g + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
                 float prob = seen ? expf(p.scale * s[n][e] - lr[h]) : 0.0f;
                 if (pass == 0) part[h] += prob * dp[n][e];
                 else s[n][e] = prob * (dp[n][e] - dr[h]) * p.scale;
@@ -772,6 +803,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     float dk[NO][4], dv[NO][4];
     zero_acc(dk);
     zero_acc(dv);
+    const unsigned char* masked = vis.rows_of(i);
     i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
     for (i64 r0 = rstart; r0 < p.tq; r0 += KR) {
         __syncthreads();
@@ -789,13 +821,22 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
         float st[NS][4], dpt[NS][4];
         product<KIND>(st, ka, qs, LQ);
         product<KIND>(dpt, va, gs, LQ);
+        // The queries of the tile that this thread's two keys are seen by, r0 + c for first <= c <
+        // last: none for a key past the keys, none past the queries, under a causal mask only from
+        // the key's own row.
+        int first[2], last[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 j = jw + g + 8 * h;
+            last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
+            first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
+        }
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                int c = 8 * n + 2 * t + (e & 1);
-                i64 j = jw + g + 8 * (e >> 1), r = r0 + c;
-                bool seen = r < p.tq && j < p.tk && !vis.hidden(i, r, j);
+                const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
+                bool seen = c >= first[h] && c < last[h] && !(masked && masked[(r0 + c) * vis.mrow + (jw + g + 8 * h) * vis.mcol]);
                 float prob = seen ? expf(p.scale * st[n][e] - l_row[c]) : 0.0f;
                 dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * p.scale : 0.0f;
                 st[n][e] = prob;

@@ -472,7 +472,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
     const TQ: usize = 40;
     const TK: usize = 50;
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 10] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 11] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -488,6 +488,10 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
         ("attention masked (tensor cores)", vec![&[2, 2, TQ, 64], &[2, 2, TK, 64], &[2, 2, TK, 64]], &|x| {
             let m = Tensor::from_slice(x[0].device(), &mask, &[TQ, TK], Category::Input)?;
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, Some(&m))
+        }),
+        ("attention masked and causal (tensor cores)", vec![&[1, 2, TQ, 64], &[1, 2, TK, 64], &[1, 2, TK, 64]], &|x| {
+            let m = Tensor::from_slice(x[0].device(), &mask, &[TQ, TK], Category::Input)?;
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, Some(&m))
         }),
         ("attention d8 dv40 causal (tensor cores)", vec![&[1, 3, 33, 8], &[1, 3, 17, 8], &[1, 3, 17, 40]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
