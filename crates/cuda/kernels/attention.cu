@@ -452,6 +452,8 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
         tile_product<UM, TO, KR>(dv, ps, 1, KC + 1, gs, D + 1, 1);
         tile_product<UM, TO, KR>(dk, dss, 1, KC + 1, qs, D + 1, 1);
     }
+    // Matrix i's gradients found once (`matrix` divides), not at every store of the unrolled loop.
+    float *gk0 = gk ? gk + matrix(p.ak, i, p.heads) : nullptr, *gv0 = gv ? gv + matrix(p.av, i, p.heads) : nullptr;
 #pragma unroll
     for (int a = 0; a < UM; ++a) {
         i64 j = j0 + ty * UM + a;
@@ -459,8 +461,8 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
 #pragma unroll
         for (int c = 0; c < TO; ++c) {
             int col = tx + TX * c;
-            if (gk && col < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + col] = dk[a][c];
-            if (gv && col < p.dv) gv[matrix(p.av, i, p.heads) + j * p.av.row + col] = dv[a][c];
+            if (gk0 && col < p.d) gk0[j * p.ak.row + col] = dk[a][c];
+            if (gv0 && col < p.dv) gv0[j * p.av.row + col] = dv[a][c];
         }
     }
     __syncthreads();
@@ -651,15 +653,17 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     const i64 rw = r0 + 16 * (threadIdx.x / 32);
     unsigned qa[KD][4];
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk) load_a<KIND>(qa[kk], p.q + matrix(p.aq, i, p.heads), p.aq.row, rw, p.tq, 16 * kk, p.d);
+    // Matrix i's operands found once (`matrix` divides).
+    const float *q0 = p.q + matrix(p.aq, i, p.heads), *k0 = p.k + matrix(p.ak, i, p.heads), *v0 = p.v + matrix(p.av, i, p.heads);
+    for (int kk = 0; kk < KD; ++kk) load_a<KIND>(qa[kk], q0, p.aq.row, rw, p.tq, 16 * kk, p.d);
     float o[NO][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     zero_acc(o);
     const unsigned char* masked = vis.rows_of(i);
     i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
-        stage_bits<KIND, BC, D, false>(ks, LK, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
-        stage_bits<KIND, BC, D, true>(vt, LV, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        stage_bits<KIND, BC, D, false>(ks, LK, k0, p.ak.row, j0, p.tk, p.d);
+        stage_bits<KIND, BC, D, true>(vt, LV, v0, p.av.row, j0, p.tk, p.dv);
         __syncthreads();
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks, LK);
@@ -724,11 +728,14 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 rw = r0 + 16 * (threadIdx.x / 32);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
+    // Matrix i's operands found once (`matrix` divides).
+    const float *q0 = p.q + matrix(p.aq, i, p.heads), *g0 = go + matrix(ag, i, p.heads), *k0 = p.k + matrix(p.ak, i, p.heads),
+                *v0 = p.v + matrix(p.av, i, p.heads);
     unsigned qa[KD][4], ga[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-        load_a<KIND>(qa[kk], p.q + matrix(p.aq, i, p.heads), p.aq.row, rw, p.tq, 16 * kk, p.d);
-        load_a<KIND>(ga[kk], go + matrix(ag, i, p.heads), ag.row, rw, p.tq, 16 * kk, p.dv);
+        load_a<KIND>(qa[kk], q0, p.aq.row, rw, p.tq, 16 * kk, p.d);
+        load_a<KIND>(ga[kk], g0, ag.row, rw, p.tq, 16 * kk, p.dv);
     }
     float acc[NO][4], lr[2], dr[2], part[2] = {0.0f, 0.0f};
     zero_acc(acc);
@@ -742,9 +749,8 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
-        const float* k0 = p.k + matrix(p.ak, i, p.heads);
         stage_bits<KIND, BC, D, false>(ks, LK, k0, p.ak.row, j0, p.tk, p.d);
-        stage_bits<KIND, BC, D, false>(vs, LK, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
+        stage_bits<KIND, BC, D, false>(vs, LK, v0, p.av.row, j0, p.tk, p.dv);
         if (pass == 1) stage_bits<KIND, BC, D, true>(kt, LT, k0, p.ak.row, j0, p.tk, p.d);
         __syncthreads();
         float s[NS][4], dp[NS][4];
@@ -793,12 +799,13 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     __shared__ float l_row[KR], d_row[KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 jw = j0 + 16 * (threadIdx.x / 32);
-    const float *q0 = p.q + matrix(p.aq, i, p.heads), *g0 = go + matrix(ag, i, p.heads), *gq0 = gq + matrix(p.aq, i, p.heads);
+    const float *q0 = p.q + matrix(p.aq, i, p.heads), *g0 = go + matrix(ag, i, p.heads), *gq0 = gq + matrix(p.aq, i, p.heads),
+                *k0 = p.k + matrix(p.ak, i, p.heads), *v0 = p.v + matrix(p.av, i, p.heads);
     unsigned ka[KD][4], va[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-        load_a<KIND>(ka[kk], p.k + matrix(p.ak, i, p.heads), p.ak.row, jw, p.tk, 16 * kk, p.d);
-        load_a<KIND>(va[kk], p.v + matrix(p.av, i, p.heads), p.av.row, jw, p.tk, 16 * kk, p.dv);
+        load_a<KIND>(ka[kk], k0, p.ak.row, jw, p.tk, 16 * kk, p.d);
+        load_a<KIND>(va[kk], v0, p.av.row, jw, p.tk, 16 * kk, p.dv);
     }
     float dk[NO][4], dv[NO][4];
     zero_acc(dk);
@@ -845,6 +852,8 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
         accumulate<KIND>(dv, st, gt, LT);
         accumulate<KIND>(dk, dpt, qt, LT);
     }
+    // Matrix i's gradients found once (`matrix` divides), not at every store of the unrolled loop.
+    float *gk0 = gk ? gk + matrix(p.ak, i, p.heads) : nullptr, *gv0 = gv ? gv + matrix(p.av, i, p.heads) : nullptr;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         i64 j = jw + g + 8 * h;
@@ -854,8 +863,8 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 int col = 8 * c + 2 * t + e;
-                if (gk && col < p.d) gk[matrix(p.ak, i, p.heads) + j * p.ak.row + col] = dk[c][2 * h + e];
-                if (gv && col < p.dv) gv[matrix(p.av, i, p.heads) + j * p.av.row + col] = dv[c][2 * h + e];
+                if (gk0 && col < p.d) gk0[j * p.ak.row + col] = dk[c][2 * h + e];
+                if (gv0 && col < p.dv) gv0[j * p.av.row + col] = dv[c][2 * h + e];
             }
     }
     __syncthreads();
