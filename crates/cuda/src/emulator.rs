@@ -285,16 +285,16 @@ impl Machine for Emulator {
             return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32"));
         }
         match g.dtype {
-            GemmType::F32 => gemm_host::<f32>(g, |v| v),
-            GemmType::Bf16 => gemm_half(g, memfit_kernels::gemm_bf16::from_bf16),
-            GemmType::F16 => gemm_half(g, |bits| half::f16::from_bits(bits).to_f32()),
+            GemmType::F32 => gemm_host::<f32, f32>(g, |v| v),
+            GemmType::Bf16 => gemm_host::<u16, f32>(g, memfit_kernels::gemm_bf16::from_bf16),
+            GemmType::F16 => gemm_host::<u16, f32>(g, |bits| half::f16::from_bits(bits).to_f32()),
             GemmType::F32Bf16 | GemmType::F32F16 => {
                 return Err(crate::call_error(
                     "emulated gemm",
                     "an f32 product with rounded operands goes through the backend's rounding workspace",
                 ))
             }
-            GemmType::F64 => gemm_host::<f64>(g, |v| v),
+            GemmType::F64 => gemm_host::<f64, f64>(g, |v| v),
         }
         Ok(())
     }
@@ -333,13 +333,14 @@ impl Float for f64 {
     }
 }
 
-/// cuBLAS's strided batched GEMM by its definition (column-major), each operand element read
-/// through `read` (a bf16 product's rounding, or as it is).
-fn gemm_host<T: Float>(g: &Gemm, read: impl Fn(T) -> T) {
+/// cuBLAS's strided batched GEMM by its definition (column-major): operands stored as `A` (f32,
+/// f64, or 16-bit bits), each element read as a `T` through `read`, C and the sums in `T`, added in
+/// order.
+fn gemm_host<A: Copy, T: Float>(g: &Gemm, read: impl Fn(A) -> T) {
     let (alpha, beta) = (T::of(g.alpha), T::of(g.beta));
     for batch in 0..g.batch {
-        let a = (g.a as *const T).wrapping_add(batch * g.stride_a);
-        let b = (g.b as *const T).wrapping_add(batch * g.stride_b);
+        let a = (g.a as *const A).wrapping_add(batch * g.stride_a);
+        let b = (g.b as *const A).wrapping_add(batch * g.stride_b);
         let c = (g.c as *mut T).wrapping_add(batch * g.stride_c);
         for j in 0..g.n {
             for i in 0..g.m {
@@ -360,33 +361,6 @@ fn gemm_host<T: Float>(g: &Gemm, read: impl Fn(T) -> T) {
                     } else {
                         alpha * acc + beta * *out
                     };
-                }
-            }
-        }
-    }
-}
-
-/// A product of 16-bit operands (`read` gives a value from its bits) into f32 C, adding in order
-/// in f32, as [`gemm_host`].
-fn gemm_half(g: &Gemm, read: impl Fn(u16) -> f32) {
-    let (alpha, beta) = (g.alpha as f32, g.beta as f32);
-    for batch in 0..g.batch {
-        let a = (g.a as *const u16).wrapping_add(batch * g.stride_a);
-        let b = (g.b as *const u16).wrapping_add(batch * g.stride_b);
-        let c = (g.c as *mut f32).wrapping_add(batch * g.stride_c);
-        for j in 0..g.n {
-            for i in 0..g.m {
-                let mut acc = 0.0f32;
-                for l in 0..g.k {
-                    let ai = if g.transa { l + i * g.lda } else { i + l * g.lda };
-                    let bi = if g.transb { j + l * g.ldb } else { l + j * g.ldb };
-                    // SAFETY: the product's operands lie inside emulated memory (the caller's contract).
-                    acc += unsafe { read(*a.add(ai)) * read(*b.add(bi)) };
-                }
-                // SAFETY: as above.
-                unsafe {
-                    let out = c.add(i + j * g.ldc);
-                    *out = if g.beta == 0.0 { alpha * acc } else { alpha * acc + beta * *out };
                 }
             }
         }

@@ -80,24 +80,11 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
             let (sa, ra, ca) = block_a(0, m, 0, k, b0);
             let (sb, rb, cb) = block_b(0, k, 0, n, b0);
             let dst_b = workspace + 2 * (nb * m * k) as u64;
-            steps.push(RoundedStep::Round(RoundOperand {
-                src: sa,
-                rows: ra,
-                cols: ca,
-                ld: g.lda,
-                stride: g.stride_a,
-                batch: nb,
-                dst: workspace,
-            }));
-            steps.push(RoundedStep::Round(RoundOperand {
-                src: sb,
-                rows: rb,
-                cols: cb,
-                ld: g.ldb,
-                stride: g.stride_b,
-                batch: nb,
-                dst: dst_b,
-            }));
+            for (src, rows, cols, ld, stride, dst) in
+                [(sa, ra, ca, g.lda, g.stride_a, workspace), (sb, rb, cb, g.ldb, g.stride_b, dst_b)]
+            {
+                steps.push(RoundedStep::Round(RoundOperand { src, rows, cols, ld, stride, batch: nb, dst }));
+            }
             steps.push(RoundedStep::Product(Gemm {
                 dtype: kind,
                 a: workspace,
