@@ -139,14 +139,12 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
                         k: kb,
                         a: workspace,
                         lda: ra,
-                        stride_a: 0,
                         b: dst_b,
                         ldb: rb,
-                        stride_b: 0,
                         // C's block (i0, j0); k's later chunks add onto the first.
                         beta: if l0 == 0 { g.beta } else { 1.0 },
                         c: g.c + 4 * (matrix * g.stride_c + i0 + j0 * g.ldc) as u64,
-                        stride_c: 0,
+                        // One matrix: g's strides are never used.
                         batch: 1,
                         ..*g
                     }));
@@ -167,19 +165,48 @@ mod tests {
         ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
     }
 
-    /// Runs `steps` on host memory: addresses are host pointers.
-    fn run(steps: &[RoundedStep]) {
+    /// Where a step may read or write: `batch` column-major matrices of `rows` x `cols` elements of
+    /// `size` bytes from `base`, leading dimension `ld`, `stride` elements apart.
+    #[derive(Clone, Copy)]
+    struct Region {
+        base: u64,
+        size: usize,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        stride: usize,
+        batch: usize,
+    }
+
+    impl Region {
+        fn holds(&self, address: u64) -> bool {
+            let Some(bytes) = address.checked_sub(self.base) else { return false };
+            let offset = bytes as usize / self.size;
+            let (i, within) = (offset / self.stride.max(1), offset % self.stride.max(1));
+            bytes as usize % self.size == 0
+                && i < self.batch
+                && within % self.ld < self.rows
+                && within / self.ld < self.cols
+        }
+    }
+
+    /// Runs `steps` on host memory (addresses are host pointers), checking that every element a
+    /// step reads or writes lies in its place: roundings read A's or B's matrices and write the
+    /// workspace, products read the workspace and write C's m x n matrices, nothing past them.
+    fn run(steps: &[RoundedStep], operands: [Region; 2], c_region: Region, workspace: Region) {
+        let at = |base: u64, size: usize, i: usize| base + (size * i) as u64;
         for step in steps {
             match *step {
                 RoundedStep::Round(o) => {
                     for i in 0..o.batch {
                         for c in 0..o.cols {
                             for r in 0..o.rows {
-                                // SAFETY: the test's buffers hold what the steps address.
-                                unsafe {
-                                    let v = *(o.src as *const f32).add(i * o.stride + r + c * o.ld);
-                                    *(o.dst as *mut u16).add(i * o.rows * o.cols + r + c * o.rows) = bits(v);
-                                }
+                                let src = at(o.src, 4, i * o.stride + r + c * o.ld);
+                                let dst = at(o.dst, 2, i * o.rows * o.cols + r + c * o.rows);
+                                assert!(operands.iter().any(|x| x.holds(src)), "a rounding reads outside A and B");
+                                assert!(workspace.holds(dst), "a rounding writes outside the workspace");
+                                // SAFETY: both addresses lie in the test's buffers (just checked).
+                                unsafe { *(dst as *mut u16) = bits(*(src as *const f32)) };
                             }
                         }
                     }
@@ -187,8 +214,10 @@ mod tests {
                 RoundedStep::Product(g) => {
                     assert_eq!(g.dtype, GemmType::Bf16);
                     let value = |p: u64, i: usize| {
-                        // SAFETY: as above.
-                        f32::from_bits(u32::from(unsafe { *(p as *const u16).add(i) }) << 16)
+                        let address = at(p, 2, i);
+                        assert!(workspace.holds(address), "a product reads outside the workspace");
+                        // SAFETY: in the workspace (just checked).
+                        f32::from_bits(u32::from(unsafe { *(address as *const u16) }) << 16)
                     };
                     for b in 0..g.batch {
                         for j in 0..g.n {
@@ -199,9 +228,11 @@ mod tests {
                                     let bi = if g.transb { j + l * g.ldb } else { l + j * g.ldb };
                                     acc += f64::from(value(g.a, b * g.stride_a + ai) * value(g.b, b * g.stride_b + bi));
                                 }
-                                // SAFETY: as above.
+                                let out = at(g.c, 4, b * g.stride_c + i + j * g.ldc);
+                                assert!(c_region.holds(out), "a product writes outside C");
+                                // SAFETY: in C (just checked).
                                 unsafe {
-                                    let out = (g.c as *mut f32).add(b * g.stride_c + i + j * g.ldc);
+                                    let out = out as *mut f32;
                                     *out = (g.alpha * acc + g.beta * f64::from(*out)) as f32;
                                 }
                             }
@@ -214,7 +245,8 @@ mod tests {
 
     /// The rounded product of `g`'s shape computed directly, against the steps through a workspace
     /// of `capacity` elements, for A and B stored either way; C starts non-zero (beta 0.5).
-    fn check(m: usize, n: usize, k: usize, batch: usize, capacity: usize) {
+    /// `expected_products`: how many products the pieces take (as few as the workspace allows).
+    fn check(m: usize, n: usize, k: usize, batch: usize, capacity: usize, expected_products: usize) {
         for (transa, transb) in [(false, false), (true, false), (false, true), (true, true)] {
             let (lda, ldb, ldc) = (if transa { k + 1 } else { m + 2 }, if transb { n + 3 } else { k }, m + 1);
             let (sa, sb, sc) = (lda * if transa { m } else { k } + 5, ldb * if transb { k } else { n }, ldc * n + 2);
@@ -268,7 +300,25 @@ mod tests {
             let mut workspace = vec![0u16; capacity];
             let steps =
                 rounded_steps(&g(&mut got), workspace.as_mut_ptr() as u64, capacity).expect("a rounded product");
-            run(&steps);
+            let region =
+                |base: u64, size, (rows, cols), ld, stride| Region { base, size, rows, cols, ld, stride, batch };
+            let stored = |t: bool, (r, c): (usize, usize)| if t { (c, r) } else { (r, c) };
+            let operands = [
+                region(a.as_ptr() as u64, 4, stored(transa, (m, k)), lda, sa),
+                region(b.as_ptr() as u64, 4, stored(transb, (k, n)), ldb, sb),
+            ];
+            let ws = Region {
+                base: workspace.as_ptr() as u64,
+                size: 2,
+                rows: capacity,
+                cols: 1,
+                ld: capacity,
+                stride: capacity,
+                batch: 1,
+            };
+            run(&steps, operands, region(got.as_ptr() as u64, 4, (m, n), ldc, sc), ws);
+            let products = steps.iter().filter(|s| matches!(s, RoundedStep::Product(_))).count();
+            assert_eq!(products, expected_products, "m {m} n {n} k {k} batch {batch} capacity {capacity}: products");
             assert_eq!(
                 got, want,
                 "m {m} n {n} k {k} batch {batch} transa {transa} transb {transb} capacity {capacity}"
@@ -285,13 +335,15 @@ mod tests {
 
     #[test]
     fn a_rounded_product_in_pieces_is_the_product_of_the_rounded_operands() {
-        check(5, 4, 3, 1, 1000); // whole
-        check(5, 4, 3, 3, 1000); // a whole batch
-        check(5, 4, 3, 3, 40); // two matrices at a time
-        check(5, 4, 3, 3, 35); // one matrix at a time (5 x 3 + 3 x 4 = 27)
-        check(7, 6, 5, 2, 20); // blocks of C, k in chunks of 5 (A's half: 10 elements, 2 rows)
-        check(7, 6, 9, 1, 12); // k in chunks of 6, then 3, each later chunk adding onto C
-        check(3, 8, 4, 1, 2); // one element of each: 1 x 1 blocks, k one at a time
+        check(5, 4, 3, 1, 1000, 1); // whole
+        check(5, 4, 3, 3, 1000, 1); // a whole batch
+        check(5, 4, 3, 3, 60, 2); // two matrices at a time (5 x 3 + 3 x 4 = 27 each), then one
+        check(5, 4, 3, 3, 35, 3); // one matrix at a time
+        check(7, 6, 5, 2, 20, 24); // blocks of C of 2 x 2 (A's half: 10 elements), k whole: 12 a matrix
+        check(7, 6, 9, 1, 12, 84); // 1 x 1 blocks, k in chunks of 6 then 3, the later adding onto C
+        check(3, 8, 4, 1, 2, 96); // one element of each: 1 x 1 blocks, k one at a time
+        check(5, 4, 3, 1, 25, 2); // 27 elements do not fit 25: blocks of 4 rows and then 1
+        check(5, 5, 3, 1, 25, 4); // blocks of 4 x 4, the last row and column of blocks 1 wide
     }
 
     #[test]
@@ -320,6 +372,11 @@ mod tests {
         assert_eq!(rounded_steps(&g, 0, 100), None);
         assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g }, 0, 100), None);
         assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, 0, 1), None);
+        // A product of nothing (or over nothing) takes no steps: the backend handles those.
+        for (m, n, k, batch) in [(0, 2, 2, 1), (2, 0, 2, 1), (2, 2, 0, 1), (2, 2, 2, 0)] {
+            let empty = Gemm { dtype: GemmType::F32Bf16, m, n, k, batch, ..g };
+            assert_eq!(rounded_steps(&empty, 0, 100), Some(Vec::new()), "{m} {n} {k} {batch}");
+        }
         let steps = rounded_steps(&Gemm { dtype: GemmType::F32F16, ..g }, 64, 100).unwrap();
         assert!(matches!(steps[2], RoundedStep::Product(p) if p.dtype == GemmType::F16 && p.a == 64 && p.b == 64 + 8));
     }
