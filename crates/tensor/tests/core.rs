@@ -249,6 +249,33 @@ fn a_gpu_target_holds_cublas_workspace_from_open_to_close() {
 }
 
 #[test]
+fn a_gpu_target_holds_the_rounding_workspace_while_its_products_are_rounded() {
+    use memfit_tensor::Products;
+    let (library, rounding) = (memfit_cuda::LIBRARY_WORKSPACE_BYTES, memfit_cuda::ROUNDING_WORKSPACE_BYTES);
+    let gpu = Device::new(DeviceConfig::new(DeviceKind::Meta(Target::Cuda))).unwrap();
+    let held = |d: &Device| d.stats().allocated_bytes.current;
+    gpu.set_products(Products::Bf16).unwrap();
+    assert_eq!(held(&gpu), library + rounding);
+    assert!(gpu.timeline_events().iter().any(|e| e.op == "rounding_workspace" && e.bytes == rounding));
+    // Once: fp16 after bf16 keeps the same block; f32 gives it back; bf16 again takes it again.
+    gpu.set_products(Products::F16).unwrap();
+    assert_eq!(held(&gpu), library + rounding);
+    gpu.set_products(Products::F32).unwrap();
+    assert_eq!((held(&gpu), gpu.products()), (library, Products::F32));
+    gpu.set_products(Products::Bf16).unwrap();
+    assert_eq!((held(&gpu), gpu.products()), (library + rounding, Products::Bf16));
+    // A cpu target rounds in its kernels' packs: nothing held.
+    let cpu = Device::meta();
+    cpu.set_products(Products::Bf16).unwrap();
+    assert_eq!(held(&cpu), 0);
+    // A GPU too small for it: an out-of-memory error, and the products stay as they were.
+    let small =
+        Device::new(DeviceConfig::new(DeviceKind::Meta(Target::Cuda)).capacity(Some(library + rounding - 1))).unwrap();
+    assert!(small.set_products(Products::Bf16).unwrap_err().is_oom());
+    assert_eq!((held(&small), small.products()), (library, Products::F32));
+}
+
+#[test]
 fn a_device_is_what_was_configured() {
     let cpu = Device::cpu();
     assert_eq!(cpu.kind(), DeviceKind::Cpu);
