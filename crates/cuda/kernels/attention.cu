@@ -477,12 +477,11 @@ __device__ __forceinline__ i64 task_tile(i64 t, i64 tiles, bool late) {
     return late ? tiles - 1 - k : k;
 }
 
-// The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs (in task_tile's
-// order), so a block's
-// threads always agree on their tile (the barriers inside need that). The forward's query tiles of
-// FR rows meet key tiles of FC rows; D and dq's query tiles of QR rows meet key tiles of QC; dk and
-// dv's key tiles of KC rows meet query tiles of KR. Row counts are multiples of TY, column counts of
-// TX; each tile set fits the 48 KiB of static shared memory.
+// The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs in task_tile's
+// order, so a block's threads always agree on their tile (the barriers inside need that). The
+// forward's query tiles of FR rows meet key tiles of FC rows; D and dq's query tiles of QR rows
+// meet key tiles of QC; dk and dv's key tiles of KC rows meet query tiles of KR. Row counts are
+// multiples of TY, column counts of TX; each tile set fits the 48 KiB of static shared memory.
 #define ATTENTION_TILED(D, FR, FC, QR, QC, KC, KR)                                                      \
     extern "C" __global__ void attention_tiled_d##D##_f32(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
         i64 tiles = (p.tq + FR - 1) / FR;                                                               \

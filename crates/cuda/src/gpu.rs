@@ -1,7 +1,7 @@
 //! An open GPU: its context (the primary context of device `cuda:N`), what it is, how much memory
 //! the context (and cuBLAS's handle) took, and the [`Machine`] it is: memory, copies and launches on
-//! one stream (the context's default stream), kernels loaded from NVRTC's PTX on first use,
-//! products by cuBLAS, uploads from pinned host memory with events.
+//! one stream (the context's default stream), kernels loaded on first use as machine code NVRTC
+//! assembled (or the cache kept), products by cuBLAS, uploads from pinned host memory with events.
 
 use crate::kernels::{assemble_cached, forget_cached, source_of};
 use crate::libraries::{probe, Library};

@@ -147,11 +147,10 @@ pub trait Machine: Send + Sync {
     fn description(&self) -> String;
     /// Whether [`Machine::gemm`] takes a [`Gemm::bias`] on a product of this type: f32 products only
     /// (cuBLASLt's epilogue on a GPU, checked there once against the host; the emulator's
-    /// definition). Not bf16 or fp16 products: cuBLASLt takes `COMPUTE_32F_FAST_16BF` as leave to
-    /// choose, and on an H100 it chose kernels that do not round the operands as Note [bf16
-    /// products] says (seen on the GPU: every element of a bf16 linear off the definition by up to
-    /// 0.2% of the largest), where cuBLAS's GemmEx rounds them. The library workspace must be set
-    /// first.
+    /// definition). Not bf16 or fp16 products: their operands are rounded by memfit first
+    /// ([`crate::rounded`]), and cuBLASLt's `COMPUTE_32F_FAST_16BF` on f32 operands is leave to
+    /// convert, which an H100 did not take (every element of a bf16 linear off the definition by
+    /// up to 0.2% of the largest, as with cuBLAS's GemmEx). The library workspace must be set first.
     fn fuses_bias(&self, _dtype: GemmType) -> bool {
         false
     }
