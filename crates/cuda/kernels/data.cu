@@ -63,13 +63,16 @@ extern "C" __global__ void cast_f16_f32(const unsigned short* x, float* y, i64 n
 // Rounds `batch` column-major f32 matrices of rows x cols (leading dimension ld, matrix i at
 // x + i * stride) to a product's operand bits (KIND 1: bfloat16, 2: binary16, as every product
 // reads them: Notes [bf16 products] and [fp16 products], common.cuh's operand_bits), packed: matrix
-// i's element (r, c) at y[i * rows * cols + r + c * rows] (memfit_cuda::rounded).
+// i's element (r, c) at y[i * rows * cols + r + c * rows] (memfit_cuda::rounded). A block takes
+// whole columns, its threads a column's rows: reads and writes run down a column, and an element
+// costs no division (one per column).
 template <int KIND>
 __device__ void round_operands(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
-    const i64 size = rows * cols;
-    GRID_STRIDE(e, size * batch) {
-        i64 i = e / size, rc = e - i * size, c = rc / rows, r = rc - c * rows;
-        y[e] = (unsigned short)operand_bits<KIND>(x[i * stride + r + c * ld]);
+    for (i64 column = blockIdx.x; column < cols * batch; column += gridDim.x) {
+        const i64 i = column / cols, c = column - i * cols;
+        const float* from = x + i * stride + c * ld;
+        unsigned short* to = y + column * rows;
+        for (i64 r = threadIdx.x; r < rows; r += blockDim.x) to[r] = (unsigned short)operand_bits<KIND>(from[r]);
     }
 }
 extern "C" __global__ void round_operands_bf16(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {

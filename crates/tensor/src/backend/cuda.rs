@@ -326,9 +326,10 @@ impl Cuda {
         let kernel = if g.dtype == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
         for step in steps {
             match step {
+                // A block per column (data.cu's round_operands), up to the machine's useful count.
                 memfit_cuda::rounded::RoundedStep::Round(o) => self.launch(
                     kernel,
-                    self.grid(o.rows * o.cols * o.batch, BLOCK),
+                    self.grid(o.cols * o.batch * BLOCK as usize, BLOCK),
                     &mut [
                         Arg::Ptr(o.src),
                         Arg::I64(o.rows as i64),
