@@ -126,18 +126,21 @@ impl Gpu {
             match modules.get(source.name) {
                 Some(m) => m.clone(),
                 None => {
-                    let load = || -> Result<Arc<CudaModule>, CudaError> {
-                        let cubin = assemble_cached(source, self.capability)?;
+                    let load = |cubin: Vec<u8>| {
                         self.context
                             .load_module(Ptx::from_binary(cubin))
                             .map_err(|e| call_error(&format!("loading the kernels of {}.cu", source.name), e))
                     };
                     // Machine code the driver refuses (a cache file damaged, or written by a
-                    // different NVRTC of the same version) is assembled again, once.
-                    let module = load().or_else(|_| {
-                        forget_cached(source, self.capability);
-                        load()
-                    })?;
+                    // different NVRTC of the same version) is assembled again, once; a failed
+                    // assembly is not repeated.
+                    let module = match load(assemble_cached(source, self.capability)?) {
+                        Ok(module) => module,
+                        Err(_) => {
+                            forget_cached(source, self.capability);
+                            load(assemble_cached(source, self.capability)?)?
+                        }
+                    };
                     modules.insert(source.name, module.clone());
                     module
                 }

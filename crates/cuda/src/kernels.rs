@@ -128,8 +128,14 @@ pub fn assemble(source: &Source, capability: (i32, i32)) -> Result<Vec<u8>, Cuda
     unsafe {
         let assembled = match result::compile_program(program, &options) {
             Err(_) => {
-                let log = result::get_program_log(program).unwrap_or_default();
-                let log = std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+                // The log up to its terminating zero (none at all if NVRTC could not give it).
+                let log: Vec<u8> = result::get_program_log(program)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|c| c as u8)
+                    .take_while(|&b| b != 0)
+                    .collect();
+                let log = String::from_utf8_lossy(&log).into_owned();
                 Err(CudaError::Compile { kernel: source.name.to_string(), log })
             }
             Ok(()) => {
