@@ -3,12 +3,14 @@
 //
 // Note [Embedding backward on a GPU]: deterministic and O(positions x d), not O(rows x positions x d)
 // (a GPT-2 table has 50,304 rows). The positions are sorted by the row they name, in position order
-// within a row (a counting sort: count per row, prefix sum, place, then sort each row's few
-// positions), in the op's int64 workspace [starts: rows + 1][cursor: rows][slots: positions]; then one
-// thread per (row, column) adds its positions' gradients in position order, the order the cpu adds
-// them in, so both give the same bits.
+// within a row, by a stable radix sort (8 bits of the row a pass; a row of text names tens of
+// thousands of positions, so no per-row sort); each row's range comes from a count per row and a
+// prefix sum. The op's int64 workspace is [starts: rows + 1][slots: positions][spare: positions]
+// [digit counts: 1 + 256 x tiles] (`embedding_workspace_len` in memfit-tensor). Then one thread per (row,
+// column) adds its positions' gradients in position order, the order the cpu adds them in, so both
+// give the same bits.
 
-/* starts[r + 1] = how many positions name row r (starts and cursor zeroed before). */
+/* starts[r + 1] = how many positions name row r (starts zeroed before). */
 extern "C" __global__ void embedding_count(const i64* idx, i64 count, i64 rows, u64* starts) {
     GRID_STRIDE(p, count) {
         i64 r = idx[p];
@@ -35,23 +37,46 @@ extern "C" __global__ void embedding_scan(i64* starts, i64 n) {
     for (i64 i = lo; i < hi; ++i) { acc += starts[i]; starts[i] = acc; }
 }
 
-/* Each position into a slot of its row's range (in no particular order within the row). */
-extern "C" __global__ void embedding_place(const i64* idx, i64 count, i64 rows, const i64* starts, u64* cursor, i64* slots) {
-    GRID_STRIDE(p, count) {
-        i64 r = idx[p];
-        if (r >= 0 && r < rows) slots[starts[r] + (i64)atomicAdd(cursor + r, 1ULL)] = p;
-    }
+/* Positions per tile of the radix sort, and threads per block of its two kernels (memfit-tensor's
+   EMBEDDING_SORT_TILE). */
+#define SORT_TILE 256
+
+/* The 8 bits from `shift` of the row position `i` of the pass's input names (`in`, or position i
+   itself in the first pass); an index outside the table sorts after every row, `rows`, so it
+   falls in no row's range. */
+__device__ __forceinline__ int sort_digit(const i64* idx, i64 rows, const i64* in, i64 i, int shift, i64* position) {
+    i64 p = in ? in[i] : i;
+    i64 r = idx[p];
+    *position = p;
+    return (int)(((r >= 0 && r < rows ? r : rows) >> shift) & 255);
 }
 
-/* Each row's positions in ascending order (insertion sort: a row names few positions). */
-extern "C" __global__ void embedding_sort(const i64* starts, i64 rows, i64* slots) {
-    GRID_STRIDE(r, rows) {
-        for (i64 i = starts[r] + 1; i < starts[r + 1]; ++i) {
-            i64 v = slots[i], j = i;
-            while (j > starts[r] && slots[j - 1] > v) { slots[j] = slots[j - 1]; --j; }
-            slots[j] = v;
-        }
-    }
+/* A pass of the stable radix sort, first half: tile t's count of each digit d into
+   hist[1 + d * tiles + t] (digit-major, so a prefix sum over hist gives each tile's first slot
+   for each digit). A block of SORT_TILE threads per tile. */
+extern "C" __global__ void embedding_digits(const i64* idx, i64 count, i64 rows, const i64* in, int shift, i64 tiles, i64* hist) {
+    __shared__ unsigned counts[256];
+    counts[threadIdx.x] = 0;
+    __syncthreads();
+    i64 i = (i64)blockIdx.x * SORT_TILE + threadIdx.x, p;
+    if (i < count) atomicAdd(&counts[sort_digit(idx, rows, in, i, shift, &p)], 1u);
+    __syncthreads();
+    hist[1 + (i64)threadIdx.x * tiles + blockIdx.x] = counts[threadIdx.x];
+}
+
+/* Second half: each position of tile t to out[where its digit's slots begin for t (hist, prefix
+   summed) + how many of the tile's earlier positions have its digit], so equal digits keep their
+   order: the pass is stable. */
+extern "C" __global__ void embedding_scatter(const i64* idx, i64 count, i64 rows, const i64* in, int shift, i64 tiles, const i64* hist, i64* out) {
+    __shared__ short digits[SORT_TILE];
+    i64 i = (i64)blockIdx.x * SORT_TILE + threadIdx.x, p = 0;
+    int digit = i < count ? sort_digit(idx, rows, in, i, shift, &p) : -1;
+    digits[threadIdx.x] = (short)digit;
+    __syncthreads();
+    if (i >= count) return;
+    i64 rank = 0;
+    for (unsigned j = 0; j < threadIdx.x; ++j) rank += digits[j] == digit;
+    out[hist[(i64)digit * tiles + blockIdx.x] + rank] = p;
 }
 
 #define EMBEDDING(T, SUF)                                                                               \

@@ -13,7 +13,10 @@
 use super::Backend;
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
-use crate::ops::{AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep, Unary};
+use crate::ops::{
+    embedding_workspace_len, AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep, Unary,
+    EMBEDDING_SORT_TILE,
+};
 use crate::tensor::Tensor;
 use crate::{DType, Products};
 use memfit_cuda::{Arg, CudaSegments, Emulator, Gemm, GemmType, Gpu, Launch, Machine, Staging, Strided};
@@ -1164,34 +1167,52 @@ impl Backend for Cuda {
         let (rows, d, count) = (gw.shape()[0], gw.shape()[1], indices.numel());
         let ws =
             ws.ok_or_else(|| Error::device("embedding_backward: no workspace for the cuda kernels".to_string()))?;
-        if ws.numel() < 2 * rows + 1 + count {
+        if ws.numel() < embedding_workspace_len(rows, count) {
             return Err(Error::device(format!("embedding_backward: a workspace of {} for {rows} rows", ws.numel())));
         }
+        let tiles = count.div_ceil(EMBEDDING_SORT_TILE);
+        let tile_grid = u32::try_from(tiles)
+            .map_err(|_| Error::device(format!("embedding_backward: {count} positions are too many to sort")))?;
         let (starts, idx) = (dense(ws, "embedding")?, dense(indices, "embedding")?);
-        let (cursor, slots) = (starts + 8 * (rows as u64 + 1), starts + 8 * (2 * rows as u64 + 1));
-        self.machine.zero(starts, 8 * (2 * rows + 1)).map_err(|e| self.err(e))?;
-        let (count, rows_arg) = (Arg::I64(count as i64), Arg::I64(rows as i64));
-        let positions = self.grid(indices.numel(), BLOCK);
+        let slots = starts + 8 * (rows as u64 + 1);
+        let spare = slots + 8 * count as u64;
+        let hist = spare + 8 * count as u64;
+        self.machine.zero(starts, 8 * (rows + 1)).map_err(|e| self.err(e))?;
+        self.machine.zero(hist, 8).map_err(|e| self.err(e))?;
+        let (count_arg, rows_arg) = (Arg::I64(count as i64), Arg::I64(rows as i64));
         self.launch(
             "embedding_count",
-            positions,
-            &mut [Arg::Ptr(idx), count.clone(), rows_arg.clone(), Arg::Ptr(starts)],
+            self.grid(count, BLOCK),
+            &mut [Arg::Ptr(idx), count_arg.clone(), rows_arg.clone(), Arg::Ptr(starts)],
         )?;
         self.launch(
             "embedding_scan",
             Launch { grid: 1, block: WHOLE_BLOCK },
             &mut [Arg::Ptr(starts), Arg::I64(rows as i64 + 1)],
         )?;
-        self.launch(
-            "embedding_place",
-            positions,
-            &mut [Arg::Ptr(idx), count, rows_arg.clone(), Arg::Ptr(starts), Arg::Ptr(cursor), Arg::Ptr(slots)],
-        )?;
-        self.launch(
-            "embedding_sort",
-            self.grid(rows, BLOCK),
-            &mut [Arg::Ptr(starts), rows_arg.clone(), Arg::Ptr(slots)],
-        )?;
+        // A stable radix sort by row, 8 bits a pass, over keys up to `rows` (an index outside the
+        // table sorts last); the passes alternate between the two buffers so the last one fills
+        // `slots`. The first pass reads the positions in order (a null input).
+        let passes = (u64::BITS - (rows as u64).leading_zeros()).div_ceil(8).max(1);
+        let tile_launch = Launch { grid: tile_grid, block: EMBEDDING_SORT_TILE as u32 };
+        let mut input = 0u64;
+        for pass in 0..passes {
+            let output = if (passes - 1 - pass) % 2 == 0 { slots } else { spare };
+            let shift = Arg::I32(8 * pass as i32);
+            let common = [Arg::Ptr(idx), count_arg.clone(), rows_arg.clone(), Arg::Ptr(input), shift];
+            let mut digits = common.to_vec();
+            digits.extend([Arg::I64(tiles as i64), Arg::Ptr(hist)]);
+            self.launch("embedding_digits", tile_launch, &mut digits)?;
+            self.launch(
+                "embedding_scan",
+                Launch { grid: 1, block: WHOLE_BLOCK },
+                &mut [Arg::Ptr(hist), Arg::I64(1 + 256 * tiles as i64)],
+            )?;
+            let mut scatter = common.to_vec();
+            scatter.extend([Arg::I64(tiles as i64), Arg::Ptr(hist), Arg::Ptr(output)]);
+            self.launch("embedding_scatter", tile_launch, &mut scatter)?;
+            input = output;
+        }
         self.launch(
             &format!("embedding_backward_{sfx}"),
             self.grid(rows * d, BLOCK),

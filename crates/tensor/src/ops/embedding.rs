@@ -46,10 +46,21 @@ impl Backward for EmbeddingBack {
         let gw = zeros_output(&grad, &[self.rows, d], grad.dtype(), "embedding_backward")?;
         // A GPU sorts the positions by the row they name (Note [Embedding backward on a GPU]).
         let n = self.indices.numel();
-        let ws = super::gpu_workspace(&grad, 2 * self.rows + 1 + n, DType::I64, "embedding_backward")?;
+        let ws = super::gpu_workspace(&grad, embedding_workspace_len(self.rows, n), DType::I64, "embedding_backward")?;
         grad.device().backend().embedding_backward(&self.indices, &grad, &gw, ws.as_ref())?;
         Ok(vec![Some(gw)])
     }
+}
+
+/// Positions per tile of a GPU's radix sort of the positions by row (embedding.cu's SORT_TILE).
+pub(crate) const EMBEDDING_SORT_TILE: usize = 256;
+
+/// The int64 words of a GPU's embedding backward workspace for a table of `rows` and `positions`
+/// indices (Note [Embedding backward on a GPU] in embedding.cu): where each row's positions start,
+/// the sorted positions and a spare buffer for the sort's passes, and the sort's digit counts (256
+/// per tile, after a leading zero).
+pub(crate) fn embedding_workspace_len(rows: usize, positions: usize) -> usize {
+    rows + 1 + 2 * positions + 1 + 256 * positions.div_ceil(EMBEDDING_SORT_TILE)
 }
 
 #[cfg(test)]
