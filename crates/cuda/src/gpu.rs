@@ -535,15 +535,16 @@ impl Gpu {
         SAID.call_once(|| {
             eprintln!("memfit: warning: cuBLASLt refused a product with a bias ({refused}); such products broadcast the bias first");
         });
-        // C (dense, m x n column-major) = the bias in every column: element k of C is bias[k % m].
-        let view = crate::machine::Strided::new(&[g.n, g.m], &[0, 1], 0).filter(|_| g.ldc == g.m && g.batch == 1);
-        let Some(view) = view else { return Err(refused) };
-        let count = g.m * g.n;
-        let blocks = count.div_ceil(256).clamp(1, self.max_blocks as usize) as u32;
+        // C (dense, m x n column-major) = the bias in every column (data.cu's repeat_row: C's n
+        // columns are its rows).
+        if g.ldc != g.m || g.batch != 1 {
+            return Err(refused);
+        }
+        let blocks = g.n.clamp(1, self.max_blocks as usize) as u32;
         self.launch(
-            "gather_b4",
+            "repeat_row_b4",
             Launch { grid: blocks, block: 256 },
-            &mut [Arg::Ptr(g.c), Arg::Ptr(g.bias), Arg::View(view), Arg::I64(count as i64)],
+            &mut [Arg::Ptr(g.c), Arg::Ptr(g.bias), Arg::I64(1), Arg::I64(g.n as i64), Arg::I64(g.m as i64)],
         )?;
         self.gemm_now(&Gemm { bias: 0, beta: 1.0, ..*g })
     }

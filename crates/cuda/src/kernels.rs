@@ -32,7 +32,7 @@ pub const SOURCES: [Source; 12] = [
     Source {
         name: "data",
         text: include_str!("../kernels/data.cu"),
-        kernels: &["fill_", "gather_", "cast_", "count_up_", "round_operands_"],
+        kernels: &["fill_", "gather_", "repeat_row_", "cast_", "count_up_", "round_operands_"],
     },
     Source {
         name: "elementwise",

@@ -8,9 +8,9 @@
 //! tensor cores do.
 //!
 //! [`rounded_steps`] cuts a product into pieces whose two rounded operands fit the workspace: whole
-//! matrices of a batch where they fit, else blocks of C with k in chunks (each later chunk adding
-//! onto C with beta 1). The backend runs the steps in order (`memfit-tensor`'s cuda backend), on a
-//! GPU and on the emulator alike.
+//! matrices of a batch where they fit, else blocks as large as fit (k in chunks, each later chunk
+//! adding onto C with beta 1, rather than narrow blocks of C: [`blocks`]). The backend runs the
+//! steps in order (`memfit-tensor`'s cuda backend), on a GPU and on the emulator alike.
 
 use crate::machine::{Gemm, GemmType};
 
@@ -36,16 +36,70 @@ pub enum RoundedStep {
     Product(Gemm),
 }
 
+/// Elements B's rounded copy starts at a multiple of, after A's: 16 bytes, the alignment cuBLAS's
+/// tensor-core kernels take 16-bit operands at.
+const ALIGN: usize = 8;
+
+/// Rows or columns of C a block keeps before k is cut into chunks: products narrower than this ran
+/// the H100's tensor cores far below their speed (`m333 n333 k50304` at 39 TFLOP/s, a ninth of the
+/// card's tiles busy).
+const WIDE: usize = 2048;
+
+/// `x` rounded up to a multiple of [`ALIGN`].
+fn padded(x: usize) -> usize {
+    x.next_multiple_of(ALIGN)
+}
+
+/// `x` rounded down to a multiple of [`ALIGN`] where it holds one.
+fn aligned_down(x: usize) -> usize {
+    if x >= ALIGN {
+        x / ALIGN * ALIGN
+    } else {
+        x
+    }
+}
+
+/// The blocks (mc, nc, kc) of an m x n x k product whose rounded operands do not fit `capacity`
+/// elements together: k whole where blocks of C up to [`WIDE`] a side fit with it, else in chunks
+/// that leave room for such blocks (each later chunk adds onto C); then C whole where it fits, else
+/// its longer side in blocks at least as long as its shorter side (which stays whole), else both
+/// sides halved. A's block, padded to [`ALIGN`], plus B's always fit.
+fn blocks(m: usize, n: usize, k: usize, capacity: usize) -> (usize, usize, usize) {
+    let fits = |mc: usize, nc: usize, kc: usize| padded(mc * kc) + nc * kc <= capacity;
+    let room = capacity - (ALIGN - 1);
+    let (m0, n0) = (m.min(WIDE), n.min(WIDE));
+    let kc = if fits(m0, n0, k) { k } else { aligned_down(room / (m0 + n0)).max(1) };
+    if fits(m, n, kc) {
+        return (m, n, kc);
+    }
+    // The longer side in blocks, the shorter whole, where the blocks stay at least as long.
+    let (long, short) = (m.max(n), m.min(n));
+    let along = (room / kc).saturating_sub(short);
+    let (mc, nc) = if along >= short {
+        let along = aligned_down(along).min(long);
+        if m >= n {
+            (along, n)
+        } else {
+            (m, along)
+        }
+    } else {
+        let half = aligned_down((room / kc / 2).max(1));
+        (half.min(m), half.min(n))
+    };
+    debug_assert!(fits(mc, nc, kc), "m {m} n {n} k {k} capacity {capacity}: blocks {mc} {nc} {kc}");
+    (mc, nc, kc)
+}
+
 /// The steps that compute `g` (a [`GemmType::F32Bf16`] or [`GemmType::F32F16`] product, no bias)
 /// through a workspace of `capacity` two-byte elements at `workspace`; None when `g` is not such a
-/// product or the workspace holds less than one element of each operand.
+/// product or the workspace holds fewer than 16 elements.
 pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<RoundedStep>> {
     let kind = match g.dtype {
         GemmType::F32Bf16 => GemmType::Bf16,
         GemmType::F32F16 => GemmType::F16,
         _ => return None,
     };
-    if g.bias != 0 || capacity < 2 {
+    if g.bias != 0 || capacity < 2 * ALIGN {
         return None;
     }
     let mut steps = Vec::new();
@@ -72,14 +126,14 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
         }
     };
     let per_matrix = m * k + k * n;
-    if per_matrix <= capacity {
-        // Whole matrices, as many of the batch at a time as fit.
-        let count = (capacity / per_matrix).min(g.batch);
+    if per_matrix + ALIGN <= capacity {
+        // Whole matrices, as many of the batch at a time as fit (B's after A's, aligned).
+        let count = ((capacity - ALIGN) / per_matrix).min(g.batch);
         for b0 in (0..g.batch).step_by(count) {
             let nb = count.min(g.batch - b0);
             let (sa, ra, ca) = block_a(0, m, 0, k, b0);
             let (sb, rb, cb) = block_b(0, k, 0, n, b0);
-            let dst_b = workspace + 2 * (nb * m * k) as u64;
+            let dst_b = workspace + 2 * padded(nb * m * k) as u64;
             for (src, rows, cols, ld, stride, dst) in
                 [(sa, ra, ca, g.lda, g.stride_a, workspace), (sb, rb, cb, g.ldb, g.stride_b, dst_b)]
             {
@@ -100,10 +154,8 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
         }
         return Some(steps);
     }
-    // One matrix at a time, in blocks: k in chunks of kc, A's block at most half the workspace.
-    let kc = k.min(capacity / 2);
-    let mc = m.min((capacity / 2) / kc).max(1);
-    let nc = n.min((capacity - mc * kc) / kc).max(1);
+    // One matrix at a time, in blocks (see [`blocks`]).
+    let (mc, nc, kc) = blocks(m, n, k, capacity);
     for matrix in 0..g.batch {
         for i0 in (0..m).step_by(mc) {
             let mb = mc.min(m - i0);
@@ -119,7 +171,7 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
                     batch: 1,
                     dst: workspace,
                 }));
-                let dst_b = workspace + 2 * (mb * kb) as u64;
+                let dst_b = workspace + 2 * padded(mb * kb) as u64;
                 for j0 in (0..n).step_by(nc) {
                     let nb = nc.min(n - j0);
                     let (sb, rb, cb) = block_b(l0, kb, j0, nb, matrix);
@@ -337,13 +389,24 @@ mod tests {
     fn a_rounded_product_in_pieces_is_the_product_of_the_rounded_operands() {
         check(5, 4, 3, 1, 1000, 1); // whole
         check(5, 4, 3, 3, 1000, 1); // a whole batch
-        check(5, 4, 3, 3, 60, 2); // two matrices at a time (5 x 3 + 3 x 4 = 27 each), then one
+        check(5, 4, 3, 3, 70, 2); // two matrices at a time (5 x 3 + 3 x 4 = 27 each, and 8 to align), then one
         check(5, 4, 3, 3, 35, 3); // one matrix at a time
-        check(7, 6, 5, 2, 20, 24); // blocks of C of 2 x 2 (A's half: 10 elements), k whole: 12 a matrix
-        check(7, 6, 9, 1, 12, 84); // 1 x 1 blocks, k in chunks of 6 then 3, the later adding onto C
-        check(3, 8, 4, 1, 2, 96); // one element of each: 1 x 1 blocks, k one at a time
-        check(5, 4, 3, 1, 25, 2); // 27 elements do not fit 25: blocks of 4 rows and then 1
-        check(5, 5, 3, 1, 25, 4); // blocks of 4 x 4, the last row and column of blocks 1 wide
+        check(7, 6, 9, 1, 60, 3); // C whole, k in chunks of 4, 4 and 1, the later adding onto C
+        check(3, 8, 4, 1, 16, 4); // C whole, k one at a time
+        check(2100, 2, 3, 1, 6200, 2); // k whole, C's 2,100 rows in blocks of 2,056 and 44
+        check(2, 2100, 3, 1, 6200, 2); // likewise its 2,100 columns
+        check(20, 20, 5, 1, 16, 125); // a workspace too small for a row: blocks of C of 4 x 4, k one at a time
+    }
+
+    /// GPT-2's products that do not fit the 64 MiB workspace cut into large pieces: the head's
+    /// logits for a chunk of 2,048 rows, their gradient through the head's weight, and a weight's
+    /// gradient over 342 x 1,024 positions.
+    #[test]
+    fn large_products_keep_large_blocks() {
+        let capacity = (64 << 20) / 2;
+        assert_eq!(blocks(50_304, 2048, 768, capacity), (41_640, 2048, 768));
+        assert_eq!(blocks(768, 2048, 50_304, capacity), (768, 2048, 11_912));
+        assert_eq!(blocks(768, 768, 342 * 1024, capacity), (768, 768, 21_840));
     }
 
     #[test]
@@ -371,13 +434,14 @@ mod tests {
         };
         assert_eq!(rounded_steps(&g, 0, 100), None);
         assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g }, 0, 100), None);
-        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, 0, 1), None);
+        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, 0, 15), None);
         // A product of nothing (or over nothing) takes no steps: the backend handles those.
         for (m, n, k, batch) in [(0, 2, 2, 1), (2, 0, 2, 1), (2, 2, 0, 1), (2, 2, 2, 0)] {
             let empty = Gemm { dtype: GemmType::F32Bf16, m, n, k, batch, ..g };
             assert_eq!(rounded_steps(&empty, 0, 100), Some(Vec::new()), "{m} {n} {k} {batch}");
         }
         let steps = rounded_steps(&Gemm { dtype: GemmType::F32F16, ..g }, 64, 100).unwrap();
-        assert!(matches!(steps[2], RoundedStep::Product(p) if p.dtype == GemmType::F16 && p.a == 64 && p.b == 64 + 8));
+        // B's copy after A's 4 elements, at the next 16 bytes.
+        assert!(matches!(steps[2], RoundedStep::Product(p) if p.dtype == GemmType::F16 && p.a == 64 && p.b == 64 + 16));
     }
 }

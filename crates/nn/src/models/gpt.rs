@@ -214,7 +214,7 @@ impl Model for Gpt {
     fn fused_loss(&self, input: &Tensor, targets: &Tensor, _train: bool) -> Option<Result<(Tensor, Tensor)>> {
         let (Some(head), Some(ln)) = (&self.head, &self.ln) else { return None };
         let rows = targets.numel();
-        let chunk = ops::head_chunk_rows(self.config.vocab, DType::F32);
+        let chunk = ops::head_chunk_rows(input.device(), self.config.vocab, DType::F32);
         if rows <= chunk {
             return None;
         }

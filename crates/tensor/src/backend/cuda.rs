@@ -504,12 +504,18 @@ impl Cuda {
 
     /// `out[r, :] = bias` for every row (before a product adds onto it).
     fn broadcast_rows(&self, bias: &Tensor, rows: usize, cols: usize, out: u64) -> Result<()> {
-        let (base, view) = strided(bias, &[rows, cols], &[0, bias.layout().strides()[0]])?;
-        let name = format!("gather_b{}", bias.dtype().size());
+        let stride = bias.layout().strides().first().copied().unwrap_or(1);
+        let name = format!("repeat_row_b{}", bias.dtype().size());
         self.launch(
             &name,
-            self.grid(rows * cols, BLOCK),
-            &mut [Arg::Ptr(out), Arg::Ptr(base), Arg::View(view), Arg::I64((rows * cols) as i64)],
+            self.grid(rows * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(out),
+                Arg::Ptr(addr(bias)?),
+                Arg::I64(stride as i64),
+                Arg::I64(rows as i64),
+                Arg::I64(cols as i64),
+            ],
         )
     }
 
