@@ -53,7 +53,7 @@ fn main() {
         // SAFETY: as below.
         unsafe {
             let (q, o, l) = (view(&mut qkv, &l_qkv), view(&mut out, &l_out), view(&mut lse, &l_lse));
-            attention(q, q, q, None, &pb, o, Some(l)).expect("forward");
+            attention(q, q, q, None, &pb, o, Some(l), None).expect("forward");
         }
         for call in 0..60 {
             let t0 = Instant::now();
@@ -63,9 +63,9 @@ fn main() {
                 let (q, o, l) = (view(&mut qkv, &l_qkv), view(&mut out, &l_out), view(&mut lse, &l_lse));
                 if backward {
                     let (g, gq) = (view(&mut grad_out, &l_out), view(&mut grad_qkv, &l_qkv));
-                    attention_backward(q, q, q, None, l, &pb, g, Some(gq), Some(gq), Some(gq)).expect("backward");
+                    attention_backward(q, q, q, None, l, &pb, g, Some(gq), Some(gq), Some(gq), None).expect("backward");
                 } else {
-                    attention(q, q, q, None, &pb, o, Some(l)).expect("forward");
+                    attention(q, q, q, None, &pb, o, Some(l), None).expect("forward");
                 }
             }
             if call >= 10 {

@@ -573,6 +573,7 @@ pub fn attention(
     pb: &AttnProblem,
     out: View<'_>,
     lse: Option<View<'_>>,
+    _gpu_workspace: Option<View<'_>>,
 ) -> Result<()> {
     if pb.dims.bh == 0 {
         return Ok(());
@@ -605,6 +606,7 @@ pub fn attention_backward(
     gq: Option<View<'_>>,
     gk: Option<View<'_>>,
     gv: Option<View<'_>>,
+    _gpu_workspace: Option<View<'_>>,
 ) -> Result<()> {
     if pb.dims.bh == 0 {
         return Ok(());
@@ -729,13 +731,13 @@ mod tests {
         let m = unsafe { View::new(mask.as_mut_ptr(), mask.len(), DType::Bool, &lm) };
         let (mut q1, mut k1, mut v1) = (q.clone(), k.clone(), v.clone());
         let (qv, kv, vv) = (f32s(&mut q1, &lq), f32s(&mut k1, &lk), f32s(&mut v1, &lk));
-        attention(qv, kv, vv, Some(m), &pb, f32s(&mut out, &lq), Some(f32s(&mut lse, &ll))).unwrap();
+        attention(qv, kv, vv, Some(m), &pb, f32s(&mut out, &lq), Some(f32s(&mut lse, &ll)), None).unwrap();
         let grads = |fill: f32| {
             let (mut gq, mut gk, mut gv) = (vec![fill; bh * tq * d], vec![fill; bh * tk * d], vec![fill; bh * tk * d]);
             let (mut lse, mut go) = (lse.clone(), go.clone());
             let (l, g) = (f32s(&mut lse, &ll), f32s(&mut go, &lq));
             let (dq, dk, dv) = (f32s(&mut gq, &lq), f32s(&mut gk, &lk), f32s(&mut gv, &lk));
-            attention_backward(qv, kv, vv, Some(m), l, &pb, g, Some(dq), Some(dk), Some(dv)).unwrap();
+            attention_backward(qv, kv, vv, Some(m), l, &pb, g, Some(dq), Some(dk), Some(dv), None).unwrap();
             (gq, gk, gv)
         };
         let (zeroed, stale) = (grads(0.0), grads(f32::NAN));

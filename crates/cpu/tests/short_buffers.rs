@@ -323,7 +323,9 @@ fn attention_refuses_short_operands_forward_and_backward() {
         name: "attention",
         // q, k, v, out, lse
         buffers: vec![f32s(&m), f32s(&m), f32s(&m), f32s(&m), f32s(&[2, 3])],
-        call: Box::new(|v| kernels::attention(v[0], v[1], v[2], None, &attention_problem(2, 1), v[3], Some(v[4]))),
+        call: Box::new(|v| {
+            kernels::attention(v[0], v[1], v[2], None, &attention_problem(2, 1), v[3], Some(v[4]), None)
+        }),
         shortened: vec![
             (0, short(&m), "scaled_dot_product_attention q"),
             (1, short(&m), "scaled_dot_product_attention k"),
@@ -338,7 +340,19 @@ fn attention_refuses_short_operands_forward_and_backward() {
         buffers: vec![f32s(&m), f32s(&m), f32s(&m), f32s(&[2, 3]), f32s(&m), f32s(&m), f32s(&m), f32s(&m)],
         call: Box::new(|v| {
             let pb = attention_problem(2, 1);
-            kernels::attention_backward(v[0], v[1], v[2], None, v[3], &pb, v[4], Some(v[5]), Some(v[6]), Some(v[7]))
+            kernels::attention_backward(
+                v[0],
+                v[1],
+                v[2],
+                None,
+                v[3],
+                &pb,
+                v[4],
+                Some(v[5]),
+                Some(v[6]),
+                Some(v[7]),
+                None,
+            )
         }),
         shortened: vec![
             (0, short(&m), "scaled_dot_product_attention_backward q"),
@@ -351,7 +365,7 @@ fn attention_refuses_short_operands_forward_and_backward() {
     });
     // Heads that do not divide the matrices: the last matrix would not start furthest in.
     let got = with_views(&[f32s(&m), f32s(&m), f32s(&m), f32s(&m)], &|v| {
-        kernels::attention(v[0], v[1], v[2], None, &attention_problem(3, 2), v[3], None)
+        kernels::attention(v[0], v[1], v[2], None, &attention_problem(3, 2), v[3], None, None)
     });
     assert!(matches!(&got, Err(Error::Invalid(m)) if m.contains("3 matrices") && m.contains("2 heads")), "{got:?}");
 }
@@ -388,15 +402,27 @@ fn packed_attention_checks_each_part_of_its_one_gradient_and_needs_nothing_for_n
         buffers: vec![f32s(&packed), f32s(&[2, t]), f32s(&[1, t, 2 * dh]), f32s(&packed)],
         call: Box::new(move |v| {
             let pb = packed_problem(t, dh);
-            kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], Some(v[3]), Some(v[3]), Some(v[3]))
+            kernels::attention_backward(
+                v[0],
+                v[0],
+                v[0],
+                None,
+                v[1],
+                &pb,
+                v[2],
+                Some(v[3]),
+                Some(v[3]),
+                Some(v[3]),
+                None,
+            )
         }),
         shortened: vec![(3, short(&packed), "gradient of v")],
     });
     // No rows: nothing is read or written, so empty buffers do (k and v start at an offset).
     let got = with_views(&[f32s(&[1, 0, 6 * dh]), f32s(&[2, 0]), f32s(&[1, 0, 2 * dh]), f32s(&[1, 0, 6 * dh])], &|v| {
         let pb = packed_problem(0, dh);
-        kernels::attention(v[0], v[0], v[0], None, &pb, v[2], Some(v[1]))?;
-        kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], Some(v[3]), Some(v[3]), Some(v[3]))
+        kernels::attention(v[0], v[0], v[0], None, &pb, v[2], Some(v[1]), None)?;
+        kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], Some(v[3]), Some(v[3]), Some(v[3]), None)
     });
     assert!(got.is_ok(), "{got:?}");
 }

@@ -25,6 +25,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __align__(n) alignas(n)
 // Block-shared memory: one instance per OS thread, reused by the blocks it runs in turn.
 #define __shared__ static thread_local
 

@@ -507,62 +507,138 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // six products run on the tensor cores (`mma_16816`, f32 accumulation), in FlashAttention-2's
 // scheme (Dao, 2023): a block of MMA_WARPS warps takes MMA_ROWS rows (query rows for the forward, D
 // and dq; key rows for dk and dv), each warp 16 of them, its own side's operands in registers, and
-// walks the other side's tiles, staged in shared memory as operand bits (rounded once, as the
-// products read them). Every staged tile is stored as B(k, n) = tile[n][k], rows n of words that
-// each hold the pair k, k + 1, so one loader serves every product: K and V by rows, K, V, Q and the
-// output's gradient by columns where the product walks keys or queries. A row's max and sum are
-// taken over its quad of lanes with two shuffles, the same value in all four, so a run repeats bit
-// for bit (no atomics). What they compute is the tiled kernels' (above), in another order of f32
-// additions: P is rounded before it is normalized, D comes from pass 0, dq from pass 1.
+// walks the other side's tiles, staged in shared memory. Every staged tile is stored as B(k, n) =
+// tile[n][k], rows n of words that each hold the pair k, k + 1, so one loader serves every product:
+// K and V by rows, K, V, Q and the output's gradient by columns where the product walks keys or
+// queries. A row's max and sum are taken over its quad of lanes with two shuffles, the same value in
+// all four, so a run repeats bit for bit (no atomics). What they compute is the tiled kernels'
+// (above), in another order of f32 additions: P is rounded before it is normalized, D comes from
+// pass 0, dq from pass 1.
+//
+// The operands q, k, v (and the output's gradient) are rounded once a launch, by attention_round_*,
+// into 16-bit copies in the op's workspace (`attention_bits` in memfit-tensor): matrix i's row r at
+// (i * rows + r) * dp, dp the head size rounded up to 8 (zeros past it), so the kernels read
+// operand bits 16 bytes at a time and convert nothing they stage. (Rounding in every block's
+// staging instead, each key tile rounded again by every query tile, made the kernels' instructions
+// their limit on an H100: 5 ms for GPT-2's forward, 9 for dk and dv.)
 
 #define MMA_WARPS 4
 #define MMA_ROWS (16 * MMA_WARPS)
 
-// Rows r0 .. r0 + R of a matrix (`rows` of them, `cols` values each, row r at m + r * stride) as
-// operand bits into `sh`: by rows (row a's pair c / 2 at sh[a * ld + c / 2]) or, BY_COLS, by columns
-// (column c's pair a / 2 at sh[c * ld + a / 2]); C columns in all, zeros past the matrix.
-template <int KIND, int R, int C, bool BY_COLS>
-__device__ void stage_bits(unsigned* sh, int ld, const float* m, i64 stride, i64 r0, i64 rows, i64 cols) {
-    // A thread keeps one column (a pair of columns by rows) and walks rows STEP apart, its loads a
-    // pointer step apart; limits are ints taken once. All of a batch's values are loaded before any
-    // is stored (as stage_rows).
-    constexpr int PER_ROW = BY_COLS ? C : C / 2, STEP = (BY_COLS ? 2 : 1) * (TILE_THREADS / PER_ROW),
-                  N = R * C / 2 / TILE_THREADS;
-    static_assert(TILE_THREADS % PER_ROW == 0 && N % STAGE_BATCH == 0, "a tile is whole batches of whole rows");
-    const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), ncols = (int)min((i64)C, cols);
-    const int tid = threadIdx.x, c = BY_COLS ? tid % C : 2 * (tid % (C / 2));
-    const int a0 = (BY_COLS ? 2 : 1) * (tid / PER_ROW);
-    const float* p = m + (r0 + a0) * stride + c;
-    // The second value of a pair: the next row by columns, the next column by rows.
-    const i64 next = BY_COLS ? stride : 1;
-    const bool col_in = c < ncols, next_in = BY_COLS ? col_in : c + 1 < ncols;
-    for (int b0 = 0; b0 < N; b0 += STAGE_BATCH) {
-        float x[STAGE_BATCH][2];
-#pragma unroll
-        for (int b = 0; b < STAGE_BATCH; ++b) {
-            const int a = a0 + (b0 + b) * STEP;
-            const float* q = p + (i64)(b0 + b) * STEP * stride;
-            x[b][0] = (a < rows_left && col_in) ? q[0] : 0.0f;
-            x[b][1] = ((BY_COLS ? a + 1 : a) < rows_left && next_in) ? q[next] : 0.0f;
+// The rounded copies of a launch's operands (the output's gradient: backward only).
+struct Bits {
+    const unsigned short *q, *k, *v, *g;
+};
+
+// Eight 16-bit operand elements, loaded and stored whole.
+struct __align__(16) Bits8 {
+    unsigned w[4];
+};
+
+// A head size rounded up to whole Bits8: a row of a rounded copy.
+__device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
+
+// Operand x (laid out by a) as KIND's bits into y, [bh, rows, padded8(d)]: a warp a row, its lanes
+// along the row's pairs.
+template <int KIND>
+__device__ void round_rows(const float* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
+    const i64 dp = padded8(d);
+    const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+    for (i64 row = (i64)blockIdx.x * warps + threadIdx.x / 32; row < bh * rows; row += (i64)gridDim.x * warps) {
+        const i64 i = row / rows, r = row - i * rows;
+        const float* from = x + matrix(a, i, heads) + r * a.row;
+        unsigned* to = (unsigned*)(y + row * dp);
+        for (i64 c = 2 * lane; c < dp; c += 64) {
+            const float lo = c < d ? from[c] : 0.0f, hi = c + 1 < d ? from[c + 1] : 0.0f;
+            to[c / 2] = operand_pair<KIND>(lo, hi);
         }
+    }
+}
+extern "C" __global__ void attention_round_bf16(const float* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
+    round_rows<1>(x, a, bh, heads, rows, d, y);
+}
+extern "C" __global__ void attention_round_f16(const float* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
+    round_rows<2>(x, a, bh, heads, rows, d, y);
+}
+
+// operand_pair's bits for two values the kernels compute (P, dS): one conversion instruction for
+// the pair, and for bf16 a denormal result made a zero of its sign, as operand_bits does. (A NaN's
+// payload may differ from operand_bits', which no product can tell.)
+template <int KIND>
+__device__ __forceinline__ unsigned operand_pair_fast(float lo, float hi) {
+#ifdef MEMFIT_EMULATOR
+    return operand_pair<KIND>(lo, hi);
+#else
+    unsigned r;
+    if (KIND == 1) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        const unsigned keep = ((r & 0x7f80u) ? 0x0000ffffu : 0x00008000u) | ((r & 0x7f800000u) ? 0xffff0000u : 0x80000000u);
+        return r & keep;
+    }
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
+// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each) into `sh` by rows: row
+// a's pair c / 2 at sh[a * ld + c / 2], C columns (zeros past dp and past the matrix), 16 bytes at a
+// time. All of a thread's loads come before its stores (as stage_rows).
+template <int R, int C>
+__device__ void stage_rows_bits(unsigned* sh, int ld, const unsigned short* m, i64 dp, i64 r0, i64 rows) {
+    constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS;
+    static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
+    const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), width = (int)min((i64)C, dp);
+    const unsigned short* base = m + r0 * dp;
+    Bits8 x[N];
 #pragma unroll
-        for (int b = 0; b < STAGE_BATCH; ++b) {
-            const int a = a0 + (b0 + b) * STEP;
-            sh[BY_COLS ? c * ld + a / 2 : a * ld + c / 2] = operand_pair<KIND>(x[b][0], x[b][1]);
+    for (int b = 0; b < N; ++b) {
+        const int e = threadIdx.x + b * TILE_THREADS, a = e / CHUNKS, c = 8 * (e % CHUNKS);
+        x[b] = (a < rows_left && c < width) ? *(const Bits8*)(base + a * dp + c) : Bits8{{0u, 0u, 0u, 0u}};
+    }
+#pragma unroll
+    for (int b = 0; b < N; ++b) {
+        const int e = threadIdx.x + b * TILE_THREADS, a = e / CHUNKS, c = 8 * (e % CHUNKS);
+        *(Bits8*)(sh + a * ld + c / 2) = x[b];
+    }
+}
+
+// The same rows by columns: column c's pair a / 2 (rows a and a + 1) at sh[c * ld + a / 2]. A
+// thread takes a pair of rows and eight columns: two 16-byte loads, eight words.
+template <int R, int C>
+__device__ void stage_cols_bits(unsigned* sh, int ld, const unsigned short* m, i64 dp, i64 r0, i64 rows) {
+    constexpr int PAIRS = R / 2, N = PAIRS * (C / 8) / TILE_THREADS;
+    static_assert(PAIRS * (C / 8) % TILE_THREADS == 0, "a tile is whole chunks for every thread");
+    const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), width = (int)min((i64)C, dp);
+    const unsigned short* base = m + r0 * dp;
+    Bits8 x[N][2];
+#pragma unroll
+    for (int b = 0; b < N; ++b) {
+        const int e = threadIdx.x + b * TILE_THREADS, a = 2 * (e % PAIRS), c = 8 * (e / PAIRS);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            x[b][h] = (a + h < rows_left && c < width) ? *(const Bits8*)(base + (a + h) * dp + c) : Bits8{{0u, 0u, 0u, 0u}};
+    }
+#pragma unroll
+    for (int b = 0; b < N; ++b) {
+        const int e = threadIdx.x + b * TILE_THREADS, pair = e % PAIRS, c = 8 * (e / PAIRS);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned lo = x[b][0].w[j], hi = x[b][1].w[j];
+            sh[(c + 2 * j) * ld + pair] = (lo & 0xffffu) | (hi << 16);
+            sh[(c + 2 * j + 1) * ld + pair] = (lo >> 16) | (hi & 0xffff0000u);
         }
     }
 }
 
-// The A fragment of rows r0 .. r0 + 16 and columns k0 .. k0 + 16 of a matrix in memory (as
-// stage_bits reads it).
-template <int KIND>
-__device__ __forceinline__ void load_a(unsigned (&a)[4], const float* m, i64 stride, i64 r0, i64 rows, int k0, i64 cols) {
+// The A fragment of rows r0 .. r0 + 16 and columns k0 .. k0 + 16 of a rounded matrix m (`rows` of
+// them, dp elements each; zeros past both).
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m, i64 dp, i64 r0, i64 rows, int k0) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    auto at = [&](i64 r, i64 c) { return (r < rows && c < cols) ? m[r * stride + c] : 0.0f; };
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        i64 r = r0 + g + 8 * (q & 1), c = k0 + 2 * t + 8 * (q >> 1);
-        a[q] = operand_pair<KIND>(at(r, c), at(r, c + 1));
+        const i64 r = r0 + g + 8 * (q & 1);
+        const int c = k0 + 2 * t + 8 * (q >> 1);
+        a[q] = (r < rows && c < dp) ? *(const unsigned*)(m + r * dp + c) : 0u;
     }
 }
 
@@ -578,10 +654,10 @@ __device__ __forceinline__ void load_b(unsigned (&b)[2], const unsigned* sh, int
 // 2 kk + 1), as operand bits: the accumulator's layout is the A fragment's, two tiles wide.
 template <int KIND, int N>
 __device__ __forceinline__ void accumulator_a(unsigned (&a)[4], const float (&s)[N][4], int kk) {
-    a[0] = operand_pair<KIND>(s[2 * kk][0], s[2 * kk][1]);
-    a[1] = operand_pair<KIND>(s[2 * kk][2], s[2 * kk][3]);
-    a[2] = operand_pair<KIND>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    a[3] = operand_pair<KIND>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    a[0] = operand_pair_fast<KIND>(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = operand_pair_fast<KIND>(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = operand_pair_fast<KIND>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = operand_pair_fast<KIND>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
 template <int N>
@@ -645,24 +721,24 @@ __device__ __forceinline__ int keys_seen(const Problem<float>& p, const Visible&
 
 // The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
 template <int KIND, int D, int BC>
-__device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
+__device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
     constexpr int LK = D / 2 + 4, LV = BC / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
-    __shared__ unsigned ks[BC * LK], vt[D * LV];
+    __align__(16) __shared__ unsigned ks[BC * LK], vt[D * LV];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const i64 rw = r0 + 16 * (threadIdx.x / 32);
+    const i64 rw = r0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
+    // Matrix i's rounded operands.
+    const unsigned short *q0 = bits.q + i * p.tq * dp, *k0 = bits.k + i * p.tk * dp, *v0 = bits.v + i * p.tk * dvp;
     unsigned qa[KD][4];
 #pragma unroll
-    // Matrix i's operands found once (`matrix` divides).
-    const float *q0 = p.q + matrix(p.aq, i, p.heads), *k0 = p.k + matrix(p.ak, i, p.heads), *v0 = p.v + matrix(p.av, i, p.heads);
-    for (int kk = 0; kk < KD; ++kk) load_a<KIND>(qa[kk], q0, p.aq.row, rw, p.tq, 16 * kk, p.d);
+    for (int kk = 0; kk < KD; ++kk) load_a(qa[kk], q0, dp, rw, p.tq, 16 * kk);
     float o[NO][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     zero_acc(o);
     const unsigned char* masked = vis.rows_of(i);
     i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
-        stage_bits<KIND, BC, D, false>(ks, LK, k0, p.ak.row, j0, p.tk, p.d);
-        stage_bits<KIND, BC, D, true>(vt, LV, v0, p.av.row, j0, p.tk, p.dv);
+        stage_rows_bits<BC, D>(ks, LK, k0, dp, j0, p.tk);
+        stage_cols_bits<BC, D>(vt, LV, v0, dvp, j0, p.tk);
         __syncthreads();
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks, LK);
@@ -720,21 +796,21 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
 // row (sum over keys of P dP) into the first element of its dq row; pass 1: dq of each row, its D
 // read from there first.
 template <int KIND, int D, int BC>
-__device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const float* go, const Addr& ag, const float* lse,
-                                              float* gq, int pass, i64 i, i64 r0) {
+__device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, float* gq, int pass,
+                                              i64 i, i64 r0) {
     constexpr int LK = D / 2 + 4, LT = BC / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
-    __shared__ unsigned ks[BC * LK], vs[BC * LK], kt[D * LT];
+    __align__(16) __shared__ unsigned ks[BC * LK], vs[BC * LK], kt[D * LT];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const i64 rw = r0 + 16 * (threadIdx.x / 32);
+    const i64 rw = r0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
-    // Matrix i's operands found once (`matrix` divides).
-    const float *q0 = p.q + matrix(p.aq, i, p.heads), *g0 = go + matrix(ag, i, p.heads), *k0 = p.k + matrix(p.ak, i, p.heads),
-                *v0 = p.v + matrix(p.av, i, p.heads);
+    // Matrix i's rounded operands.
+    const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
+                         *v0 = bits.v + i * p.tk * dvp;
     unsigned qa[KD][4], ga[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-        load_a<KIND>(qa[kk], q0, p.aq.row, rw, p.tq, 16 * kk, p.d);
-        load_a<KIND>(ga[kk], g0, ag.row, rw, p.tq, 16 * kk, p.dv);
+        load_a(qa[kk], q0, dp, rw, p.tq, 16 * kk);
+        load_a(ga[kk], g0, dvp, rw, p.tq, 16 * kk);
     }
     float acc[NO][4], lr[2], dr[2], part[2] = {0.0f, 0.0f};
     zero_acc(acc);
@@ -748,13 +824,13 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
         __syncthreads();
-        stage_bits<KIND, BC, D, false>(ks, LK, k0, p.ak.row, j0, p.tk, p.d);
-        stage_bits<KIND, BC, D, false>(vs, LK, v0, p.av.row, j0, p.tk, p.dv);
-        if (pass == 1) stage_bits<KIND, BC, D, true>(kt, LT, k0, p.ak.row, j0, p.tk, p.d);
+        stage_rows_bits<BC, D>(ks, LK, k0, dp, j0, p.tk);
+        stage_rows_bits<BC, D>(vs, LK, v0, dvp, j0, p.tk);
+        if (pass == 1) stage_cols_bits<BC, D>(kt, LT, k0, dp, j0, p.tk);
         __syncthreads();
-        float s[NS][4], dp[NS][4];
+        float s[NS][4], dp_[NS][4];
         product<KIND>(s, qa, ks, LK);
-        product<KIND>(dp, ga, vs, LK);
+        product<KIND>(dp_, ga, vs, LK);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
 #pragma unroll
         for (int n = 0; n < NS; ++n)
@@ -763,8 +839,8 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
                 const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
                 bool seen = c < limit[h] && !(masked && masked[(rw + g + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
                 float prob = seen ? expf(p.scale * s[n][e] - lr[h]) : 0.0f;
-                if (pass == 0) part[h] += prob * dp[n][e];
-                else s[n][e] = prob * (dp[n][e] - dr[h]) * p.scale;
+                if (pass == 0) part[h] += prob * dp_[n][e];
+                else s[n][e] = prob * (dp_[n][e] - dr[h]) * p.scale;
             }
         if (pass == 1) accumulate<KIND>(acc, s, kt, LT);
     }
@@ -791,20 +867,22 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
 // dk and dv of MMA_ROWS key rows from j0 of matrix i, from every query row that sees them, query
 // tiles of KR rows (D from dq's rows).
 template <int KIND, int D, int KR>
-__device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const float* go, const Addr& ag, const float* lse,
-                                               const float* gq, float* gk, float* gv, i64 i, i64 j0) {
+__device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, const float* gq,
+                                               float* gk, float* gv, i64 i, i64 j0) {
     constexpr int LQ = D / 2 + 4, LT = KR / 2 + 4, KD = D / 16, NS = KR / 8, NO = D / 8;
-    __shared__ unsigned qs[KR * LQ], gs[KR * LQ], qt[D * LT], gt[D * LT];
+    __align__(16) __shared__ unsigned qs[KR * LQ], gs[KR * LQ], qt[D * LT], gt[D * LT];
     __shared__ float l_row[KR], d_row[KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const i64 jw = j0 + 16 * (threadIdx.x / 32);
-    const float *q0 = p.q + matrix(p.aq, i, p.heads), *g0 = go + matrix(ag, i, p.heads), *gq0 = gq + matrix(p.aq, i, p.heads),
-                *k0 = p.k + matrix(p.ak, i, p.heads), *v0 = p.v + matrix(p.av, i, p.heads);
+    const i64 jw = j0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
+    const float* gq0 = gq + matrix(p.aq, i, p.heads);
+    // Matrix i's rounded operands.
+    const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
+                         *v0 = bits.v + i * p.tk * dvp;
     unsigned ka[KD][4], va[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-        load_a<KIND>(ka[kk], k0, p.ak.row, jw, p.tk, 16 * kk, p.d);
-        load_a<KIND>(va[kk], v0, p.av.row, jw, p.tk, 16 * kk, p.dv);
+        load_a(ka[kk], k0, dp, jw, p.tk, 16 * kk);
+        load_a(va[kk], v0, dvp, jw, p.tk, 16 * kk);
     }
     float dk[NO][4], dv[NO][4];
     zero_acc(dk);
@@ -813,10 +891,10 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
     for (i64 r0 = rstart; r0 < p.tq; r0 += KR) {
         __syncthreads();
-        stage_bits<KIND, KR, D, false>(qs, LQ, q0, p.aq.row, r0, p.tq, p.d);
-        stage_bits<KIND, KR, D, false>(gs, LQ, g0, ag.row, r0, p.tq, p.dv);
-        stage_bits<KIND, KR, D, true>(qt, LT, q0, p.aq.row, r0, p.tq, p.d);
-        stage_bits<KIND, KR, D, true>(gt, LT, g0, ag.row, r0, p.tq, p.dv);
+        stage_rows_bits<KR, D>(qs, LQ, q0, dp, r0, p.tq);
+        stage_rows_bits<KR, D>(gs, LQ, g0, dvp, r0, p.tq);
+        stage_cols_bits<KR, D>(qt, LT, q0, dp, r0, p.tq);
+        stage_cols_bits<KR, D>(gt, LT, g0, dvp, r0, p.tq);
         if (threadIdx.x < KR) {
             i64 r = r0 + threadIdx.x;
             l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
@@ -869,24 +947,25 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     __syncthreads();
 }
 
-// The entry points for head sizes up to D with KIND's operands (SUF): blocks walk the (matrix, tile)
-// pairs of MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, D and dq key tiles of QC, dk and dv
-// query tiles of KR; each tile set fits the 48 KiB of static shared memory.
+// The entry points for head sizes up to D with KIND's operands (SUF), their rounded copies in `bits`
+// (q, k and v; the output's gradient too in backward): blocks walk the (matrix, tile) pairs of
+// MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, D and dq key tiles of
+// QC, dk and dv query tiles of KR; each tile set fits the 48 KiB of static shared memory.
 #define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR)                                                         \
-    extern "C" __global__ void attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, float* out, Addr ao, float* lse) { \
+    extern "C" __global__ void attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, float* out, Addr ao, float* lse) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_tile<KIND, D, FC>(p, vis, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
+            attention_mma_tile<KIND, D, FC>(p, vis, bits, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
-    extern "C" __global__ void attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
+    extern "C" __global__ void attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, float* gq, int pass) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
+            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, bits, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
-    extern "C" __global__ void attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
+    extern "C" __global__ void attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* gq, float* gk, float* gv) { \
         i64 tiles = (p.tk + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
+            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, bits, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
     }
 
 ATTENTION_MMA(1, bf16, 64, 64, 64, 64)

@@ -24,6 +24,14 @@ use memfit_tensor::{Category, DType, Device, DeviceConfig, DeviceKind, Result, T
 fn main() {
     let cuda = match Device::new(DeviceConfig::new(DeviceKind::Cuda(0))) {
         Ok(d) => d,
+        // Asked for the emulator, or for the tensor cores (the GPU checks' setting): not opening is
+        // a failure, never a skip (an emulator whose kernels do not compile passed here silently).
+        Err(e)
+            if std::env::var_os("MEMFIT_CUDA_EMULATOR").is_some_and(|v| v == "1")
+                || std::env::var_os("MEMFIT_REQUIRE_TENSOR_CORES").is_some_and(|v| v == "1") =>
+        {
+            panic!("cuda_parity: the CUDA device asked for did not open: {e}")
+        }
         Err(e) => {
             println!("cuda_parity: skipped: no CUDA device ({e}); run with a GPU or MEMFIT_CUDA_EMULATOR=1");
             return;

@@ -14,8 +14,8 @@ use super::Backend;
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
 use crate::ops::{
-    embedding_workspace_len, AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep, Unary,
-    EMBEDDING_SORT_TILE,
+    attention_bits, embedding_workspace_len, AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep,
+    Unary, EMBEDDING_SORT_TILE,
 };
 use crate::tensor::Tensor;
 use crate::{DType, Products};
@@ -349,6 +349,55 @@ impl Cuda {
         Ok(())
     }
 
+    /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) into
+    /// their copies in the op's `workspace` (`ops::attention_bits`), the tensor cores' kernels'
+    /// `struct Bits` (attention.cu) of the copies' addresses.
+    fn round_attention_operands(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        grad: Option<&Tensor>,
+        pb: &AttnProblem,
+        workspace: Option<&Tensor>,
+    ) -> Result<Arg> {
+        const NAME: &str = "scaled_dot_product_attention";
+        let layout = attention_bits(pb, q.dtype(), grad.is_some());
+        if layout.len == 0 {
+            // No rows (or not the tensor cores' problem, which the caller never asks for).
+            return Ok(Arg::Words(vec![0; 4]));
+        }
+        let ws = workspace.filter(|w| w.numel() >= layout.len).ok_or_else(|| {
+            Error::device(format!("{NAME}: no workspace of {} rounded operands for the tensor cores", layout.len))
+        })?;
+        let base = dense(ws, NAME)?;
+        let kernel = if pb.products == Products::F16 { "attention_round_f16" } else { "attention_round_bf16" };
+        let d = pb.dims;
+        let mut words = Vec::with_capacity(4);
+        let operands = [(Some(q), &pb.lay.q, d.tq, d.d, layout.q), (Some(k), &pb.lay.k, d.tk, d.d, layout.k)];
+        let more = [(Some(v), &pb.lay.v, d.tk, d.dv, layout.v), (grad, &pb.lay.out, d.tq, d.dv, layout.g)];
+        for (x, lay, rows, width, offset) in operands.into_iter().chain(more) {
+            let at = base + 2 * offset as u64;
+            words.push(if x.is_some() { at } else { 0 });
+            let Some(x) = x else { continue };
+            // A warp a row (attention.cu's round_rows).
+            self.launch(
+                kernel,
+                self.grid(d.bh * rows * 32, BLOCK),
+                &mut [
+                    Arg::Ptr(dense(x, NAME)?),
+                    addr_arg(lay),
+                    Arg::I64(d.bh as i64),
+                    Arg::I64(d.heads as i64),
+                    Arg::I64(rows as i64),
+                    Arg::I64(width as i64),
+                    Arg::Ptr(at),
+                ],
+            )?;
+        }
+        Ok(Arg::Words(words))
+    }
+
     fn status(&self) -> Result<u64> {
         match self.status.load(Ordering::Relaxed) {
             0 => Err(Error::device("the cuda device has no library workspace yet".to_string())),
@@ -366,7 +415,7 @@ impl Cuda {
             Some(_) => "attention: CUDA cores, tiled",
             None => "attention: CUDA cores, a row per thread",
         });
-        let theirs = dtype == DType::F32 && pb.products != Products::F32 && pb.dims.d.max(pb.dims.dv) <= 128;
+        let theirs = attention_bits(pb, dtype, false).len > 0;
         if theirs && tensor_cores_required() && chosen.as_ref().is_none_or(|t| t.kind != "mma") {
             return Err(Error::device(format!(
                 "--device {}: attention's {:?} products ran off the tensor cores and MEMFIT_REQUIRE_TENSOR_CORES=1",
@@ -2049,6 +2098,7 @@ impl Backend for Cuda {
         pb: &AttnProblem,
         out: &Tensor,
         lse: Option<&Tensor>,
+        workspace: Option<&Tensor>,
     ) -> Result<()> {
         const NAME: &str = "scaled_dot_product_attention";
         let sfx = float(NAME, q.dtype())?;
@@ -2057,21 +2107,17 @@ impl Backend for Cuda {
         }
         let problem = attention_problem(q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
+        let mut args = vec![problem, visible];
         let (name, shape) = match self.attention_kernels(pb, q.dtype())? {
+            Some(t) if t.kind == "mma" => {
+                args.push(self.round_attention_operands(q, k, v, None, pb, workspace)?);
+                (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows))
+            }
             Some(t) => (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
             None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
         };
-        self.launch(
-            &name,
-            shape,
-            &mut [
-                problem,
-                visible,
-                Arg::Ptr(dense(out, NAME)?),
-                addr_arg(&pb.lay.out),
-                Arg::Ptr(dense_opt(lse, NAME)?),
-            ],
-        )
+        args.extend([Arg::Ptr(dense(out, NAME)?), addr_arg(&pb.lay.out), Arg::Ptr(dense_opt(lse, NAME)?)]);
+        self.launch(&name, shape, &mut args)
     }
 
     fn attention_backward(
@@ -2086,6 +2132,7 @@ impl Backend for Cuda {
         gq: Option<&Tensor>,
         gk: Option<&Tensor>,
         gv: Option<&Tensor>,
+        workspace: Option<&Tensor>,
     ) -> Result<()> {
         const NAME: &str = "scaled_dot_product_attention_backward";
         let sfx = float(NAME, grad.dtype())?;
@@ -2103,7 +2150,25 @@ impl Backend for Cuda {
             args
         };
         // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
-        if let Some(t) = self.attention_kernels(pb, grad.dtype())?.filter(|_| gqp != 0) {
+        let chosen = self.attention_kernels(pb, grad.dtype())?.filter(|_| gqp != 0);
+        if let Some(t) = chosen.as_ref().filter(|t| t.kind == "mma") {
+            // The tensor cores' kernels read the operands' rounded copies, not the operands.
+            let bits = self.round_attention_operands(q, k, v, Some(grad), pb, workspace)?;
+            let head = [problem.clone(), visible.clone(), bits];
+            let args = |extra: &[Arg]| [&head[..], &[Arg::Ptr(l)], extra].concat();
+            let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
+            let q_kernel = t.kernel("backward_q_");
+            self.launch(&q_kernel, queries, &mut args(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
+            if gkp != 0 || gvp != 0 {
+                self.launch(
+                    &t.kernel("backward_kv_"),
+                    self.tiles(pb.dims.bh, pb.dims.tk, t.key_rows),
+                    &mut args(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
+                )?;
+            }
+            return self.launch(&q_kernel, queries, &mut args(&[Arg::Ptr(gqp), Arg::I32(1)]));
+        }
+        if let Some(t) = chosen {
             let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
             let q_kernel = t.kernel("backward_q_");
             self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(0)]))?;

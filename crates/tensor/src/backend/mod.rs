@@ -433,7 +433,8 @@ backends! {
     );
 
     // Seam B: attention.
-    /// Attention forward into `out` and, when given, the per-row log-sum-exp `lse`.
+    /// Attention forward into `out` and, when given, the per-row log-sum-exp `lse`; `workspace`: a
+    /// GPU's rounded copies of the operands (`ops::attention_bits`).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -444,9 +445,11 @@ backends! {
         pb: &crate::ops::AttnProblem,
         out: &Tensor,
         lse: Option<&Tensor>,
+        workspace: Option<&Tensor>,
     );
     /// Attention backward from the output's gradient: q, k and v gradients, each when given (the
-    /// packed op passes its one gradient three times).
+    /// packed op passes its one gradient three times); `workspace` as the forward's, with the
+    /// output's gradient's copy too.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -460,6 +463,7 @@ backends! {
         gq: Option<&Tensor>,
         gk: Option<&Tensor>,
         gv: Option<&Tensor>,
+        workspace: Option<&Tensor>,
     );
 
     // Seam B: loss.

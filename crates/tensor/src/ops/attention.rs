@@ -28,6 +28,43 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 pub(crate) use memfit_cpu::attention::{AttnAddr, AttnDims, AttnLayouts, AttnProblem};
 
+/// Where a GPU's tensor-core attention finds its operands rounded (attention.cu's
+/// `attention_round_*`): copies of q, k and v, and in backward of the output's gradient, each
+/// [bh, rows, head size rounded up to 8] of 16-bit elements, at these offsets (elements) of the op's
+/// workspace of `len`. All zero where those kernels do not run (anything but f32 tensors with bf16
+/// or fp16 products and heads up to 128) and for a problem of no rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AttnBits {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub g: usize,
+    pub len: usize,
+}
+
+/// [`AttnBits`] of a problem on tensors of `dtype`, with the output's gradient's copy when `backward`.
+pub(crate) fn attention_bits(pb: &AttnProblem, dtype: DType, backward: bool) -> AttnBits {
+    let d = pb.dims;
+    if dtype != DType::F32 || pb.products == crate::Products::F32 || d.d.max(d.dv) > 128 {
+        return AttnBits { q: 0, k: 0, v: 0, g: 0, len: 0 };
+    }
+    let (dp, dvp) = (d.d.next_multiple_of(8), d.dv.next_multiple_of(8));
+    let k = d.bh * d.tq * dp;
+    let v = k + d.bh * d.tk * dp;
+    let g = v + d.bh * d.tk * dvp;
+    AttnBits { q: 0, k, v, g, len: if backward { g + d.bh * d.tq * dvp } else { g } }
+}
+
+/// The op's workspace for [`attention_bits`] on a GPU target; None elsewhere or where there are none.
+fn bits_workspace(like: &Tensor, pb: &AttnProblem, backward: bool) -> Result<Option<Tensor>> {
+    let len = attention_bits(pb, like.dtype(), backward).len;
+    if len == 0 {
+        return Ok(None);
+    }
+    let dtype = if pb.products == crate::Products::F16 { DType::F16 } else { DType::BF16 };
+    super::gpu_workspace(like, len, dtype, "scaled_dot_product_attention")
+}
+
 /// Errors unless `m` is a bool mask on `like`'s device that broadcasts to `full`.
 fn check_mask(op: &str, m: &Tensor, like: &Tensor, full: &[usize]) -> Result<()> {
     if !m.device().same(like.device()) {
@@ -105,7 +142,9 @@ pub fn scaled_dot_product_attention(
     let out = output(&q, &out_shape, q.dtype(), NAME)?;
     let grad = needs_grad(&[&q, &k, &v]);
     let lse = if grad { Some(output(&q, &pb.full[..r - 1], q.dtype(), NAME)?) } else { None };
-    q.device().backend().attention(&q, &k, &v, mask, &pb, &out, lse.as_ref())?;
+    let ws = bits_workspace(&q, &pb, false)?;
+    q.device().backend().attention(&q, &k, &v, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
+    drop(ws);
     let Some(lse) = lse else { return Ok(out) };
     let back = AttentionBack {
         inputs: Saved::Separate([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]),
@@ -157,7 +196,9 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     let out = output(&qkv, &[b, t, e], qkv.dtype(), NAME)?;
     let grad = needs_grad(&[&qkv]);
     let lse = if grad { Some(output(&qkv, &[b, heads, t], qkv.dtype(), NAME)?) } else { None };
-    qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref())?;
+    let ws = bits_workspace(&qkv, &pb, false)?;
+    qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
+    drop(ws);
     let Some(lse) = lse else { return Ok(out) };
     let back = AttentionBack { inputs: Saved::Packed(save_compact(&qkv)?), lse: save(&lse), mask: mask.map(save), pb };
     Ok(record(out, NAME, &[&qkv], back))
@@ -207,7 +248,9 @@ impl Backward for AttentionBack {
         };
         let [q, k, v] = ins;
         let [gq, gk, gv] = g;
-        go.device().backend().attention_backward(q, k, v, self.mask.as_ref(), &self.lse, &self.pb, &go, gq, gk, gv)?;
+        let ws = bits_workspace(&go, &self.pb, true)?;
+        let backend = go.device().backend();
+        backend.attention_backward(q, k, v, self.mask.as_ref(), &self.lse, &self.pb, &go, gq, gk, gv, ws.as_ref())?;
         Ok(grads)
     }
 }
