@@ -84,6 +84,17 @@ LAYER_NORM(double, f64)
 // threads) per channel, statistics summed in double in a fixed order (as the cpu kernel sums in
 // f64). Training uses the batch's mean and biased variance and updates the running statistics
 // with the unbiased one; eval uses the running ones.
+// The weight and bias gradients' first pass (common.cuh's column_partials; reduce.cu's
+// column_finish adds the partials): the terms g (x - mean) rstd and g of each element, into part_w
+// and part_b (either null when not wanted).
+#define LAYER_NORM_PARTIALS(T, SUF)                                                                     \
+    extern "C" __global__ void layer_norm_wb_partials_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, i64 per, T* part_w, T* part_b) { \
+        column_partials<T>([=](i64 r, i64 j) { T gi = g[r * d + j]; return Two<T>{gi * (x[r * d + j] - mean[r]) * rstd[r], gi}; }, rows, d, per, part_w, part_b); \
+    }
+
+LAYER_NORM_PARTIALS(float, f32)
+LAYER_NORM_PARTIALS(double, f64)
+
 #define BATCH_NORM(T, SUF)                                                                              \
     extern "C" __global__ void batch_norm_##SUF(const T* x, i64 nb, i64 c, i64 s, int training, double momentum, double eps, \
                                                 T* running_mean, T* running_var, const T* w, const T* b, T* out, T* mean, T* rstd) { \

@@ -120,6 +120,23 @@
 REDUCE(float, f32)
 REDUCE(double, f64)
 
+// Column sums in two passes (common.cuh's column_partials): the first, of a dense [rows, cols]
+// matrix; the second, out[j] (+= with accumulate) the partials of column j in split order.
+#define COLUMNS(T, SUF)                                                                                 \
+    extern "C" __global__ void column_partials_##SUF(const T* x, i64 rows, i64 cols, i64 per, T* part) { \
+        column_partials<T>([=](i64 r, i64 j) { return Two<T>{x[r * cols + j], T(0)}; }, rows, cols, per, part, (T*)nullptr); \
+    }                                                                                                   \
+    extern "C" __global__ void column_finish_##SUF(const T* part, i64 splits, i64 cols, int accumulate, T* out) { \
+        GRID_STRIDE(j, cols) {                                                                          \
+            T sum = T(0);                                                                               \
+            for (i64 s = 0; s < splits; ++s) sum += part[s * cols + j];                                  \
+            out[j] = accumulate ? out[j] + sum : sum;                                                   \
+        }                                                                                               \
+    }
+
+COLUMNS(float, f32)
+COLUMNS(double, f64)
+
 /* How many of the n int64 values of a equal b's, into *out (one block; a prediction count). */
 extern "C" __global__ void count_equal_i64(const i64* a, const i64* b, i64 n, i64* out) {
     __shared__ i64 shared[1024];

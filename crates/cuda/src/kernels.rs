@@ -44,7 +44,7 @@ pub const SOURCES: [Source; 12] = [
     Source {
         name: "reduce",
         text: include_str!("../kernels/reduce.cu"),
-        kernels: &["sum_", "max_dim_", "max_all_", "count_equal_"],
+        kernels: &["sum_", "column_", "max_dim_", "max_all_", "count_equal_"],
     },
     Source { name: "softmax", text: include_str!("../kernels/softmax.cu"), kernels: &["softmax_"] },
     Source {

@@ -27,6 +27,20 @@ use std::sync::{Arc, OnceLock};
 /// hold 256 values); reductions over a whole tensor in one block use [`WHOLE_BLOCK`].
 const BLOCK: u32 = 256;
 const WHOLE_BLOCK: u32 = 1024;
+/// Warps of a block of the two-pass column sums (common.cuh's `COLUMN_WARPS`).
+const COLUMN_WARPS: u32 = 8;
+/// The two-pass column sums' row splits: at most this many, of at least [`COLUMN_SPLIT_ROWS`] rows.
+const COLUMN_SPLITS: usize = 32;
+const COLUMN_SPLIT_ROWS: usize = 128;
+
+/// How [`Cuda::column_split`] splits a column sum: `splits` row ranges of `per` rows, partials at
+/// `scratch`, the first pass's launch.
+struct ColumnSplit {
+    splits: usize,
+    per: usize,
+    scratch: u64,
+    launch: Launch,
+}
 /// Threads of a block of the tiled kernels (attention.cu's `TILE_THREADS`).
 const TILE_THREADS: u32 = 128;
 /// Bytes at the end of the library workspace kept for the status word (cuBLAS gets the rest).
@@ -593,10 +607,122 @@ impl Cuda {
                 &mut [Arg::Ptr(x), outer_arg, size_arg, mean_arg, Arg::Ptr(out)],
             );
         }
+        if let (1, false, Some(split)) = (outer, mean, self.column_split(size, inner, sfx, 1)) {
+            self.launch(
+                &format!("column_partials_{sfx}"),
+                split.launch,
+                &mut [
+                    Arg::Ptr(x),
+                    Arg::I64(size as i64),
+                    Arg::I64(inner as i64),
+                    Arg::I64(split.per as i64),
+                    Arg::Ptr(split.scratch),
+                ],
+            )?;
+            return self.column_finish(sfx, &split, inner, split.scratch, out, false);
+        }
         self.launch(
             &format!("sum_dim_cols_{sfx}"),
             self.column_tiles(outer * inner.div_ceil(32)),
             &mut [Arg::Ptr(x), outer_arg, size_arg, Arg::I64(inner as i64), mean_arg, Arg::Ptr(out)],
+        )
+    }
+
+    /// The two-pass column sums' split (common.cuh's column_partials) of `rows` rows of `cols`
+    /// columns into `arrays` partial arrays, in the library workspace (stream-ordered with cuBLAS,
+    /// which uses it only inside its own launches); None where one pass serves (few rows) or the
+    /// partials do not fit.
+    fn column_split(&self, rows: usize, cols: usize, sfx: &str, arrays: usize) -> Option<ColumnSplit> {
+        let size = if sfx == "f64" { 8 } else { 4 };
+        let splits = rows.div_ceil(COLUMN_SPLIT_ROWS).min(COLUMN_SPLITS);
+        let per = rows.div_ceil(splits.max(1));
+        let splits = rows.div_ceil(per.max(1));
+        let scratch = self.workspace.load(Ordering::Relaxed);
+        let bytes = (arrays * splits * cols * size) as u64;
+        if splits < 2 || scratch == 0 || bytes > memfit_cuda::LIBRARY_WORKSPACE_BYTES - STATUS_BYTES {
+            return None;
+        }
+        let blocks = u32::try_from(cols.div_ceil(32) * splits).ok()?;
+        let launch = Launch { grid: blocks, block: 32 * COLUMN_WARPS };
+        Some(ColumnSplit { splits, per, scratch, launch })
+    }
+
+    /// The two-pass column sums' second pass: `out` (+= with `accumulate`) the partials at `part`.
+    fn column_finish(
+        &self,
+        sfx: &str,
+        split: &ColumnSplit,
+        cols: usize,
+        part: u64,
+        out: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.launch(
+            &format!("column_finish_{sfx}"),
+            self.grid(cols, BLOCK),
+            &mut [
+                Arg::Ptr(part),
+                Arg::I64(split.splits as i64),
+                Arg::I64(cols as i64),
+                Arg::I32(accumulate as i32),
+                Arg::Ptr(out),
+            ],
+        )
+    }
+
+    /// A layer norm's weight and bias gradients (each when its address is not 0) over `rows` rows of
+    /// `d` from its input `x`, statistics and output gradient `g`: in two passes where
+    /// [`Cuda::column_split`] gives a split, else in one; added to the gradients with `accumulate`.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_wb(
+        &self,
+        sfx: &str,
+        [x, mean, rstd, g]: [u64; 4],
+        rows: usize,
+        d: usize,
+        [gw, gb]: [u64; 2],
+        accumulate: bool,
+    ) -> Result<()> {
+        if let Some(split) = self.column_split(rows, d, sfx, 2) {
+            let size = if sfx == "f64" { 8 } else { 4 };
+            let part_b = split.scratch + (split.splits * d * size) as u64;
+            let parts = [if gw != 0 { split.scratch } else { 0 }, if gb != 0 { part_b } else { 0 }];
+            self.launch(
+                &format!("layer_norm_wb_partials_{sfx}"),
+                split.launch,
+                &mut [
+                    Arg::Ptr(x),
+                    Arg::Ptr(mean),
+                    Arg::Ptr(rstd),
+                    Arg::Ptr(g),
+                    Arg::I64(rows as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(split.per as i64),
+                    Arg::Ptr(parts[0]),
+                    Arg::Ptr(parts[1]),
+                ],
+            )?;
+            for (part, out) in parts.into_iter().zip([gw, gb]) {
+                if out != 0 {
+                    self.column_finish(sfx, &split, d, part, out, accumulate)?;
+                }
+            }
+            return Ok(());
+        }
+        self.launch(
+            &format!("layer_norm_backward_wb_{sfx}"),
+            self.column_tiles(d.div_ceil(32)),
+            &mut [
+                Arg::Ptr(x),
+                Arg::Ptr(mean),
+                Arg::Ptr(rstd),
+                Arg::Ptr(g),
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                Arg::Ptr(gw),
+                Arg::Ptr(gb),
+                Arg::I32(accumulate as i32),
+            ],
         )
     }
 
@@ -1833,21 +1959,8 @@ impl Backend for Cuda {
         let rows = x.numel() / d.max(1);
         let (xp, mp, rp, g) = (dense(x, NAME)?, dense(mean, NAME)?, dense(rstd, NAME)?, dense(grad, NAME)?);
         if gw.is_some() || gb.is_some() {
-            self.launch(
-                &format!("layer_norm_backward_wb_{sfx}"),
-                self.column_tiles(d.div_ceil(32)),
-                &mut [
-                    Arg::Ptr(xp),
-                    Arg::Ptr(mp),
-                    Arg::Ptr(rp),
-                    Arg::Ptr(g),
-                    Arg::I64(rows as i64),
-                    Arg::I64(d as i64),
-                    Arg::Ptr(dense_opt(gw, NAME)?),
-                    Arg::Ptr(dense_opt(gb, NAME)?),
-                    Arg::I32(0),
-                ],
-            )?;
+            let grads = [dense_opt(gw, NAME)?, dense_opt(gb, NAME)?];
+            self.layer_norm_wb(sfx, [xp, mp, rp, g], rows, d, grads, false)?;
         }
         if let Some(gx) = gx {
             self.launch(
@@ -1971,21 +2084,7 @@ impl Backend for Cuda {
             // dy = grad W: the layer norm's output gradient.
             self.times_weight(g_block, n, weight, sc, products, NAME)?;
             if glwp != 0 || glbp != 0 {
-                self.launch(
-                    &format!("layer_norm_backward_wb_{sfx}"),
-                    self.column_tiles(in_f.div_ceil(32)),
-                    &mut [
-                        Arg::Ptr(x_block),
-                        Arg::Ptr(m_block),
-                        Arg::Ptr(r_block),
-                        Arg::Ptr(sc),
-                        Arg::I64(n as i64),
-                        Arg::I64(in_f as i64),
-                        Arg::Ptr(glwp),
-                        Arg::Ptr(glbp),
-                        Arg::I32((i > 0) as i32),
-                    ],
-                )?;
+                self.layer_norm_wb(sfx, [x_block, m_block, r_block, sc], n, in_f, [glwp, glbp], i > 0)?;
             }
             if gxp != 0 {
                 self.launch(
