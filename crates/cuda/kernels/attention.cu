@@ -550,7 +550,7 @@ __device__ void round_rows(const float* x, Addr a, i64 bh, i64 heads, i64 rows, 
         unsigned* to = (unsigned*)(y + row * dp);
         for (i64 c = 2 * lane; c < dp; c += 64) {
             const float lo = c < d ? from[c] : 0.0f, hi = c + 1 < d ? from[c + 1] : 0.0f;
-            to[c / 2] = operand_pair<KIND>(lo, hi);
+            to[c / 2] = operand_pair_fast<KIND>(lo, hi);
         }
     }
 }
@@ -559,25 +559,6 @@ extern "C" __global__ void attention_round_bf16(const float* x, Addr a, i64 bh, 
 }
 extern "C" __global__ void attention_round_f16(const float* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
     round_rows<2>(x, a, bh, heads, rows, d, y);
-}
-
-// operand_pair's bits for two values the kernels compute (P, dS): one conversion instruction for
-// the pair, and for bf16 a denormal result made a zero of its sign, as operand_bits does. (A NaN's
-// payload may differ from operand_bits', which no product can tell.)
-template <int KIND>
-__device__ __forceinline__ unsigned operand_pair_fast(float lo, float hi) {
-#ifdef MEMFIT_EMULATOR
-    return operand_pair<KIND>(lo, hi);
-#else
-    unsigned r;
-    if (KIND == 1) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        const unsigned keep = ((r & 0x7f80u) ? 0x0000ffffu : 0x00008000u) | ((r & 0x7f800000u) ? 0xffff0000u : 0x80000000u);
-        return r & keep;
-    }
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#endif
 }
 
 // Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each) into `sh` by rows: row

@@ -77,6 +77,25 @@ __device__ __forceinline__ unsigned operand_pair(float lo, float hi) {
     return operand_bits<KIND>(lo) | (operand_bits<KIND>(hi) << 16);
 }
 
+// operand_pair's bits for two values that only a product reads (rounded operands, attention's P
+// and dS): one conversion instruction for the pair, and for bf16 a denormal result made a zero of its sign, as operand_bits does. (A NaN's
+// payload may differ from operand_bits', which no product can tell.)
+template <int KIND>
+__device__ __forceinline__ unsigned operand_pair_fast(float lo, float hi) {
+#ifdef MEMFIT_EMULATOR
+    return operand_pair<KIND>(lo, hi);
+#else
+    unsigned r;
+    if (KIND == 1) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        const unsigned keep = ((r & 0x7f80u) ? 0x0000ffffu : 0x00008000u) | ((r & 0x7f800000u) ? 0xffff0000u : 0x80000000u);
+        return r & keep;
+    }
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
 // d += A B on the tensor cores: `mma.sync.aligned.m16n8k16.row.col` with f32 accumulation, bf16
 // (KIND 1) or fp16 (KIND 2) operands, each lane holding the PTX ISA's fragments (lane 4 g + t: a[r]
 // holds A(g + 8 (r & 1), 2 t + 8 (r >> 1) + {0, 1}), b[r] holds B(2 t + 8 r + {0, 1}, g), d[i] is
