@@ -26,6 +26,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __align__(n) alignas(n)
+#define __launch_bounds__(...)
 // Block-shared memory: one instance per OS thread, reused by the blocks it runs in turn.
 #define __shared__ static thread_local
 

@@ -931,28 +931,31 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
 // The entry points for head sizes up to D with KIND's operands (SUF), their rounded copies in `bits`
 // (q, k and v; the output's gradient too in backward): blocks walk the (matrix, tile) pairs of
 // MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, D and dq key tiles of
-// QC, dk and dv query tiles of KR; each tile set fits the 48 KiB of static shared memory.
-#define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR)                                                         \
-    extern "C" __global__ void attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, float* out, Addr ao, float* lse) { \
+// QC, dk and dv query tiles of KR; each tile set fits the 48 KiB of static shared memory. BLOCKS:
+// the blocks a multiprocessor should hold at once, so the registers a thread may take (3: 168 of an
+// H100's 65,536 per multiprocessor; with tiles of 64 the backward kernels took 255, two blocks of
+// 4 warps, and spilled at 168; the d128 kernels spill at 168, so they take what they need).
+#define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR, BLOCKS)                                                         \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, float* out, Addr ao, float* lse) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
             attention_mma_tile<KIND, D, FC>(p, vis, bits, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
-    extern "C" __global__ void attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, float* gq, int pass) { \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, float* gq, int pass) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
             attention_mma_backward_q_tile<KIND, D, QC>(p, vis, bits, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
-    extern "C" __global__ void attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* gq, float* gk, float* gv) { \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* gq, float* gk, float* gv) { \
         i64 tiles = (p.tk + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
             attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, bits, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
     }
 
-ATTENTION_MMA(1, bf16, 64, 64, 64, 64)
-ATTENTION_MMA(1, bf16, 128, 64, 32, 32)
-ATTENTION_MMA(2, f16, 64, 64, 64, 64)
-ATTENTION_MMA(2, f16, 128, 64, 32, 32)
+ATTENTION_MMA(1, bf16, 64, 64, 32, 32, 3)
+ATTENTION_MMA(1, bf16, 128, 64, 32, 32, 1)
+ATTENTION_MMA(2, f16, 64, 64, 32, 32, 3)
+ATTENTION_MMA(2, f16, 128, 64, 32, 32, 1)
 
 // The tensor cores' check, run once before the kernels above are used: one warp multiplies
 // A(r, k) = (3 r + 5 k) % 7 - 3 by B(k, n) = (2 k + 3 n) % 5 - 2 (small integers: every sum exact in
