@@ -80,6 +80,21 @@ pub fn cross_entropy(
     Ok(())
 }
 
+/// [`cross_entropy`] then [`cross_entropy_backward`] (one call for a GPU, which fuses them).
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_with_grad(
+    logits: View<'_>,
+    target: View<'_>,
+    label_smoothing: f64,
+    out: View<'_>,
+    gpu_workspace: Option<View<'_>>,
+    grad: View<'_>,
+    gx: View<'_>,
+) -> Result<()> {
+    cross_entropy(logits, target, label_smoothing, out, gpu_workspace)?;
+    cross_entropy_backward(logits, target, label_smoothing, grad, gx)
+}
+
 pub fn cross_entropy_backward(
     logits: View<'_>,
     target: View<'_>,

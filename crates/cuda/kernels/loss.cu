@@ -84,3 +84,60 @@
 
 LOSS(float, f32)
 LOSS(double, f64)
+
+// Cross-entropy's row losses and its logits' gradient in one launch (the chunks of a language
+// model's head: cross_entropy_rows and cross_entropy_backward read a chunk of GPT-2's logits five
+// times, 1.4 ms a chunk of 2,560 rows on an H100). A block of 256 threads per row: each thread's
+// running max and sum of exponentials over its elements in one pass (the sum rescaled when the max
+// grows), merged over the block in a fixed tree; then the gradient gx[r, j] = g / n (softmax_j -
+// (1 - eps) [j == t] - eps / C) in a second pass. The rows' losses go to rowloss, as
+// cross_entropy_rows writes them.
+template <typename T>
+__device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad, const T* g, T* gx) {
+    __shared__ T sm[256], ss[256], st[256];
+    const T scale = *g / T(n);
+    for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
+        const T* row = logits + r * c;
+        const i64 t = target[r];
+        const bool valid = t >= 0 && t < c;
+        if (!valid && threadIdx.x == 0) atomicCAS((u64*)bad, 0ULL, (u64)(r + 1));
+        T m = -INFINITY, s = T(0), total = T(0);
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
+            const T x = row[j];
+            total += x;
+            if (x > m) {
+                s = s * exp(m - x) + T(1);
+                m = x;
+            } else if (x != -INFINITY) {
+                s += exp(x - m);
+            }
+        }
+        sm[threadIdx.x] = m;
+        ss[threadIdx.x] = s;
+        st[threadIdx.x] = total;
+        __syncthreads();
+        for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (threadIdx.x < h) {
+                const T m1 = sm[threadIdx.x], m2 = sm[threadIdx.x + h], top = fmax(m1, m2);
+                const T s1 = m1 == -INFINITY ? T(0) : ss[threadIdx.x] * exp(m1 - top);
+                const T s2 = m2 == -INFINITY ? T(0) : ss[threadIdx.x + h] * exp(m2 - top);
+                sm[threadIdx.x] = top;
+                ss[threadIdx.x] = s1 + s2;
+                st[threadIdx.x] += st[threadIdx.x + h];
+            }
+            __syncthreads();
+        }
+        const T top = sm[0], sum = ss[0], lse = top + log(sum);
+        if (threadIdx.x == 0)
+            rowloss[r] = valid ? (T(1) - smoothing) * (lse - row[t]) + smoothing * (lse - st[0] / T(c)) : T(0);
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x)
+            gx[r * c + j] = scale * (exp(row[j] - top) / sum - (j == t ? T(1) - smoothing : T(0)) - smoothing / T(c));
+        __syncthreads();
+    }
+}
+extern "C" __global__ void cross_entropy_grad_f32(const float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, float* gx) {
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx);
+}
+extern "C" __global__ void cross_entropy_grad_f64(const double* logits, const i64* target, i64 n, i64 c, double smoothing, double* rowloss, i64* bad, const double* g, double* gx) {
+    cross_entropy_grad<double>(logits, target, n, c, smoothing, rowloss, bad, g, gx);
+}

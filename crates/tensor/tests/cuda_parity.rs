@@ -381,7 +381,14 @@ fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
         let t = Tensor::from_slice(x[0].device(), &head_targets, &[50], Category::Input)?;
         Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.0, 7)?.0)
     });
-    3 + maxima_over_long_rows_match_the_cpu(cuda)
+    // And over 50,304 classes with label smoothing: each chunk's loss and gradient from one kernel
+    // on a GPU (loss.cu's cross_entropy_grad), rows long enough for its online max and sum.
+    let long_targets: Vec<i64> = (0..20).map(|r| (r * 7919) % VOCAB as i64).collect();
+    agree(cuda, "linear + cross-entropy over 50,304 classes in chunks", &[&[20, 8], &[VOCAB, 8], &[VOCAB]], &|x| {
+        let t = Tensor::from_slice(x[0].device(), &long_targets, &[20], Category::Input)?;
+        Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 16)?.0)
+    });
+    4 + maxima_over_long_rows_match_the_cpu(cuda)
 }
 
 /// The largest value of each row and its first index (the head's prediction), a block per row on

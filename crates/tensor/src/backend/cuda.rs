@@ -2356,6 +2356,47 @@ impl Backend for Cuda {
         )
     }
 
+    fn cross_entropy_with_grad(
+        &self,
+        logits: &Tensor,
+        target: &Tensor,
+        label_smoothing: f64,
+        out: &Tensor,
+        ws: Option<&Tensor>,
+        grad: &Tensor,
+        gx: &Tensor,
+    ) -> Result<()> {
+        const NAME: &str = "cross_entropy";
+        let sfx = float(NAME, logits.dtype())?;
+        let (n, c) = (logits.shape()[0], logits.shape()[1]);
+        let ws = ws.ok_or_else(|| Error::device("cross_entropy: no workspace for the cuda kernels".to_string()))?;
+        if ws.numel() < n || ws.dtype() != logits.dtype() {
+            return Err(Error::device(format!("cross_entropy: a workspace of {} for {n} rows", ws.numel())));
+        }
+        let rows = dense(ws, NAME)?;
+        // loss.cu's cross_entropy_grad: a block of 256 (its shared arrays) per row.
+        self.launch(
+            &format!("cross_entropy_grad_{sfx}"),
+            self.grid(n * BLOCK as usize, BLOCK),
+            &mut [
+                Arg::Ptr(dense(logits, NAME)?),
+                Arg::Ptr(dense(target, NAME)?),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                scalar(logits.dtype(), label_smoothing),
+                Arg::Ptr(rows),
+                Arg::Ptr(self.status()? + 8),
+                Arg::Ptr(dense(grad, NAME)?),
+                Arg::Ptr(dense(gx, NAME)?),
+            ],
+        )?;
+        self.launch(
+            &format!("cross_entropy_mean_{sfx}"),
+            Launch { grid: 1, block: WHOLE_BLOCK },
+            &mut [Arg::Ptr(rows), Arg::I64(n as i64), Arg::Ptr(dense(out, NAME)?)],
+        )
+    }
+
     fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {
         let sfx = float("nll_loss", log_probs.dtype())?;
         let (n, c) = (log_probs.shape()[0], log_probs.shape()[1]);

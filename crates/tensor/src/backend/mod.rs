@@ -471,6 +471,19 @@ backends! {
     fn cross_entropy(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, out: &Tensor, workspace: Option<&Tensor>);
     /// cross_entropy's logits gradient from the scalar `grad`.
     fn cross_entropy_backward(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, grad: &Tensor, gx: &Tensor);
+    /// `cross_entropy` and `cross_entropy_backward` of the same logits at once (a GPU reads them
+    /// fewer times).
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_with_grad(
+        &self,
+        logits: &Tensor,
+        target: &Tensor,
+        label_smoothing: f64,
+        out: &Tensor,
+        workspace: Option<&Tensor>,
+        grad: &Tensor,
+        gx: &Tensor,
+    );
     /// nll_loss's mean into the scalar `out` (log_probs may be strided; checks the targets' range).
     fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor);
     /// nll_loss's gradient into the zero-filled `gx` [N, C] from the scalar `grad`.

@@ -168,22 +168,38 @@ pub fn linear_cross_entropy(
         let best = output(&x, &[rows], dtype, "linear_cross_entropy")?;
         backend.max_dim(&logits, rows, v, 1, &best, &predicted.narrow(0, start, rows)?)?;
         drop(best);
-        // This chunk's mean loss, weighed by its share of the rows.
+        // This chunk's mean loss, weighed by its share of the rows; and when gradients are wanted,
+        // d(mean loss over all N rows) / d(this chunk's logits), the chunk's mean times its share,
+        // from the same reading of the logits.
         let share = rows as f64 / n as f64;
         let part = output(&x, &[], dtype, "linear_cross_entropy")?;
         let ws = super::gpu_workspace(&x, rows, dtype, "linear_cross_entropy")?;
-        backend.cross_entropy(&logits, &tc, label_smoothing, &part, ws.as_ref())?;
-        drop(ws);
+        let glogits = match (&gx, &gw) {
+            (Some(_), Some(_)) => {
+                let upstream = Tensor::full(x.device(), &[], share, dtype, crate::Category::Temporary)?;
+                let glogits = output(&x, &[rows, v], dtype, "linear_cross_entropy")?;
+                backend.cross_entropy_with_grad(
+                    &logits,
+                    &tc,
+                    label_smoothing,
+                    &part,
+                    ws.as_ref(),
+                    &upstream,
+                    &glogits,
+                )?;
+                Some(glogits)
+            }
+            _ => {
+                backend.cross_entropy(&logits, &tc, label_smoothing, &part, ws.as_ref())?;
+                None
+            }
+        };
+        drop((ws, logits));
         let weighed = output(&x, &[], dtype, "linear_cross_entropy")?;
         backend.affine(&part, share, 0.0, &weighed)?;
         backend.add_into(&loss, &weighed)?;
         drop((part, weighed));
-        let (Some(gx), Some(gw)) = (&gx, &gw) else { continue };
-        // d(mean loss over all N rows) / d(this chunk's logits): the chunk's mean times its share.
-        let upstream = Tensor::full(x.device(), &[], share, dtype, crate::Category::Temporary)?;
-        let glogits = output(&x, &[rows, v], dtype, "linear_cross_entropy")?;
-        backend.cross_entropy_backward(&logits, &tc, label_smoothing, &upstream, &glogits)?;
-        drop((logits, upstream));
+        let (Some(gx), Some(gw), Some(glogits)) = (&gx, &gw, glogits) else { continue };
         backend.matmul(&glogits, weight, &gx.narrow(0, start, rows)?, super::products_of(&glogits))?;
         let gw_part = output(&x, &[v, d], dtype, "linear_cross_entropy")?;
         let gb_part = gb.as_ref().map(|_| output(&x, &[v], dtype, "linear_cross_entropy")).transpose()?;
