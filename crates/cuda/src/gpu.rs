@@ -88,6 +88,7 @@ impl Gpu {
             timer: timing::requested().map(|path| KernelTimes {
                 path,
                 marks: Mutex::new(Vec::new()),
+                last_end: Mutex::new(None),
                 read: Mutex::new(timing::Totals::default()),
             }),
             workspace: Mutex::new((0, 0)),
@@ -169,11 +170,13 @@ impl Gpu {
         self.bind()?;
         let (start, end) = (timing_event()?, timing_event()?);
         self.event_record(start)?;
+        let called = std::time::Instant::now();
         let done = work();
+        let host_ms = called.elapsed().as_secs_f64() * 1e3;
         self.event_record(end)?;
         let pending = {
             let mut marks = timer.marks.lock().unwrap_or_else(|e| e.into_inner());
-            marks.push((name(), start, end));
+            marks.push(timing::Mark { name: name(), start, end, host_ms });
             marks.len()
         };
         if pending >= timing::PENDING_MARKS {
@@ -182,17 +185,24 @@ impl Gpu {
         done
     }
 
-    /// Waits for the stream, then reads the pending launches' times and destroys their events.
+    /// Waits for the stream, then reads the pending launches' times and destroys their events (all
+    /// but the last end event, kept for the idle time before the next launch).
     fn read_kernel_times(&self, timer: &KernelTimes) {
         let _ = self.stream.synchronize();
         let marks = std::mem::take(&mut *timer.marks.lock().unwrap_or_else(|e| e.into_inner()));
         let mut read = timer.read.lock().unwrap_or_else(|e| e.into_inner());
-        for (name, start, end) in marks {
-            // SAFETY: two events of `timed`, recorded in order on the stream, whose work is done.
-            let ms = unsafe { result::event::elapsed(start as sys::CUevent, end as sys::CUevent) };
-            read.add(name, ms.map(f64::from).unwrap_or(0.0));
-            self.event_destroy(start);
-            self.event_destroy(end);
+        let mut last_end = timer.last_end.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: events of `timed`, recorded in order on the stream, whose work is done (the
+        // stream was waited for); each destroyed once, after its last reading.
+        let elapsed = |a: u64, b: u64| unsafe { result::event::elapsed(a as sys::CUevent, b as sys::CUevent) };
+        for m in marks {
+            let ms = elapsed(m.start, m.end).map(f64::from).unwrap_or(0.0);
+            let idle_ms = last_end.map_or(0.0, |e| elapsed(e, m.start).map(f64::from).unwrap_or(0.0).max(0.0));
+            read.add(m.name, timing::Launched { ms, host_ms: m.host_ms, idle_ms });
+            self.event_destroy(m.start);
+            if let Some(previous) = last_end.replace(m.end) {
+                self.event_destroy(previous);
+            }
         }
     }
 
@@ -200,6 +210,9 @@ impl Gpu {
     fn write_kernel_times(&self) {
         let Some(timer) = &self.timer else { return };
         self.read_kernel_times(timer);
+        if let Some(last) = timer.last_end.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            self.event_destroy(last);
+        }
         let text = timing::table(&timer.read.lock().unwrap_or_else(|e| e.into_inner()).sorted());
         if let Err(e) = std::fs::write(&timer.path, text) {
             eprintln!("warning: {}: cannot write {}: {e}", timing::VARIABLE, timer.path.display());
