@@ -115,7 +115,9 @@ pub fn head_chunk_rows(device: &crate::Device, classes: usize, dtype: DType) -> 
 // taken as 1), then freed; backward only scales those by the real upstream gradient (Liger-Kernel's
 // scheme). So no more than one chunk of logits (and of their gradient) ever exists, and no product is
 // run twice. The values are the unchunked ones up to the order of float additions (the loss and dW,
-// db are summed over chunks); the saved dx, dW and db are counted as activations.
+// db are summed over chunks); the saved dx, dW and db are counted as activations. A chunk's loss and
+// its logits' gradient come from one backend call (`cross_entropy_with_grad`), which a GPU serves
+// with one kernel reading the logits twice where the two ops read them five times.
 
 /// `cross_entropy(linear(x, weight, bias), target, label_smoothing)` (x [N, in], weight [V, in], bias
 /// [V], int64 target [N]) and each row's argmax class (int64 [N], no graph), never holding more than
