@@ -412,6 +412,10 @@ mod tests {
         check(2100, 2, 3, 1, 6200, 2); // k whole, C's 2,100 rows in blocks of 1,056 and 1,044
         check(2, 2100, 3, 1, 6200, 2); // likewise its 2,100 columns
         check(20, 20, 5, 1, 16, 125); // a workspace too small for a row: blocks of C of 4 x 4, k one at a time
+        check(5, 4, 3, 1, 30, 1); // 27 elements and B's alignment do not fit 30: the blocks' path, C whole
+        check(5, 4, 3, 3, 30, 3); // likewise each matrix of a batch, one at a time
+        check(5, 4, 3, 3, 60, 3); // a batch: 2 x 27 and the alignment do not fit 60, one matrix at a time
+        check(7, 6, 10, 1, 60, 3); // k in chunks of 4, 4 and 2
     }
 
     /// GPT-2's products that do not fit the 64 MiB workspace cut into large pieces: the head's
@@ -430,6 +434,8 @@ mod tests {
         // whole (before, chunks of 11,912 left 2,048 and 512 columns, the 512 at a sixth of the speed).
         assert_eq!(blocks(768, 2560, 50_304, capacity), (768, 2560, 10_064));
         assert_eq!((balanced(10, 4), balanced(9, 4), balanced(4, 4), balanced(100, 48)), (4, 3, 4, 40));
+        // Both sides longer than the workspace holds at k's chunk: both halved, evened out.
+        assert_eq!(blocks(3000, 3000, 20, 40_000), (1504, 1504, 8));
     }
 
     #[test]

@@ -152,5 +152,8 @@ mod tests {
         // a: 3.5 ms in 2 launches, 1,750 us each on the GPU and 17.5 us on the host, 0.75 ms idle before.
         assert!(text.contains("       3.500   50.0%         2     1750.00     17.50      0.750  a\n"), "{text}");
         assert!(text.lines().last().unwrap().ends_with("  c"));
+        // Launches that took no time (an emulator's): shares of 0, not NaN.
+        let none = table(&totals([("d".to_string(), Launched { ms: 0.0, host_ms: 0.0, idle_ms: 0.0 })]));
+        assert!(none.contains("       0.000    0.0%         1        0.00      0.00      0.000  d\n"), "{none}");
     }
 }
