@@ -535,6 +535,15 @@ struct __align__(16) Bits8 {
     unsigned w[4];
 };
 
+// A compile-time flag for a generic lambda (`decltype(flag)::value`): the tiles' element loops are
+// instantiated with and without a mask, so a maskless launch (a GPT's causal attention) tests no
+// mask byte per element (that test, a branch per element, was 150 of the forward's 4,100
+// instructions and the branches' convergence points with it).
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 // A head size rounded up to whole Bits8: a row of a rounded copy.
 __device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
 
@@ -724,20 +733,28 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks, LK);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
+        auto scores = [&](auto mask) {
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * n + 2 * t + (e & 1);
-                bool seen = c < limit[e >> 1] && !(masked && masked[(rw + g + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]);
-                s[n][e] = seen ? p.scale * s[n][e] : -INFINITY;
-                top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
-            }
-        float alpha[2];
+                for (int e = 0; e < 4; ++e) {
+                    const int c = 8 * n + 2 * t + (e & 1);
+                    bool seen = c < limit[e >> 1] &&
+                                !(decltype(mask)::value && masked[(rw + g + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]);
+                    s[n][e] = seen ? p.scale * s[n][e] : -INFINITY;
+                    top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
+                }
+        };
+        if (masked) scores(Flag<true>{});
+        else scores(Flag<false>{});
+        // The exponentials' base: the running max, or 0 while a row has seen nothing (every score
+        // then -inf, so each exponential is 0, and alpha multiplies zeros): no branch an element.
+        float alpha[2], base[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mnew = fmaxf(m[h], quad<true>(top[h]));
-            alpha[h] = mnew == -INFINITY ? 1.0f : expf(m[h] - mnew);
+            base[h] = mnew == -INFINITY ? 0.0f : mnew;
+            alpha[h] = expf(m[h] - base[h]);
             m[h] = mnew;
             l[h] *= alpha[h];
         }
@@ -745,8 +762,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float mh = m[e >> 1];
-                s[n][e] = mh == -INFINITY ? 0.0f : expf(s[n][e] - mh);
+                s[n][e] = expf(s[n][e] - base[e >> 1]);
                 l[e >> 1] += s[n][e];
             }
 #pragma unroll
@@ -755,18 +771,21 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
             for (int e = 0; e < 4; ++e) o[c][e] *= alpha[e >> 1];
         accumulate<KIND>(o, s, vt, LV);
     }
+    float* out0 = out + matrix(ao, i, p.heads);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] = quad<false>(l[h]);
         i64 r = rw + g + 8 * h;
         if (r >= p.tq) continue;
-        float* row = out + matrix(ao, i, p.heads) + r * ao.row;
+        float* row = out0 + r * ao.row;
+        // One division a row, not one (with its slow path's branches) an element.
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
 #pragma unroll
         for (int c = 0; c < NO; ++c)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 int col = 8 * c + 2 * t + e;
-                if (col < p.dv) row[col] = l[h] > 0.0f ? o[c][2 * h + e] / l[h] : 0.0f;
+                if (col < p.dv) row[col] = o[c][2 * h + e] * inv;
             }
         if (lse && t == 0) lse[i * p.tq + r] = l[h] > 0.0f ? m[h] + logf(l[h]) : -INFINITY;
     }
@@ -813,16 +832,21 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         product<KIND>(s, qa, ks, LK);
         product<KIND>(dp_, ga, vs, LK);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
+        auto gradients = [&](auto mask) {
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
-                bool seen = c < limit[h] && !(masked && masked[(rw + g + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
-                float prob = seen ? expf(p.scale * s[n][e] - lr[h]) : 0.0f;
-                if (pass == 0) part[h] += prob * dp_[n][e];
-                else s[n][e] = prob * (dp_[n][e] - dr[h]) * p.scale;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
+                    bool seen = c < limit[h] && !(decltype(mask)::value && masked[(rw + g + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
+                    // exp(-inf) = 0 where unseen: a select, not a branch.
+                    float prob = expf(seen ? p.scale * s[n][e] - lr[h] : -INFINITY);
+                    if (pass == 0) part[h] += prob * dp_[n][e];
+                    else s[n][e] = prob * (dp_[n][e] - dr[h]) * p.scale;
+                }
+        };
+        if (masked) gradients(Flag<true>{});
+        else gradients(Flag<false>{});
         if (pass == 1) accumulate<KIND>(acc, s, kt, LT);
     }
 #pragma unroll
@@ -896,16 +920,21 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
             last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
             first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
         }
+        auto gradients = [&](auto mask) {
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
-                bool seen = c >= first[h] && c < last[h] && !(masked && masked[(r0 + c) * vis.mrow + (jw + g + 8 * h) * vis.mcol]);
-                float prob = seen ? expf(p.scale * st[n][e] - l_row[c]) : 0.0f;
-                dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * p.scale : 0.0f;
-                st[n][e] = prob;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
+                    bool seen = c >= first[h] && c < last[h] &&
+                                !(decltype(mask)::value && masked[(r0 + c) * vis.mrow + (jw + g + 8 * h) * vis.mcol]);
+                    float prob = expf(seen ? p.scale * st[n][e] - l_row[c] : -INFINITY);
+                    dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * p.scale : 0.0f;
+                    st[n][e] = prob;
+                }
+        };
+        if (masked) gradients(Flag<true>{});
+        else gradients(Flag<false>{});
         // dv += P^T dO and dk += dS^T Q.
         accumulate<KIND>(dv, st, gt, LT);
         accumulate<KIND>(dk, dpt, qt, LT);
