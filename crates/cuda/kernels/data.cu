@@ -118,29 +118,37 @@ extern "C" __global__ void cast_f16_f32(const unsigned short* x, float* y, i64 n
 // whole columns, its threads a column's rows: reads and writes run down a column, and an element
 // costs no division (one per column).
 // Four rows a thread where every column's start is aligned (rows, ld and stride multiples of 4),
-// with the conversion of common.cuh's operand_pair_fast: these bits only a product reads.
+// with the conversion of common.cuh's operand_pair_fast: these bits only a product reads. A launch
+// rounds one operand or two (a product's A and B: half the launches, where a step of GPT-2 made
+// a thousand), the second's columns after the first's.
+struct Rounding {
+    const float* x;
+    i64 rows, cols, ld, stride, batch;
+    unsigned short* y;
+};
 template <int KIND>
-__device__ void round_operands(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
-    const bool fours = by_fours(x, y, rows) && ld % 4 == 0 && stride % 4 == 0;
-    for (i64 column = blockIdx.x; column < cols * batch; column += gridDim.x) {
-        const i64 i = column / cols, c = column - i * cols;
-        const float* from = x + i * stride + c * ld;
-        unsigned short* to = y + column * rows;
-        if (!fours) {
-            for (i64 r = threadIdx.x; r < rows; r += blockDim.x) to[r] = (unsigned short)operand_bits<KIND>(from[r]);
-            continue;
-        }
-        for (i64 q = threadIdx.x; q < rows / 4; q += blockDim.x) {
-            const Floats4 f = ((const Floats4*)from)[q];
-            ((Halves4*)to)[q] = Halves4{{operand_pair_fast<KIND>(f.v[0], f.v[1]), operand_pair_fast<KIND>(f.v[2], f.v[3])}};
-        }
+__device__ void round_column(const Rounding& o, i64 column) {
+    const i64 i = column / o.cols, c = column - i * o.cols;
+    const float* from = o.x + i * o.stride + c * o.ld;
+    unsigned short* to = o.y + column * o.rows;
+    if (!(by_fours(o.x, o.y, o.rows) && o.ld % 4 == 0 && o.stride % 4 == 0)) {
+        for (i64 r = threadIdx.x; r < o.rows; r += blockDim.x) to[r] = (unsigned short)operand_bits<KIND>(from[r]);
+        return;
+    }
+    for (i64 q = threadIdx.x; q < o.rows / 4; q += blockDim.x) {
+        const Floats4 f = ((const Floats4*)from)[q];
+        ((Halves4*)to)[q] = Halves4{{operand_pair_fast<KIND>(f.v[0], f.v[1]), operand_pair_fast<KIND>(f.v[2], f.v[3])}};
     }
 }
-extern "C" __global__ void round_operands_bf16(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
-    round_operands<1>(x, rows, cols, ld, stride, batch, y);
+template <int KIND>
+__device__ void round_operands(const Rounding& a, const Rounding& b) {
+    const i64 first = a.cols * a.batch, all = first + b.cols * b.batch;
+    for (i64 column = blockIdx.x; column < all; column += gridDim.x) {
+        if (column < first) round_column<KIND>(a, column);
+        else round_column<KIND>(b, column - first);
+    }
 }
-extern "C" __global__ void round_operands_f16(const float* x, i64 rows, i64 cols, i64 ld, i64 stride, i64 batch, unsigned short* y) {
-    round_operands<2>(x, rows, cols, ld, stride, batch, y);
-}
+extern "C" __global__ void round_operands_bf16(Rounding a, Rounding b) { round_operands<1>(a, b); }
+extern "C" __global__ void round_operands_f16(Rounding a, Rounding b) { round_operands<2>(a, b); }
 extern "C" __global__ void cast_f32_f64(const float* x, double* y, i64 n) { GRID_STRIDE(i, n) y[i] = (double)x[i]; }
 extern "C" __global__ void cast_f64_f32(const double* x, float* y, i64 n) { GRID_STRIDE(i, n) y[i] = (float)x[i]; }

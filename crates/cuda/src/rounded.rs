@@ -36,6 +36,31 @@ pub enum RoundedStep {
     Product(Gemm),
 }
 
+/// A launch of the rounding kernel (one or two roundings: data.cu's `round_operands_*` takes a
+/// product's A and B at once) or a product, in the order the steps give them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RoundedLaunch {
+    Round(RoundOperand, Option<RoundOperand>),
+    Product(Gemm),
+}
+
+/// `steps` as launches: each two roundings in a row go in one launch (they write different parts
+/// of the workspace, and both come before the product that reads them).
+pub fn rounded_launches(steps: Vec<RoundedStep>) -> Vec<RoundedLaunch> {
+    let mut launches = Vec::with_capacity(steps.len());
+    let mut steps = steps.into_iter().peekable();
+    while let Some(step) = steps.next() {
+        launches.push(match step {
+            RoundedStep::Round(a) => match steps.next_if(|s| matches!(s, RoundedStep::Round(_))) {
+                Some(RoundedStep::Round(b)) => RoundedLaunch::Round(a, Some(b)),
+                _ => RoundedLaunch::Round(a, None),
+            },
+            RoundedStep::Product(g) => RoundedLaunch::Product(g),
+        });
+    }
+    launches
+}
+
 /// Elements B's rounded copy starts at a multiple of, after A's: 16 bytes, the alignment cuBLAS's
 /// tensor-core kernels take 16-bit operands at.
 const ALIGN: usize = 8;
@@ -436,6 +461,61 @@ mod tests {
         assert_eq!((balanced(10, 4), balanced(9, 4), balanced(4, 4), balanced(100, 48)), (4, 3, 4, 40));
         // Both sides longer than the workspace holds at k's chunk: both halved, evened out.
         assert_eq!(blocks(3000, 3000, 20, 40_000), (1504, 1504, 8));
+    }
+
+    /// Roundings go two to a launch where two come in a row, in order: a whole product's A and B, or
+    /// a k chunk's; in blocks of C's columns, A's with B's first block, then B's later ones alone.
+    #[test]
+    fn roundings_in_a_row_share_a_launch() {
+        let g = Gemm {
+            dtype: GemmType::F32Bf16,
+            transa: false,
+            transb: false,
+            m: 40,
+            n: 40,
+            k: 3,
+            alpha: 1.0,
+            a: 1 << 20,
+            lda: 40,
+            stride_a: 0,
+            b: 2 << 20,
+            ldb: 3,
+            stride_b: 0,
+            beta: 0.0,
+            c: 3 << 20,
+            ldc: 40,
+            stride_c: 0,
+            batch: 1,
+            bias: 0,
+        };
+        let kinds = |m: usize, n: usize, capacity| {
+            let g = Gemm { m, n, lda: m, ldc: m, ..g };
+            let steps = rounded_steps(&g, 4 << 20, capacity).unwrap();
+            let launches = rounded_launches(steps.clone());
+            // Nothing lost or reordered.
+            let flat: Vec<RoundedStep> = launches
+                .iter()
+                .flat_map(|l| match *l {
+                    RoundedLaunch::Round(a, b) => [Some(RoundedStep::Round(a)), b.map(RoundedStep::Round)],
+                    RoundedLaunch::Product(p) => [Some(RoundedStep::Product(p)), None],
+                })
+                .flatten()
+                .collect();
+            assert_eq!(flat, steps);
+            launches
+                .iter()
+                .map(|l| match l {
+                    RoundedLaunch::Round(_, Some(_)) => "AB",
+                    RoundedLaunch::Round(_, None) => "B",
+                    RoundedLaunch::Product(_) => "P",
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(kinds(40, 40, 1000), ["AB", "P"]);
+        // 240 elements do not fit 180: k in chunks of 2 and 1, A and B rounded for each.
+        assert_eq!(kinds(40, 40, 180), ["AB", "P", "AB", "P"]);
+        // C's 2,100 columns in two blocks (k whole): A once, B's blocks alone.
+        assert_eq!(kinds(2, 2100, 6200), ["AB", "P", "B", "P"]);
     }
 
     #[test]

@@ -341,23 +341,25 @@ impl Cuda {
             Error::invalid(format!("a {:?} product with a bias, or a rounding workspace of {bytes} B", g.dtype))
         })?;
         let kernel = if g.dtype == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
-        for step in steps {
-            match step {
-                // A block per column (data.cu's round_operands), up to the machine's useful count.
-                memfit_cuda::rounded::RoundedStep::Round(o) => self.launch(
-                    kernel,
-                    self.grid(o.cols * o.batch * BLOCK as usize, BLOCK),
-                    &mut [
-                        Arg::Ptr(o.src),
-                        Arg::I64(o.rows as i64),
-                        Arg::I64(o.cols as i64),
-                        Arg::I64(o.ld as i64),
-                        Arg::I64(o.stride as i64),
-                        Arg::I64(o.batch as i64),
-                        Arg::Ptr(o.dst),
-                    ],
-                )?,
-                memfit_cuda::rounded::RoundedStep::Product(p) => self.machine.gemm(&p).map_err(|e| self.err(e))?,
+        // data.cu's `struct Rounding`: a launch takes two where two come in a row, else one and a
+        // second of no columns.
+        let words = |o: Option<memfit_cuda::rounded::RoundOperand>| {
+            o.map_or(vec![0; 7], |o| {
+                vec![o.src, o.rows as u64, o.cols as u64, o.ld as u64, o.stride as u64, o.batch as u64, o.dst]
+            })
+        };
+        for launch in memfit_cuda::rounded::rounded_launches(steps) {
+            match launch {
+                memfit_cuda::rounded::RoundedLaunch::Round(a, b) => {
+                    // A block per column (data.cu's round_operands), up to the machine's useful count.
+                    let columns = a.cols * a.batch + b.map_or(0, |b| b.cols * b.batch);
+                    self.launch(
+                        kernel,
+                        self.grid(columns * BLOCK as usize, BLOCK),
+                        &mut [Arg::Words(words(Some(a))), Arg::Words(words(b))],
+                    )?;
+                }
+                memfit_cuda::rounded::RoundedLaunch::Product(p) => self.machine.gemm(&p).map_err(|e| self.err(e))?,
             }
         }
         Ok(())
