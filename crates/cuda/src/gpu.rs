@@ -515,11 +515,35 @@ impl Machine for Gpu {
         if g.bias != 0 {
             return self.timed(name, || self.gemm_with_bias(g));
         }
+        if matches!(g.dtype, GemmType::Bf16 | GemmType::F16) && lt_products() {
+            if let Some(lt) = self.lt.get_or_init(|| self.checked_lt()) {
+                return self.timed(name, || self.gemm_lt(lt, g));
+            }
+        }
         self.timed(name, || self.gemm_now(g))
     }
 }
 
 impl Gpu {
+    /// `g` through cuBLASLt (`MEMFIT_CUDA_LT_PRODUCTS=1`: its algorithm found once a shape), queued
+    /// on the library workspace past the bias check's bytes.
+    fn gemm_lt(&self, lt: &Lt, g: &Gemm) -> Result<(), CudaError> {
+        self.bind()?;
+        let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        // Serialised with cuBLAS's calls: both use the workspace, on the one stream.
+        let _blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the operands are device memory of this context as `g` describes (the caller's
+        // contract); the workspace is the library's, held while the device is open.
+        unsafe {
+            lt.matmul(
+                g,
+                address + LT_CHECK_BYTES as u64,
+                bytes.saturating_sub(LT_CHECK_BYTES),
+                self.stream.cu_stream() as *mut std::ffi::c_void,
+            )
+        }
+    }
+
     /// `g` with its bias: cuBLASLt's product, queued on the workspace's bytes past the check's; should
     /// cuBLASLt refuse this shape (said once), the bias broadcast into C and cuBLAS's product added
     /// onto it, as the backend does without the epilogue.
@@ -750,6 +774,13 @@ impl Gpu {
 fn plain_sgemm() -> bool {
     static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PLAIN.get_or_init(|| std::env::var_os("MEMFIT_CUBLAS_SGEMM").is_some_and(|v| v == "1"))
+}
+
+/// `MEMFIT_CUDA_LT_PRODUCTS=1`: products of rounded 16-bit operands through cuBLASLt, each shape's
+/// algorithm found once, instead of cuBLAS's strided-batched entry (an experiment: `crate::lt`).
+fn lt_products() -> bool {
+    static LT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LT.get_or_init(|| std::env::var_os("MEMFIT_CUDA_LT_PRODUCTS").is_some_and(|v| v == "1"))
 }
 
 impl Drop for Gpu {

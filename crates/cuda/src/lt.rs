@@ -3,15 +3,52 @@
 //! two passes over the output that the epilogue saves. Opened on first use where `libcublasLt.so.13`
 //! is present (cuBLAS needs it, so it is where cuBLAS is) and checked once on the GPU against the
 //! host ([`check_values`]); where either fails the backend broadcasts the bias as before.
+//!
+//! It also runs the 16-bit products of rounded operands (`GemmType::Bf16`, `F16`) when
+//! `MEMFIT_CUDA_LT_PRODUCTS=1` asks: an experiment for issue 32, where an H100 spent about 300 us
+//! on the host inside cuBLAS's call for GPT-2's QKV product whose kernel took 42 us. Each shape's
+//! algorithm is asked of cuBLASLt's heuristic once and kept ([`Lt::algorithms`]).
 
 use crate::machine::{Gemm, GemmType};
 use crate::{call_error, CudaError};
 use cudarc::cublaslt::sys as lt;
 use std::ffi::c_void;
 
-/// A cuBLASLt handle.
+/// A cuBLASLt handle, and the algorithm its heuristic chose for each product shape so far.
 pub(crate) struct Lt {
     handle: lt::cublasLtHandle_t,
+    algorithms: std::sync::Mutex<std::collections::HashMap<Shape, lt::cublasLtMatmulAlgo_t>>,
+}
+
+/// What cuBLASLt's choice of algorithm depends on: the product's types, operations, sizes,
+/// layouts, batch, whether it has a bias and a beta, and how its pointers are aligned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Shape {
+    dtype: GemmType,
+    ops: (bool, bool),
+    mnk: (usize, usize, usize),
+    lds: (usize, usize, usize),
+    batch: usize,
+    strides: (usize, usize, usize),
+    bias: bool,
+    beta: bool,
+    aligned: bool,
+}
+
+impl Shape {
+    fn of(g: &Gemm) -> Shape {
+        Shape {
+            dtype: g.dtype,
+            ops: (g.transa, g.transb),
+            mnk: (g.m, g.n, g.k),
+            lds: (g.lda, g.ldb, g.ldc),
+            batch: g.batch,
+            strides: (g.stride_a, g.stride_b, g.stride_c),
+            bias: g.bias != 0,
+            beta: g.beta != 0.0,
+            aligned: [g.a, g.b, g.c, g.bias].iter().all(|p| p % 16 == 0),
+        }
+    }
 }
 
 // SAFETY: the handle is used under the GPU's lock on its one stream (`Gpu::lt`), never concurrently.
@@ -57,11 +94,13 @@ impl Lt {
         let mut handle = std::ptr::null_mut();
         // SAFETY: the library is loadable (above); the call writes the handle.
         ok("cublasLtCreate", unsafe { lt::cublasLtCreate(&mut handle) })?;
-        Ok(Lt { handle })
+        Ok(Lt { handle, algorithms: std::sync::Mutex::new(std::collections::HashMap::new()) })
     }
 
-    /// Queues `g` (one product, beta 0, `g.bias` set) on `stream`: C = alpha op(A) op(B) + bias,
-    /// `bias[i]` added to row i of every column, with `workspace_bytes` of workspace.
+    /// Queues `g` on `stream`: C = alpha op(A) op(B) (+ beta C) (+ bias, `bias[i]` added to row i
+    /// of every column, where `g.bias` is set), each of a strided batch, with `workspace_bytes` of
+    /// workspace. f32 products (with a bias: `Machine::fuses_bias` says why not 16-bit ones) and
+    /// products of rounded 16-bit operands (`GemmType::Bf16`, `F16`) into f32.
     ///
     /// # Safety
     /// The operands, the bias and the workspace are device memory of the handle's context holding
@@ -73,12 +112,14 @@ impl Lt {
         workspace_bytes: usize,
         stream: *mut c_void,
     ) -> Result<(), CudaError> {
-        // f32 products only (`Machine::fuses_bias` says why not bf16 or fp16 ones).
-        if g.dtype != GemmType::F32 {
-            return Err(call_error("cuBLASLt", "a bias epilogue is for f32 products"));
-        }
-        let compute = lt::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let f32_type = lt::cudaDataType_t::CUDA_R_32F;
+        let operand_type = match (g.dtype, g.bias != 0) {
+            (GemmType::F32, true) => f32_type,
+            (GemmType::Bf16, _) => lt::cudaDataType_t::CUDA_R_16BF,
+            (GemmType::F16, _) => lt::cudaDataType_t::CUDA_R_16F,
+            _ => return Err(call_error("cuBLASLt", format!("a {:?} product (bias {})", g.dtype, g.bias != 0))),
+        };
+        let compute = lt::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let mut d = Descriptors { matmul: std::ptr::null_mut(), layouts: Vec::new(), preference: std::ptr::null_mut() };
         ok("cublasLtMatmulDescCreate", lt::cublasLtMatmulDescCreate(&mut d.matmul, compute, f32_type))?;
         let op = |t: bool| {
@@ -103,33 +144,53 @@ impl Lt {
             (&tb as *const cudarc::cublas::sys::cublasOperation_t).cast(),
             std::mem::size_of_val(&tb),
         )?;
-        let epilogue = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-        set(
-            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
-            (&epilogue as *const lt::cublasLtEpilogue_t).cast(),
-            std::mem::size_of_val(&epilogue),
-        )?;
-        let bias = g.bias as *const c_void;
-        set(
-            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            (&bias as *const *const c_void).cast(),
-            std::mem::size_of_val(&bias),
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-            (&f32_type as *const lt::cudaDataType_t).cast(),
-            std::mem::size_of_val(&f32_type),
-        )?;
-        // The stored matrices: A is k x m when transposed, else m x k (column-major), B likewise.
+        if g.bias != 0 {
+            let epilogue = lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+            set(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                (&epilogue as *const lt::cublasLtEpilogue_t).cast(),
+                std::mem::size_of_val(&epilogue),
+            )?;
+            let bias = g.bias as *const c_void;
+            set(
+                A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                (&bias as *const *const c_void).cast(),
+                std::mem::size_of_val(&bias),
+            )?;
+            set(
+                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                (&f32_type as *const lt::cudaDataType_t).cast(),
+                std::mem::size_of_val(&f32_type),
+            )?;
+        }
+        // The stored matrices: A is k x m when transposed, else m x k (column-major), B likewise;
+        // each of a batch `stride` elements after the one before.
         let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
         let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
-        for (rows, cols, ld) in [(a_rows, a_cols, g.lda), (b_rows, b_cols, g.ldb), (g.m, g.n, g.ldc)] {
+        let stored = [
+            (operand_type, a_rows, a_cols, g.lda, g.stride_a),
+            (operand_type, b_rows, b_cols, g.ldb, g.stride_b),
+            (f32_type, g.m, g.n, g.ldc, g.stride_c),
+        ];
+        for (dtype, rows, cols, ld, stride) in stored {
             let mut layout = std::ptr::null_mut();
             ok(
                 "cublasLtMatrixLayoutCreate",
-                lt::cublasLtMatrixLayoutCreate(&mut layout, f32_type, rows as u64, cols as u64, ld as i64),
+                lt::cublasLtMatrixLayoutCreate(&mut layout, dtype, rows as u64, cols as u64, ld as i64),
             )?;
             d.layouts.push(layout);
+            if g.batch > 1 {
+                use lt::cublasLtMatrixLayoutAttribute_t as L;
+                let (count, offset) = (g.batch as i32, stride as i64);
+                let set_layout = |attr, value: *const c_void, size| {
+                    ok(
+                        "cublasLtMatrixLayoutSetAttribute",
+                        lt::cublasLtMatrixLayoutSetAttribute(layout, attr, value, size),
+                    )
+                };
+                set_layout(L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, (&count as *const i32).cast(), 4)?;
+                set_layout(L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, (&offset as *const i64).cast(), 8)?;
+            }
         }
         ok("cublasLtMatmulPreferenceCreate", lt::cublasLtMatmulPreferenceCreate(&mut d.preference))?;
         let bytes = workspace_bytes as u64;
@@ -143,27 +204,37 @@ impl Lt {
             ),
         )?;
         let (la, lb, lc) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-        let mut found: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
-        let mut count = 0;
-        ok(
-            "cublasLtMatmulAlgoGetHeuristic",
-            lt::cublasLtMatmulAlgoGetHeuristic(
-                self.handle,
-                d.matmul,
-                la,
-                lb,
-                lc,
-                lc,
-                d.preference,
-                1,
-                &mut found,
-                &mut count,
-            ),
-        )?;
-        if count < 1 {
-            return Err(call_error("cuBLASLt", "no algorithm for a product with a bias epilogue"));
-        }
-        let (alpha, beta) = (g.alpha as f32, 0.0f32);
+        // The shape's algorithm: the heuristic's first choice, asked once.
+        let shape = Shape::of(g);
+        let known = self.algorithms.lock().unwrap_or_else(|e| e.into_inner()).get(&shape).copied();
+        let algo = match known {
+            Some(algo) => algo,
+            None => {
+                let mut found: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+                let mut count = 0;
+                ok(
+                    "cublasLtMatmulAlgoGetHeuristic",
+                    lt::cublasLtMatmulAlgoGetHeuristic(
+                        self.handle,
+                        d.matmul,
+                        la,
+                        lb,
+                        lc,
+                        lc,
+                        d.preference,
+                        1,
+                        &mut found,
+                        &mut count,
+                    ),
+                )?;
+                if count < 1 {
+                    return Err(call_error("cuBLASLt", format!("no algorithm for {shape:?}")));
+                }
+                self.algorithms.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, found.algo);
+                found.algo
+            }
+        };
+        let (alpha, beta) = (g.alpha as f32, g.beta as f32);
         ok(
             "cublasLtMatmul",
             lt::cublasLtMatmul(
@@ -179,7 +250,7 @@ impl Lt {
                 lc,
                 g.c as *mut c_void,
                 lc,
-                &found.algo,
+                &algo,
                 workspace as *mut c_void,
                 workspace_bytes,
                 stream.cast(),

@@ -81,7 +81,7 @@ pub struct Launch {
 }
 
 /// A float type cuBLAS multiplies, and how.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmType {
     F32,
     /// f32 in memory, multiplied as a bf16 product (Note [bf16 products] in `memfit-kernels`):
