@@ -535,15 +535,6 @@ struct __align__(16) Bits8 {
     unsigned w[4];
 };
 
-// A compile-time flag for a generic lambda (`decltype(flag)::value`): the tiles' element loops are
-// instantiated with and without a mask, so a maskless launch (a GPT's causal attention) tests no
-// mask byte per element (that test, a branch per element, was 150 of the forward's 4,100
-// instructions and the branches' convergence points with it).
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
-
 // A head size rounded up to whole Bits8: a row of a rounded copy.
 __device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
 
@@ -709,6 +700,66 @@ __device__ __forceinline__ int keys_seen(const Problem<float>& p, const Visible&
     return (int)max(limit, (i64)0);
 }
 
+// The element loops of the three kernels below, each instantiated with and without a mask, so a
+// maskless launch (a GPT's causal attention) tests no mask byte an element (that test, a branch an
+// element, was 150 of the forward's 4,100 instructions, with its branches' convergence points).
+// Thread t of a quad holds columns 8 n + 2 t + {0, 1} of its rows `row` and `row + 8`.
+
+// The forward's scores of a key tile from j0, scaled, -inf where unseen (past limit, or masked), and
+// each of the two rows' max so far into top.
+template <bool MASKED, int NS>
+__device__ __forceinline__ void seen_scores(float (&s)[NS][4], float (&top)[2], const int (&limit)[2], const unsigned char* masked,
+                                            const Visible& vis, i64 row, i64 j0, float scale) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = 8 * n + 2 * t + (e & 1);
+            const bool seen = c < limit[e >> 1] && !(MASKED && masked[(row + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]);
+            s[n][e] = seen ? scale * s[n][e] : -INFINITY;
+            top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
+        }
+}
+
+// D and dq's tile: the probabilities P from the scores s and the rows' log-sum-exp lr (exp(-inf) =
+// 0 where unseen: a select, not a branch); pass 0 adds P dP into part, pass 1 turns s into dS.
+template <bool MASKED, int NS>
+__device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (&dp)[NS][4], float (&part)[2], const int (&limit)[2],
+                                                const unsigned char* masked, const Visible& vis, i64 row, i64 j0, const float (&lr)[2],
+                                                const float (&dr)[2], int pass, float scale) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
+            const bool seen = c < limit[h] && !(MASKED && masked[(row + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
+            const float prob = expf(seen ? scale * s[n][e] - lr[h] : -INFINITY);
+            if (pass == 0) part[h] += prob * dp[n][e];
+            else s[n][e] = prob * (dp[n][e] - dr[h]) * scale;
+        }
+}
+
+// dk and dv's tile, transposed (this thread's keys `key` and `key + 8` by the query tile's columns
+// from r0, seen for first <= c < last): st becomes P^T, dpt dS^T.
+template <bool MASKED, int NS>
+__device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[NS][4], const int (&first)[2], const int (&last)[2],
+                                              const unsigned char* masked, const Visible& vis, i64 r0, i64 key, const float* l_row,
+                                              const float* d_row, float scale) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
+            const bool seen = c >= first[h] && c < last[h] && !(MASKED && masked[(r0 + c) * vis.mrow + (key + 8 * h) * vis.mcol]);
+            const float prob = expf(seen ? scale * st[n][e] - l_row[c] : -INFINITY);
+            dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * scale : 0.0f;
+            st[n][e] = prob;
+        }
+}
+
 // The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
 template <int KIND, int D, int BC>
 __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
@@ -733,20 +784,8 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks, LK);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-        auto scores = [&](auto mask) {
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = 8 * n + 2 * t + (e & 1);
-                    bool seen = c < limit[e >> 1] &&
-                                !(decltype(mask)::value && masked[(rw + g + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]);
-                    s[n][e] = seen ? p.scale * s[n][e] : -INFINITY;
-                    top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
-                }
-        };
-        if (masked) scores(Flag<true>{});
-        else scores(Flag<false>{});
+        if (masked) seen_scores<true>(s, top, limit, masked, vis, rw + g, j0, p.scale);
+        else seen_scores<false>(s, top, limit, masked, vis, rw + g, j0, p.scale);
         // The exponentials' base: the running max, or 0 while a row has seen nothing (every score
         // then -inf, so each exponential is 0, and alpha multiplies zeros): no branch an element.
         float alpha[2], base[2];
@@ -832,21 +871,8 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         product<KIND>(s, qa, ks, LK);
         product<KIND>(dp_, ga, vs, LK);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-        auto gradients = [&](auto mask) {
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
-                    bool seen = c < limit[h] && !(decltype(mask)::value && masked[(rw + g + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
-                    // exp(-inf) = 0 where unseen: a select, not a branch.
-                    float prob = expf(seen ? p.scale * s[n][e] - lr[h] : -INFINITY);
-                    if (pass == 0) part[h] += prob * dp_[n][e];
-                    else s[n][e] = prob * (dp_[n][e] - dr[h]) * p.scale;
-                }
-        };
-        if (masked) gradients(Flag<true>{});
-        else gradients(Flag<false>{});
+        if (masked) query_gradients<true>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale);
+        else query_gradients<false>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale);
         if (pass == 1) accumulate<KIND>(acc, s, kt, LT);
     }
 #pragma unroll
@@ -920,21 +946,8 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
             last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
             first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
         }
-        auto gradients = [&](auto mask) {
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
-                    bool seen = c >= first[h] && c < last[h] &&
-                                !(decltype(mask)::value && masked[(r0 + c) * vis.mrow + (jw + g + 8 * h) * vis.mcol]);
-                    float prob = expf(seen ? p.scale * st[n][e] - l_row[c] : -INFINITY);
-                    dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * p.scale : 0.0f;
-                    st[n][e] = prob;
-                }
-        };
-        if (masked) gradients(Flag<true>{});
-        else gradients(Flag<false>{});
+        if (masked) key_gradients<true>(st, dpt, first, last, masked, vis, r0, jw + g, l_row, d_row, p.scale);
+        else key_gradients<false>(st, dpt, first, last, masked, vis, r0, jw + g, l_row, d_row, p.scale);
         // dv += P^T dO and dk += dS^T Q.
         accumulate<KIND>(dv, st, gt, LT);
         accumulate<KIND>(dk, dpt, qt, LT);
