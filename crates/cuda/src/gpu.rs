@@ -525,15 +525,15 @@ impl Machine for Gpu {
 }
 
 impl Gpu {
-    /// `g` through cuBLASLt (`MEMFIT_CUDA_LT_PRODUCTS=1`: its algorithm found once a shape), queued
-    /// on the library workspace past the bias check's bytes.
+    /// `g` through cuBLASLt (with its bias, or under `MEMFIT_CUDA_LT_PRODUCTS=1`: each shape's
+    /// algorithm found once), queued on the library workspace past the bias check's bytes.
     fn gemm_lt(&self, lt: &Lt, g: &Gemm) -> Result<(), CudaError> {
         self.bind()?;
         let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         // Serialised with cuBLAS's calls: both use the workspace, on the one stream.
         let _blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the operands are device memory of this context as `g` describes (the caller's
-        // contract); the workspace is the library's, held while the device is open.
+        // SAFETY: the operands (and bias) are device memory of this context as `g` describes (the
+        // caller's contract); the workspace is the library's, held while the device is open.
         unsafe {
             lt.matmul(
                 g,
@@ -551,23 +551,7 @@ impl Gpu {
         let Some(Some(lt)) = self.lt.get() else {
             return Err(call_error("cuBLASLt", "a product with a bias on a GPU whose fuses_bias is false"));
         };
-        let fused = {
-            self.bind()?;
-            let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-            // Serialised with cuBLAS's calls: both use the workspace, on the one stream.
-            let _blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: the operands and bias are device memory of this context as `g` describes (the
-            // caller's contract); the workspace is the library's, held while the device is open.
-            unsafe {
-                lt.matmul(
-                    g,
-                    address + LT_CHECK_BYTES as u64,
-                    bytes.saturating_sub(LT_CHECK_BYTES),
-                    self.stream.cu_stream() as *mut std::ffi::c_void,
-                )
-            }
-        };
-        let Err(refused) = fused else { return Ok(()) };
+        let Err(refused) = self.gemm_lt(lt, g) else { return Ok(()) };
         static SAID: std::sync::Once = std::sync::Once::new();
         SAID.call_once(|| {
             eprintln!("memfit: warning: cuBLASLt refused a product with a bias ({refused}); such products broadcast the bias first");

@@ -685,25 +685,15 @@ impl Cuda {
         [gw, gb]: [u64; 2],
         accumulate: bool,
     ) -> Result<()> {
+        // Both kernels' first arguments.
+        let inputs =
+            [Arg::Ptr(x), Arg::Ptr(mean), Arg::Ptr(rstd), Arg::Ptr(g), Arg::I64(rows as i64), Arg::I64(d as i64)];
         if let Some(split) = self.column_split(rows, d, sfx, 2) {
             let size = if sfx == "f64" { 8 } else { 4 };
             let part_b = split.scratch + (split.splits * d * size) as u64;
             let parts = [if gw != 0 { split.scratch } else { 0 }, if gb != 0 { part_b } else { 0 }];
-            self.launch(
-                &format!("layer_norm_wb_partials_{sfx}"),
-                split.launch,
-                &mut [
-                    Arg::Ptr(x),
-                    Arg::Ptr(mean),
-                    Arg::Ptr(rstd),
-                    Arg::Ptr(g),
-                    Arg::I64(rows as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(split.per as i64),
-                    Arg::Ptr(parts[0]),
-                    Arg::Ptr(parts[1]),
-                ],
-            )?;
+            let tail = [Arg::I64(split.per as i64), Arg::Ptr(parts[0]), Arg::Ptr(parts[1])];
+            self.launch(&format!("layer_norm_wb_partials_{sfx}"), split.launch, &mut [&inputs[..], &tail].concat())?;
             for (part, out) in parts.into_iter().zip([gw, gb]) {
                 if out != 0 {
                     self.column_finish(sfx, &split, d, part, out, accumulate)?;
@@ -711,20 +701,11 @@ impl Cuda {
             }
             return Ok(());
         }
+        let tail = [Arg::Ptr(gw), Arg::Ptr(gb), Arg::I32(accumulate as i32)];
         self.launch(
             &format!("layer_norm_backward_wb_{sfx}"),
             self.column_tiles(d.div_ceil(32)),
-            &mut [
-                Arg::Ptr(x),
-                Arg::Ptr(mean),
-                Arg::Ptr(rstd),
-                Arg::Ptr(g),
-                Arg::I64(rows as i64),
-                Arg::I64(d as i64),
-                Arg::Ptr(gw),
-                Arg::Ptr(gb),
-                Arg::I32(accumulate as i32),
-            ],
+            &mut [&inputs[..], &tail].concat(),
         )
     }
 
@@ -2251,12 +2232,16 @@ impl Backend for Cuda {
             args
         };
         // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
-        let chosen = self.attention_kernels(pb, grad.dtype())?.filter(|_| gqp != 0);
-        if let Some(t) = chosen.as_ref().filter(|t| t.kind == "mma") {
-            // The tensor cores' kernels read the operands' rounded copies, not the operands.
-            let bits = self.round_attention_operands(q, k, v, Some(grad), pb, workspace)?;
-            let head = [problem.clone(), visible.clone(), bits];
-            let args = |extra: &[Arg]| [&head[..], &[Arg::Ptr(l)], extra].concat();
+        if let Some(t) = self.attention_kernels(pb, grad.dtype())?.filter(|_| gqp != 0) {
+            // The tensor cores' kernels read the operands' rounded copies (the output's gradient's
+            // too) where the CUDA cores' tiled ones read the gradient and its layout.
+            let head = if t.kind == "mma" {
+                let bits = self.round_attention_operands(q, k, v, Some(grad), pb, workspace)?;
+                vec![problem, visible, bits, Arg::Ptr(l)]
+            } else {
+                vec![problem, visible, Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l)]
+            };
+            let args = |extra: &[Arg]| [&head[..], extra].concat();
             let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
             let q_kernel = t.kernel("backward_q_");
             self.launch(&q_kernel, queries, &mut args(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
@@ -2268,19 +2253,6 @@ impl Backend for Cuda {
                 )?;
             }
             return self.launch(&q_kernel, queries, &mut args(&[Arg::Ptr(gqp), Arg::I32(1)]));
-        }
-        if let Some(t) = chosen {
-            let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
-            let q_kernel = t.kernel("backward_q_");
-            self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
-            if gkp != 0 || gvp != 0 {
-                self.launch(
-                    &t.kernel("backward_kv_"),
-                    self.tiles(pb.dims.bh, pb.dims.tk, t.key_rows),
-                    &mut common(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
-                )?;
-            }
-            return self.launch(&q_kernel, queries, &mut common(&[Arg::Ptr(gqp), Arg::I32(1)]));
         }
         if gqp != 0 {
             self.launch(&format!("attention_backward_d_{sfx}"), rows, &mut common(&[Arg::Ptr(gqp)]))?;
