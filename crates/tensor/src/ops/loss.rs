@@ -91,7 +91,7 @@ pub const HEAD_CHUNK_BYTES: usize = 64 << 20;
 /// The same on a GPU target (`cuda`, `meta:cuda`): a chunk of 64 MiB is 333 rows of GPT-2's
 /// 50,304 logits, and products of 333 rows kept an H100's tensor cores mostly idle (the head's
 /// pieces ran at 39 TFLOP/s, a third of GPT-2's bf16 step); 512 MiB is 2,560 rows (in multiples of
-/// 128, the tensor cores' tile), 0.8 GiB of logits and their gradient at the peak.
+/// 128, the tensor cores' tile), about 1 GiB of logits and their gradient at the peak.
 pub const GPU_HEAD_CHUNK_BYTES: usize = 512 << 20;
 
 /// Rows of logits of `classes` values of `dtype` in the chunk `device` holds ([`HEAD_CHUNK_BYTES`],
