@@ -81,6 +81,30 @@ extern "C" __global__ void adam_list_f32(AdamList list, AdamArgs a) {
     }
 }
 
+// unscale_f32 over up to ADAM_LIST f32 tensors in one launch (a launch per tensor before: GPT-2's
+// 148 parameters, checked for NaN and infinity after every step), tensor t the elements start[t] ..
+// start[t + 1] of the walk; with inv_scale 1 (that check) nothing is written: x * 1 is x.
+struct TensorList {
+    i64 count;
+    i64 start[ADAM_LIST + 1];
+    float* t[ADAM_LIST];
+};
+
+extern "C" __global__ void unscale_list_f32(TensorList list, float inv_scale, int* found_inf) {
+    GRID_STRIDE(e, list.start[list.count]) {
+        int lo = 0, hi = (int)list.count - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (list.start[mid] <= e) lo = mid;
+            else hi = mid - 1;
+        }
+        float* g = list.t[lo] + (e - list.start[lo]);
+        const float before = *g, after = before * inv_scale;
+        if (!isfinite(before) || !isfinite(after)) *found_inf = 1;
+        if (inv_scale != 1.0f) *g = after;
+    }
+}
+
 // Compact moments of an f32 parameter (the cpu kernels' Note [Compact optimizer state]; the
 // bfloat16 casts are common.cuh's).
 

@@ -44,7 +44,9 @@ fn main() {
     assert!(used.iter().any(|k| k == "attention: CUDA cores, tiled"), "{used:?}");
     assert!(!used.iter().any(|k| k == "attention: tensor cores"), "f32 attention on the tensor cores: {used:?}");
     let sums = column_sums_and_layer_norm_gradients_match_the_cpu(&cuda);
-    let states = compact_optimizer_states_match_the_cpu(&cuda) + grouped_adam_is_adam_tensor_by_tensor(&cuda);
+    let states = compact_optimizer_states_match_the_cpu(&cuda)
+        + grouped_adam_is_adam_tensor_by_tensor(&cuda)
+        + unscaling_many_gradients_matches_the_cpu(&cuda);
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
@@ -304,6 +306,41 @@ fn grouped_adam_is_adam_tensor_by_tensor(cuda: &Device) -> usize {
         }
     }
     1
+}
+
+/// Unscaling many gradients at once (`unscale_`: on cuda one launch per 48 f32 tensors) gives the
+/// cpu's bits and flag: 60 tensors (two launches) of sizes from 0 to 3,000 halved; a NaN in the
+/// second launch's tensors found; with a scale of 1 (the trainer's check for diverged weights, which
+/// writes nothing on a GPU) the values kept and an infinity found. The cases checked.
+fn unscaling_many_gradients_matches_the_cpu(cuda: &Device) -> usize {
+    let sizes: Vec<usize> = (0..60).map(|i| (i * 977) % 3001).collect();
+    let run = |device: &Device, poison: Option<(usize, f32)>, inv_scale: f64| -> Result<(bool, Vec<Vec<u32>>)> {
+        let grads: Vec<Tensor> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let mut v = values(n, i as u64);
+                if let Some((_, x)) = poison.filter(|&(t, _)| t == i) {
+                    v[n / 2] = x;
+                }
+                Tensor::from_slice(device, &v, &[n], Category::Gradient)
+            })
+            .collect::<Result<_>>()?;
+        let found = ops::unscale_(&grads.iter().collect::<Vec<_>>(), inv_scale)?;
+        let bits = grads
+            .iter()
+            .map(|g| Ok(g.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect()))
+            .collect::<Result<_>>()?;
+        Ok((found, bits))
+    };
+    for (poison, inv_scale) in [(None, 0.5), (Some((55, f32::NAN)), 0.5), (None, 1.0), (Some((3, f32::INFINITY)), 1.0)]
+    {
+        let want = run(&Device::cpu(), poison, inv_scale).expect("unscale on cpu");
+        let got = run(cuda, poison, inv_scale).expect("unscale on cuda");
+        assert_eq!(got.0, poison.is_some(), "unscale on cuda with {poison:?} by {inv_scale}: found_inf");
+        assert_eq!(got, want, "unscale on cuda with {poison:?} by {inv_scale}: the cpu's flag and bits");
+    }
+    4
 }
 
 /// Batches go up through the pinned buffers without the host waiting (`overwrite_async_with`), each into a

@@ -27,6 +27,8 @@ use std::sync::{Arc, OnceLock};
 /// hold 256 values); reductions over a whole tensor in one block use [`WHOLE_BLOCK`].
 const BLOCK: u32 = 256;
 const WHOLE_BLOCK: u32 = 1024;
+/// optim.cu's ADAM_LIST: the tensors of one `adam_list_f32` or `unscale_list_f32` launch.
+const ADAM_LIST: usize = 48;
 /// Warps of a block of the two-pass column sums (common.cuh's `COLUMN_WARPS`).
 const COLUMN_WARPS: u32 = 8;
 /// The two-pass column sums' row splits: at most this many, of at least [`COLUMN_SPLIT_ROWS`] rows.
@@ -1601,8 +1603,6 @@ impl Backend for Cuda {
     }
 
     fn adam_update_all(&self, group: &[[&Tensor; 4]], step: AdamStep) -> Result<()> {
-        /// optim.cu's ADAM_LIST: the tensors of one `adam_list_f32` launch.
-        const ADAM_LIST: usize = 48;
         let (lists, singles): (Vec<&[&Tensor; 4]>, Vec<&[&Tensor; 4]>) =
             group.iter().partition(|tensors| tensors.iter().all(|t| t.dtype() == DType::F32));
         for [param, grad, exp_avg, exp_avg_sq] in singles {
@@ -1704,7 +1704,28 @@ impl Backend for Cuda {
         // One flag for every tensor, zeroed once and read back once.
         let flag = self.status()? + 16;
         self.machine.zero(flag, 4).map_err(|e| self.err(e))?;
-        for grad in grads {
+        // f32 tensors ADAM_LIST to a launch (optim.cu's unscale_list_f32), the others one each.
+        let (lists, singles): (Vec<&Tensor>, Vec<&Tensor>) = grads.iter().partition(|g| g.dtype() == DType::F32);
+        for list in lists.chunks(ADAM_LIST) {
+            let (mut words, mut start) = (vec![list.len() as u64, 0], 0u64);
+            for g in list {
+                start += g.numel() as u64;
+                words.push(start);
+            }
+            words.resize(2 + ADAM_LIST, 0);
+            for g in list {
+                words.push(dense(g, "unscale_")?);
+            }
+            words.resize(2 + 2 * ADAM_LIST, 0);
+            if start > 0 {
+                self.launch(
+                    "unscale_list_f32",
+                    self.grid(start as usize, BLOCK),
+                    &mut [Arg::Words(words), Arg::F32(inv_scale as f32), Arg::Ptr(flag)],
+                )?;
+            }
+        }
+        for grad in singles {
             let sfx = float("unscale_", grad.dtype())?;
             let n = grad.numel();
             self.launch(
