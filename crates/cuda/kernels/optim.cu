@@ -67,15 +67,22 @@ struct AdamList {
     float* v[ADAM_LIST];
 };
 
+// The tensor of a list (`count` of them, tensor t the elements start[t] .. start[t + 1] of the
+// walk) that holds element e: the last whose walk starts at or before e (empty tensors start where
+// the next does).
+__device__ __forceinline__ int list_tensor(const i64* start, i64 count, i64 e) {
+    int lo = 0, hi = (int)count - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (start[mid] <= e) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 extern "C" __global__ void adam_list_f32(AdamList list, AdamArgs a) {
     GRID_STRIDE(e, list.start[list.count]) {
-        // The last tensor whose walk starts at or before e (empty tensors start where the next does).
-        int lo = 0, hi = (int)list.count - 1;
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if (list.start[mid] <= e) lo = mid;
-            else hi = mid - 1;
-        }
+        const int lo = list_tensor(list.start, list.count, e);
         i64 j = e - list.start[lo];
         adam_element<float>(a, list.p[lo][j], list.g[lo][j], list.m[lo][j], list.v[lo][j]);
     }
@@ -92,12 +99,7 @@ struct TensorList {
 
 extern "C" __global__ void unscale_list_f32(TensorList list, float inv_scale, int* found_inf) {
     GRID_STRIDE(e, list.start[list.count]) {
-        int lo = 0, hi = (int)list.count - 1;
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if (list.start[mid] <= e) lo = mid;
-            else hi = mid - 1;
-        }
+        const int lo = list_tensor(list.start, list.count, e);
         float* g = list.t[lo] + (e - list.start[lo]);
         const float before = *g, after = before * inv_scale;
         if (!isfinite(before) || !isfinite(after)) *found_inf = 1;

@@ -197,34 +197,24 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
     }
     // One matrix at a time, in blocks (see [`blocks`]).
     let (mc, nc, kc) = blocks(m, n, k, capacity);
+    // One matrix's block, stored `rows` x `cols` with leading dimension `ld`, rounded to `dst`.
+    let round = |(src, rows, cols): (u64, usize, usize), ld, dst| {
+        RoundedStep::Round(RoundOperand { src, rows, cols, ld, stride: 0, batch: 1, dst })
+    };
     for matrix in 0..g.batch {
         for i0 in (0..m).step_by(mc) {
             let mb = mc.min(m - i0);
             for l0 in (0..k).step_by(kc) {
                 let kb = kc.min(k - l0);
-                let (sa, ra, ca) = block_a(i0, mb, l0, kb, matrix);
-                steps.push(RoundedStep::Round(RoundOperand {
-                    src: sa,
-                    rows: ra,
-                    cols: ca,
-                    ld: g.lda,
-                    stride: 0,
-                    batch: 1,
-                    dst: workspace,
-                }));
+                let a = block_a(i0, mb, l0, kb, matrix);
+                let ra = a.1;
+                steps.push(round(a, g.lda, workspace));
                 let dst_b = workspace + 2 * padded(mb * kb) as u64;
                 for j0 in (0..n).step_by(nc) {
                     let nb = nc.min(n - j0);
-                    let (sb, rb, cb) = block_b(l0, kb, j0, nb, matrix);
-                    steps.push(RoundedStep::Round(RoundOperand {
-                        src: sb,
-                        rows: rb,
-                        cols: cb,
-                        ld: g.ldb,
-                        stride: 0,
-                        batch: 1,
-                        dst: dst_b,
-                    }));
+                    let b = block_b(l0, kb, j0, nb, matrix);
+                    let rb = b.1;
+                    steps.push(round(b, g.ldb, dst_b));
                     steps.push(RoundedStep::Product(Gemm {
                         dtype: kind,
                         m: mb,

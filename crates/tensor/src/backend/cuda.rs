@@ -1609,21 +1609,8 @@ impl Backend for Cuda {
             self.adam_update(param, grad, exp_avg, exp_avg_sq, step)?;
         }
         for list in lists.chunks(ADAM_LIST) {
-            // struct AdamList: the count, the walk's starts, then the four pointer arrays.
-            let mut words = vec![list.len() as u64];
-            let mut start = 0u64;
-            words.push(0);
-            for tensors in list {
-                start += tensors[0].numel() as u64;
-                words.push(start);
-            }
-            words.resize(2 + ADAM_LIST, 0);
-            for k in 0..4 {
-                for tensors in list {
-                    words.push(dense(tensors[k], "adam_update")?);
-                }
-                words.resize(2 + ADAM_LIST + (k + 1) * ADAM_LIST, 0);
-            }
+            let list: Vec<[&Tensor; 4]> = list.iter().map(|&&t| t).collect();
+            let (words, start) = tensor_list(&list, "adam_update")?;
             if start > 0 {
                 self.launch(
                     "adam_list_f32",
@@ -1705,18 +1692,10 @@ impl Backend for Cuda {
         let flag = self.status()? + 16;
         self.machine.zero(flag, 4).map_err(|e| self.err(e))?;
         // f32 tensors ADAM_LIST to a launch (optim.cu's unscale_list_f32), the others one each.
-        let (lists, singles): (Vec<&Tensor>, Vec<&Tensor>) = grads.iter().partition(|g| g.dtype() == DType::F32);
+        let (lists, singles): (Vec<[&Tensor; 1]>, Vec<[&Tensor; 1]>) =
+            grads.iter().map(|&g| [g]).partition(|[g]| g.dtype() == DType::F32);
         for list in lists.chunks(ADAM_LIST) {
-            let (mut words, mut start) = (vec![list.len() as u64, 0], 0u64);
-            for g in list {
-                start += g.numel() as u64;
-                words.push(start);
-            }
-            words.resize(2 + ADAM_LIST, 0);
-            for g in list {
-                words.push(dense(g, "unscale_")?);
-            }
-            words.resize(2 + 2 * ADAM_LIST, 0);
+            let (words, start) = tensor_list(list, "unscale_")?;
             if start > 0 {
                 self.launch(
                     "unscale_list_f32",
@@ -1725,7 +1704,7 @@ impl Backend for Cuda {
                 )?;
             }
         }
-        for grad in singles {
+        for [grad] in singles {
             let sfx = float("unscale_", grad.dtype())?;
             let n = grad.numel();
             self.launch(
@@ -2534,6 +2513,25 @@ impl Cuda {
             ],
         )
     }
+}
+
+/// optim.cu's list structs (`AdamList`, `TensorList`) of up to [`ADAM_LIST`] entries of K tensors:
+/// the count, the walk's starts (entry t's elements start[t] .. start[t + 1], by its first tensor),
+/// then one array of [`ADAM_LIST`] addresses for each of the K; and the walk's length.
+fn tensor_list<const K: usize>(list: &[[&Tensor; K]], op: &str) -> Result<(Vec<u64>, u64)> {
+    let (mut words, mut start) = (vec![list.len() as u64, 0], 0u64);
+    for tensors in list {
+        start += tensors[0].numel() as u64;
+        words.push(start);
+    }
+    words.resize(2 + ADAM_LIST, 0);
+    for k in 0..K {
+        for tensors in list {
+            words.push(dense(tensors[k], op)?);
+        }
+        words.resize(2 + ADAM_LIST + (k + 1) * ADAM_LIST, 0);
+    }
+    Ok((words, start))
 }
 
 /// An attention operand's layout as the kernels' `struct Addr` (attention.cu).
