@@ -193,6 +193,32 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     wait(AT_WARP);
 }
 
+// `ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16` over the warp: lane l gives `row`, the address
+// of row l % 8 (eight 16-bit elements) of matrix l / 8; lane 4 g + t receives in r[m] matrix m's
+// row g, columns 2 t and 2 t + 1 (the lower column in the low half), or with TRANS its column g,
+// rows 2 t and 2 t + 1 (the lower row in the low half).
+template <bool TRANS>
+inline void ldmatrix(uint32_t (&r)[4], const void* row) {
+    own_slot().word = reinterpret_cast<uint64_t>(row);
+    wait(AT_WARP);
+    const unsigned lane = threadIdx.x & (WARP - 1), g = lane / 4, t = lane % 4;
+    auto at = [](unsigned matrix, unsigned row, unsigned col) -> uint32_t {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(lane_slot(8 * matrix + row).word);
+        return p[col];
+    };
+    for (unsigned m = 0; m < 4; ++m)
+        r[m] = TRANS ? at(m, 2 * t, g) | (at(m, 2 * t + 1, g) << 16) : at(m, g, 2 * t) | (at(m, g, 2 * t + 1) << 16);
+    wait(AT_WARP);  // every lane has read before any lane's next collective writes
+}
+
+// `cp.async` of `bytes` (4 or 16) from global to shared memory, zeros where `valid` is false: fibers
+// switch only at barriers, so the copy is done at once (the waits that follow it have nothing left
+// to wait for).
+inline void copy_async(void* to, const void* from, unsigned bytes, bool valid) {
+    if (valid) std::memcpy(to, from, bytes);
+    else std::memset(to, 0, bytes);
+}
+
 // Runs one block's fibers to their ends: every ready fiber runs to its next barrier; a warp whose
 // live lanes all wait at a warp barrier goes on; when nothing else can, a block barrier that every
 // live fiber waits at opens. False when the block deadlocks (fibers waiting at barriers that can

@@ -507,10 +507,12 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // six products run on the tensor cores (`mma_16816`, f32 accumulation), in FlashAttention-2's
 // scheme (Dao, 2023): a block of MMA_WARPS warps takes MMA_ROWS rows (query rows for the forward, D
 // and dq; key rows for dk and dv), each warp 16 of them, its own side's operands in registers, and
-// walks the other side's tiles, staged in shared memory. Every staged tile is stored as B(k, n) =
-// tile[n][k], rows n of words that each hold the pair k, k + 1, so one loader serves every product:
-// K and V by rows, K, V, Q and the output's gradient by columns where the product walks keys or
-// queries. A row's max and sum are taken over its quad of lanes with two shuffles, the same value in
+// walks the other side's tiles, staged in shared memory by rows (words that each hold a pair of a
+// row's elements), 16 bytes a copy without waiting (`cp.async`), into two buffers: the next tile's
+// copies run while this tile's products do. The products read a tile's B fragments with `ldmatrix`:
+// as it is, where the tile's rows are the product's n (K in Q K^T, V in dO V^T), transposed where
+// they are its k (V in P V, K in dS K, Q and the output's gradient in dS^T Q and P^T dO). A row's
+// max and sum are taken over its quad of lanes with two shuffles, the same value in
 // all four, so a run repeats bit for bit (no atomics). What they compute is the tiled kernels'
 // (above), in another order of f32 additions: P is rounded before it is normalized, D comes from
 // pass 0, dq from pass 1.
@@ -530,12 +532,7 @@ struct Bits {
     const unsigned short *q, *k, *v, *g;
 };
 
-// Eight 16-bit operand elements, loaded and stored whole.
-struct __align__(16) Bits8 {
-    unsigned w[4];
-};
-
-// A head size rounded up to whole Bits8: a row of a rounded copy.
+// A head size rounded up to a multiple of 8 (16 bytes of 16-bit elements): a row of a rounded copy.
 __device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
 
 // Operand x (laid out by a) as KIND's bits into y, [bh, rows, padded8(d)]: a warp a row, its lanes
@@ -562,52 +559,20 @@ extern "C" __global__ void attention_round_f16(const float* x, Addr a, i64 bh, i
 }
 
 // Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each) into `sh` by rows: row
-// a's pair c / 2 at sh[a * ld + c / 2], C columns (zeros past dp and past the matrix), 16 bytes at a
-// time. All of a thread's loads come before its stores (as stage_rows).
+// a's pair c / 2 at sh[a * ld + c / 2], C columns (zeros past dp and past the matrix), 16 bytes a
+// copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so; a
+// product that needs it by columns reads it through ldmatrix's transpose.
 template <int R, int C>
-__device__ void stage_rows_bits(unsigned* sh, int ld, const unsigned short* m, i64 dp, i64 r0, i64 rows) {
+__device__ void stage_rows_async(unsigned* sh, int ld, const unsigned short* m, i64 dp, i64 r0, i64 rows) {
     constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS;
     static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
     const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), width = (int)min((i64)C, dp);
     const unsigned short* base = m + r0 * dp;
-    Bits8 x[N];
 #pragma unroll
     for (int b = 0; b < N; ++b) {
         const int e = threadIdx.x + b * TILE_THREADS, a = e / CHUNKS, c = 8 * (e % CHUNKS);
-        x[b] = (a < rows_left && c < width) ? *(const Bits8*)(base + a * dp + c) : Bits8{{0u, 0u, 0u, 0u}};
-    }
-#pragma unroll
-    for (int b = 0; b < N; ++b) {
-        const int e = threadIdx.x + b * TILE_THREADS, a = e / CHUNKS, c = 8 * (e % CHUNKS);
-        *(Bits8*)(sh + a * ld + c / 2) = x[b];
-    }
-}
-
-// The same rows by columns: column c's pair a / 2 (rows a and a + 1) at sh[c * ld + a / 2]. A
-// thread takes a pair of rows and eight columns: two 16-byte loads, eight words.
-template <int R, int C>
-__device__ void stage_cols_bits(unsigned* sh, int ld, const unsigned short* m, i64 dp, i64 r0, i64 rows) {
-    constexpr int PAIRS = R / 2, N = PAIRS * (C / 8) / TILE_THREADS;
-    static_assert(PAIRS * (C / 8) % TILE_THREADS == 0, "a tile is whole chunks for every thread");
-    const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), width = (int)min((i64)C, dp);
-    const unsigned short* base = m + r0 * dp;
-    Bits8 x[N][2];
-#pragma unroll
-    for (int b = 0; b < N; ++b) {
-        const int e = threadIdx.x + b * TILE_THREADS, a = 2 * (e % PAIRS), c = 8 * (e / PAIRS);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            x[b][h] = (a + h < rows_left && c < width) ? *(const Bits8*)(base + (a + h) * dp + c) : Bits8{{0u, 0u, 0u, 0u}};
-    }
-#pragma unroll
-    for (int b = 0; b < N; ++b) {
-        const int e = threadIdx.x + b * TILE_THREADS, pair = e % PAIRS, c = 8 * (e / PAIRS);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned lo = x[b][0].w[j], hi = x[b][1].w[j];
-            sh[(c + 2 * j) * ld + pair] = (lo & 0xffffu) | (hi << 16);
-            sh[(c + 2 * j + 1) * ld + pair] = (lo >> 16) | (hi & 0xffff0000u);
-        }
+        const bool inside = a < rows_left && c < width;
+        cp_async<16>(sh + a * ld + c / 2, inside ? base + a * dp + c : m, inside);
     }
 }
 
@@ -621,14 +586,6 @@ __device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m
         const int c = k0 + 2 * t + 8 * (q >> 1);
         a[q] = (r < rows && c < dp) ? *(const unsigned*)(m + r * dp + c) : 0u;
     }
-}
-
-// The B fragment B(k0 .. k0 + 16, n0 .. n0 + 8) of a staged tile.
-__device__ __forceinline__ void load_b(unsigned (&b)[2], const unsigned* sh, int ld, int n0, int k0) {
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const unsigned* row = sh + (n0 + g) * ld + k0 / 2 + t;
-    b[0] = row[0];
-    b[1] = row[4];
 }
 
 // The A fragment of columns 16 kk .. 16 kk + 16 of a 16-row accumulator s (its n-tiles 2 kk and
@@ -649,33 +606,45 @@ __device__ __forceinline__ void zero_acc(float (&s)[N][4]) {
         for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
 }
 
-// s = A B: A, 16 rows by KD chunks of 16 columns in fragments; B(k, n) a staged tile's, NS n-tiles.
+// s = A B: A, 16 rows by KD chunks of 16 columns in fragments; B(k, n) = tile[n][k] of a staged
+// tile, NS n-tiles (its rows). One ldmatrix gives the B fragments of two chunks of k.
 template <int KIND, int NS, int KD>
 __device__ __forceinline__ void product(float (&s)[NS][4], const unsigned (&a)[KD][4], const unsigned* sh, int ld) {
+    static_assert(KD % 2 == 0, "chunks of k in pairs");
+    const int lane = threadIdx.x % 32;
     zero_acc(s);
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-            unsigned b[2];
-            load_b(b, sh, ld, 8 * n, 16 * kk);
-            mma_16816<KIND>(s[n], a[kk], b);
+        for (int kk = 0; kk < KD; kk += 2) {
+            // Matrix m: rows 8 n .. 8 n + 8, columns 16 kk + 8 m .. + 8.
+            unsigned b[4];
+            ldmatrix_x4<false>(b, sh + (8 * n + lane % 8) * ld + (16 * kk + 8 * (lane / 8)) / 2);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_16816<KIND>(s[n], a[kk], b0);
+            mma_16816<KIND>(s[n], a[kk + 1], b1);
         }
 }
 
-// acc += S B: S an accumulator of 16 rows by 8 NS columns, read as operands; B(k, n) a staged
-// tile's, NO n-tiles.
+// acc += S B: S an accumulator of 16 rows by 8 NS columns, read as operands; B(k, n) = tile[k][n]
+// of a staged tile (its rows are S's columns), NO n-tiles. One transposing ldmatrix gives the B
+// fragments of two n-tiles.
 template <int KIND, int NS, int NO>
 __device__ __forceinline__ void accumulate(float (&acc)[NO][4], const float (&s)[NS][4], const unsigned* sh, int ld) {
+    static_assert(NO % 2 == 0, "n-tiles in pairs");
+    const int lane = threadIdx.x % 32, m = lane / 8;
 #pragma unroll
     for (int kk = 0; kk < NS / 2; ++kk) {
         unsigned a[4];
         accumulator_a<KIND>(a, s, kk);
 #pragma unroll
-        for (int c = 0; c < NO; ++c) {
-            unsigned b[2];
-            load_b(b, sh, ld, 8 * c, 16 * kk);
-            mma_16816<KIND>(acc[c], a, b);
+        for (int c = 0; c < NO; c += 2) {
+            // Matrix m: rows 16 kk + 8 (m & 1) .. + 8, columns 8 (c + (m >> 1)) .. + 8.
+            unsigned b[4];
+            ldmatrix_x4<true>(b, sh + (16 * kk + 8 * (m & 1) + lane % 8) * ld + 4 * (c + (m >> 1)));
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_16816<KIND>(acc[c], a, b0);
+            mma_16816<KIND>(acc[c + 1], a, b1);
         }
     }
 }
@@ -763,8 +732,9 @@ __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[N
 // The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
 template <int KIND, int D, int BC>
 __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
-    constexpr int LK = D / 2 + 4, LV = BC / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
-    __align__(16) __shared__ unsigned ks[BC * LK], vt[D * LV];
+    constexpr int LD = D / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
+    // Two buffers of key and value tiles: the next tile's copies run while this one's products do.
+    __align__(16) __shared__ unsigned ks[2][BC * LD], vs[2][BC * LD];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 rw = r0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
@@ -775,14 +745,24 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     float o[NO][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     zero_acc(o);
     const unsigned char* masked = vis.rows_of(i);
-    i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
-    for (i64 j0 = 0; j0 < kend; j0 += BC) {
-        __syncthreads();
-        stage_rows_bits<BC, D>(ks, LK, k0, dp, j0, p.tk);
-        stage_cols_bits<BC, D>(vt, LV, v0, dvp, j0, p.tk);
+    const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
+    auto stage = [&](int b, i64 j0) {
+        stage_rows_async<BC, D>(ks[b], LD, k0, dp, j0, p.tk);
+        stage_rows_async<BC, D>(vs[b], LD, v0, dvp, j0, p.tk);
+        cp_async_commit();
+    };
+    if (kend > 0) stage(0, 0);
+    int buf = 0;
+    for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
+        if (j0 + BC < kend) {
+            stage(buf ^ 1, j0 + BC);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
-        product<KIND>(s, qa, ks, LK);
+        product<KIND>(s, qa, ks[buf], LD);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
         if (masked) seen_scores<true>(s, top, limit, masked, vis, rw + g, j0, p.scale);
         else seen_scores<false>(s, top, limit, masked, vis, rw + g, j0, p.scale);
@@ -808,7 +788,9 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         for (int c = 0; c < NO; ++c)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[c][e] *= alpha[e >> 1];
-        accumulate<KIND>(o, s, vt, LV);
+        accumulate<KIND>(o, s, vs[buf], LD);
+        // Every warp is done with this buffer before the next tile but one is copied into it.
+        __syncthreads();
     }
     float* out0 = out + matrix(ao, i, p.heads);
 #pragma unroll
@@ -837,8 +819,9 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
 template <int KIND, int D, int BC>
 __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, float* gq, int pass,
                                               i64 i, i64 r0) {
-    constexpr int LK = D / 2 + 4, LT = BC / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
-    __align__(16) __shared__ unsigned ks[BC * LK], vs[BC * LK], kt[D * LT];
+    constexpr int LD = D / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
+    // Two buffers of key and value tiles, as the forward's.
+    __align__(16) __shared__ unsigned ks[2][BC * LD], vs[2][BC * LD];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 rw = r0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
@@ -860,20 +843,30 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         lr[h] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
         dr[h] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
     }
-    i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
-    for (i64 j0 = 0; j0 < kend; j0 += BC) {
-        __syncthreads();
-        stage_rows_bits<BC, D>(ks, LK, k0, dp, j0, p.tk);
-        stage_rows_bits<BC, D>(vs, LK, v0, dvp, j0, p.tk);
-        if (pass == 1) stage_cols_bits<BC, D>(kt, LT, k0, dp, j0, p.tk);
+    const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
+    auto stage = [&](int b, i64 j0) {
+        stage_rows_async<BC, D>(ks[b], LD, k0, dp, j0, p.tk);
+        stage_rows_async<BC, D>(vs[b], LD, v0, dvp, j0, p.tk);
+        cp_async_commit();
+    };
+    if (kend > 0) stage(0, 0);
+    int buf = 0;
+    for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
+        if (j0 + BC < kend) {
+            stage(buf ^ 1, j0 + BC);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
         float s[NS][4], dp_[NS][4];
-        product<KIND>(s, qa, ks, LK);
-        product<KIND>(dp_, ga, vs, LK);
+        product<KIND>(s, qa, ks[buf], LD);
+        product<KIND>(dp_, ga, vs[buf], LD);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
         if (masked) query_gradients<true>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale);
         else query_gradients<false>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale);
-        if (pass == 1) accumulate<KIND>(acc, s, kt, LT);
+        if (pass == 1) accumulate<KIND>(acc, s, ks[buf], LD);
+        __syncthreads();
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -900,9 +893,11 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
 template <int KIND, int D, int KR>
 __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, const float* gq,
                                                float* gk, float* gv, i64 i, i64 j0) {
-    constexpr int LQ = D / 2 + 4, LT = KR / 2 + 4, KD = D / 16, NS = KR / 8, NO = D / 8;
-    __align__(16) __shared__ unsigned qs[KR * LQ], gs[KR * LQ], qt[D * LT], gt[D * LT];
-    __shared__ float l_row[KR], d_row[KR];
+    constexpr int LD = D / 2 + 4, KD = D / 16, NS = KR / 8, NO = D / 8;
+    // Two buffers of query and output-gradient tiles (with their rows' log-sum-exp and D), as the
+    // forward's key and value tiles.
+    __align__(16) __shared__ unsigned qs[2][KR * LD], gs[2][KR * LD];
+    __shared__ float l_row[2][KR], d_row[2][KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 jw = j0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     const float* gq0 = gq + matrix(p.aq, i, p.heads);
@@ -919,23 +914,32 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     zero_acc(dk);
     zero_acc(dv);
     const unsigned char* masked = vis.rows_of(i);
-    i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
-    for (i64 r0 = rstart; r0 < p.tq; r0 += KR) {
-        __syncthreads();
-        stage_rows_bits<KR, D>(qs, LQ, q0, dp, r0, p.tq);
-        stage_rows_bits<KR, D>(gs, LQ, g0, dvp, r0, p.tq);
-        stage_cols_bits<KR, D>(qt, LT, q0, dp, r0, p.tq);
-        stage_cols_bits<KR, D>(gt, LT, g0, dvp, r0, p.tq);
+    const i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
+    auto stage = [&](int b, i64 r0) {
+        stage_rows_async<KR, D>(qs[b], LD, q0, dp, r0, p.tq);
+        stage_rows_async<KR, D>(gs[b], LD, g0, dvp, r0, p.tq);
         if (threadIdx.x < KR) {
-            i64 r = r0 + threadIdx.x;
-            l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
-            d_row[threadIdx.x] = r < p.tq ? gq0[r * p.aq.row] : 0.0f;
+            const i64 r = r0 + threadIdx.x;
+            const bool inside = r < p.tq;
+            cp_async<4>(&l_row[b][threadIdx.x], lse + i * p.tq + (inside ? r : 0), inside);
+            cp_async<4>(&d_row[b][threadIdx.x], gq0 + (inside ? r : 0) * p.aq.row, inside);
+        }
+        cp_async_commit();
+    };
+    if (rstart < p.tq) stage(0, rstart);
+    int buf = 0;
+    for (i64 r0 = rstart; r0 < p.tq; r0 += KR, buf ^= 1) {
+        if (r0 + KR < p.tq) {
+            stage(buf ^ 1, r0 + KR);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
         // The transposed scores S^T = K Q^T and dP^T = V dO^T: this warp's keys by the tile's queries.
         float st[NS][4], dpt[NS][4];
-        product<KIND>(st, ka, qs, LQ);
-        product<KIND>(dpt, va, gs, LQ);
+        product<KIND>(st, ka, qs[buf], LD);
+        product<KIND>(dpt, va, gs[buf], LD);
         // The queries of the tile that this thread's two keys are seen by, r0 + c for first <= c <
         // last: none for a key past the keys, none past the queries, under a causal mask only from
         // the key's own row.
@@ -946,11 +950,12 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
             last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
             first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
         }
-        if (masked) key_gradients<true>(st, dpt, first, last, masked, vis, r0, jw + g, l_row, d_row, p.scale);
-        else key_gradients<false>(st, dpt, first, last, masked, vis, r0, jw + g, l_row, d_row, p.scale);
+        if (masked) key_gradients<true>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale);
+        else key_gradients<false>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale);
         // dv += P^T dO and dk += dS^T Q.
-        accumulate<KIND>(dv, st, gt, LT);
-        accumulate<KIND>(dk, dpt, qt, LT);
+        accumulate<KIND>(dv, st, gs[buf], LD);
+        accumulate<KIND>(dk, dpt, qs[buf], LD);
+        __syncthreads();
     }
     // Matrix i's gradients found once (`matrix` divides), not at every store of the unrolled loop.
     float *gk0 = gk ? gk + matrix(p.ak, i, p.heads) : nullptr, *gv0 = gv ? gv + matrix(p.av, i, p.heads) : nullptr;
@@ -973,7 +978,8 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
 // The entry points for head sizes up to D with KIND's operands (SUF), their rounded copies in `bits`
 // (q, k and v; the output's gradient too in backward): blocks walk the (matrix, tile) pairs of
 // MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, D and dq key tiles of
-// QC, dk and dv query tiles of KR; each tile set fits the 48 KiB of static shared memory. BLOCKS:
+// QC, dk and dv query tiles of KR; each kernel's two buffers of tiles fit the 48 KiB of static
+// shared memory (so the d128 forward's key tiles are 32 rows, d64's 64). BLOCKS:
 // the blocks a multiprocessor should hold at once, so the registers a thread may take (3: 168 of an
 // H100's 65,536 per multiprocessor; with tiles of 64 the backward kernels took 255, two blocks of
 // 4 warps, and spilled at 168; the d128 kernels spill at 168, so they take what they need).
@@ -995,29 +1001,58 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     }
 
 ATTENTION_MMA(1, bf16, 64, 64, 32, 32, 3)
-ATTENTION_MMA(1, bf16, 128, 64, 32, 32, 1)
+ATTENTION_MMA(1, bf16, 128, 32, 32, 32, 1)
 ATTENTION_MMA(2, f16, 64, 64, 32, 32, 3)
-ATTENTION_MMA(2, f16, 128, 64, 32, 32, 1)
+ATTENTION_MMA(2, f16, 128, 32, 32, 32, 1)
 
 // The tensor cores' check, run once before the kernels above are used: one warp multiplies
 // A(r, k) = (3 r + 5 k) % 7 - 3 by B(k, n) = (2 k + 3 n) % 5 - 2 (small integers: every sum exact in
-// any order) through mma_16816, each lane building its fragments as the kernels do, and writes
-// lane l's d[i] to out[4 l + i]; the host compares them with the product (`mma_check_error` in the
-// cuda backend), so fragments laid out otherwise than this GPU's fail there, not in training.
+// any order) through mma_16816 three times, each lane building its A fragment as the kernels do and
+// its B fragment (0) in registers, (1) through ldmatrix from a tile stored B(k, n) = tile[n][k],
+// (2) through ldmatrix's transpose from a tile stored B(k, n) = tile[k][n], both tiles copied into
+// shared memory by cp_async; product j's lane l writes its d[i] to out[128 j + 4 l + i], and the
+// host compares them with the product (`mma_check_error` in the cuda backend), so fragments laid
+// out otherwise than this GPU's fail there, not in training.
 template <int KIND>
 __device__ void mma_check(float* out) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     auto a_at = [](int r, int k) { return float((3 * r + 5 * k) % 7 - 3); };
     auto b_at = [](int k, int n) { return float((2 * k + 3 * n) % 5 - 2); };
-    unsigned a[4], b[2];
+    unsigned a[4], b[3][2];
     for (int q = 0; q < 4; ++q) {
         int r = g + 8 * (q & 1), k = 2 * t + 8 * (q >> 1);
         a[q] = operand_pair<KIND>(a_at(r, k), a_at(r, k + 1));
     }
-    for (int q = 0; q < 2; ++q) b[q] = operand_pair<KIND>(b_at(2 * t + 8 * q, g), b_at(2 * t + 8 * q + 1, g));
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_16816<KIND>(d, a, b);
-    for (int i = 0; i < 4; ++i) out[4 * lane + i] = d[i];
+    for (int q = 0; q < 2; ++q) b[0][q] = operand_pair<KIND>(b_at(2 * t + 8 * q, g), b_at(2 * t + 8 * q + 1, g));
+    // The tiles, written to `out` (global memory) first and copied as the kernels stage: by n (8
+    // rows of 16 k, 12 words apart) and by k (16 rows of 8 n, 4 words apart).
+    __align__(16) __shared__ unsigned by_n[8 * 12], by_k[16 * 4];
+    unsigned* from = (unsigned*)out;
+    for (int w = lane; w < 8 * 12; w += 32) {
+        const int n = w / 12, k = 2 * (w % 12);
+        from[w] = k < 16 ? operand_pair<KIND>(b_at(k, n), b_at(k + 1, n)) : 0u;
+    }
+    for (int w = lane; w < 16 * 4; w += 32) from[96 + w] = operand_pair<KIND>(b_at(w / 4, 2 * (w % 4)), b_at(w / 4, 2 * (w % 4) + 1));
+    __syncthreads();
+    for (int c = lane; c < (8 * 12 + 16 * 4) / 4; c += 32) cp_async<16>(c < 24 ? by_n + 4 * c : by_k + 4 * (c - 24), from + 4 * c, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // Matrix m (lanes 8 m .. 8 m + 7 give its rows) of the four: the k halves of B, twice.
+    const int m = (lane / 8) & 1;
+    unsigned r[4];
+    ldmatrix_x4<false>(r, by_n + (lane % 8) * 12 + 4 * m);
+    b[1][0] = r[0];
+    b[1][1] = r[1];
+    ldmatrix_x4<true>(r, by_k + (8 * m + lane % 8) * 4);
+    b[2][0] = r[0];
+    b[2][1] = r[1];
+    __syncthreads();
+    for (int j = 0; j < 3; ++j) {
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_16816<KIND>(d, a, b[j]);
+        for (int i = 0; i < 4; ++i) out[128 * j + 4 * lane + i] = d[i];
+    }
 }
 
 extern "C" __global__ void attention_mma_check_bf16(float* out) { mma_check<1>(out); }

@@ -116,6 +116,58 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #endif
 }
 
+// Four 8 x 8 matrices of 16-bit elements from shared memory into fragment registers
+// (`ldmatrix.sync.aligned.m8n8.x4`): lane l gives `row`, the 16-byte-aligned address of row l % 8 of
+// matrix l / 8; lane 4 g + t receives in r[m] matrix m's row g, columns 2 t and 2 t + 1 (the lower
+// column in the low half: mma_16816's B fragment of a tile stored B(k, n) = tile[n][k]), or with
+// TRANS (`.trans`) its column g, rows 2 t and 2 t + 1 (the B fragment of a tile stored
+// B(k, n) = tile[k][n]). The emulator runs a model of it (emulator.h).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+#ifdef MEMFIT_EMULATOR
+    memfit_emu::ldmatrix<TRANS>(r, row);
+#else
+    const unsigned at = (unsigned)__cvta_generic_to_shared(row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+#endif
+}
+
+// Copies BYTES (4 or 16, both addresses aligned to it) from global to shared memory without the
+// thread waiting (`cp.async`), zeros where `valid` is false (`from` is then not read); a thread's
+// copies since its last commit form a group (cp_async_commit), and cp_async_wait<N> waits until at
+// most N of its groups are still in flight. Other threads see the bytes after a barrier that
+// follows the wait.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* to, const void* from, bool valid) {
+#ifdef MEMFIT_EMULATOR
+    memfit_emu::copy_async(to, from, BYTES, valid);
+#else
+    const unsigned at = (unsigned)__cvta_generic_to_shared(to);
+    if (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(from), "r"(valid ? 16 : 0) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(at), "l"(from), "r"(valid ? 4 : 0) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef MEMFIT_EMULATOR
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef MEMFIT_EMULATOR
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // Sum of `v` over the block (blockDim.x a power of two, at most 1024) into every thread's return,

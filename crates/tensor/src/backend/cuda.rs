@@ -460,8 +460,8 @@ impl Cuda {
         Ok(tiled_head(head, dtype, Products::F32))
     }
 
-    /// Runs the tensor cores' check for `operands` ("bf16" or "f16") once (a warp's product into the
-    /// library workspace's first 512 bytes, read back) and says whether it passed; a failure is
+    /// Runs the tensor cores' check for `operands` ("bf16" or "f16") once (a warp's three products
+    /// into the library workspace's first 1,536 bytes, read back) and says whether it passed; a failure is
     /// said once on stderr, or is an error with `MEMFIT_REQUIRE_TENSOR_CORES=1` (the tests' setting:
     /// a fallback would leave the tensor cores' kernels untested).
     fn tensor_cores_work(&self, operands: &str) -> Result<bool> {
@@ -2628,23 +2628,25 @@ fn tensor_cores_required() -> bool {
     std::env::var_os("MEMFIT_REQUIRE_TENSOR_CORES").is_some_and(|v| v == "1")
 }
 
-/// The values attention.cu's `mma_check` writes: 4 per lane of a warp.
-const MMA_CHECK_VALUES: usize = 128;
+/// The values attention.cu's `mma_check` writes: 4 per lane of a warp, for each of its three
+/// products (B's fragments built in registers, loaded by `ldmatrix`, loaded by its transpose).
+const MMA_CHECK_VALUES: usize = 3 * 128;
 
-/// What is wrong with `mma_check`'s values (lane l's d[i] at 4 l + i), or None when they are the
-/// product A B of its two integer matrices, each at the place the PTX ISA gives the lane's
-/// accumulator elements: D(l / 4 + 8 (i >> 1), 2 (l % 4) + (i & 1)).
+/// What is wrong with `mma_check`'s values (product j's lane l's d[i] at 128 j + 4 l + i), or None
+/// when each product is A B of its two integer matrices, each at the place the PTX ISA gives the
+/// lane's accumulator elements: D(l / 4 + 8 (i >> 1), 2 (l % 4) + (i & 1)).
 fn mma_check_error(values: &[f32]) -> Option<String> {
     let a = |r: i64, k: i64| ((3 * r + 5 * k) % 7 - 3) as f32;
     let b = |k: i64, n: i64| ((2 * k + 3 * n) % 5 - 2) as f32;
     if values.len() != MMA_CHECK_VALUES {
         return Some(format!("{} values, not {MMA_CHECK_VALUES}", values.len()));
     }
+    let loads = ["B's fragments in registers", "B through ldmatrix", "B through ldmatrix's transpose"];
     values.iter().enumerate().find_map(|(at, &got)| {
-        let (lane, i) = ((at / 4) as i64, at as i64 % 4);
+        let (lane, i) = (((at % 128) / 4) as i64, at as i64 % 4);
         let (row, col) = (lane / 4 + 8 * (i >> 1), 2 * (lane % 4) + (i & 1));
         let want: f32 = (0..16).map(|k| a(row, k) * b(k, col)).sum();
-        (got != want).then(|| format!("D({row}, {col}) = {got}, not {want}"))
+        (got != want).then(|| format!("D({row}, {col}) = {got}, not {want}, with {}", loads[at / 128]))
     })
 }
 
@@ -2826,15 +2828,21 @@ mod tests {
         };
         let place =
             |at: usize| ((at / 16) as i64 + 8 * ((at % 4) as i64 >> 1), 2 * ((at / 4) % 4) as i64 + (at % 2) as i64);
-        let right: Vec<f32> = (0..MMA_CHECK_VALUES).map(|at| product(place(at).0, place(at).1)).collect();
+        let right: Vec<f32> = (0..MMA_CHECK_VALUES).map(|at| product(place(at % 128).0, place(at % 128).1)).collect();
         assert_eq!(mma_check_error(&right), None);
-        let mut one_off = right.clone();
-        one_off[77] += 1.0;
-        assert!(mma_check_error(&one_off).unwrap().contains("D(4, 7) = "), "{:?}", mma_check_error(&one_off));
+        // One value off, in each product: named with its place and the product's loads.
+        for (j, loads) in
+            ["B's fragments in registers", "B through ldmatrix", "B through ldmatrix's transpose"].iter().enumerate()
+        {
+            let mut one_off = right.clone();
+            one_off[128 * j + 77] += 1.0;
+            let why = mma_check_error(&one_off).unwrap();
+            assert!(why.starts_with("D(4, 7) = ") && why.ends_with(&format!("with {loads}")), "{why}");
+        }
         // The accumulator's rows and columns swapped (a layout this GPU does not have) fail.
-        let swapped: Vec<f32> = (0..MMA_CHECK_VALUES).map(|at| product(place(at).1, place(at).0)).collect();
+        let swapped: Vec<f32> = (0..MMA_CHECK_VALUES).map(|at| product(place(at % 128).1, place(at % 128).0)).collect();
         assert!(mma_check_error(&swapped).is_some());
-        assert_eq!(mma_check_error(&right[..4]), Some("4 values, not 128".into()));
+        assert_eq!(mma_check_error(&right[..4]), Some("4 values, not 384".into()));
     }
 
     #[test]
