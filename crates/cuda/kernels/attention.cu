@@ -525,6 +525,25 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // their limit on an H100: 5 ms for GPT-2's forward, 9 for dk and dv.)
 
 #define MMA_WARPS 4
+
+// The exponentials of the kernels below, as FlashAttention takes them: e^x as 2^(x log2 e), with
+// log2 e folded into the scores' scale (LOG2E; a log-sum-exp read is multiplied by it, one written
+// comes back by LN2), and 2^y by the multi-function unit (`ex2.approx.ftz.f32`: within 2 units in
+// the last place, a subnormal result flushed to zero, 2^-inf = 0): two instructions an element where
+// expf takes about eight. Their results are a few units in the last place from expf's, far below
+// the rounding that P and dS meet before their products.
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+__device__ __forceinline__ float exp2_fast(float y) {
+#ifdef MEMFIT_EMULATOR
+    const float r = exp2f(y);
+    return r < 1.17549435e-38f ? 0.0f : r;
+#else
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    return r;
+#endif
+}
 #define MMA_ROWS (16 * MMA_WARPS)
 
 // The rounded copies of a launch's operands (the output's gradient: backward only).
@@ -691,12 +710,13 @@ __device__ __forceinline__ void seen_scores(float (&s)[NS][4], float (&top)[2], 
         }
 }
 
-// D and dq's tile: the probabilities P from the scores s and the rows' log-sum-exp lr (exp(-inf) =
-// 0 where unseen: a select, not a branch); pass 0 adds P dP into part, pass 1 turns s into dS.
+// D and dq's tile: the probabilities P from the scores s and the rows' log-sum-exp lr (both in base
+// 2: scale2 is the scale times LOG2E, lr the log-sum-exp times LOG2E; 2^-inf = 0 where unseen: a
+// select, not a branch); pass 0 adds P dP into part, pass 1 turns s into dS.
 template <bool MASKED, int NS>
 __device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (&dp)[NS][4], float (&part)[2], const int (&limit)[2],
                                                 const unsigned char* masked, const Visible& vis, i64 row, i64 j0, const float (&lr)[2],
-                                                const float (&dr)[2], int pass, float scale) {
+                                                const float (&dr)[2], int pass, float scale, float scale2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int n = 0; n < NS; ++n)
@@ -704,18 +724,18 @@ __device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (
         for (int e = 0; e < 4; ++e) {
             const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
             const bool seen = c < limit[h] && !(MASKED && masked[(row + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
-            const float prob = expf(seen ? scale * s[n][e] - lr[h] : -INFINITY);
+            const float prob = exp2_fast(seen ? scale2 * s[n][e] - lr[h] : -INFINITY);
             if (pass == 0) part[h] += prob * dp[n][e];
             else s[n][e] = prob * (dp[n][e] - dr[h]) * scale;
         }
 }
 
 // dk and dv's tile, transposed (this thread's keys `key` and `key + 8` by the query tile's columns
-// from r0, seen for first <= c < last): st becomes P^T, dpt dS^T.
+// from r0, seen for first <= c < last): st becomes P^T, dpt dS^T (P in base 2 as query_gradients').
 template <bool MASKED, int NS>
 __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[NS][4], const int (&first)[2], const int (&last)[2],
                                               const unsigned char* masked, const Visible& vis, i64 r0, i64 key, const float* l_row,
-                                              const float* d_row, float scale) {
+                                              const float* d_row, float scale, float scale2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int n = 0; n < NS; ++n)
@@ -723,7 +743,7 @@ __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[N
         for (int e = 0; e < 4; ++e) {
             const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
             const bool seen = c >= first[h] && c < last[h] && !(MASKED && masked[(r0 + c) * vis.mrow + (key + 8 * h) * vis.mcol]);
-            const float prob = expf(seen ? scale * st[n][e] - l_row[c] : -INFINITY);
+            const float prob = exp2_fast(seen ? scale2 * st[n][e] - LOG2E * l_row[c] : -INFINITY);
             dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * scale : 0.0f;
             st[n][e] = prob;
         }
@@ -764,8 +784,9 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks[buf], LD);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-        if (masked) seen_scores<true>(s, top, limit, masked, vis, rw + g, j0, p.scale);
-        else seen_scores<false>(s, top, limit, masked, vis, rw + g, j0, p.scale);
+        // Scores in base 2 (times LOG2E), so their exponentials are exp2_fast's.
+        if (masked) seen_scores<true>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+        else seen_scores<false>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
         // The exponentials' base: the running max, or 0 while a row has seen nothing (every score
         // then -inf, so each exponential is 0, and alpha multiplies zeros): no branch an element.
         float alpha[2], base[2];
@@ -773,7 +794,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         for (int h = 0; h < 2; ++h) {
             float mnew = fmaxf(m[h], quad<true>(top[h]));
             base[h] = mnew == -INFINITY ? 0.0f : mnew;
-            alpha[h] = expf(m[h] - base[h]);
+            alpha[h] = exp2_fast(m[h] - base[h]);
             m[h] = mnew;
             l[h] *= alpha[h];
         }
@@ -781,7 +802,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[n][e] = expf(s[n][e] - base[e >> 1]);
+                s[n][e] = exp2_fast(s[n][e] - base[e >> 1]);
                 l[e >> 1] += s[n][e];
             }
 #pragma unroll
@@ -808,7 +829,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
                 int col = 8 * c + 2 * t + e;
                 if (col < p.dv) row[col] = o[c][2 * h + e] * inv;
             }
-        if (lse && t == 0) lse[i * p.tq + r] = l[h] > 0.0f ? m[h] + logf(l[h]) : -INFINITY;
+        if (lse && t == 0) lse[i * p.tq + r] = l[h] > 0.0f ? LN2 * m[h] + logf(l[h]) : -INFINITY;
     }
     __syncthreads();
 }
@@ -840,7 +861,7 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         i64 r = rw + g + 8 * h;
-        lr[h] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
+        lr[h] = r < p.tq ? LOG2E * lse[i * p.tq + r] : 0.0f;
         dr[h] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
     }
     const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
@@ -863,8 +884,8 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         product<KIND>(s, qa, ks[buf], LD);
         product<KIND>(dp_, ga, vs[buf], LD);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-        if (masked) query_gradients<true>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale);
-        else query_gradients<false>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale);
+        if (masked) query_gradients<true>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale, p.scale * LOG2E);
+        else query_gradients<false>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale, p.scale * LOG2E);
         if (pass == 1) accumulate<KIND>(acc, s, ks[buf], LD);
         __syncthreads();
     }
@@ -950,8 +971,8 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
             last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
             first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
         }
-        if (masked) key_gradients<true>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale);
-        else key_gradients<false>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale);
+        if (masked) key_gradients<true>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
+        else key_gradients<false>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
         // dv += P^T dO and dk += dS^T Q.
         accumulate<KIND>(dv, st, gs[buf], LD);
         accumulate<KIND>(dk, dpt, qs[buf], LD);
