@@ -910,6 +910,8 @@ fn plan(a: PlanArgs) -> Result<(), String> {
         segments: Segments::or_default(a.segments, a.memory).on(a.device.target()),
         evaluate: true,
         optimizer_step: OptimizerStep::or_default(a.optimizer_step, a.memory),
+        // A plan knows no run length: whole windows (a run adds its data's last window).
+        last_window: None,
     };
     let single = memfit_train::plan(&request);
     let devices = match a.devices.filter(|&n| n > 1) {

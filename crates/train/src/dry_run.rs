@@ -6,8 +6,12 @@
 //! [`representative_window`]: the micro-batches of a real window are a first one (which creates the
 //! gradients), identical middle ones (each leaves the allocator as it found it) and a last, possibly
 //! partial one, so a window of the first two and the last has the peak of any window of the same
-//! micro-batches (`train/tests/planning.rs` checks it against full windows). Candidate micro-batches
-//! are searched up to [`search_limit`]: no micro-batch fits whose inputs alone exceed the budget.
+//! micro-batches (`train/tests/planning.rs` checks it against full windows). Where a run reaches an
+//! epoch's end and its data leaves a last window smaller than the batch, the dry run trains that
+//! window too, compressed the same way, after its whole windows and before one more: its smaller
+//! micro-batches can leave the cache holding other segments (a GPT epoch on Moby Dick reserved 4-10
+//! MiB past a prediction made of whole windows only). Candidate micro-batches are searched up to
+//! [`search_limit`]: no micro-batch fits whose inputs alone exceed the budget.
 
 use crate::config::ParallelMode;
 use crate::error::TrainError;
@@ -56,6 +60,11 @@ pub struct PlanRequest {
     /// Where the optimizer steps (`auto`: the planner tries after backward, then inside it; a dry
     /// run of an unresolved `auto` steps after).
     pub optimizer_step: crate::config::OptimizerStep,
+    /// The samples of an epoch's last window, where the data leaves fewer than `effective_batch`
+    /// after whole windows and the run trains that far (None: every window it trains is whole; what
+    /// `memfit plan`, which knows no run length, assumes). Dry runs then train one between whole
+    /// windows, as a run does at each epoch's end (Note [Bounded planning]).
+    pub last_window: Option<usize>,
 }
 
 impl PlanRequest {
@@ -147,7 +156,7 @@ pub fn predict_rank(
 pub fn dry_run_on(
     req: &PlanRequest,
     capacity: Option<u64>,
-    program: (Box<dyn Samples>, Box<dyn Samples>, RunOptions),
+    program: DryRun,
     evaluate: bool,
     build: impl FnOnce(Device) -> Result<Session, TrainError>,
 ) -> Result<Option<Prediction>, TrainError> {
@@ -173,12 +182,34 @@ pub fn dry_run_on(
         false => crate::config::OptimizerStep::After,
     };
     session.set_optimizer_step(step)?;
-    let (train, val, opts) = program;
-    let val: Option<&dyn Samples> = if evaluate { Some(val.as_ref()) } else { None };
-    match session.run(train.as_ref(), val, &opts, &mut |_| {}) {
+    match program.run(&mut session, evaluate, false) {
         Ok(_) => Ok(Some(prediction_of(&device))),
         Err(e) if e.as_oom().is_some() => Ok(None),
         Err(e) => Err(e),
+    }
+}
+
+/// What a dry run trains and evaluates (Note [Bounded planning]): phases run one after another on
+/// one session (windows of synthetic samples shaped like the model's input), then one evaluation
+/// micro-batch.
+pub struct DryRun {
+    /// `PLAN_STEPS` whole windows; where the request has an epoch's last window, that window, then
+    /// one more whole window (the next epoch's first).
+    pub phases: Vec<(Box<dyn Samples>, RunOptions)>,
+    pub val: Box<dyn Samples>,
+}
+
+impl DryRun {
+    /// Runs the phases on `session` in order, with recovery when `recover`, evaluating after the last
+    /// when `evaluate`: the out-of-memory recoveries of all of them.
+    pub fn run(&self, session: &mut Session, evaluate: bool, recover: bool) -> Result<usize, TrainError> {
+        let mut recoveries = 0;
+        for (i, (train, opts)) in self.phases.iter().enumerate() {
+            let val: Option<&dyn Samples> = (evaluate && i + 1 == self.phases.len()).then_some(self.val.as_ref());
+            let opts = RunOptions { recover, ..opts.clone() };
+            recoveries += session.run(train.as_ref(), val, &opts, &mut |_| {})?.oom_recoveries;
+        }
+        Ok(recoveries)
     }
 }
 
@@ -197,21 +228,16 @@ pub fn prediction_of(device: &Device) -> Prediction {
     }
 }
 
-/// The program a dry run executes: synthetic samples shaped like the model's input (images or token
-/// windows), `PLAN_STEPS` full windows, one evaluation micro-batch, recovery off. Running it on `cpu`
-/// with the same capacity reproduces the prediction exactly.
-pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
+/// The program a dry run executes ([`DryRun`]) for training micro-batches of `micro` and an
+/// evaluation micro-batch of `eval_micro`. Running it on `cpu` with the same capacity reproduces the
+/// prediction exactly.
+pub fn dry_run(req: &PlanRequest, micro: usize, eval_micro: usize) -> DryRun {
     dry_run_rank(req, None, micro, eval_micro, 1)
 }
 
 /// [`dry_run`] for a pipeline stage, whose window runs in rounds of `round` micro-batches (Note
 /// [Pipeline]): a round plays the part of a micro-batch in the representative window.
-pub fn dry_run_rounds(
-    req: &PlanRequest,
-    micro: usize,
-    eval_micro: usize,
-    round: usize,
-) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
+pub fn dry_run_rounds(req: &PlanRequest, micro: usize, eval_micro: usize, round: usize) -> DryRun {
     dry_run_rank(req, None, micro, eval_micro, round)
 }
 
@@ -223,30 +249,41 @@ fn dry_run_rank(
     micro: usize,
     eval_micro: usize,
     round: usize,
-) -> (Box<dyn Samples>, Box<dyn Samples>, RunOptions) {
-    let (local, size) = match rank {
-        Some((r, size)) => (memfit_dist::partition::shard(req.effective_batch, r, size).len().max(1), size),
-        None => (req.effective_batch, 1),
+) -> DryRun {
+    let (r, size) = rank.unwrap_or((0, 1));
+    // This rank's shard of a window of `n` samples, compressed (Note [Bounded planning]), times the
+    // ranks: a window whose shard of each rank is what that rank trains on.
+    let compressed = |n: usize| {
+        let local = memfit_dist::partition::shard(n, r, size).len();
+        let kept = match round {
+            _ if local == 0 => 0,
+            1 => representative_window(local, micro),
+            _ => representative_window(local, micro.saturating_mul(round)).min(local),
+        };
+        kept * size
     };
-    let window = if round > 1 {
-        representative_window(local, micro.saturating_mul(round)).min(local)
-    } else {
-        representative_window(local, micro)
-    } * size;
-    let train = synthetic(&req.model, PLAN_STEPS * window, req.seed);
-    let val = synthetic(&req.model, eval_micro * size, req.seed);
-    let opts = RunOptions {
-        effective_batch: window,
-        micro_batch: micro,
-        eval_micro_batch: eval_micro,
-        epochs: Some(1),
-        max_steps: Some(PLAN_STEPS),
-        data_seed: req.seed,
-        recover: false,
-        grow_after: usize::MAX,
-        record_samples: false,
+    let window = compressed(req.effective_batch).max(size);
+    let phase = |windows: usize, samples: usize| {
+        let opts = RunOptions {
+            effective_batch: samples,
+            micro_batch: micro,
+            eval_micro_batch: eval_micro,
+            epochs: Some(1),
+            max_steps: Some(windows),
+            data_seed: req.seed,
+            recover: false,
+            grow_after: usize::MAX,
+            record_samples: false,
+        };
+        (synthetic(&req.model, windows * samples, req.seed), opts)
     };
-    (train, val, opts)
+    let mut phases = vec![phase(PLAN_STEPS, window)];
+    // An epoch's last window, then the next epoch's first.
+    let last = req.last_window.filter(|&n| n < req.effective_batch).map_or(0, compressed);
+    if last > 0 {
+        phases.extend([phase(1, last), phase(1, window)]);
+    }
+    DryRun { phases, val: synthetic(&req.model, eval_micro * size, req.seed) }
 }
 
 /// The window a dry run trains on for an effective batch of `effective` in micro-batches of `micro`

@@ -120,7 +120,15 @@ fn train_in_pool(
         ));
     }
     let spec = task.spec.clone();
-    let request = plan_request(cfg, &spec, batch_size, group.as_deref())?;
+    let request = PlanRequest {
+        last_window: last_window_reached(
+            cfg,
+            train_samples.len(),
+            batch_size,
+            resumed.as_ref().map_or(0, |c| c.state.progress.steps),
+        )?,
+        ..plan_request(cfg, &spec, batch_size, group.as_deref())?
+    };
     let staged = plan_pipeline(cfg, &request, group.as_deref(), observer)?;
     planner::check_smallest(&request)?;
     check_last_window(&spec, train_samples.len(), batch_size)?;
@@ -322,6 +330,7 @@ fn plan_request(
         segments: cfg.segments.on(cfg.device.target()),
         evaluate: cfg.evaluate,
         optimizer_step: cfg.optimizer_step,
+        last_window: None,
     };
     // Ranks and fp16 storage need every gradient before any update: `auto` steps after backward.
     let optimizer_step = match request.optimizer_step {
@@ -335,6 +344,21 @@ fn plan_request(
         Some(g) => shared_costs(request, g, cfg.parallel == Some(ParallelMode::Pipeline)),
         None => Ok(request),
     }
+}
+
+/// The samples of an epoch's last window when the data leaves fewer than `batch` after whole windows
+/// and the run, from step `done` (a resumed run's), trains one (a run that stops before an epoch's
+/// end never holds it): what the plan's dry runs add to the whole windows (Note [Bounded planning]).
+fn last_window_reached(
+    cfg: &TrainConfig,
+    samples: usize,
+    batch: usize,
+    done: usize,
+) -> Result<Option<usize>, TrainError> {
+    let (per_epoch, last) = (samples.div_ceil(batch.max(1)).max(1), samples % batch.max(1));
+    let total = crate::config::total_steps(per_epoch, cfg.epochs, cfg.max_steps)?;
+    // Step s (from 1) trains an epoch's last window when s is a multiple of per_epoch.
+    Ok((last > 0 && total / per_epoch > done / per_epoch).then_some(last))
 }
 
 /// Errors when an epoch's last window (what the data leaves after whole batches) is smaller than the
@@ -795,5 +819,28 @@ fn check_vocab(path: &std::path::Path, task: &Task) -> Result<(), TrainError> {
             "checkpoint {} has no vocabulary: it was not saved by `memfit train --model gpt`",
             path.display()
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run holds an epoch's last window only where the data leaves one and some step it takes ends
+    /// an epoch: 274 samples in batches of 37 make epochs of 8 steps, the 8th of 15 samples.
+    #[test]
+    fn the_last_window_is_planned_where_a_step_ends_an_epoch() {
+        let run =
+            |epochs: Option<usize>, max_steps: Option<usize>| TrainConfig { epochs, max_steps, ..Default::default() };
+        let last =
+            |cfg: &TrainConfig, samples: usize, done: usize| last_window_reached(cfg, samples, 37, done).unwrap();
+        assert_eq!(last(&run(None, Some(7)), 274, 0), None, "seven steps stop before the epoch's end");
+        assert_eq!(last(&run(None, Some(8)), 274, 0), Some(15));
+        assert_eq!(last(&run(Some(1), None), 274, 0), Some(15));
+        assert_eq!(last(&run(Some(2), None), 296, 0), None, "296 is eight whole batches");
+        // Resumed at step 8 (past the first epoch's end), to step 15: not the second's (step 16).
+        assert_eq!(last(&run(None, Some(15)), 274, 8), None);
+        assert_eq!(last(&run(None, Some(16)), 274, 8), Some(15));
+        assert_eq!(last(&run(None, Some(9)), 274, 7), Some(15), "step 8 is still to come");
     }
 }

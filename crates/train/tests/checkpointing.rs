@@ -76,11 +76,10 @@ fn checkpointing_lowers_the_peak_and_planned_checkpointed_runs_peak_as_predicted
     let dev = device(DeviceKind::Cpu, Some(capacity), None);
     let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
     session.set_checkpointing(&req.checkpoint).unwrap();
-    let (train, val, mut o) = dry_run(&req, ckpt_plan.micro_batch, ckpt_plan.eval_micro_batch);
-    o.recover = true;
-    let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+    let recoveries =
+        dry_run(&req, ckpt_plan.micro_batch, ckpt_plan.eval_micro_batch).run(&mut session, true, true).unwrap();
     let stats = dev.stats();
-    assert_eq!((stats.num_ooms, outcome.oom_recoveries), (0, 0), "the planned run never ran out of memory");
+    assert_eq!((stats.num_ooms, recoveries), (0, 0), "the planned run never ran out of memory");
     assert_eq!(stats.allocated_bytes.peak, ckpt_plan.predicted.peak_allocated);
     assert_eq!(stats.reserved_bytes.peak, ckpt_plan.predicted.peak_reserved);
 }

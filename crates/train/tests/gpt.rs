@@ -137,12 +137,10 @@ fn planned_gpt_runs_fit_and_peak_exactly_as_predicted() {
         accumulated += usize::from(plan.micro_batch < effective);
         let dev = device(DeviceKind::Cpu, Some(capacity), None);
         let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
-        let (train, val, mut o) = dry_run(&req, plan.micro_batch, plan.eval_micro_batch);
-        o.recover = true;
-        let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+        let recoveries = dry_run(&req, plan.micro_batch, plan.eval_micro_batch).run(&mut session, true, true).unwrap();
         let stats = dev.stats();
         assert_eq!(stats.num_ooms, 0, "the planned run never hit out-of-memory");
-        assert_eq!(outcome.oom_recoveries, 0);
+        assert_eq!(recoveries, 0);
         assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated);
         assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved);
     }

@@ -38,9 +38,7 @@ fn a_planned_exported_model_peaks_exactly_as_predicted() {
     assert!(plan.micro_batch < effective, "half the whole batch's peak makes it accumulate");
     let dev = device(DeviceKind::Cpu, Some(capacity), None);
     let mut session = Session::new(dev.clone(), &spec, adamw(), 5).unwrap();
-    let (train, val, mut o) = dry_run(&req(Some(capacity)), plan.micro_batch, plan.eval_micro_batch);
-    o.recover = true;
-    session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+    dry_run(&req(Some(capacity)), plan.micro_batch, plan.eval_micro_batch).run(&mut session, true, true).unwrap();
     let stats = dev.stats();
     assert_eq!(stats.num_ooms, 0);
     assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated);

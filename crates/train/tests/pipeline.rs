@@ -123,6 +123,7 @@ fn auto_stages_checkpoint_their_blocks_only_where_nothing_else_fits() {
         segments,
         evaluate: true,
         optimizer_step: Default::default(),
+        last_window: None,
     };
     let peak = |checkpoint| {
         let plan = memfit_train::stages::plan_stages(&request(None, checkpoint, Segments::Fixed), 2, None).unwrap();

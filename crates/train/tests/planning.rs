@@ -7,7 +7,7 @@ use memfit_nn::{ModelKind, ModelSpec};
 use memfit_tensor::DeviceKind;
 use memfit_train::plan;
 use memfit_train::planner::{dry_run, predict, PlanRequest};
-use memfit_train::{Session, TrainError};
+use memfit_train::{RunOptions, Session, TrainError};
 
 fn request(kind: ModelKind, effective: usize, capacity: Option<u64>) -> PlanRequest {
     plan_request(ModelSpec::image(kind, [1, 28, 28], 10), effective, capacity)
@@ -31,12 +31,11 @@ fn planned_runs_fit_and_peak_exactly_as_predicted() {
             // Run the planned configuration on cpu with the real capacity.
             let dev = device(DeviceKind::Cpu, Some(capacity), None);
             let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
-            let (train, val, mut o) = dry_run(&req, plan.micro_batch, plan.eval_micro_batch);
-            o.recover = true;
-            let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+            let recoveries =
+                dry_run(&req, plan.micro_batch, plan.eval_micro_batch).run(&mut session, true, true).unwrap();
             let stats = dev.stats();
             assert_eq!(stats.num_ooms, 0, "{kind:?}: the planned run never hit out-of-memory");
-            assert_eq!(outcome.oom_recoveries, 0);
+            assert_eq!(recoveries, 0);
             assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated, "{kind:?} allocated peak");
             assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved, "{kind:?} reserved peak");
         }
@@ -100,10 +99,10 @@ fn a_dry_run_of_the_representative_window_peaks_like_the_whole_window() {
             let bounded = predict(&req, micro, Some(micro), None).unwrap().unwrap();
             let dev = device(DeviceKind::META, None, None);
             let mut session = Session::new(dev.clone(), &req.model, req.optimizer, req.seed).unwrap();
-            let (_, val, mut o) = dry_run(&req, micro, micro);
-            o.effective_batch = effective;
+            let program = dry_run(&req, micro, micro);
+            let o = RunOptions { effective_batch: effective, ..program.phases[0].1.clone() };
             let whole = synthetic(&req.model, PLAN_STEPS * effective, req.seed);
-            session.run(whole.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+            session.run(whole.as_ref(), Some(program.val.as_ref()), &o, &mut |_| {}).unwrap();
             let stats = dev.stats();
             let what = format!("{kind:?} batch {effective} in micro-batches of {micro}");
             assert_eq!(stats.allocated_bytes.peak, bounded.peak_allocated, "{what}: allocated peak");

@@ -158,6 +158,7 @@ fn auto_precision_takes_bf16_only_where_it_is_needed_and_the_plan_holds() {
         segments: Default::default(),
         evaluate: true,
         optimizer_step: Default::default(),
+        last_window: None,
     };
     let need = |p| predict(&request(None, p), 64, Some(64), None).unwrap().unwrap().peak_reserved;
     let (fp32, bf16) = (need(Precision::Fp32), need(Precision::Bf16));

@@ -108,11 +108,11 @@ pub fn assert_plan_holds_on_cpu(req: &memfit_train::PlanRequest, plan: &memfit_t
     session.set_checkpointing(&fixed.checkpoint).unwrap();
     session.set_precision(fixed.precision).unwrap();
     session.set_optimizer_step(fixed.optimizer_step).unwrap();
-    let (train, val, mut o) = memfit_train::planner::dry_run(&fixed, plan.micro_batch, plan.eval_micro_batch);
-    o.recover = true;
-    let outcome = session.run(train.as_ref(), Some(val.as_ref()), &o, &mut |_| {}).unwrap();
+    let recoveries = memfit_train::planner::dry_run(&fixed, plan.micro_batch, plan.eval_micro_batch)
+        .run(&mut session, true, true)
+        .unwrap();
     let stats = dev.stats();
-    assert_eq!((stats.num_ooms, outcome.oom_recoveries), (0, 0), "the planned run never ran out of memory");
+    assert_eq!((stats.num_ooms, recoveries), (0, 0), "the planned run never ran out of memory");
     assert_eq!(stats.reserved_bytes.peak, plan.predicted.peak_reserved);
     assert_eq!(stats.allocated_bytes.peak, plan.predicted.peak_allocated);
 }
@@ -136,5 +136,6 @@ pub fn plan_request(model: ModelSpec, effective: usize, capacity: Option<u64>) -
         segments: Default::default(),
         evaluate: true,
         optimizer_step: Default::default(),
+        last_window: None,
     }
 }
