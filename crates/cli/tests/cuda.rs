@@ -101,13 +101,18 @@ fn plan_for_cuda_needs_no_gpu_and_counts_its_workspace() {
 /// `report`, with the emulated GPU (`MEMFIT_CUDA_EMULATOR=1`: memfit's CUDA kernel sources compiled
 /// for the host, cuBLAS's contract by its definition) behind `--device cuda`.
 fn emulated_report(args: &[&str], name: &str) -> Value {
+    emulated_report_as("1", args, name)
+}
+
+/// [`emulated_report`] with `MEMFIT_CUDA_EMULATOR=mode`.
+fn emulated_report_as(mode: &str, args: &[&str], name: &str) -> Value {
     let dir = std::env::temp_dir().join(format!("memfit-cuda-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     let all = [args, &["--device", "cuda", "--report", path.to_str().unwrap()]].concat();
     let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
         .args(&all)
-        .env("MEMFIT_CUDA_EMULATOR", "1")
+        .env("MEMFIT_CUDA_EMULATOR", mode)
         .output()
         .expect("the memfit binary runs");
     assert!(out.status.success(), "memfit {all:?} on the emulated GPU failed:\n{}", text(&out));
@@ -203,4 +208,24 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     assert!(injected["oom_recoveries"].as_u64().unwrap() > 0, "{injected}");
     assert_eq!(plain["final_train_loss"], injected["final_train_loss"], "recovery changed the update");
     assert_eq!(plain["samples_seen"], injected["samples_seen"]);
+}
+
+/// `MEMFIT_CUDA_EMULATOR=host`: the emulated GPU with no arithmetic (a step's host work alone, what
+/// a GPU step cannot go below) takes the paths a GPU takes, with its allocations: meta:cuda's peaks
+/// to the byte, attention on the tensor cores (their check still runs), and losses of zero (nothing
+/// computed them).
+#[test]
+fn the_host_only_emulator_allocates_as_the_gpu_without_arithmetic() {
+    let args = ["train", "--model", "gpt", "--layers", "1", "--d-model", "32", "--context", "16", "--batch-size", "4"];
+    let args = [&args[..], &["--max-steps", "2", "--no-eval", "--precision", "bf16"]].concat();
+    let host = emulated_report_as("host", &args, "host-only.json");
+    let meta = report(&[&args[..], &["--device", "meta:cuda"]].concat(), "host-only-meta-cuda.json");
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes", "peak_by_category", "num_allocations"] {
+        assert_eq!(host[key], meta[key], "{key}");
+    }
+    assert_eq!(
+        host["kernels_used"],
+        serde_json::json!(["attention: tensor cores", "bias: broadcast before the product"])
+    );
+    assert_eq!(host["final_train_loss"].as_f64(), Some(0.0), "{}", host["final_train_loss"]);
 }

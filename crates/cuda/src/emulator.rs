@@ -10,6 +10,11 @@
 //! Memory is host memory (an address is a host address); products are plain loops that follow
 //! cuBLAS's column-major definition to the letter (a bf16 or fp16 product's operands rounded as
 //! Notes [bf16 products] and [fp16 products] in `memfit-kernels` define).
+//!
+//! `MEMFIT_CUDA_EMULATOR=host` is the same machine with no arithmetic: launches and products are
+//! checked and return at once (only the tensor cores' check runs, so the backend takes the paths it
+//! takes on a GPU), so a step's time is the host's own work for it (the op layer, the launchers,
+//! the allocator): what a GPU step cannot go below, measured on a machine without one.
 
 use crate::kernels::{cache_dir, fnv1a, source_of, SOURCES};
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
@@ -24,13 +29,21 @@ const HEADER: &str = include_str!("../emulator/emulator.h");
 
 /// The memory the emulated GPU says it has.
 pub const EMULATED_BYTES: u64 = 4 << 30;
+/// What it says it has with no arithmetic ([`host_only`]): an H100's, for GPT-2-sized steps (pages
+/// nothing writes are never touched).
+pub const HOST_ONLY_BYTES: u64 = 80 << 30;
 
 /// The variable that makes `--device cuda` use the emulator.
 pub const EMULATOR_VARIABLE: &str = "MEMFIT_CUDA_EMULATOR";
 
-/// True when `MEMFIT_CUDA_EMULATOR=1`.
+/// True when `MEMFIT_CUDA_EMULATOR=1` (or `=host`: [`host_only`]).
 pub fn requested() -> bool {
-    std::env::var_os(EMULATOR_VARIABLE).is_some_and(|v| v == "1")
+    std::env::var_os(EMULATOR_VARIABLE).is_some_and(|v| v == "1" || v == "host")
+}
+
+/// True when `MEMFIT_CUDA_EMULATOR=host`: kernels and products do nothing (the module's doc).
+pub fn host_only() -> bool {
+    std::env::var_os(EMULATOR_VARIABLE).is_some_and(|v| v == "host")
 }
 
 /// Entry point of one emulated kernel: `grid` blocks of `block` threads over `params`.
@@ -46,6 +59,8 @@ pub struct Emulator {
     /// Expandable segments' address space: host reservations (the host backend's, which checks every
     /// range against them), by base address and size.
     reserved: Mutex<(memfit_memory::HostBackend, std::collections::BTreeMap<u64, usize>)>,
+    /// [`host_only`]: launches (but the tensor cores' check) and products do nothing.
+    host_only: bool,
 }
 
 impl Emulator {
@@ -62,6 +77,7 @@ impl Emulator {
             blocks: Mutex::new(HashMap::new()),
             pinned: Mutex::new(HashMap::new()),
             reserved: Mutex::new(Default::default()),
+            host_only: host_only(),
         })
     }
 
@@ -79,6 +95,15 @@ impl Emulator {
         };
         entries.insert(name.to_string(), entry);
         Ok(entry)
+    }
+
+    /// The memory it says it has.
+    fn capacity(&self) -> u64 {
+        if self.host_only {
+            HOST_ONLY_BYTES
+        } else {
+            EMULATED_BYTES
+        }
     }
 
     fn allocated(&self) -> u64 {
@@ -150,7 +175,10 @@ impl Machine for Emulator {
     }
 
     fn description(&self) -> String {
-        "memfit's CUDA emulator (kernels run on the host)".to_string()
+        match self.host_only {
+            true => "memfit's CUDA emulator, host only (kernels do nothing)".to_string(),
+            false => "memfit's CUDA emulator (kernels run on the host)".to_string(),
+        }
     }
 
     fn max_blocks(&self) -> u32 {
@@ -158,13 +186,13 @@ impl Machine for Emulator {
     }
 
     fn free_bytes(&self) -> Result<u64, CudaError> {
-        Ok(EMULATED_BYTES.saturating_sub(self.allocated()))
+        Ok(self.capacity().saturating_sub(self.allocated()))
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64, CudaError> {
         let out_of_memory =
             || CudaError::Call { what: format!("allocating {bytes} B"), detail: "out of memory".into() };
-        if bytes == 0 || self.allocated() + bytes as u64 > EMULATED_BYTES {
+        if bytes == 0 || self.allocated() + bytes as u64 > self.capacity() {
             return Err(out_of_memory());
         }
         let layout = Layout::from_size_align(bytes, 512).map_err(|_| out_of_memory())?;
@@ -257,7 +285,7 @@ impl Machine for Emulator {
     fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<(), CudaError> {
         let entry = self.entry(name)?;
         let mut params: Vec<*mut std::ffi::c_void> = args.iter_mut().map(Arg::address).collect();
-        if shape.grid == 0 {
+        if shape.grid == 0 || (self.host_only && !name.starts_with("attention_mma_check")) {
             return Ok(());
         }
         // SAFETY: the kernel's parameters are `args` in order (the launcher's contract, as for
@@ -283,6 +311,9 @@ impl Machine for Emulator {
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || g.dtype != GemmType::F32) {
             return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32"));
+        }
+        if self.host_only {
+            return Ok(());
         }
         match g.dtype {
             GemmType::F32 => gemm_host::<f32, f32>(g, |v| v),
