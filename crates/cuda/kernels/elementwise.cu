@@ -140,3 +140,14 @@ __device__ unsigned char compare_of(int op, T a, T b) {
 
 FLOAT_KERNELS(float, f32)
 FLOAT_KERNELS(double, f64)
+
+// unary_f32 then the rounding of a product's operand (KIND 1: bfloat16, 2: binary16; common.cuh's
+// operand_bits, as round_operands gives them): y[i] the operand bits of op(x[i]), for an activation
+// only a product reads (GELU-linear's block on a GPU: one 16-bit write, where the f32 block was
+// written, read and rounded into the rounding workspace).
+template <int KIND>
+__device__ void unary_operands(int op, const float* x, unsigned short* y, i64 n) {
+    GRID_STRIDE(i, n) y[i] = (unsigned short)operand_bits<KIND>(unary_of<float>(op, x[i]));
+}
+extern "C" __global__ void unary_operands_bf16(int op, const float* x, unsigned short* y, i64 n) { unary_operands<1>(op, x, y, n); }
+extern "C" __global__ void unary_operands_f16(int op, const float* x, unsigned short* y, i64 n) { unary_operands<2>(op, x, y, n); }

@@ -133,8 +133,10 @@ fn blocks(m: usize, n: usize, k: usize, capacity: usize) -> (usize, usize, usize
 
 /// The steps that compute `g` (a [`GemmType::F32Bf16`] or [`GemmType::F32F16`] product, no bias)
 /// through a workspace of `capacity` two-byte elements at `workspace`; None when `g` is not such a
-/// product or the workspace holds fewer than 16 elements.
-pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<RoundedStep>> {
+/// product or the workspace holds fewer than 16 elements. `rounded[0]` (`[1]`): `g.a` (`g.b`) holds
+/// the operand's 16-bit bits already (a kernel wrote them so: GELU-linear's activation), laid out as
+/// `g` says in two-byte elements; the products read it where it is and nothing rounds it.
+pub fn rounded_steps(g: &Gemm, rounded: [bool; 2], workspace: u64, capacity: usize) -> Option<Vec<RoundedStep>> {
     let kind = match g.dtype {
         GemmType::F32Bf16 => GemmType::Bf16,
         GemmType::F32F16 => GemmType::F16,
@@ -148,46 +150,54 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
     if m == 0 || n == 0 || k == 0 || g.batch == 0 {
         return Some(steps);
     }
+    // The bytes of an element of A and of B as stored (two where already rounded).
+    let size = |pre: bool| if pre { 2 } else { 4 };
     // Op(A)'s block rows i0.., columns l0.. as stored (k x m when transposed), likewise op(B)'s
     // block rows l0.., columns j0.. (n x k when transposed): (address, rows, cols).
     let block_a = |i0: usize, mc: usize, l0: usize, kc: usize, matrix: usize| {
-        let base = g.a + 4 * (matrix * g.stride_a) as u64;
+        let base = g.a + size(rounded[0]) * (matrix * g.stride_a) as u64;
         if g.transa {
-            (base + 4 * (l0 + i0 * g.lda) as u64, kc, mc)
+            (base + size(rounded[0]) * (l0 + i0 * g.lda) as u64, kc, mc)
         } else {
-            (base + 4 * (i0 + l0 * g.lda) as u64, mc, kc)
+            (base + size(rounded[0]) * (i0 + l0 * g.lda) as u64, mc, kc)
         }
     };
     let block_b = |l0: usize, kc: usize, j0: usize, nc: usize, matrix: usize| {
-        let base = g.b + 4 * (matrix * g.stride_b) as u64;
+        let base = g.b + size(rounded[1]) * (matrix * g.stride_b) as u64;
         if g.transb {
-            (base + 4 * (j0 + l0 * g.ldb) as u64, nc, kc)
+            (base + size(rounded[1]) * (j0 + l0 * g.ldb) as u64, nc, kc)
         } else {
-            (base + 4 * (l0 + j0 * g.ldb) as u64, kc, nc)
+            (base + size(rounded[1]) * (l0 + j0 * g.ldb) as u64, kc, nc)
         }
     };
-    let per_matrix = m * k + k * n;
+    // What the workspace holds a matrix of: the operands not already rounded.
+    let per_matrix = usize::from(!rounded[0]) * m * k + usize::from(!rounded[1]) * k * n;
     if per_matrix + ALIGN <= capacity {
         // Whole matrices, as many of the batch at a time as fit (B's after A's, aligned).
-        let count = ((capacity - ALIGN) / per_matrix).min(g.batch);
+        let count = ((capacity - ALIGN) / per_matrix.max(1)).min(g.batch);
         for b0 in (0..g.batch).step_by(count) {
             let nb = count.min(g.batch - b0);
             let (sa, ra, ca) = block_a(0, m, 0, k, b0);
             let (sb, rb, cb) = block_b(0, k, 0, n, b0);
-            let dst_b = workspace + 2 * padded(nb * m * k) as u64;
-            for (src, rows, cols, ld, stride, dst) in
-                [(sa, ra, ca, g.lda, g.stride_a, workspace), (sb, rb, cb, g.ldb, g.stride_b, dst_b)]
-            {
+            let dst_b = workspace + 2 * padded(usize::from(!rounded[0]) * nb * m * k) as u64;
+            // Each operand: read where it is when already rounded, else from its rounded copy.
+            let mut operand = |pre: bool, (src, rows, cols): (u64, usize, usize), ld, stride, dst, packed| {
+                if pre {
+                    return (src, ld, stride);
+                }
                 steps.push(RoundedStep::Round(RoundOperand { src, rows, cols, ld, stride, batch: nb, dst }));
-            }
+                (dst, rows, packed)
+            };
+            let (a, lda, stride_a) = operand(rounded[0], (sa, ra, ca), g.lda, g.stride_a, workspace, m * k);
+            let (b, ldb, stride_b) = operand(rounded[1], (sb, rb, cb), g.ldb, g.stride_b, dst_b, k * n);
             steps.push(RoundedStep::Product(Gemm {
                 dtype: kind,
-                a: workspace,
-                lda: ra,
-                stride_a: m * k,
-                b: dst_b,
-                ldb: rb,
-                stride_b: k * n,
+                a,
+                lda,
+                stride_a,
+                b,
+                ldb,
+                stride_b,
                 c: g.c + 4 * (b0 * g.stride_c) as u64,
                 batch: nb,
                 ..*g
@@ -207,23 +217,32 @@ pub fn rounded_steps(g: &Gemm, workspace: u64, capacity: usize) -> Option<Vec<Ro
             for l0 in (0..k).step_by(kc) {
                 let kb = kc.min(k - l0);
                 let a = block_a(i0, mb, l0, kb, matrix);
-                let ra = a.1;
-                steps.push(round(a, g.lda, workspace));
+                // A's block where it is when already rounded, else its rounded copy.
+                let (a, lda) = if rounded[0] {
+                    (a.0, g.lda)
+                } else {
+                    steps.push(round(a, g.lda, workspace));
+                    (workspace, a.1)
+                };
                 let dst_b = workspace + 2 * padded(mb * kb) as u64;
                 for j0 in (0..n).step_by(nc) {
                     let nb = nc.min(n - j0);
                     let b = block_b(l0, kb, j0, nb, matrix);
-                    let rb = b.1;
-                    steps.push(round(b, g.ldb, dst_b));
+                    let (b, ldb) = if rounded[1] {
+                        (b.0, g.ldb)
+                    } else {
+                        steps.push(round(b, g.ldb, dst_b));
+                        (dst_b, b.1)
+                    };
                     steps.push(RoundedStep::Product(Gemm {
                         dtype: kind,
                         m: mb,
                         n: nb,
                         k: kb,
-                        a: workspace,
-                        lda: ra,
-                        b: dst_b,
-                        ldb: rb,
+                        a,
+                        lda,
+                        b,
+                        ldb,
                         // C's block (i0, j0); k's later chunks add onto the first.
                         beta: if l0 == 0 { g.beta } else { 1.0 },
                         c: g.c + 4 * (matrix * g.stride_c + i0 + j0 * g.ldc) as u64,
@@ -275,8 +294,9 @@ mod tests {
 
     /// Runs `steps` on host memory (addresses are host pointers), checking that every element a
     /// step reads or writes lies in its place: roundings read A's or B's matrices and write the
-    /// workspace, products read the workspace and write C's m x n matrices, nothing past them.
-    fn run(steps: &[RoundedStep], operands: [Region; 2], c_region: Region, workspace: Region) {
+    /// workspace, products read the workspace (or an operand `rounded` already) and write C's m x n
+    /// matrices, nothing past them.
+    fn run(steps: &[RoundedStep], operands: [Region; 2], rounded: [bool; 2], c_region: Region, workspace: Region) {
         let at = |base: u64, size: usize, i: usize| base + (size * i) as u64;
         for step in steps {
             match *step {
@@ -286,7 +306,8 @@ mod tests {
                             for r in 0..o.rows {
                                 let src = at(o.src, 4, i * o.stride + r + c * o.ld);
                                 let dst = at(o.dst, 2, i * o.rows * o.cols + r + c * o.rows);
-                                assert!(operands.iter().any(|x| x.holds(src)), "a rounding reads outside A and B");
+                                let unrounded = (0..2).any(|x| !rounded[x] && operands[x].holds(src));
+                                assert!(unrounded, "a rounding reads outside A and B, or an operand rounded already");
                                 assert!(workspace.holds(dst), "a rounding writes outside the workspace");
                                 // SAFETY: both addresses lie in the test's buffers (just checked).
                                 unsafe { *(dst as *mut u16) = bits(*(src as *const f32)) };
@@ -298,7 +319,8 @@ mod tests {
                     assert_eq!(g.dtype, GemmType::Bf16);
                     let value = |p: u64, i: usize| {
                         let address = at(p, 2, i);
-                        assert!(workspace.holds(address), "a product reads outside the workspace");
+                        let already = (0..2).any(|o| rounded[o] && operands[o].holds(address));
+                        assert!(workspace.holds(address) || already, "a product reads outside the workspace");
                         // SAFETY: in the workspace (just checked).
                         f32::from_bits(u32::from(unsafe { *(address as *const u16) }) << 16)
                     };
@@ -330,6 +352,21 @@ mod tests {
     /// of `capacity` elements, for A and B stored either way; C starts non-zero (beta 0.5).
     /// `expected_products`: how many products the pieces take (as few as the workspace allows).
     fn check(m: usize, n: usize, k: usize, batch: usize, capacity: usize, expected_products: usize) {
+        for rounded in [[false, false], [true, false], [false, true], [true, true]] {
+            check_with(m, n, k, batch, capacity, expected_products, rounded);
+        }
+    }
+
+    /// [`check`] with the operands `rounded` already given as their 16-bit bits.
+    fn check_with(
+        m: usize,
+        n: usize,
+        k: usize,
+        batch: usize,
+        capacity: usize,
+        expected_products: usize,
+        rounded: [bool; 2],
+    ) {
         for (transa, transb) in [(false, false), (true, false), (false, true), (true, true)] {
             let (lda, ldb, ldc) = (if transa { k + 1 } else { m + 2 }, if transb { n + 3 } else { k }, m + 1);
             let (sa, sb, sc) = (lda * if transa { m } else { k } + 5, ldb * if transb { k } else { n }, ldc * n + 2);
@@ -338,6 +375,13 @@ mod tests {
             let value = |i: usize, seed: usize| ((i * 7 + seed * 13) % 67) as f32 / 4.0 - 8.0;
             let a: Vec<f32> = (0..sa * batch).map(|i| value(i, 1)).collect();
             let b: Vec<f32> = (0..sb * batch).map(|i| value(i, 2)).collect();
+            // The operands rounded already: their bits.
+            let (a16, b16): (Vec<u16>, Vec<u16>) =
+                (a.iter().map(|&x| bits(x)).collect(), b.iter().map(|&x| bits(x)).collect());
+            let (a_at, b_at) = (
+                if rounded[0] { a16.as_ptr() as u64 } else { a.as_ptr() as u64 },
+                if rounded[1] { b16.as_ptr() as u64 } else { b.as_ptr() as u64 },
+            );
             let c0: Vec<f32> = (0..sc * batch).map(|i| value(i, 3)).collect();
             let g = |c: &mut Vec<f32>| Gemm {
                 dtype: GemmType::F32Bf16,
@@ -347,10 +391,10 @@ mod tests {
                 n,
                 k,
                 alpha: 2.0,
-                a: a.as_ptr() as u64,
+                a: a_at,
                 lda,
                 stride_a: sa,
-                b: b.as_ptr() as u64,
+                b: b_at,
                 ldb,
                 stride_b: sb,
                 beta: 0.5,
@@ -381,14 +425,15 @@ mod tests {
             }
             let mut got = c0.clone();
             let mut workspace = vec![0u16; capacity];
-            let steps =
-                rounded_steps(&g(&mut got), workspace.as_mut_ptr() as u64, capacity).expect("a rounded product");
+            let steps = rounded_steps(&g(&mut got), rounded, workspace.as_mut_ptr() as u64, capacity)
+                .expect("a rounded product");
             let region =
                 |base: u64, size, (rows, cols), ld, stride| Region { base, size, rows, cols, ld, stride, batch };
             let stored = |t: bool, (r, c): (usize, usize)| if t { (c, r) } else { (r, c) };
+            let size = |pre: bool| if pre { 2 } else { 4 };
             let operands = [
-                region(a.as_ptr() as u64, 4, stored(transa, (m, k)), lda, sa),
-                region(b.as_ptr() as u64, 4, stored(transb, (k, n)), ldb, sb),
+                region(a_at, size(rounded[0]), stored(transa, (m, k)), lda, sa),
+                region(b_at, size(rounded[1]), stored(transb, (k, n)), ldb, sb),
             ];
             let ws = Region {
                 base: workspace.as_ptr() as u64,
@@ -399,12 +444,24 @@ mod tests {
                 stride: capacity,
                 batch: 1,
             };
-            run(&steps, operands, region(got.as_ptr() as u64, 4, (m, n), ldc, sc), ws);
-            let products = steps.iter().filter(|s| matches!(s, RoundedStep::Product(_))).count();
-            assert_eq!(products, expected_products, "m {m} n {n} k {k} batch {batch} capacity {capacity}: products");
+            run(&steps, operands, rounded, region(got.as_ptr() as u64, 4, (m, n), ldc, sc), ws);
+            // Nothing rounds what is rounded already.
+            let roundings = steps.iter().filter(|s| matches!(s, RoundedStep::Round(_))).count();
+            let products = steps.len() - roundings;
+            if rounded[0] && rounded[1] {
+                assert_eq!(roundings, 0);
+            } else if rounded.contains(&true) {
+                assert!(roundings <= products, "{roundings} roundings for {products} products");
+            }
+            // As few as the workspace allows: fewer where an operand rounded already leaves it more room.
+            let what = format!("m {m} n {n} k {k} batch {batch} capacity {capacity} rounded {rounded:?}: products");
+            match rounded.contains(&true) {
+                false => assert_eq!(products, expected_products, "{what}"),
+                true => assert!(products <= expected_products, "{what}: {products}"),
+            }
             assert_eq!(
                 got, want,
-                "m {m} n {n} k {k} batch {batch} transa {transa} transb {transb} capacity {capacity}"
+                "m {m} n {n} k {k} batch {batch} transa {transa} transb {transb} capacity {capacity} rounded {rounded:?}"
             );
             // Nothing outside C changed: the padding between columns and matrices kept its values.
             for (i, (x, y)) in got.iter().zip(&c0).enumerate() {
@@ -480,7 +537,7 @@ mod tests {
         };
         let kinds = |m: usize, n: usize, capacity| {
             let g = Gemm { m, n, lda: m, ldc: m, ..g };
-            let steps = rounded_steps(&g, 4 << 20, capacity).unwrap();
+            let steps = rounded_steps(&g, [false; 2], 4 << 20, capacity).unwrap();
             let launches = rounded_launches(steps.clone());
             // Nothing lost or reordered.
             let flat: Vec<RoundedStep> = launches
@@ -531,15 +588,15 @@ mod tests {
             batch: 1,
             bias: 0,
         };
-        assert_eq!(rounded_steps(&g, 0, 100), None);
-        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g }, 0, 100), None);
-        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, 0, 15), None);
+        assert_eq!(rounded_steps(&g, [false; 2], 0, 100), None);
+        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g }, [false; 2], 0, 100), None);
+        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, [false; 2], 0, 15), None);
         // A product of nothing (or over nothing) takes no steps: the backend handles those.
         for (m, n, k, batch) in [(0, 2, 2, 1), (2, 0, 2, 1), (2, 2, 0, 1), (2, 2, 2, 0)] {
             let empty = Gemm { dtype: GemmType::F32Bf16, m, n, k, batch, ..g };
-            assert_eq!(rounded_steps(&empty, 0, 100), Some(Vec::new()), "{m} {n} {k} {batch}");
+            assert_eq!(rounded_steps(&empty, [false; 2], 0, 100), Some(Vec::new()), "{m} {n} {k} {batch}");
         }
-        let steps = rounded_steps(&Gemm { dtype: GemmType::F32F16, ..g }, 64, 100).unwrap();
+        let steps = rounded_steps(&Gemm { dtype: GemmType::F32F16, ..g }, [false; 2], 64, 100).unwrap();
         // B's copy after A's 4 elements, at the next 16 bytes.
         assert!(matches!(steps[2], RoundedStep::Product(p) if p.dtype == GemmType::F16 && p.a == 64 && p.b == 64 + 16));
     }

@@ -302,6 +302,12 @@ impl Cuda {
     }
 
     fn gemm(&self, g: Gemm) -> Result<()> {
+        self.gemm_with(g, [false; 2])
+    }
+
+    /// [`Cuda::gemm`] of a rounded product whose operands `rounded` (`g.a`, `g.b`) hold their 16-bit
+    /// bits already ([`Cuda::rounded_gemm`]).
+    fn gemm_with(&self, g: Gemm, rounded: [bool; 2]) -> Result<()> {
         if g.m == 0 || g.n == 0 || g.batch == 0 {
             return Ok(());
         }
@@ -321,15 +327,19 @@ impl Cuda {
             };
         }
         if matches!(g.dtype, GemmType::F32Bf16 | GemmType::F32F16) {
-            return self.rounded_gemm(&g);
+            return self.rounded_gemm(&g, rounded);
+        }
+        if rounded.contains(&true) {
+            return Err(Error::invalid(format!("internal: a {:?} product of operands rounded already", g.dtype)));
         }
         self.machine.gemm(&g).map_err(|e| self.err(e))
     }
 
     /// A bf16 or fp16 product of f32 operands: `memfit_cuda::rounded`'s steps, its operands rounded
-    /// by `round_operands_*` into the rounding workspace, then multiplied by the machine as 16-bit
-    /// operands with f32 accumulation.
-    fn rounded_gemm(&self, g: &Gemm) -> Result<()> {
+    /// by `round_operands_*` into the rounding workspace (but those `rounded` already: `g.a`, `g.b`
+    /// holding their 16-bit bits), then multiplied by the machine as 16-bit operands with f32
+    /// accumulation.
+    fn rounded_gemm(&self, g: &Gemm, rounded: [bool; 2]) -> Result<()> {
         let workspace = *self.rounding.lock().unwrap_or_else(|e| e.into_inner());
         let Some((address, bytes)) = workspace else {
             return Err(Error::invalid(format!(
@@ -339,7 +349,7 @@ impl Cuda {
                 DeviceKind::Cuda(self.ordinal)
             )));
         };
-        let steps = memfit_cuda::rounded::rounded_steps(g, address, bytes / 2).ok_or_else(|| {
+        let steps = memfit_cuda::rounded::rounded_steps(g, rounded, address, bytes / 2).ok_or_else(|| {
             Error::invalid(format!("a {:?} product with a bias, or a rounding workspace of {bytes} B", g.dtype))
         })?;
         let kernel = if g.dtype == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
@@ -711,11 +721,12 @@ impl Cuda {
         )
     }
 
-    /// `out[rows, out_f] (+)= x[rows, in_f] W^T` for a weight `[out_f, in_f]` of any unit-stride layout.
+    /// `out[rows, out_f] (+)= x[rows, in_f] W^T` for a weight `[out_f, in_f]` of any unit-stride layout
+    /// (`x_rounded`: x holds a rounded product's operand bits already, [`Cuda::gemm_with`]).
     #[allow(clippy::too_many_arguments)]
     fn times_weight_t(
         &self,
-        x: u64,
+        (x, x_rounded): (u64, bool),
         rows: usize,
         weight: &Tensor,
         out: u64,
@@ -729,7 +740,31 @@ impl Cuda {
         // W^T is [in_f, out_f] with strides (ws[1], ws[0]).
         let b = operand(weight, addr(weight)?, in_f, out_f, ws[1], ws[0], op)?;
         let kind = gemm_type(op, weight.dtype(), products)?;
-        self.gemm(Gemm { bias, ..product(kind, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta) })
+        // cuBLAS's B is x ([`product`]).
+        self.gemm_with(
+            Gemm { bias, ..product(kind, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta) },
+            [false, x_rounded],
+        )
+    }
+
+    /// GELU (erf) of `count` elements at `x` into `scratch`, for a product to read: as that product's
+    /// rounded operand bits where `products` round f32 (`unary_operands_*`, two bytes an element: what
+    /// the product would round the f32 values to, never written in f32), and then true; else in
+    /// `sfx`'s dtype (`unary_*`).
+    fn gelu_block(&self, sfx: &str, products: Products, x: u64, scratch: u64, count: usize) -> Result<bool> {
+        let rounded = match (sfx, products) {
+            ("f32", Products::Bf16) => Some("bf16"),
+            ("f32", Products::F16) => Some("f16"),
+            _ => None,
+        };
+        let kernel = rounded.map_or(format!("unary_{sfx}"), |bits| format!("unary_operands_{bits}"));
+        let code = Arg::I32(unary_code(Unary::GeluErf));
+        self.launch(
+            &kernel,
+            self.grid(count, BLOCK),
+            &mut [code, Arg::Ptr(x), Arg::Ptr(scratch), Arg::I64(count as i64)],
+        )?;
+        Ok(rounded.is_some())
     }
 
     /// `out[rows, in_f] = g[rows, out_f] W` for a weight `[out_f, in_f]`.
@@ -742,13 +777,14 @@ impl Cuda {
         self.gemm(product(kind, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0))
     }
 
-    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense).
+    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense; `x_rounded` as in
+    /// [`Cuda::times_weight_t`]).
     #[allow(clippy::too_many_arguments)]
     fn weight_grad(
         &self,
         dtype: DType,
         g: u64,
-        x: u64,
+        (x, x_rounded): (u64, bool),
         rows: usize,
         out_f: usize,
         in_f: usize,
@@ -759,7 +795,8 @@ impl Cuda {
         let a = Operand { address: g, trans: true, ld: out_f.max(1) };
         let b = Operand { address: x, trans: false, ld: in_f.max(1) };
         let kind = gemm_type("a weight gradient", dtype, products)?;
-        self.gemm(product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta))
+        // cuBLAS's A is x ([`product`]).
+        self.gemm_with(product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta), [x_rounded, false])
     }
 }
 
@@ -1783,7 +1820,7 @@ impl Backend for Cuda {
         let rows = x.numel() / in_f.max(1);
         let dst = dense(out, "linear")?;
         let bias = self.bias_for_product(bias, gemm_type("linear", weight.dtype(), products)?, rows, out_f, dst)?;
-        self.times_weight_t(dense(x, "linear")?, rows, weight, dst, bias, products, "linear")
+        self.times_weight_t((dense(x, "linear")?, false), rows, weight, dst, bias, products, "linear")
     }
 
     fn linear_weight_grad(
@@ -1798,7 +1835,17 @@ impl Backend for Cuda {
         let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
         let rows = x.numel() / in_f.max(1);
         let g = dense(grad, NAME)?;
-        self.weight_grad(grad.dtype(), g, dense(x, NAME)?, rows, out_f, in_f, dense(gw, NAME)?, 0.0, products)?;
+        self.weight_grad(
+            grad.dtype(),
+            g,
+            (dense(x, NAME)?, false),
+            rows,
+            out_f,
+            in_f,
+            dense(gw, NAME)?,
+            0.0,
+            products,
+        )?;
         if let Some(gb) = gb {
             self.column_sums(float(NAME, grad.dtype())?, g, rows, out_f, dense(gb, NAME)?)?;
         }
@@ -1824,18 +1871,8 @@ impl Backend for Cuda {
         let block = (scratch.numel() / in_f.max(1)).max(1);
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
-            let count = n * in_f;
-            self.launch(
-                &format!("unary_{sfx}"),
-                self.grid(count, BLOCK),
-                &mut [
-                    Arg::I32(unary_code(Unary::GeluErf)),
-                    Arg::Ptr(xp + (r0 * in_f) as u64 * size),
-                    Arg::Ptr(sc),
-                    Arg::I64(count as i64),
-                ],
-            )?;
-            self.times_weight_t(sc, n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
+            let rounded = self.gelu_block(sfx, products, xp + (r0 * in_f) as u64 * size, sc, n * in_f)?;
+            self.times_weight_t((sc, rounded), n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
         }
         Ok(())
     }
@@ -1868,18 +1905,9 @@ impl Backend for Cuda {
             let (x_block, g_block) = (xp + (r0 * in_f) as u64 * size, g + (r0 * out_f) as u64 * size);
             // The weight gradient first: it reads gelu(x) before a gradient written in place over x.
             if gwp != 0 {
-                self.launch(
-                    &format!("unary_{sfx}"),
-                    self.grid(count, BLOCK),
-                    &mut [
-                        Arg::I32(unary_code(Unary::GeluErf)),
-                        Arg::Ptr(x_block),
-                        Arg::Ptr(sc),
-                        Arg::I64(count as i64),
-                    ],
-                )?;
+                let rounded = self.gelu_block(sfx, products, x_block, sc, count)?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, beta, products)?;
+                self.weight_grad(grad.dtype(), g_block, (sc, rounded), n, out_f, in_f, gwp, beta, products)?;
             }
             if gxp != 0 {
                 self.times_weight(g_block, n, weight, sc, products, NAME)?;
@@ -2001,7 +2029,7 @@ impl Backend for Cuda {
                 sc,
                 (at(mp, r0), at(rp, r0)),
             )?;
-            self.times_weight_t(sc, n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
+            self.times_weight_t((sc, false), n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
         }
         Ok(())
     }
@@ -2059,7 +2087,7 @@ impl Backend for Cuda {
                     ],
                 )?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(grad.dtype(), g_block, sc, n, out_f, in_f, gwp, beta, products)?;
+                self.weight_grad(grad.dtype(), g_block, (sc, false), n, out_f, in_f, gwp, beta, products)?;
             }
             if gxp == 0 && glwp == 0 && glbp == 0 {
                 continue;
