@@ -2,25 +2,40 @@
 // and input gradient; the weight and bias gradients as column sums, a block per 32 columns (warp
 // partials in shared memory, added in a fixed order: deterministic, nothing to allocate).
 
+// The rows' statistics and output, each output element y stored as store(y) (itself; or, for a
+// product that alone reads it, its rounded operand bits: layer_norm_operands_*).
+template <typename T, typename O, typename Store>
+__device__ void layer_norm_rows_t(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, O* out, T* mean, T* rstd, Store store) {
+    __shared__ T shared[256];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = x + r * d;
+        T s = T(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += row[j];
+        T mu = block_sum<T>(s, shared) / T(d);
+        T q = T(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) { T c = row[j] - mu; q += c * c; }
+        T rs = T(1) / sqrt(block_sum<T>(q, shared) / T(d) + eps);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            T y = (row[j] - mu) * rs;
+            if (w) y *= w[j];
+            if (b) y += b[j];
+            out[r * d + j] = store(y);
+        }
+        if (threadIdx.x == 0) { if (mean) mean[r] = mu; if (rstd) rstd[r] = rs; }
+    }
+}
+// out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given), stored as above.
+template <typename T, typename O, typename Store>
+__device__ void layer_norm_apply_t(const T* x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, O* out, Store store) {
+    GRID_STRIDE(k, rows * d) {
+        i64 r = k / d, j = k % d;
+        out[k] = store((x[k] - mean[r]) * rstd[r] * w[j] + b[j]);
+    }
+}
+
 #define LAYER_NORM(T, SUF)                                                                              \
     extern "C" __global__ void layer_norm_##SUF(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, T* out, T* mean, T* rstd) { \
-        __shared__ T shared[256];                                                                       \
-        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                            \
-            const T* row = x + r * d;                                                                   \
-            T s = T(0);                                                                                 \
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += row[j];                              \
-            T mu = block_sum<T>(s, shared) / T(d);                                                      \
-            T q = T(0);                                                                                 \
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) { T c = row[j] - mu; q += c * c; }        \
-            T rs = T(1) / sqrt(block_sum<T>(q, shared) / T(d) + eps);                                   \
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {                                         \
-                T y = (row[j] - mu) * rs;                                                               \
-                if (w) y *= w[j];                                                                       \
-                if (b) y += b[j];                                                                       \
-                out[r * d + j] = y;                                                                     \
-            }                                                                                           \
-            if (threadIdx.x == 0) { if (mean) mean[r] = mu; if (rstd) rstd[r] = rs; }                   \
-        }                                                                                               \
+        layer_norm_rows_t<T>(x, w, b, rows, d, eps, out, mean, rstd, [](T y) { return y; });            \
     }                                                                                                   \
     /* gx = rstd * (g w - mean(g w) - xhat * mean(g w xhat)). */                                        \
     extern "C" __global__ void layer_norm_backward_x_##SUF(const T* x, const T* w, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gx) { \
@@ -69,16 +84,27 @@
             __syncthreads();                                                                            \
         }                                                                                               \
     }                                                                                                   \
-    /* out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given). */         \
     extern "C" __global__ void layer_norm_apply_##SUF(const T* x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, T* out) { \
-        GRID_STRIDE(k, rows * d) {                                                                      \
-            i64 r = k / d, j = k % d;                                                                   \
-            out[k] = (x[k] - mean[r]) * rstd[r] * w[j] + b[j];                                          \
-        }                                                                                               \
+        layer_norm_apply_t<T>(x, w, b, mean, rstd, rows, d, out, [](T y) { return y; });                \
     }
 
 LAYER_NORM(float, f32)
 LAYER_NORM(double, f64)
+
+// layer_norm_f32 and layer_norm_apply_f32 with each output element as a bf16 (KIND 1) or fp16 (2)
+// product's operand bits (common.cuh's operand_bits, as round_operands gives them): the fused
+// layer-norm-linear's block on a GPU, which only its product reads (one 2-byte write, where the f32
+// block was written, read and rounded into the rounding workspace).
+#define LAYER_NORM_OPERANDS(KIND, SUF)                                                                  \
+    extern "C" __global__ void layer_norm_operands_##SUF(const float* x, const float* w, const float* b, i64 rows, i64 d, float eps, unsigned short* out, float* mean, float* rstd) { \
+        layer_norm_rows_t<float>(x, w, b, rows, d, eps, out, mean, rstd, [](float y) { return (unsigned short)operand_bits<KIND>(y); }); \
+    }                                                                                                   \
+    extern "C" __global__ void layer_norm_apply_operands_##SUF(const float* x, const float* w, const float* b, const float* mean, const float* rstd, i64 rows, i64 d, unsigned short* out) { \
+        layer_norm_apply_t<float>(x, w, b, mean, rstd, rows, d, out, [](float y) { return (unsigned short)operand_bits<KIND>(y); }); \
+    }
+
+LAYER_NORM_OPERANDS(1, bf16)
+LAYER_NORM_OPERANDS(2, f16)
 
 // Batch norm over channel dim 1 of x [nb, c, s...] (s = the spatial size): one block (256
 // threads) per channel, statistics summed in double in a fixed order (as the cpu kernel sums in

@@ -187,6 +187,17 @@ impl Operand {
     }
 }
 
+/// The suffix of the kernels that write a product's rounded operand bits (`unary_operands_bf16`,
+/// `layer_norm_operands_f16`, ...) for activations of `sfx`'s dtype that only a product under
+/// `products` reads: where that product rounds f32 operands; None where it reads them as they are.
+fn operand_bits(sfx: &str, products: Products) -> Option<&'static str> {
+    match (sfx, products) {
+        ("f32", Products::Bf16) => Some("bf16"),
+        ("f32", Products::F16) => Some("f16"),
+        _ => None,
+    }
+}
+
 /// `c[m, n] = a[m, k] b[k, n]` (row-major, `c` dense with row stride `n`), `batch` times with the
 /// given element strides between matrices, `beta` times what `c` holds added.
 #[allow(clippy::too_many_arguments)]
@@ -752,11 +763,7 @@ impl Cuda {
     /// the product would round the f32 values to, never written in f32), and then true; else in
     /// `sfx`'s dtype (`unary_*`).
     fn gelu_block(&self, sfx: &str, products: Products, x: u64, scratch: u64, count: usize) -> Result<bool> {
-        let rounded = match (sfx, products) {
-            ("f32", Products::Bf16) => Some("bf16"),
-            ("f32", Products::F16) => Some("f16"),
-            _ => None,
-        };
+        let rounded = operand_bits(sfx, products);
         let kernel = rounded.map_or(format!("unary_{sfx}"), |bits| format!("unary_operands_{bits}"));
         let code = Arg::I32(unary_code(Unary::GeluErf));
         self.launch(
@@ -1942,7 +1949,7 @@ impl Backend for Cuda {
         let sfx = float(NAME, x.dtype())?;
         let rows = x.numel() / d.max(1);
         self.layer_norm_rows(
-            sfx,
+            &format!("layer_norm_{sfx}"),
             x.dtype(),
             (dense(x, NAME)?, dense_opt(weight, NAME)?, dense_opt(bias, NAME)?),
             rows,
@@ -2017,10 +2024,13 @@ impl Backend for Cuda {
         let bias = self.bias_for_product(bias, gemm_type(NAME, weight.dtype(), products)?, rows, out_f, dst)?;
         let block = (scratch.numel() / in_f.max(1)).max(1);
         let at = |p: u64, r: usize| if p == 0 { 0 } else { p + r as u64 * size };
+        // The normalized block goes straight to the product's operand bits where it rounds them.
+        let rounded = operand_bits(sfx, products);
+        let kernel = rounded.map_or(format!("layer_norm_{sfx}"), |bits| format!("layer_norm_operands_{bits}"));
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
             self.layer_norm_rows(
-                sfx,
+                &kernel,
                 x.dtype(),
                 (xp + (r0 * in_f) as u64 * size, lw, lb),
                 n,
@@ -2029,7 +2039,8 @@ impl Backend for Cuda {
                 sc,
                 (at(mp, r0), at(rp, r0)),
             )?;
-            self.times_weight_t((sc, false), n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
+            let x_block = (sc, rounded.is_some());
+            self.times_weight_t(x_block, n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
         }
         Ok(())
     }
@@ -2072,8 +2083,10 @@ impl Backend for Cuda {
             let (m_block, r_block) = (mp + r0 as u64 * size, rp + r0 as u64 * size);
             // Everything that reads x before a gradient written in place over it.
             if gwp != 0 {
+                let rounded = operand_bits(sfx, products);
                 self.launch(
-                    &format!("layer_norm_apply_{sfx}"),
+                    &rounded
+                        .map_or(format!("layer_norm_apply_{sfx}"), |bits| format!("layer_norm_apply_operands_{bits}")),
                     self.grid(n * in_f, BLOCK),
                     &mut [
                         Arg::Ptr(x_block),
@@ -2087,7 +2100,7 @@ impl Backend for Cuda {
                     ],
                 )?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(grad.dtype(), g_block, (sc, false), n, out_f, in_f, gwp, beta, products)?;
+                self.weight_grad(grad.dtype(), g_block, (sc, rounded.is_some()), n, out_f, in_f, gwp, beta, products)?;
             }
             if gxp == 0 && glwp == 0 && glbp == 0 {
                 continue;
@@ -2511,12 +2524,13 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
-    /// Layer norm of `rows` dense rows of `d`, weight and bias optional (0), statistics written
-    /// when their addresses are not 0.
+    /// Layer norm of `rows` dense rows of `d` by `kernel` (`layer_norm_*`, or `layer_norm_operands_*`
+    /// writing the output as a product's operand bits), weight and bias optional (0), statistics
+    /// written when their addresses are not 0.
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_rows(
         &self,
-        sfx: &str,
+        kernel: &str,
         dtype: DType,
         (x, w, b): (u64, u64, u64),
         rows: usize,
@@ -2526,7 +2540,7 @@ impl Cuda {
         (mean, rstd): (u64, u64),
     ) -> Result<()> {
         self.launch(
-            &format!("layer_norm_{sfx}"),
+            kernel,
             self.grid(rows * BLOCK as usize, BLOCK),
             &mut [
                 Arg::Ptr(x),
