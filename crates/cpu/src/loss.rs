@@ -80,7 +80,8 @@ pub fn cross_entropy(
     Ok(())
 }
 
-/// [`cross_entropy`] then [`cross_entropy_backward`] (one call for a GPU, which fuses them).
+/// [`cross_entropy`] then [`cross_entropy_backward`] (one call for a GPU, which fuses them), and
+/// with `bias_grad` the gradient's column sums into it ([`crate::reduce::sum_dim`]).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_with_grad(
     logits: View<'_>,
@@ -90,9 +91,14 @@ pub fn cross_entropy_with_grad(
     gpu_workspace: Option<View<'_>>,
     grad: View<'_>,
     gx: View<'_>,
+    bias_grad: Option<View<'_>>,
 ) -> Result<()> {
     cross_entropy(logits, target, label_smoothing, out, gpu_workspace)?;
-    cross_entropy_backward(logits, target, label_smoothing, grad, gx)
+    cross_entropy_backward(logits, target, label_smoothing, grad, gx)?;
+    match bias_grad {
+        Some(gb) => crate::reduce::sum_dim(gx, 1, logits.shape()[0], logits.shape()[1], false, gb),
+        None => Ok(()),
+    }
 }
 
 pub fn cross_entropy_backward(

@@ -91,9 +91,14 @@ LOSS(double, f64)
 // running max and sum of exponentials over its elements in one pass (the sum rescaled when the max
 // grows), merged over the block in a fixed tree; then the gradient gx[r, j] = g / n (softmax_j -
 // (1 - eps) [j == t] - eps / C) in a second pass. The rows' losses go to rowloss, as
-// cross_entropy_rows writes them.
-template <typename T>
-__device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad, const T* g, T* gx) {
+// cross_entropy_rows writes them. Each gradient element y is stored as store(y): itself, or (the
+// _operands_ kernels, for the chunked head on a GPU whose products round f32) the bf16 or fp16
+// operand bits the two products that alone read it would round it to, two bytes; and where `full`
+// is given (the logits themselves: a head's bias gradient is summed from it), y there too, each
+// element written over the logit it came from (a barrier first: thread 0 reads the target's).
+template <typename T, typename O, typename Store>
+__device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad, const T* g, O* gx,
+                                   Store store, T* full) {
     __shared__ T sm[256], ss[256], st[256];
     const T scale = *g / T(n);
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
@@ -130,14 +135,24 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         const T top = sm[0], sum = ss[0], lse = top + log(sum);
         if (threadIdx.x == 0)
             rowloss[r] = valid ? (T(1) - smoothing) * (lse - row[t]) + smoothing * (lse - st[0] / T(c)) : T(0);
-        for (i64 j = threadIdx.x; j < c; j += blockDim.x)
-            gx[r * c + j] = scale * (exp(row[j] - top) / sum - (j == t ? T(1) - smoothing : T(0)) - smoothing / T(c));
+        if (full) __syncthreads();
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
+            const T y = scale * (exp(row[j] - top) / sum - (j == t ? T(1) - smoothing : T(0)) - smoothing / T(c));
+            gx[r * c + j] = store(y);
+            if (full) full[r * c + j] = y;
+        }
         __syncthreads();
     }
 }
 extern "C" __global__ void cross_entropy_grad_f32(const float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, float* gx) {
-    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx);
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return y; }, (float*)nullptr);
 }
 extern "C" __global__ void cross_entropy_grad_f64(const double* logits, const i64* target, i64 n, i64 c, double smoothing, double* rowloss, i64* bad, const double* g, double* gx) {
-    cross_entropy_grad<double>(logits, target, n, c, smoothing, rowloss, bad, g, gx);
+    cross_entropy_grad<double>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](double y) { return y; }, (double*)nullptr);
+}
+extern "C" __global__ void cross_entropy_grad_operands_bf16(float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, unsigned short* gx, int over) {
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return (unsigned short)operand_bits<1>(y); }, over ? logits : nullptr);
+}
+extern "C" __global__ void cross_entropy_grad_operands_f16(float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, unsigned short* gx, int over) {
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return (unsigned short)operand_bits<2>(y); }, over ? logits : nullptr);
 }

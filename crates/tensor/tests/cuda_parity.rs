@@ -533,7 +533,9 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
     const TQ: usize = 40;
     const TK: usize = 50;
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 11] = [
+    // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
+    let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 12] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -564,6 +566,12 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
             ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
         }),
         ("gelu_linear", vec![&[50, 24], &[30, 24], &[30]], &|x| ops::gelu_linear(&x[0], &x[1], Some(&x[2]))),
+        // On a GPU the logits' gradient is made as the products' operand bits, the bias gradient
+        // summed from the f32 one.
+        ("linear_cross_entropy (the chunked head)", vec![&[70, 24], &[300, 24], &[300]], &|x| {
+            let t = Tensor::from_slice(x[0].device(), &targets, &[70], Category::Input)?;
+            Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 32)?.0)
+        }),
     ];
     for (op, shapes, f) in &product_ops {
         let what = format!("{op} in {products:?} products");
@@ -585,13 +593,16 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
             // the row or column it feeds: at most 5% of the elements beyond the order of additions
             // (2.9% seen, fp16's query gradient with heads of 100), and those within half the
             // rounding's effect (a wrong fragment or tile would move nearly all of them, by the
-            // values themselves).
+            // values themselves). The chunked head likewise: its logits' gradient comes from
+            // another formula on each device (the GPU's kernel divides by the row's sum, the cpu
+            // subtracts its log), so a few of its elements round to the other neighbour.
             let forward_attention = k == 0 && what.contains("attention");
+            let flips = what.contains("tensor cores") || what.contains("head");
             let order = if products == memfit_tensor::Products::F16 { 1e-5 } else { 1e-6 };
             let beyond = g.iter().zip(w).filter(|(x, y)| (*x - *y).abs() > order * scale).count();
             let limit = if forward_attention {
                 2.0 * gap(p)
-            } else if what.contains("tensor cores") && beyond * 20 <= g.len() {
+            } else if flips && beyond * 20 <= g.len() {
                 order.max(gap(p) / 2.0)
             } else {
                 order
@@ -603,7 +614,9 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
                 g.len()
             );
             let bias = k + 1 == want.len() && !what.contains("matmul") && !what.contains("attention");
-            assert!(bias || gap(p) > 1e-5, "{what} result {k}: the products round (f32 within {})", gap(p));
+            // (The head's mean loss moves less than that under fp16's finer rounding.)
+            let loss = k == 0 && what.contains("head");
+            assert!(bias || loss || gap(p) > 1e-5, "{what} result {k}: the products round (f32 within {})", gap(p));
         }
         cases += 1;
     }

@@ -198,6 +198,19 @@ fn operand_bits(sfx: &str, products: Products) -> Option<&'static str> {
     }
 }
 
+/// Whether an operand of `dtype` in a product of `other`'s dtype holds rounded operand bits already
+/// (a 16-bit operand with an f32 one, under the products that round f32 to it: the chunked head's
+/// gradient on a GPU); an error for any other mix of dtypes.
+fn operand_dtype(dtype: DType, other: DType, products: Products, op: &str) -> Result<bool> {
+    match (dtype, other, products) {
+        (d, o, _) if d == o => Ok(false),
+        (DType::BF16, DType::F32, Products::Bf16) | (DType::F16, DType::F32, Products::F16) => Ok(true),
+        (d, o, p) => {
+            Err(Error::dtype(format!("{op} on cuda: {} with {} under {} products", d.name(), o.name(), p.name())))
+        }
+    }
+}
+
 /// `c[m, n] = a[m, k] b[k, n]` (row-major, `c` dense with row stride `n`), `batch` times with the
 /// given element strides between matrices, `beta` times what `c` holds added.
 #[allow(clippy::too_many_arguments)]
@@ -784,13 +797,13 @@ impl Cuda {
         self.gemm(product(kind, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0))
     }
 
-    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense; `x_rounded` as in
-    /// [`Cuda::times_weight_t`]).
+    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense, `dtype` x's; `g_rounded` and
+    /// `x_rounded` as in [`Cuda::times_weight_t`]).
     #[allow(clippy::too_many_arguments)]
     fn weight_grad(
         &self,
         dtype: DType,
-        g: u64,
+        (g, g_rounded): (u64, bool),
         (x, x_rounded): (u64, bool),
         rows: usize,
         out_f: usize,
@@ -802,8 +815,8 @@ impl Cuda {
         let a = Operand { address: g, trans: true, ld: out_f.max(1) };
         let b = Operand { address: x, trans: false, ld: in_f.max(1) };
         let kind = gemm_type("a weight gradient", dtype, products)?;
-        // cuBLAS's A is x ([`product`]).
-        self.gemm_with(product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta), [x_rounded, false])
+        // cuBLAS's A is x, its B g ([`product`]).
+        self.gemm_with(product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta), [x_rounded, g_rounded])
     }
 }
 
@@ -1774,7 +1787,10 @@ impl Backend for Cuda {
         let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
         let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
         let batch_shape = &out.shape()[..ro - 2];
-        let dtype = gemm_type("matmul", a.dtype(), products)?;
+        // A 16-bit `a` with an f32 `b`: a rounded product's operand bits already (the chunked head's
+        // gradient on a GPU); cuBLAS's B is a ([`product`]).
+        let rounded = [false, operand_dtype(a.dtype(), b.dtype(), products, "matmul")?];
+        let dtype = gemm_type("matmul", b.dtype(), products)?;
         let mut sa = batch_shape.to_vec();
         sa.extend([m, k]);
         let mut sb = batch_shape.to_vec();
@@ -1783,7 +1799,7 @@ impl Backend for Cuda {
         let pa = operand(a, addr(a)?, m, k, la[ro - 2], la[ro - 1], "matmul")?;
         let pb = operand(b, addr(b)?, k, n, lb[ro - 2], lb[ro - 1], "matmul")?;
         let c = dense(out, "matmul")?;
-        let size = a.dtype().size() as u64;
+        let (size_a, size_b, size) = (a.dtype().size() as u64, b.dtype().size() as u64, out.dtype().size() as u64);
         // Batch offsets (elements) of each operand, in row-major order over the batch dims.
         let count: usize = batch_shape.iter().product();
         let offsets = |strides: &[usize]| -> Vec<usize> {
@@ -1805,12 +1821,13 @@ impl Backend for Cuda {
             o.windows(2).all(|w| w[1] == w[0] + s).then_some(s)
         };
         if let (Some(step_a), Some(step_b)) = (step(&oa), step(&ob)) {
-            return self.gemm(product(dtype, (m, n, k), pa, pb, c, (step_a, step_b, m * n, count), 0.0));
+            return self.gemm_with(product(dtype, (m, n, k), pa, pb, c, (step_a, step_b, m * n, count), 0.0), rounded);
         }
         for i in 0..count {
-            let a_i = Operand { address: pa.address + oa[i] as u64 * size, ..pa };
-            let b_i = Operand { address: pb.address + ob[i] as u64 * size, ..pb };
-            self.gemm(product(dtype, (m, n, k), a_i, b_i, c + (i * m * n) as u64 * size, (0, 0, 0, 1), 0.0))?;
+            let a_i = Operand { address: pa.address + oa[i] as u64 * size_a, ..pa };
+            let b_i = Operand { address: pb.address + ob[i] as u64 * size_b, ..pb };
+            let g = product(dtype, (m, n, k), a_i, b_i, c + (i * m * n) as u64 * size, (0, 0, 0, 1), 0.0);
+            self.gemm_with(g, rounded)?;
         }
         Ok(())
     }
@@ -1842,9 +1859,15 @@ impl Backend for Cuda {
         let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
         let rows = x.numel() / in_f.max(1);
         let g = dense(grad, NAME)?;
+        // A 16-bit gradient of f32 inputs holds a rounded product's operand bits already (the chunked
+        // head's on a GPU, `ops::linear_cross_entropy`): no bias gradient can be summed from them.
+        let g_rounded = operand_dtype(grad.dtype(), x.dtype(), products, NAME)?;
+        if g_rounded && gb.is_some() {
+            return Err(Error::invalid(format!("internal: {NAME}: a bias gradient from a rounded gradient")));
+        }
         self.weight_grad(
-            grad.dtype(),
-            g,
+            x.dtype(),
+            (g, g_rounded),
             (dense(x, NAME)?, false),
             rows,
             out_f,
@@ -1914,7 +1937,7 @@ impl Backend for Cuda {
             if gwp != 0 {
                 let rounded = self.gelu_block(sfx, products, x_block, sc, count)?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(grad.dtype(), g_block, (sc, rounded), n, out_f, in_f, gwp, beta, products)?;
+                self.weight_grad(grad.dtype(), (g_block, false), (sc, rounded), n, out_f, in_f, gwp, beta, products)?;
             }
             if gxp != 0 {
                 self.times_weight(g_block, n, weight, sc, products, NAME)?;
@@ -2100,7 +2123,17 @@ impl Backend for Cuda {
                     ],
                 )?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(grad.dtype(), g_block, (sc, rounded.is_some()), n, out_f, in_f, gwp, beta, products)?;
+                self.weight_grad(
+                    grad.dtype(),
+                    (g_block, false),
+                    (sc, rounded.is_some()),
+                    n,
+                    out_f,
+                    in_f,
+                    gwp,
+                    beta,
+                    products,
+                )?;
             }
             if gxp == 0 && glwp == 0 && glbp == 0 {
                 continue;
@@ -2380,6 +2413,7 @@ impl Backend for Cuda {
         ws: Option<&Tensor>,
         grad: &Tensor,
         gx: &Tensor,
+        bias_grad: Option<&Tensor>,
     ) -> Result<()> {
         const NAME: &str = "cross_entropy";
         let sfx = float(NAME, logits.dtype())?;
@@ -2389,27 +2423,44 @@ impl Backend for Cuda {
             return Err(Error::device(format!("cross_entropy: a workspace of {} for {n} rows", ws.numel())));
         }
         let rows = dense(ws, NAME)?;
-        // loss.cu's cross_entropy_grad: a block of 256 (its shared arrays) per row.
-        self.launch(
-            &format!("cross_entropy_grad_{sfx}"),
-            self.grid(n * BLOCK as usize, BLOCK),
-            &mut [
-                Arg::Ptr(dense(logits, NAME)?),
-                Arg::Ptr(dense(target, NAME)?),
-                Arg::I64(n as i64),
-                Arg::I64(c as i64),
-                scalar(logits.dtype(), label_smoothing),
-                Arg::Ptr(rows),
-                Arg::Ptr(self.status()? + 8),
-                Arg::Ptr(dense(grad, NAME)?),
-                Arg::Ptr(dense(gx, NAME)?),
-            ],
-        )?;
+        // loss.cu's cross_entropy_grad: a block of 256 (its shared arrays) per row; into a 16-bit gx,
+        // the rounded operand bits of the products that alone read it (`ops::linear_cross_entropy`).
+        // The f32 gradient the bias gradient is summed from: gx, or, beside operand bits, the logits
+        // it is written over.
+        let (kernel, full) = match (gx.dtype(), logits.dtype()) {
+            (g, l) if g == l => (format!("cross_entropy_grad_{sfx}"), gx),
+            (DType::BF16 | DType::F16, DType::F32) => {
+                (format!("cross_entropy_grad_operands_{}", gx.dtype().name()), logits)
+            }
+            (g, l) => {
+                return Err(Error::dtype(format!("{NAME} on cuda: a {} gradient of {} logits", g.name(), l.name())))
+            }
+        };
+        let mut args = vec![
+            Arg::Ptr(dense(logits, NAME)?),
+            Arg::Ptr(dense(target, NAME)?),
+            Arg::I64(n as i64),
+            Arg::I64(c as i64),
+            scalar(logits.dtype(), label_smoothing),
+            Arg::Ptr(rows),
+            Arg::Ptr(self.status()? + 8),
+            Arg::Ptr(dense(grad, NAME)?),
+            Arg::Ptr(dense(gx, NAME)?),
+        ];
+        if gx.dtype() != logits.dtype() {
+            args.push(Arg::I32(bias_grad.is_some() as i32));
+        }
+        self.launch(&kernel, self.grid(n * BLOCK as usize, BLOCK), &mut args)?;
         self.launch(
             &format!("cross_entropy_mean_{sfx}"),
             Launch { grid: 1, block: WHOLE_BLOCK },
             &mut [Arg::Ptr(rows), Arg::I64(n as i64), Arg::Ptr(dense(out, NAME)?)],
-        )
+        )?;
+        // The bias gradient as linear_weight_grad sums it (column_sums).
+        match bias_grad {
+            Some(gb) => self.column_sums(sfx, dense(full, NAME)?, n, c, dense(gb, NAME)?),
+            None => Ok(()),
+        }
     }
 
     fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor) -> Result<()> {

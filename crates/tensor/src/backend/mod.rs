@@ -472,7 +472,10 @@ backends! {
     /// cross_entropy's logits gradient from the scalar `grad`.
     fn cross_entropy_backward(&self, logits: &Tensor, target: &Tensor, label_smoothing: f64, grad: &Tensor, gx: &Tensor);
     /// `cross_entropy` and `cross_entropy_backward` of the same logits at once (a GPU reads them
-    /// fewer times).
+    /// fewer times); with `bias_grad`, also the gradient's column sums into it (a head's bias
+    /// gradient, summed as `linear_weight_grad` sums it). A 16-bit `gx` of f32 logits (a GPU's,
+    /// under products that round f32 to it) receives the gradient as those products' operand bits,
+    /// and the logits then hold the f32 gradient where `bias_grad` is summed from it.
     #[allow(clippy::too_many_arguments)]
     fn cross_entropy_with_grad(
         &self,
@@ -483,6 +486,7 @@ backends! {
         workspace: Option<&Tensor>,
         grad: &Tensor,
         gx: &Tensor,
+        bias_grad: Option<&Tensor>,
     );
     /// nll_loss's mean into the scalar `out` (log_probs may be strided; checks the targets' range).
     fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor);

@@ -117,7 +117,11 @@ pub fn head_chunk_rows(device: &crate::Device, classes: usize, dtype: DType) -> 
 // run twice. The values are the unchunked ones up to the order of float additions (the loss and dW,
 // db are summed over chunks); the saved dx, dW and db are counted as activations. A chunk's loss and
 // its logits' gradient come from one backend call (`cross_entropy_with_grad`), which a GPU serves
-// with one kernel reading the logits twice where the two ops read them five times.
+// with one kernel reading the logits twice where the two ops read them five times. On a GPU whose
+// products round f32 (bf16, fp16), that kernel writes the gradient as those products' operand bits
+// (16-bit: half the chunk's gradient, and nothing rounds it again), since only the two products read
+// it; a bias gradient, summed in f32, is summed in the same call from the f32 gradient, which the
+// kernel writes over the logits it came from (they are read no more).
 
 /// `cross_entropy(linear(x, weight, bias), target, label_smoothing)` (x [N, in], weight [V, in], bias
 /// [V], int64 target [N]) and each row's argmax class (int64 [N], no graph), never holding more than
@@ -154,6 +158,14 @@ pub fn linear_cross_entropy(
     let dtype = x.dtype();
     let loss = zeros_output(&x, &[], dtype, "linear_cross_entropy")?;
     let predicted = super::output_any(&x, &[n], DType::I64, "linear_cross_entropy")?;
+    // The logits' gradient as the products' operand bits (above), or in the logits' dtype; on a GPU
+    // the bias gradient is summed in the same call, from the f32 gradient.
+    let gpu = x.device().target() == crate::Target::Cuda;
+    let grad_dtype = match (gpu, super::products_of(&x), dtype) {
+        (true, crate::Products::Bf16, DType::F32) => DType::BF16,
+        (true, crate::Products::F16, DType::F32) => DType::F16,
+        _ => dtype,
+    };
     let (gx, gw, gb) = if grads {
         let gx = output(&x, &[n, d], dtype, "linear_cross_entropy")?;
         let gw = zeros_output(&x, &[v, d], dtype, "linear_cross_entropy")?;
@@ -176,10 +188,13 @@ pub fn linear_cross_entropy(
         let share = rows as f64 / n as f64;
         let part = output(&x, &[], dtype, "linear_cross_entropy")?;
         let ws = super::gpu_workspace(&x, rows, dtype, "linear_cross_entropy")?;
-        let glogits = match (&gx, &gw) {
+        let (glogits, summed_gb) = match (&gx, &gw) {
             (Some(_), Some(_)) => {
                 let upstream = Tensor::full(x.device(), &[], share, dtype, crate::Category::Temporary)?;
-                let glogits = output(&x, &[rows, v], dtype, "linear_cross_entropy")?;
+                // (Operand bits are stored, not computed in: `output_any`.)
+                let glogits = super::output_any(&x, &[rows, v], grad_dtype, "linear_cross_entropy")?;
+                let gb_part =
+                    gb.as_ref().filter(|_| gpu).map(|_| output(&x, &[v], dtype, "linear_cross_entropy")).transpose()?;
                 backend.cross_entropy_with_grad(
                     &logits,
                     &tc,
@@ -188,12 +203,13 @@ pub fn linear_cross_entropy(
                     ws.as_ref(),
                     &upstream,
                     &glogits,
+                    gb_part.as_ref(),
                 )?;
-                Some(glogits)
+                (Some(glogits), gb_part)
             }
             _ => {
                 backend.cross_entropy(&logits, &tc, label_smoothing, &part, ws.as_ref())?;
-                None
+                (None, None)
             }
         };
         drop((ws, logits));
@@ -204,8 +220,13 @@ pub fn linear_cross_entropy(
         let (Some(gx), Some(gw), Some(glogits)) = (&gx, &gw, glogits) else { continue };
         backend.matmul(&glogits, weight, &gx.narrow(0, start, rows)?, super::products_of(&glogits))?;
         let gw_part = output(&x, &[v, d], dtype, "linear_cross_entropy")?;
-        let gb_part = gb.as_ref().map(|_| output(&x, &[v], dtype, "linear_cross_entropy")).transpose()?;
-        backend.linear_weight_grad(&glogits, &xc, &gw_part, gb_part.as_ref(), super::products_of(&glogits))?;
+        // The bias gradient summed above (a GPU's), else with the weight's.
+        let unsummed = match summed_gb {
+            Some(_) => None,
+            None => gb.as_ref().map(|_| output(&x, &[v], dtype, "linear_cross_entropy")).transpose()?,
+        };
+        backend.linear_weight_grad(&glogits, &xc, &gw_part, unsummed.as_ref(), super::products_of(&xc))?;
+        let gb_part = summed_gb.or(unsummed);
         drop(glogits);
         backend.add_into(gw, &gw_part)?;
         if let (Some(gb), Some(part)) = (&gb, &gb_part) {
