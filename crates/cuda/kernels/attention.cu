@@ -595,6 +595,30 @@ __device__ void stage_rows_async(unsigned* sh, int ld, const unsigned short* m, 
     }
 }
 
+// Key tile j0's rows of K and V (their rounded copies k0 and v0) into buffers ks and vs, as one
+// group of copies that nobody waits for yet (the forward's and dq's tiles).
+template <int BC, int D>
+__device__ __forceinline__ void stage_keys(unsigned* ks, unsigned* vs, const unsigned short* k0, const unsigned short* v0, i64 dp, i64 dvp,
+                                           i64 j0, i64 tk) {
+    stage_rows_async<BC, D>(ks, D / 2 + 4, k0, dp, j0, tk);
+    stage_rows_async<BC, D>(vs, D / 2 + 4, v0, dvp, j0, tk);
+    cp_async_commit();
+}
+
+// The pipeline's step: where another tile follows (`more`), its copies start (`stage_next`, into
+// the other buffer) and this tile's are waited for, else the last ones; then a barrier, after which
+// every thread's copies are visible.
+template <typename Stage>
+__device__ __forceinline__ void tile_arrives(bool more, Stage stage_next) {
+    if (more) {
+        stage_next();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 // The A fragment of rows r0 .. r0 + 16 and columns k0 .. k0 + 16 of a rounded matrix m (`rows` of
 // them, dp elements each; zeros past both).
 __device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m, i64 dp, i64 r0, i64 rows, int k0) {
@@ -766,21 +790,10 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     zero_acc(o);
     const unsigned char* masked = vis.rows_of(i);
     const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
-    auto stage = [&](int b, i64 j0) {
-        stage_rows_async<BC, D>(ks[b], LD, k0, dp, j0, p.tk);
-        stage_rows_async<BC, D>(vs[b], LD, v0, dvp, j0, p.tk);
-        cp_async_commit();
-    };
-    if (kend > 0) stage(0, 0);
+    if (kend > 0) stage_keys<BC, D>(ks[0], vs[0], k0, v0, dp, dvp, 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
-        if (j0 + BC < kend) {
-            stage(buf ^ 1, j0 + BC);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        tile_arrives(j0 + BC < kend, [&] { stage_keys<BC, D>(ks[buf ^ 1], vs[buf ^ 1], k0, v0, dp, dvp, j0 + BC, p.tk); });
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks[buf], LD);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
@@ -865,21 +878,10 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         dr[h] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
     }
     const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
-    auto stage = [&](int b, i64 j0) {
-        stage_rows_async<BC, D>(ks[b], LD, k0, dp, j0, p.tk);
-        stage_rows_async<BC, D>(vs[b], LD, v0, dvp, j0, p.tk);
-        cp_async_commit();
-    };
-    if (kend > 0) stage(0, 0);
+    if (kend > 0) stage_keys<BC, D>(ks[0], vs[0], k0, v0, dp, dvp, 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
-        if (j0 + BC < kend) {
-            stage(buf ^ 1, j0 + BC);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        tile_arrives(j0 + BC < kend, [&] { stage_keys<BC, D>(ks[buf ^ 1], vs[buf ^ 1], k0, v0, dp, dvp, j0 + BC, p.tk); });
         float s[NS][4], dp_[NS][4];
         product<KIND>(s, qa, ks[buf], LD);
         product<KIND>(dp_, ga, vs[buf], LD);
@@ -950,13 +952,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     if (rstart < p.tq) stage(0, rstart);
     int buf = 0;
     for (i64 r0 = rstart; r0 < p.tq; r0 += KR, buf ^= 1) {
-        if (r0 + KR < p.tq) {
-            stage(buf ^ 1, r0 + KR);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        tile_arrives(r0 + KR < p.tq, [&] { stage(buf ^ 1, r0 + KR); });
         // The transposed scores S^T = K Q^T and dP^T = V dO^T: this warp's keys by the tile's queries.
         float st[NS][4], dpt[NS][4];
         product<KIND>(st, ka, qs[buf], LD);
