@@ -488,6 +488,17 @@ mod tests {
         check(5, 4, 3, 3, 30, 3); // likewise each matrix of a batch, one at a time
         check(5, 4, 3, 3, 60, 3); // a batch: 2 x 27 and the alignment do not fit 60, one matrix at a time
         check(7, 6, 10, 1, 60, 3); // k in chunks of 4, 4 and 2
+        check(5, 4, 3, 2, 62, 1); // two whole matrices exactly fill 62 (2 x 27 and 8 to align)
+    }
+
+    /// An operand rounded already takes no room in the workspace: with A's bits given, a batch of
+    /// three 5 x 3 by 3 x 4 products keeps only B's 12 elements a matrix there, so all three go in
+    /// one product where both operands' 27 take two.
+    #[test]
+    fn an_operand_rounded_already_leaves_the_workspace_to_the_other() {
+        check_with(5, 4, 3, 3, 70, 1, [true, false]);
+        check_with(5, 4, 3, 3, 70, 1, [false, true]);
+        check_with(5, 4, 3, 3, 70, 2, [false, false]);
     }
 
     /// GPT-2's products that do not fit the 64 MiB workspace cut into large pieces: the head's
