@@ -198,6 +198,17 @@ fn operand_bits(sfx: &str, products: Products) -> Option<&'static str> {
     }
 }
 
+/// The address of cross-entropy's per-row losses in its workspace (the op's `gpu_workspace`: one
+/// value of the logits' dtype a row), checked.
+fn loss_rows(ws: Option<&Tensor>, logits: &Tensor) -> Result<u64> {
+    let n = logits.shape()[0];
+    let ws = ws.ok_or_else(|| Error::device("cross_entropy: no workspace for the cuda kernels".to_string()))?;
+    if ws.numel() < n || ws.dtype() != logits.dtype() {
+        return Err(Error::device(format!("cross_entropy: a workspace of {} for {n} rows", ws.numel())));
+    }
+    dense(ws, "cross_entropy")
+}
+
 /// Whether an operand of `dtype` in a product of `other`'s dtype holds rounded operand bits already
 /// (a 16-bit operand with an f32 one, under the products that round f32 to it: the chunked head's
 /// gradient on a GPU); an error for any other mix of dtypes.
@@ -2354,11 +2365,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let sfx = float("cross_entropy", logits.dtype())?;
         let (n, c) = (logits.shape()[0], logits.shape()[1]);
-        let ws = ws.ok_or_else(|| Error::device("cross_entropy: no workspace for the cuda kernels".to_string()))?;
-        if ws.numel() < n || ws.dtype() != logits.dtype() {
-            return Err(Error::device(format!("cross_entropy: a workspace of {} for {n} rows", ws.numel())));
-        }
-        let rows = dense(ws, "cross_entropy")?;
+        let rows = loss_rows(ws, logits)?;
         self.launch(
             &format!("cross_entropy_rows_{sfx}"),
             self.grid(n * BLOCK as usize, BLOCK),
@@ -2418,11 +2425,7 @@ impl Backend for Cuda {
         const NAME: &str = "cross_entropy";
         let sfx = float(NAME, logits.dtype())?;
         let (n, c) = (logits.shape()[0], logits.shape()[1]);
-        let ws = ws.ok_or_else(|| Error::device("cross_entropy: no workspace for the cuda kernels".to_string()))?;
-        if ws.numel() < n || ws.dtype() != logits.dtype() {
-            return Err(Error::device(format!("cross_entropy: a workspace of {} for {n} rows", ws.numel())));
-        }
-        let rows = dense(ws, NAME)?;
+        let rows = loss_rows(ws, logits)?;
         // loss.cu's cross_entropy_grad: a block of 256 (its shared arrays) per row; into a 16-bit gx,
         // the rounded operand bits of the products that alone read it (`ops::linear_cross_entropy`).
         // The f32 gradient the bias gradient is summed from: gx, or, beside operand bits, the logits

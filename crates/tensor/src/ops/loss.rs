@@ -345,6 +345,24 @@ mod tests {
         assert_eq!(head_chunk_rows(&Device::cpu(), 1 << 30, DType::F64), 1);
     }
 
+    /// The backend's loss with its gradient and, when asked, the gradient's column sums (a head's
+    /// bias gradient, which a GPU sums in the same call): on the cpu, the sums of the gradient it
+    /// wrote, bit for bit.
+    #[test]
+    fn the_loss_call_sums_the_bias_gradient_when_asked() {
+        let dev = Device::cpu();
+        let (n, c) = (6, 9);
+        let logits = t64(&dev, &values(n * c, 3), &[n, c]).to_dtype(DType::F32).unwrap();
+        let t = targets(&dev, &[0, 8, 3, 3, 5, 1]);
+        let upstream = Tensor::full(&dev, &[], 0.5, DType::F32, Category::Input).unwrap();
+        let out = |shape: &[usize]| output(&logits, shape, DType::F32, "test").unwrap();
+        let (loss, gx, gb) = (out(&[]), out(&[n, c]), out(&[c]));
+        dev.backend().cross_entropy_with_grad(&logits, &t, 0.1, &loss, None, &upstream, &gx, Some(&gb)).unwrap();
+        let want = gx.sum_dim(0, false).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(gb.to_vec::<f32>().unwrap(), want);
+        assert!(want.iter().any(|&v| v != 0.0), "{want:?}");
+    }
+
     #[test]
     fn hand_checked_values() {
         let dev = Device::cpu();
