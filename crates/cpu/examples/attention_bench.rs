@@ -4,7 +4,9 @@
 //! `cargo run --release -p memfit-cpu --example attention_bench [bwd]`; `MEMFIT_ISA` picks the
 //! instruction set. The attention op's share of a GPT step is in `memfit profile`'s trace.
 
-use memfit_cpu::attention::{attention, attention_backward, AttnAddr, AttnDims, AttnLayouts, AttnProblem};
+use memfit_cpu::attention::{
+    attention, attention_backward, attention_delta, AttnAddr, AttnDims, AttnLayouts, AttnProblem,
+};
 use memfit_cpu::dtype::DType;
 use memfit_cpu::layout::Layout;
 use memfit_cpu::View;
@@ -30,6 +32,7 @@ fn main() {
     let mut qkv = values(b * t * 3 * e, 7919);
     let mut out = vec![0f32; b * t * e];
     let mut lse = vec![0f32; b * heads * t];
+    let mut delta = vec![0f32; b * heads * t];
     let mut grad_out = values(b * t * e, 104_729);
     let mut grad_qkv = vec![0f32; b * t * 3 * e];
     let part = |i: usize| AttnAddr { offset: i * e, batch_stride: t * 3 * e, head_stride: dh, row_stride: 3 * e };
@@ -62,8 +65,11 @@ fn main() {
             unsafe {
                 let (q, o, l) = (view(&mut qkv, &l_qkv), view(&mut out, &l_out), view(&mut lse, &l_lse));
                 if backward {
-                    let (g, gq) = (view(&mut grad_out, &l_out), view(&mut grad_qkv, &l_qkv));
-                    attention_backward(q, q, q, None, l, &pb, g, Some(gq), Some(gq), Some(gq), None).expect("backward");
+                    let (g, gq, d) =
+                        (view(&mut grad_out, &l_out), view(&mut grad_qkv, &l_qkv), view(&mut delta, &l_lse));
+                    attention_delta(o, g, &pb, d).expect("D");
+                    attention_backward(q, q, q, None, l, &pb, g, Some(d), Some(gq), Some(gq), Some(gq), None)
+                        .expect("backward");
                 } else {
                     attention(q, q, q, None, &pb, o, Some(l), None).expect("forward");
                 }

@@ -310,10 +310,10 @@ multiversion! {
 }
 
 multiversion! {
-    /// Softmax backward of one row, over the probabilities `p`: `dS = p * (dp - dot(p, dp)) * scale`.
-    fn softmax_grad_row<T: Float>(p: &mut [T], dp: &[T], scale: T) {
-        let dot = lane_dot(p, dp);
-        p.iter_mut().zip(dp).for_each(|(p, &g)| *p = *p * (g - dot) * scale);
+    /// Softmax backward of one row, over the probabilities `p`: `dS = p * (dp - d) * scale`, `d` the
+    /// row's D (`rowsum(dO * O)`, which is `rowsum(p * dp)`).
+    fn softmax_grad_row<T: Float>(p: &mut [T], dp: &[T], d: T, scale: T) {
+        p.iter_mut().zip(dp).for_each(|(p, &g)| *p = *p * (g - d) * scale);
     }
 }
 
@@ -326,6 +326,8 @@ struct Ptrs<T> {
     /// The output (forward) or its gradient (backward).
     o: SendPtr<T>,
     lse: SendPtr<T>,
+    /// Backward: each query row's D, [bh, tq] (null when no dS is wanted).
+    delta: SendPtr<T>,
 }
 
 /// The pointer and length (in elements) of an operand the kernels read.
@@ -447,6 +449,7 @@ fn backward_kernel<T: Float + Element>(
             let vi = p.v.0.add(lay.v.start(i, heads)) as *const T;
             let goi = p.o.0.add(lay.out.start(i, heads)) as *const T;
             let lse = p.lse.0.add(i * tq) as *const T;
+            let delta = p.delta.0.add(i * tq) as *const T;
             let gqi = gq.map(|g| g.0.add(lay.q.start(i, heads)));
             let gki = gk.map(|g| g.0.add(lay.k.start(i, heads)));
             let gvi = gv.map(|g| g.0.add(lay.v.start(i, heads)));
@@ -517,12 +520,12 @@ fn backward_kernel<T: Float + Element>(
                 if !need_ds {
                     continue;
                 }
-                // dP = dO v^T; dS = P * (dP - rowsum(P * dP)) * scale, over P.
+                // dP = dO v^T; dS = P * (dP - D) * scale, over P.
                 prepared_part_into(&vt, rows, kend, dv, dp.as_mut_ptr(), kend as isize, false, gob, threads);
                 for r in 0..rows {
                     let prow = &mut s[r * kend..(r + 1) * kend];
                     let dprow = &dp[r * kend..(r + 1) * kend];
-                    softmax_grad_row(isa, prow, dprow, scale);
+                    softmax_grad_row(isa, prow, dprow, *delta.add(r0 + r), scale);
                 }
                 if let Some(gqi) = gqi {
                     // dQ rows = dS k[:kend]
@@ -585,15 +588,57 @@ pub fn attention(
         let lse = lse.map(write_ptr).transpose()?;
         pb.check_lengths("scaled_dot_product_attention", nq, nk, nv, no, lse.map(|(_, n)| n))?;
         let lse = lse.map_or(SendPtr(std::ptr::null_mut()), |(p, _)| p);
-        let p = Ptrs::<T> { q, k, v, o, lse };
+        let p = Ptrs::<T> { q, k, v, o, lse, delta: SendPtr(std::ptr::null_mut()) };
         // The tensors are contiguous and hold what the layouts address (checked); out and lse are fresh.
         forward_kernel::<T>(p, pb.dims, pb.lay, pb.scale, &vis, pb.products)
     });
     Ok(())
 }
 
+/// D of every query row into `delta` ([bh, tq], contiguous): `rowsum(dO * O)`, the output `out`
+/// and its gradient `grad` both laid out as the problem's output. The backward's dS is
+/// `P * (dP - D)`, and `rowsum(P * dP)` is D (dP = dO v^T, O = P v), so D comes from a pass over
+/// the output's rows rather than over every row's keys (Note [Attention's D] in the tensor crate).
+pub fn attention_delta(out: View<'_>, grad: View<'_>, pb: &AttnProblem, delta: View<'_>) -> Result<()> {
+    let AttnDims { bh, heads, tq, dv, .. } = pb.dims;
+    if bh == 0 {
+        return Ok(());
+    }
+    const NAME: &str = "scaled_dot_product_attention_backward";
+    with_float!(grad.dtype(), NAME, T => {
+        let ((o, no), (g, ng), (d, nd)) = (read_ptr::<T>(out)?, read_ptr::<T>(grad)?, write_ptr::<T>(delta)?);
+        let need = pb.lay.out.extent(bh, heads, tq, dv);
+        check_len(&format!("{NAME} output"), no, need)?;
+        check_len(&format!("{NAME} output gradient"), ng, need)?;
+        check_len(&format!("{NAME} D"), nd, bh * tq)?;
+        let (lay, isa) = (pb.lay.out, Isa::active());
+        (0..bh).into_par_iter().for_each(|i| {
+            let (o, g, d) = (o, g, d);
+            for r in 0..tq {
+                let at = lay.start(i, heads) + r * lay.row_stride;
+                // SAFETY: the rows are inside the lengths checked above; task i alone writes D's
+                // row block i.
+                unsafe {
+                    let orow = std::slice::from_raw_parts(o.0.add(at) as *const T, dv);
+                    let grow = std::slice::from_raw_parts(g.0.add(at) as *const T, dv);
+                    *d.0.add(i * tq + r) = row_dot(isa, orow, grow);
+                }
+            }
+        });
+    });
+    Ok(())
+}
+
+multiversion! {
+    /// The dot product of two rows, in lanes.
+    fn row_dot<T: Float>(a: &[T], b: &[T]) -> T {
+        lane_dot(a, b)
+    }
+}
+
 /// Backward from the output's gradient `grad`: the gradients of q, k and v, each when given (the
-/// packed op gives its one gradient three times).
+/// packed op gives its one gradient three times), with each query row's D from
+/// [`attention_delta`] (needed when the gradient of q or k is).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     q: View<'_>,
@@ -603,6 +648,7 @@ pub fn attention_backward(
     lse: View<'_>,
     pb: &AttnProblem,
     grad: View<'_>,
+    delta: Option<View<'_>>,
     gq: Option<View<'_>>,
     gk: Option<View<'_>>,
     gv: Option<View<'_>>,
@@ -613,11 +659,22 @@ pub fn attention_backward(
     }
     let mask = mask.map(|m| MaskView::new(m, &pb.full)).transpose()?;
     let vis = Visibility::new(pb.causal, mask, pb.dims.tq, pb.dims.tk);
-    with_float!(grad.dtype(), "scaled_dot_product_attention_backward", T => {
+    const NAME: &str = "scaled_dot_product_attention_backward";
+    with_float!(grad.dtype(), NAME, T => {
         let ((q, nq), (k, nk), (v, nv), (o, no)) = (read_ptr(q)?, read_ptr(k)?, read_ptr(v)?, read_ptr(grad)?);
         let (lse, nl) = read_ptr(lse)?;
-        pb.check_lengths("scaled_dot_product_attention_backward", nq, nk, nv, no, Some(nl))?;
-        let p = Ptrs::<T> { q, k, v, o, lse };
+        pb.check_lengths(NAME, nq, nk, nv, no, Some(nl))?;
+        let delta = match delta.map(read_ptr::<T>).transpose()? {
+            Some((d, nd)) => {
+                check_len(&format!("{NAME} D"), nd, pb.dims.bh * pb.dims.tq)?;
+                d
+            }
+            None if gq.is_some() || gk.is_some() => {
+                return Err(Error::invalid(format!("{NAME}: the gradients of q and k need each row's D")))
+            }
+            None => SendPtr(std::ptr::null_mut()),
+        };
+        let p = Ptrs::<T> { q, k, v, o, lse, delta };
         let g = grad_ptrs::<T>([gq, gk, gv], pb)?;
         // The saved tensors and the gradients are contiguous and hold what the layouts address
         // (checked); the gradients are fresh, and the packed gradient's q, k and v parts are
@@ -737,7 +794,10 @@ mod tests {
             let (mut lse, mut go) = (lse.clone(), go.clone());
             let (l, g) = (f32s(&mut lse, &ll), f32s(&mut go, &lq));
             let (dq, dk, dv) = (f32s(&mut gq, &lq), f32s(&mut gk, &lk), f32s(&mut gv, &lk));
-            attention_backward(qv, kv, vv, Some(m), l, &pb, g, Some(dq), Some(dk), Some(dv), None).unwrap();
+            let (mut o, mut delta) = (out.clone(), vec![fill; bh * tq]);
+            let dl = f32s(&mut delta, &ll);
+            attention_delta(f32s(&mut o, &lq), g, &pb, dl).unwrap();
+            attention_backward(qv, kv, vv, Some(m), l, &pb, g, Some(dl), Some(dq), Some(dk), Some(dv), None).unwrap();
             (gq, gk, gv)
         };
         let (zeroed, stale) = (grads(0.0), grads(f32::NAN));
@@ -754,8 +814,9 @@ mod tests {
         }
     }
 
-    /// The softmax row kernels give the portable copy's bits on every level, for rows with and
-    /// without a tail after the last whole vector, hidden keys, a NaN, and all keys hidden.
+    /// The softmax row kernels (and D's row dot product) give the portable copy's bits on every
+    /// level, for rows with and without a tail after the last whole vector, hidden keys, a NaN, and
+    /// all keys hidden.
     #[test]
     fn softmax_row_kernels_give_the_same_bits_on_every_level() {
         let run = |isa: Isa| {
@@ -776,8 +837,11 @@ mod tests {
                     subtract_lse_row(isa, &mut p, lse);
                     exp_in_place(&mut p);
                     out.extend(bits(&p));
-                    softmax_grad_row(isa, &mut p, &scores(len, 7, 0), 0.125);
+                    softmax_grad_row(isa, &mut p, &scores(len, 7, 0), 0.3, 0.125);
                     out.extend(bits(&p));
+                    if !nan {
+                        out.push(row_dot(isa, &p, &scores(len, 8, 0)).to_bits());
+                    }
                 }
             }
             out

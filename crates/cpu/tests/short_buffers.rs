@@ -335,9 +335,30 @@ fn attention_refuses_short_operands_forward_and_backward() {
         ],
     });
     check(&Case {
+        name: "attention_delta",
+        // out, grad, delta
+        buffers: vec![f32s(&m), f32s(&m), f32s(&[2, 3])],
+        call: Box::new(|v| kernels::attention_delta(v[0], v[1], &attention_problem(2, 1), v[2])),
+        shortened: vec![
+            (0, short(&m), "scaled_dot_product_attention_backward output"),
+            (1, short(&m), "scaled_dot_product_attention_backward output gradient"),
+            (2, short(&[2, 3]), "scaled_dot_product_attention_backward D"),
+        ],
+    });
+    check(&Case {
         name: "attention_backward",
-        // q, k, v, lse, grad, gq, gk, gv
-        buffers: vec![f32s(&m), f32s(&m), f32s(&m), f32s(&[2, 3]), f32s(&m), f32s(&m), f32s(&m), f32s(&m)],
+        // q, k, v, lse, grad, gq, gk, gv, delta
+        buffers: vec![
+            f32s(&m),
+            f32s(&m),
+            f32s(&m),
+            f32s(&[2, 3]),
+            f32s(&m),
+            f32s(&m),
+            f32s(&m),
+            f32s(&m),
+            f32s(&[2, 3]),
+        ],
         call: Box::new(|v| {
             let pb = attention_problem(2, 1);
             kernels::attention_backward(
@@ -348,6 +369,7 @@ fn attention_refuses_short_operands_forward_and_backward() {
                 v[3],
                 &pb,
                 v[4],
+                Some(v[8]),
                 Some(v[5]),
                 Some(v[6]),
                 Some(v[7]),
@@ -361,8 +383,20 @@ fn attention_refuses_short_operands_forward_and_backward() {
             (5, short(&m), "gradient of q"),
             (6, short(&m), "gradient of k"),
             (7, short(&m), "gradient of v"),
+            (8, short(&[2, 3]), "scaled_dot_product_attention_backward D"),
         ],
     });
+    // The gradients of q and k need D; v's alone does not.
+    let pb = attention_problem(2, 1);
+    let bufs = [f32s(&m), f32s(&[2, 3]), f32s(&m), f32s(&m)];
+    let got = with_views(&bufs, &|v| {
+        kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], None, None, Some(v[3]), None, None)
+    });
+    assert!(matches!(&got, Err(Error::Invalid(m)) if m.contains("need each row's D")), "{got:?}");
+    let got = with_views(&bufs, &|v| {
+        kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], None, None, None, Some(v[3]), None)
+    });
+    assert!(got.is_ok(), "{got:?}");
     // Heads that do not divide the matrices: the last matrix would not start furthest in.
     let got = with_views(&[f32s(&m), f32s(&m), f32s(&m), f32s(&m)], &|v| {
         kernels::attention(v[0], v[1], v[2], None, &attention_problem(3, 2), v[3], None, None)
@@ -398,7 +432,7 @@ fn packed_attention_checks_each_part_of_its_one_gradient_and_needs_nothing_for_n
     // only v's third (the furthest) runs past it.
     check(&Case {
         name: "packed attention_backward",
-        // qkv, lse, grad, the packed gradient
+        // qkv, lse (and D), grad, the packed gradient
         buffers: vec![f32s(&packed), f32s(&[2, t]), f32s(&[1, t, 2 * dh]), f32s(&packed)],
         call: Box::new(move |v| {
             let pb = packed_problem(t, dh);
@@ -410,6 +444,7 @@ fn packed_attention_checks_each_part_of_its_one_gradient_and_needs_nothing_for_n
                 v[1],
                 &pb,
                 v[2],
+                Some(v[1]),
                 Some(v[3]),
                 Some(v[3]),
                 Some(v[3]),
@@ -422,7 +457,21 @@ fn packed_attention_checks_each_part_of_its_one_gradient_and_needs_nothing_for_n
     let got = with_views(&[f32s(&[1, 0, 6 * dh]), f32s(&[2, 0]), f32s(&[1, 0, 2 * dh]), f32s(&[1, 0, 6 * dh])], &|v| {
         let pb = packed_problem(0, dh);
         kernels::attention(v[0], v[0], v[0], None, &pb, v[2], Some(v[1]), None)?;
-        kernels::attention_backward(v[0], v[0], v[0], None, v[1], &pb, v[2], Some(v[3]), Some(v[3]), Some(v[3]), None)
+        kernels::attention_delta(v[2], v[2], &pb, v[1])?;
+        kernels::attention_backward(
+            v[0],
+            v[0],
+            v[0],
+            None,
+            v[1],
+            &pb,
+            v[2],
+            Some(v[1]),
+            Some(v[3]),
+            Some(v[3]),
+            Some(v[3]),
+            None,
+        )
     });
     assert!(got.is_ok(), "{got:?}");
 }

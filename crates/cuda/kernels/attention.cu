@@ -1,8 +1,9 @@
 // Scaled dot-product attention, forward and backward, in three forms; all repeat bit for bit (fixed
 // orders, no atomics) and need no scratch memory (O(T) memory, as the cpu path: only the per-row
-// log-sum-exp is saved).
+// log-sum-exp is saved). Backward starts with each query row's D, rowsum(dO * O) (attention_delta_*,
+// Note [Attention's D] in memfit-tensor), which the dq and dk/dv kernels read.
 // - Tiled (f32, head sizes up to 128; below): a block of 128 threads takes a tile of query rows (the
-//   forward, the backward's D and dq) or of key rows (dk and dv), stages the other side's rows in
+//   forward, the backward's dq) or of key rows (dk and dv), stages the other side's rows in
 //   shared memory a tile at a time and keeps its own results in registers, with the online softmax
 //   of FlashAttention (Dao, 2022). A causal block stops at (or starts from) the diagonal.
 // - Per row (f64, larger heads): one thread per query or key row walking its row in order.
@@ -76,19 +77,21 @@ __device__ T dot(const Problem<T>& p, const T* a, const T* b, i64 n) {
     return s;
 }
 
-// D = sum_j P[r, j] dP[r, j] of query row r of matrix i (g: the output's gradient, laid out as v's
-// rows but with the output's Addr ag).
+// D = rowsum(dO * O) of every query row into delta ([bh, tq]; Note [Attention's D] in
+// memfit-tensor), the output o and its gradient g both laid out by a: a warp a row, lane l adding
+// the row's columns l, l + 32, ... in order, then the lanes' sums by halves (xor 16, 8, 4, 2, 1;
+// each lane adds the same two values, so all agree and a run repeats bit for bit).
 template <typename T>
-__device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Addr& ag, const T* lse, i64 i, i64 r) {
-    const T* qr = p.qrow(i, r);
-    const T* gr = g + matrix(ag, i, p.heads) + r * ag.row;
-    T l = lse[i * p.tq + r], acc = T(0);
-    for (i64 j = 0; j < p.tk; ++j) {
-        if (vis.hidden(i, r, j)) continue;
-        T prob = exp(p.scale * dot<T>(p, qr, p.krow(i, j), p.d) - l);
-        acc += prob * dot<T>(p, gr, p.vrow(i, j), p.dv);
+__device__ void row_deltas(const T* o, const T* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, T* delta) {
+    const int lane = threadIdx.x % 32, per_block = blockDim.x / 32;
+    const i64 warps = (i64)gridDim.x * per_block;
+    for (i64 row = (i64)blockIdx.x * per_block + threadIdx.x / 32; row < bh * tq; row += warps) {
+        const i64 at = matrix(a, row / tq, heads) + (row % tq) * a.row;
+        T s = T(0);
+        for (i64 c = lane; c < dv; c += 32) s += o[at + c] * g[at + c];
+        for (int m = 16; m > 0; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);
+        if (lane == 0) delta[row] = s;
     }
-    return acc;
 }
 
 #define ATTENTION(T, SUF)                                                                               \
@@ -118,15 +121,11 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
             if (lse) lse[row] = l > T(0) ? m + log(l) : -INFINITY;                                      \
         }                                                                                               \
     }                                                                                                   \
-    /* D of every query row into the first element of its dq row (read back by the next kernels). */    \
-    extern "C" __global__ void attention_backward_d_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, T* gq) { \
-        GRID_STRIDE(row, p.bh * p.tq) {                                                                 \
-            i64 i = row / p.tq, r = row % p.tq;                                                         \
-            gq[matrix(p.aq, i, p.heads) + r * p.aq.row] = row_d<T>(p, vis, g, ag, lse, i, r);           \
-        }                                                                                               \
+    extern "C" __global__ void attention_delta_##SUF(const T* o, const T* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, T* delta) { \
+        row_deltas<T>(o, g, a, bh, heads, tq, dv, delta);                                               \
     }                                                                                                   \
-    /* dk and dv of every key row, each when given; D from dq's rows, or computed (no dq). */           \
-    extern "C" __global__ void attention_backward_kv_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, const T* gq, T* gk, T* gv) { \
+    /* dk and dv of every key row, each when given (delta: the rows' D, needed with dk). */             \
+    extern "C" __global__ void attention_backward_kv_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, const T* delta, T* gk, T* gv) { \
         GRID_STRIDE(key, p.bh * p.tk) {                                                                 \
             i64 i = key / p.tk, j = key % p.tk;                                                         \
             const T* kj = p.krow(i, j);                                                                 \
@@ -142,21 +141,20 @@ __device__ T row_d(const Problem<T>& p, const Visible& vis, const T* g, const Ad
                 T prob = exp(p.scale * dot<T>(p, qr, kj, p.d) - lse[i * p.tq + r]);                     \
                 if (dvr) for (i64 c = 0; c < p.dv; ++c) dvr[c] += p.in(prob) * p.in(gr[c]);             \
                 if (dk) {                                                                               \
-                    T dd = gq ? gq[matrix(p.aq, i, p.heads) + r * p.aq.row] : row_d<T>(p, vis, g, ag, lse, i, r); \
-                    T ds = prob * (dot<T>(p, gr, vj, p.dv) - dd) * p.scale;                             \
+                    T ds = prob * (dot<T>(p, gr, vj, p.dv) - delta[i * p.tq + r]) * p.scale;            \
                     for (i64 c = 0; c < p.d; ++c) dk[c] += p.in(ds) * p.in(qr[c]);                      \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
-    /* dq of every query row, its D read from the row's first element before the row is written. */     \
-    extern "C" __global__ void attention_backward_q_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, T* gq) { \
+    /* dq of every query row (delta: the rows' D). */                                                    \
+    extern "C" __global__ void attention_backward_q_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, const T* delta, T* gq) { \
         GRID_STRIDE(row, p.bh * p.tq) {                                                                 \
             i64 i = row / p.tq, r = row % p.tq;                                                         \
             const T* qr = p.qrow(i, r);                                                                 \
             const T* gr = g + matrix(ag, i, p.heads) + r * ag.row;                                      \
             T* dq = gq + matrix(p.aq, i, p.heads) + r * p.aq.row;                                       \
-            T dd = dq[0], l = lse[row];                                                                 \
+            T dd = delta[row], l = lse[row];                                                            \
             for (i64 c = 0; c < p.d; ++c) dq[c] = T(0);                                                 \
             for (i64 j = 0; j < p.tk; ++j) {                                                            \
                 if (vis.hidden(i, r, j)) continue;                                                      \
@@ -329,17 +327,15 @@ __device__ void attention_tile(const Problem<float>& p, const Visible& vis, floa
     __syncthreads();
 }
 
-// The backward over one tile of BR query rows, key tiles of BC rows at a time. pass 0: D of each
-// row (sum over keys of P dP) into the first element of its dq row; pass 1: dq of each row, its D
-// read from there first.
+// dq of one tile of BR query rows, key tiles of BC rows at a time (delta: the rows' D).
 template <int D, int BR, int BC>
 __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible& vis, const float* g, const Addr& ag, const float* lse,
-                                          float* gq, int pass, i64 i, i64 r0) {
+                                          const float* delta, float* gq, i64 i, i64 r0) {
     constexpr int TM = BR / TY, TN = BC / TX, TO = D / TX;
-    __shared__ float qs[BR * (D + 1)], gs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], dss[BR * (BC + 1)], red[BR * TX];
+    __shared__ float qs[BR * (D + 1)], gs[BR * (D + 1)], ks[BC * (D + 1)], vs[BC * (D + 1)], dss[BR * (BC + 1)];
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
     const unsigned char* masked = vis.rows_of(i);
-    float acc[TM][TO], lr[TM], dr[TM], part[TM];
+    float acc[TM][TO], lr[TM], dr[TM];
     zero_tile(acc);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
     stage_rows<D, BR>(p, qs, p.q + matrix(p.aq, i, p.heads), p.aq.row, r0, p.tq, p.d);
@@ -348,8 +344,7 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
     for (int a = 0; a < TM; ++a) {
         i64 r = r0 + ty * TM + a;
         lr[a] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
-        dr[a] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
-        part[a] = 0.0f;
+        dr[a] = r < p.tq ? delta[i * p.tq + r] : 0.0f;
     }
     i64 kend = vis.causal ? min(p.tk, r0 + BR) : p.tk;
     for (i64 j0 = 0; j0 < kend; j0 += BC) {
@@ -370,42 +365,30 @@ __device__ void attention_backward_q_tile(const Problem<float>& p, const Visible
                 i64 j = j0 + tx + TX * b;
                 bool seen = r < p.tq && j < p.tk && !vis.hidden_in(masked, r, j);
                 float prob = seen ? expf(p.scale * s[a][b] - lr[a]) : 0.0f;
-                if (pass == 0) part[a] += prob * dp[a][b];
-                else dss[(ty * TM + a) * (BC + 1) + tx + TX * b] = p.in(prob * (dp[a][b] - dr[a]) * p.scale);
+                dss[(ty * TM + a) * (BC + 1) + tx + TX * b] = p.in(prob * (dp[a][b] - dr[a]) * p.scale);
             }
         }
-        if (pass == 1) {
-            __syncthreads();
-            tile_product<TM, TO, BC>(acc, dss, BC + 1, 1, ks, D + 1, 1);
-        }
+        __syncthreads();
+        tile_product<TM, TO, BC>(acc, dss, BC + 1, 1, ks, D + 1, 1);
     }
-    if (pass == 0) {
-        merge_rows<TM, false>(part, red);
 #pragma unroll
-        for (int a = 0; a < TM; ++a) {
-            i64 r = r0 + ty * TM + a;
-            if (tx == 0 && r < p.tq) gq0[r * p.aq.row] = part[a];
-        }
-    } else {
+    for (int a = 0; a < TM; ++a) {
+        i64 r = r0 + ty * TM + a;
+        if (r >= p.tq) continue;
 #pragma unroll
-        for (int a = 0; a < TM; ++a) {
-            i64 r = r0 + ty * TM + a;
-            if (r >= p.tq) continue;
-#pragma unroll
-            for (int c = 0; c < TO; ++c) {
-                int col = tx + TX * c;
-                if (col < p.d) gq0[r * p.aq.row + col] = acc[a][c];
-            }
+        for (int c = 0; c < TO; ++c) {
+            int col = tx + TX * c;
+            if (col < p.d) gq0[r * p.aq.row + col] = acc[a][c];
         }
     }
     __syncthreads();
 }
 
 // dk and dv of one tile of KC key rows, from every query row that sees them, KR query rows at a
-// time (D from dq's rows).
+// time (delta: the rows' D).
 template <int D, int KR, int KC>
 __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visible& vis, const float* g, const Addr& ag, const float* lse,
-                                           const float* gq, float* gk, float* gv, i64 i, i64 j0) {
+                                           const float* delta, float* gk, float* gv, i64 i, i64 j0) {
     constexpr int TM = KR / TY, TN = KC / TX, UM = KC / TY, TO = D / TX;
     __shared__ float ks[KC * (D + 1)], vs[KC * (D + 1)], qs[KR * (D + 1)], gs[KR * (D + 1)];
     __shared__ float ps[KR * (KC + 1)], dss[KR * (KC + 1)], l_row[KR], d_row[KR];
@@ -414,7 +397,6 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
     float dk[UM][TO], dv[UM][TO];
     zero_tile(dk);
     zero_tile(dv);
-    const float* gq0 = gq + matrix(p.aq, i, p.heads);
     stage_rows<D, KC>(p, ks, p.k + matrix(p.ak, i, p.heads), p.ak.row, j0, p.tk, p.d);
     stage_rows<D, KC>(p, vs, p.v + matrix(p.av, i, p.heads), p.av.row, j0, p.tk, p.dv);
     i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
@@ -425,7 +407,7 @@ __device__ void attention_backward_kv_tile(const Problem<float>& p, const Visibl
         if (threadIdx.x < KR) {
             i64 r = r0 + threadIdx.x;
             l_row[threadIdx.x] = r < p.tq ? lse[i * p.tq + r] : 0.0f;
-            d_row[threadIdx.x] = r < p.tq ? gq0[r * p.aq.row] : 0.0f;
+            d_row[threadIdx.x] = r < p.tq ? delta[i * p.tq + r] : 0.0f;
         }
         __syncthreads();
         float s[TM][TN], dp[TM][TN];
@@ -479,7 +461,7 @@ __device__ __forceinline__ i64 task_tile(i64 t, i64 tiles, bool late) {
 
 // The entry points for head sizes up to D: blocks walk the (matrix, tile) pairs in task_tile's
 // order, so a block's threads always agree on their tile (the barriers inside need that). The
-// forward's query tiles of FR rows meet key tiles of FC rows; D and dq's query tiles of QR rows
+// forward's query tiles of FR rows meet key tiles of FC rows; dq's query tiles of QR rows
 // meet key tiles of QC; dk and dv's key tiles of KC rows meet query tiles of KR. Row counts are
 // multiples of TY, column counts of TX; each tile set fits the 48 KiB of static shared memory.
 #define ATTENTION_TILED(D, FR, FC, QR, QC, KC, KR)                                                      \
@@ -488,15 +470,15 @@ __device__ __forceinline__ i64 task_tile(i64 t, i64 tiles, bool late) {
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
             attention_tile<D, FR, FC>(p, vis, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * FR); \
     }                                                                                                   \
-    extern "C" __global__ void attention_tiled_backward_q_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, float* gq, int pass) { \
+    extern "C" __global__ void attention_tiled_backward_q_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* delta, float* gq) { \
         i64 tiles = (p.tq + QR - 1) / QR;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_backward_q_tile<D, QR, QC>(p, vis, g, ag, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * QR); \
+            attention_backward_q_tile<D, QR, QC>(p, vis, g, ag, lse, delta, gq, t / tiles, task_tile(t, tiles, vis.causal) * QR); \
     }                                                                                                   \
-    extern "C" __global__ void attention_tiled_backward_kv_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* gq, float* gk, float* gv) { \
+    extern "C" __global__ void attention_tiled_backward_kv_d##D##_f32(Problem<float> p, Visible vis, const float* g, Addr ag, const float* lse, const float* delta, float* gk, float* gv) { \
         i64 tiles = (p.tk + KC - 1) / KC;                                                               \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_backward_kv_tile<D, KR, KC>(p, vis, g, ag, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * KC); \
+            attention_backward_kv_tile<D, KR, KC>(p, vis, g, ag, lse, delta, gk, gv, t / tiles, task_tile(t, tiles, false) * KC); \
     }
 
 ATTENTION_TILED(64, 64, 32, 32, 32, 32, 32)
@@ -505,8 +487,8 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // ----- Tensor cores: bf16 and fp16 products -------------------------------------------------------
 // With rounded products (rounding 1: bf16, 2: fp16; the kernels' KIND) and head sizes up to 128, the
 // six products run on the tensor cores (`mma_16816`, f32 accumulation), in FlashAttention-2's
-// scheme (Dao, 2023): a block of MMA_WARPS warps takes MMA_ROWS rows (query rows for the forward, D
-// and dq; key rows for dk and dv), each warp 16 of them, its own side's operands in registers, and
+// scheme (Dao, 2023): a block of MMA_WARPS warps takes MMA_ROWS rows (query rows for the forward and
+// dq; key rows for dk and dv), each warp 16 of them, its own side's operands in registers, and
 // walks the other side's tiles, staged in shared memory by rows (words that each hold a pair of a
 // row's elements), 16 bytes a copy without waiting (`cp.async`), into two buffers: the next tile's
 // copies run while this tile's products do. The products read a tile's B fragments with `ldmatrix`:
@@ -514,8 +496,7 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // they are its k (V in P V, K in dS K, Q and the output's gradient in dS^T Q and P^T dO). A row's
 // max and sum are taken over its quad of lanes with two shuffles, the same value in
 // all four, so a run repeats bit for bit (no atomics). What they compute is the tiled kernels'
-// (above), in another order of f32 additions: P is rounded before it is normalized, D comes from
-// pass 0, dq from pass 1.
+// (above), in another order of f32 additions: P is rounded before it is normalized.
 //
 // The operands q, k, v (and the output's gradient) are rounded once a launch, by attention_round_*,
 // into 16-bit copies in the op's workspace (`attention_bits` in memfit-tensor): matrix i's row r at
@@ -734,13 +715,13 @@ __device__ __forceinline__ void seen_scores(float (&s)[NS][4], float (&top)[2], 
         }
 }
 
-// D and dq's tile: the probabilities P from the scores s and the rows' log-sum-exp lr (both in base
-// 2: scale2 is the scale times LOG2E, lr the log-sum-exp times LOG2E; 2^-inf = 0 where unseen: a
-// select, not a branch); pass 0 adds P dP into part, pass 1 turns s into dS.
+// dq's tile: s, the scores, becomes dS, from the probabilities P (from s and the rows' log-sum-exp
+// lr, both in base 2: scale2 is the scale times LOG2E, lr the log-sum-exp times LOG2E; 2^-inf = 0
+// where unseen: a select, not a branch), dP and the rows' D (dr).
 template <bool MASKED, int NS>
-__device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (&dp)[NS][4], float (&part)[2], const int (&limit)[2],
-                                                const unsigned char* masked, const Visible& vis, i64 row, i64 j0, const float (&lr)[2],
-                                                const float (&dr)[2], int pass, float scale, float scale2) {
+__device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (&dp)[NS][4], const int (&limit)[2], const unsigned char* masked,
+                                                const Visible& vis, i64 row, i64 j0, const float (&lr)[2], const float (&dr)[2], float scale,
+                                                float scale2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int n = 0; n < NS; ++n)
@@ -749,8 +730,7 @@ __device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (
             const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
             const bool seen = c < limit[h] && !(MASKED && masked[(row + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
             const float prob = exp2_fast(seen ? scale2 * s[n][e] - lr[h] : -INFINITY);
-            if (pass == 0) part[h] += prob * dp[n][e];
-            else s[n][e] = prob * (dp[n][e] - dr[h]) * scale;
+            s[n][e] = prob * (dp[n][e] - dr[h]) * scale;
         }
 }
 
@@ -847,12 +827,10 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     __syncthreads();
 }
 
-// The backward over MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows. pass 0: D of each
-// row (sum over keys of P dP) into the first element of its dq row; pass 1: dq of each row, its D
-// read from there first.
+// dq of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows (delta: the rows' D).
 template <int KIND, int D, int BC>
-__device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, float* gq, int pass,
-                                              i64 i, i64 r0) {
+__device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, const float* delta,
+                                              float* gq, i64 i, i64 r0) {
     constexpr int LD = D / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
     // Two buffers of key and value tiles, as the forward's.
     __align__(16) __shared__ unsigned ks[2][BC * LD], vs[2][BC * LD];
@@ -868,14 +846,14 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         load_a(qa[kk], q0, dp, rw, p.tq, 16 * kk);
         load_a(ga[kk], g0, dvp, rw, p.tq, 16 * kk);
     }
-    float acc[NO][4], lr[2], dr[2], part[2] = {0.0f, 0.0f};
+    float acc[NO][4], lr[2], dr[2];
     zero_acc(acc);
     const unsigned char* masked = vis.rows_of(i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         i64 r = rw + g + 8 * h;
         lr[h] = r < p.tq ? LOG2E * lse[i * p.tq + r] : 0.0f;
-        dr[h] = (pass == 1 && r < p.tq) ? gq0[r * p.aq.row] : 0.0f;
+        dr[h] = r < p.tq ? delta[i * p.tq + r] : 0.0f;
     }
     const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
     if (kend > 0) stage_keys<BC, D>(ks[0], vs[0], k0, v0, dp, dvp, 0, p.tk);
@@ -886,20 +864,15 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         product<KIND>(s, qa, ks[buf], LD);
         product<KIND>(dp_, ga, vs[buf], LD);
         const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-        if (masked) query_gradients<true>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale, p.scale * LOG2E);
-        else query_gradients<false>(s, dp_, part, limit, masked, vis, rw + g, j0, lr, dr, pass, p.scale, p.scale * LOG2E);
-        if (pass == 1) accumulate<KIND>(acc, s, ks[buf], LD);
+        if (masked) query_gradients<true>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
+        else query_gradients<false>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
+        accumulate<KIND>(acc, s, ks[buf], LD);
         __syncthreads();
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         i64 r = rw + g + 8 * h;
-        float d = quad<false>(part[h]);
         if (r >= p.tq) continue;
-        if (pass == 0) {
-            if (t == 0) gq0[r * p.aq.row] = d;
-            continue;
-        }
 #pragma unroll
         for (int c = 0; c < NO; ++c)
 #pragma unroll
@@ -912,10 +885,10 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
 }
 
 // dk and dv of MMA_ROWS key rows from j0 of matrix i, from every query row that sees them, query
-// tiles of KR rows (D from dq's rows).
+// tiles of KR rows (delta: the rows' D).
 template <int KIND, int D, int KR>
-__device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, const float* gq,
-                                               float* gk, float* gv, i64 i, i64 j0) {
+__device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse,
+                                               const float* delta, float* gk, float* gv, i64 i, i64 j0) {
     constexpr int LD = D / 2 + 4, KD = D / 16, NS = KR / 8, NO = D / 8;
     // Two buffers of query and output-gradient tiles (with their rows' log-sum-exp and D), as the
     // forward's key and value tiles.
@@ -923,7 +896,6 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     __shared__ float l_row[2][KR], d_row[2][KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 jw = j0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
-    const float* gq0 = gq + matrix(p.aq, i, p.heads);
     // Matrix i's rounded operands.
     const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
                          *v0 = bits.v + i * p.tk * dvp;
@@ -945,7 +917,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
             const i64 r = r0 + threadIdx.x;
             const bool inside = r < p.tq;
             cp_async<4>(&l_row[b][threadIdx.x], lse + i * p.tq + (inside ? r : 0), inside);
-            cp_async<4>(&d_row[b][threadIdx.x], gq0 + (inside ? r : 0) * p.aq.row, inside);
+            cp_async<4>(&d_row[b][threadIdx.x], delta + i * p.tq + (inside ? r : 0), inside);
         }
         cp_async_commit();
     };
@@ -994,7 +966,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
 
 // The entry points for head sizes up to D with KIND's operands (SUF), their rounded copies in `bits`
 // (q, k and v; the output's gradient too in backward): blocks walk the (matrix, tile) pairs of
-// MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, D and dq key tiles of
+// MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, dq key tiles of
 // QC, dk and dv query tiles of KR; each kernel's two buffers of tiles fit the 48 KiB of static
 // shared memory (so the d128 forward's key tiles are 32 rows, d64's 64). BLOCKS:
 // the blocks a multiprocessor should hold at once, so the registers a thread may take (3: 168 of an
@@ -1006,15 +978,15 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
             attention_mma_tile<KIND, D, FC>(p, vis, bits, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, float* gq, int pass) { \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* delta, float* gq) { \
         i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, bits, lse, gq, pass, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
+            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, bits, lse, delta, gq, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* gq, float* gk, float* gv) { \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* delta, float* gk, float* gv) { \
         i64 tiles = (p.tk + MMA_ROWS - 1) / MMA_ROWS;                                                   \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, bits, lse, gq, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
+            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, bits, lse, delta, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
     }
 
 ATTENTION_MMA(1, bf16, 64, 64, 32, 32, 3)

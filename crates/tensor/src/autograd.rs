@@ -38,6 +38,7 @@
 //! what, never on data, so `meta` still allocates exactly what `cpu` does.
 
 use crate::error::{Error, Result};
+use crate::storage::CompactCopy;
 use crate::tensor::Tensor;
 use memfit_memory::{Category, Phase};
 use std::collections::{BinaryHeap, HashMap};
@@ -121,15 +122,31 @@ pub fn save_compact(t: &Tensor) -> Result<Compact> {
             && matches!(t.storage().category(), Category::Temporary | Category::Activation)
     });
     let stored = match compact {
-        Some(dtype) => {
-            let _no_grad = device.no_grad();
-            let half = t.contiguous()?.to_dtype(dtype)?;
-            half.storage().set_category(Category::Activation);
-            half
-        }
+        Some(dtype) => shared_compact(t, dtype)?,
         None => save(t),
     };
     Ok(Compact { stored, dtype: t.dtype() })
+}
+
+/// `t` converted to `dtype` as a saved activation: the copy an earlier save of the same view made,
+/// while some node still holds it, else a new one that later saves of the view will share.
+fn shared_compact(t: &Tensor, dtype: crate::DType) -> Result<Tensor> {
+    let source = t.storage();
+    if let Some(c) = source.compact_copy().as_ref().filter(|c| c.source == *t.layout() && c.dtype == dtype) {
+        if let Some(copy) = c.copy.upgrade() {
+            return Ok(Tensor::from_parts(copy, c.layout.clone(), dtype));
+        }
+    }
+    let _no_grad = t.device().no_grad();
+    let half = t.contiguous()?.to_dtype(dtype)?;
+    half.storage().set_category(Category::Activation);
+    *source.compact_copy() = Some(CompactCopy {
+        source: t.layout().clone(),
+        copy: Arc::downgrade(half.storage()),
+        layout: half.layout().clone(),
+        dtype,
+    });
+    Ok(half)
 }
 
 // Note [Half-precision storage]
@@ -141,6 +158,13 @@ pub fn save_compact(t: &Tensor) -> Result<Compact> {
 // (a temporary) just before it uses it. The conversion rounds to nearest even, as PyTorch's casts.
 // Parameters, gradients and optimizer state are untouched, so the update is the f32 update computed
 // from rounded activations. Conversions allocate the same on every device, so meta stays exact.
+
+// Note [Shared compact copies]
+// Two ops that save the same activation (attention saves its output for its D, and the linear
+// after it saves it as its input) keep one compact copy: the first save converts and leaves a weak
+// link on the source's storage (its view's layout and the dtype), and a later save of the same
+// view, while the copy is still held, takes the copy. As with a tensor saved as it is, this
+// assumes what is saved is not written before backward; no op writes over its forward inputs.
 
 /// Attaches a node for `backward` to `out`, an op's result computed from `inputs`. Call only when
 /// [`needs_grad`] is true.

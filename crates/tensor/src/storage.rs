@@ -2,9 +2,12 @@
 //! (or saved-for-backward handle) using it is dropped.
 
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 use memfit_memory::{Allocation, Category};
 use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard, Weak};
 
 /// A storage holds its block from `new` to `drop`, and nothing else frees it.
 const LIVE: &str = "a storage's block is live until the storage drops";
@@ -12,6 +15,18 @@ const LIVE: &str = "a storage's block is live until the storage drops";
 pub struct Storage {
     device: Device,
     allocation: Allocation,
+    /// The compact copy autograd last saved of a view of this storage (Note [Shared compact copies]
+    /// in autograd.rs).
+    compact: Mutex<Option<CompactCopy>>,
+}
+
+/// A compact copy of one view of a storage: the view's layout (`source`), and the copy's storage
+/// (held weakly: the copy lives while some saved handle holds it), layout and dtype.
+pub(crate) struct CompactCopy {
+    pub source: Layout,
+    pub copy: Weak<Storage>,
+    pub layout: Layout,
+    pub dtype: DType,
 }
 
 // SAFETY: the pointer is owned memory from the device's allocator, freed only in Drop; the engine
@@ -23,7 +38,12 @@ unsafe impl Sync for Storage {}
 
 impl Storage {
     pub(crate) fn new(device: Device, allocation: Allocation) -> Self {
-        Storage { device, allocation }
+        Storage { device, allocation, compact: Mutex::new(None) }
+    }
+
+    /// The compact copy autograd last saved of a view of this storage, if any.
+    pub(crate) fn compact_copy(&self) -> MutexGuard<'_, Option<CompactCopy>> {
+        self.compact.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn device(&self) -> &Device {

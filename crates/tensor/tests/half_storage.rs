@@ -95,3 +95,37 @@ fn the_half_copy_is_an_activation_of_half_the_bytes_and_the_same_on_meta() {
     }
     assert_eq!(events[0], events[1]);
 }
+
+/// Note [Shared compact copies]: a second save of the same view takes the copy the first made while
+/// a saved handle holds it; another view, or a save after every holder let go, converts anew. The
+/// same on meta.
+#[test]
+fn two_saves_of_one_view_share_one_half_copy_while_it_is_held() {
+    let mut events = Vec::new();
+    for device in [Device::cpu(), Device::meta()] {
+        device.set_saved_dtype(Some(DType::BF16)).unwrap();
+        let t = Tensor::zeros(&device, &[1024], DType::F32, Category::Temporary).unwrap();
+        let copies = || device.stats().category(Category::Activation).current;
+        let first = save_compact(&t).unwrap();
+        let second = save_compact(&t).unwrap();
+        assert_eq!(copies(), 2048, "one bf16 copy for both saves");
+        assert_eq!(first.shape(), second.shape());
+        let half = t.narrow(0, 0, 512).unwrap();
+        let other_view = save_compact(&half).unwrap();
+        assert_eq!(copies(), 2048 + 1024, "another view: its own copy");
+        drop((first, second, other_view));
+        assert_eq!(copies(), 0, "the copies go with their last holders");
+        let again = save_compact(&t).unwrap();
+        assert_eq!(copies(), 2048, "a copy nobody holds is made again");
+        drop(again);
+        events.push(device.timeline_events());
+    }
+    assert_eq!(events[0], events[1]);
+    let device = Device::cpu();
+    device.set_saved_dtype(Some(DType::BF16)).unwrap();
+    let t = tensor(&device, &VALUES, Category::Temporary);
+    let (a, b) = (save_compact(&t).unwrap(), save_compact(&t).unwrap());
+    let want = t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(a.restore().unwrap().to_vec::<f32>().unwrap(), want);
+    assert_eq!(b.into_tensor().unwrap().to_vec::<f32>().unwrap(), want, "the shared copy restores as its own would");
+}

@@ -2287,6 +2287,30 @@ impl Backend for Cuda {
         self.launch(&name, shape, &mut args)
     }
 
+    fn attention_delta(&self, out: &Tensor, grad: &Tensor, pb: &AttnProblem, delta: &Tensor) -> Result<()> {
+        const NAME: &str = "scaled_dot_product_attention_backward";
+        let sfx = float(NAME, grad.dtype())?;
+        let d = pb.dims;
+        if d.bh * d.tq == 0 {
+            return Ok(());
+        }
+        // A warp a row.
+        self.launch(
+            &format!("attention_delta_{sfx}"),
+            self.grid(d.bh * d.tq * 32, BLOCK),
+            &mut [
+                Arg::Ptr(dense(out, NAME)?),
+                Arg::Ptr(dense(grad, NAME)?),
+                addr_arg(&pb.lay.out),
+                Arg::I64(d.bh as i64),
+                Arg::I64(d.heads as i64),
+                Arg::I64(d.tq as i64),
+                Arg::I64(d.dv as i64),
+                Arg::Ptr(dense(delta, NAME)?),
+            ],
+        )
+    }
+
     fn attention_backward(
         &self,
         q: &Tensor,
@@ -2296,6 +2320,7 @@ impl Backend for Cuda {
         lse: &Tensor,
         pb: &AttnProblem,
         grad: &Tensor,
+        delta: Option<&Tensor>,
         gq: Option<&Tensor>,
         gk: Option<&Tensor>,
         gv: Option<&Tensor>,
@@ -2310,47 +2335,38 @@ impl Backend for Cuda {
         let visible = visibility(mask, pb)?;
         let (g, l) = (dense(grad, NAME)?, dense(lse, NAME)?);
         let (gqp, gkp, gvp) = (dense_opt(gq, NAME)?, dense_opt(gk, NAME)?, dense_opt(gv, NAME)?);
-        let rows = self.grid(pb.dims.bh * pb.dims.tq, BLOCK);
-        let common = |extra: &[Arg]| {
-            let mut args = vec![problem.clone(), visible.clone(), Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l)];
-            args.extend_from_slice(extra);
-            args
-        };
-        // D of each query row into dq's rows, then dk and dv (reading D), then dq (D read first).
-        if let Some(t) = self.attention_kernels(pb, grad.dtype())?.filter(|_| gqp != 0) {
+        let deltap = dense_opt(delta, NAME)?;
+        if deltap == 0 && (gqp != 0 || gkp != 0) {
+            return Err(Error::invalid(format!("{NAME}: the gradients of q and k need each row's D")));
+        }
+        // dk and dv, then dq, each reading the rows' D.
+        let (head, kernels) = match self.attention_kernels(pb, grad.dtype())? {
             // The tensor cores' kernels read the operands' rounded copies (the output's gradient's
             // too) where the CUDA cores' tiled ones read the gradient and its layout.
-            let head = if t.kind == "mma" {
+            Some(t) if t.kind == "mma" => {
                 let bits = self.round_attention_operands(q, k, v, Some(grad), pb, workspace)?;
-                vec![problem, visible, bits, Arg::Ptr(l)]
-            } else {
-                vec![problem, visible, Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l)]
-            };
-            let args = |extra: &[Arg]| [&head[..], extra].concat();
-            let queries = self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows);
-            let q_kernel = t.kernel("backward_q_");
-            self.launch(&q_kernel, queries, &mut args(&[Arg::Ptr(gqp), Arg::I32(0)]))?;
-            if gkp != 0 || gvp != 0 {
-                self.launch(
-                    &t.kernel("backward_kv_"),
-                    self.tiles(pb.dims.bh, pb.dims.tk, t.key_rows),
-                    &mut args(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
-                )?;
+                (vec![problem, visible, bits, Arg::Ptr(l), Arg::Ptr(deltap)], Some(t))
             }
-            return self.launch(&q_kernel, queries, &mut args(&[Arg::Ptr(gqp), Arg::I32(1)]));
-        }
-        if gqp != 0 {
-            self.launch(&format!("attention_backward_d_{sfx}"), rows, &mut common(&[Arg::Ptr(gqp)]))?;
-        }
-        if gkp != 0 || gvp != 0 {
-            self.launch(
-                &format!("attention_backward_kv_{sfx}"),
+            tiled => (vec![problem, visible, Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l), Arg::Ptr(deltap)], tiled),
+        };
+        let args = |extra: &[Arg]| [&head[..], extra].concat();
+        let ((q_kernel, kv_kernel), q_rows, kv_rows) = match &kernels {
+            Some(t) => (
+                (t.kernel("backward_q_"), t.kernel("backward_kv_")),
+                self.tiles(pb.dims.bh, pb.dims.tq, t.query_rows),
+                self.tiles(pb.dims.bh, pb.dims.tk, t.key_rows),
+            ),
+            None => (
+                (format!("attention_backward_q_{sfx}"), format!("attention_backward_kv_{sfx}")),
+                self.grid(pb.dims.bh * pb.dims.tq, BLOCK),
                 self.grid(pb.dims.bh * pb.dims.tk, BLOCK),
-                &mut common(&[Arg::Ptr(gqp), Arg::Ptr(gkp), Arg::Ptr(gvp)]),
-            )?;
+            ),
+        };
+        if gkp != 0 || gvp != 0 {
+            self.launch(&kv_kernel, kv_rows, &mut args(&[Arg::Ptr(gkp), Arg::Ptr(gvp)]))?;
         }
         if gqp != 0 {
-            self.launch(&format!("attention_backward_q_{sfx}"), rows, &mut common(&[Arg::Ptr(gqp)]))?;
+            self.launch(&q_kernel, q_rows, &mut args(&[Arg::Ptr(gqp)]))?;
         }
         Ok(())
     }

@@ -9,13 +9,24 @@
 //! row (max, then exp and sum), multiplies by v into the output and keeps only the rows' log-sum-exp.
 //! Backward saves q, k and v (or the packed qkv, one tensor), the mask and the per-row log-sum-exp
 //! (`lse`, [..., Tq], in the inputs' dtype) and nothing of size [Tq, Tk]: per row block it recomputes
-//! `P = exp(S - lse)`, then `dV += P^T dO`, `dP = dO v^T`, `D = rowsum(P * dP)`,
-//! `dS = P * (dP - D) * scale`, `dQ = dS k` and `dK += dS^T q`. The only workspace is a per-task
+//! `P = exp(S - lse)`, then `dV += P^T dO`, `dP = dO v^T`, `dS = P * (dP - D) * scale`, `dQ = dS k`
+//! and `dK += dS^T q`, D each row's `rowsum(dO * O)` from a pass over the saved output first (Note
+//! [Attention's D]). The only workspace is a per-task
 //! scratch of two `DP_ROWS x Tk` blocks, bounded by a constant times Tk and independent of the batch
 //! size and the thread count; outputs, the log-sum-exp and gradients come from the allocator.
 //!
 //! Keys hidden from every row of a block past its last visible key (a causal flag or a causal mask)
 //! are skipped; their probabilities are exactly 0, so this changes nothing but the work.
+//!
+//! Note [Attention's D]
+//! Softmax's backward needs `D = rowsum(P * dP)` of every query row, and with `dP = dO v^T` and
+//! `O = P v` that is `rowsum(dO * O)` (FlashAttention-2's identity). memfit defines D so, on every
+//! device: the f32 (or f64) dot product of the row's output gradient and its output as saved (in
+//! the saved dtype under Note [Half-precision storage], as PyTorch's bf16 autocast keeps it), in any
+//! order of additions. Attention saves its output for it; the op after attention saves the same
+//! tensor as its input (out_proj), so the two share it (Note [Shared compact copies]). A GPU thus
+//! computes D in one pass over the output's rows instead of a pass over every row's keys (two of
+//! the backward's nine products).
 //!
 //! Fully masked rows (every key masked) give output 0 and gradient 0, like PyTorch's
 //! `F.scaled_dot_product_attention` since 2.5 (its math backend applies `_safe_softmax`; the fused
@@ -148,6 +159,7 @@ pub fn scaled_dot_product_attention(
     let Some(lse) = lse else { return Ok(out) };
     let back = AttentionBack {
         inputs: Saved::Separate([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]),
+        out: save_compact(&out)?,
         lse: save(&lse),
         mask: mask.map(save),
         pb,
@@ -200,7 +212,13 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
     drop(ws);
     let Some(lse) = lse else { return Ok(out) };
-    let back = AttentionBack { inputs: Saved::Packed(save_compact(&qkv)?), lse: save(&lse), mask: mask.map(save), pb };
+    let back = AttentionBack {
+        inputs: Saved::Packed(save_compact(&qkv)?),
+        out: save_compact(&out)?,
+        lse: save(&lse),
+        mask: mask.map(save),
+        pb,
+    };
     Ok(record(out, NAME, &[&qkv], back))
 }
 
@@ -210,10 +228,12 @@ enum Saved {
     Packed(Compact),
 }
 
-/// What attention saves for backward (Note [Saved tensors]): the inputs, the mask and the per-row
-/// log-sum-exp; never the probabilities.
+/// What attention saves for backward (Note [Saved tensors]): the inputs, the output (for D, Note
+/// [Attention's D]), the mask and the per-row log-sum-exp; never the probabilities.
 struct AttentionBack {
     inputs: Saved,
+    /// The output, as the op after attention saves its input (one copy: Note [Shared compact copies]).
+    out: Compact,
     /// Per-row log-sum-exp of the scaled, masked scores, [bh, Tq] (-inf for a fully masked row).
     lse: Tensor,
     mask: Option<Tensor>,
@@ -224,6 +244,20 @@ impl Backward for AttentionBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let go = grad.contiguous()?;
         let name = "scaled_dot_product_attention_backward";
+        let backend = go.device().backend();
+        // D first, from the output restored for it alone, before q, k and v are.
+        let need_ds = match self.inputs {
+            Saved::Separate(_) => needs[0] || needs[1],
+            Saved::Packed(_) => true,
+        };
+        let delta = if need_ds {
+            let out = self.out.restore()?;
+            let delta = output(&go, self.lse.shape(), go.dtype(), name)?;
+            backend.attention_delta(&out, &go, &self.pb, &delta)?;
+            Some(delta)
+        } else {
+            None
+        };
         // Gradients (allocated first, in input order) and the tensors q, k, v are read from.
         let restored: Vec<Tensor> = match &self.inputs {
             Saved::Separate(qkv) => qkv.iter().map(Compact::restore).collect::<Result<_>>()?,
@@ -249,8 +283,8 @@ impl Backward for AttentionBack {
         let [q, k, v] = ins;
         let [gq, gk, gv] = g;
         let ws = bits_workspace(&go, &self.pb, true)?;
-        let backend = go.device().backend();
-        backend.attention_backward(q, k, v, self.mask.as_ref(), &self.lse, &self.pb, &go, gq, gk, gv, ws.as_ref())?;
+        let mask = self.mask.as_ref();
+        backend.attention_backward(q, k, v, mask, &self.lse, &self.pb, &go, delta.as_ref(), gq, gk, gv, ws.as_ref())?;
         Ok(grads)
     }
 }
@@ -469,9 +503,10 @@ mod tests {
     }
 
     #[test]
-    fn saves_inputs_and_log_sum_exp_only() {
-        // Backward keeps q, k, v and the per-row log-sum-exp, never the [Tq, Tk] probabilities, and
-        // allocates only the three gradients (its scratch is a few rows, outside the allocator).
+    fn saves_inputs_output_and_log_sum_exp_only() {
+        // Backward keeps q, k, v, the output and the per-row log-sum-exp, never the [Tq, Tk]
+        // probabilities, and allocates only the rows' D and the three gradients (its scratch is a
+        // few rows, outside the allocator).
         let dev = Device::cpu();
         let (tq, d) = (64, 8);
         let t = |salt| {
@@ -485,7 +520,7 @@ mod tests {
         let y = scaled_dot_product_attention(&q, &k, &v, true, None).unwrap();
         let input_bytes = (2 * tq * d * 8) as u64;
         let lse_bytes = (2 * tq * 8) as u64;
-        assert_eq!(activation(), 3 * input_bytes + lse_bytes, "q, k, v and lse [1, 2, Tq] are saved");
+        assert_eq!(activation(), 4 * input_bytes + lse_bytes, "q, k, v, the output and lse [1, 2, Tq] are saved");
         let g = t64(&dev, &values(2 * tq * d, 4), &[1, 2, tq, d]);
         let before = dev.allocator().timeline().events().count();
         backward_with(&y, g).unwrap();
@@ -497,16 +532,22 @@ mod tests {
             .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
             .map(|e| e.op)
             .collect();
-        assert_eq!(ops, vec!["scaled_dot_product_attention_backward"; 3]);
+        assert_eq!(ops, vec!["scaled_dot_product_attention_backward"; 4]);
         drop(a);
-        assert_eq!(activation(), 3 * input_bytes, "the log-sum-exp is freed by backward");
-        // The packed op saves its one input and the log-sum-exp, and allocates one gradient.
+        assert_eq!(activation(), 4 * input_bytes, "the log-sum-exp is freed by backward (y itself lives)");
+        // The packed op saves its one input, the output and the log-sum-exp, and allocates D and one
+        // gradient.
         let qkv = Tensor::from_slice(&dev, &values(2 * 10 * 24, 5), &[2, 10, 24], Category::Temporary)
             .unwrap()
             .set_requires_grad(true);
         let before_act = activation();
         let y = packed_self_attention(&qkv, 2, true, None).unwrap();
-        assert_eq!(activation() - before_act, 4096 + 512, "qkv [2, 10, 24] and lse [2, 2, 10], in 512 B blocks");
+        let saved = 4096 + 1536 + 512;
+        assert_eq!(
+            activation() - before_act,
+            saved,
+            "qkv [2, 10, 24], y [2, 10, 8] and lse [2, 2, 10], in 512 B blocks"
+        );
         let g = t64(&dev, &values(2 * 10 * 8, 6), &[2, 10, 8]);
         let before = dev.allocator().timeline().events().count();
         backward_with(&y, g).unwrap();
@@ -518,7 +559,7 @@ mod tests {
             .filter(|e| e.kind == memfit_memory::EventKind::Alloc)
             .map(|e| e.op)
             .collect();
-        assert_eq!(allocs, ["scaled_dot_product_attention_backward"]);
+        assert_eq!(allocs, ["scaled_dot_product_attention_backward"; 2]);
     }
 
     /// The unfused multi-head path: split qkv [B, T, 3E] into heads, sdpa, merge the heads.
