@@ -7,13 +7,13 @@
 //! (`memfit-cpu`'s `attention.rs`). FlashAttention-style fused kernels, one task per (batch, head) matrix, `DP_ROWS` query rows at a
 //! time: forward computes a block of scores `S = q k^T * scale + mask` into a scratch, softmaxes each
 //! row (max, then exp and sum), multiplies by v into the output and keeps only the rows' log-sum-exp.
-//! Backward saves q, k and v (or the packed qkv, one tensor), the mask and the per-row log-sum-exp
-//! (`lse`, [..., Tq], in the inputs' dtype) and nothing of size [Tq, Tk]: per row block it recomputes
-//! `P = exp(S - lse)`, then `dV += P^T dO`, `dP = dO v^T`, `dS = P * (dP - D) * scale`, `dQ = dS k`
-//! and `dK += dS^T q`, D each row's `rowsum(dO * O)` from a pass over the saved output first (Note
-//! [Attention's D]). The only workspace is a per-task
-//! scratch of two `DP_ROWS x Tk` blocks, bounded by a constant times Tk and independent of the batch
-//! size and the thread count; outputs, the log-sum-exp and gradients come from the allocator.
+//! Backward saves q, k and v (or the packed qkv, one tensor), the output, the mask and the per-row
+//! log-sum-exp (`lse`, [..., Tq], in the inputs' dtype) and nothing of size [Tq, Tk]: per row block
+//! it recomputes `P = exp(S - lse)`, then `dV += P^T dO`, `dP = dO v^T`, `dS = P * (dP - D) * scale`,
+//! `dQ = dS k` and `dK += dS^T q`, D each row's `rowsum(dO * O)` from a pass over the saved output
+//! first (Note [Attention's D]). The only workspace is a per-task scratch of two `DP_ROWS x Tk`
+//! blocks, bounded by a constant times Tk and independent of the batch size and the thread count;
+//! outputs, the log-sum-exp, D and gradients come from the allocator.
 //!
 //! Keys hidden from every row of a block past its last visible key (a causal flag or a causal mask)
 //! are skipped; their probabilities are exactly 0, so this changes nothing but the work.
