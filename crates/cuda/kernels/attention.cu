@@ -535,18 +535,29 @@ struct Bits {
 // A head size rounded up to a multiple of 8 (16 bytes of 16-bit elements): a row of a rounded copy.
 __device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
 
+// An operand element as the f32 it is: itself, or a saved 16-bit element (KIND's own format) as the
+// f32 that restoring it gives.
+template <int KIND>
+__device__ __forceinline__ float restored(float x) {
+    return x;
+}
+template <int KIND>
+__device__ __forceinline__ float restored(unsigned short h) {
+    return KIND == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
 // Operand x (laid out by a) as KIND's bits into y, [bh, rows, padded8(d)]: a warp a row, its lanes
 // along the row's pairs.
-template <int KIND>
-__device__ void round_rows(const float* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
+template <int KIND, typename In>
+__device__ void round_rows(const In* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
     const i64 dp = padded8(d);
     const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
     for (i64 row = (i64)blockIdx.x * warps + threadIdx.x / 32; row < bh * rows; row += (i64)gridDim.x * warps) {
         const i64 i = row / rows, r = row - i * rows;
-        const float* from = x + matrix(a, i, heads) + r * a.row;
+        const In* from = x + matrix(a, i, heads) + r * a.row;
         unsigned* to = (unsigned*)(y + row * dp);
         for (i64 c = 2 * lane; c < dp; c += 64) {
-            const float lo = c < d ? from[c] : 0.0f, hi = c + 1 < d ? from[c + 1] : 0.0f;
+            const float lo = c < d ? restored<KIND>(from[c]) : 0.0f, hi = c + 1 < d ? restored<KIND>(from[c + 1]) : 0.0f;
             to[c / 2] = operand_pair_fast<KIND>(lo, hi);
         }
     }
@@ -555,6 +566,14 @@ extern "C" __global__ void attention_round_bf16(const float* x, Addr a, i64 bh, 
     round_rows<1>(x, a, bh, heads, rows, d, y);
 }
 extern "C" __global__ void attention_round_f16(const float* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
+    round_rows<2>(x, a, bh, heads, rows, d, y);
+}
+// The same from operands saved in the products' own 16-bit format (backward's q, k and v under
+// half-precision storage): the bits the f32 restored from them would round to.
+extern "C" __global__ void attention_round_saved_bf16(const unsigned short* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
+    round_rows<1>(x, a, bh, heads, rows, d, y);
+}
+extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Addr a, i64 bh, i64 heads, i64 rows, i64 d, unsigned short* y) {
     round_rows<2>(x, a, bh, heads, rows, d, y);
 }
 

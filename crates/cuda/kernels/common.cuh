@@ -39,6 +39,33 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float x) {
 }
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((unsigned int)h << 16); }
 
+// Casts between f32 and binary16 bits, rounding to nearest even as PyTorch's `.to()` (NaN stays
+// NaN).
+#ifdef MEMFIT_EMULATOR
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    _Float16 h = (_Float16)x;
+    unsigned short u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short u) {
+    _Float16 h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
+#else
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+#endif
+
 // An operand element as a bf16 product reads it (Note [bf16 products] in memfit-kernels): rounded
 // to bfloat16, to nearest even, and a denormal result read as a zero of its sign.
 __device__ __forceinline__ float bf16_operand(float x) {

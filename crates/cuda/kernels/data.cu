@@ -40,33 +40,6 @@ extern "C" __global__ void repeat_row_b2(unsigned short* d, const unsigned short
 extern "C" __global__ void repeat_row_b4(unsigned int* d, const unsigned int* s, i64 stride, i64 rows, i64 cols) { repeat_row_t(d, s, stride, rows, cols); }
 extern "C" __global__ void repeat_row_b8(u64* d, const u64* s, i64 stride, i64 rows, i64 cols) { repeat_row_t(d, s, stride, rows, cols); }
 
-// Casts between the float dtypes, rounding to nearest even as PyTorch's `.to()` (NaN stays NaN;
-// bfloat16's in common.cuh).
-#ifdef MEMFIT_EMULATOR
-__device__ __forceinline__ unsigned short f32_to_f16(float x) {
-    _Float16 h = (_Float16)x;
-    unsigned short u;
-    memcpy(&u, &h, 2);
-    return u;
-}
-__device__ __forceinline__ float f16_to_f32(unsigned short u) {
-    _Float16 h;
-    memcpy(&h, &u, 2);
-    return (float)h;
-}
-#else
-__device__ __forceinline__ unsigned short f32_to_f16(float x) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-__device__ __forceinline__ float f16_to_f32(unsigned short h) {
-    float x;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
-    return x;
-}
-#endif
-
 // Four f32 values, and four 16-bit ones, loaded and stored whole.
 struct __align__(16) Floats4 {
     float v[4];

@@ -106,6 +106,11 @@ impl Compact {
     pub fn shape(&self) -> &[usize] {
         self.stored.shape()
     }
+
+    /// The tensor as saved: itself, or its compact copy (in the saved dtype).
+    pub(crate) fn stored(&self) -> &Tensor {
+        &self.stored
+    }
 }
 
 /// Saves a large activation for backward (Note [Half-precision storage]): in the device's saved

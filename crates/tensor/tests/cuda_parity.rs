@@ -128,7 +128,12 @@ fn inputs(device: &Device, shapes: &[&[usize]], seed: u64) -> Result<Vec<Tensor>
 /// `f`'s output and its inputs' gradients (upstream gradient seeded), as host vectors.
 fn run(device: &Device, shapes: &[&[usize]], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Result<Vec<Vec<f32>>> {
     let x = inputs(device, shapes, 7)?;
-    let out = f(&x)?;
+    // Under half-precision storage, `f` gets its inputs as an op's outputs (times 1), which are
+    // saved compactly (inputs themselves never are).
+    let out = match device.saved_dtype() {
+        Some(_) => f(&x.iter().map(|t| t.mul_scalar(1.0)).collect::<Result<Vec<_>>>()?)?,
+        None => f(&x)?,
+    };
     let upstream = Tensor::from_slice(device, &values(out.numel(), 99), out.shape(), Category::Input)?;
     backward_with(&out, upstream)?;
     let mut all = vec![out.to_vec::<f32>()?];
@@ -517,17 +522,26 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
     use memfit_tensor::Products;
     let mut cases = 0;
     for products in [Products::Bf16, Products::F16] {
-        cases += product_ops_match_the_cpu(cuda, products);
+        cases += product_ops_match_the_cpu(cuda, products, None);
         cases += two_step_products_are_the_cpus_bits(cuda, products);
     }
+    // Attention with its inputs saved in the products' own format, which a GPU reads as saved
+    // (Note [Attention's saved operands]).
+    cases += product_ops_match_the_cpu(cuda, Products::Bf16, Some(DType::BF16));
+    cases += product_ops_match_the_cpu(cuda, Products::F16, Some(DType::F16));
+    let used = cuda.kernels_used();
+    assert!(used.iter().any(|k| k == "attention: operands read as saved in 16 bits"), "{used:?}");
     cases + exact_bf16_sums_are_the_cpus_bits(cuda)
 }
 
-/// Every product op under `products` on cuda against the cpu's (above). The cases checked.
-fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -> usize {
+/// Every product op under `products` on cuda against the cpu's (above); with `saved`, the
+/// attention ops only, under that half-precision storage on both. The cases checked.
+fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, saved: Option<DType>) -> usize {
     let cpu = Device::cpu();
     cpu.set_products(products).unwrap();
     cuda.set_products(products).unwrap();
+    cpu.set_saved_dtype(saved).unwrap();
+    cuda.set_saved_dtype(saved).unwrap();
     let mut cases = 0;
     let conv = ops::Conv2dParams { padding: [1, 1], ..Default::default() };
     const TQ: usize = 40;
@@ -576,8 +590,9 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
             Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 32)?.0)
         }),
     ];
-    for (op, shapes, f) in &product_ops {
-        let what = format!("{op} in {products:?} products");
+    for (op, shapes, f) in product_ops.iter().filter(|(op, ..)| saved.is_none() || op.contains("attention")) {
+        let what =
+            format!("{op} in {products:?} products{}", saved.map_or(String::new(), |d| format!(", saved in {d}")));
         let want = run(&cpu, shapes, *f).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
         let got = run(cuda, shapes, *f).unwrap_or_else(|e| panic!("{what} on cuda: {e}"));
         let plain = run(&Device::cpu(), shapes, *f).unwrap_or_else(|e| panic!("{what} in f32 on cpu: {e}"));
@@ -632,6 +647,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products) -
         cases += 1;
     }
     cuda.set_products(memfit_tensor::Products::F32).unwrap();
+    cuda.set_saved_dtype(None).unwrap();
     cases
 }
 

@@ -412,11 +412,15 @@ impl Cuda {
         Ok(())
     }
 
-    /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) into
-    /// their copies in the op's `workspace` (`ops::attention_bits`), the tensor cores' kernels'
-    /// `struct Bits` (attention.cu) of the copies' addresses.
+    /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) of a
+    /// problem on `dtype` tensors into their copies in the op's `workspace` (`ops::attention_bits`),
+    /// the tensor cores' kernels' `struct Bits` (attention.cu) of the copies' addresses. q, k and v
+    /// may come as saved in the products' own 16-bit format (`ops::attention`'s backward under
+    /// half-precision storage): their copies are then what restoring and rounding them would give.
+    #[allow(clippy::too_many_arguments)]
     fn round_attention_operands(
         &self,
+        dtype: DType,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -425,7 +429,7 @@ impl Cuda {
         workspace: Option<&Tensor>,
     ) -> Result<Arg> {
         const NAME: &str = "scaled_dot_product_attention";
-        let layout = attention_bits(pb, q.dtype(), grad.is_some());
+        let layout = attention_bits(pb, dtype, grad.is_some());
         if layout.len == 0 {
             // No rows (or not the tensor cores' problem, which the caller never asks for).
             return Ok(Arg::Words(vec![0; 4]));
@@ -434,7 +438,15 @@ impl Cuda {
             Error::device(format!("{NAME}: no workspace of {} rounded operands for the tensor cores", layout.len))
         })?;
         let base = dense(ws, NAME)?;
-        let kernel = if pb.products == Products::F16 { "attention_round_f16" } else { "attention_round_bf16" };
+        let (operands, saved) = if pb.products == Products::F16 { ("f16", DType::F16) } else { ("bf16", DType::BF16) };
+        let kernel = |x: &Tensor| match x.dtype() {
+            t if t == dtype => Ok(format!("attention_round_{operands}")),
+            t if t == saved => {
+                self.ran("attention: operands read as saved in 16 bits");
+                Ok(format!("attention_round_saved_{operands}"))
+            }
+            t => Err(Error::dtype(format!("{NAME}: an operand of {t} for {operands} products of {dtype} tensors"))),
+        };
         let d = pb.dims;
         let mut words = Vec::with_capacity(4);
         let operands = [(Some(q), &pb.lay.q, d.tq, d.d, layout.q), (Some(k), &pb.lay.k, d.tk, d.d, layout.k)];
@@ -445,7 +457,7 @@ impl Cuda {
             let Some(x) = x else { continue };
             // A warp a row (attention.cu's round_rows).
             self.launch(
-                kernel,
+                &kernel(x)?,
                 self.grid(d.bh * rows * 32, BLOCK),
                 &mut [
                     Arg::Ptr(dense(x, NAME)?),
@@ -494,9 +506,7 @@ impl Cuda {
     /// operands) and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not ask for the CUDA cores' (to time
     /// one against the other).
     fn attention_tiles(&self, pb: &AttnProblem, dtype: DType) -> Result<Option<AttentionTiles>> {
-        static CUDA_CORES: OnceLock<bool> = OnceLock::new();
-        let cuda_cores =
-            *CUDA_CORES.get_or_init(|| std::env::var_os("MEMFIT_CUDA_ATTENTION").is_some_and(|v| v == "cuda-cores"));
+        let cuda_cores = cuda_cores_asked();
         let head = pb.dims.d.max(pb.dims.dv);
         let Some(tiles) = tiled_head(head, dtype, pb.products) else { return Ok(None) };
         if tiles.kind != "mma" || (!cuda_cores && self.tensor_cores_work(tiles.operands)?) {
@@ -2272,12 +2282,12 @@ impl Backend for Cuda {
         if pb.dims.bh == 0 {
             return Ok(());
         }
-        let problem = attention_problem(q, k, v, pb, NAME)?;
+        let problem = attention_problem(q.dtype(), q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
         let mut args = vec![problem, visible];
         let (name, shape) = match self.attention_kernels(pb, q.dtype())? {
             Some(t) if t.kind == "mma" => {
-                args.push(self.round_attention_operands(q, k, v, None, pb, workspace)?);
+                args.push(self.round_attention_operands(q.dtype(), q, k, v, None, pb, workspace)?);
                 (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows))
             }
             Some(t) => (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
@@ -2331,7 +2341,7 @@ impl Backend for Cuda {
         if pb.dims.bh == 0 {
             return Ok(());
         }
-        let problem = attention_problem(q, k, v, pb, NAME)?;
+        let problem = attention_problem(grad.dtype(), q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
         let (g, l) = (dense(grad, NAME)?, dense(lse, NAME)?);
         let (gqp, gkp, gvp) = (dense_opt(gq, NAME)?, dense_opt(gk, NAME)?, dense_opt(gv, NAME)?);
@@ -2344,8 +2354,17 @@ impl Backend for Cuda {
             // The tensor cores' kernels read the operands' rounded copies (the output's gradient's
             // too) where the CUDA cores' tiled ones read the gradient and its layout.
             Some(t) if t.kind == "mma" => {
-                let bits = self.round_attention_operands(q, k, v, Some(grad), pb, workspace)?;
+                let bits = self.round_attention_operands(grad.dtype(), q, k, v, Some(grad), pb, workspace)?;
                 (vec![problem, visible, bits, Arg::Ptr(l), Arg::Ptr(deltap)], Some(t))
+            }
+            _ if q.dtype() != grad.dtype() => {
+                // q, k and v saved in 16 bits for the tensor cores, which failed their check here.
+                return Err(Error::device(format!(
+                    "--device {}: attention's inputs were kept in {} for the tensor cores, whose check failed on \
+                     this GPU; set MEMFIT_CUDA_ATTENTION=cuda-cores to train on the CUDA cores",
+                    DeviceKind::Cuda(self.ordinal),
+                    q.dtype()
+                )));
             }
             tiled => (vec![problem, visible, Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l), Arg::Ptr(deltap)], tiled),
         };
@@ -2734,6 +2753,14 @@ fn tiled_head(head: usize, dtype: DType, products: Products) -> Option<Attention
     })
 }
 
+/// `MEMFIT_CUDA_ATTENTION=cuda-cores`: attention on the CUDA cores' tiled kernels even where the
+/// tensor cores would take it (to time one against the other). Read once; the op layer reads it
+/// too (what attention's backward keeps in f32 depends on it, on `meta:cuda` as on a GPU).
+pub(crate) fn cuda_cores_asked() -> bool {
+    static CUDA_CORES: OnceLock<bool> = OnceLock::new();
+    *CUDA_CORES.get_or_init(|| std::env::var_os("MEMFIT_CUDA_ATTENTION").is_some_and(|v| v == "cuda-cores"))
+}
+
 /// `MEMFIT_REQUIRE_TENSOR_CORES=1` (the tests' setting): attention that the tensor cores should
 /// take and does not, for a failed check or any other reason, is an error.
 fn tensor_cores_required() -> bool {
@@ -2762,9 +2789,10 @@ fn mma_check_error(values: &[f32]) -> Option<String> {
     })
 }
 
-/// The kernels' `struct Problem<T>`: q, k and v, their layouts, the sizes, how the products round
-/// their operands, and the scale.
-fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &str) -> Result<Arg> {
+/// The kernels' `struct Problem<T>` of a problem on `dtype` tensors: q, k and v, their layouts, the
+/// sizes, how the products round their operands, and the scale (q, k and v saved in 16 bits are
+/// read only through their rounded copies).
+fn attention_problem(dtype: DType, q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &str) -> Result<Arg> {
     let d = pb.dims;
     let mut words = vec![dense(q, op)?, dense(k, op)?, dense(v, op)?];
     for a in [&pb.lay.q, &pb.lay.k, &pb.lay.v] {
@@ -2772,12 +2800,12 @@ fn attention_problem(q: &Tensor, k: &Tensor, v: &Tensor, pb: &AttnProblem, op: &
     }
     words.extend([d.bh, d.heads, d.tq, d.tk, d.d, d.dv].map(|n| n as u64));
     words.push(match pb.products {
-        _ if q.dtype() != DType::F32 => 0,
+        _ if dtype != DType::F32 => 0,
         Products::F32 => 0,
         Products::Bf16 => 1,
         Products::F16 => 2,
     });
-    words.push(match q.dtype() {
+    words.push(match dtype {
         DType::F32 => u64::from((pb.scale as f32).to_bits()),
         _ => pb.scale.to_bits(),
     });

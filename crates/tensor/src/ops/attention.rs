@@ -28,6 +28,17 @@
 //! computes D in one pass over the output's rows instead of a pass over every row's keys (two of
 //! the backward's nine products).
 //!
+//! Note [Attention's saved operands]
+//! On a GPU the tensor cores' kernels read q, k and v only through 16-bit copies that a kernel rounds
+//! them into (`attention_bits`). When they were saved in the products' own format (bf16 storage
+//! with bf16 products, fp16 with fp16), backward hands the saved tensors to the backend as they
+//! are, and the rounding kernel widens each element to the f32 that restoring it would give before
+//! rounding it: the same bits, without the f32 copy of q, k and v (3 GiB at GPT-2's largest
+//! micro-batch, where attention's backward holds the step's peak) or its traffic. Decided from the
+//! device's target, the problem and the saved dtypes, so `meta:cuda` allocates as the GPU does; a
+//! GPU whose tensor cores fail their check is then an error that names
+//! `MEMFIT_CUDA_ATTENTION=cuda-cores`, which the decision reads too.
+//!
 //! Fully masked rows (every key masked) give output 0 and gradient 0, like PyTorch's
 //! `F.scaled_dot_product_attention` since 2.5 (its math backend applies `_safe_softmax`; the fused
 //! CPU kernels agree). A plain `softmax` of such a row would be NaN. Their log-sum-exp is -inf.
@@ -245,7 +256,7 @@ impl Backward for AttentionBack {
         let go = grad.contiguous()?;
         let name = "scaled_dot_product_attention_backward";
         let backend = go.device().backend();
-        // D first, from the output restored for it alone, before q, k and v are.
+        // D first, from the output restored for it alone, before q, k and v are read back.
         let need_ds = match self.inputs {
             Saved::Separate(_) => needs[0] || needs[1],
             Saved::Packed(_) => true,
@@ -259,11 +270,16 @@ impl Backward for AttentionBack {
             None
         };
         // Gradients (allocated first, in input order) and the tensors q, k, v are read from.
-        let restored: Vec<Tensor> = match &self.inputs {
-            Saved::Separate(qkv) => qkv.iter().map(Compact::restore).collect::<Result<_>>()?,
-            Saved::Packed(qkv) => vec![qkv.restore()?],
+        let saved: Vec<&Compact> = match &self.inputs {
+            Saved::Separate(qkv) => qkv.iter().collect(),
+            Saved::Packed(qkv) => vec![qkv],
         };
-        let (grads, ins): (Vec<Option<Tensor>>, [&Tensor; 3]) = match &restored[..] {
+        let operands: Vec<Tensor> = if reads_saved_operands(&saved, &self.pb, &go) {
+            saved.iter().map(|c| c.stored().clone()).collect()
+        } else {
+            saved.iter().map(|c| c.restore()).collect::<Result<_>>()?
+        };
+        let (grads, ins): (Vec<Option<Tensor>>, [&Tensor; 3]) = match &operands[..] {
             [q, k, v] => {
                 let qkv = [q, k, v];
                 let mut grads = Vec::with_capacity(3);
@@ -287,6 +303,22 @@ impl Backward for AttentionBack {
         backend.attention_backward(q, k, v, mask, &self.lse, &self.pb, &go, delta.as_ref(), gq, gk, gv, ws.as_ref())?;
         Ok(grads)
     }
+}
+
+/// Whether backward hands attention's inputs to the backend as saved (Note [Attention's saved
+/// operands]): on a GPU target whose attention rounds them into 16-bit copies for the tensor cores
+/// (and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not send it to the CUDA cores), when every one is
+/// saved in the products' own 16-bit format.
+fn reads_saved_operands(saved: &[&Compact], pb: &AttnProblem, go: &Tensor) -> bool {
+    let own = match pb.products {
+        crate::Products::Bf16 => DType::BF16,
+        crate::Products::F16 => DType::F16,
+        crate::Products::F32 => return false,
+    };
+    go.device().target() == crate::Target::Cuda
+        && attention_bits(pb, go.dtype(), true).len > 0
+        && !crate::backend::cuda::cuda_cores_asked()
+        && saved.iter().all(|c| c.stored().dtype() == own)
 }
 
 #[cfg(test)]
