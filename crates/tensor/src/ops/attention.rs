@@ -33,8 +33,8 @@
 //! them into (`attention_bits`). When they were saved in the products' own format (bf16 storage
 //! with bf16 products, fp16 with fp16), backward hands the saved tensors to the backend as they
 //! are, and the rounding kernel widens each element to the f32 that restoring it would give before
-//! rounding it: the same bits, without the f32 copy of q, k and v (3 GiB at GPT-2's largest
-//! micro-batch, where attention's backward holds the step's peak) or its traffic. Decided from the
+//! rounding it: the same bits, without the f32 copy of q, k and v (3 GiB at GPT-2's micro-batch of
+//! 342, whose step then reserves 3 GiB less) or its traffic. Decided from the
 //! device's target, the problem and the saved dtypes, so `meta:cuda` allocates as the GPU does; a
 //! GPU whose tensor cores fail their check is then an error that names
 //! `MEMFIT_CUDA_ATTENTION=cuda-cores`, which the decision reads too.
