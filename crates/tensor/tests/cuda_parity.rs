@@ -196,7 +196,11 @@ fn attention_matches_the_cpu_across_tiles(cuda: &Device) -> usize {
         let m = Tensor::from_slice(x[0].device(), &mask, &[tq, tk], Category::Input)?;
         ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, Some(&m))
     });
-    cases + 1
+    // Only v's gradient wanted: dk and dv's kernel without dq's, and no dS.
+    agree(cuda, "attention, v's gradient only", &[&[2, 3, 70, 64], &[2, 3, 70, 64], &[2, 3, 70, 64]], &|x| {
+        ops::scaled_dot_product_attention(&x[0].detach(), &x[1].detach(), &x[2], true, None)
+    });
+    cases + 2
 }
 
 /// The cases checked.
@@ -549,7 +553,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 13] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 14] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -562,6 +566,11 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
         ("attention uniform (tensor cores)", vec![&[2, 3, 70, 64], &[2, 3, 64, 64], &[2, 3, 64, 64]], &|x| {
             ops::scaled_dot_product_attention(&x[0].mul_scalar(1e-9)?, &x[1], &x[2], false, None)
         }),
+        (
+            "attention, v's gradient only (tensor cores)",
+            vec![&[2, 3, 70, 64], &[2, 3, 70, 64], &[2, 3, 70, 64]],
+            &|x| ops::scaled_dot_product_attention(&x[0].detach(), &x[1].detach(), &x[2], true, None),
+        ),
         ("attention d100 dv72 (tensor cores)", vec![&[1, 2, 37, 100], &[1, 2, 70, 100], &[1, 2, 70, 72]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)
         }),
@@ -640,9 +649,15 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
                 g.len()
             );
             let bias = k + 1 == want.len() && !what.contains("matmul") && !what.contains("attention");
-            // (The head's mean loss moves less than that under fp16's finer rounding.)
+            // (The head's mean loss moves less than that under fp16's finer rounding; a gradient
+            // not wanted is empty on both.)
             let loss = k == 0 && what.contains("head");
-            assert!(bias || loss || gap(p) > 1e-5, "{what} result {k}: the products round (f32 within {})", gap(p));
+            assert_eq!(g.len(), w.len(), "{what} result {k}: sizes");
+            assert!(
+                bias || loss || w.is_empty() || gap(p) > 1e-5,
+                "{what} result {k}: the products round (f32 within {})",
+                gap(p)
+            );
         }
         cases += 1;
     }

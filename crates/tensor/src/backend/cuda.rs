@@ -2345,10 +2345,11 @@ impl Backend for Cuda {
         let visible = visibility(mask, pb)?;
         let (g, l) = (dense(grad, NAME)?, dense(lse, NAME)?);
         let (gqp, gkp, gvp) = (dense_opt(gq, NAME)?, dense_opt(gk, NAME)?, dense_opt(gv, NAME)?);
-        let deltap = dense_opt(delta, NAME)?;
-        if deltap == 0 && (gqp != 0 || gkp != 0) {
-            return Err(Error::invalid(format!("{NAME}: the gradients of q and k need each row's D")));
-        }
+        // The kernels read D (dk and dv's stage it with every query tile, whether dk is wanted or not).
+        let Some(delta) = delta else {
+            return Err(Error::invalid(format!("{NAME}: the kernels need each row's D")));
+        };
+        let deltap = dense(delta, NAME)?;
         // dk and dv, then dq, each reading the rows' D.
         let (head, kernels) = match self.attention_kernels(pb, grad.dtype())? {
             // The tensor cores' kernels read the operands' rounded copies (the output's gradient's

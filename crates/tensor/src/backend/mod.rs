@@ -450,8 +450,9 @@ backends! {
     /// Attention backward's D of every query row, `rowsum(grad * out)`, into `delta` ([bh, tq]).
     fn attention_delta(&self, out: &Tensor, grad: &Tensor, pb: &crate::ops::AttnProblem, delta: &Tensor);
     /// Attention backward from the output's gradient: q, k and v gradients, each when given (the
-    /// packed op passes its one gradient three times), with the rows' D (`attention_delta`) where
-    /// q's or k's is; `workspace` as the forward's, with the output's gradient's copy too.
+    /// packed op passes its one gradient three times), with the rows' D (`attention_delta`; the
+    /// cpu reads it only for q's or k's gradient, a GPU always); `workspace` as the forward's, with
+    /// the output's gradient's copy too.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,

@@ -256,18 +256,13 @@ impl Backward for AttentionBack {
         let go = grad.contiguous()?;
         let name = "scaled_dot_product_attention_backward";
         let backend = go.device().backend();
-        // D first, from the output restored for it alone, before q, k and v are read back.
-        let need_ds = match self.inputs {
-            Saved::Separate(_) => needs[0] || needs[1],
-            Saved::Packed(_) => true,
-        };
-        let delta = if need_ds {
+        // D first, from the output restored for it alone, before q, k and v are read back (only dS
+        // uses it, but a GPU's dk and dv kernel stages it with every query tile).
+        let delta = {
             let out = self.out.restore()?;
             let delta = output(&go, self.lse.shape(), go.dtype(), name)?;
             backend.attention_delta(&out, &go, &self.pb, &delta)?;
-            Some(delta)
-        } else {
-            None
+            delta
         };
         // Gradients (allocated first, in input order) and the tensors q, k, v are read from.
         let saved: Vec<&Compact> = match &self.inputs {
@@ -300,7 +295,7 @@ impl Backward for AttentionBack {
         let [gq, gk, gv] = g;
         let ws = bits_workspace(&go, &self.pb, true)?;
         let mask = self.mask.as_ref();
-        backend.attention_backward(q, k, v, mask, &self.lse, &self.pb, &go, delta.as_ref(), gq, gk, gv, ws.as_ref())?;
+        backend.attention_backward(q, k, v, mask, &self.lse, &self.pb, &go, Some(&delta), gq, gk, gv, ws.as_ref())?;
         Ok(grads)
     }
 }
