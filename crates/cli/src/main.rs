@@ -1209,6 +1209,11 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     for c in report.cases.iter().filter(|c| !c.kernels_used.is_empty()) {
         println!("{}: kernels: {}", c.name, c.kernels_used.join("; "));
     }
+    for c in &report.cases {
+        if let Some(l) = &c.launches {
+            println!("{}: a step: {}", c.name, step_launches(l));
+        }
+    }
     if compare {
         let peak = if report.device.starts_with("cuda") {
             "its caching allocator's measured peak allocated"
@@ -1224,6 +1229,25 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A step's work on a GPU as one line: `912 launches, products and copies, queued as 6 graph
+/// launches and 3 alone (CUDA graphs)`.
+fn step_launches(l: &memfit_train::bench::StepLaunches) -> String {
+    let asked = format!("{:.0} launches, products and copies", l.asked);
+    if !l.graphs {
+        return format!(
+            "{asked}, each queued alone (CUDA graphs off; {}=1 turns them on)",
+            memfit_tensor::CUDA_GRAPHS_VARIABLE
+        );
+    }
+    let alone = l.queued - l.graph_launches;
+    let mut line =
+        format!("{asked}, queued as {:.0} graph launches and {alone:.0} alone (CUDA graphs)", l.graph_launches);
+    if let Some(why) = &l.graphs_off {
+        line.push_str(&format!("; {why}"));
+    }
+    line
 }
 
 /// The lowest and highest of the rounds' ratios, as `0.81-0.93`.

@@ -216,6 +216,66 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     assert_eq!(plain["samples_seen"], injected["samples_seen"]);
 }
 
+/// `report` on the emulated GPU with CUDA graphs on (`MEMFIT_CUDA_GRAPHS=1`) or off.
+fn emulated_report_graphs(graphs: bool, args: &[&str], name: &str) -> Value {
+    let dir = std::env::temp_dir().join(format!("memfit-cuda-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let all = [args, &["--device", "cuda", "--report", path.to_str().unwrap()]].concat();
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(&all)
+        .env("MEMFIT_CUDA_EMULATOR", "1")
+        .env("MEMFIT_CUDA_GRAPHS", if graphs { "1" } else { "0" })
+        .output()
+        .expect("the memfit binary runs");
+    assert!(out.status.success(), "memfit {all:?} (graphs {graphs}) on the emulated GPU failed:\n{}", text(&out));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+/// CUDA graphs (Note [CUDA graphs] in memfit-cuda) replay exactly the work asked for: with them on,
+/// the same losses to the bit and the same peaks as without, while most of the work runs inside
+/// graph launches (AdamW's step count given to its node before each replay), through evaluation's
+/// other shapes, fp16's loss scale, accumulation and recovery from out-of-memory.
+#[test]
+fn cuda_graphs_replay_exactly_the_work_asked_for() {
+    let gpt = ["train", "--model", "gpt", "--layers", "1", "--d-model", "32", "--context", "16", "--batch-size", "4"];
+    let gpt = [&gpt[..], &["--max-steps", "5", "--no-eval"]].concat();
+    let gpt_fp16 = [&gpt[..], &["--precision", "fp16"]].concat();
+    let mlp = ["train", "--model", "mlp", "--max-steps", "4", "--batch-size", "64", "--micro-batch", "32"];
+    let mlp_injected = [&mlp[..], &["--no-eval", "--inject-oom", "40"]].concat();
+    let cases: [(&str, &[&str]); 4] =
+        [("gpt", &gpt), ("gpt-fp16", &gpt_fp16), ("mlp-eval-accumulated", &mlp), ("mlp-injected", &mlp_injected)];
+    for (name, args) in cases {
+        let off = emulated_report_graphs(false, args, &format!("{name}-graphs-off.json"));
+        let on = emulated_report_graphs(true, args, &format!("{name}-graphs-on.json"));
+        for key in
+            ["final_train_loss", "final_eval_loss", "peak_allocated_bytes", "peak_reserved_bytes", "samples_seen"]
+        {
+            assert_eq!(on[key], off[key], "{name}: {key} with CUDA graphs and without");
+        }
+        let (l_on, l_off) = (&on["launches"], &off["launches"]);
+        let count = |l: &Value, key: &str| l[key].as_u64().unwrap();
+        assert_eq!(count(l_on, "asked"), count(l_off, "asked"), "{name}: the same work asked for");
+        assert_eq!(count(l_off, "queued"), count(l_off, "asked"), "{name}: without graphs each op queued alone");
+        assert_eq!((count(l_off, "graph_launches"), l_off["graphs"].as_bool()), (0, Some(false)), "{name}");
+        assert!(l_on["graphs_off"].is_null(), "{name}: {l_on}");
+        assert!(
+            count(l_on, "captured") > 0 && count(l_on, "graph_launches") > count(l_on, "captured"),
+            "{name}: {l_on}"
+        );
+        assert!(count(l_on, "queued") < count(l_off, "queued"), "{name}: {l_on}");
+        if name.starts_with("gpt") {
+            // Five steps: the first two alone (the first makes the optimizer's state), the third
+            // captured, the fourth and fifth replayed (the fifth's last chunk differs: the check
+            // of the parameters after the last step). (The mlp's evaluation writes each
+            // micro-batch's scores into its own slot, so its chunks repeat only after 32.)
+            assert!(3 * count(l_on, "replayed") > count(l_on, "asked"), "{name}: {l_on}");
+            assert!(3 * count(l_on, "queued") < 2 * count(l_off, "queued"), "{name}: {l_on}");
+            assert!(count(l_on, "updated") > 0, "{name}: AdamW's step count changes every step: {l_on}");
+        }
+    }
+}
+
 /// `MEMFIT_CUDA_EMULATOR=host`: the emulated GPU with no arithmetic (a step's host work alone, what
 /// a GPU step cannot go below) takes the paths a GPU takes, with its allocations: meta:cuda's peaks
 /// to the byte, attention on the tensor cores (their check still runs), and losses of zero (nothing

@@ -11,11 +11,15 @@
 //! cuBLAS's column-major definition to the letter (a bf16 or fp16 product's operands rounded as
 //! Notes [bf16 products] and [fp16 products] in `memfit-kernels` define).
 //!
+//! A capture (CUDA graphs, Note [CUDA graphs] in `graphs.rs`) records the ops asked for into a
+//! list, and a graph's launch runs that list in order.
+//!
 //! `MEMFIT_CUDA_EMULATOR=host` is the same machine with no arithmetic: launches and products are
 //! checked and return at once (only the tensor cores' check runs, so the backend takes the paths it
 //! takes on a GPU), so a step's time is the host's own work for it (the op layer, the launchers,
 //! the allocator): what a GPU step cannot go below, measured on a machine without one.
 
+use crate::graphs::Op;
 use crate::kernels::{cache_dir, fnv1a, source_of, SOURCES};
 use crate::machine::{Arg, Gemm, GemmType, Launch, Machine};
 use crate::CudaError;
@@ -61,6 +65,10 @@ pub struct Emulator {
     reserved: Mutex<(memfit_memory::HostBackend, std::collections::BTreeMap<u64, usize>)>,
     /// [`host_only`]: launches (but the tensor cores' check) and products do nothing.
     host_only: bool,
+    /// The ops of the capture under way (Note [CUDA graphs]), if one is.
+    capture: Mutex<Option<Vec<Op>>>,
+    /// Captured graphs by handle (their ops, run in order at each launch), and the next handle.
+    graphs: Mutex<(HashMap<u64, Vec<Op>>, u64)>,
 }
 
 impl Emulator {
@@ -78,6 +86,8 @@ impl Emulator {
             pinned: Mutex::new(HashMap::new()),
             reserved: Mutex::new(Default::default()),
             host_only: host_only(),
+            capture: Mutex::new(None),
+            graphs: Mutex::new((HashMap::new(), 1)),
         })
     }
 
@@ -103,6 +113,17 @@ impl Emulator {
             HOST_ONLY_BYTES
         } else {
             EMULATED_BYTES
+        }
+    }
+
+    /// Records the op `make` gives into the capture under way, if one is: true when it did.
+    fn captured(&self, make: impl FnOnce() -> Op) -> bool {
+        match self.capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Some(ops) => {
+                ops.push(make());
+                true
+            }
+            None => false,
         }
     }
 
@@ -271,12 +292,18 @@ impl Machine for Emulator {
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        if self.captured(|| Op::Copy { dst, src, bytes }) {
+            return Ok(());
+        }
         // SAFETY: as `upload`; device copies may overlap only when equal.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
 
     fn zero(&self, dst: u64, bytes: usize) -> Result<(), CudaError> {
+        if self.captured(|| Op::Zero { dst, bytes }) {
+            return Ok(());
+        }
         // SAFETY: as `upload`.
         unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
         Ok(())
@@ -284,6 +311,9 @@ impl Machine for Emulator {
 
     fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<(), CudaError> {
         let entry = self.entry(name)?;
+        if shape.grid > 0 && self.captured(|| Op::Kernel { name: name.to_string(), shape, args: args.to_vec() }) {
+            return Ok(());
+        }
         let mut params: Vec<*mut std::ffi::c_void> = args.iter_mut().map(Arg::address).collect();
         if shape.grid == 0 || (self.host_only && !name.starts_with("attention_mma_check")) {
             return Ok(());
@@ -312,6 +342,9 @@ impl Machine for Emulator {
         if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || g.dtype != GemmType::F32) {
             return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32"));
         }
+        if self.captured(|| Op::Gemm(*g)) {
+            return Ok(());
+        }
         if self.host_only {
             return Ok(());
         }
@@ -328,6 +361,61 @@ impl Machine for Emulator {
             GemmType::F64 => gemm_host::<f64, f64>(g, |v| v),
         }
         Ok(())
+    }
+
+    fn capture_begin(&self) -> Result<(), CudaError> {
+        let mut capture = self.capture.lock().unwrap_or_else(|e| e.into_inner());
+        if capture.is_some() {
+            return Err(crate::call_error("capturing a graph", "a capture is under way already"));
+        }
+        *capture = Some(Vec::new());
+        Ok(())
+    }
+
+    fn captured_node(&self) -> Result<u64, CudaError> {
+        match self.capture.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(ops) if matches!(ops.last(), Some(Op::Kernel { .. })) => Ok(ops.len() as u64 - 1),
+            _ => Err(crate::call_error("capturing a graph", "no kernel was captured last")),
+        }
+    }
+
+    fn capture_end(&self) -> Result<u64, CudaError> {
+        let ops = self.capture.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let ops = ops.ok_or_else(|| crate::call_error("capturing a graph", "no capture is under way"))?;
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let handle = graphs.1;
+        graphs.1 += 1;
+        graphs.0.insert(handle, ops);
+        Ok(handle)
+    }
+
+    fn graph_launch(&self, graph: u64) -> Result<(), CudaError> {
+        let ops = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).0.get(&graph).cloned();
+        let mut ops = ops.ok_or_else(|| crate::call_error("launching a graph", "no such graph"))?;
+        ops.iter_mut().try_for_each(|op| op.queue(self))
+    }
+
+    fn graph_set_kernel(
+        &self,
+        graph: u64,
+        node: u64,
+        name: &str,
+        shape: Launch,
+        args: &mut [Arg],
+    ) -> Result<(), CudaError> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let op = graphs.0.get_mut(&graph).and_then(|ops| ops.get_mut(node as usize));
+        match op {
+            Some(Op::Kernel { name: n, shape: s, args: a }) if n == name && *s == shape && a.len() == args.len() => {
+                a.clone_from_slice(args);
+                Ok(())
+            }
+            _ => Err(crate::call_error("changing a graph", format!("node {node} is no launch of {name} like this"))),
+        }
+    }
+
+    fn graph_destroy(&self, graph: u64) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).0.remove(&graph);
     }
 }
 

@@ -2,6 +2,9 @@
 //! the context (and cuBLAS's handle) took, and the [`Machine`] it is: memory, copies and launches on
 //! one stream (the context's default stream), kernels loaded on first use as machine code NVRTC
 //! assembled (or the cache kept), products by cuBLAS, uploads from pinned host memory with events.
+//! CUDA graphs (Note [CUDA graphs] in `graphs.rs`) are captured on a stream of their own (the
+//! default stream cannot be captured; cuBLAS's handle follows it during a capture) and launched on
+//! the default stream, in order with all other work.
 
 use crate::kernels::{assemble_cached, forget_cached, source_of};
 use crate::libraries::{probe, Library};
@@ -49,6 +52,15 @@ pub struct Gpu {
     timer: Option<KernelTimes>,
     /// The library workspace (address, bytes), once the device set it.
     workspace: Mutex<(u64, usize)>,
+    /// The stream graphs are captured on (Note [CUDA graphs]), made at the first capture: captures
+    /// need a stream of their own (the context's default stream cannot be captured); the graphs
+    /// are launched on the default stream, in order with everything else.
+    capture_stream: Mutex<Option<Arc<CudaStream>>>,
+    /// Whether a capture is under way: then work is queued on `capture_stream` (recorded).
+    capturing: std::sync::atomic::AtomicBool,
+    /// Captured graphs by their executable's handle: the graph itself too, whose nodes
+    /// `graph_set_kernel` names.
+    graphs: Mutex<HashMap<u64, u64>>,
 }
 
 impl Gpu {
@@ -93,6 +105,9 @@ impl Gpu {
             }),
             workspace: Mutex::new((0, 0)),
             lt: std::sync::OnceLock::new(),
+            capture_stream: Mutex::new(None),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+            graphs: Mutex::new(HashMap::new()),
         })
     }
 
@@ -104,6 +119,37 @@ impl Gpu {
         let count = u32::try_from(count).unwrap_or(0);
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
+        }
+        Ok(())
+    }
+
+    /// The stream work is queued on: the default stream, or the capture's while one is under way.
+    fn queue(&self) -> sys::CUstream {
+        if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some(stream) = self.capture_stream.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                return stream.cu_stream();
+            }
+        }
+        self.stream.cu_stream()
+    }
+
+    /// Points cuBLAS's handle at `stream` (its products are queued there), and gives it the library
+    /// workspace again: setting a stream resets cuBLAS's workspace to its own pool (cuBLAS's
+    /// documentation), which would allocate outside memfit's allocator (and inside a capture).
+    fn blas_stream(&self, stream: sys::CUstream) -> Result<(), CudaError> {
+        let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handle is live; the stream is this context's.
+        let status = unsafe { blas_sys::cublasSetStream_v2(*blas.handle(), stream as _) };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(call_error("cublasSetStream", status));
+        }
+        let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        if bytes > 0 {
+            // SAFETY: as `set_library_workspace`: memory of this context held while the device is open.
+            let status = unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), address as *mut _, bytes) };
+            if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(call_error("cublasSetWorkspace", status));
+            }
         }
         Ok(())
     }
@@ -450,15 +496,13 @@ impl Machine for Gpu {
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
         self.bind()?;
         // SAFETY: both ranges are device memory of at least `bytes` (the caller's contract).
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(|e| call_error("cuMemcpyDtoD", e))
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.queue()) }.map_err(|e| call_error("cuMemcpyDtoD", e))
     }
 
     fn zero(&self, dst: u64, bytes: usize) -> Result<(), CudaError> {
         self.bind()?;
         // SAFETY: as `copy`.
-        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| call_error("cuMemsetD8", e))
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.queue()) }.map_err(|e| call_error("cuMemsetD8", e))
     }
 
     fn launch(&self, name: &str, shape: Launch, args: &mut [Arg]) -> Result<(), CudaError> {
@@ -480,7 +524,7 @@ impl Machine for Gpu {
                         (shape.grid, 1, 1),
                         (shape.block, 1, 1),
                         0,
-                        self.stream.cu_stream(),
+                        self.queue(),
                         &mut params,
                     )
                 }
@@ -506,6 +550,66 @@ impl Machine for Gpu {
         dtype == GemmType::F32 && self.lt.get_or_init(|| self.checked_lt()).is_some()
     }
 
+    fn capture_begin(&self) -> Result<(), CudaError> {
+        self.capture_begin_on()
+    }
+
+    fn captured_node(&self) -> Result<u64, CudaError> {
+        self.captured_node_now()
+    }
+
+    fn capture_end(&self) -> Result<u64, CudaError> {
+        self.capture_end_now()
+    }
+
+    fn graph_launch(&self, graph: u64) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: an executable graph of `capture_end`, not destroyed; launched on the default
+        // stream, after the work queued before it.
+        unsafe { sys::cuGraphLaunch(graph as sys::CUgraphExec, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| call_error("cuGraphLaunch", e))
+    }
+
+    fn graph_set_kernel(
+        &self,
+        graph: u64,
+        node: u64,
+        name: &str,
+        shape: Launch,
+        args: &mut [Arg],
+    ) -> Result<(), CudaError> {
+        let f = self.function(name)?;
+        self.bind()?;
+        let mut params: Vec<*mut std::ffi::c_void> = args.iter_mut().map(Arg::address).collect();
+        // SAFETY: a plain C struct for which all zeros is valid; its fields are set next.
+        let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        p.func = f.cu_function();
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (shape.grid, 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (shape.block, 1, 1);
+        p.kernelParams = params.as_mut_ptr();
+        // SAFETY: `node` is the graph's launch of `name` (the caller's contract), `params` its
+        // arguments in order, each pointing at a live value (the driver copies them here).
+        unsafe { sys::cuGraphExecKernelNodeSetParams_v2(graph as sys::CUgraphExec, node as sys::CUgraphNode, &p) }
+            .result()
+            .map_err(|e| call_error(&format!("changing a graph's launch of {name}"), e))
+    }
+
+    fn graph_destroy(&self, graph: u64) {
+        let made = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).remove(&graph);
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: an executable graph of `capture_end` and the graph it came from, destroyed once
+        // (removed above); a launch in flight completes first (the driver's rule).
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(graph as sys::CUgraphExec);
+            if let Some(made) = made {
+                let _ = sys::cuGraphDestroy(made as sys::CUgraph);
+            }
+        }
+    }
+
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         let name = || {
             let batch = if g.batch > 1 { format!(" x{}", g.batch) } else { String::new() };
@@ -525,6 +629,95 @@ impl Machine for Gpu {
 }
 
 impl Gpu {
+    fn capture_begin_on(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        let stream = {
+            let mut made = self.capture_stream.lock().unwrap_or_else(|e| e.into_inner());
+            match made.as_ref() {
+                Some(stream) => stream.clone(),
+                None => {
+                    let stream = self.context.new_stream().map_err(|e| call_error("creating the capture stream", e))?;
+                    made.insert(stream).clone()
+                }
+            }
+        };
+        self.blas_stream(stream.cu_stream())?;
+        // SAFETY: a stream of this context, not capturing; only this thread's calls are checked
+        // against the capture (thread-local mode), and they all go to this stream until it ends.
+        let begun = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                stream.cu_stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .result();
+        if let Err(e) = begun {
+            let _ = self.blas_stream(self.stream.cu_stream());
+            return Err(call_error("cuStreamBeginCapture", e));
+        }
+        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The capture's stream, while one is under way.
+    fn capturing_stream(&self, what: &str) -> Result<sys::CUstream, CudaError> {
+        let stream = self.capture_stream.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| s.cu_stream());
+        match stream {
+            Some(stream) if self.capturing.load(std::sync::atomic::Ordering::Relaxed) => Ok(stream),
+            _ => Err(call_error(what, "no capture is under way")),
+        }
+    }
+
+    fn captured_node_now(&self) -> Result<u64, CudaError> {
+        let stream = self.capturing_stream("cuStreamGetCaptureInfo")?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph, mut count) = (0u64, std::ptr::null_mut(), 0usize);
+        let (mut nodes, mut edges): (*const sys::CUgraphNode, *const sys::CUgraphEdgeData) =
+            (std::ptr::null(), std::ptr::null());
+        // SAFETY: a capturing stream of this context; the outputs are plain values and the driver's
+        // own arrays, read before the next call on the stream.
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, &mut graph, &mut nodes, &mut edges, &mut count)
+        }
+        .result()
+        .map_err(|e| call_error("cuStreamGetCaptureInfo", e))?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || count != 1 || nodes.is_null() {
+            return Err(call_error("cuStreamGetCaptureInfo", format!("{status:?} with {count} nodes at the end")));
+        }
+        // SAFETY: `nodes` holds `count` (1) nodes.
+        Ok(unsafe { *nodes } as u64)
+    }
+
+    fn capture_end_now(&self) -> Result<u64, CudaError> {
+        let stream = self.capturing_stream("cuStreamEndCapture")?;
+        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing (begun by `capture_begin`); ending it returns the graph
+        // (null when the capture was invalidated).
+        let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) }.result();
+        let restored = self.blas_stream(self.stream.cu_stream());
+        if let Err(e) = ended {
+            if !graph.is_null() {
+                // SAFETY: a graph the capture made, used by nothing.
+                let _ = unsafe { sys::cuGraphDestroy(graph) };
+            }
+            return Err(call_error("cuStreamEndCapture", e));
+        }
+        restored?;
+        if graph.is_null() {
+            return Err(call_error("cuStreamEndCapture", "the capture was invalidated"));
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: a complete graph of this context; flags 0 (launched on a stream, from the host).
+        if let Err(e) = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+            return Err(call_error("cuGraphInstantiate", e));
+        }
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(exec as u64, graph as u64);
+        Ok(exec as u64)
+    }
+
     /// `g` through cuBLASLt (with its bias, or under `MEMFIT_CUDA_LT_PRODUCTS=1`: each shape's
     /// algorithm found once), queued on the library workspace past the bias check's bytes.
     fn gemm_lt(&self, lt: &Lt, g: &Gemm) -> Result<(), CudaError> {
@@ -539,7 +732,7 @@ impl Gpu {
                 g,
                 address + LT_CHECK_BYTES as u64,
                 bytes.saturating_sub(LT_CHECK_BYTES),
-                self.stream.cu_stream() as *mut std::ffi::c_void,
+                self.queue() as *mut std::ffi::c_void,
             )
         }
     }

@@ -16,6 +16,7 @@
 
 pub mod emulator;
 pub mod gpu;
+pub mod graphs;
 pub mod kernels;
 pub mod libraries;
 pub mod lt;
@@ -28,6 +29,7 @@ pub mod timing;
 
 pub use emulator::Emulator;
 pub use gpu::Gpu;
+pub use graphs::{Graphed, Launches};
 pub use libraries::{probe, Library};
 pub use machine::{Arg, Gemm, GemmType, Launch, Machine, Strided};
 pub use segments::CudaSegments;

@@ -215,6 +215,43 @@ pub trait Machine: Send + Sync {
     fn unmap(&self, _address: u64, _bytes: usize) {}
     /// Returns a reservation (nothing mapped in it any more).
     fn release(&self, _address: u64, _bytes: usize) {}
+
+    // CUDA graphs (Note [CUDA graphs] in `graphs.rs`): the stream's work recorded, then run whole.
+    /// Starts a capture: until [`Machine::capture_end`], the launches, products, copies and zeroings
+    /// asked for are recorded into a graph, not run.
+    fn capture_begin(&self) -> Result<(), CudaError> {
+        Err(CudaError::Call { what: "capturing a graph".into(), detail: "not supported here".into() })
+    }
+    /// The graph node of the kernel launched last in the capture.
+    fn captured_node(&self) -> Result<u64, CudaError> {
+        Err(CudaError::Call { what: "capturing a graph".into(), detail: "not supported here".into() })
+    }
+    /// Ends the capture (always, also when it failed): the graph, ready to launch.
+    fn capture_end(&self) -> Result<u64, CudaError> {
+        Err(CudaError::Call { what: "capturing a graph".into(), detail: "not supported here".into() })
+    }
+    /// Queues a graph of [`Machine::capture_end`] in stream order.
+    fn graph_launch(&self, _graph: u64) -> Result<(), CudaError> {
+        Err(CudaError::Call { what: "launching a graph".into(), detail: "not supported here".into() })
+    }
+    /// Gives kernel node `node` of `graph` (a launch of `name` with `shape`, as captured) the
+    /// arguments `args` for the graph's later launches.
+    fn graph_set_kernel(
+        &self,
+        _graph: u64,
+        _node: u64,
+        _name: &str,
+        _shape: Launch,
+        _args: &mut [Arg],
+    ) -> Result<(), CudaError> {
+        Err(CudaError::Call { what: "changing a graph".into(), detail: "not supported here".into() })
+    }
+    /// Destroys a graph (a launch of it in flight completes first).
+    fn graph_destroy(&self, _graph: u64) {}
+    /// The work counted so far, by a machine that counts it ([`crate::graphs::Graphed`]).
+    fn launches(&self) -> Option<crate::graphs::Launches> {
+        None
+    }
 }
 
 /// The unit expandable segments map (a GPU's usual mapping granularity, and the allocator's page).

@@ -315,6 +315,13 @@ impl Device {
         self.backend().kernels_used()
     }
 
+    /// The work a GPU was asked for so far (kernel launches, products, copies) and how it was
+    /// queued (one by one, or in CUDA graphs: Note [CUDA graphs] in memfit-cuda); None for cpu
+    /// and meta.
+    pub fn launches(&self) -> Option<memfit_cuda::Launches> {
+        self.0.backend.launches()
+    }
+
     pub(crate) fn backend(&self) -> &dyn crate::backend::Backend {
         if self.rehearsing() {
             return &crate::backend::Meta;

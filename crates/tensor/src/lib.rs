@@ -23,6 +23,8 @@ pub use device::{
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};
 pub use layout::Layout;
+pub use memfit_cuda::graphs::VARIABLE as CUDA_GRAPHS_VARIABLE;
+pub use memfit_cuda::Launches;
 pub use memfit_kernels::gemm_bf16::{Bf16Level, Products};
 pub use memfit_kernels::Isa;
 pub use memfit_memory as memory;

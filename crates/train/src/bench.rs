@@ -90,6 +90,37 @@ pub struct CaseResult {
     /// Which of a GPU's alternative kernels the case ran (`Device::kernels_used`; empty on cpu).
     #[serde(default)]
     pub kernels_used: Vec<String>,
+    /// A timed step's work on a GPU and the calls that queued it (None on cpu).
+    pub launches: Option<StepLaunches>,
+}
+
+/// A GPU step's work, the mean of the timed steps (Note [CUDA graphs] in memfit-cuda).
+#[derive(Clone, Debug, Serialize)]
+pub struct StepLaunches {
+    /// Work asked for: kernel launches, products, device copies and zeroings.
+    pub asked: f64,
+    /// Calls that queued it on the GPU: each op queued alone, and each graph launch.
+    pub queued: f64,
+    /// Of `queued`, graph launches.
+    pub graph_launches: f64,
+    /// Whether CUDA graphs were on (`MEMFIT_CUDA_GRAPHS=1`).
+    pub graphs: bool,
+    /// Why graphs stopped during the case, if they did.
+    pub graphs_off: Option<String>,
+}
+
+impl StepLaunches {
+    /// The mean step between two counts taken `steps` steps apart.
+    fn between(before: &memfit_tensor::Launches, after: &memfit_tensor::Launches, steps: usize) -> StepLaunches {
+        let per = |a: u64, b: u64| (b - a) as f64 / steps.max(1) as f64;
+        StepLaunches {
+            asked: per(before.asked, after.asked),
+            queued: per(before.queued, after.queued),
+            graph_launches: per(before.graph_launches, after.graph_launches),
+            graphs: after.on,
+            graphs_off: after.off.clone(),
+        }
+    }
 }
 
 /// One case measured in PyTorch by `assets/pytorch_bench.py`.
@@ -265,7 +296,9 @@ fn measure(
     session.run(data.as_ref(), None, &opts(warmup), &mut |_| {})?;
     device.reset_peak_stats();
     let timed = synthetic(spec, case.batch * 2, 1);
+    let launched_before = device.launches();
     let outcome = session.run(timed.as_ref(), None, &opts(steps), &mut |_| {})?;
+    let launches = launched_before.zip(device.launches()).map(|(b, a)| StepLaunches::between(&b, &a, steps));
     let stats = device.stats();
     let median_ms = median(&outcome.step_times_ms);
     Ok(CaseResult {
@@ -280,6 +313,7 @@ fn measure(
         pytorch_compiled: None,
         compiled_round_ratios: Vec::new(),
         kernels_used: device.kernels_used(),
+        launches,
     })
 }
 

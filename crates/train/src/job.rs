@@ -234,6 +234,7 @@ fn train_in_pool(
         precision,
         products: crate::report::products_label(&device),
         kernels_used: device.kernels_used(),
+        launches: device.launches(),
         segments,
         optimizer_step,
         skipped_steps: session.skipped_steps,

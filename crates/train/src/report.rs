@@ -43,6 +43,8 @@ pub struct RunSummary {
     pub products: String,
     /// Which of a GPU's alternative kernels ran (`Device::kernels_used`): attention's and biases'.
     pub kernels_used: Vec<String>,
+    /// A GPU's work and how it was queued (`Device::launches`); None on cpu and meta.
+    pub launches: Option<memfit_tensor::Launches>,
     /// The allocator's segments (`auto` resolved).
     pub segments: crate::config::Segments,
     /// Where the optimizer stepped (`auto` resolved).
@@ -55,6 +57,40 @@ pub struct RunSummary {
     pub savings: crate::planner::Savings,
     /// Each rank's memory, when trained as several ranks (`--parallel`).
     pub ranks: Option<RanksSummary>,
+}
+
+/// A GPU run's work (Note [CUDA graphs] in memfit-cuda): everything from the device's opening,
+/// warm-up and evaluation included.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct LaunchReport {
+    /// Kernel launches, products, device copies and zeroings asked for.
+    pub asked: u64,
+    /// Calls that queued them on the GPU: each op queued alone, and each graph launch.
+    pub queued: u64,
+    /// Of `queued`, graph launches; `replayed` ops ran inside them.
+    pub graph_launches: u64,
+    pub replayed: u64,
+    /// Graphs captured, and kernel nodes given new numbers (a step count) before a launch.
+    pub captured: u64,
+    pub updated: u64,
+    /// Whether CUDA graphs were on (`MEMFIT_CUDA_GRAPHS=1`), and why they stopped if they did.
+    pub graphs: bool,
+    pub graphs_off: Option<String>,
+}
+
+impl LaunchReport {
+    fn of(l: &memfit_tensor::Launches) -> LaunchReport {
+        LaunchReport {
+            asked: l.asked,
+            queued: l.queued,
+            graph_launches: l.graph_launches,
+            replayed: l.replayed,
+            captured: l.captured,
+            updated: l.updated,
+            graphs: l.on,
+            graphs_off: l.off.clone(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -136,6 +172,8 @@ pub struct Report {
     /// biases in the product's epilogue or broadcast first (empty on cpu and meta).
     #[serde(default)]
     pub kernels_used: Vec<String>,
+    /// A GPU run's work, and how it was queued: one by one, or in CUDA graphs (null on cpu and meta).
+    pub launches: Option<LaunchReport>,
     /// The allocator's segments: fixed or expandable.
     pub segments: String,
     /// Where the optimizer stepped: after backward, or in-backward (a window of one micro-batch).
@@ -316,6 +354,7 @@ impl Report {
             precision: s.precision.name().to_string(),
             products: s.products.clone(),
             kernels_used: s.kernels_used.clone(),
+            launches: s.launches.as_ref().map(LaunchReport::of),
             segments: s.segments.name().to_string(),
             optimizer_step: s.optimizer_step.name().to_string(),
             skipped_steps: s.skipped_steps,

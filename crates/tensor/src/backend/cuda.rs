@@ -66,6 +66,9 @@ pub(crate) fn open(ordinal: u32) -> Result<super::Opened> {
         let (context, free) = (gpu.context_bytes, gpu.free_bytes);
         (Arc::new(gpu), context, free)
     };
+    // Every call on the machine goes through its graphs (Note [CUDA graphs] in memfit-cuda): on
+    // with `MEMFIT_CUDA_GRAPHS=1`, else a pass-through that counts the work.
+    let machine: Arc<dyn Machine> = Arc::new(memfit_cuda::Graphed::new(machine));
     Ok(super::Opened {
         description: Some(machine.description()),
         segments: Box::new(CudaSegments::new(machine.clone())),
@@ -842,6 +845,10 @@ impl Cuda {
 }
 
 impl Backend for Cuda {
+    fn launches(&self) -> Option<memfit_cuda::Launches> {
+        self.machine.launches()
+    }
+
     fn kernels_used(&self) -> Vec<String> {
         self.used.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.to_string()).collect()
     }

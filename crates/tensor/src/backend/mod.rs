@@ -77,6 +77,12 @@ macro_rules! backends {
                 (0, 0)
             }
 
+            /// The work a GPU was asked for and how it was queued (Note [CUDA graphs] in
+            /// memfit-cuda); None for cpu and meta.
+            fn launches(&self) -> Option<memfit_cuda::Launches> {
+                None
+            }
+
             /// Which of its alternative kernels the device ran so far, as reports name them
             /// (`attention: tensor cores`, `bias: cuBLASLt epilogue`, ...); a GPU's only.
             fn kernels_used(&self) -> Vec<String> {
