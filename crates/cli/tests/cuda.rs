@@ -106,16 +106,21 @@ fn emulated_report(args: &[&str], name: &str) -> Value {
 
 /// [`emulated_report`] with `MEMFIT_CUDA_EMULATOR=mode`.
 fn emulated_report_as(mode: &str, args: &[&str], name: &str) -> Value {
+    emulated_report_with(&[("MEMFIT_CUDA_EMULATOR", mode)], args, name)
+}
+
+/// `report` on `--device cuda` with the variables `vars` set.
+fn emulated_report_with(vars: &[(&str, &str)], args: &[&str], name: &str) -> Value {
     let dir = std::env::temp_dir().join(format!("memfit-cuda-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     let all = [args, &["--device", "cuda", "--report", path.to_str().unwrap()]].concat();
     let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
         .args(&all)
-        .env("MEMFIT_CUDA_EMULATOR", mode)
+        .envs(vars.iter().copied())
         .output()
         .expect("the memfit binary runs");
-    assert!(out.status.success(), "memfit {all:?} on the emulated GPU failed:\n{}", text(&out));
+    assert!(out.status.success(), "memfit {all:?} with {vars:?} failed:\n{}", text(&out));
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
@@ -218,18 +223,8 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
 
 /// `report` on the emulated GPU with CUDA graphs on (`MEMFIT_CUDA_GRAPHS=1`) or off.
 fn emulated_report_graphs(graphs: bool, args: &[&str], name: &str) -> Value {
-    let dir = std::env::temp_dir().join(format!("memfit-cuda-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    let all = [args, &["--device", "cuda", "--report", path.to_str().unwrap()]].concat();
-    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args(&all)
-        .env("MEMFIT_CUDA_EMULATOR", "1")
-        .env("MEMFIT_CUDA_GRAPHS", if graphs { "1" } else { "0" })
-        .output()
-        .expect("the memfit binary runs");
-    assert!(out.status.success(), "memfit {all:?} (graphs {graphs}) on the emulated GPU failed:\n{}", text(&out));
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    let vars = [("MEMFIT_CUDA_EMULATOR", "1"), ("MEMFIT_CUDA_GRAPHS", if graphs { "1" } else { "0" })];
+    emulated_report_with(&vars, args, name)
 }
 
 /// CUDA graphs (Note [CUDA graphs] in memfit-cuda) replay exactly the work asked for: with them on,

@@ -46,7 +46,12 @@ pub const VARIABLE: &str = "MEMFIT_CUDA_GRAPHS";
 
 /// True when `MEMFIT_CUDA_GRAPHS=1`.
 pub fn requested() -> bool {
-    std::env::var_os(VARIABLE).is_some_and(|v| v == "1")
+    asks_for_graphs(std::env::var_os(VARIABLE).as_deref())
+}
+
+/// Whether a value of [`VARIABLE`] turns graphs on: `1` only.
+fn asks_for_graphs(value: Option<&std::ffi::OsStr>) -> bool {
+    value.is_some_and(|v| v == "1")
 }
 
 /// The most graphs kept at once.
@@ -350,7 +355,7 @@ impl Graphed {
             *n += 1;
             *n
         };
-        if seen >= 2 {
+        if seen >= 2 && st.counts.off.is_none() {
             match self.capture(&mut ops) {
                 Ok((graph, nodes)) => {
                     st.sightings.remove(&key);
@@ -542,6 +547,7 @@ mod tests {
         graphs: Mutex<Vec<Vec<String>>>,
         destroyed: Mutex<Vec<u64>>,
         refuse_capture: bool,
+        captures: std::sync::atomic::AtomicUsize,
     }
 
     impl Log {
@@ -565,10 +571,17 @@ mod tests {
             "log".into()
         }
         fn max_blocks(&self) -> u32 {
-            1
+            3
+        }
+        fn max_grid(&self) -> u32 {
+            5
         }
         fn free_bytes(&self) -> Result<u64, CudaError> {
-            Ok(0)
+            Ok(7)
+        }
+        fn fuses_bias(&self, dtype: GemmType) -> bool {
+            self.call(format!("fuses {dtype:?}"));
+            dtype == GemmType::F32
         }
         fn alloc(&self, _: usize) -> Result<u64, CudaError> {
             self.call("alloc".into());
@@ -584,25 +597,38 @@ mod tests {
         fn pinned_alloc(&self, _: usize) -> Result<u64, CudaError> {
             Ok(8192)
         }
-        fn pinned_free(&self, _: u64) {}
+        fn pinned_free(&self, _: u64) {
+            self.call("pinned_free".into())
+        }
         fn upload_async(&self, _: u64, _: u64, _: usize) -> Result<(), CudaError> {
             self.call("upload_async".into());
             Ok(())
         }
         fn event_create(&self) -> Result<u64, CudaError> {
-            Ok(1)
+            Ok(11)
         }
         fn event_record(&self, _: u64) -> Result<(), CudaError> {
             self.call("event".into());
             Ok(())
         }
         fn event_done(&self, _: u64) -> Result<bool, CudaError> {
-            Ok(true)
+            self.call("event_done".into());
+            Ok(false)
         }
         fn event_wait(&self, _: u64) -> Result<(), CudaError> {
+            self.call("event_wait".into());
             Ok(())
         }
-        fn event_destroy(&self, _: u64) {}
+        fn event_destroy(&self, _: u64) {
+            self.call("event_destroy".into())
+        }
+        fn reserve(&self, _: usize) -> Result<u64, CudaError> {
+            Ok(13)
+        }
+        fn map(&self, _: u64, _: usize) -> Result<(), CudaError> {
+            self.call("map".into());
+            Ok(())
+        }
         fn download(&self, _: u64, _: &mut [u8]) -> Result<(), CudaError> {
             self.call("download".into());
             Ok(())
@@ -637,6 +663,7 @@ mod tests {
             self.call("release".into())
         }
         fn capture_begin(&self) -> Result<(), CudaError> {
+            self.captures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             *self.capturing.lock().unwrap() = Some(Vec::new());
             Ok(())
         }
@@ -765,7 +792,8 @@ mod tests {
         m.launch("k", SHAPE, &mut []).unwrap();
         m.alloc(1).unwrap();
         m.event_done(1).unwrap();
-        assert_eq!(log.take(), ["alloc"]);
+        m.map(0, 1).unwrap();
+        assert_eq!(log.take(), ["alloc", "event_done", "map"]);
         // A launch of no blocks runs nothing: passed straight on, not recorded.
         m.launch("empty", Launch { grid: 0, block: 32 }, &mut []).unwrap();
         assert_eq!(log.take(), ["launch empty "]);
@@ -805,7 +833,13 @@ mod tests {
         let off = m.launches().off.unwrap_or_default();
         assert!(off.contains("capture failed") && off.contains("refused"), "{off}");
         step(&m, 3, 100);
-        assert_eq!(log.take().len(), 4, "off for the rest of the run");
+        assert_eq!(log.take(), ["gemm 8", "launch adam Ptr(100),I64(3)", "copy 10 20 4", "download"]);
+        assert_eq!(log.captures.load(std::sync::atomic::Ordering::Relaxed), 1, "off for the rest of the run");
+        // Off, an op is queued at once, not recorded until a boundary.
+        m.zero(1, 4).unwrap();
+        assert_eq!(log.take(), ["zero 1 4"]);
+        let c = m.launches();
+        assert_eq!((c.asked, c.queued, c.graph_launches, c.captured), (10, 10, 0, 0));
     }
 
     #[test]
@@ -820,6 +854,136 @@ mod tests {
         }
         assert_eq!(*log.destroyed.lock().unwrap(), [0], "the first captured goes when one too many is");
         assert_eq!(m.launches().captured, MOST_GRAPHS as u64 + 1);
+    }
+
+    #[test]
+    fn only_one_turns_graphs_on() {
+        use std::ffi::OsStr;
+        assert!(asks_for_graphs(Some(OsStr::new("1"))));
+        for value in [None, Some("0"), Some(""), Some("yes"), Some("11")] {
+            assert!(!asks_for_graphs(value.map(OsStr::new)), "{value:?}");
+        }
+    }
+
+    #[test]
+    fn a_structure_is_everything_but_a_kernels_plain_numbers() {
+        let view = |n: usize| Arg::View(Strided::new(&[n], &[1], 0).unwrap());
+        let kernel = |name: &str, grid: u32, args: Vec<Arg>| Op::Kernel {
+            name: name.into(),
+            shape: Launch { grid, block: 32 },
+            args,
+        };
+        let base = kernel("k", 2, vec![Arg::Ptr(1), view(4), Arg::Words(vec![1, 2]), Arg::I32(1), Arg::F32(1.0)]);
+        let numbers = kernel("k", 2, vec![Arg::Ptr(1), view(4), Arg::Words(vec![3, 4]), Arg::I32(2), Arg::F32(2.0)]);
+        assert!(base.same_structure(&numbers), "plain numbers (and words) may differ");
+        let hash = |op: &Op| {
+            let mut h = DefaultHasher::new();
+            op.hash_structure(&mut h);
+            h.finish()
+        };
+        assert_eq!(hash(&base), hash(&numbers));
+        let others = [
+            kernel("j", 2, vec![Arg::Ptr(1), view(4), Arg::Words(vec![1, 2]), Arg::I32(1), Arg::F32(1.0)]),
+            kernel("k", 3, vec![Arg::Ptr(1), view(4), Arg::Words(vec![1, 2]), Arg::I32(1), Arg::F32(1.0)]),
+            kernel("k", 2, vec![Arg::Ptr(2), view(4), Arg::Words(vec![1, 2]), Arg::I32(1), Arg::F32(1.0)]),
+            kernel("k", 2, vec![Arg::Ptr(1), view(5), Arg::Words(vec![1, 2]), Arg::I32(1), Arg::F32(1.0)]),
+            kernel("k", 2, vec![Arg::Ptr(1), view(4), Arg::Words(vec![1]), Arg::I32(1), Arg::F32(1.0)]),
+            kernel("k", 2, vec![Arg::Ptr(1), view(4), Arg::Words(vec![1, 2]), Arg::I64(1), Arg::F32(1.0)]),
+            kernel("k", 2, vec![Arg::Ptr(1), view(4), Arg::Words(vec![1, 2]), Arg::I32(1)]),
+            Op::Zero { dst: 1, bytes: 4 },
+        ];
+        for other in &others {
+            assert!(!base.same_structure(other) && !other.same_structure(&base), "{other:?}");
+            assert_ne!(hash(&base), hash(other), "{other:?}");
+        }
+        let zero = Op::Zero { dst: 1, bytes: 4 };
+        assert!(zero.same_structure(&Op::Zero { dst: 1, bytes: 4 }));
+        assert!(
+            !zero.same_structure(&Op::Zero { dst: 1, bytes: 8 })
+                && !zero.same_structure(&Op::Zero { dst: 2, bytes: 4 })
+        );
+        let copy = Op::Copy { dst: 1, src: 2, bytes: 4 };
+        assert!(copy.same_structure(&Op::Copy { dst: 1, src: 2, bytes: 4 }));
+        assert!(!copy.same_structure(&Op::Copy { dst: 1, src: 3, bytes: 4 }) && !copy.same_structure(&zero));
+        // A product is all structure: any field differing (a scale, an address, a size).
+        let g = Gemm {
+            dtype: GemmType::F32,
+            transa: false,
+            transb: true,
+            m: 8,
+            n: 8,
+            k: 8,
+            alpha: 1.0,
+            a: 1,
+            lda: 8,
+            stride_a: 0,
+            b: 2,
+            ldb: 8,
+            stride_b: 0,
+            beta: 0.0,
+            c: 3,
+            ldc: 8,
+            stride_c: 0,
+            batch: 1,
+            bias: 0,
+        };
+        assert!(Op::Gemm(g).same_structure(&Op::Gemm(g)));
+        for other in
+            [Gemm { alpha: 2.0, ..g }, Gemm { c: 4, ..g }, Gemm { k: 9, ..g }, Gemm { dtype: GemmType::Bf16, ..g }]
+        {
+            assert!(!Op::Gemm(g).same_structure(&Op::Gemm(other)), "{other:?}");
+            assert_ne!(hash(&Op::Gemm(g)), hash(&Op::Gemm(other)));
+        }
+    }
+
+    #[test]
+    fn plain_numbers_compare_by_their_bits() {
+        let view = Arg::View(Strided::new(&[2], &[1], 0).unwrap());
+        let pairs = [
+            (Arg::I32(1), Arg::I32(2)),
+            (Arg::I64(1), Arg::I64(2)),
+            (Arg::U64(1), Arg::U64(2)),
+            (Arg::Ptr(1), Arg::Ptr(2)),
+            (Arg::F32(0.0), Arg::F32(-0.0)),
+            (Arg::F64(0.0), Arg::F64(-0.0)),
+            (view.clone(), Arg::View(Strided::new(&[3], &[1], 0).unwrap())),
+            (Arg::Words(vec![1]), Arg::Words(vec![2])),
+        ];
+        for (a, b) in &pairs {
+            assert!(same_bits(a, a) && !same_bits(a, b), "{a:?} {b:?}");
+        }
+        assert!(same_bits(&Arg::F32(f32::NAN), &Arg::F32(f32::NAN)), "a NaN is its own bits");
+        assert!(!same_bits(&Arg::I32(1), &Arg::I64(1)));
+    }
+
+    #[test]
+    fn every_other_call_is_the_machines_own() {
+        let (log, m) = graphed(true, Log::default());
+        assert_eq!((m.description(), m.max_blocks(), m.max_grid(), m.free_bytes().unwrap()), ("log".into(), 3, 5, 7));
+        assert_eq!((m.pinned_alloc(1).unwrap(), m.event_create().unwrap(), m.reserve(1).unwrap()), (8192, 11, 13));
+        assert!(!m.event_done(11).unwrap());
+        m.event_wait(11).unwrap();
+        m.event_destroy(11);
+        m.pinned_free(8192);
+        assert_eq!(log.take(), ["event_done", "event_wait", "event_destroy", "pinned_free"]);
+        assert!(m.launches().on);
+        assert_eq!(Machine::launches(&m), Some(m.launches()));
+        // Whether products take a bias: the machine's answer, asked once a type, after what is recorded.
+        m.zero(1, 4).unwrap();
+        assert!(m.fuses_bias(GemmType::F32) && !m.fuses_bias(GemmType::Bf16) && m.fuses_bias(GemmType::F32));
+        assert_eq!(log.take(), ["zero 1 4", "fuses F32", "fuses Bf16"]);
+    }
+
+    #[test]
+    fn dropped_it_queues_what_is_recorded_and_destroys_its_graphs() {
+        let (log, m) = graphed(true, Log::default());
+        step(&m, 1, 100);
+        step(&m, 2, 100);
+        m.zero(1, 4).unwrap();
+        log.take();
+        drop(m);
+        assert_eq!(log.take(), ["zero 1 4"]);
+        assert_eq!(*log.destroyed.lock().unwrap(), [0]);
     }
 
     #[test]
