@@ -599,12 +599,21 @@ pub fn attention(
 /// and its gradient `grad` both laid out as the problem's output. The backward's dS is
 /// `P * (dP - D)`, and `rowsum(P * dP)` is D (dP = dO v^T, O = P v), so D comes from a pass over
 /// the output's rows rather than over every row's keys (Note [Attention's D] in the tensor crate).
+/// `out` is in `grad`'s dtype, or (with an f32 `grad`) in bf16 or f16 as half-precision storage saved
+/// it: each row widened to the f32 that restoring it gives, then the same dot product, so D has
+/// the bits it has from the restored output, without the restored copy.
 pub fn attention_delta(out: View<'_>, grad: View<'_>, pb: &AttnProblem, delta: View<'_>) -> Result<()> {
+    use crate::dtype::DType;
     let AttnDims { bh, heads, tq, dv, .. } = pb.dims;
     if bh == 0 {
         return Ok(());
     }
     const NAME: &str = "scaled_dot_product_attention_backward";
+    match (out.dtype(), grad.dtype()) {
+        (DType::BF16, DType::F32) => return widened_deltas(out, grad, pb, delta, half::bf16::to_f32),
+        (DType::F16, DType::F32) => return widened_deltas(out, grad, pb, delta, half::f16::to_f32),
+        _ => {}
+    }
     with_float!(grad.dtype(), NAME, T => {
         let ((o, no), (g, ng), (d, nd)) = (read_ptr::<T>(out)?, read_ptr::<T>(grad)?, write_ptr::<T>(delta)?);
         let need = pb.lay.out.extent(bh, heads, tq, dv);
@@ -625,6 +634,40 @@ pub fn attention_delta(out: View<'_>, grad: View<'_>, pb: &AttnProblem, delta: V
                 }
             }
         });
+    });
+    Ok(())
+}
+
+/// [`attention_delta`] from an output saved in a 16-bit dtype `H` (an f32 gradient and D): each
+/// row widened by `widen` into a row of f32, then [`row_dot`] as for an f32 output.
+fn widened_deltas<H: Element>(
+    out: View<'_>,
+    grad: View<'_>,
+    pb: &AttnProblem,
+    delta: View<'_>,
+    widen: fn(H) -> f32,
+) -> Result<()> {
+    const NAME: &str = "scaled_dot_product_attention_backward";
+    let AttnDims { bh, heads, tq, dv, .. } = pb.dims;
+    let ((o, no), (g, ng), (d, nd)) = (read_ptr::<H>(out)?, read_ptr::<f32>(grad)?, write_ptr::<f32>(delta)?);
+    let need = pb.lay.out.extent(bh, heads, tq, dv);
+    check_len(&format!("{NAME} output"), no, need)?;
+    check_len(&format!("{NAME} output gradient"), ng, need)?;
+    check_len(&format!("{NAME} D"), nd, bh * tq)?;
+    let (lay, isa) = (pb.lay.out, Isa::active());
+    (0..bh).into_par_iter().for_each(|i| {
+        let (o, g, d) = (o, g, d);
+        let mut row = vec![0f32; dv];
+        for r in 0..tq {
+            let at = lay.start(i, heads) + r * lay.row_stride;
+            // SAFETY: as `attention_delta`'s.
+            unsafe {
+                let orow = std::slice::from_raw_parts(o.0.add(at) as *const H, dv);
+                row.iter_mut().zip(orow).for_each(|(w, &h)| *w = widen(h));
+                let grow = std::slice::from_raw_parts(g.0.add(at) as *const f32, dv);
+                *d.0.add(i * tq + r) = row_dot(isa, &row, grow);
+            }
+        }
     });
     Ok(())
 }
@@ -812,6 +855,67 @@ mod tests {
                 assert!(first_block_only.iter().all(|x| x.is_finite()) && first_block_only.iter().any(|&x| x != 0.0));
             }
         }
+    }
+
+    /// D from an output saved in bf16 or f16 has the bits of D from that output restored to f32
+    /// (each element widened the same way), on a layout with a row stride past the row (a packed
+    /// output's heads) and a row length with a tail after the lanes.
+    #[test]
+    fn d_from_a_half_precision_output_is_d_from_it_restored() {
+        use crate::dtype::DType;
+        use crate::layout::Layout;
+        use crate::test_values::uniform;
+        let f32_values = |n: usize, seed: u64| uniform(n, seed).map(|x| x as f32).collect::<Vec<f32>>();
+        let (bh, heads, tq, dv) = (4, 2, 5, 13);
+        // [batch, tq, heads * dv]: a batch's heads side by side in each row.
+        let lay = AttnAddr { offset: 0, batch_stride: tq * heads * dv, head_stride: dv, row_stride: heads * dv };
+        let dims = AttnDims { bh, heads, tq, tk: tq, d: dv, dv };
+        let layouts = AttnLayouts { q: lay, k: lay, v: lay, out: lay };
+        let pb = AttnProblem {
+            dims,
+            lay: layouts,
+            scale: 1.0,
+            causal: false,
+            full: vec![bh, tq, tq],
+            products: Products::F32,
+        };
+        let n = lay.extent(bh, heads, tq, dv);
+        let (out, mut grad) = (f32_values(n, 7), f32_values(n, 8));
+        let (flat, rows) = (Layout::contiguous(&[n]), Layout::contiguous(&[bh * tq]));
+        let delta_of = |o: View<'_>, grad: &mut [f32]| {
+            let mut delta = vec![f32::NAN; bh * tq];
+            // SAFETY: the buffers hold their layouts' elements and live through the call.
+            let (g, d) = unsafe {
+                (
+                    View::new(grad.as_mut_ptr() as *mut u8, n * 4, DType::F32, &flat),
+                    View::new(delta.as_mut_ptr() as *mut u8, bh * tq * 4, DType::F32, &rows),
+                )
+            };
+            attention_delta(o, g, &pb, d).unwrap();
+            delta
+        };
+        let mut halves: Vec<half::bf16> = out.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        let mut restored: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+        // SAFETY: as above (2 bytes an element).
+        let (h, r) = unsafe {
+            (
+                View::new(halves.as_mut_ptr() as *mut u8, n * 2, DType::BF16, &flat),
+                View::new(restored.as_mut_ptr() as *mut u8, n * 4, DType::F32, &flat),
+            )
+        };
+        let (from_half, from_restored) = (delta_of(h, &mut grad), delta_of(r, &mut grad));
+        assert!(from_half.iter().all(|d| d.is_finite()));
+        assert_eq!(bits(&from_half), bits(&from_restored), "bf16");
+        let mut halves: Vec<half::f16> = out.iter().map(|&x| half::f16::from_f32(x)).collect();
+        let mut restored: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+        // SAFETY: as above.
+        let (h, r) = unsafe {
+            (
+                View::new(halves.as_mut_ptr() as *mut u8, n * 2, DType::F16, &flat),
+                View::new(restored.as_mut_ptr() as *mut u8, n * 4, DType::F32, &flat),
+            )
+        };
+        assert_eq!(bits(&delta_of(h, &mut grad)), bits(&delta_of(r, &mut grad)), "f16");
     }
 
     /// The softmax row kernels (and D's row dot product) give the portable copy's bits on every

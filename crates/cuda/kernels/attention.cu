@@ -77,18 +77,34 @@ __device__ T dot(const Problem<T>& p, const T* a, const T* b, i64 n) {
     return s;
 }
 
+// An element as the float it is: itself, or a saved 16-bit element (KIND's own format: 1 bf16,
+// 2 f16) as the f32 that restoring it gives.
+template <int KIND>
+__device__ __forceinline__ float restored(float x) {
+    return x;
+}
+template <int KIND>
+__device__ __forceinline__ double restored(double x) {
+    return x;
+}
+template <int KIND>
+__device__ __forceinline__ float restored(unsigned short h) {
+    return KIND == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
 // D = rowsum(dO * O) of every query row into delta ([bh, tq]; Note [Attention's D] in
 // memfit-tensor), the output o and its gradient g both laid out by a: a warp a row, lane l adding
 // the row's columns l, l + 32, ... in order, then the lanes' sums by halves (xor 16, 8, 4, 2, 1;
-// each lane adds the same two values, so all agree and a run repeats bit for bit).
-template <typename T>
-__device__ void row_deltas(const T* o, const T* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, T* delta) {
+// each lane adds the same two values, so all agree and a run repeats bit for bit). The output is in
+// T, or (O unsigned short) saved in KIND's 16 bits, each element widened as restoring it would.
+template <int KIND, typename T, typename O>
+__device__ void row_deltas(const O* o, const T* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, T* delta) {
     const int lane = threadIdx.x % 32, per_block = blockDim.x / 32;
     const i64 warps = (i64)gridDim.x * per_block;
     for (i64 row = (i64)blockIdx.x * per_block + threadIdx.x / 32; row < bh * tq; row += warps) {
         const i64 at = matrix(a, row / tq, heads) + (row % tq) * a.row;
         T s = T(0);
-        for (i64 c = lane; c < dv; c += 32) s += o[at + c] * g[at + c];
+        for (i64 c = lane; c < dv; c += 32) s += restored<KIND>(o[at + c]) * g[at + c];
         for (int m = 16; m > 0; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);
         if (lane == 0) delta[row] = s;
     }
@@ -122,7 +138,7 @@ __device__ void row_deltas(const T* o, const T* g, Addr a, i64 bh, i64 heads, i6
         }                                                                                               \
     }                                                                                                   \
     extern "C" __global__ void attention_delta_##SUF(const T* o, const T* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, T* delta) { \
-        row_deltas<T>(o, g, a, bh, heads, tq, dv, delta);                                               \
+        row_deltas<0, T>(o, g, a, bh, heads, tq, dv, delta);                                            \
     }                                                                                                   \
     /* dk and dv of every key row, each when given (delta: the rows' D, needed with dk). */             \
     extern "C" __global__ void attention_backward_kv_##SUF(Problem<T> p, Visible vis, const T* g, Addr ag, const T* lse, const T* delta, T* gk, T* gv) { \
@@ -168,6 +184,15 @@ __device__ void row_deltas(const T* o, const T* g, Addr a, i64 bh, i64 heads, i6
 
 ATTENTION(float, f32)
 ATTENTION(double, f64)
+
+// D from an output saved in bf16 (f16) under half-precision storage, with an f32 gradient: the bits
+// the restored f32 output gives, without the restored copy.
+extern "C" __global__ void attention_delta_saved_bf16(const unsigned short* o, const float* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, float* delta) {
+    row_deltas<1>(o, g, a, bh, heads, tq, dv, delta);
+}
+extern "C" __global__ void attention_delta_saved_f16(const unsigned short* o, const float* g, Addr a, i64 bh, i64 heads, i64 tq, i64 dv, float* delta) {
+    row_deltas<2>(o, g, a, bh, heads, tq, dv, delta);
+}
 
 // ----- Tiled, f32 ---------------------------------------------------------------------------------
 // A block of 128 threads stages tiles in shared memory as [rows][D + 1] (the pad puts the rows of a
@@ -534,17 +559,6 @@ struct Bits {
 
 // A head size rounded up to a multiple of 8 (16 bytes of 16-bit elements): a row of a rounded copy.
 __device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
-
-// An operand element as the f32 it is: itself, or a saved 16-bit element (KIND's own format) as the
-// f32 that restoring it gives.
-template <int KIND>
-__device__ __forceinline__ float restored(float x) {
-    return x;
-}
-template <int KIND>
-__device__ __forceinline__ float restored(unsigned short h) {
-    return KIND == 1 ? bf16_to_f32(h) : f16_to_f32(h);
-}
 
 // Operand x (laid out by a) as KIND's bits into y, [bh, rows, padded8(d)]: a warp a row, its lanes
 // along the row's pairs.

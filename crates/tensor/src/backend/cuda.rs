@@ -2307,13 +2307,20 @@ impl Backend for Cuda {
     fn attention_delta(&self, out: &Tensor, grad: &Tensor, pb: &AttnProblem, delta: &Tensor) -> Result<()> {
         const NAME: &str = "scaled_dot_product_attention_backward";
         let sfx = float(NAME, grad.dtype())?;
+        // The output in the gradient's dtype, or saved in 16 bits (widened in the kernel).
+        let kernel = match (out.dtype(), grad.dtype()) {
+            (DType::BF16, DType::F32) => "attention_delta_saved_bf16".to_string(),
+            (DType::F16, DType::F32) => "attention_delta_saved_f16".to_string(),
+            (o, g) if o == g => format!("attention_delta_{sfx}"),
+            (o, g) => return Err(Error::dtype(format!("{NAME}: an output in {o} with a gradient in {g}"))),
+        };
         let d = pb.dims;
         if d.bh * d.tq == 0 {
             return Ok(());
         }
         // A warp a row.
         self.launch(
-            &format!("attention_delta_{sfx}"),
+            &kernel,
             self.grid(d.bh * d.tq * 32, BLOCK),
             &mut [
                 Arg::Ptr(dense(out, NAME)?),

@@ -453,7 +453,9 @@ backends! {
         lse: Option<&Tensor>,
         workspace: Option<&Tensor>,
     );
-    /// Attention backward's D of every query row, `rowsum(grad * out)`, into `delta` ([bh, tq]).
+    /// Attention backward's D of every query row, `rowsum(grad * out)`, into `delta` ([bh, tq]):
+    /// `out` in `grad`'s dtype, or (an f32 `grad`) as half-precision storage saved it, in bf16 or
+    /// f16, each element read as the f32 that restoring it gives.
     fn attention_delta(&self, out: &Tensor, grad: &Tensor, pb: &crate::ops::AttnProblem, delta: &Tensor);
     /// Attention backward from the output's gradient: q, k and v gradients, each when given (the
     /// packed op passes its one gradient three times), with the rows' D (`attention_delta`; the

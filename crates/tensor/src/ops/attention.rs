@@ -26,7 +26,9 @@
 //! order of additions. Attention saves its output for it; the op after attention saves the same
 //! tensor as its input (out_proj), so the two share it (Note [Shared compact copies]). A GPU thus
 //! computes D in one pass over the output's rows instead of a pass over every row's keys (two of
-//! the backward's nine products).
+//! the backward's nine products). Under half-precision storage the backends read the output as it
+//! is saved, in bf16 or f16, each element widened to the f32 that restoring it gives (the same D,
+//! without an f32 copy of the output: [B, T, E] written and read again a layer).
 //!
 //! Note [Attention's saved operands]
 //! On a GPU the tensor cores' kernels read q, k and v only through 16-bit copies that a kernel rounds
@@ -256,14 +258,11 @@ impl Backward for AttentionBack {
         let go = grad.contiguous()?;
         let name = "scaled_dot_product_attention_backward";
         let backend = go.device().backend();
-        // D first, from the output restored for it alone, before q, k and v are read back (only dS
-        // uses it, but a GPU's dk and dv kernel stages it with every query tile).
-        let delta = {
-            let out = self.out.restore()?;
-            let delta = output(&go, self.lse.shape(), go.dtype(), name)?;
-            backend.attention_delta(&out, &go, &self.pb, &delta)?;
-            delta
-        };
+        // D first, from the output as saved (widened where it is saved in 16 bits: no restored
+        // copy), before q, k and v are read back (only dS uses it, but a GPU's dk and dv kernel
+        // stages it with every query tile).
+        let delta = output(&go, self.lse.shape(), go.dtype(), name)?;
+        backend.attention_delta(self.out.stored(), &go, &self.pb, &delta)?;
         // Gradients (allocated first, in input order) and the tensors q, k, v are read from.
         let saved: Vec<&Compact> = match &self.inputs {
             Saved::Separate(qkv) => qkv.iter().collect(),
