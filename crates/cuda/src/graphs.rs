@@ -194,9 +194,10 @@ pub struct Launches {
     pub captured: u64,
     /// Kernel nodes given new numbers before a launch.
     pub updated: u64,
-    /// Whether graphs are on (`MEMFIT_CUDA_GRAPHS=1` and no kernel times asked for).
+    /// Whether graphs were asked for (`MEMFIT_CUDA_GRAPHS=1`).
     pub on: bool,
-    /// Why graphs stopped during the run (a capture the driver refused), if they did.
+    /// Why graphs are off although asked for (kernel times asked for too, or a capture the driver
+    /// refused), if they are.
     pub off: Option<String>,
 }
 
@@ -243,9 +244,15 @@ pub struct Graphed {
 }
 
 impl Graphed {
-    /// `inner`, with graphs on when asked for (`MEMFIT_CUDA_GRAPHS=1`) and no kernel times are.
+    /// `inner`, with graphs on when asked for (`MEMFIT_CUDA_GRAPHS=1`), unless kernel times are too
+    /// (then [`Launches::off`] says so).
     pub fn new(inner: Arc<dyn Machine>) -> Graphed {
-        Graphed::with(inner, requested() && crate::timing::requested().is_none())
+        let graphed = Graphed::with(inner, requested());
+        if requested() && crate::timing::requested().is_some() {
+            graphed.state().counts.off =
+                Some(format!("{} times every launch alone, so graphs are off", crate::timing::VARIABLE));
+        }
+        graphed
     }
 
     /// `inner`, with graphs on or off.

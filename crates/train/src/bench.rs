@@ -103,9 +103,9 @@ pub struct StepLaunches {
     pub queued: f64,
     /// Of `queued`, graph launches.
     pub graph_launches: f64,
-    /// Whether CUDA graphs were on (`MEMFIT_CUDA_GRAPHS=1`).
+    /// Whether CUDA graphs were asked for (`MEMFIT_CUDA_GRAPHS=1`).
     pub graphs: bool,
-    /// Why graphs stopped during the case, if they did.
+    /// Why graphs are off although asked for, if they are.
     pub graphs_off: Option<String>,
 }
 

@@ -73,7 +73,8 @@ pub struct LaunchReport {
     /// Graphs captured, and kernel nodes given new numbers (a step count) before a launch.
     pub captured: u64,
     pub updated: u64,
-    /// Whether CUDA graphs were on (`MEMFIT_CUDA_GRAPHS=1`), and why they stopped if they did.
+    /// Whether CUDA graphs were asked for (`MEMFIT_CUDA_GRAPHS=1`), and why they are off if they
+    /// are (kernel times asked for too, or a capture the driver refused).
     pub graphs: bool,
     pub graphs_off: Option<String>,
 }
