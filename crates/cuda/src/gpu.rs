@@ -551,15 +551,83 @@ impl Machine for Gpu {
     }
 
     fn capture_begin(&self) -> Result<(), CudaError> {
-        self.capture_begin_on()
+        self.bind()?;
+        let stream = {
+            let mut made = self.capture_stream.lock().unwrap_or_else(|e| e.into_inner());
+            match made.as_ref() {
+                Some(stream) => stream.clone(),
+                None => {
+                    let stream = self.context.new_stream().map_err(|e| call_error("creating the capture stream", e))?;
+                    made.insert(stream).clone()
+                }
+            }
+        };
+        self.blas_stream(stream.cu_stream())?;
+        // SAFETY: a stream of this context, not capturing; only this thread's calls are checked
+        // against the capture (thread-local mode), and they all go to this stream until it ends.
+        let begun = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                stream.cu_stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .result();
+        if let Err(e) = begun {
+            let _ = self.blas_stream(self.stream.cu_stream());
+            return Err(call_error("cuStreamBeginCapture", e));
+        }
+        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     fn captured_node(&self) -> Result<u64, CudaError> {
-        self.captured_node_now()
+        let stream = self.capturing_stream("cuStreamGetCaptureInfo")?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph, mut count) = (0u64, std::ptr::null_mut(), 0usize);
+        let (mut nodes, mut edges): (*const sys::CUgraphNode, *const sys::CUgraphEdgeData) =
+            (std::ptr::null(), std::ptr::null());
+        // SAFETY: a capturing stream of this context; the outputs are plain values and the driver's
+        // own arrays, read before the next call on the stream.
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, &mut graph, &mut nodes, &mut edges, &mut count)
+        }
+        .result()
+        .map_err(|e| call_error("cuStreamGetCaptureInfo", e))?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || count != 1 || nodes.is_null() {
+            return Err(call_error("cuStreamGetCaptureInfo", format!("{status:?} with {count} nodes at the end")));
+        }
+        // SAFETY: `nodes` holds `count` (1) nodes.
+        Ok(unsafe { *nodes } as u64)
     }
 
     fn capture_end(&self) -> Result<u64, CudaError> {
-        self.capture_end_now()
+        let stream = self.capturing_stream("cuStreamEndCapture")?;
+        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing (begun by `capture_begin`); ending it returns the graph
+        // (null when the capture was invalidated).
+        let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) }.result();
+        let restored = self.blas_stream(self.stream.cu_stream());
+        if let Err(e) = ended {
+            if !graph.is_null() {
+                // SAFETY: a graph the capture made, used by nothing.
+                let _ = unsafe { sys::cuGraphDestroy(graph) };
+            }
+            return Err(call_error("cuStreamEndCapture", e));
+        }
+        restored?;
+        if graph.is_null() {
+            return Err(call_error("cuStreamEndCapture", "the capture was invalidated"));
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: a complete graph of this context; flags 0 (launched on a stream, from the host).
+        if let Err(e) = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+            return Err(call_error("cuGraphInstantiate", e));
+        }
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(exec as u64, graph as u64);
+        Ok(exec as u64)
     }
 
     fn graph_launch(&self, graph: u64) -> Result<(), CudaError> {
@@ -629,36 +697,6 @@ impl Machine for Gpu {
 }
 
 impl Gpu {
-    fn capture_begin_on(&self) -> Result<(), CudaError> {
-        self.bind()?;
-        let stream = {
-            let mut made = self.capture_stream.lock().unwrap_or_else(|e| e.into_inner());
-            match made.as_ref() {
-                Some(stream) => stream.clone(),
-                None => {
-                    let stream = self.context.new_stream().map_err(|e| call_error("creating the capture stream", e))?;
-                    made.insert(stream).clone()
-                }
-            }
-        };
-        self.blas_stream(stream.cu_stream())?;
-        // SAFETY: a stream of this context, not capturing; only this thread's calls are checked
-        // against the capture (thread-local mode), and they all go to this stream until it ends.
-        let begun = unsafe {
-            sys::cuStreamBeginCapture_v2(
-                stream.cu_stream(),
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        }
-        .result();
-        if let Err(e) = begun {
-            let _ = self.blas_stream(self.stream.cu_stream());
-            return Err(call_error("cuStreamBeginCapture", e));
-        }
-        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
-    }
-
     /// The capture's stream, while one is under way.
     fn capturing_stream(&self, what: &str) -> Result<sys::CUstream, CudaError> {
         let stream = self.capture_stream.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| s.cu_stream());
@@ -666,56 +704,6 @@ impl Gpu {
             Some(stream) if self.capturing.load(std::sync::atomic::Ordering::Relaxed) => Ok(stream),
             _ => Err(call_error(what, "no capture is under way")),
         }
-    }
-
-    fn captured_node_now(&self) -> Result<u64, CudaError> {
-        let stream = self.capturing_stream("cuStreamGetCaptureInfo")?;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let (mut id, mut graph, mut count) = (0u64, std::ptr::null_mut(), 0usize);
-        let (mut nodes, mut edges): (*const sys::CUgraphNode, *const sys::CUgraphEdgeData) =
-            (std::ptr::null(), std::ptr::null());
-        // SAFETY: a capturing stream of this context; the outputs are plain values and the driver's
-        // own arrays, read before the next call on the stream.
-        unsafe {
-            sys::cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, &mut graph, &mut nodes, &mut edges, &mut count)
-        }
-        .result()
-        .map_err(|e| call_error("cuStreamGetCaptureInfo", e))?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || count != 1 || nodes.is_null() {
-            return Err(call_error("cuStreamGetCaptureInfo", format!("{status:?} with {count} nodes at the end")));
-        }
-        // SAFETY: `nodes` holds `count` (1) nodes.
-        Ok(unsafe { *nodes } as u64)
-    }
-
-    fn capture_end_now(&self) -> Result<u64, CudaError> {
-        let stream = self.capturing_stream("cuStreamEndCapture")?;
-        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: the stream is capturing (begun by `capture_begin`); ending it returns the graph
-        // (null when the capture was invalidated).
-        let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) }.result();
-        let restored = self.blas_stream(self.stream.cu_stream());
-        if let Err(e) = ended {
-            if !graph.is_null() {
-                // SAFETY: a graph the capture made, used by nothing.
-                let _ = unsafe { sys::cuGraphDestroy(graph) };
-            }
-            return Err(call_error("cuStreamEndCapture", e));
-        }
-        restored?;
-        if graph.is_null() {
-            return Err(call_error("cuStreamEndCapture", "the capture was invalidated"));
-        }
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: a complete graph of this context; flags 0 (launched on a stream, from the host).
-        if let Err(e) = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
-            // SAFETY: as above.
-            let _ = unsafe { sys::cuGraphDestroy(graph) };
-            return Err(call_error("cuGraphInstantiate", e));
-        }
-        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(exec as u64, graph as u64);
-        Ok(exec as u64)
     }
 
     /// `g` through cuBLASLt (with its bias, or under `MEMFIT_CUDA_LT_PRODUCTS=1`: each shape's
