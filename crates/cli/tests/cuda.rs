@@ -271,6 +271,51 @@ fn cuda_graphs_replay_exactly_the_work_asked_for() {
     }
 }
 
+/// `bench` prints a timed step's work on a GPU and how it was queued: each op alone without CUDA
+/// graphs (saying how to turn them on), as graph launches with them (the host-only emulator: the
+/// counts are the host's, as on a GPU).
+#[test]
+fn bench_says_how_a_steps_work_was_queued() {
+    let bench = |graphs: &str, json: bool| {
+        let args = ["bench", "--model", "gpt", "--device", "cuda", "--steps", "3", "--warmup", "2"];
+        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(if json { [&args[..], &["--json"]].concat() } else { args.to_vec() })
+            .env("MEMFIT_CUDA_EMULATOR", "host")
+            .env("MEMFIT_CUDA_GRAPHS", graphs)
+            .output()
+            .expect("the memfit binary runs");
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let line = |graphs: &str| {
+        let stdout = bench(graphs, false);
+        stdout
+            .lines()
+            .find(|l| l.starts_with("gpt-b32: a step: "))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("{stdout}"))
+    };
+    let (off, on) = (line("0"), line("1"));
+    let asked =
+        |l: &str| l.split(" launches, products and copies").next().unwrap().rsplit(' ').next().unwrap().to_string();
+    assert!(off.ends_with(", each queued alone (CUDA graphs off; MEMFIT_CUDA_GRAPHS=1 turns them on)"), "{off}");
+    assert_eq!(asked(&on), asked(&off), "the same work asked for: {on} / {off}");
+    assert!(asked(&off).parse::<u64>().unwrap() > 100, "{off}");
+    // Warmed up, a timed step's chunks are graphs' by then: a few graph launches, and few ops
+    // queued alone (the run's last step checks the parameters, a chunk of its own).
+    let queued = on.split(", queued as ").nth(1).unwrap_or_else(|| panic!("{on}"));
+    let numbers: Vec<u64> = queued.split(' ').filter_map(|w| w.parse().ok()).collect();
+    let asked: u64 = asked(&on).parse().unwrap();
+    assert!(queued.ends_with(" alone (CUDA graphs)") && numbers.len() == 2, "{on}");
+    assert!((1..10).contains(&numbers[0]) && numbers[1] * 10 < asked, "{on}");
+    // The line's numbers are the report's: graph launches, and the calls queued less them.
+    let report: Value = serde_json::from_str(&bench("1", true)).unwrap();
+    let l = &report["cases"][0]["launches"];
+    let (queued, launched) = (l["queued"].as_f64().unwrap(), l["graph_launches"].as_f64().unwrap());
+    assert_eq!((launched.round() as u64, (queued - launched).round() as u64), (numbers[0], numbers[1]), "{l}");
+    assert_eq!((l["graphs"].as_bool(), l["asked"].as_f64().unwrap().round() as u64), (Some(true), asked), "{l}");
+}
+
 /// `MEMFIT_CUDA_EMULATOR=host`: the emulated GPU with no arithmetic (a step's host work alone, what
 /// a GPU step cannot go below) takes the paths a GPU takes, with its allocations: meta:cuda's peaks
 /// to the byte, attention on the tensor cores (their check still runs), and losses of zero (nothing
