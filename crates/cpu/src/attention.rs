@@ -604,68 +604,60 @@ pub fn attention(
 /// the bits it has from the restored output, without the restored copy.
 pub fn attention_delta(out: View<'_>, grad: View<'_>, pb: &AttnProblem, delta: View<'_>) -> Result<()> {
     use crate::dtype::DType;
-    let AttnDims { bh, heads, tq, dv, .. } = pb.dims;
-    if bh == 0 {
-        return Ok(());
-    }
     const NAME: &str = "scaled_dot_product_attention_backward";
+    let isa = Isa::active();
     match (out.dtype(), grad.dtype()) {
-        (DType::BF16, DType::F32) => return widened_deltas(out, grad, pb, delta, half::bf16::to_f32),
-        (DType::F16, DType::F32) => return widened_deltas(out, grad, pb, delta, half::f16::to_f32),
-        _ => {}
+        (DType::BF16, DType::F32) => {
+            row_deltas(out, grad, pb, delta, |o, g, row| widened_dot(isa, o, g, row, half::bf16::to_f32))
+        }
+        (DType::F16, DType::F32) => {
+            row_deltas(out, grad, pb, delta, |o, g, row| widened_dot(isa, o, g, row, half::f16::to_f32))
+        }
+        _ => {
+            with_float!(grad.dtype(), NAME, T => row_deltas::<T, T>(out, grad, pb, delta, |o, g, _| row_dot(isa, o, g)))
+        }
     }
-    with_float!(grad.dtype(), NAME, T => {
-        let ((o, no), (g, ng), (d, nd)) = (read_ptr::<T>(out)?, read_ptr::<T>(grad)?, write_ptr::<T>(delta)?);
-        let need = pb.lay.out.extent(bh, heads, tq, dv);
-        check_len(&format!("{NAME} output"), no, need)?;
-        check_len(&format!("{NAME} output gradient"), ng, need)?;
-        check_len(&format!("{NAME} D"), nd, bh * tq)?;
-        let (lay, isa) = (pb.lay.out, Isa::active());
-        (0..bh).into_par_iter().for_each(|i| {
-            let (o, g, d) = (o, g, d);
-            for r in 0..tq {
-                let at = lay.start(i, heads) + r * lay.row_stride;
-                // SAFETY: the rows are inside the lengths checked above; task i alone writes D's
-                // row block i.
-                unsafe {
-                    let orow = std::slice::from_raw_parts(o.0.add(at) as *const T, dv);
-                    let grow = std::slice::from_raw_parts(g.0.add(at) as *const T, dv);
-                    *d.0.add(i * tq + r) = row_dot(isa, orow, grow);
-                }
-            }
-        });
-    });
-    Ok(())
 }
 
-/// [`attention_delta`] from an output saved in a 16-bit dtype `H` (an f32 gradient and D): each
-/// row widened by `widen` into a row of f32, then [`row_dot`] as for an f32 output.
-fn widened_deltas<H: Element>(
+/// The dot product of a row saved in 16 bits (`o`, each element widened by `widen` into `row`) and
+/// an f32 row: [`row_dot`]'s on the restored row, bit for bit.
+fn widened_dot<H: Copy>(isa: Isa, o: &[H], g: &[f32], row: &mut Vec<f32>, widen: fn(H) -> f32) -> f32 {
+    row.clear();
+    row.extend(o.iter().map(|&h| widen(h)));
+    row_dot(isa, row, g)
+}
+
+/// [`attention_delta`]'s pass: each query row's D = `dot(output row, gradient row, scratch)`, the
+/// output in `O`, its gradient and D in `T`; `scratch` is a row buffer of the task's own.
+fn row_deltas<O: Element, T: Element>(
     out: View<'_>,
     grad: View<'_>,
     pb: &AttnProblem,
     delta: View<'_>,
-    widen: fn(H) -> f32,
+    dot: impl Fn(&[O], &[T], &mut Vec<T>) -> T + Sync + Send,
 ) -> Result<()> {
     const NAME: &str = "scaled_dot_product_attention_backward";
     let AttnDims { bh, heads, tq, dv, .. } = pb.dims;
-    let ((o, no), (g, ng), (d, nd)) = (read_ptr::<H>(out)?, read_ptr::<f32>(grad)?, write_ptr::<f32>(delta)?);
+    if bh == 0 {
+        return Ok(());
+    }
+    let ((o, no), (g, ng), (d, nd)) = (read_ptr::<O>(out)?, read_ptr::<T>(grad)?, write_ptr::<T>(delta)?);
     let need = pb.lay.out.extent(bh, heads, tq, dv);
     check_len(&format!("{NAME} output"), no, need)?;
     check_len(&format!("{NAME} output gradient"), ng, need)?;
     check_len(&format!("{NAME} D"), nd, bh * tq)?;
-    let (lay, isa) = (pb.lay.out, Isa::active());
+    let lay = pb.lay.out;
     (0..bh).into_par_iter().for_each(|i| {
         let (o, g, d) = (o, g, d);
-        let mut row = vec![0f32; dv];
+        let mut scratch = Vec::new();
         for r in 0..tq {
             let at = lay.start(i, heads) + r * lay.row_stride;
-            // SAFETY: as `attention_delta`'s.
+            // SAFETY: the rows are inside the lengths checked above; task i alone writes D's row
+            // block i.
             unsafe {
-                let orow = std::slice::from_raw_parts(o.0.add(at) as *const H, dv);
-                row.iter_mut().zip(orow).for_each(|(w, &h)| *w = widen(h));
-                let grow = std::slice::from_raw_parts(g.0.add(at) as *const f32, dv);
-                *d.0.add(i * tq + r) = row_dot(isa, &row, grow);
+                let orow = std::slice::from_raw_parts(o.0.add(at) as *const O, dv);
+                let grow = std::slice::from_raw_parts(g.0.add(at) as *const T, dv);
+                *d.0.add(i * tq + r) = dot(orow, grow, &mut scratch);
             }
         }
     });

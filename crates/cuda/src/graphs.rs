@@ -708,9 +708,9 @@ mod tests {
 
     const SHAPE: Launch = Launch { grid: 2, block: 32 };
 
-    /// A step: a product, a launch with a pointer and a step count, a copy, then a download.
-    fn step(m: &Graphed, count: i64, pointer: u64) {
-        let g = Gemm {
+    /// A small f32 product, as a step asks for.
+    fn product() -> Gemm {
+        Gemm {
             dtype: GemmType::F32,
             transa: false,
             transb: false,
@@ -730,8 +730,12 @@ mod tests {
             stride_c: 0,
             batch: 1,
             bias: 0,
-        };
-        m.gemm(&g).unwrap();
+        }
+    }
+
+    /// A step: a product, a launch with a pointer and a step count, a copy, then a download.
+    fn step(m: &Graphed, count: i64, pointer: u64) {
+        m.gemm(&product()).unwrap();
         m.launch("adam", SHAPE, &mut [Arg::Ptr(pointer), Arg::I64(count)]).unwrap();
         m.copy(10, 20, 4).unwrap();
         m.download(0, &mut [0u8; 4]).unwrap();
@@ -913,27 +917,7 @@ mod tests {
         assert!(copy.same_structure(&Op::Copy { dst: 1, src: 2, bytes: 4 }));
         assert!(!copy.same_structure(&Op::Copy { dst: 1, src: 3, bytes: 4 }) && !copy.same_structure(&zero));
         // A product is all structure: any field differing (a scale, an address, a size).
-        let g = Gemm {
-            dtype: GemmType::F32,
-            transa: false,
-            transb: true,
-            m: 8,
-            n: 8,
-            k: 8,
-            alpha: 1.0,
-            a: 1,
-            lda: 8,
-            stride_a: 0,
-            b: 2,
-            ldb: 8,
-            stride_b: 0,
-            beta: 0.0,
-            c: 3,
-            ldc: 8,
-            stride_c: 0,
-            batch: 1,
-            bias: 0,
-        };
+        let g = Gemm { transb: true, ..product() };
         assert!(Op::Gemm(g).same_structure(&Op::Gemm(g)));
         for other in
             [Gemm { alpha: 2.0, ..g }, Gemm { c: 4, ..g }, Gemm { k: 9, ..g }, Gemm { dtype: GemmType::Bf16, ..g }]
