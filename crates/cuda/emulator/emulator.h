@@ -33,6 +33,10 @@
 struct dim3 {
     unsigned x, y, z;
 };
+// CUDA's vector type of two floats (8-byte aligned, as loads of it need).
+struct alignas(8) float2 {
+    float x, y;
+};
 
 inline thread_local dim3 threadIdx{0, 0, 0};
 inline thread_local dim3 blockIdx{0, 0, 0};

@@ -591,33 +591,50 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
     round_rows<2>(x, a, bh, heads, rows, d, y);
 }
 
-// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each) into `sh` by rows: row
-// a's pair c / 2 at sh[a * ld + c / 2], C columns (zeros past dp and past the matrix), 16 bytes a
-// copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so; a
-// product that needs it by columns reads it through ldmatrix's transpose.
-template <int R, int C>
-__device__ void stage_rows_async(unsigned* sh, int ld, const unsigned short* m, i64 dp, i64 r0, i64 rows) {
-    constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS;
+// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each) into shared memory by
+// rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the matrix), 16
+// bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
+// a product that needs it by columns reads it through ldmatrix's transpose. A thread's copies are
+// the same places of every tile, so their offsets are found once a kernel (`Copies`), in 32 bits (a
+// tile spans under 2^14 elements: C <= 128); found again at every tile with 64-bit products, they
+// made staging a fifth of the forward's loop in instructions. A copy past the matrix reads nothing
+// (a source size of 0 bytes: its address is never used, as CUTLASS's zero-filling copies).
+template <int R, int C, int LD>
+struct Copies {
+    static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, ROWS = TILE_THREADS / CHUNKS;
     static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
-    const int rows_left = (int)max((i64)0, min((i64)R, rows - r0)), width = (int)min((i64)C, dp);
-    const unsigned short* base = m + r0 * dp;
+    const unsigned short* m;
+    // The thread's first row of a tile, its column's place in a row of shared memory, and the
+    // elements from its first copy in the matrix to its next (ROWS rows on).
+    int row, at, stride, step;
+    bool column_inside;
+    __device__ Copies(const unsigned short* m, i64 dp)
+        : m(m + row_of() * dp + column_of()), row(row_of()), at(row_of() * LD + column_of() / 2), stride((int)dp), step(ROWS * (int)dp),
+          column_inside(column_of() < dp) {}
+    __device__ static int row_of() { return (int)threadIdx.x / CHUNKS; }
+    __device__ static int column_of() { return 8 * ((int)threadIdx.x % CHUNKS); }
+    // The tile of rows r0 .. r0 + R (of `rows`) into sh.
+    __device__ __forceinline__ void stage(unsigned* sh, i64 r0, i64 rows) const {
+        const int rows_left = (int)max((i64)0, min((i64)R, rows - r0));
+        const unsigned short* from = m + r0 * stride;
 #pragma unroll
-    for (int b = 0; b < N; ++b) {
-        const int e = threadIdx.x + b * TILE_THREADS, a = e / CHUNKS, c = 8 * (e % CHUNKS);
-        const bool inside = a < rows_left && c < width;
-        cp_async<16>(sh + a * ld + c / 2, inside ? base + a * dp + c : m, inside);
+        for (int b = 0; b < N; ++b)
+            cp_async<16>(sh + at + b * ROWS * LD, from + b * step, column_inside && row + b * ROWS < rows_left);
     }
-}
+};
 
 // Key tile j0's rows of K and V (their rounded copies k0 and v0) into buffers ks and vs, as one
 // group of copies that nobody waits for yet (the forward's and dq's tiles).
 template <int BC, int D>
-__device__ __forceinline__ void stage_keys(unsigned* ks, unsigned* vs, const unsigned short* k0, const unsigned short* v0, i64 dp, i64 dvp,
-                                           i64 j0, i64 tk) {
-    stage_rows_async<BC, D>(ks, D / 2 + 4, k0, dp, j0, tk);
-    stage_rows_async<BC, D>(vs, D / 2 + 4, v0, dvp, j0, tk);
-    cp_async_commit();
-}
+struct KeyCopies {
+    Copies<BC, D, D / 2 + 4> k, v;
+    __device__ KeyCopies(const unsigned short* k0, const unsigned short* v0, i64 dp, i64 dvp) : k(k0, dp), v(v0, dvp) {}
+    __device__ __forceinline__ void stage(unsigned* ks, unsigned* vs, i64 j0, i64 tk) const {
+        k.stage(ks, j0, tk);
+        v.stage(vs, j0, tk);
+        cp_async_commit();
+    }
+};
 
 // The pipeline's step: where another tile follows (`more`), its copies start (`stage_next`, into
 // the other buffer) and this tile's are waited for, else the last ones; then a barrier, after which
@@ -645,14 +662,31 @@ __device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m
     }
 }
 
+// operand_pair_fast's bits, for values that are all zeros or normal floats when NORMAL (the
+// probabilities P, exp2_fast's results, whose subnormals are flushed): bfloat16 has f32's
+// exponents, so such a value rounds to a zero or a normal bfloat16 (or infinity), which the flush
+// to a zero of its sign keeps as it is. One conversion a pair, where the flush took four more
+// logic instructions.
+template <int KIND, bool NORMAL>
+__device__ __forceinline__ unsigned normal_pair(float lo, float hi) {
+#ifndef MEMFIT_EMULATOR
+    if (NORMAL && KIND == 1) {
+        unsigned r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+#endif
+    return operand_pair_fast<KIND>(lo, hi);
+}
+
 // The A fragment of columns 16 kk .. 16 kk + 16 of a 16-row accumulator s (its n-tiles 2 kk and
 // 2 kk + 1), as operand bits: the accumulator's layout is the A fragment's, two tiles wide.
-template <int KIND, int N>
+template <int KIND, bool NORMAL, int N>
 __device__ __forceinline__ void accumulator_a(unsigned (&a)[4], const float (&s)[N][4], int kk) {
-    a[0] = operand_pair_fast<KIND>(s[2 * kk][0], s[2 * kk][1]);
-    a[1] = operand_pair_fast<KIND>(s[2 * kk][2], s[2 * kk][3]);
-    a[2] = operand_pair_fast<KIND>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    a[3] = operand_pair_fast<KIND>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    a[0] = normal_pair<KIND, NORMAL>(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = normal_pair<KIND, NORMAL>(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = normal_pair<KIND, NORMAL>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = normal_pair<KIND, NORMAL>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
 template <int N>
@@ -685,15 +719,15 @@ __device__ __forceinline__ void product(float (&s)[NS][4], const unsigned (&a)[K
 
 // acc += S B: S an accumulator of 16 rows by 8 NS columns, read as operands; B(k, n) = tile[k][n]
 // of a staged tile (its rows are S's columns), NO n-tiles. One transposing ldmatrix gives the B
-// fragments of two n-tiles.
-template <int KIND, int NS, int NO>
+// fragments of two n-tiles. NORMAL: S holds zeros and normal floats only (normal_pair).
+template <int KIND, bool NORMAL, int NS, int NO>
 __device__ __forceinline__ void accumulate(float (&acc)[NO][4], const float (&s)[NS][4], const unsigned* sh, int ld) {
     static_assert(NO % 2 == 0, "n-tiles in pairs");
     const int lane = threadIdx.x % 32, m = lane / 8;
 #pragma unroll
     for (int kk = 0; kk < NS / 2; ++kk) {
         unsigned a[4];
-        accumulator_a<KIND>(a, s, kk);
+        accumulator_a<KIND, NORMAL>(a, s, kk);
 #pragma unroll
         for (int c = 0; c < NO; c += 2) {
             // Matrix m: rows 16 kk + 8 (m & 1) .. + 8, columns 8 (c + (m >> 1)) .. + 8.
@@ -716,6 +750,14 @@ __device__ __forceinline__ float quad(float v) {
     return v;
 }
 
+// Whether each of the 16 query rows from rw sees every key of the `width` from j0 before any mask:
+// the keys inside the matrix and, under a causal mask, the tile's last key at or before the first
+// row. (A row past the queries may see anything: its zero operands make no NaN and it is never
+// written.) The same for the warp's 32 lanes, so the element loop it picks does not diverge.
+__device__ __forceinline__ bool all_seen(const Problem<float>& p, const Visible& vis, i64 rw, i64 j0, int width) {
+    return j0 + width <= p.tk && (!vis.causal || j0 + width - 1 <= rw);
+}
+
 // The keys of a key tile from j0 that query row r sees before any mask, j0 + c for c < the limit:
 // none past the queries, none past the keys, and under a causal mask none past r. Computed once a
 // row and a tile, so an element's test is one compare (and the mask's byte, where there is one).
@@ -726,14 +768,21 @@ __device__ __forceinline__ int keys_seen(const Problem<float>& p, const Visible&
     return (int)max(limit, (i64)0);
 }
 
-// The element loops of the three kernels below, each instantiated with and without a mask, so a
-// maskless launch (a GPT's causal attention) tests no mask byte an element (that test, a branch an
-// element, was 150 of the forward's 4,100 instructions, with its branches' convergence points).
-// Thread t of a quad holds columns 8 n + 2 t + {0, 1} of its rows `row` and `row + 8`.
+// The element loops of the three kernels below, each instantiated for three tests (TEST): none,
+// where a warp's rows see every key of the tile (no mask, and the tile inside both sides and below
+// a causal diagonal: most tiles of a long causal sequence); the limits; the limits and the mask's
+// byte. So a maskless launch (a GPT's causal attention) tests no mask byte an element (that test, a
+// branch an element, was 150 of the forward's 4,100 instructions, with its branches' convergence
+// points), and its inner tiles test nothing (the limits' compares and selects were 100 of the
+// forward's 750 instructions a tile). Thread t of a quad holds columns 8 n + 2 t + {0, 1} of its
+// rows `row` and `row + 8`.
+#define ALL_SEEN 0
+#define LIMITS 1
+#define LIMITS_AND_MASK 2
 
 // The forward's scores of a key tile from j0, scaled, -inf where unseen (past limit, or masked), and
 // each of the two rows' max so far into top.
-template <bool MASKED, int NS>
+template <int TEST, int NS>
 __device__ __forceinline__ void seen_scores(float (&s)[NS][4], float (&top)[2], const int (&limit)[2], const unsigned char* masked,
                                             const Visible& vis, i64 row, i64 j0, float scale) {
     const int t = threadIdx.x % 4;
@@ -742,7 +791,8 @@ __device__ __forceinline__ void seen_scores(float (&s)[NS][4], float (&top)[2], 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = 8 * n + 2 * t + (e & 1);
-            const bool seen = c < limit[e >> 1] && !(MASKED && masked[(row + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]);
+            const bool seen =
+                TEST == ALL_SEEN || (c < limit[e >> 1] && !(TEST == LIMITS_AND_MASK && masked[(row + 8 * (e >> 1)) * vis.mrow + (j0 + c) * vis.mcol]));
             s[n][e] = seen ? scale * s[n][e] : -INFINITY;
             top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
         }
@@ -751,7 +801,7 @@ __device__ __forceinline__ void seen_scores(float (&s)[NS][4], float (&top)[2], 
 // dq's tile: s, the scores, becomes dS, from the probabilities P (from s and the rows' log-sum-exp
 // lr, both in base 2: scale2 is the scale times LOG2E, lr the log-sum-exp times LOG2E; 2^-inf = 0
 // where unseen: a select, not a branch), dP and the rows' D (dr).
-template <bool MASKED, int NS>
+template <int TEST, int NS>
 __device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (&dp)[NS][4], const int (&limit)[2], const unsigned char* masked,
                                                 const Visible& vis, i64 row, i64 j0, const float (&lr)[2], const float (&dr)[2], float scale,
                                                 float scale2) {
@@ -761,7 +811,7 @@ __device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int h = e >> 1, c = 8 * n + 2 * t + (e & 1);
-            const bool seen = c < limit[h] && !(MASKED && masked[(row + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]);
+            const bool seen = TEST == ALL_SEEN || (c < limit[h] && !(TEST == LIMITS_AND_MASK && masked[(row + 8 * h) * vis.mrow + (j0 + c) * vis.mcol]));
             const float prob = exp2_fast(seen ? scale2 * s[n][e] - lr[h] : -INFINITY);
             s[n][e] = prob * (dp[n][e] - dr[h]) * scale;
         }
@@ -769,21 +819,28 @@ __device__ __forceinline__ void query_gradients(float (&s)[NS][4], const float (
 
 // dk and dv's tile, transposed (this thread's keys `key` and `key + 8` by the query tile's columns
 // from r0, seen for first <= c < last): st becomes P^T, dpt dS^T (P in base 2 as query_gradients').
-template <bool MASKED, int NS>
+template <int TEST, int NS>
 __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[NS][4], const int (&first)[2], const int (&last)[2],
                                               const unsigned char* masked, const Visible& vis, i64 r0, i64 key, const float* l_row,
                                               const float* d_row, float scale, float scale2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int n = 0; n < NS; ++n)
+    for (int n = 0; n < NS; ++n) {
+        // The thread's two columns' log-sum-exp and D, a load each (l_row and d_row are 8-byte
+        // aligned; the copies' memory clobbers kept the compiler from sharing a load between the
+        // elements that read it: 70 loads a tile where 2 NS do).
+        const float2 l2 = *(const float2*)(l_row + 8 * n + 2 * t), d2 = *(const float2*)(d_row + 8 * n + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = 8 * n + 2 * t + (e & 1), h = e >> 1;
-            const bool seen = c >= first[h] && c < last[h] && !(MASKED && masked[(r0 + c) * vis.mrow + (key + 8 * h) * vis.mcol]);
-            const float prob = exp2_fast(seen ? scale2 * st[n][e] - LOG2E * l_row[c] : -INFINITY);
-            dpt[n][e] = seen ? prob * (dpt[n][e] - d_row[c]) * scale : 0.0f;
+            const float l = e & 1 ? l2.y : l2.x, d = e & 1 ? d2.y : d2.x;
+            const bool seen = TEST == ALL_SEEN ||
+                              (c >= first[h] && c < last[h] && !(TEST == LIMITS_AND_MASK && masked[(r0 + c) * vis.mrow + (key + 8 * h) * vis.mcol]));
+            const float prob = exp2_fast(seen ? scale2 * st[n][e] - LOG2E * l : -INFINITY);
+            dpt[n][e] = seen ? prob * (dpt[n][e] - d) * scale : 0.0f;
             st[n][e] = prob;
         }
+    }
 }
 
 // The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
@@ -803,16 +860,21 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     zero_acc(o);
     const unsigned char* masked = vis.rows_of(i);
     const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
-    if (kend > 0) stage_keys<BC, D>(ks[0], vs[0], k0, v0, dp, dvp, 0, p.tk);
+    const KeyCopies<BC, D> copies(k0, v0, dp, dvp);
+    if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
-        tile_arrives(j0 + BC < kend, [&] { stage_keys<BC, D>(ks[buf ^ 1], vs[buf ^ 1], k0, v0, dp, dvp, j0 + BC, p.tk); });
+        tile_arrives(j0 + BC < kend, [&] { copies.stage(ks[buf ^ 1], vs[buf ^ 1], j0 + BC, p.tk); });
         float s[NS][4], top[2] = {-INFINITY, -INFINITY};
         product<KIND>(s, qa, ks[buf], LD);
-        const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
         // Scores in base 2 (times LOG2E), so their exponentials are exp2_fast's.
-        if (masked) seen_scores<true>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
-        else seen_scores<false>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+        if (!masked && all_seen(p, vis, rw, j0, BC)) {
+            seen_scores<ALL_SEEN>(s, top, {0, 0}, masked, vis, rw + g, j0, p.scale * LOG2E);
+        } else {
+            const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
+            if (masked) seen_scores<LIMITS_AND_MASK>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+            else seen_scores<LIMITS>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+        }
         // The exponentials' base: the running max, or 0 while a row has seen nothing (every score
         // then -inf, so each exponential is 0, and alpha multiplies zeros): no branch an element.
         float alpha[2], base[2];
@@ -835,7 +897,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
         for (int c = 0; c < NO; ++c)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[c][e] *= alpha[e >> 1];
-        accumulate<KIND>(o, s, vs[buf], LD);
+        accumulate<KIND, true>(o, s, vs[buf], LD);
         // Every warp is done with this buffer before the next tile but one is copied into it.
         __syncthreads();
     }
@@ -889,17 +951,22 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
         dr[h] = r < p.tq ? delta[i * p.tq + r] : 0.0f;
     }
     const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
-    if (kend > 0) stage_keys<BC, D>(ks[0], vs[0], k0, v0, dp, dvp, 0, p.tk);
+    const KeyCopies<BC, D> copies(k0, v0, dp, dvp);
+    if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
-        tile_arrives(j0 + BC < kend, [&] { stage_keys<BC, D>(ks[buf ^ 1], vs[buf ^ 1], k0, v0, dp, dvp, j0 + BC, p.tk); });
+        tile_arrives(j0 + BC < kend, [&] { copies.stage(ks[buf ^ 1], vs[buf ^ 1], j0 + BC, p.tk); });
         float s[NS][4], dp_[NS][4];
         product<KIND>(s, qa, ks[buf], LD);
         product<KIND>(dp_, ga, vs[buf], LD);
-        const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-        if (masked) query_gradients<true>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
-        else query_gradients<false>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
-        accumulate<KIND>(acc, s, ks[buf], LD);
+        if (!masked && all_seen(p, vis, rw, j0, BC)) {
+            query_gradients<ALL_SEEN>(s, dp_, {0, 0}, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
+        } else {
+            const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
+            if (masked) query_gradients<LIMITS_AND_MASK>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
+            else query_gradients<LIMITS>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
+        }
+        accumulate<KIND, false>(acc, s, ks[buf], LD);
         __syncthreads();
     }
 #pragma unroll
@@ -926,7 +993,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     // Two buffers of query and output-gradient tiles (with their rows' log-sum-exp and D), as the
     // forward's key and value tiles.
     __align__(16) __shared__ unsigned qs[2][KR * LD], gs[2][KR * LD];
-    __shared__ float l_row[2][KR], d_row[2][KR];
+    __align__(8) __shared__ float l_row[2][KR], d_row[2][KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 jw = j0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
@@ -943,9 +1010,10 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     zero_acc(dv);
     const unsigned char* masked = vis.rows_of(i);
     const i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
+    const Copies<KR, D, LD> q_copies(q0, dp), g_copies(g0, dvp);
     auto stage = [&](int b, i64 r0) {
-        stage_rows_async<KR, D>(qs[b], LD, q0, dp, r0, p.tq);
-        stage_rows_async<KR, D>(gs[b], LD, g0, dvp, r0, p.tq);
+        q_copies.stage(qs[b], r0, p.tq);
+        g_copies.stage(gs[b], r0, p.tq);
         if (threadIdx.x < KR) {
             const i64 r = r0 + threadIdx.x;
             const bool inside = r < p.tq;
@@ -965,18 +1033,26 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
         // The queries of the tile that this thread's two keys are seen by, r0 + c for first <= c <
         // last: none for a key past the keys, none past the queries, under a causal mask only from
         // the key's own row.
-        int first[2], last[2];
+        // Every query of the tile sees all 16 of the warp's keys where the tile lies inside the
+        // queries and, under a causal mask, the warp's last key is at or before the tile's first
+        // query (a key past the keys may see anything: it is never written). The same for the
+        // warp's lanes, so its element loop does not diverge.
+        if (!masked && r0 + KR <= p.tq && (!vis.causal || jw + 15 <= r0)) {
+            key_gradients<ALL_SEEN>(st, dpt, {0, 0}, {0, 0}, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
+        } else {
+            int first[2], last[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 j = jw + g + 8 * h;
-            last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
-            first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
+            for (int h = 0; h < 2; ++h) {
+                const i64 j = jw + g + 8 * h;
+                last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
+                first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
+            }
+            if (masked) key_gradients<LIMITS_AND_MASK>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
+            else key_gradients<LIMITS>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
         }
-        if (masked) key_gradients<true>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
-        else key_gradients<false>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
         // dv += P^T dO and dk += dS^T Q.
-        accumulate<KIND>(dv, st, gs[buf], LD);
-        accumulate<KIND>(dk, dpt, qs[buf], LD);
+        accumulate<KIND, true>(dv, st, gs[buf], LD);
+        accumulate<KIND, false>(dk, dpt, qs[buf], LD);
         __syncthreads();
     }
     // Matrix i's gradients found once (`matrix` divides), not at every store of the unrolled loop.

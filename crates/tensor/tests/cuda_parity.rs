@@ -553,7 +553,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 14] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 17] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -562,6 +562,23 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
         // whole row; heads of 8 and 40 (padded to 64), fewer keys than queries.
         ("attention d64 (tensor cores)", vec![&[2, 3, 70, 64], &[2, 3, 70, 64], &[2, 3, 70, 64]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        // Causal over several tiles: the inner tiles, whose every key each row sees, test no key
+        // (the kernels' ALL_SEEN loops), the diagonal's and the partial last tile's do; d64 and d128.
+        (
+            "attention d64 causal, inner tiles (tensor cores)",
+            vec![&[1, 2, 200, 64], &[1, 2, 200, 64], &[1, 2, 200, 64]],
+            &|x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None),
+        ),
+        (
+            "attention d128 causal, inner tiles (tensor cores)",
+            vec![&[1, 1, 130, 128], &[1, 1, 130, 128], &[1, 1, 130, 128]],
+            &|x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None),
+        ),
+        // Without a mask, 60 queries and keys: every kernel's last tile is partial by less than 8
+        // rows, which only the limits' loops may take.
+        ("attention d64 partial tiles (tensor cores)", vec![&[2, 2, 60, 64], &[2, 2, 60, 64], &[2, 2, 60, 64]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)
         }),
         ("attention uniform (tensor cores)", vec![&[2, 3, 70, 64], &[2, 3, 64, 64], &[2, 3, 64, 64]], &|x| {
             ops::scaled_dot_product_attention(&x[0].mul_scalar(1e-9)?, &x[1], &x[2], false, None)
