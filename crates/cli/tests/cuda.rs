@@ -236,10 +236,20 @@ fn cuda_graphs_replay_exactly_the_work_asked_for() {
     let gpt = ["train", "--model", "gpt", "--layers", "1", "--d-model", "32", "--context", "16", "--batch-size", "4"];
     let gpt = [&gpt[..], &["--max-steps", "5", "--no-eval"]].concat();
     let gpt_fp16 = [&gpt[..], &["--precision", "fp16"]].concat();
+    // The optimizer step inside backward (each parameter's update a chunk's work, its step count
+    // set anew every step) and expandable segments (pages mapped and unmapped: boundaries).
+    let gpt_in_backward = [&gpt[..], &["--optimizer-step", "in-backward"]].concat();
+    let gpt_expandable = [&gpt[..], &["--segments", "expandable"]].concat();
     let mlp = ["train", "--model", "mlp", "--max-steps", "4", "--batch-size", "64", "--micro-batch", "32"];
     let mlp_injected = [&mlp[..], &["--no-eval", "--inject-oom", "40"]].concat();
-    let cases: [(&str, &[&str]); 4] =
-        [("gpt", &gpt), ("gpt-fp16", &gpt_fp16), ("mlp-eval-accumulated", &mlp), ("mlp-injected", &mlp_injected)];
+    let cases: [(&str, &[&str]); 6] = [
+        ("gpt", &gpt),
+        ("gpt-fp16", &gpt_fp16),
+        ("gpt-in-backward", &gpt_in_backward),
+        ("gpt-expandable", &gpt_expandable),
+        ("mlp-eval-accumulated", &mlp),
+        ("mlp-injected", &mlp_injected),
+    ];
     for (name, args) in cases {
         let off = emulated_report_graphs(false, args, &format!("{name}-graphs-off.json"));
         let on = emulated_report_graphs(true, args, &format!("{name}-graphs-on.json"));
