@@ -598,18 +598,20 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
 // the same places of every tile, so their offsets are found once a kernel (`Copies`), in 32 bits (a
 // tile spans under 2^14 elements: C <= 128); found again at every tile with 64-bit products, they
 // made staging a fifth of the forward's loop in instructions. A copy past the matrix reads nothing
-// (a source size of 0 bytes: its address is never used, as CUTLASS's zero-filling copies).
+// (a source size of 0 bytes) and is given the matrix's first address, not one past its end: the
+// PTX ISA does not say that an address it reads nothing from may be any address.
 template <int R, int C, int LD>
 struct Copies {
     static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, ROWS = TILE_THREADS / CHUNKS;
     static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
-    const unsigned short* m;
+    // The matrix, and the thread's first copy in it.
+    const unsigned short *base, *m;
     // The thread's first row of a tile, its column's place in a row of shared memory, and the
     // elements from its first copy in the matrix to its next (ROWS rows on).
     int row, at, stride, step;
     bool column_inside;
     __device__ Copies(const unsigned short* m, i64 dp)
-        : m(m + row_of() * dp + column_of()), row(row_of()), at(row_of() * LD + column_of() / 2), stride((int)dp), step(ROWS * (int)dp),
+        : base(m), m(m + row_of() * dp + column_of()), row(row_of()), at(row_of() * LD + column_of() / 2), stride((int)dp), step(ROWS * (int)dp),
           column_inside(column_of() < dp) {}
     __device__ static int row_of() { return (int)threadIdx.x / CHUNKS; }
     __device__ static int column_of() { return 8 * ((int)threadIdx.x % CHUNKS); }
@@ -618,8 +620,10 @@ struct Copies {
         const int rows_left = (int)max((i64)0, min((i64)R, rows - r0));
         const unsigned short* from = m + r0 * stride;
 #pragma unroll
-        for (int b = 0; b < N; ++b)
-            cp_async<16>(sh + at + b * ROWS * LD, from + b * step, column_inside && row + b * ROWS < rows_left);
+        for (int b = 0; b < N; ++b) {
+            const bool inside = column_inside && row + b * ROWS < rows_left;
+            cp_async<16>(sh + at + b * ROWS * LD, inside ? from + b * step : base, inside);
+        }
     }
 };
 
