@@ -1042,7 +1042,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
         // query (a key past the keys may see anything: it is never written). The same for the
         // warp's lanes, so its element loop does not diverge. Heads up to 64 only: the d128
         // kernels hold dk, dv and K's and V's fragments in registers, and a third loop made them
-        // spill 48 (bf16) and 64 (fp16) bytes where they now spill 8 and 40.
+        // spill 48 (bf16) and 64 (fp16) bytes where they now spill 8 and 24.
         if (D <= 64 && !masked && r0 + KR <= p.tq && (!vis.causal || jw + 15 <= r0)) {
             key_gradients<ALL_SEEN>(st, dpt, {0, 0}, {0, 0}, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
         } else {
