@@ -595,15 +595,17 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
 // rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the matrix), 16
 // bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
 // a product that needs it by columns reads it through ldmatrix's transpose. A thread's copies are
-// the same places of every tile, so their offsets are found once a kernel (`Copies`), in 32 bits (a
-// tile spans under 2^14 elements: C <= 128); found again at every tile with 64-bit products, they
-// made staging a fifth of the forward's loop in instructions. A copy past the matrix reads nothing
+// the same places of every tile, so their offsets are found once a block's task (`Copies`, made
+// before its loop over tiles), in 32 bits (a tile spans under 2^14 elements: C <= 128); found again
+// at every tile with 64-bit products, they made staging a fifth of the forward's loop in
+// instructions. A copy past the matrix reads nothing
 // (a source size of 0 bytes) and is given the matrix's first address, not one past its end: the
 // PTX ISA does not say that an address it reads nothing from may be any address.
 template <int R, int C, int LD>
 struct Copies {
     static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, ROWS = TILE_THREADS / CHUNKS;
     static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
+    static_assert(TILE_THREADS % CHUNKS == 0, "a thread's copies are ROWS rows apart, in its column");
     // The matrix, and the thread's first copy in it.
     const unsigned short *base, *m;
     // The thread's first row of a tile, its column's place in a row of shared memory, and the
@@ -670,7 +672,8 @@ __device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m
 // probabilities P, exp2_fast's results, whose subnormals are flushed): bfloat16 has f32's
 // exponents, so such a value rounds to a zero or a normal bfloat16 (or infinity), which the flush
 // to a zero of its sign keeps as it is. One conversion a pair, where the flush took four more
-// logic instructions.
+// logic instructions. (The emulator runs operand_pair_fast's definition either way: only a GPU's
+// parity run exercises this conversion.)
 template <int KIND, bool NORMAL>
 __device__ __forceinline__ unsigned normal_pair(float lo, float hi) {
 #ifndef MEMFIT_EMULATOR
@@ -756,8 +759,10 @@ __device__ __forceinline__ float quad(float v) {
 
 // Whether each of the 16 query rows from rw sees every key of the `width` from j0 before any mask:
 // the keys inside the matrix and, under a causal mask, the tile's last key at or before the first
-// row. (A row past the queries may see anything: its zero operands make no NaN and it is never
-// written.) The same for the warp's 32 lanes, so the element loop it picks does not diverge.
+// row. (A row past the queries may see anything: it is never written, and nothing it holds reaches
+// another row: a product's row is its first operand's row's, and the quads' shuffles, the running
+// max and the sum are a row's own.) The same for the warp's 32 lanes, so the element loop it picks
+// does not diverge.
 __device__ __forceinline__ bool all_seen(const Problem<float>& p, const Visible& vis, i64 rw, i64 j0, int width) {
     return j0 + width <= p.tk && (!vis.causal || j0 + width - 1 <= rw);
 }

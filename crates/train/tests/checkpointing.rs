@@ -11,7 +11,7 @@ use memfit_tensor::memory::FaultInjection;
 use memfit_tensor::{Device, DeviceKind};
 use memfit_train::cost::{CostModel, Costs};
 use memfit_train::plan;
-use memfit_train::planner::{dry_run, predict, PlanRequest};
+use memfit_train::planner::{dry_run, predict, segment_names, weigh, PlanRequest};
 use memfit_train::samples::{Samples, TextWindows};
 use memfit_train::trainer::RunOutcome;
 use memfit_train::TrainError;
@@ -222,6 +222,36 @@ fn at_a_mid_budget_the_chosen_checkpointing_beats_all_and_sqrt_n_and_holds_on_cp
     }
     let (capacity, chosen) = beaten.expect("a budget where the choice beats both fixed rules");
     assert_plan_holds_on_cpu(&with(Some(capacity), CheckpointChoice::Auto), &chosen, capacity);
+}
+
+/// Note [Planning on every core]: the candidates weighed at once on rayon's pool are those one
+/// thread weighs, in the same order, with the same count of dry runs, at a budget where some fit
+/// and some do not.
+#[test]
+fn weighing_on_every_core_is_weighing_one_at_a_time() {
+    // The budget of `auto_checkpoints_only_what_the_budget_forces_and_the_plan_holds`: nothing
+    // checkpointed does not fit, more does.
+    let (_, spec) = text_spec(4, 64, 512);
+    let with = |capacity, checkpoint| PlanRequest { costs: given_costs(4), ..request(&spec, 2, capacity, checkpoint) };
+    let need = |c| predict(&with(None, c), 1, Some(1), None).unwrap().unwrap().peak_reserved;
+    let (all, none) = (need(CheckpointChoice::All), need(CheckpointChoice::None));
+    let req = with(Some(all + (none - all) / 3), CheckpointChoice::Auto);
+    let names = segment_names(&req).unwrap();
+    let weigh_on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| weigh(&req, &names).unwrap())
+    };
+    let (one, many) = (weigh_on(1), weigh_on(4));
+    assert_eq!(one.candidates, many.candidates);
+    assert_eq!(one.dry_runs, many.dry_runs);
+    assert_eq!(one.candidates.len(), 5, "none, then 1 to 4 blocks");
+    assert!(
+        one.candidates.iter().any(|c| c.fits()) && one.candidates.iter().any(|c| !c.fits()),
+        "{:?}",
+        one.candidates
+    );
+    // The count: the lone segments' peaks (and none's), then every candidate's own dry runs.
+    assert!(one.dry_runs > names.len() + 1 + one.candidates.len(), "{}", one.dry_runs);
 }
 
 /// The out-of-memory doctor: when a request does not fit, the diagnosis lists remedies, those that keep
