@@ -212,48 +212,84 @@ fn valid_range(off: usize, pad: usize, stride: usize, size: usize, out: usize) -
 /// Writes the im2col tile of output rows `r0..r1` of one sample: `col[(c, ki, kj), (oh, ow)]` =
 /// `x[c, oh*sh + ki*dh - ph, ow*sw + kj*dw - pw]` (0 in the padding).
 fn im2col<T: Float>(g: &ConvGeom, xn: &[T], r0: usize, r1: usize, col: &mut [T], parallel: bool) {
-    let tp = (r1 - r0) * g.ow;
-    im2col_into(g, xn, r0, r1, col, tp, 0, parallel);
+    im2col_samples(g, xn, 1, r0, r1, col, (r1 - r0) * g.ow, parallel);
 }
 
-/// [`im2col`] into columns `c0..c0 + (r1-r0)*OW` of a tile whose rows are `rs` long (samples side by
-/// side: Note [Batched columns] in `ops/conv.rs`).
+/// `dst[lo..hi]` from `src` every `step` values, the rest of `dst` zero: one row of one sample in an
+/// im2col tile. One select per value: the rows of small planes are a few values long, and a loop
+/// that only zeroes or copies becomes a call to the C library's `memset`/`memcpy`, which costs more
+/// than such a row.
+#[inline(always)]
+fn gather_row<T: Float>(dst: &mut [T], lo: usize, hi: usize, src: &[T], step: usize) {
+    for (t, d) in dst.iter_mut().enumerate() {
+        *d = if t >= lo && t < hi { src[(t - lo) * step] } else { T::zero() };
+    }
+}
+
+/// Zeroes `dst`; a short row without a call to `memset` (see [`gather_row`]): the opaque zero
+/// keeps the loop from being turned into one.
+#[inline(always)]
+fn zero_row<T: Float>(dst: &mut [T]) {
+    if dst.len() >= 64 {
+        dst.fill(T::zero());
+    } else {
+        dst.iter_mut().for_each(|d| *d = std::hint::black_box(T::zero()));
+    }
+}
+
+/// The im2col tiles of `samples` consecutive samples (`x` starts at the first) for output rows
+/// `r0..r1`, side by side in a tile whose rows are `rs` long: sample `s`'s columns start at
+/// `s * (r1 - r0) * OW` (Note [Batched columns] in `ops/conv.rs`). One task per input channel, each
+/// walking every sample, so a batch of small planes costs one parallel dispatch, not one a sample.
 #[allow(clippy::too_many_arguments)]
-fn im2col_into<T: Float>(
+fn im2col_samples<T: Float>(
     g: &ConvGeom,
-    xn: &[T],
+    x: &[T],
+    samples: usize,
     r0: usize,
     r1: usize,
     col: &mut [T],
     rs: usize,
-    c0: usize,
     parallel: bool,
 ) {
-    let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
+    let (ow, tp, hw, chw) = (g.ow, (r1 - r0) * g.ow, g.hw(), g.c * g.hw());
     let per_channel = g.kh * g.kw * rs;
+    // Stride 1 both ways, no width dilation and the output as wide as the input ("same" padding):
+    // a tap's rows of a sample are one shifted run of the input plane (see `shifted_plane`).
+    let shifted = g.sh == 1 && g.sw == 1 && g.dw == 1 && ow == g.w;
     let channel = |(ci, dst): (usize, &mut [T])| {
-        let plane = &xn[ci * hw..(ci + 1) * hw];
         for ki in 0..g.kh {
             for kj in 0..g.kw {
-                let row = &mut dst[(ki * g.kw + kj) * rs + c0..][..tp];
-                let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
-                for (t, orow) in (r0..r1).enumerate() {
-                    let seg = &mut row[t * ow..(t + 1) * ow];
-                    let ih = orow * g.sh + ki * g.dh;
-                    if ih < g.ph || ih - g.ph >= g.h || lo == hi {
-                        seg.fill(T::zero());
-                        continue;
+                let row = &mut dst[(ki * g.kw + kj) * rs..][..samples * tp];
+                if shifted {
+                    let offsets = ((ki * g.dh) as isize - g.ph as isize, kj as isize - g.pw as isize);
+                    for (s, seg) in row.chunks_exact_mut(tp).enumerate() {
+                        shifted_plane(seg, &x[s * chw + ci * hw..][..hw], g.h, g.w, r0..r1, offsets);
                     }
-                    let src = &plane[(ih - g.ph) * g.w..][..g.w];
-                    seg[..lo].fill(T::zero());
-                    seg[hi..].fill(T::zero());
-                    // Input column of output column `lo` (>= 0 by construction of `lo`).
-                    let s0 = lo * g.sw + kj * g.dw - g.pw;
-                    if g.sw == 1 {
-                        seg[lo..hi].copy_from_slice(&src[s0..s0 + (hi - lo)]);
-                    } else {
-                        for (d, s) in seg[lo..hi].iter_mut().zip(src[s0..].iter().step_by(g.sw)) {
-                            *d = *s;
+                    continue;
+                }
+                let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
+                let inside = |orow: usize| {
+                    let ih = orow * g.sh + ki * g.dh;
+                    ih >= g.ph && ih - g.ph < g.h && lo < hi
+                };
+                if !(r0..r1).any(inside) {
+                    // The tap reads only padding (most of a 3x3 kernel's over a 1x1 plane): one fill.
+                    row.fill(T::zero());
+                    continue;
+                }
+                // Input column of output column `lo` (>= 0 by construction of `lo`).
+                let s0 = lo * g.sw + kj * g.dw - g.pw;
+                for (t, orow) in (r0..r1).enumerate() {
+                    let ih = orow * g.sh + ki * g.dh;
+                    let inside = inside(orow);
+                    for s in 0..samples {
+                        let seg = &mut row[s * tp + t * ow..][..ow];
+                        if inside {
+                            let src = &x[s * chw + ci * hw + (ih - g.ph) * g.w + s0..];
+                            gather_row(seg, lo, hi, src, g.sw);
+                        } else {
+                            zero_row(seg);
                         }
                     }
                 }
@@ -268,64 +304,114 @@ fn im2col_into<T: Float>(
     }
 }
 
+/// One tap's im2col rows `rows` of one sample when the convolution has stride 1 both ways, no
+/// width dilation and an output as wide as the input: `dst[(o - rows.start) * w + u]` =
+/// `plane[(o + dr) * w + u + dc]`, 0 where that falls outside the `h x w` plane. The rows inside
+/// are one contiguous run of the plane shifted by `dr * w + dc` (a single copy), whose values that
+/// wrapped around from a neighbouring row (`u + dc` outside `0..w`) are then zeroed, at most
+/// `|dc|` a row: a few operations a row instead of a few a value.
+fn shifted_plane<T: Float>(
+    dst: &mut [T],
+    plane: &[T],
+    h: usize,
+    w: usize,
+    rows: Range<usize>,
+    (dr, dc): (isize, isize),
+) {
+    // Output rows whose input row o + dr lies in 0..h.
+    let a = (rows.start as isize).max(-dr).clamp(rows.start as isize, rows.end as isize) as usize;
+    let b = (rows.end as isize).min(h as isize - dr).clamp(a as isize, rows.end as isize) as usize;
+    let (head, rest) = dst.split_at_mut((a - rows.start) * w);
+    let (body, tail) = rest.split_at_mut((b - a) * w);
+    head.fill(T::zero());
+    tail.fill(T::zero());
+    if body.is_empty() {
+        return;
+    }
+    // body[j] = plane[start + j], for the j whose source lies in the plane (the others wrapped).
+    let start = (a as isize + dr) * w as isize + dc;
+    let lo = (-start).clamp(0, body.len() as isize) as usize;
+    let hi = (plane.len() as isize - start).clamp(lo as isize, body.len() as isize) as usize;
+    if hi > lo {
+        body[lo..hi].copy_from_slice(&plane[(start + lo as isize) as usize..][..hi - lo]);
+    }
+    // The columns u with u + dc outside 0..w, in every row (covering body[..lo] and body[hi..]).
+    let wrapped = if dc < 0 { 0..(-dc as usize).min(w) } else { w - (dc as usize).min(w)..w };
+    if !wrapped.is_empty() {
+        for row in body.chunks_exact_mut(w) {
+            zero_row(&mut row[wrapped.clone()]);
+        }
+    }
+}
+
 /// Adds an im2col-shaped tile (output rows `r0..r1`) back onto the input positions it was read from.
 fn col2im<T: Float>(g: &ConvGeom, col: &[T], r0: usize, r1: usize, dxn: &mut [T], parallel: bool) {
     let tp = (r1 - r0) * g.ow;
-    col2im_from(g, col, r0, r1, dxn, tp, 0, parallel);
+    // SAFETY: `dxn` holds one sample's input gradient, C planes, and nothing else uses it meanwhile.
+    unsafe { col2im_samples(g, col, 1, r0, r1, SendPtr(dxn[..g.c * g.hw()].as_mut_ptr()), tp, false, parallel) };
 }
 
-/// [`col2im`] from columns `c0..` of a tile whose rows are `rs` long.
+/// The inverse of [`im2col_samples`]: adds the tile of `samples` consecutive samples (rows `rs`
+/// long) onto their input gradients at `dx` (the first sample's; set to zero first when `zero`).
+/// One task per input channel, each writing that channel's plane of every sample.
+///
+/// # Safety
+/// `dx` holds `samples` input gradients of C planes each, which nothing else uses meanwhile.
 #[allow(clippy::too_many_arguments)]
-fn col2im_from<T: Float>(
+unsafe fn col2im_samples<T: Float>(
     g: &ConvGeom,
     col: &[T],
+    samples: usize,
     r0: usize,
     r1: usize,
-    dxn: &mut [T],
+    dx: SendPtr<T>,
     rs: usize,
-    c0: usize,
+    zero: bool,
     parallel: bool,
 ) {
-    let (ow, tp, hw) = (g.ow, (r1 - r0) * g.ow, g.hw());
+    let (ow, tp, hw, chw) = (g.ow, (r1 - r0) * g.ow, g.hw(), g.c * g.hw());
     if hw == 0 {
         return;
     }
     let per_channel = g.kh * g.kw * rs;
-    let channel = |(plane, src): (&mut [T], &[T])| {
+    let channel = |(ci, src): (usize, &[T])| {
+        // SAFETY: channel ci's plane of each sample, written by this task alone (the caller's
+        // promise for `dx`; tasks take distinct channels).
+        let plane = |s: usize| unsafe { dx.slice_mut(s * chw + ci * hw, hw) };
+        if zero {
+            (0..samples).for_each(|s| zero_row(plane(s)));
+        }
         for ki in 0..g.kh {
             for kj in 0..g.kw {
-                let row = &src[(ki * g.kw + kj) * rs + c0..][..tp];
+                let row = &src[(ki * g.kw + kj) * rs..][..samples * tp];
                 let (lo, hi) = valid_range(kj * g.dw, g.pw, g.sw, g.w, ow);
                 if lo == hi {
                     continue;
                 }
+                let s0 = lo * g.sw + kj * g.dw - g.pw;
                 for (t, orow) in (r0..r1).enumerate() {
                     let ih = orow * g.sh + ki * g.dh;
                     if ih < g.ph || ih - g.ph >= g.h {
                         continue;
                     }
-                    let seg = &row[t * ow..(t + 1) * ow];
-                    let dst = &mut plane[(ih - g.ph) * g.w..][..g.w];
-                    let s0 = lo * g.sw + kj * g.dw - g.pw;
-                    if g.sw == 1 {
-                        for (d, s) in dst[s0..s0 + (hi - lo)].iter_mut().zip(&seg[lo..hi]) {
-                            *d += *s;
-                        }
-                    } else {
-                        for (d, s) in dst[s0..].iter_mut().step_by(g.sw).zip(&seg[lo..hi]) {
-                            *d += *s;
+                    for s in 0..samples {
+                        let seg = &row[s * tp + t * ow..][lo..hi];
+                        let dst = &mut plane(s)[(ih - g.ph) * g.w + s0..];
+                        if g.sw == 1 {
+                            dst.iter_mut().zip(seg).for_each(|(d, &v)| *d += v);
+                        } else {
+                            dst.iter_mut().step_by(g.sw).zip(seg).for_each(|(d, &v)| *d += v);
                         }
                     }
                 }
             }
         }
     };
-    let dxn = &mut dxn[..g.c * hw];
     let col = &col[..g.c * per_channel];
     if parallel {
-        dxn.par_chunks_mut(hw).zip(col.par_chunks(per_channel)).for_each(channel);
+        col.par_chunks(per_channel).enumerate().for_each(channel);
     } else {
-        dxn.chunks_mut(hw).zip(col.chunks(per_channel)).for_each(channel);
+        col.chunks(per_channel).enumerate().for_each(channel);
     }
 }
 
@@ -556,9 +642,7 @@ fn forward_batched<T: Float>(g: &ConvGeom, x: &[T], w: &[T], bias: Option<&[T]>,
         let (col, tile) = lane_ws.split_at_mut(col_len);
         for chunk in sample_chunks(g, lane) {
             let b = chunk.len();
-            for (s, n) in chunk.clone().enumerate() {
-                im2col_into(g, &x[n * chw..(n + 1) * chw], 0, g.oh, col, cols, s * p, threads > 1);
-            }
+            im2col_samples(g, &x[chunk.start * chw..chunk.end * chw], b, 0, g.oh, col, cols, threads > 1);
             for gi in 0..g.groups {
                 // SAFETY: the tile's [og, b*P] block (row stride `cols`) of group gi; the operands are
                 // the group's weight rows and im2col rows, in bounds, not aliasing it.
@@ -632,9 +716,7 @@ fn backward_batched<T: Float>(
                 transpose_tile(gn, g.o, p, 0, p, &mut gt[s * p * g.o..]);
             }
             if let Some(part) = part {
-                for (s, n) in chunk.clone().enumerate() {
-                    im2col_into(g, &x[n * chw..(n + 1) * chw], 0, g.oh, col, cols, s * p, threads > 1);
-                }
+                im2col_samples(g, &x[chunk.start * chw..chunk.end * chw], b, 0, g.oh, col, cols, threads > 1);
                 for gi in 0..g.groups {
                     // SAFETY: `part` holds this lane's accumulator; operands are in bounds and do not
                     // alias it.
@@ -673,11 +755,10 @@ fn backward_batched<T: Float>(
                         )
                     };
                 }
-                for (s, n) in chunk.enumerate() {
-                    // SAFETY: sample n's input-gradient block lies inside dx and is written by this lane only.
-                    let dxn = unsafe { std::slice::from_raw_parts_mut(dxp.0.add(n * chw), chw) };
-                    dxn.fill(T::zero());
-                    col2im_from(g, col, 0, g.oh, dxn, cols, s * p, threads > 1);
+                // SAFETY: the chunk's input-gradient blocks lie inside dx and are written by this lane only.
+                unsafe {
+                    let dx = SendPtr(dxp.0.add(chunk.start * chw));
+                    col2im_samples(g, col, b, 0, g.oh, dx, cols, true, threads > 1);
                 }
             }
         }
@@ -687,30 +768,45 @@ fn backward_batched<T: Float>(
     }
 }
 
+/// Rows of the weight gradient [`sum_partials`] writes in one block.
+const SUM_ROWS: usize = 16;
+
 /// The weight gradient: the lanes' transposed partials added in lane order (zero without lanes).
+/// A block of [`SUM_ROWS`] output channels at a time, so that each step reads that many adjacent
+/// values of a partial's row (one value per row, the partials' columns, touched a cache line per
+/// value: for resnet18's 512-channel 3x3 kernels that made the sum cost more than the product).
 fn sum_partials<T: Float>(g: &ConvGeom, pp: Option<SendPtr<T>>, dw: &mut [T]) {
     let (og, kg, wlen) = (g.og(), g.kg(), g.weight_len());
     match pp {
-        Some(pp) if g.lanes > 0 => {
+        Some(pp) if g.lanes > 0 && kg > 0 && og > 0 => {
             // SAFETY: the partials workspace holds lanes * wlen elements, no longer written.
             let parts = unsafe { std::slice::from_raw_parts(pp.0 as *const T, g.lanes * wlen) };
-            // dW[gi*og + oo, kk] = sum over lanes (in lane order) of part[gi][kk, oo].
-            let row = |(oc, d): (usize, &mut [T])| {
-                let (gi, oo) = (oc / og.max(1), oc % og.max(1));
+            // dW[gi*og + oo, kk] = sum over lanes (in lane order) of part[gi][kk, oo], from zero.
+            let block = |(bi, d): (usize, &mut [T])| {
+                let rows = d.len() / kg;
+                // Where row r's column starts in a partial.
+                let column: [usize; SUM_ROWS] = std::array::from_fn(|r| {
+                    let oc = bi * SUM_ROWS + r;
+                    (oc / og) * kg * og + oc % og
+                });
                 d.fill(T::zero());
                 for part in parts.chunks_exact(wlen) {
-                    let block = &part[gi * kg * og..(gi + 1) * kg * og];
-                    for (kk, v) in d.iter_mut().enumerate() {
-                        *v += block[kk * og + oo];
+                    // Squares of SUM_ROWS x SUM_ROWS: the rows' values are read from the same
+                    // cache lines and written contiguously.
+                    for k0 in (0..kg).step_by(SUM_ROWS) {
+                        let k1 = (k0 + SUM_ROWS).min(kg);
+                        for (r, &at) in column[..rows].iter().enumerate() {
+                            for (kk, v) in d[r * kg + k0..r * kg + k1].iter_mut().enumerate() {
+                                *v += part[at + (k0 + kk) * og];
+                            }
+                        }
                     }
                 }
             };
-            if kg > 0 {
-                if wlen * g.lanes >= 1 << 15 {
-                    dw.par_chunks_mut(kg).enumerate().for_each(row);
-                } else {
-                    dw.chunks_mut(kg).enumerate().for_each(row);
-                }
+            if wlen * g.lanes >= 1 << 15 {
+                dw.par_chunks_mut(SUM_ROWS * kg).enumerate().for_each(block);
+            } else {
+                dw.chunks_mut(SUM_ROWS * kg).enumerate().for_each(block);
             }
         }
         _ => dw.fill(T::zero()),

@@ -457,6 +457,10 @@ mod tests {
             ([2, 2, 5, 6], [3, 2, 1, 3], params([1, 1], [0, 0], [1, 1], 1), false),
             // 1x1 with stride 1 but padding: not direct either.
             ([2, 3, 4, 5], [2, 3, 1, 1], params([1, 1], [1, 1], [1, 1], 1), true),
+            // Stride 1 and "same" width, im2col's shifted runs: rows dilated (taps two rows apart),
+            // and a plane one column wide under a 3x3 kernel (every side tap in the padding).
+            ([2, 3, 7, 6], [4, 3, 3, 3], params([1, 1], [2, 1], [2, 1], 1), true),
+            ([3, 2, 3, 1], [3, 2, 3, 3], params([1, 1], [1, 1], [1, 1], 1), false),
         ]
     }
 
@@ -699,6 +703,37 @@ mod tests {
             pool.install(|| program(&Device::cpu(), LIMITS, true))
         };
         assert_eq!(run(1), run(3));
+    }
+
+    /// The output and every gradient have the same bits on one thread and on three, for every work
+    /// plan: lanes add their weight partials in lane order, and each channel of im2col and col2im is
+    /// one task's.
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        for (i, (xs, ws, p, bias)) in cases().into_iter().enumerate() {
+            for limits in [LIMITS, SMALL[0], SMALL[1], SMALL[2]] {
+                let run = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| {
+                        let dev = Device::cpu();
+                        let f32s = |seed: u64, n: usize| values(seed, n).iter().map(|&v| v as f32).collect::<Vec<_>>();
+                        let leaf32 = |v: Vec<f32>, shape: &[usize]| {
+                            Tensor::from_slice(&dev, &v, shape, Category::Input).unwrap().set_requires_grad(true)
+                        };
+                        let x = leaf32(f32s(i as u64, xs.iter().product()), &xs);
+                        let w = leaf32(f32s(100 + i as u64, ws.iter().product()), &ws);
+                        let b = leaf32(f32s(200 + i as u64, ws[0]), &[ws[0]]);
+                        let out = conv2d_with(&x, &w, bias.then_some(&b), p, limits).unwrap();
+                        let seed = leaf32(f32s(300 + i as u64, out.numel()), out.shape());
+                        backward_with(&out, seed).unwrap();
+                        let bits =
+                            |t: &Tensor| t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        [bits(&out), bits(&x.grad().unwrap()), bits(&w.grad().unwrap())]
+                    })
+                };
+                assert_eq!(run(1), run(3), "case {i} {limits:?}");
+            }
+        }
     }
 
     #[test]
