@@ -11,6 +11,8 @@ use crate::with_float;
 use rayon::prelude::*;
 use std::ops::Range;
 
+mod depthwise;
+
 /// The shapes of one convolution and its work plan.
 #[derive(Clone, Copy, Debug)]
 pub struct ConvGeom {
@@ -32,6 +34,9 @@ pub struct ConvGeom {
     pub groups: usize,
     /// 1x1 kernel, stride 1, no padding: the input is its own im2col matrix.
     pub direct: bool,
+    /// Each output channel reads one input channel (groups = C > 1) and the products are f32's: the
+    /// [`depthwise`] kernels compute it tap by tap, with no im2col, product or workspace.
+    pub depthwise: bool,
     /// Output rows per im2col tile.
     pub tile_rows: usize,
     /// Parallel lanes (0 for an empty batch).
@@ -72,7 +77,7 @@ impl ConvGeom {
     }
     /// Elements of one lane's im2col tile.
     pub fn col_len(&self) -> usize {
-        if self.direct {
+        if self.direct || self.depthwise {
             0
         } else {
             self.kc() * self.tile_cols()
@@ -81,12 +86,16 @@ impl ConvGeom {
     /// Elements of one lane's transposed output-gradient tile `[columns, O]` (the weight gradient's;
     /// with batched samples the input gradient reads it too).
     pub fn gt_len(&self) -> usize {
-        self.o * self.tile_cols()
+        if self.depthwise {
+            0
+        } else {
+            self.o * self.tile_cols()
+        }
     }
     /// Elements of one lane's output tile `[O, columns]` (batched samples only: their outputs are
     /// scattered from it).
     pub fn out_len(&self) -> usize {
-        if self.batch > 1 {
+        if self.batch > 1 && !self.depthwise {
             self.o * self.tile_cols()
         } else {
             0
@@ -126,6 +135,10 @@ pub fn conv2d(
         };
         let out = out.slice_mut::<T>()?;
         check_len("conv2d output", out.len(), g.n * g.o * g.p())?;
+        if g.depthwise {
+            depthwise::forward::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out);
+            return Ok(());
+        }
         let lane_len = g.col_len() + g.out_len();
         check_len("conv2d im2col workspace", ws.as_ref().map_or(0, |s| s.len()), g.lanes * lane_len)?;
         match g.batch > 1 {
@@ -173,6 +186,20 @@ pub fn conv2d_backward(
             let len = |s: &Option<&mut [T]>| s.as_ref().map_or(0, |s| s.len());
             if dxs.is_some() {
                 check_len("conv2d input gradient", len(&dxs), g.n * g.c * g.hw())?;
+            }
+            if g.depthwise {
+                let (x, w) = (x.slice::<T>()?, weight.slice::<T>()?);
+                if let Some(dx) = dxs {
+                    depthwise::input_grad::<T>(g, w, gout, dx);
+                }
+                if let Some(dw) = dws {
+                    check_len("conv2d weight gradient", dw.len(), g.weight_len())?;
+                    depthwise::weight_grad::<T>(g, x, gout, dw);
+                }
+                if let Some(db) = db {
+                    bias_grad::<T>(g, gout, db.slice_mut::<T>()?);
+                }
+                return Ok(());
             }
             let gt_len = if dws.is_some() || g.batch > 1 { g.gt_len() } else { 0 };
             check_len("conv2d im2col workspace", len(&wss), g.lanes * (g.col_len() + gt_len))?;

@@ -70,6 +70,9 @@ struct Limits {
     /// Samples of fewer output positions than this go side by side in a tile, this many columns
     /// at least (Note [Batched columns]); 0: never.
     batch_columns: usize,
+    /// A depthwise convolution (groups = C > 1) with f32 products is computed tap by tap, with no
+    /// workspace (the cpu's kernels: Note [Depthwise convolution] in `memfit-cpu`'s `conv/depthwise.rs`).
+    depthwise_direct: bool,
 }
 
 const LIMITS: Limits = Limits {
@@ -78,6 +81,7 @@ const LIMITS: Limits = Limits {
     max_lanes: 32,
     staged_weight_grad: true,
     batch_columns: 256,
+    depthwise_direct: true,
 };
 
 /// The work plan's budgets on a GPU: lanes batched together within 1 MiB (so batching small samples
@@ -88,6 +92,7 @@ const CUDA_LIMITS: Limits = Limits {
     max_lanes: 256,
     staged_weight_grad: false,
     batch_columns: 0,
+    depthwise_direct: false,
 };
 
 /// The work plan of the machine a device's allocations follow.
@@ -202,12 +207,22 @@ fn geometry(x: &[usize], wt: &[usize], params: &Conv2dParams, elem: usize, limit
         dw: dilation[1],
         groups,
         direct,
+        depthwise: limits.depthwise_direct && groups == c && groups > 1,
         tile_rows,
         lanes,
         per_lane,
         batch,
         products: crate::Products::F32,
     })
+}
+
+/// The work plan of `x`'s convolution by a weight of shape `weight` on `limits`' machine, under
+/// the device's products: a depthwise convolution is computed directly only with f32 products (a
+/// rounded product's definition is the GEMM door's).
+fn plan(x: &Tensor, weight: &[usize], params: &Conv2dParams, limits: Limits) -> Result<ConvGeom> {
+    let products = super::products_of(x);
+    let g = geometry(x.shape(), weight, params, x.dtype().size(), limits)?;
+    Ok(ConvGeom { products, depthwise: g.depthwise && products == crate::Products::F32, ..g })
 }
 
 /// `F.conv2d(x, weight, bias, stride, padding, dilation, groups)`: x [N, C, H, W] -> [N, O, OH, OW],
@@ -240,10 +255,7 @@ fn conv2d_with(
     all.extend(bias);
     check_same("conv2d", &all)?;
     super::check_computable("conv2d", x.dtype())?;
-    let g = ConvGeom {
-        products: super::products_of(x),
-        ..geometry(x.shape(), weight.shape(), &params, x.dtype().size(), limits)?
-    };
+    let g = plan(x, weight.shape(), &params, limits)?;
     if let Some(b) = bias {
         if b.shape() != [g.o] {
             return Err(Error::shape(format!(
@@ -282,10 +294,7 @@ impl Backward for Conv2dBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let x = &self.x.restore()?;
         let weight = &self.weight;
-        let g = ConvGeom {
-            products: super::products_of(x),
-            ..geometry(x.shape(), weight.shape(), &self.params, x.dtype().size(), self.limits)?
-        };
+        let g = plan(x, weight.shape(), &self.params, self.limits)?;
         if grad.shape() != [g.n, g.o, g.oh, g.ow] || grad.dtype() != x.dtype() {
             return Err(Error::shape(format!(
                 "conv2d backward: gradient {:?} {} does not match the output [{}, {}, {}, {}] {}",
@@ -307,7 +316,7 @@ impl Backward for Conv2dBack {
         let db = if need_b { Some(output(&grad, &[g.o], x.dtype(), "conv2d_backward")?) } else { None };
         // Per lane: an im2col tile, and for the weight gradient (and batched samples' input gradient)
         // a transposed output-gradient tile.
-        let staged = need_w && self.limits.staged_weight_grad;
+        let staged = need_w && self.limits.staged_weight_grad && !g.depthwise;
         let lane_len = if staged || g.batch > 1 { g.col_len() + g.gt_len() } else { g.col_len() };
         let ws = if need_x || need_w { workspace(&grad, g.lanes * lane_len, "conv2d_im2col")? } else { None };
         let partials =
@@ -468,14 +477,29 @@ mod tests {
     /// GEMM and im2col), several lanes with weight partials and multi-tile samples, and two lanes of
     /// whole samples side by side (Note [Batched columns]) on every case.
     const SMALL: [Limits; 3] = [
-        Limits { tile_bytes: 1, workspace_bytes: 1, max_lanes: 32, staged_weight_grad: true, batch_columns: 0 },
-        Limits { tile_bytes: 200, workspace_bytes: 1 << 20, max_lanes: 2, staged_weight_grad: true, batch_columns: 0 },
+        Limits {
+            tile_bytes: 1,
+            workspace_bytes: 1,
+            max_lanes: 32,
+            staged_weight_grad: true,
+            batch_columns: 0,
+            depthwise_direct: false,
+        },
+        Limits {
+            tile_bytes: 200,
+            workspace_bytes: 1 << 20,
+            max_lanes: 2,
+            staged_weight_grad: true,
+            batch_columns: 0,
+            depthwise_direct: false,
+        },
         Limits {
             tile_bytes: 1 << 20,
             workspace_bytes: 1 << 20,
             max_lanes: 2,
             staged_weight_grad: true,
             batch_columns: 1 << 16,
+            depthwise_direct: false,
         },
     ];
 
@@ -565,6 +589,7 @@ mod tests {
             max_lanes: 32,
             staged_weight_grad: true,
             batch_columns: 0,
+            depthwise_direct: false,
         };
         let g = geometry(&[12, 16, 8, 8], &[256, 16, 3, 3], &padded, 4, limits).unwrap();
         assert_eq!((g.tile_rows, g.lanes, g.per_lane), (8, 4, 3));
