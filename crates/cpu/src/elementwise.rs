@@ -33,6 +33,9 @@ pub enum Unary {
     Cos,
     Sin,
     Abs,
+    /// `x * sigmoid(x)` (PyTorch's `silu`, swish): backward from the input alone, so the sigmoid
+    /// is never kept.
+    Silu,
 }
 
 impl Unary {
@@ -54,6 +57,7 @@ impl Unary {
             Unary::Cos => "cos",
             Unary::Sin => "sin",
             Unary::Abs => "abs",
+            Unary::Silu => "silu",
         }
     }
 
@@ -336,7 +340,10 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
             par_map(src, dst, |x| half * x * (one + (T::of(SQRT_2_OVER_PI) * (x + T::of(GELU_C) * x * x * x)).tanh()))
         }
         Unary::Tanh => par_map(src, dst, |x| x.tanh()),
-        Unary::Sigmoid => par_map(src, dst, |x| one / (one + (-x).exp())),
+        Unary::Sigmoid => par_chunks2(src, dst, |s, d| {
+            exp_of_negated(s, d);
+            d.iter_mut().for_each(|d| *d = one / (one + *d));
+        }),
         Unary::Exp => par_chunks2(src, dst, |s, d| {
             d.copy_from_slice(s);
             exp_in_place(d)
@@ -371,8 +378,45 @@ fn forward_kernel<T: Float>(op: Unary, src: &[T], dst: &mut [T]) {
         Unary::Cos => par_map(src, dst, |x| x.cos()),
         Unary::Sin => par_map(src, dst, |x| x.sin()),
         Unary::Abs => par_map(src, dst, |x| x.abs()),
+        // As PyTorch's: x / (1 + exp(-x)).
+        Unary::Silu => par_chunks2(src, dst, |s, d| {
+            exp_of_negated(s, d);
+            d.iter_mut().zip(s).for_each(|(d, &x)| *d = x / (one + *d));
+        }),
     }
 }
+
+/// `d = exp(-s)`, the exponential vectorised for f32 (`memfit-kernels`' `exp`).
+fn exp_of_negated<T: Float>(s: &[T], d: &mut [T]) {
+    d.iter_mut().zip(s).for_each(|(d, &x)| *d = -x);
+    exp_in_place(d);
+}
+
+/// SiLU's backward from the input `x`, as PyTorch's `silu_backward`: `g * s * (1 + x * (1 - s))` with
+/// `s = 1 / (1 + exp(-x))`, into `dst` from `grad`, or over `dst` holding the gradient. The
+/// exponentials go through a block on the stack, [`SILU_BLOCK`] values at a time.
+fn silu_backward<T: Float>(x: &[T], grad: Option<&[T]>, dst: &mut [T]) {
+    let one = T::one();
+    let block = |x: &[T], g: Option<&[T]>, d: &mut [T]| {
+        let mut e = [T::zero(); SILU_BLOCK];
+        for (k, (x, d)) in x.chunks(SILU_BLOCK).zip(d.chunks_mut(SILU_BLOCK)).enumerate() {
+            let e = &mut e[..x.len()];
+            exp_of_negated(x, e);
+            for (i, (d, (&x, &e))) in d.iter_mut().zip(x.iter().zip(e.iter())).enumerate() {
+                let s = one / (one + e);
+                let g = g.map_or(*d, |g| g[k * SILU_BLOCK + i]);
+                *d = g * s * (one + x * (one - s));
+            }
+        }
+    };
+    match grad {
+        Some(g) => par_chunks3(x, g, dst, |x, g, d| block(x, Some(g), d)),
+        None => par_chunks2(x, dst, |x, d| block(x, None, d)),
+    }
+}
+
+/// Values of SiLU's backward whose exponentials are taken together.
+const SILU_BLOCK: usize = 256;
 
 /// Runs `f(saved, grad)` elementwise: into `dst` from `grad`, or over `dst` (holding the gradient)
 /// in place when `grad` is None.
@@ -432,6 +476,7 @@ fn backward_kernel<T: Float>(op: Unary, s: &[T], grad: Option<&[T]>, dst: &mut [
         Unary::Rsqrt => apply_backward(s, grad, dst, |y, g| T::of(-0.5) * g * (y * y * y)),
         Unary::Cos => apply_backward(s, grad, dst, |x, g| g * -x.sin()),
         Unary::Sin => apply_backward(s, grad, dst, |x, g| g * x.cos()),
+        Unary::Silu => silu_backward(s, grad, dst),
         Unary::Abs => apply_backward(s, grad, dst, |x, g| {
             if x > T::zero() {
                 g
@@ -669,6 +714,49 @@ mod tests {
         unsafe {
             View::new(data.as_mut_ptr() as *mut u8, std::mem::size_of_val(data), crate::dtype::DType::F32, layout)
         }
+    }
+
+    /// sigmoid and silu in f32 (the vectorised exponential) against their f64 definitions, from
+    /// the exponential's underflow to its overflow, on more values than one block and one parallel
+    /// chunk; silu's backward the same in place over the gradient as into another buffer.
+    #[test]
+    fn sigmoid_and_silu_follow_their_definitions() {
+        let n = 2 * PAR_CHUNK + 3 * SILU_BLOCK + 5;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 20011) as f32 / 20011.0 * 240.0 - 120.0).collect();
+        let g: Vec<f32> = (0..n).map(|i| ((i * 104_729) % 997) as f32 / 997.0 - 0.5).collect();
+        let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let close = |got: f32, want: f64, what: &str, x: f32| {
+            // As PyTorch's formulas: once exp(-x) overflows f32 (x below -88.72), both are 0.
+            if x < -88.73 {
+                assert_eq!(got, 0.0, "{what}({x})");
+                return;
+            }
+            let err = (f64::from(got) - want).abs();
+            // Results below f32's normals (sigmoid under -87: exp(-x) overflows) count as 0.
+            let tolerance = (4.0 * f64::from(f32::EPSILON) * want.abs()).max(f64::from(f32::MIN_POSITIVE));
+            assert!(err <= tolerance, "{what}({x}) = {got}, want {want}");
+        };
+        let mut y = vec![0f32; n];
+        forward_kernel(Unary::Sigmoid, &x, &mut y);
+        x.iter().zip(&y).for_each(|(&x, &y)| close(y, sig(f64::from(x)), "sigmoid", x));
+        forward_kernel(Unary::Silu, &x, &mut y);
+        x.iter().zip(&y).for_each(|(&x, &y)| close(y, f64::from(x) * sig(f64::from(x)), "silu", x));
+        let mut dx = vec![0f32; n];
+        backward_kernel(Unary::Silu, &x, Some(&g), &mut dx);
+        for ((&x, &g), &d) in x.iter().zip(&g).zip(&dx) {
+            let (x64, s) = (f64::from(x), sig(f64::from(x)));
+            let want = f64::from(g) * s * (1.0 + x64 * (1.0 - s));
+            // Within a few units of the terms' size: PyTorch's formula rounds 1 - s, whose error
+            // x multiplies (and the derivative has a root near x = -2.4).
+            let scale = f64::from(g).abs() * s * (1.0 + x64.abs());
+            assert!(
+                (f64::from(d) - want).abs() <= 8.0 * f64::from(f32::EPSILON) * scale.max(1e-30),
+                "silu'({x}) g {g}: {d}, want {want}"
+            );
+        }
+        let mut over = g.clone();
+        backward_kernel(Unary::Silu, &x, None, &mut over);
+        assert_eq!(bits(&over), bits(&dx), "in place over the gradient");
     }
 
     /// A dtype the kernels do not compute in is refused naming the binary op.

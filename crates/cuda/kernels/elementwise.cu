@@ -3,7 +3,7 @@
 // comparisons (codes: 0 gt, 1 lt, 2 ge, 3 le, 4 eq, 5 ne) and selection, add_into.
 // Unary codes follow memfit's `Unary`: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 tanh, 4 sigmoid,
 // 5 exp, 6 log, 7 neg, 8 relu6, 9 hardsigmoid, 10 hardswish, 11 sqrt, 12 rsqrt, 13 cos, 14 sin,
-// 15 abs. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
+// 15 abs, 16 silu. Binary codes: 0 add, 1 sub, 2 mul, 3 div.
 
 #define INV_SQRT2 0.70710678118654752440
 #define INV_SQRT_2PI 0.39894228040143267794
@@ -33,12 +33,14 @@ __device__ T unary_of(int op, T x) {
         case 13: return cos(x);
         case 14: return sin(x);
         case 15: return x < T(0) ? -x : x;
+        case 16: return x / (T(1) + exp(-x));
         default: return -x;
     }
 }
 
 // The derivative's factor from the saved value `s` (the output for relu, tanh, sigmoid, exp, relu6,
-// sqrt, rsqrt; the input for gelu, gelu_tanh, log, hardsigmoid, hardswish, cos, sin, abs; nothing for neg).
+// sqrt, rsqrt; the input for gelu, gelu_tanh, log, hardsigmoid, hardswish, cos, sin, abs, silu;
+// nothing for neg).
 template <typename T>
 __device__ T unary_grad(int op, T s, T g) {
     switch (op) {
@@ -66,6 +68,10 @@ __device__ T unary_grad(int op, T s, T g) {
         case 13: return g * -sin(s);
         case 14: return g * cos(s);
         case 15: return s > T(0) ? g : (s < T(0) ? -g : T(0));
+        case 16: {
+            T sig = T(1) / (T(1) + exp(-s));
+            return g * sig * (T(1) + s * (T(1) - sig));
+        }
         default: return -g;
     }
 }

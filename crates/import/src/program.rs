@@ -1385,7 +1385,7 @@ impl Op<'_> {
                     UnaryOp::Neg => x.neg(),
                     UnaryOp::Gelu => x.gelu(),
                     UnaryOp::GeluTanh => x.gelu_tanh(),
-                    UnaryOp::Silu => x.mul(&x.sigmoid()?),
+                    UnaryOp::Silu => x.silu(),
                     UnaryOp::Relu6 => x.relu6(),
                     UnaryOp::Hardsigmoid => x.hardsigmoid(),
                     UnaryOp::Hardswish => x.hardswish(),

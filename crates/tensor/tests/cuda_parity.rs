@@ -67,6 +67,7 @@ fn main() {
     agree(&cuda, "relu6", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.affine(1.0, -1.0)?.relu6());
     agree(&cuda, "hardsigmoid", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardsigmoid());
     agree(&cuda, "hardswish", &[&[1000]], &|x| x[0].mul_scalar(5.0)?.hardswish());
+    agree(&cuda, "silu", &[&[1000]], &|x| x[0].mul_scalar(8.0)?.silu());
     // An imported model's maths: sqrt and rsqrt of positive values, cos, sin, abs, and a join of views.
     agree(&cuda, "sqrt", &[&[1000]], &|x| x[0].affine(1.0, 1.5)?.sqrt());
     agree(&cuda, "rsqrt", &[&[1000]], &|x| x[0].affine(1.0, 1.5)?.rsqrt());

@@ -225,6 +225,7 @@ fn gradcheck_unary() {
         .collect();
     gradcheck("hardsigmoid", &[input(&shape, around_three.clone())], |x| x[0].hardsigmoid());
     gradcheck("hardswish", &[input(&shape, around_three)], |x| x[0].hardswish());
+    gradcheck("silu", &[rand_input(&mut rng, &shape)], |x| x[0].silu());
     gradcheck("affine", &[rand_input(&mut rng, &shape)], |x| x[0].affine(-1.7, 0.3));
     gradcheck("mul_scalar", &[rand_input(&mut rng, &shape)], |x| x[0].mul_scalar(2.5));
 }

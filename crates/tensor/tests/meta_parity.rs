@@ -29,6 +29,7 @@ fn programs() -> Vec<(&'static str, Program)> {
         ("gelu_tanh", |d, t| z(d, &[4], t).gelu_tanh().map(drop)),
         ("tanh", |d, t| z(d, &[4], t).tanh().map(drop)),
         ("sigmoid", |d, t| z(d, &[4], t).sigmoid().map(drop)),
+        ("silu", |d, t| z(d, &[4], t).silu().map(drop)),
         ("exp", |d, t| z(d, &[4], t).exp().map(drop)),
         ("log", |d, t| z(d, &[4], t).log().map(drop)),
         ("neg", |d, t| z(d, &[4], t).neg().map(drop)),

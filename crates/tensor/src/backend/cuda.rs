@@ -2946,6 +2946,7 @@ fn unary_code(op: Unary) -> i32 {
         Unary::Cos => 13,
         Unary::Sin => 14,
         Unary::Abs => 15,
+        Unary::Silu => 16,
     }
 }
 

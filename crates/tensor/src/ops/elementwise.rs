@@ -1,4 +1,4 @@
-//! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, exp, log, neg, sqrt,
+//! Elementwise ops: unary activations and maths (relu, gelu, tanh, sigmoid, silu, exp, log, neg, sqrt,
 //! rsqrt, cos, sin, abs, scalar affine, pow by a number, clamp), binary arithmetic with broadcasting (add, sub, mul, div),
 //! comparisons and `where`, and in-place accumulation:
 //! shapes, outputs and autograd. The kernels are the backend's (`memfit-cpu`'s `elementwise.rs`).
@@ -62,6 +62,10 @@ impl Tensor {
     }
     pub fn sigmoid(&self) -> Result<Tensor> {
         unary(self, Unary::Sigmoid)
+    }
+    /// `x * sigmoid(x)`: PyTorch's `silu`; backward keeps the input alone.
+    pub fn silu(&self) -> Result<Tensor> {
+        unary(self, Unary::Silu)
     }
     pub fn exp(&self) -> Result<Tensor> {
         unary(self, Unary::Exp)
