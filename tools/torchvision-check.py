@@ -9,6 +9,11 @@ own training step (time and peak) for the same model and batch.
     memfit train --model OUT.pt2 --save W.safetensors --report R.json
     python3 tools/torchvision-check.py check NAME W.safetensors R.json   # exits 1 when they differ
     python3 tools/torchvision-check.py measure NAME BATCH [STEPS]
+    python3 tools/torchvision-check.py export-rgb TORCHVISION_NAME OUT.pt2 [SIZE]
+
+`export-rgb` exports any torchvision classification model as torchvision builds it (3 x SIZE x SIZE
+images, 64 by default, 10 classes) for `memfit bench --model OUT.pt2`, which times it on synthetic
+data of its shapes (Fashion-MNIST cannot train it).
 
 NAME: resnet18, mobilenet_v3_small or vit (torchvision's VisionTransformer, narrow: patch 7, 4 layers
 of width 128). Needs torch, torchvision, numpy and safetensors (PyTorch 2.11-2.15). The validation
@@ -68,6 +73,13 @@ def main():
         program = export(m, (torch.randn(2, 1, 28, 28),), dynamic_shapes=({0: Dim("batch", min=2)},))
         torch.export.save(program, sys.argv[3])
         print(f"{sys.argv[3]}: {name}, {sum(p.numel() for p in m.parameters()):,} parameters")
+    elif cmd == "export-rgb":
+        size = int(sys.argv[4]) if len(sys.argv) > 4 else 64
+        torch.manual_seed(0)
+        m = getattr(torchvision.models, name)(num_classes=10).train()
+        program = export(m, (torch.randn(2, 3, size, size),), dynamic_shapes=({0: Dim("batch", min=2)},))
+        torch.export.save(program, sys.argv[3])
+        print(f"{sys.argv[3]}: {name} at 3x{size}x{size}, {sum(p.numel() for p in m.parameters()):,} parameters")
     elif cmd == "check":
         from safetensors.torch import load_file
         from safetensors import safe_open

@@ -32,6 +32,12 @@
 //! serves both gradients' products. Such a convolution is never `direct` (the input is not its own
 //! im2col matrix across samples). The plan depends on the shapes only, as every other choice here.
 //!
+//! A depthwise convolution (each output channel reads one input channel: groups = C > 1) with f32
+//! products takes none of this on the cpu: its kernels compute it tap by tap, with no workspace and
+//! no weight partials (`depthwise` in the plan; Note [Depthwise convolution] in `memfit-cpu`'s
+//! `conv/depthwise.rs`). Under bf16 or fp16 products, and on a GPU, it goes through im2col as any
+//! grouped convolution.
+//!
 //! This file plans (shapes, work plan, workspaces) and records autograd; the kernels that follow the
 //! plan are the backend's (`memfit-cpu`'s `conv.rs`).
 
@@ -554,6 +560,36 @@ mod tests {
         assert_eq!(g.batch, 1);
         let g = geometry(&[64, 512, 1, 1], &[512, 512, 3, 3], &padded, 4, limits_for(crate::Target::Cuda)).unwrap();
         assert_eq!(g.batch, 1);
+    }
+
+    /// A depthwise convolution on the cpu with f32 products is computed directly, with no workspace
+    /// (forward and backward); bf16 products, a GPU target and a grouped convolution of several
+    /// input channels a group keep im2col.
+    #[test]
+    fn depthwise_convolutions_need_no_workspace_on_the_cpu_with_f32_products() {
+        let dw = Conv2dParams { padding: [1, 1], groups: 96, ..Default::default() };
+        let g = geometry(&[32, 96, 32, 32], &[96, 1, 3, 3], &dw, 4, LIMITS).unwrap();
+        assert!(g.depthwise, "{g:?}");
+        assert_eq!((g.col_len(), g.gt_len(), g.out_len()), (0, 0, 0));
+        assert!(!geometry(&[32, 96, 32, 32], &[96, 1, 3, 3], &dw, 4, CUDA_LIMITS).unwrap().depthwise);
+        let grouped = Conv2dParams { groups: 48, ..dw };
+        assert!(!geometry(&[32, 96, 32, 32], &[96, 2, 3, 3], &grouped, 4, LIMITS).unwrap().depthwise);
+        // What the op allocates: outputs and gradients only; under bf16 products, im2col's too.
+        let allocations = |products: crate::Products| {
+            let dev = Device::cpu();
+            dev.set_products(products).unwrap();
+            let x =
+                Tensor::full(&dev, &[4, 6, 8, 8], 0.5, DType::F32, Category::Input).unwrap().set_requires_grad(true);
+            let w = Tensor::full(&dev, &[6, 1, 3, 3], 0.25, DType::F32, Category::Parameter)
+                .unwrap()
+                .set_requires_grad(true);
+            let out = conv2d(&x, &w, None, Conv2dParams { padding: [1, 1], groups: 6, ..Default::default() }).unwrap();
+            backward_with(&out, Tensor::full(&dev, out.shape(), 1.0, DType::F32, Category::Input).unwrap()).unwrap();
+            let events = dev.allocator().timeline().events().map(|e| e.op).collect::<Vec<_>>();
+            events.iter().any(|op| *op == "conv2d_im2col" || *op == "conv2d_weight_partials")
+        };
+        assert!(!allocations(crate::Products::F32), "a depthwise convolution with f32 products used a workspace");
+        assert!(allocations(crate::Products::Bf16), "bf16 products go through im2col");
     }
 
     #[test]
