@@ -113,6 +113,15 @@ fn affine_row<T: Float>(xr: &[T], yr: &mut [T], m: T, rs: T, w: Option<&[T]>, b:
 #[inline(always)]
 fn row_grad_sums<T: Float, const W: bool>(xr: &[T], gr: &[T], wr: &[T], m: T, rs: T) -> (T, T) {
     let d = xr.len();
+    let (s1, s2) = grad_lane_sums::<T, W>(xr, gr, wr, m, rs);
+    (T::of(s1 / d as f64), T::of(s2 / d as f64))
+}
+
+/// The sums behind [`row_grad_sums`] (of `dxhat` and of `dxhat * xhat`), in f64, kept in partial
+/// sums as [`lane_sum`] keeps them; batch norm's backward adds them over a channel's planes.
+#[inline(always)]
+fn grad_lane_sums<T: Float, const W: bool>(xr: &[T], gr: &[T], wr: &[T], m: T, rs: T) -> (f64, f64) {
+    let d = xr.len();
     let (gr, wr) = (&gr[..d], &wr[..d]);
     let terms = |x: T, g: T, w: T| {
         let dxh = if W { g * w } else { g };
@@ -134,7 +143,7 @@ fn row_grad_sums<T: Float, const W: bool>(xr: &[T], gr: &[T], wr: &[T], m: T, rs
             a2[i] += t2;
         }
     }
-    (T::of(combine_lanes(&a1, tail1) / d as f64), T::of(combine_lanes(&a2, tail2) / d as f64))
+    (combine_lanes(&a1, tail1), combine_lanes(&a2, tail2))
 }
 
 /// Layer-norm backward for one element, given its row's [`row_grad_sums`] (a, b); `w` is used only
@@ -600,6 +609,53 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// Batch norm's statistics of channel `ch` of `src` (`[N, C, S]`): the sum of its values, or with
+    /// `mean` the sum of their squared deviations from it, in f64, each plane's kept in partial sums
+    /// as [`lane_sum`] keeps them, the planes' added in order.
+    fn channel_sum<T: Float>(src: &[T], c: usize, s: usize, ch: usize, mean: Option<f64>) -> f64 {
+        src.chunks_exact(c * s)
+            .map(|sample| {
+                let plane = &sample[ch * s..(ch + 1) * s];
+                match mean {
+                    None => lane_sum(plane, |v| v.f64()),
+                    Some(m) => lane_sum(plane, |v| {
+                        let d = v.f64() - m;
+                        d * d
+                    }),
+                }
+            })
+            .sum()
+    }
+}
+
+multiversion! {
+    /// Batch norm's backward sums of channel `ch` (of `g` and of `g * xhat`, f64), each plane's as
+    /// layer norm's row sums, the planes' added in order.
+    fn channel_grad_sums<T: Float>(x: &[T], g: &[T], c: usize, s: usize, ch: usize, m: T, r: T) -> (f64, f64) {
+        let planes = x.chunks_exact(c * s).zip(g.chunks_exact(c * s));
+        planes.fold((0.0, 0.0), |(sg, sgx), (xs, gs)| {
+            let (xp, gp) = (&xs[ch * s..(ch + 1) * s], &gs[ch * s..(ch + 1) * s]);
+            let (a, b) = grad_lane_sums::<T, false>(xp, gp, gp, m, r);
+            (sg + a, sgx + b)
+        })
+    }
+}
+
+multiversion! {
+    /// `d = v * alpha + beta` over a plane.
+    fn scale_shift_plane<T: Float>(src: &[T], d: &mut [T], alpha: T, beta: T) {
+        d.iter_mut().zip(src).for_each(|(d, &v)| *d = v * alpha + beta);
+    }
+}
+
+multiversion! {
+    /// Batch norm's input gradient over a plane in training: `k * (g - a - (x - m) * r * b)`.
+    fn batch_norm_dx_plane<T: Float>(gp: &[T], xp: &[T], d: &mut [T], k: T, a: T, b: T, m: T, r: T) {
+        d.iter_mut().zip(gp.iter().zip(xp)).for_each(|(d, (&g, &x))| *d = k * (g - a - (x - m) * r * b));
+    }
+}
+
 /// `out = batch_norm(x)` over channel dim 1: with the batch statistics (updating the running ones in
 /// place when given) in training, else with the running statistics; the per-channel mean and rstd
 /// used go into `mean` and `rstd` when given.
@@ -628,13 +684,10 @@ pub fn batch_norm(
         let src = x.slice::<T>()?;
         // Per-channel (mean, rstd) as f64: C values.
         let ms: Vec<(f64, f64)> = if training {
+            let isa = Isa::active();
             let channel = |ch: usize| {
-                let planes = || (0..nb).map(move |i| &src[(i * c + ch) * s..(i * c + ch + 1) * s]);
-                let mean = planes().map(|p| p.iter().map(|v| v.f64()).sum::<f64>()).sum::<f64>() / n as f64;
-                let var = planes()
-                    .map(|p| p.iter().map(|v| { let d = v.f64() - mean; d * d }).sum::<f64>())
-                    .sum::<f64>() / n as f64;
-                (mean, var)
+                let mean = channel_sum(isa, src, c, s, ch, None) / n as f64;
+                (mean, channel_sum(isa, src, c, s, ch, Some(mean)) / n as f64)
             };
             let mv: Vec<(f64, f64)> = if x.numel() >= 2 * PAR_CHUNK {
                 (0..c).into_par_iter().map(channel).collect()
@@ -663,6 +716,7 @@ pub fn batch_norm(
             (T::of(alpha), T::of(b.map_or(0.0, |b| b[ch].f64()) - m * alpha))
         }).collect();
         let dst = SendPtr(out.slice_mut::<T>()?.as_mut_ptr());
+        let isa = Isa::active();
         for_row_groups(nb * c, s, |p0, np| {
             #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
             let dst = dst;
@@ -670,7 +724,7 @@ pub fn batch_norm(
                 let (alpha, beta) = ab[p % c];
                 // SAFETY: plane p of the fresh output is written by this task only.
                 let d = unsafe { std::slice::from_raw_parts_mut(dst.0.add(p * s), s) };
-                d.iter_mut().zip(&src[p * s..(p + 1) * s]).for_each(|(d, &v)| *d = v * alpha + beta);
+                scale_shift_plane(isa, &src[p * s..(p + 1) * s], d, alpha, beta);
             }
         });
         if let (Some(sm), Some(sr)) = (mean, rstd) {
@@ -708,18 +762,8 @@ pub fn batch_norm_backward(
         // Per channel: (sum g, sum g * xhat).
         let sums_needed = gw.is_some() || gb.is_some() || (gx.is_some() && training);
         let sums: Vec<(f64, f64)> = if sums_needed {
-            let channel = |ch: usize| {
-                let (m, r) = (mean[ch], rstd[ch]);
-                let (mut sg, mut sgx) = (0.0f64, 0.0f64);
-                for i in 0..nb {
-                    let o = (i * c + ch) * s;
-                    for (&gv, &xv) in g[o..o + s].iter().zip(&x[o..o + s]) {
-                        sg += gv.f64();
-                        sgx += (gv * (xv - m) * r).f64();
-                    }
-                }
-                (sg, sgx)
-            };
+            let isa = Isa::active();
+            let channel = |ch: usize| channel_grad_sums(isa, x, g, c, s, ch, mean[ch], rstd[ch]);
             if n * c >= 2 * PAR_CHUNK {
                 (0..c).into_par_iter().map(channel).collect()
             } else {
@@ -730,6 +774,7 @@ pub fn batch_norm_backward(
         };
         if let Some(gx) = gx {
             let dst = SendPtr(gx.slice_mut::<T>()?.as_mut_ptr());
+            let isa = Isa::active();
             for_row_groups(nb * c, s, |p0, np| {
                 #[allow(clippy::redundant_locals)] // capture the Send wrapper, not its raw pointer field
                 let dst = dst;
@@ -743,9 +788,7 @@ pub fn batch_norm_backward(
                     if training {
                         let (sg, sgx) = sums[ch];
                         let (a, b) = (T::of(sg / n as f64), T::of(sgx / n as f64));
-                        for j in 0..s {
-                            d[j] = k * (gp[j] - a - (xp[j] - m) * r * b);
-                        }
+                        batch_norm_dx_plane(isa, gp, xp, d, k, a, b, m, r);
                     } else {
                         d.iter_mut().zip(gp).for_each(|(d, &gv)| *d = gv * k);
                     }
@@ -778,6 +821,35 @@ mod tests {
     /// Every row kernel compiled per instruction set gives the portable copy's bits, for row lengths
     /// with and without a tail after the last whole vector, with and without the affine, in f32
     /// and f64.
+    /// Batch norm's channel sums and plane kernels give the portable copy's bits on every level,
+    /// for planes with and without a tail after the last whole group of lanes.
+    fn batch_norm_levels_match_portable<T: Float>() {
+        for s in [1, 7, 8, 49, 256, 259] {
+            let (n, c) = (3, 4);
+            let (x, g) = (values::<T>(n * c * s, 11), values::<T>(n * c * s, 12));
+            let run = |isa: Isa| {
+                let mut out = Vec::new();
+                for ch in 0..c {
+                    let mean = channel_sum(isa, &x, c, s, ch, None) / (n * s) as f64;
+                    let var = channel_sum(isa, &x, c, s, ch, Some(mean));
+                    let (sg, sgx) = channel_grad_sums(isa, &x, &g, c, s, ch, T::of(mean), T::of(0.5));
+                    out.extend([mean, var, sg, sgx].map(f64::to_bits));
+                }
+                let mut d = vec![T::of(0.0); s];
+                scale_shift_plane(isa, &x[..s], &mut d, T::of(1.5), T::of(-0.25));
+                out.extend(bits(&d));
+                let [k, a, b, m, r] = [0.7, 0.1, -0.3, 0.2, 1.3].map(T::of);
+                batch_norm_dx_plane(isa, &g[..s], &x[..s], &mut d, k, a, b, m, r);
+                out.extend(bits(&d));
+                out
+            };
+            let want = run(Isa::Portable);
+            for isa in Isa::supported() {
+                assert_eq!(run(isa), want, "batch norm: {isa} vs portable, s = {s}");
+            }
+        }
+    }
+
     fn each_level_matches_portable<T: Float>() {
         for d in [1, 7, 8, 16, 33, 256, 259] {
             let (x, g, w, b) = (values::<T>(d, 1), values::<T>(d, 2), values::<T>(d, 3), values::<T>(d, 4));
@@ -822,6 +894,8 @@ mod tests {
     fn row_kernels_give_the_same_bits_on_every_level() {
         each_level_matches_portable::<f32>();
         each_level_matches_portable::<f64>();
+        batch_norm_levels_match_portable::<f32>();
+        batch_norm_levels_match_portable::<f64>();
     }
 
     /// One row of the affine after the weight-gradient product, by its definition: the f64 sums
