@@ -8,6 +8,7 @@ use crate::dtype::Float;
 use crate::error::{check_len, Result};
 use crate::view::View;
 use crate::with_float;
+use memfit_kernels::{multiversion, Isa};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -279,12 +280,25 @@ fn im2col_samples<T: Float>(
     rs: usize,
     parallel: bool,
 ) {
-    let (ow, tp, hw, chw) = (g.ow, (r1 - r0) * g.ow, g.hw(), g.c * g.hw());
-    let per_channel = g.kh * g.kw * rs;
-    // Stride 1 both ways, no width dilation and the output as wide as the input ("same" padding):
-    // a tap's rows of a sample are one shifted run of the input plane (see `shifted_plane`).
-    let shifted = g.sh == 1 && g.sw == 1 && g.dw == 1 && ow == g.w;
-    let channel = |(ci, dst): (usize, &mut [T])| {
+    let (isa, per_channel) = (Isa::active(), g.kh * g.kw * rs);
+    let channel = |(ci, dst): (usize, &mut [T])| im2col_channel(isa, g, x, samples, r0..r1, rs, ci, dst);
+    let col = &mut col[..g.c * per_channel];
+    if parallel {
+        col.par_chunks_mut(per_channel).enumerate().for_each(channel);
+    } else {
+        col.chunks_mut(per_channel).enumerate().for_each(channel);
+    }
+}
+
+multiversion! {
+    /// [`im2col_samples`]' rows of input channel `ci` (`dst`: its `kh * kw` rows, `rs` apart).
+    fn im2col_channel<T: Float>(g: &ConvGeom, x: &[T], samples: usize, rows: Range<usize>, rs: usize, ci: usize, dst: &mut [T]) {
+        let (r0, r1) = (rows.start, rows.end);
+        let (ow, tp, hw, chw) = (g.ow, (r1 - r0) * g.ow, g.hw(), g.c * g.hw());
+        // Stride 1 both ways, no width dilation and the output as wide as the input ("same"
+        // padding): a tap's rows of a sample are one shifted run of the input plane (see
+        // `shifted_plane`).
+        let shifted = g.sh == 1 && g.sw == 1 && g.dw == 1 && ow == g.w;
         for ki in 0..g.kh {
             for kj in 0..g.kw {
                 let row = &mut dst[(ki * g.kw + kj) * rs..][..samples * tp];
@@ -322,12 +336,6 @@ fn im2col_samples<T: Float>(
                 }
             }
         }
-    };
-    let col = &mut col[..g.c * per_channel];
-    if parallel {
-        col.par_chunks_mut(per_channel).enumerate().for_each(channel);
-    } else {
-        col.chunks_mut(per_channel).enumerate().for_each(channel);
     }
 }
 
@@ -337,6 +345,7 @@ fn im2col_samples<T: Float>(
 /// are one contiguous run of the plane shifted by `dr * w + dc` (a single copy), whose values that
 /// wrapped around from a neighbouring row (`u + dc` outside `0..w`) are then zeroed, at most
 /// `|dc|` a row: a few operations a row instead of a few a value.
+#[inline(always)]
 fn shifted_plane<T: Float>(
     dst: &mut [T],
     plane: &[T],
@@ -396,14 +405,29 @@ unsafe fn col2im_samples<T: Float>(
     zero: bool,
     parallel: bool,
 ) {
-    let (ow, tp, hw, chw) = (g.ow, (r1 - r0) * g.ow, g.hw(), g.c * g.hw());
-    if hw == 0 {
+    if g.hw() == 0 {
         return;
     }
-    let per_channel = g.kh * g.kw * rs;
-    let channel = |(ci, src): (usize, &[T])| {
-        // SAFETY: channel ci's plane of each sample, written by this task alone (the caller's
-        // promise for `dx`; tasks take distinct channels).
+    let (isa, per_channel) = (Isa::active(), g.kh * g.kw * rs);
+    // Each task takes its own channel, so writes its planes alone (`col2im_channel`'s contract).
+    let channel = |(ci, src): (usize, &[T])| col2im_channel(isa, g, src, samples, r0..r1, rs, ci, dx, zero);
+    let col = &col[..g.c * per_channel];
+    if parallel {
+        col.par_chunks(per_channel).enumerate().for_each(channel);
+    } else {
+        col.chunks(per_channel).enumerate().for_each(channel);
+    }
+}
+
+multiversion! {
+    /// [`col2im_samples`]' work for input channel `ci` (`src`: its `kh * kw` rows, `rs` apart).
+    /// Contract (a safe function only because `multiversion!` makes safe ones; private to this
+    /// file): channel ci's plane of each of the `samples` input gradients at `dx` is this call's
+    /// alone, as `col2im_samples` promises its caller's `dx` and gives each task its own channel.
+    fn col2im_channel<T: Float>(g: &ConvGeom, src: &[T], samples: usize, rows: Range<usize>, rs: usize, ci: usize, dx: SendPtr<T>, zero: bool) {
+        let (r0, r1) = (rows.start, rows.end);
+        let (ow, tp, hw, chw) = (g.ow, (r1 - r0) * g.ow, g.hw(), g.c * g.hw());
+        // SAFETY: channel ci's plane of sample s, this call's alone (the contract above).
         let plane = |s: usize| unsafe { dx.slice_mut(s * chw + ci * hw, hw) };
         if zero {
             (0..samples).for_each(|s| zero_row(plane(s)));
@@ -433,12 +457,6 @@ unsafe fn col2im_samples<T: Float>(
                 }
             }
         }
-    };
-    let col = &col[..g.c * per_channel];
-    if parallel {
-        col.par_chunks(per_channel).enumerate().for_each(channel);
-    } else {
-        col.chunks(per_channel).enumerate().for_each(channel);
     }
 }
 
