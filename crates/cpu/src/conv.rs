@@ -152,7 +152,8 @@ pub fn conv2d(
 
 /// The gradients of conv2d that are asked for (`dx`, `dw`, `db`), from the output gradient `grad`
 /// (contiguous), with the op's workspaces: per lane an im2col tile (and, for `dw`, a transposed
-/// output-gradient tile), and the per-lane weight-gradient partials (for `dw`).
+/// output-gradient tile), and the per-lane weight-gradient partials (for `dw`); a depthwise plan
+/// (`g.depthwise`) has none of them.
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     g: &ConvGeom,
@@ -885,5 +886,90 @@ fn bias_grad<T: Float>(g: &ConvGeom, gout: &[T], db: &mut [T]) {
         db.par_iter_mut().enumerate().for_each(sum);
     } else {
         db.iter_mut().enumerate().for_each(sum);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A convolution of `n` samples of `c` x `h` x `w` by `o` kernels of `k` x `k` (groups = C when
+    /// `depthwise`), stride `s`, padding `p`, dilation `d`, tiles of whole samples.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn geom(
+        n: usize,
+        c: usize,
+        hw: usize,
+        o: usize,
+        k: usize,
+        s: usize,
+        p: usize,
+        d: usize,
+        depthwise: bool,
+    ) -> ConvGeom {
+        let out = (hw + 2 * p - d * (k - 1) - 1) / s + 1;
+        ConvGeom {
+            n,
+            c,
+            h: hw,
+            w: hw,
+            o,
+            kh: k,
+            kw: k,
+            oh: out,
+            ow: out,
+            sh: s,
+            sw: s,
+            ph: p,
+            pw: p,
+            dh: d,
+            dw: d,
+            groups: if depthwise { c } else { 1 },
+            direct: false,
+            depthwise,
+            tile_rows: out,
+            lanes: 1,
+            per_lane: n,
+            batch: n,
+            products: Products::F32,
+        }
+    }
+
+    /// Geometries with stride 1 and "same" width (im2col's shifted runs), stride 2, dilation 2,
+    /// and a kernel wider than the plane.
+    pub(super) fn geometries(depthwise: bool) -> Vec<ConvGeom> {
+        let o = |c: usize| if depthwise { 2 * c } else { 5 };
+        vec![
+            geom(3, 4, 7, o(4), 3, 1, 1, 1, depthwise),
+            geom(3, 4, 9, o(4), 3, 2, 1, 1, depthwise),
+            geom(2, 3, 11, o(3), 3, 1, 2, 2, depthwise),
+            geom(2, 3, 2, o(3), 5, 1, 2, 1, depthwise),
+            geom(2, 2, 20, o(2), 5, 1, 2, 1, depthwise),
+        ]
+    }
+
+    /// im2col's and col2im's per-channel work gives the portable copy's bits on every level.
+    #[test]
+    fn im2col_and_col2im_give_the_same_bits_on_every_level() {
+        for g in geometries(false) {
+            let x: Vec<f32> = crate::test_values::uniform(g.n * g.c * g.hw(), 5).map(|v| v as f32).collect();
+            let rs = g.n * g.p();
+            let per_channel = g.kh * g.kw * rs;
+            let col: Vec<f32> = crate::test_values::uniform(g.c * per_channel, 6).map(|v| v as f32).collect();
+            let run = |isa: Isa| {
+                let mut tile = vec![0f32; g.c * per_channel];
+                let mut dx = vec![1f32; g.n * g.c * g.hw()];
+                for ci in 0..g.c {
+                    im2col_channel(isa, &g, &x, g.n, 0..g.oh, rs, ci, &mut tile[ci * per_channel..][..per_channel]);
+                    let dxp = SendPtr(dx.as_mut_ptr());
+                    col2im_channel(isa, &g, &col[ci * per_channel..][..per_channel], g.n, 0..g.oh, rs, ci, dxp, true);
+                }
+                [tile, dx].map(|v| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+            };
+            let want = run(Isa::Portable);
+            for isa in Isa::supported() {
+                assert_eq!(run(isa), want, "{isa} vs portable: {g:?}");
+            }
+        }
     }
 }

@@ -614,6 +614,9 @@ multiversion! {
     /// `mean` the sum of their squared deviations from it, in f64, each plane's kept in partial sums
     /// as [`lane_sum`] keeps them, the planes' added in order.
     fn channel_sum<T: Float>(src: &[T], c: usize, s: usize, ch: usize, mean: Option<f64>) -> f64 {
+        if c * s == 0 {
+            return 0.0;
+        }
         src.chunks_exact(c * s)
             .map(|sample| {
                 let plane = &sample[ch * s..(ch + 1) * s];
@@ -633,6 +636,9 @@ multiversion! {
     /// Batch norm's backward sums of channel `ch` (of `g` and of `g * xhat`, f64), each plane's as
     /// layer norm's row sums, the planes' added in order.
     fn channel_grad_sums<T: Float>(x: &[T], g: &[T], c: usize, s: usize, ch: usize, m: T, r: T) -> (f64, f64) {
+        if c * s == 0 {
+            return (0.0, 0.0);
+        }
         let planes = x.chunks_exact(c * s).zip(g.chunks_exact(c * s));
         planes.fold((0.0, 0.0), |(sg, sgx), (xs, gs)| {
             let (xp, gp) = (&xs[ch * s..(ch + 1) * s], &gs[ch * s..(ch + 1) * s]);
@@ -818,9 +824,6 @@ mod tests {
         v.iter().map(|v| v.f64().to_bits()).collect()
     }
 
-    /// Every row kernel compiled per instruction set gives the portable copy's bits, for row lengths
-    /// with and without a tail after the last whole vector, with and without the affine, in f32
-    /// and f64.
     /// Batch norm's channel sums and plane kernels give the portable copy's bits on every level,
     /// for planes with and without a tail after the last whole group of lanes.
     fn batch_norm_levels_match_portable<T: Float>() {
@@ -850,6 +853,9 @@ mod tests {
         }
     }
 
+    /// Every row kernel compiled per instruction set gives the portable copy's bits, for row lengths
+    /// with and without a tail after the last whole vector, with and without the affine, in f32
+    /// and f64.
     fn each_level_matches_portable<T: Float>() {
         for d in [1, 7, 8, 16, 33, 256, 259] {
             let (x, g, w, b) = (values::<T>(d, 1), values::<T>(d, 2), values::<T>(d, 3), values::<T>(d, 4));

@@ -179,3 +179,35 @@ pub(super) fn weight_grad<T: Float>(g: &ConvGeom, x: &[T], gout: &[T], dw: &mut 
     }
     dw.par_chunks_mut(kk).enumerate().for_each(|(oc, d)| weight_grad_channel(isa, g, &segs, oc, x, gout, d));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conv::tests::geometries;
+
+    /// Every depthwise kernel gives the portable copy's bits on every level (and its plane loops
+    /// the definition's order, so rows shorter and longer than a vector and strided ones too).
+    #[test]
+    fn every_level_gives_the_portable_bits() {
+        for g in geometries(true) {
+            let values = |len: usize, seed: u64| -> Vec<f32> {
+                crate::test_values::uniform(len, seed).map(|v| v as f32).collect()
+            };
+            let (x, w, gout) = (values(g.n * g.c * g.hw(), 1), values(g.weight_len(), 2), values(g.n * g.o * g.p(), 3));
+            let (segs, kk, og) = (segments(&g), g.kh * g.kw, g.og());
+            let run = |isa: Isa| {
+                let mut out = vec![0f32; g.p()];
+                forward_plane(isa, &segs, g.sw, &x[..g.hw()], &w[og * kk..][..kk], Some(0.25), &mut out);
+                let mut dx = vec![0f32; g.hw()];
+                input_grad_plane(isa, &segs, g.sw, g.p(), kk, &gout[..og * g.p()], &w[..og * kk], &mut dx);
+                let mut dw = vec![0f32; kk];
+                weight_grad_channel(isa, &g, &segs, 1, &x, &gout, &mut dw);
+                [out, dx, dw].map(|v| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+            };
+            let want = run(Isa::Portable);
+            for isa in Isa::supported() {
+                assert_eq!(run(isa), want, "{isa} vs portable: {g:?}");
+            }
+        }
+    }
+}

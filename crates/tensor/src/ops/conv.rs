@@ -1,6 +1,7 @@
 //! 2-D convolution (cross-correlation, NCHW, weight [out, in/groups, kh, kw]) with stride, padding,
 //! dilation and groups, by im2col + GEMM. The im2col workspace comes from the allocator as a temporary,
-//! sized from shapes only (never from the thread count), so meta and cpu allocate the same bytes.
+//! sized from the shapes, the element size and the device's products only (never from the thread
+//! count), so meta and cpu allocate the same bytes.
 //!
 //! Note [conv2d work plan]: the batch is split into `lanes` contiguous runs of samples; each lane
 //! owns one im2col tile of the workspace (`[C*kh*kw, rows*OW]`, `rows` output rows at a time, so
@@ -8,7 +9,8 @@
 //! transposed to `[rows*OW, O]`, which GEMM reads much faster than a strided view) and processes
 //! its samples one after another with single-threaded GEMMs, while the lanes run in parallel. With
 //! one lane, GEMM and im2col themselves use all threads. Lanes, rows per tile and therefore every
-//! allocation follow from the shapes and the element size only. The weight gradient is a reduction
+//! allocation follow from the shapes and the element size only (and, for a depthwise convolution,
+//! the device's products: below). The weight gradient is a reduction
 //! over samples: every lane accumulates its samples into its own partial (per group the transposed
 //! `[C/groups*kh*kw, O/groups]`, which GEMM computes faster than the weight's own layout), and the
 //! partials are added in lane order at the end, so the result does not depend on the thread count
@@ -30,7 +32,8 @@
 //! serves them all, through an output tile `[O, batch*OH*OW]` whose columns are scattered to the
 //! samples (bias added there), and in backward the output gradient transposed to `[batch*OH*OW, O]`
 //! serves both gradients' products. Such a convolution is never `direct` (the input is not its own
-//! im2col matrix across samples). The plan depends on the shapes only, as every other choice here.
+//! im2col matrix across samples). The plan depends on the shapes only, as every other choice here
+//! but the depthwise one below.
 //!
 //! A depthwise convolution (each output channel reads one input channel: groups = C > 1) with f32
 //! products takes none of this on the cpu: its kernels compute it tap by tap, with no workspace and
@@ -707,6 +710,10 @@ mod tests {
             ([2, 4, 3, 4], [2, 2, 1, 1], params([1, 1], [0, 0], [1, 1], 2), true),
             // More than eight output channels (the gradient transpose works in blocks of eight).
             ([2, 2, 4, 5], [10, 2, 3, 3], params([1, 1], [1, 1], [1, 1], 1), true),
+            // Depthwise with two outputs a channel and rows of 10 (the weight gradient's whole
+            // groups of lanes), and strided.
+            ([2, 3, 9, 10], [6, 1, 3, 3], params([1, 1], [1, 1], [1, 1], 3), true),
+            ([2, 3, 9, 10], [3, 1, 3, 3], params([2, 2], [1, 1], [1, 1], 3), false),
         ];
         for (i, (xs, ws, p, bias)) in variants.into_iter().enumerate() {
             let mut inputs = vec![

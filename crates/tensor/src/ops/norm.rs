@@ -475,6 +475,14 @@ mod tests {
         assert!(batch_norm(&x, None, None, None, None, false, 0.1, eps).is_err());
         assert!(batch_norm(&x, Some(&rm), None, None, None, true, 0.1, eps).is_err());
         assert!(batch_norm(&x, None, None, Some(&t64(&dev, &[1.0; 3], &[3])), None, true, 0.1, eps).is_err());
+        // Empty planes in evaluation: an empty output, and zero weight and bias gradients.
+        let empty = Tensor::zeros(&dev, &[2, 2, 0], DType::F64, Category::Input).unwrap();
+        let (w, b) = (w.set_requires_grad(true), b.set_requires_grad(true));
+        let y = batch_norm(&empty, Some(&rm), Some(&rv), Some(&w), Some(&b), false, 0.1, eps).unwrap();
+        assert_eq!(y.shape(), [2, 2, 0]);
+        backward_with(&y, Tensor::zeros(&dev, &[2, 2, 0], DType::F64, Category::Input).unwrap()).unwrap();
+        assert_eq!(w.grad().unwrap().to_f64_vec().unwrap(), [0.0, 0.0]);
+        assert_eq!(b.grad().unwrap().to_f64_vec().unwrap(), [0.0, 0.0]);
     }
 
     #[test]
