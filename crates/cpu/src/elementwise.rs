@@ -4,7 +4,7 @@
 
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::layout::{broadcast_layout, for_each_offset_pair, for_each_offset_triple};
+use crate::layout::{broadcast_layout, for_each_offset_pair, for_each_offset_triple, for_each_run_pair};
 use crate::view::View;
 use crate::with_float;
 use crate::PAR_CHUNK;
@@ -690,10 +690,14 @@ pub fn add_into(dst: View<'_>, src: View<'_>) -> Result<()> {
         } else {
             let s = src.storage::<T>()?;
             let base = dst.storage_ptr() as *mut T;
-            for_each_offset_pair(dst.layout(), src.layout(), |od, os| {
-                // SAFETY: od is an in-bounds element offset of dst's storage, which nobody else is
-                // reading (Note [Storage aliasing]).
-                unsafe { *base.add(od) += s[os] };
+            // Runs that follow one another in both (a channel slice's gradient, a sample a run) as
+            // slices, so the additions vectorise; the same elements in the same order.
+            for_each_run_pair(dst.layout(), src.layout(), |od, os, len| {
+                // SAFETY: od..od + len are in-bounds element offsets of dst's storage (a run of
+                // its layout), which nobody else is reading (Note [Storage aliasing]); the slice
+                // lives for this run only.
+                let d = unsafe { std::slice::from_raw_parts_mut(base.add(od), len) };
+                d.iter_mut().zip(&s[os..os + len]).for_each(|(d, &v)| *d += v);
             });
         }
     });

@@ -110,6 +110,28 @@ pub fn for_each_offset_pair(a: &Layout, b: &Layout, mut f: impl FnMut(usize, usi
     for_each_offsets([a, b], |[oa, ob]| f(oa, ob));
 }
 
+/// Calls `f(offset_a, offset_b, len)` for runs of `len` elements that follow one another in both
+/// same-shaped layouts (stride 1), in row-major order: the trailing dimensions that are one run in
+/// both go together (a channel slice of an NCHW tensor: a run per sample), else runs of one.
+/// The elements and their order are [`for_each_offset_pair`]'s.
+pub fn for_each_run_pair(a: &Layout, b: &Layout, mut f: impl FnMut(usize, usize, usize)) {
+    let rank = a.rank();
+    if a.numel() == 0 {
+        return;
+    }
+    if rank == 0 || a.strides[rank - 1] != 1 || b.strides[rank - 1] != 1 {
+        return for_each_offset_pair(a, b, |oa, ob| f(oa, ob, 1));
+    }
+    // Dimensions d.. are one run of `len` in both.
+    let (mut d, mut len) = (rank - 1, a.shape[rank - 1]);
+    while d > 0 && a.strides[d - 1] == len && b.strides[d - 1] == len {
+        d -= 1;
+        len *= a.shape[d];
+    }
+    let outer = |l: &Layout| Layout::new(l.shape[..d].to_vec(), l.strides[..d].to_vec(), l.offset);
+    for_each_offset_pair(&outer(a), &outer(b), |oa, ob| f(oa, ob, len));
+}
+
 /// Calls `f(offset_a, offset_b, offset_c)` for each element of three same-shaped layouts, in
 /// row-major order (broadcast operands as for [`for_each_offset_pair`]).
 pub fn for_each_offset_triple(a: &Layout, b: &Layout, c: &Layout, mut f: impl FnMut(usize, usize, usize)) {
@@ -180,5 +202,32 @@ mod tests {
         assert!(!l.is_contiguous());
         assert!(Layout::contiguous(&[2, 1, 3]).is_contiguous());
         assert!(Layout::new(vec![2, 0], vec![1, 1], 0).is_contiguous(), "empty tensors are contiguous");
+    }
+
+    /// Runs cover the elements of `for_each_offset_pair`, in its order: a channel slice of an NCHW
+    /// tensor against a contiguous one, a transposed view, a broadcast one, a scalar and an empty one.
+    #[test]
+    fn runs_are_the_offset_pairs_taken_together() {
+        let slice = Layout::new(vec![2, 3, 4, 5], vec![120, 20, 5, 1], 40);
+        let cases = [
+            (slice.clone(), Layout::contiguous(&[2, 3, 4, 5]), 2),
+            (Layout::contiguous(&[2, 3, 4, 5]), slice, 2),
+            (Layout::new(vec![3, 4], vec![1, 3], 0), Layout::contiguous(&[3, 4]), 12),
+            (Layout::contiguous(&[3, 4]), Layout::new(vec![3, 4], vec![0, 1], 2), 3),
+            (Layout::contiguous(&[2, 1, 6]), Layout::new(vec![2, 1, 6], vec![6, 99, 1], 0), 2),
+            (Layout::new(vec![], vec![], 7), Layout::new(vec![], vec![], 3), 1),
+            (Layout::contiguous(&[2, 0, 3]), Layout::contiguous(&[2, 0, 3]), 0),
+        ];
+        for (a, b, runs) in cases {
+            let mut want = vec![];
+            for_each_offset_pair(&a, &b, |x, y| want.push((x, y)));
+            let (mut got, mut count) = (vec![], 0);
+            for_each_run_pair(&a, &b, |x, y, len| {
+                count += 1;
+                got.extend((0..len).map(|i| (x + i, y + i)));
+            });
+            assert_eq!(got, want, "{a:?} {b:?}");
+            assert_eq!(count, runs, "{a:?} {b:?}");
+        }
     }
 }

@@ -617,18 +617,20 @@ multiversion! {
         if c * s == 0 {
             return 0.0;
         }
-        src.chunks_exact(c * s)
-            .map(|sample| {
-                let plane = &sample[ch * s..(ch + 1) * s];
-                match mean {
-                    None => lane_sum(plane, |v| v.f64()),
-                    Some(m) => lane_sum(plane, |v| {
-                        let d = v.f64() - m;
-                        d * d
-                    }),
-                }
-            })
-            .sum()
+        // A plain loop, not an iterator's fold: a generic fold is compiled apart from this
+        // function, without its instruction set.
+        let mut sum = 0.0;
+        for sample in src.chunks_exact(c * s) {
+            let plane = &sample[ch * s..(ch + 1) * s];
+            sum += match mean {
+                None => lane_sum(plane, |v| v.f64()),
+                Some(m) => lane_sum(plane, |v| {
+                    let d = v.f64() - m;
+                    d * d
+                }),
+            };
+        }
+        sum
     }
 }
 
@@ -639,12 +641,15 @@ multiversion! {
         if c * s == 0 {
             return (0.0, 0.0);
         }
-        let planes = x.chunks_exact(c * s).zip(g.chunks_exact(c * s));
-        planes.fold((0.0, 0.0), |(sg, sgx), (xs, gs)| {
+        // A plain loop, as in `channel_sum`.
+        let (mut sg, mut sgx) = (0.0, 0.0);
+        for (xs, gs) in x.chunks_exact(c * s).zip(g.chunks_exact(c * s)) {
             let (xp, gp) = (&xs[ch * s..(ch + 1) * s], &gs[ch * s..(ch + 1) * s]);
             let (a, b) = grad_lane_sums::<T, false>(xp, gp, gp, m, r);
-            (sg + a, sgx + b)
-        })
+            sg += a;
+            sgx += b;
+        }
+        (sg, sgx)
     }
 }
 
