@@ -136,15 +136,19 @@ pub fn conv2d(
         };
         let out = out.slice_mut::<T>()?;
         check_len("conv2d output", out.len(), g.n * g.o * g.p())?;
+        let (x, w) = operands::<T>(g, x, weight)?;
+        if let Some(b) = b {
+            check_len("conv2d bias", b.len(), g.o)?;
+        }
         if g.depthwise {
-            depthwise::forward::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out);
+            depthwise::forward::<T>(g, x, w, b, out);
             return Ok(());
         }
         let lane_len = g.col_len() + g.out_len();
         check_len("conv2d im2col workspace", ws.as_ref().map_or(0, |s| s.len()), g.lanes * lane_len)?;
         match g.batch > 1 {
-            true => forward_batched::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out, ws),
-            false => forward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, b, out, ws),
+            true => forward_batched::<T>(g, x, w, b, out, ws),
+            false => forward_kernel::<T>(g, x, w, b, out, ws),
         }
     });
     Ok(())
@@ -168,7 +172,9 @@ pub fn conv2d_backward(
 ) -> Result<()> {
     with_float!(x.dtype(), "conv2d_backward", T => {
         let gout = grad.slice::<T>()?;
+        check_len("conv2d output gradient", gout.len(), g.n * g.o * g.p())?;
         if dx.is_some() || dw.is_some() {
+            let (x, w) = operands::<T>(g, x, weight)?;
             let dxs = match dx {
                 Some(t) => Some(t.slice_mut::<T>()?),
                 None => None,
@@ -189,28 +195,21 @@ pub fn conv2d_backward(
             if dxs.is_some() {
                 check_len("conv2d input gradient", len(&dxs), g.n * g.c * g.hw())?;
             }
-            if g.depthwise {
-                let (x, w) = (x.slice::<T>()?, weight.slice::<T>()?);
-                if let Some(dx) = dxs {
-                    depthwise::input_grad::<T>(g, w, gout, dx);
-                }
-                if let Some(dw) = dws {
-                    check_len("conv2d weight gradient", dw.len(), g.weight_len())?;
-                    depthwise::weight_grad::<T>(g, x, gout, dw);
-                }
-                if let Some(db) = db {
-                    bias_grad::<T>(g, gout, db.slice_mut::<T>()?);
-                }
-                return Ok(());
-            }
-            let gt_len = if dws.is_some() || g.batch > 1 { g.gt_len() } else { 0 };
-            check_len("conv2d im2col workspace", len(&wss), g.lanes * (g.col_len() + gt_len))?;
             if dws.is_some() {
-                check_len("conv2d weight-gradient partials", len(&ps), g.lanes * g.weight_len())?;
+                check_len("conv2d weight gradient", len(&dws), g.weight_len())?;
             }
-            match g.batch > 1 {
-                true => backward_batched::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss),
-                false => backward_kernel::<T>(g, x.slice::<T>()?, weight.slice::<T>()?, gout, dxs, dws, ps, wss),
+            if g.depthwise {
+                depthwise::backward::<T>(g, x, w, gout, dxs, dws);
+            } else {
+                let gt_len = if dws.is_some() || g.batch > 1 { g.gt_len() } else { 0 };
+                check_len("conv2d im2col workspace", len(&wss), g.lanes * (g.col_len() + gt_len))?;
+                if dws.is_some() {
+                    check_len("conv2d weight-gradient partials", len(&ps), g.lanes * g.weight_len())?;
+                }
+                match g.batch > 1 {
+                    true => backward_batched::<T>(g, x, w, gout, dxs, dws, ps, wss),
+                    false => backward_kernel::<T>(g, x, w, gout, dxs, dws, ps, wss),
+                }
             }
         }
         if let Some(db) = db {
@@ -218,6 +217,19 @@ pub fn conv2d_backward(
         }
     });
     Ok(())
+}
+
+/// The input and the weight as slices, each checked against the plan's length (the kernels index
+/// them, and the GEMM reads the weight through a pointer).
+fn operands<'a, T: Float + crate::dtype::Element>(
+    g: &ConvGeom,
+    x: View<'a>,
+    weight: View<'a>,
+) -> Result<(&'a [T], &'a [T])> {
+    let (x, w) = (x.slice::<T>()?, weight.slice::<T>()?);
+    check_len("conv2d input", x.len(), g.n * g.c * g.hw())?;
+    check_len("conv2d weight", w.len(), g.weight_len())?;
+    Ok((x, w))
 }
 
 /// Runs `f(lane, gemm_threads)` for every lane: lanes in parallel with single-threaded GEMMs, or one

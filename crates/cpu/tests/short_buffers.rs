@@ -529,3 +529,72 @@ fn pooling_refuses_short_inputs_outputs_and_positions() {
 fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
 }
+
+/// A 3x3 convolution with padding 1 of 2 samples of 4 x 5 x 5 into 6 channels, tiles of whole
+/// samples: through im2col (groups 1) or tap by tap (depthwise, groups 4 with 8 outputs).
+fn conv_geom(depthwise: bool) -> memfit_cpu::conv::ConvGeom {
+    memfit_cpu::conv::ConvGeom {
+        n: 2,
+        c: 4,
+        h: 5,
+        w: 5,
+        o: if depthwise { 8 } else { 6 },
+        kh: 3,
+        kw: 3,
+        oh: 5,
+        ow: 5,
+        sh: 1,
+        sw: 1,
+        ph: 1,
+        pw: 1,
+        dh: 1,
+        dw: 1,
+        groups: if depthwise { 4 } else { 1 },
+        direct: false,
+        depthwise,
+        tile_rows: 5,
+        lanes: 1,
+        per_lane: 2,
+        batch: 1,
+        products: F32,
+    }
+}
+
+#[test]
+fn conv2d_refuses_short_inputs_weights_outputs_and_gradients() {
+    for depthwise in [false, true] {
+        let g = conv_geom(depthwise);
+        let (x, w, b, o) = ([2, 4, 5, 5], [g.o, g.c / g.groups, 3, 3], [g.o], [2, g.o, 5, 5]);
+        let ws = [g.lanes * (g.col_len() + g.out_len()).max(1)];
+        check(&Case {
+            name: "conv2d",
+            buffers: vec![f32s(&x), f32s(&w), f32s(&b), f32s(&o), f32s(&ws)],
+            call: Box::new(move |v| {
+                kernels::conv2d(&g, v[0], v[1], Some(v[2]), v[3], (g.col_len() > 0).then_some(v[4]))
+            }),
+            shortened: vec![
+                (0, short(&x), "conv2d input"),
+                (1, short(&w), "conv2d weight"),
+                (2, short(&b), "conv2d bias"),
+                (3, short(&o), "conv2d output"),
+            ],
+        });
+        let (wsb, parts) = ([g.lanes * (g.col_len() + g.gt_len()).max(1)], [g.lanes * g.weight_len()]);
+        check(&Case {
+            name: "conv2d_backward",
+            // x, weight, grad, dx, dw, partials, workspace
+            buffers: vec![f32s(&x), f32s(&w), f32s(&o), f32s(&x), f32s(&w), f32s(&parts), f32s(&wsb)],
+            call: Box::new(move |v| {
+                let (parts, ws) = if depthwise { (None, None) } else { (Some(v[5]), Some(v[6])) };
+                kernels::conv2d_backward(&g, v[0], v[1], v[2], Some(v[3]), Some(v[4]), None, parts, ws)
+            }),
+            shortened: vec![
+                (0, short(&x), "conv2d input"),
+                (1, short(&w), "conv2d weight"),
+                (2, short(&o), "conv2d output gradient"),
+                (3, short(&x), "conv2d input gradient"),
+                (4, short(&w), "conv2d weight gradient"),
+            ],
+        });
+    }
+}

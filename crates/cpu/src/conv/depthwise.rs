@@ -161,23 +161,27 @@ pub(super) fn forward<T: Float>(g: &ConvGeom, x: &[T], w: &[T], bias: Option<&[T
     });
 }
 
-/// The input gradient `dx` of a depthwise convolution from the output gradient `gout`.
-pub(super) fn input_grad<T: Float>(g: &ConvGeom, w: &[T], gout: &[T], dx: &mut [T]) {
+/// The gradients asked for of a depthwise convolution from the output gradient `gout`: the input's
+/// `dx` and the weight's `dw` (written, not added to), the taps' runs found once for both.
+pub(super) fn backward<T: Float>(
+    g: &ConvGeom,
+    x: &[T],
+    w: &[T],
+    gout: &[T],
+    dx: Option<&mut [T]>,
+    dw: Option<&mut [T]>,
+) {
     let (isa, og, kk, p, segs) = (Isa::active(), g.og(), g.kh * g.kw, g.p(), segments(g));
-    for_planes(dx, g.hw(), |plane, dst| {
-        let (n, ci) = (plane / g.c, plane % g.c);
-        let gp = &gout[(n * g.o + ci * og) * p..][..og * p];
-        input_grad_plane(isa, &segs, g.sw, p, kk, gp, &w[ci * og * kk..][..og * kk], dst);
-    });
-}
-
-/// The weight gradient `dw` of a depthwise convolution (written, not added to).
-pub(super) fn weight_grad<T: Float>(g: &ConvGeom, x: &[T], gout: &[T], dw: &mut [T]) {
-    let (isa, kk, segs) = (Isa::active(), g.kh * g.kw, segments(g));
-    if kk == 0 {
-        return;
+    if let Some(dx) = dx {
+        for_planes(dx, g.hw(), |plane, dst| {
+            let (n, ci) = (plane / g.c, plane % g.c);
+            let gp = &gout[(n * g.o + ci * og) * p..][..og * p];
+            input_grad_plane(isa, &segs, g.sw, p, kk, gp, &w[ci * og * kk..][..og * kk], dst);
+        });
     }
-    dw.par_chunks_mut(kk).enumerate().for_each(|(oc, d)| weight_grad_channel(isa, g, &segs, oc, x, gout, d));
+    if let Some(dw) = dw.filter(|_| kk > 0) {
+        dw.par_chunks_mut(kk).enumerate().for_each(|(oc, d)| weight_grad_channel(isa, g, &segs, oc, x, gout, d));
+    }
 }
 
 #[cfg(test)]
