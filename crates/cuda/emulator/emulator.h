@@ -37,6 +37,15 @@ struct dim3 {
 struct alignas(8) float2 {
     float x, y;
 };
+// And of four floats, and of two unsigned ints (16- and 8-byte aligned), with their makers.
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 
 inline thread_local dim3 threadIdx{0, 0, 0};
 inline thread_local dim3 blockIdx{0, 0, 0};

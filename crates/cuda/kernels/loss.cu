@@ -96,6 +96,14 @@ LOSS(double, f64)
 // operand bits the two products that alone read it would round it to, two bytes; and where `full`
 // is given (the logits themselves: a head's bias gradient is summed from it), y there too, each
 // element written over the logit it came from (a barrier first: thread 0 reads the target's).
+// f32 rows of a multiple of 4 values go through Row4 (common.cuh).
+// Four gradient elements from j on into gx (and full): one 8-byte store of operand bits (or a
+// 16-byte one of f32), as Row4 reads them.
+__device__ __forceinline__ void store4(unsigned short* gx, i64 j, const unsigned short (&bits)[4]) {
+    *(uint2*)(gx + j) = make_uint2(bits[0] | (unsigned)bits[1] << 16, bits[2] | (unsigned)bits[3] << 16);
+}
+__device__ __forceinline__ void store4(float* gx, i64 j, const float (&y)[4]) { *(float4*)(gx + j) = make_float4(y[0], y[1], y[2], y[3]); }
+
 template <typename T, typename O, typename Store>
 __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad, const T* g, O* gx,
                                    Store store, T* full) {
@@ -107,8 +115,7 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         const bool valid = t >= 0 && t < c;
         if (!valid && threadIdx.x == 0) atomicCAS((u64*)bad, 0ULL, (u64)(r + 1));
         T m = -INFINITY, s = T(0), total = T(0);
-        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
-            const T x = row[j];
+        auto online = [&](i64, T x) {
             total += x;
             if (x > m) {
                 s = s * exp(m - x) + T(1);
@@ -116,7 +123,19 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
             } else if (x != -INFINITY) {
                 s += exp(x - m);
             }
+        };
+        bool wide = false;
+        if constexpr (sizeof(T) == 4) {
+            wide = Row4<T>::fits(row, c);
+            if (wide) Row4<T>::scan(row, c, [&](i64 j, const float4& v) {
+                online(j, v.x);
+                online(j + 1, v.y);
+                online(j + 2, v.z);
+                online(j + 3, v.w);
+            });
         }
+        if (!wide)
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) online(j, row[j]);
         sm[threadIdx.x] = m;
         ss[threadIdx.x] = s;
         st[threadIdx.x] = total;
@@ -136,11 +155,23 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         if (threadIdx.x == 0)
             rowloss[r] = valid ? (T(1) - smoothing) * (lse - row[t]) + smoothing * (lse - st[0] / T(c)) : T(0);
         if (full) __syncthreads();
-        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
-            const T y = scale * (exp(row[j] - top) / sum - (j == t ? T(1) - smoothing : T(0)) - smoothing / T(c));
-            gx[r * c + j] = store(y);
-            if (full) full[r * c + j] = y;
+        auto gradient = [&](i64 j, T x) {
+            return scale * (exp(x - top) / sum - (j == t ? T(1) - smoothing : T(0)) - smoothing / T(c));
+        };
+        if constexpr (sizeof(T) == 4) {
+            if (wide) Row4<T>::scan(row, c, [&](i64 j, const float4& v) {
+                const T y[4] = {gradient(j, v.x), gradient(j + 1, v.y), gradient(j + 2, v.z), gradient(j + 3, v.w)};
+                const O stored[4] = {store(y[0]), store(y[1]), store(y[2]), store(y[3])};
+                store4(gx + r * c, j, stored);
+                if (full) store4(full + r * c, j, y);
+            });
         }
+        if (!wide)
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
+                const T y = gradient(j, row[j]);
+                gx[r * c + j] = store(y);
+                if (full) full[r * c + j] = y;
+            }
         __syncthreads();
     }
 }

@@ -1,5 +1,34 @@
 // Reductions, each output computed by one thread or one block in a fixed order (no atomics).
 
+// This thread's share of a row's max_dim_rows scan: the largest of its elements and its index (the
+// first of equals; a NaN wins, the first met, and ends the scan). Its elements are s = t, t + 256,
+// ... (or Row4's groups, on a long f32 row): the block's merge finds the same answer either way.
+template <typename T>
+__device__ __forceinline__ void row_max(const T* row, i64 size, T& m, i64& best) {
+    auto visit = [&](i64 s, T v) {
+        if (best < 0 || v > m || v != v) {
+            m = v;
+            best = s;
+        }
+    };
+    if constexpr (sizeof(T) == 4) {
+        if (Row4<T>::fits(row, size)) {
+            Row4<T>::scan(row, size, [&](i64 j, const float4& v) {
+                if (best >= 0 && m != m) return;
+                visit(j, v.x);
+                if (m != m) return;
+                visit(j + 1, v.y);
+                if (m != m) return;
+                visit(j + 2, v.z);
+                if (m != m) return;
+                visit(j + 3, v.w);
+            });
+            return;
+        }
+    }
+    for (i64 s = threadIdx.x; s < size && !(best >= 0 && m != m); s += blockDim.x) visit(s, row[s]);
+}
+
 #define REDUCE(T, SUF)                                                                                  \
     /* x contiguous [outer, size, inner] -> out [outer, inner]: sum (or mean) over the middle dim,  \
        inner > 1. A block of 1024 threads per (o, 32 consecutive inner indices): lane = the index,  \
@@ -70,10 +99,7 @@
             const T* row = x + o * size;                                                                \
             T m = T(0);                                                                                 \
             i64 best = -1;                                                                              \
-            for (i64 s = threadIdx.x; s < size && !(best >= 0 && m != m); s += blockDim.x) {            \
-                T v = row[s];                                                                           \
-                if (best < 0 || v > m || v != v) { m = v; best = s; }                                   \
-            }                                                                                           \
+            row_max(row, size, m, best);                                                                \
             vals[threadIdx.x] = m;                                                                      \
             idxs[threadIdx.x] = best;                                                                   \
             __syncthreads();                                                                            \

@@ -156,6 +156,35 @@ fn strided(t: &Tensor, shape: &[usize], strides: &[usize]) -> Result<(u64, Strid
     Ok((base, view))
 }
 
+/// `shape` and each operand's `strides` over it with fewer dims and the same offsets element by
+/// element (row-major order): dims of size 1 dropped, and each dim merged into the one before it
+/// where they follow one another in every operand (`stride[d] == stride[d + 1] * shape[d + 1]`).
+/// Two dense operands of one shape become one dim of stride 1, which the kernels' `strided_offset`
+/// reads without dividing (its 64-bit division a dim and an element, three dims, made GPT-2's
+/// residual additions run at 1 TB/s on an H200, 150 us each). A shape with no elements is kept.
+fn coalesced<const N: usize>(shape: &[usize], strides: [&[usize]; N]) -> (Vec<usize>, [Vec<usize>; N]) {
+    if shape.contains(&0) {
+        return (shape.to_vec(), strides.map(<[usize]>::to_vec));
+    }
+    let mut dims: Vec<usize> = Vec::with_capacity(shape.len());
+    let mut merged: [Vec<usize>; N] = std::array::from_fn(|_| Vec::with_capacity(shape.len()));
+    for (d, &n) in shape.iter().enumerate().filter(|&(_, &n)| n != 1) {
+        let follows = !dims.is_empty() && (0..N).all(|i| merged[i].last() == Some(&(strides[i][d] * n)));
+        if follows {
+            *dims.last_mut().expect("a dim before") *= n;
+            for (m, s) in merged.iter_mut().zip(&strides) {
+                *m.last_mut().expect("a dim before") = s[d];
+            }
+        } else {
+            dims.push(n);
+            for (m, s) in merged.iter_mut().zip(&strides) {
+                m.push(s[d]);
+            }
+        }
+    }
+    (dims, merged)
+}
+
 /// `t`'s strides as seen through broadcasting to `shape` (leading dims added, size-1 dims stride 0).
 fn broadcast_strides(t: &Tensor, shape: &[usize]) -> Vec<usize> {
     let (rank, lead) = (shape.len(), shape.len() - t.rank());
@@ -320,9 +349,10 @@ impl Cuda {
     /// `kernel(code, a, b, out)` element by element over `out`'s shape, `a` and `b` read through
     /// broadcasting strided views (the binary arithmetic and comparison kernels).
     fn broadcast_pair(&self, kernel: &str, code: i32, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
-        let shape = out.shape();
-        let (pa, va) = strided(a, shape, &broadcast_strides(a, shape))?;
-        let (pb, vb) = strided(b, shape, &broadcast_strides(b, shape))?;
+        let (shape, [sa, sb]) =
+            coalesced(out.shape(), [&broadcast_strides(a, out.shape()), &broadcast_strides(b, out.shape())]);
+        let (pa, va) = strided(a, &shape, &sa)?;
+        let (pb, vb) = strided(b, &shape, &sb)?;
         let n = out.numel();
         self.launch(
             kernel,
@@ -2974,6 +3004,40 @@ fn binary_code(op: Binary) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    /// Coalescing keeps every element's offsets in row-major order, with fewer dims: a dense pair is
+    /// one dim; a broadcast row, a transposed operand and a window keep the dims they need.
+    #[test]
+    fn coalescing_keeps_the_offsets() {
+        let offsets = |shape: &[usize], strides: &[usize]| -> Vec<usize> {
+            let n: usize = shape.iter().product();
+            (0..n)
+                .map(|mut k| {
+                    let mut off = 0;
+                    for d in (0..shape.len()).rev() {
+                        off += (k % shape[d]) * strides[d];
+                        k /= shape[d];
+                    }
+                    off
+                })
+                .collect()
+        };
+        let cases: [(&[usize], [&[usize]; 2], usize); 6] = [
+            (&[16, 1024, 768], [&[786_432, 768, 1], &[786_432, 768, 1]], 1),
+            (&[16, 1024, 768], [&[786_432, 768, 1], &[0, 0, 1]], 2),
+            (&[4, 3, 5], [&[15, 5, 1], &[0, 1, 3]], 3),
+            (&[2, 1, 3, 4], [&[12, 12, 4, 1], &[24, 7, 8, 1]], 2),
+            (&[1, 1], [&[5, 1], &[0, 0]], 0),
+            (&[3, 0, 2], [&[0, 2, 1], &[2, 2, 1]], 3),
+        ];
+        for (shape, strides, rank) in cases {
+            let (dims, merged) = coalesced(shape, strides);
+            assert_eq!(dims.len(), rank, "{shape:?} {strides:?} -> {dims:?}");
+            for i in 0..2 {
+                assert_eq!(offsets(&dims, &merged[i]), offsets(shape, strides[i]), "{shape:?} operand {i}");
+            }
+        }
+    }
+
     use super::*;
 
     #[test]
