@@ -197,16 +197,16 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     assert_eq!(losses["mlp-in-backward"], losses["mlp"], "the step inside backward: the same bits on the GPU");
     assert_ne!(losses["gpt-bf16"], losses["gpt"], "bf16 products change the GPU's numbers");
     // Which kernels ran, as the report says: attention on the tensor cores only with rounded
-    // products, reading its inputs as saved in 16 bits (Note [Attention's saved operands]); f32
-    // products' biases in the product's epilogue (the emulator fuses them as cuBLASLt does),
-    // rounded products' broadcast first.
+    // products, reading its inputs as saved in 16 bits (Note [Attention's saved operands]); biases
+    // in the product's epilogue, of f32 and rounded products alike (the emulator fuses them as
+    // cuBLASLt does).
     let used = |name: &str| {
         kernels[name].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>()
     };
     let rounded = [
         "attention: operands read as saved in 16 bits",
         "attention: tensor cores",
-        "bias: broadcast before the product",
+        "bias: in the product's epilogue (cuBLASLt)",
     ];
     assert_eq!(used("gpt-bf16"), rounded);
     assert_eq!(used("gpt-fp16"), used("gpt-bf16"));
@@ -344,7 +344,7 @@ fn the_host_only_emulator_allocates_as_the_gpu_without_arithmetic() {
         serde_json::json!([
             "attention: operands read as saved in 16 bits",
             "attention: tensor cores",
-            "bias: broadcast before the product"
+            "bias: in the product's epilogue (cuBLASLt)"
         ])
     );
     assert_eq!(host["final_train_loss"].as_f64(), Some(0.0), "{}", host["final_train_loss"]);

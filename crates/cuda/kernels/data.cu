@@ -31,14 +31,16 @@ extern "C" __global__ void gather_b8(u64* d, const u64* s, Strided v, i64 n) { g
 // dst[r, c] = src[c * stride] for each of `rows` rows (a bias broadcast before a product adds onto
 // it): a block per row, its threads along the row, no division an element (the strided gather above
 // took 94 us for GPT-2's 4,096 x 2,304 on an H100, eight times the time to write it).
+// dst's rows are `ld` elements apart (cols where dense; a block of a larger matrix's columns, the
+// column-major C of a product cut in blocks, where not).
 template <typename T>
-__device__ void repeat_row_t(T* dst, const T* src, i64 stride, i64 rows, i64 cols) {
+__device__ void repeat_row_t(T* dst, const T* src, i64 stride, i64 rows, i64 cols, i64 ld) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x)
-        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) dst[r * cols + c] = src[c * stride];
+        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) dst[r * ld + c] = src[c * stride];
 }
-extern "C" __global__ void repeat_row_b2(unsigned short* d, const unsigned short* s, i64 stride, i64 rows, i64 cols) { repeat_row_t(d, s, stride, rows, cols); }
-extern "C" __global__ void repeat_row_b4(unsigned int* d, const unsigned int* s, i64 stride, i64 rows, i64 cols) { repeat_row_t(d, s, stride, rows, cols); }
-extern "C" __global__ void repeat_row_b8(u64* d, const u64* s, i64 stride, i64 rows, i64 cols) { repeat_row_t(d, s, stride, rows, cols); }
+extern "C" __global__ void repeat_row_b2(unsigned short* d, const unsigned short* s, i64 stride, i64 rows, i64 cols, i64 ld) { repeat_row_t(d, s, stride, rows, cols, ld); }
+extern "C" __global__ void repeat_row_b4(unsigned int* d, const unsigned int* s, i64 stride, i64 rows, i64 cols, i64 ld) { repeat_row_t(d, s, stride, rows, cols, ld); }
+extern "C" __global__ void repeat_row_b8(u64* d, const u64* s, i64 stride, i64 rows, i64 cols, i64 ld) { repeat_row_t(d, s, stride, rows, cols, ld); }
 
 // Four f32 values, and four 16-bit ones, loaded and stored whole.
 struct __align__(16) Floats4 {

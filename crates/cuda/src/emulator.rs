@@ -335,12 +335,13 @@ impl Machine for Emulator {
     }
 
     fn fuses_bias(&self, dtype: GemmType) -> bool {
-        dtype == GemmType::F32
+        matches!(dtype, GemmType::F32 | GemmType::F32Bf16 | GemmType::F32F16)
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
-        if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || g.dtype != GemmType::F32) {
-            return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32"));
+        let into_f32 = matches!(g.dtype, GemmType::F32 | GemmType::Bf16 | GemmType::F16);
+        if g.bias != 0 && (g.beta != 0.0 || g.batch != 1 || !into_f32) {
+            return Err(crate::call_error("emulated gemm", "a bias needs beta 0, one product and f32 results"));
         }
         if self.captured(|| Op::Gemm(*g)) {
             return Ok(());

@@ -27,6 +27,8 @@ pub struct Gpu {
     /// cuBLASLt for products with a bias (`lt.rs`): opened and checked on the first ask, None
     /// where it is missing or its check failed. First, so its handle goes before the context.
     lt: std::sync::OnceLock<Option<Lt>>,
+    /// Whether cuBLASLt's bias epilogue passed its check (`lt_check`) on bf16 and on fp16 operands.
+    lt16: [std::sync::OnceLock<bool>; 2],
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: Mutex<CudaBlas>,
@@ -105,6 +107,7 @@ impl Gpu {
             }),
             workspace: Mutex::new((0, 0)),
             lt: std::sync::OnceLock::new(),
+            lt16: [std::sync::OnceLock::new(), std::sync::OnceLock::new()],
             capture_stream: Mutex::new(None),
             capturing: std::sync::atomic::AtomicBool::new(false),
             graphs: Mutex::new(HashMap::new()),
@@ -547,7 +550,13 @@ impl Machine for Gpu {
     }
 
     fn fuses_bias(&self, dtype: GemmType) -> bool {
-        dtype == GemmType::F32 && self.lt.get_or_init(|| self.checked_lt()).is_some()
+        let Some(lt) = self.lt.get_or_init(|| self.checked_lt()) else { return false };
+        match dtype {
+            GemmType::F32 => true,
+            GemmType::F32Bf16 => *self.lt16[0].get_or_init(|| self.lt_check(lt, GemmType::Bf16)),
+            GemmType::F32F16 => *self.lt16[1].get_or_init(|| self.lt_check(lt, GemmType::F16)),
+            _ => false,
+        }
     }
 
     fn capture_begin(&self) -> Result<(), CudaError> {
@@ -737,16 +746,24 @@ impl Gpu {
         SAID.call_once(|| {
             eprintln!("memfit: warning: cuBLASLt refused a product with a bias ({refused}); such products broadcast the bias first");
         });
-        // C (dense, m x n column-major) = the bias in every column (data.cu's repeat_row: C's n
-        // columns are its rows).
-        if g.ldc != g.m || g.batch != 1 {
+        // C (m x n column-major, columns ldc apart: a block of a larger C where a rounded product
+        // is cut in blocks) = the bias in every column (data.cu's repeat_row: C's n columns are its
+        // rows).
+        if g.batch != 1 {
             return Err(refused);
         }
         let blocks = g.n.clamp(1, self.max_blocks as usize) as u32;
         self.launch(
             "repeat_row_b4",
             Launch { grid: blocks, block: 256 },
-            &mut [Arg::Ptr(g.c), Arg::Ptr(g.bias), Arg::I64(1), Arg::I64(g.n as i64), Arg::I64(g.m as i64)],
+            &mut [
+                Arg::Ptr(g.c),
+                Arg::Ptr(g.bias),
+                Arg::I64(1),
+                Arg::I64(g.n as i64),
+                Arg::I64(g.m as i64),
+                Arg::I64(g.ldc as i64),
+            ],
         )?;
         self.gemm_now(&Gemm { bias: 0, beta: 1.0, ..*g })
     }
@@ -756,18 +773,24 @@ impl Gpu {
     /// where it is missing, the workspace is not set, or the check fails.
     fn checked_lt(&self) -> Option<Lt> {
         let lt = Lt::open().ok()?;
+        self.lt_check(&lt, GemmType::F32).then_some(lt)
+    }
+
+    /// cuBLASLt's product with a bias on `dtype` operands (`lt::check_values` as `dtype` stores them),
+    /// both ways A is stored, read back and compared with the host's; false (said on stderr) where
+    /// the workspace is not set or it differs.
+    fn lt_check(&self, lt: &Lt, dtype: GemmType) -> bool {
         let (address, bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         if address == 0 || bytes < 2 * LT_CHECK_BYTES {
-            return None;
+            return false;
         }
-        let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let run = |transa: bool| -> Result<Option<String>, CudaError> {
             let [a, b, bias, want] = crate::lt::check_values(transa);
             let (pa, pb, pbias, pc) = (address, address + 1024, address + 1536, address + 2048);
-            self.upload(pa, &floats(&a))?;
-            self.upload(pb, &floats(&b))?;
-            self.upload(pbias, &floats(&bias))?;
-            let g = crate::lt::check_gemm(transa, pa, pb, pbias, pc);
+            self.upload(pa, &crate::lt::check_operand_bytes(dtype, &a))?;
+            self.upload(pb, &crate::lt::check_operand_bytes(dtype, &b))?;
+            self.upload(pbias, &crate::lt::check_operand_bytes(GemmType::F32, &bias))?;
+            let g = crate::lt::check_gemm(dtype, transa, pa, pb, pbias, pc);
             self.bind()?;
             // SAFETY: the check's operands lie in the workspace's first LT_CHECK_BYTES, the
             // product's workspace after them.
@@ -795,10 +818,13 @@ impl Gpu {
                 Ok(Some(wrong)) => wrong,
                 Err(e) => e.to_string(),
             };
-            eprintln!("memfit: warning: cuda:{}: cuBLASLt's bias epilogue failed its check ({why}); biases are added as before", self.ordinal);
-            return None;
+            eprintln!(
+                "memfit: warning: cuda:{}: cuBLASLt's bias epilogue on {dtype:?} operands failed its check ({why}); those biases are added as before",
+                self.ordinal
+            );
+            return false;
         }
-        Some(lt)
+        true
     }
 
     /// cuBLAS's strided batched product of `g`, queued.

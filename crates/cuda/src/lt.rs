@@ -4,8 +4,10 @@
 //! is present (cuBLAS needs it, so it is where cuBLAS is) and checked once on the GPU against the
 //! host ([`check_values`]); where either fails the backend broadcasts the bias as before.
 //!
-//! It also runs the 16-bit products of rounded operands (`GemmType::Bf16`, `F16`) when
-//! `MEMFIT_CUDA_LT_PRODUCTS=1` asks: an experiment for issue 32, where an H100 spent about 300 us
+//! The 16-bit products of rounded operands (`GemmType::Bf16`, `F16`, into f32) take the bias
+//! epilogue too, each type checked once the same way with its operands in 16 bits (small integers,
+//! exact), so a bf16 linear layer's bias is not broadcast into C first either. cuBLASLt also runs
+//! those products without a bias when `MEMFIT_CUDA_LT_PRODUCTS=1` asks: an experiment for issue 32, where an H100 spent about 300 us
 //! on the host inside cuBLAS's call for GPT-2's QKV product whose kernel took 42 us. Each shape's
 //! algorithm is asked of cuBLASLt's heuristic once and kept ([`Lt::algorithms`]).
 
@@ -99,8 +101,8 @@ impl Lt {
 
     /// Queues `g` on `stream`: C = alpha op(A) op(B) (+ beta C) (+ bias, `bias[i]` added to row i
     /// of every column, where `g.bias` is set), each of a strided batch, with `workspace_bytes` of
-    /// workspace. f32 products (with a bias: `Machine::fuses_bias` says why not 16-bit ones) and
-    /// products of rounded 16-bit operands (`GemmType::Bf16`, `F16`) into f32.
+    /// workspace. f32 products and products of rounded 16-bit operands (`GemmType::Bf16`, `F16`)
+    /// into f32, each with or without a bias (f32).
     ///
     /// # Safety
     /// The operands, the bias and the workspace are device memory of the handle's context holding
@@ -268,10 +270,11 @@ impl Drop for Lt {
     }
 }
 
-/// The check's product (below) as a [`Gemm`] of f32 at those device addresses.
-pub fn check_gemm(transa: bool, a: u64, b: u64, bias: u64, c: u64) -> Gemm {
+/// The check's product (below) as a [`Gemm`] of `dtype` (f32, or 16-bit operands into f32) at those
+/// device addresses.
+pub fn check_gemm(dtype: GemmType, transa: bool, a: u64, b: u64, bias: u64, c: u64) -> Gemm {
     Gemm {
-        dtype: GemmType::F32,
+        dtype,
         transa,
         transb: false,
         m: 16,
@@ -313,9 +316,42 @@ pub fn check_values(transa: bool) -> [Vec<f32>; 4] {
     [stored_a, stored_b, bias, c]
 }
 
+/// The check's operand values as `dtype` stores them (f32, or bf16 and fp16 bits: small integers,
+/// exact in each), little-endian bytes.
+pub fn check_operand_bytes(dtype: GemmType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        GemmType::Bf16 => values.iter().flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()).collect(),
+        GemmType::F16 => values.iter().flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_check_operands_are_exact_in_16_bits() {
+        let [a, b, ..] = check_values(true);
+        for dtype in [GemmType::Bf16, GemmType::F16] {
+            let bytes = check_operand_bytes(dtype, &a);
+            assert_eq!(bytes.len(), 2 * a.len());
+            let back: Vec<f32> = bytes
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .map(|bits| {
+                    if dtype == GemmType::Bf16 {
+                        half::bf16::from_bits(bits).to_f32()
+                    } else {
+                        half::f16::from_bits(bits).to_f32()
+                    }
+                })
+                .collect();
+            assert_eq!(back, a, "{dtype:?}");
+            assert_eq!(check_operand_bytes(dtype, &b).len(), 2 * b.len());
+        }
+        assert_eq!(check_operand_bytes(GemmType::F32, &[1.5]), 1.5f32.to_le_bytes());
+    }
 
     #[test]
     fn the_check_product_is_the_definition_either_way_a_is_stored() {

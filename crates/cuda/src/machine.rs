@@ -145,12 +145,13 @@ pub struct Gemm {
 pub trait Machine: Send + Sync {
     /// `name (sm_XY)` or the emulator's name, for messages and reports.
     fn description(&self) -> String;
-    /// Whether [`Machine::gemm`] takes a [`Gemm::bias`] on a product of this type: f32 products only
-    /// (cuBLASLt's epilogue on a GPU, checked there once against the host; the emulator's
-    /// definition). Not bf16 or fp16 products: their operands are rounded by memfit first
-    /// ([`crate::rounded`]), and cuBLASLt's `COMPUTE_32F_FAST_16BF` on f32 operands is leave to
-    /// convert, which an H100 did not take (every element of a bf16 linear off the definition by
-    /// up to 0.2% of the largest, as with cuBLAS's GemmEx). The library workspace must be set first.
+    /// Whether a product of this type takes a [`Gemm::bias`]: f32 products, and bf16 or fp16 products
+    /// of f32 operands (`F32Bf16`, `F32F16`), whose operands memfit rounds first ([`crate::rounded`]:
+    /// cuBLASLt's `COMPUTE_32F_FAST_16BF` on f32 operands is leave to convert, which an H100 did not
+    /// take, every element of a bf16 linear off the definition by up to 0.2% of the largest) and
+    /// whose 16-bit products then take the bias. On a GPU cuBLASLt's epilogue, checked there once
+    /// against the host for each type; the emulator's definition. The library workspace must be set
+    /// first.
     fn fuses_bias(&self, _dtype: GemmType) -> bool {
         false
     }

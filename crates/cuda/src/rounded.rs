@@ -131,9 +131,10 @@ fn blocks(m: usize, n: usize, k: usize, capacity: usize) -> (usize, usize, usize
     (mc, nc, kc)
 }
 
-/// The steps that compute `g` (a [`GemmType::F32Bf16`] or [`GemmType::F32F16`] product, no bias)
-/// through a workspace of `capacity` two-byte elements at `workspace`; None when `g` is not such a
-/// product or the workspace holds fewer than 16 elements. `rounded[0]` (`[1]`): `g.a` (`g.b`) holds
+/// The steps that compute `g` (a [`GemmType::F32Bf16`] or [`GemmType::F32F16`] product) through a
+/// workspace of `capacity` two-byte elements at `workspace`; None when `g` is not such a product,
+/// has a bias without beta 0 and a batch of 1 ([`Gemm::bias`]), or the workspace holds fewer than 16
+/// elements. A bias goes with the product that writes each block of C first (its rows' part). `rounded[0]` (`[1]`): `g.a` (`g.b`) holds
 /// the operand's 16-bit bits already (a kernel wrote them so: GELU-linear's activation), laid out as
 /// `g` says in two-byte elements; the products read it where it is and nothing rounds it.
 pub fn rounded_steps(g: &Gemm, rounded: [bool; 2], workspace: u64, capacity: usize) -> Option<Vec<RoundedStep>> {
@@ -142,7 +143,7 @@ pub fn rounded_steps(g: &Gemm, rounded: [bool; 2], workspace: u64, capacity: usi
         GemmType::F32F16 => GemmType::F16,
         _ => return None,
     };
-    if g.bias != 0 || capacity < 2 * ALIGN {
+    if capacity < 2 * ALIGN || (g.bias != 0 && (g.batch != 1 || g.beta != 0.0)) {
         return None;
     }
     let mut steps = Vec::new();
@@ -243,8 +244,10 @@ pub fn rounded_steps(g: &Gemm, rounded: [bool; 2], workspace: u64, capacity: usi
                         lda,
                         b,
                         ldb,
-                        // C's block (i0, j0); k's later chunks add onto the first.
+                        // C's block (i0, j0); k's later chunks add onto the first, which adds
+                        // the bias's rows i0.. (bias[i] goes to C's row i).
                         beta: if l0 == 0 { g.beta } else { 1.0 },
+                        bias: if g.bias != 0 && l0 == 0 { g.bias + 4 * i0 as u64 } else { 0 },
                         c: g.c + 4 * (matrix * g.stride_c + i0 + j0 * g.ldc) as u64,
                         // One matrix: g's strides are never used.
                         batch: 1,
@@ -294,9 +297,15 @@ mod tests {
 
     /// Runs `steps` on host memory (addresses are host pointers), checking that every element a
     /// step reads or writes lies in its place: roundings read A's or B's matrices and write the
-    /// workspace, products read the workspace (or an operand `rounded` already) and write C's m x n
-    /// matrices, nothing past them.
-    fn run(steps: &[RoundedStep], operands: [Region; 2], rounded: [bool; 2], c_region: Region, workspace: Region) {
+    /// workspace, products read the workspace (or an operand `rounded` already) and the bias, and
+    /// write C's m x n matrices, nothing past them.
+    fn run(
+        steps: &[RoundedStep],
+        operands: [Region; 2],
+        rounded: [bool; 2],
+        (c_region, bias_region): (Region, Region),
+        workspace: Region,
+    ) {
         let at = |base: u64, size: usize, i: usize| base + (size * i) as u64;
         for step in steps {
             match *step {
@@ -338,7 +347,15 @@ mod tests {
                                 // SAFETY: in C (just checked).
                                 unsafe {
                                     let out = out as *mut f32;
-                                    *out = (g.alpha * acc + g.beta * f64::from(*out)) as f32;
+                                    *out = if g.bias != 0 {
+                                        assert!(
+                                            bias_region.holds(at(g.bias, 4, i)),
+                                            "a product reads outside the bias"
+                                        );
+                                        (g.alpha * acc + f64::from(*(at(g.bias, 4, i) as *const f32))) as f32
+                                    } else {
+                                        (g.alpha * acc + g.beta * f64::from(*out)) as f32
+                                    };
                                 }
                             }
                         }
@@ -353,11 +370,19 @@ mod tests {
     /// `expected_products`: how many products the pieces take (as few as the workspace allows).
     fn check(m: usize, n: usize, k: usize, batch: usize, capacity: usize, expected_products: usize) {
         for rounded in [[false, false], [true, false], [false, true], [true, true]] {
-            check_with(m, n, k, batch, capacity, expected_products, rounded);
+            check_with(m, n, k, batch, capacity, expected_products, rounded, false);
+        }
+        // With a bias (beta 0, one matrix): added once to each element, by C's row.
+        if batch == 1 {
+            for rounded in [[false, false], [true, true]] {
+                check_with(m, n, k, batch, capacity, expected_products, rounded, true);
+            }
         }
     }
 
-    /// [`check`] with the operands `rounded` already given as their 16-bit bits.
+    /// [`check`] with the operands `rounded` already given as their 16-bit bits, and with a bias
+    /// (beta 0) where `with_bias`.
+    #[allow(clippy::too_many_arguments)]
     fn check_with(
         m: usize,
         n: usize,
@@ -366,6 +391,7 @@ mod tests {
         capacity: usize,
         expected_products: usize,
         rounded: [bool; 2],
+        with_bias: bool,
     ) {
         for (transa, transb) in [(false, false), (true, false), (false, true), (true, true)] {
             let (lda, ldb, ldc) = (if transa { k + 1 } else { m + 2 }, if transb { n + 3 } else { k }, m + 1);
@@ -383,6 +409,8 @@ mod tests {
                 if rounded[1] { b16.as_ptr() as u64 } else { b.as_ptr() as u64 },
             );
             let c0: Vec<f32> = (0..sc * batch).map(|i| value(i, 3)).collect();
+            // bias[i] for C's row i, and one value past the end that nothing may read.
+            let bias: Vec<f32> = (0..=m).map(|i| value(i, 4)).collect();
             let g = |c: &mut Vec<f32>| Gemm {
                 dtype: GemmType::F32Bf16,
                 transa,
@@ -397,12 +425,12 @@ mod tests {
                 b: b_at,
                 ldb,
                 stride_b: sb,
-                beta: 0.5,
+                beta: if with_bias { 0.0 } else { 0.5 },
                 c: c.as_mut_ptr() as u64,
                 ldc,
                 stride_c: sc,
                 batch,
-                bias: 0,
+                bias: if with_bias { bias.as_ptr() as u64 } else { 0 },
             };
             // Directly: every operand rounded, the sum in f64.
             let mut want = c0.clone();
@@ -419,7 +447,8 @@ mod tests {
                             })
                             .sum();
                         let out = &mut want[bi * sc + i + j * ldc];
-                        *out = (direct.alpha * acc + direct.beta * f64::from(*out)) as f32;
+                        let added = if with_bias { f64::from(bias[i]) } else { direct.beta * f64::from(*out) };
+                        *out = (direct.alpha * acc + added) as f32;
                     }
                 }
             }
@@ -444,7 +473,15 @@ mod tests {
                 stride: capacity,
                 batch: 1,
             };
-            run(&steps, operands, rounded, region(got.as_ptr() as u64, 4, (m, n), ldc, sc), ws);
+            let bias_region =
+                Region { base: bias.as_ptr() as u64, size: 4, rows: m, cols: 1, ld: m, stride: m, batch: 1 };
+            run(&steps, operands, rounded, (region(got.as_ptr() as u64, 4, (m, n), ldc, sc), bias_region), ws);
+            // A bias goes with the first product of each block of C only.
+            if with_bias {
+                let with = steps.iter().filter(|s| matches!(s, RoundedStep::Product(p) if p.bias != 0)).count();
+                let firsts = steps.iter().filter(|s| matches!(s, RoundedStep::Product(p) if p.beta == 0.0)).count();
+                assert_eq!(with, firsts, "m {m} n {n} k {k} capacity {capacity}: products with the bias");
+            }
             // Nothing rounds what is rounded already.
             let roundings = steps.iter().filter(|s| matches!(s, RoundedStep::Round(_))).count();
             let products = steps.len() - roundings;
@@ -496,9 +533,9 @@ mod tests {
     /// one product where both operands' 27 take two.
     #[test]
     fn an_operand_rounded_already_leaves_the_workspace_to_the_other() {
-        check_with(5, 4, 3, 3, 70, 1, [true, false]);
-        check_with(5, 4, 3, 3, 70, 1, [false, true]);
-        check_with(5, 4, 3, 3, 70, 2, [false, false]);
+        check_with(5, 4, 3, 3, 70, 1, [true, false], false);
+        check_with(5, 4, 3, 3, 70, 1, [false, true], false);
+        check_with(5, 4, 3, 3, 70, 2, [false, false], false);
     }
 
     /// GPT-2's products that do not fit the 64 MiB workspace cut into large pieces: the head's
@@ -577,7 +614,7 @@ mod tests {
     }
 
     #[test]
-    fn only_unbiased_rounded_products_are_cut() {
+    fn only_rounded_products_are_cut_and_a_bias_only_with_beta_0_and_one_matrix() {
         let g = Gemm {
             dtype: GemmType::F32,
             transa: false,
@@ -600,7 +637,10 @@ mod tests {
             bias: 0,
         };
         assert_eq!(rounded_steps(&g, [false; 2], 0, 100), None);
-        assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g }, [false; 2], 0, 100), None);
+        let biased = Gemm { dtype: GemmType::F32Bf16, bias: 8, ..g };
+        assert!(rounded_steps(&biased, [false; 2], 0, 100).is_some());
+        assert_eq!(rounded_steps(&Gemm { beta: 1.0, ..biased }, [false; 2], 0, 100), None);
+        assert_eq!(rounded_steps(&Gemm { batch: 2, ..biased }, [false; 2], 0, 100), None);
         assert_eq!(rounded_steps(&Gemm { dtype: GemmType::F32Bf16, ..g }, [false; 2], 0, 15), None);
         // A product of nothing (or over nothing) takes no steps: the backend handles those.
         for (m, n, k, batch) in [(0, 2, 2, 1), (2, 0, 2, 1), (2, 2, 0, 1), (2, 2, 2, 0)] {

@@ -94,13 +94,22 @@ fn gemm_follows_cublas_column_major_definition() {
 #[test]
 fn lt_check_values_pass_through_the_emulated_bias_product() {
     // The check `Gpu::fuses_bias` runs on a GPU, here through the emulator's definition.
+    // On f32 operands and on bf16 and fp16 ones (the rounded products' bias epilogue).
     let m = Emulator::open().unwrap();
-    for transa in [true, false] {
-        let [a, b, bias, want] = memfit_cuda::lt::check_values(transa);
-        let (a, b, bias) = (upload_f32(&m, &a), upload_f32(&m, &b), upload_f32(&m, &bias));
-        let c = upload_f32(&m, &[f32::NAN; 128]);
-        let g = memfit_cuda::lt::check_gemm(transa, a, b, bias, c);
-        m.gemm(&g).unwrap();
-        assert_eq!(download_f32(&m, c, 128), want, "transa {transa}");
+    for dtype in [GemmType::F32, GemmType::Bf16, GemmType::F16] {
+        for transa in [true, false] {
+            let [a, b, bias, want] = memfit_cuda::lt::check_values(transa);
+            let operand = |v: &[f32]| {
+                let bytes = memfit_cuda::lt::check_operand_bytes(dtype, v);
+                let at = m.alloc(bytes.len()).unwrap();
+                m.upload(at, &bytes).unwrap();
+                at
+            };
+            let (a, b, bias) = (operand(&a), operand(&b), upload_f32(&m, &bias));
+            let c = upload_f32(&m, &[f32::NAN; 128]);
+            let g = memfit_cuda::lt::check_gemm(dtype, transa, a, b, bias, c);
+            m.gemm(&g).unwrap();
+            assert_eq!(download_f32(&m, c, 128), want, "{dtype:?}, transa {transa}");
+        }
     }
 }

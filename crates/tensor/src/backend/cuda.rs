@@ -418,7 +418,10 @@ impl Cuda {
             )));
         };
         let steps = memfit_cuda::rounded::rounded_steps(g, rounded, address, bytes / 2).ok_or_else(|| {
-            Error::invalid(format!("a {:?} product with a bias, or a rounding workspace of {bytes} B", g.dtype))
+            Error::invalid(format!(
+                "a {:?} product with a bias and a beta or a batch, or a rounding workspace of {bytes} B",
+                g.dtype
+            ))
         })?;
         let kernel = if g.dtype == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
         // data.cu's `struct Rounding`: a launch takes two where two come in a row, else one and a
@@ -669,6 +672,7 @@ impl Cuda {
                 Arg::Ptr(addr(bias)?),
                 Arg::I64(stride as i64),
                 Arg::I64(rows as i64),
+                Arg::I64(cols as i64),
                 Arg::I64(cols as i64),
             ],
         )
