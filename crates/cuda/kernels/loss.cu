@@ -96,7 +96,8 @@ LOSS(double, f64)
 // operand bits the two products that alone read it would round it to, two bytes; and where `full`
 // is given (the logits themselves: a head's bias gradient is summed from it), y there too, each
 // element written over the logit it came from (a barrier first: thread 0 reads the target's).
-// f32 rows of a multiple of 4 values go through Row4 (common.cuh).
+// f32 rows of a multiple of 4 values are read through Row4 (common.cuh) and written by store4.
+
 // Four gradient elements from j on into gx (and full): one 8-byte store of operand bits (or a
 // 16-byte one of f32), as Row4 reads them.
 __device__ __forceinline__ void store4(unsigned short* gx, i64 j, const unsigned short (&bits)[4]) {

@@ -3008,6 +3008,8 @@ fn binary_code(op: Binary) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// Coalescing keeps every element's offsets in row-major order, with fewer dims: a dense pair is
     /// one dim; a broadcast row, a transposed operand and a window keep the dims they need.
     #[test]
@@ -3041,8 +3043,6 @@ mod tests {
             }
         }
     }
-
-    use super::*;
 
     #[test]
     fn the_tensor_cores_check_wants_the_product_at_the_ptx_places() {
