@@ -127,7 +127,8 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         };
         bool wide = false;
         if constexpr (sizeof(T) == 4) {
-            wide = Row4<T>::fits(row, c);
+            // (gx's row too is stored four elements at a time: 16 bytes of f32, 8 of 16-bit bits.)
+            wide = Row4<T>::fits(row, c) && ((unsigned long long)(gx + r * c) & (4 * sizeof(O) - 1)) == 0;
             if (wide) Row4<T>::scan(row, c, [&](i64 j, const float4& v) {
                 online(j, v.x);
                 online(j + 1, v.y);

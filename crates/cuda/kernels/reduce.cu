@@ -89,7 +89,7 @@ __device__ __forceinline__ void row_max(const T* row, i64 size, T& m, i64& best)
         }                                                                                               \
     }                                                                                                   \
     /* The same with inner == 1: a block of 256 threads per contiguous row of `size` values (a     \
-       GPT-2 head's row has 50,304). Thread t scans s = t, t + 256, ... in order, then the block    \
+       GPT-2 head's row has 50,304). Thread t scans its elements in order (row_max), then the block \
        merges the (value, index) pairs in a fixed tree; the merge keeps the first index of the max, \
        or of the first NaN, whatever the order, so the result is the per-column kernel's. */       \
     extern "C" __global__ void max_dim_rows_##SUF(const T* x, i64 outer, i64 size, T* values, i64* indices) { \

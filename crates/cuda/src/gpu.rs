@@ -741,16 +741,20 @@ impl Gpu {
         let Some(Some(lt)) = self.lt.get() else {
             return Err(call_error("cuBLASLt", "a product with a bias on a GPU whose fuses_bias is false"));
         };
-        let Err(refused) = self.gemm_lt(lt, g) else { return Ok(()) };
-        static SAID: std::sync::Once = std::sync::Once::new();
-        SAID.call_once(|| {
-            eprintln!("memfit: warning: cuBLASLt refused a product with a bias ({refused}); such products broadcast the bias first");
-        });
+        // A bias not 16-byte aligned (a block of a product cut in blocks may start anywhere) is
+        // broadcast: cuBLASLt's heuristic is told how A, B and C are aligned, not the bias.
+        if g.bias % 16 == 0 {
+            let Err(refused) = self.gemm_lt(lt, g) else { return Ok(()) };
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!("memfit: warning: cuBLASLt refused a product with a bias ({refused}); such products broadcast the bias first");
+            });
+        }
         // C (m x n column-major, columns ldc apart: a block of a larger C where a rounded product
         // is cut in blocks) = the bias in every column (data.cu's repeat_row: C's n columns are its
         // rows).
         if g.batch != 1 {
-            return Err(refused);
+            return Err(call_error("cuBLAS", "a product with a bias takes a batch of one"));
         }
         let blocks = g.n.clamp(1, self.max_blocks as usize) as u32;
         self.launch(

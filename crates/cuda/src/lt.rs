@@ -7,9 +7,11 @@
 //! The 16-bit products of rounded operands (`GemmType::Bf16`, `F16`, into f32) take the bias
 //! epilogue too, each type checked once the same way with its operands in 16 bits (small integers,
 //! exact), so a bf16 linear layer's bias is not broadcast into C first either. cuBLASLt also runs
-//! those products without a bias when `MEMFIT_CUDA_LT_PRODUCTS=1` asks: an experiment for issue 32, where an H100 spent about 300 us
-//! on the host inside cuBLAS's call for GPT-2's QKV product whose kernel took 42 us. Each shape's
-//! algorithm is asked of cuBLASLt's heuristic once and kept ([`Lt::algorithms`]).
+//! those products without a bias when `MEMFIT_CUDA_LT_PRODUCTS=1` asks: an experiment for issue 32,
+//! where an H100 spent about 300 us on the host inside cuBLAS's call for GPT-2's QKV product whose
+//! kernel took 42 us. Each shape's algorithm is asked of cuBLASLt's heuristic once and kept
+//! ([`Lt::algorithms`]), told how A, B and C are aligned; a bias not 16-byte aligned is broadcast
+//! first instead (no preference says how a bias is aligned).
 
 use crate::machine::{Gemm, GemmType};
 use crate::{call_error, CudaError};
@@ -34,7 +36,21 @@ struct Shape {
     strides: (usize, usize, usize),
     bias: bool,
     beta: bool,
-    aligned: bool,
+    /// The alignment (bytes, at most 256) of A, B, C and the bias: the heuristic is told A's, B's
+    /// and C's ([`alignment`]), so its choice depends on them.
+    alignment: [u32; 4],
+}
+
+/// The largest power of two, at most 256, that divides the address `p` (256 for none): what
+/// cuBLASLt's heuristic is told a pointer is aligned to (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*`).
+/// Told nothing, it takes 256-byte pointers, and a block of a larger matrix (a rounded product
+/// cut in blocks) may not be: a kernel that reads it as such faults (PyTorch issue #98975).
+fn alignment(p: u64) -> u32 {
+    if p == 0 {
+        256
+    } else {
+        1 << p.trailing_zeros().min(8)
+    }
 }
 
 impl Shape {
@@ -48,7 +64,7 @@ impl Shape {
             strides: (g.stride_a, g.stride_b, g.stride_c),
             bias: g.bias != 0,
             beta: g.beta != 0.0,
-            aligned: [g.a, g.b, g.c, g.bias].iter().all(|p| p % 16 == 0),
+            alignment: [g.a, g.b, g.c, g.bias].map(alignment),
         }
     }
 }
@@ -205,6 +221,24 @@ impl Lt {
                 std::mem::size_of_val(&bytes),
             ),
         )?;
+        use lt::cublasLtMatmulPreferenceAttributes_t as P;
+        for (attr, p) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.c),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.c),
+        ] {
+            let bytes = alignment(p);
+            ok(
+                "cublasLtMatmulPreferenceSetAttribute",
+                lt::cublasLtMatmulPreferenceSetAttribute(
+                    d.preference,
+                    attr,
+                    (&bytes as *const u32).cast(),
+                    std::mem::size_of_val(&bytes),
+                ),
+            )?;
+        }
         let (la, lb, lc) = (d.layouts[0], d.layouts[1], d.layouts[2]);
         // The shape's algorithm: the heuristic's first choice, asked once.
         let shape = Shape::of(g);
@@ -329,6 +363,11 @@ pub fn check_operand_bytes(dtype: GemmType, values: &[f32]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_up_to_256() {
+        assert_eq!([0, 4, 12, 16, 48, 512, 1 << 20, 0x7f00_0000_0104].map(alignment), [256, 4, 4, 16, 16, 256, 256, 4]);
+    }
 
     #[test]
     fn the_check_operands_are_exact_in_16_bits() {

@@ -137,7 +137,8 @@ pub struct Gemm {
     pub batch: usize,
     /// 0, or the device address of `m` f32 values added to every column of C as the product writes
     /// it (`bias[i]` to row i; a linear layer's bias): only with beta 0 and a batch of 1, on a
-    /// machine whose [`Machine::fuses_bias`] is true.
+    /// machine whose [`Machine::fuses_bias`] is true for the product's type (for a 16-bit product,
+    /// the `F32Bf16` or `F32F16` type its operands were rounded from).
     pub bias: u64,
 }
 

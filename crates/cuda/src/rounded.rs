@@ -134,9 +134,10 @@ fn blocks(m: usize, n: usize, k: usize, capacity: usize) -> (usize, usize, usize
 /// The steps that compute `g` (a [`GemmType::F32Bf16`] or [`GemmType::F32F16`] product) through a
 /// workspace of `capacity` two-byte elements at `workspace`; None when `g` is not such a product,
 /// has a bias without beta 0 and a batch of 1 ([`Gemm::bias`]), or the workspace holds fewer than 16
-/// elements. A bias goes with the product that writes each block of C first (its rows' part). `rounded[0]` (`[1]`): `g.a` (`g.b`) holds
-/// the operand's 16-bit bits already (a kernel wrote them so: GELU-linear's activation), laid out as
-/// `g` says in two-byte elements; the products read it where it is and nothing rounds it.
+/// elements. A bias goes with the product that writes each block of C first (its rows' part).
+/// `rounded[0]` (`[1]`): `g.a` (`g.b`) holds the operand's 16-bit bits already (a kernel wrote them
+/// so: GELU-linear's activation), laid out as `g` says in two-byte elements; the products read it
+/// where it is and nothing rounds it.
 pub fn rounded_steps(g: &Gemm, rounded: [bool; 2], workspace: u64, capacity: usize) -> Option<Vec<RoundedStep>> {
     let kind = match g.dtype {
         GemmType::F32Bf16 => GemmType::Bf16,
