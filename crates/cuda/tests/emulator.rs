@@ -113,3 +113,25 @@ fn lt_check_values_pass_through_the_emulated_bias_product() {
         }
     }
 }
+
+/// repeat_row into a block of a larger matrix (the bias broadcast of a product cut in blocks, when
+/// cuBLASLt refuses it or its bias is not 16-byte aligned): each of `rows` rows of `cols` values,
+/// rows `ld` apart, gets the source row; the values between the rows are kept.
+#[test]
+fn repeat_row_fills_a_block_with_its_leading_dimension() {
+    let m = Emulator::open().unwrap();
+    let (rows, cols, ld) = (3, 4, 7);
+    let dst = upload_f32(&m, &[-1.0; 3 * 7]);
+    let src = upload_f32(&m, &[1.0, 2.0, 3.0, 4.0]);
+    m.launch(
+        "repeat_row_b4",
+        Launch { grid: 2, block: 2 },
+        &mut [Arg::Ptr(dst), Arg::Ptr(src), Arg::I64(1), Arg::I64(rows), Arg::I64(cols), Arg::I64(ld)],
+    )
+    .unwrap();
+    let got = download_f32(&m, dst, 3 * 7);
+    for (i, v) in got.iter().enumerate() {
+        let want = if i % 7 < 4 { (i % 7 + 1) as f32 } else { -1.0 };
+        assert_eq!(*v, want, "element {i}: {got:?}");
+    }
+}
