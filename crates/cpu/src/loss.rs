@@ -92,7 +92,12 @@ pub fn cross_entropy_with_grad(
     grad: View<'_>,
     gx: View<'_>,
     bias_grad: Option<View<'_>>,
+    predicted: Option<View<'_>>,
 ) -> Result<()> {
+    if let Some(predicted) = predicted {
+        let (n, c) = (logits.shape()[0], logits.shape()[1]);
+        crate::reduce::argmax_rows(logits, n, c, predicted)?;
+    }
     cross_entropy(logits, target, label_smoothing, out, gpu_workspace)?;
     cross_entropy_backward(logits, target, label_smoothing, grad, gx)?;
     match bias_grad {

@@ -98,19 +98,40 @@ pub fn max_dim(
         let (v, ix) = (values.slice_mut::<T>()?, indices.slice_mut::<i64>()?);
         for o in 0..outer {
             for i in 0..inner {
-                let mut best = 0;
-                let mut best_v = src[o * size * inner + i];
-                for k in 1..size {
-                    let val = src[(o * size + k) * inner + i];
-                    // NaN propagates like PyTorch: a NaN wins and stays.
-                    if val > best_v || (val.is_nan() && !best_v.is_nan()) {
-                        best = k;
-                        best_v = val;
-                    }
-                }
+                let (best_v, best) = largest((0..size).map(|k| src[(o * size + k) * inner + i]));
                 v[o * inner + i] = best_v;
                 ix[o * inner + i] = best as i64;
             }
+        }
+    });
+    Ok(())
+}
+
+/// The largest of `values` (at least one) and its first index; NaN propagates like PyTorch: a NaN
+/// wins and stays.
+fn largest<T: num_traits::Float>(mut values: impl Iterator<Item = T>) -> (T, usize) {
+    let mut best_v = values.next().expect("a value");
+    let mut best = 0;
+    for (k, val) in values.enumerate() {
+        if val > best_v || (val.is_nan() && !best_v.is_nan()) {
+            best = k + 1;
+            best_v = val;
+        }
+    }
+    (best_v, best)
+}
+
+/// Each row's index of [`max_dim`] over the `cols` values of contiguous `[rows, cols]` x, into
+/// the int64 `indices` (cross-entropy's head reads its classes so, beside its loss).
+pub fn argmax_rows(x: View<'_>, rows: usize, cols: usize, indices: View<'_>) -> Result<()> {
+    if cols == 0 {
+        return Ok(());
+    }
+    with_float!(x.dtype(), "max", T => {
+        let src = x.slice::<T>()?;
+        let ix = indices.slice_mut::<i64>()?;
+        for (r, out) in ix.iter_mut().enumerate().take(rows) {
+            *out = largest(src[r * cols..(r + 1) * cols].iter().copied()).1 as i64;
         }
     });
     Ok(())

@@ -293,3 +293,44 @@ struct Row4 {
         if (q < c4) visit(4 * q, r4[q]);
     }
 };
+
+// A running maximum and its index over elements visited in increasing index order: the first index
+// of the largest, or of the first NaN, which wins and stays (max_dim's rule, PyTorch's).
+template <typename T>
+struct ArgMax {
+    T m = T(0);
+    i64 best = -1;
+    // Whether a NaN was met: nothing after it counts.
+    __device__ __forceinline__ bool done() const { return best >= 0 && m != m; }
+    __device__ __forceinline__ void visit(i64 s, T v) {
+        if (!done() && (best < 0 || v > m || v != v)) {
+            m = v;
+            best = s;
+        }
+    }
+    // The block's threads' maxima merged in a fixed tree through vals and idxs (blockDim.x each, a
+    // power of two): the first index of the largest, or of the first NaN, however the elements were
+    // split among the threads. The result in vals[0] and idxs[0] (barriers before and after).
+    __device__ void merge(T* vals, i64* idxs) const {
+        vals[threadIdx.x] = m;
+        idxs[threadIdx.x] = best;
+        __syncthreads();
+        for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (threadIdx.x < h) {
+                const T a = vals[threadIdx.x], b = vals[threadIdx.x + h];
+                const i64 ia = idxs[threadIdx.x], ib = idxs[threadIdx.x + h];
+                const bool an = a != a, bn = b != b;
+                bool take_b;
+                if (ib < 0) take_b = false;
+                else if (ia < 0) take_b = true;
+                else if (an || bn) take_b = bn && (!an || ib < ia);
+                else take_b = b > a || (b == a && ib < ia);
+                if (take_b) {
+                    vals[threadIdx.x] = b;
+                    idxs[threadIdx.x] = ib;
+                }
+            }
+            __syncthreads();
+        }
+    }
+};

@@ -95,8 +95,11 @@ LOSS(double, f64)
 // _operands_ kernels, for the chunked head on a GPU whose products round f32) the bf16 or fp16
 // operand bits the two products that alone read it would round it to, two bytes; and where `full`
 // is given (the logits themselves: a head's bias gradient is summed from it), y there too, each
-// element written over the logit it came from (a barrier first: thread 0 reads the target's).
-// f32 rows of a multiple of 4 values are read through Row4 (common.cuh) and written by store4.
+// element written over the logit it came from (a barrier first: thread 0 reads the target's). Where
+// `predicted` is given, each row's class (the first index of its largest logit, or of its first
+// NaN: max_dim's answer) goes there too, from the first pass's reading (the head's accuracy without
+// a third reading of the chunk). f32 rows of a multiple of 4 values are read through Row4
+// (common.cuh) and written by store4.
 
 // Four gradient elements from j on into gx (and full): one 8-byte store of operand bits (or a
 // 16-byte one of f32), as Row4 reads them.
@@ -107,8 +110,9 @@ __device__ __forceinline__ void store4(float* gx, i64 j, const float (&y)[4]) { 
 
 template <typename T, typename O, typename Store>
 __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad, const T* g, O* gx,
-                                   Store store, T* full) {
+                                   Store store, T* full, i64* predicted) {
     __shared__ T sm[256], ss[256], st[256];
+    __shared__ i64 arg[256];
     const T scale = *g / T(n);
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
         const T* row = logits + r * c;
@@ -116,7 +120,9 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         const bool valid = t >= 0 && t < c;
         if (!valid && threadIdx.x == 0) atomicCAS((u64*)bad, 0ULL, (u64)(r + 1));
         T m = -INFINITY, s = T(0), total = T(0);
-        auto online = [&](i64, T x) {
+        ArgMax<T> top_class;
+        auto online = [&](i64 j, T x) {
+            if (predicted) top_class.visit(j, x);
             total += x;
             if (x > m) {
                 s = s * exp(m - x) + T(1);
@@ -138,6 +144,12 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         }
         if (!wide)
             for (i64 j = threadIdx.x; j < c; j += blockDim.x) online(j, row[j]);
+        // The row's class (max_dim's answer) where asked, through sm and arg before they are reused.
+        if (predicted) {
+            top_class.merge(sm, arg);
+            if (threadIdx.x == 0) predicted[r] = arg[0];
+            __syncthreads();
+        }
         sm[threadIdx.x] = m;
         ss[threadIdx.x] = s;
         st[threadIdx.x] = total;
@@ -177,15 +189,15 @@ __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i6
         __syncthreads();
     }
 }
-extern "C" __global__ void cross_entropy_grad_f32(const float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, float* gx) {
-    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return y; }, (float*)nullptr);
+extern "C" __global__ void cross_entropy_grad_f32(const float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, float* gx, i64* predicted) {
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return y; }, (float*)nullptr, predicted);
 }
-extern "C" __global__ void cross_entropy_grad_f64(const double* logits, const i64* target, i64 n, i64 c, double smoothing, double* rowloss, i64* bad, const double* g, double* gx) {
-    cross_entropy_grad<double>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](double y) { return y; }, (double*)nullptr);
+extern "C" __global__ void cross_entropy_grad_f64(const double* logits, const i64* target, i64 n, i64 c, double smoothing, double* rowloss, i64* bad, const double* g, double* gx, i64* predicted) {
+    cross_entropy_grad<double>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](double y) { return y; }, (double*)nullptr, predicted);
 }
-extern "C" __global__ void cross_entropy_grad_operands_bf16(float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, unsigned short* gx, int over) {
-    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return (unsigned short)operand_bits<1>(y); }, over ? logits : nullptr);
+extern "C" __global__ void cross_entropy_grad_operands_bf16(float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, unsigned short* gx, int over, i64* predicted) {
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return (unsigned short)operand_bits<1>(y); }, over ? logits : nullptr, predicted);
 }
-extern "C" __global__ void cross_entropy_grad_operands_f16(float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, unsigned short* gx, int over) {
-    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return (unsigned short)operand_bits<2>(y); }, over ? logits : nullptr);
+extern "C" __global__ void cross_entropy_grad_operands_f16(float* logits, const i64* target, i64 n, i64 c, float smoothing, float* rowloss, i64* bad, const float* g, unsigned short* gx, int over, i64* predicted) {
+    cross_entropy_grad<float>(logits, target, n, c, smoothing, rowloss, bad, g, gx, [](float y) { return (unsigned short)operand_bits<2>(y); }, over ? logits : nullptr, predicted);
 }

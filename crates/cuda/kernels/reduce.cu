@@ -1,32 +1,22 @@
 // Reductions, each output computed by one thread or one block in a fixed order (no atomics).
 
-// This thread's share of a row's max_dim_rows scan: the largest of its elements and its index (the
-// first of equals; a NaN wins, the first met, and ends the scan). Its elements are s = t, t + 256,
-// ... (or Row4's groups, on a long f32 row): the block's merge finds the same answer either way.
+// This thread's share of a row's max_dim_rows scan (ArgMax, common.cuh), ended at a NaN. Its
+// elements are s = t, t + 256, ... (or Row4's groups, on a long f32 row): the block's merge finds
+// the same answer either way.
 template <typename T>
-__device__ __forceinline__ void row_max(const T* row, i64 size, T& m, i64& best) {
-    auto visit = [&](i64 s, T v) {
-        if (best < 0 || v > m || v != v) {
-            m = v;
-            best = s;
-        }
-    };
+__device__ __forceinline__ void row_max(const T* row, i64 size, ArgMax<T>& a) {
     if constexpr (sizeof(T) == 4) {
         if (Row4<T>::fits(row, size)) {
             Row4<T>::scan(row, size, [&](i64 j, const float4& v) {
-                if (best >= 0 && m != m) return;
-                visit(j, v.x);
-                if (m != m) return;
-                visit(j + 1, v.y);
-                if (m != m) return;
-                visit(j + 2, v.z);
-                if (m != m) return;
-                visit(j + 3, v.w);
+                a.visit(j, v.x);
+                a.visit(j + 1, v.y);
+                a.visit(j + 2, v.z);
+                a.visit(j + 3, v.w);
             });
             return;
         }
     }
-    for (i64 s = threadIdx.x; s < size && !(best >= 0 && m != m); s += blockDim.x) visit(s, row[s]);
+    for (i64 s = threadIdx.x; s < size && !a.done(); s += blockDim.x) a.visit(s, row[s]);
 }
 
 #define REDUCE(T, SUF)                                                                                  \
@@ -96,26 +86,9 @@ __device__ __forceinline__ void row_max(const T* row, i64 size, T& m, i64& best)
         __shared__ T vals[256];                                                                         \
         __shared__ i64 idxs[256];                                                                       \
         for (i64 o = blockIdx.x; o < outer; o += gridDim.x) {                                           \
-            const T* row = x + o * size;                                                                \
-            T m = T(0);                                                                                 \
-            i64 best = -1;                                                                              \
-            row_max(row, size, m, best);                                                                \
-            vals[threadIdx.x] = m;                                                                      \
-            idxs[threadIdx.x] = best;                                                                   \
-            __syncthreads();                                                                            \
-            for (unsigned h = blockDim.x / 2; h > 0; h >>= 1) {                                         \
-                if (threadIdx.x < h) {                                                                  \
-                    T a = vals[threadIdx.x], b = vals[threadIdx.x + h];                                 \
-                    i64 ia = idxs[threadIdx.x], ib = idxs[threadIdx.x + h];                             \
-                    bool an = a != a, bn = b != b, take_b;                                              \
-                    if (ib < 0) take_b = false;                                                         \
-                    else if (ia < 0) take_b = true;                                                     \
-                    else if (an || bn) take_b = bn && (!an || ib < ia);                                 \
-                    else take_b = b > a || (b == a && ib < ia);                                         \
-                    if (take_b) { vals[threadIdx.x] = b; idxs[threadIdx.x] = ib; }                      \
-                }                                                                                       \
-                __syncthreads();                                                                        \
-            }                                                                                           \
+            ArgMax<T> a;                                                                                \
+            row_max(x + o * size, size, a);                                                             \
+            a.merge(vals, idxs);                                                                        \
             if (threadIdx.x == 0) { values[o] = vals[0]; indices[o] = idxs[0]; }                        \
             __syncthreads();                                                                            \
         }                                                                                               \

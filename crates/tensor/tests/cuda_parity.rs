@@ -441,7 +441,47 @@ fn large_vocabularies_match_the_cpu(cuda: &Device) -> usize {
         let t = Tensor::from_slice(x[0].device(), &long_targets, &[20], Category::Input)?;
         Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 16)?.0)
     });
-    4 + maxima_over_long_rows_match_the_cpu(cuda)
+    4 + maxima_over_long_rows_match_the_cpu(cuda) + head_classes_match_the_cpu(cuda)
+}
+
+/// The chunked head's predicted classes when gradients are wanted (on a GPU, from the loss
+/// kernel's own reading of the logits, not max_dim's): the cpu's indices, over 50,304 classes
+/// (rows read 16 bytes a load), 300 and 301 (one load a value). The logits are the bias on rows of
+/// zeros (row 0: a tie, the first place wins; row 1: a NaN after the max, the NaN wins) and a
+/// product elsewhere. The cases checked.
+fn head_classes_match_the_cpu(cuda: &Device) -> usize {
+    let mut cases = 0;
+    for classes in [50_304, 300, 301] {
+        let (rows, d) = (9, 8);
+        let mut x = values(rows * d, 21);
+        x[..2 * d].fill(0.0);
+        let mut bias = values(classes, 22);
+        bias[classes - 2] = 9.0;
+        bias[classes / 3] = 9.0;
+        let targets: Vec<i64> = (0..rows as i64).map(|r| (r * 31) % classes as i64).collect();
+        let run = |device: &Device, nan: bool| -> Result<Vec<i64>> {
+            let mut b = bias.clone();
+            if nan {
+                // Two NaNs, the second in the same 16-byte load (a thread keeps its first).
+                b[classes / 2] = f32::NAN;
+                b[classes / 2 + 1] = f32::NAN;
+            }
+            let x = Tensor::from_slice(device, &x, &[rows, d], Category::Input)?;
+            let w = Tensor::from_slice(device, &values(classes * d, 23), &[classes, d], Category::Parameter)?
+                .set_requires_grad(true);
+            let b = Tensor::from_slice(device, &b, &[classes], Category::Parameter)?.set_requires_grad(true);
+            let t = Tensor::from_slice(device, &targets, &[rows], Category::Input)?;
+            ops::linear_cross_entropy(&x, &w, Some(&b), &t, 0.0, 4)?.1.to_vec::<i64>()
+        };
+        for nan in [false, true] {
+            let want = run(&Device::cpu(), nan).expect("the head on cpu");
+            let got = run(cuda, nan).expect("the head on cuda");
+            assert_eq!(got, want, "the head's classes over {classes} (a NaN: {nan})");
+            assert_eq!(want[0], if nan { (classes / 2) as i64 } else { (classes / 3) as i64 }, "{classes}");
+            cases += 1;
+        }
+    }
+    cases
 }
 
 /// The largest value of each row and its first index (the head's prediction), a block per row on
@@ -453,12 +493,16 @@ fn maxima_over_long_rows_match_the_cpu(cuda: &Device) -> usize {
     for (rows, cols) in [(6, 50_304), (9, 3), (4, 257)] {
         let mut v = values(rows * cols, 11);
         // Row 0: a tie between a late and an early place (the early one wins); row 1: a NaN after
-        // the max and another later; row 2: all -inf.
+        // the max and others later, one of them 1,024 places on (the same GPU thread's next
+        // 16-byte load: a thread keeps its first NaN); row 2: all -inf.
         let (late, early) = (cols - 1, cols / 3);
         v[late] = 7.0;
         v[early] = 7.0;
         v[cols + cols / 2] = f32::NAN;
         v[cols + cols - 1] = f32::NAN;
+        if cols / 2 + 1024 < cols {
+            v[cols + cols / 2 + 1024] = f32::NAN;
+        }
         v[2 * cols..3 * cols].fill(f32::NEG_INFINITY);
         for inner in [false, true] {
             let got = |device: &Device| -> Result<(Vec<u32>, Vec<i64>)> {

@@ -2505,6 +2505,7 @@ impl Backend for Cuda {
         grad: &Tensor,
         gx: &Tensor,
         bias_grad: Option<&Tensor>,
+        predicted: Option<&Tensor>,
     ) -> Result<()> {
         const NAME: &str = "cross_entropy";
         let sfx = float(NAME, logits.dtype())?;
@@ -2537,6 +2538,8 @@ impl Backend for Cuda {
         if gx.dtype() != logits.dtype() {
             args.push(Arg::I32(bias_grad.is_some() as i32));
         }
+        // Each row's class from the same reading (0: not asked).
+        args.push(Arg::Ptr(predicted.map(|p| dense(p, NAME)).transpose()?.unwrap_or(0)));
         self.launch(&kernel, self.grid(n * BLOCK as usize, BLOCK), &mut args)?;
         self.launch(
             &format!("cross_entropy_mean_{sfx}"),

@@ -487,7 +487,9 @@ backends! {
     /// fewer times); with `bias_grad`, also the gradient's column sums into it (a head's bias
     /// gradient, summed as `linear_weight_grad` sums it). A 16-bit `gx` of f32 logits (a GPU's,
     /// under products that round f32 to it) receives the gradient as those products' operand bits,
-    /// and the logits then hold the f32 gradient where `bias_grad` is summed from it.
+    /// and the logits then hold the f32 gradient where `bias_grad` is summed from it. With
+    /// `predicted` (int64 [N]), each row's class as `max_dim` finds it (the first index of the
+    /// largest logit, or of the first NaN), read before the logits are written over.
     #[allow(clippy::too_many_arguments)]
     fn cross_entropy_with_grad(
         &self,
@@ -499,6 +501,7 @@ backends! {
         grad: &Tensor,
         gx: &Tensor,
         bias_grad: Option<&Tensor>,
+        predicted: Option<&Tensor>,
     );
     /// nll_loss's mean into the scalar `out` (log_probs may be strided; checks the targets' range).
     fn nll_loss(&self, log_probs: &Tensor, target: &Tensor, out: &Tensor);

@@ -179,9 +179,9 @@ pub fn linear_cross_entropy(
         let (xc, tc) = (x.narrow(0, start, rows)?, target.narrow(0, start, rows)?);
         let logits = output(&x, &[rows, v], dtype, "linear_cross_entropy")?;
         backend.linear(&xc, weight, bias_c.as_ref(), &logits, super::products_of(&xc))?;
-        let best = output(&x, &[rows], dtype, "linear_cross_entropy")?;
-        backend.max_dim(&logits, rows, v, 1, &best, &predicted.narrow(0, start, rows)?)?;
-        drop(best);
+        // Each row's class: with gradients, from the loss's own reading of the logits (before the
+        // gradient may be written over them), else through max_dim.
+        let classes = predicted.narrow(0, start, rows)?;
         // This chunk's mean loss, weighed by its share of the rows; and when gradients are wanted,
         // d(mean loss over all N rows) / d(this chunk's logits), the chunk's mean times its share,
         // from the same reading of the logits.
@@ -204,10 +204,14 @@ pub fn linear_cross_entropy(
                     &upstream,
                     &glogits,
                     gb_part.as_ref(),
+                    Some(&classes),
                 )?;
                 (Some(glogits), gb_part)
             }
             _ => {
+                let best = output(&x, &[rows], dtype, "linear_cross_entropy")?;
+                backend.max_dim(&logits, rows, v, 1, &best, &classes)?;
+                drop(best);
                 backend.cross_entropy(&logits, &tc, label_smoothing, &part, ws.as_ref())?;
                 (None, None)
             }
@@ -347,9 +351,9 @@ mod tests {
 
     /// The backend's loss with its gradient and, when asked, the gradient's column sums (a head's
     /// bias gradient, which a GPU sums in the same call): on the cpu, the sums of the gradient it
-    /// wrote, bit for bit.
+    /// wrote, bit for bit; and each row's class, when asked, max_dim's.
     #[test]
-    fn the_loss_call_sums_the_bias_gradient_when_asked() {
+    fn the_loss_call_sums_the_bias_gradient_and_finds_the_classes_when_asked() {
         let dev = Device::cpu();
         let (n, c) = (6, 9);
         let logits = t64(&dev, &values(n * c, 3), &[n, c]).to_dtype(DType::F32).unwrap();
@@ -357,10 +361,15 @@ mod tests {
         let upstream = Tensor::full(&dev, &[], 0.5, DType::F32, Category::Input).unwrap();
         let out = |shape: &[usize]| output(&logits, shape, DType::F32, "test").unwrap();
         let (loss, gx, gb) = (out(&[]), out(&[n, c]), out(&[c]));
-        dev.backend().cross_entropy_with_grad(&logits, &t, 0.1, &loss, None, &upstream, &gx, Some(&gb)).unwrap();
+        let classes = crate::ops::output_any(&logits, &[n], DType::I64, "test").unwrap();
+        dev.backend()
+            .cross_entropy_with_grad(&logits, &t, 0.1, &loss, None, &upstream, &gx, Some(&gb), Some(&classes))
+            .unwrap();
         let want = gx.sum_dim(0, false).unwrap().to_vec::<f32>().unwrap();
         assert_eq!(gb.to_vec::<f32>().unwrap(), want);
         assert!(want.iter().any(|&v| v != 0.0), "{want:?}");
+        let (_, best) = logits.max_dim(1, false).unwrap();
+        assert_eq!(classes.to_vec::<i64>().unwrap(), best.to_vec::<i64>().unwrap());
     }
 
     #[test]
