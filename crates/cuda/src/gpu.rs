@@ -743,7 +743,7 @@ impl Gpu {
         };
         // A bias not 16-byte aligned (a block of a product cut in blocks may start anywhere) is
         // broadcast: cuBLASLt's heuristic is told how A, B and C are aligned, not the bias.
-        if g.bias % 16 == 0 {
+        if g.bias.is_multiple_of(16) {
             let Err(refused) = self.gemm_lt(lt, g) else { return Ok(()) };
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
