@@ -93,6 +93,10 @@ pub fn max_dim(
     values: View<'_>,
     indices: View<'_>,
 ) -> Result<()> {
+    // Nothing to take a max of (the op refuses an empty dim; a head of no classes asks for none).
+    if size == 0 {
+        return Ok(());
+    }
     with_float!(x.dtype(), "max", T => {
         let src = x.slice::<T>()?;
         let (v, ix) = (values.slice_mut::<T>()?, indices.slice_mut::<i64>()?);
@@ -107,8 +111,8 @@ pub fn max_dim(
     Ok(())
 }
 
-/// The largest of `values` (at least one) and its first index; NaN propagates like PyTorch: a NaN
-/// wins and stays.
+/// The largest of `values` (at least one: the callers return before an empty dim) and its first
+/// index; NaN propagates like PyTorch: a NaN wins and stays.
 fn largest<T: num_traits::Float>(mut values: impl Iterator<Item = T>) -> (T, usize) {
     let mut best_v = values.next().expect("a value");
     let mut best = 0;
