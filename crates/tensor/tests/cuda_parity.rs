@@ -604,7 +604,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 17] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 19] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -660,6 +660,14 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
         }),
         ("gelu_linear", vec![&[50, 24], &[30, 24], &[30]], &|x| ops::gelu_linear(&x[0], &x[1], Some(&x[2]))),
+        // Past a GPU block of 4,096 rows: the weight rounded once for both blocks, each block's
+        // output gradient once for its two products (Note [Held operands] in the cuda backend).
+        ("layer_norm_linear over two GPU blocks", vec![&[4133, 24], &[24], &[24], &[30, 24], &[30]], &|x| {
+            ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+        }),
+        ("gelu_linear over two GPU blocks", vec![&[4133, 24], &[30, 24], &[30]], &|x| {
+            ops::gelu_linear(&x[0], &x[1], Some(&x[2]))
+        }),
         // On a GPU the logits' gradient is made as the products' operand bits, the bias gradient
         // summed from the f32 one.
         ("linear_cross_entropy (the chunked head)", vec![&[70, 24], &[300, 24], &[300]], &|x| {
@@ -692,9 +700,16 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             // rounding's effect (a wrong fragment or tile would move nearly all of them, by the
             // values themselves). The chunked head likewise: its logits' gradient comes from
             // another formula on each device (the GPU's kernel divides by the row's sum, the cpu
-            // subtracts its log), so a few of its elements round to the other neighbour.
+            // subtracts its log), so a few of its elements round to the other neighbour. So too
+            // the fused ops' activations, rounded as the product's operand: each device
+            // normalizes a row in its own order of additions and takes GELU's erf by its own
+            // formula, a unit in the last place apart now and then, and over thousands of rows
+            // (two GPU blocks) a few of them round apart.
             let forward_attention = k == 0 && what.contains("attention");
-            let flips = what.contains("tensor cores") || what.contains("head");
+            let flips = what.contains("tensor cores")
+                || what.contains("head")
+                || what.contains("layer_norm_linear over")
+                || what.contains("gelu_linear over");
             let order = if products == memfit_tensor::Products::F16 { 1e-5 } else { 1e-6 };
             let beyond = g.iter().zip(w).filter(|(x, y)| (*x - *y).abs() > order * scale).count();
             // Attention's gradients take D from each device's own forward output (Note

@@ -311,6 +311,73 @@ fn operand(t: &Tensor, address: u64, rows: usize, cols: usize, rs: usize, cs: us
     })
 }
 
+// Note [Held operands]
+// ~~~~~~~~~~~~~~~~~~~~
+// A rounded product rounds its f32 operands into the rounding workspace first (`memfit_cuda::rounded`).
+// An op whose products share an operand rounds it once instead: the fused ops' weight, read by
+// every block of rows; a block's output gradient, read by its weight gradient and its input
+// gradient. `Cuda::hold` rounds it into the workspace's top, 256-byte aligned, and the products
+// read the copy as an operand rounded already while their own roundings use the rest (at least half
+// the workspace: an operand that would leave less is not held, and its products round it as
+// before). The copy holds the bits the product's own rounding would have made, so the numbers do
+// not change; nothing is allocated, so neither do the peaks. A copy stays valid while the op's
+// launches run in stream order, each later rounding written elsewhere.
+
+/// What an op holds at the rounding workspace's top (Note [Held operands]): its 16-bit elements,
+/// a multiple of [`HELD_ALIGN`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Held {
+    taken: usize,
+}
+
+/// Elements (256 bytes) each held copy starts at a multiple of from the workspace's start.
+const HELD_ALIGN: usize = 128;
+
+impl Held {
+    /// The workspace's elements below the held copies, for the products' own roundings: all of
+    /// `capacity` while nothing is held. The last copy held starts there.
+    fn room(self, capacity: usize) -> usize {
+        if self.taken == 0 {
+            capacity
+        } else {
+            (capacity / HELD_ALIGN * HELD_ALIGN).saturating_sub(self.taken)
+        }
+    }
+
+    /// What is held with a copy of `len` more elements in a workspace of `capacity`, or None where
+    /// that would leave the products less than half of it.
+    fn with(self, len: usize, capacity: usize) -> Option<Held> {
+        let taken = (self.taken + len).next_multiple_of(HELD_ALIGN);
+        (taken <= capacity / 2).then_some(Held { taken })
+    }
+}
+
+/// A weight `[out_f, in_f]` as an op's products read it: the tensor, or its rounded copy held in the
+/// rounding workspace (dense, Note [Held operands]).
+#[derive(Clone, Copy)]
+struct Weight<'a> {
+    tensor: &'a Tensor,
+    copy: Option<u64>,
+}
+
+impl Weight<'_> {
+    /// `(out_f, in_f)`.
+    fn shape(&self) -> (usize, usize) {
+        (self.tensor.shape()[0], self.tensor.shape()[1])
+    }
+
+    /// Where its elements are, and its element strides.
+    fn at(&self) -> Result<(u64, [usize; 2])> {
+        match self.copy {
+            Some(copy) => Ok((copy, [self.shape().1, 1])),
+            None => {
+                let ws = self.tensor.layout().strides();
+                Ok((addr(self.tensor)?, [ws[0], ws[1]]))
+            }
+        }
+    }
+}
+
 impl Cuda {
     fn err(&self, e: memfit_cuda::CudaError) -> Error {
         refused(self.ordinal, e)
@@ -370,12 +437,13 @@ impl Cuda {
     }
 
     fn gemm(&self, g: Gemm) -> Result<()> {
-        self.gemm_with(g, [false; 2])
+        self.gemm_with(g, [false; 2], Held::default())
     }
 
     /// [`Cuda::gemm`] of a rounded product whose operands `rounded` (`g.a`, `g.b`) hold their 16-bit
-    /// bits already ([`Cuda::rounded_gemm`]).
-    fn gemm_with(&self, g: Gemm, rounded: [bool; 2]) -> Result<()> {
+    /// bits already ([`Cuda::rounded_gemm`]), its own roundings below what `held` takes of the
+    /// rounding workspace.
+    fn gemm_with(&self, g: Gemm, rounded: [bool; 2], held: Held) -> Result<()> {
         if g.m == 0 || g.n == 0 || g.batch == 0 {
             return Ok(());
         }
@@ -395,7 +463,7 @@ impl Cuda {
             };
         }
         if matches!(g.dtype, GemmType::F32Bf16 | GemmType::F32F16) {
-            return self.rounded_gemm(&g, rounded);
+            return self.rounded_gemm(&g, rounded, held);
         }
         if rounded.contains(&true) {
             return Err(Error::invalid(format!("internal: a {:?} product of operands rounded already", g.dtype)));
@@ -406,46 +474,78 @@ impl Cuda {
     /// A bf16 or fp16 product of f32 operands: `memfit_cuda::rounded`'s steps, its operands rounded
     /// by `round_operands_*` into the rounding workspace (but those `rounded` already: `g.a`, `g.b`
     /// holding their 16-bit bits), then multiplied by the machine as 16-bit operands with f32
-    /// accumulation.
-    fn rounded_gemm(&self, g: &Gemm, rounded: [bool; 2]) -> Result<()> {
-        let workspace = *self.rounding.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((address, bytes)) = workspace else {
-            return Err(Error::invalid(format!(
-                "a {:?} product on {} needs the rounding workspace the device allocates when its products \
-                 become rounded (Device::set_products)",
-                g.dtype,
-                DeviceKind::Cuda(self.ordinal)
-            )));
-        };
-        let steps = memfit_cuda::rounded::rounded_steps(g, rounded, address, bytes / 2).ok_or_else(|| {
+    /// accumulation. The roundings use the workspace below what `held` takes of it.
+    fn rounded_gemm(&self, g: &Gemm, rounded: [bool; 2], held: Held) -> Result<()> {
+        let (address, capacity) = self.rounding_workspace(g.dtype)?;
+        let room = held.room(capacity);
+        let steps = memfit_cuda::rounded::rounded_steps(g, rounded, address, room).ok_or_else(|| {
             Error::invalid(format!(
-                "a {:?} product with a bias and a beta or a batch, or a rounding workspace of {bytes} B",
+                "a {:?} product with a bias and a beta or a batch, or a rounding workspace of {room} elements",
                 g.dtype
             ))
         })?;
-        let kernel = if g.dtype == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
-        // data.cu's `struct Rounding`: a launch takes two where two come in a row, else one and a
-        // second of no columns.
+        for launch in memfit_cuda::rounded::rounded_launches(steps) {
+            match launch {
+                memfit_cuda::rounded::RoundedLaunch::Round(a, b) => self.round(g.dtype, a, b)?,
+                memfit_cuda::rounded::RoundedLaunch::Product(p) => self.machine.gemm(&p).map_err(|e| self.err(e))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The rounding workspace of a `kind` product: its address and its capacity in 16-bit elements.
+    fn rounding_workspace(&self, kind: GemmType) -> Result<(u64, usize)> {
+        let workspace = *self.rounding.lock().unwrap_or_else(|e| e.into_inner());
+        workspace.map(|(address, bytes)| (address, bytes / 2)).ok_or_else(|| {
+            Error::invalid(format!(
+                "a {kind:?} product on {} needs the rounding workspace the device allocates when its products \
+                 become rounded (Device::set_products)",
+                DeviceKind::Cuda(self.ordinal)
+            ))
+        })
+    }
+
+    /// One launch of data.cu's `round_operands_*` for a `kind` product: `a`, and `b` when given
+    /// (its `struct Rounding`: a launch takes two where two come in a row, else one and a second of
+    /// no columns).
+    fn round(
+        &self,
+        kind: GemmType,
+        a: memfit_cuda::rounded::RoundOperand,
+        b: Option<memfit_cuda::rounded::RoundOperand>,
+    ) -> Result<()> {
+        let kernel = if kind == GemmType::F32Bf16 { "round_operands_bf16" } else { "round_operands_f16" };
         let words = |o: Option<memfit_cuda::rounded::RoundOperand>| {
             o.map_or(vec![0; 7], |o| {
                 vec![o.src, o.rows as u64, o.cols as u64, o.ld as u64, o.stride as u64, o.batch as u64, o.dst]
             })
         };
-        for launch in memfit_cuda::rounded::rounded_launches(steps) {
-            match launch {
-                memfit_cuda::rounded::RoundedLaunch::Round(a, b) => {
-                    // A block per column (data.cu's round_operands), up to the machine's useful count.
-                    let columns = a.cols * a.batch + b.map_or(0, |b| b.cols * b.batch);
-                    self.launch(
-                        kernel,
-                        self.grid(columns * BLOCK as usize, BLOCK),
-                        &mut [Arg::Words(words(Some(a))), Arg::Words(words(b))],
-                    )?;
-                }
-                memfit_cuda::rounded::RoundedLaunch::Product(p) => self.machine.gemm(&p).map_err(|e| self.err(e))?,
-            }
+        // A block per column, up to the machine's useful count.
+        let columns = a.cols * a.batch + b.map_or(0, |b| b.cols * b.batch);
+        self.launch(
+            kernel,
+            self.grid(columns * BLOCK as usize, BLOCK),
+            &mut [Arg::Words(words(Some(a))), Arg::Words(words(b))],
+        )
+    }
+
+    /// Rounds the `rows` dense rows of `width` f32 values at `src` once, for several of an op's `kind`
+    /// products to read (Note [Held operands]): into the rounding workspace's top, below what `held`
+    /// takes of it already, which then takes them too. The copy's address (dense, 16-bit), or None,
+    /// rounding and holding nothing, where `kind` rounds nothing or the copy would leave the
+    /// products less than half the workspace.
+    fn hold(&self, kind: GemmType, src: u64, (rows, width): (usize, usize), held: &mut Held) -> Result<Option<u64>> {
+        if !matches!(kind, GemmType::F32Bf16 | GemmType::F32F16) || rows == 0 || width == 0 {
+            return Ok(None);
         }
-        Ok(())
+        let (address, capacity) = self.rounding_workspace(kind)?;
+        let Some(taken) = held.with(rows * width, capacity) else { return Ok(None) };
+        let dst = address + 2 * taken.room(capacity) as u64;
+        let copy =
+            memfit_cuda::rounded::RoundOperand { src, rows: width, cols: rows, ld: width, stride: 0, batch: 1, dst };
+        self.round(kind, copy, None)?;
+        *held = taken;
+        Ok(Some(dst))
     }
 
     /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) of a
@@ -803,29 +903,51 @@ impl Cuda {
         )
     }
 
+    /// `weight` as an op's `products` read it: held rounded for all of them (Note [Held operands])
+    /// where it is dense, the products round it and `blocks` (of rows, a product each) > 1; else as
+    /// it is.
+    fn weight_for<'a>(
+        &self,
+        weight: &'a Tensor,
+        products: Products,
+        blocks: usize,
+        held: &mut Held,
+        op: &str,
+    ) -> Result<Weight<'a>> {
+        let kind = gemm_type(op, weight.dtype(), products)?;
+        let copy = if blocks > 1 && weight.is_contiguous() {
+            self.hold(kind, addr(weight)?, (weight.shape()[0], weight.shape()[1]), held)?
+        } else {
+            None
+        };
+        Ok(Weight { tensor: weight, copy })
+    }
+
     /// `out[rows, out_f] (+)= x[rows, in_f] W^T` for a weight `[out_f, in_f]` of any unit-stride layout
-    /// (`x_rounded`: x holds a rounded product's operand bits already, [`Cuda::gemm_with`]).
+    /// (`x_rounded`: x holds a rounded product's operand bits already, [`Cuda::gemm_with`]; `held`:
+    /// what the op holds rounded, Note [Held operands]).
     #[allow(clippy::too_many_arguments)]
     fn times_weight_t(
         &self,
         (x, x_rounded): (u64, bool),
         rows: usize,
-        weight: &Tensor,
+        weight: Weight,
         out: u64,
         (bias, beta): (u64, f64),
-        products: Products,
+        (products, held): (Products, Held),
         op: &str,
     ) -> Result<()> {
-        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
-        let ws = weight.layout().strides();
+        let (out_f, in_f) = weight.shape();
+        let (address, ws) = weight.at()?;
         let a = Operand { address: x, trans: false, ld: in_f.max(1) };
         // W^T is [in_f, out_f] with strides (ws[1], ws[0]).
-        let b = operand(weight, addr(weight)?, in_f, out_f, ws[1], ws[0], op)?;
-        let kind = gemm_type(op, weight.dtype(), products)?;
-        // cuBLAS's B is x ([`product`]).
+        let b = operand(weight.tensor, address, in_f, out_f, ws[1], ws[0], op)?;
+        let kind = gemm_type(op, weight.tensor.dtype(), products)?;
+        // cuBLAS's A is W, its B x ([`product`]).
         self.gemm_with(
             Gemm { bias, ..product(kind, (rows, out_f, in_f), a, b, out, (0, 0, 0, 1), beta) },
-            [false, x_rounded],
+            [weight.copy.is_some(), x_rounded],
+            held,
         )
     }
 
@@ -845,18 +967,28 @@ impl Cuda {
         Ok(rounded.is_some())
     }
 
-    /// `out[rows, in_f] = g[rows, out_f] W` for a weight `[out_f, in_f]`.
-    fn times_weight(&self, g: u64, rows: usize, weight: &Tensor, out: u64, products: Products, op: &str) -> Result<()> {
-        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
-        let ws = weight.layout().strides();
+    /// `out[rows, in_f] = g[rows, out_f] W` for a weight `[out_f, in_f]` (`g_rounded` and `held` as
+    /// in [`Cuda::times_weight_t`]).
+    fn times_weight(
+        &self,
+        (g, g_rounded): (u64, bool),
+        rows: usize,
+        weight: Weight,
+        out: u64,
+        (products, held): (Products, Held),
+        op: &str,
+    ) -> Result<()> {
+        let (out_f, in_f) = weight.shape();
+        let (address, ws) = weight.at()?;
         let a = Operand { address: g, trans: false, ld: out_f.max(1) };
-        let b = operand(weight, addr(weight)?, out_f, in_f, ws[0], ws[1], op)?;
-        let kind = gemm_type(op, weight.dtype(), products)?;
-        self.gemm(product(kind, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0))
+        let b = operand(weight.tensor, address, out_f, in_f, ws[0], ws[1], op)?;
+        let kind = gemm_type(op, weight.tensor.dtype(), products)?;
+        let g = product(kind, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0);
+        self.gemm_with(g, [weight.copy.is_some(), g_rounded], held)
     }
 
-    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense, `dtype` x's; `g_rounded` and
-    /// `x_rounded` as in [`Cuda::times_weight_t`]).
+    /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense, `dtype` x's; `g_rounded`,
+    /// `x_rounded` and `held` as in [`Cuda::times_weight_t`]).
     #[allow(clippy::too_many_arguments)]
     fn weight_grad(
         &self,
@@ -868,13 +1000,29 @@ impl Cuda {
         in_f: usize,
         gw: u64,
         beta: f64,
-        products: Products,
+        (products, held): (Products, Held),
     ) -> Result<()> {
         let a = Operand { address: g, trans: true, ld: out_f.max(1) };
         let b = Operand { address: x, trans: false, ld: in_f.max(1) };
         let kind = gemm_type("a weight gradient", dtype, products)?;
         // cuBLAS's A is x, its B g ([`product`]).
-        self.gemm_with(product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta), [x_rounded, g_rounded])
+        let g = product(kind, (out_f, in_f, rows), a, b, gw, (0, 0, 0, 1), beta);
+        self.gemm_with(g, [x_rounded, g_rounded], held)
+    }
+
+    /// A block's output gradient `g` ([rows, out_f], dense) as its weight gradient and input gradient
+    /// read it: held rounded for both (Note [Held operands]) where both are wanted and the products
+    /// round it, with the address of its copy and true; else as it is.
+    fn gradient_for(
+        &self,
+        g: u64,
+        (rows, out_f): (usize, usize),
+        both: bool,
+        kind: GemmType,
+        held: &mut Held,
+    ) -> Result<(u64, bool)> {
+        let copy = if both { self.hold(kind, g, (rows, out_f), held)? } else { None };
+        Ok(copy.map_or((g, false), |c| (c, true)))
     }
 }
 
@@ -1883,13 +2031,17 @@ impl Backend for Cuda {
             o.windows(2).all(|w| w[1] == w[0] + s).then_some(s)
         };
         if let (Some(step_a), Some(step_b)) = (step(&oa), step(&ob)) {
-            return self.gemm_with(product(dtype, (m, n, k), pa, pb, c, (step_a, step_b, m * n, count), 0.0), rounded);
+            return self.gemm_with(
+                product(dtype, (m, n, k), pa, pb, c, (step_a, step_b, m * n, count), 0.0),
+                rounded,
+                Held::default(),
+            );
         }
         for i in 0..count {
             let a_i = Operand { address: pa.address + oa[i] as u64 * size_a, ..pa };
             let b_i = Operand { address: pb.address + ob[i] as u64 * size_b, ..pb };
             let g = product(dtype, (m, n, k), a_i, b_i, c + (i * m * n) as u64 * size, (0, 0, 0, 1), 0.0);
-            self.gemm_with(g, rounded)?;
+            self.gemm_with(g, rounded, Held::default())?;
         }
         Ok(())
     }
@@ -1906,7 +2058,16 @@ impl Backend for Cuda {
         let rows = x.numel() / in_f.max(1);
         let dst = dense(out, "linear")?;
         let bias = self.bias_for_product(bias, gemm_type("linear", weight.dtype(), products)?, rows, out_f, dst)?;
-        self.times_weight_t((dense(x, "linear")?, false), rows, weight, dst, bias, products, "linear")
+        let weight = Weight { tensor: weight, copy: None };
+        self.times_weight_t(
+            (dense(x, "linear")?, false),
+            rows,
+            weight,
+            dst,
+            bias,
+            (products, Held::default()),
+            "linear",
+        )
     }
 
     fn linear_weight_grad(
@@ -1936,7 +2097,7 @@ impl Backend for Cuda {
             in_f,
             dense(gw, NAME)?,
             0.0,
-            products,
+            (products, Held::default()),
         )?;
         if let Some(gb) = gb {
             self.column_sums(float(NAME, grad.dtype())?, g, rows, out_f, dense(gb, NAME)?)?;
@@ -1961,10 +2122,13 @@ impl Backend for Cuda {
         let (xp, dst, sc) = (dense(x, NAME)?, dense(out, NAME)?, dense(scratch, NAME)?);
         let bias = self.bias_for_product(bias, gemm_type(NAME, weight.dtype(), products)?, rows, out_f, dst)?;
         let block = (scratch.numel() / in_f.max(1)).max(1);
+        let mut held = Held::default();
+        let weight = self.weight_for(weight, products, rows.div_ceil(block), &mut held, NAME)?;
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
             let rounded = self.gelu_block(sfx, products, xp + (r0 * in_f) as u64 * size, sc, n * in_f)?;
-            self.times_weight_t((sc, rounded), n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
+            let out = dst + (r0 * out_f) as u64 * size;
+            self.times_weight_t((sc, rounded), n, weight, out, bias, (products, held), NAME)?;
         }
         Ok(())
     }
@@ -1991,18 +2155,26 @@ impl Backend for Cuda {
         if let Some(gb) = gb {
             self.column_sums(sfx, g, rows, out_f, dense(gb, NAME)?)?;
         }
+        let kind = gemm_type(NAME, weight.dtype(), products)?;
+        let mut held = Held::default();
+        let blocks = if gxp != 0 { rows.div_ceil(block) } else { 0 };
+        let weight = self.weight_for(weight, products, blocks, &mut held, NAME)?;
         for (i, r0) in (0..rows).step_by(block).enumerate() {
             let n = block.min(rows - r0);
             let count = n * in_f;
-            let (x_block, g_block) = (xp + (r0 * in_f) as u64 * size, g + (r0 * out_f) as u64 * size);
+            let x_block = xp + (r0 * in_f) as u64 * size;
+            let mut held = held;
+            let g_block =
+                self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), gwp != 0 && gxp != 0, kind, &mut held)?;
             // The weight gradient first: it reads gelu(x) before a gradient written in place over x.
             if gwp != 0 {
                 let rounded = self.gelu_block(sfx, products, x_block, sc, count)?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(grad.dtype(), (g_block, false), (sc, rounded), n, out_f, in_f, gwp, beta, products)?;
+                let dtype = grad.dtype();
+                self.weight_grad(dtype, g_block, (sc, rounded), n, out_f, in_f, gwp, beta, (products, held))?;
             }
             if gxp != 0 {
-                self.times_weight(g_block, n, weight, sc, products, NAME)?;
+                self.times_weight(g_block, n, weight, sc, (products, held), NAME)?;
                 self.launch(
                     &format!("unary_backward_{sfx}"),
                     self.grid(count, BLOCK),
@@ -2112,6 +2284,8 @@ impl Backend for Cuda {
         // The normalized block goes straight to the product's operand bits where it rounds them.
         let rounded = operand_bits(sfx, products);
         let kernel = rounded.map_or(format!("layer_norm_{sfx}"), |bits| format!("layer_norm_operands_{bits}"));
+        let mut held = Held::default();
+        let weight = self.weight_for(weight, products, rows.div_ceil(block), &mut held, NAME)?;
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
             self.layer_norm_rows(
@@ -2125,7 +2299,8 @@ impl Backend for Cuda {
                 (at(mp, r0), at(rp, r0)),
             )?;
             let x_block = (sc, rounded.is_some());
-            self.times_weight_t(x_block, n, weight, dst + (r0 * out_f) as u64 * size, bias, products, NAME)?;
+            let out = dst + (r0 * out_f) as u64 * size;
+            self.times_weight_t(x_block, n, weight, out, bias, (products, held), NAME)?;
         }
         Ok(())
     }
@@ -2161,10 +2336,18 @@ impl Backend for Cuda {
         if let Some(gb) = gb {
             self.column_sums(sfx, g, rows, out_f, dense(gb, NAME)?)?;
         }
+        // The layer norm's output gradient (dy = grad W) is wanted for any of its input's.
+        let dy_wanted = gxp != 0 || glwp != 0 || glbp != 0;
+        let kind = gemm_type(NAME, weight.dtype(), products)?;
+        let mut held = Held::default();
+        let weight =
+            self.weight_for(weight, products, if dy_wanted { rows.div_ceil(block) } else { 0 }, &mut held, NAME)?;
         for (i, r0) in (0..rows).step_by(block).enumerate() {
             let n = block.min(rows - r0);
             let x_block = xp + (r0 * in_f) as u64 * size;
-            let g_block = g + (r0 * out_f) as u64 * size;
+            let mut held = held;
+            let g_block =
+                self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), gwp != 0 && dy_wanted, kind, &mut held)?;
             let (m_block, r_block) = (mp + r0 as u64 * size, rp + r0 as u64 * size);
             // Everything that reads x before a gradient written in place over it.
             if gwp != 0 {
@@ -2185,23 +2368,14 @@ impl Backend for Cuda {
                     ],
                 )?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
-                self.weight_grad(
-                    grad.dtype(),
-                    (g_block, false),
-                    (sc, rounded.is_some()),
-                    n,
-                    out_f,
-                    in_f,
-                    gwp,
-                    beta,
-                    products,
-                )?;
+                let x = (sc, rounded.is_some());
+                self.weight_grad(grad.dtype(), g_block, x, n, out_f, in_f, gwp, beta, (products, held))?;
             }
-            if gxp == 0 && glwp == 0 && glbp == 0 {
+            if !dy_wanted {
                 continue;
             }
             // dy = grad W: the layer norm's output gradient.
-            self.times_weight(g_block, n, weight, sc, products, NAME)?;
+            self.times_weight(g_block, n, weight, sc, (products, held), NAME)?;
             if glwp != 0 || glbp != 0 {
                 self.layer_norm_wb(sfx, [x_block, m_block, r_block, sc], n, in_f, [glwp, glbp], i > 0)?;
             }
@@ -3012,6 +3186,38 @@ fn binary_code(op: Binary) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Held copies (Note [Held operands]) lie inside the workspace, 256-byte aligned, apart from each
+    /// other and above the products' room, and never take more than half of it.
+    #[test]
+    fn held_copies_stay_apart() {
+        for capacity in [1000, 4096, 33_554_432, 33_554_432 - 77] {
+            assert_eq!(Held::default().room(capacity), capacity, "nothing held: all of it");
+            for lens in [vec![1, 1, 1], vec![200, 130, 7], vec![capacity / 8, capacity / 8, capacity / 8]] {
+                let mut held = Held::default();
+                // [start, end) of each copy held so far.
+                let mut copies: Vec<(usize, usize)> = Vec::new();
+                for len in lens {
+                    let Some(next) = held.with(len, capacity) else {
+                        let aligned = (held.taken + len).next_multiple_of(HELD_ALIGN);
+                        assert!(aligned > capacity / 2, "{len} refused in {capacity} with {held:?}");
+                        break;
+                    };
+                    assert!(next.taken <= capacity / 2);
+                    let start = next.room(capacity);
+                    assert_eq!(start % HELD_ALIGN, 0, "aligned");
+                    assert!(start + len <= capacity, "inside the workspace");
+                    for &(s, e) in &copies {
+                        assert!(start + len <= s || start >= e, "[{start}, +{len}) overlaps [{s}, {e})");
+                    }
+                    copies.push((start, start + len));
+                    held = next;
+                    // The products' room ends where the lowest copy starts.
+                    assert!(copies.iter().all(|&(s, _)| held.room(capacity) <= s));
+                }
+            }
+        }
+    }
 
     /// Coalescing keeps every element's offsets in row-major order, with fewer dims: a dense pair is
     /// one dim; a broadcast row, a transposed operand and a window keep the dims they need.
