@@ -199,7 +199,7 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     // Which kernels ran, as the report says: attention on the tensor cores only with rounded
     // products, reading its inputs as saved in 16 bits (Note [Attention's saved operands]); biases
     // in the product's epilogue, of f32 and rounded products alike (the emulator fuses them as
-    // cuBLASLt does).
+    // cuBLASLt does); a linear layer's weight gradient reading its input as saved in 16 bits.
     let used = |name: &str| {
         kernels[name].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>()
     };
@@ -207,6 +207,7 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
         "attention: operands read as saved in 16 bits",
         "attention: tensor cores",
         "bias: in the product's epilogue (cuBLASLt)",
+        "linear: input read as saved in 16 bits",
     ];
     assert_eq!(used("gpt-bf16"), rounded);
     assert_eq!(used("gpt-fp16"), used("gpt-bf16"));
@@ -344,7 +345,8 @@ fn the_host_only_emulator_allocates_as_the_gpu_without_arithmetic() {
         serde_json::json!([
             "attention: operands read as saved in 16 bits",
             "attention: tensor cores",
-            "bias: in the product's epilogue (cuBLASLt)"
+            "bias: in the product's epilogue (cuBLASLt)",
+            "linear: input read as saved in 16 bits"
         ])
     );
     assert_eq!(host["final_train_loss"].as_f64(), Some(0.0), "{}", host["final_train_loss"]);

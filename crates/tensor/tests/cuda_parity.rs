@@ -580,17 +580,19 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
         cases += product_ops_match_the_cpu(cuda, products, None);
         cases += two_step_products_are_the_cpus_bits(cuda, products);
     }
-    // Attention with its inputs saved in the products' own format, which a GPU reads as saved
-    // (Note [Attention's saved operands]).
+    // Attention and a linear layer with their inputs saved in the products' own format, which a
+    // GPU reads as saved (Note [Attention's saved operands]; the linear layer's weight gradient).
     cases += product_ops_match_the_cpu(cuda, Products::Bf16, Some(DType::BF16));
     cases += product_ops_match_the_cpu(cuda, Products::F16, Some(DType::F16));
     let used = cuda.kernels_used();
     assert!(used.iter().any(|k| k == "attention: operands read as saved in 16 bits"), "{used:?}");
+    assert!(used.iter().any(|k| k == "linear: input read as saved in 16 bits"), "{used:?}");
     cases + exact_bf16_sums_are_the_cpus_bits(cuda)
 }
 
 /// Every product op under `products` on cuda against the cpu's (above); with `saved`, the
-/// attention ops only, under that half-precision storage on both. The cases checked.
+/// attention ops and the linear layer only, under that half-precision storage on both. The cases
+/// checked.
 fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, saved: Option<DType>) -> usize {
     let cpu = Device::cpu();
     cpu.set_products(products).unwrap();
@@ -675,7 +677,8 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 32)?.0)
         }),
     ];
-    for (op, shapes, f) in product_ops.iter().filter(|(op, ..)| saved.is_none() || op.contains("attention")) {
+    let reads_saved = |op: &str| op.contains("attention") || op == "linear";
+    for (op, shapes, f) in product_ops.iter().filter(|(op, ..)| saved.is_none() || reads_saved(op)) {
         let what =
             format!("{op} in {products:?} products{}", saved.map_or(String::new(), |d| format!(", saved in {d}")));
         let want = run(&cpu, shapes, *f).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));

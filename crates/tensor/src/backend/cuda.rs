@@ -378,6 +378,26 @@ impl Weight<'_> {
     }
 }
 
+/// An operand of a product where it lies, and whether it holds the product's rounded operand bits
+/// already ([`Cuda::gemm_with`]).
+#[derive(Clone, Copy)]
+struct Bits {
+    address: u64,
+    rounded: bool,
+}
+
+impl From<(u64, bool)> for Bits {
+    fn from((address, rounded): (u64, bool)) -> Bits {
+        Bits { address, rounded }
+    }
+}
+
+impl From<Bits> for (u64, bool) {
+    fn from(b: Bits) -> (u64, bool) {
+        (b.address, b.rounded)
+    }
+}
+
 impl Cuda {
     fn err(&self, e: memfit_cuda::CudaError) -> Error {
         refused(self.ordinal, e)
@@ -985,6 +1005,48 @@ impl Cuda {
         let kind = gemm_type(op, weight.tensor.dtype(), products)?;
         let g = product(kind, (rows, in_f, out_f), a, b, out, (0, 0, 0, 1), 0.0);
         self.gemm_with(g, [weight.copy.is_some(), g_rounded], held)
+    }
+
+    /// A linear layer's output gradient and input as its weight gradient's product reads them, each
+    /// marked where it holds the product's operand bits already (a 16-bit one of an f32 pair under
+    /// the products that round f32 to it: the chunked head's gradient, an input saved in 16 bits).
+    /// `gw` gives the pair's dtype (the parameter's).
+    fn linear_operands(&self, op: &str, [grad, x, gw]: [&Tensor; 3], products: Products) -> Result<(Bits, Bits)> {
+        let g = Bits { address: dense(grad, op)?, rounded: operand_dtype(grad.dtype(), gw.dtype(), products, op)? };
+        let x = Bits { address: dense(x, op)?, rounded: operand_dtype(x.dtype(), gw.dtype(), products, op)? };
+        if g.rounded && x.rounded {
+            return Err(Error::invalid(format!("internal: {op}: both operands of a product rounded already")));
+        }
+        if x.rounded {
+            self.ran("linear: input read as saved in 16 bits");
+        }
+        Ok((g, x))
+    }
+
+    /// `gw = g^T x` of `(rows, out_f, in_f)`, g read as `[held, given]` (its copy held rounded, else
+    /// as given), and, when `gb` is given, the bias gradient (the given g's column sums, which need
+    /// its f32 values).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_weight_grad_of(
+        &self,
+        [g, given]: [Bits; 2],
+        x: Bits,
+        (rows, out_f, in_f): (usize, usize, usize),
+        gw: &Tensor,
+        gb: Option<&Tensor>,
+        (products, held): (Products, Held),
+    ) -> Result<()> {
+        const NAME: &str = "linear_weight_grad";
+        if given.rounded && gb.is_some() {
+            return Err(Error::invalid(format!("internal: {NAME}: a bias gradient from a rounded gradient")));
+        }
+        // The f32 dtype of the pair (the gradient's: the parameter's).
+        let dtype = gw.dtype();
+        self.weight_grad(dtype, g.into(), x.into(), rows, out_f, in_f, dense(gw, NAME)?, 0.0, (products, held))?;
+        if let Some(gb) = gb {
+            self.column_sums(float(NAME, dtype)?, given.address, rows, out_f, dense(gb, NAME)?)?;
+        }
+        Ok(())
     }
 
     /// `gw[out_f, in_f] (+)= g[rows, out_f]^T x[rows, in_f]` (all dense, `dtype` x's; `g_rounded`,
@@ -2078,31 +2140,34 @@ impl Backend for Cuda {
         gb: Option<&Tensor>,
         products: Products,
     ) -> Result<()> {
-        const NAME: &str = "linear_weight_grad";
         let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
         let rows = x.numel() / in_f.max(1);
-        let g = dense(grad, NAME)?;
-        // A 16-bit gradient of f32 inputs holds a rounded product's operand bits already (the chunked
-        // head's on a GPU, `ops::linear_cross_entropy`): no bias gradient can be summed from them.
-        let g_rounded = operand_dtype(grad.dtype(), x.dtype(), products, NAME)?;
-        if g_rounded && gb.is_some() {
-            return Err(Error::invalid(format!("internal: {NAME}: a bias gradient from a rounded gradient")));
-        }
-        self.weight_grad(
-            x.dtype(),
-            (g, g_rounded),
-            (dense(x, NAME)?, false),
-            rows,
-            out_f,
-            in_f,
-            dense(gw, NAME)?,
-            0.0,
-            (products, Held::default()),
-        )?;
-        if let Some(gb) = gb {
-            self.column_sums(float(NAME, grad.dtype())?, g, rows, out_f, dense(gb, NAME)?)?;
-        }
-        Ok(())
+        let (g, x) = self.linear_operands("linear_weight_grad", [grad, x, gw], products)?;
+        self.linear_weight_grad_of([g, g], x, (rows, out_f, in_f), gw, gb, (products, Held::default()))
+    }
+
+    fn linear_backward(
+        &self,
+        grad: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        gx: &Tensor,
+        gw: &Tensor,
+        gb: Option<&Tensor>,
+        products: Products,
+    ) -> Result<()> {
+        const NAME: &str = "linear_backward";
+        let (out_f, in_f) = (gw.shape()[0], gw.shape()[1]);
+        let rows = x.numel() / in_f.max(1);
+        let (g, x) = self.linear_operands(NAME, [grad, x, gw], products)?;
+        let kind = gemm_type(NAME, weight.dtype(), products)?;
+        // The output gradient rounded once for both products (Note [Held operands]).
+        let mut held = Held::default();
+        let given = g;
+        let g = if g.rounded { g } else { self.gradient_for(g.address, (rows, out_f), true, kind, &mut held)?.into() };
+        self.linear_weight_grad_of([g, given], x, (rows, out_f, in_f), gw, gb, (products, held))?;
+        let weight = Weight { tensor: weight, copy: None };
+        self.times_weight(g.into(), rows, weight, dense(gx, NAME)?, (products, held), NAME)
     }
 
     fn gelu_linear(

@@ -62,6 +62,26 @@ macro_rules! backends {
                 Ok(())
             }
 
+            /// A linear layer's backward with both gradients wanted: its input gradient
+            /// `gx = grad W` ([rows, in], from `weight` [out, in]) and, as
+            /// [`Backend::linear_weight_grad`], its weight (and bias) gradient. A GPU rounds `grad`
+            /// once for both products where they round it (Note [Held operands] in `cuda.rs`); `x`
+            /// may then be saved in their own 16-bit format, their operand bits already.
+            #[allow(clippy::too_many_arguments)]
+            fn linear_backward(
+                &self,
+                grad: &Tensor,
+                x: &Tensor,
+                weight: &Tensor,
+                gx: &Tensor,
+                gw: &Tensor,
+                gb: Option<&Tensor>,
+                products: crate::Products,
+            ) -> Result<()> {
+                self.matmul(grad, weight, gx, products)?;
+                self.linear_weight_grad(grad, x, gw, gb, products)
+            }
+
             /// Overwrites every byte of the contiguous tensor `t` with what `fill` writes into the
             /// buffer it is given (all of it; the buffer's old contents are undefined), without
             /// reading `t` first; the buffer is 8-byte aligned at least. With `staged` (data that

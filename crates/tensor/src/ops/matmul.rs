@@ -9,6 +9,7 @@ use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact}
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
+use crate::DType;
 pub(crate) use memfit_cpu::matmul::{gelu_scratch_stride, GELU_ROWS};
 use memfit_memory::Category;
 
@@ -128,25 +129,47 @@ impl Backward for LinearBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let (out_f, in_f) = (self.weight.shape()[0], self.weight.shape()[1]);
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
-        let gx = if needs[0] {
-            let gx = matmul_kernel(&g2, &self.weight)?;
-            let shape: Vec<isize> = self.x.shape().iter().map(|&d| d as isize).collect();
-            Some(gx.reshape(&shape)?)
-        } else {
-            None
+        let products = super::products_of(&g2);
+        let backend = g2.device().backend();
+        // With the weight gradient wanted too, the input gradient is allocated here (as the
+        // product would allocate it) and computed with it, from one rounding of g2 on a GPU.
+        let both = needs[0] && needs[1];
+        let gx2 = match (needs[0], both) {
+            (false, _) => None,
+            (true, true) => Some(output(&g2, &[g2.shape()[0], in_f], g2.dtype(), "matmul")?),
+            (true, false) => Some(matmul_kernel(&g2, &self.weight)?),
         };
         let gw = if needs[1] { Some(output(&g2, &[out_f, in_f], g2.dtype(), "linear_backward")?) } else { None };
         let gb = bias_grad(&g2, self.has_bias && needs[2], gw.is_some(), "linear_backward")?;
         if let Some(gw) = &gw {
-            let x2 = self.x.restore()?.reshape(&[-1, in_f as isize])?.contiguous()?;
-            g2.device().backend().linear_weight_grad(&g2, &x2, gw, gb.as_ref(), super::products_of(&g2))?;
+            let x = if reads_saved_operand(&self.x, &g2) { self.x.stored().clone() } else { self.x.restore()? };
+            let x2 = x.reshape(&[-1, in_f as isize])?.contiguous()?;
+            match &gx2 {
+                Some(gx2) => backend.linear_backward(&g2, &x2, &self.weight, gx2, gw, gb.as_ref(), products)?,
+                None => backend.linear_weight_grad(&g2, &x2, gw, gb.as_ref(), products)?,
+            }
         }
+        let shape: Vec<isize> = self.x.shape().iter().map(|&d| d as isize).collect();
+        let gx = gx2.map(|gx| gx.reshape(&shape)).transpose()?;
         let mut grads = vec![gx, gw];
         if self.has_bias {
             grads.push(gb);
         }
         Ok(grads)
     }
+}
+
+/// Whether a linear layer's backward hands its saved input `x` to the weight gradient as saved, in
+/// 16 bits, rather than restored to f32: on a GPU target, where x is saved in the format its f32
+/// gradient's products round to, the saved bits are the operand bits that rounding the restored x
+/// would give (Note [Half-precision storage]: the same rounding), so nothing is restored or rounded.
+fn reads_saved_operand(x: &Compact, g: &Tensor) -> bool {
+    let own = match super::products_of(g) {
+        crate::Products::Bf16 => DType::BF16,
+        crate::Products::F16 => DType::F16,
+        crate::Products::F32 => return false,
+    };
+    g.device().target() == crate::Target::Cuda && g.dtype() == DType::F32 && x.stored().dtype() == own
 }
 
 /// A linear layer's bias gradient from its output gradient `g2` [rows, out], when `wanted`: a fresh
