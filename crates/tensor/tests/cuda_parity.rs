@@ -606,7 +606,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 19] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 20] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -662,6 +662,10 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
         }),
         ("gelu_linear", vec![&[50, 24], &[30, 24], &[30]], &|x| ops::gelu_linear(&x[0], &x[1], Some(&x[2]))),
+        // A block of 37 x 23 activations: GELU's operand bits four at a time, then three one by one.
+        ("gelu_linear of odd sizes", vec![&[37, 23], &[30, 23], &[30]], &|x| {
+            ops::gelu_linear(&x[0], &x[1], Some(&x[2]))
+        }),
         // Past a GPU block of 4,096 rows: the weight rounded once for both blocks, each block's
         // output gradient once for its two products (Note [Held operands] in the cuda backend).
         ("layer_norm_linear over two GPU blocks", vec![&[4133, 24], &[24], &[24], &[30, 24], &[30]], &|x| {
