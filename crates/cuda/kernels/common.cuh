@@ -294,6 +294,13 @@ struct Row4 {
     }
 };
 
+// Four elements from j on into out: one 8-byte store of 16-bit ones (operand bits) or a 16-byte
+// one of f32, as Row4 reads them (j a multiple of 4, out 16-byte aligned).
+__device__ __forceinline__ void store4(unsigned short* out, i64 j, const unsigned short (&bits)[4]) {
+    *(uint2*)(out + j) = make_uint2(bits[0] | (unsigned)bits[1] << 16, bits[2] | (unsigned)bits[3] << 16);
+}
+__device__ __forceinline__ void store4(float* out, i64 j, const float (&y)[4]) { *(float4*)(out + j) = make_float4(y[0], y[1], y[2], y[3]); }
+
 // A running maximum and its index over elements visited in increasing index order: the first index
 // of the largest, or of the first NaN, which wins and stays (max_dim's rule, PyTorch's).
 template <typename T>

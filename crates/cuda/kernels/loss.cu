@@ -101,13 +101,6 @@ LOSS(double, f64)
 // a third reading of the chunk). f32 rows of a multiple of 4 values are read through Row4
 // (common.cuh) and written by store4.
 
-// Four gradient elements from j on into gx (and full): one 8-byte store of operand bits (or a
-// 16-byte one of f32), as Row4 reads them.
-__device__ __forceinline__ void store4(unsigned short* gx, i64 j, const unsigned short (&bits)[4]) {
-    *(uint2*)(gx + j) = make_uint2(bits[0] | (unsigned)bits[1] << 16, bits[2] | (unsigned)bits[3] << 16);
-}
-__device__ __forceinline__ void store4(float* gx, i64 j, const float (&y)[4]) { *(float4*)(gx + j) = make_float4(y[0], y[1], y[2], y[3]); }
-
 template <typename T, typename O, typename Store>
 __device__ void cross_entropy_grad(const T* logits, const i64* target, i64 n, i64 c, T smoothing, T* rowloss, i64* bad, const T* g, O* gx,
                                    Store store, T* full, i64* predicted) {

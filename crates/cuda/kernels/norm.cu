@@ -1,11 +1,124 @@
 // Layer norm over rows of d elements: one block (256 threads) per row for the statistics, output
-// and input gradient; the weight and bias gradients as column sums, a block per 32 columns (warp
-// partials in shared memory, added in a fixed order: deterministic, nothing to allocate).
+// and input gradient, or for f32 rows that fit a warp's registers a warp per row (below); the
+// weight and bias gradients as column sums, a block per 32 columns (warp partials in shared
+// memory, added in a fixed order: deterministic, nothing to allocate).
+
+// A warp a row, for f32 rows of d <= 128 WARP_ROW_GROUPS elements (d a multiple of 4, every row and
+// vector 16-byte aligned: `warp_rows`): lane l holds the row's groups of four l, l + 32, ... in
+// registers, read once, 16 bytes a load, all of them in flight together; a sum is the lane's
+// elements in order, then the lanes' by halves (xor 16, 8, 4, 2, 1: every lane adds the same two
+// values, so all agree). A block per row took three readings of the row and sixteen barriers for
+// its two sums: latency, not bandwidth, set its time (GPT-2's 4,096 x 768 blocks at 0.8 TB/s on an
+// H200). The launcher gives such rows a warp each (`warp_rows` in the cuda backend, the same test).
+#define WARP_ROW_GROUPS 8
+__device__ __forceinline__ bool warp_rows(i64 d, const void* a, const void* b, const void* c, const void* e) {
+    const u64 any = (u64)a | (u64)b | (u64)c | (u64)e;
+    return d % 4 == 0 && d <= 128 * WARP_ROW_GROUPS && (any & 15) == 0;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+// The warp's row r and its lane's part of it.
+struct WarpRow {
+    float4 v[WARP_ROW_GROUPS];
+    // Group k of the lane is the row's group lane + 32 k, when inside it.
+    __device__ static bool has(int k, i64 d) { return (i64)(threadIdx.x % 32) + 32 * k < d / 4; }
+    __device__ static i64 at(int k) { return 4 * ((i64)(threadIdx.x % 32) + 32 * k); }
+    __device__ void load(const float* row, i64 d) {
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k) v[k] = has(k, d) ? *(const float4*)(row + at(k)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+};
+// Rows of warps over the grid: warp w of block b takes rows b * warps_per_block + w, then a grid's
+// worth of warps on.
+#define WARP_ROWS(r, rows)                                                                                \
+    for (i64 r = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < (rows); r += (i64)gridDim.x * (blockDim.x / 32))
+
+// layer_norm_rows_t's rows, a warp each (the same formulas: the mean, then the mean of the squared
+// deviations from it, then y = (x - mean) rstd w + b).
+template <typename O, typename Store>
+__device__ void layer_norm_warps(const float* x, const float* w, const float* b, i64 rows, i64 d, float eps, O* out, float* mean, float* rstd, Store store) {
+    WARP_ROWS(r, rows) {
+        WarpRow row;
+        row.load(x + r * d, d);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (WarpRow::has(k, d)) s = s + row.v[k].x + row.v[k].y + row.v[k].z + row.v[k].w;
+        const float mu = warp_sum(s) / float(d);
+        float q = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (WarpRow::has(k, d)) {
+                const float c[4] = {row.v[k].x - mu, row.v[k].y - mu, row.v[k].z - mu, row.v[k].w - mu};
+                for (int e = 0; e < 4; ++e) q += c[e] * c[e];
+            }
+        const float rs = 1.0f / sqrt(warp_sum(q) / float(d) + eps);
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (WarpRow::has(k, d)) {
+                const i64 j = WarpRow::at(k);
+                const float xs[4] = {row.v[k].x, row.v[k].y, row.v[k].z, row.v[k].w};
+                O y[4];
+                for (int e = 0; e < 4; ++e) {
+                    float t = (xs[e] - mu) * rs;
+                    if (w) t *= w[j + e];
+                    if (b) t += b[j + e];
+                    y[e] = store(t);
+                }
+                store4(out + r * d, j, y);
+            }
+        if (threadIdx.x % 32 == 0) {
+            if (mean) mean[r] = mu;
+            if (rstd) rstd[r] = rs;
+        }
+    }
+}
+
+// layer_norm_backward_x's rows, a warp each (its formula), x and g read once.
+__device__ void layer_norm_backward_x_warps(const float* x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) {
+    WARP_ROWS(r, rows) {
+        WarpRow xr, gr;
+        xr.load(x + r * d, d);
+        gr.load(g + r * d, d);
+        const float mu = mean[r], rs = rstd[r];
+        float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (WarpRow::has(k, d)) {
+                const i64 j = WarpRow::at(k);
+                const float xs[4] = {xr.v[k].x, xr.v[k].y, xr.v[k].z, xr.v[k].w}, gs[4] = {gr.v[k].x, gr.v[k].y, gr.v[k].z, gr.v[k].w};
+                for (int e = 0; e < 4; ++e) {
+                    const float gw = gs[e] * (w ? w[j + e] : 1.0f);
+                    s1 += gw;
+                    s2 += gw * (xs[e] - mu) * rs;
+                }
+            }
+        s1 = warp_sum(s1) / float(d);
+        s2 = warp_sum(s2) / float(d);
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (WarpRow::has(k, d)) {
+                const i64 j = WarpRow::at(k);
+                const float xs[4] = {xr.v[k].x, xr.v[k].y, xr.v[k].z, xr.v[k].w}, gs[4] = {gr.v[k].x, gr.v[k].y, gr.v[k].z, gr.v[k].w};
+                float y[4];
+                for (int e = 0; e < 4; ++e) {
+                    const float xhat = (xs[e] - mu) * rs, gw = gs[e] * (w ? w[j + e] : 1.0f);
+                    y[e] = rs * (gw - s1 - xhat * s2);
+                }
+                store4(gx + r * d, j, y);
+            }
+    }
+}
 
 // The rows' statistics and output, each output element y stored as store(y) (itself; or, for a
 // product that alone reads it, its rounded operand bits: layer_norm_operands_*).
 template <typename T, typename O, typename Store>
 __device__ void layer_norm_rows_t(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, O* out, T* mean, T* rstd, Store store) {
+    if constexpr (sizeof(T) == 4) {
+        if (warp_rows(d, x, w, b, out)) return layer_norm_warps(x, w, b, rows, d, eps, out, mean, rstd, store);
+    }
     __shared__ T shared[256];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = x + r * d;
@@ -24,14 +137,44 @@ __device__ void layer_norm_rows_t(const T* x, const T* w, const T* b, i64 rows, 
         if (threadIdx.x == 0) { if (mean) mean[r] = mu; if (rstd) rstd[r] = rs; }
     }
 }
+// layer_norm_apply_t's rows, a warp each.
+template <typename O, typename Store>
+__device__ void layer_norm_apply_warps(const float* x, const float* w, const float* b, const float* mean, const float* rstd, i64 rows, i64 d, O* out, Store store) {
+    WARP_ROWS(r, rows) {
+        WarpRow row;
+        row.load(x + r * d, d);
+        const float mu = mean[r], rs = rstd[r];
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (WarpRow::has(k, d)) {
+                const i64 j = WarpRow::at(k);
+                const float xs[4] = {row.v[k].x, row.v[k].y, row.v[k].z, row.v[k].w};
+                O y[4];
+                for (int e = 0; e < 4; ++e) y[e] = store((xs[e] - mu) * rs * w[j + e] + b[j + e]);
+                store4(out + r * d, j, y);
+            }
+    }
+}
+
 // out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given), stored as above.
 template <typename T, typename O, typename Store>
 __device__ void layer_norm_apply_t(const T* x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, O* out, Store store) {
+    if constexpr (sizeof(T) == 4) {
+        if (warp_rows(d, x, w, b, out)) return layer_norm_apply_warps(x, w, b, mean, rstd, rows, d, out, store);
+    }
     GRID_STRIDE(k, rows * d) {
         i64 r = k / d, j = k % d;
         out[k] = store((x[k] - mean[r]) * rstd[r] * w[j] + b[j]);
     }
 }
+
+// layer_norm_backward_x_warps where its rows fit (and true), for f32; f64 rows never do.
+__device__ __forceinline__ bool backward_x_by_warps(const float* x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) {
+    if (!warp_rows(d, x, w, g, gx)) return false;
+    layer_norm_backward_x_warps(x, w, mean, rstd, g, rows, d, gx);
+    return true;
+}
+__device__ __forceinline__ bool backward_x_by_warps(const double*, const double*, const double*, const double*, const double*, i64, i64, double*) { return false; }
 
 #define LAYER_NORM(T, SUF)                                                                              \
     extern "C" __global__ void layer_norm_##SUF(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, T* out, T* mean, T* rstd) { \
@@ -39,6 +182,7 @@ __device__ void layer_norm_apply_t(const T* x, const T* w, const T* b, const T* 
     }                                                                                                   \
     /* gx = rstd * (g w - mean(g w) - xhat * mean(g w xhat)). */                                        \
     extern "C" __global__ void layer_norm_backward_x_##SUF(const T* x, const T* w, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gx) { \
+        if (backward_x_by_warps(x, w, mean, rstd, g, rows, d, gx)) return;                              \
         __shared__ T shared[256];                                                                       \
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                            \
             T mu = mean[r], rs = rstd[r], s1 = T(0), s2 = T(0);                                         \

@@ -214,6 +214,13 @@ fn column_sums_and_layer_norm_gradients_match_the_cpu(cuda: &Device) -> usize {
     agree(cuda, "layer norm", &[&[900, 100], &[100], &[100]], &|x| {
         ops::layer_norm(&x[0], &[100], Some(&x[1]), Some(&x[2]), 1e-5)
     });
+    // Rows a warp takes whole (1,024 features: eight groups of four a lane), and rows of 30 and
+    // 1,028 features, which go a block a row (norm.cu's warp_rows).
+    for d in [1024, 30, 1028] {
+        agree(cuda, &format!("layer norm of {d} features"), &[&[37, d], &[d], &[d]], &|x| {
+            ops::layer_norm(&x[0], &[d], Some(&x[1]), Some(&x[2]), 1e-5)
+        });
+    }
     agree(cuda, "layer norm + linear", &[&[600, 96], &[96], &[96], &[40, 96]], &|x| {
         ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], None)
     });
@@ -226,7 +233,7 @@ fn column_sums_and_layer_norm_gradients_match_the_cpu(cuda: &Device) -> usize {
     agree(cuda, "GELU + linear over two GPU blocks", &[&[rows, 24], &[20, 24], &[20]], &|x| {
         ops::gelu_linear(&x[0].mul_scalar(2.0)?, &x[1], Some(&x[2]))
     });
-    7
+    10
 }
 
 /// A parameter of 5000 values (three blocks of 8-bit state) after three AdamW steps with moments

@@ -2305,7 +2305,7 @@ impl Backend for Cuda {
         if let Some(gx) = gx {
             self.launch(
                 &format!("layer_norm_backward_x_{sfx}"),
-                self.grid(rows * BLOCK as usize, BLOCK),
+                self.norm_rows(sfx, rows, d),
                 &mut [
                     Arg::Ptr(xp),
                     Arg::Ptr(dense_opt(weight, NAME)?),
@@ -2420,7 +2420,7 @@ impl Backend for Cuda {
                 self.launch(
                     &rounded
                         .map_or(format!("layer_norm_apply_{sfx}"), |bits| format!("layer_norm_apply_operands_{bits}")),
-                    self.grid(n * in_f, BLOCK),
+                    if by_warps(sfx, in_f) { self.norm_rows(sfx, n, in_f) } else { self.grid(n * in_f, BLOCK) },
                     &mut [
                         Arg::Ptr(x_block),
                         Arg::Ptr(lw),
@@ -2447,7 +2447,7 @@ impl Backend for Cuda {
             if gxp != 0 {
                 self.launch(
                     &format!("layer_norm_backward_x_{sfx}"),
-                    self.grid(n * BLOCK as usize, BLOCK),
+                    self.norm_rows(sfx, n, in_f),
                     &mut [
                         Arg::Ptr(x_block),
                         Arg::Ptr(lw),
@@ -2908,6 +2908,13 @@ impl Cuda {
     /// writing the output as a product's operand bits), weight and bias optional (0), statistics
     /// written when their addresses are not 0.
     #[allow(clippy::too_many_arguments)]
+    /// The launch of a layer norm kernel over `rows` rows of `d` (`sfx`'s dtype): a warp a row where
+    /// norm.cu takes them so ([`by_warps`]), else a block a row.
+    fn norm_rows(&self, sfx: &str, rows: usize, d: usize) -> Launch {
+        let threads_a_row = if by_warps(sfx, d) { 32 } else { BLOCK as usize };
+        self.grid(rows * threads_a_row, BLOCK)
+    }
+
     fn layer_norm_rows(
         &self,
         kernel: &str,
@@ -2919,9 +2926,10 @@ impl Cuda {
         out: u64,
         (mean, rstd): (u64, u64),
     ) -> Result<()> {
+        let sfx = if dtype == DType::F64 { "f64" } else { "f32" };
         self.launch(
             kernel,
-            self.grid(rows * BLOCK as usize, BLOCK),
+            self.norm_rows(sfx, rows, d),
             &mut [
                 Arg::Ptr(x),
                 Arg::Ptr(w),
@@ -2935,6 +2943,13 @@ impl Cuda {
             ],
         )
     }
+}
+
+/// Whether norm.cu's layer norm kernels take rows of `d` elements of `sfx`'s dtype a warp each
+/// (its `warp_rows`, but for the alignment, which the kernels check and every allocator block has):
+/// f32 rows of a multiple of 4 elements, at most 1,024.
+fn by_warps(sfx: &str, d: usize) -> bool {
+    sfx == "f32" && d.is_multiple_of(4) && d <= 1024
 }
 
 /// optim.cu's list structs (`AdamList`, `TensorList`) of up to [`ADAM_LIST`] entries of K tensors:
