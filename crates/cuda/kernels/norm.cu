@@ -29,6 +29,17 @@ struct WarpRow {
 #pragma unroll
         for (int k = 0; k < WARP_ROW_GROUPS; ++k) v[k] = has(k, d) ? *(const float4*)(row + at(k)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+    // visit(k, j, xs) for the lane's groups inside the row, in order: k the group, j its first
+    // element's column, xs its four values.
+    template <typename Visit>
+    __device__ __forceinline__ void each(i64 d, Visit visit) const {
+#pragma unroll
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
+            if (has(k, d)) {
+                const float xs[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+                visit(k, at(k), xs);
+            }
+    }
 };
 // Rows of warps over the grid: warp w of block b takes rows b * warps_per_block + w, then a grid's
 // worth of warps on.
@@ -43,32 +54,25 @@ __device__ void layer_norm_warps(const float* x, const float* w, const float* b,
         WarpRow row;
         row.load(x + r * d, d);
         float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
-            if (WarpRow::has(k, d)) s = s + row.v[k].x + row.v[k].y + row.v[k].z + row.v[k].w;
+        row.each(d, [&](int, i64, const float (&xs)[4]) {
+            for (int e = 0; e < 4; ++e) s += xs[e];
+        });
         const float mu = warp_sum(s) / float(d);
         float q = 0.0f;
-#pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
-            if (WarpRow::has(k, d)) {
-                const float c[4] = {row.v[k].x - mu, row.v[k].y - mu, row.v[k].z - mu, row.v[k].w - mu};
-                for (int e = 0; e < 4; ++e) q += c[e] * c[e];
-            }
+        row.each(d, [&](int, i64, const float (&xs)[4]) {
+            for (int e = 0; e < 4; ++e) q += (xs[e] - mu) * (xs[e] - mu);
+        });
         const float rs = 1.0f / sqrt(warp_sum(q) / float(d) + eps);
-#pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
-            if (WarpRow::has(k, d)) {
-                const i64 j = WarpRow::at(k);
-                const float xs[4] = {row.v[k].x, row.v[k].y, row.v[k].z, row.v[k].w};
-                O y[4];
-                for (int e = 0; e < 4; ++e) {
-                    float t = (xs[e] - mu) * rs;
-                    if (w) t *= w[j + e];
-                    if (b) t += b[j + e];
-                    y[e] = store(t);
-                }
-                store4(out + r * d, j, y);
+        row.each(d, [&](int, i64 j, const float (&xs)[4]) {
+            O y[4];
+            for (int e = 0; e < 4; ++e) {
+                float t = (xs[e] - mu) * rs;
+                if (w) t *= w[j + e];
+                if (b) t += b[j + e];
+                y[e] = store(t);
             }
+            store4(out + r * d, j, y);
+        });
         if (threadIdx.x % 32 == 0) {
             if (mean) mean[r] = mu;
             if (rstd) rstd[r] = rs;
@@ -84,31 +88,25 @@ __device__ void layer_norm_backward_x_warps(const float* x, const float* w, cons
         gr.load(g + r * d, d);
         const float mu = mean[r], rs = rstd[r];
         float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
-            if (WarpRow::has(k, d)) {
-                const i64 j = WarpRow::at(k);
-                const float xs[4] = {xr.v[k].x, xr.v[k].y, xr.v[k].z, xr.v[k].w}, gs[4] = {gr.v[k].x, gr.v[k].y, gr.v[k].z, gr.v[k].w};
-                for (int e = 0; e < 4; ++e) {
-                    const float gw = gs[e] * (w ? w[j + e] : 1.0f);
-                    s1 += gw;
-                    s2 += gw * (xs[e] - mu) * rs;
-                }
+        // g's group k as the four values of its lane.
+        const auto gs = [&](int k, int e) { return e == 0 ? gr.v[k].x : e == 1 ? gr.v[k].y : e == 2 ? gr.v[k].z : gr.v[k].w; };
+        xr.each(d, [&](int k, i64 j, const float (&xs)[4]) {
+            for (int e = 0; e < 4; ++e) {
+                const float gw = gs(k, e) * (w ? w[j + e] : 1.0f);
+                s1 += gw;
+                s2 += gw * (xs[e] - mu) * rs;
             }
+        });
         s1 = warp_sum(s1) / float(d);
         s2 = warp_sum(s2) / float(d);
-#pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
-            if (WarpRow::has(k, d)) {
-                const i64 j = WarpRow::at(k);
-                const float xs[4] = {xr.v[k].x, xr.v[k].y, xr.v[k].z, xr.v[k].w}, gs[4] = {gr.v[k].x, gr.v[k].y, gr.v[k].z, gr.v[k].w};
-                float y[4];
-                for (int e = 0; e < 4; ++e) {
-                    const float xhat = (xs[e] - mu) * rs, gw = gs[e] * (w ? w[j + e] : 1.0f);
-                    y[e] = rs * (gw - s1 - xhat * s2);
-                }
-                store4(gx + r * d, j, y);
+        xr.each(d, [&](int k, i64 j, const float (&xs)[4]) {
+            float y[4];
+            for (int e = 0; e < 4; ++e) {
+                const float xhat = (xs[e] - mu) * rs, gw = gs(k, e) * (w ? w[j + e] : 1.0f);
+                y[e] = rs * (gw - s1 - xhat * s2);
             }
+            store4(gx + r * d, j, y);
+        });
     }
 }
 
@@ -144,15 +142,11 @@ __device__ void layer_norm_apply_warps(const float* x, const float* w, const flo
         WarpRow row;
         row.load(x + r * d, d);
         const float mu = mean[r], rs = rstd[r];
-#pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k)
-            if (WarpRow::has(k, d)) {
-                const i64 j = WarpRow::at(k);
-                const float xs[4] = {row.v[k].x, row.v[k].y, row.v[k].z, row.v[k].w};
-                O y[4];
-                for (int e = 0; e < 4; ++e) y[e] = store((xs[e] - mu) * rs * w[j + e] + b[j + e]);
-                store4(out + r * d, j, y);
-            }
+        row.each(d, [&](int, i64 j, const float (&xs)[4]) {
+            O y[4];
+            for (int e = 0; e < 4; ++e) y[e] = store((xs[e] - mu) * rs * w[j + e] + b[j + e]);
+            store4(out + r * d, j, y);
+        });
     }
 }
 
