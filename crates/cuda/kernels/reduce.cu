@@ -136,6 +136,26 @@ REDUCE(double, f64)
 COLUMNS(float, f32)
 COLUMNS(double, f64)
 
+// column_partials_f32's pass over an f32 output gradient that two products of KIND read (1: bf16,
+// 2: fp16; Note [Held operands] in the cuda backend), each element's operand bits written into y
+// (dense, as x) as it is added: the bias gradient's partials and the products' rounded copy from
+// one reading of the gradient.
+template <int KIND>
+__device__ void column_partials_rounding(const float* x, i64 rows, i64 cols, i64 per, float* part, unsigned short* y) {
+    const auto term = [=](i64 r, i64 j) {
+        const float v = x[r * cols + j];
+        y[r * cols + j] = (unsigned short)operand_bits<KIND>(v);
+        return Two<float>{v, 0.0f};
+    };
+    column_partials<float>(term, rows, cols, per, part, (float*)nullptr);
+}
+extern "C" __global__ void column_partials_rounding_bf16(const float* x, i64 rows, i64 cols, i64 per, float* part, unsigned short* y) {
+    column_partials_rounding<1>(x, rows, cols, per, part, y);
+}
+extern "C" __global__ void column_partials_rounding_f16(const float* x, i64 rows, i64 cols, i64 per, float* part, unsigned short* y) {
+    column_partials_rounding<2>(x, rows, cols, per, part, y);
+}
+
 /* How many of the n int64 values of a equal b's, into *out (one block; a prediction count). */
 extern "C" __global__ void count_equal_i64(const i64* a, const i64* b, i64 n, i64* out) {
     __shared__ i64 shared[1024];

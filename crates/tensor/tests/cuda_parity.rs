@@ -686,8 +686,10 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
         ("layer_norm_linear over two GPU blocks", vec![&[4133, 24], &[24], &[24], &[30, 24], &[30]], &|x| {
             ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
         }),
+        // (x an op's output, which backward owns: its gradient is written over it, and the blocks
+        // stay 4,096 rows; else backward's scratch takes two blocks' rows.)
         ("gelu_linear over two GPU blocks", vec![&[4133, 24], &[30, 24], &[30]], &|x| {
-            ops::gelu_linear(&x[0], &x[1], Some(&x[2]))
+            ops::gelu_linear(&x[0].mul_scalar(1.0)?, &x[1], Some(&x[2]))
         }),
         // On a GPU the logits' gradient is made as the products' operand bits, the bias gradient
         // summed from the f32 one.

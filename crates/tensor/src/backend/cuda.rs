@@ -555,17 +555,74 @@ impl Cuda {
     /// rounding and holding nothing, where `kind` rounds nothing or the copy would leave the
     /// products less than half the workspace.
     fn hold(&self, kind: GemmType, src: u64, (rows, width): (usize, usize), held: &mut Held) -> Result<Option<u64>> {
+        self.hold_summing(kind, src, (rows, width), held, None)
+    }
+
+    /// [`Cuda::hold`], and with `sums` (`Some((out, accumulate))`) the held rows' column sums
+    /// written to `out` (added to it with `accumulate`) from the same reading: the rounding is
+    /// `column_partials_rounding_*`, the partials' pass of the column sums (reduce.cu), then
+    /// `column_finish_f32`. A held copy with sums only where [`Cuda::sums_as_held`] said so.
+    fn hold_summing(
+        &self,
+        kind: GemmType,
+        src: u64,
+        (rows, width): (usize, usize),
+        held: &mut Held,
+        sums: Option<(u64, bool)>,
+    ) -> Result<Option<u64>> {
         if !matches!(kind, GemmType::F32Bf16 | GemmType::F32F16) || rows == 0 || width == 0 {
             return Ok(None);
         }
         let (address, capacity) = self.rounding_workspace(kind)?;
         let Some(taken) = held.with(rows * width, capacity) else { return Ok(None) };
         let dst = address + 2 * taken.room(capacity) as u64;
-        let copy =
-            memfit_cuda::rounded::RoundOperand { src, rows: width, cols: rows, ld: width, stride: 0, batch: 1, dst };
-        self.round(kind, copy, None)?;
+        match sums {
+            None => {
+                let copy = memfit_cuda::rounded::RoundOperand {
+                    src,
+                    rows: width,
+                    cols: rows,
+                    ld: width,
+                    stride: 0,
+                    batch: 1,
+                    dst,
+                };
+                self.round(kind, copy, None)?;
+            }
+            Some((out, accumulate)) => {
+                let split = self.column_split_of(rows, width, "f32", 1, 1).ok_or_else(|| {
+                    Error::invalid(format!("internal: no column split of {rows} x {width} for a held gradient's sums"))
+                })?;
+                let bits = if kind == GemmType::F32Bf16 { "bf16" } else { "f16" };
+                self.launch(
+                    &format!("column_partials_rounding_{bits}"),
+                    split.launch,
+                    &mut [
+                        Arg::Ptr(src),
+                        Arg::I64(rows as i64),
+                        Arg::I64(width as i64),
+                        Arg::I64(split.per as i64),
+                        Arg::Ptr(split.scratch),
+                        Arg::Ptr(dst),
+                    ],
+                )?;
+                self.column_finish("f32", &split, width, split.scratch, out, accumulate)?;
+            }
+        }
         *held = taken;
         Ok(Some(dst))
+    }
+
+    /// Whether an op's blocks of at most `rows` rows of an f32 output gradient of `cols` columns,
+    /// each held for its two `kind` products (below what `held` takes), can have their column sums
+    /// (a bias gradient) taken as they are rounded ([`Cuda::hold_summing`]): the products round,
+    /// the copy fits, and so do the partials.
+    fn sums_as_held(&self, kind: GemmType, (rows, cols): (usize, usize), held: Held) -> Result<bool> {
+        if !matches!(kind, GemmType::F32Bf16 | GemmType::F32F16) || rows == 0 || cols == 0 {
+            return Ok(false);
+        }
+        let (_, capacity) = self.rounding_workspace(kind)?;
+        Ok(held.with(rows * cols, capacity).is_some() && self.column_split_of(rows, cols, "f32", 1, 1).is_some())
     }
 
     /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) of a
@@ -849,13 +906,19 @@ impl Cuda {
     /// which uses it only inside its own launches); None where one pass serves (few rows) or the
     /// partials do not fit.
     fn column_split(&self, rows: usize, cols: usize, sfx: &str, arrays: usize) -> Option<ColumnSplit> {
+        self.column_split_of(rows, cols, sfx, arrays, 2)
+    }
+
+    /// [`Cuda::column_split`] of at least `least` splits (1: the partials' pass even where one pass
+    /// would serve, for a kernel that does more in it: `column_partials_rounding_*`).
+    fn column_split_of(&self, rows: usize, cols: usize, sfx: &str, arrays: usize, least: usize) -> Option<ColumnSplit> {
         let size = if sfx == "f64" { 8 } else { 4 };
         let splits = rows.div_ceil(COLUMN_SPLIT_ROWS).min(COLUMN_SPLITS);
         let per = rows.div_ceil(splits.max(1));
         let splits = rows.div_ceil(per.max(1));
         let scratch = self.workspace.load(Ordering::Relaxed);
         let bytes = (arrays * splits * cols * size) as u64;
-        if splits < 2 || scratch == 0 || bytes > memfit_cuda::LIBRARY_WORKSPACE_BYTES - STATUS_BYTES {
+        if splits < least || scratch == 0 || bytes > memfit_cuda::LIBRARY_WORKSPACE_BYTES - STATUS_BYTES {
             return None;
         }
         let blocks = u32::try_from(cols.div_ceil(32) * splits).ok()?;
@@ -1075,6 +1138,9 @@ impl Cuda {
     /// A block's output gradient `g` ([rows, out_f], dense) as its weight gradient and input gradient
     /// read it: held rounded for both (Note [Held operands]) where both are wanted and the products
     /// round it, with the address of its copy and true; else as it is.
+    /// With `sums` (`Some((gb, accumulate))`, where [`Cuda::sums_as_held`] said so), the block's column
+    /// sums go to the bias gradient `gb` as it is held.
+    #[allow(clippy::too_many_arguments)]
     fn gradient_for(
         &self,
         g: u64,
@@ -1082,9 +1148,37 @@ impl Cuda {
         both: bool,
         kind: GemmType,
         held: &mut Held,
+        sums: Option<(u64, bool)>,
     ) -> Result<(u64, bool)> {
-        let copy = if both { self.hold(kind, g, (rows, out_f), held)? } else { None };
+        let copy = if both { self.hold_summing(kind, g, (rows, out_f), held, sums)? } else { None };
+        if sums.is_some() && copy.is_none() {
+            return Err(Error::invalid("internal: a bias gradient to sum from a gradient not held"));
+        }
         Ok(copy.map_or((g, false), |c| (c, true)))
+    }
+
+    /// A fused op's bias gradient `gb` from its output gradient `g` ([rows, cols]): the address to
+    /// sum each block into as the block is held for its two products (`both`; blocks of at most
+    /// `block` rows, [`Cuda::sums_as_held`]), or, where they are not held so, summed over all rows
+    /// now and None.
+    #[allow(clippy::too_many_arguments)]
+    fn bias_sums(
+        &self,
+        sfx: &str,
+        gb: Option<&Tensor>,
+        g: u64,
+        (rows, cols): (usize, usize),
+        (both, block): (bool, usize),
+        kind: GemmType,
+        held: Held,
+        op: &str,
+    ) -> Result<Option<u64>> {
+        let Some(gb) = gb else { return Ok(None) };
+        if both && self.sums_as_held(kind, (block, cols), held)? {
+            return Ok(Some(dense(gb, op)?));
+        }
+        self.column_sums(sfx, g, rows, cols, dense(gb, op)?)?;
+        Ok(None)
     }
 }
 
@@ -2161,10 +2255,20 @@ impl Backend for Cuda {
         let rows = x.numel() / in_f.max(1);
         let (g, x) = self.linear_operands(NAME, [grad, x, gw], products)?;
         let kind = gemm_type(NAME, weight.dtype(), products)?;
-        // The output gradient rounded once for both products (Note [Held operands]).
+        // The output gradient rounded once for both products (Note [Held operands]), the bias
+        // gradient summed as it is where that fits.
         let mut held = Held::default();
         let given = g;
-        let g = if g.rounded { g } else { self.gradient_for(g.address, (rows, out_f), true, kind, &mut held)?.into() };
+        let sums = match gb {
+            Some(gb) if !g.rounded && self.sums_as_held(kind, (rows, out_f), held)? => Some((dense(gb, NAME)?, false)),
+            _ => None,
+        };
+        let g = if g.rounded {
+            g
+        } else {
+            self.gradient_for(g.address, (rows, out_f), true, kind, &mut held, sums)?.into()
+        };
+        let gb = gb.filter(|_| sums.is_none());
         self.linear_weight_grad_of([g, given], x, (rows, out_f, in_f), gw, gb, (products, held))?;
         let weight = Weight { tensor: weight, copy: None };
         self.times_weight(g.into(), rows, weight, dense(gx, NAME)?, (products, held), NAME)
@@ -2217,20 +2321,19 @@ impl Backend for Cuda {
         let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
         let (gxp, gwp) = (dense_opt(gx, NAME)?, dense_opt(gw, NAME)?);
         let block = (scratch.numel() / in_f.max(1)).max(1);
-        if let Some(gb) = gb {
-            self.column_sums(sfx, g, rows, out_f, dense(gb, NAME)?)?;
-        }
         let kind = gemm_type(NAME, weight.dtype(), products)?;
         let mut held = Held::default();
         let blocks = if gxp != 0 { rows.div_ceil(block) } else { 0 };
         let weight = self.weight_for(weight, products, blocks, &mut held, NAME)?;
+        let both = gwp != 0 && gxp != 0;
+        let gb = self.bias_sums(sfx, gb, g, (rows, out_f), (both, block.min(rows)), kind, held, NAME)?;
         for (i, r0) in (0..rows).step_by(block).enumerate() {
             let n = block.min(rows - r0);
             let count = n * in_f;
             let x_block = xp + (r0 * in_f) as u64 * size;
             let mut held = held;
-            let g_block =
-                self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), gwp != 0 && gxp != 0, kind, &mut held)?;
+            let sums = gb.map(|gb| (gb, i > 0));
+            let g_block = self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), both, kind, &mut held, sums)?;
             // The weight gradient first: it reads gelu(x) before a gradient written in place over x.
             if gwp != 0 {
                 let rounded = self.gelu_block(sfx, products, x_block, sc, count)?;
@@ -2398,21 +2501,20 @@ impl Backend for Cuda {
         let (gxp, glwp, glbp, gwp) =
             (dense_opt(gx, NAME)?, dense_opt(glw, NAME)?, dense_opt(glb, NAME)?, dense_opt(gw, NAME)?);
         let block = (scratch.numel() / in_f.max(1)).max(1);
-        if let Some(gb) = gb {
-            self.column_sums(sfx, g, rows, out_f, dense(gb, NAME)?)?;
-        }
         // The layer norm's output gradient (dy = grad W) is wanted for any of its input's.
         let dy_wanted = gxp != 0 || glwp != 0 || glbp != 0;
         let kind = gemm_type(NAME, weight.dtype(), products)?;
         let mut held = Held::default();
         let weight =
             self.weight_for(weight, products, if dy_wanted { rows.div_ceil(block) } else { 0 }, &mut held, NAME)?;
+        let both = gwp != 0 && dy_wanted;
+        let gb = self.bias_sums(sfx, gb, g, (rows, out_f), (both, block.min(rows)), kind, held, NAME)?;
         for (i, r0) in (0..rows).step_by(block).enumerate() {
             let n = block.min(rows - r0);
             let x_block = xp + (r0 * in_f) as u64 * size;
             let mut held = held;
-            let g_block =
-                self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), gwp != 0 && dy_wanted, kind, &mut held)?;
+            let sums = gb.map(|gb| (gb, i > 0));
+            let g_block = self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), both, kind, &mut held, sums)?;
             let (m_block, r_block) = (mp + r0 as u64 * size, rp + r0 as u64 * size);
             // Everything that reads x before a gradient written in place over it.
             if gwp != 0 {
