@@ -585,7 +585,7 @@ __device__ void round_rows(const In* x, Addr a, i64 bh, i64 heads, i64 rows, i64
     if (wide) {
         // Group g: row g / per of the [bh, rows] rows, its elements 4 (g % per) ..; per = dp / 4
         // groups a row, those past d zeros.
-        const i64 per = dp / 4, groups = bh * rows * per, step = (i64)gridDim.x * blockDim.x;
+        const i64 per = dp / 4, groups = bh * rows * per;
         const auto from = [&](i64 g) {
             const i64 row = g / per, c = 4 * (g - row * per), i = row / rows;
             return c < d ? load4<KIND>(x + matrix(a, i, heads) + (row - i * rows) * a.row + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -593,13 +593,7 @@ __device__ void round_rows(const In* x, Addr a, i64 bh, i64 heads, i64 rows, i64
         const auto to = [&](i64 g, float4 v) {
             *(uint2*)(y + 4 * g) = make_uint2(operand_pair_fast<KIND>(v.x, v.y), operand_pair_fast<KIND>(v.z, v.w));
         };
-        i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-        for (; g + step < groups; g += 2 * step) {
-            const float4 u = from(g), v = from(g + step);
-            to(g, u);
-            to(g + step, v);
-        }
-        if (g < groups) to(g, from(g));
+        grid_two_in_flight(groups, from, to);
         return;
     }
     const int warps = blockDim.x / 32, lane = threadIdx.x % 32;

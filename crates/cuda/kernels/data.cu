@@ -55,19 +55,18 @@ __device__ __forceinline__ bool by_fours(const void* x, const void* y, i64 n) {
 }
 
 // Casts between f32 and a 16-bit float, four elements a thread where they are aligned (an element
-// a thread reached a third of an H100's memory bandwidth).
+// a thread reached a third of an H100's memory bandwidth), two groups in flight.
 template <unsigned short (*TO)(float)>
 __device__ void cast_to_half(const float* x, unsigned short* y, i64 n) {
     if (!by_fours(x, y, n)) {
         GRID_STRIDE(i, n) y[i] = TO(x[i]);
         return;
     }
-    GRID_STRIDE(q, n / 4) {
-        const Floats4 f = ((const Floats4*)x)[q];
+    grid_two_in_flight(n / 4, [&](i64 q) { return ((const Floats4*)x)[q]; }, [&](i64 q, const Floats4& f) {
         Halves4 h;
         for (int j = 0; j < 2; ++j) h.w[j] = (unsigned)TO(f.v[2 * j]) | ((unsigned)TO(f.v[2 * j + 1]) << 16);
         ((Halves4*)y)[q] = h;
-    }
+    });
 }
 template <float (*FROM)(unsigned short)>
 __device__ void cast_from_half(const unsigned short* x, float* y, i64 n) {
@@ -75,12 +74,11 @@ __device__ void cast_from_half(const unsigned short* x, float* y, i64 n) {
         GRID_STRIDE(i, n) y[i] = FROM(x[i]);
         return;
     }
-    GRID_STRIDE(q, n / 4) {
-        const Halves4 h = ((const Halves4*)x)[q];
+    grid_two_in_flight(n / 4, [&](i64 q) { return ((const Halves4*)x)[q]; }, [&](i64 q, const Halves4& h) {
         Floats4 f;
         for (int j = 0; j < 4; ++j) f.v[j] = FROM((unsigned short)(h.w[j / 2] >> (16 * (j % 2))));
         ((Floats4*)y)[q] = f;
-    }
+    });
 }
 extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, i64 n) { cast_to_half<f32_to_bf16>(x, y, n); }
 extern "C" __global__ void cast_bf16_f32(const unsigned short* x, float* y, i64 n) { cast_from_half<bf16_to_f32>(x, y, n); }

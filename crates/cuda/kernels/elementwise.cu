@@ -105,18 +105,12 @@ __device__ unsigned char compare_of(int op, T a, T b) {
 template <typename F>
 __device__ void map2(const float* a, const float* b, float* out, i64 n, F f) {
     const bool wide = (((u64)a | (u64)b | (u64)out) & 15) == 0;
-    const i64 n4 = wide ? n / 4 : 0, step = (i64)gridDim.x * blockDim.x;
+    const i64 n4 = wide ? n / 4 : 0;
     const auto load = [](const float* p, i64 q) { return p ? ((const float4*)p)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f); };
-    const auto apply = [&](i64 q, float4 u, float4 v) {
+    grid_two_in_flight(n4, [&](i64 q) { return Two<float4>{load(a, q), load(b, q)}; }, [&](i64 q, Two<float4> uv) {
+        const float4 u = uv.a, v = uv.b;
         ((float4*)out)[q] = make_float4(f(u.x, v.x), f(u.y, v.y), f(u.z, v.z), f(u.w, v.w));
-    };
-    i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; q + step < n4; q += 2 * step) {
-        const float4 a0 = load(a, q), b0 = load(b, q), a1 = load(a, q + step), b1 = load(b, q + step);
-        apply(q, a0, b0);
-        apply(q + step, a1, b1);
-    }
-    if (q < n4) apply(q, load(a, q), load(b, q));
+    });
     GRID_STRIDE(i, n - 4 * n4) {
         const i64 k = 4 * n4 + i;
         out[k] = f(a ? a[k] : 0.0f, b ? b[k] : 0.0f);
@@ -195,22 +189,11 @@ FLOAT_KERNELS(double, f64)
 template <int KIND>
 __device__ void unary_operands(int op, const float* x, unsigned short* y, i64 n) {
     const bool wide = ((unsigned long long)x & 15) == 0 && ((unsigned long long)y & 7) == 0;
-    const i64 n4 = wide ? n / 4 : 0, step = (i64)gridDim.x * blockDim.x;
-    const float4* x4 = (const float4*)x;
-    uint2* y4 = (uint2*)y;
-    const auto bits = [&](float4 v) {
-        uint2 r;
-        r.x = operand_pair<KIND>(unary_of<float>(op, v.x), unary_of<float>(op, v.y));
-        r.y = operand_pair<KIND>(unary_of<float>(op, v.z), unary_of<float>(op, v.w));
-        return r;
-    };
-    i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; q + step < n4; q += 2 * step) {
-        const float4 a = x4[q], b = x4[q + step];
-        y4[q] = bits(a);
-        y4[q + step] = bits(b);
-    }
-    if (q < n4) y4[q] = bits(x4[q]);
+    const i64 n4 = wide ? n / 4 : 0;
+    grid_two_in_flight(n4, [&](i64 q) { return ((const float4*)x)[q]; }, [&](i64 q, float4 v) {
+        ((uint2*)y)[q] = make_uint2(operand_pair<KIND>(unary_of<float>(op, v.x), unary_of<float>(op, v.y)),
+                                    operand_pair<KIND>(unary_of<float>(op, v.z), unary_of<float>(op, v.w)));
+    });
     GRID_STRIDE(i, n - 4 * n4) y[4 * n4 + i] = (unsigned short)operand_bits<KIND>(unary_of<float>(op, x[4 * n4 + i]));
 }
 extern "C" __global__ void unary_operands_bf16(int op, const float* x, unsigned short* y, i64 n) { unary_operands<1>(op, x, y, n); }
