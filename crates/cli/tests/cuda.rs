@@ -199,7 +199,9 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     // Which kernels ran, as the report says: attention on the tensor cores only with rounded
     // products, reading its inputs as saved in 16 bits (Note [Attention's saved operands]); biases
     // in the product's epilogue, of f32 and rounded products alike (the emulator fuses them as
-    // cuBLASLt does); a linear layer's weight gradient reading its input as saved in 16 bits.
+    // cuBLASLt does); a linear layer's weight gradient reading its input as saved in 16 bits; rounded
+    // products' shared operands rounded once, a bias gradient summed from that reading (Note [Held
+    // operands] in the cuda backend).
     let used = |name: &str| {
         kernels[name].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>()
     };
@@ -207,7 +209,9 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
         "attention: operands read as saved in 16 bits",
         "attention: tensor cores",
         "bias: in the product's epilogue (cuBLASLt)",
+        "bias: summed as its gradient is rounded",
         "linear: input read as saved in 16 bits",
+        "products: shared operands rounded once",
     ];
     assert_eq!(used("gpt-bf16"), rounded);
     assert_eq!(used("gpt-fp16"), used("gpt-bf16"));
@@ -346,7 +350,9 @@ fn the_host_only_emulator_allocates_as_the_gpu_without_arithmetic() {
             "attention: operands read as saved in 16 bits",
             "attention: tensor cores",
             "bias: in the product's epilogue (cuBLASLt)",
-            "linear: input read as saved in 16 bits"
+            "bias: summed as its gradient is rounded",
+            "linear: input read as saved in 16 bits",
+            "products: shared operands rounded once"
         ])
     );
     assert_eq!(host["final_train_loss"].as_f64(), Some(0.0), "{}", host["final_train_loss"]);

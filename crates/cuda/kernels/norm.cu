@@ -3,13 +3,14 @@
 // weight and bias gradients as column sums, a block per 32 columns (warp partials in shared
 // memory, added in a fixed order: deterministic, nothing to allocate).
 
-// A warp a row, for f32 rows of d <= 128 WARP_ROW_GROUPS elements (d a multiple of 4, every row and
+// A warp a row, for f32 rows of d <= 128 x WARP_ROW_GROUPS elements (d a multiple of 4, every row and
 // vector 16-byte aligned: `warp_rows`): lane l holds the row's groups of four l, l + 32, ... in
 // registers, read once, 16 bytes a load, all of them in flight together; a sum is the lane's
 // elements in order, then the lanes' by halves (xor 16, 8, 4, 2, 1: every lane adds the same two
 // values, so all agree). A block per row took three readings of the row and sixteen barriers for
 // its two sums: latency, not bandwidth, set its time (GPT-2's 4,096 x 768 blocks at 0.8 TB/s on an
-// H200). The launcher gives such rows a warp each (`warp_rows` in the cuda backend, the same test).
+// H200). The launcher gives such rows a warp each (`by_warps` in the cuda backend: the same test but
+// for the alignment, which every allocator block has; any grid is correct, only slower).
 #define WARP_ROW_GROUPS 8
 __device__ __forceinline__ bool warp_rows(i64 d, const void* a, const void* b, const void* c, const void* e) {
     const u64 any = (u64)a | (u64)b | (u64)c | (u64)e;

@@ -598,6 +598,12 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
     let used = cuda.kernels_used();
     assert!(used.iter().any(|k| k == "attention: operands read as saved in 16 bits"), "{used:?}");
     assert!(used.iter().any(|k| k == "linear: input read as saved in 16 bits"), "{used:?}");
+    // Note [Held operands] in the cuda backend: the fused ops' and the linear layer's shared operands
+    // were held, and their bias gradients summed from that reading (else the cases above would pass
+    // on the products' own roundings).
+    for held in ["products: shared operands rounded once", "bias: summed as its gradient is rounded"] {
+        assert!(used.iter().any(|k| k == held), "{held}: {used:?}");
+    }
     cases + exact_bf16_sums_are_the_cpus_bits(cuda)
 }
 

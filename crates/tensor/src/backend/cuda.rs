@@ -318,8 +318,11 @@ fn operand(t: &Tensor, address: u64, rows: usize, cols: usize, rs: usize, cs: us
 // every block of rows; a block's output gradient, read by its weight gradient and its input
 // gradient. `Cuda::hold` rounds it into the workspace's top, 256-byte aligned, and the products
 // read the copy as an operand rounded already while their own roundings use the rest (at least half
-// the workspace: an operand that would leave less is not held, and its products round it as
-// before). The copy holds the bits the product's own rounding would have made, so the numbers do
+// the workspace, less the under 128 elements that align the copies where its size is not a multiple
+// of 128: an operand that would leave less is not held, and its products round it as before).
+// Which ran is recorded (`kernels_used`: `products: shared operands rounded once`, and `bias: summed
+// as its gradient is rounded` where `Cuda::hold_summing` takes a bias gradient's column sums from
+// the same reading). The copy holds the bits the product's own rounding would have made, so the numbers do
 // not change; nothing is allocated, so neither do the peaks. A copy stays valid while the op's
 // launches run in stream order, each later rounding written elsewhere.
 
@@ -576,6 +579,7 @@ impl Cuda {
         let (address, capacity) = self.rounding_workspace(kind)?;
         let Some(taken) = held.with(rows * width, capacity) else { return Ok(None) };
         let dst = address + 2 * taken.room(capacity) as u64;
+        self.ran("products: shared operands rounded once");
         match sums {
             None => {
                 let copy = memfit_cuda::rounded::RoundOperand {
@@ -607,6 +611,7 @@ impl Cuda {
                     ],
                 )?;
                 self.column_finish("f32", &split, width, split.scratch, out, accumulate)?;
+                self.ran("bias: summed as its gradient is rounded");
             }
         }
         *held = taken;
@@ -3006,10 +3011,6 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
-    /// Layer norm of `rows` dense rows of `d` by `kernel` (`layer_norm_*`, or `layer_norm_operands_*`
-    /// writing the output as a product's operand bits), weight and bias optional (0), statistics
-    /// written when their addresses are not 0.
-    #[allow(clippy::too_many_arguments)]
     /// The launch of a layer norm kernel over `rows` rows of `d` (`sfx`'s dtype): a warp a row where
     /// norm.cu takes them so ([`by_warps`]), else a block a row.
     fn norm_rows(&self, sfx: &str, rows: usize, d: usize) -> Launch {
@@ -3017,6 +3018,10 @@ impl Cuda {
         self.grid(rows * threads_a_row, BLOCK)
     }
 
+    /// Layer norm of `rows` dense rows of `d` by `kernel` (`layer_norm_*`, or `layer_norm_operands_*`
+    /// writing the output as a product's operand bits), weight and bias optional (0), statistics
+    /// written when their addresses are not 0.
+    #[allow(clippy::too_many_arguments)]
     fn layer_norm_rows(
         &self,
         kernel: &str,

@@ -163,6 +163,9 @@ impl Backward for LinearBack {
 /// 16 bits, rather than restored to f32: on a GPU target, where x is saved in the format its f32
 /// gradient's products round to, the saved bits are the operand bits that rounding the restored x
 /// would give (Note [Half-precision storage]: the same rounding), so nothing is restored or rounded.
+/// One exception, bf16's subnormals (|x| < 2^-126): storage keeps them, a bf16 operand is flushed to
+/// a zero of its sign (Note [bf16 products] in memfit-kernels), so such an element enters the
+/// product as itself instead of zero, a term below 2^-126 |w| in an f32 sum.
 fn reads_saved_operand(x: &Compact, g: &Tensor) -> bool {
     let own = match super::products_of(g) {
         crate::Products::Bf16 => DType::BF16,
