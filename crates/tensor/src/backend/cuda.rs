@@ -598,17 +598,12 @@ impl Cuda {
                     Error::invalid(format!("internal: no column split of {rows} x {width} for a held gradient's sums"))
                 })?;
                 let bits = if kind == GemmType::F32Bf16 { "bf16" } else { "f16" };
-                self.launch(
+                self.column_partials(
                     &format!("column_partials_rounding_{bits}"),
-                    split.launch,
-                    &mut [
-                        Arg::Ptr(src),
-                        Arg::I64(rows as i64),
-                        Arg::I64(width as i64),
-                        Arg::I64(split.per as i64),
-                        Arg::Ptr(split.scratch),
-                        Arg::Ptr(dst),
-                    ],
+                    src,
+                    (rows, width),
+                    &split,
+                    Some(dst),
                 )?;
                 self.column_finish("f32", &split, width, split.scratch, out, accumulate)?;
                 self.ran("bias: summed as its gradient is rounded");
@@ -886,17 +881,7 @@ impl Cuda {
             );
         }
         if let (1, false, Some(split)) = (outer, mean, self.column_split(size, inner, sfx, 1)) {
-            self.launch(
-                &format!("column_partials_{sfx}"),
-                split.launch,
-                &mut [
-                    Arg::Ptr(x),
-                    Arg::I64(size as i64),
-                    Arg::I64(inner as i64),
-                    Arg::I64(split.per as i64),
-                    Arg::Ptr(split.scratch),
-                ],
-            )?;
+            self.column_partials(&format!("column_partials_{sfx}"), x, (size, inner), &split, None)?;
             return self.column_finish(sfx, &split, inner, split.scratch, out, false);
         }
         self.launch(
@@ -929,6 +914,28 @@ impl Cuda {
         let blocks = u32::try_from(cols.div_ceil(32) * splits).ok()?;
         let launch = Launch { grid: blocks, block: 32 * COLUMN_WARPS };
         Some(ColumnSplit { splits, per, scratch, launch })
+    }
+
+    /// The two-pass column sums' first pass by `kernel` over dense `[rows, cols]` at `x` into the
+    /// split's partials: `column_partials_*`, or `column_partials_rounding_*`, which also writes x's
+    /// operand bits to `copy`.
+    fn column_partials(
+        &self,
+        kernel: &str,
+        x: u64,
+        (rows, cols): (usize, usize),
+        split: &ColumnSplit,
+        copy: Option<u64>,
+    ) -> Result<()> {
+        let mut args = vec![
+            Arg::Ptr(x),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+            Arg::I64(split.per as i64),
+            Arg::Ptr(split.scratch),
+        ];
+        args.extend(copy.map(Arg::Ptr));
+        self.launch(kernel, split.launch, &mut args)
     }
 
     /// The two-pass column sums' second pass: `out` (+= with `accumulate`) the partials at `part`.

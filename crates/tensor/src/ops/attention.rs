@@ -304,11 +304,7 @@ impl Backward for AttentionBack {
 /// (and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not send it to the CUDA cores), when every one is
 /// saved in the products' own 16-bit format.
 fn reads_saved_operands(saved: &[&Compact], pb: &AttnProblem, go: &Tensor) -> bool {
-    let own = match pb.products {
-        crate::Products::Bf16 => DType::BF16,
-        crate::Products::F16 => DType::F16,
-        crate::Products::F32 => return false,
-    };
+    let Some(own) = super::operand_dtype_of(pb.products) else { return false };
     go.device().target() == crate::Target::Cuda
         && attention_bits(pb, go.dtype(), true).len > 0
         && !crate::backend::cuda::cuda_cores_asked()

@@ -167,11 +167,7 @@ impl Backward for LinearBack {
 /// a zero of its sign (Note [bf16 products] in memfit-kernels), so such an element enters the
 /// product as itself instead of zero, a term below 2^-126 |w| in an f32 sum.
 fn reads_saved_operand(x: &Compact, g: &Tensor) -> bool {
-    let own = match super::products_of(g) {
-        crate::Products::Bf16 => DType::BF16,
-        crate::Products::F16 => DType::F16,
-        crate::Products::F32 => return false,
-    };
+    let Some(own) = super::operand_dtype_of(super::products_of(g)) else { return false };
     g.device().target() == crate::Target::Cuda && g.dtype() == DType::F32 && x.stored().dtype() == own
 }
 

@@ -89,6 +89,16 @@ pub(crate) fn products_of(t: &Tensor) -> crate::Products {
     t.device().products()
 }
 
+/// The 16-bit dtype that `products` round f32 operands to (bf16, fp16), whose saved tensors hold
+/// their operand bits already (Note [Half-precision storage]); None for f32 products.
+pub(crate) fn operand_dtype_of(products: crate::Products) -> Option<DType> {
+    match products {
+        crate::Products::Bf16 => Some(DType::BF16),
+        crate::Products::F16 => Some(DType::F16),
+        crate::Products::F32 => None,
+    }
+}
+
 /// A zero-filled output.
 pub(crate) fn zeros_output(like: &Tensor, shape: &[usize], dtype: DType, op: &'static str) -> Result<Tensor> {
     let t = output(like, shape, dtype, op)?;
