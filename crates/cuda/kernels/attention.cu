@@ -512,8 +512,9 @@ ATTENTION_TILED(128, 32, 16, 16, 16, 16, 16)
 // ----- Tensor cores: bf16 and fp16 products -------------------------------------------------------
 // With rounded products (rounding 1: bf16, 2: fp16; the kernels' KIND) and head sizes up to 128, the
 // six products run on the tensor cores (`mma_16816`, f32 accumulation), in FlashAttention-2's
-// scheme (Dao, 2023): a block of MMA_WARPS warps takes MMA_ROWS rows (query rows for the forward and
-// dq; key rows for dk and dv), each warp 16 of them, its own side's operands in registers, and
+// scheme (Dao, 2023): a block of MMA_WARPS warps takes 16 M MMA_WARPS rows (query rows for the
+// forward and dq; key rows for dk and dv), each warp M tiles of 16 of them (M: 1, or 2 in the
+// `mma_wide` kernels), its own side's operands in registers, and
 // walks the other side's tiles, staged in shared memory by rows (words that each hold a pair of a
 // row's elements), 16 bytes a copy without waiting (`cp.async`), into two buffers: the next tile's
 // copies run while this tile's products do. The products read a tile's B fragments with `ldmatrix`:
@@ -550,7 +551,6 @@ __device__ __forceinline__ float exp2_fast(float y) {
     return r;
 #endif
 }
-#define MMA_ROWS (16 * MMA_WARPS)
 
 // The rounded copies of a launch's operands (the output's gradient: backward only).
 struct Bits {
@@ -735,13 +735,17 @@ __device__ __forceinline__ void zero_acc(float (&s)[N][4]) {
         for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
 }
 
-// s = A B: A, 16 rows by KD chunks of 16 columns in fragments; B(k, n) = tile[n][k] of a staged
-// tile, NS n-tiles (its rows). One ldmatrix gives the B fragments of two chunks of k.
-template <int KIND, int NS, int KD>
-__device__ __forceinline__ void product(float (&s)[NS][4], const unsigned (&a)[KD][4], const unsigned* sh, int ld) {
+// s = A B for each of a warp's M tiles of 16 rows: A (tile m's a[m]) by KD chunks of 16 columns in
+// fragments; B(k, n) = tile[n][k] of a staged tile, NS n-tiles (its rows). One ldmatrix gives the
+// B fragments of two chunks of k, for all M tiles of rows (with M = 2 a warp reads each of B's
+// fragments from shared memory for twice the products). Each accumulator adds its chunks of k in
+// order, whatever M.
+template <int KIND, int M, int NS, int KD>
+__device__ __forceinline__ void product(float (&s)[M][NS][4], const unsigned (&a)[M][KD][4], const unsigned* sh, int ld) {
     static_assert(KD % 2 == 0, "chunks of k in pairs");
     const int lane = threadIdx.x % 32;
-    zero_acc(s);
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) zero_acc(s[mt]);
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
@@ -750,34 +754,41 @@ __device__ __forceinline__ void product(float (&s)[NS][4], const unsigned (&a)[K
             unsigned b[4];
             ldmatrix_x4<false>(b, sh + (8 * n + lane % 8) * ld + (16 * kk + 8 * (lane / 8)) / 2);
             const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_16816<KIND>(s[n], a[kk], b0);
-            mma_16816<KIND>(s[n], a[kk + 1], b1);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                mma_16816<KIND>(s[mt][n], a[mt][kk], b0);
+                mma_16816<KIND>(s[mt][n], a[mt][kk + 1], b1);
+            }
         }
 }
 
-// acc += S B: S an accumulator of 16 rows by 8 NS columns, read as operands; B(k, n) = tile[k][n]
-// of a staged tile (its rows are S's columns), NO n-tiles. One transposing ldmatrix gives the B
-// fragments of two n-tiles. NORMAL: S holds zeros and normal floats only (normal_pair).
-template <int KIND, bool NORMAL, int NS, int NO>
-__device__ __forceinline__ void accumulate(float (&acc)[NO][4], const float (&s)[NS][4], const unsigned* sh, int ld) {
+// acc += S B for each of a warp's M tiles of 16 rows: S (tile m's s[m]) an accumulator of 16 rows
+// by 8 NS columns, read as operands; B(k, n) = tile[k][n] of a staged tile (its rows are S's
+// columns), NO n-tiles. One transposing ldmatrix gives the B fragments of two n-tiles, for all M
+// tiles of rows. NORMAL: S holds zeros and normal floats only (normal_pair).
+template <int KIND, bool NORMAL, int M, int NS, int NO>
+__device__ __forceinline__ void accumulate(float (&acc)[M][NO][4], const float (&s)[M][NS][4], const unsigned* sh, int ld) {
     static_assert(NO % 2 == 0, "n-tiles in pairs");
     const int lane = threadIdx.x % 32, m = lane / 8;
 #pragma unroll
     for (int kk = 0; kk < NS / 2; ++kk) {
-        unsigned a[4];
-        accumulator_a<KIND, NORMAL>(a, s, kk);
+        unsigned a[M][4];
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) accumulator_a<KIND, NORMAL>(a[mt], s[mt], kk);
 #pragma unroll
         for (int c = 0; c < NO; c += 2) {
             // Matrix m: rows 16 kk + 8 (m & 1) .. + 8, columns 8 (c + (m >> 1)) .. + 8.
             unsigned b[4];
             ldmatrix_x4<true>(b, sh + (16 * kk + 8 * (m & 1) + lane % 8) * ld + 4 * (c + (m >> 1)));
             const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_16816<KIND>(acc[c], a, b0);
-            mma_16816<KIND>(acc[c + 1], a, b1);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                mma_16816<KIND>(acc[mt][c], a[mt], b0);
+                mma_16816<KIND>(acc[mt][c + 1], a[mt], b1);
+            }
         }
     }
 }
-
 // v becomes the max (or the sum) of the four lanes of its quad, the same in all four.
 template <bool MAX>
 __device__ __forceinline__ float quad(float v) {
@@ -883,150 +894,204 @@ __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[N
     }
 }
 
-// The forward of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows.
-template <int KIND, int D, int BC>
+// One key tile's step of the forward's online softmax for a warp's 16 query rows from rw (the
+// tile's keys from j0): s, their scores, become the probabilities (in base 2, not yet normalized),
+// mx and l the two rows' running max and sum (of the thread's columns), o scaled to the new max.
+template <int NS, int NO>
+__device__ __forceinline__ void softmax_step(float (&s)[NS][4], float (&o)[NO][4], float (&mx)[2], float (&l)[2], const Problem<float>& p,
+                                             const Visible& vis, const unsigned char* masked, i64 rw, i64 j0) {
+    constexpr int BC = 8 * NS;
+    const int g = (threadIdx.x % 32) / 4;
+    float top[2] = {-INFINITY, -INFINITY};
+    // Scores in base 2 (times LOG2E), so their exponentials are exp2_fast's.
+    if (!masked && all_seen(p, vis, rw, j0, BC)) {
+        seen_scores<ALL_SEEN>(s, top, {0, 0}, masked, vis, rw + g, j0, p.scale * LOG2E);
+    } else {
+        const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
+        if (masked) seen_scores<LIMITS_AND_MASK>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+        else seen_scores<LIMITS>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+    }
+    // The exponentials' base: the running max, or 0 while a row has seen nothing (every score then
+    // -inf, so each exponential is 0, and alpha multiplies zeros): no branch an element.
+    float alpha[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mnew = fmaxf(mx[h], quad<true>(top[h]));
+        base[h] = mnew == -INFINITY ? 0.0f : mnew;
+        alpha[h] = exp2_fast(mx[h] - base[h]);
+        mx[h] = mnew;
+        l[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[n][e] = exp2_fast(s[n][e] - base[e >> 1]);
+            l[e >> 1] += s[n][e];
+        }
+#pragma unroll
+    for (int c = 0; c < NO; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c][e] *= alpha[e >> 1];
+}
+
+// The last key tile (exclusive) that a warp whose M tiles of 16 query rows start at rw multiplies:
+// under a causal mask none past its last row (a tile that none of its rows sees would add nothing:
+// zero probabilities, a factor of 1; only work), and none at all for a warp whose rows are all past
+// the queries (never written).
+template <int M>
+__device__ __forceinline__ i64 keys_end(const Problem<float>& p, const Visible& vis, i64 rw) {
+    if (rw >= p.tq) return 0;
+    return vis.causal ? min(p.tk, rw + 16 * M) : p.tk;
+}
+
+// The forward of a block's 16 M MMA_WARPS query rows from r0 of matrix i (a warp's M tiles of 16
+// rows), key tiles of BC rows.
+template <int KIND, int D, int BC, int M>
 __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, float* out, const Addr& ao, float* lse, i64 i, i64 r0) {
     constexpr int LD = D / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
     // Two buffers of key and value tiles: the next tile's copies run while this one's products do.
     __align__(16) __shared__ unsigned ks[2][BC * LD], vs[2][BC * LD];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const i64 rw = r0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
+    const i64 rw = r0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
     const unsigned short *q0 = bits.q + i * p.tq * dp, *k0 = bits.k + i * p.tk * dp, *v0 = bits.v + i * p.tk * dvp;
-    unsigned qa[KD][4];
+    unsigned qa[M][KD][4];
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk) load_a(qa[kk], q0, dp, rw, p.tq, 16 * kk);
-    float o[NO][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    zero_acc(o);
+    for (int mt = 0; mt < M; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) load_a(qa[mt][kk], q0, dp, rw + 16 * mt, p.tq, 16 * kk);
+    float o[M][NO][4], mx[M][2], l[M][2];
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+        zero_acc(o[mt]);
+        mx[mt][0] = mx[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
     const unsigned char* masked = vis.rows_of(i);
-    const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
+    // The block's key tiles, and this warp's.
+    const i64 kend = vis.causal ? min(p.tk, r0 + 16 * M * MMA_WARPS) : p.tk, wend = keys_end<M>(p, vis, rw);
     const KeyCopies<BC, D> copies(k0, v0, dp, dvp);
     if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
         tile_arrives(j0 + BC < kend, [&] { copies.stage(ks[buf ^ 1], vs[buf ^ 1], j0 + BC, p.tk); });
-        float s[NS][4], top[2] = {-INFINITY, -INFINITY};
-        product<KIND>(s, qa, ks[buf], LD);
-        // Scores in base 2 (times LOG2E), so their exponentials are exp2_fast's.
-        if (!masked && all_seen(p, vis, rw, j0, BC)) {
-            seen_scores<ALL_SEEN>(s, top, {0, 0}, masked, vis, rw + g, j0, p.scale * LOG2E);
-        } else {
-            const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-            if (masked) seen_scores<LIMITS_AND_MASK>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
-            else seen_scores<LIMITS>(s, top, limit, masked, vis, rw + g, j0, p.scale * LOG2E);
+        if (j0 < wend) {
+            float s[M][NS][4];
+            product<KIND>(s, qa, ks[buf], LD);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) softmax_step(s[mt], o[mt], mx[mt], l[mt], p, vis, masked, rw + 16 * mt, j0);
+            accumulate<KIND, true>(o, s, vs[buf], LD);
         }
-        // The exponentials' base: the running max, or 0 while a row has seen nothing (every score
-        // then -inf, so each exponential is 0, and alpha multiplies zeros): no branch an element.
-        float alpha[2], base[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mnew = fmaxf(m[h], quad<true>(top[h]));
-            base[h] = mnew == -INFINITY ? 0.0f : mnew;
-            alpha[h] = exp2_fast(m[h] - base[h]);
-            m[h] = mnew;
-            l[h] *= alpha[h];
-        }
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2_fast(s[n][e] - base[e >> 1]);
-                l[e >> 1] += s[n][e];
-            }
-#pragma unroll
-        for (int c = 0; c < NO; ++c)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[c][e] *= alpha[e >> 1];
-        accumulate<KIND, true>(o, s, vs[buf], LD);
         // Every warp is done with this buffer before the next tile but one is copied into it.
         __syncthreads();
     }
     float* out0 = out + matrix(ao, i, p.heads);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] = quad<false>(l[h]);
-        i64 r = rw + g + 8 * h;
-        if (r >= p.tq) continue;
-        float* row = out0 + r * ao.row;
-        // One division a row, not one (with its slow path's branches) an element.
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    for (int mt = 0; mt < M; ++mt)
 #pragma unroll
-        for (int c = 0; c < NO; ++c)
+        for (int h = 0; h < 2; ++h) {
+            const float sum = quad<false>(l[mt][h]);
+            const i64 r = rw + 16 * mt + g + 8 * h;
+            if (r >= p.tq) continue;
+            float* row = out0 + r * ao.row;
+            // One division a row, not one (with its slow path's branches) an element.
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int col = 8 * c + 2 * t + e;
-                if (col < p.dv) row[col] = o[c][2 * h + e] * inv;
-            }
-        if (lse && t == 0) lse[i * p.tq + r] = l[h] > 0.0f ? LN2 * m[h] + logf(l[h]) : -INFINITY;
-    }
+            for (int c = 0; c < NO; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int col = 8 * c + 2 * t + e;
+                    if (col < p.dv) row[col] = o[mt][c][2 * h + e] * inv;
+                }
+            if (lse && t == 0) lse[i * p.tq + r] = sum > 0.0f ? LN2 * mx[mt][h] + logf(sum) : -INFINITY;
+        }
     __syncthreads();
 }
 
-// dq of MMA_ROWS query rows from r0 of matrix i, key tiles of BC rows (delta: the rows' D).
-template <int KIND, int D, int BC>
+// dq of a block's 16 M MMA_WARPS query rows from r0 of matrix i (a warp's M tiles of 16 rows), key
+// tiles of BC rows (delta: the rows' D).
+template <int KIND, int D, int BC, int M>
 __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse, const float* delta,
                                               float* gq, i64 i, i64 r0) {
     constexpr int LD = D / 2 + 4, KD = D / 16, NS = BC / 8, NO = D / 8;
     // Two buffers of key and value tiles, as the forward's.
     __align__(16) __shared__ unsigned ks[2][BC * LD], vs[2][BC * LD];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const i64 rw = r0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
+    const i64 rw = r0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
     // Matrix i's rounded operands.
     const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
                          *v0 = bits.v + i * p.tk * dvp;
-    unsigned qa[KD][4], ga[KD][4];
+    unsigned qa[M][KD][4], ga[M][KD][4];
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-        load_a(qa[kk], q0, dp, rw, p.tq, 16 * kk);
-        load_a(ga[kk], g0, dvp, rw, p.tq, 16 * kk);
-    }
-    float acc[NO][4], lr[2], dr[2];
-    zero_acc(acc);
+    for (int mt = 0; mt < M; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(qa[mt][kk], q0, dp, rw + 16 * mt, p.tq, 16 * kk);
+            load_a(ga[mt][kk], g0, dvp, rw + 16 * mt, p.tq, 16 * kk);
+        }
+    float acc[M][NO][4], lr[M][2], dr[M][2];
     const unsigned char* masked = vis.rows_of(i);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        i64 r = rw + g + 8 * h;
-        lr[h] = r < p.tq ? LOG2E * lse[i * p.tq + r] : 0.0f;
-        dr[h] = r < p.tq ? delta[i * p.tq + r] : 0.0f;
+    for (int mt = 0; mt < M; ++mt) {
+        zero_acc(acc[mt]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 r = rw + 16 * mt + g + 8 * h;
+            lr[mt][h] = r < p.tq ? LOG2E * lse[i * p.tq + r] : 0.0f;
+            dr[mt][h] = r < p.tq ? delta[i * p.tq + r] : 0.0f;
+        }
     }
-    const i64 kend = vis.causal ? min(p.tk, r0 + MMA_ROWS) : p.tk;
+    // The block's key tiles, and this warp's.
+    const i64 kend = vis.causal ? min(p.tk, r0 + 16 * M * MMA_WARPS) : p.tk, wend = keys_end<M>(p, vis, rw);
     const KeyCopies<BC, D> copies(k0, v0, dp, dvp);
     if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
         tile_arrives(j0 + BC < kend, [&] { copies.stage(ks[buf ^ 1], vs[buf ^ 1], j0 + BC, p.tk); });
-        float s[NS][4], dp_[NS][4];
-        product<KIND>(s, qa, ks[buf], LD);
-        product<KIND>(dp_, ga, vs[buf], LD);
-        if (!masked && all_seen(p, vis, rw, j0, BC)) {
-            query_gradients<ALL_SEEN>(s, dp_, {0, 0}, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
-        } else {
-            const int limit[2] = {keys_seen(p, vis, rw + g, j0, BC), keys_seen(p, vis, rw + g + 8, j0, BC)};
-            if (masked) query_gradients<LIMITS_AND_MASK>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
-            else query_gradients<LIMITS>(s, dp_, limit, masked, vis, rw + g, j0, lr, dr, p.scale, p.scale * LOG2E);
+        if (j0 < wend) {
+            float s[M][NS][4], dp_[M][NS][4];
+            product<KIND>(s, qa, ks[buf], LD);
+            product<KIND>(dp_, ga, vs[buf], LD);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                const i64 rm = rw + 16 * mt;
+                if (!masked && all_seen(p, vis, rm, j0, BC)) {
+                    query_gradients<ALL_SEEN>(s[mt], dp_[mt], {0, 0}, masked, vis, rm + g, j0, lr[mt], dr[mt], p.scale, p.scale * LOG2E);
+                } else {
+                    const int limit[2] = {keys_seen(p, vis, rm + g, j0, BC), keys_seen(p, vis, rm + g + 8, j0, BC)};
+                    if (masked)
+                        query_gradients<LIMITS_AND_MASK>(s[mt], dp_[mt], limit, masked, vis, rm + g, j0, lr[mt], dr[mt], p.scale, p.scale * LOG2E);
+                    else query_gradients<LIMITS>(s[mt], dp_[mt], limit, masked, vis, rm + g, j0, lr[mt], dr[mt], p.scale, p.scale * LOG2E);
+                }
+            }
+            accumulate<KIND, false>(acc, s, ks[buf], LD);
         }
-        accumulate<KIND, false>(acc, s, ks[buf], LD);
         __syncthreads();
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        i64 r = rw + g + 8 * h;
-        if (r >= p.tq) continue;
+    for (int mt = 0; mt < M; ++mt)
 #pragma unroll
-        for (int c = 0; c < NO; ++c)
+        for (int h = 0; h < 2; ++h) {
+            const i64 r = rw + 16 * mt + g + 8 * h;
+            if (r >= p.tq) continue;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int col = 8 * c + 2 * t + e;
-                if (col < p.d) gq0[r * p.aq.row + col] = acc[c][2 * h + e];
-            }
-    }
+            for (int c = 0; c < NO; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int col = 8 * c + 2 * t + e;
+                    if (col < p.d) gq0[r * p.aq.row + col] = acc[mt][c][2 * h + e];
+                }
+        }
     __syncthreads();
 }
 
-// dk and dv of MMA_ROWS key rows from j0 of matrix i, from every query row that sees them, query
-// tiles of KR rows (delta: the rows' D).
-template <int KIND, int D, int KR>
+// dk and dv of a block's 16 M MMA_WARPS key rows from j0 of matrix i (a warp's M tiles of 16 rows),
+// from every query row that sees them, query tiles of KR rows (delta: the rows' D). Under a causal
+// mask a warp multiplies only the query tiles that see its keys (from the one holding its first
+// key's row), and a warp whose keys are all past the keys none.
+template <int KIND, int D, int KR, int M>
 __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Visible& vis, const Bits& bits, const float* lse,
                                                const float* delta, float* gk, float* gv, i64 i, i64 j0) {
     constexpr int LD = D / 2 + 4, KD = D / 16, NS = KR / 8, NO = D / 8;
@@ -1035,21 +1100,27 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     __align__(16) __shared__ unsigned qs[2][KR * LD], gs[2][KR * LD];
     __align__(8) __shared__ float l_row[2][KR], d_row[2][KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const i64 jw = j0 + 16 * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
+    const i64 jw = j0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
     const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
                          *v0 = bits.v + i * p.tk * dvp;
-    unsigned ka[KD][4], va[KD][4];
+    unsigned ka[M][KD][4], va[M][KD][4];
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-        load_a(ka[kk], k0, dp, jw, p.tk, 16 * kk);
-        load_a(va[kk], v0, dvp, jw, p.tk, 16 * kk);
+    for (int mt = 0; mt < M; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(ka[mt][kk], k0, dp, jw + 16 * mt, p.tk, 16 * kk);
+            load_a(va[mt][kk], v0, dvp, jw + 16 * mt, p.tk, 16 * kk);
+        }
+    float dk[M][NO][4], dv[M][NO][4];
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+        zero_acc(dk[mt]);
+        zero_acc(dv[mt]);
     }
-    float dk[NO][4], dv[NO][4];
-    zero_acc(dk);
-    zero_acc(dv);
     const unsigned char* masked = vis.rows_of(i);
-    const i64 rstart = vis.causal ? (j0 / KR) * KR : 0;
+    // The block's first query tile, and this warp's.
+    const i64 rstart = vis.causal ? (j0 / KR) * KR : 0, wstart = jw >= p.tk ? p.tq : vis.causal ? (jw / KR) * KR : 0;
     const Copies<KR, D, LD> q_copies(q0, dp), g_copies(g0, dvp);
     auto stage = [&](int b, i64 r0) {
         q_copies.stage(qs[b], r0, p.tq);
@@ -1066,84 +1137,118 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     int buf = 0;
     for (i64 r0 = rstart; r0 < p.tq; r0 += KR, buf ^= 1) {
         tile_arrives(r0 + KR < p.tq, [&] { stage(buf ^ 1, r0 + KR); });
-        // The transposed scores S^T = K Q^T and dP^T = V dO^T: this warp's keys by the tile's queries.
-        float st[NS][4], dpt[NS][4];
-        product<KIND>(st, ka, qs[buf], LD);
-        product<KIND>(dpt, va, gs[buf], LD);
-        // The queries of the tile that this thread's two keys are seen by, r0 + c for first <= c <
-        // last: none for a key past the keys, none past the queries, under a causal mask only from
-        // the key's own row.
-        // Every query of the tile sees all 16 of the warp's keys where the tile lies inside the
-        // queries and, under a causal mask, the warp's last key is at or before the tile's first
-        // query (a key past the keys may see anything: it is never written). The same for the
-        // warp's lanes, so its element loop does not diverge. Heads up to 64 only: the d128
-        // kernels hold dk, dv and K's and V's fragments in registers, and a third loop made them
-        // spill 48 (bf16) and 64 (fp16) bytes where they now spill 8 and 24.
-        if (D <= 64 && !masked && r0 + KR <= p.tq && (!vis.causal || jw + 15 <= r0)) {
-            key_gradients<ALL_SEEN>(st, dpt, {0, 0}, {0, 0}, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
-        } else {
-            int first[2], last[2];
+        if (r0 >= wstart) {
+            // The transposed scores S^T = K Q^T and dP^T = V dO^T: this warp's keys by the tile's queries.
+            float st[M][NS][4], dpt[M][NS][4];
+            product<KIND>(st, ka, qs[buf], LD);
+            product<KIND>(dpt, va, gs[buf], LD);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const i64 j = jw + g + 8 * h;
-                last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
-                first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
+            for (int mt = 0; mt < M; ++mt) {
+                const i64 jm = jw + 16 * mt;
+                // The queries of the tile that this thread's two keys are seen by, r0 + c for first
+                // <= c < last: none for a key past the keys, none past the queries, under a causal
+                // mask only from the key's own row.
+                // Every query of the tile sees all 16 of the tile's keys where the tile lies inside
+                // the queries and, under a causal mask, the last key is at or before the tile's
+                // first query (a key past the keys may see anything: it is never written). The same
+                // for the warp's lanes, so its element loop does not diverge. Heads up to 64 only:
+                // the d128 kernels hold dk, dv and K's and V's fragments in registers, and a third
+                // loop made them spill 48 (bf16) and 64 (fp16) bytes where they now spill 8 and 24.
+                if (D <= 64 && !masked && r0 + KR <= p.tq && (!vis.causal || jm + 15 <= r0)) {
+                    key_gradients<ALL_SEEN>(st[mt], dpt[mt], {0, 0}, {0, 0}, masked, vis, r0, jm + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
+                } else {
+                    int first[2], last[2];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const i64 j = jm + g + 8 * h;
+                        last[h] = j < p.tk ? (int)min((i64)KR, p.tq - r0) : 0;
+                        first[h] = vis.causal ? (int)min((i64)KR, max((i64)0, j - r0)) : 0;
+                    }
+                    if (masked)
+                        key_gradients<LIMITS_AND_MASK>(st[mt], dpt[mt], first, last, masked, vis, r0, jm + g, l_row[buf], d_row[buf], p.scale,
+                                                       p.scale * LOG2E);
+                    else key_gradients<LIMITS>(st[mt], dpt[mt], first, last, masked, vis, r0, jm + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
+                }
             }
-            if (masked) key_gradients<LIMITS_AND_MASK>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
-            else key_gradients<LIMITS>(st, dpt, first, last, masked, vis, r0, jw + g, l_row[buf], d_row[buf], p.scale, p.scale * LOG2E);
+            // dv += P^T dO and dk += dS^T Q.
+            accumulate<KIND, true>(dv, st, gs[buf], LD);
+            accumulate<KIND, false>(dk, dpt, qs[buf], LD);
         }
-        // dv += P^T dO and dk += dS^T Q.
-        accumulate<KIND, true>(dv, st, gs[buf], LD);
-        accumulate<KIND, false>(dk, dpt, qs[buf], LD);
         __syncthreads();
     }
     // Matrix i's gradients found once (`matrix` divides), not at every store of the unrolled loop.
     float *gk0 = gk ? gk + matrix(p.ak, i, p.heads) : nullptr, *gv0 = gv ? gv + matrix(p.av, i, p.heads) : nullptr;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        i64 j = jw + g + 8 * h;
-        if (j >= p.tk) continue;
+    for (int mt = 0; mt < M; ++mt)
 #pragma unroll
-        for (int c = 0; c < NO; ++c)
+        for (int h = 0; h < 2; ++h) {
+            const i64 j = jw + 16 * mt + g + 8 * h;
+            if (j >= p.tk) continue;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int col = 8 * c + 2 * t + e;
-                if (gk0 && col < p.d) gk0[j * p.ak.row + col] = dk[c][2 * h + e];
-                if (gv0 && col < p.dv) gv0[j * p.av.row + col] = dv[c][2 * h + e];
-            }
-    }
+            for (int c = 0; c < NO; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int col = 8 * c + 2 * t + e;
+                    if (gk0 && col < p.d) gk0[j * p.ak.row + col] = dk[mt][c][2 * h + e];
+                    if (gv0 && col < p.dv) gv0[j * p.av.row + col] = dv[mt][c][2 * h + e];
+                }
+        }
     __syncthreads();
 }
 
 // The entry points for head sizes up to D with KIND's operands (SUF), their rounded copies in `bits`
-// (q, k and v; the output's gradient too in backward): blocks walk the (matrix, tile) pairs of
-// MMA_ROWS rows, in task_tile's order. The forward meets key tiles of FC rows, dq key tiles of
-// QC, dk and dv query tiles of KR; each kernel's two buffers of tiles fit the 48 KiB of static
-// shared memory (so the d128 forward's key tiles are 32 rows, d64's 64). BLOCKS:
-// the blocks a multiprocessor should hold at once, so the registers a thread may take (3: 168 of an
-// H100's 65,536 per multiprocessor; with tiles of 64 the backward kernels took 255, two blocks of
-// 4 warps, and spilled at 168; the d128 kernels spill at 168, so they take what they need).
-#define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR, BLOCKS)                                                         \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, float* out, Addr ao, float* lse) { \
-        i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
+// (q, k and v; the output's gradient too in backward): blocks of MMA_WARPS warps, each warp M tiles
+// of 16 rows, walk the (matrix, tile) pairs of 16 M MMA_WARPS rows, in task_tile's order. The
+// forward meets key tiles of FC rows, dq key tiles of QC, dk and dv query tiles of KR; each
+// kernel's two buffers of tiles fit the 48 KiB of static shared memory (so the d128 forward's key
+// tiles are 32 rows, d64's 64). BLOCKS: the blocks a multiprocessor should hold at once, so the
+// registers a thread may take (3: 168 of an H100's 65,536 per multiprocessor; with tiles of 64 the
+// backward kernels took 255, two blocks of 4 warps, and spilled at 168; the d128 kernels spill at
+// 168, so they take what they need).
+#define ATTENTION_MMA_FORWARD(NAME, M, KIND, SUF, D, FC, BLOCKS)                                       \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_##NAME##_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, float* out, Addr ao, float* lse) { \
+        constexpr i64 rows = 16 * M * MMA_WARPS;                                                        \
+        i64 tiles = (p.tq + rows - 1) / rows;                                                           \
         for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_tile<KIND, D, FC>(p, vis, bits, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* delta, float* gq) { \
-        i64 tiles = (p.tq + MMA_ROWS - 1) / MMA_ROWS;                                                   \
-        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_q_tile<KIND, D, QC>(p, vis, bits, lse, delta, gq, t / tiles, task_tile(t, tiles, vis.causal) * MMA_ROWS); \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_mma_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* delta, float* gk, float* gv) { \
-        i64 tiles = (p.tk + MMA_ROWS - 1) / MMA_ROWS;                                                   \
-        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
-            attention_mma_backward_kv_tile<KIND, D, KR>(p, vis, bits, lse, delta, gk, gv, t / tiles, task_tile(t, tiles, false) * MMA_ROWS); \
+            attention_mma_tile<KIND, D, FC, M>(p, vis, bits, out, ao, lse, t / tiles, task_tile(t, tiles, vis.causal) * rows); \
     }
+#define ATTENTION_MMA_Q(NAME, M, KIND, SUF, D, QC, BLOCKS)                                             \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_##NAME##_backward_q_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* delta, float* gq) { \
+        constexpr i64 rows = 16 * M * MMA_WARPS;                                                        \
+        i64 tiles = (p.tq + rows - 1) / rows;                                                           \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_mma_backward_q_tile<KIND, D, QC, M>(p, vis, bits, lse, delta, gq, t / tiles, task_tile(t, tiles, vis.causal) * rows); \
+    }
+#define ATTENTION_MMA_KV(NAME, M, KIND, SUF, D, KR, BLOCKS)                                            \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_##NAME##_backward_kv_d##D##_##SUF(Problem<float> p, Visible vis, Bits bits, const float* lse, const float* delta, float* gk, float* gv) { \
+        constexpr i64 rows = 16 * M * MMA_WARPS;                                                        \
+        i64 tiles = (p.tk + rows - 1) / rows;                                                           \
+        for (i64 t = blockIdx.x; t < p.bh * tiles; t += gridDim.x)                                      \
+            attention_mma_backward_kv_tile<KIND, D, KR, M>(p, vis, bits, lse, delta, gk, gv, t / tiles, task_tile(t, tiles, false) * rows); \
+    }
+// A warp a tile of 16 rows (`attention_mma_*`).
+#define ATTENTION_MMA(KIND, SUF, D, FC, QC, KR, BLOCKS)                                                 \
+    ATTENTION_MMA_FORWARD(mma, 1, KIND, SUF, D, FC, BLOCKS)                                             \
+    ATTENTION_MMA_Q(mma, 1, KIND, SUF, D, QC, BLOCKS)                                                   \
+    ATTENTION_MMA_KV(mma, 1, KIND, SUF, D, KR, BLOCKS)
 
 ATTENTION_MMA(1, bf16, 64, 64, 32, 32, 3)
 ATTENTION_MMA(1, bf16, 128, 32, 32, 32, 1)
 ATTENTION_MMA(2, f16, 64, 64, 32, 32, 3)
 ATTENTION_MMA(2, f16, 128, 32, 32, 32, 1)
+
+// Two tiles of 16 rows a warp (`attention_mma_wide_*`, the forward and dq, heads up to 64: the
+// `MEMFIT_CUDA_ATTENTION=wide` kernels): each of B's fragments is read from shared memory once for
+// two products, and a warp has twice the independent products in flight, in 255 registers (two
+// blocks a multiprocessor). The same bits as the kernels above: each row meets the same key tiles,
+// its products, sums and tiles in the same order. (dk and dv keep a tile a warp: two would hold
+// dk's, dv's, K's and V's fragments of 32 keys, 192 registers, and spilled 652 bytes.)
+#define ATTENTION_MMA_WIDE(KIND, SUF, D, FC, QC)                                                        \
+    ATTENTION_MMA_FORWARD(mma_wide, 2, KIND, SUF, D, FC, 2)                                             \
+    ATTENTION_MMA_Q(mma_wide, 2, KIND, SUF, D, QC, 2)
+
+ATTENTION_MMA_WIDE(1, bf16, 64, 64, 32)
+ATTENTION_MMA_WIDE(2, f16, 64, 64, 32)
 
 // The tensor cores' check, run once before the kernels above are used: one warp multiplies
 // A(r, k) = (3 r + 5 k) % 7 - 3 by B(k, n) = (2 k + 3 n) % 5 - 2 (small integers: every sum exact in

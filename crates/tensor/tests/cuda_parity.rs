@@ -50,7 +50,7 @@ fn main() {
     let uploads = uploads_land_in_stream_order(&cuda);
     let vocab = large_vocabularies_match_the_cpu(&cuda);
     let convs = convolution_lanes_match_the_cpu(&cuda) + pooling_gradients_match_the_cpu(&cuda);
-    let rounded = rounded_products_match_the_cpu(&cuda);
+    let rounded = rounded_products_match_the_cpu(&cuda) + wide_attention_gives_the_same_bits(&cuda);
     // Rounded attention on the tensor cores (heads up to 128), the d160 case a row per thread.
     let used = cuda.kernels_used();
     for kernels in ["attention: tensor cores", "attention: CUDA cores, a row per thread"] {
@@ -605,6 +605,64 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
         assert!(used.iter().any(|k| k == held), "{held}: {used:?}");
     }
     cases + exact_bf16_sums_are_the_cpus_bits(cuda)
+}
+
+/// `MEMFIT_CUDA_ATTENTION=wide` (the tensor cores' forward and dq with two tiles of 16 rows a warp)
+/// gives the default kernels' bits, outputs and every gradient, in bf16 and fp16 products: causal
+/// over several blocks of either width (each warp's rows meet the same key tiles), a partial last
+/// block, heads of 48 and values of 40, masked and causal cross-attention with more keys than
+/// queries. The variable is set between the two runs (it is read at every launch) and put back.
+/// The cases checked.
+fn wide_attention_gives_the_same_bits(cuda: &Device) -> usize {
+    use memfit_tensor::Products;
+    const VAR: &str = "MEMFIT_CUDA_ATTENTION";
+    let before = std::env::var_os(VAR);
+    const TQ: usize = 150;
+    const TK: usize = 290;
+    let (tq, tk) = (TQ, TK);
+    let mask: Vec<bool> = (0..tq * tk).map(|i| i / tk == 3 || (i % tk != 0 && i % 7 == 0)).collect();
+    let cases: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 4] = [
+        ("causal, 300 rows", vec![&[1, 2, 300, 64], &[1, 2, 300, 64], &[1, 2, 300, 64]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        ("causal, 130 rows", vec![&[2, 3, 130, 64], &[2, 3, 130, 64], &[2, 3, 130, 64]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        ("heads of 48, values of 40", vec![&[1, 1, 260, 48], &[1, 1, 260, 48], &[1, 1, 260, 40]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        ("masked and causal, more keys", vec![&[1, 2, TQ, 64], &[1, 2, TK, 64], &[1, 2, TK, 64]], &|x| {
+            let m = Tensor::from_slice(x[0].device(), &mask, &[tq, tk], Category::Input)?;
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, Some(&m))
+        }),
+    ];
+    let mut checked = 0;
+    for products in [Products::Bf16, Products::F16] {
+        cuda.set_products(products).unwrap();
+        cuda.set_saved_dtype(None).unwrap();
+        for (what, shapes, f) in &cases {
+            std::env::remove_var(VAR);
+            let default = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what}, {products:?}: {e}"));
+            std::env::set_var(VAR, "wide");
+            let wide = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what}, {products:?}, wide: {e}"));
+            for (k, (a, b)) in default.iter().zip(&wide).enumerate() {
+                let differ = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+                assert!(
+                    a.len() == b.len() && differ.is_none(),
+                    "{what}, {products:?}: result {k} differs with {VAR}=wide at element {differ:?}"
+                );
+            }
+            checked += 1;
+        }
+    }
+    match before {
+        Some(v) => std::env::set_var(VAR, v),
+        None => std::env::remove_var(VAR),
+    }
+    cuda.set_products(Products::F32).unwrap();
+    let used = cuda.kernels_used();
+    assert!(used.iter().any(|k| k == "attention: tensor cores, two tiles of rows a warp"), "{used:?}");
+    checked
 }
 
 /// Every product op under `products` on cuda against the cpu's (above); with `saved`, the

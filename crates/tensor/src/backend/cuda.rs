@@ -698,6 +698,9 @@ impl Cuda {
     /// other kernels (which compute the same: only this says the tensor cores were left out).
     fn attention_kernels(&self, pb: &AttnProblem, dtype: DType) -> Result<Option<AttentionTiles>> {
         let chosen = self.attention_tiles(pb, dtype)?;
+        if chosen.as_ref().is_some_and(|t| t.wide) {
+            self.ran("attention: tensor cores, two tiles of rows a warp");
+        }
         self.ran(match &chosen {
             Some(t) if t.kind == "mma" => "attention: tensor cores",
             Some(_) => "attention: CUDA cores, tiled",
@@ -717,13 +720,17 @@ impl Cuda {
     /// The kernels for this attention problem: `tiled_head`'s, the tensor cores' only when their
     /// check passed on this device (else the CUDA cores' tiled kernels, which round the same
     /// operands) and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not ask for the CUDA cores' (to time
-    /// one against the other).
+    /// one against the other); `MEMFIT_CUDA_ATTENTION=wide`, the tensor cores' forward and dq
+    /// with two tiles of rows a warp where the head is up to 64 (the same bits).
     fn attention_tiles(&self, pb: &AttnProblem, dtype: DType) -> Result<Option<AttentionTiles>> {
-        let cuda_cores = cuda_cores_asked();
+        let asked = attention_asked()?;
         let head = pb.dims.d.max(pb.dims.dv);
         let Some(tiles) = tiled_head(head, dtype, pb.products) else { return Ok(None) };
-        if tiles.kind != "mma" || (!cuda_cores && self.tensor_cores_work(tiles.operands)?) {
+        if tiles.kind != "mma" {
             return Ok(Some(tiles));
+        }
+        if asked != Some(AttentionAsked::CudaCores) && self.tensor_cores_work(tiles.operands)? {
+            return Ok(Some(if asked == Some(AttentionAsked::Wide) { tiles.wide() } else { tiles }));
         }
         Ok(tiled_head(head, dtype, Products::F32))
     }
@@ -3131,12 +3138,25 @@ struct AttentionTiles {
     query_rows: usize,
     /// Key rows of a tile of dk and dv (`KC`; MMA_ROWS).
     key_rows: usize,
+    /// The forward and dq with two tiles of 16 rows a warp (`attention_mma_wide_*`).
+    wide: bool,
 }
 
 impl AttentionTiles {
     /// The name of the kernel `step` ("", "backward_q_" or "backward_kv_").
     fn kernel(&self, step: &str) -> String {
-        format!("attention_{}_{step}d{}_{}", self.kind, self.head, self.operands)
+        let kind = if self.wide && step != "backward_kv_" { "mma_wide" } else { self.kind };
+        format!("attention_{kind}_{step}d{}_{}", self.head, self.operands)
+    }
+
+    /// These tensor cores' tiles with the forward and dq two tiles of 16 rows a warp
+    /// (attention.cu's ATTENTION_MMA_WIDE: heads up to 64, blocks of twice the rows), where
+    /// there are such kernels; else themselves.
+    fn wide(self) -> AttentionTiles {
+        if self.kind != "mma" || self.head != 64 {
+            return self;
+        }
+        AttentionTiles { forward_rows: 2 * self.forward_rows, query_rows: 2 * self.query_rows, wide: true, ..self }
     }
 }
 
@@ -3160,16 +3180,29 @@ fn tiled_head(head: usize, dtype: DType, products: Products) -> Option<Attention
         forward_rows: MMA_ROWS,
         query_rows: MMA_ROWS,
         key_rows: MMA_ROWS,
+        wide: false,
     };
     Some(match (products, head) {
         (Products::Bf16, _) => mma("bf16"),
         (Products::F16, _) => mma("f16"),
-        (Products::F32, 64) => {
-            AttentionTiles { kind: "tiled", head, operands: "f32", forward_rows: 64, query_rows: 32, key_rows: 32 }
-        }
-        (Products::F32, _) => {
-            AttentionTiles { kind: "tiled", head, operands: "f32", forward_rows: 32, query_rows: 16, key_rows: 16 }
-        }
+        (Products::F32, 64) => AttentionTiles {
+            kind: "tiled",
+            head,
+            operands: "f32",
+            forward_rows: 64,
+            query_rows: 32,
+            key_rows: 32,
+            wide: false,
+        },
+        (Products::F32, _) => AttentionTiles {
+            kind: "tiled",
+            head,
+            operands: "f32",
+            forward_rows: 32,
+            query_rows: 16,
+            key_rows: 16,
+            wide: false,
+        },
     })
 }
 
@@ -3179,6 +3212,37 @@ fn tiled_head(head: usize, dtype: DType, products: Products) -> Option<Attention
 pub(crate) fn cuda_cores_asked() -> bool {
     static CUDA_CORES: OnceLock<bool> = OnceLock::new();
     *CUDA_CORES.get_or_init(|| std::env::var_os("MEMFIT_CUDA_ATTENTION").is_some_and(|v| v == "cuda-cores"))
+}
+
+/// The attention kernels `MEMFIT_CUDA_ATTENTION` asks for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum AttentionAsked {
+    /// `cuda-cores`: the CUDA cores' tiled kernels (`cuda_cores_asked`).
+    CudaCores,
+    /// `wide`: the tensor cores' forward and dq with two tiles of 16 rows a warp (`AttentionTiles::wide`).
+    Wide,
+}
+
+/// `MEMFIT_CUDA_ATTENTION`, read at every launch (`wide` changes no byte of memory and no bit of a
+/// result, so a process may time one kernel against the other), and an error naming the
+/// variable for a value that asks for neither (a misspelt choice would else time the default).
+/// `cuda-cores` is as `cuda_cores_asked` read it first.
+fn attention_asked() -> Result<Option<AttentionAsked>> {
+    if cuda_cores_asked() {
+        return Ok(Some(AttentionAsked::CudaCores));
+    }
+    match std::env::var("MEMFIT_CUDA_ATTENTION").as_deref() {
+        Err(std::env::VarError::NotPresent) | Ok("") => Ok(None),
+        Ok("wide") => Ok(Some(AttentionAsked::Wide)),
+        // Set after the op layer first read it (a test): as it was read then.
+        Ok("cuda-cores") => Ok(None),
+        Ok(other) => Err(Error::invalid(format!(
+            "MEMFIT_CUDA_ATTENTION={other}: expected `cuda-cores` or `wide` (or unset, for the default kernels)"
+        ))),
+        Err(_) => {
+            Err(Error::invalid("MEMFIT_CUDA_ATTENTION is not valid text: expected `cuda-cores` or `wide`".to_string()))
+        }
+    }
 }
 
 /// `MEMFIT_REQUIRE_TENSOR_CORES=1` (the tests' setting): attention that the tensor cores should
