@@ -89,7 +89,7 @@ __device__ __forceinline__ double restored(double x) {
 }
 template <int KIND>
 __device__ __forceinline__ float restored(unsigned short h) {
-    return KIND == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+    return widened<KIND>(h);
 }
 
 // D = rowsum(dO * O) of every query row into delta ([bh, tq]; Note [Attention's D] in
@@ -564,9 +564,7 @@ __device__ __forceinline__ i64 padded8(i64 d) { return (d + 7) & ~(i64)7; }
 __device__ __forceinline__ float4 load4(const float* p) { return *(const float4*)p; }
 template <int KIND>
 __device__ __forceinline__ float4 load4(const unsigned short* p) {
-    const uint2 u = *(const uint2*)p;
-    return make_float4(restored<KIND>((unsigned short)(u.x & 0xffffu)), restored<KIND>((unsigned short)(u.x >> 16)),
-                       restored<KIND>((unsigned short)(u.y & 0xffffu)), restored<KIND>((unsigned short)(u.y >> 16)));
+    return widened4<KIND>(p);
 }
 template <int KIND>
 __device__ __forceinline__ float4 load4(const float* p) { return load4(p); }

@@ -69,6 +69,20 @@ __device__ __forceinline__ float f16_to_f32(unsigned short h) {
 }
 #endif
 
+// An f32 saved in 16 bits (KIND 1: bfloat16, 2: binary16) as restoring it gives it (the casts
+// above, exact: both widen without rounding); widened4, four of them from p (8 bytes, 8-byte
+// aligned).
+template <int KIND>
+__device__ __forceinline__ float widened(unsigned short h) {
+    return KIND == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+template <int KIND>
+__device__ __forceinline__ float4 widened4(const unsigned short* p) {
+    const uint2 u = *(const uint2*)p;
+    return make_float4(widened<KIND>((unsigned short)(u.x & 0xffffu)), widened<KIND>((unsigned short)(u.x >> 16)),
+                       widened<KIND>((unsigned short)(u.y & 0xffffu)), widened<KIND>((unsigned short)(u.y >> 16)));
+}
+
 // An operand element as a bf16 product reads it (Note [bf16 products] in memfit-kernels): rounded
 // to bfloat16, to nearest even, and a denormal result read as a zero of its sign.
 __device__ __forceinline__ float bf16_operand(float x) {

@@ -98,22 +98,48 @@ __device__ unsigned char compare_of(int op, T a, T b) {
     }
 }
 
-// out[i] = f(a[i], b[i]) over f32 arrays (b may be null: f gets zeros), out possibly a or b itself
-// (each element read before it is written, by the thread that writes it). Four elements a thread
-// a step where all three are 16-byte aligned, two steps' loads in flight (GPT-2's GELU backward, one
-// element a thread, ran at 3.1 TB/s on an H200); the rest one at a time. The same bits either way.
-template <typename F>
-__device__ void map2(const float* a, const float* b, float* out, i64 n, F f) {
-    const bool wide = (((u64)a | (u64)b | (u64)out) & 15) == 0;
+// map2's and unary_operands' first operand: f32 values in place (`const float*`), or saved in 16
+// bits (`Saved16<KIND>`: KIND 1 bfloat16, 2 binary16), each read as the f32 that restoring it
+// gives (common.cuh's widened), so a kernel reading them computes the bits it computes from the
+// restored copy, without the copy (GELU-linear's backward on a GPU). `fits4`: the operand may be
+// read four elements a load (16 bytes of f32, 8 of 16-bit ones); `at4`, `at1`: group q, element k
+// (a null f32 operand reads zeros).
+template <int KIND>
+struct Saved16 {
+    const unsigned short* p;
+};
+__device__ __forceinline__ bool fits4(const float* a) { return ((u64)a & 15) == 0; }
+template <int KIND>
+__device__ __forceinline__ bool fits4(Saved16<KIND> a) {
+    return ((u64)a.p & 7) == 0;
+}
+__device__ __forceinline__ float4 at4(const float* a, i64 q) { return a ? ((const float4*)a)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+template <int KIND>
+__device__ __forceinline__ float4 at4(Saved16<KIND> a, i64 q) {
+    return widened4<KIND>(a.p + 4 * q);
+}
+__device__ __forceinline__ float at1(const float* a, i64 k) { return a ? a[k] : 0.0f; }
+template <int KIND>
+__device__ __forceinline__ float at1(Saved16<KIND> a, i64 k) {
+    return widened<KIND>(a.p[k]);
+}
+
+// out[i] = f(a[i], b[i]) over f32 arrays (a: map2's first operand, above; b may be null: f gets
+// zeros), out possibly a or b itself (each element read before it is written, by the thread that
+// writes it). Four elements a thread a step where all three fit four a load, two steps' loads in
+// flight (GPT-2's GELU backward, one element a thread, ran at 3.1 TB/s on an H200); the rest one
+// at a time. The same bits either way.
+template <typename A, typename F>
+__device__ void map2(A a, const float* b, float* out, i64 n, F f) {
+    const bool wide = fits4(a) && fits4(b) && fits4(out);
     const i64 n4 = wide ? n / 4 : 0;
-    const auto load = [](const float* p, i64 q) { return p ? ((const float4*)p)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f); };
-    grid_two_in_flight(n4, [&](i64 q) { return Two<float4>{load(a, q), load(b, q)}; }, [&](i64 q, Two<float4> uv) {
+    grid_two_in_flight(n4, [&](i64 q) { return Two<float4>{at4(a, q), at4(b, q)}; }, [&](i64 q, Two<float4> uv) {
         const float4 u = uv.a, v = uv.b;
         ((float4*)out)[q] = make_float4(f(u.x, v.x), f(u.y, v.y), f(u.z, v.z), f(u.w, v.w));
     });
     GRID_STRIDE(i, n - 4 * n4) {
         const i64 k = 4 * n4 + i;
-        out[k] = f(a ? a[k] : 0.0f, b ? b[k] : 0.0f);
+        out[k] = f(at1(a, k), at1(b, k));
     }
 }
 // The unary kernels' loops: map2's for f32, an element a thread for f64.
@@ -123,11 +149,19 @@ __device__ __forceinline__ void unary_all(int op, const float* x, float* out, i6
 __device__ __forceinline__ void unary_all(int op, const double* x, double* out, i64 n) {
     GRID_STRIDE(i, n) out[i] = unary_of<double>(op, x[i]);
 }
-__device__ __forceinline__ void unary_backward_all(int op, const float* saved, const float* g, float* out, i64 n) {
+template <typename A>
+__device__ __forceinline__ void unary_backward_all(int op, A saved, const float* g, float* out, i64 n) {
     map2(saved, g, out, n, [=](float s, float gi) { return unary_grad<float>(op, s, gi); });
 }
 __device__ __forceinline__ void unary_backward_all(int op, const double* saved, const double* g, double* out, i64 n) {
     GRID_STRIDE(i, n) out[i] = unary_grad<double>(op, saved ? saved[i] : 0.0, g[i]);
+}
+// unary_backward_f32 of an input saved in 16 bits (map2's Saved16).
+extern "C" __global__ void unary_backward_saved_bf16(int op, const unsigned short* saved, const float* g, float* out, i64 n) {
+    unary_backward_all(op, Saved16<1>{saved}, g, out, n);
+}
+extern "C" __global__ void unary_backward_saved_f16(int op, const unsigned short* saved, const float* g, float* out, i64 n) {
+    unary_backward_all(op, Saved16<2>{saved}, g, out, n);
 }
 
 #define FLOAT_KERNELS(T, SUF)                                                                          \
@@ -180,21 +214,28 @@ FLOAT_KERNELS(double, f64)
 // unary_f32 then the rounding of a product's operand (KIND 1: bfloat16, 2: binary16; common.cuh's
 // operand_bits, as round_operands gives them): y[i] the operand bits of op(x[i]), for an activation
 // only a product reads (GELU-linear's block on a GPU: one 16-bit write, where the f32 block was
-// written, read and rounded into the rounding workspace).
+// written, read and rounded into the rounding workspace). x: map2's first operand, f32 or saved in
+// the products' own 16 bits (`unary_operands_saved_*`: GELU-linear's backward).
 //
-// Four elements a step where x is 16-byte and y 8-byte aligned (a 16-byte load, an 8-byte store),
-// two steps' loads issued before either is computed: a thread reading one f32 at a time kept too
-// few bytes in flight to reach the memory's speed (GPT-2's GELU blocks at 1.8 TB/s on an H200).
-// Each element's bits are the one-at-a-time loop's, which takes the rest.
-template <int KIND>
-__device__ void unary_operands(int op, const float* x, unsigned short* y, i64 n) {
-    const bool wide = ((unsigned long long)x & 15) == 0 && ((unsigned long long)y & 7) == 0;
+// Four elements a step where x fits four a load and y is 8-byte aligned (an 8-byte store), two
+// steps' loads issued before either is computed: a thread reading one f32 at a time kept too few
+// bytes in flight to reach the memory's speed (GPT-2's GELU blocks at 1.8 TB/s on an H200). Each
+// element's bits are the one-at-a-time loop's, which takes the rest.
+template <int KIND, typename A>
+__device__ void unary_operands(int op, A x, unsigned short* y, i64 n) {
+    const bool wide = fits4(x) && ((u64)y & 7) == 0;
     const i64 n4 = wide ? n / 4 : 0;
-    grid_two_in_flight(n4, [&](i64 q) { return ((const float4*)x)[q]; }, [&](i64 q, float4 v) {
+    grid_two_in_flight(n4, [&](i64 q) { return at4(x, q); }, [&](i64 q, float4 v) {
         ((uint2*)y)[q] = make_uint2(operand_pair<KIND>(unary_of<float>(op, v.x), unary_of<float>(op, v.y)),
                                     operand_pair<KIND>(unary_of<float>(op, v.z), unary_of<float>(op, v.w)));
     });
-    GRID_STRIDE(i, n - 4 * n4) y[4 * n4 + i] = (unsigned short)operand_bits<KIND>(unary_of<float>(op, x[4 * n4 + i]));
+    GRID_STRIDE(i, n - 4 * n4) y[4 * n4 + i] = (unsigned short)operand_bits<KIND>(unary_of<float>(op, at1(x, 4 * n4 + i)));
 }
 extern "C" __global__ void unary_operands_bf16(int op, const float* x, unsigned short* y, i64 n) { unary_operands<1>(op, x, y, n); }
 extern "C" __global__ void unary_operands_f16(int op, const float* x, unsigned short* y, i64 n) { unary_operands<2>(op, x, y, n); }
+extern "C" __global__ void unary_operands_saved_bf16(int op, const unsigned short* x, unsigned short* y, i64 n) {
+    unary_operands<1>(op, Saved16<1>{x}, y, n);
+}
+extern "C" __global__ void unary_operands_saved_f16(int op, const unsigned short* x, unsigned short* y, i64 n) {
+    unary_operands<2>(op, Saved16<2>{x}, y, n);
+}

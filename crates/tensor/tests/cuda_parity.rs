@@ -591,13 +591,16 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
         cases += product_ops_match_the_cpu(cuda, products, None);
         cases += two_step_products_are_the_cpus_bits(cuda, products);
     }
-    // Attention and a linear layer with their inputs saved in the products' own format, which a
-    // GPU reads as saved (Note [Attention's saved operands]; the linear layer's weight gradient).
+    // Attention, a linear layer and GELU-linear with their inputs saved in the products' own format,
+    // which a GPU reads as saved (Note [Attention's saved operands]; the linear layer's weight
+    // gradient; GELU-linear's backward, each element widened as restoring it would).
     cases += product_ops_match_the_cpu(cuda, Products::Bf16, Some(DType::BF16));
     cases += product_ops_match_the_cpu(cuda, Products::F16, Some(DType::F16));
     let used = cuda.kernels_used();
     assert!(used.iter().any(|k| k == "attention: operands read as saved in 16 bits"), "{used:?}");
-    assert!(used.iter().any(|k| k == "linear: input read as saved in 16 bits"), "{used:?}");
+    for saved in ["linear: input read as saved in 16 bits", "gelu_linear: input read as saved in 16 bits"] {
+        assert!(used.iter().any(|k| k == saved), "{saved}: {used:?}");
+    }
     // Note [Held operands] in the cuda backend: the fused ops' and the linear layer's shared operands
     // were held, and their bias gradients summed from that reading (else the cases above would pass
     // on the products' own roundings).
@@ -666,8 +669,8 @@ fn wide_attention_gives_the_same_bits(cuda: &Device) -> usize {
 }
 
 /// Every product op under `products` on cuda against the cpu's (above); with `saved`, the
-/// attention ops and the linear layer only, under that half-precision storage on both. The cases
-/// checked.
+/// attention ops, the linear layer and GELU-linear only (those a GPU reads as saved), under that
+/// half-precision storage on both. The cases checked.
 fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, saved: Option<DType>) -> usize {
     let cpu = Device::cpu();
     cpu.set_products(products).unwrap();
@@ -762,7 +765,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 32)?.0)
         }),
     ];
-    let reads_saved = |op: &str| op.contains("attention") || op == "linear";
+    let reads_saved = |op: &str| op.contains("attention") || op == "linear" || op.starts_with("gelu_linear");
     for (op, shapes, f) in product_ops.iter().filter(|(op, ..)| saved.is_none() || reads_saved(op)) {
         let what =
             format!("{op} in {products:?} products{}", saved.map_or(String::new(), |d| format!(", saved in {d}")));

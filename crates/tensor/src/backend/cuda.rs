@@ -1056,10 +1056,25 @@ impl Cuda {
     /// GELU (erf) of `count` elements at `x` into `scratch`, for a product to read: as that product's
     /// rounded operand bits where `products` round f32 (`unary_operands_*`, two bytes an element: what
     /// the product would round the f32 values to, never written in f32), and then true; else in
-    /// `sfx`'s dtype (`unary_*`).
-    fn gelu_block(&self, sfx: &str, products: Products, x: u64, scratch: u64, count: usize) -> Result<bool> {
+    /// `sfx`'s dtype (`unary_*`). With `saved` ("bf16", "f16": the products' own), x is f32 saved
+    /// in those 16 bits, read as restoring it would give it (`unary_operands_saved_*`).
+    fn gelu_block(
+        &self,
+        sfx: &str,
+        products: Products,
+        (x, saved): (u64, Option<&str>),
+        scratch: u64,
+        count: usize,
+    ) -> Result<bool> {
         let rounded = operand_bits(sfx, products);
-        let kernel = rounded.map_or(format!("unary_{sfx}"), |bits| format!("unary_operands_{bits}"));
+        let kernel = match (rounded, saved) {
+            (Some(bits), Some(_)) => format!("unary_operands_saved_{bits}"),
+            (Some(bits), None) => format!("unary_operands_{bits}"),
+            (None, None) => format!("unary_{sfx}"),
+            (None, Some(_)) => {
+                return Err(Error::invalid("internal: GELU of a saved input without rounded products".to_string()))
+            }
+        };
         let code = Arg::I32(unary_code(Unary::GeluErf));
         self.launch(
             &kernel,
@@ -2314,7 +2329,7 @@ impl Backend for Cuda {
         let weight = self.weight_for(weight, products, rows.div_ceil(block), &mut held, NAME)?;
         for r0 in (0..rows).step_by(block) {
             let n = block.min(rows - r0);
-            let rounded = self.gelu_block(sfx, products, xp + (r0 * in_f) as u64 * size, sc, n * in_f)?;
+            let rounded = self.gelu_block(sfx, products, (xp + (r0 * in_f) as u64 * size, None), sc, n * in_f)?;
             let out = dst + (r0 * out_f) as u64 * size;
             self.times_weight_t((sc, rounded), n, weight, out, bias, (products, held), NAME)?;
         }
@@ -2337,6 +2352,20 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = grad.shape()[0];
         let size = grad.dtype().size() as u64;
+        // x in the gradient's dtype, or saved in the products' own 16 bits (the op layer's
+        // `reads_saved_input`), which the kernels widen as restoring it would.
+        let saved = match x.dtype() {
+            d if d == grad.dtype() => None,
+            DType::BF16 if products == Products::Bf16 && sfx == "f32" => Some("bf16"),
+            DType::F16 if products == Products::F16 && sfx == "f32" => Some("f16"),
+            d => {
+                return Err(Error::dtype(format!("{NAME}: an input saved in {d} with {products:?} products of {sfx}")))
+            }
+        };
+        if saved.is_some() {
+            self.ran("gelu_linear: input read as saved in 16 bits");
+        }
+        let x_size = x.dtype().size() as u64;
         let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
         let (gxp, gwp) = (dense_opt(gx, NAME)?, dense_opt(gw, NAME)?);
         let block = (scratch.numel() / in_f.max(1)).max(1);
@@ -2349,21 +2378,23 @@ impl Backend for Cuda {
         for (i, r0) in (0..rows).step_by(block).enumerate() {
             let n = block.min(rows - r0);
             let count = n * in_f;
-            let x_block = xp + (r0 * in_f) as u64 * size;
+            let x_block = xp + (r0 * in_f) as u64 * x_size;
             let mut held = held;
             let sums = gb.map(|gb| (gb, i > 0));
             let g_block = self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), both, kind, &mut held, sums)?;
             // The weight gradient first: it reads gelu(x) before a gradient written in place over x.
             if gwp != 0 {
-                let rounded = self.gelu_block(sfx, products, x_block, sc, count)?;
+                let rounded = self.gelu_block(sfx, products, (x_block, saved), sc, count)?;
                 let beta = if i == 0 { 0.0 } else { 1.0 };
                 let dtype = grad.dtype();
                 self.weight_grad(dtype, g_block, (sc, rounded), n, out_f, in_f, gwp, beta, (products, held))?;
             }
             if gxp != 0 {
                 self.times_weight(g_block, n, weight, sc, (products, held), NAME)?;
+                let kernel =
+                    saved.map_or(format!("unary_backward_{sfx}"), |bits| format!("unary_backward_saved_{bits}"));
                 self.launch(
-                    &format!("unary_backward_{sfx}"),
+                    &kernel,
                     self.grid(count, BLOCK),
                     &mut [
                         Arg::I32(unary_code(Unary::GeluErf)),

@@ -341,7 +341,8 @@ backends! {
     );
     /// gelu_linear's input gradient into `gx` (`x` itself when in place), weight gradient into `gw`
     /// and, with it, bias gradient into `gb`, each when given, from `grad` [rows, out], block by
-    /// block through `scratch`.
+    /// block through `scratch`. On a GPU target `x` may be its saved 16-bit copy, in the products'
+    /// own format (the op layer's `saved_in_operand_format`), read as restoring it would give it.
     #[allow(clippy::too_many_arguments)]
     fn gelu_linear_backward(
         &self,

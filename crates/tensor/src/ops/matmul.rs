@@ -9,7 +9,6 @@ use crate::autograd::{needs_grad, record, save, save_compact, Backward, Compact}
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
 use crate::tensor::Tensor;
-use crate::DType;
 pub(crate) use memfit_cpu::matmul::{gelu_scratch_stride, GELU_ROWS};
 use memfit_memory::Category;
 
@@ -167,8 +166,7 @@ impl Backward for LinearBack {
 /// a zero of its sign (Note [bf16 products] in memfit-kernels), so such an element enters the
 /// product as itself instead of zero, a term below 2^-126 |w| in an f32 sum.
 fn reads_saved_operand(x: &Compact, g: &Tensor) -> bool {
-    let Some(own) = super::operand_dtype_of(super::products_of(g)) else { return false };
-    g.device().target() == crate::Target::Cuda && g.dtype() == DType::F32 && x.stored().dtype() == own
+    super::saved_in_operand_format(x, g)
 }
 
 /// A linear layer's bias gradient from its output gradient `g2` [rows, out], when `wanted`: a fresh
@@ -251,12 +249,16 @@ impl Backward for GeluLinearBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         const NAME: &str = "gelu_linear_backward";
         let GeluLinearBack { x, weight, has_bias } = *self;
-        let x = x.into_tensor()?;
+        // On a GPU, x saved in its products' own 16 bits is read as saved (the kernels widen each
+        // element as restoring it would: the same bits, without the restored copy or its cast),
+        // its gradient then a new tensor.
+        let read_saved = super::saved_in_operand_format(&x, &grad);
+        let x = if read_saved { x.stored().clone() } else { x.into_tensor()? };
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
         let rows = g2.shape()[0];
         // Decided from who holds what, never from data, so meta allocates as cpu does.
-        let in_place = needs[0] && x.owns_storage();
+        let in_place = needs[0] && !read_saved && x.owns_storage();
         let gx = if needs[0] && !in_place { Some(output(&grad, x.shape(), grad.dtype(), NAME)?) } else { None };
         let gw = if needs[1] { Some(output(&grad, &[out_f, in_f], grad.dtype(), NAME)?) } else { None };
         let gb = bias_grad(&g2, has_bias && needs[2], gw.is_some(), NAME)?;
@@ -265,7 +267,8 @@ impl Backward for GeluLinearBack {
         // derivative goes over x's block when in place, else into a second half of the scratch.
         let both = needs[0] && needs[1];
         let block = rows.min(super::fused_block_rows(&grad, GELU_ROWS));
-        let scratch_rows = if both && !in_place { 2 * block } else { block };
+        // (Read as saved, x's blocks are never overwritten: the derivative needs no second half.)
+        let scratch_rows = if both && !in_place && !read_saved { 2 * block } else { block };
         let scratch = output(&grad, &[scratch_rows, scratch_stride(&grad, in_f, block)], grad.dtype(), NAME)?;
         // In place, the input gradient is x itself.
         let gx_target = if in_place { Some(&x) } else { gx.as_ref() };
