@@ -199,8 +199,8 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     // Which kernels ran, as the report says: attention on the tensor cores only with rounded
     // products, reading its inputs as saved in 16 bits (Note [Attention's saved operands]); biases
     // in the product's epilogue, of f32 and rounded products alike (the emulator fuses them as
-    // cuBLASLt does); a linear layer's weight gradient and GELU-linear's backward reading their
-    // inputs as saved in 16 bits; rounded
+    // cuBLASLt does); a linear layer's weight gradient and the fused linear ops' backward reading
+    // their inputs as saved in 16 bits; rounded
     // products' shared operands rounded once, a bias gradient summed from that reading (Note [Held
     // operands] in the cuda backend).
     let used = |name: &str| {
@@ -212,6 +212,7 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
         "bias: in the product's epilogue (cuBLASLt)",
         "bias: summed as its gradient is rounded",
         "gelu_linear: input read as saved in 16 bits",
+        "layer_norm_linear: input read as saved in 16 bits",
         "linear: input read as saved in 16 bits",
         "products: shared operands rounded once",
     ];
@@ -354,6 +355,7 @@ fn the_host_only_emulator_allocates_as_the_gpu_without_arithmetic() {
             "bias: in the product's epilogue (cuBLASLt)",
             "bias: summed as its gradient is rounded",
             "gelu_linear: input read as saved in 16 bits",
+            "layer_norm_linear: input read as saved in 16 bits",
             "linear: input read as saved in 16 bits",
             "products: shared operands rounded once"
         ])

@@ -83,6 +83,43 @@ __device__ __forceinline__ float4 widened4(const unsigned short* p) {
                        widened<KIND>((unsigned short)(u.y & 0xffffu)), widened<KIND>((unsigned short)(u.y >> 16)));
 }
 
+// An f32 operand of an element-wise kernel: values in place (`const T*`), or f32 values saved in
+// 16 bits (`Saved16<KIND>`: KIND 1 bfloat16, 2 binary16), each read as the f32 that restoring it
+// gives (widened), so a kernel computes from them the bits it computes from the restored copy,
+// without the copy (GELU-linear's and layer-norm-linear's backward on a GPU read their saved
+// inputs so). `fits4`: it may be read four elements a load (16 bytes of f32, 8 of 16-bit ones);
+// `at4`, `at1`: its group q, its element k; `offset`: from element n on.
+template <int KIND>
+struct Saved16 {
+    const unsigned short* p;
+};
+__device__ __forceinline__ bool fits4(const float* a) { return ((u64)a & 15) == 0; }
+template <int KIND>
+__device__ __forceinline__ bool fits4(Saved16<KIND> a) {
+    return ((u64)a.p & 7) == 0;
+}
+__device__ __forceinline__ float4 at4(const float* a, i64 q) { return ((const float4*)a)[q]; }
+template <int KIND>
+__device__ __forceinline__ float4 at4(Saved16<KIND> a, i64 q) {
+    return widened4<KIND>(a.p + 4 * q);
+}
+template <typename T>
+__device__ __forceinline__ T at1(const T* a, i64 k) {
+    return a[k];
+}
+template <int KIND>
+__device__ __forceinline__ float at1(Saved16<KIND> a, i64 k) {
+    return widened<KIND>(a.p[k]);
+}
+template <typename T>
+__device__ __forceinline__ const T* offset(const T* a, i64 n) {
+    return a + n;
+}
+template <int KIND>
+__device__ __forceinline__ Saved16<KIND> offset(Saved16<KIND> a, i64 n) {
+    return Saved16<KIND>{a.p + n};
+}
+
 // An operand element as a bf16 product reads it (Note [bf16 products] in memfit-kernels): rounded
 // to bfloat16, to nearest even, and a denormal result read as a zero of its sign.
 __device__ __forceinline__ float bf16_operand(float x) {

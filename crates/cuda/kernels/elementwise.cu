@@ -98,34 +98,21 @@ __device__ unsigned char compare_of(int op, T a, T b) {
     }
 }
 
-// map2's and unary_operands' first operand: f32 values in place (`const float*`), or saved in 16
-// bits (`Saved16<KIND>`: KIND 1 bfloat16, 2 binary16), each read as the f32 that restoring it
-// gives (common.cuh's widened), so a kernel reading them computes the bits it computes from the
-// restored copy, without the copy (GELU-linear's backward on a GPU). `fits4`: the operand may be
-// read four elements a load (16 bytes of f32, 8 of 16-bit ones); `at4`, `at1`: group q, element k
-// (a null f32 operand reads zeros).
+// map2's operands as it reads them: a null f32 one (a unary op's backward that reads no saved
+// input) as zeros.
+__device__ __forceinline__ float4 or_zeros4(const float* a, i64 q) { return a ? at4(a, q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
 template <int KIND>
-struct Saved16 {
-    const unsigned short* p;
-};
-__device__ __forceinline__ bool fits4(const float* a) { return ((u64)a & 15) == 0; }
-template <int KIND>
-__device__ __forceinline__ bool fits4(Saved16<KIND> a) {
-    return ((u64)a.p & 7) == 0;
+__device__ __forceinline__ float4 or_zeros4(Saved16<KIND> a, i64 q) {
+    return at4(a, q);
 }
-__device__ __forceinline__ float4 at4(const float* a, i64 q) { return a ? ((const float4*)a)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ float or_zero(const float* a, i64 k) { return a ? a[k] : 0.0f; }
 template <int KIND>
-__device__ __forceinline__ float4 at4(Saved16<KIND> a, i64 q) {
-    return widened4<KIND>(a.p + 4 * q);
-}
-__device__ __forceinline__ float at1(const float* a, i64 k) { return a ? a[k] : 0.0f; }
-template <int KIND>
-__device__ __forceinline__ float at1(Saved16<KIND> a, i64 k) {
-    return widened<KIND>(a.p[k]);
+__device__ __forceinline__ float or_zero(Saved16<KIND> a, i64 k) {
+    return at1(a, k);
 }
 
-// out[i] = f(a[i], b[i]) over f32 arrays (a: map2's first operand, above; b may be null: f gets
-// zeros), out possibly a or b itself (each element read before it is written, by the thread that
+// out[i] = f(a[i], b[i]) over f32 arrays (a: an f32 operand, common.cuh's Saved16; a null one
+// reads zeros), out possibly a or b itself (each element read before it is written, by the thread that
 // writes it). Four elements a thread a step where all three fit four a load, two steps' loads in
 // flight (GPT-2's GELU backward, one element a thread, ran at 3.1 TB/s on an H200); the rest one
 // at a time. The same bits either way.
@@ -133,13 +120,13 @@ template <typename A, typename F>
 __device__ void map2(A a, const float* b, float* out, i64 n, F f) {
     const bool wide = fits4(a) && fits4(b) && fits4(out);
     const i64 n4 = wide ? n / 4 : 0;
-    grid_two_in_flight(n4, [&](i64 q) { return Two<float4>{at4(a, q), at4(b, q)}; }, [&](i64 q, Two<float4> uv) {
+    grid_two_in_flight(n4, [&](i64 q) { return Two<float4>{or_zeros4(a, q), or_zeros4(b, q)}; }, [&](i64 q, Two<float4> uv) {
         const float4 u = uv.a, v = uv.b;
         ((float4*)out)[q] = make_float4(f(u.x, v.x), f(u.y, v.y), f(u.z, v.z), f(u.w, v.w));
     });
     GRID_STRIDE(i, n - 4 * n4) {
         const i64 k = 4 * n4 + i;
-        out[k] = f(at1(a, k), at1(b, k));
+        out[k] = f(or_zero(a, k), or_zero(b, k));
     }
 }
 // The unary kernels' loops: map2's for f32, an element a thread for f64.
@@ -214,8 +201,8 @@ FLOAT_KERNELS(double, f64)
 // unary_f32 then the rounding of a product's operand (KIND 1: bfloat16, 2: binary16; common.cuh's
 // operand_bits, as round_operands gives them): y[i] the operand bits of op(x[i]), for an activation
 // only a product reads (GELU-linear's block on a GPU: one 16-bit write, where the f32 block was
-// written, read and rounded into the rounding workspace). x: map2's first operand, f32 or saved in
-// the products' own 16 bits (`unary_operands_saved_*`: GELU-linear's backward).
+// written, read and rounded into the rounding workspace). x: an f32 operand, in place or saved in
+// the products' own 16 bits (common.cuh's Saved16) (`unary_operands_saved_*`: GELU-linear's backward).
 //
 // Four elements a step where x fits four a load and y is 8-byte aligned (an 8-byte store), two
 // steps' loads issued before either is computed: a thread reading one f32 at a time kept too few

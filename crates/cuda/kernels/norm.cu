@@ -12,9 +12,10 @@
 // H200). The launcher gives such rows a warp each (`by_warps` in the cuda backend: the same test but
 // for the alignment, which every allocator block has; any grid is correct, only slower).
 #define WARP_ROW_GROUPS 8
-__device__ __forceinline__ bool warp_rows(i64 d, const void* a, const void* b, const void* c, const void* e) {
-    const u64 any = (u64)a | (u64)b | (u64)c | (u64)e;
-    return d % 4 == 0 && d <= 128 * WARP_ROW_GROUPS && (any & 15) == 0;
+template <typename X>
+__device__ __forceinline__ bool warp_rows(i64 d, X x, const void* b, const void* c, const void* e) {
+    const u64 any = (u64)b | (u64)c | (u64)e;
+    return d % 4 == 0 && d <= 128 * WARP_ROW_GROUPS && fits4(x) && (any & 15) == 0;
 }
 __device__ __forceinline__ float warp_sum(float v) {
     for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
@@ -26,9 +27,11 @@ struct WarpRow {
     // Group k of the lane is the row's group lane + 32 k, when inside it.
     __device__ static bool has(int k, i64 d) { return (i64)(threadIdx.x % 32) + 32 * k < d / 4; }
     __device__ static i64 at(int k) { return 4 * ((i64)(threadIdx.x % 32) + 32 * k); }
-    __device__ void load(const float* row, i64 d) {
+    // The lane's groups of a row of X (common.cuh's f32 operands: in place, or saved in 16 bits).
+    template <typename X>
+    __device__ void load(X row, i64 d) {
 #pragma unroll
-        for (int k = 0; k < WARP_ROW_GROUPS; ++k) v[k] = has(k, d) ? *(const float4*)(row + at(k)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k = 0; k < WARP_ROW_GROUPS; ++k) v[k] = has(k, d) ? at4(row, at(k) / 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     // visit(k, j, xs) for the lane's groups inside the row, in order: k the group, j its first
     // element's column, xs its four values.
@@ -82,10 +85,11 @@ __device__ void layer_norm_warps(const float* x, const float* w, const float* b,
 }
 
 // layer_norm_backward_x's rows, a warp each (its formula), x and g read once.
-__device__ void layer_norm_backward_x_warps(const float* x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) {
+template <typename X>
+__device__ void layer_norm_backward_x_warps(X x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) {
     WARP_ROWS(r, rows) {
         WarpRow xr, gr;
-        xr.load(x + r * d, d);
+        xr.load(offset(x, r * d), d);
         gr.load(g + r * d, d);
         const float mu = mean[r], rs = rstd[r];
         float s1 = 0.0f, s2 = 0.0f;
@@ -137,11 +141,11 @@ __device__ void layer_norm_rows_t(const T* x, const T* w, const T* b, i64 rows, 
     }
 }
 // layer_norm_apply_t's rows, a warp each.
-template <typename O, typename Store>
-__device__ void layer_norm_apply_warps(const float* x, const float* w, const float* b, const float* mean, const float* rstd, i64 rows, i64 d, O* out, Store store) {
+template <typename X, typename O, typename Store>
+__device__ void layer_norm_apply_warps(X x, const float* w, const float* b, const float* mean, const float* rstd, i64 rows, i64 d, O* out, Store store) {
     WARP_ROWS(r, rows) {
         WarpRow row;
-        row.load(x + r * d, d);
+        row.load(offset(x, r * d), d);
         const float mu = mean[r], rs = rstd[r];
         row.each(d, [&](int, i64 j, const float (&xs)[4]) {
             O y[4];
@@ -151,77 +155,100 @@ __device__ void layer_norm_apply_warps(const float* x, const float* w, const flo
     }
 }
 
-// out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given), stored as above.
-template <typename T, typename O, typename Store>
-__device__ void layer_norm_apply_t(const T* x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, O* out, Store store) {
+// out = (x - mean) * rstd * w + b from saved statistics (element-wise; w and b given), stored as
+// above; x a T operand (common.cuh's: in place, or f32 saved in 16 bits).
+template <typename T, typename X, typename O, typename Store>
+__device__ void layer_norm_apply_t(X x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, O* out, Store store) {
     if constexpr (sizeof(T) == 4) {
         if (warp_rows(d, x, w, b, out)) return layer_norm_apply_warps(x, w, b, mean, rstd, rows, d, out, store);
     }
     GRID_STRIDE(k, rows * d) {
         i64 r = k / d, j = k % d;
-        out[k] = store((x[k] - mean[r]) * rstd[r] * w[j] + b[j]);
+        out[k] = store((at1(x, k) - mean[r]) * rstd[r] * w[j] + b[j]);
     }
 }
 
 // layer_norm_backward_x_warps where its rows fit (and true), for f32; f64 rows never do.
-__device__ __forceinline__ bool backward_x_by_warps(const float* x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) {
+template <typename X>
+__device__ __forceinline__ bool backward_x_by_warps(X x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) {
     if (!warp_rows(d, x, w, g, gx)) return false;
     layer_norm_backward_x_warps(x, w, mean, rstd, g, rows, d, gx);
     return true;
 }
 __device__ __forceinline__ bool backward_x_by_warps(const double*, const double*, const double*, const double*, const double*, i64, i64, double*) { return false; }
 
+// gx = rstd * (g w - mean(g w) - xhat * mean(g w xhat)), x a T operand (as layer_norm_apply_t's).
+template <typename T, typename X>
+__device__ void layer_norm_backward_x_t(X x, const T* w, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gx) {
+    if (backward_x_by_warps(x, w, mean, rstd, g, rows, d, gx)) return;
+    __shared__ T shared[256];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        T mu = mean[r], rs = rstd[r], s1 = T(0), s2 = T(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            T gw = g[r * d + j] * (w ? w[j] : T(1));
+            s1 += gw;
+            s2 += gw * (at1(x, r * d + j) - mu) * rs;
+        }
+        s1 = block_sum<T>(s1, shared) / T(d);
+        s2 = block_sum<T>(s2, shared) / T(d);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            T xhat = (at1(x, r * d + j) - mu) * rs;
+            T gw = g[r * d + j] * (w ? w[j] : T(1));
+            gx[r * d + j] = rs * (gw - s1 - xhat * s2);
+        }
+    }
+}
+
+// The weight and bias gradients as column sums: a block of 1024 threads per 32 columns, each of its
+// 32 warps summing every 32nd row, the warps' partials added in warp order. accumulate: add to gw
+// and gb (a later block of rows) instead of writing them. x a T operand (as layer_norm_apply_t's).
+template <typename T, typename X>
+__device__ void layer_norm_backward_wb_t(X x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gw, T* gb, int accumulate) {
+    __shared__ T part_w[32][33];
+    __shared__ T part_b[32][33];
+    int lane = threadIdx.x % 32, group = threadIdx.x / 32;
+    for (i64 j0 = (i64)blockIdx.x * 32; j0 < d; j0 += (i64)gridDim.x * 32) {
+        i64 j = j0 + lane;
+        T sw = T(0), sb = T(0);
+        if (j < d)
+            for (i64 r = group; r < rows; r += 32) {
+                T gi = g[r * d + j];
+                sw += gi * (at1(x, r * d + j) - mean[r]) * rstd[r];
+                sb += gi;
+            }
+        part_w[group][lane] = sw;
+        part_b[group][lane] = sb;
+        __syncthreads();
+        if (group == 0 && j < d) {
+            T tw = T(0), tb = T(0);
+            for (int w = 0; w < 32; ++w) {
+                tw += part_w[w][lane];
+                tb += part_b[w][lane];
+            }
+            if (gw) gw[j] = accumulate ? gw[j] + tw : tw;
+            if (gb) gb[j] = accumulate ? gb[j] + tb : tb;
+        }
+        __syncthreads();
+    }
+}
+
+// The weight and bias gradients' first pass (common.cuh's column_partials; reduce.cu's
+// column_finish adds the partials): the terms g (x - mean) rstd and g of each element, into part_w
+// and part_b (either null when not wanted); x a T operand (as layer_norm_apply_t's).
+template <typename T, typename X>
+__device__ void layer_norm_wb_partials_t(X x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, i64 per, T* part_w, T* part_b) {
+    column_partials<T>([=](i64 r, i64 j) { T gi = g[r * d + j]; return Two<T>{gi * (at1(x, r * d + j) - mean[r]) * rstd[r], gi}; }, rows, d, per, part_w, part_b);
+}
+
 #define LAYER_NORM(T, SUF)                                                                              \
     extern "C" __global__ void layer_norm_##SUF(const T* x, const T* w, const T* b, i64 rows, i64 d, T eps, T* out, T* mean, T* rstd) { \
         layer_norm_rows_t<T>(x, w, b, rows, d, eps, out, mean, rstd, [](T y) { return y; });            \
     }                                                                                                   \
-    /* gx = rstd * (g w - mean(g w) - xhat * mean(g w xhat)). */                                        \
     extern "C" __global__ void layer_norm_backward_x_##SUF(const T* x, const T* w, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gx) { \
-        if (backward_x_by_warps(x, w, mean, rstd, g, rows, d, gx)) return;                              \
-        __shared__ T shared[256];                                                                       \
-        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                            \
-            T mu = mean[r], rs = rstd[r], s1 = T(0), s2 = T(0);                                         \
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {                                         \
-                T gw = g[r * d + j] * (w ? w[j] : T(1));                                                \
-                s1 += gw;                                                                               \
-                s2 += gw * (x[r * d + j] - mu) * rs;                                                    \
-            }                                                                                           \
-            s1 = block_sum<T>(s1, shared) / T(d);                                                       \
-            s2 = block_sum<T>(s2, shared) / T(d);                                                       \
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {                                         \
-                T xhat = (x[r * d + j] - mu) * rs;                                                      \
-                T gw = g[r * d + j] * (w ? w[j] : T(1));                                                \
-                gx[r * d + j] = rs * (gw - s1 - xhat * s2);                                             \
-            }                                                                                           \
-        }                                                                                               \
+        layer_norm_backward_x_t<T>(x, w, mean, rstd, g, rows, d, gx);                                   \
     }                                                                                                   \
-    /* The weight and bias gradients as column sums: a block of 1024 threads per 32 columns, each    \
-       of its 32 warps summing every 32nd row, the warps' partials added in warp order.               \
-       accumulate: add to gw and gb (a later block of rows) instead of writing them. */              \
     extern "C" __global__ void layer_norm_backward_wb_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, T* gw, T* gb, int accumulate) { \
-        __shared__ T part_w[32][33];                                                                    \
-        __shared__ T part_b[32][33];                                                                    \
-        int lane = threadIdx.x % 32, group = threadIdx.x / 32;                                          \
-        for (i64 j0 = (i64)blockIdx.x * 32; j0 < d; j0 += (i64)gridDim.x * 32) {                        \
-            i64 j = j0 + lane;                                                                          \
-            T sw = T(0), sb = T(0);                                                                     \
-            if (j < d)                                                                                  \
-                for (i64 r = group; r < rows; r += 32) {                                                \
-                    T gi = g[r * d + j];                                                                \
-                    sw += gi * (x[r * d + j] - mean[r]) * rstd[r];                                      \
-                    sb += gi;                                                                           \
-                }                                                                                       \
-            part_w[group][lane] = sw;                                                                   \
-            part_b[group][lane] = sb;                                                                   \
-            __syncthreads();                                                                            \
-            if (group == 0 && j < d) {                                                                  \
-                T tw = T(0), tb = T(0);                                                                 \
-                for (int w = 0; w < 32; ++w) { tw += part_w[w][lane]; tb += part_b[w][lane]; }          \
-                if (gw) gw[j] = accumulate ? gw[j] + tw : tw;                                           \
-                if (gb) gb[j] = accumulate ? gb[j] + tb : tb;                                           \
-            }                                                                                           \
-            __syncthreads();                                                                            \
-        }                                                                                               \
+        layer_norm_backward_wb_t<T>(x, mean, rstd, g, rows, d, gw, gb, accumulate);                      \
     }                                                                                                   \
     extern "C" __global__ void layer_norm_apply_##SUF(const T* x, const T* w, const T* b, const T* mean, const T* rstd, i64 rows, i64 d, T* out) { \
         layer_norm_apply_t<T>(x, w, b, mean, rstd, rows, d, out, [](T y) { return y; });                \
@@ -249,16 +276,34 @@ LAYER_NORM_OPERANDS(2, f16)
 // threads) per channel, statistics summed in double in a fixed order (as the cpu kernel sums in
 // f64). Training uses the batch's mean and biased variance and updates the running statistics
 // with the unbiased one; eval uses the running ones.
-// The weight and bias gradients' first pass (common.cuh's column_partials; reduce.cu's
-// column_finish adds the partials): the terms g (x - mean) rstd and g of each element, into part_w
-// and part_b (either null when not wanted).
 #define LAYER_NORM_PARTIALS(T, SUF)                                                                     \
     extern "C" __global__ void layer_norm_wb_partials_##SUF(const T* x, const T* mean, const T* rstd, const T* g, i64 rows, i64 d, i64 per, T* part_w, T* part_b) { \
-        column_partials<T>([=](i64 r, i64 j) { T gi = g[r * d + j]; return Two<T>{gi * (x[r * d + j] - mean[r]) * rstd[r], gi}; }, rows, d, per, part_w, part_b); \
+        layer_norm_wb_partials_t<T>(x, mean, rstd, g, rows, d, per, part_w, part_b);                    \
     }
 
 LAYER_NORM_PARTIALS(float, f32)
 LAYER_NORM_PARTIALS(double, f64)
+
+// Layer-norm-linear's backward on a GPU with its input x saved in the products' own 16 bits (KIND
+// 1: bfloat16, 2: binary16), read as saved (common.cuh's Saved16: each element widened as
+// restoring it would, so the bits of the f32 kernels on the restored copy, without the copy):
+// layer_norm_apply_operands_*, layer_norm_backward_x_f32, the weight and bias gradients' sums.
+#define LAYER_NORM_SAVED(KIND, SUF)                                                                     \
+    extern "C" __global__ void layer_norm_apply_operands_saved_##SUF(const unsigned short* x, const float* w, const float* b, const float* mean, const float* rstd, i64 rows, i64 d, unsigned short* out) { \
+        layer_norm_apply_t<float>(Saved16<KIND>{x}, w, b, mean, rstd, rows, d, out, [](float y) { return (unsigned short)operand_bits<KIND>(y); }); \
+    }                                                                                                   \
+    extern "C" __global__ void layer_norm_backward_x_saved_##SUF(const unsigned short* x, const float* w, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gx) { \
+        layer_norm_backward_x_t<float>(Saved16<KIND>{x}, w, mean, rstd, g, rows, d, gx);                \
+    }                                                                                                   \
+    extern "C" __global__ void layer_norm_backward_wb_saved_##SUF(const unsigned short* x, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, float* gw, float* gb, int accumulate) { \
+        layer_norm_backward_wb_t<float>(Saved16<KIND>{x}, mean, rstd, g, rows, d, gw, gb, accumulate);  \
+    }                                                                                                   \
+    extern "C" __global__ void layer_norm_wb_partials_saved_##SUF(const unsigned short* x, const float* mean, const float* rstd, const float* g, i64 rows, i64 d, i64 per, float* part_w, float* part_b) { \
+        layer_norm_wb_partials_t<float>(Saved16<KIND>{x}, mean, rstd, g, rows, d, per, part_w, part_b);  \
+    }
+
+LAYER_NORM_SAVED(1, bf16)
+LAYER_NORM_SAVED(2, f16)
 
 #define BATCH_NORM(T, SUF)                                                                              \
     extern "C" __global__ void batch_norm_##SUF(const T* x, i64 nb, i64 c, i64 s, int training, double momentum, double eps, \

@@ -591,14 +591,19 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
         cases += product_ops_match_the_cpu(cuda, products, None);
         cases += two_step_products_are_the_cpus_bits(cuda, products);
     }
-    // Attention, a linear layer and GELU-linear with their inputs saved in the products' own format,
-    // which a GPU reads as saved (Note [Attention's saved operands]; the linear layer's weight
-    // gradient; GELU-linear's backward, each element widened as restoring it would).
+    // Attention, a linear layer, GELU-linear and layer-norm-linear with their inputs saved in the
+    // products' own format, which a GPU reads as saved (Note [Attention's saved operands]; the
+    // linear layer's weight gradient; the fused ops' backward, each element widened as restoring it
+    // would).
     cases += product_ops_match_the_cpu(cuda, Products::Bf16, Some(DType::BF16));
     cases += product_ops_match_the_cpu(cuda, Products::F16, Some(DType::F16));
     let used = cuda.kernels_used();
     assert!(used.iter().any(|k| k == "attention: operands read as saved in 16 bits"), "{used:?}");
-    for saved in ["linear: input read as saved in 16 bits", "gelu_linear: input read as saved in 16 bits"] {
+    for saved in [
+        "linear: input read as saved in 16 bits",
+        "gelu_linear: input read as saved in 16 bits",
+        "layer_norm_linear: input read as saved in 16 bits",
+    ] {
         assert!(used.iter().any(|k| k == saved), "{saved}: {used:?}");
     }
     // Note [Held operands] in the cuda backend: the fused ops' and the linear layer's shared operands
@@ -669,8 +674,8 @@ fn wide_attention_gives_the_same_bits(cuda: &Device) -> usize {
 }
 
 /// Every product op under `products` on cuda against the cpu's (above); with `saved`, the
-/// attention ops, the linear layer and GELU-linear only (those a GPU reads as saved), under that
-/// half-precision storage on both. The cases checked.
+/// attention ops, the linear layer and the fused linear ops only (those a GPU reads as saved),
+/// under that half-precision storage on both. The cases checked.
 fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, saved: Option<DType>) -> usize {
     let cpu = Device::cpu();
     cpu.set_products(products).unwrap();
@@ -684,7 +689,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 21] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 22] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -743,6 +748,10 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
         ("layer_norm_linear", vec![&[50, 24], &[24], &[24], &[30, 24], &[30]], &|x| {
             ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
         }),
+        // Rows of 23: a block a row (not a warp, which takes widths of a multiple of 4).
+        ("layer_norm_linear of odd width", vec![&[37, 23], &[23], &[23], &[30, 23], &[30]], &|x| {
+            ops::layer_norm_linear(&x[0], &x[1], &x[2], 1e-5, &x[3], Some(&x[4]))
+        }),
         ("gelu_linear", vec![&[50, 24], &[30, 24], &[30]], &|x| ops::gelu_linear(&x[0], &x[1], Some(&x[2]))),
         // A block of 37 x 23 activations: GELU's operand bits four at a time, then three one by one.
         ("gelu_linear of odd sizes", vec![&[37, 23], &[30, 23], &[30]], &|x| {
@@ -765,7 +774,12 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             Ok(ops::linear_cross_entropy(&x[0], &x[1], Some(&x[2]), &t, 0.1, 32)?.0)
         }),
     ];
-    let reads_saved = |op: &str| op.contains("attention") || op == "linear" || op.starts_with("gelu_linear");
+    let reads_saved = |op: &str| {
+        op.contains("attention")
+            || op == "linear"
+            || op.starts_with("gelu_linear")
+            || op.starts_with("layer_norm_linear")
+    };
     for (op, shapes, f) in product_ops.iter().filter(|(op, ..)| saved.is_none() || reads_saved(op)) {
         let what =
             format!("{op} in {products:?} products{}", saved.map_or(String::new(), |d| format!(", saved in {d}")));

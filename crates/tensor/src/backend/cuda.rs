@@ -969,12 +969,13 @@ impl Cuda {
     }
 
     /// A layer norm's weight and bias gradients (each when its address is not 0) over `rows` rows of
-    /// `d` from its input `x`, statistics and output gradient `g`: in two passes where
-    /// [`Cuda::column_split`] gives a split, else in one; added to the gradients with `accumulate`.
+    /// `d` from its input `x` (with `saved`, f32 saved in those 16 bits: [`Cuda::saved_input`]),
+    /// statistics and output gradient `g`: in two passes where [`Cuda::column_split`] gives a
+    /// split, else in one; added to the gradients with `accumulate`.
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_wb(
         &self,
-        sfx: &str,
+        (sfx, saved): (&str, Option<&str>),
         [x, mean, rstd, g]: [u64; 4],
         rows: usize,
         d: usize,
@@ -989,7 +990,9 @@ impl Cuda {
             let part_b = split.scratch + (split.splits * d * size) as u64;
             let parts = [if gw != 0 { split.scratch } else { 0 }, if gb != 0 { part_b } else { 0 }];
             let tail = [Arg::I64(split.per as i64), Arg::Ptr(parts[0]), Arg::Ptr(parts[1])];
-            self.launch(&format!("layer_norm_wb_partials_{sfx}"), split.launch, &mut [&inputs[..], &tail].concat())?;
+            let kernel = saved
+                .map_or(format!("layer_norm_wb_partials_{sfx}"), |bits| format!("layer_norm_wb_partials_saved_{bits}"));
+            self.launch(&kernel, split.launch, &mut [&inputs[..], &tail].concat())?;
             for (part, out) in parts.into_iter().zip([gw, gb]) {
                 if out != 0 {
                     self.column_finish(sfx, &split, d, part, out, accumulate)?;
@@ -999,7 +1002,8 @@ impl Cuda {
         }
         let tail = [Arg::Ptr(gw), Arg::Ptr(gb), Arg::I32(accumulate as i32)];
         self.launch(
-            &format!("layer_norm_backward_wb_{sfx}"),
+            &saved
+                .map_or(format!("layer_norm_backward_wb_{sfx}"), |bits| format!("layer_norm_backward_wb_saved_{bits}")),
             self.column_tiles(d.div_ceil(32)),
             &mut [&inputs[..], &tail].concat(),
         )
@@ -1051,6 +1055,30 @@ impl Cuda {
             [weight.copy.is_some(), x_rounded],
             held,
         )
+    }
+
+    /// The 16 bits ("bf16", "f16") that a fused op's backward input `x` is saved in, where the op
+    /// layer hands it over as saved (`ops::saved_in_operand_format`: in the format its f32
+    /// gradient's products round to; the kernels widen each element as restoring it would), said
+    /// in `kernels_used`; None where x is in the gradient's dtype; an error for any other pairing.
+    fn saved_input(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        grad: DType,
+        products: Products,
+    ) -> Result<Option<&'static str>> {
+        let bits = match (x.dtype(), grad, products) {
+            (d, g, _) if d == g => return Ok(None),
+            (DType::BF16, DType::F32, Products::Bf16) => "bf16",
+            (DType::F16, DType::F32, Products::F16) => "f16",
+            (d, g, p) => return Err(Error::dtype(format!("{op}: an input saved in {d} with {p:?} products of {g}"))),
+        };
+        self.ran(match op {
+            "gelu_linear_backward" => "gelu_linear: input read as saved in 16 bits",
+            _ => "layer_norm_linear: input read as saved in 16 bits",
+        });
+        Ok(Some(bits))
     }
 
     /// GELU (erf) of `count` elements at `x` into `scratch`, for a product to read: as that product's
@@ -2352,19 +2380,7 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = grad.shape()[0];
         let size = grad.dtype().size() as u64;
-        // x in the gradient's dtype, or saved in the products' own 16 bits (the op layer's
-        // `reads_saved_input`), which the kernels widen as restoring it would.
-        let saved = match x.dtype() {
-            d if d == grad.dtype() => None,
-            DType::BF16 if products == Products::Bf16 && sfx == "f32" => Some("bf16"),
-            DType::F16 if products == Products::F16 && sfx == "f32" => Some("f16"),
-            d => {
-                return Err(Error::dtype(format!("{NAME}: an input saved in {d} with {products:?} products of {sfx}")))
-            }
-        };
-        if saved.is_some() {
-            self.ran("gelu_linear: input read as saved in 16 bits");
-        }
+        let saved = self.saved_input(NAME, x, grad.dtype(), products)?;
         let x_size = x.dtype().size() as u64;
         let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
         let (gxp, gwp) = (dense_opt(gx, NAME)?, dense_opt(gw, NAME)?);
@@ -2453,7 +2469,7 @@ impl Backend for Cuda {
         let (xp, mp, rp, g) = (dense(x, NAME)?, dense(mean, NAME)?, dense(rstd, NAME)?, dense(grad, NAME)?);
         if gw.is_some() || gb.is_some() {
             let grads = [dense_opt(gw, NAME)?, dense_opt(gb, NAME)?];
-            self.layer_norm_wb(sfx, [xp, mp, rp, g], rows, d, grads, false)?;
+            self.layer_norm_wb((sfx, None), [xp, mp, rp, g], rows, d, grads, false)?;
         }
         if let Some(gx) = gx {
             self.launch(
@@ -2546,6 +2562,8 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = grad.shape()[0];
         let size = grad.dtype().size() as u64;
+        let saved = self.saved_input(NAME, x, grad.dtype(), products)?;
+        let x_size = x.dtype().size() as u64;
         let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
         let (lw, lb, mp, rp) = (dense(ln_weight, NAME)?, dense(ln_bias, NAME)?, dense(mean, NAME)?, dense(rstd, NAME)?);
         let (gxp, glwp, glbp, gwp) =
@@ -2561,7 +2579,7 @@ impl Backend for Cuda {
         let gb = self.bias_sums(sfx, gb, g, (rows, out_f), (both, block.min(rows)), kind, held, NAME)?;
         for (i, r0) in (0..rows).step_by(block).enumerate() {
             let n = block.min(rows - r0);
-            let x_block = xp + (r0 * in_f) as u64 * size;
+            let x_block = xp + (r0 * in_f) as u64 * x_size;
             let mut held = held;
             let sums = gb.map(|gb| (gb, i > 0));
             let g_block = self.gradient_for(g + (r0 * out_f) as u64 * size, (n, out_f), both, kind, &mut held, sums)?;
@@ -2569,9 +2587,13 @@ impl Backend for Cuda {
             // Everything that reads x before a gradient written in place over it.
             if gwp != 0 {
                 let rounded = operand_bits(sfx, products);
+                let kernel = match (rounded, saved) {
+                    (Some(bits), Some(_)) => format!("layer_norm_apply_operands_saved_{bits}"),
+                    (Some(bits), None) => format!("layer_norm_apply_operands_{bits}"),
+                    (None, _) => format!("layer_norm_apply_{sfx}"),
+                };
                 self.launch(
-                    &rounded
-                        .map_or(format!("layer_norm_apply_{sfx}"), |bits| format!("layer_norm_apply_operands_{bits}")),
+                    &kernel,
                     if by_warps(sfx, in_f) { self.norm_rows(sfx, n, in_f) } else { self.grid(n * in_f, BLOCK) },
                     &mut [
                         Arg::Ptr(x_block),
@@ -2594,11 +2616,13 @@ impl Backend for Cuda {
             // dy = grad W: the layer norm's output gradient.
             self.times_weight(g_block, n, weight, sc, (products, held), NAME)?;
             if glwp != 0 || glbp != 0 {
-                self.layer_norm_wb(sfx, [x_block, m_block, r_block, sc], n, in_f, [glwp, glbp], i > 0)?;
+                self.layer_norm_wb((sfx, saved), [x_block, m_block, r_block, sc], n, in_f, [glwp, glbp], i > 0)?;
             }
             if gxp != 0 {
                 self.launch(
-                    &format!("layer_norm_backward_x_{sfx}"),
+                    &saved.map_or(format!("layer_norm_backward_x_{sfx}"), |bits| {
+                        format!("layer_norm_backward_x_saved_{bits}")
+                    }),
                     self.norm_rows(sfx, n, in_f),
                     &mut [
                         Arg::Ptr(x_block),

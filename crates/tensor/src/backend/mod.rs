@@ -406,7 +406,7 @@ backends! {
     /// layer_norm_linear's gradients (each when given; `gx` is `x` itself when in place; the linear
     /// bias gradient `gb` only with the weight gradient `gw`) from `grad` [rows, out], block by
     /// block through `scratch`, with f64 column `sums` [2, in] for the layer-norm weight and bias
-    /// gradients.
+    /// gradients. On a GPU target `x` may be its saved 16-bit copy, as in `gelu_linear_backward`.
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_linear_backward(
         &self,

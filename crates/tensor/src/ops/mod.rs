@@ -102,7 +102,8 @@ pub(crate) fn operand_dtype_of(products: crate::Products) -> Option<DType> {
 /// Whether `x`, saved for backward, is kept in the 16-bit format that products of `g` (the f32
 /// gradient it meets) round their operands to, on a GPU target: there a backward may hand its
 /// kernels `x` as saved, without restoring it to f32 (a linear layer's weight gradient reads it as
-/// its operand bits; GELU-linear's kernels widen each element as restoring it would).
+/// its operand bits; GELU-linear's and layer-norm-linear's kernels widen each element as restoring
+/// it would).
 pub(crate) fn saved_in_operand_format(x: &crate::autograd::Compact, g: &Tensor) -> bool {
     let Some(own) = operand_dtype_of(products_of(g)) else { return false };
     g.device().target() == crate::Target::Cuda && g.dtype() == DType::F32 && x.stored().dtype() == own

@@ -222,13 +222,17 @@ impl Backward for LayerNormLinearBack {
     fn backward(self: Box<Self>, grad: Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         const NAME: &str = "layer_norm_linear_backward";
         let LayerNormLinearBack { x, ln_weight, ln_bias, weight, mean, rstd, has_bias } = *self;
-        let x = x.into_tensor()?;
+        // On a GPU, x saved in its products' own 16 bits is read as saved (the kernels widen each
+        // element as restoring it would: the same bits, without the restored copy or its cast),
+        // its gradient then a new tensor.
+        let read_saved = super::saved_in_operand_format(&x, &grad);
+        let x = if read_saved { x.stored().clone() } else { x.into_tensor()? };
         let (out_f, d) = (weight.shape()[0], weight.shape()[1]);
         let g2 = grad.contiguous()?.reshape(&[-1, out_f as isize])?;
         let rows = g2.shape()[0];
         let (need_x, need_lw, need_lb, need_w) = (needs[0], needs[1], needs[2], needs[3]);
         // Decided from who holds what, never from data, so meta allocates as cpu does.
-        let in_place = need_x && x.owns_storage();
+        let in_place = need_x && !read_saved && x.owns_storage();
         let gx = if need_x && !in_place { Some(output(&grad, x.shape(), grad.dtype(), NAME)?) } else { None };
         let glw = if need_lw { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
         let glb = if need_lb { Some(output(&grad, &[d], grad.dtype(), NAME)?) } else { None };
