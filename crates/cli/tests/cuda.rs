@@ -197,7 +197,8 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     assert_eq!(losses["mlp-in-backward"], losses["mlp"], "the step inside backward: the same bits on the GPU");
     assert_ne!(losses["gpt-bf16"], losses["gpt"], "bf16 products change the GPU's numbers");
     // Which kernels ran, as the report says: attention on the tensor cores only with rounded
-    // products, reading its inputs as saved in 16 bits (Note [Attention's saved operands]); biases
+    // products, reading its inputs as saved in 16 bits, in place (Note [Attention's saved
+    // operands]); biases
     // in the product's epilogue, of f32 and rounded products alike (the emulator fuses them as
     // cuBLASLt does); a linear layer's weight gradient and the fused linear ops' backward reading
     // their inputs as saved in 16 bits; rounded
@@ -208,6 +209,7 @@ fn an_emulated_gpu_trains_and_meta_cuda_predicts_it_to_the_byte() {
     };
     let rounded = [
         "attention: operands read as saved in 16 bits",
+        "attention: saved operands read in place",
         "attention: tensor cores",
         "bias: in the product's epilogue (cuBLASLt)",
         "bias: summed as its gradient is rounded",
@@ -351,6 +353,7 @@ fn the_host_only_emulator_allocates_as_the_gpu_without_arithmetic() {
         host["kernels_used"],
         serde_json::json!([
             "attention: operands read as saved in 16 bits",
+            "attention: saved operands read in place",
             "attention: tensor cores",
             "bias: in the product's epilogue (cuBLASLt)",
             "bias: summed as its gradient is rounded",

@@ -552,9 +552,19 @@ __device__ __forceinline__ float exp2_fast(float y) {
 #endif
 }
 
-// The rounded copies of a launch's operands (the output's gradient: backward only).
+// The rounded copies of a launch's operands (the output's gradient: backward only), and each one's
+// layout (elements, as Addr's): a copy in the op's workspace, [bh, rows, dp] (matrix i at
+// i * rows * dp, its rows dp apart); or backward's q, k and v read in place as saved in the
+// products' own 16 bits (Note [Attention's saved operands] in memfit-tensor: their own layout, every
+// row 16-byte aligned and d a multiple of 8, so dp = d).
 struct Bits {
     const unsigned short *q, *k, *v, *g;
+    Addr aq, ak, av, ag;
+    // Matrix i of each.
+    __device__ const unsigned short* q_of(i64 i, i64 heads) const { return q + matrix(aq, i, heads); }
+    __device__ const unsigned short* k_of(i64 i, i64 heads) const { return k + matrix(ak, i, heads); }
+    __device__ const unsigned short* v_of(i64 i, i64 heads) const { return v + matrix(av, i, heads); }
+    __device__ const unsigned short* g_of(i64 i, i64 heads) const { return g + matrix(ag, i, heads); }
 };
 
 // A head size rounded up to a multiple of 8 (16 bytes of 16-bit elements): a row of a rounded copy.
@@ -620,7 +630,7 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
     round_rows<2>(x, a, bh, heads, rows, d, y);
 }
 
-// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each) into shared memory by
+// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each, ld apart) into shared memory by
 // rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the matrix), 16
 // bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
 // a product that needs it by columns reads it through ldmatrix's transpose. A thread's copies are
@@ -641,8 +651,9 @@ struct Copies {
     // elements from its first copy in the matrix to its next (ROWS rows on).
     int row, at, stride, step;
     bool column_inside;
-    __device__ Copies(const unsigned short* m, i64 dp)
-        : base(m), m(m + row_of() * dp + column_of()), row(row_of()), at(row_of() * LD + column_of() / 2), stride((int)dp), step(ROWS * (int)dp),
+    // Matrix m's rows ld apart, dp elements each.
+    __device__ Copies(const unsigned short* m, i64 ld, i64 dp)
+        : base(m), m(m + row_of() * ld + column_of()), row(row_of()), at(row_of() * LD + column_of() / 2), stride((int)ld), step(ROWS * (int)ld),
           column_inside(column_of() < dp) {}
     __device__ static int row_of() { return (int)threadIdx.x / CHUNKS; }
     __device__ static int column_of() { return 8 * ((int)threadIdx.x % CHUNKS); }
@@ -663,7 +674,7 @@ struct Copies {
 template <int BC, int D>
 struct KeyCopies {
     Copies<BC, D, D / 2 + 4> k, v;
-    __device__ KeyCopies(const unsigned short* k0, const unsigned short* v0, i64 dp, i64 dvp) : k(k0, dp), v(v0, dvp) {}
+    __device__ KeyCopies(const unsigned short* k0, i64 kld, const unsigned short* v0, i64 vld, i64 dp, i64 dvp) : k(k0, kld, dp), v(v0, vld, dvp) {}
     __device__ __forceinline__ void stage(unsigned* ks, unsigned* vs, i64 j0, i64 tk) const {
         k.stage(ks, j0, tk);
         v.stage(vs, j0, tk);
@@ -686,14 +697,14 @@ __device__ __forceinline__ void tile_arrives(bool more, Stage stage_next) {
 }
 
 // The A fragment of rows r0 .. r0 + 16 and columns k0 .. k0 + 16 of a rounded matrix m (`rows` of
-// them, dp elements each; zeros past both).
-__device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m, i64 dp, i64 r0, i64 rows, int k0) {
+// them, dp elements each, ld apart; zeros past both).
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const unsigned short* m, i64 ld, i64 dp, i64 r0, i64 rows, int k0) {
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const i64 r = r0 + g + 8 * (q & 1);
         const int c = k0 + 2 * t + 8 * (q >> 1);
-        a[q] = (r < rows && c < dp) ? *(const unsigned*)(m + r * dp + c) : 0u;
+        a[q] = (r < rows && c < dp) ? *(const unsigned*)(m + r * ld + c) : 0u;
     }
 }
 
@@ -953,12 +964,12 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 rw = r0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
-    const unsigned short *q0 = bits.q + i * p.tq * dp, *k0 = bits.k + i * p.tk * dp, *v0 = bits.v + i * p.tk * dvp;
+    const unsigned short *q0 = bits.q_of(i, p.heads), *k0 = bits.k_of(i, p.heads), *v0 = bits.v_of(i, p.heads);
     unsigned qa[M][KD][4];
 #pragma unroll
     for (int mt = 0; mt < M; ++mt)
 #pragma unroll
-        for (int kk = 0; kk < KD; ++kk) load_a(qa[mt][kk], q0, dp, rw + 16 * mt, p.tq, 16 * kk);
+        for (int kk = 0; kk < KD; ++kk) load_a(qa[mt][kk], q0, bits.aq.row, dp, rw + 16 * mt, p.tq, 16 * kk);
     float o[M][NO][4], mx[M][2], l[M][2];
 #pragma unroll
     for (int mt = 0; mt < M; ++mt) {
@@ -969,7 +980,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     const unsigned char* masked = vis.rows_of(i);
     // The block's key tiles, and this warp's.
     const i64 kend = vis.causal ? min(p.tk, r0 + 16 * M * MMA_WARPS) : p.tk, wend = keys_end<M>(p, vis, rw);
-    const KeyCopies<BC, D> copies(k0, v0, dp, dvp);
+    const KeyCopies<BC, D> copies(k0, bits.ak.row, v0, bits.av.row, dp, dvp);
     if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
@@ -1019,15 +1030,15 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     const i64 rw = r0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     float* gq0 = gq + matrix(p.aq, i, p.heads);
     // Matrix i's rounded operands.
-    const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
-                         *v0 = bits.v + i * p.tk * dvp;
+    const unsigned short *q0 = bits.q_of(i, p.heads), *g0 = bits.g_of(i, p.heads), *k0 = bits.k_of(i, p.heads),
+                         *v0 = bits.v_of(i, p.heads);
     unsigned qa[M][KD][4], ga[M][KD][4];
 #pragma unroll
     for (int mt = 0; mt < M; ++mt)
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            load_a(qa[mt][kk], q0, dp, rw + 16 * mt, p.tq, 16 * kk);
-            load_a(ga[mt][kk], g0, dvp, rw + 16 * mt, p.tq, 16 * kk);
+            load_a(qa[mt][kk], q0, bits.aq.row, dp, rw + 16 * mt, p.tq, 16 * kk);
+            load_a(ga[mt][kk], g0, bits.ag.row, dvp, rw + 16 * mt, p.tq, 16 * kk);
         }
     float acc[M][NO][4], lr[M][2], dr[M][2];
     const unsigned char* masked = vis.rows_of(i);
@@ -1043,7 +1054,7 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     }
     // The block's key tiles, and this warp's.
     const i64 kend = vis.causal ? min(p.tk, r0 + 16 * M * MMA_WARPS) : p.tk, wend = keys_end<M>(p, vis, rw);
-    const KeyCopies<BC, D> copies(k0, v0, dp, dvp);
+    const KeyCopies<BC, D> copies(k0, bits.ak.row, v0, bits.av.row, dp, dvp);
     if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
@@ -1100,15 +1111,15 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 jw = j0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
-    const unsigned short *q0 = bits.q + i * p.tq * dp, *g0 = bits.g + i * p.tq * dvp, *k0 = bits.k + i * p.tk * dp,
-                         *v0 = bits.v + i * p.tk * dvp;
+    const unsigned short *q0 = bits.q_of(i, p.heads), *g0 = bits.g_of(i, p.heads), *k0 = bits.k_of(i, p.heads),
+                         *v0 = bits.v_of(i, p.heads);
     unsigned ka[M][KD][4], va[M][KD][4];
 #pragma unroll
     for (int mt = 0; mt < M; ++mt)
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            load_a(ka[mt][kk], k0, dp, jw + 16 * mt, p.tk, 16 * kk);
-            load_a(va[mt][kk], v0, dvp, jw + 16 * mt, p.tk, 16 * kk);
+            load_a(ka[mt][kk], k0, bits.ak.row, dp, jw + 16 * mt, p.tk, 16 * kk);
+            load_a(va[mt][kk], v0, bits.av.row, dvp, jw + 16 * mt, p.tk, 16 * kk);
         }
     float dk[M][NO][4], dv[M][NO][4];
 #pragma unroll
@@ -1119,7 +1130,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     const unsigned char* masked = vis.rows_of(i);
     // The block's first query tile, and this warp's.
     const i64 rstart = vis.causal ? (j0 / KR) * KR : 0, wstart = jw >= p.tk ? p.tq : vis.causal ? (jw / KR) * KR : 0;
-    const Copies<KR, D, LD> q_copies(q0, dp), g_copies(g0, dvp);
+    const Copies<KR, D, LD> q_copies(q0, bits.aq.row, dp), g_copies(g0, bits.ag.row, dvp);
     auto stage = [&](int b, i64 r0) {
         q_copies.stage(qs[b], r0, p.tq);
         g_copies.stage(gs[b], r0, p.tq);

@@ -600,6 +600,7 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
     let used = cuda.kernels_used();
     assert!(used.iter().any(|k| k == "attention: operands read as saved in 16 bits"), "{used:?}");
     for saved in [
+        "attention: saved operands read in place",
         "linear: input read as saved in 16 bits",
         "gelu_linear: input read as saved in 16 bits",
         "layer_norm_linear: input read as saved in 16 bits",
@@ -689,7 +690,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 22] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 23] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -741,6 +742,11 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
         // Heads of 6: rounded a warp a row (attention.cu's round_rows), not four elements a thread.
         ("attention d6 (tensor cores)", vec![&[1, 2, 19, 6], &[1, 2, 21, 6], &[1, 2, 21, 6]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
+        }),
+        // A GPT's attention: q, k and v in place in the packed projection (rows of 3 x 128), two
+        // heads of 64; under half-precision storage backward reads them in place as saved.
+        ("packed self-attention (tensor cores)", vec![&[2, 130, 384]], &|x| {
+            ops::packed_self_attention(&x[0], 2, true, None)
         }),
         ("attention d160 (per row)", vec![&[1, 2, 9, 160], &[1, 2, 11, 160], &[1, 2, 11, 160]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)

@@ -14,8 +14,8 @@ use super::Backend;
 use crate::device::DeviceKind;
 use crate::error::{Error, Result};
 use crate::ops::{
-    attention_bits, embedding_workspace_len, AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom, PoolGeom, SgdStep,
-    Unary, EMBEDDING_SORT_TILE,
+    attention_bits, bits_in_place, embedding_workspace_len, AdamStep, AttnProblem, Avg, Binary, Compare, ConvGeom,
+    PoolGeom, SgdStep, Unary, EMBEDDING_SORT_TILE,
 };
 use crate::tensor::Tensor;
 use crate::{DType, Products};
@@ -627,9 +627,10 @@ impl Cuda {
 
     /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) of a
     /// problem on `dtype` tensors into their copies in the op's `workspace` (`ops::attention_bits`),
-    /// the tensor cores' kernels' `struct Bits` (attention.cu) of the copies' addresses. q, k and v
-    /// may come as saved in the products' own 16-bit format (`ops::attention`'s backward under
-    /// half-precision storage): their copies are then what restoring and rounding them would give.
+    /// the tensor cores' kernels' `struct Bits` (attention.cu) of the copies' addresses and layouts.
+    /// q, k and v may come as saved in the products' own 16-bit format (`ops::attention`'s backward
+    /// under half-precision storage): read in place where their rows allow (`ops::bits_in_place`),
+    /// else copied as what restoring and rounding them would give.
     #[allow(clippy::too_many_arguments)]
     fn round_attention_operands(
         &self,
@@ -642,32 +643,52 @@ impl Cuda {
         workspace: Option<&Tensor>,
     ) -> Result<Arg> {
         const NAME: &str = "scaled_dot_product_attention";
-        let layout = attention_bits(pb, dtype, grad.is_some());
+        let (operands, saved) = if pb.products == Products::F16 { ("f16", DType::F16) } else { ("bf16", DType::BF16) };
+        // Backward's q, k and v saved in the products' own 16 bits (Note [Attention's saved
+        // operands]) are read in place where their rows allow (`bits_in_place`; the op layer sized
+        // the workspace so), else rounded into the workspace as the others are.
+        let all_saved = [q, k, v].iter().all(|x| x.dtype() == saved);
+        let in_place = grad.is_some() && all_saved && bits_in_place(pb);
+        let layout = attention_bits(pb, dtype, grad.is_some(), in_place);
         if layout.len == 0 {
             // No rows (or not the tensor cores' problem, which the caller never asks for).
-            return Ok(Arg::Words(vec![0; 4]));
+            return Ok(Arg::Words(vec![0; 20]));
         }
         let ws = workspace.filter(|w| w.numel() >= layout.len).ok_or_else(|| {
             Error::device(format!("{NAME}: no workspace of {} rounded operands for the tensor cores", layout.len))
         })?;
         let base = dense(ws, NAME)?;
-        let (operands, saved) = if pb.products == Products::F16 { ("f16", DType::F16) } else { ("bf16", DType::BF16) };
+        if all_saved {
+            self.ran("attention: operands read as saved in 16 bits");
+        }
+        if in_place {
+            self.ran("attention: saved operands read in place");
+        }
         let kernel = |x: &Tensor| match x.dtype() {
             t if t == dtype => Ok(format!("attention_round_{operands}")),
-            t if t == saved => {
-                self.ran("attention: operands read as saved in 16 bits");
-                Ok(format!("attention_round_saved_{operands}"))
-            }
+            t if t == saved => Ok(format!("attention_round_saved_{operands}")),
             t => Err(Error::dtype(format!("{NAME}: an operand of {t} for {operands} products of {dtype} tensors"))),
         };
         let d = pb.dims;
-        let mut words = Vec::with_capacity(4);
+        // attention.cu's `struct Bits`: the four copies' addresses, then their layouts (elements).
+        let (mut at, mut lays) = (Vec::with_capacity(4), Vec::with_capacity(16));
         let operands = [(Some(q), &pb.lay.q, d.tq, d.d, layout.q), (Some(k), &pb.lay.k, d.tk, d.d, layout.k)];
         let more = [(Some(v), &pb.lay.v, d.tk, d.dv, layout.v), (grad, &pb.lay.out, d.tq, d.dv, layout.g)];
-        for (x, lay, rows, width, offset) in operands.into_iter().chain(more) {
-            let at = base + 2 * offset as u64;
-            words.push(if x.is_some() { at } else { 0 });
-            let Some(x) = x else { continue };
+        for (i, (x, lay, rows, width, offset)) in operands.into_iter().chain(more).enumerate() {
+            let Some(x) = x else {
+                at.push(0);
+                lays.extend([0; 4]);
+                continue;
+            };
+            if in_place && i < 3 {
+                at.push(dense(x, NAME)?);
+                lays.extend(addr_words(lay));
+                continue;
+            }
+            // A copy [bh, rows, width rounded up to 8]: matrix b * heads + h at (b * heads + h) * rows * dp.
+            let (dp, to) = (width.next_multiple_of(8), base + 2 * offset as u64);
+            at.push(to);
+            lays.extend([0, (d.heads * rows * dp) as u64, (rows * dp) as u64, dp as u64]);
             // A warp a row (attention.cu's round_rows).
             self.launch(
                 &kernel(x)?,
@@ -679,11 +700,11 @@ impl Cuda {
                     Arg::I64(d.heads as i64),
                     Arg::I64(rows as i64),
                     Arg::I64(width as i64),
-                    Arg::Ptr(at),
+                    Arg::Ptr(to),
                 ],
             )?;
         }
-        Ok(Arg::Words(words))
+        Ok(Arg::Words([at, lays].concat()))
     }
 
     fn status(&self) -> Result<u64> {
@@ -706,7 +727,7 @@ impl Cuda {
             Some(_) => "attention: CUDA cores, tiled",
             None => "attention: CUDA cores, a row per thread",
         });
-        let theirs = attention_bits(pb, dtype, false).len > 0;
+        let theirs = attention_bits(pb, dtype, false, false).len > 0;
         if theirs && tensor_cores_required() && chosen.as_ref().is_none_or(|t| t.kind != "mma") {
             return Err(Error::device(format!(
                 "--device {}: attention's {:?} products ran off the tensor cores and MEMFIT_REQUIRE_TENSOR_CORES=1",

@@ -31,15 +31,20 @@
 //! without an f32 copy of the output: [B, T, E] written and read again a layer).
 //!
 //! Note [Attention's saved operands]
-//! On a GPU the tensor cores' kernels read q, k and v only through 16-bit copies that a kernel rounds
+//! On a GPU the tensor cores' kernels read q, k and v through 16-bit copies that a kernel rounds
 //! them into (`attention_bits`). When they were saved in the products' own format (bf16 storage
 //! with bf16 products, fp16 with fp16), backward hands the saved tensors to the backend as they
-//! are, and the rounding kernel widens each element to the f32 that restoring it would give before
-//! rounding it: the same bits, without the f32 copy of q, k and v (3 GiB at GPT-2's micro-batch of
-//! 342, whose step then reserves 3 GiB less) or its traffic. Decided from the
-//! device's target, the problem and the saved dtypes, so `meta:cuda` allocates as the GPU does; a
-//! GPU whose tensor cores fail their check is then an error that names
-//! `MEMFIT_CUDA_ATTENTION=cuda-cores`, which the decision reads too.
+//! are: without the f32 copy of q, k and v (3 GiB at GPT-2's micro-batch of 342, whose step then
+//! reserves 3 GiB less) or its traffic. Where their rows allow (`bits_in_place`: 16-byte aligned
+//! rows of a multiple of 8 elements, as GPT-2's packed q, k and v), the kernels read them in place,
+//! as saved (bfloat16 storage and a bf16 operand round f32 alike, so these are the operand bits;
+//! but for a subnormal, which storage keeps and the operand rounding flushes to a zero of its sign:
+//! such an element, below 2^-126, enters the products as itself), and backward's workspace holds the
+//! output gradient's copy only; else the rounding kernel widens each element to the f32 that
+//! restoring it would give before rounding it into a copy. Decided from the device's target, the
+//! problem and the saved dtypes, so `meta:cuda` allocates as the GPU does; a GPU whose tensor cores
+//! fail their check is then an error that names `MEMFIT_CUDA_ATTENTION=cuda-cores`, which the
+//! decision reads too.
 //!
 //! Fully masked rows (every key masked) give output 0 and gradient 0, like PyTorch's
 //! `F.scaled_dot_product_attention` since 2.5 (its math backend applies `_safe_softmax`; the fused
@@ -55,8 +60,10 @@ pub(crate) use memfit_cpu::attention::{AttnAddr, AttnDims, AttnLayouts, AttnProb
 /// Where a GPU's tensor-core attention finds its operands rounded (attention.cu's
 /// `attention_round_*`): copies of q, k and v, and in backward of the output's gradient, each
 /// [bh, rows, head size rounded up to 8] of 16-bit elements, at these offsets (elements) of the op's
-/// workspace of `len`. All zero where those kernels do not run (anything but f32 tensors with bf16
-/// or fp16 products and heads up to 128) and for a problem of no rows.
+/// workspace of `len`; with `in_place` (backward's q, k and v saved in the products' own format:
+/// [`bits_in_place`]), the gradient's copy only, at 0, the kernels reading q, k and v as saved. All
+/// zero where those kernels do not run (anything but f32 tensors with bf16 or fp16 products and
+/// heads up to 128) and for a problem of no rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AttnBits {
     pub q: usize,
@@ -64,24 +71,40 @@ pub(crate) struct AttnBits {
     pub v: usize,
     pub g: usize,
     pub len: usize,
+    pub in_place: bool,
 }
 
-/// [`AttnBits`] of a problem on tensors of `dtype`, with the output's gradient's copy when `backward`.
-pub(crate) fn attention_bits(pb: &AttnProblem, dtype: DType, backward: bool) -> AttnBits {
+/// [`AttnBits`] of a problem on tensors of `dtype`, with the output's gradient's copy when
+/// `backward`, q, k and v read in place when `in_place` (backward only).
+pub(crate) fn attention_bits(pb: &AttnProblem, dtype: DType, backward: bool, in_place: bool) -> AttnBits {
     let d = pb.dims;
     if dtype != DType::F32 || pb.products == crate::Products::F32 || d.d.max(d.dv) > 128 {
-        return AttnBits { q: 0, k: 0, v: 0, g: 0, len: 0 };
+        return AttnBits { q: 0, k: 0, v: 0, g: 0, len: 0, in_place: false };
     }
     let (dp, dvp) = (d.d.next_multiple_of(8), d.dv.next_multiple_of(8));
+    if backward && in_place {
+        return AttnBits { q: 0, k: 0, v: 0, g: 0, len: d.bh * d.tq * dvp, in_place };
+    }
     let k = d.bh * d.tq * dp;
     let v = k + d.bh * d.tk * dp;
     let g = v + d.bh * d.tk * dvp;
-    AttnBits { q: 0, k, v, g, len: if backward { g + d.bh * d.tq * dvp } else { g } }
+    AttnBits { q: 0, k, v, g, len: if backward { g + d.bh * d.tq * dvp } else { g }, in_place: false }
+}
+
+/// Whether the tensor cores' kernels can read q, k and v of `pb` in place where they are saved in
+/// the products' own 16 bits (Note [Attention's saved operands]): every row of them 16 bytes
+/// aligned and a whole number of 16-byte copies long (head sizes, offsets and strides multiples of
+/// 8 elements; an allocation starts 256-byte aligned), as the kernels stage their rounded copies.
+/// GPT-2's packed q, k and v are (heads of 64, rows of 2,304).
+pub(crate) fn bits_in_place(pb: &AttnProblem) -> bool {
+    let d = pb.dims;
+    let whole = |a: &AttnAddr| [a.offset, a.batch_stride, a.head_stride, a.row_stride].iter().all(|s| s % 8 == 0);
+    d.d % 8 == 0 && d.dv % 8 == 0 && whole(&pb.lay.q) && whole(&pb.lay.k) && whole(&pb.lay.v)
 }
 
 /// The op's workspace for [`attention_bits`] on a GPU target; None elsewhere or where there are none.
-fn bits_workspace(like: &Tensor, pb: &AttnProblem, backward: bool) -> Result<Option<Tensor>> {
-    let len = attention_bits(pb, like.dtype(), backward).len;
+fn bits_workspace(like: &Tensor, pb: &AttnProblem, backward: bool, in_place: bool) -> Result<Option<Tensor>> {
+    let len = attention_bits(pb, like.dtype(), backward, in_place).len;
     if len == 0 {
         return Ok(None);
     }
@@ -166,7 +189,7 @@ pub fn scaled_dot_product_attention(
     let out = output(&q, &out_shape, q.dtype(), NAME)?;
     let grad = needs_grad(&[&q, &k, &v]);
     let lse = if grad { Some(output(&q, &pb.full[..r - 1], q.dtype(), NAME)?) } else { None };
-    let ws = bits_workspace(&q, &pb, false)?;
+    let ws = bits_workspace(&q, &pb, false, false)?;
     q.device().backend().attention(&q, &k, &v, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
     drop(ws);
     let Some(lse) = lse else { return Ok(out) };
@@ -221,7 +244,7 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     let out = output(&qkv, &[b, t, e], qkv.dtype(), NAME)?;
     let grad = needs_grad(&[&qkv]);
     let lse = if grad { Some(output(&qkv, &[b, heads, t], qkv.dtype(), NAME)?) } else { None };
-    let ws = bits_workspace(&qkv, &pb, false)?;
+    let ws = bits_workspace(&qkv, &pb, false, false)?;
     qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
     drop(ws);
     let Some(lse) = lse else { return Ok(out) };
@@ -268,7 +291,8 @@ impl Backward for AttentionBack {
             Saved::Separate(qkv) => qkv.iter().collect(),
             Saved::Packed(qkv) => vec![qkv],
         };
-        let operands: Vec<Tensor> = if reads_saved_operands(&saved, &self.pb, &go) {
+        let as_saved = reads_saved_operands(&saved, &self.pb, &go);
+        let operands: Vec<Tensor> = if as_saved {
             saved.iter().map(|c| c.stored().clone()).collect()
         } else {
             saved.iter().map(|c| c.restore()).collect::<Result<_>>()?
@@ -292,7 +316,7 @@ impl Backward for AttentionBack {
         };
         let [q, k, v] = ins;
         let [gq, gk, gv] = g;
-        let ws = bits_workspace(&go, &self.pb, true)?;
+        let ws = bits_workspace(&go, &self.pb, true, as_saved && bits_in_place(&self.pb))?;
         let mask = self.mask.as_ref();
         backend.attention_backward(q, k, v, mask, &self.lse, &self.pb, &go, Some(&delta), gq, gk, gv, ws.as_ref())?;
         Ok(grads)
@@ -306,7 +330,7 @@ impl Backward for AttentionBack {
 fn reads_saved_operands(saved: &[&Compact], pb: &AttnProblem, go: &Tensor) -> bool {
     let Some(own) = super::operand_dtype_of(pb.products) else { return false };
     go.device().target() == crate::Target::Cuda
-        && attention_bits(pb, go.dtype(), true).len > 0
+        && attention_bits(pb, go.dtype(), true, false).len > 0
         && !crate::backend::cuda::cuda_cores_asked()
         && saved.iter().all(|c| c.stored().dtype() == own)
 }
