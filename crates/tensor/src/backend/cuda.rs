@@ -648,16 +648,22 @@ impl Cuda {
         // operands]) are read in place where their rows allow (`bits_in_place`; the op layer sized
         // the workspace so), else rounded into the workspace as the others are.
         let all_saved = [q, k, v].iter().all(|x| x.dtype() == saved);
-        let in_place = grad.is_some() && all_saved && bits_in_place(pb);
+        let in_place = all_saved && bits_in_place(pb);
         let layout = attention_bits(pb, dtype, grad.is_some(), in_place);
-        if layout.len == 0 {
+        if layout.len == 0 && !in_place {
             // No rows (or not the tensor cores' problem, which the caller never asks for).
             return Ok(Arg::Words(vec![0; 20]));
         }
-        let ws = workspace.filter(|w| w.numel() >= layout.len).ok_or_else(|| {
-            Error::device(format!("{NAME}: no workspace of {} rounded operands for the tensor cores", layout.len))
-        })?;
-        let base = dense(ws, NAME)?;
+        let base = match workspace.filter(|w| w.numel() >= layout.len) {
+            _ if layout.len == 0 => 0,
+            Some(ws) => dense(ws, NAME)?,
+            None => {
+                return Err(Error::device(format!(
+                    "{NAME}: no workspace of {} rounded operands for the tensor cores",
+                    layout.len
+                )))
+            }
+        };
         if all_saved {
             self.ran("attention: operands read as saved in 16 bits");
         }
@@ -754,6 +760,17 @@ impl Cuda {
             return Ok(Some(if asked == Some(AttentionAsked::Wide) { tiles.wide() } else { tiles }));
         }
         Ok(tiled_head(head, dtype, Products::F32))
+    }
+
+    /// The error for attention whose q, k and v were kept in 16 bits (`saved`) for the tensor cores
+    /// (Note [Attention's saved operands]), which failed their check on this GPU: only the tensor
+    /// cores' kernels read them so.
+    fn saved_off_tensor_cores(&self, saved: DType) -> Error {
+        Error::device(format!(
+            "--device {}: attention's inputs were kept in {saved} for the tensor cores, whose check failed on this \
+             GPU; set MEMFIT_CUDA_ATTENTION=cuda-cores to train on the CUDA cores",
+            DeviceKind::Cuda(self.ordinal)
+        ))
     }
 
     /// Runs the tensor cores' check for `operands` ("bf16" or "f16") once (a warp's three products
@@ -2755,18 +2772,22 @@ impl Backend for Cuda {
         workspace: Option<&Tensor>,
     ) -> Result<()> {
         const NAME: &str = "scaled_dot_product_attention";
-        let sfx = float(NAME, q.dtype())?;
+        // q, k and v in the output's dtype, or saved in the products' own 16 bits (Note
+        // [Attention's saved operands]: the tensor cores' kernels read them in place).
+        let dtype = out.dtype();
+        let sfx = float(NAME, dtype)?;
         if pb.dims.bh == 0 {
             return Ok(());
         }
-        let problem = attention_problem(q.dtype(), q, k, v, pb, NAME)?;
+        let problem = attention_problem(dtype, q, k, v, pb, NAME)?;
         let visible = visibility(mask, pb)?;
         let mut args = vec![problem, visible];
-        let (name, shape) = match self.attention_kernels(pb, q.dtype())? {
+        let (name, shape) = match self.attention_kernels(pb, dtype)? {
             Some(t) if t.kind == "mma" => {
-                args.push(self.round_attention_operands(q.dtype(), q, k, v, None, pb, workspace)?);
+                args.push(self.round_attention_operands(dtype, q, k, v, None, pb, workspace)?);
                 (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows))
             }
+            _ if q.dtype() != dtype => return Err(self.saved_off_tensor_cores(q.dtype())),
             Some(t) => (t.kernel(""), self.tiles(pb.dims.bh, pb.dims.tq, t.forward_rows)),
             None => (format!("attention_{sfx}"), self.grid(pb.dims.bh * pb.dims.tq, BLOCK)),
         };
@@ -2842,15 +2863,7 @@ impl Backend for Cuda {
                 let bits = self.round_attention_operands(grad.dtype(), q, k, v, Some(grad), pb, workspace)?;
                 (vec![problem, visible, bits, Arg::Ptr(l), Arg::Ptr(deltap)], Some(t))
             }
-            _ if q.dtype() != grad.dtype() => {
-                // q, k and v saved in 16 bits for the tensor cores, which failed their check here.
-                return Err(Error::device(format!(
-                    "--device {}: attention's inputs were kept in {} for the tensor cores, whose check failed on \
-                     this GPU; set MEMFIT_CUDA_ATTENTION=cuda-cores to train on the CUDA cores",
-                    DeviceKind::Cuda(self.ordinal),
-                    q.dtype()
-                )));
-            }
+            _ if q.dtype() != grad.dtype() => return Err(self.saved_off_tensor_cores(q.dtype())),
             tiled => (vec![problem, visible, Arg::Ptr(g), addr_arg(&pb.lay.out), Arg::Ptr(l), Arg::Ptr(deltap)], tiled),
         };
         let args = |extra: &[Arg]| [&head[..], extra].concat();

@@ -461,7 +461,9 @@ backends! {
 
     // Seam B: attention.
     /// Attention forward into `out` and, when given, the per-row log-sum-exp `lse`; `workspace`: a
-    /// GPU's rounded copies of the operands (`ops::attention_bits`).
+    /// GPU's rounded copies of the operands (`ops::attention_bits`). On a GPU target q, k and v may
+    /// be their saved 16-bit copies, which the tensor cores' kernels read in place (Note
+    /// [Attention's saved operands]).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

@@ -75,15 +75,15 @@ pub(crate) struct AttnBits {
 }
 
 /// [`AttnBits`] of a problem on tensors of `dtype`, with the output's gradient's copy when
-/// `backward`, q, k and v read in place when `in_place` (backward only).
+/// `backward`, q, k and v read in place when `in_place` (a forward then needs no copies: `len` 0).
 pub(crate) fn attention_bits(pb: &AttnProblem, dtype: DType, backward: bool, in_place: bool) -> AttnBits {
     let d = pb.dims;
     if dtype != DType::F32 || pb.products == crate::Products::F32 || d.d.max(d.dv) > 128 {
         return AttnBits { q: 0, k: 0, v: 0, g: 0, len: 0, in_place: false };
     }
     let (dp, dvp) = (d.d.next_multiple_of(8), d.dv.next_multiple_of(8));
-    if backward && in_place {
-        return AttnBits { q: 0, k: 0, v: 0, g: 0, len: d.bh * d.tq * dvp, in_place };
+    if in_place {
+        return AttnBits { q: 0, k: 0, v: 0, g: 0, len: if backward { d.bh * d.tq * dvp } else { 0 }, in_place };
     }
     let k = d.bh * d.tq * dp;
     let v = k + d.bh * d.tk * dp;
@@ -189,12 +189,12 @@ pub fn scaled_dot_product_attention(
     let out = output(&q, &out_shape, q.dtype(), NAME)?;
     let grad = needs_grad(&[&q, &k, &v]);
     let lse = if grad { Some(output(&q, &pb.full[..r - 1], q.dtype(), NAME)?) } else { None };
-    let ws = bits_workspace(&q, &pb, false, false)?;
-    q.device().backend().attention(&q, &k, &v, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
-    drop(ws);
-    let Some(lse) = lse else { return Ok(out) };
+    let saved = if grad { Some([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]) } else { None };
+    let operands = saved.as_ref().map_or(vec![], |s| s.iter().collect());
+    forward(&pb, [&q, &k, &v], &operands, mask, &out, lse.as_ref())?;
+    let (Some(lse), Some(saved)) = (lse, saved) else { return Ok(out) };
     let back = AttentionBack {
-        inputs: Saved::Separate([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]),
+        inputs: Saved::Separate(saved),
         out: save_compact(&out)?,
         lse: save(&lse),
         mask: mask.map(save),
@@ -244,18 +244,43 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     let out = output(&qkv, &[b, t, e], qkv.dtype(), NAME)?;
     let grad = needs_grad(&[&qkv]);
     let lse = if grad { Some(output(&qkv, &[b, heads, t], qkv.dtype(), NAME)?) } else { None };
-    let ws = bits_workspace(&qkv, &pb, false, false)?;
-    qkv.device().backend().attention(&qkv, &qkv, &qkv, mask, &pb, &out, lse.as_ref(), ws.as_ref())?;
-    drop(ws);
-    let Some(lse) = lse else { return Ok(out) };
+    let saved = if grad { Some(save_compact(&qkv)?) } else { None };
+    forward(&pb, [&qkv, &qkv, &qkv], &saved.iter().collect::<Vec<_>>(), mask, &out, lse.as_ref())?;
+    let (Some(lse), Some(saved)) = (lse, saved) else { return Ok(out) };
     let back = AttentionBack {
-        inputs: Saved::Packed(save_compact(&qkv)?),
+        inputs: Saved::Packed(saved),
         out: save_compact(&out)?,
         lse: save(&lse),
         mask: mask.map(save),
         pb,
     };
     Ok(record(out, NAME, &[&qkv], back))
+}
+
+/// The forward's kernels on q, k and v (`inputs`), or, where training saved them (`saved`: their
+/// compact copies, made first) in the products' own 16 bits and the tensor cores read them in place
+/// (Note [Attention's saved operands]), on those copies: no rounded copies, no workspace.
+fn forward(
+    pb: &AttnProblem,
+    inputs: [&Tensor; 3],
+    saved: &[&Compact],
+    mask: Option<&Tensor>,
+    out: &Tensor,
+    lse: Option<&Tensor>,
+) -> Result<()> {
+    let backend = out.device().backend();
+    let [q, k, v] = inputs;
+    if !saved.is_empty() && reads_saved_operands(saved, pb, out) && bits_in_place(pb) {
+        let stored: Vec<&Tensor> = saved.iter().map(|c| c.stored()).collect();
+        let [sq, sk, sv] = match stored[..] {
+            [qkv] => [qkv; 3],
+            [q, k, v] => [q, k, v],
+            _ => return Err(Error::invalid("internal: attention saved neither one nor three inputs")),
+        };
+        return backend.attention(sq, sk, sv, mask, pb, out, lse, None);
+    }
+    let ws = bits_workspace(q, pb, false, false)?;
+    backend.attention(q, k, v, mask, pb, out, lse, ws.as_ref())
 }
 
 /// The saved inputs: separate q, k, v, or one packed qkv.
@@ -323,14 +348,15 @@ impl Backward for AttentionBack {
     }
 }
 
-/// Whether backward hands attention's inputs to the backend as saved (Note [Attention's saved
-/// operands]): on a GPU target whose attention rounds them into 16-bit copies for the tensor cores
-/// (and `MEMFIT_CUDA_ATTENTION=cuda-cores` does not send it to the CUDA cores), when every one is
-/// saved in the products' own 16-bit format.
-fn reads_saved_operands(saved: &[&Compact], pb: &AttnProblem, go: &Tensor) -> bool {
+/// Whether attention hands its inputs to the backend as saved (Note [Attention's saved operands];
+/// `like`: an f32 tensor of the problem, the output or its gradient): on a GPU target whose
+/// attention rounds them into 16-bit copies for the tensor cores (and
+/// `MEMFIT_CUDA_ATTENTION=cuda-cores` does not send it to the CUDA cores), when every one is saved
+/// in the products' own 16-bit format.
+fn reads_saved_operands(saved: &[&Compact], pb: &AttnProblem, like: &Tensor) -> bool {
     let Some(own) = super::operand_dtype_of(pb.products) else { return false };
-    go.device().target() == crate::Target::Cuda
-        && attention_bits(pb, go.dtype(), true, false).len > 0
+    like.device().target() == crate::Target::Cuda
+        && attention_bits(pb, like.dtype(), true, false).len > 0
         && !crate::backend::cuda::cuda_cores_asked()
         && saved.iter().all(|c| c.stored().dtype() == own)
 }
