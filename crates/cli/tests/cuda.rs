@@ -50,6 +50,19 @@ fn device_names_that_are_not_devices_are_refused() {
 }
 
 #[test]
+fn a_misspelt_choice_of_attention_kernels_is_refused_on_meta_cuda_too() {
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["train", "--model", "gpt", "--device", "meta:cuda", "--max-steps", "1"])
+        .env("MEMFIT_CUDA_ATTENTION", "wdie")
+        .output()
+        .expect("the memfit binary runs");
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert!(all.contains("MEMFIT_CUDA_ATTENTION=wdie: expected `cuda-cores` or `wide`"), "{all}");
+    assert!(!all.contains("panicked") && !all.contains("step "), "{all}");
+}
+
+#[test]
 fn meta_cuda_predicts_a_gpu_run_with_the_gpus_own_allocations() {
     let args = ["train", "--model", "gpt", "--layers", "2", "--d-model", "64", "--max-steps", "2", "--no-eval"];
     let cpu = report(&[&args[..], &["--device", "meta"]].concat(), "meta.json");

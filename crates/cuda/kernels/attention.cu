@@ -8,7 +8,8 @@
 //   of FlashAttention (Dao, 2022). A causal block stops at (or starts from) the diagonal.
 // - Per row (f64, larger heads): one thread per query or key row walking its row in order.
 // - Tensor cores (bf16 and fp16 products of f32 tensors, heads up to 128; at the end): the tiled
-//   scheme with `mma.sync`, a warp per 16 rows, checked once per device by `mma_check`.
+//   scheme with `mma.sync`, a warp per 16 rows (or 32: MEMFIT_CUDA_ATTENTION=wide), checked once
+//   per device by `mma_check`.
 //
 // Matrix i = b * heads + h of an operand starts at offset + b * batch + h * head (elements), its
 // rows `row` apart, columns contiguous (Addr); a gradient is laid out as its input. Key j is
@@ -554,7 +555,7 @@ __device__ __forceinline__ float exp2_fast(float y) {
 
 // The rounded copies of a launch's operands (the output's gradient: backward only), and each one's
 // layout (elements, as Addr's): a copy in the op's workspace, [bh, rows, dp] (matrix i at
-// i * rows * dp, its rows dp apart); or backward's q, k and v read in place as saved in the
+// i * rows * dp, its rows dp apart); or q, k and v read in place (forward and backward) as saved in the
 // products' own 16 bits (Note [Attention's saved operands] in memfit-tensor: their own layout, every
 // row 16-byte aligned and d a multiple of 8, so dp = d).
 struct Bits {
@@ -635,7 +636,8 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
 // bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
 // a product that needs it by columns reads it through ldmatrix's transpose. A thread's copies are
 // the same places of every tile, so their offsets are found once a block's task (`Copies`, made
-// before its loop over tiles), in 32 bits (a tile spans under 2^14 elements: C <= 128); found again
+// before its loop over tiles), in 32 bits (a tile spans R rows of ld elements: a few hundred
+// thousand at most, GPT-2's packed rows of 2,304 read in place); found again
 // at every tile with 64-bit products, they made staging a fifth of the forward's loop in
 // instructions. A copy past the matrix reads nothing
 // (a source size of 0 bytes) and is given the matrix's first address, not one past its end: the
@@ -1249,8 +1251,10 @@ ATTENTION_MMA(2, f16, 128, 32, 32, 32, 1)
 // Two tiles of 16 rows a warp (`attention_mma_wide_*`, the forward and dq, heads up to 64: the
 // `MEMFIT_CUDA_ATTENTION=wide` kernels): each of B's fragments is read from shared memory once for
 // two products, and a warp has twice the independent products in flight, in 255 registers (two
-// blocks a multiprocessor). The same bits as the kernels above: each row meets the same key tiles,
-// its products, sums and tiles in the same order. (dk and dv keep a tile a warp: two would hold
+// blocks a multiprocessor). The same bits as the kernels above for finite operands: each row meets
+// the same key tiles that it sees, its products, sums and tiles in the same order (a warp of either
+// width skips tiles that none of its rows sees, which would add exact zeros, or NaN from an
+// infinite operand). (dk and dv keep a tile a warp: two would hold
 // dk's, dv's, K's and V's fragments of 32 keys, 192 registers, and spilled 652 bytes.)
 #define ATTENTION_MMA_WIDE(KIND, SUF, D, FC, QC)                                                        \
     ATTENTION_MMA_FORWARD(mma_wide, 2, KIND, SUF, D, FC, 2)                                             \

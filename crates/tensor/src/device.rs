@@ -236,6 +236,10 @@ impl Device {
     /// missing; nothing panics). The capacity is the config's, or for a GPU without one its free
     /// memory once the context exists.
     pub fn new(config: DeviceConfig) -> Result<Self> {
+        if config.kind.target() == Target::Cuda {
+            // A bad choice of attention kernels, said before anything opens, on `meta:cuda` too.
+            crate::backend::cuda::attention_asked()?;
+        }
         let opened = crate::backend::open(config.kind)?;
         let capacity = config.capacity.or(opened.free_bytes);
         let mut allocator = Allocator::new(

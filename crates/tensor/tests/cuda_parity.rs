@@ -617,11 +617,11 @@ fn rounded_products_match_the_cpu(cuda: &Device) -> usize {
 }
 
 /// `MEMFIT_CUDA_ATTENTION=wide` (the tensor cores' forward and dq with two tiles of 16 rows a warp)
-/// gives the default kernels' bits, outputs and every gradient, in bf16 and fp16 products: causal
-/// over several blocks of either width (each warp's rows meet the same key tiles), a partial last
-/// block, heads of 48 and values of 40, masked and causal cross-attention with more keys than
-/// queries. The variable is set between the two runs (it is read at every launch) and put back.
-/// The cases checked.
+/// gives the default kernels' bits, outputs and every gradient, in bf16 and fp16 products, with and
+/// without half-precision storage: causal over several blocks of either width (each warp's rows
+/// meet the same key tiles), a partial last block, heads of 48 and values of 40, masked and causal
+/// cross-attention with more keys than queries, not causal, a GPT's packed q, k and v. The variable
+/// is set between the two runs (it is read at every launch) and put back. The cases checked.
 fn wide_attention_gives_the_same_bits(cuda: &Device) -> usize {
     use memfit_tensor::Products;
     const VAR: &str = "MEMFIT_CUDA_ATTENTION";
@@ -630,7 +630,7 @@ fn wide_attention_gives_the_same_bits(cuda: &Device) -> usize {
     const TK: usize = 290;
     let (tq, tk) = (TQ, TK);
     let mask: Vec<bool> = (0..tq * tk).map(|i| i / tk == 3 || (i % tk != 0 && i % 7 == 0)).collect();
-    let cases: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 4] = [
+    let cases: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 6] = [
         ("causal, 300 rows", vec![&[1, 2, 300, 64], &[1, 2, 300, 64], &[1, 2, 300, 64]], &|x| {
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None)
         }),
@@ -644,26 +644,41 @@ fn wide_attention_gives_the_same_bits(cuda: &Device) -> usize {
             let m = Tensor::from_slice(x[0].device(), &mask, &[tq, tk], Category::Input)?;
             ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, Some(&m))
         }),
+        // Every warp meets every key tile; the last block of 128 rows has 72.
+        ("not causal, 200 rows", vec![&[1, 2, 200, 64], &[1, 2, 200, 64], &[1, 2, 200, 64]], &|x| {
+            ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None)
+        }),
+        // A GPT's: q, k and v in the packed projection (read in place as saved, under half-precision storage).
+        ("packed, 130 rows", vec![&[2, 130, 384]], &|x| ops::packed_self_attention(&x[0], 2, true, None)),
     ];
     let mut checked = 0;
-    for products in [Products::Bf16, Products::F16] {
+    // Also under half-precision storage: the kernels then read q, k and v in place as saved.
+    let storage = [
+        (Products::Bf16, None),
+        (Products::F16, None),
+        (Products::Bf16, Some(DType::BF16)),
+        (Products::F16, Some(DType::F16)),
+    ];
+    for (products, saved) in storage {
         cuda.set_products(products).unwrap();
-        cuda.set_saved_dtype(None).unwrap();
+        cuda.set_saved_dtype(saved).unwrap();
         for (what, shapes, f) in &cases {
+            let what = format!("{what}, {products:?} products, saved in {saved:?}");
             std::env::remove_var(VAR);
-            let default = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what}, {products:?}: {e}"));
+            let default = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what}: {e}"));
             std::env::set_var(VAR, "wide");
-            let wide = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what}, {products:?}, wide: {e}"));
+            let wide = run(cuda, shapes, f).unwrap_or_else(|e| panic!("{what}, wide: {e}"));
             for (k, (a, b)) in default.iter().zip(&wide).enumerate() {
                 let differ = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
                 assert!(
                     a.len() == b.len() && differ.is_none(),
-                    "{what}, {products:?}: result {k} differs with {VAR}=wide at element {differ:?}"
+                    "{what}: result {k} differs with {VAR}=wide at element {differ:?}"
                 );
             }
             checked += 1;
         }
     }
+    cuda.set_saved_dtype(None).unwrap();
     match before {
         Some(v) => std::env::set_var(VAR, v),
         None => std::env::remove_var(VAR),

@@ -230,6 +230,12 @@ fn operand_bits(sfx: &str, products: Products) -> Option<&'static str> {
     }
 }
 
+/// The error for an input saved in 16 bits that reaches a fused op's backward without rounded
+/// products (the op layer hands one over only with them: `ops::saved_in_operand_format`).
+fn unrounded_saved_input(op: &str) -> Error {
+    Error::invalid(format!("internal: {op}: an input saved in 16 bits without rounded products"))
+}
+
 /// The address of cross-entropy's per-row losses in its workspace (the op's `gpu_workspace`: one
 /// value of the logits' dtype a row), checked.
 fn loss_rows(ws: Option<&Tensor>, logits: &Tensor) -> Result<u64> {
@@ -628,9 +634,9 @@ impl Cuda {
     /// Rounds attention's operands q, k, v (and the output's gradient `grad`, in backward) of a
     /// problem on `dtype` tensors into their copies in the op's `workspace` (`ops::attention_bits`),
     /// the tensor cores' kernels' `struct Bits` (attention.cu) of the copies' addresses and layouts.
-    /// q, k and v may come as saved in the products' own 16-bit format (`ops::attention`'s backward
-    /// under half-precision storage): read in place where their rows allow (`ops::bits_in_place`),
-    /// else copied as what restoring and rounding them would give.
+    /// q, k and v may come as saved in the products' own 16-bit format (`ops::attention` under
+    /// half-precision storage, Note [Attention's saved operands]): read in place where their rows
+    /// allow (`ops::bits_in_place`), else copied as what restoring and rounding them would give.
     #[allow(clippy::too_many_arguments)]
     fn round_attention_operands(
         &self,
@@ -1098,10 +1104,11 @@ impl Cuda {
     /// The 16 bits ("bf16", "f16") that a fused op's backward input `x` is saved in, where the op
     /// layer hands it over as saved (`ops::saved_in_operand_format`: in the format its f32
     /// gradient's products round to; the kernels widen each element as restoring it would), said
-    /// in `kernels_used`; None where x is in the gradient's dtype; an error for any other pairing.
+    /// in `kernels_used` as `read`; None where x is in the gradient's dtype; an error for any other
+    /// pairing.
     fn saved_input(
         &self,
-        op: &'static str,
+        (op, read): (&str, &'static str),
         x: &Tensor,
         grad: DType,
         products: Products,
@@ -1112,10 +1119,7 @@ impl Cuda {
             (DType::F16, DType::F32, Products::F16) => "f16",
             (d, g, p) => return Err(Error::dtype(format!("{op}: an input saved in {d} with {p:?} products of {g}"))),
         };
-        self.ran(match op {
-            "gelu_linear_backward" => "gelu_linear: input read as saved in 16 bits",
-            _ => "layer_norm_linear: input read as saved in 16 bits",
-        });
+        self.ran(read);
         Ok(Some(bits))
     }
 
@@ -1137,9 +1141,7 @@ impl Cuda {
             (Some(bits), Some(_)) => format!("unary_operands_saved_{bits}"),
             (Some(bits), None) => format!("unary_operands_{bits}"),
             (None, None) => format!("unary_{sfx}"),
-            (None, Some(_)) => {
-                return Err(Error::invalid("internal: GELU of a saved input without rounded products".to_string()))
-            }
+            (None, Some(_)) => return Err(unrounded_saved_input("gelu_linear_backward")),
         };
         let code = Arg::I32(unary_code(Unary::GeluErf));
         self.launch(
@@ -2418,7 +2420,8 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = grad.shape()[0];
         let size = grad.dtype().size() as u64;
-        let saved = self.saved_input(NAME, x, grad.dtype(), products)?;
+        let saved =
+            self.saved_input((NAME, "gelu_linear: input read as saved in 16 bits"), x, grad.dtype(), products)?;
         let x_size = x.dtype().size() as u64;
         let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
         let (gxp, gwp) = (dense_opt(gx, NAME)?, dense_opt(gw, NAME)?);
@@ -2600,7 +2603,8 @@ impl Backend for Cuda {
         let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
         let rows = grad.shape()[0];
         let size = grad.dtype().size() as u64;
-        let saved = self.saved_input(NAME, x, grad.dtype(), products)?;
+        let saved =
+            self.saved_input((NAME, "layer_norm_linear: input read as saved in 16 bits"), x, grad.dtype(), products)?;
         let x_size = x.dtype().size() as u64;
         let (xp, g, sc) = (dense(x, NAME)?, dense(grad, NAME)?, dense(scratch, NAME)?);
         let (lw, lb, mp, rp) = (dense(ln_weight, NAME)?, dense(ln_bias, NAME)?, dense(mean, NAME)?, dense(rstd, NAME)?);
@@ -2628,7 +2632,8 @@ impl Backend for Cuda {
                 let kernel = match (rounded, saved) {
                     (Some(bits), Some(_)) => format!("layer_norm_apply_operands_saved_{bits}"),
                     (Some(bits), None) => format!("layer_norm_apply_operands_{bits}"),
-                    (None, _) => format!("layer_norm_apply_{sfx}"),
+                    (None, None) => format!("layer_norm_apply_{sfx}"),
+                    (None, Some(_)) => return Err(unrounded_saved_input(NAME)),
                 };
                 self.launch(
                     &kernel,
@@ -3221,11 +3226,11 @@ struct AttentionTiles {
     head: usize,
     /// The operands the products read: `f32`, `bf16` or `f16`.
     operands: &'static str,
-    /// Query rows of a tile of the forward (`FR`; MMA_ROWS).
+    /// Query rows of a block of the forward (`FR`; 16 M MMA_WARPS for the tensor cores).
     forward_rows: usize,
-    /// Query rows of a tile of D and dq (`QR`; MMA_ROWS).
+    /// Query rows of a block of dq (`QR`; as the forward's).
     query_rows: usize,
-    /// Key rows of a tile of dk and dv (`KC`; MMA_ROWS).
+    /// Key rows of a block of dk and dv (`KC`; 16 MMA_WARPS for the tensor cores).
     key_rows: usize,
     /// The forward and dq with two tiles of 16 rows a warp (`attention_mma_wide_*`).
     wide: bool,
@@ -3252,7 +3257,8 @@ impl AttentionTiles {
 /// The tiled kernels for heads of `head` values: f32 with head sizes up to 128, on the tensor cores
 /// when `products` round their operands to bf16 or fp16; None for the per-row kernels.
 fn tiled_head(head: usize, dtype: DType, products: Products) -> Option<AttentionTiles> {
-    /// attention.cu's MMA_ROWS: the rows of a block of the tensor-core kernels.
+    /// The rows of a block of attention.cu's tensor-core kernels with a tile of 16 rows a warp:
+    /// 16 MMA_WARPS.
     const MMA_ROWS: usize = 64;
     let head = match head {
         0..=64 => 64,
@@ -3305,7 +3311,7 @@ pub(crate) fn cuda_cores_asked() -> bool {
 
 /// The attention kernels `MEMFIT_CUDA_ATTENTION` asks for.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum AttentionAsked {
+pub(crate) enum AttentionAsked {
     /// `cuda-cores`: the CUDA cores' tiled kernels (`cuda_cores_asked`).
     CudaCores,
     /// `wide`: the tensor cores' forward and dq with two tiles of 16 rows a warp (`AttentionTiles::wide`).
@@ -3314,9 +3320,10 @@ enum AttentionAsked {
 
 /// `MEMFIT_CUDA_ATTENTION`, read at every launch (`wide` changes no byte of memory and no bit of a
 /// result, so a process may time one kernel against the other), and an error naming the
-/// variable for a value that asks for neither (a misspelt choice would else time the default).
-/// `cuda-cores` is as `cuda_cores_asked` read it first.
-fn attention_asked() -> Result<Option<AttentionAsked>> {
+/// variable for a value that asks for neither (a misspelt choice would else time the default;
+/// checked too when a `cuda` or `meta:cuda` device opens). `cuda-cores` is as `cuda_cores_asked`
+/// read it first.
+pub(crate) fn attention_asked() -> Result<Option<AttentionAsked>> {
     if cuda_cores_asked() {
         return Ok(Some(AttentionAsked::CudaCores));
     }

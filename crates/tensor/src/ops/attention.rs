@@ -33,10 +33,11 @@
 //! Note [Attention's saved operands]
 //! On a GPU the tensor cores' kernels read q, k and v through 16-bit copies that a kernel rounds
 //! them into (`attention_bits`). When they were saved in the products' own format (bf16 storage
-//! with bf16 products, fp16 with fp16), backward hands the saved tensors to the backend as they
+//! with bf16 products, fp16 with fp16), the op hands the saved tensors to the backend as they
 //! are: without the f32 copy of q, k and v (3 GiB at GPT-2's micro-batch of 342, whose step then
 //! reserves 3 GiB less) or its traffic. Where their rows allow (`bits_in_place`: 16-byte aligned
 //! rows of a multiple of 8 elements, as GPT-2's packed q, k and v), the kernels read them in place,
+//! in backward and, the copies then made before the kernels (`saves_first`), in the forward too,
 //! as saved (bfloat16 storage and a bf16 operand round f32 alike, so these are the operand bits;
 //! but for a subnormal, which storage keeps and the operand rounding flushes to a zero of its sign:
 //! such an element, below 2^-126, enters the products as itself), and backward's workspace holds the
@@ -98,8 +99,9 @@ pub(crate) fn attention_bits(pb: &AttnProblem, dtype: DType, backward: bool, in_
 /// GPT-2's packed q, k and v are (heads of 64, rows of 2,304).
 pub(crate) fn bits_in_place(pb: &AttnProblem) -> bool {
     let d = pb.dims;
-    let whole = |a: &AttnAddr| [a.offset, a.batch_stride, a.head_stride, a.row_stride].iter().all(|s| s % 8 == 0);
-    d.d % 8 == 0 && d.dv % 8 == 0 && whole(&pb.lay.q) && whole(&pb.lay.k) && whole(&pb.lay.v)
+    let whole =
+        |a: &AttnAddr| [a.offset, a.batch_stride, a.head_stride, a.row_stride].iter().all(|s| s.is_multiple_of(8));
+    d.d.is_multiple_of(8) && d.dv.is_multiple_of(8) && whole(&pb.lay.q) && whole(&pb.lay.k) && whole(&pb.lay.v)
 }
 
 /// The op's workspace for [`attention_bits`] on a GPU target; None elsewhere or where there are none.
@@ -189,10 +191,14 @@ pub fn scaled_dot_product_attention(
     let out = output(&q, &out_shape, q.dtype(), NAME)?;
     let grad = needs_grad(&[&q, &k, &v]);
     let lse = if grad { Some(output(&q, &pb.full[..r - 1], q.dtype(), NAME)?) } else { None };
-    let saved = if grad { Some([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]) } else { None };
-    let operands = saved.as_ref().map_or(vec![], |s| s.iter().collect());
-    forward(&pb, [&q, &k, &v], &operands, mask, &out, lse.as_ref())?;
-    let (Some(lse), Some(saved)) = (lse, saved) else { return Ok(out) };
+    let save_inputs = || -> Result<[Compact; 3]> { Ok([save_compact(&q)?, save_compact(&k)?, save_compact(&v)?]) };
+    let first = if grad && saves_first(&pb) { Some(save_inputs()?) } else { None };
+    forward(&pb, [&q, &k, &v], &first.iter().flatten().collect::<Vec<_>>(), mask, &out, lse.as_ref())?;
+    let Some(lse) = lse else { return Ok(out) };
+    let saved = match first {
+        Some(saved) => saved,
+        None => save_inputs()?,
+    };
     let back = AttentionBack {
         inputs: Saved::Separate(saved),
         out: save_compact(&out)?,
@@ -244,9 +250,13 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     let out = output(&qkv, &[b, t, e], qkv.dtype(), NAME)?;
     let grad = needs_grad(&[&qkv]);
     let lse = if grad { Some(output(&qkv, &[b, heads, t], qkv.dtype(), NAME)?) } else { None };
-    let saved = if grad { Some(save_compact(&qkv)?) } else { None };
-    forward(&pb, [&qkv, &qkv, &qkv], &saved.iter().collect::<Vec<_>>(), mask, &out, lse.as_ref())?;
-    let (Some(lse), Some(saved)) = (lse, saved) else { return Ok(out) };
+    let first = if grad && saves_first(&pb) { Some(save_compact(&qkv)?) } else { None };
+    forward(&pb, [&qkv, &qkv, &qkv], &first.iter().collect::<Vec<_>>(), mask, &out, lse.as_ref())?;
+    let Some(lse) = lse else { return Ok(out) };
+    let saved = match first {
+        Some(saved) => saved,
+        None => save_compact(&qkv)?,
+    };
     let back = AttentionBack {
         inputs: Saved::Packed(saved),
         out: save_compact(&out)?,
@@ -257,9 +267,18 @@ pub fn packed_self_attention(qkv: &Tensor, heads: usize, causal: bool, mask: Opt
     Ok(record(out, NAME, &[&qkv], back))
 }
 
-/// The forward's kernels on q, k and v (`inputs`), or, where training saved them (`saved`: their
-/// compact copies, made first) in the products' own 16 bits and the tensor cores read them in place
-/// (Note [Attention's saved operands]), on those copies: no rounded copies, no workspace.
+/// Whether training saves attention's inputs before its forward kernels, not after: where the tensor
+/// cores may read the saved copies in place (`bits_in_place`; then no rounded copies are made, so
+/// nothing lives beside them). Elsewhere after, so that a workspace of rounded copies and the saved
+/// copies are never alive together. Decided from the problem only, as `meta:cuda` decides it.
+fn saves_first(pb: &AttnProblem) -> bool {
+    bits_in_place(pb)
+}
+
+/// The forward's kernels on q, k and v (`inputs`), or, where training saved them first (`saved`:
+/// their compact copies; [`saves_first`]) in the products' own 16 bits and the tensor cores read
+/// them in place (Note [Attention's saved operands]), on those copies: no rounded copies, no
+/// workspace.
 fn forward(
     pb: &AttnProblem,
     inputs: [&Tensor; 3],
