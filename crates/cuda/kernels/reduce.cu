@@ -120,16 +120,27 @@ REDUCE(float, f32)
 REDUCE(double, f64)
 
 // Column sums in two passes (common.cuh's column_partials): the first, of a dense [rows, cols]
-// matrix; the second, out[j] (+= with accumulate) the partials of column j in split order.
+// matrix; the second, out[j] (+= with accumulate) the partials of column j in split order
+// (`column_finish`; `column_finish_two`: two such sums in one launch, a layer norm's weight and bias
+// gradients, either out null when not wanted).
+template <typename T>
+__device__ __forceinline__ void finish_column(const T* part, i64 splits, i64 cols, i64 j, int accumulate, T* out) {
+    T sum = T(0);
+    for (i64 s = 0; s < splits; ++s) sum += part[s * cols + j];
+    out[j] = accumulate ? out[j] + sum : sum;
+}
 #define COLUMNS(T, SUF)                                                                                 \
     extern "C" __global__ void column_partials_##SUF(const T* x, i64 rows, i64 cols, i64 per, T* part) { \
         column_partials<T>([=](i64 r, i64 j) { return Two<T>{x[r * cols + j], T(0)}; }, rows, cols, per, part, (T*)nullptr); \
     }                                                                                                   \
     extern "C" __global__ void column_finish_##SUF(const T* part, i64 splits, i64 cols, int accumulate, T* out) { \
-        GRID_STRIDE(j, cols) {                                                                          \
-            T sum = T(0);                                                                               \
-            for (i64 s = 0; s < splits; ++s) sum += part[s * cols + j];                                  \
-            out[j] = accumulate ? out[j] + sum : sum;                                                   \
+        GRID_STRIDE(j, cols) finish_column<T>(part, splits, cols, j, accumulate, out);                  \
+    }                                                                                                   \
+    extern "C" __global__ void column_finish_two_##SUF(const T* part_a, T* out_a, const T* part_b, T* out_b, i64 splits, i64 cols, int accumulate) { \
+        GRID_STRIDE(k, 2 * cols) {                                                                      \
+            const bool b = k >= cols;                                                                   \
+            T* out = b ? out_b : out_a;                                                                 \
+            if (out) finish_column<T>(b ? part_b : part_a, splits, cols, b ? k - cols : k, accumulate, out); \
         }                                                                                               \
     }
 

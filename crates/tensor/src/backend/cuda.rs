@@ -1037,12 +1037,20 @@ impl Cuda {
             let kernel = saved
                 .map_or(format!("layer_norm_wb_partials_{sfx}"), |bits| format!("layer_norm_wb_partials_saved_{bits}"));
             self.launch(&kernel, split.launch, &mut [&inputs[..], &tail].concat())?;
-            for (part, out) in parts.into_iter().zip([gw, gb]) {
-                if out != 0 {
-                    self.column_finish(sfx, &split, d, part, out, accumulate)?;
-                }
-            }
-            return Ok(());
+            // Both second passes in one launch (`column_finish_two_*`: each sum as `column_finish`'s).
+            return self.launch(
+                &format!("column_finish_two_{sfx}"),
+                self.grid(2 * d, BLOCK),
+                &mut [
+                    Arg::Ptr(parts[0]),
+                    Arg::Ptr(gw),
+                    Arg::Ptr(parts[1]),
+                    Arg::Ptr(gb),
+                    Arg::I64(split.splits as i64),
+                    Arg::I64(d as i64),
+                    Arg::I32(accumulate as i32),
+                ],
+            );
         }
         let tail = [Arg::Ptr(gw), Arg::Ptr(gb), Arg::I32(accumulate as i32)];
         self.launch(
