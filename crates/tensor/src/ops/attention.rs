@@ -61,8 +61,9 @@ pub(crate) use memfit_cpu::attention::{AttnAddr, AttnDims, AttnLayouts, AttnProb
 /// Where a GPU's tensor-core attention finds its operands rounded (attention.cu's
 /// `attention_round_*`): copies of q, k and v, and in backward of the output's gradient, each
 /// [bh, rows, head size rounded up to 8] of 16-bit elements, at these offsets (elements) of the op's
-/// workspace of `len`; with `in_place` (backward's q, k and v saved in the products' own format:
-/// [`bits_in_place`]), the gradient's copy only, at 0, the kernels reading q, k and v as saved. All
+/// workspace of `len`; with `in_place` (q, k and v saved in the products' own format, read in place
+/// by the forward or backward: [`bits_in_place`]), the gradient's copy only, at 0 (none in a
+/// forward). All
 /// zero where those kernels do not run (anything but f32 tensors with bf16 or fp16 products and
 /// heads up to 128) and for a problem of no rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
