@@ -634,40 +634,49 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
 // Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each, ld apart) into shared memory by
 // rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the matrix), 16
 // bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
-// a product that needs it by columns reads it through ldmatrix's transpose. A thread's copies are
-// the same places of every tile, so their offsets are found once a block's task (`Copies`, made
-// before its loop over tiles), in 32 bits (a tile spans R rows of ld elements: a few hundred
-// thousand at most, GPT-2's packed rows of 2,304 read in place); found again
-// at every tile with 64-bit products, they made staging a fifth of the forward's loop in
-// instructions. A copy past the matrix reads nothing
-// (a source size of 0 bytes) and is given the matrix's first address, not one past its end: the
-// PTX ISA does not say that an address it reads nothing from may be any address.
+// a product that needs it by columns reads it through ldmatrix's transpose. A thread copies N
+// adjacent chunks of 16 bytes of one row (TPR threads a row), so its copies of a tile are one
+// address and constant offsets, in global memory as in shared; the tiles are staged in order, R
+// rows apart, so that address moves on by R rows a tile (`Copies`, made before the loop over
+// tiles). Where the tile lies inside the matrix and its rows are C columns (every tile but a last
+// partial one of a GPT's heads of 64), a thread's copies are its N instructions and the address's
+// step; else each copy is tested. (Found again at every tile with 64-bit products, each copy
+// tested, the addresses made staging a fifth to a third of the kernels' loops in instructions.)
+// A copy past the matrix reads nothing (a source size of 0 bytes) and is given the matrix's first
+// address, not one past its end: the PTX ISA does not say that an address it reads nothing from
+// may be any address.
 template <int R, int C, int LD>
 struct Copies {
-    static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, ROWS = TILE_THREADS / CHUNKS;
+    static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, TPR = CHUNKS / N;
     static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
-    static_assert(TILE_THREADS % CHUNKS == 0, "a thread's copies are ROWS rows apart, in its column");
-    // The matrix, and the thread's first copy in it.
-    const unsigned short *base, *m;
-    // The thread's first row of a tile, its column's place in a row of shared memory, and the
-    // elements from its first copy in the matrix to its next (ROWS rows on).
-    int row, at, stride, step;
-    bool column_inside;
-    // Matrix m's rows ld apart, dp elements each.
-    __device__ Copies(const unsigned short* m, i64 ld, i64 dp)
-        : base(m), m(m + row_of() * ld + column_of()), row(row_of()), at(row_of() * LD + column_of() / 2), stride((int)ld), step(ROWS * (int)ld),
-          column_inside(column_of() < dp) {}
-    __device__ static int row_of() { return (int)threadIdx.x / CHUNKS; }
-    __device__ static int column_of() { return 8 * ((int)threadIdx.x % CHUNKS); }
-    // The tile of rows r0 .. r0 + R (of `rows`) into sh.
-    __device__ __forceinline__ void stage(unsigned* sh, i64 r0, i64 rows) const {
-        const int rows_left = (int)max((i64)0, min((i64)R, rows - r0));
-        const unsigned short* from = m + r0 * stride;
+    static_assert(N > 0 && CHUNKS % N == 0, "a thread's copies are adjacent chunks of one row");
+    // The matrix, and the thread's first copy of the next tile in it (moved on R rows a tile).
+    const unsigned short *base, *next;
+    // The elements from one tile's first copy to the next's (R rows on).
+    i64 advance;
+    // The thread's row of a tile, its first chunk, its first copy's place in shared memory (words),
+    // and the chunks of a row that hold columns (dp / 8).
+    int row, chunk, at, chunks_inside;
+    // Matrix m's rows ld apart, dp elements each; the first tile staged is rows r0 .. r0 + R.
+    __device__ Copies(const unsigned short* m, i64 ld, i64 dp, i64 r0)
+        : base(m), next(m + (r0 + row_of()) * ld + 8 * chunk_of()), advance(R * ld), row(row_of()), chunk(chunk_of()),
+          at(row_of() * LD + 4 * chunk_of()), chunks_inside((int)(dp / 8)) {}
+    __device__ static int row_of() { return (int)threadIdx.x / TPR; }
+    __device__ static int chunk_of() { return N * ((int)threadIdx.x % TPR); }
+    // The next tile, rows r0 .. r0 + R (of `rows`), into sh: the tiles in order, R rows apart.
+    __device__ __forceinline__ void stage(unsigned* sh, i64 r0, i64 rows) {
+        if (chunks_inside == CHUNKS && r0 + R <= rows) {
 #pragma unroll
-        for (int b = 0; b < N; ++b) {
-            const bool inside = column_inside && row + b * ROWS < rows_left;
-            cp_async<16>(sh + at + b * ROWS * LD, inside ? from + b * step : base, inside);
+            for (int b = 0; b < N; ++b) cp_async<16>(sh + at + 4 * b, next + 8 * b, true);
+        } else {
+            const bool row_inside = row < rows - r0;
+#pragma unroll
+            for (int b = 0; b < N; ++b) {
+                const bool inside = row_inside && chunk + b < chunks_inside;
+                cp_async<16>(sh + at + 4 * b, inside ? next + 8 * b : base, inside);
+            }
         }
+        next += advance;
     }
 };
 
@@ -676,26 +685,23 @@ struct Copies {
 template <int BC, int D>
 struct KeyCopies {
     Copies<BC, D, D / 2 + 4> k, v;
-    __device__ KeyCopies(const unsigned short* k0, i64 kld, const unsigned short* v0, i64 vld, i64 dp, i64 dvp) : k(k0, kld, dp), v(v0, vld, dvp) {}
-    __device__ __forceinline__ void stage(unsigned* ks, unsigned* vs, i64 j0, i64 tk) const {
+    __device__ KeyCopies(const unsigned short* k0, i64 kld, const unsigned short* v0, i64 vld, i64 dp, i64 dvp) : k(k0, kld, dp, 0), v(v0, vld, dvp, 0) {}
+    __device__ __forceinline__ void stage(unsigned* ks, unsigned* vs, i64 j0, i64 tk) {
         k.stage(ks, j0, tk);
         v.stage(vs, j0, tk);
         cp_async_commit();
     }
 };
 
-// The pipeline's step: where another tile follows (`more`), its copies start (`stage_next`, into
-// the other buffer) and this tile's are waited for, else the last ones; then a barrier, after which
-// every thread's copies are visible.
+// The pipeline's step, one barrier a tile: this tile's copies (the only ones in flight) are waited
+// for; after the barrier every thread's copies are visible, and every warp is done with the tile
+// before, so the next tile's copies (`more`: `stage_next`) start into its buffer, running while
+// this tile's products do.
 template <typename Stage>
 __device__ __forceinline__ void tile_arrives(bool more, Stage stage_next) {
-    if (more) {
-        stage_next();
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<0>();
-    }
+    cp_async_wait<0>();
     __syncthreads();
+    if (more) stage_next();
 }
 
 // The A fragment of rows r0 .. r0 + 16 and columns k0 .. k0 + 16 of a rounded matrix m (`rows` of
@@ -982,7 +988,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
     const unsigned char* masked = vis.rows_of(i);
     // The block's key tiles, and this warp's.
     const i64 kend = vis.causal ? min(p.tk, r0 + 16 * M * MMA_WARPS) : p.tk, wend = keys_end<M>(p, vis, rw);
-    const KeyCopies<BC, D> copies(k0, bits.ak.row, v0, bits.av.row, dp, dvp);
+    KeyCopies<BC, D> copies(k0, bits.ak.row, v0, bits.av.row, dp, dvp);
     if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
@@ -994,8 +1000,6 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
             for (int mt = 0; mt < M; ++mt) softmax_step(s[mt], o[mt], mx[mt], l[mt], p, vis, masked, rw + 16 * mt, j0);
             accumulate<KIND, true>(o, s, vs[buf], LD);
         }
-        // Every warp is done with this buffer before the next tile but one is copied into it.
-        __syncthreads();
     }
     float* out0 = out + matrix(ao, i, p.heads);
 #pragma unroll
@@ -1056,7 +1060,7 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
     }
     // The block's key tiles, and this warp's.
     const i64 kend = vis.causal ? min(p.tk, r0 + 16 * M * MMA_WARPS) : p.tk, wend = keys_end<M>(p, vis, rw);
-    const KeyCopies<BC, D> copies(k0, bits.ak.row, v0, bits.av.row, dp, dvp);
+    KeyCopies<BC, D> copies(k0, bits.ak.row, v0, bits.av.row, dp, dvp);
     if (kend > 0) copies.stage(ks[0], vs[0], 0, p.tk);
     int buf = 0;
     for (i64 j0 = 0; j0 < kend; j0 += BC, buf ^= 1) {
@@ -1079,7 +1083,6 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
             }
             accumulate<KIND, false>(acc, s, ks[buf], LD);
         }
-        __syncthreads();
     }
 #pragma unroll
     for (int mt = 0; mt < M; ++mt)
@@ -1132,7 +1135,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     const unsigned char* masked = vis.rows_of(i);
     // The block's first query tile, and this warp's.
     const i64 rstart = vis.causal ? (j0 / KR) * KR : 0, wstart = jw >= p.tk ? p.tq : vis.causal ? (jw / KR) * KR : 0;
-    const Copies<KR, D, LD> q_copies(q0, bits.aq.row, dp), g_copies(g0, bits.ag.row, dvp);
+    Copies<KR, D, LD> q_copies(q0, bits.aq.row, dp, rstart), g_copies(g0, bits.ag.row, dvp, rstart);
     auto stage = [&](int b, i64 r0) {
         q_copies.stage(qs[b], r0, p.tq);
         g_copies.stage(gs[b], r0, p.tq);
@@ -1185,7 +1188,6 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
             accumulate<KIND, true>(dv, st, gs[buf], LD);
             accumulate<KIND, false>(dk, dpt, qs[buf], LD);
         }
-        __syncthreads();
     }
     // Matrix i's gradients found once (`matrix` divides), not at every store of the unrolled loop.
     float *gk0 = gk ? gk + matrix(p.ak, i, p.heads) : nullptr, *gv0 = gv ? gv + matrix(p.av, i, p.heads) : nullptr;
