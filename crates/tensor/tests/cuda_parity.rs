@@ -705,7 +705,7 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
     let mask: Vec<bool> = (0..TQ * TK).map(|i| i / TK == 3 || (i % TK != 0 && i % 7 == 0)).collect();
     // The chunked head's targets: 70 rows of 300 classes, in chunks of 32.
     let targets: Vec<i64> = (0..70).map(|i| i * 37 % 300).collect();
-    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 23] = [
+    let product_ops: [(&str, Vec<&[usize]>, &dyn Fn(&[Tensor]) -> Result<Tensor>); 24] = [
         ("linear", vec![&[70, 96], &[45, 96], &[45]], &|x| ops::linear(&x[0], &x[1], Some(&x[2]))),
         ("batched matmul", vec![&[3, 19, 33], &[3, 33, 21]], &|x| x[0].matmul(&x[1])),
         ("conv2d", vec![&[3, 5, 9, 8], &[7, 5, 3, 3], &[7]], &|x| ops::conv2d(&x[0], &x[1], Some(&x[2]), conv)),
@@ -726,6 +726,13 @@ fn product_ops_match_the_cpu(cuda: &Device, products: memfit_tensor::Products, s
             "attention d128 causal, inner tiles (tensor cores)",
             vec![&[1, 1, 130, 128], &[1, 1, 130, 128], &[1, 1, 130, 128]],
             &|x| ops::scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None),
+        ),
+        // Scores of a few hundred, whose exponentials exist only less a row's max: the inner tiles'
+        // forward (the scale folded into each exponential) must take the scaled scores' max.
+        (
+            "attention d64 causal, large scores (tensor cores)",
+            vec![&[1, 2, 200, 64], &[1, 2, 200, 64], &[1, 2, 200, 64]],
+            &|x| ops::scaled_dot_product_attention(&x[0].mul_scalar(100.0)?, &x[1], &x[2], true, None),
         ),
         // Without a mask, 60 queries and keys: every kernel's last tile is partial by less than 8
         // rows, which only the limits' loops may take.
