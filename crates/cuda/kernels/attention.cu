@@ -634,22 +634,26 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
 // Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each, ld apart) into shared memory by
 // rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the matrix), 16
 // bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
-// a product that needs it by columns reads it through ldmatrix's transpose. A thread copies N
-// adjacent chunks of 16 bytes of one row (TPR threads a row), so its copies of a tile are one
-// address and constant offsets, in global memory as in shared; the tiles are staged in order, R
-// rows apart, so that address moves on by R rows a tile (`Copies`, made before the loop over
-// tiles). Where the tile lies inside the matrix and its rows are C columns (every tile but a last
-// partial one of a GPT's heads of 64), a thread's copies are its N instructions and the address's
-// step; else each copy is tested. (Found again at every tile with 64-bit products, each copy
-// tested, the addresses made staging a fifth to a third of the kernels' loops in instructions.)
-// A copy past the matrix reads nothing (a source size of 0 bytes) and is given the matrix's first
-// address, not one past its end: the PTX ISA does not say that an address it reads nothing from
-// may be any address.
+// a product that needs it by columns reads it through ldmatrix's transpose. TPR threads share a
+// row: at copy b, thread j of them takes chunk b TPR + j of 16 bytes, so a thread's copies of a
+// tile are one address and constant offsets (in global memory as in shared), and a warp's copy
+// reads whole 32-byte sectors of its rows (TPR chunks side by side). A group of 8 threads (the
+// 128 bytes shared memory stores at once) takes rows TPR apart, whose chunks then fall in 8
+// different groups of 4 banks (LD is 4 more than a multiple of 32 words): no conflict. The tiles
+// are staged in order, R rows apart, so a thread's address moves on by R rows a tile (`Copies`,
+// made before the loop over tiles). Where the tile lies inside the matrix and its rows are C
+// columns (every tile but a last partial one of a GPT's heads of 64), a thread's copies are its N
+// instructions and the address's step; else each copy is tested. (Found again at every tile with
+// 64-bit products, each copy tested, the addresses made staging a fifth to a third of the
+// kernels' loops in instructions.) A copy past the matrix reads nothing (a source size of 0 bytes)
+// and is given the matrix's first address, not one past its end: the PTX ISA does not say that an
+// address it reads nothing from may be any address.
 template <int R, int C, int LD>
 struct Copies {
     static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, TPR = CHUNKS / N;
     static_assert(R * CHUNKS % TILE_THREADS == 0, "a tile is whole chunks for every thread");
-    static_assert(N > 0 && CHUNKS % N == 0, "a thread's copies are adjacent chunks of one row");
+    static_assert(N > 0 && CHUNKS % N == 0 && 8 % TPR == 0 && R % 8 == 0, "a group of 8 threads takes whole rows");
+    static_assert(LD % 32 == 4, "rows TPR apart fall in different banks");
     // The matrix, and the thread's first copy of the next tile in it (moved on R rows a tile).
     const unsigned short *base, *next;
     // The elements from one tile's first copy to the next's (R rows on).
@@ -661,19 +665,23 @@ struct Copies {
     __device__ Copies(const unsigned short* m, i64 ld, i64 dp, i64 r0)
         : base(m), next(m + (r0 + row_of()) * ld + 8 * chunk_of()), advance(R * ld), row(row_of()), chunk(chunk_of()),
           at(row_of() * LD + 4 * chunk_of()), chunks_inside((int)(dp / 8)) {}
-    __device__ static int row_of() { return (int)threadIdx.x / TPR; }
-    __device__ static int chunk_of() { return N * ((int)threadIdx.x % TPR); }
+    // Thread t's row: its group of 8 (g = t / 8) takes rows 8 (g / TPR) + g % TPR + TPR i, i < 8 / TPR.
+    __device__ static int row_of() {
+        const int t = (int)threadIdx.x, g = t / 8;
+        return 8 * (g / TPR) + g % TPR + TPR * ((t % 8) / TPR);
+    }
+    __device__ static int chunk_of() { return (int)threadIdx.x % TPR; }
     // The next tile, rows r0 .. r0 + R (of `rows`), into sh: the tiles in order, R rows apart.
     __device__ __forceinline__ void stage(unsigned* sh, i64 r0, i64 rows) {
         if (chunks_inside == CHUNKS && r0 + R <= rows) {
 #pragma unroll
-            for (int b = 0; b < N; ++b) cp_async<16>(sh + at + 4 * b, next + 8 * b, true);
+            for (int b = 0; b < N; ++b) cp_async<16>(sh + at + 4 * TPR * b, next + 8 * TPR * b, true);
         } else {
             const bool row_inside = row < rows - r0;
 #pragma unroll
             for (int b = 0; b < N; ++b) {
-                const bool inside = row_inside && chunk + b < chunks_inside;
-                cp_async<16>(sh + at + 4 * b, inside ? next + 8 * b : base, inside);
+                const bool inside = row_inside && chunk + TPR * b < chunks_inside;
+                cp_async<16>(sh + at + 4 * TPR * b, inside ? next + 8 * TPR * b : base, inside);
             }
         }
         next += advance;
@@ -913,12 +921,13 @@ __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[N
 
 // The rest of softmax_step once each row's max so far in the tile is in top: the rows' new max, s
 // the exponentials of the scores less it, the sums, o scaled. FOLD: s and top hold the unscaled
-// scores (scale2 > 0), so the scaled max is scale2 times the max (a rounding keeps the order of
-// what it rounds: the same max as the scaled scores'), and each exponential's argument is one
-// fused multiply-add, s scale2 - max (a few units in the last place from the scaled score less the
-// max, as the backward's recomputed P takes it). The exponentials' base: the running max, or 0
-// while a row has seen nothing (every score then -inf, so each exponential is 0, and alpha
-// multiplies zeros): no branch an element.
+// scores (0 < scale2 <= 1, so no finite score overflows once scaled), so the scaled max is scale2
+// times the max (a rounding keeps the order of what it rounds: the same max as the scaled
+// scores'), and each exponential's argument is one fused multiply-add, s scale2 - max, rounded
+// once where the scaled score and the difference were rounded each (P's relative change at most
+// about |s scale2| 2^-24; as the backward's recomputed P takes it). The exponentials'
+// base: the running max, or 0 while a row has seen nothing (every score then -inf, so each
+// exponential is 0, and alpha multiplies zeros): no branch an element.
 template <bool FOLD, int NS, int NO>
 __device__ __forceinline__ void exponentials(float (&s)[NS][4], float (&o)[NO][4], float (&mx)[2], float (&l)[2], const float (&top)[2],
                                              float scale2) {
@@ -949,8 +958,9 @@ __device__ __forceinline__ void exponentials(float (&s)[NS][4], float (&o)[NO][4
 // tile's keys from j0): s, their scores, become the probabilities (in base 2, not yet normalized),
 // mx and l the two rows' running max and sum (of the thread's columns), o scaled to the new max.
 // Scores in base 2 (times LOG2E), so their exponentials are exp2_fast's; where the warp's rows see
-// every key of the tile and the scale is positive, the scale is folded into the exponentials
-// (`exponentials`' FOLD: 32 multiplications fewer a tile of 64 keys).
+// every key of the tile and 0 < scale LOG2E <= 1 (a head of 3 or more at the default scale), the
+// scale is folded into the exponentials (`exponentials`' FOLD: 30 multiplications fewer a tile of
+// 64 keys).
 template <int NS, int NO>
 __device__ __forceinline__ void softmax_step(float (&s)[NS][4], float (&o)[NO][4], float (&mx)[2], float (&l)[2], const Problem<float>& p,
                                              const Visible& vis, const unsigned char* masked, i64 rw, i64 j0) {
@@ -958,7 +968,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NS][4], float (&o)[NO][4
     const int g = (threadIdx.x % 32) / 4;
     const float scale2 = p.scale * LOG2E;
     float top[2] = {-INFINITY, -INFINITY};
-    if (!masked && scale2 > 0.0f && all_seen(p, vis, rw, j0, BC)) {
+    if (!masked && scale2 > 0.0f && scale2 <= 1.0f && all_seen(p, vis, rw, j0, BC)) {
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
@@ -1045,6 +1055,7 @@ __device__ void attention_mma_tile(const Problem<float>& p, const Visible& vis, 
                 }
             if (lse && t == 0) lse[i * p.tq + r] = sum > 0.0f ? LN2 * mx[mt][h] + logf(sum) : -INFINITY;
         }
+    // Every warp is done with the tiles' buffers before the block's next task stages into them.
     __syncthreads();
 }
 
@@ -1122,6 +1133,7 @@ __device__ void attention_mma_backward_q_tile(const Problem<float>& p, const Vis
                     if (col < p.d) gq0[r * p.aq.row + col] = acc[mt][c][2 * h + e];
                 }
         }
+    // Every warp is done with the tiles' buffers before the block's next task stages into them.
     __syncthreads();
 }
 
@@ -1136,7 +1148,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     // Two buffers of query and output-gradient tiles (with their rows' log-sum-exp and D), as the
     // forward's key and value tiles.
     __align__(16) __shared__ unsigned qs[2][KR * LD], gs[2][KR * LD];
-    __align__(8) __shared__ float l_row[2][KR], d_row[2][KR];
+    __align__(16) __shared__ float l_row[2][KR], d_row[2][KR];
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const i64 jw = j0 + 16 * M * (threadIdx.x / 32), dp = padded8(p.d), dvp = padded8(p.dv);
     // Matrix i's rounded operands.
@@ -1160,15 +1172,26 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
     // The block's first query tile, and this warp's.
     const i64 rstart = vis.causal ? (j0 / KR) * KR : 0, wstart = jw >= p.tk ? p.tq : vis.causal ? (jw / KR) * KR : 0;
     Copies<KR, D, LD> q_copies(q0, bits.aq.row, dp, rstart), g_copies(g0, bits.ag.row, dvp, rstart);
+    // The tile's rows' log-sum-exp and D: where both of matrix i's are 16-byte aligned and the tile
+    // lies inside the queries, 16 bytes a copy (threads below KR / 4 the log-sum-exp, the next KR / 4
+    // D) from an address that moves on KR rows a tile; else 4 bytes a row (threads below KR).
+    static_assert(KR % 4 == 0 && KR / 2 <= 32, "a tile's values are whole 16-byte copies of warp 0");
+    const float *lse_i = lse + i * p.tq, *delta_i = delta + i * p.tq;
+    const bool aligned = (((unsigned long long)lse_i | (unsigned long long)delta_i) & 15) == 0;
+    const int quad_row = 4 * ((int)threadIdx.x % (KR / 4));
+    const float* values = (threadIdx.x < KR / 4 ? lse_i : delta_i) + rstart + quad_row;
     auto stage = [&](int b, i64 r0) {
         q_copies.stage(qs[b], r0, p.tq);
         g_copies.stage(gs[b], r0, p.tq);
-        if (threadIdx.x < KR) {
+        if (aligned && r0 + KR <= p.tq) {
+            if (threadIdx.x < KR / 2) cp_async<16>((threadIdx.x < KR / 4 ? l_row[b] : d_row[b]) + quad_row, values, true);
+        } else if (threadIdx.x < KR) {
             const i64 r = r0 + threadIdx.x;
             const bool inside = r < p.tq;
-            cp_async<4>(&l_row[b][threadIdx.x], lse + i * p.tq + (inside ? r : 0), inside);
-            cp_async<4>(&d_row[b][threadIdx.x], delta + i * p.tq + (inside ? r : 0), inside);
+            cp_async<4>(&l_row[b][threadIdx.x], lse_i + (inside ? r : 0), inside);
+            cp_async<4>(&d_row[b][threadIdx.x], delta_i + (inside ? r : 0), inside);
         }
+        values += KR;
         cp_async_commit();
     };
     if (rstart < p.tq) stage(0, rstart);
@@ -1230,6 +1253,7 @@ __device__ void attention_mma_backward_kv_tile(const Problem<float>& p, const Vi
                     if (gv0 && col < p.dv) gv0[j * p.av.row + col] = dv[mt][c][2 * h + e];
                 }
         }
+    // Every warp is done with the tiles' buffers before the block's next task stages into them.
     __syncthreads();
 }
 
