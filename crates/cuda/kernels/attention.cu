@@ -631,23 +631,23 @@ extern "C" __global__ void attention_round_saved_f16(const unsigned short* x, Ad
     round_rows<2>(x, a, bh, heads, rows, d, y);
 }
 
-// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each, ld apart) into shared memory by
-// rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the matrix), 16
-// bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is staged so;
-// a product that needs it by columns reads it through ldmatrix's transpose. TPR threads share a
-// row: at copy b, thread j of them takes chunk b TPR + j of 16 bytes, so a thread's copies of a
-// tile are one address and constant offsets (in global memory as in shared), and a warp's copy
-// reads whole 32-byte sectors of its rows (TPR chunks side by side). A group of 8 threads (the
-// 128 bytes shared memory stores at once) takes rows TPR apart, whose chunks then fall in 8
-// different groups of 4 banks (LD is 4 more than a multiple of 32 words): no conflict. The tiles
-// are staged in order, R rows apart, so a thread's address moves on by R rows a tile (`Copies`,
-// made before the loop over tiles). Where the tile lies inside the matrix and its rows are C
-// columns (every tile but a last partial one of a GPT's heads of 64), a thread's copies are its N
-// instructions and the address's step; else each copy is tested. (Found again at every tile with
-// 64-bit products, each copy tested, the addresses made staging a fifth to a third of the
-// kernels' loops in instructions.) A copy past the matrix reads nothing (a source size of 0 bytes)
-// and is given the matrix's first address, not one past its end: the PTX ISA does not say that an
-// address it reads nothing from may be any address.
+// Rows r0 .. r0 + R of a rounded matrix m (`rows` of them, dp elements each, ld apart) into shared
+// memory by rows: row a's pair c / 2 at sh[a * LD + c / 2], C columns (zeros past dp and past the
+// matrix), 16 bytes a copy, without waiting (cp_async: the caller commits and waits). Every tile is
+// staged so; a product that needs it by columns reads it through ldmatrix's transpose. TPR threads
+// share a row: at copy b, thread j of them takes chunk b TPR + j of 16 bytes, so a thread's copies
+// of a tile are one address and constant offsets (in global memory as in shared), and a warp's copy
+// reads TPR chunks side by side of each of its rows (whole 32-byte sectors where rows start 32-byte
+// aligned, as GPT-2's heads of 64 do). A group of 8 threads (the 128 bytes shared memory stores at
+// once) takes rows TPR apart, whose chunks then fall in 8 different groups of 4 banks (LD is 4 more
+// than a multiple of 32 words): no conflict. The tiles are staged in order, R rows apart, so a
+// thread's address moves on by R rows a tile (`Copies`, made before the loop over tiles). Where the
+// tile lies inside the matrix and its rows are C columns (every tile but a last partial one of a
+// GPT's heads of 64), a thread's copies are its N instructions and the address's step; else each
+// copy is tested. (Found again at every tile with 64-bit products, each copy tested, the addresses
+// made staging a fifth to a third of the kernels' loops in instructions.) A copy past the matrix
+// reads nothing (a source size of 0 bytes) and is given the matrix's first address, not one past
+// its end: the PTX ISA does not say that an address it reads nothing from may be any address.
 template <int R, int C, int LD>
 struct Copies {
     static constexpr int CHUNKS = C / 8, N = R * CHUNKS / TILE_THREADS, TPR = CHUNKS / N;
@@ -902,7 +902,7 @@ __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[N
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
-        // The thread's two columns' log-sum-exp and D, a load each (l_row and d_row are 8-byte
+        // The thread's two columns' log-sum-exp and D, a load each (l_row and d_row are 16-byte
         // aligned; the copies' memory clobbers kept the compiler from sharing a load between the
         // elements that read it: 70 loads a tile where 2 NS do).
         const float2 l2 = *(const float2*)(l_row + 8 * n + 2 * t), d2 = *(const float2*)(d_row + 8 * n + 2 * t);
@@ -922,12 +922,13 @@ __device__ __forceinline__ void key_gradients(float (&st)[NS][4], float (&dpt)[N
 // The rest of softmax_step once each row's max so far in the tile is in top: the rows' new max, s
 // the exponentials of the scores less it, the sums, o scaled. FOLD: s and top hold the unscaled
 // scores (0 < scale2 <= 1, so no finite score overflows once scaled), so the scaled max is scale2
-// times the max (a rounding keeps the order of what it rounds: the same max as the scaled
-// scores'), and each exponential's argument is one fused multiply-add, s scale2 - max, rounded
-// once where the scaled score and the difference were rounded each (P's relative change at most
-// about |s scale2| 2^-24; as the backward's recomputed P takes it). The exponentials'
-// base: the running max, or 0 while a row has seen nothing (every score then -inf, so each
-// exponential is 0, and alpha multiplies zeros): no branch an element.
+// times the max (a rounding keeps the order of what it rounds: the same max as the scaled scores'),
+// and each exponential's argument is one fused multiply-add, s scale2 - max, rounded once where the
+// scaled score and the difference were rounded each (the argument within about a unit in the last
+// place of the scaled score and of itself from before, P within ln 2 times that, relative; as the
+// backward's recomputed P takes it). The exponentials' base: the running max, or 0 while a row has
+// seen nothing (every score then -inf, so each exponential is 0, and alpha multiplies zeros): no
+// branch an element.
 template <bool FOLD, int NS, int NO>
 __device__ __forceinline__ void exponentials(float (&s)[NS][4], float (&o)[NO][4], float (&mx)[2], float (&l)[2], const float (&top)[2],
                                              float scale2) {
